@@ -1,0 +1,38 @@
+# STRATA_CUDA=AUTO|ON|OFF. AUTO builds the CUDA targets when nvcc is found (on PATH, in CUDACXX,
+# or at /usr/local/cuda/bin/nvcc) and leaves them out otherwise. Sets STRATA_HAVE_CUDA_BUILD.
+#
+# Code is generated for sm_80 (A100) and sm_90a (H100/H200, arch-specific features such as wgmma),
+# plus compute_90 PTX so that newer GPUs can JIT it.
+
+set(STRATA_HAVE_CUDA_BUILD OFF)
+if(NOT STRATA_CUDA STREQUAL "OFF")
+  if(NOT DEFINED CMAKE_CUDA_COMPILER AND NOT DEFINED ENV{CUDACXX}
+     AND EXISTS /usr/local/cuda/bin/nvcc)
+    set(CMAKE_CUDA_COMPILER /usr/local/cuda/bin/nvcc)
+  endif()
+  include(CheckLanguage)
+  check_language(CUDA)
+  if(CMAKE_CUDA_COMPILER)
+    set(CMAKE_CUDA_ARCHITECTURES OFF)
+    enable_language(CUDA)
+    find_package(CUDAToolkit REQUIRED)
+    set(CMAKE_CUDA_STANDARD 20)
+    set(CMAKE_CUDA_STANDARD_REQUIRED ON)
+    set(STRATA_CUDA_FLAGS
+      -gencode=arch=compute_80,code=sm_80
+      -gencode=arch=compute_90a,code=sm_90a
+      -gencode=arch=compute_90,code=compute_90
+      -Xcompiler=-Wall,-Wextra,-Werror
+      --Werror=all-warnings)
+    set(STRATA_HAVE_CUDA_BUILD ON)
+  elseif(STRATA_CUDA STREQUAL "ON")
+    message(FATAL_ERROR "STRATA_CUDA=ON but no CUDA compiler was found")
+  else()
+    message(STATUS "Strata: nvcc not found; CUDA targets are left out (STRATA_CUDA=AUTO)")
+  endif()
+endif()
+
+# Applies Strata's CUDA code-generation and warning flags to a target's .cu sources.
+function(strata_configure_cuda target)
+  target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:${STRATA_CUDA_FLAGS}>)
+endfunction()

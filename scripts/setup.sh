@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Installs every Debian package Strata needs to build, test and run. Idempotent: when every
+# package is already present it changes nothing and touches no network.
+#
+# CUDA 13 and NCCL are not Debian packages here; they come from /usr/local/cuda when present.
+set -euo pipefail
+
+packages=(
+  # toolchain
+  build-essential cmake ninja-build ccache pkg-config git
+  # fuzzers (libFuzzer ships with clang's runtime)
+  clang libclang-rt-dev
+  # libraries
+  libabsl-dev libssl-dev
+  libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
+  librocksdb-dev
+  libucx-dev ucx-utils
+  libgtest-dev libgmock-dev libbenchmark-dev
+  # test oracles (run with Debian's /usr/bin/python3)
+  python3 python3-cbor2
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "setup: all ${#packages[@]} packages present"
+  exit 0
+fi
+
+echo "setup: installing ${#missing[@]} packages: ${missing[*]}"
+sudo_cmd=()
+if [ "$(id -u)" -ne 0 ]; then sudo_cmd=(sudo); fi
+export DEBIAN_FRONTEND=noninteractive
+"${sudo_cmd[@]}" apt-get update -q
+"${sudo_cmd[@]}" apt-get install -y -q --no-install-recommends "${missing[@]}"

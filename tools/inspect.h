@@ -1,0 +1,16 @@
+// `strata inspect FILE`: prints a block's header and section table.
+#pragma once
+
+#include <ostream>
+#include <string>
+
+#include "absl/status/status.h"
+
+namespace strata::tools {
+
+// Reads the block in `path` and prints it to `out`. Returns the parse error when the file is not
+// a valid block (after printing as much as can be shown safely: for a block that fails only its
+// checksum, the header and sections are still printed, marked as unverified).
+absl::Status InspectBlockFile(const std::string& path, std::ostream& out);
+
+}  // namespace strata::tools
