@@ -16,6 +16,9 @@ if(NOT STRATA_CUDA STREQUAL "OFF")
     set(CMAKE_CUDA_ARCHITECTURES OFF)
     enable_language(CUDA)
     find_package(CUDAToolkit REQUIRED)
+    # CMake 3.25 does not know nvcc 13's C++20 flag; teach it, then ask for C++20 as for CXX.
+    set(CMAKE_CUDA20_STANDARD_COMPILE_OPTION "-std=c++20")
+    set(CMAKE_CUDA20_EXTENSION_COMPILE_OPTION "-std=c++20")
     set(CMAKE_CUDA_STANDARD 20)
     set(CMAKE_CUDA_STANDARD_REQUIRED ON)
     set(STRATA_CUDA_FLAGS

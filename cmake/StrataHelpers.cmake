@@ -13,6 +13,14 @@ elseif(NOT STRATA_SANITIZE STREQUAL "")
   message(FATAL_ERROR "STRATA_SANITIZE must be '', 'address' or 'thread', not '${STRATA_SANITIZE}'")
 endif()
 
+# Fuzzing builds instrument all project code for libFuzzer's coverage feedback.
+if(STRATA_BUILD_FUZZERS)
+  if(NOT CMAKE_CXX_COMPILER_ID STREQUAL "Clang")
+    message(FATAL_ERROR "STRATA_BUILD_FUZZERS=ON needs clang (CXX=clang++); see scripts/fuzz.sh")
+  endif()
+  list(APPEND STRATA_SANITIZE_FLAGS -fsanitize=fuzzer-no-link)
+endif()
+
 # Applies project compile options to a C++ target.
 function(strata_configure_target target)
   target_compile_options(${target} PRIVATE

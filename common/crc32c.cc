@@ -5,6 +5,8 @@
 #include <array>
 #include <cstring>
 
+#include "common/cpu_features.h"
+
 namespace strata {
 namespace {
 
@@ -112,12 +114,7 @@ __attribute__((target("sse4.2"))) uint32_t UpdateHardware(uint32_t c, const uint
   return c;
 }
 
-bool DetectSse42() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("sse4.2");
-}
-
-const bool kHaveSse42 = DetectSse42();
+const bool kHaveSse42 = GetCpuFeatures().sse42;
 
 // GF(2) 32x32 matrices as 32 columns; used by Crc32cCombine.
 using Matrix = std::array<uint32_t, 32>;

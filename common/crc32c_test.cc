@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "common/cpu_features.h"
 #include "gtest/gtest.h"
 
 namespace strata {
@@ -80,8 +81,7 @@ TEST(Crc32cTest, DetectsEverySingleBitFlip) {
 }
 
 TEST(Crc32cTest, ReportsWhetherHardwareIsUsed) {
-  __builtin_cpu_init();
-  EXPECT_EQ(Crc32cIsHardwareAccelerated(), static_cast<bool>(__builtin_cpu_supports("sse4.2")));
+  EXPECT_EQ(Crc32cIsHardwareAccelerated(), GetCpuFeatures().sse42);
 }
 
 }  // namespace

@@ -2,6 +2,8 @@
 
 #include <immintrin.h>
 
+#include "common/cpu_features.h"
+
 namespace strata {
 namespace {
 
@@ -25,12 +27,7 @@ __attribute__((target("avx,f16c"))) void FloatToHalfF16C(const float* src, Half*
   for (; i < n; ++i) dst[i] = Half::FromFloat(src[i]);
 }
 
-bool DetectF16C() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
-}
-
-const bool kHaveF16C = DetectF16C();
+const bool kHaveF16C = GetCpuFeatures().f16c;
 
 }  // namespace
 

@@ -1,0 +1,47 @@
+#include "common/cpu_features.h"
+
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
+
+#include <cstdint>
+
+namespace strata {
+namespace {
+
+CpuFeatures Detect() {
+  CpuFeatures f;
+#if defined(__x86_64__)
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return f;
+  f.sse42 = (c >> 20) & 1;
+  const bool osxsave = (c >> 27) & 1;
+  uint64_t xcr0 = 0;
+  if (osxsave) {
+    uint32_t lo = 0, hi = 0;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    xcr0 = (uint64_t{hi} << 32) | lo;
+  }
+  const bool ymm_saved = (xcr0 & 0x6) == 0x6;                 // SSE and AVX state
+  const bool zmm_saved = ymm_saved && (xcr0 & 0xe0) == 0xe0;  // opmask, ZMM_Hi256, Hi16_ZMM
+  f.avx = ymm_saved && ((c >> 28) & 1);
+  f.f16c = f.avx && ((c >> 29) & 1);
+  f.fma = f.avx && ((c >> 12) & 1);
+  if (__get_cpuid_count(7, 0, &a, &b, &c, &d)) {
+    f.avx2 = f.avx && ((b >> 5) & 1);
+    f.avx512f = zmm_saved && ((b >> 16) & 1);
+    f.avx512bw = f.avx512f && ((b >> 30) & 1);
+    f.avx512vl = f.avx512f && ((b >> 31) & 1);
+  }
+#endif
+  return f;
+}
+
+}  // namespace
+
+const CpuFeatures& GetCpuFeatures() {
+  static const CpuFeatures features = Detect();
+  return features;
+}
+
+}  // namespace strata

@@ -1,0 +1,22 @@
+// What the CPU this process runs on can do, read once with CPUID/XGETBV (x86-64) for runtime
+// dispatch between SIMD implementations. Vector features count only when the OS saves their
+// registers (XSAVE state enabled), so "avx2" means usable, not merely present.
+#pragma once
+
+namespace strata {
+
+struct CpuFeatures {
+  bool sse42 = false;
+  bool avx = false;
+  bool f16c = false;
+  bool fma = false;
+  bool avx2 = false;
+  bool avx512f = false;
+  bool avx512bw = false;
+  bool avx512vl = false;
+};
+
+// Detected on first use; thread-safe.
+const CpuFeatures& GetCpuFeatures();
+
+}  // namespace strata

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Builds and runs Strata's micro-benchmarks, writing Google Benchmark JSON to bench/results/
+# named by benchmark, date and commit, with the machine, date and commit in its context.
+#   scripts/bench.sh [BENCHMARK_NAME_FILTER]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+filter="${1:-.}"
+./scripts/setup.sh
+./scripts/build.sh
+commit="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+dirty="$(git diff --quiet 2>/dev/null || echo -dirty)"
+date="$(date -u +%Y-%m-%dT%H:%M:%SZ)"
+cpu="$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')"
+mkdir -p bench/results
+for bin in build/common/common_benchmark; do
+  name="$(basename "$bin")"
+  out="bench/results/${name}-$(date -u +%Y%m%d)-${commit}${dirty}.json"
+  "$bin" --benchmark_filter="$filter" --benchmark_out="$out" --benchmark_out_format=json \
+    --benchmark_context=commit="${commit}${dirty}" --benchmark_context=date="$date" \
+    --benchmark_context=machine="$(hostname) / ${cpu} / $(nproc) cores"
+  echo "wrote $out"
+done

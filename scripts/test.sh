@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Sets up, builds and runs Strata's whole test suite: the ASan+UBSan build of the unit tests
+# (CPU code), then every test of the default build (CUDA targets too when nvcc is present; GPU
+# tests skip without a GPU and say why). The last line is ctest's summary for the default build.
+#   scripts/test.sh [--no-asan]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+asan=1
+[ "${1:-}" = "--no-asan" ] && asan=0
+jobs="$(nproc)"
+
+./scripts/setup.sh
+start=$SECONDS
+if [ "$asan" = 1 ]; then
+  ./scripts/build.sh --asan --cpu-only
+  echo "== ASan+UBSan build: unit tests"
+  (cd build-asan-cpu && ASAN_OPTIONS=detect_leaks=1 \
+     UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+     ctest -L unit --output-on-failure -j "$jobs")
+fi
+./scripts/build.sh
+echo "== default build: all tests ($((SECONDS - start)) s so far)"
+log="$(mktemp)"
+set +e
+(cd build && ctest --output-on-failure -j "$jobs") 2>&1 | tee "$log"
+rc=${PIPESTATUS[0]}
+set -e
+if grep -q '\*\*\*Skipped' "$log"; then
+  echo "== why tests were skipped"
+  (cd build && ctest -V -L gpu 2>&1) | grep -oE 'skipped, no GPU: .*' | sort | uniq -c || true
+fi
+echo "== $((SECONDS - start)) s in all"
+grep -E '^[0-9]+% tests passed' "$log" | tail -n 1
+rm -f "$log"
+exit "$rc"

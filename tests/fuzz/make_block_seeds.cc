@@ -1,0 +1,82 @@
+// Writes a few valid blocks of different shapes into a directory, as the fuzzer's seed corpus.
+//   make_block_seeds DIR
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/block_writer.h"
+
+namespace {
+
+bool Write(const std::string& path, const strata::AlignedBuffer& b) {
+  FILE* f = std::fopen(path.c_str(), "wb");
+  if (f == nullptr) return false;
+  const bool ok = std::fwrite(b.data(), 1, b.size(), f) == b.size();
+  return std::fclose(f) == 0 && ok;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 2) {
+    std::fprintf(stderr, "usage: make_block_seeds DIR\n");
+    return 2;
+  }
+  using namespace strata;
+  struct Seed {
+    const char* name;
+    CodecId codec;
+    const char* spec;
+    uint32_t t, h, d;
+    bool lowrank, outliers, fullprec;
+    ElemType code;
+  };
+  const Seed seeds[] = {
+      {"fp16", CodecId::kFp16, "fp16", 4, 1, 8, false, false, false, ElemType::kFloat16},
+      {"kivi", CodecId::kKivi, "kivi:k2v2:g32", 16, 2, 16, false, false, false, ElemType::kUInt2},
+      {"gear", CodecId::kGear, "gear:k4v4:g16:r2:s2", 9, 2, 8, true, true, false, ElemType::kUInt4},
+      {"zip", CodecId::kZipCache, "zipcache:k3v3", 5, 1, 8, false, false, true, ElemType::kUInt3},
+  };
+  std::mt19937 rng(1);
+  for (const Seed& s : seeds) {
+    BlockHeader h;
+    h.codec = s.codec;
+    h.codec_spec = s.spec;
+    h.token_count = s.t;
+    h.kv_heads = s.h;
+    h.head_dim = s.d;
+    const uint32_t hd = s.h * s.d;
+    std::vector<SectionDesc> d;
+    for (Tensor t : {Tensor::kKey, Tensor::kValue}) {
+      const uint32_t fp_tokens = s.fullprec ? 1 : 0;
+      d.push_back({SectionKind::kCodes, t, s.code, (s.t - fp_tokens) * hd});
+      if (s.fullprec) {
+        d.push_back({SectionKind::kFullPrecisionValues, t, ElemType::kFloat16, hd});
+        d.push_back({SectionKind::kFullPrecisionTokens, t, ElemType::kUInt16, 1});
+      }
+      d.push_back({SectionKind::kScales, t, ElemType::kFloat16, hd});
+      if (s.lowrank) {
+        d.push_back({SectionKind::kLowRankA, t, ElemType::kFloat16, s.h * s.t * 2});
+        d.push_back({SectionKind::kLowRankB, t, ElemType::kFloat16, hd * 2});
+      }
+      if (s.outliers) {
+        d.push_back({SectionKind::kOutlierValues, t, ElemType::kFloat16, 3});
+        d.push_back({SectionKind::kOutlierIndices, t, ElemType::kUInt16, 3});
+      }
+    }
+    absl::StatusOr<BlockBuilder> b = BlockBuilder::Create(h, d);
+    if (!b.ok()) {
+      std::fprintf(stderr, "%s: %s\n", s.name, std::string(b.status().message()).c_str());
+      return 1;
+    }
+    for (int i = 0; i < b->layout().section_count(); ++i) {
+      for (uint8_t& x : b->section(i)) x = static_cast<uint8_t>(rng());
+    }
+    if (!Write(std::string(argv[1]) + "/" + s.name + ".blk", std::move(*b).Finish())) {
+      std::perror(argv[1]);
+      return 1;
+    }
+  }
+  return 0;
+}
