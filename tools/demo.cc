@@ -200,8 +200,8 @@ absl::Status RunDemo(const DemoOptions& o, std::ostream& out) {
   if (bad.ok()) return absl::InternalError("demo: a corrupted block was not detected");
   out << absl::StrFormat("\nflipped one bit in %s\n  reader: %s\n", path, bad.status().ToString());
   const BlockName good{model_fp, codec_fp, 0, keys.at(1), 0};
-  out << absl::StrFormat("\nInspect a block:      strata inspect %s\n", BlockPath(o, good));
-  out << absl::StrFormat("and the corrupted one: strata inspect %s\n", path);
+  out << absl::StrFormat("\nInspect a block:       %s inspect %s\n", o.program, BlockPath(o, good));
+  out << absl::StrFormat("and the corrupted one: %s inspect %s\n", o.program, path);
   return absl::OkStatus();
 }
 

@@ -28,6 +28,8 @@ struct DemoOptions {
   uint32_t hash_block_tokens = 16;
   // "sha256_cbor" or "sha256".
   std::string prefix_hash = "sha256_cbor";
+  // How the report tells the user to run the CLI (main passes argv[0]).
+  std::string program = "strata";
 
   absl::Status Validate() const;
 };

@@ -63,6 +63,7 @@ int main(int argc, char** argv) {
     o.chunk_tokens = absl::GetFlag(FLAGS_chunk_tokens);
     o.hash_block_tokens = absl::GetFlag(FLAGS_hash_block_tokens);
     o.prefix_hash = absl::GetFlag(FLAGS_prefix_hash);
+    o.program = argv[0];
     const absl::Status s = strata::tools::RunDemo(o, std::cout);
     return s.ok() ? 0 : Fail(s);
   }
