@@ -298,18 +298,20 @@ absl::Status ValidateBlockStructure(const BlockHeader& h, absl::Span<const Secti
     totals.n(s.tensor, s.kind) += 1;
   }
 
-  // No overlaps: sort a copy of (offset, end, index) by offset.
-  std::array<std::pair<uint64_t, size_t>, kMaxSections> order{};
-  for (size_t i = 0; i < sections.size(); ++i) order[i] = {sections[i].offset, i};
-  std::sort(order.begin(), order.begin() + sections.size());
-  for (size_t j = 1; j < sections.size(); ++j) {
-    const SectionEntry& prev = sections[order[j - 1].second];
-    const SectionEntry& cur = sections[order[j].second];
-    if (uint64_t{prev.offset} + prev.length > cur.offset) {
-      return fail(Describe(static_cast<int>(order[j].second), cur), " at offset ", cur.offset,
-                  " overlaps ", Describe(static_cast<int>(order[j - 1].second), prev),
-                  " ending at ", uint64_t{prev.offset} + prev.length);
+  // Canonical placement: sections in table order, each at the first offset its alignment
+  // allows after the previous one, the block ending with the last. One content, one byte form.
+  uint64_t pos = data_begin;
+  for (size_t i = 0; i < sections.size(); ++i) {
+    const SectionEntry& s = sections[i];
+    const uint64_t expected = (pos + s.alignment - 1) / s.alignment * s.alignment;
+    if (s.offset != expected) {
+      return fail(Describe(static_cast<int>(i), s), " at offset ", s.offset, ", expected ",
+                  expected, " (sections are packed in table order)");
     }
+    pos = uint64_t{s.offset} + s.length;
+  }
+  if (pos != total_bytes) {
+    return fail("sections end at ", pos, " but the block is ", total_bytes, " bytes");
   }
 
   const uint64_t hd = uint64_t{h.kv_heads} * h.head_dim;

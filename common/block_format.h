@@ -25,9 +25,14 @@
 //   64     16*n  section table, one entry per section:
 //                  u8 kind, u8 tensor, u8 element type, u8 log2(alignment),
 //                  u32 offset, u32 length, u32 element count
-//   64+16n s     codec spec text (printable ASCII, e.g. "gear:k2v2:g32:r4:s2")
-//   ...          sections, each at an offset that is a multiple of its alignment (>= 16),
-//                in table order, non-overlapping, zero padding between them
+//   64+16n s     codec spec text (bytes 0x21..0x7e: printable ASCII without spaces,
+//                e.g. "gear:k2v2:g32:r4:s2")
+//   ...          sections in table order, each at the first offset after the previous one
+//                that is a multiple of its alignment (>= 16), zero padding between them; the
+//                block ends where the last section ends. So equal contents give equal bytes.
+//
+// Alignment is relative to the first byte of the block; blocks live in buffers aligned to at
+// least 64 bytes (AlignedBuffer), so sections aligned to <= 64 are aligned in memory too.
 //
 // What a section's bytes mean inside (bit order of packed codes, the shape of scales) belongs to
 // the codec named by the codec id and spec. What the format itself guarantees, and the reader
@@ -163,15 +168,18 @@ uint64_t SectionBytes(ElemType t, uint64_t count);
 
 // Checks everything about a block that does not need its bytes, and returns kDataLoss naming the
 // offending field or section otherwise:
-//  - header fields within limits (heads, head dim, tokens >= 1; spec printable ASCII);
+//  - header fields within limits (heads, head dim, tokens >= 1; spec bytes in 0x21..0x7e);
 //  - every section: known kind, tensor and element type; alignment a power of two in
 //    [16, 4096]; offset a multiple of it; the section inside [data_begin, total_bytes); no two
-//    sections overlapping; length == SectionBytes(elem, count);
+//    sections overlapping; length == SectionBytes(elem, count); sections placed canonically
+//    (see the layout above) and ending at total_bytes;
 //  - sizes consistent with the shape: for K and for V, codes plus full-precision values cover
 //    exactly T*H*D elements; full-precision values come in whole tokens (n*H*D) with n token
 //    indices; outlier values and indices have equal counts; low-rank factors come in pairs of
 //    H*T*r and H*D*r elements with the same rank r >= 1; index sections use integer types.
-// `data_begin` is where the section area starts (after header, table and spec).
+// `data_begin` is where the section area starts (after header, table and spec). The values
+// inside sections (e.g. that outlier indices are in range) are the codec's to check: see
+// kernels/block_operands.h. The reader checks that padding is zero.
 absl::Status ValidateBlockStructure(const BlockHeader& header,
                                     absl::Span<const SectionEntry> sections, uint64_t data_begin,
                                     uint64_t total_bytes);

@@ -22,15 +22,17 @@ absl::StatusOr<BlockView> BlockView::Parse(absl::Span<const uint8_t> bytes, Pars
     return absl::InvalidArgumentError(absl::StrCat(
         "block: not a Strata block (", n < 4 ? "fewer than 4 bytes" : "wrong magic number", ")"));
   }
+  // The version comes first so that a block of another version is named as such, whatever
+  // its header size.
+  if (n >= 10 && LoadLE<uint16_t>(p + 8) != kBlockFormatVersion) {
+    return absl::InvalidArgumentError(absl::StrCat("block: format version ",
+                                                   LoadLE<uint16_t>(p + 8),
+                                                   " is not supported (this build reads ",
+                                                   kBlockFormatVersion, ")"));
+  }
   if (n < kBlockHeaderBytes) {
     return Corrupt(
         absl::StrCat("truncated: ", n, " bytes, the header alone is ", kBlockHeaderBytes));
-  }
-  const uint16_t version = LoadLE<uint16_t>(p + 8);
-  if (version != kBlockFormatVersion) {
-    return absl::InvalidArgumentError(absl::StrCat("block: format version ", version,
-                                                   " is not supported (this build reads ",
-                                                   kBlockFormatVersion, ")"));
   }
   const uint16_t header_bytes = LoadLE<uint16_t>(p + 10);
   if (header_bytes != kBlockHeaderBytes) {
@@ -94,6 +96,13 @@ absl::StatusOr<BlockView> BlockView::Parse(absl::Span<const uint8_t> bytes, Pars
     e.count = LoadLE<uint32_t>(t + 12);
   }
   STRATA_RETURN_IF_ERROR(ValidateBlockStructure(h, entries, data_begin, total));
+  uint64_t pos = data_begin;
+  for (const SectionEntry& e : entries) {
+    for (uint64_t i = pos; i < e.offset; ++i) {
+      if (p[i] != 0) return Corrupt(absl::StrCat("non-zero padding byte at offset ", i));
+    }
+    pos = uint64_t{e.offset} + e.length;
+  }
 
   if (options.verify_checksum) {
     const uint32_t actual = Crc32c(p + 8, total - 8);

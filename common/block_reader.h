@@ -58,6 +58,8 @@ class BlockView {
   double bits_per_element() const;
 
  private:
+  BlockView() = default;  // only Parse makes views
+
   BlockHeader header_;
   absl::InlinedVector<SectionView, 12> sections_;
   absl::Span<const uint8_t> bytes_;

@@ -241,7 +241,19 @@ TEST(BlockReaderTest, ResealedTamperingIsCaughtByTheStructuralChecks) {
        },
        absl::StatusCode::kDataLoss, "not a multiple of its alignment"},
       {"overlap", [&](auto& b) { std::memcpy(&b[EntryAt(2, 4)], &b[EntryAt(1, 4)], 4); },
-       absl::StatusCode::kDataLoss, "overlaps"},
+       absl::StatusCode::kDataLoss, "packed in table order"},
+      {"gap", [&](auto& b) { StoreLE<uint32_t>(&b[EntryAt(1, 4)], LoadLE<uint32_t>(&b[EntryAt(1, 4)]) + 16); },
+       absl::StatusCode::kDataLoss, "packed in table order"},
+      {"swapped", [&](auto& b) {
+         uint8_t e0[16], e1[16];
+         std::memcpy(e0, &b[EntryAt(5, 0)], 16);
+         std::memcpy(e1, &b[EntryAt(6, 0)], 16);
+         std::memcpy(&b[EntryAt(5, 0)], e1, 16);
+         std::memcpy(&b[EntryAt(6, 0)], e0, 16);
+       },
+       absl::StatusCode::kDataLoss, "packed in table order"},
+      {"padding", [&](auto& b) { b[LoadLE<uint32_t>(&b[EntryAt(0, 4)]) - 1] = 1; },
+       absl::StatusCode::kDataLoss, "non-zero padding"},
       {"into header", [&](auto& b) { StoreLE<uint32_t>(&b[EntryAt(1, 4)], 64); },
        absl::StatusCode::kDataLoss, "inside the header"},
       {"length", [&](auto& b) { StoreLE<uint32_t>(&b[EntryAt(1, 8)], 16); },
@@ -295,6 +307,23 @@ TEST(BlockReaderTest, ResealedTamperingIsCaughtByTheStructuralChecks) {
       EXPECT_FALSE(ParseStatus(b, /*verify=*/false).ok()) << c.why;
     }
   }
+}
+
+TEST(BlockReaderTest, TrailingSpaceInsideTheDeclaredSizeIsRejected) {
+  std::vector<uint8_t> b = Bytes(MakeSampleBlock());
+  b.resize(b.size() + 16, 0);
+  StoreLE<uint32_t>(&b[12], static_cast<uint32_t>(b.size()));
+  Reseal(b);
+  EXPECT_THAT(std::string(ParseStatus(b).message()), HasSubstr("sections end at"));
+}
+
+TEST(BlockReaderTest, AnotherVersionIsNamedEvenWhenShort) {
+  std::vector<uint8_t> b = Bytes(MakeSampleBlock());
+  b.resize(12);
+  StoreLE<uint16_t>(&b[8], 7);
+  const absl::Status s = ParseStatus(b);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("format version 7"));
 }
 
 TEST(BlockReaderTest, NotABlockIsInvalidArgument) {

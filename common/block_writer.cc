@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/check.h"
 #include "common/crc32c.h"
 #include "common/endian.h"
 #include "common/sha256.h"
@@ -101,7 +102,10 @@ void BlockLayout::WriteHeader(absl::Span<uint8_t> block) const {
 }
 
 void SealBlock(absl::Span<uint8_t> block) {
-  StoreLE<uint32_t>(block.data() + 4, Crc32c(block.data() + 8, block.size() - 8));
+  const uint32_t total = LoadLE<uint32_t>(block.data() + 12);
+  STRATA_CHECK(total >= kBlockHeaderBytes && total <= block.size(),
+               "SealBlock: write the header first, into a buffer that holds the block");
+  StoreLE<uint32_t>(block.data() + 4, Crc32c(block.data() + 8, total - 8));
 }
 
 absl::StatusOr<BlockBuilder> BlockBuilder::Create(const BlockHeader& header,

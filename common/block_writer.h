@@ -51,7 +51,8 @@ class BlockLayout {
   uint32_t data_begin() const { return data_begin_; }
   int section_count() const { return static_cast<int>(entries_.size()); }
   const SectionEntry& section(int i) const { return entries_[i]; }
-  // The header as planned; its codec_spec views this layout's own copy of the text.
+  // The header as planned; its codec_spec views this layout's own copy of the text, valid while
+  // this layout object lives and is not moved.
   BlockHeader header() const {
     BlockHeader h = header_;
     h.codec_spec = spec_;
@@ -72,8 +73,9 @@ class BlockLayout {
   uint32_t total_bytes_ = 0;
 };
 
-// Computes the CRC-32C of block[8, total_bytes) and stores it at bytes [4, 8). Call after every
-// byte of the block is final. block.size() must equal the block's total_bytes.
+// Computes the CRC-32C of block[8, total_bytes) and stores it at bytes [4, 8), total_bytes read
+// from the header already written. Call after every byte of the block is final; `block` may be
+// larger than the block (a receive buffer).
 void SealBlock(absl::Span<uint8_t> block);
 
 // Plans a layout and owns a zeroed, 64-byte-aligned buffer for it.

@@ -50,7 +50,15 @@ void CborText(std::string& out, absl::string_view s) {
 constexpr char kProto = '\x80', kFrame = '\x95', kShortBinBytes = 'C', kMemoize = '\x94',
                kMark = '(', kTuple = 't', kTuple1 = '\x85', kTuple2 = '\x86', kTuple3 = '\x87',
                kEmptyTuple = ')', kBinInt1 = 'K', kBinInt2 = 'M', kBinInt = 'J', kLong1 = '\x8a',
-               kNone = 'N', kShortBinUnicode = '\x8c', kBinUnicode = 'X', kStop = '.';
+               kNone = 'N', kShortBinUnicode = '\x8c', kBinUnicode = 'X', kStop = '.',
+               kBinGet = 'h';
+
+// True for the strings CPython shares as singletons: one code point up to U+00FF.
+bool IsSharedPythonString(absl::string_view s) {
+  if (s.size() == 1) return static_cast<unsigned char>(s[0]) < 0x80;
+  return s.size() == 2 && (static_cast<unsigned char>(s[0]) == 0xc2 ||
+                           static_cast<unsigned char>(s[0]) == 0xc3);
+}
 
 void PutLE(std::string& out, uint64_t v, int bytes) {
   for (int i = 0; i < bytes; ++i) out.push_back(static_cast<char>(v >> (8 * i)));
@@ -170,6 +178,7 @@ std::string PrefixHasher::SerializeSeed() const {
 
 std::string PrefixHasher::SerializeBlock(const BlockHash& parent, absl::Span<const uint32_t> tokens,
                                          bool first_block) const {
+  STRATA_CHECK(tokens.size() == options_.block_tokens, "SerializeBlock needs exactly one block");
   absl::string_view extra[2];
   size_t n_extra = 0;
   if (!options_.lora_name.empty()) extra[n_extra++] = options_.lora_name;
@@ -204,7 +213,16 @@ std::string PrefixHasher::SerializeBlock(const BlockHash& parent, absl::Span<con
   if (n_extra == 0) {
     body.push_back(kNone);
   } else {
-    for (size_t i = 0; i < n_extra; ++i) PickleStr(body, extra[i]);
+    PickleStr(body, extra[0]);
+    if (n_extra == 2 && extra[1] == extra[0] && IsSharedPythonString(extra[0])) {
+      // CPython keeps one object for each 1-character Latin-1 string, so a salt equal to the
+      // LoRA name is the same object and pickle refers back to it: memo 2 (after the parent
+      // bytes and the token tuple).
+      body.push_back(kBinGet);
+      body.push_back('\x02');
+    } else if (n_extra == 2) {
+      PickleStr(body, extra[1]);
+    }
     PickleTupleEnd(body, n_extra);
   }
   PickleTupleEnd(body, 3);

@@ -13,9 +13,10 @@
 // The chain holds no model, dtype or layout: a block in the store is named by BlockName, which
 // puts (model, codec, calibration) fingerprints and the layer beside the key.
 //
-// One known divergence from CPython's pickle: if a caller's LoRA name and cache salt were the
-// very same Python object, pickle would write a memo reference for the second; Strata always
-// writes both strings (equal strings from separate sources are separate objects in vLLM).
+// Pickle writes a memo reference when the cache salt is the very same Python object as the LoRA
+// name. Strata reproduces the one case where CPython makes equal strings the same object on its
+// own: one-character Latin-1 strings. Equal longer strings from separate sources are separate
+// objects in vLLM, and are written twice, as CPython does.
 //
 // PrefixHasher is immutable after Create and safe to share between threads.
 #pragma once

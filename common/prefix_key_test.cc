@@ -195,6 +195,13 @@ TEST(PrefixKeyOracleTest, MatchesCPythonPickleAndCbor2OnRandomSequences) {
     for (size_t t = 0; t < n; ++t) c.tokens.push_back(RandomToken(rng));
     cases.push_back(std::move(c));
   }
+  // CPython shares one object per 1-character Latin-1 string: a LoRA name and a salt that are
+  // both such a string pickle as a memo reference. Longer equal strings do not.
+  for (const char* same : {"a", "\xc3\xa9", "ab", "\xe6\x97\xa5"}) {
+    for (auto algo : {PrefixHashAlgorithm::kSha256Pickle, PrefixHashAlgorithm::kSha256Cbor}) {
+      cases.push_back({algo, 4, "0", same, same, {1, 2, 3, 4, 5, 6, 7, 8}});
+    }
+  }
   const std::string dir = testing::TempDir();
   const std::string in_path = absl::StrCat(dir, "/prefix_oracle_in.txt");
   const std::string out_path = absl::StrCat(dir, "/prefix_oracle_out.txt");

@@ -114,6 +114,7 @@ class TensorView {
 
   // Swaps two dimensions (no data moves).
   TensorView Transpose(int a, int b) const {
+    STRATA_DCHECK(a >= 0 && a < Rank && b >= 0 && b < Rank, "dimension out of range");
     Shape shape = shape_, strides = strides_;
     std::swap(shape[a], shape[b]);
     std::swap(strides[a], strides[b]);

@@ -44,9 +44,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
           {s.entry.kind, s.entry.tensor, s.entry.elem, s.entry.count, s.entry.alignment});
     }
     (void)sum;
-    // The writer must accept what the reader accepted (it packs at least as tightly).
+    // The writer must accept what the reader accepted, and place it the same way.
     absl::StatusOr<strata::BlockLayout> layout = strata::BlockLayout::Plan(v->header(), descs);
-    if (!layout.ok() || layout->total_bytes() > size) __builtin_trap();
+    if (!layout.ok() || layout->total_bytes() != size) __builtin_trap();
+    for (int i = 0; i < layout->section_count(); ++i) {
+      if (layout->section(i).offset != v->section(i).entry.offset) __builtin_trap();
+    }
   }
   return 0;
 }

@@ -1,0 +1,77 @@
+// BlockOperands: a parsed, codec-validated view of a block, with typed pointers to every section
+// attention needs. PrepareBlock checks what the generic block reader cannot: that the sections
+// the codec named in the header needs are all there, with the element types and counts its spec
+// and the block's shape imply, and that every outlier index is in range. After it succeeds,
+// kernels may index the sections without further checks.
+//
+// Sections of each codec, for K and for V (H = kv_heads, T = tokens, D = head_dim,
+// G = groups per vector, r = rank, n = outliers per vector):
+//   fp16 / bf16   codes f16|bf16 [H, T, D]
+//   int8          codes i8 [H, T, D]; scales f16 [H, T]            (symmetric, per token)
+//   fp8e4m3       codes f8e4m3 [H, T, D]; scales f32 [1]           (per tensor)
+//   kivi / kcvt   codes uB [H, T, D] (LSB-first stream, rows byte-aligned);
+//                 K: scales, zero_points f16 [H, G, D], G = ceil(T / g) token groups
+//                 V: scales, zero_points f16 [H, T, G], G = ceil(D / g) channel groups
+//   gear / gearl  the above, plus lowrank_a f16 [H, T, r] and lowrank_b f16 [H, D, r]
+//                 (the residual is A B^T per head);
+//   gear          plus outlier_values f16 and outlier_indices u8|u16:
+//                 K: [H, D, n], the token of each outlier in its channel;
+//                 V: [H, T, n], the channel of each outlier in its token;
+//                 each value is added to the backbone's dequantized element.
+// Errors: kDataLoss naming the missing or mis-sized section; kInvalidArgument when the codec
+// spec in the header does not parse.
+#pragma once
+
+#include <cstdint>
+
+#include "absl/status/statusor.h"
+#include "common/block_reader.h"
+#include "kernels/codec_spec.h"
+
+namespace strata::kernels {
+
+enum class CodeKind { kFloat16, kBFloat16, kInt8, kFp8E4M3, kAffine };
+
+struct TensorOperands {
+  CodeKind kind = CodeKind::kFloat16;
+  int bits = 16;
+  const uint8_t* codes = nullptr;  // [H, T, row_bytes]
+  uint32_t row_bytes = 0;          // bytes of one token's codes in one head
+  // kAffine: per group; kInt8: [H, T]; kFp8E4M3: tensor_scale only.
+  const uint16_t* scales = nullptr;  // fp16 bits
+  const uint16_t* zeros = nullptr;   // fp16 bits
+  uint32_t groups = 1;               // G: token groups (K) or channel groups (V) per vector
+  uint32_t group_size = 0;           // tokens (K) or channels (V) per group
+  float tensor_scale = 1.0f;
+  // Low-rank correction; rank 0 when absent.
+  uint32_t rank = 0;
+  const uint16_t* lowrank_a = nullptr;  // [H, T, r] fp16 bits
+  const uint16_t* lowrank_b = nullptr;  // [H, D, r] fp16 bits
+  // Sparse outliers; per_vector 0 when absent.
+  uint32_t outliers_per_vector = 0;
+  const uint16_t* outlier_values = nullptr;  // fp16 bits
+  const uint8_t* outlier_index8 = nullptr;   // one of the two is set
+  const uint16_t* outlier_index16 = nullptr;
+
+  uint32_t OutlierIndex(size_t i) const {
+    return outlier_index8 != nullptr ? outlier_index8[i] : outlier_index16[i];
+  }
+};
+
+struct BlockOperands {
+  CodecSpec spec;
+  uint32_t tokens = 0;
+  uint32_t kv_heads = 0;
+  uint32_t head_dim = 0;
+  TensorOperands k;
+  TensorOperands v;
+};
+
+absl::StatusOr<BlockOperands> PrepareBlock(const BlockView& block);
+
+// Reference decoder: the block's K and V at fp32, [tokens, kv_heads, head_dim] each, exactly as
+// attention over the block sees them (backbone + low-rank + outliers).
+absl::Status DecodeBlockRef(const BlockView& block, float* k, float* v);
+absl::Status DecodeOperandsRef(const BlockOperands& ops, float* k, float* v);
+
+}  // namespace strata::kernels

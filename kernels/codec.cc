@@ -1,0 +1,386 @@
+#include "kernels/codec.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/block_writer.h"
+#include "common/fp8.h"
+#include "common/half.h"
+#include "common/status_macros.h"
+#include "kernels/bit_pack.h"
+#include "kernels/codec_layout.h"
+#include "kernels/low_rank.h"
+
+namespace strata::kernels {
+namespace {
+
+// Largest magnitude the fp16 metadata can carry with headroom for rounding.
+constexpr float kMetadataLimit = 60000.0f;
+
+// One tensor (K or V) in head-major fp32: x[(h * T + t) * D + d].
+struct HeadMajor {
+  uint32_t t = 0, h = 0, d = 0;
+  std::vector<float> x;
+  float& at(uint32_t head, uint32_t tok, uint32_t ch) { return x[(size_t{head} * t + tok) * d + ch]; }
+};
+
+float SourceValue(const void* p, SourceDType dt, size_t i) {
+  switch (dt) {
+    case SourceDType::kFloat32: return static_cast<const float*>(p)[i];
+    case SourceDType::kFloat16: return static_cast<const Half*>(p)[i].ToFloat();
+    case SourceDType::kBFloat16: return static_cast<const BFloat16*>(p)[i].ToFloat();
+  }
+  return 0;
+}
+
+absl::StatusOr<HeadMajor> ToHeadMajor(const KvChunkView& c, const void* src, const char* name,
+                                      float limit) {
+  HeadMajor m;
+  m.t = c.tokens;
+  m.h = c.kv_heads;
+  m.d = c.head_dim;
+  m.x.resize(size_t{m.t} * m.h * m.d);
+  for (uint32_t tok = 0; tok < m.t; ++tok) {
+    for (uint32_t head = 0; head < m.h; ++head) {
+      const size_t base = (size_t{tok} * m.h + head) * m.d;
+      float* dst = &m.at(head, tok, 0);
+      for (uint32_t ch = 0; ch < m.d; ++ch) {
+        const float v = SourceValue(src, c.dtype, base + ch);
+        if (!std::isfinite(v) || std::fabs(v) > limit) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "codec: ", name, "[token ", tok, ", head ", head, ", channel ", ch, "] = ", v,
+              std::isfinite(v) ? absl::StrCat(" exceeds this codec's range of +-", limit)
+                               : " is not finite"));
+        }
+        dst[ch] = v;
+      }
+    }
+  }
+  return m;
+}
+
+uint16_t F16(float f) { return FloatToHalfBits(f); }
+float F32(uint16_t h) { return HalfBitsToFloat(h); }
+
+template <typename T>
+void Put(BlockBuilder& b, int section, const std::vector<T>& v) {
+  std::memcpy(b.section(section).data(), v.data(), b.section(section).size());
+}
+
+// ---- the affine family: KIVI, KCVT, GEAR, GEAR-L ----
+
+struct AffineResult {
+  std::vector<uint8_t> packed;
+  std::vector<uint16_t> scales, zeros;
+  std::vector<float> dequant;  // head-major, backbone only
+};
+
+// Quantizes x asymmetrically in groups; mask (may be empty) marks outliers left out of each
+// group's min/max. K: groups of `gs` tokens per (head, channel); V: groups of `gs` channels per
+// (head, token).
+AffineResult QuantizeAffine(const HeadMajor& x, bool per_channel, uint32_t gs, uint32_t groups,
+                            int bits, const std::vector<uint8_t>& mask) {
+  const uint32_t T = x.t, H = x.h, D = x.d;
+  const float qmax = static_cast<float>((1 << bits) - 1);
+  AffineResult r;
+  std::vector<uint8_t> codes(x.x.size());
+  r.dequant.resize(x.x.size());
+  const size_t n_params = per_channel ? size_t{H} * groups * D : size_t{H} * T * groups;
+  r.scales.resize(n_params);
+  r.zeros.resize(n_params);
+  // Visits one group: `index(i)` gives the flat position of the group's i-th element.
+  auto do_group = [&](size_t param, uint32_t len, auto index) {
+    float mn = INFINITY, mx = -INFINITY;
+    for (uint32_t i = 0; i < len; ++i) {
+      const size_t p = index(i);
+      if (!mask.empty() && mask[p]) continue;
+      mn = std::min(mn, x.x[p]);
+      mx = std::max(mx, x.x[p]);
+    }
+    if (mn > mx) mn = mx = 0;  // every element is an outlier
+    const uint16_t scale16 = F16((mx - mn) / qmax);
+    const uint16_t zero16 = F16(mn);
+    r.scales[param] = scale16;
+    r.zeros[param] = zero16;
+    const float scale = F32(scale16), zero = F32(zero16);
+    const float inv = scale > 0 ? 1.0f / scale : 0.0f;
+    for (uint32_t i = 0; i < len; ++i) {
+      const size_t p = index(i);
+      const float q = std::clamp(std::floor((x.x[p] - zero) * inv + 0.5f), 0.0f, qmax);
+      codes[p] = static_cast<uint8_t>(q);
+      r.dequant[p] = zero + q * scale;
+    }
+  };
+  for (uint32_t h = 0; h < H; ++h) {
+    if (per_channel) {
+      for (uint32_t g = 0; g < groups; ++g) {
+        const uint32_t t0 = g * gs, len = std::min(gs, T - t0);
+        for (uint32_t d = 0; d < D; ++d) {
+          do_group((size_t{h} * groups + g) * D + d, len,
+                   [&](uint32_t i) { return (size_t{h} * T + t0 + i) * D + d; });
+        }
+      }
+    } else {
+      for (uint32_t t = 0; t < T; ++t) {
+        for (uint32_t g = 0; g < groups; ++g) {
+          const uint32_t d0 = g * gs, len = std::min(gs, D - d0);
+          do_group((size_t{h} * T + t) * groups + g, len,
+                   [&](uint32_t i) { return (size_t{h} * T + t) * D + d0 + i; });
+        }
+      }
+    }
+  }
+  r.packed.resize(PackedBytes(codes.size(), bits));
+  PackBits(codes.data(), codes.size(), bits, r.packed.data());
+  return r;
+}
+
+// Marks the top and bottom n/2 of every vector (K: each channel over tokens; V: each token over
+// channels) and returns their positions in block order ([H, D, n] for K, [H, T, n] for V).
+std::vector<size_t> SelectOutliers(const HeadMajor& x, bool per_channel, uint32_t n,
+                                   std::vector<uint8_t>& mask) {
+  const uint32_t T = x.t, H = x.h, D = x.d;
+  const uint32_t len = per_channel ? T : D;
+  const uint32_t vectors = per_channel ? D : T;
+  std::vector<size_t> positions;
+  positions.reserve(size_t{H} * vectors * n);
+  mask.assign(x.x.size(), 0);
+  std::vector<uint32_t> order(len);
+  for (uint32_t h = 0; h < H; ++h) {
+    for (uint32_t v = 0; v < vectors; ++v) {
+      auto pos = [&](uint32_t i) {
+        return per_channel ? (size_t{h} * T + i) * D + v : (size_t{h} * T + v) * D + i;
+      };
+      std::iota(order.begin(), order.end(), 0u);
+      std::stable_sort(order.begin(), order.end(),
+                       [&](uint32_t a, uint32_t b) { return x.x[pos(a)] < x.x[pos(b)]; });
+      for (uint32_t i = 0; i < n / 2; ++i) positions.push_back(pos(order[i]));
+      for (uint32_t i = len - n / 2; i < len; ++i) positions.push_back(pos(order[i]));
+    }
+  }
+  for (size_t p : positions) mask[p] = 1;
+  return positions;
+}
+
+class IdentityCodec : public Codec {
+ public:
+  using Codec::Codec;
+  absl::StatusOr<AlignedBuffer> Encode(const KvChunkView& c, const BlockContext& ctx) const override;
+};
+
+class Int8Codec : public Codec {
+ public:
+  using Codec::Codec;
+  absl::StatusOr<AlignedBuffer> Encode(const KvChunkView& c, const BlockContext& ctx) const override;
+};
+
+class Fp8Codec : public Codec {
+ public:
+  using Codec::Codec;
+  absl::StatusOr<AlignedBuffer> Encode(const KvChunkView& c, const BlockContext& ctx) const override;
+};
+
+class AffineCodec : public Codec {
+ public:
+  using Codec::Codec;
+  absl::StatusOr<AlignedBuffer> Encode(const KvChunkView& c, const BlockContext& ctx) const override;
+};
+
+absl::Status CheckShape(const CodecSpec& s, const KvChunkView& c) {
+  if (c.k == nullptr || c.v == nullptr) return absl::InvalidArgumentError("codec: null K or V");
+  if (c.tokens < 1 || c.kv_heads < 1 || c.head_dim < 1 || c.tokens > kMaxBlockTokens ||
+      c.kv_heads > kMaxKvHeads || c.head_dim > kMaxHeadDim) {
+    return absl::InvalidArgumentError(absl::StrCat("codec: shape ", c.tokens, " tokens x ",
+                                                   c.kv_heads, " heads x ", c.head_dim,
+                                                   " dims is empty or too large"));
+  }
+  if (s.id != CodecId::kFp16 && s.id != CodecId::kBf16 && c.head_dim % 8 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("codec ", s.ToString(), ": head_dim ",
+                                                   c.head_dim, " is not a multiple of 8"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<BlockBuilder> StartBlock(const CodecSpec& s, const KvChunkView& c,
+                                        const BlockContext& ctx, const CodecLayout& layout,
+                                        const std::string& spec_text) {
+  BlockHeader h;
+  h.codec = s.id;
+  h.codec_spec = spec_text;
+  h.source_dtype = c.dtype;
+  h.layer = ctx.layer;
+  h.chunk_index = ctx.chunk_index;
+  h.token_count = c.tokens;
+  h.kv_heads = c.kv_heads;
+  h.head_dim = c.head_dim;
+  h.model_fingerprint = ctx.model_fingerprint;
+  return BlockBuilder::Create(h, layout.sections);
+}
+
+absl::StatusOr<AlignedBuffer> IdentityCodec::Encode(const KvChunkView& c,
+                                                    const BlockContext& ctx) const {
+  STRATA_RETURN_IF_ERROR(CheckShape(spec(), c));
+  const bool f16 = spec().id == CodecId::kFp16;
+  const float limit = f16 ? 65504.0f : INFINITY;
+  const CodecLayout layout = MakeCodecLayout(spec(), c.tokens, c.kv_heads, c.head_dim);
+  const std::string text = spec().ToString();
+  STRATA_ASSIGN_OR_RETURN(BlockBuilder b, StartBlock(spec(), c, ctx, layout, text));
+  int section = 0;
+  for (const auto& [src, name] : {std::pair{c.k, "K"}, std::pair{c.v, "V"}}) {
+    STRATA_ASSIGN_OR_RETURN(HeadMajor m, ToHeadMajor(c, src, name, limit));
+    uint16_t* out = b.section_as<uint16_t>(section);
+    for (size_t i = 0; i < m.x.size(); ++i) out[i] = f16 ? F16(m.x[i]) : FloatToBFloat16Bits(m.x[i]);
+    section += layout.k_section_count;
+  }
+  return std::move(b).Finish();
+}
+
+absl::StatusOr<AlignedBuffer> Int8Codec::Encode(const KvChunkView& c,
+                                                const BlockContext& ctx) const {
+  STRATA_RETURN_IF_ERROR(CheckShape(spec(), c));
+  const CodecLayout layout = MakeCodecLayout(spec(), c.tokens, c.kv_heads, c.head_dim);
+  const std::string text = spec().ToString();
+  STRATA_ASSIGN_OR_RETURN(BlockBuilder b, StartBlock(spec(), c, ctx, layout, text));
+  const uint32_t D = c.head_dim;
+  int section = 0;
+  for (const auto& [src, name] : {std::pair{c.k, "K"}, std::pair{c.v, "V"}}) {
+    STRATA_ASSIGN_OR_RETURN(HeadMajor m, ToHeadMajor(c, src, name, kMetadataLimit));
+    int8_t* codes = b.section_as<int8_t>(section);
+    uint16_t* scales = b.section_as<uint16_t>(section + 1);
+    for (size_t row = 0; row < m.x.size() / D; ++row) {
+      const float* x = &m.x[row * D];
+      float amax = 0;
+      for (uint32_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
+      scales[row] = F16(amax / 127.0f);
+      const float scale = F32(scales[row]);
+      const float inv = scale > 0 ? 1.0f / scale : 0.0f;
+      for (uint32_t d = 0; d < D; ++d) {
+        codes[row * D + d] = static_cast<int8_t>(std::clamp(std::floor(x[d] * inv + 0.5f), -127.0f, 127.0f));
+      }
+    }
+    section += layout.k_section_count;
+  }
+  return std::move(b).Finish();
+}
+
+absl::StatusOr<AlignedBuffer> Fp8Codec::Encode(const KvChunkView& c,
+                                               const BlockContext& ctx) const {
+  STRATA_RETURN_IF_ERROR(CheckShape(spec(), c));
+  const CodecLayout layout = MakeCodecLayout(spec(), c.tokens, c.kv_heads, c.head_dim);
+  const std::string text = spec().ToString();
+  STRATA_ASSIGN_OR_RETURN(BlockBuilder b, StartBlock(spec(), c, ctx, layout, text));
+  int section = 0;
+  for (const auto& [src, name] : {std::pair{c.k, "K"}, std::pair{c.v, "V"}}) {
+    STRATA_ASSIGN_OR_RETURN(HeadMajor m, ToHeadMajor(c, src, name, INFINITY));
+    float amax = 0;
+    for (float v : m.x) amax = std::max(amax, std::fabs(v));
+    const float scale = amax > 0 ? amax / kFp8E4M3Max : 1.0f;
+    const float inv = 1.0f / scale;
+    uint8_t* codes = b.section_as<uint8_t>(section);
+    for (size_t i = 0; i < m.x.size(); ++i) codes[i] = FloatToFp8E4M3(m.x[i] * inv);
+    std::memcpy(b.section(section + 1).data(), &scale, sizeof(scale));
+    section += layout.k_section_count;
+  }
+  return std::move(b).Finish();
+}
+
+absl::StatusOr<AlignedBuffer> AffineCodec::Encode(const KvChunkView& c,
+                                                  const BlockContext& ctx) const {
+  STRATA_RETURN_IF_ERROR(CheckShape(spec(), c));
+  const CodecSpec& s = spec();
+  const CodecLayout layout = MakeCodecLayout(s, c.tokens, c.kv_heads, c.head_dim);
+  const std::string text = s.ToString();
+  STRATA_ASSIGN_OR_RETURN(BlockBuilder b, StartBlock(s, c, ctx, layout, text));
+  const uint32_t T = c.tokens, H = c.kv_heads, D = c.head_dim;
+  int section = 0;
+  for (const auto& [src, name] : {std::pair{c.k, "K"}, std::pair{c.v, "V"}}) {
+    const bool is_k = section == 0;
+    const TensorLayout& tl = is_k ? layout.k : layout.v;
+    STRATA_ASSIGN_OR_RETURN(HeadMajor m, ToHeadMajor(c, src, name, kMetadataLimit));
+    std::vector<uint8_t> mask;
+    std::vector<size_t> outliers;
+    if (tl.outliers > 0) outliers = SelectOutliers(m, is_k, tl.outliers, mask);
+    const int bits = is_k ? s.k_bits : s.v_bits;
+    AffineResult q = QuantizeAffine(m, is_k, tl.group_size, tl.groups, bits, mask);
+    int next = section;
+    Put(b, next++, q.packed);
+    Put(b, next++, q.scales);
+    Put(b, next++, q.zeros);
+    // Residual after the backbone; outliers then take exactly what the backbone missed.
+    std::vector<float> residual(m.x.size());
+    for (size_t i = 0; i < residual.size(); ++i) residual[i] = m.x[i] - q.dequant[i];
+    std::vector<uint16_t> outlier_values(outliers.size());
+    for (size_t i = 0; i < outliers.size(); ++i) {
+      outlier_values[i] = F16(residual[outliers[i]]);
+      residual[outliers[i]] -= F32(outlier_values[i]);
+    }
+    if (tl.rank > 0) {
+      std::vector<float> a(size_t{T} * tl.rank), bm(size_t{D} * tl.rank);
+      std::vector<uint16_t> a16(size_t{H} * T * tl.rank), b16(size_t{H} * D * tl.rank);
+      for (uint32_t h = 0; h < H; ++h) {
+        LowRankApproximate(&residual[size_t{h} * T * D], static_cast<int>(T),
+                           static_cast<int>(D), static_cast<int>(tl.rank), s.power_iterations,
+                           /*seed=*/0x5eed0000u + h, a.data(), bm.data());
+        for (size_t i = 0; i < a.size(); ++i) a16[h * a.size() + i] = F16(a[i]);
+        for (size_t i = 0; i < bm.size(); ++i) b16[h * bm.size() + i] = F16(bm[i]);
+      }
+      Put(b, next++, a16);
+      Put(b, next++, b16);
+    }
+    if (tl.outliers > 0) {
+      Put(b, next++, outlier_values);
+      // The index of each outlier within its vector: the token (K) or the channel (V).
+      if (tl.index_type == ElemType::kUInt8) {
+        uint8_t* idx = b.section_as<uint8_t>(next++);
+        for (size_t i = 0; i < outliers.size(); ++i) {
+          idx[i] = static_cast<uint8_t>(is_k ? (outliers[i] / D) % T : outliers[i] % D);
+        }
+      } else {
+        uint16_t* idx = b.section_as<uint16_t>(next++);
+        for (size_t i = 0; i < outliers.size(); ++i) {
+          idx[i] = static_cast<uint16_t>(is_k ? (outliers[i] / D) % T : outliers[i] % D);
+        }
+      }
+    }
+    section += layout.k_section_count;
+  }
+  return std::move(b).Finish();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Codec>> Codec::Create(absl::string_view text) {
+  STRATA_ASSIGN_OR_RETURN(CodecSpec s, CodecSpec::Parse(text));
+  switch (s.id) {
+    case CodecId::kFp16:
+    case CodecId::kBf16: return std::make_unique<IdentityCodec>(s);
+    case CodecId::kInt8: return std::make_unique<Int8Codec>(s);
+    case CodecId::kFp8E4M3: return std::make_unique<Fp8Codec>(s);
+    case CodecId::kKivi:
+    case CodecId::kKcvt:
+    case CodecId::kGear:
+    case CodecId::kGearL: return std::make_unique<AffineCodec>(s);
+    default: break;
+  }
+  return absl::UnimplementedError(absl::StrCat("codec ", s.ToString(), " is not implemented yet"));
+}
+
+absl::StatusOr<double> Codec::BitsPerElement(uint32_t tokens, uint32_t kv_heads,
+                                             uint32_t head_dim) const {
+  const CodecLayout layout = MakeCodecLayout(spec_, tokens, kv_heads, head_dim);
+  const std::string text = spec_.ToString();
+  BlockHeader h;
+  h.codec = spec_.id;
+  h.codec_spec = text;
+  h.token_count = tokens;
+  h.kv_heads = kv_heads;
+  h.head_dim = head_dim;
+  STRATA_ASSIGN_OR_RETURN(BlockLayout l, BlockLayout::Plan(h, layout.sections));
+  return l.total_bytes() * 8.0 / (2.0 * tokens * kv_heads * head_dim);
+}
+
+}  // namespace strata::kernels

@@ -1,0 +1,63 @@
+// Codecs: one chunk of K and V in, one block in the Strata block format out.
+//
+//   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Codec> codec, Codec::Create("gear:k2v2:g32:r4:s2"));
+//   STRATA_ASSIGN_OR_RETURN(AlignedBuffer block, codec->Encode(chunk, {.layer = 3}));
+//
+// Every codec lays K and V out head-major inside the block ([kv_heads, tokens, head_dim]), so
+// that decode attention streams one KV head's bytes contiguously for all its query heads. What
+// each section holds is listed in block_operands.h, which also parses blocks back.
+//
+// Input must be finite; the 16-bit metadata (scales, zero points, factors, outliers) needs
+// |x| < 60000. Violations return kInvalidArgument naming the tensor and position. Quantized
+// codecs (int8, fp8 and the affine family) need head_dim to be a multiple of 8, so each row of
+// packed codes starts on a byte. Codecs are immutable and thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "common/aligned_buffer.h"
+#include "common/block_format.h"
+#include "kernels/codec_spec.h"
+
+namespace strata::kernels {
+
+// One chunk of KV as a model produced it: keys after RoPE.
+struct KvChunkView {
+  const void* k = nullptr;  // [tokens, kv_heads, head_dim], source dtype, contiguous
+  const void* v = nullptr;  // [tokens, kv_heads, head_dim], source dtype, contiguous
+  SourceDType dtype = SourceDType::kFloat32;
+  uint32_t tokens = 0;
+  uint32_t kv_heads = 0;
+  uint32_t head_dim = 0;
+};
+
+// Where a block sits: recorded in its header.
+struct BlockContext {
+  uint32_t layer = 0;
+  uint32_t chunk_index = 0;
+  uint64_t model_fingerprint = 0;
+};
+
+class Codec {
+ public:
+  static absl::StatusOr<std::unique_ptr<Codec>> Create(absl::string_view spec);
+  explicit Codec(CodecSpec spec) : spec_(spec) {}
+  virtual ~Codec() = default;
+
+  const CodecSpec& spec() const { return spec_; }
+
+  virtual absl::StatusOr<AlignedBuffer> Encode(const KvChunkView& chunk,
+                                               const BlockContext& context) const = 0;
+
+  // The exact size of a block of this shape, in bits per element of K and V, everything
+  // counted (header, table, scales, zero points, factors, outliers, padding).
+  absl::StatusOr<double> BitsPerElement(uint32_t tokens, uint32_t kv_heads,
+                                        uint32_t head_dim) const;
+
+ private:
+  CodecSpec spec_;
+};
+
+}  // namespace strata::kernels

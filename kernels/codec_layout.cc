@@ -1,0 +1,67 @@
+#include "kernels/codec_layout.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace strata::kernels {
+namespace {
+
+ElemType CodeType(const CodecSpec& s, int bits) {
+  switch (s.id) {
+    case CodecId::kFp16: return ElemType::kFloat16;
+    case CodecId::kBf16: return ElemType::kBFloat16;
+    case CodecId::kInt8: return ElemType::kInt8;
+    case CodecId::kFp8E4M3: return ElemType::kFp8E4M3;
+    default: return static_cast<ElemType>(bits);  // kUInt2 == 2, ... kUInt8 == 8
+  }
+}
+
+// Outliers per vector of `len` elements: top and bottom s/2 % each, rounded, at most len / 2.
+uint32_t OutlierCount(double percent, uint32_t len) {
+  const uint32_t per_side = static_cast<uint32_t>(std::floor(len * percent / 200.0 + 0.5));
+  return 2 * std::min(per_side, len / 2);
+}
+
+}  // namespace
+
+CodecLayout MakeCodecLayout(const CodecSpec& s, uint32_t t, uint32_t h, uint32_t d) {
+  CodecLayout out;
+  const uint32_t n = t * h * d;
+  for (Tensor tensor : {Tensor::kKey, Tensor::kValue}) {
+    const bool is_k = tensor == Tensor::kKey;
+    TensorLayout& tl = is_k ? out.k : out.v;
+    const int bits = is_k ? s.k_bits : s.v_bits;
+    out.sections.push_back({SectionKind::kCodes, tensor, CodeType(s, bits), n, 64});
+    if (s.id == CodecId::kInt8) {
+      out.sections.push_back({SectionKind::kScales, tensor, ElemType::kFloat16, h * t});
+    } else if (s.id == CodecId::kFp8E4M3) {
+      out.sections.push_back({SectionKind::kScales, tensor, ElemType::kFloat32, 1});
+    } else if (s.is_affine()) {
+      // K groups run along tokens (per channel), V groups along channels (per token).
+      const uint32_t len = is_k ? t : d;
+      tl.group_size = s.group == 0 ? len : std::min<uint32_t>(s.group, len);
+      tl.groups = (len + tl.group_size - 1) / tl.group_size;
+      const uint32_t count = is_k ? h * tl.groups * d : h * t * tl.groups;
+      out.sections.push_back({SectionKind::kScales, tensor, ElemType::kFloat16, count});
+      out.sections.push_back({SectionKind::kZeroPoints, tensor, ElemType::kFloat16, count});
+      if (s.rank > 0) {
+        tl.rank = std::min<uint32_t>({static_cast<uint32_t>(s.rank), t, d});
+        out.sections.push_back({SectionKind::kLowRankA, tensor, ElemType::kFloat16,
+                                h * t * tl.rank});
+        out.sections.push_back({SectionKind::kLowRankB, tensor, ElemType::kFloat16,
+                                h * d * tl.rank});
+      }
+      if (s.outlier_percent > 0) {
+        tl.outliers = OutlierCount(s.outlier_percent, is_k ? t : d);
+        tl.index_type = (is_k ? t : d) <= 256 ? ElemType::kUInt8 : ElemType::kUInt16;
+        const uint32_t count = (is_k ? h * d : h * t) * tl.outliers;
+        out.sections.push_back({SectionKind::kOutlierValues, tensor, ElemType::kFloat16, count});
+        out.sections.push_back({SectionKind::kOutlierIndices, tensor, tl.index_type, count});
+      }
+    }
+    if (is_k) out.k_section_count = static_cast<int>(out.sections.size());
+  }
+  return out;
+}
+
+}  // namespace strata::kernels

@@ -1,0 +1,48 @@
+// Codec spec strings: the name and parameters of a codec, as users write them and as blocks
+// record them. Parse() accepts and ToString() writes the canonical form, so specs round-trip:
+//
+//   fp16 | bf16                     identity at 16 bits (the baseline)
+//   int8                            symmetric int8, one fp16 scale per token and head
+//   fp8e4m3                         fp8 E4M3, one fp32 scale per tensor (K, V) per block
+//   kivi:k2v2:g32                   KIVI: K per channel, V per token, groups of g (tokens for K,
+//                                   channels for V), asymmetric, 2/3/4/8 bits, fp16 scale+zero
+//   kcvt:k2v2                       GEAR's KCVT: one group per whole channel / whole token
+//   gear:k2v2:g32:r4:s2[:i3]        GEAR over a KIVI (gN) or KCVT (kcvt) backbone: top/bottom
+//   gear:k4v4:kcvt:r4:s2              s/2 % outliers per vector, rank-r residual per head by
+//                                   power iteration (i iterations, default 3)
+//   gearl:k2v2:g32:r4[:i3]          GEAR-L: low-rank without the sparse part
+//
+// Errors are kInvalidArgument naming the offending field.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "common/block_format.h"
+
+namespace strata::kernels {
+
+struct CodecSpec {
+  static constexpr int kDefaultPowerIterations = 3;
+
+  CodecId id = CodecId::kFp16;
+  int k_bits = 16;              // backbone bits for K
+  int v_bits = 16;              // backbone bits for V
+  int group = 0;                // quantization group size; 0 = whole vector (KCVT)
+  int rank = 0;                 // low-rank r per head (GEAR, GEAR-L); 0 = none
+  double outlier_percent = 0;   // s: top s/2 % and bottom s/2 % per vector (GEAR); 0 = none
+  int power_iterations = kDefaultPowerIterations;
+
+  static absl::StatusOr<CodecSpec> Parse(absl::string_view text);
+  std::string ToString() const;
+
+  bool is_affine() const;  // KIVI/KCVT backbone (kivi, kcvt, gear, gearl)
+  // Bits per element the way papers count them: the backbone's bit width only.
+  double nominal_bits() const;
+
+  friend bool operator==(const CodecSpec&, const CodecSpec&) = default;
+};
+
+}  // namespace strata::kernels
