@@ -1,0 +1,191 @@
+#include "kernels/block_operands.h"
+
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/fp8.h"
+#include "common/half.h"
+#include "common/status_macros.h"
+#include "kernels/bit_pack.h"
+#include "kernels/codec_layout.h"
+
+namespace strata::kernels {
+namespace {
+
+CodeKind KindOf(CodecId id) {
+  switch (id) {
+    case CodecId::kFp16: return CodeKind::kFloat16;
+    case CodecId::kBf16: return CodeKind::kBFloat16;
+    case CodecId::kInt8: return CodeKind::kInt8;
+    case CodecId::kFp8E4M3: return CodeKind::kFp8E4M3;
+    default: return CodeKind::kAffine;
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<BlockOperands> PrepareBlock(const BlockView& block) {
+  const BlockHeader& h = block.header();
+  absl::StatusOr<CodecSpec> spec = CodecSpec::Parse(h.codec_spec);
+  if (!spec.ok()) return spec.status();
+  if (spec->id != h.codec) {
+    return absl::DataLossError(absl::StrCat("block: codec id ", CodecIdName(h.codec),
+                                            " does not match its spec '", h.codec_spec, "'"));
+  }
+  BlockOperands ops;
+  ops.spec = *spec;
+  ops.tokens = h.token_count;
+  ops.kv_heads = h.kv_heads;
+  ops.head_dim = h.head_dim;
+  if (ops.spec.id != CodecId::kFp16 && ops.spec.id != CodecId::kBf16 && h.head_dim % 8 != 0) {
+    return absl::DataLossError(absl::StrCat("block: codec ", h.codec_spec, " with head_dim ",
+                                            h.head_dim, ", not a multiple of 8"));
+  }
+  const CodecLayout layout = MakeCodecLayout(ops.spec, h.token_count, h.kv_heads, h.head_dim);
+  if (block.section_count() != static_cast<int>(layout.sections.size())) {
+    return absl::DataLossError(absl::StrCat("block: codec ", h.codec_spec, " writes ",
+                                            layout.sections.size(), " sections, block has ",
+                                            block.section_count()));
+  }
+  for (int i = 0; i < block.section_count(); ++i) {
+    const SectionEntry& got = block.section(i).entry;
+    const SectionDesc& want = layout.sections[i];
+    if (got.kind != want.kind || got.tensor != want.tensor || got.elem != want.elem ||
+        got.count != want.count) {
+      return absl::DataLossError(absl::StrCat(
+          "block: section ", i, " is ", SectionKindName(got.kind), "/", TensorName(got.tensor),
+          "/", ElemTypeName(got.elem), " x", got.count, " but codec ", h.codec_spec,
+          " writes ", SectionKindName(want.kind), "/", TensorName(want.tensor), "/",
+          ElemTypeName(want.elem), " x", want.count));
+    }
+  }
+  int i = 0;
+  for (Tensor tensor : {Tensor::kKey, Tensor::kValue}) {
+    const bool is_k = tensor == Tensor::kKey;
+    TensorOperands& t = is_k ? ops.k : ops.v;
+    const TensorLayout& tl = is_k ? layout.k : layout.v;
+    t.kind = KindOf(ops.spec.id);
+    t.bits = ElemBits(block.section(i).entry.elem);
+    t.codes = block.section(i).data.data();
+    t.row_bytes = static_cast<uint32_t>(PackedBytes(h.head_dim, t.bits));
+    ++i;
+    auto u16 = [&](int idx) {
+      return reinterpret_cast<const uint16_t*>(block.section(idx).data.data());
+    };
+    if (t.kind == CodeKind::kInt8) {
+      t.scales = u16(i++);
+    } else if (t.kind == CodeKind::kFp8E4M3) {
+      std::memcpy(&t.tensor_scale, block.section(i++).data.data(), sizeof(float));
+    } else if (t.kind == CodeKind::kAffine) {
+      t.groups = tl.groups;
+      t.group_size = tl.group_size;
+      t.scales = u16(i++);
+      t.zeros = u16(i++);
+      if (tl.rank > 0) {
+        t.rank = tl.rank;
+        t.lowrank_a = u16(i++);
+        t.lowrank_b = u16(i++);
+      }
+      if (ops.spec.outlier_percent > 0) {  // the sections exist, possibly empty
+        t.outliers_per_vector = tl.outliers;
+        t.outlier_values = u16(i++);
+        const SectionView& idx = block.section(i++);
+        const uint32_t limit = is_k ? h.token_count : h.head_dim;
+        for (uint32_t j = 0; j < idx.entry.count; ++j) {
+          const uint32_t v = tl.index_type == ElemType::kUInt8
+                                 ? idx.data[j]
+                                 : uint32_t{idx.data[2 * j]} | (uint32_t{idx.data[2 * j + 1]} << 8);
+          if (v >= limit) {
+            return absl::DataLossError(absl::StrCat("block: ", TensorName(tensor), " outlier ", j,
+                                                    " has index ", v, ", beyond ", limit));
+          }
+        }
+        if (tl.index_type == ElemType::kUInt8) {
+          t.outlier_index8 = idx.data.data();
+        } else {
+          t.outlier_index16 = reinterpret_cast<const uint16_t*>(idx.data.data());
+        }
+      }
+    }
+  }
+  return ops;
+}
+
+absl::Status DecodeOperandsRef(const BlockOperands& ops, float* k, float* v) {
+  const uint32_t T = ops.tokens, H = ops.kv_heads, D = ops.head_dim;
+  std::vector<float> hm(size_t{H} * T * D);  // head-major scratch
+  for (int which = 0; which < 2; ++which) {
+    const bool is_k = which == 0;
+    const TensorOperands& t = is_k ? ops.k : ops.v;
+    for (uint32_t h = 0; h < H; ++h) {
+      for (uint32_t tok = 0; tok < T; ++tok) {
+        const size_t row = size_t{h} * T + tok;
+        const uint8_t* codes = t.codes + row * t.row_bytes;
+        for (uint32_t d = 0; d < D; ++d) {
+          float x = 0;
+          switch (t.kind) {
+            case CodeKind::kFloat16: {
+              uint16_t b;
+              std::memcpy(&b, codes + 2 * d, 2);
+              x = HalfBitsToFloat(b);
+              break;
+            }
+            case CodeKind::kBFloat16: {
+              uint16_t b;
+              std::memcpy(&b, codes + 2 * d, 2);
+              x = BFloat16BitsToFloat(b);
+              break;
+            }
+            case CodeKind::kInt8:
+              x = static_cast<int8_t>(codes[d]) * HalfBitsToFloat(t.scales[row]);
+              break;
+            case CodeKind::kFp8E4M3:
+              x = Fp8E4M3ToFloat(codes[d]) * t.tensor_scale;
+              break;
+            case CodeKind::kAffine: {
+              const size_t p = is_k ? (size_t{h} * t.groups + tok / t.group_size) * D + d
+                                    : row * t.groups + d / t.group_size;
+              x = HalfBitsToFloat(t.zeros[p]) +
+                  static_cast<float>(UnpackBit(codes, d, t.bits)) * HalfBitsToFloat(t.scales[p]);
+              break;
+            }
+          }
+          if (t.rank > 0) {
+            const uint16_t* a = t.lowrank_a + row * t.rank;
+            const uint16_t* b = t.lowrank_b + (size_t{h} * D + d) * t.rank;
+            for (uint32_t r = 0; r < t.rank; ++r) x += HalfBitsToFloat(a[r]) * HalfBitsToFloat(b[r]);
+          }
+          hm[row * D + d] = x;
+        }
+      }
+      // Outliers are added to the element they correct.
+      const uint32_t n = t.outliers_per_vector;
+      if (n > 0) {
+        const uint32_t vectors = is_k ? D : T;
+        for (uint32_t vec = 0; vec < vectors; ++vec) {
+          for (uint32_t j = 0; j < n; ++j) {
+            const size_t e = (size_t{h} * vectors + vec) * n + j;
+            const uint32_t idx = t.OutlierIndex(e);
+            const size_t pos = is_k ? (size_t{h} * T + idx) * D + vec : (size_t{h} * T + vec) * D + idx;
+            hm[pos] += HalfBitsToFloat(t.outlier_values[e]);
+          }
+        }
+      }
+    }
+    float* out = is_k ? k : v;
+    for (uint32_t h = 0; h < H; ++h) {
+      for (uint32_t tok = 0; tok < T; ++tok) {
+        std::memcpy(out + (size_t{tok} * H + h) * D, &hm[(size_t{h} * T + tok) * D], D * sizeof(float));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status DecodeBlockRef(const BlockView& block, float* k, float* v) {
+  STRATA_ASSIGN_OR_RETURN(BlockOperands ops, PrepareBlock(block));
+  return DecodeOperandsRef(ops, k, v);
+}
+
+}  // namespace strata::kernels

@@ -1,0 +1,214 @@
+#include "kernels/codec.h"
+
+#include <cmath>
+#include <limits>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "common/block_reader.h"
+#include "common/block_writer.h"
+#include "common/endian.h"
+#include "common/half.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/block_operands.h"
+#include "kernels/synthetic_kv.h"
+
+namespace strata::kernels {
+namespace {
+
+using testing::HasSubstr;
+
+KvChunkView View(const SyntheticKv& kv) {
+  return KvChunkView{kv.k.data(), kv.v.data(), SourceDType::kFloat32, kv.tokens, kv.kv_heads,
+                     kv.head_dim};
+}
+
+double RelativeError(const std::vector<float>& want, const std::vector<float>& got) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    num += (double{want[i]} - got[i]) * (double{want[i]} - got[i]);
+    den += double{want[i]} * want[i];
+  }
+  return std::sqrt(num / den);
+}
+
+struct RoundTrip {
+  double k_error = 0, v_error = 0, bits = 0;
+  size_t bytes = 0;
+};
+
+RoundTrip EncodeDecode(const std::string& spec, const SyntheticKv& kv) {
+  auto codec = Codec::Create(spec);
+  EXPECT_TRUE(codec.ok()) << codec.status();
+  absl::StatusOr<AlignedBuffer> block = (*codec)->Encode(View(kv), {.layer = 2, .chunk_index = 1});
+  EXPECT_TRUE(block.ok()) << spec << ": " << block.status();
+  absl::StatusOr<BlockView> view = BlockView::Parse(block->span());
+  EXPECT_TRUE(view.ok()) << spec << ": " << view.status();
+  EXPECT_EQ(view->header().codec_spec, spec);
+  EXPECT_EQ(view->header().layer, 2u);
+  std::vector<float> k(kv.k.size()), v(kv.v.size());
+  const absl::Status s = DecodeBlockRef(*view, k.data(), v.data());
+  EXPECT_TRUE(s.ok()) << spec << ": " << s;
+  RoundTrip r;
+  r.k_error = RelativeError(kv.k, k);
+  r.v_error = RelativeError(kv.v, v);
+  r.bits = view->bits_per_element();
+  r.bytes = block->size();
+  absl::StatusOr<double> planned = (*codec)->BitsPerElement(kv.tokens, kv.kv_heads, kv.head_dim);
+  EXPECT_TRUE(planned.ok());
+  EXPECT_DOUBLE_EQ(*planned, r.bits) << spec;
+  return r;
+}
+
+const char* kAllCodecs[] = {"fp16",          "bf16",          "int8",
+                            "fp8e4m3",       "kivi:k8v8:g32", "kivi:k4v4:g32",
+                            "kivi:k3v3:g32", "kivi:k2v2:g32", "kcvt:k4v4",
+                            "kcvt:k2v2",     "gearl:k2v2:g32:r4", "gear:k2v2:g32:r4:s2",
+                            "gear:k4v4:kcvt:r4:s2", "gear:k3v3:g64:r2:s1"};
+
+// Error bounds on the synthetic KV (relative Frobenius), loose enough for any seed.
+double Bound(const std::string& spec) {
+  static const std::map<std::string, double> kBounds = {
+      {"fp16", 1e-3},          {"bf16", 8e-3},          {"int8", 2e-2},
+      {"fp8e4m3", 8e-2},       {"kivi:k8v8:g32", 1e-2}, {"kivi:k4v4:g32", 0.12},
+      {"kivi:k3v3:g32", 0.25}, {"kivi:k2v2:g32", 0.55}, {"kcvt:k4v4", 0.2},
+      {"kcvt:k2v2", 0.9},      {"gearl:k2v2:g32:r4", 0.55}, {"gear:k2v2:g32:r4:s2", 0.5},
+      {"gear:k4v4:kcvt:r4:s2", 0.15}, {"gear:k3v3:g64:r2:s1", 0.3}};
+  return kBounds.at(spec);
+}
+
+TEST(CodecTest, EveryCodecRoundTripsWithinItsErrorBoundAtEveryShape) {
+  struct Shape {
+    uint32_t t, h, d;
+  } shapes[] = {{1, 1, 64}, {7, 2, 64}, {37, 2, 128}, {256, 4, 128}, {33, 1, 8}};
+  for (const Shape& sh : shapes) {
+    const SyntheticKv kv = MakeSyntheticKv(sh.t, sh.h, sh.d, /*seed=*/sh.t * 31 + sh.d);
+    for (const char* spec : kAllCodecs) {
+      const RoundTrip r = EncodeDecode(spec, kv);
+      const double bound = sh.t < 4 && std::string(spec).find("kcvt") != std::string::npos
+                               ? 2 * Bound(spec)
+                               : Bound(spec);
+      EXPECT_LT(r.k_error, bound) << spec << " T=" << sh.t << " D=" << sh.d;
+      EXPECT_LT(r.v_error, bound) << spec << " T=" << sh.t << " D=" << sh.d;
+    }
+  }
+}
+
+TEST(CodecTest, MoreBitsMeanLessErrorAndGearBeatsKivi) {
+  const SyntheticKv kv = MakeSyntheticKv(256, 2, 128, 99);
+  const RoundTrip k8 = EncodeDecode("kivi:k8v8:g32", kv), k4 = EncodeDecode("kivi:k4v4:g32", kv),
+                  k3 = EncodeDecode("kivi:k3v3:g32", kv), k2 = EncodeDecode("kivi:k2v2:g32", kv);
+  EXPECT_LT(k8.k_error, k4.k_error);
+  EXPECT_LT(k4.k_error, k3.k_error);
+  EXPECT_LT(k3.k_error, k2.k_error);
+  EXPECT_NEAR(k8.bits, 9.0, 0.1);  // 8 bits + fp16 scale and zero per 32
+  EXPECT_GT(k2.bits, 2.0);  // metadata is counted
+  const RoundTrip gearl = EncodeDecode("gearl:k2v2:g32:r4", kv);
+  const RoundTrip gear = EncodeDecode("gear:k2v2:g32:r4:s2", kv);
+  EXPECT_LT(gearl.k_error, k2.k_error);
+  EXPECT_LT(gear.k_error, gearl.k_error);
+  EXPECT_LT(gear.v_error, k2.v_error);
+  EXPECT_GT(gear.bits, gearl.bits);
+  EXPECT_GT(gearl.bits, k2.bits);
+}
+
+TEST(CodecTest, HalfAndBFloat16InputsAreAccepted) {
+  const SyntheticKv kv = MakeSyntheticKv(16, 2, 64, 5);
+  std::vector<Half> k16(kv.k.size()), v16(kv.v.size());
+  std::vector<BFloat16> kb(kv.k.size()), vb(kv.v.size());
+  FloatToHalf(kv.k.data(), k16.data(), k16.size());
+  FloatToHalf(kv.v.data(), v16.data(), v16.size());
+  FloatToBFloat16(kv.k.data(), kb.data(), kb.size());
+  FloatToBFloat16(kv.v.data(), vb.data(), vb.size());
+  auto codec = *Codec::Create("fp16");
+  absl::StatusOr<AlignedBuffer> b =
+      codec->Encode({k16.data(), v16.data(), SourceDType::kFloat16, 16, 2, 64}, {});
+  ASSERT_TRUE(b.ok()) << b.status();
+  std::vector<float> k(kv.k.size()), v(kv.v.size());
+  ASSERT_TRUE(DecodeBlockRef(*BlockView::Parse(b->span()), k.data(), v.data()).ok());
+  for (size_t i = 0; i < k.size(); ++i) ASSERT_EQ(k[i], k16[i].ToFloat());  // fp16 is exact
+  EXPECT_EQ(BlockView::Parse(b->span())->header().source_dtype, SourceDType::kFloat16);
+  auto gear = *Codec::Create("gear:k2v2:g32:r4:s2");
+  EXPECT_TRUE(gear->Encode({kb.data(), vb.data(), SourceDType::kBFloat16, 16, 2, 64}, {}).ok());
+}
+
+TEST(CodecTest, ConstantChannelsAndTokensFewerThanTheGroupAreExact) {
+  SyntheticKv kv = MakeSyntheticKv(5, 1, 16, 1);
+  for (float& x : kv.k) x = 1.25f;
+  for (float& x : kv.v) x = -3.5f;
+  for (const char* spec : {"kivi:k2v2:g32", "kcvt:k2v2", "gear:k2v2:g32:r4:s2", "gearl:k3v3:kcvt:r2"}) {
+    auto codec = *Codec::Create(spec);
+    absl::StatusOr<AlignedBuffer> b = codec->Encode(View(kv), {});
+    ASSERT_TRUE(b.ok()) << spec << b.status();
+    std::vector<float> k(kv.k.size()), v(kv.v.size());
+    ASSERT_TRUE(DecodeBlockRef(*BlockView::Parse(b->span()), k.data(), v.data()).ok());
+    for (size_t i = 0; i < k.size(); ++i) {
+      ASSERT_NEAR(k[i], 1.25f, 1e-6) << spec;
+      ASSERT_NEAR(v[i], -3.5f, 1e-6) << spec;
+    }
+  }
+}
+
+TEST(CodecTest, EncodingIsDeterministic) {
+  const SyntheticKv kv = MakeSyntheticKv(64, 2, 64, 3);
+  auto codec = *Codec::Create("gear:k2v2:g32:r4:s2");
+  const AlignedBuffer a = *codec->Encode(View(kv), {}), b = *codec->Encode(View(kv), {});
+  ASSERT_EQ(a.size(), b.size());
+  EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size()), 0);
+}
+
+TEST(CodecTest, BadInputIsRejectedWithItsPosition) {
+  SyntheticKv kv = MakeSyntheticKv(8, 2, 64, 4);
+  kv.v[(3 * 2 + 1) * 64 + 5] = std::numeric_limits<float>::quiet_NaN();
+  auto codec = *Codec::Create("kivi:k2v2:g32");
+  absl::Status s = codec->Encode(View(kv), {}).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("V[token 3, head 1, channel 5]"));
+  EXPECT_THAT(std::string(s.message()), HasSubstr("not finite"));
+  kv = MakeSyntheticKv(8, 2, 64, 4);
+  kv.k[0] = 1e6f;
+  EXPECT_THAT(std::string(codec->Encode(View(kv), {}).status().message()),
+              HasSubstr("exceeds this codec's range"));
+  EXPECT_TRUE((*Codec::Create("fp8e4m3"))->Encode(View(kv), {}).ok());  // fp32 scale: fine
+  const SyntheticKv odd = MakeSyntheticKv(8, 1, 12, 4);
+  EXPECT_THAT(std::string(codec->Encode(View(odd), {}).status().message()),
+              HasSubstr("not a multiple of 8"));
+  EXPECT_TRUE((*Codec::Create("fp16"))->Encode(View(odd), {}).ok());
+  EXPECT_EQ(Codec::Create("nope").status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(BlockOperandsTest, InconsistentBlocksAreDataLoss) {
+  const SyntheticKv kv = MakeSyntheticKv(16, 1, 64, 8);
+  AlignedBuffer block = *(*Codec::Create("gear:k2v2:g32:r4:s2"))->Encode(View(kv), {});
+  const BlockView view = *BlockView::Parse(block.span());
+  // An outlier index past the chunk, resealed so only the codec-level check can catch it.
+  const SectionView* idx = view.Find(SectionKind::kOutlierIndices, Tensor::kValue);
+  ASSERT_NE(idx, nullptr);
+  std::vector<uint8_t> bad(block.data(), block.data() + block.size());
+  bad[idx->entry.offset] = 200;
+  SealBlock(absl::MakeSpan(bad));
+  absl::StatusOr<BlockView> bad_view = BlockView::Parse(bad);
+  ASSERT_TRUE(bad_view.ok());
+  absl::Status s = PrepareBlock(*bad_view).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("V outlier 0 has index 200, beyond 64"));
+  // A block whose sections do not match its spec: a KIVI block relabelled as GEAR-L.
+  AlignedBuffer kivi = *(*Codec::Create("kivi:k2v2:g32"))->Encode(View(kv), {});
+  BlockHeader h = BlockView::Parse(kivi.span())->header();
+  h.codec = CodecId::kGearL;
+  h.codec_spec = "gearl:k2v2:g32:r4";
+  std::vector<SectionDesc> descs;
+  for (const SectionView& sv : BlockView::Parse(kivi.span())->sections()) {
+    descs.push_back({sv.entry.kind, sv.entry.tensor, sv.entry.elem, sv.entry.count,
+                     sv.entry.alignment});
+  }
+  AlignedBuffer relabelled = std::move(*BlockBuilder::Create(h, descs)).Finish();
+  s = PrepareBlock(*BlockView::Parse(relabelled.span())).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("writes 10 sections, block has 6"));
+}
+
+}  // namespace
+}  // namespace strata::kernels

@@ -1,0 +1,58 @@
+#include "kernels/synthetic_kv.h"
+
+#include <cmath>
+#include <random>
+
+namespace strata::kernels {
+
+SyntheticKv MakeSyntheticKv(uint32_t tokens, uint32_t kv_heads, uint32_t head_dim, uint64_t seed,
+                            uint32_t position0) {
+  SyntheticKv kv;
+  kv.tokens = tokens;
+  kv.kv_heads = kv_heads;
+  kv.head_dim = head_dim;
+  const size_t n = size_t{tokens} * kv_heads * head_dim;
+  kv.k.resize(n);
+  kv.v.resize(n);
+  constexpr int kLatent = 8;
+  for (uint32_t h = 0; h < kv_heads; ++h) {
+    // Per-head structure is fixed by (seed, head) so that chunks of one sequence agree.
+    std::mt19937_64 head_rng(seed * 1000003u + h);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::vector<float> mix(size_t{head_dim} * kLatent), bias(head_dim), magnitude(head_dim);
+    for (float& m : mix) m = normal(head_rng) / std::sqrt(float{kLatent});
+    for (uint32_t d = 0; d < head_dim; ++d) {
+      bias[d] = 0.5f * normal(head_rng);
+      magnitude[d] = std::exp(0.3f * normal(head_rng));
+      if (head_rng() % 100 < 4) {  // ~4% outlier channels, 10-50x
+        magnitude[d] *= 10.0f + static_cast<float>(head_rng() % 41);
+      }
+    }
+    std::mt19937_64 tok_rng(seed * 7919u + h * 104729u + position0);
+    std::lognormal_distribution<float> token_scale(0.0f, 0.6f);
+    std::vector<float> latent(kLatent), raw(head_dim);
+    for (uint32_t t = 0; t < tokens; ++t) {
+      for (float& z : latent) z = normal(tok_rng);
+      for (uint32_t d = 0; d < head_dim; ++d) {
+        float x = bias[d] + 0.3f * normal(tok_rng);
+        for (int j = 0; j < kLatent; ++j) x += mix[d * kLatent + j] * latent[j];
+        raw[d] = x * magnitude[d];
+      }
+      float* k = &kv.k[(size_t{t} * kv_heads + h) * head_dim];
+      const float pos = static_cast<float>(position0 + t);
+      for (uint32_t d = 0; d + 1 < head_dim; d += 2) {  // RoPE over (2i, 2i+1)
+        const float theta = pos * std::pow(10000.0f, -static_cast<float>(d) / head_dim);
+        const float c = std::cos(theta), s = std::sin(theta);
+        k[d] = raw[d] * c - raw[d + 1] * s;
+        k[d + 1] = raw[d] * s + raw[d + 1] * c;
+      }
+      if (head_dim % 2) k[head_dim - 1] = raw[head_dim - 1];
+      float* v = &kv.v[(size_t{t} * kv_heads + h) * head_dim];
+      const float scale = token_scale(tok_rng);
+      for (uint32_t d = 0; d < head_dim; ++d) v[d] = scale * normal(tok_rng);
+    }
+  }
+  return kv;
+}
+
+}  // namespace strata::kernels
