@@ -1,0 +1,475 @@
+#include "kernels/decode_attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/cpu_features.h"
+#include "common/fp8.h"
+#include "common/half.h"
+#include "common/status_macros.h"
+#include "common/thread_pool.h"
+#include "kernels/bit_pack.h"
+#include "kernels/internal/attention_segment.h"
+
+namespace strata::kernels {
+namespace {
+
+using internal::HeadGroupState;
+using internal::Segment;
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+absl::Status Validate(const DecodeAttentionParams& p, absl::Span<const DecodeSequence> batch) {
+  if (p.q_heads == 0 || p.kv_heads == 0 || p.head_dim == 0 || p.q_heads % p.kv_heads != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "attention: q_heads ", p.q_heads, " must be a positive multiple of kv_heads ", p.kv_heads,
+        ", head_dim ", p.head_dim, " positive"));
+  }
+  for (size_t s = 0; s < batch.size(); ++s) {
+    const DecodeSequence& seq = batch[s];
+    if (seq.q == nullptr || seq.out == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("attention: sequence ", s, " has no q/out"));
+    }
+    uint64_t tokens = seq.sinks.tokens + seq.window.tokens;
+    for (const FullPrecisionKv* fp : {&seq.sinks, &seq.window}) {
+      if (fp->tokens > 0 && (fp->k == nullptr || fp->v == nullptr)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("attention: sequence ", s, " has sink/window tokens without K/V"));
+      }
+    }
+    for (size_t b = 0; b < seq.blocks.size(); ++b) {
+      const BlockOperands* ops = seq.blocks[b];
+      if (ops == nullptr) {
+        return absl::InvalidArgumentError(absl::StrCat("attention: sequence ", s, " block ", b,
+                                                       " is null"));
+      }
+      if (ops->kv_heads != p.kv_heads || ops->head_dim != p.head_dim) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "attention: sequence ", s, " block ", b, " has ", ops->kv_heads, " KV heads x ",
+            ops->head_dim, " dims, the attention ", p.kv_heads, " x ", p.head_dim));
+      }
+      tokens += ops->tokens;
+    }
+    if (tokens == 0) {
+      return absl::InvalidArgumentError(absl::StrCat("attention: sequence ", s, " has no tokens"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+float Scale(const DecodeAttentionParams& p) {
+  return p.scale != 0 ? p.scale : 1.0f / std::sqrt(static_cast<float>(p.head_dim));
+}
+
+// Segments of one sequence for one KV head, in order.
+std::vector<Segment> Segments(const DecodeAttentionParams& p, const DecodeSequence& seq,
+                              uint32_t head) {
+  std::vector<Segment> out;
+  const uint32_t stride = p.kv_heads * p.head_dim;
+  auto full = [&](const FullPrecisionKv& fp) {
+    if (fp.tokens == 0) return;
+    Segment s;
+    s.k = fp.k + size_t{head} * p.head_dim;
+    s.v = fp.v + size_t{head} * p.head_dim;
+    s.stride = stride;
+    s.tokens = fp.tokens;
+    out.push_back(s);
+  };
+  full(seq.sinks);
+  for (const BlockOperands* b : seq.blocks) {
+    Segment s;
+    s.block = b;
+    s.head = head;
+    s.tokens = b->tokens;
+    out.push_back(s);
+  }
+  full(seq.window);
+  return out;
+}
+
+// Runs segments [begin, end) through the online softmax.
+void RunSegments(const std::vector<Segment>& segs, size_t begin, size_t end, HeadGroupState& st,
+                 internal::ScoreFn scores_fn, internal::AccumulateFn acc_fn) {
+  const uint32_t G = st.g, D = st.d;
+  for (size_t i = begin; i < end; ++i) {
+    const Segment& seg = segs[i];
+    const uint32_t T = seg.tokens;
+    st.scores.assign(size_t{G} * T, 0.0f);
+    scores_fn(seg, st);
+    for (uint32_t j = 0; j < G; ++j) {
+      float* s = &st.scores[size_t{j} * T];
+      float mx = kNegInf;
+      for (uint32_t t = 0; t < T; ++t) mx = std::max(mx, s[t]);
+      const float m_new = std::max(st.m[j], mx);
+      const float alpha = st.m[j] == kNegInf ? 0.0f : std::exp(st.m[j] - m_new);
+      float* acc = &st.acc[size_t{j} * D];
+      for (uint32_t d = 0; d < D; ++d) acc[d] *= alpha;
+      float l = st.l[j] * alpha;
+      for (uint32_t t = 0; t < T; ++t) {
+        s[t] = std::exp(s[t] - m_new);
+        l += s[t];
+      }
+      st.l[j] = l;
+      st.m[j] = m_new;
+    }
+    acc_fn(seg, st);
+  }
+}
+
+absl::Status Run(const DecodeAttentionParams& p, absl::Span<const DecodeSequence> batch,
+                 const DecodeAttentionOptions& o, internal::ScoreFn scores_fn,
+                 internal::AccumulateFn acc_fn) {
+  if (o.tokens_per_split == 0) {
+    return absl::InvalidArgumentError("attention: tokens_per_split must be >= 1");
+  }
+  const uint32_t G = p.q_heads / p.kv_heads, D = p.head_dim;
+  const float scale = Scale(p);
+  struct Task {
+    size_t seq;
+    uint32_t head;
+    size_t begin, end;  // segment range
+    size_t part;        // index of the partial result
+  };
+  std::vector<std::vector<Segment>> segs(batch.size() * p.kv_heads);
+  std::vector<Task> tasks;
+  std::vector<size_t> first_part(batch.size() * p.kv_heads + 1, 0);
+  for (size_t s = 0; s < batch.size(); ++s) {
+    for (uint32_t h = 0; h < p.kv_heads; ++h) {
+      const size_t sh = s * p.kv_heads + h;
+      segs[sh] = Segments(p, batch[s], h);
+      first_part[sh] = tasks.size();
+      size_t begin = 0;
+      uint64_t acc_tokens = 0;
+      for (size_t i = 0; i < segs[sh].size(); ++i) {
+        acc_tokens += segs[sh][i].tokens;
+        if (acc_tokens >= o.tokens_per_split || i + 1 == segs[sh].size()) {
+          tasks.push_back({s, h, begin, i + 1, tasks.size()});
+          begin = i + 1;
+          acc_tokens = 0;
+        }
+      }
+    }
+  }
+  first_part.back() = tasks.size();
+  std::vector<float> part_m(tasks.size() * G), part_l(tasks.size() * G),
+      part_acc(tasks.size() * G * D);
+  ThreadPool& pool = o.pool != nullptr ? *o.pool : ThreadPool::Default();
+  pool.ParallelFor(tasks.size(), [&](size_t ti) {
+    const Task& t = tasks[ti];
+    HeadGroupState st;
+    st.g = G;
+    st.d = D;
+    st.q.resize(size_t{G} * D);
+    const float* q = batch[t.seq].q + size_t{t.head} * G * D;
+    for (size_t i = 0; i < st.q.size(); ++i) st.q[i] = q[i] * scale;
+    st.m.assign(G, kNegInf);
+    st.l.assign(G, 0.0f);
+    st.acc.assign(size_t{G} * D, 0.0f);
+    RunSegments(segs[t.seq * p.kv_heads + t.head], t.begin, t.end, st, scores_fn, acc_fn);
+    std::memcpy(&part_m[t.part * G], st.m.data(), G * sizeof(float));
+    std::memcpy(&part_l[t.part * G], st.l.data(), G * sizeof(float));
+    std::memcpy(&part_acc[t.part * G * D], st.acc.data(), size_t{G} * D * sizeof(float));
+  });
+  // Log-sum-exp merge of the parts of each (sequence, KV head).
+  for (size_t s = 0; s < batch.size(); ++s) {
+    for (uint32_t h = 0; h < p.kv_heads; ++h) {
+      const size_t sh = s * p.kv_heads + h;
+      for (uint32_t j = 0; j < G; ++j) {
+        float m = kNegInf;
+        for (size_t part = first_part[sh]; part < first_part[sh + 1]; ++part) {
+          m = std::max(m, part_m[part * G + j]);
+        }
+        float l = 0;
+        float* out = batch[s].out + (size_t{h} * G + j) * D;
+        std::fill(out, out + D, 0.0f);
+        for (size_t part = first_part[sh]; part < first_part[sh + 1]; ++part) {
+          const float w = part_m[part * G + j] == kNegInf ? 0.0f
+                                                          : std::exp(part_m[part * G + j] - m);
+          l += part_l[part * G + j] * w;
+          const float* acc = &part_acc[(part * G + j) * D];
+          for (uint32_t d = 0; d < D; ++d) out[d] += acc[d] * w;
+        }
+        const float inv = l > 0 ? 1.0f / l : 0.0f;
+        for (uint32_t d = 0; d < D; ++d) out[d] *= inv;
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+bool HaveAvx2() {
+  const CpuFeatures& f = GetCpuFeatures();
+  return f.avx2 && f.fma && f.f16c;
+}
+
+}  // namespace
+
+namespace internal {
+
+// ---- portable kernels ----
+
+// Decodes one token's row of a block tensor (backbone only) into `row` [D], in float.
+// Affine codes come out as raw code values; the caller applies the scales.
+static void UnpackRow(const TensorOperands& t, size_t row_index, uint32_t D, float* row) {
+  const uint8_t* c = t.codes + row_index * t.row_bytes;
+  switch (t.kind) {
+    case CodeKind::kFloat16:
+      for (uint32_t d = 0; d < D; ++d) {
+        uint16_t b;
+        std::memcpy(&b, c + 2 * d, 2);
+        row[d] = HalfBitsToFloat(b);
+      }
+      return;
+    case CodeKind::kBFloat16:
+      for (uint32_t d = 0; d < D; ++d) {
+        uint16_t b;
+        std::memcpy(&b, c + 2 * d, 2);
+        row[d] = BFloat16BitsToFloat(b);
+      }
+      return;
+    case CodeKind::kInt8:
+      for (uint32_t d = 0; d < D; ++d) row[d] = static_cast<int8_t>(c[d]);
+      return;
+    case CodeKind::kFp8E4M3:
+      for (uint32_t d = 0; d < D; ++d) row[d] = Fp8E4M3ToFloat(c[d]);
+      return;
+    case CodeKind::kAffine:
+      for (uint32_t d = 0; d < D; ++d) row[d] = static_cast<float>(UnpackBit(c, d, t.bits));
+      return;
+  }
+}
+
+void ScoresPortable(const Segment& seg, HeadGroupState& st) {
+  const uint32_t G = st.g, D = st.d, T = seg.tokens;
+  if (seg.block == nullptr) {
+    for (uint32_t t = 0; t < T; ++t) {
+      const float* k = seg.k + size_t{t} * seg.stride;
+      for (uint32_t j = 0; j < G; ++j) {
+        const float* q = &st.q[size_t{j} * D];
+        float s = 0;
+        for (uint32_t d = 0; d < D; ++d) s += q[d] * k[d];
+        st.scores[size_t{j} * T + t] = s;
+      }
+    }
+    return;
+  }
+  const TensorOperands& k = seg.block->k;
+  st.work.resize(size_t{D} + size_t{G} * D + G);
+  float* row = st.work.data();
+  float* qf = row + D;          // [G, D] q with this token group's scales folded in
+  float* bias = qf + size_t{G} * D;  // [G]
+  for (uint32_t t = 0; t < T; ++t) {
+    const size_t r = size_t{seg.head} * T + t;
+    if (k.kind == CodeKind::kAffine && (t % k.group_size == 0)) {
+      const size_t p0 = (size_t{seg.head} * k.groups + t / k.group_size) * D;
+      for (uint32_t j = 0; j < G; ++j) {
+        const float* q = &st.q[size_t{j} * D];
+        float b = 0;
+        for (uint32_t d = 0; d < D; ++d) {
+          qf[j * D + d] = q[d] * HalfBitsToFloat(k.scales[p0 + d]);
+          b += q[d] * HalfBitsToFloat(k.zeros[p0 + d]);
+        }
+        bias[j] = b;
+      }
+    }
+    UnpackRow(k, r, D, row);
+    for (uint32_t j = 0; j < G; ++j) {
+      const float* q = k.kind == CodeKind::kAffine ? &qf[j * D] : &st.q[size_t{j} * D];
+      float s = 0;
+      for (uint32_t d = 0; d < D; ++d) s += q[d] * row[d];
+      switch (k.kind) {
+        case CodeKind::kAffine: s += bias[j]; break;
+        case CodeKind::kInt8: s *= HalfBitsToFloat(k.scales[r]); break;
+        case CodeKind::kFp8E4M3: s *= k.tensor_scale; break;
+        default: break;
+      }
+      st.scores[size_t{j} * T + t] = s;
+    }
+  }
+  AddScoreCorrections(seg, st);
+}
+
+void AccumulatePortable(const Segment& seg, HeadGroupState& st) {
+  const uint32_t G = st.g, D = st.d, T = seg.tokens;
+  if (seg.block == nullptr) {
+    for (uint32_t t = 0; t < T; ++t) {
+      const float* v = seg.v + size_t{t} * seg.stride;
+      for (uint32_t j = 0; j < G; ++j) {
+        const float p = st.scores[size_t{j} * T + t];
+        float* acc = &st.acc[size_t{j} * D];
+        for (uint32_t d = 0; d < D; ++d) acc[d] += p * v[d];
+      }
+    }
+    return;
+  }
+  const TensorOperands& v = seg.block->v;
+  st.work.resize(D);
+  float* row = st.work.data();
+  for (uint32_t t = 0; t < T; ++t) {
+    const size_t r = size_t{seg.head} * T + t;
+    UnpackRow(v, r, D, row);
+    for (uint32_t j = 0; j < G; ++j) {
+      const float p = st.scores[size_t{j} * T + t];
+      float* acc = &st.acc[size_t{j} * D];
+      switch (v.kind) {
+        case CodeKind::kAffine:
+          for (uint32_t g = 0; g < v.groups; ++g) {
+            const float w = p * HalfBitsToFloat(v.scales[r * v.groups + g]);
+            const float z = p * HalfBitsToFloat(v.zeros[r * v.groups + g]);
+            const uint32_t d1 = std::min(D, (g + 1) * v.group_size);
+            for (uint32_t d = g * v.group_size; d < d1; ++d) acc[d] += w * row[d] + z;
+          }
+          break;
+        case CodeKind::kInt8: {
+          const float w = p * HalfBitsToFloat(v.scales[r]);
+          for (uint32_t d = 0; d < D; ++d) acc[d] += w * row[d];
+          break;
+        }
+        case CodeKind::kFp8E4M3: {
+          const float w = p * v.tensor_scale;
+          for (uint32_t d = 0; d < D; ++d) acc[d] += w * row[d];
+          break;
+        }
+        default:
+          for (uint32_t d = 0; d < D; ++d) acc[d] += p * row[d];
+          break;
+      }
+    }
+  }
+  AddValueCorrections(seg, st);
+}
+
+void AddScoreCorrections(const Segment& seg, HeadGroupState& st) {
+  const TensorOperands& k = seg.block->k;
+  const uint32_t G = st.g, D = st.d, T = seg.tokens, h = seg.head;
+  if (k.rank > 0) {
+    const uint32_t R = k.rank;
+    std::vector<float> qb(size_t{G} * R, 0.0f);  // (q . B) per query head
+    for (uint32_t d = 0; d < D; ++d) {
+      const uint16_t* b = k.lowrank_b + (size_t{h} * D + d) * R;
+      for (uint32_t j = 0; j < G; ++j) {
+        const float q = st.q[size_t{j} * D + d];
+        for (uint32_t r = 0; r < R; ++r) qb[j * R + r] += q * HalfBitsToFloat(b[r]);
+      }
+    }
+    for (uint32_t t = 0; t < T; ++t) {
+      const uint16_t* a = k.lowrank_a + (size_t{h} * T + t) * R;
+      for (uint32_t j = 0; j < G; ++j) {
+        float s = 0;
+        for (uint32_t r = 0; r < R; ++r) s += HalfBitsToFloat(a[r]) * qb[j * R + r];
+        st.scores[size_t{j} * T + t] += s;
+      }
+    }
+  }
+  const uint32_t n = k.outliers_per_vector;
+  for (uint32_t d = 0; n > 0 && d < D; ++d) {
+    for (uint32_t e = 0; e < n; ++e) {
+      const size_t i = (size_t{h} * D + d) * n + e;
+      const uint32_t t = k.OutlierIndex(i);
+      const float val = HalfBitsToFloat(k.outlier_values[i]);
+      for (uint32_t j = 0; j < G; ++j) st.scores[size_t{j} * T + t] += st.q[size_t{j} * D + d] * val;
+    }
+  }
+}
+
+void AddValueCorrections(const Segment& seg, HeadGroupState& st) {
+  const TensorOperands& v = seg.block->v;
+  const uint32_t G = st.g, D = st.d, T = seg.tokens, h = seg.head;
+  if (v.rank > 0) {
+    const uint32_t R = v.rank;
+    std::vector<float> pa(size_t{G} * R, 0.0f);  // sum_t p_t A_t per query head
+    for (uint32_t t = 0; t < T; ++t) {
+      const uint16_t* a = v.lowrank_a + (size_t{h} * T + t) * R;
+      for (uint32_t j = 0; j < G; ++j) {
+        const float p = st.scores[size_t{j} * T + t];
+        for (uint32_t r = 0; r < R; ++r) pa[j * R + r] += p * HalfBitsToFloat(a[r]);
+      }
+    }
+    for (uint32_t d = 0; d < D; ++d) {
+      const uint16_t* b = v.lowrank_b + (size_t{h} * D + d) * R;
+      for (uint32_t j = 0; j < G; ++j) {
+        float s = 0;
+        for (uint32_t r = 0; r < R; ++r) s += HalfBitsToFloat(b[r]) * pa[j * R + r];
+        st.acc[size_t{j} * D + d] += s;
+      }
+    }
+  }
+  const uint32_t n = v.outliers_per_vector;
+  for (uint32_t t = 0; n > 0 && t < T; ++t) {
+    for (uint32_t e = 0; e < n; ++e) {
+      const size_t i = (size_t{h} * T + t) * n + e;
+      const uint32_t d = v.OutlierIndex(i);
+      const float val = HalfBitsToFloat(v.outlier_values[i]);
+      for (uint32_t j = 0; j < G; ++j) {
+        st.acc[size_t{j} * D + d] += st.scores[size_t{j} * T + t] * val;
+      }
+    }
+  }
+}
+
+}  // namespace internal
+
+bool DecodeAttentionUsesAvx2() { return HaveAvx2(); }
+
+absl::Status DecodeAttention(const DecodeAttentionParams& params,
+                             absl::Span<const DecodeSequence> batch,
+                             const DecodeAttentionOptions& options) {
+  STRATA_RETURN_IF_ERROR(Validate(params, batch));
+  bool avx2 = options.impl == AttentionImpl::kAvx2 ||
+              (options.impl == AttentionImpl::kAuto && HaveAvx2());
+  if (avx2 && !HaveAvx2()) {
+    return absl::UnimplementedError("attention: AVX2+FMA+F16C requested but not available");
+  }
+  return avx2 ? Run(params, batch, options, internal::ScoresAvx2, internal::AccumulateAvx2)
+              : Run(params, batch, options, internal::ScoresPortable,
+                    internal::AccumulatePortable);
+}
+
+absl::Status DecodeAttentionRef(const DecodeAttentionParams& p,
+                                absl::Span<const DecodeSequence> batch) {
+  STRATA_RETURN_IF_ERROR(Validate(p, batch));
+  const uint32_t H = p.kv_heads, D = p.head_dim, G = p.q_heads / p.kv_heads;
+  const double scale = Scale(p);
+  for (const DecodeSequence& seq : batch) {
+    // Gather every token's K and V at fp32: [N, H, D].
+    std::vector<float> k, v;
+    auto append = [&](const float* ks, const float* vs, size_t tokens) {
+      k.insert(k.end(), ks, ks + tokens * H * D);
+      v.insert(v.end(), vs, vs + tokens * H * D);
+    };
+    if (seq.sinks.tokens > 0) append(seq.sinks.k, seq.sinks.v, seq.sinks.tokens);
+    for (const BlockOperands* b : seq.blocks) {
+      std::vector<float> bk(size_t{b->tokens} * H * D), bv(bk.size());
+      STRATA_RETURN_IF_ERROR(DecodeOperandsRef(*b, bk.data(), bv.data()));
+      append(bk.data(), bv.data(), b->tokens);
+    }
+    if (seq.window.tokens > 0) append(seq.window.k, seq.window.v, seq.window.tokens);
+    const size_t n = k.size() / (size_t{H} * D);
+    std::vector<double> s(n);
+    for (uint32_t qh = 0; qh < p.q_heads; ++qh) {
+      const uint32_t h = qh / G;
+      const float* q = seq.q + size_t{qh} * D;
+      double mx = -INFINITY;
+      for (size_t t = 0; t < n; ++t) {
+        double dot = 0;
+        for (uint32_t d = 0; d < D; ++d) dot += double{q[d]} * k[(t * H + h) * D + d];
+        s[t] = dot * scale;
+        mx = std::max(mx, s[t]);
+      }
+      double sum = 0;
+      for (size_t t = 0; t < n; ++t) sum += (s[t] = std::exp(s[t] - mx));
+      for (uint32_t d = 0; d < D; ++d) {
+        double o = 0;
+        for (size_t t = 0; t < n; ++t) o += s[t] * v[(t * H + h) * D + d];
+        seq.out[size_t{qh} * D + d] = static_cast<float>(o / sum);
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace strata::kernels

@@ -1,0 +1,73 @@
+// Decode attention over compressed blocks: one new query token per sequence attends over
+//   sinks (full precision) + compressed blocks + window (full precision),
+// in that order, for a batch of sequences. Grouped-query attention: query head j uses KV head
+// j / (q_heads / kv_heads), and one pass over a KV head's bytes serves all its query heads.
+//
+// Nothing is decompressed to memory: codes are dequantized a row at a time as they are read,
+// per-channel key scales are folded into q, per-token value scales into the probabilities, the
+// low-rank term enters as (q.B).A^T for scores and (sum_t p_t A_t).B^T for outputs, and sparse
+// outliers are added per token. Each (sequence, KV head) is split along the sequence into parts
+// of about `tokens_per_split` tokens (flash-decoding), computed in parallel with an online
+// softmax, and merged by log-sum-exp.
+//
+// DecodeAttentionRef is the specification: every block decoded to fp32 (DecodeOperandsRef), then
+// textbook softmax attention in double. DecodeAttention is the fused implementation (portable
+// C++, and AVX2+FMA where the CPU has it) and is held to the reference by the tests.
+//
+// Errors: kInvalidArgument when shapes disagree (a block's heads or head dim differ from the
+// params, q_heads not a multiple of kv_heads, a sequence with no tokens, null pointers).
+#pragma once
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/types/span.h"
+#include "kernels/block_operands.h"
+
+namespace strata {
+class ThreadPool;
+}
+
+namespace strata::kernels {
+
+// Tokens kept at full precision (sinks or window).
+struct FullPrecisionKv {
+  const float* k = nullptr;  // [tokens, kv_heads, head_dim]
+  const float* v = nullptr;  // [tokens, kv_heads, head_dim]
+  uint32_t tokens = 0;
+};
+
+struct DecodeSequence {
+  const float* q = nullptr;                        // [q_heads, head_dim]
+  FullPrecisionKv sinks;                           // first tokens of the sequence
+  absl::Span<const BlockOperands* const> blocks;   // then these, in sequence order
+  FullPrecisionKv window;                          // then the newest tokens
+  float* out = nullptr;                            // [q_heads, head_dim]
+};
+
+struct DecodeAttentionParams {
+  uint32_t q_heads = 0;
+  uint32_t kv_heads = 0;
+  uint32_t head_dim = 0;
+  float scale = 0;  // softmax scale; 0 means 1/sqrt(head_dim)
+};
+
+enum class AttentionImpl { kAuto, kPortable, kAvx2 };
+
+struct DecodeAttentionOptions {
+  AttentionImpl impl = AttentionImpl::kAuto;  // kAvx2 fails with kUnimplemented without AVX2
+  uint32_t tokens_per_split = 4096;           // flash-decoding part size, >= 1
+  ThreadPool* pool = nullptr;                 // nullptr: ThreadPool::Default()
+};
+
+absl::Status DecodeAttentionRef(const DecodeAttentionParams& params,
+                                absl::Span<const DecodeSequence> batch);
+
+absl::Status DecodeAttention(const DecodeAttentionParams& params,
+                             absl::Span<const DecodeSequence> batch,
+                             const DecodeAttentionOptions& options = {});
+
+// True when DecodeAttention's kAuto picks the AVX2 kernels on this CPU.
+bool DecodeAttentionUsesAvx2();
+
+}  // namespace strata::kernels

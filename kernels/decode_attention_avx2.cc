@@ -1,0 +1,211 @@
+// AVX2+FMA+F16C kernels of fused decode attention. Only the functions here are compiled for
+// AVX2 (target attributes, not file-wide flags), so inline functions from shared headers stay
+// portable; decode_attention.cc calls these only when the CPU has the features.
+//
+// Specialized: full-precision segments, fp16 blocks and the affine family at 2/3/4/8 bits, for
+// 1, 2, 4 or 8 query heads per KV head and head_dim a multiple of 8. Anything else takes the
+// portable kernels.
+#include <immintrin.h>
+
+#include <cstring>
+
+#include "common/half.h"
+#include "kernels/internal/attention_segment.h"
+
+#define STRATA_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define STRATA_AVX2_INLINE __attribute__((target("avx2,fma,f16c"), always_inline)) inline
+
+namespace strata::kernels::internal {
+namespace {
+
+STRATA_AVX2_INLINE float Hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Eight consecutive codes starting at channel d (a multiple of 8), as floats.
+template <int kBits>
+STRATA_AVX2_INLINE __m256 Unpack8(const uint8_t* row, uint32_t d) {
+  if constexpr (kBits == 8) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + d));
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+  } else {
+    uint32_t w = 0;
+    std::memcpy(&w, row + d * kBits / 8, kBits);  // 8 codes = kBits bytes
+    const __m256i shifts = _mm256_setr_epi32(0, kBits, 2 * kBits, 3 * kBits, 4 * kBits,
+                                             5 * kBits, 6 * kBits, 7 * kBits);
+    const __m256i v = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(w)),
+                                                         shifts),
+                                       _mm256_set1_epi32((1 << kBits) - 1));
+    return _mm256_cvtepi32_ps(v);
+  }
+}
+
+STRATA_AVX2_INLINE __m256 LoadHalf8(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// Source of a segment's rows: 0 = fp32, 1 = fp16, 2+ = affine codes of that many bits... as a
+// template parameter kSrc: -32 full precision, -16 fp16, else bits.
+template <int kSrc>
+STRATA_AVX2_INLINE __m256 Load8(const uint8_t* row, uint32_t d) {
+  if constexpr (kSrc == -32) {
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(row) + d);
+  } else if constexpr (kSrc == -16) {
+    return LoadHalf8(row + 2 * d);
+  } else {
+    return Unpack8<kSrc>(row, d);
+  }
+}
+
+template <int kSrc, uint32_t kG>
+STRATA_AVX2 void Scores(const Segment& seg, HeadGroupState& st) {
+  const uint32_t D = st.d, T = seg.tokens;
+  const TensorOperands* k = seg.block ? &seg.block->k : nullptr;
+  constexpr bool kAffine = kSrc > 0;
+  st.work.resize(size_t{kG} * D + kG);
+  float* qf = st.work.data();  // [G, D] q with the token group's key scales folded in
+  float* bias = qf + size_t{kG} * D;
+  const float* q = kAffine ? qf : st.q.data();
+  for (uint32_t t = 0; t < T; ++t) {
+    if constexpr (kAffine) {
+      if (t % k->group_size == 0) {
+        const size_t p0 = (size_t{seg.head} * k->groups + t / k->group_size) * D;
+        for (uint32_t j = 0; j < kG; ++j) {
+          __m256 b = _mm256_setzero_ps();
+          for (uint32_t d = 0; d < D; d += 8) {
+            const __m256 qv = _mm256_loadu_ps(&st.q[j * D + d]);
+            const __m256 sc = LoadHalf8(reinterpret_cast<const uint8_t*>(k->scales + p0 + d));
+            const __m256 zp = LoadHalf8(reinterpret_cast<const uint8_t*>(k->zeros + p0 + d));
+            _mm256_storeu_ps(&qf[j * D + d], _mm256_mul_ps(qv, sc));
+            b = _mm256_fmadd_ps(qv, zp, b);
+          }
+          bias[j] = Hsum(b);
+        }
+      }
+    }
+    const uint8_t* row =
+        k == nullptr ? reinterpret_cast<const uint8_t*>(seg.k + size_t{t} * seg.stride)
+                     : k->codes + (size_t{seg.head} * T + t) * k->row_bytes;
+    __m256 acc[kG];
+    for (uint32_t j = 0; j < kG; ++j) acc[j] = _mm256_setzero_ps();
+    for (uint32_t d = 0; d < D; d += 8) {
+      const __m256 c = Load8<kSrc>(row, d);
+      for (uint32_t j = 0; j < kG; ++j) acc[j] = _mm256_fmadd_ps(c, _mm256_loadu_ps(&q[j * D + d]), acc[j]);
+    }
+    for (uint32_t j = 0; j < kG; ++j) {
+      st.scores[size_t{j} * T + t] = Hsum(acc[j]) + (kAffine ? bias[j] : 0.0f);
+    }
+  }
+  if (k != nullptr) AddScoreCorrections(seg, st);
+}
+
+template <int kSrc, uint32_t kG>
+STRATA_AVX2 void Accumulate(const Segment& seg, HeadGroupState& st) {
+  const uint32_t D = st.d, T = seg.tokens;
+  const TensorOperands* v = seg.block ? &seg.block->v : nullptr;
+  constexpr bool kAffine = kSrc > 0;
+  const uint32_t groups = kAffine ? v->groups : 1;
+  // w[j][t][g]: the weight of token t's codes in channel group g (p, times the scale).
+  const float* w = st.scores.data();
+  if constexpr (kAffine) {
+    st.work.resize(size_t{kG} * T * groups + size_t{kG} * groups);
+    float* wt = st.work.data();
+    float* zsum = wt + size_t{kG} * T * groups;  // [G, groups]: sum_t p * zero point
+    for (size_t i = 0; i < size_t{kG} * groups; ++i) zsum[i] = 0;
+    for (uint32_t t = 0; t < T; ++t) {
+      const size_t r = (size_t{seg.head} * T + t) * groups;
+      for (uint32_t g = 0; g < groups; ++g) {
+        const float sc = HalfBitsToFloat(v->scales[r + g]);
+        const float zp = HalfBitsToFloat(v->zeros[r + g]);
+        for (uint32_t j = 0; j < kG; ++j) {
+          const float p = st.scores[size_t{j} * T + t];
+          wt[(size_t{j} * T + t) * groups + g] = p * sc;
+          zsum[j * groups + g] += p * zp;
+        }
+      }
+    }
+    w = wt;
+  }
+  for (uint32_t d = 0; d < D; d += 8) {
+    const uint32_t g = kAffine ? d / v->group_size : 0;
+    __m256 acc[kG];
+    for (uint32_t j = 0; j < kG; ++j) acc[j] = _mm256_loadu_ps(&st.acc[j * D + d]);
+    for (uint32_t t = 0; t < T; ++t) {
+      const uint8_t* row =
+          v == nullptr ? reinterpret_cast<const uint8_t*>(seg.v + size_t{t} * seg.stride)
+                       : v->codes + (size_t{seg.head} * T + t) * v->row_bytes;
+      const __m256 c = Load8<kSrc>(row, d);
+      for (uint32_t j = 0; j < kG; ++j) {
+        acc[j] = _mm256_fmadd_ps(c, _mm256_broadcast_ss(&w[(size_t{j} * T + t) * groups + g]), acc[j]);
+      }
+    }
+    if constexpr (kAffine) {
+      const float* zsum = st.work.data() + size_t{kG} * T * groups;
+      for (uint32_t j = 0; j < kG; ++j) acc[j] = _mm256_add_ps(acc[j], _mm256_set1_ps(zsum[j * groups + g]));
+    }
+    for (uint32_t j = 0; j < kG; ++j) _mm256_storeu_ps(&st.acc[j * D + d], acc[j]);
+  }
+  if (v != nullptr) AddValueCorrections(seg, st);
+}
+
+// The source kind of a tensor for the templates, or 0 when not specialized.
+int SourceOf(const Segment& seg, const TensorOperands* t) {
+  if (seg.block == nullptr) return -32;
+  if (t->kind == CodeKind::kFloat16) return -16;
+  if (t->kind == CodeKind::kAffine && (t->bits == 2 || t->bits == 3 || t->bits == 4 || t->bits == 8)) {
+    return t->bits;
+  }
+  return 0;
+}
+
+template <template <int, uint32_t> class F, int kSrc>
+bool DispatchG(uint32_t g, const Segment& seg, HeadGroupState& st) {
+  switch (g) {
+    case 1: F<kSrc, 1>::Run(seg, st); return true;
+    case 2: F<kSrc, 2>::Run(seg, st); return true;
+    case 4: F<kSrc, 4>::Run(seg, st); return true;
+    case 8: F<kSrc, 8>::Run(seg, st); return true;
+    default: return false;
+  }
+}
+
+template <template <int, uint32_t> class F>
+bool Dispatch(int src, const Segment& seg, HeadGroupState& st) {
+  switch (src) {
+    case -32: return DispatchG<F, -32>(st.g, seg, st);
+    case -16: return DispatchG<F, -16>(st.g, seg, st);
+    case 2: return DispatchG<F, 2>(st.g, seg, st);
+    case 3: return DispatchG<F, 3>(st.g, seg, st);
+    case 4: return DispatchG<F, 4>(st.g, seg, st);
+    case 8: return DispatchG<F, 8>(st.g, seg, st);
+    default: return false;
+  }
+}
+
+template <int kSrc, uint32_t kG>
+struct ScoresOp {
+  static void Run(const Segment& s, HeadGroupState& st) { Scores<kSrc, kG>(s, st); }
+};
+template <int kSrc, uint32_t kG>
+struct AccumulateOp {
+  static void Run(const Segment& s, HeadGroupState& st) { Accumulate<kSrc, kG>(s, st); }
+};
+
+}  // namespace
+
+void ScoresAvx2(const Segment& seg, HeadGroupState& st) {
+  if (st.d % 8 != 0 || !Dispatch<ScoresOp>(SourceOf(seg, seg.block ? &seg.block->k : nullptr), seg, st)) {
+    ScoresPortable(seg, st);
+  }
+}
+
+void AccumulateAvx2(const Segment& seg, HeadGroupState& st) {
+  if (st.d % 8 != 0 || !Dispatch<AccumulateOp>(SourceOf(seg, seg.block ? &seg.block->v : nullptr), seg, st)) {
+    AccumulatePortable(seg, st);
+  }
+}
+
+}  // namespace strata::kernels::internal

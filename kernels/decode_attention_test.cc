@@ -1,0 +1,174 @@
+#include "kernels/decode_attention.h"
+
+#include <cmath>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/thread_pool.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/codec.h"
+#include "kernels/synthetic_kv.h"
+
+namespace strata::kernels {
+namespace {
+
+using testing::HasSubstr;
+
+// A sequence's KV: full-precision sinks and window around compressed chunks.
+struct TestSequence {
+  std::vector<float> q, sink_k, sink_v, win_k, win_v;
+  std::vector<AlignedBuffer> buffers;
+  std::vector<BlockView> views;
+  std::vector<BlockOperands> ops;
+  std::vector<const BlockOperands*> op_ptrs;
+  std::vector<float> out, ref;
+  DecodeSequence seq;
+};
+
+std::unique_ptr<TestSequence> MakeSequence(const std::string& spec, uint32_t q_heads,
+                                           uint32_t kv_heads, uint32_t dim, uint32_t sinks,
+                                           std::vector<uint32_t> chunk_tokens, uint32_t window,
+                                           uint64_t seed) {
+  auto s = std::make_unique<TestSequence>();
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0, 1);
+  s->q.resize(size_t{q_heads} * dim);
+  for (float& x : s->q) x = normal(rng);
+  uint32_t pos = 0;
+  auto full = [&](uint32_t n, std::vector<float>& k, std::vector<float>& v) {
+    const SyntheticKv kv = MakeSyntheticKv(n, kv_heads, dim, seed + pos, pos);
+    k = kv.k;
+    v = kv.v;
+    pos += n;
+  };
+  if (sinks > 0) full(sinks, s->sink_k, s->sink_v);
+  auto codec = *Codec::Create(spec);
+  for (uint32_t n : chunk_tokens) {
+    const SyntheticKv kv = MakeSyntheticKv(n, kv_heads, dim, seed + pos, pos);
+    pos += n;
+    absl::StatusOr<AlignedBuffer> b = codec->Encode(
+        {kv.k.data(), kv.v.data(), SourceDType::kFloat32, n, kv_heads, dim}, {});
+    EXPECT_TRUE(b.ok()) << spec << ": " << b.status();
+    s->buffers.push_back(*std::move(b));
+  }
+  for (const AlignedBuffer& b : s->buffers) s->views.push_back(*BlockView::Parse(b.span()));
+  for (const BlockView& v : s->views) {
+    absl::StatusOr<BlockOperands> ops = PrepareBlock(v);
+    EXPECT_TRUE(ops.ok()) << ops.status();
+    s->ops.push_back(*ops);
+  }
+  for (const BlockOperands& o : s->ops) s->op_ptrs.push_back(&o);
+  if (window > 0) full(window, s->win_k, s->win_v);
+  s->out.assign(s->q.size(), NAN);
+  s->ref.assign(s->q.size(), NAN);
+  s->seq.q = s->q.data();
+  s->seq.sinks = {s->sink_k.data(), s->sink_v.data(), sinks};
+  s->seq.blocks = s->op_ptrs;
+  s->seq.window = {s->win_k.data(), s->win_v.data(), window};
+  return s;
+}
+
+// Max |out - ref| over the output's RMS.
+double NormalizedMaxError(const std::vector<float>& out, const std::vector<float>& ref) {
+  double max_err = 0, sq = 0;
+  for (size_t i = 0; i < out.size(); ++i) {
+    max_err = std::max(max_err, std::fabs(double{out[i]} - ref[i]));
+    sq += double{ref[i]} * ref[i];
+  }
+  return max_err / std::sqrt(sq / out.size());
+}
+
+const char* kCodecs[] = {"fp16", "bf16", "int8", "fp8e4m3", "kivi:k2v2:g32", "kivi:k3v3:g64",
+                         "kivi:k4v4:g32", "kivi:k8v8:g16", "kcvt:k2v2", "gearl:k2v2:g32:r4",
+                         "gear:k2v2:g32:r4:s2", "gear:k4v4:kcvt:r2:s1"};
+
+struct Shape {
+  uint32_t q_heads, kv_heads, dim;
+};
+
+TEST(DecodeAttentionTest, FusedMatchesReferenceForEveryCodecShapeAndImpl) {
+  const Shape shapes[] = {{4, 4, 64}, {8, 2, 128}, {16, 2, 64}, {8, 1, 128}, {6, 2, 64}};
+  std::vector<AttentionImpl> impls = {AttentionImpl::kPortable};
+  if (DecodeAttentionUsesAvx2()) impls.push_back(AttentionImpl::kAvx2);
+  ThreadPool pool(2);
+  uint64_t seed = 1;
+  for (const char* spec : kCodecs) {
+    for (const Shape& sh : shapes) {
+      // Two sequences of different lengths: odd chunk sizes, with and without sinks/window.
+      std::vector<std::unique_ptr<TestSequence>> seqs;
+      seqs.push_back(MakeSequence(spec, sh.q_heads, sh.kv_heads, sh.dim, 4, {64, 37, 5}, 3,
+                                  ++seed));
+      seqs.push_back(MakeSequence(spec, sh.q_heads, sh.kv_heads, sh.dim, 0, {33}, 0, ++seed));
+      std::vector<DecodeSequence> batch;
+      for (auto& s : seqs) {
+        s->seq.out = s->ref.data();
+        batch.push_back(s->seq);
+      }
+      const DecodeAttentionParams params{sh.q_heads, sh.kv_heads, sh.dim};
+      ASSERT_TRUE(DecodeAttentionRef(params, batch).ok());
+      for (AttentionImpl impl : impls) {
+        for (uint32_t split : {4096u, 40u}) {
+          for (size_t i = 0; i < seqs.size(); ++i) batch[i].out = seqs[i]->out.data();
+          const absl::Status st = DecodeAttention(params, batch, {impl, split, &pool});
+          ASSERT_TRUE(st.ok()) << st;
+          for (auto& s : seqs) {
+            bool nonzero = false;
+            for (float x : s->out) nonzero |= x != 0;
+            EXPECT_TRUE(nonzero);
+            EXPECT_LT(NormalizedMaxError(s->out, s->ref), 2e-4)
+                << spec << " q=" << sh.q_heads << " kv=" << sh.kv_heads << " d=" << sh.dim
+                << " impl=" << static_cast<int>(impl) << " split=" << split;
+          }
+        }
+      }
+    }
+  }
+}
+
+double RelativeL2(const std::vector<float>& out, const std::vector<float>& ref) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < out.size(); ++i) {
+    num += (double{out[i]} - ref[i]) * (double{out[i]} - ref[i]);
+    den += double{ref[i]} * ref[i];
+  }
+  return std::sqrt(num / den);
+}
+
+TEST(DecodeAttentionTest, CompressedAttentionIsCloseToFullPrecisionAndGearBeatsKivi) {
+  // The same KV through fp16, KIVI and GEAR: outputs differ by the codec's error only.
+  const DecodeAttentionParams params{8, 2, 128};
+  auto run = [&](const char* spec) {
+    auto s = MakeSequence(spec, 8, 2, 128, 0, {256, 256}, 0, 77);
+    s->seq.out = s->out.data();
+    EXPECT_TRUE(DecodeAttention(params, {&s->seq, 1}).ok());
+    return s->out;
+  };
+  const std::vector<float> fp = run("fp16");
+  const double kivi = RelativeL2(run("kivi:k2v2:g32"), fp);
+  const double gear = RelativeL2(run("gear:k2v2:g32:r4:s2"), fp);
+  const double gear4 = RelativeL2(run("gear:k4v4:g32:r4:s2"), fp);
+  EXPECT_LT(gear4, 0.1);
+  EXPECT_LT(gear, kivi);
+  EXPECT_LT(gear4, gear);
+}
+
+TEST(DecodeAttentionTest, BadShapesAreInvalidArgument) {
+  auto s = MakeSequence("kivi:k2v2:g32", 8, 2, 64, 0, {32}, 0, 5);
+  s->seq.out = s->out.data();
+  EXPECT_EQ(DecodeAttention({8, 3, 64}, {&s->seq, 1}).code(), absl::StatusCode::kInvalidArgument);
+  const absl::Status st = DecodeAttention({8, 4, 64}, {&s->seq, 1});
+  EXPECT_THAT(std::string(st.message()), HasSubstr("has 2 KV heads x 64 dims"));
+  DecodeSequence empty = s->seq;
+  empty.blocks = {};
+  EXPECT_THAT(std::string(DecodeAttention({8, 2, 64}, {&empty, 1}).message()),
+              HasSubstr("no tokens"));
+  DecodeSequence no_q = s->seq;
+  no_q.q = nullptr;
+  EXPECT_EQ(DecodeAttentionRef({8, 2, 64}, {&no_q, 1}).code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace strata::kernels

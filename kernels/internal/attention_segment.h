@@ -1,0 +1,52 @@
+// Internal to kernels/: the per-segment work of fused decode attention, shared by the portable
+// and AVX2 implementations. A segment is the sinks, one block, or the window.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "kernels/block_operands.h"
+
+namespace strata::kernels::internal {
+
+// One KV head's slice of a segment, either full precision or a compressed block.
+struct Segment {
+  // Full precision: rows at k + t * stride (stride = kv_heads * head_dim).
+  const float* k = nullptr;
+  const float* v = nullptr;
+  uint32_t stride = 0;
+  // Compressed: the block and this KV head.
+  const BlockOperands* block = nullptr;
+  uint32_t head = 0;
+  uint32_t tokens = 0;
+};
+
+// Running online-softmax state of the G query heads of one KV head.
+struct HeadGroupState {
+  uint32_t g = 0, d = 0;
+  std::vector<float> q;       // [G, D], pre-scaled by the softmax scale
+  std::vector<float> m;       // [G] running max
+  std::vector<float> l;       // [G] running sum of exp
+  std::vector<float> acc;     // [G, D] unnormalized output
+  std::vector<float> scores;  // [G, tokens of the current segment] scratch
+  std::vector<float> work;    // scratch for the kernels
+};
+
+// Scores of every token of the segment for the G query heads, into state.scores ([G, T]).
+using ScoreFn = void (*)(const Segment& seg, HeadGroupState& st);
+// Adds sum_t p[j][t] * v_t to state.acc, with p in state.scores ([G, T]).
+using AccumulateFn = void (*)(const Segment& seg, HeadGroupState& st);
+
+void ScoresPortable(const Segment& seg, HeadGroupState& st);
+void AccumulatePortable(const Segment& seg, HeadGroupState& st);
+
+// AVX2 versions; nullptr-equivalent fallbacks to the portable ones for layouts they do not
+// specialize. Defined in decode_attention_avx2.cc (compiled with -mavx2 -mfma -mf16c).
+void ScoresAvx2(const Segment& seg, HeadGroupState& st);
+void AccumulateAvx2(const Segment& seg, HeadGroupState& st);
+
+// Low-rank and outlier corrections, common to both implementations.
+void AddScoreCorrections(const Segment& seg, HeadGroupState& st);
+void AddValueCorrections(const Segment& seg, HeadGroupState& st);
+
+}  // namespace strata::kernels::internal
