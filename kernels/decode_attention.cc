@@ -93,36 +93,18 @@ std::vector<Segment> Segments(const DecodeAttentionParams& p, const DecodeSequen
 
 // Runs segments [begin, end) through the online softmax.
 void RunSegments(const std::vector<Segment>& segs, size_t begin, size_t end, HeadGroupState& st,
-                 internal::ScoreFn scores_fn, internal::AccumulateFn acc_fn) {
-  const uint32_t G = st.g, D = st.d;
+                 const internal::Kernels& kernels) {
   for (size_t i = begin; i < end; ++i) {
     const Segment& seg = segs[i];
-    const uint32_t T = seg.tokens;
-    st.scores.assign(size_t{G} * T, 0.0f);
-    scores_fn(seg, st);
-    for (uint32_t j = 0; j < G; ++j) {
-      float* s = &st.scores[size_t{j} * T];
-      float mx = kNegInf;
-      for (uint32_t t = 0; t < T; ++t) mx = std::max(mx, s[t]);
-      const float m_new = std::max(st.m[j], mx);
-      const float alpha = st.m[j] == kNegInf ? 0.0f : std::exp(st.m[j] - m_new);
-      float* acc = &st.acc[size_t{j} * D];
-      for (uint32_t d = 0; d < D; ++d) acc[d] *= alpha;
-      float l = st.l[j] * alpha;
-      for (uint32_t t = 0; t < T; ++t) {
-        s[t] = std::exp(s[t] - m_new);
-        l += s[t];
-      }
-      st.l[j] = l;
-      st.m[j] = m_new;
-    }
-    acc_fn(seg, st);
+    st.scores.resize(size_t{st.g} * seg.tokens);
+    kernels.scores(seg, st);
+    kernels.softmax(seg.tokens, st);
+    kernels.accumulate(seg, st);
   }
 }
 
 absl::Status Run(const DecodeAttentionParams& p, absl::Span<const DecodeSequence> batch,
-                 const DecodeAttentionOptions& o, internal::ScoreFn scores_fn,
-                 internal::AccumulateFn acc_fn) {
+                 const DecodeAttentionOptions& o, const internal::Kernels& kernels) {
   if (o.tokens_per_split == 0) {
     return absl::InvalidArgumentError("attention: tokens_per_split must be >= 1");
   }
@@ -169,7 +151,7 @@ absl::Status Run(const DecodeAttentionParams& p, absl::Span<const DecodeSequence
     st.m.assign(G, kNegInf);
     st.l.assign(G, 0.0f);
     st.acc.assign(size_t{G} * D, 0.0f);
-    RunSegments(segs[t.seq * p.kv_heads + t.head], t.begin, t.end, st, scores_fn, acc_fn);
+    RunSegments(segs[t.seq * p.kv_heads + t.head], t.begin, t.end, st, kernels);
     std::memcpy(&part_m[t.part * G], st.m.data(), G * sizeof(float));
     std::memcpy(&part_l[t.part * G], st.l.data(), G * sizeof(float));
     std::memcpy(&part_acc[t.part * G * D], st.acc.data(), size_t{G} * D * sizeof(float));
@@ -211,6 +193,25 @@ bool HaveAvx2() {
 namespace internal {
 
 // ---- portable kernels ----
+
+void SoftmaxPortable(uint32_t T, HeadGroupState& st) {
+  for (uint32_t j = 0; j < st.g; ++j) {
+    float* s = &st.scores[size_t{j} * T];
+    float mx = kNegInf;
+    for (uint32_t t = 0; t < T; ++t) mx = std::max(mx, s[t]);
+    const float m_new = std::max(st.m[j], mx);
+    const float alpha = st.m[j] == kNegInf ? 0.0f : std::exp(st.m[j] - m_new);
+    float* acc = &st.acc[size_t{j} * st.d];
+    for (uint32_t d = 0; d < st.d; ++d) acc[d] *= alpha;
+    float l = st.l[j] * alpha;
+    for (uint32_t t = 0; t < T; ++t) {
+      s[t] = std::exp(s[t] - m_new);
+      l += s[t];
+    }
+    st.l[j] = l;
+    st.m[j] = m_new;
+  }
+}
 
 // Decodes one token's row of a block tensor (backbone only) into `row` [D], in float.
 // Affine codes come out as raw code values; the caller applies the scales.
@@ -424,9 +425,11 @@ absl::Status DecodeAttention(const DecodeAttentionParams& params,
   if (avx2 && !HaveAvx2()) {
     return absl::UnimplementedError("attention: AVX2+FMA+F16C requested but not available");
   }
-  return avx2 ? Run(params, batch, options, internal::ScoresAvx2, internal::AccumulateAvx2)
-              : Run(params, batch, options, internal::ScoresPortable,
-                    internal::AccumulatePortable);
+  static constexpr internal::Kernels kAvx2{internal::ScoresAvx2, internal::SoftmaxAvx2,
+                                           internal::AccumulateAvx2};
+  static constexpr internal::Kernels kPortable{
+      internal::ScoresPortable, internal::SoftmaxPortable, internal::AccumulatePortable};
+  return Run(params, batch, options, avx2 ? kAvx2 : kPortable);
 }
 
 absl::Status DecodeAttentionRef(const DecodeAttentionParams& p,

@@ -7,7 +7,9 @@
 // portable kernels.
 #include <immintrin.h>
 
+#include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "common/half.h"
 #include "kernels/internal/attention_segment.h"
@@ -60,6 +62,15 @@ STRATA_AVX2_INLINE __m256 Load8(const uint8_t* row, uint32_t d) {
   }
 }
 
+// Row t of a segment's K or V for one head: fp32 rows of a full-precision segment, or codes.
+STRATA_AVX2_INLINE const uint8_t* RowOf(const Segment& seg, const TensorOperands* t,
+                                        const float* full_precision, uint32_t token) {
+  if (t == nullptr) {
+    return reinterpret_cast<const uint8_t*>(full_precision + size_t{token} * seg.stride);
+  }
+  return t->codes + (size_t{seg.head} * seg.tokens + token) * t->row_bytes;
+}
+
 template <int kSrc, uint32_t kG>
 STRATA_AVX2 void Scores(const Segment& seg, HeadGroupState& st) {
   const uint32_t D = st.d, T = seg.tokens;
@@ -86,9 +97,38 @@ STRATA_AVX2 void Scores(const Segment& seg, HeadGroupState& st) {
         }
       }
     }
-    const uint8_t* row =
-        k == nullptr ? reinterpret_cast<const uint8_t*>(seg.k + size_t{t} * seg.stride)
-                     : k->codes + (size_t{seg.head} * T + t) * k->row_bytes;
+    // kT tokens at a time (same token group): kT x kG independent FMA chains hide the FMA
+    // latency, and each q vector loaded serves kT tokens.
+    constexpr uint32_t kT = kG >= 8 ? 1 : 8 / kG > 4 ? 4 : 8 / kG;
+    uint32_t n = 1;
+    if constexpr (kT > 1) {
+      n = std::min<uint32_t>(kT, T - t);
+      if constexpr (kAffine) n = std::min<uint32_t>(n, k->group_size - t % k->group_size);
+    }
+    if (n == kT) {
+      const uint8_t* rows[kT];
+      for (uint32_t i = 0; i < kT; ++i) rows[i] = RowOf(seg, k, seg.k, t + i);
+      __m256 acc[kT][kG];
+      for (uint32_t i = 0; i < kT; ++i) {
+        for (uint32_t j = 0; j < kG; ++j) acc[i][j] = _mm256_setzero_ps();
+      }
+      for (uint32_t d = 0; d < D; d += 8) {
+        __m256 c[kT];
+        for (uint32_t i = 0; i < kT; ++i) c[i] = Load8<kSrc>(rows[i], d);
+        for (uint32_t j = 0; j < kG; ++j) {
+          const __m256 qv = _mm256_loadu_ps(&q[j * D + d]);
+          for (uint32_t i = 0; i < kT; ++i) acc[i][j] = _mm256_fmadd_ps(c[i], qv, acc[i][j]);
+        }
+      }
+      for (uint32_t i = 0; i < kT; ++i) {
+        for (uint32_t j = 0; j < kG; ++j) {
+          st.scores[size_t{j} * T + t + i] = Hsum(acc[i][j]) + (kAffine ? bias[j] : 0.0f);
+        }
+      }
+      t += kT - 1;
+      continue;
+    }
+    const uint8_t* row = RowOf(seg, k, seg.k, t);
     __m256 acc[kG];
     for (uint32_t j = 0; j < kG; ++j) acc[j] = _mm256_setzero_ps();
     for (uint32_t d = 0; d < D; d += 8) {
@@ -129,21 +169,51 @@ STRATA_AVX2 void Accumulate(const Segment& seg, HeadGroupState& st) {
     }
     w = wt;
   }
-  for (uint32_t d = 0; d < D; d += 8) {
+  // Two 8-channel chunks per pass (when they share a scale group) give 2 x kG independent FMA
+  // chains; with 8 query heads one chunk already has enough.
+  constexpr uint32_t kC = kG >= 8 ? 1 : 2;
+  const bool pairs_share_group = !kAffine || v->group_size % 16 == 0;
+  const float* zsum = kAffine ? st.work.data() + size_t{kG} * T * groups : nullptr;
+  uint32_t d = 0;
+  if (kC == 2 && pairs_share_group) {
+    for (; d + 16 <= D; d += 16) {
+      const uint32_t g = kAffine ? d / v->group_size : 0;
+      __m256 acc[kG][2];
+      for (uint32_t j = 0; j < kG; ++j) {
+        acc[j][0] = _mm256_loadu_ps(&st.acc[j * D + d]);
+        acc[j][1] = _mm256_loadu_ps(&st.acc[j * D + d + 8]);
+      }
+      for (uint32_t t = 0; t < T; ++t) {
+        const uint8_t* row = RowOf(seg, v, seg.v, t);
+        const __m256 c0 = Load8<kSrc>(row, d), c1 = Load8<kSrc>(row, d + 8);
+        for (uint32_t j = 0; j < kG; ++j) {
+          const __m256 wv = _mm256_broadcast_ss(&w[(size_t{j} * T + t) * groups + g]);
+          acc[j][0] = _mm256_fmadd_ps(c0, wv, acc[j][0]);
+          acc[j][1] = _mm256_fmadd_ps(c1, wv, acc[j][1]);
+        }
+      }
+      for (uint32_t j = 0; j < kG; ++j) {
+        if constexpr (kAffine) {
+          const __m256 z = _mm256_set1_ps(zsum[j * groups + g]);
+          acc[j][0] = _mm256_add_ps(acc[j][0], z);
+          acc[j][1] = _mm256_add_ps(acc[j][1], z);
+        }
+        _mm256_storeu_ps(&st.acc[j * D + d], acc[j][0]);
+        _mm256_storeu_ps(&st.acc[j * D + d + 8], acc[j][1]);
+      }
+    }
+  }
+  for (; d < D; d += 8) {
     const uint32_t g = kAffine ? d / v->group_size : 0;
     __m256 acc[kG];
     for (uint32_t j = 0; j < kG; ++j) acc[j] = _mm256_loadu_ps(&st.acc[j * D + d]);
     for (uint32_t t = 0; t < T; ++t) {
-      const uint8_t* row =
-          v == nullptr ? reinterpret_cast<const uint8_t*>(seg.v + size_t{t} * seg.stride)
-                       : v->codes + (size_t{seg.head} * T + t) * v->row_bytes;
-      const __m256 c = Load8<kSrc>(row, d);
+      const __m256 c = Load8<kSrc>(RowOf(seg, v, seg.v, t), d);
       for (uint32_t j = 0; j < kG; ++j) {
         acc[j] = _mm256_fmadd_ps(c, _mm256_broadcast_ss(&w[(size_t{j} * T + t) * groups + g]), acc[j]);
       }
     }
     if constexpr (kAffine) {
-      const float* zsum = st.work.data() + size_t{kG} * T * groups;
       for (uint32_t j = 0; j < kG; ++j) acc[j] = _mm256_add_ps(acc[j], _mm256_set1_ps(zsum[j * groups + g]));
     }
     for (uint32_t j = 0; j < kG; ++j) _mm256_storeu_ps(&st.acc[j * D + d], acc[j]);
@@ -194,7 +264,66 @@ struct AccumulateOp {
   static void Run(const Segment& s, HeadGroupState& st) { Accumulate<kSrc, kG>(s, st); }
 };
 
+// exp(x) for x <= 0 (arguments of the online softmax), Cephes-style: 2^n * P(r) with
+// x = n ln2 + r; relative error ~2e-7, and exactly 0 below -87.
+STRATA_AVX2_INLINE __m256 Exp(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i n = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
+}
+
+STRATA_AVX2_INLINE float Hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
 }  // namespace
+
+STRATA_AVX2 void SoftmaxAvx2(uint32_t T, HeadGroupState& st) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (uint32_t j = 0; j < st.g; ++j) {
+    float* s = &st.scores[size_t{j} * T];
+    __m256 vmx = _mm256_set1_ps(neg_inf);
+    uint32_t t = 0;
+    for (; t + 8 <= T; t += 8) vmx = _mm256_max_ps(vmx, _mm256_loadu_ps(s + t));
+    float mx = Hmax(vmx);
+    for (; t < T; ++t) mx = std::max(mx, s[t]);
+    const float m_new = std::max(st.m[j], mx);
+    const float alpha = st.m[j] == neg_inf ? 0.0f : std::exp(st.m[j] - m_new);
+    float* acc = &st.acc[size_t{j} * st.d];
+    if (alpha != 1.0f) {
+      for (uint32_t d = 0; d < st.d; ++d) acc[d] *= alpha;
+    }
+    const __m256 vm = _mm256_set1_ps(m_new);
+    __m256 vl = _mm256_setzero_ps();
+    for (t = 0; t + 8 <= T; t += 8) {
+      const __m256 p = Exp(_mm256_sub_ps(_mm256_loadu_ps(s + t), vm));
+      _mm256_storeu_ps(s + t, p);
+      vl = _mm256_add_ps(vl, p);
+    }
+    float l = st.l[j] * alpha + Hsum(vl);
+    for (; t < T; ++t) {
+      s[t] = std::exp(s[t] - m_new);
+      l += s[t];
+    }
+    st.l[j] = l;
+    st.m[j] = m_new;
+  }
+}
 
 void ScoresAvx2(const Segment& seg, HeadGroupState& st) {
   if (st.d % 8 != 0 || !Dispatch<ScoresOp>(SourceOf(seg, seg.block ? &seg.block->k : nullptr), seg, st)) {

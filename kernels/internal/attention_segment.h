@@ -37,6 +37,13 @@ using ScoreFn = void (*)(const Segment& seg, HeadGroupState& st);
 // Adds sum_t p[j][t] * v_t to state.acc, with p in state.scores ([G, T]).
 using AccumulateFn = void (*)(const Segment& seg, HeadGroupState& st);
 
+// Online-softmax step for a segment of T tokens: updates m, l, rescales acc, and turns
+// state.scores into probabilities exp(s - m).
+using SoftmaxFn = void (*)(uint32_t tokens, HeadGroupState& st);
+
+void SoftmaxPortable(uint32_t tokens, HeadGroupState& st);
+void SoftmaxAvx2(uint32_t tokens, HeadGroupState& st);
+
 void ScoresPortable(const Segment& seg, HeadGroupState& st);
 void AccumulatePortable(const Segment& seg, HeadGroupState& st);
 
@@ -44,6 +51,12 @@ void AccumulatePortable(const Segment& seg, HeadGroupState& st);
 // specialize. Defined in decode_attention_avx2.cc (compiled with -mavx2 -mfma -mf16c).
 void ScoresAvx2(const Segment& seg, HeadGroupState& st);
 void AccumulateAvx2(const Segment& seg, HeadGroupState& st);
+
+struct Kernels {
+  ScoreFn scores;
+  SoftmaxFn softmax;
+  AccumulateFn accumulate;
+};
 
 // Low-rank and outlier corrections, common to both implementations.
 void AddScoreCorrections(const Segment& seg, HeadGroupState& st);

@@ -1,0 +1,95 @@
+#include "bench/bench_util.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <ctime>
+#include <fstream>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace strata::bench {
+
+RunInfo CollectRunInfo(const std::string& commit) {
+  RunInfo r;
+  char host[256] = {};
+  gethostname(host, sizeof(host) - 1);
+  std::string cpu = "unknown CPU";
+  std::ifstream in("/proc/cpuinfo");
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("model name", 0) == 0) {
+      cpu = line.substr(line.find(':') + 2);
+      break;
+    }
+  }
+  r.machine = absl::StrCat(host, " / ", cpu, " / ", std::thread::hardware_concurrency(), " threads");
+  const std::time_t now = std::time(nullptr);
+  char buf[64];
+  std::strftime(buf, sizeof(buf), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
+  r.date = buf;
+  r.commit = commit;
+  return r;
+}
+
+double MeasureReadBandwidth() {
+  std::vector<uint64_t> buf((512u << 20) / 8, 1);
+  volatile uint64_t sink = 0;
+  const double s = MedianSeconds(5, [&] {
+    uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0;
+    for (size_t i = 0; i < buf.size(); i += 4) {
+      a0 += buf[i];
+      a1 += buf[i + 1];
+      a2 += buf[i + 2];
+      a3 += buf[i + 3];
+    }
+    sink = a0 + a1 + a2 + a3;
+  });
+  (void)sink;
+  return buf.size() * 8.0 / s;
+}
+
+double MeasureCopyBandwidth() {
+  std::vector<uint8_t> a(512u << 20, 1), b(512u << 20, 0);
+  const double s = MedianSeconds(5, [&] { std::memcpy(b.data(), a.data(), a.size()); });
+  return 2.0 * a.size() / s;
+}
+
+void Json::Key(const std::string& key) {
+  if (!body_.empty()) body_ += ",";
+  body_ += "\"" + JsonEscape(key) + "\":";
+}
+Json& Json::Num(const std::string& key, double v) {
+  Key(key);
+  body_ += absl::StrFormat("%.6g", v);
+  return *this;
+}
+Json& Json::Str(const std::string& key, const std::string& v) {
+  Key(key);
+  body_ += "\"" + JsonEscape(v) + "\"";
+  return *this;
+}
+Json& Json::Raw(const std::string& key, const std::string& json) {
+  Key(key);
+  body_ += json;
+  return *this;
+}
+
+std::string JsonArray(const std::vector<std::string>& items) {
+  std::string s = "[";
+  for (size_t i = 0; i < items.size(); ++i) s += (i ? ",\n  " : "\n  ") + items[i];
+  return s + "\n]";
+}
+
+std::string JsonEscape(const std::string& s) {
+  std::string out;
+  for (char c : s) {
+    if (c == '"' || c == '\\') out += '\\';
+    out += c;
+  }
+  return out;
+}
+
+}  // namespace strata::bench

@@ -1,0 +1,55 @@
+// Helpers for Strata's end-to-end benchmark programs: run metadata (machine, date, commit) and a
+// small JSON writer, so every program's results land in bench/results/ in one shape.
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <string>
+#include <vector>
+
+namespace strata::bench {
+
+struct RunInfo {
+  std::string machine;  // host, CPU model, cores
+  std::string date;     // UTC, ISO 8601
+  std::string commit;   // as given by the caller (scripts/bench.sh passes git's)
+};
+
+RunInfo CollectRunInfo(const std::string& commit);
+
+// Median wall time in seconds of `fn` over `reps` runs after one warm-up run.
+template <typename F>
+double MedianSeconds(int reps, F&& fn) {
+  fn();
+  std::vector<double> t;
+  for (int i = 0; i < reps; ++i) {
+    const auto a = std::chrono::steady_clock::now();
+    fn();
+    t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count());
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+// Streaming read bandwidth (bytes/s) over a buffer far larger than the caches, and memcpy
+// bandwidth (bytes read + written per second), measured now.
+double MeasureReadBandwidth();
+double MeasureCopyBandwidth();
+
+// Minimal JSON building: values are written as given (numbers) or quoted (strings).
+class Json {
+ public:
+  Json& Num(const std::string& key, double v);
+  Json& Str(const std::string& key, const std::string& v);
+  Json& Raw(const std::string& key, const std::string& json);
+  std::string Done() const { return "{" + body_ + "}"; }
+
+ private:
+  void Key(const std::string& key);
+  std::string body_;
+};
+
+std::string JsonArray(const std::vector<std::string>& items);
+std::string JsonEscape(const std::string& s);
+
+}  // namespace strata::bench

@@ -1,0 +1,305 @@
+// codec_bench: the three tables of the codec issue, on this machine, in one run.
+//   1. compression throughput per codec (GB/s of fp16 input), one thread and all threads;
+//   2. decode attention per codec vs fp16 attention over the same context (8k and 32k tokens,
+//      head_dim 128, 8 KV heads, GQA 4): time, KV bytes read per second, fraction of the
+//      memory read bandwidth measured in the same run, speedup over fp16 and the target
+//      (0.6 x compression ratio);
+//   3. error on synthetic KV with real models' structure (kernels/synthetic_kv.h): relative
+//      Frobenius error of K and V, relative error of attention output, and bits per element
+//      (everything counted) next to the nominal bits papers quote.
+// Prints the tables and writes JSON to --out (default bench/results).
+//
+//   codec_bench [--commit SHA] [--out DIR] [--contexts 8192,32768] [--codecs a,b,...]
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "bench/bench_util.h"
+#include "common/half.h"
+#include "common/thread_pool.h"
+#include "kernels/codec.h"
+#include "kernels/decode_attention.h"
+#include "kernels/synthetic_kv.h"
+
+namespace strata::bench {
+namespace {
+
+using kernels::BlockOperands;
+using kernels::Codec;
+
+constexpr uint32_t kChunk = 256, kKvHeads = 8, kQHeads = 32, kDim = 128;
+
+const char* kDefaultCodecs =
+    "fp16,int8,fp8e4m3,kivi:k8v8:g32,kivi:k4v4:g32,kivi:k3v3:g32,kivi:k2v2:g32,kivi:k2v2:g128,"
+    "kcvt:k4v4,kcvt:k2v2,gearl:k2v2:g32:r4,gearl:k2v2:kcvt:r4,gear:k2v2:kcvt:r2:s1,"
+    "gear:k2v2:kcvt:r4:s2,gear:k2v2:g32:r4:s2,gear:k4v4:g32:r4:s2";
+
+struct Chunks {
+  std::vector<std::vector<Half>> k, v;  // fp16 input, [tokens, heads, dim] per chunk
+};
+
+Chunks MakeChunks(uint32_t n, uint64_t seed) {
+  Chunks c;
+  for (uint32_t i = 0; i < n; ++i) {
+    const kernels::SyntheticKv kv = kernels::MakeSyntheticKv(kChunk, kKvHeads, kDim, seed, i * kChunk);
+    c.k.emplace_back(kv.k.size());
+    c.v.emplace_back(kv.v.size());
+    FloatToHalf(kv.k.data(), c.k.back().data(), kv.k.size());
+    FloatToHalf(kv.v.data(), c.v.back().data(), kv.v.size());
+  }
+  return c;
+}
+
+kernels::KvChunkView View(const Chunks& c, size_t i) {
+  return {c.k[i].data(), c.v[i].data(), SourceDType::kFloat16, kChunk, kKvHeads, kDim};
+}
+
+struct Encoded {
+  std::vector<AlignedBuffer> buffers;
+  std::vector<BlockView> views;
+  std::vector<BlockOperands> ops;
+  std::vector<const BlockOperands*> ptrs;
+  size_t bytes = 0;
+};
+
+Encoded Encode(const Codec& codec, const Chunks& c, ThreadPool& pool) {
+  Encoded e;
+  e.buffers.resize(c.k.size());
+  pool.ParallelFor(c.k.size(), [&](size_t i) {
+    absl::StatusOr<AlignedBuffer> b = codec.Encode(View(c, i), {.chunk_index = static_cast<uint32_t>(i)});
+    if (!b.ok()) {
+      std::fprintf(stderr, "encode failed: %s\n", std::string(b.status().message()).c_str());
+      std::abort();
+    }
+    e.buffers[i] = *std::move(b);
+  });
+  for (const AlignedBuffer& b : e.buffers) {
+    e.views.push_back(*BlockView::Parse(b.span()));
+    e.bytes += b.size();
+  }
+  for (const BlockView& v : e.views) e.ops.push_back(*kernels::PrepareBlock(v));
+  for (const BlockOperands& o : e.ops) e.ptrs.push_back(&o);
+  return e;
+}
+
+double RelErr(const float* a, const float* b, size_t n) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < n; ++i) {
+    num += (double{a[i]} - b[i]) * (double{a[i]} - b[i]);
+    den += double{b[i]} * b[i];
+  }
+  return std::sqrt(num / den);
+}
+
+int Main(int argc, char** argv) {
+  std::string commit = "unknown", out_dir = "bench/results", codec_list = kDefaultCodecs;
+  std::vector<uint32_t> contexts = {8192, 32768};
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string flag = argv[i], val = argv[i + 1];
+    if (flag == "--commit") commit = val;
+    else if (flag == "--out") out_dir = val;
+    else if (flag == "--codecs") codec_list = val;
+    else if (flag == "--contexts") {
+      contexts.clear();
+      for (absl::string_view s : absl::StrSplit(val, ',')) {
+        uint32_t c;
+        if (!absl::SimpleAtoi(s, &c) || c < kChunk) {
+          std::fprintf(stderr, "bad --contexts entry '%s'\n", std::string(s).c_str());
+          return 2;
+        }
+        contexts.push_back(c / kChunk * kChunk);
+      }
+    } else {
+      std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
+      return 2;
+    }
+  }
+  const RunInfo info = CollectRunInfo(commit);
+  ThreadPool pool(0), one(1);
+  std::printf("codec_bench  %s  %s  commit %s\n", info.machine.c_str(), info.date.c_str(),
+              info.commit.c_str());
+  std::printf("attention kernels: %s\n", kernels::DecodeAttentionUsesAvx2() ? "AVX2" : "portable");
+  const double read_bw = MeasureReadBandwidth(), copy_bw = MeasureCopyBandwidth();
+  std::printf("memory: streaming read %.1f GB/s, memcpy %.1f GB/s (read+write)\n\n", read_bw / 1e9,
+              copy_bw / 1e9);
+
+  std::vector<std::unique_ptr<Codec>> codecs;
+  for (absl::string_view s : absl::StrSplit(codec_list, ',')) {
+    absl::StatusOr<std::unique_ptr<Codec>> c = Codec::Create(s);
+    if (!c.ok()) {
+      std::fprintf(stderr, "%s\n", std::string(c.status().message()).c_str());
+      return 2;
+    }
+    codecs.push_back(*std::move(c));
+  }
+
+  // ---- 1. compression throughput ----
+  std::vector<std::string> j_compress;
+  const Chunks tput_chunks = MakeChunks(32, 11);
+  const double in_bytes = 32.0 * 2 * kChunk * kKvHeads * kDim * sizeof(Half);
+  std::printf("1. compression throughput: %u chunks of %u tokens x %u KV heads x %u, fp16 input\n",
+              32u, kChunk, kKvHeads, kDim);
+  std::printf("%-24s %10s %12s %12s\n", "codec", "bits/elem", "1 thread", "all threads");
+  for (const auto& c : codecs) {
+    const double bits = *c->BitsPerElement(kChunk, kKvHeads, kDim);
+    const double t1 = MedianSeconds(1, [&] { Encode(*c, tput_chunks, one); });
+    const double tn = MedianSeconds(1, [&] { Encode(*c, tput_chunks, pool); });
+    std::printf("%-24s %10.3f %9.3f GB/s %9.3f GB/s\n", c->spec().ToString().c_str(), bits,
+                in_bytes / t1 / 1e9, in_bytes / tn / 1e9);
+    j_compress.push_back(Json()
+                             .Str("codec", c->spec().ToString())
+                             .Num("bits_per_element", bits)
+                             .Num("gbps_1_thread", in_bytes / t1 / 1e9)
+                             .Num("gbps_all_threads", in_bytes / tn / 1e9)
+                             .Num("threads", pool.size())
+                             .Done());
+  }
+
+  // ---- 2. attention throughput ----
+  std::vector<std::string> j_attention;
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0, 1);
+  std::vector<float> q(size_t{kQHeads} * kDim), out(q.size());
+  for (float& x : q) x = normal(rng);
+  const kernels::DecodeAttentionParams params{kQHeads, kKvHeads, kDim};
+  for (uint32_t ctx : contexts) {
+    const Chunks chunks = MakeChunks(ctx / kChunk, 21);
+    std::printf("\n2. decode attention, %u tokens, %u query heads over %u KV heads, head dim %u, "
+                "batch 1, %d threads\n", ctx, kQHeads, kKvHeads, kDim, pool.size());
+    std::printf("%-24s %10s %10s %12s %9s %9s %9s %7s\n", "codec", "KV MiB", "time ms",
+                "KV GB/s", "of read", "speedup", "target", "met");
+    double fp16_time = 0, fp16_bytes = 0;
+    for (const auto& c : codecs) {
+      Encoded e = Encode(*c, chunks, pool);
+      kernels::DecodeSequence seq;
+      seq.q = q.data();
+      seq.blocks = e.ptrs;
+      seq.out = out.data();
+      const int reps = ctx > 16384 ? 15 : 30;
+      const double t = MedianSeconds(reps, [&] {
+        const absl::Status s = kernels::DecodeAttention(params, {&seq, 1}, {.pool = &pool});
+        if (!s.ok()) std::abort();
+      });
+      if (c->spec().id == CodecId::kFp16) {
+        fp16_time = t;
+        fp16_bytes = e.bytes;
+      }
+      const double speedup = fp16_time > 0 ? fp16_time / t : 0;
+      const double target = fp16_bytes > 0 ? 0.6 * fp16_bytes / e.bytes : 0;
+      const bool compressed = c->spec().nominal_bits() <= 4;
+      std::printf("%-24s %10.1f %10.3f %12.2f %8.0f%% %8.2fx %8.2fx %7s\n",
+                  c->spec().ToString().c_str(), e.bytes / 1048576.0, t * 1e3, e.bytes / t / 1e9,
+                  100 * e.bytes / t / read_bw, speedup, target,
+                  compressed ? (speedup >= target ? "yes" : "NO") : "-");
+      j_attention.push_back(Json()
+                                .Str("codec", c->spec().ToString())
+                                .Num("context", ctx)
+                                .Num("kv_bytes", e.bytes)
+                                .Num("seconds", t)
+                                .Num("kv_gbps", e.bytes / t / 1e9)
+                                .Num("fraction_of_read_bandwidth", e.bytes / t / read_bw)
+                                .Num("speedup_vs_fp16", speedup)
+                                .Num("target_speedup", target)
+                                .Done());
+    }
+  }
+
+  // ---- 3. error on synthetic KV ----
+  std::vector<std::string> j_error;
+  constexpr uint32_t kErrChunks = 8, kQueries = 8;
+  const uint32_t tokens = kErrChunks * kChunk;
+  std::vector<float> k_all(size_t{tokens} * kKvHeads * kDim), v_all(k_all.size());
+  Chunks err_chunks;
+  for (uint32_t i = 0; i < kErrChunks; ++i) {
+    const kernels::SyntheticKv kv = kernels::MakeSyntheticKv(kChunk, kKvHeads, kDim, 31, i * kChunk);
+    std::copy(kv.k.begin(), kv.k.end(), k_all.begin() + size_t{i} * kv.k.size());
+    std::copy(kv.v.begin(), kv.v.end(), v_all.begin() + size_t{i} * kv.v.size());
+    err_chunks.k.emplace_back(kv.k.size());
+    err_chunks.v.emplace_back(kv.v.size());
+    FloatToHalf(kv.k.data(), err_chunks.k.back().data(), kv.k.size());
+    FloatToHalf(kv.v.data(), err_chunks.v.back().data(), kv.v.size());
+  }
+  // Reference: attention over the original fp32 KV (as one full-precision segment).
+  std::vector<std::vector<float>> queries(kQueries, std::vector<float>(size_t{kQHeads} * kDim));
+  std::vector<std::vector<float>> ref(kQueries, std::vector<float>(size_t{kQHeads} * kDim));
+  for (uint32_t i = 0; i < kQueries; ++i) {
+    for (float& x : queries[i]) x = 2.0f * normal(rng);  // peaky enough to be selective
+    kernels::DecodeSequence s;
+    s.q = queries[i].data();
+    s.window = {k_all.data(), v_all.data(), tokens};
+    s.out = ref[i].data();
+    if (!kernels::DecodeAttentionRef(params, {&s, 1}).ok()) std::abort();
+  }
+  std::printf("\n3. error on synthetic KV (%u tokens, %u KV heads, head dim %u; attention: %u "
+              "queries x %u heads vs fp32)\n", tokens, kKvHeads, kDim, kQueries, kQHeads);
+  std::printf("%-24s %9s %9s %10s %10s %12s\n", "codec", "bits", "nominal", "K rel err",
+              "V rel err", "attn rel err");
+  for (const auto& c : codecs) {
+    Encoded e = Encode(*c, err_chunks, pool);
+    std::vector<float> k_dec(k_all.size()), v_dec(v_all.size());
+    const size_t per = size_t{kChunk} * kKvHeads * kDim;
+    for (uint32_t i = 0; i < kErrChunks; ++i) {
+      if (!kernels::DecodeOperandsRef(e.ops[i], &k_dec[i * per], &v_dec[i * per]).ok()) std::abort();
+    }
+    const double ek = RelErr(k_dec.data(), k_all.data(), k_all.size());
+    const double ev = RelErr(v_dec.data(), v_all.data(), v_all.size());
+    double ea = 0;
+    for (uint32_t i = 0; i < kQueries; ++i) {
+      kernels::DecodeSequence s;
+      s.q = queries[i].data();
+      s.blocks = e.ptrs;
+      s.out = out.data();
+      if (!kernels::DecodeAttention(params, {&s, 1}, {.pool = &pool}).ok()) std::abort();
+      ea += RelErr(out.data(), ref[i].data(), out.size()) / kQueries;
+    }
+    const double bits = e.bytes * 8.0 / (2.0 * tokens * kKvHeads * kDim);
+    std::printf("%-24s %9.3f %9.1f %10.4f %10.4f %12.5f\n", c->spec().ToString().c_str(), bits,
+                c->spec().nominal_bits(), ek, ev, ea);
+    j_error.push_back(Json()
+                          .Str("codec", c->spec().ToString())
+                          .Num("bits_per_element", bits)
+                          .Num("nominal_bits", c->spec().nominal_bits())
+                          .Num("k_rel_error", ek)
+                          .Num("v_rel_error", ev)
+                          .Num("attention_rel_error", ea)
+                          .Done());
+  }
+
+  const std::string json = Json()
+                               .Str("benchmark", "codec_bench")
+                               .Str("machine", info.machine)
+                               .Str("date", info.date)
+                               .Str("commit", info.commit)
+                               .Num("read_bandwidth_gbps", read_bw / 1e9)
+                               .Num("copy_bandwidth_gbps", copy_bw / 1e9)
+                               .Str("attention_kernels",
+                                    kernels::DecodeAttentionUsesAvx2() ? "avx2" : "portable")
+                               .Raw("compression", JsonArray(j_compress))
+                               .Raw("attention", JsonArray(j_attention))
+                               .Raw("error", JsonArray(j_error))
+                               .Done();
+  const std::string path =
+      absl::StrCat(out_dir, "/codec_bench-", info.date.substr(0, 10), "-", commit, ".json");
+  std::ofstream f(path);
+  f << json << "\n";
+  if (!f) {
+    std::fprintf(stderr, "cannot write %s\n", path.c_str());
+    return 1;
+  }
+  std::printf("\nwrote %s\n", path.c_str());
+  return 0;
+}
+
+}  // namespace
+}  // namespace strata::bench
+
+int main(int argc, char** argv) { return strata::bench::Main(argc, argv); }
