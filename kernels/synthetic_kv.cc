@@ -38,6 +38,13 @@ SyntheticKv MakeSyntheticKv(uint32_t tokens, uint32_t kv_heads, uint32_t head_di
         for (int j = 0; j < kLatent; ++j) x += mix[d * kLatent + j] * latent[j];
         raw[d] = x * magnitude[d];
       }
+      // ~1.5% of positions carry massive activations (attention-sink-like tokens): 4-8x
+      // larger K and V. The same positions in every head, as in real models.
+      const uint64_t ph = (uint64_t{position0} + t) * 0x9e3779b97f4a7c15ull;
+      const float massive = (ph >> 58) == 0 || position0 + t == 0
+                                ? 4.0f + static_cast<float>((ph >> 40) % 5)
+                                : 1.0f;
+      for (float& x : raw) x *= massive;
       float* k = &kv.k[(size_t{t} * kv_heads + h) * head_dim];
       const float pos = static_cast<float>(position0 + t);
       for (uint32_t d = 0; d + 1 < head_dim; d += 2) {  // RoPE over (2i, 2i+1)
@@ -48,7 +55,7 @@ SyntheticKv MakeSyntheticKv(uint32_t tokens, uint32_t kv_heads, uint32_t head_di
       }
       if (head_dim % 2) k[head_dim - 1] = raw[head_dim - 1];
       float* v = &kv.v[(size_t{t} * kv_heads + h) * head_dim];
-      const float scale = token_scale(tok_rng);
+      const float scale = token_scale(tok_rng) * massive;
       for (uint32_t d = 0; d < head_dim; ++d) v[d] = scale * normal(tok_rng);
     }
   }

@@ -2,7 +2,8 @@
 // model is at hand (bench and tests also run codecs on a real model's KV once model/ exists):
 //  - keys: a low-dimensional latent per token mixed into channels, a per-channel bias, a few
 //    outlier channels 10-50x larger than the rest, and RoPE applied over channel pairs;
-//  - values: Gaussian per token with a per-token scale spread over ~an order of magnitude.
+//  - values: Gaussian per token with a per-token scale spread over ~an order of magnitude;
+//  - ~1.5% of positions (and position 0) with massive activations, 4-8x larger K and V.
 // Deterministic given the seed. Layout [tokens, kv_heads, head_dim], fp32.
 #pragma once
 
