@@ -10,6 +10,8 @@
 // Prints the tables and writes JSON to --out (default bench/results).
 //
 //   codec_bench [--commit SHA] [--out DIR] [--contexts 8192,32768] [--codecs a,b,...]
+#include <malloc.h>
+
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -122,6 +124,11 @@ double RelErr(const float* a, const float* b, size_t n) {
 }
 
 int Main(int argc, char** argv) {
+  // Keep freed memory in the heap: codecs allocate per-chunk scratch, and glibc's default of
+  // returning every block over 128 KiB to the kernel turns each chunk into page faults. Serving
+  // processes get the same from their allocator (or this setting).
+  mallopt(M_MMAP_THRESHOLD, 256 << 20);
+  mallopt(M_TRIM_THRESHOLD, 512 << 20);
   std::string commit = "unknown", out_dir = "bench/results", codec_list = kDefaultCodecs;
   std::vector<uint32_t> contexts = {8192, 32768};
   for (int i = 1; i + 1 < argc; i += 2) {

@@ -11,8 +11,33 @@ namespace strata::kernels {
 
 constexpr size_t PackedBytes(size_t n, int bits) { return (n * bits + 7) / 8; }
 
+namespace internal {
+template <int kBits>
+inline void PackWhole(const uint8_t* codes, size_t n, uint8_t* out) {
+  constexpr size_t kPer = 8 / kBits;
+  size_t i = 0;
+  for (; i + kPer <= n; i += kPer) {
+    uint8_t b = 0;
+    for (size_t k = 0; k < kPer; ++k) b |= static_cast<uint8_t>(codes[i + k] << (kBits * k));
+    *out++ = b;
+  }
+  if (i < n) {
+    uint8_t b = 0;
+    for (size_t k = 0; i + k < n; ++k) b |= static_cast<uint8_t>(codes[i + k] << (kBits * k));
+    *out = b;
+  }
+}
+}  // namespace internal
+
 // out must hold PackedBytes(n, bits) bytes; codes must be < 2^bits.
 inline void PackBits(const uint8_t* codes, size_t n, int bits, uint8_t* out) {
+  switch (bits) {
+    case 8: std::memcpy(out, codes, n); return;
+    case 4: internal::PackWhole<4>(codes, n, out); return;
+    case 2: internal::PackWhole<2>(codes, n, out); return;
+    case 1: internal::PackWhole<1>(codes, n, out); return;
+    default: break;
+  }
   std::memset(out, 0, PackedBytes(n, bits));
   size_t bit = 0;
   for (size_t i = 0; i < n; ++i, bit += bits) {

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <numeric>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -28,13 +29,17 @@ struct HeadMajor {
   float& at(uint32_t head, uint32_t tok, uint32_t ch) { return x[(size_t{head} * t + tok) * d + ch]; }
 };
 
-float SourceValue(const void* p, SourceDType dt, size_t i) {
+// Converts one row of `n` source values to float.
+void SourceRow(const void* p, SourceDType dt, size_t offset, size_t n, float* out) {
   switch (dt) {
-    case SourceDType::kFloat32: return static_cast<const float*>(p)[i];
-    case SourceDType::kFloat16: return static_cast<const Half*>(p)[i].ToFloat();
-    case SourceDType::kBFloat16: return static_cast<const BFloat16*>(p)[i].ToFloat();
+    case SourceDType::kFloat32:
+      std::memcpy(out, static_cast<const float*>(p) + offset, n * sizeof(float));
+      return;
+    case SourceDType::kFloat16: HalfToFloat(static_cast<const Half*>(p) + offset, out, n); return;
+    case SourceDType::kBFloat16:
+      BFloat16ToFloat(static_cast<const BFloat16*>(p) + offset, out, n);
+      return;
   }
-  return 0;
 }
 
 absl::StatusOr<HeadMajor> ToHeadMajor(const KvChunkView& c, const void* src, const char* name,
@@ -46,17 +51,19 @@ absl::StatusOr<HeadMajor> ToHeadMajor(const KvChunkView& c, const void* src, con
   m.x.resize(size_t{m.t} * m.h * m.d);
   for (uint32_t tok = 0; tok < m.t; ++tok) {
     for (uint32_t head = 0; head < m.h; ++head) {
-      const size_t base = (size_t{tok} * m.h + head) * m.d;
       float* dst = &m.at(head, tok, 0);
+      SourceRow(src, c.dtype, (size_t{tok} * m.h + head) * m.d, m.d, dst);
+      bool ok = true;  // one branch-free pass; the slow path finds the culprit
+      for (uint32_t ch = 0; ch < m.d; ++ch) ok &= std::fabs(dst[ch]) <= limit;
+      if (ok) continue;
       for (uint32_t ch = 0; ch < m.d; ++ch) {
-        const float v = SourceValue(src, c.dtype, base + ch);
+        const float v = dst[ch];
         if (!std::isfinite(v) || std::fabs(v) > limit) {
           return absl::InvalidArgumentError(absl::StrCat(
               "codec: ", name, "[token ", tok, ", head ", head, ", channel ", ch, "] = ", v,
               std::isfinite(v) ? absl::StrCat(" exceeds this codec's range of +-", limit)
                                : " is not finite"));
         }
-        dst[ch] = v;
       }
     }
   }
@@ -92,45 +99,71 @@ AffineResult QuantizeAffine(const HeadMajor& x, bool per_channel, uint32_t gs, u
   const size_t n_params = per_channel ? size_t{H} * groups * D : size_t{H} * T * groups;
   r.scales.resize(n_params);
   r.zeros.resize(n_params);
-  // Visits one group: `index(i)` gives the flat position of the group's i-th element.
-  auto do_group = [&](size_t param, uint32_t len, auto index) {
-    float mn = INFINITY, mx = -INFINITY;
-    for (uint32_t i = 0; i < len; ++i) {
-      const size_t p = index(i);
-      if (!mask.empty() && mask[p]) continue;
-      mn = std::min(mn, x.x[p]);
-      mx = std::max(mx, x.x[p]);
-    }
-    if (mn > mx) mn = mx = 0;  // every element is an outlier
-    const uint16_t scale16 = F16((mx - mn) / qmax);
-    const uint16_t zero16 = F16(mn);
-    r.scales[param] = scale16;
-    r.zeros[param] = zero16;
-    const float scale = F32(scale16), zero = F32(zero16);
-    const float inv = scale > 0 ? 1.0f / scale : 0.0f;
-    for (uint32_t i = 0; i < len; ++i) {
-      const size_t p = index(i);
-      const float q = std::clamp(std::floor((x.x[p] - zero) * inv + 0.5f), 0.0f, qmax);
-      codes[p] = static_cast<uint8_t>(q);
-      r.dequant[p] = zero + q * scale;
+  const bool masked = !mask.empty();
+  std::vector<float> mn(D), mx(D), scale(D), zero(D), inv(D);
+  // Stores the fp16 parameters of one group and returns them as float (what decode sees).
+  auto params = [&](float lo, float hi, size_t p, float* s_out, float* z_out, float* inv_out) {
+    if (lo > hi) lo = hi = 0;  // every element of the group is an outlier
+    r.scales[p] = F16((hi - lo) / qmax);
+    r.zeros[p] = F16(lo);
+    *s_out = F32(r.scales[p]);
+    *z_out = F32(r.zeros[p]);
+    *inv_out = *s_out > 0 ? 1.0f / *s_out : 0.0f;
+  };
+  auto quantize_row = [&](size_t base, uint32_t d0, uint32_t d1, const float* s, const float* z,
+                          const float* iv) {
+    // Round half up, clamped to [0, qmax]; truncation of a non-negative value is floor, which
+    // keeps the loop vectorizable without SSE4.1's roundps.
+    for (uint32_t d = d0; d < d1; ++d) {
+      const float y = std::max((x.x[base + d] - z[d]) * iv[d] + 0.5f, 0.0f);
+      const float q = std::min(static_cast<float>(static_cast<int32_t>(y)), qmax);
+      codes[base + d] = static_cast<uint8_t>(q);
+      r.dequant[base + d] = z[d] + q * s[d];
     }
   };
   for (uint32_t h = 0; h < H; ++h) {
     if (per_channel) {
+      // K: one group = gs tokens of one channel; scan rows so memory is read in order.
       for (uint32_t g = 0; g < groups; ++g) {
-        const uint32_t t0 = g * gs, len = std::min(gs, T - t0);
+        const uint32_t t0 = g * gs, t1 = std::min(T, t0 + gs);
+        std::fill(mn.begin(), mn.end(), INFINITY);
+        std::fill(mx.begin(), mx.end(), -INFINITY);
+        for (uint32_t t = t0; t < t1; ++t) {
+          const size_t base = (size_t{h} * T + t) * D;
+          for (uint32_t d = 0; d < D; ++d) {
+            const float v = x.x[base + d];
+            const bool skip = masked && mask[base + d];
+            mn[d] = skip ? mn[d] : std::min(mn[d], v);
+            mx[d] = skip ? mx[d] : std::max(mx[d], v);
+          }
+        }
         for (uint32_t d = 0; d < D; ++d) {
-          do_group((size_t{h} * groups + g) * D + d, len,
-                   [&](uint32_t i) { return (size_t{h} * T + t0 + i) * D + d; });
+          params(mn[d], mx[d], (size_t{h} * groups + g) * D + d, &scale[d], &zero[d], &inv[d]);
+        }
+        for (uint32_t t = t0; t < t1; ++t) {
+          quantize_row((size_t{h} * T + t) * D, 0, D, scale.data(), zero.data(), inv.data());
         }
       }
     } else {
+      // V: one group = gs channels of one token.
       for (uint32_t t = 0; t < T; ++t) {
+        const size_t base = (size_t{h} * T + t) * D;
         for (uint32_t g = 0; g < groups; ++g) {
-          const uint32_t d0 = g * gs, len = std::min(gs, D - d0);
-          do_group((size_t{h} * T + t) * groups + g, len,
-                   [&](uint32_t i) { return (size_t{h} * T + t) * D + d0 + i; });
+          const uint32_t d0 = g * gs, d1 = std::min(D, d0 + gs);
+          float lo = INFINITY, hi = -INFINITY;
+          for (uint32_t d = d0; d < d1; ++d) {
+            if (masked && mask[base + d]) continue;
+            lo = std::min(lo, x.x[base + d]);
+            hi = std::max(hi, x.x[base + d]);
+          }
+          params(lo, hi, (size_t{h} * T + t) * groups + g, &scale[d0], &zero[d0], &inv[d0]);
+          for (uint32_t d = d0 + 1; d < d1; ++d) {
+            scale[d] = scale[d0];
+            zero[d] = zero[d0];
+            inv[d] = inv[d0];
+          }
         }
+        quantize_row(base, 0, D, scale.data(), zero.data(), inv.data());
       }
     }
   }
@@ -149,17 +182,21 @@ std::vector<size_t> SelectOutliers(const HeadMajor& x, bool per_channel, uint32_
   std::vector<size_t> positions;
   positions.reserve(size_t{H} * vectors * n);
   mask.assign(x.x.size(), 0);
-  std::vector<uint32_t> order(len);
+  std::vector<std::pair<float, uint32_t>> vals(len);  // (value, index in vector)
   for (uint32_t h = 0; h < H; ++h) {
     for (uint32_t v = 0; v < vectors; ++v) {
       auto pos = [&](uint32_t i) {
         return per_channel ? (size_t{h} * T + i) * D + v : (size_t{h} * T + v) * D + i;
       };
-      std::iota(order.begin(), order.end(), 0u);
-      std::stable_sort(order.begin(), order.end(),
-                       [&](uint32_t a, uint32_t b) { return x.x[pos(a)] < x.x[pos(b)]; });
-      for (uint32_t i = 0; i < n / 2; ++i) positions.push_back(pos(order[i]));
-      for (uint32_t i = len - n / 2; i < len; ++i) positions.push_back(pos(order[i]));
+      for (uint32_t i = 0; i < len; ++i) vals[i] = {x.x[pos(i)], i};
+      // Bottom n/2 then top n/2 by value (ties by position), each in ascending order.
+      const uint32_t half = n / 2;
+      std::nth_element(vals.begin(), vals.begin() + half, vals.end());
+      std::sort(vals.begin(), vals.begin() + half);
+      std::nth_element(vals.begin() + half, vals.end() - half, vals.end());
+      std::sort(vals.end() - half, vals.end());
+      for (uint32_t i = 0; i < half; ++i) positions.push_back(pos(vals[i].second));
+      for (uint32_t i = len - half; i < len; ++i) positions.push_back(pos(vals[i].second));
     }
   }
   for (size_t p : positions) mask[p] = 1;
@@ -232,8 +269,11 @@ absl::StatusOr<AlignedBuffer> IdentityCodec::Encode(const KvChunkView& c,
   int section = 0;
   for (const auto& [src, name] : {std::pair{c.k, "K"}, std::pair{c.v, "V"}}) {
     STRATA_ASSIGN_OR_RETURN(HeadMajor m, ToHeadMajor(c, src, name, limit));
-    uint16_t* out = b.section_as<uint16_t>(section);
-    for (size_t i = 0; i < m.x.size(); ++i) out[i] = f16 ? F16(m.x[i]) : FloatToBFloat16Bits(m.x[i]);
+    if (f16) {
+      FloatToHalf(m.x.data(), b.section_as<Half>(section), m.x.size());
+    } else {
+      FloatToBFloat16(m.x.data(), b.section_as<BFloat16>(section), m.x.size());
+    }
     section += layout.k_section_count;
   }
   return std::move(b).Finish();
@@ -258,9 +298,12 @@ absl::StatusOr<AlignedBuffer> Int8Codec::Encode(const KvChunkView& c,
       scales[row] = F16(amax / 127.0f);
       const float scale = F32(scales[row]);
       const float inv = scale > 0 ? 1.0f / scale : 0.0f;
-      for (uint32_t d = 0; d < D; ++d) {
-        codes[row * D + d] = static_cast<int8_t>(std::clamp(std::floor(x[d] * inv + 0.5f), -127.0f, 127.0f));
+      for (uint32_t d = 0; d < D; ++d) {  // round half away from zero, vectorizable
+        const float y = x[d] * inv;
+        const float q = static_cast<float>(static_cast<int32_t>(y + (y >= 0 ? 0.5f : -0.5f)));
+        codes[row * D + d] = static_cast<int8_t>(std::clamp(q, -127.0f, 127.0f));
       }
+
     }
     section += layout.k_section_count;
   }
@@ -310,6 +353,10 @@ absl::StatusOr<AlignedBuffer> AffineCodec::Encode(const KvChunkView& c,
     Put(b, next++, q.packed);
     Put(b, next++, q.scales);
     Put(b, next++, q.zeros);
+    if (tl.rank == 0 && tl.outliers == 0) {
+      section += layout.k_section_count;
+      continue;
+    }
     // Residual after the backbone; outliers then take exactly what the backbone missed.
     std::vector<float> residual(m.x.size());
     for (size_t i = 0; i < residual.size(); ++i) residual[i] = m.x[i] - q.dequant[i];

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -12,6 +13,7 @@
 #include "common/half.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/bit_pack.h"
 #include "kernels/block_operands.h"
 #include "kernels/synthetic_kv.h"
 
@@ -208,6 +210,26 @@ TEST(BlockOperandsTest, InconsistentBlocksAreDataLoss) {
   s = PrepareBlock(*BlockView::Parse(relabelled.span())).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
   EXPECT_THAT(std::string(s.message()), HasSubstr("writes 10 sections, block has 6"));
+}
+
+}  // namespace
+}  // namespace strata::kernels
+
+namespace strata::kernels {
+namespace {
+
+TEST(BitPackTest, EveryWidthRoundTripsAtEveryLength) {
+  std::mt19937 rng(3);
+  for (int bits = 1; bits <= 8; ++bits) {
+    for (size_t n : {0, 1, 7, 8, 9, 31, 64, 1000}) {
+      std::vector<uint8_t> codes(n);
+      for (uint8_t& c : codes) c = static_cast<uint8_t>(rng() & ((1u << bits) - 1));
+      std::vector<uint8_t> packed(PackedBytes(n, bits) + 1, 0xee);
+      PackBits(codes.data(), n, bits, packed.data());
+      EXPECT_EQ(packed.back(), 0xee) << "wrote past the end, bits=" << bits << " n=" << n;
+      for (size_t i = 0; i < n; ++i) ASSERT_EQ(UnpackBit(packed.data(), i, bits), codes[i]);
+    }
+  }
 }
 
 }  // namespace

@@ -31,26 +31,38 @@ void LowRankApproximate(const float* r, int rows, int cols, int rank, int iterat
   std::normal_distribution<float> normal(0.0f, 1.0f);
   for (int i = 0; i < cols * rank; ++i) b[i] = normal(rng);
   Orthonormalize(b, cols, rank);
-  std::vector<double> acc(rank);
+  // Work on transposed factors ([rank, rows], [rank, cols]) so the inner loops run along
+  // contiguous rows of R and vectorize.
+  std::vector<float> at(static_cast<size_t>(rank) * rows), bt(static_cast<size_t>(rank) * cols);
+  for (int c = 0; c < cols; ++c) {
+    for (int j = 0; j < rank; ++j) bt[static_cast<size_t>(j) * cols + c] = b[c * rank + j];
+  }
   for (int it = 0; it < iterations; ++it) {
-    // A = R B
-    for (int i = 0; i < rows; ++i) {
-      std::fill(acc.begin(), acc.end(), 0.0);
+    for (int i = 0; i < rows; ++i) {  // A = R B
       const float* row = r + static_cast<size_t>(i) * cols;
-      for (int c = 0; c < cols; ++c) {
-        for (int j = 0; j < rank; ++j) acc[j] += double{row[c]} * b[c * rank + j];
+      for (int j = 0; j < rank; ++j) {
+        const float* bj = &bt[static_cast<size_t>(j) * cols];
+        float s = 0;
+        for (int c = 0; c < cols; ++c) s += row[c] * bj[c];
+        at[static_cast<size_t>(j) * rows + i] = s;
       }
-      for (int j = 0; j < rank; ++j) a[i * rank + j] = static_cast<float>(acc[j]);
+    }
+    for (int i = 0; i < rows; ++i) {
+      for (int j = 0; j < rank; ++j) a[i * rank + j] = at[static_cast<size_t>(j) * rows + i];
     }
     Orthonormalize(a, rows, rank);
-    // B = R^T A
-    for (int c = 0; c < cols * rank; ++c) b[c] = 0;
-    for (int i = 0; i < rows; ++i) {
+    std::fill(bt.begin(), bt.end(), 0.0f);
+    for (int i = 0; i < rows; ++i) {  // B = R^T A
       const float* row = r + static_cast<size_t>(i) * cols;
-      for (int c = 0; c < cols; ++c) {
-        for (int j = 0; j < rank; ++j) b[c * rank + j] += row[c] * a[i * rank + j];
+      for (int j = 0; j < rank; ++j) {
+        const float w = a[i * rank + j];
+        float* bj = &bt[static_cast<size_t>(j) * cols];
+        for (int c = 0; c < cols; ++c) bj[c] += w * row[c];
       }
     }
+  }
+  for (int c = 0; c < cols; ++c) {
+    for (int j = 0; j < rank; ++j) b[c * rank + j] = bt[static_cast<size_t>(j) * cols + c];
   }
 }
 

@@ -1,0 +1,33 @@
+// Encode throughput of one 256-token x 8-head x 128 chunk (fp16 input), per codec.
+#include <vector>
+
+#include "benchmark/benchmark.h"
+#include "common/half.h"
+#include "kernels/codec.h"
+#include "kernels/synthetic_kv.h"
+
+namespace strata::kernels {
+namespace {
+
+void BM_Encode(benchmark::State& state, const char* spec) {
+  const SyntheticKv kv = MakeSyntheticKv(256, 8, 128, 1);
+  std::vector<Half> k(kv.k.size()), v(kv.v.size());
+  FloatToHalf(kv.k.data(), k.data(), k.size());
+  FloatToHalf(kv.v.data(), v.data(), v.size());
+  auto codec = *Codec::Create(spec);
+  const KvChunkView view{k.data(), v.data(), SourceDType::kFloat16, 256, 8, 128};
+  for (auto _ : state) {
+    auto block = codec->Encode(view, {});
+    benchmark::DoNotOptimize(block);
+  }
+  state.SetBytesProcessed(state.iterations() * (k.size() + v.size()) * sizeof(Half));
+}
+
+BENCHMARK_CAPTURE(BM_Encode, fp16, "fp16");
+BENCHMARK_CAPTURE(BM_Encode, int8, "int8");
+BENCHMARK_CAPTURE(BM_Encode, kivi2, "kivi:k2v2:g32");
+BENCHMARK_CAPTURE(BM_Encode, gearl2, "gearl:k2v2:g32:r4");
+BENCHMARK_CAPTURE(BM_Encode, gear2, "gear:k2v2:g32:r4:s2");
+
+}  // namespace
+}  // namespace strata::kernels
