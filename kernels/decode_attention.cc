@@ -23,7 +23,12 @@ using internal::Segment;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-absl::Status Validate(const DecodeAttentionParams& p, absl::Span<const DecodeSequence> batch) {
+}  // namespace
+
+namespace internal {
+
+absl::Status ValidateAttention(const DecodeAttentionParams& p,
+                               absl::Span<const DecodeSequence> batch) {
   if (p.q_heads == 0 || p.kv_heads == 0 || p.head_dim == 0 || p.q_heads % p.kv_heads != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "attention: q_heads ", p.q_heads, " must be a positive multiple of kv_heads ", p.kv_heads,
@@ -61,9 +66,16 @@ absl::Status Validate(const DecodeAttentionParams& p, absl::Span<const DecodeSeq
   return absl::OkStatus();
 }
 
-float Scale(const DecodeAttentionParams& p) {
+float SoftmaxScale(const DecodeAttentionParams& p) {
   return p.scale != 0 ? p.scale : 1.0f / std::sqrt(static_cast<float>(p.head_dim));
 }
+
+}  // namespace internal
+
+namespace {
+
+using internal::SoftmaxScale;
+using internal::ValidateAttention;
 
 // Segments of one sequence for one KV head, in order.
 std::vector<Segment> Segments(const DecodeAttentionParams& p, const DecodeSequence& seq,
@@ -109,7 +121,7 @@ absl::Status Run(const DecodeAttentionParams& p, absl::Span<const DecodeSequence
     return absl::InvalidArgumentError("attention: tokens_per_split must be >= 1");
   }
   const uint32_t G = p.q_heads / p.kv_heads, D = p.head_dim;
-  const float scale = Scale(p);
+  const float scale = SoftmaxScale(p);
   struct Task {
     size_t seq;
     uint32_t head;
@@ -344,35 +356,52 @@ void AccumulatePortable(const Segment& seg, HeadGroupState& st) {
   AddValueCorrections(seg, st);
 }
 
+// Converts n fp16 values to float (F16C where available) into a scratch vector.
+static const float* Widen(const uint16_t* src, size_t n, std::vector<float>& dst) {
+  dst.resize(n);
+  HalfToFloat(reinterpret_cast<const Half*>(src), dst.data(), n);
+  return dst.data();
+}
+
 void AddScoreCorrections(const Segment& seg, HeadGroupState& st) {
   const TensorOperands& k = seg.block->k;
   const uint32_t G = st.g, D = st.d, T = seg.tokens, h = seg.head;
+  thread_local std::vector<float> fa, fb, fo;
   if (k.rank > 0) {
     const uint32_t R = k.rank;
-    std::vector<float> qb(size_t{G} * R, 0.0f);  // (q . B) per query head
-    for (uint32_t d = 0; d < D; ++d) {
-      const uint16_t* b = k.lowrank_b + (size_t{h} * D + d) * R;
-      for (uint32_t j = 0; j < G; ++j) {
-        const float q = st.q[size_t{j} * D + d];
-        for (uint32_t r = 0; r < R; ++r) qb[j * R + r] += q * HalfBitsToFloat(b[r]);
+    const float* a = Widen(k.lowrank_a + size_t{h} * T * R, size_t{T} * R, fa);
+    const float* b = Widen(k.lowrank_b + size_t{h} * D * R, size_t{D} * R, fb);
+    float qb[8 * 64];  // (q . B) per query head; G <= 8 here, else computed per head below
+    for (uint32_t j0 = 0; j0 < G; j0 += 8) {
+      const uint32_t gn = std::min<uint32_t>(8, G - j0);
+      std::fill(qb, qb + gn * R, 0.0f);
+      for (uint32_t d = 0; d < D; ++d) {
+        for (uint32_t j = 0; j < gn; ++j) {
+          const float q = st.q[size_t{j0 + j} * D + d];
+          for (uint32_t r = 0; r < R; ++r) qb[j * R + r] += q * b[d * R + r];
+        }
       }
-    }
-    for (uint32_t t = 0; t < T; ++t) {
-      const uint16_t* a = k.lowrank_a + (size_t{h} * T + t) * R;
-      for (uint32_t j = 0; j < G; ++j) {
-        float s = 0;
-        for (uint32_t r = 0; r < R; ++r) s += HalfBitsToFloat(a[r]) * qb[j * R + r];
-        st.scores[size_t{j} * T + t] += s;
+      for (uint32_t j = 0; j < gn; ++j) {
+        float* s = &st.scores[size_t{j0 + j} * T];
+        for (uint32_t t = 0; t < T; ++t) {
+          float sum = 0;
+          for (uint32_t r = 0; r < R; ++r) sum += a[t * R + r] * qb[j * R + r];
+          s[t] += sum;
+        }
       }
     }
   }
   const uint32_t n = k.outliers_per_vector;
-  for (uint32_t d = 0; n > 0 && d < D; ++d) {
-    for (uint32_t e = 0; e < n; ++e) {
-      const size_t i = (size_t{h} * D + d) * n + e;
-      const uint32_t t = k.OutlierIndex(i);
-      const float val = HalfBitsToFloat(k.outlier_values[i]);
-      for (uint32_t j = 0; j < G; ++j) st.scores[size_t{j} * T + t] += st.q[size_t{j} * D + d] * val;
+  if (n > 0) {
+    const float* vals = Widen(k.outlier_values + size_t{h} * D * n, size_t{D} * n, fo);
+    for (uint32_t d = 0; d < D; ++d) {
+      for (uint32_t e = 0; e < n; ++e) {
+        const uint32_t t = k.OutlierIndex((size_t{h} * D + d) * n + e);
+        const float val = vals[d * n + e];
+        for (uint32_t j = 0; j < G; ++j) {
+          st.scores[size_t{j} * T + t] += st.q[size_t{j} * D + d] * val;
+        }
+      }
     }
   }
 }
@@ -380,33 +409,36 @@ void AddScoreCorrections(const Segment& seg, HeadGroupState& st) {
 void AddValueCorrections(const Segment& seg, HeadGroupState& st) {
   const TensorOperands& v = seg.block->v;
   const uint32_t G = st.g, D = st.d, T = seg.tokens, h = seg.head;
+  thread_local std::vector<float> fa, fb, fo;
   if (v.rank > 0) {
     const uint32_t R = v.rank;
-    std::vector<float> pa(size_t{G} * R, 0.0f);  // sum_t p_t A_t per query head
-    for (uint32_t t = 0; t < T; ++t) {
-      const uint16_t* a = v.lowrank_a + (size_t{h} * T + t) * R;
-      for (uint32_t j = 0; j < G; ++j) {
-        const float p = st.scores[size_t{j} * T + t];
-        for (uint32_t r = 0; r < R; ++r) pa[j * R + r] += p * HalfBitsToFloat(a[r]);
+    const float* a = Widen(v.lowrank_a + size_t{h} * T * R, size_t{T} * R, fa);
+    const float* b = Widen(v.lowrank_b + size_t{h} * D * R, size_t{D} * R, fb);
+    float pa[64];  // sum_t p_t A_t for one query head
+    for (uint32_t j = 0; j < G; ++j) {
+      std::fill(pa, pa + R, 0.0f);
+      const float* p = &st.scores[size_t{j} * T];
+      for (uint32_t t = 0; t < T; ++t) {
+        for (uint32_t r = 0; r < R; ++r) pa[r] += p[t] * a[t * R + r];
       }
-    }
-    for (uint32_t d = 0; d < D; ++d) {
-      const uint16_t* b = v.lowrank_b + (size_t{h} * D + d) * R;
-      for (uint32_t j = 0; j < G; ++j) {
-        float s = 0;
-        for (uint32_t r = 0; r < R; ++r) s += HalfBitsToFloat(b[r]) * pa[j * R + r];
-        st.acc[size_t{j} * D + d] += s;
+      float* acc = &st.acc[size_t{j} * D];
+      for (uint32_t d = 0; d < D; ++d) {
+        float sum = 0;
+        for (uint32_t r = 0; r < R; ++r) sum += b[d * R + r] * pa[r];
+        acc[d] += sum;
       }
     }
   }
   const uint32_t n = v.outliers_per_vector;
-  for (uint32_t t = 0; n > 0 && t < T; ++t) {
-    for (uint32_t e = 0; e < n; ++e) {
-      const size_t i = (size_t{h} * T + t) * n + e;
-      const uint32_t d = v.OutlierIndex(i);
-      const float val = HalfBitsToFloat(v.outlier_values[i]);
-      for (uint32_t j = 0; j < G; ++j) {
-        st.acc[size_t{j} * D + d] += st.scores[size_t{j} * T + t] * val;
+  if (n > 0) {
+    const float* vals = Widen(v.outlier_values + size_t{h} * T * n, size_t{T} * n, fo);
+    for (uint32_t t = 0; t < T; ++t) {
+      for (uint32_t e = 0; e < n; ++e) {
+        const uint32_t d = v.OutlierIndex((size_t{h} * T + t) * n + e);
+        const float val = vals[t * n + e];
+        for (uint32_t j = 0; j < G; ++j) {
+          st.acc[size_t{j} * D + d] += st.scores[size_t{j} * T + t] * val;
+        }
       }
     }
   }
@@ -419,7 +451,7 @@ bool DecodeAttentionUsesAvx2() { return HaveAvx2(); }
 absl::Status DecodeAttention(const DecodeAttentionParams& params,
                              absl::Span<const DecodeSequence> batch,
                              const DecodeAttentionOptions& options) {
-  STRATA_RETURN_IF_ERROR(Validate(params, batch));
+  STRATA_RETURN_IF_ERROR(ValidateAttention(params, batch));
   bool avx2 = options.impl == AttentionImpl::kAvx2 ||
               (options.impl == AttentionImpl::kAuto && HaveAvx2());
   if (avx2 && !HaveAvx2()) {
@@ -430,49 +462,6 @@ absl::Status DecodeAttention(const DecodeAttentionParams& params,
   static constexpr internal::Kernels kPortable{
       internal::ScoresPortable, internal::SoftmaxPortable, internal::AccumulatePortable};
   return Run(params, batch, options, avx2 ? kAvx2 : kPortable);
-}
-
-absl::Status DecodeAttentionRef(const DecodeAttentionParams& p,
-                                absl::Span<const DecodeSequence> batch) {
-  STRATA_RETURN_IF_ERROR(Validate(p, batch));
-  const uint32_t H = p.kv_heads, D = p.head_dim, G = p.q_heads / p.kv_heads;
-  const double scale = Scale(p);
-  for (const DecodeSequence& seq : batch) {
-    // Gather every token's K and V at fp32: [N, H, D].
-    std::vector<float> k, v;
-    auto append = [&](const float* ks, const float* vs, size_t tokens) {
-      k.insert(k.end(), ks, ks + tokens * H * D);
-      v.insert(v.end(), vs, vs + tokens * H * D);
-    };
-    if (seq.sinks.tokens > 0) append(seq.sinks.k, seq.sinks.v, seq.sinks.tokens);
-    for (const BlockOperands* b : seq.blocks) {
-      std::vector<float> bk(size_t{b->tokens} * H * D), bv(bk.size());
-      STRATA_RETURN_IF_ERROR(DecodeOperandsRef(*b, bk.data(), bv.data()));
-      append(bk.data(), bv.data(), b->tokens);
-    }
-    if (seq.window.tokens > 0) append(seq.window.k, seq.window.v, seq.window.tokens);
-    const size_t n = k.size() / (size_t{H} * D);
-    std::vector<double> s(n);
-    for (uint32_t qh = 0; qh < p.q_heads; ++qh) {
-      const uint32_t h = qh / G;
-      const float* q = seq.q + size_t{qh} * D;
-      double mx = -INFINITY;
-      for (size_t t = 0; t < n; ++t) {
-        double dot = 0;
-        for (uint32_t d = 0; d < D; ++d) dot += double{q[d]} * k[(t * H + h) * D + d];
-        s[t] = dot * scale;
-        mx = std::max(mx, s[t]);
-      }
-      double sum = 0;
-      for (size_t t = 0; t < n; ++t) sum += (s[t] = std::exp(s[t] - mx));
-      for (uint32_t d = 0; d < D; ++d) {
-        double o = 0;
-        for (size_t t = 0; t < n; ++t) o += s[t] * v[(t * H + h) * D + d];
-        seq.out[size_t{qh} * D + d] = static_cast<float>(o / sum);
-      }
-    }
-  }
-  return absl::OkStatus();
 }
 
 }  // namespace strata::kernels

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Builds and runs Strata's micro-benchmarks, writing Google Benchmark JSON to bench/results/
-# named by benchmark, date and commit, with the machine, date and commit in its context.
+# Builds and runs Strata's benchmarks, writing JSON to bench/results/ named by benchmark, date
+# and commit, with the machine, date and commit inside:
+#  - Google Benchmark micro-benchmarks (CRC-32C, codec encode), filtered by the argument;
+#  - end-to-end programs (bench/codec_bench: compression, attention and error tables).
 #   scripts/bench.sh [BENCHMARK_NAME_FILTER]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,7 +14,7 @@ dirty="$(git diff --quiet 2>/dev/null || echo -dirty)"
 date="$(date -u +%Y-%m-%dT%H:%M:%SZ)"
 cpu="$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')"
 mkdir -p bench/results
-for bin in build/common/common_benchmark; do
+for bin in build/common/common_benchmark build/kernels/kernels_benchmark; do
   name="$(basename "$bin")"
   out="bench/results/${name}-$(date -u +%Y%m%d)-${commit}${dirty}.json"
   "$bin" --benchmark_filter="$filter" --benchmark_out="$out" --benchmark_out_format=json \
@@ -20,3 +22,6 @@ for bin in build/common/common_benchmark; do
     --benchmark_context=machine="$(hostname) / ${cpu} / $(nproc) cores"
   echo "wrote $out"
 done
+if [ "$filter" = "." ] || [ "$filter" = "codec_bench" ]; then
+  ./build/bench/codec_bench --commit "${commit}${dirty}" --out bench/results
+fi

@@ -5,7 +5,10 @@
 #include <cstdint>
 #include <vector>
 
+#include "absl/status/status.h"
+#include "absl/types/span.h"
 #include "kernels/block_operands.h"
+#include "kernels/decode_attention.h"
 
 namespace strata::kernels::internal {
 
@@ -57,6 +60,11 @@ struct Kernels {
   SoftmaxFn softmax;
   AccumulateFn accumulate;
 };
+
+// Shape checks and the softmax scale, shared by the fused kernels and the reference.
+absl::Status ValidateAttention(const DecodeAttentionParams& p,
+                               absl::Span<const DecodeSequence> batch);
+float SoftmaxScale(const DecodeAttentionParams& p);
 
 // Low-rank and outlier corrections, common to both implementations.
 void AddScoreCorrections(const Segment& seg, HeadGroupState& st);
