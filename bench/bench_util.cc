@@ -25,7 +25,8 @@ RunInfo CollectRunInfo(const std::string& commit) {
       break;
     }
   }
-  r.machine = absl::StrCat(host, " / ", cpu, " / ", std::thread::hardware_concurrency(), " threads");
+  r.machine =
+      absl::StrCat(host, " / ", cpu, " / ", std::thread::hardware_concurrency(), " threads");
   const std::time_t now = std::time(nullptr);
   char buf[64];
   std::strftime(buf, sizeof(buf), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));

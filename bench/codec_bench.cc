@@ -52,7 +52,8 @@ struct Chunks {
 Chunks MakeChunks(uint32_t n, uint64_t seed) {
   Chunks c;
   for (uint32_t i = 0; i < n; ++i) {
-    const kernels::SyntheticKv kv = kernels::MakeSyntheticKv(kChunk, kKvHeads, kDim, seed, i * kChunk);
+    const kernels::SyntheticKv kv =
+        kernels::MakeSyntheticKv(kChunk, kKvHeads, kDim, seed, i * kChunk);
     c.k.emplace_back(kv.k.size());
     c.v.emplace_back(kv.v.size());
     FloatToHalf(kv.k.data(), c.k.back().data(), kv.k.size());
@@ -77,7 +78,8 @@ Encoded Encode(const Codec& codec, const Chunks& c, ThreadPool& pool) {
   Encoded e;
   e.buffers.resize(c.k.size());
   pool.ParallelFor(c.k.size(), [&](size_t i) {
-    absl::StatusOr<AlignedBuffer> b = codec.Encode(View(c, i), {.chunk_index = static_cast<uint32_t>(i)});
+    absl::StatusOr<AlignedBuffer> b =
+        codec.Encode(View(c, i), {.chunk_index = static_cast<uint32_t>(i)});
     if (!b.ok()) {
       std::fprintf(stderr, "encode failed: %s\n", std::string(b.status().message()).c_str());
       std::abort();
@@ -104,7 +106,8 @@ void ScaleQueries(std::vector<float>& q, const std::vector<float>& k, uint32_t t
     double sum = 0, sq = 0;
     for (uint32_t t = 0; t < tokens; ++t) {
       double dot = 0;
-      for (uint32_t d = 0; d < kDim; ++d) dot += double{q[qh * kDim + d]} * k[(size_t{t} * kKvHeads + h) * kDim + d];
+      for (uint32_t d = 0; d < kDim; ++d)
+        dot += double{q[qh * kDim + d]} * k[(size_t{t} * kKvHeads + h) * kDim + d];
       dot /= std::sqrt(double{kDim});
       sum += dot;
       sq += dot * dot;
@@ -133,9 +136,12 @@ int Main(int argc, char** argv) {
   std::vector<uint32_t> contexts = {8192, 32768};
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i], val = argv[i + 1];
-    if (flag == "--commit") commit = val;
-    else if (flag == "--out") out_dir = val;
-    else if (flag == "--codecs") codec_list = val;
+    if (flag == "--commit")
+      commit = val;
+    else if (flag == "--out")
+      out_dir = val;
+    else if (flag == "--codecs")
+      codec_list = val;
     else if (flag == "--contexts") {
       contexts.clear();
       for (absl::string_view s : absl::StrSplit(val, ',')) {
@@ -201,10 +207,12 @@ int Main(int argc, char** argv) {
   const kernels::DecodeAttentionParams params{kQHeads, kKvHeads, kDim};
   for (uint32_t ctx : contexts) {
     const Chunks chunks = MakeChunks(ctx / kChunk, 21);
-    std::printf("\n2. decode attention, %u tokens, %u query heads over %u KV heads, head dim %u, "
-                "batch 1, %d threads\n", ctx, kQHeads, kKvHeads, kDim, pool.size());
-    std::printf("%-24s %10s %10s %12s %9s %9s %9s %7s\n", "codec", "KV MiB", "time ms",
-                "KV GB/s", "of read", "speedup", "target", "met");
+    std::printf(
+        "\n2. decode attention, %u tokens, %u query heads over %u KV heads, head dim %u, "
+        "batch 1, %d threads\n",
+        ctx, kQHeads, kKvHeads, kDim, pool.size());
+    std::printf("%-24s %10s %10s %12s %9s %9s %9s %7s\n", "codec", "KV MiB", "time ms", "KV GB/s",
+                "of read", "speedup", "target", "met");
     double fp16_time = 0, fp16_bytes = 0;
     for (const auto& c : codecs) {
       Encoded e = Encode(*c, chunks, pool);
@@ -248,7 +256,8 @@ int Main(int argc, char** argv) {
   std::vector<float> k_all(size_t{tokens} * kKvHeads * kDim), v_all(k_all.size());
   Chunks err_chunks;
   for (uint32_t i = 0; i < kErrChunks; ++i) {
-    const kernels::SyntheticKv kv = kernels::MakeSyntheticKv(kChunk, kKvHeads, kDim, 31, i * kChunk);
+    const kernels::SyntheticKv kv =
+        kernels::MakeSyntheticKv(kChunk, kKvHeads, kDim, 31, i * kChunk);
     std::copy(kv.k.begin(), kv.k.end(), k_all.begin() + size_t{i} * kv.k.size());
     std::copy(kv.v.begin(), kv.v.end(), v_all.begin() + size_t{i} * kv.v.size());
     err_chunks.k.emplace_back(kv.k.size());
@@ -268,9 +277,10 @@ int Main(int argc, char** argv) {
     s.out = ref[i].data();
     if (!kernels::DecodeAttentionRef(params, {&s, 1}).ok()) std::abort();
   }
-  std::printf("\n3. error on synthetic KV (%u tokens, %u KV heads, head dim %u; attention: %u "
-              "queries x %u heads, logit std 2.5, vs fp32 attention)\n", tokens, kKvHeads, kDim,
-              kQueries, kQHeads);
+  std::printf(
+      "\n3. error on synthetic KV (%u tokens, %u KV heads, head dim %u; attention: %u "
+      "queries x %u heads, logit std 2.5, vs fp32 attention)\n",
+      tokens, kKvHeads, kDim, kQueries, kQHeads);
   std::printf("%-24s %9s %9s %10s %10s %12s\n", "codec", "bits", "nominal", "K rel err",
               "V rel err", "attn rel err");
   for (const auto& c : codecs) {
@@ -278,7 +288,8 @@ int Main(int argc, char** argv) {
     std::vector<float> k_dec(k_all.size()), v_dec(v_all.size());
     const size_t per = size_t{kChunk} * kKvHeads * kDim;
     for (uint32_t i = 0; i < kErrChunks; ++i) {
-      if (!kernels::DecodeOperandsRef(e.ops[i], &k_dec[i * per], &v_dec[i * per]).ok()) std::abort();
+      if (!kernels::DecodeOperandsRef(e.ops[i], &k_dec[i * per], &v_dec[i * per]).ok())
+        std::abort();
     }
     const double ek = RelErr(k_dec.data(), k_all.data(), k_all.size());
     const double ev = RelErr(v_dec.data(), v_all.data(), v_all.size());
@@ -304,19 +315,19 @@ int Main(int argc, char** argv) {
                           .Done());
   }
 
-  const std::string json = Json()
-                               .Str("benchmark", "codec_bench")
-                               .Str("machine", info.machine)
-                               .Str("date", info.date)
-                               .Str("commit", info.commit)
-                               .Num("read_bandwidth_gbps", read_bw / 1e9)
-                               .Num("copy_bandwidth_gbps", copy_bw / 1e9)
-                               .Str("attention_kernels",
-                                    kernels::DecodeAttentionUsesAvx2() ? "avx2" : "portable")
-                               .Raw("compression", JsonArray(j_compress))
-                               .Raw("attention", JsonArray(j_attention))
-                               .Raw("error", JsonArray(j_error))
-                               .Done();
+  const std::string json =
+      Json()
+          .Str("benchmark", "codec_bench")
+          .Str("machine", info.machine)
+          .Str("date", info.date)
+          .Str("commit", info.commit)
+          .Num("read_bandwidth_gbps", read_bw / 1e9)
+          .Num("copy_bandwidth_gbps", copy_bw / 1e9)
+          .Str("attention_kernels", kernels::DecodeAttentionUsesAvx2() ? "avx2" : "portable")
+          .Raw("compression", JsonArray(j_compress))
+          .Raw("attention", JsonArray(j_attention))
+          .Raw("error", JsonArray(j_error))
+          .Done();
   const std::string path =
       absl::StrCat(out_dir, "/codec_bench-", info.date.substr(0, 10), "-", commit, ".json");
   std::ofstream f(path);

@@ -25,10 +25,9 @@ absl::StatusOr<BlockView> BlockView::Parse(absl::Span<const uint8_t> bytes, Pars
   // The version comes first so that a block of another version is named as such, whatever
   // its header size.
   if (n >= 10 && LoadLE<uint16_t>(p + 8) != kBlockFormatVersion) {
-    return absl::InvalidArgumentError(absl::StrCat("block: format version ",
-                                                   LoadLE<uint16_t>(p + 8),
-                                                   " is not supported (this build reads ",
-                                                   kBlockFormatVersion, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("block: format version ", LoadLE<uint16_t>(p + 8),
+                     " is not supported (this build reads ", kBlockFormatVersion, ")"));
   }
   if (n < kBlockHeaderBytes) {
     return Corrupt(

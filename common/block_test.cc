@@ -242,9 +242,13 @@ TEST(BlockReaderTest, ResealedTamperingIsCaughtByTheStructuralChecks) {
        absl::StatusCode::kDataLoss, "not a multiple of its alignment"},
       {"overlap", [&](auto& b) { std::memcpy(&b[EntryAt(2, 4)], &b[EntryAt(1, 4)], 4); },
        absl::StatusCode::kDataLoss, "packed in table order"},
-      {"gap", [&](auto& b) { StoreLE<uint32_t>(&b[EntryAt(1, 4)], LoadLE<uint32_t>(&b[EntryAt(1, 4)]) + 16); },
+      {"gap",
+       [&](auto& b) {
+         StoreLE<uint32_t>(&b[EntryAt(1, 4)], LoadLE<uint32_t>(&b[EntryAt(1, 4)]) + 16);
+       },
        absl::StatusCode::kDataLoss, "packed in table order"},
-      {"swapped", [&](auto& b) {
+      {"swapped",
+       [&](auto& b) {
          uint8_t e0[16], e1[16];
          std::memcpy(e0, &b[EntryAt(5, 0)], 16);
          std::memcpy(e1, &b[EntryAt(6, 0)], 16);

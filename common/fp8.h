@@ -25,10 +25,10 @@ constexpr uint8_t FloatToFp8E4M3(float f) {
   const uint32_t x = std::bit_cast<uint32_t>(f);
   const uint8_t sign = static_cast<uint8_t>((x >> 24) & 0x80u);
   const uint32_t abs = x & 0x7fffffffu;
-  if (abs > 0x7f800000u) return sign | 0x7fu;     // NaN
-  if (abs >= 0x43e00000u) return sign | 0x7eu;    // >= 448 (and Inf) saturates to 448
-  if (abs < 0x3c800000u) {                        // below 2^-6: subnormal or zero
-    if (abs <= 0x3a800000u) return sign;          // <= 2^-10 rounds to zero (tie to even)
+  if (abs > 0x7f800000u) return sign | 0x7fu;   // NaN
+  if (abs >= 0x43e00000u) return sign | 0x7eu;  // >= 448 (and Inf) saturates to 448
+  if (abs < 0x3c800000u) {                      // below 2^-6: subnormal or zero
+    if (abs <= 0x3a800000u) return sign;        // <= 2^-10 rounds to zero (tie to even)
     const uint32_t exp = abs >> 23;
     const uint32_t man = (abs & 0x7fffffu) | 0x800000u;
     const uint32_t shift = 141u - exp;  // value / 2^-9 == man >> shift

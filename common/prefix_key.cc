@@ -56,8 +56,8 @@ constexpr char kProto = '\x80', kFrame = '\x95', kShortBinBytes = 'C', kMemoize 
 // True for the strings CPython shares as singletons: one code point up to U+00FF.
 bool IsSharedPythonString(absl::string_view s) {
   if (s.size() == 1) return static_cast<unsigned char>(s[0]) < 0x80;
-  return s.size() == 2 && (static_cast<unsigned char>(s[0]) == 0xc2 ||
-                           static_cast<unsigned char>(s[0]) == 0xc3);
+  return s.size() == 2 &&
+         (static_cast<unsigned char>(s[0]) == 0xc2 || static_cast<unsigned char>(s[0]) == 0xc3);
 }
 
 void PutLE(std::string& out, uint64_t v, int bytes) {

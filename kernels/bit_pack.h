@@ -32,11 +32,20 @@ inline void PackWhole(const uint8_t* codes, size_t n, uint8_t* out) {
 // out must hold PackedBytes(n, bits) bytes; codes must be < 2^bits.
 inline void PackBits(const uint8_t* codes, size_t n, int bits, uint8_t* out) {
   switch (bits) {
-    case 8: std::memcpy(out, codes, n); return;
-    case 4: internal::PackWhole<4>(codes, n, out); return;
-    case 2: internal::PackWhole<2>(codes, n, out); return;
-    case 1: internal::PackWhole<1>(codes, n, out); return;
-    default: break;
+    case 8:
+      std::memcpy(out, codes, n);
+      return;
+    case 4:
+      internal::PackWhole<4>(codes, n, out);
+      return;
+    case 2:
+      internal::PackWhole<2>(codes, n, out);
+      return;
+    case 1:
+      internal::PackWhole<1>(codes, n, out);
+      return;
+    default:
+      break;
   }
   std::memset(out, 0, PackedBytes(n, bits));
   size_t bit = 0;

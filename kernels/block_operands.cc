@@ -15,11 +15,16 @@ namespace {
 
 CodeKind KindOf(CodecId id) {
   switch (id) {
-    case CodecId::kFp16: return CodeKind::kFloat16;
-    case CodecId::kBf16: return CodeKind::kBFloat16;
-    case CodecId::kInt8: return CodeKind::kInt8;
-    case CodecId::kFp8E4M3: return CodeKind::kFp8E4M3;
-    default: return CodeKind::kAffine;
+    case CodecId::kFp16:
+      return CodeKind::kFloat16;
+    case CodecId::kBf16:
+      return CodeKind::kBFloat16;
+    case CodecId::kInt8:
+      return CodeKind::kInt8;
+    case CodecId::kFp8E4M3:
+      return CodeKind::kFp8E4M3;
+    default:
+      return CodeKind::kAffine;
   }
 }
 
@@ -53,11 +58,11 @@ absl::StatusOr<BlockOperands> PrepareBlock(const BlockView& block) {
     const SectionDesc& want = layout.sections[i];
     if (got.kind != want.kind || got.tensor != want.tensor || got.elem != want.elem ||
         got.count != want.count) {
-      return absl::DataLossError(absl::StrCat(
-          "block: section ", i, " is ", SectionKindName(got.kind), "/", TensorName(got.tensor),
-          "/", ElemTypeName(got.elem), " x", got.count, " but codec ", h.codec_spec,
-          " writes ", SectionKindName(want.kind), "/", TensorName(want.tensor), "/",
-          ElemTypeName(want.elem), " x", want.count));
+      return absl::DataLossError(
+          absl::StrCat("block: section ", i, " is ", SectionKindName(got.kind), "/",
+                       TensorName(got.tensor), "/", ElemTypeName(got.elem), " x", got.count,
+                       " but codec ", h.codec_spec, " writes ", SectionKindName(want.kind), "/",
+                       TensorName(want.tensor), "/", ElemTypeName(want.elem), " x", want.count));
     }
   }
   int i = 0;
@@ -154,7 +159,8 @@ absl::Status DecodeOperandsRef(const BlockOperands& ops, float* k, float* v) {
           if (t.rank > 0) {
             const uint16_t* a = t.lowrank_a + row * t.rank;
             const uint16_t* b = t.lowrank_b + (size_t{h} * D + d) * t.rank;
-            for (uint32_t r = 0; r < t.rank; ++r) x += HalfBitsToFloat(a[r]) * HalfBitsToFloat(b[r]);
+            for (uint32_t r = 0; r < t.rank; ++r)
+              x += HalfBitsToFloat(a[r]) * HalfBitsToFloat(b[r]);
           }
           hm[row * D + d] = x;
         }
@@ -167,7 +173,8 @@ absl::Status DecodeOperandsRef(const BlockOperands& ops, float* k, float* v) {
           for (uint32_t j = 0; j < n; ++j) {
             const size_t e = (size_t{h} * vectors + vec) * n + j;
             const uint32_t idx = t.OutlierIndex(e);
-            const size_t pos = is_k ? (size_t{h} * T + idx) * D + vec : (size_t{h} * T + vec) * D + idx;
+            const size_t pos =
+                is_k ? (size_t{h} * T + idx) * D + vec : (size_t{h} * T + vec) * D + idx;
             hm[pos] += HalfBitsToFloat(t.outlier_values[e]);
           }
         }
@@ -176,7 +183,8 @@ absl::Status DecodeOperandsRef(const BlockOperands& ops, float* k, float* v) {
     float* out = is_k ? k : v;
     for (uint32_t h = 0; h < H; ++h) {
       for (uint32_t tok = 0; tok < T; ++tok) {
-        std::memcpy(out + (size_t{tok} * H + h) * D, &hm[(size_t{h} * T + tok) * D], D * sizeof(float));
+        std::memcpy(out + (size_t{tok} * H + h) * D, &hm[(size_t{h} * T + tok) * D],
+                    D * sizeof(float));
       }
     }
   }

@@ -26,7 +26,9 @@ constexpr float kMetadataLimit = 60000.0f;
 struct HeadMajor {
   uint32_t t = 0, h = 0, d = 0;
   std::vector<float> x;
-  float& at(uint32_t head, uint32_t tok, uint32_t ch) { return x[(size_t{head} * t + tok) * d + ch]; }
+  float& at(uint32_t head, uint32_t tok, uint32_t ch) {
+    return x[(size_t{head} * t + tok) * d + ch];
+  }
 };
 
 // Converts one row of `n` source values to float.
@@ -35,7 +37,9 @@ void SourceRow(const void* p, SourceDType dt, size_t offset, size_t n, float* ou
     case SourceDType::kFloat32:
       std::memcpy(out, static_cast<const float*>(p) + offset, n * sizeof(float));
       return;
-    case SourceDType::kFloat16: HalfToFloat(static_cast<const Half*>(p) + offset, out, n); return;
+    case SourceDType::kFloat16:
+      HalfToFloat(static_cast<const Half*>(p) + offset, out, n);
+      return;
     case SourceDType::kBFloat16:
       BFloat16ToFloat(static_cast<const BFloat16*>(p) + offset, out, n);
       return;
@@ -206,25 +210,29 @@ std::vector<size_t> SelectOutliers(const HeadMajor& x, bool per_channel, uint32_
 class IdentityCodec : public Codec {
  public:
   using Codec::Codec;
-  absl::StatusOr<AlignedBuffer> Encode(const KvChunkView& c, const BlockContext& ctx) const override;
+  absl::StatusOr<AlignedBuffer> Encode(const KvChunkView& c,
+                                       const BlockContext& ctx) const override;
 };
 
 class Int8Codec : public Codec {
  public:
   using Codec::Codec;
-  absl::StatusOr<AlignedBuffer> Encode(const KvChunkView& c, const BlockContext& ctx) const override;
+  absl::StatusOr<AlignedBuffer> Encode(const KvChunkView& c,
+                                       const BlockContext& ctx) const override;
 };
 
 class Fp8Codec : public Codec {
  public:
   using Codec::Codec;
-  absl::StatusOr<AlignedBuffer> Encode(const KvChunkView& c, const BlockContext& ctx) const override;
+  absl::StatusOr<AlignedBuffer> Encode(const KvChunkView& c,
+                                       const BlockContext& ctx) const override;
 };
 
 class AffineCodec : public Codec {
  public:
   using Codec::Codec;
-  absl::StatusOr<AlignedBuffer> Encode(const KvChunkView& c, const BlockContext& ctx) const override;
+  absl::StatusOr<AlignedBuffer> Encode(const KvChunkView& c,
+                                       const BlockContext& ctx) const override;
 };
 
 absl::Status CheckShape(const CodecSpec& s, const KvChunkView& c) {
@@ -236,8 +244,8 @@ absl::Status CheckShape(const CodecSpec& s, const KvChunkView& c) {
                                                    " dims is empty or too large"));
   }
   if (s.id != CodecId::kFp16 && s.id != CodecId::kBf16 && c.head_dim % 8 != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("codec ", s.ToString(), ": head_dim ",
-                                                   c.head_dim, " is not a multiple of 8"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("codec ", s.ToString(), ": head_dim ", c.head_dim, " is not a multiple of 8"));
   }
   return absl::OkStatus();
 }
@@ -303,7 +311,6 @@ absl::StatusOr<AlignedBuffer> Int8Codec::Encode(const KvChunkView& c,
         const float q = static_cast<float>(static_cast<int32_t>(y + (y >= 0 ? 0.5f : -0.5f)));
         codes[row * D + d] = static_cast<int8_t>(std::clamp(q, -127.0f, 127.0f));
       }
-
     }
     section += layout.k_section_count;
   }
@@ -369,8 +376,8 @@ absl::StatusOr<AlignedBuffer> AffineCodec::Encode(const KvChunkView& c,
       std::vector<float> a(size_t{T} * tl.rank), bm(size_t{D} * tl.rank);
       std::vector<uint16_t> a16(size_t{H} * T * tl.rank), b16(size_t{H} * D * tl.rank);
       for (uint32_t h = 0; h < H; ++h) {
-        LowRankApproximate(&residual[size_t{h} * T * D], static_cast<int>(T),
-                           static_cast<int>(D), static_cast<int>(tl.rank), s.power_iterations,
+        LowRankApproximate(&residual[size_t{h} * T * D], static_cast<int>(T), static_cast<int>(D),
+                           static_cast<int>(tl.rank), s.power_iterations,
                            /*seed=*/0x5eed0000u + h, a.data(), bm.data());
         for (size_t i = 0; i < a.size(); ++i) a16[h * a.size() + i] = F16(a[i]);
         for (size_t i = 0; i < bm.size(); ++i) b16[h * bm.size() + i] = F16(bm[i]);
@@ -404,14 +411,19 @@ absl::StatusOr<std::unique_ptr<Codec>> Codec::Create(absl::string_view text) {
   STRATA_ASSIGN_OR_RETURN(CodecSpec s, CodecSpec::Parse(text));
   switch (s.id) {
     case CodecId::kFp16:
-    case CodecId::kBf16: return std::make_unique<IdentityCodec>(s);
-    case CodecId::kInt8: return std::make_unique<Int8Codec>(s);
-    case CodecId::kFp8E4M3: return std::make_unique<Fp8Codec>(s);
+    case CodecId::kBf16:
+      return std::make_unique<IdentityCodec>(s);
+    case CodecId::kInt8:
+      return std::make_unique<Int8Codec>(s);
+    case CodecId::kFp8E4M3:
+      return std::make_unique<Fp8Codec>(s);
     case CodecId::kKivi:
     case CodecId::kKcvt:
     case CodecId::kGear:
-    case CodecId::kGearL: return std::make_unique<AffineCodec>(s);
-    default: break;
+    case CodecId::kGearL:
+      return std::make_unique<AffineCodec>(s);
+    default:
+      break;
   }
   return absl::UnimplementedError(absl::StrCat("codec ", s.ToString(), " is not implemented yet"));
 }

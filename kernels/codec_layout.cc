@@ -8,11 +8,16 @@ namespace {
 
 ElemType CodeType(const CodecSpec& s, int bits) {
   switch (s.id) {
-    case CodecId::kFp16: return ElemType::kFloat16;
-    case CodecId::kBf16: return ElemType::kBFloat16;
-    case CodecId::kInt8: return ElemType::kInt8;
-    case CodecId::kFp8E4M3: return ElemType::kFp8E4M3;
-    default: return static_cast<ElemType>(bits);  // kUInt2 == 2, ... kUInt8 == 8
+    case CodecId::kFp16:
+      return ElemType::kFloat16;
+    case CodecId::kBf16:
+      return ElemType::kBFloat16;
+    case CodecId::kInt8:
+      return ElemType::kInt8;
+    case CodecId::kFp8E4M3:
+      return ElemType::kFp8E4M3;
+    default:
+      return static_cast<ElemType>(bits);  // kUInt2 == 2, ... kUInt8 == 8
   }
 }
 
@@ -46,10 +51,10 @@ CodecLayout MakeCodecLayout(const CodecSpec& s, uint32_t t, uint32_t h, uint32_t
       out.sections.push_back({SectionKind::kZeroPoints, tensor, ElemType::kFloat16, count});
       if (s.rank > 0) {
         tl.rank = std::min<uint32_t>({static_cast<uint32_t>(s.rank), t, d});
-        out.sections.push_back({SectionKind::kLowRankA, tensor, ElemType::kFloat16,
-                                h * t * tl.rank});
-        out.sections.push_back({SectionKind::kLowRankB, tensor, ElemType::kFloat16,
-                                h * d * tl.rank});
+        out.sections.push_back(
+            {SectionKind::kLowRankA, tensor, ElemType::kFloat16, h * t * tl.rank});
+        out.sections.push_back(
+            {SectionKind::kLowRankB, tensor, ElemType::kFloat16, h * d * tl.rank});
       }
       if (s.outlier_percent > 0) {
         tl.outliers = OutlierCount(s.outlier_percent, is_k ? t : d);

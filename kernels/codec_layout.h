@@ -11,10 +11,10 @@
 namespace strata::kernels {
 
 struct TensorLayout {
-  uint32_t groups = 1;       // scale groups per vector (affine); see block_operands.h
-  uint32_t group_size = 0;   // elements per group
-  uint32_t rank = 0;         // effective low-rank r = min(spec rank, tokens, head_dim)
-  uint32_t outliers = 0;     // outliers per vector (top + bottom)
+  uint32_t groups = 1;      // scale groups per vector (affine); see block_operands.h
+  uint32_t group_size = 0;  // elements per group
+  uint32_t rank = 0;        // effective low-rank r = min(spec rank, tokens, head_dim)
+  uint32_t outliers = 0;    // outliers per vector (top + bottom)
   ElemType index_type = ElemType::kUInt8;
 };
 

@@ -28,11 +28,11 @@ struct CodecSpec {
   static constexpr int kDefaultPowerIterations = 3;
 
   CodecId id = CodecId::kFp16;
-  int k_bits = 16;              // backbone bits for K
-  int v_bits = 16;              // backbone bits for V
-  int group = 0;                // quantization group size; 0 = whole vector (KCVT)
-  int rank = 0;                 // low-rank r per head (GEAR, GEAR-L); 0 = none
-  double outlier_percent = 0;   // s: top s/2 % and bottom s/2 % per vector (GEAR); 0 = none
+  int k_bits = 16;             // backbone bits for K
+  int v_bits = 16;             // backbone bits for V
+  int group = 0;               // quantization group size; 0 = whole vector (KCVT)
+  int rank = 0;                // low-rank r per head (GEAR, GEAR-L); 0 = none
+  double outlier_percent = 0;  // s: top s/2 % and bottom s/2 % per vector (GEAR); 0 = none
   int power_iterations = kDefaultPowerIterations;
 
   static absl::StatusOr<CodecSpec> Parse(absl::string_view text);

@@ -23,8 +23,8 @@ namespace {
 using testing::HasSubstr;
 
 KvChunkView View(const SyntheticKv& kv) {
-  return KvChunkView{kv.k.data(), kv.v.data(), SourceDType::kFloat32, kv.tokens, kv.kv_heads,
-                     kv.head_dim};
+  return KvChunkView{kv.k.data(), kv.v.data(), SourceDType::kFloat32,
+                     kv.tokens,   kv.kv_heads, kv.head_dim};
 }
 
 double RelativeError(const std::vector<float>& want, const std::vector<float>& got) {
@@ -64,20 +64,37 @@ RoundTrip EncodeDecode(const std::string& spec, const SyntheticKv& kv) {
   return r;
 }
 
-const char* kAllCodecs[] = {"fp16",          "bf16",          "int8",
-                            "fp8e4m3",       "kivi:k8v8:g32", "kivi:k4v4:g32",
-                            "kivi:k3v3:g32", "kivi:k2v2:g32", "kcvt:k4v4",
-                            "kcvt:k2v2",     "gearl:k2v2:g32:r4", "gear:k2v2:g32:r4:s2",
-                            "gear:k4v4:kcvt:r4:s2", "gear:k3v3:g64:r2:s1"};
+const char* kAllCodecs[] = {"fp16",
+                            "bf16",
+                            "int8",
+                            "fp8e4m3",
+                            "kivi:k8v8:g32",
+                            "kivi:k4v4:g32",
+                            "kivi:k3v3:g32",
+                            "kivi:k2v2:g32",
+                            "kcvt:k4v4",
+                            "kcvt:k2v2",
+                            "gearl:k2v2:g32:r4",
+                            "gear:k2v2:g32:r4:s2",
+                            "gear:k4v4:kcvt:r4:s2",
+                            "gear:k3v3:g64:r2:s1"};
 
 // Error bounds on the synthetic KV (relative Frobenius), loose enough for any seed.
 double Bound(const std::string& spec) {
-  static const std::map<std::string, double> kBounds = {
-      {"fp16", 1e-3},          {"bf16", 8e-3},          {"int8", 3e-2},
-      {"fp8e4m3", 8e-2},       {"kivi:k8v8:g32", 1e-2}, {"kivi:k4v4:g32", 0.12},
-      {"kivi:k3v3:g32", 0.25}, {"kivi:k2v2:g32", 0.55}, {"kcvt:k4v4", 0.35},
-      {"kcvt:k2v2", 1.6},      {"gearl:k2v2:g32:r4", 0.55}, {"gear:k2v2:g32:r4:s2", 0.5},
-      {"gear:k4v4:kcvt:r4:s2", 0.15}, {"gear:k3v3:g64:r2:s1", 0.3}};
+  static const std::map<std::string, double> kBounds = {{"fp16", 1e-3},
+                                                        {"bf16", 8e-3},
+                                                        {"int8", 3e-2},
+                                                        {"fp8e4m3", 8e-2},
+                                                        {"kivi:k8v8:g32", 1e-2},
+                                                        {"kivi:k4v4:g32", 0.12},
+                                                        {"kivi:k3v3:g32", 0.25},
+                                                        {"kivi:k2v2:g32", 0.55},
+                                                        {"kcvt:k4v4", 0.35},
+                                                        {"kcvt:k2v2", 1.6},
+                                                        {"gearl:k2v2:g32:r4", 0.55},
+                                                        {"gear:k2v2:g32:r4:s2", 0.5},
+                                                        {"gear:k4v4:kcvt:r4:s2", 0.15},
+                                                        {"gear:k3v3:g64:r2:s1", 0.3}};
   return kBounds.at(spec);
 }
 
@@ -106,7 +123,7 @@ TEST(CodecTest, MoreBitsMeanLessErrorAndGearBeatsKivi) {
   EXPECT_LT(k4.k_error, k3.k_error);
   EXPECT_LT(k3.k_error, k2.k_error);
   EXPECT_NEAR(k8.bits, 9.0, 0.1);  // 8 bits + fp16 scale and zero per 32
-  EXPECT_GT(k2.bits, 2.0);  // metadata is counted
+  EXPECT_GT(k2.bits, 2.0);         // metadata is counted
   const RoundTrip gearl = EncodeDecode("gearl:k2v2:g32:r4", kv);
   const RoundTrip gear = EncodeDecode("gear:k2v2:g32:r4:s2", kv);
   EXPECT_LT(gearl.k_error, k2.k_error);
@@ -140,7 +157,8 @@ TEST(CodecTest, ConstantChannelsAndTokensFewerThanTheGroupAreExact) {
   SyntheticKv kv = MakeSyntheticKv(5, 1, 16, 1);
   for (float& x : kv.k) x = 1.25f;
   for (float& x : kv.v) x = -3.5f;
-  for (const char* spec : {"kivi:k2v2:g32", "kcvt:k2v2", "gear:k2v2:g32:r4:s2", "gearl:k3v3:kcvt:r2"}) {
+  for (const char* spec :
+       {"kivi:k2v2:g32", "kcvt:k2v2", "gear:k2v2:g32:r4:s2", "gearl:k3v3:kcvt:r2"}) {
     auto codec = *Codec::Create(spec);
     absl::StatusOr<AlignedBuffer> b = codec->Encode(View(kv), {});
     ASSERT_TRUE(b.ok()) << spec << b.status();
@@ -203,8 +221,8 @@ TEST(BlockOperandsTest, InconsistentBlocksAreDataLoss) {
   h.codec_spec = "gearl:k2v2:g32:r4";
   std::vector<SectionDesc> descs;
   for (const SectionView& sv : BlockView::Parse(kivi.span())->sections()) {
-    descs.push_back({sv.entry.kind, sv.entry.tensor, sv.entry.elem, sv.entry.count,
-                     sv.entry.alignment});
+    descs.push_back(
+        {sv.entry.kind, sv.entry.tensor, sv.entry.elem, sv.entry.count, sv.entry.alignment});
   }
   AlignedBuffer relabelled = std::move(*BlockBuilder::Create(h, descs)).Finish();
   s = PrepareBlock(*BlockView::Parse(relabelled.span())).status();

@@ -30,9 +30,9 @@ namespace internal {
 absl::Status ValidateAttention(const DecodeAttentionParams& p,
                                absl::Span<const DecodeSequence> batch) {
   if (p.q_heads == 0 || p.kv_heads == 0 || p.head_dim == 0 || p.q_heads % p.kv_heads != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "attention: q_heads ", p.q_heads, " must be a positive multiple of kv_heads ", p.kv_heads,
-        ", head_dim ", p.head_dim, " positive"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("attention: q_heads ", p.q_heads, " must be a positive multiple of kv_heads ",
+                     p.kv_heads, ", head_dim ", p.head_dim, " positive"));
   }
   for (size_t s = 0; s < batch.size(); ++s) {
     const DecodeSequence& seq = batch[s];
@@ -49,8 +49,8 @@ absl::Status ValidateAttention(const DecodeAttentionParams& p,
     for (size_t b = 0; b < seq.blocks.size(); ++b) {
       const BlockOperands* ops = seq.blocks[b];
       if (ops == nullptr) {
-        return absl::InvalidArgumentError(absl::StrCat("attention: sequence ", s, " block ", b,
-                                                       " is null"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("attention: sequence ", s, " block ", b, " is null"));
       }
       if (ops->kv_heads != p.kv_heads || ops->head_dim != p.head_dim) {
         return absl::InvalidArgumentError(absl::StrCat(
@@ -181,8 +181,8 @@ absl::Status Run(const DecodeAttentionParams& p, absl::Span<const DecodeSequence
         float* out = batch[s].out + (size_t{h} * G + j) * D;
         std::fill(out, out + D, 0.0f);
         for (size_t part = first_part[sh]; part < first_part[sh + 1]; ++part) {
-          const float w = part_m[part * G + j] == kNegInf ? 0.0f
-                                                          : std::exp(part_m[part * G + j] - m);
+          const float w =
+              part_m[part * G + j] == kNegInf ? 0.0f : std::exp(part_m[part * G + j] - m);
           l += part_l[part * G + j] * w;
           const float* acc = &part_acc[(part * G + j) * D];
           for (uint32_t d = 0; d < D; ++d) out[d] += acc[d] * w;
@@ -273,7 +273,7 @@ void ScoresPortable(const Segment& seg, HeadGroupState& st) {
   const TensorOperands& k = seg.block->k;
   st.work.resize(size_t{D} + size_t{G} * D + G);
   float* row = st.work.data();
-  float* qf = row + D;          // [G, D] q with this token group's scales folded in
+  float* qf = row + D;               // [G, D] q with this token group's scales folded in
   float* bias = qf + size_t{G} * D;  // [G]
   for (uint32_t t = 0; t < T; ++t) {
     const size_t r = size_t{seg.head} * T + t;
@@ -295,10 +295,17 @@ void ScoresPortable(const Segment& seg, HeadGroupState& st) {
       float s = 0;
       for (uint32_t d = 0; d < D; ++d) s += q[d] * row[d];
       switch (k.kind) {
-        case CodeKind::kAffine: s += bias[j]; break;
-        case CodeKind::kInt8: s *= HalfBitsToFloat(k.scales[r]); break;
-        case CodeKind::kFp8E4M3: s *= k.tensor_scale; break;
-        default: break;
+        case CodeKind::kAffine:
+          s += bias[j];
+          break;
+        case CodeKind::kInt8:
+          s *= HalfBitsToFloat(k.scales[r]);
+          break;
+        case CodeKind::kFp8E4M3:
+          s *= k.tensor_scale;
+          break;
+        default:
+          break;
       }
       st.scores[size_t{j} * T + t] = s;
     }
@@ -452,15 +459,15 @@ absl::Status DecodeAttention(const DecodeAttentionParams& params,
                              absl::Span<const DecodeSequence> batch,
                              const DecodeAttentionOptions& options) {
   STRATA_RETURN_IF_ERROR(ValidateAttention(params, batch));
-  bool avx2 = options.impl == AttentionImpl::kAvx2 ||
-              (options.impl == AttentionImpl::kAuto && HaveAvx2());
+  bool avx2 =
+      options.impl == AttentionImpl::kAvx2 || (options.impl == AttentionImpl::kAuto && HaveAvx2());
   if (avx2 && !HaveAvx2()) {
     return absl::UnimplementedError("attention: AVX2+FMA+F16C requested but not available");
   }
   static constexpr internal::Kernels kAvx2{internal::ScoresAvx2, internal::SoftmaxAvx2,
                                            internal::AccumulateAvx2};
-  static constexpr internal::Kernels kPortable{
-      internal::ScoresPortable, internal::SoftmaxPortable, internal::AccumulatePortable};
+  static constexpr internal::Kernels kPortable{internal::ScoresPortable, internal::SoftmaxPortable,
+                                               internal::AccumulatePortable};
   return Run(params, batch, options, avx2 ? kAvx2 : kPortable);
 }
 

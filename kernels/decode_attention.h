@@ -38,11 +38,11 @@ struct FullPrecisionKv {
 };
 
 struct DecodeSequence {
-  const float* q = nullptr;                        // [q_heads, head_dim]
-  FullPrecisionKv sinks;                           // first tokens of the sequence
-  absl::Span<const BlockOperands* const> blocks;   // then these, in sequence order
-  FullPrecisionKv window;                          // then the newest tokens
-  float* out = nullptr;                            // [q_heads, head_dim]
+  const float* q = nullptr;                       // [q_heads, head_dim]
+  FullPrecisionKv sinks;                          // first tokens of the sequence
+  absl::Span<const BlockOperands* const> blocks;  // then these, in sequence order
+  FullPrecisionKv window;                         // then the newest tokens
+  float* out = nullptr;                           // [q_heads, head_dim]
 };
 
 struct DecodeAttentionParams {

@@ -16,6 +16,7 @@
 
 #define STRATA_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define STRATA_AVX2_INLINE __attribute__((target("avx2,fma,f16c"), always_inline)) inline
+#define STRATA_AVX2_LAMBDA __attribute__((target("avx2,fma,f16c")))
 
 namespace strata::kernels::internal {
 namespace {
@@ -34,13 +35,20 @@ STRATA_AVX2_INLINE __m256 Unpack8(const uint8_t* row, uint32_t d) {
     const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + d));
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
   } else {
-    uint32_t w = 0;
-    std::memcpy(&w, row + d * kBits / 8, kBits);  // 8 codes = kBits bytes
-    const __m256i shifts = _mm256_setr_epi32(0, kBits, 2 * kBits, 3 * kBits, 4 * kBits,
-                                             5 * kBits, 6 * kBits, 7 * kBits);
-    const __m256i v = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(w)),
-                                                         shifts),
-                                       _mm256_set1_epi32((1 << kBits) - 1));
+    // 8 codes = kBits bytes; assembled in a register (a 3-byte memcpy would go through the
+    // stack and stall the broadcast on store forwarding).
+    const uint8_t* p = row + d * kBits / 8;
+    uint32_t w;
+    if constexpr (kBits == 3) {
+      w = uint32_t{p[0]} | (uint32_t{p[1]} << 8) | (uint32_t{p[2]} << 16);
+    } else {
+      std::memcpy(&w, p, kBits);
+    }
+    const __m256i shifts = _mm256_setr_epi32(0, kBits, 2 * kBits, 3 * kBits, 4 * kBits, 5 * kBits,
+                                             6 * kBits, 7 * kBits);
+    const __m256i v =
+        _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(w)), shifts),
+                         _mm256_set1_epi32((1 << kBits) - 1));
     return _mm256_cvtepi32_ps(v);
   }
 }
@@ -49,14 +57,29 @@ STRATA_AVX2_INLINE __m256 LoadHalf8(const uint8_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-// Source of a segment's rows: 0 = fp32, 1 = fp16, 2+ = affine codes of that many bits... as a
-// template parameter kSrc: -32 full precision, -16 fp16, else bits.
+// Source of a segment's rows as a template parameter: full precision (fp32), fp16, int8, fp8
+// e4m3, or affine codes of kSrc > 0 bits.
+constexpr int kSrcFp32 = -32, kSrcFp16 = -16, kSrcInt8 = -8, kSrcFp8 = -9;
+
+// Eight fp8 e4m3 codes as floats / 256: the bits moved into fp16 position give the same value
+// scaled by 2^-8, subnormals included (NaN never occurs: the encoder saturates).
+STRATA_AVX2_INLINE __m256 LoadFp8x8(const uint8_t* p) {
+  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i mag = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7f)), 7);
+  const __m128i sign = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8);
+  return _mm256_cvtph_ps(_mm_or_si128(mag, sign));
+}
 template <int kSrc>
 STRATA_AVX2_INLINE __m256 Load8(const uint8_t* row, uint32_t d) {
-  if constexpr (kSrc == -32) {
+  if constexpr (kSrc == kSrcFp32) {
     return _mm256_loadu_ps(reinterpret_cast<const float*>(row) + d);
-  } else if constexpr (kSrc == -16) {
+  } else if constexpr (kSrc == kSrcFp16) {
     return LoadHalf8(row + 2 * d);
+  } else if constexpr (kSrc == kSrcInt8) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + d));
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+  } else if constexpr (kSrc == kSrcFp8) {
+    return LoadFp8x8(row + d);
   } else {
     return Unpack8<kSrc>(row, d);
   }
@@ -79,6 +102,17 @@ STRATA_AVX2 void Scores(const Segment& seg, HeadGroupState& st) {
   st.work.resize(size_t{kG} * D + kG);
   float* qf = st.work.data();  // [G, D] q with the token group's key scales folded in
   float* bias = qf + size_t{kG} * D;
+  for (uint32_t j = 0; j < kG; ++j) bias[j] = 0;
+  // The dot product's last step: the affine zero-point term, or the int8 token scale, or the
+  // fp8 tensor scale (times 2^8, see LoadFp8x8).
+  const auto Finish = [](float dot, const TensorOperands* k, uint32_t head, uint32_t T, uint32_t t,
+                         float b) STRATA_AVX2_LAMBDA {
+    if constexpr (kSrc > 0) return dot + b;
+    if constexpr (kSrc == kSrcInt8) return dot * HalfBitsToFloat(k->scales[size_t{head} * T + t]);
+    if constexpr (kSrc == kSrcFp8) return dot * (k->tensor_scale * 256.0f);
+    (void)k, (void)head, (void)T, (void)t, (void)b;
+    return dot;
+  };
   const float* q = kAffine ? qf : st.q.data();
   for (uint32_t t = 0; t < T; ++t) {
     if constexpr (kAffine) {
@@ -122,7 +156,8 @@ STRATA_AVX2 void Scores(const Segment& seg, HeadGroupState& st) {
       }
       for (uint32_t i = 0; i < kT; ++i) {
         for (uint32_t j = 0; j < kG; ++j) {
-          st.scores[size_t{j} * T + t + i] = Hsum(acc[i][j]) + (kAffine ? bias[j] : 0.0f);
+          st.scores[size_t{j} * T + t + i] =
+              Finish(Hsum(acc[i][j]), k, seg.head, T, t + i, bias[j]);
         }
       }
       t += kT - 1;
@@ -133,10 +168,11 @@ STRATA_AVX2 void Scores(const Segment& seg, HeadGroupState& st) {
     for (uint32_t j = 0; j < kG; ++j) acc[j] = _mm256_setzero_ps();
     for (uint32_t d = 0; d < D; d += 8) {
       const __m256 c = Load8<kSrc>(row, d);
-      for (uint32_t j = 0; j < kG; ++j) acc[j] = _mm256_fmadd_ps(c, _mm256_loadu_ps(&q[j * D + d]), acc[j]);
+      for (uint32_t j = 0; j < kG; ++j)
+        acc[j] = _mm256_fmadd_ps(c, _mm256_loadu_ps(&q[j * D + d]), acc[j]);
     }
     for (uint32_t j = 0; j < kG; ++j) {
-      st.scores[size_t{j} * T + t] = Hsum(acc[j]) + (kAffine ? bias[j] : 0.0f);
+      st.scores[size_t{j} * T + t] = Finish(Hsum(acc[j]), k, seg.head, T, t, bias[j]);
     }
   }
   if (k != nullptr) AddScoreCorrections(seg, st);
@@ -147,27 +183,40 @@ STRATA_AVX2 void Accumulate(const Segment& seg, HeadGroupState& st) {
   const uint32_t D = st.d, T = seg.tokens;
   const TensorOperands* v = seg.block ? &seg.block->v : nullptr;
   constexpr bool kAffine = kSrc > 0;
-  const uint32_t groups = kAffine ? v->groups : 1;
+  const uint32_t groups = kAffine ? v->groups : 1;  // int8: one scale per token
   // w[j][t][g]: the weight of token t's codes in channel group g (p, times the scale).
   const float* w = st.scores.data();
-  if constexpr (kAffine) {
-    st.work.resize(size_t{kG} * T * groups + size_t{kG} * groups);
+  if constexpr (kAffine || kSrc == kSrcInt8) {
+    // Per-token scales (and zero points) of this head, widened once with F16C.
+    const size_t n = size_t{T} * groups;
+    st.work.resize(size_t{kG} * n + size_t{kG} * groups + 2 * n);
     float* wt = st.work.data();
-    float* zsum = wt + size_t{kG} * T * groups;  // [G, groups]: sum_t p * zero point
+    float* zsum = wt + size_t{kG} * n;  // [G, groups]: sum_t p * zero point
+    float* sc = zsum + size_t{kG} * groups;
+    float* zp = sc + n;
+    HalfToFloat(reinterpret_cast<const Half*>(v->scales + size_t{seg.head} * n), sc, n);
+    if constexpr (kAffine) {
+      HalfToFloat(reinterpret_cast<const Half*>(v->zeros + size_t{seg.head} * n), zp, n);
+    }
     for (size_t i = 0; i < size_t{kG} * groups; ++i) zsum[i] = 0;
-    for (uint32_t t = 0; t < T; ++t) {
-      const size_t r = (size_t{seg.head} * T + t) * groups;
-      for (uint32_t g = 0; g < groups; ++g) {
-        const float sc = HalfBitsToFloat(v->scales[r + g]);
-        const float zp = HalfBitsToFloat(v->zeros[r + g]);
-        for (uint32_t j = 0; j < kG; ++j) {
-          const float p = st.scores[size_t{j} * T + t];
-          wt[(size_t{j} * T + t) * groups + g] = p * sc;
-          zsum[j * groups + g] += p * zp;
+    for (uint32_t j = 0; j < kG; ++j) {
+      const float* p = &st.scores[size_t{j} * T];
+      float* wj = wt + size_t{j} * n;
+      for (uint32_t t = 0; t < T; ++t) {
+        for (uint32_t g = 0; g < groups; ++g) {
+          wj[t * groups + g] = p[t] * sc[t * groups + g];
+          if constexpr (kAffine) zsum[j * groups + g] += p[t] * zp[t * groups + g];
         }
       }
     }
     w = wt;
+  } else if constexpr (kSrc == kSrcFp8) {
+    // One scale for the tensor, times the 2^8 of the fp8-to-fp16 bit trick.
+    const size_t n = size_t{kG} * T;
+    st.work.resize(n);
+    const float f = v->tensor_scale * 256.0f;
+    for (size_t i = 0; i < n; ++i) st.work[i] = st.scores[i] * f;
+    w = st.work.data();
   }
   // Two 8-channel chunks per pass (when they share a scale group) give 2 x kG independent FMA
   // chains; with 8 query heads one chunk already has enough.
@@ -210,11 +259,13 @@ STRATA_AVX2 void Accumulate(const Segment& seg, HeadGroupState& st) {
     for (uint32_t t = 0; t < T; ++t) {
       const __m256 c = Load8<kSrc>(RowOf(seg, v, seg.v, t), d);
       for (uint32_t j = 0; j < kG; ++j) {
-        acc[j] = _mm256_fmadd_ps(c, _mm256_broadcast_ss(&w[(size_t{j} * T + t) * groups + g]), acc[j]);
+        acc[j] =
+            _mm256_fmadd_ps(c, _mm256_broadcast_ss(&w[(size_t{j} * T + t) * groups + g]), acc[j]);
       }
     }
     if constexpr (kAffine) {
-      for (uint32_t j = 0; j < kG; ++j) acc[j] = _mm256_add_ps(acc[j], _mm256_set1_ps(zsum[j * groups + g]));
+      for (uint32_t j = 0; j < kG; ++j)
+        acc[j] = _mm256_add_ps(acc[j], _mm256_set1_ps(zsum[j * groups + g]));
     }
     for (uint32_t j = 0; j < kG; ++j) _mm256_storeu_ps(&st.acc[j * D + d], acc[j]);
   }
@@ -223,9 +274,12 @@ STRATA_AVX2 void Accumulate(const Segment& seg, HeadGroupState& st) {
 
 // The source kind of a tensor for the templates, or 0 when not specialized.
 int SourceOf(const Segment& seg, const TensorOperands* t) {
-  if (seg.block == nullptr) return -32;
-  if (t->kind == CodeKind::kFloat16) return -16;
-  if (t->kind == CodeKind::kAffine && (t->bits == 2 || t->bits == 3 || t->bits == 4 || t->bits == 8)) {
+  if (seg.block == nullptr) return kSrcFp32;
+  if (t->kind == CodeKind::kFloat16) return kSrcFp16;
+  if (t->kind == CodeKind::kInt8) return kSrcInt8;
+  if (t->kind == CodeKind::kFp8E4M3) return kSrcFp8;
+  if (t->kind == CodeKind::kAffine &&
+      (t->bits == 2 || t->bits == 3 || t->bits == 4 || t->bits == 8)) {
     return t->bits;
   }
   return 0;
@@ -234,24 +288,44 @@ int SourceOf(const Segment& seg, const TensorOperands* t) {
 template <template <int, uint32_t> class F, int kSrc>
 bool DispatchG(uint32_t g, const Segment& seg, HeadGroupState& st) {
   switch (g) {
-    case 1: F<kSrc, 1>::Run(seg, st); return true;
-    case 2: F<kSrc, 2>::Run(seg, st); return true;
-    case 4: F<kSrc, 4>::Run(seg, st); return true;
-    case 8: F<kSrc, 8>::Run(seg, st); return true;
-    default: return false;
+    case 1:
+      F<kSrc, 1>::Run(seg, st);
+      return true;
+    case 2:
+      F<kSrc, 2>::Run(seg, st);
+      return true;
+    case 4:
+      F<kSrc, 4>::Run(seg, st);
+      return true;
+    case 8:
+      F<kSrc, 8>::Run(seg, st);
+      return true;
+    default:
+      return false;
   }
 }
 
 template <template <int, uint32_t> class F>
 bool Dispatch(int src, const Segment& seg, HeadGroupState& st) {
   switch (src) {
-    case -32: return DispatchG<F, -32>(st.g, seg, st);
-    case -16: return DispatchG<F, -16>(st.g, seg, st);
-    case 2: return DispatchG<F, 2>(st.g, seg, st);
-    case 3: return DispatchG<F, 3>(st.g, seg, st);
-    case 4: return DispatchG<F, 4>(st.g, seg, st);
-    case 8: return DispatchG<F, 8>(st.g, seg, st);
-    default: return false;
+    case kSrcFp32:
+      return DispatchG<F, kSrcFp32>(st.g, seg, st);
+    case kSrcFp16:
+      return DispatchG<F, kSrcFp16>(st.g, seg, st);
+    case kSrcInt8:
+      return DispatchG<F, kSrcInt8>(st.g, seg, st);
+    case kSrcFp8:
+      return DispatchG<F, kSrcFp8>(st.g, seg, st);
+    case 2:
+      return DispatchG<F, 2>(st.g, seg, st);
+    case 3:
+      return DispatchG<F, 3>(st.g, seg, st);
+    case 4:
+      return DispatchG<F, 4>(st.g, seg, st);
+    case 8:
+      return DispatchG<F, 8>(st.g, seg, st);
+    default:
+      return false;
   }
 }
 
@@ -279,8 +353,8 @@ STRATA_AVX2_INLINE __m256 Exp(__m256 x) {
   y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
   y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
   y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i n = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  const __m256i n =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
 }
 
@@ -326,13 +400,15 @@ STRATA_AVX2 void SoftmaxAvx2(uint32_t T, HeadGroupState& st) {
 }
 
 void ScoresAvx2(const Segment& seg, HeadGroupState& st) {
-  if (st.d % 8 != 0 || !Dispatch<ScoresOp>(SourceOf(seg, seg.block ? &seg.block->k : nullptr), seg, st)) {
+  if (st.d % 8 != 0 ||
+      !Dispatch<ScoresOp>(SourceOf(seg, seg.block ? &seg.block->k : nullptr), seg, st)) {
     ScoresPortable(seg, st);
   }
 }
 
 void AccumulateAvx2(const Segment& seg, HeadGroupState& st) {
-  if (st.d % 8 != 0 || !Dispatch<AccumulateOp>(SourceOf(seg, seg.block ? &seg.block->v : nullptr), seg, st)) {
+  if (st.d % 8 != 0 ||
+      !Dispatch<AccumulateOp>(SourceOf(seg, seg.block ? &seg.block->v : nullptr), seg, st)) {
     AccumulatePortable(seg, st);
   }
 }

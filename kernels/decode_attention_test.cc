@@ -49,8 +49,8 @@ std::unique_ptr<TestSequence> MakeSequence(const std::string& spec, uint32_t q_h
   for (uint32_t n : chunk_tokens) {
     const SyntheticKv kv = MakeSyntheticKv(n, kv_heads, dim, seed + pos, pos);
     pos += n;
-    absl::StatusOr<AlignedBuffer> b = codec->Encode(
-        {kv.k.data(), kv.v.data(), SourceDType::kFloat32, n, kv_heads, dim}, {});
+    absl::StatusOr<AlignedBuffer> b =
+        codec->Encode({kv.k.data(), kv.v.data(), SourceDType::kFloat32, n, kv_heads, dim}, {});
     EXPECT_TRUE(b.ok()) << spec << ": " << b.status();
     s->buffers.push_back(*std::move(b));
   }
@@ -81,9 +81,18 @@ double NormalizedMaxError(const std::vector<float>& out, const std::vector<float
   return max_err / std::sqrt(sq / out.size());
 }
 
-const char* kCodecs[] = {"fp16", "bf16", "int8", "fp8e4m3", "kivi:k2v2:g32", "kivi:k3v3:g64",
-                         "kivi:k4v4:g32", "kivi:k8v8:g16", "kcvt:k2v2", "gearl:k2v2:g32:r4",
-                         "gear:k2v2:g32:r4:s2", "gear:k4v4:kcvt:r2:s1"};
+const char* kCodecs[] = {"fp16",
+                         "bf16",
+                         "int8",
+                         "fp8e4m3",
+                         "kivi:k2v2:g32",
+                         "kivi:k3v3:g64",
+                         "kivi:k4v4:g32",
+                         "kivi:k8v8:g16",
+                         "kcvt:k2v2",
+                         "gearl:k2v2:g32:r4",
+                         "gear:k2v2:g32:r4:s2",
+                         "gear:k4v4:kcvt:r2:s1"};
 
 struct Shape {
   uint32_t q_heads, kv_heads, dim;
@@ -99,8 +108,8 @@ TEST(DecodeAttentionTest, FusedMatchesReferenceForEveryCodecShapeAndImpl) {
     for (const Shape& sh : shapes) {
       // Two sequences of different lengths: odd chunk sizes, with and without sinks/window.
       std::vector<std::unique_ptr<TestSequence>> seqs;
-      seqs.push_back(MakeSequence(spec, sh.q_heads, sh.kv_heads, sh.dim, 4, {64, 37, 5}, 3,
-                                  ++seed));
+      seqs.push_back(
+          MakeSequence(spec, sh.q_heads, sh.kv_heads, sh.dim, 4, {64, 37, 5}, 3, ++seed));
       seqs.push_back(MakeSequence(spec, sh.q_heads, sh.kv_heads, sh.dim, 0, {33}, 0, ++seed));
       std::vector<DecodeSequence> batch;
       for (auto& s : seqs) {

@@ -25,8 +25,8 @@ void Orthonormalize(float* m, int rows, int rank) {
 
 }  // namespace
 
-void LowRankApproximate(const float* r, int rows, int cols, int rank, int iterations,
-                        uint64_t seed, float* a, float* b) {
+void LowRankApproximate(const float* r, int rows, int cols, int rank, int iterations, uint64_t seed,
+                        float* a, float* b) {
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   for (int i = 0; i < cols * rank; ++i) b[i] = normal(rng);

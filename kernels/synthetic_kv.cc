@@ -41,9 +41,8 @@ SyntheticKv MakeSyntheticKv(uint32_t tokens, uint32_t kv_heads, uint32_t head_di
       // ~1.5% of positions carry massive activations (attention-sink-like tokens): 4-8x
       // larger K and V. The same positions in every head, as in real models.
       const uint64_t ph = (uint64_t{position0} + t) * 0x9e3779b97f4a7c15ull;
-      const float massive = (ph >> 58) == 0 || position0 + t == 0
-                                ? 4.0f + static_cast<float>((ph >> 40) % 5)
-                                : 1.0f;
+      const float massive =
+          (ph >> 58) == 0 || position0 + t == 0 ? 4.0f + static_cast<float>((ph >> 40) % 5) : 1.0f;
       for (float& x : raw) x *= massive;
       float* k = &kv.k[(size_t{t} * kv_heads + h) * head_dim];
       const float pos = static_cast<float>(position0 + t);
