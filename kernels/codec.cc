@@ -177,30 +177,59 @@ AffineResult QuantizeAffine(const HeadMajor& x, bool per_channel, uint32_t gs, u
 }
 
 // Marks the top and bottom n/2 of every vector (K: each channel over tokens; V: each token over
-// channels) and returns their positions in block order ([H, D, n] for K, [H, T, n] for V).
+// channels) and returns their positions in block order ([H, D, n] for K, [H, T, n] for V): for
+// each vector the bottom n/2 then the top n/2, each ascending by (value, index). One pass per
+// vector keeps the current extremes in small sorted lists; most elements cost two compares.
 std::vector<size_t> SelectOutliers(const HeadMajor& x, bool per_channel, uint32_t n,
                                    std::vector<uint8_t>& mask) {
   const uint32_t T = x.t, H = x.h, D = x.d;
-  const uint32_t len = per_channel ? T : D;
   const uint32_t vectors = per_channel ? D : T;
-  std::vector<size_t> positions;
-  positions.reserve(size_t{H} * vectors * n);
+  const uint32_t k = n / 2;
+  struct Entry {
+    float v;
+    uint32_t i;
+  };
+  std::vector<size_t> positions(size_t{H} * vectors * n);
   mask.assign(x.x.size(), 0);
-  std::vector<std::pair<float, uint32_t>> vals(len);  // (value, index in vector)
+  if (k == 0) return {};
+  // bot[vec*k ...] ascending: the k smallest so far, bot[k-1] the largest of them.
+  // top[vec*k ...] ascending: the k largest so far, top[0] the smallest of them.
+  std::vector<Entry> bot(size_t{vectors} * k), top(size_t{vectors} * k);
+  auto offer = [&](uint32_t vec, float v, uint32_t i) {
+    Entry* b = &bot[size_t{vec} * k];
+    if (v < b[k - 1].v) {  // indices rise, so an equal value never beats an earlier one here
+      uint32_t p = k - 1;
+      for (; p > 0 && b[p - 1].v > v; --p) b[p] = b[p - 1];
+      b[p] = {v, i};
+    }
+    Entry* t = &top[size_t{vec} * k];
+    if (v >= t[0].v) {  // equal value, later index: larger in (value, index) order
+      uint32_t p = 0;
+      for (; p + 1 < k && t[p + 1].v <= v; ++p) t[p] = t[p + 1];
+      t[p] = {v, i};
+    }
+  };
   for (uint32_t h = 0; h < H; ++h) {
-    for (uint32_t v = 0; v < vectors; ++v) {
+    std::fill(bot.begin(), bot.end(), Entry{INFINITY, 0});
+    std::fill(top.begin(), top.end(), Entry{-INFINITY, 0});
+    if (per_channel) {
+      for (uint32_t t = 0; t < T; ++t) {
+        const float* row = &x.x[(size_t{h} * T + t) * D];
+        for (uint32_t d = 0; d < D; ++d) offer(d, row[d], t);
+      }
+    } else {
+      for (uint32_t t = 0; t < T; ++t) {
+        const float* row = &x.x[(size_t{h} * T + t) * D];
+        for (uint32_t d = 0; d < D; ++d) offer(t, row[d], d);
+      }
+    }
+    for (uint32_t vec = 0; vec < vectors; ++vec) {
+      size_t* out = &positions[(size_t{h} * vectors + vec) * n];
       auto pos = [&](uint32_t i) {
-        return per_channel ? (size_t{h} * T + i) * D + v : (size_t{h} * T + v) * D + i;
+        return per_channel ? (size_t{h} * T + i) * D + vec : (size_t{h} * T + vec) * D + i;
       };
-      for (uint32_t i = 0; i < len; ++i) vals[i] = {x.x[pos(i)], i};
-      // Bottom n/2 then top n/2 by value (ties by position), each in ascending order.
-      const uint32_t half = n / 2;
-      std::nth_element(vals.begin(), vals.begin() + half, vals.end());
-      std::sort(vals.begin(), vals.begin() + half);
-      std::nth_element(vals.begin() + half, vals.end() - half, vals.end());
-      std::sort(vals.end() - half, vals.end());
-      for (uint32_t i = 0; i < half; ++i) positions.push_back(pos(vals[i].second));
-      for (uint32_t i = len - half; i < len; ++i) positions.push_back(pos(vals[i].second));
+      for (uint32_t e = 0; e < k; ++e) out[e] = pos(bot[size_t{vec} * k + e].i);
+      for (uint32_t e = 0; e < k; ++e) out[k + e] = pos(top[size_t{vec} * k + e].i);
     }
   }
   for (size_t p : positions) mask[p] = 1;

@@ -37,14 +37,21 @@ void LowRankApproximate(const float* r, int rows, int cols, int rank, int iterat
   for (int c = 0; c < cols; ++c) {
     for (int j = 0; j < rank; ++j) bt[static_cast<size_t>(j) * cols + c] = b[c * rank + j];
   }
+  // R^T, so that A = R B is a sum of scaled rows (axpy) rather than dot products: plain loops
+  // vectorize without reassociating float sums.
+  std::vector<float> rt(static_cast<size_t>(rows) * cols);
+  for (int i = 0; i < rows; ++i) {
+    for (int c = 0; c < cols; ++c)
+      rt[static_cast<size_t>(c) * rows + i] = r[static_cast<size_t>(i) * cols + c];
+  }
   for (int it = 0; it < iterations; ++it) {
-    for (int i = 0; i < rows; ++i) {  // A = R B
-      const float* row = r + static_cast<size_t>(i) * cols;
+    std::fill(at.begin(), at.end(), 0.0f);
+    for (int c = 0; c < cols; ++c) {  // A = R B
+      const float* col = &rt[static_cast<size_t>(c) * rows];
       for (int j = 0; j < rank; ++j) {
-        const float* bj = &bt[static_cast<size_t>(j) * cols];
-        float s = 0;
-        for (int c = 0; c < cols; ++c) s += row[c] * bj[c];
-        at[static_cast<size_t>(j) * rows + i] = s;
+        const float w = bt[static_cast<size_t>(j) * cols + c];
+        float* aj = &at[static_cast<size_t>(j) * rows];
+        for (int i = 0; i < rows; ++i) aj[i] += w * col[i];
       }
     }
     for (int i = 0; i < rows; ++i) {
