@@ -31,6 +31,7 @@ inline void PackWhole(const uint8_t* codes, size_t n, uint8_t* out) {
 
 // out must hold PackedBytes(n, bits) bytes; codes must be < 2^bits.
 inline void PackBits(const uint8_t* codes, size_t n, int bits, uint8_t* out) {
+  if (n == 0) return;
   switch (bits) {
     case 8:
       std::memcpy(out, codes, n);

@@ -250,11 +250,12 @@ TEST(BlockOperandsTest, InconsistentBlocksAreDataLoss) {
   EXPECT_THAT(std::string(s.message()), HasSubstr("V outlier 0 has index 200, beyond 64"));
   // A block whose sections do not match its spec: a KIVI block relabelled as GEAR-L.
   AlignedBuffer kivi = *(*Codec::Create("kivi:k2v2:g32"))->Encode(View(kv), {});
-  BlockHeader h = BlockView::Parse(kivi.span())->header();
+  const BlockView kivi_view = *BlockView::Parse(kivi.span());
+  BlockHeader h = kivi_view.header();
   h.codec = CodecId::kGearL;
   h.codec_spec = "gearl:k2v2:g32:r4";
   std::vector<SectionDesc> descs;
-  for (const SectionView& sv : BlockView::Parse(kivi.span())->sections()) {
+  for (const SectionView& sv : kivi_view.sections()) {
     descs.push_back(
         {sv.entry.kind, sv.entry.tensor, sv.entry.elem, sv.entry.count, sv.entry.alignment});
   }
