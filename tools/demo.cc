@@ -1,7 +1,9 @@
 #include "tools/demo.h"
 
+#include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -14,6 +16,9 @@
 #include "common/prefix_key.h"
 #include "common/sha256.h"
 #include "common/status_macros.h"
+#include "kernels/codec.h"
+#include "kernels/decode_attention.h"
+#include "kernels/synthetic_kv.h"
 #include "tools/file_util.h"
 
 namespace strata::tools {
@@ -33,41 +38,22 @@ constexpr char kQuestionB[] =
     "Question: what does the router look at when it picks a decode node for a request whose "
     "system prompt many other requests already used?";
 
-// Stand-in KV for one chunk and layer: a deterministic function of the chunk's prefix key, so
-// equal prefixes give equal blocks, as a real model's would. [tokens, kv_heads, head_dim] fp16.
-std::vector<Half> StandInKv(const BlockHash& key, uint32_t layer, uint32_t tensor, size_t n) {
-  std::seed_seq seq{static_cast<uint32_t>(EventHash64(key)),
-                    static_cast<uint32_t>(EventHash64(key) >> 32), layer, tensor};
-  std::mt19937 rng(seq);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::vector<Half> v(n);
-  for (Half& h : v) h = Half::FromFloat(normal(rng));
-  return v;
+// Stand-in KV for one chunk and layer: a deterministic function of the chunk's prefix key and
+// position, so equal prefixes give equal blocks, as a real model's would.
+kernels::SyntheticKv StandInKv(const DemoOptions& o, const BlockHash& key, uint32_t chunk,
+                               uint32_t layer) {
+  return kernels::MakeSyntheticKv(o.chunk_tokens, o.kv_heads, o.head_dim,
+                                  EventHash64(key) ^ (uint64_t{layer} << 56),
+                                  chunk * o.chunk_tokens);
 }
 
-absl::StatusOr<AlignedBuffer> MakeBlock(const DemoOptions& o, uint64_t model_fp,
-                                        const BlockHash& key, uint32_t chunk, uint32_t layer) {
-  const uint32_t n = o.chunk_tokens * o.kv_heads * o.head_dim;
-  BlockHeader h;
-  h.codec = CodecId::kFp16;
-  h.codec_spec = "fp16";
-  h.source_dtype = SourceDType::kFloat16;
-  h.layer = layer;
-  h.chunk_index = chunk;
-  h.token_count = o.chunk_tokens;
-  h.kv_heads = o.kv_heads;
-  h.head_dim = o.head_dim;
-  h.model_fingerprint = model_fp;
-  const SectionDesc sections[] = {
-      {SectionKind::kCodes, Tensor::kKey, ElemType::kFloat16, n, 64},
-      {SectionKind::kCodes, Tensor::kValue, ElemType::kFloat16, n, 64},
-  };
-  STRATA_ASSIGN_OR_RETURN(BlockBuilder b, BlockBuilder::Create(h, sections));
-  for (uint32_t t = 0; t < 2; ++t) {
-    const std::vector<Half> kv = StandInKv(key, layer, t, n);
-    std::memcpy(b.section(static_cast<int>(t)).data(), kv.data(), kv.size() * sizeof(Half));
-  }
-  return std::move(b).Finish();
+absl::StatusOr<AlignedBuffer> MakeBlock(const DemoOptions& o, const kernels::Codec& codec,
+                                        uint64_t model_fp, const BlockHash& key, uint32_t chunk,
+                                        uint32_t layer) {
+  const kernels::SyntheticKv kv = StandInKv(o, key, chunk, layer);
+  return codec.Encode(
+      {kv.k.data(), kv.v.data(), SourceDType::kFloat32, o.chunk_tokens, o.kv_heads, o.head_dim},
+      {.layer = layer, .chunk_index = chunk, .model_fingerprint = model_fp});
 }
 
 std::vector<uint32_t> ByteTokens(absl::string_view text) {
@@ -86,8 +72,9 @@ struct RequestStats {
 };
 
 absl::StatusOr<RequestStats> ServeRequest(const DemoOptions& o, const PrefixHasher& hasher,
-                                          uint64_t model_fp, uint64_t codec_fp,
-                                          absl::string_view prompt, std::ostream& out) {
+                                          const kernels::Codec& codec, uint64_t model_fp,
+                                          uint64_t codec_fp, absl::string_view prompt,
+                                          std::ostream& out) {
   const std::vector<uint32_t> tokens = ByteTokens(prompt);
   const std::vector<BlockHash> keys = hasher.ChunkKeys(tokens);
   RequestStats st;
@@ -101,7 +88,7 @@ absl::StatusOr<RequestStats> ServeRequest(const DemoOptions& o, const PrefixHash
       const std::string path = BlockPath(o, name);
       if (fs::exists(path)) continue;
       all_layers_present = false;
-      STRATA_ASSIGN_OR_RETURN(AlignedBuffer block, MakeBlock(o, model_fp, keys[c], c, l));
+      STRATA_ASSIGN_OR_RETURN(AlignedBuffer block, MakeBlock(o, codec, model_fp, keys[c], c, l));
       STRATA_RETURN_IF_ERROR(WriteFileAtomic(path, block.span()));
       ++st.blocks_written;
       st.bytes_written += block.size();
@@ -130,6 +117,66 @@ absl::StatusOr<RequestStats> ServeRequest(const DemoOptions& o, const PrefixHash
   return st;
 }
 
+// Decode attention for one new token of request B, layer 0: over its compressed blocks read
+// back from disk, and over the same KV at fp16, to show what the codec costs in accuracy.
+absl::Status AttendOverStoredBlocks(const DemoOptions& o, const PrefixHasher& hasher,
+                                    uint64_t model_fp, uint64_t codec_fp, absl::string_view system,
+                                    absl::string_view question, std::ostream& out) {
+  const std::vector<BlockHash> keys = hasher.ChunkKeys(ByteTokens(absl::StrCat(system, question)));
+  std::vector<AlignedBuffer> files;
+  std::vector<BlockView> views;
+  std::vector<kernels::BlockOperands> ops;
+  std::vector<float> k_ref, v_ref;  // the same KV at fp16 precision, [tokens, heads, dim]
+  size_t compressed_bytes = 0;
+  for (uint32_t c = 0; c < keys.size(); ++c) {
+    const BlockName name{model_fp, codec_fp, 0, keys[c], 0};
+    STRATA_ASSIGN_OR_RETURN(AlignedBuffer buf, ReadFileAligned(BlockPath(o, name), kMaxBlockBytes));
+    compressed_bytes += buf.size();
+    files.push_back(std::move(buf));
+    const kernels::SyntheticKv kv = StandInKv(o, keys[c], c, 0);
+    for (float x : kv.k) k_ref.push_back(HalfBitsToFloat(FloatToHalfBits(x)));
+    for (float x : kv.v) v_ref.push_back(HalfBitsToFloat(FloatToHalfBits(x)));
+  }
+  for (const AlignedBuffer& f : files) {
+    STRATA_ASSIGN_OR_RETURN(BlockView v, BlockView::Parse(f.span()));
+    views.push_back(v);
+  }
+  for (const BlockView& v : views) {
+    STRATA_ASSIGN_OR_RETURN(kernels::BlockOperands op, kernels::PrepareBlock(v));
+    ops.push_back(op);
+  }
+  std::vector<const kernels::BlockOperands*> ptrs;
+  for (const kernels::BlockOperands& op : ops) ptrs.push_back(&op);
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.0f, 0.05f);
+  std::vector<float> q(size_t{o.q_heads} * o.head_dim), out_c(q.size()), out_f(q.size());
+  for (float& x : q) x = normal(rng);
+  const kernels::DecodeAttentionParams params{o.q_heads, o.kv_heads, o.head_dim};
+  kernels::DecodeSequence compressed;
+  compressed.q = q.data();
+  compressed.blocks = ptrs;
+  compressed.out = out_c.data();
+  STRATA_RETURN_IF_ERROR(kernels::DecodeAttention(params, {&compressed, 1}));
+  kernels::DecodeSequence full;
+  full.q = q.data();
+  full.window = {k_ref.data(), v_ref.data(), static_cast<uint32_t>(keys.size() * o.chunk_tokens)};
+  full.out = out_f.data();
+  STRATA_RETURN_IF_ERROR(kernels::DecodeAttention(params, {&full, 1}));
+  double num = 0, den = 0;
+  for (size_t i = 0; i < out_c.size(); ++i) {
+    num += (double{out_c[i]} - out_f[i]) * (double{out_c[i]} - out_f[i]);
+    den += double{out_f[i]} * out_f[i];
+  }
+  const double fp16_bytes = 2.0 * 2 * k_ref.size();
+  out << absl::StrFormat(
+      "\ndecode attention for request B, layer 0, over %d compressed blocks read from disk "
+      "(%d query heads over %d KV heads, %s kernels):\n  %d bytes instead of %.0f at fp16 "
+      "(%.1fx smaller); output differs from fp16 attention by %.4f (relative L2)\n",
+      ops.size(), o.q_heads, o.kv_heads, kernels::DecodeAttentionUsesAvx2() ? "AVX2" : "portable",
+      compressed_bytes, fp16_bytes, fp16_bytes / compressed_bytes, std::sqrt(num / den));
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status DemoOptions::Validate() const {
@@ -140,6 +187,10 @@ absl::Status DemoOptions::Validate() const {
   if (kv_heads < 1 || kv_heads > 64 || head_dim < 1 || head_dim > 512) {
     return absl::InvalidArgumentError(absl::StrCat("demo: kv_heads ", kv_heads, " / head_dim ",
                                                    head_dim, " outside [1, 64] / [1, 512]"));
+  }
+  if (q_heads < 1 || q_heads % kv_heads != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("demo: q_heads ", q_heads, " is not a multiple of kv_heads ", kv_heads));
   }
   if (chunk_tokens < 1 || chunk_tokens > 4096) {
     return absl::InvalidArgumentError(
@@ -166,20 +217,23 @@ absl::Status RunDemo(const DemoOptions& o, std::ostream& out) {
 
   const uint64_t model_fp = Fingerprint64(absl::StrFormat(
       "stand-in:layers=%d:kv_heads=%d:head_dim=%d", o.layers, o.kv_heads, o.head_dim));
-  const uint64_t codec_fp = Fingerprint64("fp16");
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<kernels::Codec> codec, kernels::Codec::Create(o.codec));
+  const std::string codec_spec = codec->spec().ToString();
+  const uint64_t codec_fp = Fingerprint64(codec_spec);
   out << absl::StrFormat(
-      "Strata demo: %d layers x %d KV heads x head dim %d, %d-token chunks, prefix keys %s "
-      "(B=%d), blocks in %s\n",
-      o.layers, o.kv_heads, o.head_dim, o.chunk_tokens, o.prefix_hash, o.hash_block_tokens,
-      o.out_dir);
+      "Strata demo: %d layers x %d KV heads x head dim %d, %d-token chunks, codec %s "
+      "(%.3f bits per element, everything counted), prefix keys %s (B=%d), blocks in %s\n",
+      o.layers, o.kv_heads, o.head_dim, o.chunk_tokens, codec_spec,
+      *codec->BitsPerElement(o.chunk_tokens, o.kv_heads, o.head_dim), o.prefix_hash,
+      o.hash_block_tokens, o.out_dir);
 
   const std::pair<const char*, const char*> requests[] = {{"A", kQuestionA}, {"B", kQuestionB}};
   std::vector<std::pair<std::string, RequestStats>> rows;
   for (const auto& [label, question] : requests) {
     out << absl::StrFormat("\nrequest %s:\n", label);
-    STRATA_ASSIGN_OR_RETURN(
-        RequestStats st,
-        ServeRequest(o, hasher, model_fp, codec_fp, absl::StrCat(kSystemPrompt, question), out));
+    STRATA_ASSIGN_OR_RETURN(RequestStats st,
+                            ServeRequest(o, hasher, *codec, model_fp, codec_fp,
+                                         absl::StrCat(kSystemPrompt, question), out));
     rows.emplace_back(label, st);
   }
   out << "\n  request  tokens  chunks  prefix-hit  blocks-written  bytes-written\n";
@@ -187,6 +241,9 @@ absl::Status RunDemo(const DemoOptions& o, std::ostream& out) {
     out << absl::StrFormat("  %-7s  %6d  %6d  %10d  %14d  %13d\n", label, st.tokens, st.chunks,
                            st.hit_chunks, st.blocks_written, st.bytes_written);
   }
+
+  STRATA_RETURN_IF_ERROR(
+      AttendOverStoredBlocks(o, hasher, model_fp, codec_fp, kSystemPrompt, kQuestionB, out));
 
   // Plant a corruption in one stored block and show that the reader refuses it.
   const std::vector<BlockHash> keys =

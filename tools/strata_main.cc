@@ -22,6 +22,8 @@ ABSL_FLAG(uint32_t, head_dim, 64, "demo: head dimension");
 ABSL_FLAG(uint32_t, chunk_tokens, 64, "demo: tokens per chunk (one block per chunk and layer)");
 ABSL_FLAG(uint32_t, hash_block_tokens, 16, "demo: tokens per prefix-hash block (vLLM's B)");
 ABSL_FLAG(std::string, prefix_hash, "sha256_cbor", "demo: sha256_cbor (default) or sha256");
+ABSL_FLAG(std::string, codec, "gear:k2v2:kcvt:r2:s1", "demo: codec spec for the blocks");
+ABSL_FLAG(uint32_t, q_heads, 8, "demo: query heads (a multiple of --kv_heads)");
 
 namespace {
 
@@ -64,6 +66,8 @@ int main(int argc, char** argv) {
     o.hash_block_tokens = absl::GetFlag(FLAGS_hash_block_tokens);
     o.prefix_hash = absl::GetFlag(FLAGS_prefix_hash);
     o.program = argv[0];
+    o.codec = absl::GetFlag(FLAGS_codec);
+    o.q_heads = absl::GetFlag(FLAGS_q_heads);
     const absl::Status s = strata::tools::RunDemo(o, std::cout);
     return s.ok() ? 0 : Fail(s);
   }
