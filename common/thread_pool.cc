@@ -1,5 +1,7 @@
 #include "common/thread_pool.h"
 
+#include <algorithm>
+
 namespace strata {
 
 ThreadPool::ThreadPool(int threads) {
@@ -9,9 +11,10 @@ ThreadPool::ThreadPool(int threads) {
 
 ThreadPool::~ThreadPool() {
   {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
   }
+  work_cv_.notify_all();
   for (std::thread& t : workers_) t.join();
 }
 
@@ -22,18 +25,14 @@ ThreadPool& ThreadPool::Default() {
 
 // Claims and runs task indices until none are left.
 void ThreadPool::RunTasks() {
-  for (;;) {
-    size_t i;
-    const std::function<void(size_t)>* fn;
-    {
-      absl::MutexLock lock(&mu_);
-      if (fn_ == nullptr || next_ >= n_) return;
-      i = next_++;
-      fn = fn_;
-    }
+  std::unique_lock<std::mutex> lock(mu_);
+  while (fn_ != nullptr && next_ < n_) {
+    const size_t i = next_++;
+    const std::function<void(size_t)>* fn = fn_;
+    lock.unlock();
     (*fn)(i);
-    absl::MutexLock lock(&mu_);
-    ++done_;
+    lock.lock();
+    if (++done_ == n_) done_cv_.notify_all();
   }
 }
 
@@ -41,11 +40,10 @@ void ThreadPool::WorkerLoop() {
   uint64_t seen = 0;
   for (;;) {
     {
-      absl::MutexLock lock(&mu_);
-      auto ready = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+      std::unique_lock<std::mutex> lock(mu_);
+      work_cv_.wait(lock, [&] {
         return stop_ || (generation_ != seen && fn_ != nullptr && next_ < n_);
-      };
-      mu_.Await(absl::Condition(&ready));
+      });
       if (stop_) return;
       seen = generation_;
     }
@@ -59,19 +57,19 @@ void ThreadPool::ParallelFor(size_t n, const std::function<void(size_t)>& fn) {
     for (size_t i = 0; i < n; ++i) fn(i);
     return;
   }
-  absl::MutexLock call_lock(&call_mu_);
+  std::lock_guard<std::mutex> call_lock(call_mu_);
   {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     fn_ = &fn;
     n_ = n;
     next_ = 0;
     done_ = 0;
     ++generation_;
   }
+  work_cv_.notify_all();
   RunTasks();
-  absl::MutexLock lock(&mu_);
-  auto finished = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return done_ == n_; };
-  mu_.Await(absl::Condition(&finished));
+  std::unique_lock<std::mutex> lock(mu_);
+  done_cv_.wait(lock, [&] { return done_ == n_; });
   fn_ = nullptr;
 }
 

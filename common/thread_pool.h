@@ -12,8 +12,8 @@
 #include <thread>
 #include <vector>
 
-#include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
+#include <condition_variable>
+#include <mutex>
 
 namespace strata {
 
@@ -36,14 +36,19 @@ class ThreadPool {
   void WorkerLoop();
   void RunTasks();
 
-  absl::Mutex call_mu_;  // serializes ParallelFor calls
-  absl::Mutex mu_;
-  const std::function<void(size_t)>* fn_ ABSL_GUARDED_BY(mu_) = nullptr;
-  size_t n_ ABSL_GUARDED_BY(mu_) = 0;
-  size_t next_ ABSL_GUARDED_BY(mu_) = 0;
-  size_t done_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
-  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  // std::mutex rather than absl::Mutex: Debian's Abseil is not built with ThreadSanitizer
+  // annotations, so TSan cannot see absl::Mutex synchronize and reports false races; pthread-based
+  // std::mutex it understands. Everything below call_mu_ is guarded by mu_.
+  std::mutex call_mu_;  // serializes ParallelFor calls
+  std::mutex mu_;
+  std::condition_variable work_cv_;  // a new generation of tasks, or stop
+  std::condition_variable done_cv_;  // done_ reached n_
+  const std::function<void(size_t)>* fn_ = nullptr;
+  size_t n_ = 0;
+  size_t next_ = 0;
+  size_t done_ = 0;
+  uint64_t generation_ = 0;
+  bool stop_ = false;
   std::vector<std::thread> workers_;
 };
 

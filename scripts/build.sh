@@ -8,6 +8,7 @@ cd "$(dirname "$0")/.."
 
 dir=build
 cmake_args=(-DCMAKE_BUILD_TYPE=RelWithDebInfo -DSTRATA_CUDA=AUTO)
+[ -n "${STRATA_NO_BENCHMARKS:-}" ] && cmake_args+=(-DSTRATA_BUILD_BENCHMARKS=OFF)
 targets=()
 while [ $# -gt 0 ]; do
   case "$1" in

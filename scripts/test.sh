@@ -1,21 +1,26 @@
 #!/usr/bin/env bash
-# Sets up, builds and runs Strata's whole test suite: the ASan+UBSan build of the unit tests
-# (CPU code), then every test of the default build (CUDA targets too when nvcc is present; GPU
-# tests skip without a GPU and say why). The last line is ctest's summary for the default build.
-#   scripts/test.sh [--no-asan]
+# Sets up, builds and runs Strata's whole test suite: the unit tests under ASan+UBSan and under
+# TSan (CPU code), then every test of the default build (CUDA targets too when nvcc is present;
+# GPU tests skip without a GPU and say why). The last line is ctest's summary for the default
+# build.
+#   scripts/test.sh [--no-sanitizers]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-asan=1
-[ "${1:-}" = "--no-asan" ] && asan=0
+sanitizers=1
+[ "${1:-}" = "--no-sanitizers" ] && sanitizers=0
 jobs="$(nproc)"
 
 ./scripts/setup.sh
 start=$SECONDS
-if [ "$asan" = 1 ]; then
+if [ "$sanitizers" = 1 ]; then
   ./scripts/build.sh --asan --cpu-only
   echo "== ASan+UBSan build: unit tests"
   (cd build-asan-cpu && ASAN_OPTIONS=detect_leaks=1 \
      UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+     ctest -L unit --output-on-failure -j "$jobs")
+  ./scripts/build.sh --tsan --cpu-only
+  echo "== TSan build: unit tests"
+  (cd build-tsan-cpu && TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
      ctest -L unit --output-on-failure -j "$jobs")
 fi
 ./scripts/build.sh

@@ -6,6 +6,8 @@
 #include <vector>
 
 #include "common/block_writer.h"
+#include "kernels/codec.h"
+#include "kernels/synthetic_kv.h"
 
 namespace {
 
@@ -75,6 +77,20 @@ int main(int argc, char** argv) {
     }
     if (!Write(std::string(argv[1]) + "/" + s.name + ".blk", std::move(*b).Finish())) {
       std::perror(argv[1]);
+      return 1;
+    }
+  }
+  // Blocks from the real codecs, small shapes, for the attention fuzzer.
+  const char* specs[] = {"fp16", "bf16", "int8", "fp8e4m3", "kivi:k2v2:g8", "kivi:k3v3:g16",
+                         "kcvt:k4v4", "gearl:k2v2:g8:r2", "gear:k2v2:g8:r2:s10"};
+  int i = 0;
+  for (const char* spec : specs) {
+    auto codec = kernels::Codec::Create(spec);
+    const kernels::SyntheticKv kv = kernels::MakeSyntheticKv(9, 2, 8, 3);
+    absl::StatusOr<AlignedBuffer> b =
+        (*codec)->Encode({kv.k.data(), kv.v.data(), SourceDType::kFloat32, 9, 2, 8}, {});
+    if (!b.ok() || !Write(std::string(argv[1]) + "/codec" + std::to_string(i++) + ".blk", *b)) {
+      std::fprintf(stderr, "%s: cannot make a seed\n", spec);
       return 1;
     }
   }

@@ -1,0 +1,58 @@
+// libFuzzer target for everything a decode node does with a block it received: parse it,
+// prepare its operands (codec-level validation), decode it, and attend over it with the
+// portable and the AVX2 kernels. Whatever the bytes, no step may crash or read out of bounds;
+// a block PrepareBlock accepts must be safe to hand to the kernels.
+//
+// The custom mutator reseals the CRC-32C so the fuzzer gets past the checksum and into the
+// codec-specific checks.
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "common/block_reader.h"
+#include "common/crc32c.h"
+#include "common/endian.h"
+#include "common/thread_pool.h"
+#include "kernels/block_operands.h"
+#include "kernels/decode_attention.h"
+
+extern "C" size_t LLVMFuzzerMutate(uint8_t* data, size_t size, size_t max_size);
+
+extern "C" size_t LLVMFuzzerCustomMutator(uint8_t* data, size_t size, size_t max_size,
+                                          unsigned int seed) {
+  size = LLVMFuzzerMutate(data, size, max_size);
+  if ((seed & 3) != 0 && size >= 16) {
+    strata::StoreLE<uint32_t>(data + 4, strata::Crc32c(data + 8, size - 8));
+  }
+  return size;
+}
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  using namespace strata::kernels;
+  absl::StatusOr<strata::BlockView> view =
+      strata::BlockView::Parse(absl::MakeConstSpan(data, size));
+  if (!view.ok()) return 0;
+  absl::StatusOr<BlockOperands> ops = PrepareBlock(*view);
+  if (!ops.ok()) {
+    if (ops.status().message().empty()) __builtin_trap();
+    return 0;
+  }
+  const uint64_t n = uint64_t{ops->tokens} * ops->kv_heads * ops->head_dim;
+  if (n > (1u << 20)) return 0;  // keep each run fast; larger blocks add nothing new
+  std::vector<float> k(n), v(n);
+  if (!DecodeOperandsRef(*ops, k.data(), v.data()).ok()) __builtin_trap();
+  static strata::ThreadPool pool(1);
+  const uint32_t q_heads = ops->kv_heads * 2;
+  std::vector<float> q(size_t{q_heads} * ops->head_dim, 0.5f), out(q.size());
+  const BlockOperands* ptr = &*ops;
+  DecodeSequence seq;
+  seq.q = q.data();
+  seq.blocks = absl::MakeConstSpan(&ptr, 1);
+  seq.out = out.data();
+  const DecodeAttentionParams params{q_heads, ops->kv_heads, ops->head_dim};
+  for (AttentionImpl impl : {AttentionImpl::kPortable, AttentionImpl::kAvx2}) {
+    if (impl == AttentionImpl::kAvx2 && !DecodeAttentionUsesAvx2()) continue;
+    if (!DecodeAttention(params, {&seq, 1}, {impl, 4096, &pool}).ok()) __builtin_trap();
+  }
+  return 0;
+}
