@@ -39,6 +39,11 @@ absl::Status ValidateAttention(const DecodeAttentionParams& p,
     if (seq.q == nullptr || seq.out == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat("attention: sequence ", s, " has no q/out"));
     }
+    if (seq.query_tokens < 1 || (seq.query_tokens > 1 && seq.query_tokens > seq.window.tokens)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "attention: sequence ", s, " has ", seq.query_tokens, " query tokens but a window of ",
+          seq.window.tokens, " (the new tokens' K and V end the window)"));
+    }
     uint64_t tokens = seq.sinks.tokens + seq.window.tokens;
     for (const FullPrecisionKv* fp : {&seq.sinks, &seq.window}) {
       if (fp->tokens > 0 && (fp->k == nullptr || fp->v == nullptr)) {
@@ -103,13 +108,21 @@ std::vector<Segment> Segments(const DecodeAttentionParams& p, const DecodeSequen
   return out;
 }
 
-// Runs segments [begin, end) through the online softmax.
-void RunSegments(const std::vector<Segment>& segs, size_t begin, size_t end, HeadGroupState& st,
+// Runs segments [begin, end) through the online softmax. The window segment is the last one;
+// rows whose query token is among the window's last tokens see only the window up to it.
+void RunSegments(const std::vector<Segment>& segs, size_t begin, size_t end, bool last_is_window,
+                 const std::vector<uint32_t>& window_limit, HeadGroupState& st,
                  const internal::Kernels& kernels) {
   for (size_t i = begin; i < end; ++i) {
     const Segment& seg = segs[i];
     st.scores.resize(size_t{st.g} * seg.tokens);
     kernels.scores(seg, st);
+    if (last_is_window && i + 1 == segs.size()) {
+      for (uint32_t r = 0; r < st.g; ++r) {
+        float* s = &st.scores[size_t{r} * seg.tokens];
+        for (uint32_t t = window_limit[r]; t < seg.tokens; ++t) s[t] = kNegInf;
+      }
+    }
     kernels.softmax(seg.tokens, st);
     kernels.accumulate(seg, st);
   }
@@ -122,74 +135,94 @@ absl::Status Run(const DecodeAttentionParams& p, absl::Span<const DecodeSequence
   }
   const uint32_t G = p.q_heads / p.kv_heads, D = p.head_dim;
   const float scale = SoftmaxScale(p);
+  // The rows of one KV head are (query token, query head of the group) pairs. They are run in
+  // batches of whole tokens, up to 8 rows, so the kernels' GQA specializations apply.
+  const uint32_t tokens_per_batch = std::max<uint32_t>(1, 8 / G);
   struct Task {
     size_t seq;
     uint32_t head;
-    size_t begin, end;  // segment range
-    size_t part;        // index of the partial result
+    uint32_t token0, tokens;  // query tokens of this batch of rows
+    size_t begin, end;        // segment range
+    size_t group;             // the (seq, head, batch) this part belongs to
+    size_t part;              // index of the partial result
   };
   std::vector<std::vector<Segment>> segs(batch.size() * p.kv_heads);
   std::vector<Task> tasks;
-  std::vector<size_t> first_part(batch.size() * p.kv_heads + 1, 0);
+  std::vector<size_t> first_part;  // per (seq, head, batch) group, into tasks
+  std::vector<uint32_t> group_rows;
   for (size_t s = 0; s < batch.size(); ++s) {
     for (uint32_t h = 0; h < p.kv_heads; ++h) {
       const size_t sh = s * p.kv_heads + h;
       segs[sh] = Segments(p, batch[s], h);
-      first_part[sh] = tasks.size();
-      size_t begin = 0;
-      uint64_t acc_tokens = 0;
-      for (size_t i = 0; i < segs[sh].size(); ++i) {
-        acc_tokens += segs[sh][i].tokens;
-        if (acc_tokens >= o.tokens_per_split || i + 1 == segs[sh].size()) {
-          tasks.push_back({s, h, begin, i + 1, tasks.size()});
-          begin = i + 1;
-          acc_tokens = 0;
+      for (uint32_t t0 = 0; t0 < batch[s].query_tokens; t0 += tokens_per_batch) {
+        const uint32_t nt = std::min(tokens_per_batch, batch[s].query_tokens - t0);
+        const size_t group = first_part.size();
+        first_part.push_back(tasks.size());
+        group_rows.push_back(nt * G);
+        size_t begin = 0;
+        uint64_t acc_tokens = 0;
+        for (size_t i = 0; i < segs[sh].size(); ++i) {
+          acc_tokens += segs[sh][i].tokens;
+          if (acc_tokens >= o.tokens_per_split || i + 1 == segs[sh].size()) {
+            tasks.push_back({s, h, t0, nt, begin, i + 1, group, tasks.size()});
+            begin = i + 1;
+            acc_tokens = 0;
+          }
         }
       }
     }
   }
-  first_part.back() = tasks.size();
-  std::vector<float> part_m(tasks.size() * G), part_l(tasks.size() * G),
-      part_acc(tasks.size() * G * D);
+  first_part.push_back(tasks.size());
+  const size_t rows_max = size_t{tokens_per_batch} * G;
+  std::vector<float> part_m(tasks.size() * rows_max), part_l(tasks.size() * rows_max),
+      part_acc(tasks.size() * rows_max * D);
   ThreadPool& pool = o.pool != nullptr ? *o.pool : ThreadPool::Default();
   pool.ParallelFor(tasks.size(), [&](size_t ti) {
     const Task& t = tasks[ti];
+    const DecodeSequence& seq = batch[t.seq];
+    const uint32_t rows = t.tokens * G;
     HeadGroupState st;
-    st.g = G;
+    st.g = rows;
     st.d = D;
-    st.q.resize(size_t{G} * D);
-    const float* q = batch[t.seq].q + size_t{t.head} * G * D;
-    for (size_t i = 0; i < st.q.size(); ++i) st.q[i] = q[i] * scale;
-    st.m.assign(G, kNegInf);
-    st.l.assign(G, 0.0f);
-    st.acc.assign(size_t{G} * D, 0.0f);
-    RunSegments(segs[t.seq * p.kv_heads + t.head], t.begin, t.end, st, kernels);
-    std::memcpy(&part_m[t.part * G], st.m.data(), G * sizeof(float));
-    std::memcpy(&part_l[t.part * G], st.l.data(), G * sizeof(float));
-    std::memcpy(&part_acc[t.part * G * D], st.acc.data(), size_t{G} * D * sizeof(float));
+    st.q.resize(size_t{rows} * D);
+    std::vector<uint32_t> window_limit(rows);
+    for (uint32_t r = 0; r < rows; ++r) {
+      const uint32_t token = t.token0 + r / G, j = r % G;
+      const float* q = seq.q + (size_t{token} * p.q_heads + size_t{t.head} * G + j) * D;
+      for (uint32_t d = 0; d < D; ++d) st.q[size_t{r} * D + d] = q[d] * scale;
+      window_limit[r] = seq.window.tokens - (seq.query_tokens - 1 - token);
+    }
+    st.m.assign(rows, kNegInf);
+    st.l.assign(rows, 0.0f);
+    st.acc.assign(size_t{rows} * D, 0.0f);
+    RunSegments(segs[t.seq * p.kv_heads + t.head], t.begin, t.end, seq.window.tokens > 0,
+                window_limit, st, kernels);
+    std::memcpy(&part_m[t.part * rows_max], st.m.data(), rows * sizeof(float));
+    std::memcpy(&part_l[t.part * rows_max], st.l.data(), rows * sizeof(float));
+    std::memcpy(&part_acc[t.part * rows_max * D], st.acc.data(), size_t{rows} * D * sizeof(float));
   });
-  // Log-sum-exp merge of the parts of each (sequence, KV head).
-  for (size_t s = 0; s < batch.size(); ++s) {
-    for (uint32_t h = 0; h < p.kv_heads; ++h) {
-      const size_t sh = s * p.kv_heads + h;
-      for (uint32_t j = 0; j < G; ++j) {
-        float m = kNegInf;
-        for (size_t part = first_part[sh]; part < first_part[sh + 1]; ++part) {
-          m = std::max(m, part_m[part * G + j]);
-        }
-        float l = 0;
-        float* out = batch[s].out + (size_t{h} * G + j) * D;
-        std::fill(out, out + D, 0.0f);
-        for (size_t part = first_part[sh]; part < first_part[sh + 1]; ++part) {
-          const float w =
-              part_m[part * G + j] == kNegInf ? 0.0f : std::exp(part_m[part * G + j] - m);
-          l += part_l[part * G + j] * w;
-          const float* acc = &part_acc[(part * G + j) * D];
-          for (uint32_t d = 0; d < D; ++d) out[d] += acc[d] * w;
-        }
-        const float inv = l > 0 ? 1.0f / l : 0.0f;
-        for (uint32_t d = 0; d < D; ++d) out[d] *= inv;
+  // Log-sum-exp merge of the parts of each (sequence, KV head, batch of rows).
+  for (size_t g = 0; g + 1 < first_part.size(); ++g) {
+    const Task& first = tasks[first_part[g]];
+    const DecodeSequence& seq = batch[first.seq];
+    for (uint32_t r = 0; r < group_rows[g]; ++r) {
+      const uint32_t token = first.token0 + r / G, j = r % G;
+      float m = kNegInf;
+      for (size_t part = first_part[g]; part < first_part[g + 1]; ++part) {
+        m = std::max(m, part_m[part * rows_max + r]);
       }
+      float l = 0;
+      float* out = seq.out + (size_t{token} * p.q_heads + size_t{first.head} * G + j) * D;
+      std::fill(out, out + D, 0.0f);
+      for (size_t part = first_part[g]; part < first_part[g + 1]; ++part) {
+        const float pm = part_m[part * rows_max + r];
+        const float w = pm == kNegInf ? 0.0f : std::exp(pm - m);
+        l += part_l[part * rows_max + r] * w;
+        const float* acc = &part_acc[(part * rows_max + r) * D];
+        for (uint32_t d = 0; d < D; ++d) out[d] += acc[d] * w;
+      }
+      const float inv = l > 0 ? 1.0f / l : 0.0f;
+      for (uint32_t d = 0; d < D; ++d) out[d] *= inv;
     }
   }
   return absl::OkStatus();
@@ -212,6 +245,10 @@ void SoftmaxPortable(uint32_t T, HeadGroupState& st) {
     float mx = kNegInf;
     for (uint32_t t = 0; t < T; ++t) mx = std::max(mx, s[t]);
     const float m_new = std::max(st.m[j], mx);
+    if (m_new == kNegInf) {  // nothing visible yet: no weight
+      std::fill(s, s + T, 0.0f);
+      continue;
+    }
     const float alpha = st.m[j] == kNegInf ? 0.0f : std::exp(st.m[j] - m_new);
     float* acc = &st.acc[size_t{j} * st.d];
     for (uint32_t d = 0; d < st.d; ++d) acc[d] *= alpha;

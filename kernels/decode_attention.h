@@ -1,7 +1,11 @@
-// Decode attention over compressed blocks: one new query token per sequence attends over
+// Attention over compressed blocks: each sequence's new query tokens attend over
 //   sinks (full precision) + compressed blocks + window (full precision),
-// in that order, for a batch of sequences. Grouped-query attention: query head j uses KV head
-// j / (q_heads / kv_heads), and one pass over a KV head's bytes serves all its query heads.
+// in that order, for a batch of sequences. With one query token this is decode; with several it
+// is chunked prefill over a cached, compressed prefix: the new tokens' K and V are the last
+// `query_tokens` tokens of the window, and new token i sees the window only up to itself
+// (causal), everything before the window entirely. Grouped-query attention: query head j uses
+// KV head j / (q_heads / kv_heads), and one pass over a KV head's bytes serves all its query
+// heads (and all new tokens, up to 8 rows at a time).
 //
 // Nothing is decompressed to memory: codes are dequantized a row at a time as they are read,
 // per-channel key scales are folded into q, per-token value scales into the probabilities, the
@@ -38,11 +42,12 @@ struct FullPrecisionKv {
 };
 
 struct DecodeSequence {
-  const float* q = nullptr;                       // [q_heads, head_dim]
+  const float* q = nullptr;                       // [query_tokens, q_heads, head_dim]
   FullPrecisionKv sinks;                          // first tokens of the sequence
   absl::Span<const BlockOperands* const> blocks;  // then these, in sequence order
   FullPrecisionKv window;                         // then the newest tokens
-  float* out = nullptr;                           // [q_heads, head_dim]
+  float* out = nullptr;                           // [query_tokens, q_heads, head_dim]
+  uint32_t query_tokens = 1;  // > 1: chunked prefill; the window's last query_tokens tokens
 };
 
 struct DecodeAttentionParams {

@@ -7,6 +7,7 @@
 // portable kernels.
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -341,6 +342,7 @@ struct AccumulateOp {
 // exp(x) for x <= 0 (arguments of the online softmax), Cephes-style: 2^n * P(r) with
 // x = n ln2 + r; relative error ~2e-7, and exactly 0 below -87.
 STRATA_AVX2_INLINE __m256 Exp(__m256 x) {
+  const __m256 visible = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_GE_OQ);  // -inf -> 0
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
   const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -355,7 +357,7 @@ STRATA_AVX2_INLINE __m256 Exp(__m256 x) {
   y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
   const __m256i n =
       _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
+  return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(n)), visible);
 }
 
 STRATA_AVX2_INLINE float Hmax(__m256 v) {
@@ -377,6 +379,10 @@ STRATA_AVX2 void SoftmaxAvx2(uint32_t T, HeadGroupState& st) {
     float mx = Hmax(vmx);
     for (; t < T; ++t) mx = std::max(mx, s[t]);
     const float m_new = std::max(st.m[j], mx);
+    if (m_new == neg_inf) {  // nothing visible yet: no weight
+      std::fill(s, s + T, 0.0f);
+      continue;
+    }
     const float alpha = st.m[j] == neg_inf ? 0.0f : std::exp(st.m[j] - m_new);
     float* acc = &st.acc[size_t{j} * st.d];
     if (alpha != 1.0f) {

@@ -31,22 +31,26 @@ absl::Status DecodeAttentionRef(const DecodeAttentionParams& p,
     if (seq.window.tokens > 0) append(seq.window.k, seq.window.v, seq.window.tokens);
     const size_t n = k.size() / (size_t{H} * D);
     std::vector<double> s(n);
-    for (uint32_t qh = 0; qh < p.q_heads; ++qh) {
-      const uint32_t h = qh / G;
-      const float* q = seq.q + size_t{qh} * D;
-      double mx = -INFINITY;
-      for (size_t t = 0; t < n; ++t) {
-        double dot = 0;
-        for (uint32_t d = 0; d < D; ++d) dot += double{q[d]} * k[(t * H + h) * D + d];
-        s[t] = dot * scale;
-        mx = std::max(mx, s[t]);
-      }
-      double sum = 0;
-      for (size_t t = 0; t < n; ++t) sum += (s[t] = std::exp(s[t] - mx));
-      for (uint32_t d = 0; d < D; ++d) {
-        double o = 0;
-        for (size_t t = 0; t < n; ++t) o += s[t] * v[(t * H + h) * D + d];
-        seq.out[size_t{qh} * D + d] = static_cast<float>(o / sum);
+    for (uint32_t qt = 0; qt < seq.query_tokens; ++qt) {
+      // Query token qt sees everything up to and including itself.
+      const size_t visible = n - (seq.query_tokens - 1 - qt);
+      for (uint32_t qh = 0; qh < p.q_heads; ++qh) {
+        const uint32_t h = qh / G;
+        const float* q = seq.q + (size_t{qt} * p.q_heads + qh) * D;
+        double mx = -INFINITY;
+        for (size_t t = 0; t < visible; ++t) {
+          double dot = 0;
+          for (uint32_t d = 0; d < D; ++d) dot += double{q[d]} * k[(t * H + h) * D + d];
+          s[t] = dot * scale;
+          mx = std::max(mx, s[t]);
+        }
+        double sum = 0;
+        for (size_t t = 0; t < visible; ++t) sum += (s[t] = std::exp(s[t] - mx));
+        for (uint32_t d = 0; d < D; ++d) {
+          double o = 0;
+          for (size_t t = 0; t < visible; ++t) o += s[t] * v[(t * H + h) * D + d];
+          seq.out[(size_t{qt} * p.q_heads + qh) * D + d] = static_cast<float>(o / sum);
+        }
       }
     }
   }

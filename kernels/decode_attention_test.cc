@@ -164,6 +164,54 @@ TEST(DecodeAttentionTest, CompressedAttentionIsCloseToFullPrecisionAndGearBeatsK
   EXPECT_LT(gear4, gear);
 }
 
+TEST(DecodeAttentionTest, ChunkedPrefillOverACompressedPrefixIsCausalInTheWindow) {
+  // Five new tokens (the last five of a nine-token window) over sinks and compressed blocks.
+  std::vector<AttentionImpl> impls = {AttentionImpl::kPortable};
+  if (DecodeAttentionUsesAvx2()) impls.push_back(AttentionImpl::kAvx2);
+  ThreadPool pool(2);
+  const Shape shapes[] = {{8, 2, 64}, {4, 4, 128}, {16, 2, 64}, {6, 2, 64}};
+  uint64_t seed = 100;
+  for (const char* spec : {"fp16", "kivi:k2v2:g32", "gear:k2v2:g32:r4:s2", "int8"}) {
+    for (const Shape& sh : shapes) {
+      for (uint32_t n : {1u, 3u, 5u}) {
+        auto s = MakeSequence(spec, sh.q_heads, sh.kv_heads, sh.dim, 4, {64, 37}, 9, ++seed);
+        s->q.resize(size_t{n} * sh.q_heads * sh.dim);
+        std::mt19937 rng(seed);
+        std::normal_distribution<float> normal(0, 1);
+        for (float& x : s->q) x = normal(rng);
+        s->out.assign(s->q.size(), NAN);
+        s->ref.assign(s->q.size(), NAN);
+        s->seq.q = s->q.data();
+        s->seq.query_tokens = n;
+        const DecodeAttentionParams params{sh.q_heads, sh.kv_heads, sh.dim};
+        DecodeSequence ref = s->seq;
+        ref.out = s->ref.data();
+        ASSERT_TRUE(DecodeAttentionRef(params, {&ref, 1}).ok());
+        for (AttentionImpl impl : impls) {
+          for (uint32_t split : {4096u, 50u}) {
+            DecodeSequence seq = s->seq;
+            seq.out = s->out.data();
+            ASSERT_TRUE(DecodeAttention(params, {&seq, 1}, {impl, split, &pool}).ok());
+            EXPECT_LT(NormalizedMaxError(s->out, s->ref), 2e-4)
+                << spec << " n=" << n << " q=" << sh.q_heads << " kv=" << sh.kv_heads
+                << " impl=" << static_cast<int>(impl) << " split=" << split;
+          }
+        }
+        // The last new token sees everything: it equals decode of that token alone.
+        DecodeSequence last = s->seq;
+        last.q = s->q.data() + size_t{n - 1} * sh.q_heads * sh.dim;
+        last.query_tokens = 1;
+        std::vector<float> one(size_t{sh.q_heads} * sh.dim);
+        last.out = one.data();
+        ASSERT_TRUE(DecodeAttention(params, {&last, 1}, {.pool = &pool}).ok());
+        const std::vector<float> tail(s->out.end() - one.size(), s->out.end());
+        EXPECT_LT(NormalizedMaxError(one, tail), 1e-4)
+            << spec;  // other row batching, other rounding
+      }
+    }
+  }
+}
+
 TEST(DecodeAttentionTest, BadShapesAreInvalidArgument) {
   auto s = MakeSequence("kivi:k2v2:g32", 8, 2, 64, 0, {32}, 0, 5);
   s->seq.out = s->out.data();
@@ -174,6 +222,10 @@ TEST(DecodeAttentionTest, BadShapesAreInvalidArgument) {
   empty.blocks = {};
   EXPECT_THAT(std::string(DecodeAttention({8, 2, 64}, {&empty, 1}).message()),
               HasSubstr("no tokens"));
+  DecodeSequence too_many = s->seq;
+  too_many.query_tokens = 2;  // no window to hold the new tokens
+  EXPECT_THAT(std::string(DecodeAttention({8, 2, 64}, {&too_many, 1}).message()),
+              HasSubstr("2 query tokens but a window of 0"));
   DecodeSequence no_q = s->seq;
   no_q.q = nullptr;
   EXPECT_EQ(DecodeAttentionRef({8, 2, 64}, {&no_q, 1}).code(), absl::StatusCode::kInvalidArgument);
