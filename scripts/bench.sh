@@ -23,5 +23,6 @@ for bin in build/common/common_benchmark build/kernels/kernels_benchmark; do
   echo "wrote $out"
 done
 if [ "$filter" = "." ] || [ "$filter" = "codec_bench" ]; then
-  ./build/bench/codec_bench --commit "${commit}${dirty}" --out bench/results
+  ./build/bench/codec_bench --commit "${commit}${dirty}" --out bench/results |
+    tee "bench/results/codec_bench-$(date -u +%Y-%m-%d)-${commit}${dirty}.txt"
 fi
