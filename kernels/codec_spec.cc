@@ -114,18 +114,7 @@ absl::StatusOr<CodecSpec> CodecSpec::Parse(absl::string_view text) {
 }
 
 std::string CodecSpec::ToString() const {
-  switch (id) {
-    case CodecId::kFp16:
-      return "fp16";
-    case CodecId::kBf16:
-      return "bf16";
-    case CodecId::kInt8:
-      return "int8";
-    case CodecId::kFp8E4M3:
-      return "fp8e4m3";
-    default:
-      break;
-  }
+  if (!is_affine()) return CodecIdName(id);  // fp16, bf16, int8, fp8e4m3: no parameters
   std::vector<std::string> f = {CodecIdName(id), absl::StrCat("k", k_bits, "v", v_bits)};
   if (id == CodecId::kKcvt) return absl::StrJoin(f, ":");
   f.push_back(group == 0 ? "kcvt" : absl::StrCat("g", group));
