@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Installs what tools/train_model.py needs (Debian's PyTorch, NumPy and regex for Python 3), on
+# top of scripts/setup.sh. Idempotent. Kept apart from setup.sh because PyTorch is large and
+# neither the build nor the tests need it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+./scripts/setup.sh
+packages=(python3-torch python3-numpy python3-regex)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+[ ${#missing[@]} -eq 0 ] && { echo "setup_training: all present"; exit 0; }
+sudo_cmd=()
+[ "$(id -u)" -ne 0 ] && sudo_cmd=(sudo)
+export DEBIAN_FRONTEND=noninteractive
+"${sudo_cmd[@]}" apt-get update -q
+"${sudo_cmd[@]}" apt-get install -y -q --no-install-recommends "${missing[@]}"

@@ -1,0 +1,658 @@
+#!/usr/bin/python3
+"""Trains Strata's bundled model: a small Llama-architecture language model on English text that
+a Debian machine already has (package documentation and manual pages), with a byte-level BPE
+tokenizer trained by this script on the same text, and exports it in the Hugging Face layout
+(config.json, model.safetensors, tokenizer.json) that model/ loads.
+
+Deterministic given --seed: the corpus is read in sorted order, the held-out split is chosen by a
+hash of each document's path, the tokenizer and the model are trained with fixed seeds.
+
+Runs on Debian's python3-torch (CPU) or on a GPU's PyTorch when one is present (--device cuda).
+
+  /usr/bin/python3 tools/train_model.py --out models/strata-tiny --minutes 60
+  /usr/bin/python3 tools/train_model.py --out /tmp/m --preset smoke --steps 20   # pipeline check
+
+Outputs in --out: config.json, model.safetensors, tokenizer.json, tokenizer_config.json,
+heldout.txt (the held-out split, never trained on), fixture.safetensors (token ids and PyTorch
+logits for a few held-out sequences, for the C++ logits test), train_log.json (loss curve, tokens
+seen, held-out perplexity), README.md (the model card).
+"""
+import argparse
+import collections
+import gzip
+import hashlib
+import json
+import math
+import os
+import re
+import struct
+import sys
+import time
+import unicodedata
+
+# ---------------------------------------------------------------------------------------------
+# Corpus: Debian's documentation and manual pages.
+
+DOC_ROOT = "/usr/share/doc"
+MAN_ROOT = "/usr/share/man"
+
+
+def _read_maybe_gz(path, limit=2 << 20):
+    opener = gzip.open if path.endswith(".gz") else open
+    try:
+        with opener(path, "rb") as f:
+            data = f.read(limit)
+    except OSError:
+        return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+_ROFF_ESCAPES = re.compile(r"\\f[BIRPH0-9]|\\f\(..|\\f\[[^\]]*\]|\\s[+-]?\d|\\[&|^%:]|\\\(em|\\\(en")
+
+
+def _strip_roff(text):
+    """Turns man(7)/mdoc(7) source into plain text: drops requests and comments, keeps the
+    argument text of font macros, removes inline escapes."""
+    out = []
+    for line in text.splitlines():
+        if line.startswith(".\\\"") or line.startswith("'\\\"") or line.startswith(".\\}"):
+            continue
+        if line.startswith("."):
+            parts = line.split(None, 1)
+            macro = parts[0]
+            if macro in (".B", ".I", ".BR", ".IR", ".RB", ".RI", ".BI", ".IB", ".SH", ".SS",
+                         ".Nm", ".Nd", ".Sh", ".Ss", ".It", ".Dl", ".Em", ".Ar", ".Fl", ".Pa"):
+                if len(parts) > 1:
+                    out.append(parts[1].replace('"', ""))
+            elif macro in (".PP", ".P", ".LP", ".TP", ".IP", ".Pp", ".br", ".sp"):
+                out.append("")
+            continue
+        out.append(line)
+    text = "\n".join(out)
+    text = _ROFF_ESCAPES.sub("", text)
+    text = text.replace("\\-", "-").replace("\\e", "\\").replace("\\ ", " ")
+    return text
+
+
+def _clean(text):
+    text = text.replace("\r\n", "\n").replace("\t", "    ")
+    text = re.sub(r"\n{3,}", "\n\n", text)
+    return text.strip()
+
+
+def _english_enough(text):
+    if len(text) < 400:
+        return False
+    letters = sum(c.isalpha() for c in text)
+    ascii_letters = sum(("a" <= c <= "z") or ("A" <= c <= "Z") for c in text)
+    return letters > 0.55 * len(text) * 0.8 and ascii_letters > 0.9 * letters
+
+
+def collect_corpus(max_bytes):
+    """(path, text) for every usable document, sorted by path, up to max_bytes in total."""
+    paths = []
+    for root in (DOC_ROOT, MAN_ROOT):
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames.sort()
+            if root == MAN_ROOT and not re.search(r"/man[1-8]$", dirpath):
+                continue  # English pages only (translations live in man/<lang>/)
+            for name in sorted(filenames):
+                if name.startswith(("changelog", "copyright", "NEWS.Debian")):
+                    continue
+                paths.append(os.path.join(dirpath, name))
+    docs, total = [], 0
+    for path in paths:
+        is_man = path.startswith(MAN_ROOT)
+        if not is_man and not re.search(r"(README|\.txt|\.md|\.rst)(\.gz)?$", path, re.I):
+            continue
+        text = _read_maybe_gz(path)
+        if text is None:
+            continue
+        if is_man:
+            text = _strip_roff(text)
+        text = _clean(text)
+        if not _english_enough(text):
+            continue
+        docs.append((path, text))
+        total += len(text)
+        if total >= max_bytes:
+            break
+    return docs
+
+
+def is_heldout(path, fraction):
+    h = int.from_bytes(hashlib.sha256(path.encode()).digest()[:8], "little")
+    return (h % 10000) < fraction * 10000
+
+
+# ---------------------------------------------------------------------------------------------
+# Byte-level BPE (the GPT-2 / Llama-3 scheme, saved in Hugging Face tokenizer.json format).
+
+# Llama-3's pre-tokenizer pattern; model/ implements it with RE2 (plus the lookahead by hand).
+PRETOKENIZE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+               r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def bytes_to_unicode():
+    """GPT-2's reversible map from bytes to printable Unicode characters."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+def train_bpe(texts, vocab_size, specials):
+    """Classic BPE over pre-tokenized words: repeatedly merge the most frequent adjacent pair
+    (ties: the lexicographically smallest pair). A heap with lazy invalidation keeps each merge
+    cheap. Returns (vocab: token -> id, merges: [(a, b)])."""
+    import heapq
+    import regex  # Debian's python3-regex: \p{L} classes as in tokenizer.json
+    pat = regex.compile(PRETOKENIZE)
+    b2u = bytes_to_unicode()
+    words = collections.Counter()
+    for text in texts:
+        for piece in pat.findall(text):
+            words["".join(b2u[b] for b in piece.encode("utf-8"))] += 1
+    vocab = {}
+    for b in range(256):  # the byte alphabet, in byte order
+        vocab[b2u[b]] = len(vocab)
+    word_syms = {w: tuple(w) for w in words}
+    pair_counts = collections.Counter()
+    pair_words = collections.defaultdict(set)
+    for w, c in words.items():
+        s = word_syms[w]
+        for a, b in zip(s, s[1:]):
+            pair_counts[(a, b)] += c
+            pair_words[(a, b)].add(w)
+    heap = [(-c, p) for p, c in pair_counts.items()]
+    heapq.heapify(heap)
+    merges = []
+    target = vocab_size - len(specials)
+    while len(vocab) < target and heap:
+        neg, pair = heapq.heappop(heap)
+        if pair_counts.get(pair, 0) != -neg:
+            continue  # stale entry
+        if -neg < 2:
+            break
+        a, b = pair
+        merged = a + b
+        merges.append((a, b))
+        vocab[merged] = len(vocab)
+        changed = set()
+        for w in list(pair_words[pair]):
+            s = word_syms[w]
+            c = words[w]
+            for x, y in zip(s, s[1:]):
+                pair_counts[(x, y)] -= c
+                pair_words[(x, y)].discard(w)
+                changed.add((x, y))
+            out, i = [], 0
+            while i < len(s):
+                if i + 1 < len(s) and s[i] == a and s[i + 1] == b:
+                    out.append(merged)
+                    i += 2
+                else:
+                    out.append(s[i])
+                    i += 1
+            s = tuple(out)
+            word_syms[w] = s
+            for x, y in zip(s, s[1:]):
+                pair_counts[(x, y)] += c
+                pair_words[(x, y)].add(w)
+                changed.add((x, y))
+        for p in changed:
+            c = pair_counts.get(p, 0)
+            if c <= 0:
+                pair_counts.pop(p, None)
+                pair_words.pop(p, None)
+            else:
+                heapq.heappush(heap, (-c, p))
+        pair_counts.pop(pair, None)
+        pair_words.pop(pair, None)
+    for sp in specials:
+        vocab[sp] = len(vocab)
+    return vocab, merges
+
+
+class Tokenizer:
+    """Encoder for the trained BPE (the same algorithm model/ implements in C++)."""
+
+    def __init__(self, vocab, merges):
+        import regex
+        self.pat = regex.compile(PRETOKENIZE)
+        self.vocab = vocab
+        self.ranks = {pair: i for i, pair in enumerate(merges)}
+        self.b2u = bytes_to_unicode()
+        self.u2b = {u: b for b, u in self.b2u.items()}
+        self.inv = {i: t for t, i in vocab.items()}
+        self.cache = {}
+
+    def _bpe(self, word):
+        if word in self.cache:
+            return self.cache[word]
+        syms = list(word)
+        while len(syms) > 1:
+            best, best_rank = None, None
+            for i in range(len(syms) - 1):
+                r = self.ranks.get((syms[i], syms[i + 1]))
+                if r is not None and (best_rank is None or r < best_rank):
+                    best, best_rank = i, r
+            if best is None:
+                break
+            syms[best:best + 2] = [syms[best] + syms[best + 1]]
+        ids = [self.vocab[s] for s in syms]
+        self.cache[word] = ids
+        return ids
+
+    def encode(self, text):
+        ids = []
+        for piece in self.pat.findall(text):
+            ids.extend(self._bpe("".join(self.b2u[b] for b in piece.encode("utf-8"))))
+        return ids
+
+    def decode(self, ids):
+        data = bytes(self.u2b[ch] for i in ids for ch in self.inv[i] if ch in self.u2b)
+        return data.decode("utf-8", errors="replace")
+
+
+def tokenizer_json(vocab, merges, specials):
+    added = [{"id": vocab[s], "content": s, "single_word": False, "lstrip": False,
+              "rstrip": False, "normalized": False, "special": True} for s in specials]
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": None,
+        "pre_tokenizer": {
+            "type": "Sequence",
+            "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": PRETOKENIZE}, "behavior": "Isolated",
+                 "invert": False},
+                {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                 "use_regex": False},
+            ],
+        },
+        "post_processor": None,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True,
+                    "use_regex": True},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None,
+                  "continuing_subword_prefix": None, "end_of_word_suffix": None,
+                  "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                  "vocab": vocab, "merges": [a + " " + b for a, b in merges]},
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# The model: Llama architecture (RMSNorm, RoPE, grouped-query attention, SwiGLU).
+
+PRESETS = {
+    # ~7.6 M parameters, 15 MiB at fp16: head_dim 64, 8 query heads over 2 KV heads.
+    "tiny": dict(hidden_size=512, intermediate_size=768, num_hidden_layers=3,
+                 num_attention_heads=8, num_key_value_heads=2, vocab_size=4096,
+                 max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-5,
+                 tie_word_embeddings=True, attention_bias=False, seq_len=512),
+    # A differently shaped second model (Qwen2-style q/k/v biases, untied head, head_dim 32,
+    # GQA 3) to prove the loader is not written for one shape.
+    "qwen2-shape": dict(hidden_size=192, intermediate_size=512, num_hidden_layers=2,
+                        num_attention_heads=6, num_key_value_heads=2, vocab_size=4096,
+                        max_position_embeddings=4096, rope_theta=1000000.0,
+                        rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=True,
+                        seq_len=256),
+    # Pipeline check: tiny and fast.
+    "smoke": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                  max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-5,
+                  tie_word_embeddings=True, attention_bias=False, seq_len=128),
+}
+
+
+def build_model(cfg):
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    H, KV = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    D = cfg["hidden_size"] // H
+
+    class RMSNorm(nn.Module):
+        def __init__(self, n, eps):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(n))
+            self.eps = eps
+
+        def forward(self, x):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+    def rope(x, pos):  # x [B, heads, T, D]; rotate (i, i + D/2) pairs, as Hugging Face Llama
+        inv = 1.0 / (cfg["rope_theta"] ** (torch.arange(0, D, 2, dtype=torch.float32,
+                                                        device=x.device) / D))
+        ang = pos[:, None].float() * inv[None, :]
+        cos = torch.cat([ang.cos(), ang.cos()], -1)
+        sin = torch.cat([ang.sin(), ang.sin()], -1)
+        x1, x2 = x[..., :D // 2], x[..., D // 2:]
+        return x * cos + torch.cat([-x2, x1], -1) * sin
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            hs, bias = cfg["hidden_size"], cfg["attention_bias"]
+            self.input_layernorm = RMSNorm(hs, cfg["rms_norm_eps"])
+            self.q_proj = nn.Linear(hs, H * D, bias=bias)
+            self.k_proj = nn.Linear(hs, KV * D, bias=bias)
+            self.v_proj = nn.Linear(hs, KV * D, bias=bias)
+            self.o_proj = nn.Linear(H * D, hs, bias=False)
+            self.post_attention_layernorm = RMSNorm(hs, cfg["rms_norm_eps"])
+            self.gate_proj = nn.Linear(hs, cfg["intermediate_size"], bias=False)
+            self.up_proj = nn.Linear(hs, cfg["intermediate_size"], bias=False)
+            self.down_proj = nn.Linear(cfg["intermediate_size"], hs, bias=False)
+
+        def forward(self, x, pos):
+            B, T, _ = x.shape
+            h = self.input_layernorm(x)
+            q = self.q_proj(h).view(B, T, H, D).transpose(1, 2)
+            k = self.k_proj(h).view(B, T, KV, D).transpose(1, 2)
+            v = self.v_proj(h).view(B, T, KV, D).transpose(1, 2)
+            q, k = rope(q, pos), rope(k, pos)
+            k = k.repeat_interleave(H // KV, dim=1)
+            v = v.repeat_interleave(H // KV, dim=1)
+            # Causal attention, written out (Debian's PyTorch 1.13 has no SDPA).
+            s = (q @ k.transpose(-1, -2)) / math.sqrt(D)
+            s = s.masked_fill(torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1),
+                              float("-inf"))
+            a = torch.softmax(s.float(), -1).to(q.dtype) @ v
+            x = x + self.o_proj(a.transpose(1, 2).reshape(B, T, H * D))
+            h = self.post_attention_layernorm(x)
+            return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
+            self.layers = nn.ModuleList(Layer() for _ in range(cfg["num_hidden_layers"]))
+            self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+            self.lm_head = None if cfg["tie_word_embeddings"] else nn.Linear(
+                cfg["hidden_size"], cfg["vocab_size"], bias=False)
+
+        def forward(self, ids):
+            pos = torch.arange(ids.shape[1], device=ids.device)
+            x = self.embed_tokens(ids)
+            for layer in self.layers:
+                x = layer(x, pos)
+            x = self.norm(x)
+            w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            return x @ w.t()
+
+    model = Model()
+    # GPT-2-style initialization: N(0, 0.02), residual output projections scaled down by depth,
+    # zero biases. (PyTorch's defaults give an initial loss far above ln(vocab).)
+    for name, p in model.named_parameters():
+        if name.endswith("bias"):
+            nn.init.zeros_(p)
+        elif p.dim() == 2:
+            std = 0.02
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                std /= math.sqrt(2 * cfg["num_hidden_layers"])
+            nn.init.normal_(p, 0.0, std)
+    return model
+
+
+def hf_state_dict(model):
+    """Parameter names as Hugging Face Llama / Qwen2 checkpoints spell them."""
+    out = {}
+    for name, p in model.state_dict().items():
+        if name.startswith("lm_head"):
+            out[name] = p
+            continue
+        if name.startswith("layers."):
+            _, i, rest = name.split(".", 2)
+            group = "self_attn" if rest.split(".")[0] in ("q_proj", "k_proj", "v_proj",
+                                                          "o_proj") else \
+                ("mlp" if rest.split(".")[0] in ("gate_proj", "up_proj", "down_proj") else None)
+            name = f"layers.{i}.{group}.{rest}" if group else f"layers.{i}.{rest}"
+        out["model." + name] = p
+    return out
+
+
+def write_safetensors(path, tensors, dtype):
+    """The safetensors format: u64 little-endian header length, JSON header, raw data."""
+    import torch
+    names = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32",
+             torch.int32: "I32", torch.int64: "I64"}
+    tdtype = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}.get(dtype)
+    header, blobs, offset = {"__metadata__": {"format": "pt"}}, [], 0
+    for name in sorted(tensors):
+        t = tensors[name].detach().to("cpu")
+        if tdtype is not None and t.is_floating_point():  # dtype None: keep each tensor's own
+            t = t.to(tdtype)
+        t = t.contiguous()
+        data = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * ((8 - len(raw) % 8) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for b in blobs:
+            f.write(b)
+
+
+MODEL_CARD = """# {name}
+
+A small Llama-architecture language model trained by Strata's own `tools/train_model.py`, so that
+Strata runs end to end on a laptop-class CPU with a model whose KV cache is real.
+
+| | |
+| --- | --- |
+| preset | {preset} |
+| parameters | {params:,} ({mib:.1f} MiB at {dtype}) |
+| shape | {layers} layers, hidden {hidden}, {heads} query heads over {kv} KV heads, head dim {head_dim}, SwiGLU {ffn}, RoPE theta {theta:g}, context {ctx} |
+| tokenizer | byte-level BPE, {vocab} tokens, trained by the script on the training split |
+| data | {docs} documents from Debian's /usr/share/doc and English manual pages: {train_chars:,} training and {held_chars:,} held-out characters ({train_tokens:,} / {held_tokens:,} tokens); held-out documents chosen by a hash of their path, never trained on |
+| training | {steps} steps of batch {batch} x {seq} tokens ({tokens:,} tokens seen), AdamW, peak lr {lr:g}, cosine schedule, {minutes:.1f} min on {device}, PyTorch {torch}, seed {seed} |
+| loss | {first:.3f} at the first logged step, {last:.3f} at the last (curve in train_log.json) |
+| held-out perplexity | {ppl:.2f} |
+
+Reproduce: `/usr/bin/python3 tools/train_model.py {argv}` (after `scripts/setup_training.sh`).
+
+The text is package documentation, under each package's own license (see /usr/share/doc/*/copyright
+on a Debian machine); the weights are a statistical summary of it meant for testing Strata.
+"""
+
+
+# ---------------------------------------------------------------------------------------------
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--corpus-bytes", type=int, default=40 << 20)
+    ap.add_argument("--tokenizer-bytes", type=int, default=6 << 20,
+                    help="text used to train the tokenizer")
+    ap.add_argument("--heldout", type=float, default=0.05)
+    ap.add_argument("--minutes", type=float, default=0, help="train for this long (wall time)")
+    ap.add_argument("--steps", type=int, default=0, help="or for this many steps")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=0, help="training context (default: preset)")
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--device", default="cuda" if os.environ.get("CUDA_VISIBLE_DEVICES") else "cpu")
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--dtype", default="F16", choices=["F16", "BF16", "F32"])
+    args = ap.parse_args()
+    if not args.minutes and not args.steps:
+        ap.error("give --minutes or --steps")
+
+    import torch
+    torch.manual_seed(args.seed)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = dict(PRESETS[args.preset])
+    seq_len = cfg.pop("seq_len")
+    if args.seq_len:
+        seq_len = args.seq_len
+    os.makedirs(args.out, exist_ok=True)
+    t0 = time.time()
+
+    docs = collect_corpus(args.corpus_bytes)
+    train_docs = [t for p, t in docs if not is_heldout(p, args.heldout)]
+    held_docs = [t for p, t in docs if is_heldout(p, args.heldout)]
+    print(f"corpus: {len(docs)} documents, {sum(map(len, train_docs))} train and "
+          f"{sum(map(len, held_docs))} held-out characters ({time.time() - t0:.0f} s)",
+          flush=True)
+
+    specials = ["<|begin_of_text|>", "<|end_of_text|>"]
+    tok_text, n = [], 0
+    for t in train_docs:
+        tok_text.append(t)
+        n += len(t)
+        if n >= args.tokenizer_bytes:
+            break
+    vocab, merges = train_bpe(tok_text, cfg["vocab_size"], specials)
+    cfg["vocab_size"] = len(vocab)
+    tok = Tokenizer(vocab, merges)
+    bos, eos = vocab[specials[0]], vocab[specials[1]]
+    print(f"tokenizer: {len(vocab)} tokens, {len(merges)} merges ({time.time() - t0:.0f} s)",
+          flush=True)
+
+    def encode_docs(texts):
+        ids = []
+        for t in texts:
+            ids += [bos] + tok.encode(t) + [eos]
+        return torch.tensor(ids, dtype=torch.long)
+
+    train_ids = encode_docs(train_docs)
+    held_ids = encode_docs(held_docs)
+    print(f"tokens: {len(train_ids)} train, {len(held_ids)} held-out ({time.time() - t0:.0f} s)",
+          flush=True)
+
+    device = torch.device(args.device)
+    model = build_model(cfg).to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
+                            weight_decay=0.1)
+    gen = torch.Generator().manual_seed(args.seed)
+
+    def batch(ids, n):
+        starts = torch.randint(0, len(ids) - seq_len - 1, (n,), generator=gen)
+        x = torch.stack([ids[s:s + seq_len] for s in starts])
+        y = torch.stack([ids[s + 1:s + seq_len + 1] for s in starts])
+        return x.to(device), y.to(device)
+
+    @torch.no_grad()
+    def heldout_ppl(max_windows=64):
+        model.eval()
+        losses = []
+        for w in range(min(max_windows, (len(held_ids) - 1) // seq_len)):
+            x = held_ids[w * seq_len:(w + 1) * seq_len][None].to(device)
+            y = held_ids[w * seq_len + 1:(w + 1) * seq_len + 1][None].to(device)
+            losses.append(torch.nn.functional.cross_entropy(
+                model(x).flatten(0, 1), y.flatten()).item())
+        model.train()
+        return math.exp(sum(losses) / len(losses))
+
+    log, step, tokens_seen = [], 0, 0
+    train_start = time.time()
+    budget = args.minutes * 60
+    total_steps = args.steps or None
+    while True:
+        elapsed = time.time() - train_start
+        if (total_steps and step >= total_steps) or (budget and elapsed >= budget):
+            break
+        frac = (step / total_steps) if total_steps else (elapsed / budget)
+        lr = args.lr * min(1.0, (step + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        x, y = batch(train_ids, args.batch)
+        loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        tokens_seen += x.numel()
+        if step % 25 == 0 or step == 1:
+            log.append({"step": step, "tokens": tokens_seen, "loss": loss.item(), "lr": lr,
+                        "seconds": round(time.time() - train_start, 1)})
+            print(f"step {step} loss {loss.item():.3f} lr {lr:.2e} tokens {tokens_seen}",
+                  flush=True)
+    ppl = heldout_ppl()
+    print(f"held-out perplexity {ppl:.2f} after {step} steps, {tokens_seen} tokens", flush=True)
+
+    model = model.to("cpu").eval()
+    hf = dict(cfg)
+    hf.update({"architectures": ["Qwen2ForCausalLM" if cfg["attention_bias"] else
+                                 "LlamaForCausalLM"],
+               "model_type": "qwen2" if cfg["attention_bias"] else "llama",
+               "hidden_act": "silu", "bos_token_id": bos, "eos_token_id": eos,
+               "torch_dtype": {"F16": "float16", "BF16": "bfloat16", "F32": "float32"}[args.dtype],
+               "head_dim": cfg["hidden_size"] // cfg["num_attention_heads"]})
+    if not cfg["attention_bias"]:
+        hf["attention_bias"] = False
+    else:
+        del hf["attention_bias"]  # Qwen2 implies q/k/v biases
+    with open(os.path.join(args.out, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2, sort_keys=True)
+    write_safetensors(os.path.join(args.out, "model.safetensors"), hf_state_dict(model),
+                      args.dtype)
+    with open(os.path.join(args.out, "tokenizer.json"), "w", encoding="utf-8") as f:
+        json.dump(tokenizer_json(vocab, merges, specials), f, ensure_ascii=False)
+    with open(os.path.join(args.out, "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": specials[0], "eos_token": specials[1],
+                   "model_max_length": cfg["max_position_embeddings"]}, f, indent=2)
+    with open(os.path.join(args.out, "heldout.txt"), "w", encoding="utf-8") as f:
+        f.write("\n\n".join(held_docs[:200]))
+
+    # Fixture: logits of the exported (rounded) weights for a few held-out sequences.
+    import torch.nn.functional as F  # noqa: F401
+    rounded = build_model(cfg)
+    sd = {k: v.to({"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}[args.dtype]
+                  ).float() for k, v in model.state_dict().items()}
+    rounded.load_state_dict(sd)
+    rounded.eval()
+    fixture = {}
+    with torch.no_grad():
+        for i, text in enumerate(held_docs[:3]):
+            ids = ([bos] + tok.encode(text))[:24 + 8 * i]
+            fixture[f"ids.{i}"] = torch.tensor(ids, dtype=torch.int32)
+            fixture[f"logits.{i}"] = rounded(torch.tensor([ids]))[0].float()
+    write_safetensors(os.path.join(args.out, "fixture.safetensors"), fixture, None)
+
+    with open(os.path.join(args.out, "train_log.json"), "w") as f:
+        json.dump({"preset": args.preset, "seed": args.seed, "config": hf,
+                   "parameters": n_params, "steps": step, "tokens_seen": tokens_seen,
+                   "train_tokens_available": len(train_ids), "heldout_tokens": len(held_ids),
+                   "heldout_perplexity": ppl, "device": str(device),
+                   "torch": torch.__version__, "curve": log}, f, indent=1)
+    with open(os.path.join(args.out, "README.md"), "w") as f:
+        f.write(MODEL_CARD.format(
+            name=os.path.basename(os.path.normpath(args.out)), preset=args.preset,
+            params=n_params, mib=n_params * {"F16": 2, "BF16": 2, "F32": 4}[args.dtype] / 2**20,
+            dtype=args.dtype, layers=cfg["num_hidden_layers"], hidden=cfg["hidden_size"],
+            heads=cfg["num_attention_heads"], kv=cfg["num_key_value_heads"],
+            head_dim=cfg["hidden_size"] // cfg["num_attention_heads"],
+            ffn=cfg["intermediate_size"], vocab=cfg["vocab_size"], ctx=cfg["max_position_embeddings"],
+            theta=cfg["rope_theta"], docs=len(docs), train_chars=sum(map(len, train_docs)),
+            held_chars=sum(map(len, held_docs)), train_tokens=len(train_ids),
+            held_tokens=len(held_ids), steps=step, tokens=tokens_seen, batch=args.batch,
+            seq=seq_len, lr=args.lr, ppl=ppl, device=device, torch=torch.__version__,
+            seed=args.seed, minutes=(time.time() - train_start) / 60,
+            first=log[0]["loss"] if log else float("nan"),
+            last=log[-1]["loss"] if log else float("nan"), argv=" ".join(sys.argv[1:])))
+    print(f"exported to {args.out} ({time.time() - t0:.0f} s in all)", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
