@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds the libFuzzer targets with clang (ASan+UBSan, coverage-instrumented) and runs each for
-# SECONDS: the block reader, then parse + codec validation + decode + attention.
+# SECONDS: the block reader; parse + codec validation + decode + attention; the safetensors and
+# config.json parsers.
 #   scripts/fuzz.sh [SECONDS] [TARGET]   (default 300 seconds, both targets)
 # Corpora grow in build-fuzz/corpus/<target> and are reused by the next run.
 set -euo pipefail
@@ -11,10 +12,11 @@ only="${2:-}"
 CC=clang CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DSTRATA_BUILD_FUZZERS=ON -DSTRATA_SANITIZE=address -DSTRATA_CUDA=OFF \
   -DSTRATA_BUILD_TESTS=OFF -DSTRATA_BUILD_BENCHMARKS=OFF >/dev/null
-cmake --build build-fuzz --target block_reader_fuzz block_attention_fuzz make_block_seeds
+cmake --build build-fuzz --target block_reader_fuzz block_attention_fuzz safetensors_fuzz \
+  make_block_seeds
 mkdir -p build-fuzz/seeds
 ./build-fuzz/tests/fuzz/make_block_seeds build-fuzz/seeds
-for target in block_reader block_attention; do
+for target in block_reader block_attention safetensors; do
   [ -n "$only" ] && [ "$only" != "$target" ] && continue
   mkdir -p "build-fuzz/corpus/$target"
   echo "== fuzzing $target for $seconds s"

@@ -94,5 +94,21 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
+  // A safetensors file and a config.json for the model-file fuzzer.
+  const std::string header =
+      R"({"__metadata__":{"format":"pt"},"a":{"dtype":"F16","shape":[2,2],"data_offsets":[0,8]},)"
+      R"("b":{"dtype":"I32","shape":[1],"data_offsets":[8,12]}})";
+  std::string st(8, '\0');
+  for (int b = 0; b < 8; ++b) st[b] = static_cast<char>((header.size() >> (8 * b)) & 0xff);
+  st += header + std::string(12, '\x11');
+  const std::string config =
+      R"({"model_type":"llama","vocab_size":512,"hidden_size":128,"intermediate_size":256,)"
+      R"("num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,)"
+      R"("rope_scaling":{"rope_type":"llama3","factor":8.0},"eos_token_id":[1,2]})";
+  for (const auto& [name, text] : {std::pair{"model.safetensors", st}, std::pair{"config.json", config}}) {
+    FILE* f = std::fopen((std::string(argv[1]) + "/" + name).c_str(), "wb");
+    if (f == nullptr || std::fwrite(text.data(), 1, text.size(), f) != text.size()) return 1;
+    std::fclose(f);
+  }
   return 0;
 }

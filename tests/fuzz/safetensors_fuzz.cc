@@ -1,0 +1,28 @@
+// libFuzzer target for the model-file parsers: the input is taken both as a whole safetensors
+// file (u64 header length, JSON header, data) and as config.json text. Any input must yield a
+// Status or a table of tensors that all lie inside the data area, never a crash.
+#include <cstddef>
+#include <cstdint>
+#include <string_view>
+
+#include "common/endian.h"
+#include "model/config.h"
+#include "model/safetensors.h"
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  const std::string_view text(reinterpret_cast<const char*>(data), size);
+  (void)strata::model::ParseModelConfig(text);
+  if (size < 8) return 0;
+  const uint64_t header = strata::LoadLE<uint64_t>(data);
+  if (header > size - 8) return 0;
+  const uint64_t data_bytes = size - 8 - header;
+  auto tensors = strata::model::ParseSafetensorsHeader(text.substr(8, header), data_bytes);
+  if (!tensors.ok()) return 0;
+  for (const strata::model::TensorInfo& t : *tensors) {
+    if (t.begin + t.bytes > data_bytes) __builtin_trap();
+    if (static_cast<uint64_t>(t.numel()) * strata::model::TensorDTypeBytes(t.dtype) != t.bytes) {
+      __builtin_trap();
+    }
+  }
+  return 0;
+}
