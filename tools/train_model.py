@@ -487,6 +487,7 @@ def main():
     ap.add_argument("--steps", type=int, default=0, help="or for this many steps")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=0, help="training context (default: preset)")
+    ap.add_argument("--vocab", type=int, default=0, help="tokenizer size (default: preset)")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--device", default="cuda" if os.environ.get("CUDA_VISIBLE_DEVICES") else "cpu")
     ap.add_argument("--threads", type=int, default=0)
@@ -503,6 +504,8 @@ def main():
     seq_len = cfg.pop("seq_len")
     if args.seq_len:
         seq_len = args.seq_len
+    if args.vocab:
+        cfg["vocab_size"] = args.vocab
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
 
@@ -624,8 +627,9 @@ def main():
     rounded.eval()
     fixture = {}
     with torch.no_grad():
-        for i, text in enumerate(held_docs[:3]):
-            ids = ([bos] + tok.encode(text))[:24 + 8 * i]
+        for i in range(3):  # windows of the held-out token stream
+            start = i * (len(held_ids) // 3)
+            ids = [bos] + held_ids[start:start + 23 + 8 * i].tolist()
             fixture[f"ids.{i}"] = torch.tensor(ids, dtype=torch.int32)
             fixture[f"logits.{i}"] = rounded(torch.tensor([ids]))[0].float()
     write_safetensors(os.path.join(args.out, "fixture.safetensors"), fixture, None)

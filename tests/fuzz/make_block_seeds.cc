@@ -81,8 +81,15 @@ int main(int argc, char** argv) {
     }
   }
   // Blocks from the real codecs, small shapes, for the attention fuzzer.
-  const char* specs[] = {"fp16", "bf16", "int8", "fp8e4m3", "kivi:k2v2:g8", "kivi:k3v3:g16",
-                         "kcvt:k4v4", "gearl:k2v2:g8:r2", "gear:k2v2:g8:r2:s10"};
+  const char* specs[] = {"fp16",
+                         "bf16",
+                         "int8",
+                         "fp8e4m3",
+                         "kivi:k2v2:g8",
+                         "kivi:k3v3:g16",
+                         "kcvt:k4v4",
+                         "gearl:k2v2:g8:r2",
+                         "gear:k2v2:g8:r2:s10"};
   int i = 0;
   for (const char* spec : specs) {
     auto codec = kernels::Codec::Create(spec);
@@ -105,7 +112,8 @@ int main(int argc, char** argv) {
       R"({"model_type":"llama","vocab_size":512,"hidden_size":128,"intermediate_size":256,)"
       R"("num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,)"
       R"("rope_scaling":{"rope_type":"llama3","factor":8.0},"eos_token_id":[1,2]})";
-  for (const auto& [name, text] : {std::pair{"model.safetensors", st}, std::pair{"config.json", config}}) {
+  for (const auto& [name, text] :
+       {std::pair{"model.safetensors", st}, std::pair{"config.json", config}}) {
     FILE* f = std::fopen((std::string(argv[1]) + "/" + name).c_str(), "wb");
     if (f == nullptr || std::fwrite(text.data(), 1, text.size(), f) != text.size()) return 1;
     std::fclose(f);

@@ -3,14 +3,14 @@
 // Status or a table of tensors that all lie inside the data area, never a crash.
 #include <cstddef>
 #include <cstdint>
-#include <string_view>
 
+#include "absl/strings/string_view.h"
 #include "common/endian.h"
 #include "model/config.h"
 #include "model/safetensors.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  const std::string_view text(reinterpret_cast<const char*>(data), size);
+  const absl::string_view text(reinterpret_cast<const char*>(data), size);
   (void)strata::model::ParseModelConfig(text);
   if (size < 8) return 0;
   const uint64_t header = strata::LoadLE<uint64_t>(data);

@@ -1,0 +1,199 @@
+#include "model/llama.h"
+
+#include <cblas.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/half.h"
+#include "common/status_macros.h"
+#include "kernels/decode_attention.h"
+#include "model/safetensors.h"
+
+namespace strata::model {
+namespace {
+
+// Reads a tensor of the expected shape into fp32.
+absl::Status ReadTensor(const Checkpoint& ck, const std::string& name, std::vector<int64_t> shape,
+                        std::vector<float>* out) {
+  STRATA_ASSIGN_OR_RETURN(Checkpoint::Tensor t, ck.Get(name));
+  if (t.info->shape != shape) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("model: tensor '", name, "' has shape [", absl::StrJoin(t.info->shape, ", "),
+                     "], the config implies [", absl::StrJoin(shape, ", "), "]"));
+  }
+  const size_t n = static_cast<size_t>(t.info->numel());
+  out->resize(n);
+  switch (t.info->dtype) {
+    case TensorDType::kF32:
+      std::memcpy(out->data(), t.data.data(), n * 4);
+      break;
+    case TensorDType::kF16:
+      HalfToFloat(reinterpret_cast<const Half*>(t.data.data()), out->data(), n);
+      break;
+    case TensorDType::kBF16:
+      BFloat16ToFloat(reinterpret_cast<const BFloat16*>(t.data.data()), out->data(), n);
+      break;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(
+          "model: tensor '", name, "' is ", TensorDTypeName(t.info->dtype), ", not F32/F16/BF16"));
+  }
+  return absl::OkStatus();
+}
+
+// y[n, out] = x[n, in] . W^T (+ b)
+void Linear(const float* x, int n, int in, const std::vector<float>& w, const std::vector<float>& b,
+            int out, float* y) {
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, out, in, 1.0f, x, in, w.data(), in, 0.0f,
+              y, out);
+  if (!b.empty()) {
+    for (int i = 0; i < n; ++i) {
+      for (int j = 0; j < out; ++j) y[static_cast<size_t>(i) * out + j] += b[j];
+    }
+  }
+}
+
+void RmsNorm(const float* x, int n, int d, const std::vector<float>& w, double eps, float* y) {
+  for (int i = 0; i < n; ++i) {
+    const float* xi = x + static_cast<size_t>(i) * d;
+    double ss = 0;
+    for (int j = 0; j < d; ++j) ss += double{xi[j]} * xi[j];
+    const float r = static_cast<float>(1.0 / std::sqrt(ss / d + eps));
+    for (int j = 0; j < d; ++j) y[static_cast<size_t>(i) * d + j] = xi[j] * r * w[j];
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const std::string& dir) {
+  std::unique_ptr<LlamaModel> m(new LlamaModel());
+  STRATA_ASSIGN_OR_RETURN(m->config_, LoadModelConfig(dir));
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Checkpoint> ck, Checkpoint::Open(dir));
+  const ModelConfig& c = m->config_;
+  const int64_t hs = c.hidden_size, qd = int64_t{c.num_heads} * c.head_dim,
+                kvd = int64_t{c.num_kv_heads} * c.head_dim, ff = c.intermediate_size;
+  STRATA_RETURN_IF_ERROR(
+      ReadTensor(*ck, "model.embed_tokens.weight", {c.vocab_size, hs}, &m->embed_));
+  STRATA_RETURN_IF_ERROR(ReadTensor(*ck, "model.norm.weight", {hs}, &m->norm_));
+  if (!c.tie_word_embeddings) {
+    STRATA_RETURN_IF_ERROR(ReadTensor(*ck, "lm_head.weight", {c.vocab_size, hs}, &m->lm_head_));
+  }
+  m->layers_.resize(c.num_layers);
+  for (uint32_t i = 0; i < c.num_layers; ++i) {
+    Layer& l = m->layers_[i];
+    const std::string p = absl::StrCat("model.layers.", i, ".");
+    STRATA_RETURN_IF_ERROR(ReadTensor(*ck, p + "input_layernorm.weight", {hs}, &l.input_norm));
+    STRATA_RETURN_IF_ERROR(
+        ReadTensor(*ck, p + "post_attention_layernorm.weight", {hs}, &l.post_norm));
+    STRATA_RETURN_IF_ERROR(ReadTensor(*ck, p + "self_attn.q_proj.weight", {qd, hs}, &l.wq));
+    STRATA_RETURN_IF_ERROR(ReadTensor(*ck, p + "self_attn.k_proj.weight", {kvd, hs}, &l.wk));
+    STRATA_RETURN_IF_ERROR(ReadTensor(*ck, p + "self_attn.v_proj.weight", {kvd, hs}, &l.wv));
+    STRATA_RETURN_IF_ERROR(ReadTensor(*ck, p + "self_attn.o_proj.weight", {hs, qd}, &l.wo));
+    if (c.attention_bias) {
+      STRATA_RETURN_IF_ERROR(ReadTensor(*ck, p + "self_attn.q_proj.bias", {qd}, &l.bq));
+      STRATA_RETURN_IF_ERROR(ReadTensor(*ck, p + "self_attn.k_proj.bias", {kvd}, &l.bk));
+      STRATA_RETURN_IF_ERROR(ReadTensor(*ck, p + "self_attn.v_proj.bias", {kvd}, &l.bv));
+    }
+    STRATA_RETURN_IF_ERROR(ReadTensor(*ck, p + "mlp.gate_proj.weight", {ff, hs}, &l.w_gate));
+    STRATA_RETURN_IF_ERROR(ReadTensor(*ck, p + "mlp.up_proj.weight", {ff, hs}, &l.w_up));
+    STRATA_RETURN_IF_ERROR(ReadTensor(*ck, p + "mlp.down_proj.weight", {hs, ff}, &l.w_down));
+  }
+  // RoPE frequencies, with Llama 3's long-context scaling when configured.
+  const uint32_t half = c.head_dim / 2;
+  m->inv_freq_.resize(half);
+  for (uint32_t i = 0; i < half; ++i) {
+    double f = 1.0 / std::pow(c.rope_theta, 2.0 * i / c.head_dim);
+    if (c.rope_scaling_type == "linear") {
+      f /= c.rope_scaling_factor;
+    } else if (c.rope_scaling_type == "llama3") {
+      const double low_wavelen = c.rope_original_max_position / c.rope_low_freq_factor;
+      const double high_wavelen = c.rope_original_max_position / c.rope_high_freq_factor;
+      const double wavelen = 2 * M_PI / f;
+      if (wavelen > low_wavelen) {
+        f /= c.rope_scaling_factor;
+      } else if (wavelen >= high_wavelen) {
+        const double smooth = (c.rope_original_max_position / wavelen - c.rope_low_freq_factor) /
+                              (c.rope_high_freq_factor - c.rope_low_freq_factor);
+        f = (1 - smooth) * f / c.rope_scaling_factor + smooth * f;
+      }
+    }
+    m->inv_freq_[i] = static_cast<float>(f);
+  }
+  return m;
+}
+
+// Rotates (i, i + D/2) channel pairs of every head, as Hugging Face's rotate_half does.
+void LlamaModel::Rope(float* x, uint32_t tokens, uint32_t heads) const {
+  const uint32_t d = config_.head_dim, half = d / 2;
+  for (uint32_t t = 0; t < tokens; ++t) {
+    for (uint32_t i = 0; i < half; ++i) {
+      const double ang = static_cast<double>(t) * inv_freq_[i];
+      const float c = static_cast<float>(std::cos(ang)), s = static_cast<float>(std::sin(ang));
+      for (uint32_t h = 0; h < heads; ++h) {
+        float* v = x + (size_t{t} * heads + h) * d;
+        const float a = v[i], b = v[i + half];
+        v[i] = a * c - b * s;
+        v[i + half] = b * c + a * s;
+      }
+    }
+  }
+}
+
+absl::StatusOr<std::vector<float>> LlamaModel::Forward(absl::Span<const uint32_t> tokens,
+                                                       std::vector<LayerKv>* kv) const {
+  const ModelConfig& c = config_;
+  const int n = static_cast<int>(tokens.size());
+  if (n == 0) return absl::InvalidArgumentError("model: no tokens");
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    if (tokens[i] >= c.vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat("model: token ", i, " is ", tokens[i],
+                                                     ", beyond the vocabulary of ", c.vocab_size));
+    }
+  }
+  const int hs = static_cast<int>(c.hidden_size), qd = static_cast<int>(c.num_heads * c.head_dim),
+            kvd = static_cast<int>(c.num_kv_heads * c.head_dim),
+            ff = static_cast<int>(c.intermediate_size);
+  std::vector<float> x(static_cast<size_t>(n) * hs), h(x.size()), q(size_t(n) * qd),
+      k(size_t(n) * kvd), v(k.size()), att(q.size()), o(x.size()), g(size_t(n) * ff), u(g.size());
+  for (int i = 0; i < n; ++i) {
+    std::memcpy(&x[size_t(i) * hs], &embed_[size_t{tokens[i]} * hs], hs * sizeof(float));
+  }
+  if (kv != nullptr) kv->assign(c.num_layers, {});
+  const kernels::DecodeAttentionParams params{c.num_heads, c.num_kv_heads, c.head_dim};
+  for (uint32_t li = 0; li < c.num_layers; ++li) {
+    const Layer& l = layers_[li];
+    RmsNorm(x.data(), n, hs, l.input_norm, c.rms_norm_eps, h.data());
+    Linear(h.data(), n, hs, l.wq, l.bq, qd, q.data());
+    Linear(h.data(), n, hs, l.wk, l.bk, kvd, k.data());
+    Linear(h.data(), n, hs, l.wv, l.bv, kvd, v.data());
+    Rope(q.data(), n, c.num_heads);
+    Rope(k.data(), n, c.num_kv_heads);
+    if (kv != nullptr) {
+      (*kv)[li].k = k;
+      (*kv)[li].v = v;
+    }
+    kernels::DecodeSequence seq;
+    seq.q = q.data();
+    seq.query_tokens = static_cast<uint32_t>(n);
+    seq.window = {k.data(), v.data(), static_cast<uint32_t>(n)};
+    seq.out = att.data();
+    STRATA_RETURN_IF_ERROR(kernels::DecodeAttention(params, {&seq, 1}));
+    Linear(att.data(), n, qd, l.wo, {}, hs, o.data());
+    for (size_t i = 0; i < x.size(); ++i) x[i] += o[i];
+    RmsNorm(x.data(), n, hs, l.post_norm, c.rms_norm_eps, h.data());
+    Linear(h.data(), n, hs, l.w_gate, {}, ff, g.data());
+    Linear(h.data(), n, hs, l.w_up, {}, ff, u.data());
+    for (size_t i = 0; i < g.size(); ++i) g[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+    Linear(g.data(), n, ff, l.w_down, {}, hs, o.data());
+    for (size_t i = 0; i < x.size(); ++i) x[i] += o[i];
+  }
+  RmsNorm(x.data(), n, hs, norm_, c.rms_norm_eps, h.data());
+  std::vector<float> logits(size_t(n) * c.vocab_size);
+  Linear(h.data(), n, hs, lm_head_.empty() ? embed_ : lm_head_, {}, static_cast<int>(c.vocab_size),
+         logits.data());
+  return logits;
+}
+
+}  // namespace strata::model

@@ -1,0 +1,59 @@
+// A Llama-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU; Llama, Mistral and
+// Qwen2 checkpoints) running on the CPU in fp32, matrix products through OpenBLAS.
+//
+// Load() reads config.json and the safetensors checkpoint of a Hugging Face model folder,
+// checks every tensor's presence, dtype and shape against the config (kInvalidArgument naming
+// the tensor), and converts the weights to fp32.
+//
+// Forward() runs a prompt from position 0 and returns the logits of every position and, when
+// asked, each layer's K (after RoPE) and V — the KV cache a prefill node compresses. Attention
+// runs through kernels::DecodeAttention in its several-query-tokens (prefill) mode.
+//
+// Thread-compatible: a loaded model is immutable; Forward may run concurrently.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "model/config.h"
+
+namespace strata::model {
+
+// One layer's KV for a token range: [tokens, kv_heads, head_dim] each, fp32.
+struct LayerKv {
+  std::vector<float> k;
+  std::vector<float> v;
+};
+
+class LlamaModel {
+ public:
+  static absl::StatusOr<std::unique_ptr<LlamaModel>> Load(const std::string& dir);
+
+  const ModelConfig& config() const { return config_; }
+
+  // Logits [tokens, vocab]. `kv` (optional) receives one LayerKv per layer.
+  absl::StatusOr<std::vector<float>> Forward(absl::Span<const uint32_t> tokens,
+                                             std::vector<LayerKv>* kv = nullptr) const;
+
+ private:
+  struct Layer {
+    std::vector<float> input_norm, post_norm;
+    std::vector<float> wq, wk, wv, wo, bq, bk, bv;  // [out, in]; biases empty when absent
+    std::vector<float> w_gate, w_up, w_down;
+  };
+  LlamaModel() = default;
+  void Rope(float* x, uint32_t tokens, uint32_t heads) const;
+
+  ModelConfig config_;
+  std::vector<float> embed_;    // [vocab, hidden]
+  std::vector<float> norm_;     // [hidden]
+  std::vector<float> lm_head_;  // [vocab, hidden]; empty when tied to embed_
+  std::vector<Layer> layers_;
+  std::vector<float> inv_freq_;  // [head_dim / 2], with rope scaling applied
+};
+
+}  // namespace strata::model
