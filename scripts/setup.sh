@@ -11,13 +11,13 @@ packages=(
   # fuzzers (libFuzzer ships with clang's runtime)
   clang libclang-rt-dev
   # libraries
-  libabsl-dev libssl-dev nlohmann-json3-dev libopenblas-dev
+  libabsl-dev libssl-dev nlohmann-json3-dev libopenblas-dev libre2-dev
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   librocksdb-dev
   libucx-dev ucx-utils
   libgtest-dev libgmock-dev libbenchmark-dev
   # test oracles (run with Debian's /usr/bin/python3)
-  python3 python3-cbor2
+  python3 python3-cbor2 python3-regex
 )
 
 missing=()

@@ -1,0 +1,349 @@
+#include "model/tokenizer.h"
+
+#include <algorithm>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <unordered_map>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "nlohmann/json.hpp"
+#include "re2/re2.h"
+
+namespace strata::model {
+namespace {
+
+using Json = nlohmann::json;
+
+absl::Status Bad(absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat("tokenizer.json: ", what));
+}
+
+// GPT-2's reversible map from bytes to printable code points, as UTF-8 strings.
+std::vector<std::string> ByteAlphabet() {
+  std::vector<int> cp(256, -1);
+  for (int b = '!'; b <= '~'; ++b) cp[b] = b;
+  for (int b = 0xa1; b <= 0xac; ++b) cp[b] = b;
+  for (int b = 0xae; b <= 0xff; ++b) cp[b] = b;
+  int n = 0;
+  for (int b = 0; b < 256; ++b) {
+    if (cp[b] < 0) cp[b] = 256 + n++;
+  }
+  std::vector<std::string> out(256);
+  for (int b = 0; b < 256; ++b) {
+    const int c = cp[b];
+    if (c < 0x80) {
+      out[b] = std::string(1, static_cast<char>(c));
+    } else {
+      out[b] = {static_cast<char>(0xc0 | (c >> 6)), static_cast<char>(0x80 | (c & 0x3f))};
+    }
+  }
+  return out;
+}
+
+// Length in bytes of the UTF-8 sequence starting with lead byte c (1 for invalid bytes).
+size_t Utf8Len(unsigned char c) {
+  if (c >= 0xf0 && c <= 0xf4) return 4;
+  if (c >= 0xe0) return 3;
+  if (c >= 0xc2 && c < 0xe0) return 2;
+  return 1;
+}
+
+bool IsSpaceCodepoint(absl::string_view s, size_t pos, size_t* len) {
+  // The characters \s matches in RE2's Unicode mode that can end a whitespace run.
+  const unsigned char c = s[pos];
+  *len = std::min(Utf8Len(c), s.size() - pos);
+  static const RE2 kSpace("\\s");
+  const absl::string_view c1 = s.substr(pos, *len);
+  return RE2::FullMatch(re2::StringPiece(c1.data(), c1.size()), kSpace);
+}
+
+}  // namespace
+
+struct Tokenizer::Impl {
+  std::unordered_map<std::string, uint32_t> vocab;
+  std::vector<std::string> id_to_token;
+  std::unordered_map<std::string, uint32_t> merge_rank;  // "a b" -> rank
+  std::vector<std::pair<std::string, uint32_t>> added;   // content, id; longest first
+  std::vector<bool> is_added;
+  std::unique_ptr<RE2> split;  // pre-tokenizer regex (may be null: whole text is one piece)
+  int lookahead_group = -1;    // capture group of the emulated `\s+(?!\S)`, or -1
+  bool ignore_merges = false;
+  std::vector<std::string> byte_alphabet = ByteAlphabet();
+  std::unordered_map<std::string, uint8_t> alphabet_byte;
+  mutable std::mutex cache_mu;
+  mutable std::unordered_map<std::string, std::vector<uint32_t>> cache;
+
+  void Pretokenize(absl::string_view text, std::vector<absl::string_view>* out) const;
+  void Bpe(const std::string& word, std::vector<uint32_t>* out) const;
+};
+
+Tokenizer::Tokenizer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Tokenizer::~Tokenizer() = default;
+
+absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Load(const std::string& dir) {
+  const std::string path = dir + "/tokenizer.json";
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", path));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return FromJson(ss.str());
+}
+
+absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(absl::string_view text) {
+  const Json j = Json::parse(text.begin(), text.end(), nullptr, false);
+  if (j.is_discarded() || !j.is_object()) return Bad("not a JSON object");
+  auto impl = std::make_unique<Impl>();
+  for (int b = 0; b < 256; ++b)
+    impl->alphabet_byte[impl->byte_alphabet[b]] = static_cast<uint8_t>(b);
+  const auto model = j.find("model");
+  if (model == j.end() || !model->is_object()) return Bad("no model");
+  if (!model->contains("type") || (*model)["type"] != "BPE") return Bad("model type is not BPE");
+  const auto vocab = model->find("vocab");
+  if (vocab == model->end() || !vocab->is_object()) return Bad("model has no vocab object");
+  uint32_t max_id = 0;
+  for (auto it = vocab->begin(); it != vocab->end(); ++it) {
+    if (!it.value().is_number_unsigned() || it.value().get<uint64_t>() >= (1u << 24)) {
+      return Bad(absl::StrCat("vocab entry '", it.key(), "' has no valid id"));
+    }
+    const uint32_t id = it.value().get<uint32_t>();
+    impl->vocab[it.key()] = id;
+    max_id = std::max(max_id, id);
+  }
+  if (const auto added = j.find("added_tokens"); added != j.end() && added->is_array()) {
+    for (const Json& a : *added) {
+      if (!a.is_object() || !a.contains("id") || !a.contains("content") ||
+          !a["id"].is_number_unsigned() || !a["content"].is_string() ||
+          a["id"].get<uint64_t>() >= (1u << 24)) {
+        return Bad("an added token needs an id and a content");
+      }
+      const uint32_t id = a["id"].get<uint32_t>();
+      impl->added.emplace_back(a["content"].get<std::string>(), id);
+      impl->vocab[a["content"].get<std::string>()] = id;
+      max_id = std::max(max_id, id);
+    }
+  }
+  std::sort(impl->added.begin(), impl->added.end(),
+            [](const auto& a, const auto& b) { return a.first.size() > b.first.size(); });
+  impl->id_to_token.resize(max_id + 1);
+  impl->is_added.assign(max_id + 1, false);
+  for (const auto& [tok, id] : impl->vocab) impl->id_to_token[id] = tok;
+  for (const auto& [tok, id] : impl->added) impl->is_added[id] = true;
+  const auto merges = model->find("merges");
+  if (merges == model->end() || !merges->is_array()) return Bad("model has no merges list");
+  uint32_t rank = 0;
+  for (const Json& m : *merges) {
+    std::string key;
+    if (m.is_string()) {
+      key = m.get<std::string>();
+    } else if (m.is_array() && m.size() == 2 && m[0].is_string() && m[1].is_string()) {
+      key = m[0].get<std::string>() + " " + m[1].get<std::string>();
+    } else {
+      return Bad(absl::StrCat("merge ", rank, " is neither \"a b\" nor [a, b]"));
+    }
+    impl->merge_rank.emplace(key, rank++);
+  }
+  if (const auto im = model->find("ignore_merges"); im != model->end() && im->is_boolean()) {
+    impl->ignore_merges = im->get<bool>();
+  }
+  // Pre-tokenizer: Sequence of Split + ByteLevel(use_regex false), or ByteLevel(use_regex
+  // true) with GPT-2's pattern.
+  std::string pattern;
+  const Json* pre = j.contains("pre_tokenizer") ? &j["pre_tokenizer"] : nullptr;
+  std::vector<const Json*> steps;
+  if (pre != nullptr && pre->is_object()) {
+    if ((*pre)["type"] == "Sequence" && (*pre)["pretokenizers"].is_array()) {
+      for (const Json& p : (*pre)["pretokenizers"]) steps.push_back(&p);
+    } else {
+      steps.push_back(pre);
+    }
+  }
+  for (const Json* p : steps) {
+    if (!p->is_object() || !p->contains("type") || !(*p)["type"].is_string()) {
+      return Bad("pre-tokenizer without a type");
+    }
+    const std::string type = (*p)["type"].get<std::string>();
+    if (type == "Split") {
+      const Json& pat = (*p)["pattern"];
+      if (!pat.is_object() || !pat.contains("Regex") || !pat["Regex"].is_string()) {
+        return Bad("Split pre-tokenizer needs a Regex pattern");
+      }
+      pattern = pat["Regex"].get<std::string>();
+    } else if (type == "ByteLevel") {
+      if (p->contains("use_regex") && (*p)["use_regex"].is_boolean() &&
+          (*p)["use_regex"].get<bool>() && pattern.empty()) {
+        pattern = R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
+      }
+    } else {
+      return Bad(absl::StrCat("pre-tokenizer '", type, "' is not supported"));
+    }
+  }
+  if (!pattern.empty()) {
+    const std::string kLookahead = R"(\s+(?!\S))";
+    const size_t at = pattern.find(kLookahead);
+    if (at != std::string::npos) {
+      pattern.replace(at, kLookahead.size(), R"((?P<strata_ws>\s+))");
+    }
+    RE2::Options opts;
+    opts.set_log_errors(false);
+    impl->split = std::make_unique<RE2>(pattern, opts);
+    if (!impl->split->ok()) {
+      return Bad(
+          absl::StrCat("pre-tokenizer regex does not compile in RE2: ", impl->split->error()));
+    }
+    const auto& groups = impl->split->NamedCapturingGroups();
+    if (const auto g = groups.find("strata_ws"); g != groups.end())
+      impl->lookahead_group = g->second;
+  }
+  return std::unique_ptr<Tokenizer>(new Tokenizer(std::move(impl)));
+}
+
+void Tokenizer::Impl::Pretokenize(absl::string_view text,
+                                  std::vector<absl::string_view>* out) const {
+  if (!split) {
+    out->push_back(text);
+    return;
+  }
+  const int groups = split->NumberOfCapturingGroups();
+  std::vector<re2::StringPiece> sub(groups + 1);
+  size_t pos = 0;
+  while (pos < text.size()) {
+    const re2::StringPiece input(text.data(), text.size());
+    if (!split->Match(input, pos, text.size(), RE2::UNANCHORED, sub.data(), groups + 1) ||
+        sub[0].empty()) {
+      out->push_back(text.substr(pos));  // nothing matches: the rest is one piece
+      return;
+    }
+    const size_t begin = sub[0].data() - text.data();
+    if (begin > pos) out->push_back(text.substr(pos, begin - pos));  // unmatched gap
+    size_t end = begin + sub[0].size();
+    // `\s+(?!\S)`: a whitespace run followed by a non-space keeps its last character back.
+    if (lookahead_group >= 0 && sub[lookahead_group].data() != nullptr && end < text.size()) {
+      size_t len = 0;
+      if (!IsSpaceCodepoint(text, end, &len)) {
+        size_t last = end - 1;  // step back one code point
+        while (last > begin && (static_cast<unsigned char>(text[last]) & 0xc0) == 0x80) --last;
+        if (last > begin) end = last;
+      }
+    }
+    out->push_back(text.substr(begin, end - begin));
+    pos = end;
+  }
+}
+
+void Tokenizer::Impl::Bpe(const std::string& word, std::vector<uint32_t>* out) const {
+  {
+    std::lock_guard<std::mutex> lock(cache_mu);
+    if (const auto it = cache.find(word); it != cache.end()) {
+      out->insert(out->end(), it->second.begin(), it->second.end());
+      return;
+    }
+  }
+  std::vector<uint32_t> ids;
+  const auto whole = vocab.find(word);
+  if (ignore_merges && whole != vocab.end()) {
+    ids.push_back(whole->second);
+  } else {
+    std::vector<std::string> syms;  // one per code point of the byte-alphabet word
+    for (size_t i = 0; i < word.size();) {
+      const size_t n = std::min(Utf8Len(word[i]), word.size() - i);
+      syms.push_back(word.substr(i, n));
+      i += n;
+    }
+    while (syms.size() > 1) {
+      size_t best = 0;
+      uint32_t best_rank = UINT32_MAX;
+      for (size_t i = 0; i + 1 < syms.size(); ++i) {
+        const auto r = merge_rank.find(syms[i] + " " + syms[i + 1]);
+        if (r != merge_rank.end() && r->second < best_rank) {
+          best_rank = r->second;
+          best = i;
+        }
+      }
+      if (best_rank == UINT32_MAX) break;
+      syms[best] += syms[best + 1];
+      syms.erase(syms.begin() + best + 1);
+    }
+    for (const std::string& s : syms) {
+      const auto it = vocab.find(s);
+      if (it != vocab.end()) {
+        ids.push_back(it->second);
+      } else {
+        // A symbol outside the vocabulary (an incomplete tokenizer): fall back to its bytes.
+        for (size_t i = 0; i < s.size();) {
+          const size_t n = std::min(Utf8Len(s[i]), s.size() - i);
+          const auto b = vocab.find(s.substr(i, n));
+          if (b != vocab.end()) ids.push_back(b->second);
+          i += n;
+        }
+      }
+    }
+  }
+  out->insert(out->end(), ids.begin(), ids.end());
+  std::lock_guard<std::mutex> lock(cache_mu);
+  if (cache.size() < (1u << 16)) cache.emplace(word, std::move(ids));
+}
+
+std::vector<uint32_t> Tokenizer::Encode(absl::string_view text, bool parse_special) const {
+  std::vector<uint32_t> ids;
+  std::vector<absl::string_view> pieces;
+  auto encode_plain = [&](absl::string_view s) {
+    pieces.clear();
+    impl_->Pretokenize(s, &pieces);
+    for (absl::string_view p : pieces) {
+      std::string word;
+      for (unsigned char c : p) word += impl_->byte_alphabet[c];
+      impl_->Bpe(word, &ids);
+    }
+  };
+  size_t start = 0, pos = 0;
+  while (parse_special && pos < text.size()) {
+    bool hit = false;
+    for (const auto& [content, id] : impl_->added) {
+      if (!content.empty() && text.substr(pos, content.size()) == content) {
+        encode_plain(text.substr(start, pos - start));
+        ids.push_back(id);
+        pos += content.size();
+        start = pos;
+        hit = true;
+        break;
+      }
+    }
+    if (!hit) ++pos;
+  }
+  encode_plain(text.substr(start));
+  return ids;
+}
+
+absl::StatusOr<std::string> Tokenizer::Decode(const std::vector<uint32_t>& ids) const {
+  std::string out;
+  for (uint32_t id : ids) {
+    if (id >= impl_->id_to_token.size() || impl_->id_to_token[id].empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tokenizer: id ", id, " is not in the vocabulary"));
+    }
+    const std::string& tok = impl_->id_to_token[id];
+    if (impl_->is_added[id]) {
+      out += tok;
+      continue;
+    }
+    for (size_t i = 0; i < tok.size();) {
+      const size_t n = std::min(Utf8Len(tok[i]), tok.size() - i);
+      const auto b = impl_->alphabet_byte.find(tok.substr(i, n));
+      if (b != impl_->alphabet_byte.end()) out += static_cast<char>(b->second);
+      i += n;
+    }
+  }
+  return out;
+}
+
+uint32_t Tokenizer::vocab_size() const { return static_cast<uint32_t>(impl_->id_to_token.size()); }
+
+int64_t Tokenizer::TokenId(absl::string_view token) const {
+  const auto it = impl_->vocab.find(std::string(token));
+  return it == impl_->vocab.end() ? -1 : it->second;
+}
+
+}  // namespace strata::model
