@@ -125,11 +125,11 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const std::string& 
 }
 
 // Rotates (i, i + D/2) channel pairs of every head, as Hugging Face's rotate_half does.
-void LlamaModel::Rope(float* x, uint32_t tokens, uint32_t heads) const {
+void LlamaModel::Rope(float* x, uint32_t position0, uint32_t tokens, uint32_t heads) const {
   const uint32_t d = config_.head_dim, half = d / 2;
   for (uint32_t t = 0; t < tokens; ++t) {
     for (uint32_t i = 0; i < half; ++i) {
-      const double ang = static_cast<double>(t) * inv_freq_[i];
+      const double ang = static_cast<double>(position0 + t) * inv_freq_[i];
       const float c = static_cast<float>(std::cos(ang)), s = static_cast<float>(std::sin(ang));
       for (uint32_t h = 0; h < heads; ++h) {
         float* v = x + (size_t{t} * heads + h) * d;
@@ -141,8 +141,27 @@ void LlamaModel::Rope(float* x, uint32_t tokens, uint32_t heads) const {
   }
 }
 
+absl::StatusOr<std::unique_ptr<SequenceKvCache>> LlamaModel::NewCache(
+    KvCacheOptions options) const {
+  options.model_fingerprint = config_.Fingerprint();
+  return SequenceKvCache::Create(options, config_.num_layers, config_.num_kv_heads,
+                                 config_.head_dim);
+}
+
 absl::StatusOr<std::vector<float>> LlamaModel::Forward(absl::Span<const uint32_t> tokens,
                                                        std::vector<LayerKv>* kv) const {
+  return Run(tokens, nullptr, kv);
+}
+
+absl::StatusOr<std::vector<float>> LlamaModel::Step(absl::Span<const uint32_t> tokens,
+                                                    SequenceKvCache* cache) const {
+  if (cache == nullptr) return absl::InvalidArgumentError("model: Step needs a cache");
+  return Run(tokens, cache, nullptr);
+}
+
+absl::StatusOr<std::vector<float>> LlamaModel::Run(absl::Span<const uint32_t> tokens,
+                                                   SequenceKvCache* cache,
+                                                   std::vector<LayerKv>* kv) const {
   const ModelConfig& c = config_;
   const int n = static_cast<int>(tokens.size());
   if (n == 0) return absl::InvalidArgumentError("model: no tokens");
@@ -161,6 +180,12 @@ absl::StatusOr<std::vector<float>> LlamaModel::Forward(absl::Span<const uint32_t
     std::memcpy(&x[size_t(i) * hs], &embed_[size_t{tokens[i]} * hs], hs * sizeof(float));
   }
   if (kv != nullptr) kv->assign(c.num_layers, {});
+  const uint32_t position0 = cache != nullptr ? cache->tokens() : 0;
+  if (uint64_t{position0} + n > c.max_position_embeddings * 4ull) {
+    return absl::InvalidArgumentError(absl::StrCat("model: position ", position0 + n,
+                                                   " is far beyond the model's context of ",
+                                                   c.max_position_embeddings));
+  }
   const kernels::DecodeAttentionParams params{c.num_heads, c.num_kv_heads, c.head_dim};
   for (uint32_t li = 0; li < c.num_layers; ++li) {
     const Layer& l = layers_[li];
@@ -168,16 +193,21 @@ absl::StatusOr<std::vector<float>> LlamaModel::Forward(absl::Span<const uint32_t
     Linear(h.data(), n, hs, l.wq, l.bq, qd, q.data());
     Linear(h.data(), n, hs, l.wk, l.bk, kvd, k.data());
     Linear(h.data(), n, hs, l.wv, l.bv, kvd, v.data());
-    Rope(q.data(), n, c.num_heads);
-    Rope(k.data(), n, c.num_kv_heads);
+    Rope(q.data(), position0, n, c.num_heads);
+    Rope(k.data(), position0, n, c.num_kv_heads);
     if (kv != nullptr) {
       (*kv)[li].k = k;
       (*kv)[li].v = v;
     }
     kernels::DecodeSequence seq;
+    if (cache != nullptr) {
+      cache->AppendWindow(li, k.data(), v.data(), static_cast<uint32_t>(n));
+      seq = cache->View(li);
+    } else {
+      seq.window = {k.data(), v.data(), static_cast<uint32_t>(n)};
+    }
     seq.q = q.data();
     seq.query_tokens = static_cast<uint32_t>(n);
-    seq.window = {k.data(), v.data(), static_cast<uint32_t>(n)};
     seq.out = att.data();
     STRATA_RETURN_IF_ERROR(kernels::DecodeAttention(params, {&seq, 1}));
     Linear(att.data(), n, qd, l.wo, {}, hs, o.data());
@@ -189,6 +219,7 @@ absl::StatusOr<std::vector<float>> LlamaModel::Forward(absl::Span<const uint32_t
     Linear(g.data(), n, ff, l.w_down, {}, hs, o.data());
     for (size_t i = 0; i < x.size(); ++i) x[i] += o[i];
   }
+  if (cache != nullptr) STRATA_RETURN_IF_ERROR(cache->Commit(static_cast<uint32_t>(n)));
   RmsNorm(x.data(), n, hs, norm_, c.rms_norm_eps, h.data());
   std::vector<float> logits(size_t(n) * c.vocab_size);
   Linear(h.data(), n, hs, lm_head_.empty() ? embed_ : lm_head_, {}, static_cast<int>(c.vocab_size),

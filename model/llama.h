@@ -20,6 +20,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "model/config.h"
+#include "model/kv_cache.h"
 
 namespace strata::model {
 
@@ -35,9 +36,20 @@ class LlamaModel {
 
   const ModelConfig& config() const { return config_; }
 
-  // Logits [tokens, vocab]. `kv` (optional) receives one LayerKv per layer.
+  // Logits [tokens, vocab] of a prompt from position 0, all in full precision. `kv`
+  // (optional) receives one LayerKv per layer.
   absl::StatusOr<std::vector<float>> Forward(absl::Span<const uint32_t> tokens,
                                              std::vector<LayerKv>* kv = nullptr) const;
+
+  // Runs `tokens` at positions cache->tokens()... on top of what the cache holds (compressed
+  // blocks + window): prefill of a prompt or of a suffix over a cached prefix, or one decode
+  // step. The new tokens' K and V join the cache, which then compresses any full chunk.
+  // Returns the logits [tokens, vocab].
+  absl::StatusOr<std::vector<float>> Step(absl::Span<const uint32_t> tokens,
+                                          SequenceKvCache* cache) const;
+
+  // A cache shaped for this model.
+  absl::StatusOr<std::unique_ptr<SequenceKvCache>> NewCache(KvCacheOptions options) const;
 
  private:
   struct Layer {
@@ -46,7 +58,9 @@ class LlamaModel {
     std::vector<float> w_gate, w_up, w_down;
   };
   LlamaModel() = default;
-  void Rope(float* x, uint32_t tokens, uint32_t heads) const;
+  void Rope(float* x, uint32_t position0, uint32_t tokens, uint32_t heads) const;
+  absl::StatusOr<std::vector<float>> Run(absl::Span<const uint32_t> tokens, SequenceKvCache* cache,
+                                         std::vector<LayerKv>* kv) const;
 
   ModelConfig config_;
   std::vector<float> embed_;    // [vocab, hidden]

@@ -1,5 +1,6 @@
 #include "model/llama.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -68,6 +69,77 @@ TEST(LlamaModelTest, BadInputsAreRejected) {
   EXPECT_EQ((*model)->Forward(bad).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ((*model)->Forward({}).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(LlamaModel::Load("/nonexistent").status().code(), absl::StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace strata::model
+
+namespace strata::model {
+namespace {
+
+double MaxRelDiff(const std::vector<float>& a, const std::vector<float>& b) {
+  double err = 0, scale = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    err = std::max(err, std::fabs(double{a[i]} - b[i]));
+    scale = std::max(scale, std::fabs(double{b[i]}));
+  }
+  return err / std::max(1.0, scale);
+}
+
+TEST(LlamaModelTest, StepwiseDecodeWithAnFp16CacheMatchesTheFullForward) {
+  auto model = *LlamaModel::Load(absl::StrCat(STRATA_SOURCE_DIR, "/tests/data/tiny-llama"));
+  std::vector<uint32_t> ids;
+  for (uint32_t i = 0; i < 70; ++i) ids.push_back((i * 37 + 11) % model->config().vocab_size);
+  const std::vector<float> full = *model->Forward(ids);
+  // Prefill 20 tokens, then decode one token at a time; 16-token chunks get compressed to fp16
+  // blocks on the way.
+  auto cache = *model->NewCache({.codec = "fp16", .chunk_tokens = 16});
+  const uint32_t vocab = model->config().vocab_size;
+  std::vector<float> stepped = *model->Step(absl::MakeSpan(ids).first(20), cache.get());
+  for (size_t t = 20; t < ids.size(); ++t) {
+    std::vector<float> l = *model->Step(absl::MakeSpan(ids).subspan(t, 1), cache.get());
+    stepped.insert(stepped.end(), l.begin(), l.end());
+  }
+  EXPECT_EQ(cache->tokens(), 70u);
+  EXPECT_EQ(cache->blocks_per_layer(), 4u);  // 64 tokens in blocks, 6 in the window
+  EXPECT_EQ(cache->window_tokens(), 6u);
+  ASSERT_EQ(stepped.size(), full.size());
+  EXPECT_LT(MaxRelDiff(stepped, full), 5e-3);  // fp16 KV rounding only
+  for (size_t t = 0; t < ids.size(); ++t) {
+    const float* a = &stepped[t * vocab];
+    const float* b = &full[t * vocab];
+    EXPECT_EQ(std::max_element(a, a + vocab) - a, std::max_element(b, b + vocab) - b) << t;
+  }
+}
+
+TEST(LlamaModelTest, SuffixPrefillOverAnAdoptedCompressedPrefixMatchesRecomputing) {
+  auto model = *LlamaModel::Load(absl::StrCat(STRATA_SOURCE_DIR, "/tests/data/tiny-qwen2"));
+  std::vector<uint32_t> ids;
+  for (uint32_t i = 0; i < 48; ++i) ids.push_back((i * 91 + 5) % model->config().vocab_size);
+  const KvCacheOptions opts{.codec = "kivi:k8v8:g16", .chunk_tokens = 16};
+  // Request A computes the 32-token prefix; its blocks are what a store would keep.
+  auto a = *model->NewCache(opts);
+  ASSERT_TRUE(model->Step(absl::MakeSpan(ids).first(32), a.get()).ok());
+  ASSERT_EQ(a->blocks_per_layer(), 2u);
+  // Request B adopts copies of those blocks and prefills only the suffix.
+  auto b = *model->NewCache(opts);
+  for (uint32_t l = 0; l < model->config().num_layers; ++l) {
+    for (const AlignedBuffer& blk : a->layer_blocks(l)) {
+      AlignedBuffer copy(blk.size());
+      std::memcpy(copy.data(), blk.data(), blk.size());
+      ASSERT_TRUE(b->AdoptBlock(l, std::move(copy)).ok());
+    }
+  }
+  ASSERT_TRUE(b->CommitAdopted().ok());
+  EXPECT_EQ(b->tokens(), 32u);
+  const std::vector<float> reused = *model->Step(absl::MakeSpan(ids).subspan(32), b.get());
+  // The same suffix on top of request A's own cache gives identical logits.
+  const std::vector<float> direct = *model->Step(absl::MakeSpan(ids).subspan(32), a.get());
+  EXPECT_EQ(reused, direct);
+  // And close to the uncompressed model (8-bit KIVI).
+  const std::vector<float> full = *model->Forward(ids);
+  const std::vector<float> tail(full.end() - reused.size(), full.end());
+  EXPECT_LT(MaxRelDiff(reused, tail), 5e-2);
 }
 
 }  // namespace

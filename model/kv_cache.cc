@@ -1,0 +1,116 @@
+#include "model/kv_cache.h"
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+
+namespace strata::model {
+
+absl::Status KvCacheOptions::Validate() const {
+  if (chunk_tokens < 1 || chunk_tokens > 65536) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("kv cache: chunk_tokens ", chunk_tokens, " outside [1, 65536]"));
+  }
+  return kernels::CodecSpec::Parse(codec).status();
+}
+
+absl::StatusOr<std::unique_ptr<SequenceKvCache>> SequenceKvCache::Create(
+    const KvCacheOptions& options, uint32_t layers, uint32_t kv_heads, uint32_t head_dim) {
+  STRATA_RETURN_IF_ERROR(options.Validate());
+  std::unique_ptr<SequenceKvCache> c(new SequenceKvCache());
+  c->options_ = options;
+  STRATA_ASSIGN_OR_RETURN(c->codec_, kernels::Codec::Create(options.codec));
+  c->kv_heads_ = kv_heads;
+  c->head_dim_ = head_dim;
+  c->layers_.resize(layers);
+  return c;
+}
+
+size_t SequenceKvCache::block_bytes() const {
+  size_t n = 0;
+  for (const Layer& l : layers_) {
+    for (const AlignedBuffer& b : l.buffers) n += b.size();
+  }
+  return n;
+}
+
+void SequenceKvCache::AppendWindow(uint32_t layer, const float* k, const float* v, uint32_t n) {
+  Layer& l = layers_[layer];
+  const size_t row = size_t{kv_heads_} * head_dim_;
+  l.window_k.insert(l.window_k.end(), k, k + n * row);
+  l.window_v.insert(l.window_v.end(), v, v + n * row);
+}
+
+absl::Status SequenceKvCache::AddBlock(Layer& l, AlignedBuffer block) {
+  STRATA_ASSIGN_OR_RETURN(BlockView view, BlockView::Parse(block.span()));
+  STRATA_ASSIGN_OR_RETURN(kernels::BlockOperands ops, kernels::PrepareBlock(view));
+  if (ops.kv_heads != kv_heads_ || ops.head_dim != head_dim_) {
+    return absl::InvalidArgumentError(absl::StrCat("kv cache: block of ", ops.kv_heads, "x",
+                                                   ops.head_dim, ", cache is ", kv_heads_, "x",
+                                                   head_dim_));
+  }
+  l.buffers.push_back(std::move(block));
+  l.views.push_back(view);
+  l.ops.push_back(std::make_unique<kernels::BlockOperands>(ops));
+  l.blocks.push_back(l.ops.back().get());
+  return absl::OkStatus();
+}
+
+absl::Status SequenceKvCache::Commit(uint32_t n) {
+  tokens_ += n;
+  window_tokens_ += n;
+  const uint32_t c = options_.chunk_tokens;
+  const size_t row = size_t{kv_heads_} * head_dim_;
+  while (window_tokens_ >= c) {
+    const uint32_t chunk = static_cast<uint32_t>(layers_[0].blocks.size());
+    for (uint32_t li = 0; li < layers_.size(); ++li) {
+      Layer& l = layers_[li];
+      STRATA_ASSIGN_OR_RETURN(AlignedBuffer block,
+                              codec_->Encode({l.window_k.data(), l.window_v.data(),
+                                              SourceDType::kFloat32, c, kv_heads_, head_dim_},
+                                             {.layer = li,
+                                              .chunk_index = chunk,
+                                              .model_fingerprint = options_.model_fingerprint}));
+      STRATA_RETURN_IF_ERROR(AddBlock(l, std::move(block)));
+      l.window_k.erase(l.window_k.begin(), l.window_k.begin() + c * row);
+      l.window_v.erase(l.window_v.begin(), l.window_v.begin() + c * row);
+    }
+    window_tokens_ -= c;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SequenceKvCache::AdoptBlock(uint32_t layer, AlignedBuffer block) {
+  if (window_tokens_ != 0) {
+    return absl::FailedPreconditionError("kv cache: blocks can only be adopted before any window");
+  }
+  if (layer >= layers_.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("kv cache: layer ", layer, " of ", layers_.size()));
+  }
+  return AddBlock(layers_[layer], std::move(block));
+}
+
+absl::Status SequenceKvCache::CommitAdopted() {
+  const size_t n = layers_[0].blocks.size();
+  for (const Layer& l : layers_) {
+    if (l.blocks.size() != n) {
+      return absl::FailedPreconditionError("kv cache: layers adopted different numbers of blocks");
+    }
+  }
+  uint32_t tokens = 0;
+  for (const kernels::BlockOperands* b : layers_[0].blocks) tokens += b->tokens;
+  tokens_ = tokens;
+  return absl::OkStatus();
+}
+
+kernels::DecodeSequence SequenceKvCache::View(uint32_t layer) const {
+  const Layer& l = layers_[layer];
+  kernels::DecodeSequence s;
+  s.blocks = l.blocks;
+  // The window as appended so far (it may hold tokens not yet committed: the new ones).
+  s.window = {l.window_k.data(), l.window_v.data(),
+              static_cast<uint32_t>(l.window_k.size() / (size_t{kv_heads_} * head_dim_))};
+  return s;
+}
+
+}  // namespace strata::model

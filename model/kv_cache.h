@@ -1,0 +1,83 @@
+// SequenceKvCache: one sequence's KV cache across all layers, the way a decode node keeps it:
+// compressed blocks (one per full chunk of C tokens and layer, in the Strata block format) and a
+// full-precision window of the newest tokens. When the window holds a full chunk, the codec
+// compresses it into a block (GEAR's streaming buffer, SKVQ's window, KIVI's residual).
+//
+// A cached prefix can be adopted as blocks (AdoptBlock) — prefix reuse — and the model then
+// prefills only the suffix on top of it.
+//
+// Not thread-safe; one cache per sequence.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/aligned_buffer.h"
+#include "common/block_reader.h"
+#include "kernels/block_operands.h"
+#include "kernels/codec.h"
+#include "kernels/decode_attention.h"
+
+namespace strata::model {
+
+struct KvCacheOptions {
+  std::string codec = "fp16";   // codec spec for the blocks
+  uint32_t chunk_tokens = 256;  // tokens per block
+  uint64_t model_fingerprint = 0;
+  absl::Status Validate() const;
+};
+
+class SequenceKvCache {
+ public:
+  static absl::StatusOr<std::unique_ptr<SequenceKvCache>> Create(const KvCacheOptions& options,
+                                                                 uint32_t layers, uint32_t kv_heads,
+                                                                 uint32_t head_dim);
+
+  uint32_t tokens() const { return tokens_; }  // every token cached, blocks + window
+  uint32_t window_tokens() const { return window_tokens_; }
+  size_t blocks_per_layer() const { return layers_.empty() ? 0 : layers_[0].blocks.size(); }
+  // Bytes of all blocks (every layer), as a store would hold them.
+  size_t block_bytes() const;
+
+  // Appends `n` tokens of one layer to its window: k, v [n, kv_heads, head_dim]. Every layer
+  // must receive the same tokens before Commit.
+  void AppendWindow(uint32_t layer, const float* k, const float* v, uint32_t n);
+  // Accounts the appended tokens and compresses every full chunk of the window into blocks.
+  absl::Status Commit(uint32_t n);
+
+  // Adds an already-compressed block for the next chunk of `layer` (a cached prefix). The
+  // block must match the cache's shape; kInvalidArgument / kDataLoss otherwise. All layers of a
+  // chunk must be adopted before CommitAdopted.
+  absl::Status AdoptBlock(uint32_t layer, AlignedBuffer block);
+  absl::Status CommitAdopted();
+
+  // The attention input for `layer`: blocks + window (the window's last query_tokens are new).
+  kernels::DecodeSequence View(uint32_t layer) const;
+
+  // The blocks of one layer, for a store or the transport.
+  const std::vector<AlignedBuffer>& layer_blocks(uint32_t layer) const {
+    return layers_[layer].buffers;
+  }
+
+ private:
+  struct Layer {
+    std::vector<AlignedBuffer> buffers;
+    std::vector<BlockView> views;
+    std::vector<std::unique_ptr<kernels::BlockOperands>> ops;
+    std::vector<const kernels::BlockOperands*> blocks;
+    std::vector<float> window_k, window_v;  // [window, kv_heads, head_dim]
+  };
+  SequenceKvCache() = default;
+  absl::Status AddBlock(Layer& l, AlignedBuffer block);
+
+  KvCacheOptions options_;
+  std::unique_ptr<kernels::Codec> codec_;
+  uint32_t kv_heads_ = 0, head_dim_ = 0;
+  uint32_t tokens_ = 0, window_tokens_ = 0;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace strata::model
