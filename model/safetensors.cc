@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -188,6 +189,42 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
 const TensorInfo* SafetensorsFile::Find(absl::string_view name) const {
   const auto it = index_.find(name);
   return it == index_.end() ? nullptr : &tensors_[it->second];
+}
+
+absl::Status WriteSafetensors(const std::string& path, absl::Span<const TensorToWrite> tensors) {
+  Json header = Json::object();
+  uint64_t offset = 0;
+  for (const TensorToWrite& t : tensors) {
+    int64_t numel = 1;
+    for (int64_t d : t.shape) numel *= d;
+    if (static_cast<uint64_t>(numel) * TensorDTypeBytes(t.dtype) != t.data.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("safetensors: '", t.name, "' has ", t.data.size(), " bytes for its shape"));
+    }
+    header[t.name] = {{"dtype", TensorDTypeName(t.dtype)},
+                      {"shape", t.shape},
+                      {"data_offsets", {offset, offset + t.data.size()}}};
+    offset += t.data.size();
+  }
+  std::string h = header.dump();
+  h.append((8 - h.size() % 8) % 8, ' ');
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary);
+    uint8_t len[8];
+    StoreLE<uint64_t>(len, h.size());
+    out.write(reinterpret_cast<const char*>(len), 8);
+    out.write(h.data(), static_cast<std::streamsize>(h.size()));
+    for (const TensorToWrite& t : tensors) {
+      out.write(reinterpret_cast<const char*>(t.data.data()),
+                static_cast<std::streamsize>(t.data.size()));
+    }
+    if (!out) return absl::InternalError(absl::StrCat("safetensors: cannot write ", tmp));
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    return absl::InternalError(absl::StrCat("safetensors: cannot rename onto ", path));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& dir) {

@@ -72,6 +72,16 @@ class SafetensorsFile {
   std::map<std::string, size_t, std::less<>> index_;
 };
 
+// Writes tensors to a safetensors file (through a temporary file and rename). `data` holds
+// numel x element-size bytes for each tensor.
+struct TensorToWrite {
+  std::string name;
+  TensorDType dtype = TensorDType::kF32;
+  std::vector<int64_t> shape;
+  absl::Span<const uint8_t> data;
+};
+absl::Status WriteSafetensors(const std::string& path, absl::Span<const TensorToWrite> tensors);
+
 // A checkpoint folder: model.safetensors, or model.safetensors.index.json and its shards.
 class Checkpoint {
  public:

@@ -62,6 +62,34 @@ open(sys.argv[1], "wb").write(struct.pack("<Q", len(hb)) + hb + a + b))",
   EXPECT_THAT((*ck)->Names(), testing::ElementsAre("w.a", "w.b"));
 }
 
+TEST(SafetensorsTest, WrittenFilesReadBack) {
+  const std::string dir = TempDir("st_write");
+  const std::vector<float> a = {1.5f, -2.0f, 3.25f, 0.0f, 9.0f, 7.0f};
+  const std::vector<int32_t> b = {42};
+  const TensorToWrite t[] = {
+      {"a",
+       TensorDType::kF32,
+       {2, 3},
+       absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(a.data()), a.size() * 4)},
+      {"b",
+       TensorDType::kI32,
+       {1},
+       absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(b.data()), 4)},
+  };
+  ASSERT_TRUE(WriteSafetensors(dir + "/model.safetensors", t).ok());
+  auto ck = Checkpoint::Open(dir);
+  ASSERT_TRUE(ck.ok()) << ck.status();
+  auto ta = (*ck)->Get("a");
+  ASSERT_TRUE(ta.ok());
+  float back[6];
+  std::memcpy(back, ta->data.data(), 24);
+  EXPECT_EQ(back[2], 3.25f);
+  EXPECT_THAT(ta->info->shape, testing::ElementsAre(2, 3));
+  const TensorToWrite wrong[] = {{"x", TensorDType::kF32, {4}, t[1].data}};
+  EXPECT_EQ(WriteSafetensors(dir + "/bad.safetensors", wrong).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST(SafetensorsTest, ShardedCheckpointsFollowTheIndex) {
   const std::string dir = TempDir("st_sharded");
   WriteFile(R"({"x":{"dtype":"I32","shape":[1],"data_offsets":[0,4]}})", std::string(4, '\1'),

@@ -2,6 +2,9 @@
 //
 //   strata inspect FILE            print a block's header and sections
 //   strata demo [--out DIR] ...    the end-to-end demo on this machine
+//   strata generate --prompt TEXT [--model DIR] [--codec SPEC] [--max_tokens N]
+//   strata ppl --text FILE [--model DIR] [--codec SPEC] [--context N]
+//   strata dump-kv --text FILE --out DIR [--model DIR]
 //
 // Flags are parsed here and only here; each subcommand gets an Options struct.
 #include <iostream>
@@ -14,16 +17,29 @@
 #include "absl/strings/str_cat.h"
 #include "tools/demo.h"
 #include "tools/inspect.h"
+#include "tools/model_commands.h"
 
-ABSL_FLAG(std::string, out, "/tmp/strata-demo", "demo: directory for block files");
+ABSL_FLAG(std::string, out, "/tmp/strata-demo",
+          "demo: directory for block files; dump-kv: output folder");
 ABSL_FLAG(uint32_t, layers, 4, "demo: layers of the stand-in model");
 ABSL_FLAG(uint32_t, kv_heads, 2, "demo: KV heads");
 ABSL_FLAG(uint32_t, head_dim, 64, "demo: head dimension");
 ABSL_FLAG(uint32_t, chunk_tokens, 64, "demo: tokens per chunk (one block per chunk and layer)");
 ABSL_FLAG(uint32_t, hash_block_tokens, 16, "demo: tokens per prefix-hash block (vLLM's B)");
 ABSL_FLAG(std::string, prefix_hash, "sha256_cbor", "demo: sha256_cbor (default) or sha256");
-ABSL_FLAG(std::string, codec, "gear:k2v2:kcvt:r2:s1", "demo: codec spec for the blocks");
+ABSL_FLAG(std::string, codec, "",
+          "codec spec for KV blocks (demo default gear:k2v2:kcvt:r2:s1, "
+          "model commands fp16)");
 ABSL_FLAG(uint32_t, q_heads, 8, "demo: query heads (a multiple of --kv_heads)");
+ABSL_FLAG(std::string, model, STRATA_DEFAULT_MODEL,
+          "generate/ppl/dump-kv: model folder (config.json, *.safetensors, tokenizer.json)");
+ABSL_FLAG(std::string, prompt, "", "generate: the prompt");
+ABSL_FLAG(uint32_t, max_tokens, 64, "generate: tokens to generate");
+ABSL_FLAG(float, temperature, 0.0f, "generate: sampling temperature (0: greedy)");
+ABSL_FLAG(uint64_t, seed, 1, "generate: sampling seed");
+ABSL_FLAG(std::string, text, "", "ppl/dump-kv: text file");
+ABSL_FLAG(uint32_t, context, 2048, "ppl: tokens per evaluation window; dump-kv: tokens to run");
+ABSL_FLAG(uint32_t, kv_chunk_tokens, 256, "generate/ppl: tokens per compressed KV block");
 
 namespace {
 
@@ -31,7 +47,10 @@ constexpr char kUsage[] =
     "strata COMMAND [ARGS] [FLAGS]\n"
     "commands:\n"
     "  inspect FILE   print a block's header and sections\n"
-    "  demo           compute, store, reuse and verify prefix-keyed blocks (see --helpfull)\n";
+    "  demo           compute, store, reuse and verify prefix-keyed blocks (see --helpfull)\n"
+    "  generate TEXT  continue a prompt with the model (--model, --codec, --max_tokens)\n"
+    "  ppl FILE       perplexity of a text with the KV cache compressed by --codec\n"
+    "  dump-kv FILE   write each layer's K and V for a text to --out/kv.safetensors\n";
 
 int Fail(const absl::Status& s) {
   std::cerr << "strata: " << s << "\n";
@@ -66,9 +85,44 @@ int main(int argc, char** argv) {
     o.hash_block_tokens = absl::GetFlag(FLAGS_hash_block_tokens);
     o.prefix_hash = absl::GetFlag(FLAGS_prefix_hash);
     o.program = argv[0];
-    o.codec = absl::GetFlag(FLAGS_codec);
+    if (!absl::GetFlag(FLAGS_codec).empty()) o.codec = absl::GetFlag(FLAGS_codec);
     o.q_heads = absl::GetFlag(FLAGS_q_heads);
     const absl::Status s = strata::tools::RunDemo(o, std::cout);
+    return s.ok() ? 0 : Fail(s);
+  }
+  auto model_options = [](strata::tools::ModelCommandOptions& o) {
+    o.model_dir = absl::GetFlag(FLAGS_model);
+    if (!absl::GetFlag(FLAGS_codec).empty()) o.codec = absl::GetFlag(FLAGS_codec);
+    o.chunk_tokens = absl::GetFlag(FLAGS_kv_chunk_tokens);
+  };
+  if (command == "generate") {
+    strata::tools::GenerateOptions o;
+    model_options(o);
+    o.prompt = absl::GetFlag(FLAGS_prompt);
+    if (args.size() > 2) o.prompt = args[2];
+    o.max_tokens = absl::GetFlag(FLAGS_max_tokens);
+    o.temperature = absl::GetFlag(FLAGS_temperature);
+    o.seed = absl::GetFlag(FLAGS_seed);
+    const absl::Status s = strata::tools::RunGenerate(o, std::cout, std::cerr);
+    return s.ok() ? 0 : Fail(s);
+  }
+  if (command == "ppl") {
+    strata::tools::PplOptions o;
+    model_options(o);
+    o.text_file = absl::GetFlag(FLAGS_text);
+    if (args.size() > 2) o.text_file = args[2];
+    o.context = absl::GetFlag(FLAGS_context);
+    const absl::Status s = strata::tools::RunPpl(o, std::cout);
+    return s.ok() ? 0 : Fail(s);
+  }
+  if (command == "dump-kv") {
+    strata::tools::DumpKvOptions o;
+    model_options(o);
+    o.text_file = absl::GetFlag(FLAGS_text);
+    if (args.size() > 2) o.text_file = args[2];
+    o.out_dir = absl::GetFlag(FLAGS_out);
+    o.max_tokens = absl::GetFlag(FLAGS_context);
+    const absl::Status s = strata::tools::RunDumpKv(o, std::cout);
     return s.ok() ? 0 : Fail(s);
   }
   std::cerr << "strata: unknown command '" << command << "'\n" << kUsage;
