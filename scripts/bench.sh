@@ -26,3 +26,7 @@ if [ "$filter" = "." ] || [ "$filter" = "codec_bench" ]; then
   ./build/bench/codec_bench --commit "${commit}${dirty}" --out bench/results |
     tee "bench/results/codec_bench-$(date -u +%Y-%m-%d)-${commit}${dirty}.txt"
 fi
+if { [ "$filter" = "." ] || [ "$filter" = "model_bench" ]; } && [ -f models/strata-tiny/config.json ]; then
+  ./build/bench/model_bench --commit "${commit}${dirty}" --out bench/results |
+    tee "bench/results/model_bench-$(date -u +%Y-%m-%d)-${commit}${dirty}.txt"
+fi
