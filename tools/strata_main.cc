@@ -39,6 +39,7 @@ ABSL_FLAG(float, temperature, 0.0f, "generate: sampling temperature (0: greedy)"
 ABSL_FLAG(uint64_t, seed, 1, "generate: sampling seed");
 ABSL_FLAG(std::string, text, "", "ppl/dump-kv: text file");
 ABSL_FLAG(uint32_t, context, 2048, "ppl: tokens per evaluation window; dump-kv: tokens to run");
+ABSL_FLAG(uint32_t, windows, 0, "ppl: evaluate at most this many windows (0: the whole text)");
 ABSL_FLAG(uint32_t, kv_chunk_tokens, 256, "generate/ppl: tokens per compressed KV block");
 
 namespace {
@@ -112,6 +113,7 @@ int main(int argc, char** argv) {
     o.text_file = absl::GetFlag(FLAGS_text);
     if (args.size() > 2) o.text_file = args[2];
     o.context = absl::GetFlag(FLAGS_context);
+    o.max_windows = absl::GetFlag(FLAGS_windows);
     const absl::Status s = strata::tools::RunPpl(o, std::cout);
     return s.ok() ? 0 : Fail(s);
   }
