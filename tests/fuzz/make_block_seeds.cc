@@ -112,8 +112,14 @@ int main(int argc, char** argv) {
       R"({"model_type":"llama","vocab_size":512,"hidden_size":128,"intermediate_size":256,)"
       R"("num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,)"
       R"("rope_scaling":{"rope_type":"llama3","factor":8.0},"eos_token_id":[1,2]})";
+  const std::string tokenizer =
+      R"({"model":{"type":"BPE","vocab":{"a":0,"b":1,"ab":2,"\u0120":3},"merges":["a b"]},)"
+      R"("added_tokens":[{"id":4,"content":"<|x|>"}],"pre_tokenizer":{"type":"Sequence",)"
+      R"("pretokenizers":[{"type":"Split","pattern":{"Regex":"\\s+(?!\\S)|\\s+|\\p{L}+"}},)"
+      R"({"type":"ByteLevel","use_regex":false}]}})";
   for (const auto& [name, text] :
-       {std::pair{"model.safetensors", st}, std::pair{"config.json", config}}) {
+       {std::pair{"model.safetensors", st}, std::pair{"config.json", config},
+        std::pair{"tokenizer.json", tokenizer}}) {
     FILE* f = std::fopen((std::string(argv[1]) + "/" + name).c_str(), "wb");
     if (f == nullptr || std::fwrite(text.data(), 1, text.size(), f) != text.size()) return 1;
     std::fclose(f);
