@@ -21,6 +21,18 @@ absl::Status Bad(absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat("tokenizer.json: ", what));
 }
 
+// The member `key` of an object, or nullptr. (A const json's operator[] on a missing key is
+// undefined behaviour in nlohmann::json, so every lookup goes through here.)
+const Json* Member(const Json& j, const char* key) {
+  if (!j.is_object()) return nullptr;
+  const auto it = j.find(key);
+  return it == j.end() ? nullptr : &*it;
+}
+
+bool IsString(const Json* j, absl::string_view value) {
+  return j != nullptr && j->is_string() && j->get<std::string>() == value;
+}
+
 // GPT-2's reversible map from bytes to printable code points, as UTF-8 strings.
 std::vector<std::string> ByteAlphabet() {
   std::vector<int> cp(256, -1);
@@ -100,7 +112,7 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(absl::string_view
     impl->alphabet_byte[impl->byte_alphabet[b]] = static_cast<uint8_t>(b);
   const auto model = j.find("model");
   if (model == j.end() || !model->is_object()) return Bad("no model");
-  if (!model->contains("type") || (*model)["type"] != "BPE") return Bad("model type is not BPE");
+  if (!IsString(Member(*model, "type"), "BPE")) return Bad("model type is not BPE");
   const auto vocab = model->find("vocab");
   if (vocab == model->end() || !vocab->is_object()) return Bad("model has no vocab object");
   uint32_t max_id = 0;
@@ -114,14 +126,15 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(absl::string_view
   }
   if (const auto added = j.find("added_tokens"); added != j.end() && added->is_array()) {
     for (const Json& a : *added) {
-      if (!a.is_object() || !a.contains("id") || !a.contains("content") ||
-          !a["id"].is_number_unsigned() || !a["content"].is_string() ||
-          a["id"].get<uint64_t>() >= (1u << 24)) {
+      const Json* id_j = Member(a, "id");
+      const Json* content = Member(a, "content");
+      if (id_j == nullptr || content == nullptr || !id_j->is_number_unsigned() ||
+          !content->is_string() || id_j->get<uint64_t>() >= (1u << 24)) {
         return Bad("an added token needs an id and a content");
       }
-      const uint32_t id = a["id"].get<uint32_t>();
-      impl->added.emplace_back(a["content"].get<std::string>(), id);
-      impl->vocab[a["content"].get<std::string>()] = id;
+      const uint32_t id = id_j->get<uint32_t>();
+      impl->added.emplace_back(content->get<std::string>(), id);
+      impl->vocab[content->get<std::string>()] = id;
       max_id = std::max(max_id, id);
     }
   }
@@ -151,29 +164,31 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(absl::string_view
   // Pre-tokenizer: Sequence of Split + ByteLevel(use_regex false), or ByteLevel(use_regex
   // true) with GPT-2's pattern.
   std::string pattern;
-  const Json* pre = j.contains("pre_tokenizer") ? &j["pre_tokenizer"] : nullptr;
+  const Json* pre = Member(j, "pre_tokenizer");
   std::vector<const Json*> steps;
   if (pre != nullptr && pre->is_object()) {
-    if ((*pre)["type"] == "Sequence" && (*pre)["pretokenizers"].is_array()) {
-      for (const Json& p : (*pre)["pretokenizers"]) steps.push_back(&p);
+    const Json* list = Member(*pre, "pretokenizers");
+    if (IsString(Member(*pre, "type"), "Sequence") && list != nullptr && list->is_array()) {
+      for (const Json& p : *list) steps.push_back(&p);
     } else {
       steps.push_back(pre);
     }
   }
   for (const Json* p : steps) {
-    if (!p->is_object() || !p->contains("type") || !(*p)["type"].is_string()) {
-      return Bad("pre-tokenizer without a type");
-    }
-    const std::string type = (*p)["type"].get<std::string>();
+    const Json* type_j = Member(*p, "type");
+    if (type_j == nullptr || !type_j->is_string()) return Bad("pre-tokenizer without a type");
+    const std::string type = type_j->get<std::string>();
     if (type == "Split") {
-      const Json& pat = (*p)["pattern"];
-      if (!pat.is_object() || !pat.contains("Regex") || !pat["Regex"].is_string()) {
+      const Json* pat = Member(*p, "pattern");
+      const Json* regex = pat != nullptr ? Member(*pat, "Regex") : nullptr;
+      if (regex == nullptr || !regex->is_string()) {
         return Bad("Split pre-tokenizer needs a Regex pattern");
       }
-      pattern = pat["Regex"].get<std::string>();
+      pattern = regex->get<std::string>();
     } else if (type == "ByteLevel") {
-      if (p->contains("use_regex") && (*p)["use_regex"].is_boolean() &&
-          (*p)["use_regex"].get<bool>() && pattern.empty()) {
+      const Json* use_regex = Member(*p, "use_regex");
+      if (use_regex != nullptr && use_regex->is_boolean() && use_regex->get<bool>() &&
+          pattern.empty()) {
         pattern = R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
       }
     } else {

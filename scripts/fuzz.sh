@@ -21,5 +21,5 @@ for target in block_reader block_attention safetensors; do
   mkdir -p "build-fuzz/corpus/$target"
   echo "== fuzzing $target for $seconds s"
   "./build-fuzz/tests/fuzz/${target}_fuzz" -max_total_time="$seconds" -max_len=65536 \
-    -print_final_stats=1 "build-fuzz/corpus/$target" build-fuzz/seeds
+    -print_final_stats=1 "build-fuzz/corpus/$target" build-fuzz/seeds tests/fuzz/regressions
 done
