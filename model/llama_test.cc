@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -59,6 +60,14 @@ TEST(LlamaModelTest, MatchesPyTorchLogitsOnTheLlamaShapedTestModel) {
 
 TEST(LlamaModelTest, MatchesPyTorchLogitsOnTheQwen2ShapedTestModel) {
   CheckAgainstFixture(absl::StrCat(STRATA_SOURCE_DIR, "/tests/data/tiny-qwen2"));
+}
+
+TEST(LlamaModelTest, MatchesPyTorchLogitsOnTheBundledModel) {
+  const std::string dir = absl::StrCat(STRATA_SOURCE_DIR, "/models/strata-tiny");
+  if (!std::ifstream(dir + "/fixture.safetensors")) {
+    GTEST_SKIP() << "skipped: no bundled model in " << dir;
+  }
+  CheckAgainstFixture(dir);
 }
 
 TEST(LlamaModelTest, BadInputsAreRejected) {
