@@ -1,6 +1,7 @@
 #include "model/kv_cache.h"
 
 #include "absl/strings/str_cat.h"
+#include "common/sha256.h"
 #include "common/status_macros.h"
 
 namespace strata::model {
@@ -16,6 +17,9 @@ absl::Status KvCacheOptions::Validate() const {
 absl::StatusOr<std::unique_ptr<SequenceKvCache>> SequenceKvCache::Create(
     const KvCacheOptions& options, uint32_t layers, uint32_t kv_heads, uint32_t head_dim) {
   STRATA_RETURN_IF_ERROR(options.Validate());
+  if (layers == 0 || kv_heads == 0 || head_dim == 0) {
+    return absl::InvalidArgumentError("kv cache: layers, kv_heads and head_dim must be positive");
+  }
   std::unique_ptr<SequenceKvCache> c(new SequenceKvCache());
   c->options_ = options;
   STRATA_ASSIGN_OR_RETURN(c->codec_, kernels::Codec::Create(options.codec));
@@ -55,27 +59,54 @@ absl::Status SequenceKvCache::AddBlock(Layer& l, AlignedBuffer block) {
   return absl::OkStatus();
 }
 
+void SequenceKvCache::DiscardUncommitted() {
+  const size_t keep = size_t{window_tokens_} * kv_heads_ * head_dim_;
+  for (Layer& l : layers_) {
+    l.window_k.resize(keep);
+    l.window_v.resize(keep);
+  }
+}
+
 absl::Status SequenceKvCache::Commit(uint32_t n) {
-  tokens_ += n;
-  window_tokens_ += n;
   const uint32_t c = options_.chunk_tokens;
   const size_t row = size_t{kv_heads_} * head_dim_;
-  while (window_tokens_ >= c) {
-    const uint32_t chunk = static_cast<uint32_t>(layers_[0].blocks.size());
-    for (uint32_t li = 0; li < layers_.size(); ++li) {
-      Layer& l = layers_[li];
-      STRATA_ASSIGN_OR_RETURN(AlignedBuffer block,
-                              codec_->Encode({l.window_k.data(), l.window_v.data(),
-                                              SourceDType::kFloat32, c, kv_heads_, head_dim_},
-                                             {.layer = li,
-                                              .chunk_index = chunk,
-                                              .model_fingerprint = options_.model_fingerprint}));
-      STRATA_RETURN_IF_ERROR(AddBlock(l, std::move(block)));
-      l.window_k.erase(l.window_k.begin(), l.window_k.begin() + c * row);
-      l.window_v.erase(l.window_v.begin(), l.window_v.begin() + c * row);
+  for (const Layer& l : layers_) {
+    if (l.window_k.size() != (size_t{window_tokens_} + n) * row) {
+      DiscardUncommitted();
+      return absl::FailedPreconditionError(
+          "kv cache: every layer must receive the same new tokens before Commit");
     }
-    window_tokens_ -= c;
   }
+  // Encode every full chunk of every layer first; the cache changes only if all succeed.
+  uint32_t window = window_tokens_ + n;
+  std::vector<std::vector<AlignedBuffer>> encoded(layers_.size());
+  for (uint32_t done = 0; window - done >= c; done += c) {
+    const uint32_t chunk = static_cast<uint32_t>(layers_[0].blocks.size() + done / c);
+    for (uint32_t li = 0; li < layers_.size(); ++li) {
+      const Layer& l = layers_[li];
+      absl::StatusOr<AlignedBuffer> block = codec_->Encode(
+          {l.window_k.data() + done * row, l.window_v.data() + done * row, SourceDType::kFloat32, c,
+           kv_heads_, head_dim_},
+          {.layer = li, .chunk_index = chunk, .model_fingerprint = options_.model_fingerprint});
+      if (!block.ok()) {
+        DiscardUncommitted();
+        return block.status();
+      }
+      encoded[li].push_back(*std::move(block));
+    }
+  }
+  const uint32_t consumed = static_cast<uint32_t>(encoded[0].size()) * c;
+  for (uint32_t li = 0; li < layers_.size(); ++li) {
+    Layer& l = layers_[li];
+    for (AlignedBuffer& b : encoded[li]) {
+      absl::Status s = AddBlock(l, std::move(b));
+      if (!s.ok()) return s;  // our own codec's output failed to parse: a bug, not bad input
+    }
+    l.window_k.erase(l.window_k.begin(), l.window_k.begin() + consumed * row);
+    l.window_v.erase(l.window_v.begin(), l.window_v.begin() + consumed * row);
+  }
+  tokens_ += n;
+  window_tokens_ = window - consumed;
   return absl::OkStatus();
 }
 

@@ -46,11 +46,15 @@ class SequenceKvCache {
   // must receive the same tokens before Commit.
   void AppendWindow(uint32_t layer, const float* k, const float* v, uint32_t n);
   // Accounts the appended tokens and compresses every full chunk of the window into blocks.
+  // All or nothing: on an error the appended tokens are discarded and the cache is as before.
   absl::Status Commit(uint32_t n);
+  // Drops tokens appended since the last Commit (a failed step).
+  void DiscardUncommitted();
 
   // Adds an already-compressed block for the next chunk of `layer` (a cached prefix). The
-  // block must match the cache's shape; kInvalidArgument / kDataLoss otherwise. All layers of a
-  // chunk must be adopted before CommitAdopted.
+  // block must be that layer's next chunk, of chunk_tokens tokens, made by the cache's codec for
+  // this model (when the cache has a model fingerprint); kInvalidArgument / kDataLoss otherwise.
+  // All layers of a chunk must be adopted before CommitAdopted.
   absl::Status AdoptBlock(uint32_t layer, AlignedBuffer block);
   absl::Status CommitAdopted();
 

@@ -209,7 +209,11 @@ absl::StatusOr<std::vector<float>> LlamaModel::Run(absl::Span<const uint32_t> to
     seq.q = q.data();
     seq.query_tokens = static_cast<uint32_t>(n);
     seq.out = att.data();
-    STRATA_RETURN_IF_ERROR(kernels::DecodeAttention(params, {&seq, 1}));
+    const absl::Status attn = kernels::DecodeAttention(params, {&seq, 1});
+    if (!attn.ok()) {
+      if (cache != nullptr) cache->DiscardUncommitted();
+      return attn;
+    }
     Linear(att.data(), n, qd, l.wo, {}, hs, o.data());
     for (size_t i = 0; i < x.size(); ++i) x[i] += o[i];
     RmsNorm(x.data(), n, hs, l.post_norm, c.rms_norm_eps, h.data());

@@ -4,6 +4,7 @@
 #include <fstream>
 #include <map>
 #include <mutex>
+#include <queue>
 #include <sstream>
 #include <unordered_map>
 
@@ -55,6 +56,40 @@ std::vector<std::string> ByteAlphabet() {
   return out;
 }
 
+// Unicode White_Space, which Hugging Face's \s means (Oniguruma); RE2's \s is ASCII only.
+constexpr char kWhiteSpaceClassBody[] =
+    R"(\t\n\x0B\f\r \x{85}\x{A0}\x{1680}\x{2000}-\x{200A}\x{2028}\x{2029}\x{202F})"
+    R"(\x{205F}\x{3000})";
+
+// Rewrites \s and \S in a pattern to the Unicode White_Space class, inside and outside
+// character classes (\S inside a class is rejected: RE2 cannot subtract classes).
+absl::StatusOr<std::string> UnicodeWhitespace(absl::string_view p) {
+  std::string out;
+  bool in_class = false;
+  for (size_t i = 0; i < p.size(); ++i) {
+    const char c = p[i];
+    if (c == '\\' && i + 1 < p.size()) {
+      const char e = p[i + 1];
+      if (e == 's') {
+        out += in_class ? kWhiteSpaceClassBody : absl::StrCat("[", kWhiteSpaceClassBody, "]");
+      } else if (e == 'S') {
+        if (in_class) return Bad("\\S inside a character class is not supported");
+        out += absl::StrCat("[^", kWhiteSpaceClassBody, "]");
+      } else {
+        out.append(p.data() + i, 2);
+      }
+      ++i;
+      continue;
+    }
+    if (c == '[' && !in_class)
+      in_class = true;
+    else if (c == ']' && in_class)
+      in_class = false;
+    out += c;
+  }
+  return out;
+}
+
 // Length in bytes of the UTF-8 sequence starting with lead byte c (1 for invalid bytes).
 size_t Utf8Len(unsigned char c) {
   if (c >= 0xf0 && c <= 0xf4) return 4;
@@ -67,7 +102,7 @@ bool IsSpaceCodepoint(absl::string_view s, size_t pos, size_t* len) {
   // The characters \s matches in RE2's Unicode mode that can end a whitespace run.
   const unsigned char c = s[pos];
   *len = std::min(Utf8Len(c), s.size() - pos);
-  static const RE2 kSpace("\\s");
+  static const RE2 kSpace(absl::StrCat("[", kWhiteSpaceClassBody, "]"));
   const absl::string_view c1 = s.substr(pos, *len);
   return RE2::FullMatch(re2::StringPiece(c1.data(), c1.size()), kSpace);
 }
@@ -174,6 +209,14 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(absl::string_view
       steps.push_back(pre);
     }
   }
+  if (const Json* norm = Member(j, "normalizer"); norm != nullptr && !norm->is_null()) {
+    return Bad("normalizers are not supported (only byte-level BPE tokenizers are)");
+  }
+  if (const Json* bf = Member(*model, "byte_fallback");
+      bf != nullptr && bf->is_boolean() && bf->get<bool>()) {
+    return Bad("byte_fallback (SentencePiece-style BPE) is not supported");
+  }
+  bool byte_level = false;
   for (const Json* p : steps) {
     const Json* type_j = Member(*p, "type");
     if (type_j == nullptr || !type_j->is_string()) return Bad("pre-tokenizer without a type");
@@ -184,26 +227,43 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(absl::string_view
       if (regex == nullptr || !regex->is_string()) {
         return Bad("Split pre-tokenizer needs a Regex pattern");
       }
+      if (!pattern.empty()) return Bad("more than one Split pre-tokenizer is not supported");
+      const Json* behavior = Member(*p, "behavior");
+      const Json* invert = Member(*p, "invert");
+      if ((behavior != nullptr && !IsString(behavior, "Isolated")) ||
+          (invert != nullptr && !(invert->is_boolean() && !invert->get<bool>()))) {
+        return Bad("only Split with behavior Isolated and invert false is supported");
+      }
       pattern = regex->get<std::string>();
     } else if (type == "ByteLevel") {
+      byte_level = true;
+      const Json* prefix = Member(*p, "add_prefix_space");
+      if (prefix != nullptr && prefix->is_boolean() && prefix->get<bool>()) {
+        return Bad("ByteLevel add_prefix_space is not supported");
+      }
+      // Hugging Face's default for a missing use_regex is true (GPT-2's pattern).
       const Json* use_regex = Member(*p, "use_regex");
-      if (use_regex != nullptr && use_regex->is_boolean() && use_regex->get<bool>() &&
-          pattern.empty()) {
+      const bool regex_on =
+          use_regex == nullptr || (use_regex->is_boolean() && use_regex->get<bool>());
+      if (regex_on && pattern.empty()) {
         pattern = R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
       }
     } else {
       return Bad(absl::StrCat("pre-tokenizer '", type, "' is not supported"));
     }
   }
+  if (!byte_level) return Bad("no ByteLevel pre-tokenizer: not a byte-level BPE tokenizer");
   if (!pattern.empty()) {
     const std::string kLookahead = R"(\s+(?!\S))";
     const size_t at = pattern.find(kLookahead);
     if (at != std::string::npos) {
       pattern.replace(at, kLookahead.size(), R"((?P<strata_ws>\s+))");
     }
+    absl::StatusOr<std::string> unicode = UnicodeWhitespace(pattern);
+    if (!unicode.ok()) return unicode.status();
     RE2::Options opts;
     opts.set_log_errors(false);
-    impl->split = std::make_unique<RE2>(pattern, opts);
+    impl->split = std::make_unique<RE2>(*unicode, opts);
     if (!impl->split->ok()) {
       return Bad(
           absl::StrCat("pre-tokenizer regex does not compile in RE2: ", impl->split->error()));
@@ -261,26 +321,46 @@ void Tokenizer::Impl::Bpe(const std::string& word, std::vector<uint32_t>* out) c
   if (ignore_merges && whole != vocab.end()) {
     ids.push_back(whole->second);
   } else {
+    // Lowest-rank pair first, leftmost among equals (Hugging Face's order), with a heap over a
+    // linked list of symbols: O(n log n) even for very long words.
     std::vector<std::string> syms;  // one per code point of the byte-alphabet word
     for (size_t i = 0; i < word.size();) {
       const size_t n = std::min(Utf8Len(word[i]), word.size() - i);
       syms.push_back(word.substr(i, n));
       i += n;
     }
-    while (syms.size() > 1) {
-      size_t best = 0;
-      uint32_t best_rank = UINT32_MAX;
-      for (size_t i = 0; i + 1 < syms.size(); ++i) {
-        const auto r = merge_rank.find(syms[i] + " " + syms[i + 1]);
-        if (r != merge_rank.end() && r->second < best_rank) {
-          best_rank = r->second;
-          best = i;
-        }
-      }
-      if (best_rank == UINT32_MAX) break;
-      syms[best] += syms[best + 1];
-      syms.erase(syms.begin() + best + 1);
+    const int n = static_cast<int>(syms.size());
+    std::vector<int> prev(n), next(n);
+    std::vector<bool> alive(n, true);
+    for (int i = 0; i < n; ++i) {
+      prev[i] = i - 1;
+      next[i] = i + 1 < n ? i + 1 : -1;
     }
+    using Entry = std::pair<uint32_t, int>;  // (rank, left symbol)
+    std::priority_queue<Entry, std::vector<Entry>, std::greater<Entry>> heap;
+    auto push = [&](int i) {
+      if (i < 0 || next[i] < 0) return;
+      const auto r = merge_rank.find(syms[i] + " " + syms[next[i]]);
+      if (r != merge_rank.end()) heap.push({r->second, i});
+    };
+    for (int i = 0; i + 1 < n; ++i) push(i);
+    while (!heap.empty()) {
+      const auto [rank, i] = heap.top();
+      heap.pop();
+      if (!alive[i] || next[i] < 0) continue;
+      const auto r = merge_rank.find(syms[i] + " " + syms[next[i]]);
+      if (r == merge_rank.end() || r->second != rank) continue;  // stale entry
+      const int j = next[i];
+      syms[i] += syms[j];
+      alive[j] = false;
+      next[i] = next[j];
+      if (next[j] >= 0) prev[next[j]] = i;
+      push(prev[i]);
+      push(i);
+    }
+    std::vector<std::string> merged;
+    for (int i = 0; i >= 0 && i < n; i = next[i]) merged.push_back(std::move(syms[i]));
+    syms = std::move(merged);
     for (const std::string& s : syms) {
       const auto it = vocab.find(s);
       if (it != vocab.end()) {
@@ -298,7 +378,7 @@ void Tokenizer::Impl::Bpe(const std::string& word, std::vector<uint32_t>* out) c
   }
   out->insert(out->end(), ids.begin(), ids.end());
   std::lock_guard<std::mutex> lock(cache_mu);
-  if (cache.size() < (1u << 16)) cache.emplace(word, std::move(ids));
+  if (cache.size() < (1u << 16) && word.size() <= 256) cache.emplace(word, std::move(ids));
 }
 
 std::vector<uint32_t> Tokenizer::Encode(absl::string_view text, bool parse_special) const {

@@ -82,6 +82,15 @@ TEST(TokenizerTest, MatchesThePythonTokenizerWithRealLookahead) {
   }
 }
 
+TEST(TokenizerTest, VeryLongWordsTokenizeQuickly) {
+  absl::StatusOr<std::unique_ptr<Tokenizer>> tok = Tokenizer::Load(TestModel());
+  ASSERT_TRUE(tok.ok());
+  const std::string word(200000, 'e');  // one \p{L}+ piece: quadratic merging would hang
+  const std::vector<uint32_t> ids = (*tok)->Encode(word);
+  EXPECT_EQ(*(*tok)->Decode(ids), word);
+  EXPECT_LT(ids.size(), word.size());
+}
+
 TEST(TokenizerTest, SpecialTokensAreParsedOnlyWhenAsked) {
   absl::StatusOr<std::unique_ptr<Tokenizer>> tok = Tokenizer::Load(TestModel());
   ASSERT_TRUE(tok.ok());
@@ -108,9 +117,32 @@ TEST(TokenizerTest, UnsupportedTokenizersAreRejectedClearly) {
                               .status()
                               .message()),
               HasSubstr("'Metaspace' is not supported"));
+  EXPECT_THAT(
+      std::string(Tokenizer::FromJson(
+                      R"({"model":{"type":"BPE","vocab":{"a":0},"merges":[],"byte_fallback":true},
+                      "pre_tokenizer":null})")
+                      .status()
+                      .message()),
+      HasSubstr("byte_fallback"));
+  EXPECT_THAT(
+      std::string(
+          Tokenizer::FromJson(
+              R"({"model":{"type":"BPE","vocab":{"a":0},"merges":[]},"pre_tokenizer":null})")
+              .status()
+              .message()),
+      HasSubstr("not a byte-level BPE"));
+  EXPECT_THAT(
+      std::string(
+          Tokenizer::FromJson(
+              R"({"normalizer":{"type":"NFC"},"model":{"type":"BPE","vocab":{"a":0},"merges":[]}})")
+              .status()
+              .message()),
+      HasSubstr("normalizers are not supported"));
   EXPECT_THAT(std::string(Tokenizer::FromJson(
                               R"({"model":{"type":"BPE","vocab":{"a":0},"merges":[]},
-                      "pre_tokenizer":{"type":"Split","pattern":{"Regex":"(?<=a)b"}}})")
+                      "pre_tokenizer":{"type":"Sequence","pretokenizers":[
+                        {"type":"Split","pattern":{"Regex":"(?<=a)b"}},
+                        {"type":"ByteLevel","use_regex":false}]}})")
                               .status()
                               .message()),
               HasSubstr("does not compile in RE2"));
