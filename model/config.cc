@@ -84,6 +84,16 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view text) {
   STRATA_RETURN_IF_ERROR(GetBool(j, "tie_word_embeddings", &c.tie_word_embeddings));
   c.attention_bias = c.model_type == "qwen2";
   STRATA_RETURN_IF_ERROR(GetBool(j, "attention_bias", &c.attention_bias));
+  bool mlp_bias = false;
+  STRATA_RETURN_IF_ERROR(GetBool(j, "mlp_bias", &mlp_bias));
+  if (mlp_bias) return Bad("mlp_bias is not supported");
+  {
+    uint32_t window = 0;
+    STRATA_RETURN_IF_ERROR(GetUint(j, "sliding_window", &window, false));
+    bool use = c.model_type == "mistral";
+    STRATA_RETURN_IF_ERROR(GetBool(j, "use_sliding_window", &use));
+    if (use) c.sliding_window = window;
+  }
   STRATA_RETURN_IF_ERROR(GetTokenId(j, "bos_token_id", &c.bos_token_id));
   STRATA_RETURN_IF_ERROR(GetTokenId(j, "eos_token_id", &c.eos_token_id));
   if (const auto it = j.find("torch_dtype"); it != j.end() && it->is_string()) {
@@ -129,6 +139,13 @@ absl::Status ModelConfig::Validate() const {
   if (hidden_size < 1 || intermediate_size < 1) return Bad("hidden/intermediate size is zero");
   if (!(rope_theta > 0) || !(rms_norm_eps > 0) || !(rope_scaling_factor > 0)) {
     return Bad("rope_theta, rms_norm_eps and rope scaling factor must be positive");
+  }
+  if (rope_scaling_type == "llama3" &&
+      (!(rope_high_freq_factor > rope_low_freq_factor) || !(rope_low_freq_factor > 0) ||
+       rope_original_max_position == 0)) {
+    return Bad(
+        "llama3 rope scaling needs 0 < low_freq_factor < high_freq_factor and "
+        "original_max_position_embeddings > 0");
   }
   if (torch_dtype != "float16" && torch_dtype != "bfloat16" && torch_dtype != "float32") {
     return Bad(absl::StrCat("torch_dtype '", torch_dtype, "' is not float16/bfloat16/float32"));

@@ -29,7 +29,10 @@ struct ModelConfig {
   uint32_t rope_original_max_position = 8192;
   double rms_norm_eps = 1e-5;
   bool tie_word_embeddings = false;
-  bool attention_bias = false;  // q/k/v biases (Qwen2 always has them)
+  bool attention_bias = false;  // q/k/v biases (Qwen2 always has them; Llama's also o_proj)
+  // Sliding-window attention (Mistral v0.1, Qwen2 with use_sliding_window): 0 when off. The
+  // engine attends over full context, so it refuses sequences longer than the window.
+  uint32_t sliding_window = 0;
   std::string torch_dtype = "float16";
   int64_t bos_token_id = -1;
   int64_t eos_token_id = -1;
@@ -38,7 +41,8 @@ struct ModelConfig {
   // naming the field.
   absl::Status Validate() const;
 
-  // Fingerprint64 of the canonical shape, for block namespaces.
+  // Fingerprint64 of the canonical shape. (Blocks are named by LlamaModel::fingerprint(), which
+  // also covers the weights.)
   uint64_t Fingerprint() const;
 };
 

@@ -60,6 +60,10 @@ TEST(ModelConfigTest, BadConfigsNameTheField) {
       {"{" + base + R"(, "rope_scaling": {"rope_type": "yarn", "factor": 4}})", "'yarn'"},
       {"{" + base + R"(, "head_dim": 7})", "head_dim 7"},
       {"{" + base + R"(, "vocab_size": -5})", "'vocab_size' must be a non-negative integer"},
+      {"{" + base + R"(, "mlp_bias": true})", "mlp_bias"},
+      {"{" + base +
+           R"(, "rope_scaling": {"rope_type": "llama3", "factor": 8, "low_freq_factor": 4, "high_freq_factor": 4}})",
+       "low_freq_factor < high_freq_factor"},
   };
   for (const Case& c : cases) {
     absl::StatusOr<ModelConfig> r = ParseModelConfig(c.text);

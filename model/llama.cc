@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/half.h"
+#include "common/sha256.h"
 #include "common/status_macros.h"
 #include "kernels/decode_attention.h"
 #include "model/safetensors.h"
@@ -91,6 +92,9 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const std::string& 
     STRATA_RETURN_IF_ERROR(ReadTensor(*ck, p + "self_attn.k_proj.weight", {kvd, hs}, &l.wk));
     STRATA_RETURN_IF_ERROR(ReadTensor(*ck, p + "self_attn.v_proj.weight", {kvd, hs}, &l.wv));
     STRATA_RETURN_IF_ERROR(ReadTensor(*ck, p + "self_attn.o_proj.weight", {hs, qd}, &l.wo));
+    if (c.attention_bias && c.model_type != "qwen2") {  // Llama/Mistral: o_proj has one too
+      STRATA_RETURN_IF_ERROR(ReadTensor(*ck, p + "self_attn.o_proj.bias", {hs}, &l.bo));
+    }
     if (c.attention_bias) {
       STRATA_RETURN_IF_ERROR(ReadTensor(*ck, p + "self_attn.q_proj.bias", {qd}, &l.bq));
       STRATA_RETURN_IF_ERROR(ReadTensor(*ck, p + "self_attn.k_proj.bias", {kvd}, &l.bk));
@@ -100,6 +104,7 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const std::string& 
     STRATA_RETURN_IF_ERROR(ReadTensor(*ck, p + "mlp.up_proj.weight", {ff, hs}, &l.w_up));
     STRATA_RETURN_IF_ERROR(ReadTensor(*ck, p + "mlp.down_proj.weight", {hs, ff}, &l.w_down));
   }
+  m->fingerprint_ = Fingerprint64(absl::StrCat(c.Fingerprint(), ":", ck->ContentDigest()));
   // RoPE frequencies, with Llama 3's long-context scaling when configured.
   const uint32_t half = c.head_dim / 2;
   m->inv_freq_.resize(half);
@@ -143,7 +148,7 @@ void LlamaModel::Rope(float* x, uint32_t position0, uint32_t tokens, uint32_t he
 
 absl::StatusOr<std::unique_ptr<SequenceKvCache>> LlamaModel::NewCache(
     KvCacheOptions options) const {
-  options.model_fingerprint = config_.Fingerprint();
+  options.model_fingerprint = fingerprint_;
   return SequenceKvCache::Create(options, config_.num_layers, config_.num_kv_heads,
                                  config_.head_dim);
 }
@@ -181,6 +186,11 @@ absl::StatusOr<std::vector<float>> LlamaModel::Run(absl::Span<const uint32_t> to
   }
   if (kv != nullptr) kv->assign(c.num_layers, {});
   const uint32_t position0 = cache != nullptr ? cache->tokens() : 0;
+  if (c.sliding_window != 0 && uint64_t{position0} + n > c.sliding_window) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("model: ", position0 + n, " tokens exceed the sliding window of ",
+                     c.sliding_window, "; sliding-window attention is not implemented"));
+  }
   if (uint64_t{position0} + n > c.max_position_embeddings * 4ull) {
     return absl::InvalidArgumentError(absl::StrCat("model: position ", position0 + n,
                                                    " is far beyond the model's context of ",
@@ -214,7 +224,7 @@ absl::StatusOr<std::vector<float>> LlamaModel::Run(absl::Span<const uint32_t> to
       if (cache != nullptr) cache->DiscardUncommitted();
       return attn;
     }
-    Linear(att.data(), n, qd, l.wo, {}, hs, o.data());
+    Linear(att.data(), n, qd, l.wo, l.bo, hs, o.data());
     for (size_t i = 0; i < x.size(); ++i) x[i] += o[i];
     RmsNorm(x.data(), n, hs, l.post_norm, c.rms_norm_eps, h.data());
     Linear(h.data(), n, hs, l.w_gate, {}, ff, g.data());

@@ -35,6 +35,9 @@ class LlamaModel {
   static absl::StatusOr<std::unique_ptr<LlamaModel>> Load(const std::string& dir);
 
   const ModelConfig& config() const { return config_; }
+  // Names this model's KV blocks: covers the config's shape and the checkpoint (tensor headers
+  // and the first MiB of each shard's data), so a fine-tune never shares blocks with its base.
+  uint64_t fingerprint() const { return fingerprint_; }
 
   // Logits [tokens, vocab] of a prompt from position 0, all in full precision. `kv`
   // (optional) receives one LayerKv per layer.
@@ -54,7 +57,7 @@ class LlamaModel {
  private:
   struct Layer {
     std::vector<float> input_norm, post_norm;
-    std::vector<float> wq, wk, wv, wo, bq, bk, bv;  // [out, in]; biases empty when absent
+    std::vector<float> wq, wk, wv, wo, bq, bk, bv, bo;  // [out, in]; biases empty when absent
     std::vector<float> w_gate, w_up, w_down;
   };
   LlamaModel() = default;
@@ -63,6 +66,7 @@ class LlamaModel {
                                          std::vector<LayerKv>* kv) const;
 
   ModelConfig config_;
+  uint64_t fingerprint_ = 0;
   std::vector<float> embed_;    // [vocab, hidden]
   std::vector<float> norm_;     // [hidden]
   std::vector<float> lm_head_;  // [vocab, hidden]; empty when tied to embed_

@@ -13,7 +13,9 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/endian.h"
+#include "common/sha256.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 
@@ -130,11 +132,13 @@ absl::StatusOr<std::vector<TensorInfo>> ParseSafetensorsHeader(absl::string_view
   for (const TensorInfo& t : out) order.push_back(&t);
   std::sort(order.begin(), order.end(),
             [](const TensorInfo* a, const TensorInfo* b) { return a->begin < b->begin; });
-  for (size_t i = 1; i < order.size(); ++i) {
-    if (order[i - 1]->begin + order[i - 1]->bytes > order[i]->begin && order[i]->bytes > 0) {
-      return Bad(
-          absl::StrCat("tensors '", order[i - 1]->name, "' and '", order[i]->name, "' overlap"));
+  const TensorInfo* reach = nullptr;  // the tensor ending furthest so far
+  for (const TensorInfo* t : order) {
+    if (t->bytes == 0) continue;
+    if (reach != nullptr && reach->begin + reach->bytes > t->begin) {
+      return Bad(absl::StrCat("tensors '", reach->name, "' and '", t->name, "' overlap"));
     }
+    if (reach == nullptr || t->begin + t->bytes > reach->begin + reach->bytes) reach = t;
   }
   return out;
 }
@@ -273,6 +277,24 @@ absl::StatusOr<Checkpoint::Tensor> Checkpoint::Get(absl::string_view name) const
   }
   const TensorInfo* info = it->second->Find(name);
   return Tensor{info, it->second->Data(*info)};
+}
+
+std::string Checkpoint::ContentDigest() const {
+  Sha256 h;
+  for (const auto& f : files_) {
+    uint64_t data_end = 0;
+    for (const TensorInfo& t : f->tensors()) {
+      h.Update(absl::StrCat(t.name, ":", TensorDTypeName(t.dtype), ":", absl::StrJoin(t.shape, ","),
+                            ":", t.begin, ":", t.bytes, ";"));
+      data_end = std::max(data_end, t.begin + t.bytes);
+    }
+    if (!f->tensors().empty()) {
+      const absl::Span<const uint8_t> first = f->Data(f->tensors().front());
+      const uint8_t* base = first.data() - f->tensors().front().begin;
+      h.Update(base, static_cast<size_t>(std::min<uint64_t>(data_end, 1 << 20)));
+    }
+  }
+  return ToHex(h.Finish());
 }
 
 std::vector<std::string> Checkpoint::Names() const {

@@ -94,6 +94,9 @@ class Checkpoint {
   };
   absl::StatusOr<Tensor> Get(absl::string_view name) const;
   std::vector<std::string> Names() const;
+  // Hex SHA-256 over every shard's tensor table (names, dtypes, shapes, offsets) and the first
+  // MiB of its data: identifies the weights without reading them all.
+  std::string ContentDigest() const;
 
  private:
   std::string dir_;

@@ -128,6 +128,9 @@ TEST(SafetensorsTest, BadHeadersNameTheTensorAndTheProblem) {
       {R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})",
        8, "'a' and 'b' overlap"},
       {R"({"__metadata__":{"k":1}})", 0, "not a string"},
+      // A zero-size tensor between two overlapping ones must not hide the overlap.
+      {R"({"a":{"dtype":"U8","shape":[100],"data_offsets":[0,100]},"b":{"dtype":"U8","shape":[0],"data_offsets":[10,10]},"c":{"dtype":"U8","shape":[10],"data_offsets":[50,60]}})",
+       100, "'a' and 'c' overlap"},
   };
   for (const Case& c : cases) {
     absl::StatusOr<std::vector<TensorInfo>> r = ParseSafetensorsHeader(c.header, c.data_bytes);
