@@ -167,61 +167,113 @@ absl::StatusOr<std::vector<float>> LlamaModel::Step(absl::Span<const uint32_t> t
 absl::StatusOr<std::vector<float>> LlamaModel::Run(absl::Span<const uint32_t> tokens,
                                                    SequenceKvCache* cache,
                                                    std::vector<LayerKv>* kv) const {
-  const ModelConfig& c = config_;
-  const int n = static_cast<int>(tokens.size());
-  if (n == 0) return absl::InvalidArgumentError("model: no tokens");
-  for (size_t i = 0; i < tokens.size(); ++i) {
-    if (tokens[i] >= c.vocab_size) {
-      return absl::InvalidArgumentError(absl::StrCat("model: token ", i, " is ", tokens[i],
-                                                     ", beyond the vocabulary of ", c.vocab_size));
+  const absl::Span<const uint32_t> one[] = {tokens};
+  SequenceKvCache* const caches[] = {cache};
+  STRATA_ASSIGN_OR_RETURN(std::vector<std::vector<float>> logits,
+                          RunBatch(one,
+                                   cache != nullptr ? absl::MakeConstSpan(caches)
+                                                    : absl::Span<SequenceKvCache* const>(),
+                                   kv));
+  return std::move(logits[0]);
+}
+
+absl::StatusOr<std::vector<std::vector<float>>> LlamaModel::StepBatch(
+    absl::Span<const absl::Span<const uint32_t>> tokens,
+    absl::Span<SequenceKvCache* const> caches) const {
+  if (tokens.size() != caches.size() || tokens.empty()) {
+    return absl::InvalidArgumentError("model: StepBatch needs one cache per sequence");
+  }
+  for (size_t i = 0; i < caches.size(); ++i) {
+    if (caches[i] == nullptr) return absl::InvalidArgumentError("model: a null cache");
+    for (size_t j = 0; j < i; ++j) {
+      if (caches[j] == caches[i]) return absl::InvalidArgumentError("model: a cache twice");
     }
   }
+  return RunBatch(tokens, caches, nullptr);
+}
+
+// Every sequence's new tokens go through the matrix products together (one sgemm per weight for
+// the whole batch); attention runs per sequence over its own cache, in one batched call.
+absl::StatusOr<std::vector<std::vector<float>>> LlamaModel::RunBatch(
+    absl::Span<const absl::Span<const uint32_t>> seqs, absl::Span<SequenceKvCache* const> caches,
+    std::vector<LayerKv>* kv) const {
+  const ModelConfig& c = config_;
+  const bool cached = !caches.empty();
+  std::vector<uint32_t> row0(seqs.size() + 1, 0), pos0(seqs.size(), 0);
+  for (size_t s = 0; s < seqs.size(); ++s) {
+    if (seqs[s].empty())
+      return absl::InvalidArgumentError(absl::StrCat("model: sequence ", s, " has no tokens"));
+    for (size_t i = 0; i < seqs[s].size(); ++i) {
+      if (seqs[s][i] >= c.vocab_size) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("model: token ", i, " of sequence ", s, " is ", seqs[s][i],
+                         ", beyond the vocabulary of ", c.vocab_size));
+      }
+    }
+    row0[s + 1] = row0[s] + static_cast<uint32_t>(seqs[s].size());
+    pos0[s] = cached ? caches[s]->tokens() : 0;
+    const uint64_t end = uint64_t{pos0[s]} + seqs[s].size();
+    if (c.sliding_window != 0 && end > c.sliding_window) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("model: ", end, " tokens exceed the sliding window of ", c.sliding_window,
+                       "; sliding-window attention is not implemented"));
+    }
+    if (end > c.max_position_embeddings * 4ull) {
+      return absl::InvalidArgumentError(absl::StrCat("model: position ", end,
+                                                     " is far beyond the model's context of ",
+                                                     c.max_position_embeddings));
+    }
+  }
+  const int n = static_cast<int>(row0.back());
   const int hs = static_cast<int>(c.hidden_size), qd = static_cast<int>(c.num_heads * c.head_dim),
             kvd = static_cast<int>(c.num_kv_heads * c.head_dim),
             ff = static_cast<int>(c.intermediate_size);
   std::vector<float> x(static_cast<size_t>(n) * hs), h(x.size()), q(size_t(n) * qd),
       k(size_t(n) * kvd), v(k.size()), att(q.size()), o(x.size()), g(size_t(n) * ff), u(g.size());
-  for (int i = 0; i < n; ++i) {
-    std::memcpy(&x[size_t(i) * hs], &embed_[size_t{tokens[i]} * hs], hs * sizeof(float));
+  for (size_t s = 0; s < seqs.size(); ++s) {
+    for (size_t i = 0; i < seqs[s].size(); ++i) {
+      std::memcpy(&x[(row0[s] + i) * size_t(hs)], &embed_[size_t{seqs[s][i]} * hs],
+                  hs * sizeof(float));
+    }
   }
   if (kv != nullptr) kv->assign(c.num_layers, {});
-  const uint32_t position0 = cache != nullptr ? cache->tokens() : 0;
-  if (c.sliding_window != 0 && uint64_t{position0} + n > c.sliding_window) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("model: ", position0 + n, " tokens exceed the sliding window of ",
-                     c.sliding_window, "; sliding-window attention is not implemented"));
-  }
-  if (uint64_t{position0} + n > c.max_position_embeddings * 4ull) {
-    return absl::InvalidArgumentError(absl::StrCat("model: position ", position0 + n,
-                                                   " is far beyond the model's context of ",
-                                                   c.max_position_embeddings));
-  }
+  auto discard = [&] {
+    for (SequenceKvCache* cache : caches) cache->DiscardUncommitted();
+  };
   const kernels::DecodeAttentionParams params{c.num_heads, c.num_kv_heads, c.head_dim};
+  std::vector<kernels::DecodeSequence> batch(seqs.size());
   for (uint32_t li = 0; li < c.num_layers; ++li) {
     const Layer& l = layers_[li];
     RmsNorm(x.data(), n, hs, l.input_norm, c.rms_norm_eps, h.data());
     Linear(h.data(), n, hs, l.wq, l.bq, qd, q.data());
     Linear(h.data(), n, hs, l.wk, l.bk, kvd, k.data());
     Linear(h.data(), n, hs, l.wv, l.bv, kvd, v.data());
-    Rope(q.data(), position0, n, c.num_heads);
-    Rope(k.data(), position0, n, c.num_kv_heads);
+    for (size_t s = 0; s < seqs.size(); ++s) {
+      const uint32_t rows = row0[s + 1] - row0[s];
+      float* qs = &q[size_t{row0[s]} * qd];
+      float* ks = &k[size_t{row0[s]} * kvd];
+      float* vs = &v[size_t{row0[s]} * kvd];
+      Rope(qs, pos0[s], rows, c.num_heads);
+      Rope(ks, pos0[s], rows, c.num_kv_heads);
+      kernels::DecodeSequence& seq = batch[s];
+      if (cached) {
+        caches[s]->AppendWindow(li, ks, vs, rows);
+        seq = caches[s]->View(li);
+      } else {
+        seq = {};
+        seq.window = {ks, vs, rows};
+      }
+      seq.q = qs;
+      seq.query_tokens = rows;
+      seq.out = &att[size_t{row0[s]} * qd];
+    }
     if (kv != nullptr) {
       (*kv)[li].k = k;
       (*kv)[li].v = v;
     }
-    kernels::DecodeSequence seq;
-    if (cache != nullptr) {
-      cache->AppendWindow(li, k.data(), v.data(), static_cast<uint32_t>(n));
-      seq = cache->View(li);
-    } else {
-      seq.window = {k.data(), v.data(), static_cast<uint32_t>(n)};
-    }
-    seq.q = q.data();
-    seq.query_tokens = static_cast<uint32_t>(n);
-    seq.out = att.data();
-    const absl::Status attn = kernels::DecodeAttention(params, {&seq, 1});
+    const absl::Status attn = kernels::DecodeAttention(params, batch);
     if (!attn.ok()) {
-      if (cache != nullptr) cache->DiscardUncommitted();
+      discard();
       return attn;
     }
     Linear(att.data(), n, qd, l.wo, l.bo, hs, o.data());
@@ -233,12 +285,23 @@ absl::StatusOr<std::vector<float>> LlamaModel::Run(absl::Span<const uint32_t> to
     Linear(g.data(), n, ff, l.w_down, {}, hs, o.data());
     for (size_t i = 0; i < x.size(); ++i) x[i] += o[i];
   }
-  if (cache != nullptr) STRATA_RETURN_IF_ERROR(cache->Commit(static_cast<uint32_t>(n)));
+  for (size_t s = 0; s < caches.size(); ++s) {
+    const absl::Status st = caches[s]->Commit(row0[s + 1] - row0[s]);
+    if (!st.ok()) {  // earlier caches committed; later ones are put back as they were
+      for (size_t t = s + 1; t < caches.size(); ++t) caches[t]->DiscardUncommitted();
+      return st;
+    }
+  }
   RmsNorm(x.data(), n, hs, norm_, c.rms_norm_eps, h.data());
   std::vector<float> logits(size_t(n) * c.vocab_size);
   Linear(h.data(), n, hs, lm_head_.empty() ? embed_ : lm_head_, {}, static_cast<int>(c.vocab_size),
          logits.data());
-  return logits;
+  std::vector<std::vector<float>> out(seqs.size());
+  for (size_t s = 0; s < seqs.size(); ++s) {
+    out[s].assign(logits.begin() + size_t{row0[s]} * c.vocab_size,
+                  logits.begin() + size_t{row0[s + 1]} * c.vocab_size);
+  }
+  return out;
 }
 
 }  // namespace strata::model

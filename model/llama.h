@@ -51,6 +51,13 @@ class LlamaModel {
   absl::StatusOr<std::vector<float>> Step(absl::Span<const uint32_t> tokens,
                                           SequenceKvCache* cache) const;
 
+  // Step for a batch of sequences at once, each on its own cache (distinct caches): the matrix
+  // products run over all sequences' new tokens together, attention per sequence. Returns
+  // each sequence's logits [its tokens, vocab].
+  absl::StatusOr<std::vector<std::vector<float>>> StepBatch(
+      absl::Span<const absl::Span<const uint32_t>> tokens,
+      absl::Span<SequenceKvCache* const> caches) const;
+
   // A cache shaped for this model.
   absl::StatusOr<std::unique_ptr<SequenceKvCache>> NewCache(KvCacheOptions options) const;
 
@@ -64,6 +71,9 @@ class LlamaModel {
   void Rope(float* x, uint32_t position0, uint32_t tokens, uint32_t heads) const;
   absl::StatusOr<std::vector<float>> Run(absl::Span<const uint32_t> tokens, SequenceKvCache* cache,
                                          std::vector<LayerKv>* kv) const;
+  absl::StatusOr<std::vector<std::vector<float>>> RunBatch(
+      absl::Span<const absl::Span<const uint32_t>> seqs, absl::Span<SequenceKvCache* const> caches,
+      std::vector<LayerKv>* kv) const;
 
   ModelConfig config_;
   uint64_t fingerprint_ = 0;

@@ -121,6 +121,43 @@ TEST(LlamaModelTest, StepwiseDecodeWithAnFp16CacheMatchesTheFullForward) {
   }
 }
 
+TEST(LlamaModelTest, BatchedDecodeMatchesEachSequenceAlone) {
+  auto model = *LlamaModel::Load(absl::StrCat(STRATA_SOURCE_DIR, "/tests/data/tiny-qwen2"));
+  const uint32_t vocab = model->config().vocab_size;
+  const KvCacheOptions opts{.codec = "kivi:k4v4:g8", .chunk_tokens = 8};
+  // Three sequences of different lengths, prefilled and then decoded together for 12 steps.
+  std::vector<std::vector<uint32_t>> prompts = {
+      {1, 2, 3}, {7, 8, 9, 10, 11, 12, 13, 14, 15, 16}, {42}};
+  std::vector<std::unique_ptr<SequenceKvCache>> batched, alone;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    batched.push_back(*model->NewCache(opts));
+    alone.push_back(*model->NewCache(opts));
+  }
+  std::vector<absl::Span<const uint32_t>> spans(prompts.begin(), prompts.end());
+  std::vector<SequenceKvCache*> ptrs = {batched[0].get(), batched[1].get(), batched[2].get()};
+  auto first = model->StepBatch(spans, ptrs);
+  ASSERT_TRUE(first.ok()) << first.status();
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    const std::vector<float> solo = *model->Step(prompts[i], alone[i].get());
+    EXPECT_LT(MaxRelDiff((*first)[i], solo), 1e-5) << i;
+  }
+  for (uint32_t step = 0; step < 12; ++step) {
+    std::vector<uint32_t> next = {step % vocab, (step * 3 + 1) % vocab, (step * 7 + 2) % vocab};
+    std::vector<absl::Span<const uint32_t>> one = {{&next[0], 1}, {&next[1], 1}, {&next[2], 1}};
+    auto out = model->StepBatch(one, ptrs);
+    ASSERT_TRUE(out.ok());
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      const std::vector<float> solo = *model->Step(one[i], alone[i].get());
+      EXPECT_LT(MaxRelDiff((*out)[i], solo), 1e-5) << "step " << step << " seq " << i;
+    }
+  }
+  EXPECT_EQ(batched[1]->blocks_per_layer(), alone[1]->blocks_per_layer());
+  EXPECT_EQ(batched[1]->tokens(), 22u);
+  SequenceKvCache* twice[] = {batched[0].get(), batched[0].get()};
+  std::vector<absl::Span<const uint32_t>> two = {spans[0], spans[0]};
+  EXPECT_EQ(model->StepBatch(two, twice).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST(LlamaModelTest, SuffixPrefillOverAnAdoptedCompressedPrefixMatchesRecomputing) {
   auto model = *LlamaModel::Load(absl::StrCat(STRATA_SOURCE_DIR, "/tests/data/tiny-qwen2"));
   std::vector<uint32_t> ids;
