@@ -69,7 +69,7 @@ kernels::KvChunkView View(const Chunks& c, size_t i) {
 struct Encoded {
   std::vector<AlignedBuffer> buffers;
   std::vector<BlockView> views;
-  std::vector<BlockOperands> ops;
+  std::vector<kernels::PreparedBlock> ops;
   std::vector<const BlockOperands*> ptrs;
   size_t bytes = 0;
 };
@@ -91,7 +91,9 @@ Encoded Encode(const Codec& codec, const Chunks& c, ThreadPool& pool) {
     e.bytes += b.size();
   }
   for (const BlockView& v : e.views) e.ops.push_back(*kernels::PrepareBlock(v));
-  for (const BlockOperands& o : e.ops) e.ptrs.push_back(&o);
+  for (const kernels::PreparedBlock& o : e.ops) {
+    for (const BlockOperands& part : o.parts) e.ptrs.push_back(&part);
+  }
   return e;
 }
 
@@ -288,7 +290,7 @@ int Main(int argc, char** argv) {
     std::vector<float> k_dec(k_all.size()), v_dec(v_all.size());
     const size_t per = size_t{kChunk} * kKvHeads * kDim;
     for (uint32_t i = 0; i < kErrChunks; ++i) {
-      if (!kernels::DecodeOperandsRef(e.ops[i], &k_dec[i * per], &v_dec[i * per]).ok())
+      if (!kernels::DecodePreparedRef(e.ops[i], &k_dec[i * per], &v_dec[i * per]).ok())
         std::abort();
     }
     const double ek = RelErr(k_dec.data(), k_all.data(), k_all.size());

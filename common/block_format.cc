@@ -344,10 +344,14 @@ absl::Status ValidateBlockStructure(const BlockHeader& h, absl::Span<const Secti
     if (na == 1) {
       const uint64_t a = totals.at(t, SectionKind::kLowRankA);
       const uint64_t b = totals.at(t, SectionKind::kLowRankB);
-      const uint64_t ht = uint64_t{h.kv_heads} * h.token_count;
-      if (a == 0 || a % ht != 0 || b % hd != 0 || a / ht != b / hd) {
+      // A covers the tokens of the part that has the factors (all of them, or fewer in a
+      // block with parts).
+      const uint64_t r = b / hd;
+      const uint64_t hr = uint64_t{h.kv_heads} * r;
+      if (a == 0 || b % hd != 0 || r == 0 || a % hr != 0 || a / hr > h.token_count) {
         return fail(tn, ": low-rank factors of ", a, " and ", b,
-                    " elements are not heads x tokens x r and heads x head dim x r for one r >= 1");
+                    " elements are not heads x n x r and heads x head dim x r for one r >= 1 and "
+                    "n <= tokens");
       }
     }
   }

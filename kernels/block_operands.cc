@@ -30,42 +30,11 @@ CodeKind KindOf(CodecId id) {
 
 }  // namespace
 
-absl::StatusOr<BlockOperands> PrepareBlock(const BlockView& block) {
-  const BlockHeader& h = block.header();
-  absl::StatusOr<CodecSpec> spec = CodecSpec::Parse(h.codec_spec);
-  if (!spec.ok()) return spec.status();
-  if (spec->id != h.codec) {
-    return absl::DataLossError(absl::StrCat("block: codec id ", CodecIdName(h.codec),
-                                            " does not match its spec '", h.codec_spec, "'"));
-  }
-  BlockOperands ops;
-  ops.spec = *spec;
-  ops.tokens = h.token_count;
-  ops.kv_heads = h.kv_heads;
-  ops.head_dim = h.head_dim;
-  if (ops.spec.id != CodecId::kFp16 && ops.spec.id != CodecId::kBf16 && h.head_dim % 8 != 0) {
-    return absl::DataLossError(absl::StrCat("block: codec ", h.codec_spec, " with head_dim ",
-                                            h.head_dim, ", not a multiple of 8"));
-  }
-  const CodecLayout layout = MakeCodecLayout(ops.spec, h.token_count, h.kv_heads, h.head_dim);
-  if (block.section_count() != static_cast<int>(layout.sections.size())) {
-    return absl::DataLossError(absl::StrCat("block: codec ", h.codec_spec, " writes ",
-                                            layout.sections.size(), " sections, block has ",
-                                            block.section_count()));
-  }
-  for (int i = 0; i < block.section_count(); ++i) {
-    const SectionEntry& got = block.section(i).entry;
-    const SectionDesc& want = layout.sections[i];
-    if (got.kind != want.kind || got.tensor != want.tensor || got.elem != want.elem ||
-        got.count != want.count) {
-      return absl::DataLossError(
-          absl::StrCat("block: section ", i, " is ", SectionKindName(got.kind), "/",
-                       TensorName(got.tensor), "/", ElemTypeName(got.elem), " x", got.count,
-                       " but codec ", h.codec_spec, " writes ", SectionKindName(want.kind), "/",
-                       TensorName(want.tensor), "/", ElemTypeName(want.elem), " x", want.count));
-    }
-  }
-  int i = 0;
+namespace {
+
+// Fills one part's operands from its sections, which begin at `i`.
+absl::Status FillPart(const BlockView& block, int i, const CodecLayout& layout, BlockOperands& ops) {
+  const uint32_t D = ops.head_dim;
   for (Tensor tensor : {Tensor::kKey, Tensor::kValue}) {
     const bool is_k = tensor == Tensor::kKey;
     TensorOperands& t = is_k ? ops.k : ops.v;
@@ -73,7 +42,7 @@ absl::StatusOr<BlockOperands> PrepareBlock(const BlockView& block) {
     t.kind = KindOf(ops.spec.id);
     t.bits = ElemBits(block.section(i).entry.elem);
     t.codes = block.section(i).data.data();
-    t.row_bytes = static_cast<uint32_t>(PackedBytes(h.head_dim, t.bits));
+    t.row_bytes = static_cast<uint32_t>(PackedBytes(D, t.bits));
     ++i;
     auto u16 = [&](int idx) {
       return reinterpret_cast<const uint16_t*>(block.section(idx).data.data());
@@ -87,6 +56,7 @@ absl::StatusOr<BlockOperands> PrepareBlock(const BlockView& block) {
       t.group_size = tl.group_size;
       t.scales = u16(i++);
       t.zeros = u16(i++);
+      if (ops.spec.id == CodecId::kZipCache && !is_k) t.channel_norm = u16(i++);
       if (tl.rank > 0) {
         t.rank = tl.rank;
         t.lowrank_a = u16(i++);
@@ -96,7 +66,7 @@ absl::StatusOr<BlockOperands> PrepareBlock(const BlockView& block) {
         t.outliers_per_vector = tl.outliers;
         t.outlier_values = u16(i++);
         const SectionView& idx = block.section(i++);
-        const uint32_t limit = is_k ? h.token_count : h.head_dim;
+        const uint32_t limit = is_k ? ops.tokens : D;
         for (uint32_t j = 0; j < idx.entry.count; ++j) {
           const uint32_t v = tl.index_type == ElemType::kUInt8
                                  ? idx.data[j]
@@ -114,7 +84,86 @@ absl::StatusOr<BlockOperands> PrepareBlock(const BlockView& block) {
       }
     }
   }
-  return ops;
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<PreparedBlock> PrepareBlock(const BlockView& block) {
+  const BlockHeader& h = block.header();
+  absl::StatusOr<CodecSpec> spec = CodecSpec::Parse(h.codec_spec);
+  if (!spec.ok()) return spec.status();
+  if (spec->id != h.codec) {
+    return absl::DataLossError(absl::StrCat("block: codec id ", CodecIdName(h.codec),
+                                            " does not match its spec '", h.codec_spec, "'"));
+  }
+  PreparedBlock out;
+  out.spec = *spec;
+  out.tokens = h.token_count;
+  out.kv_heads = h.kv_heads;
+  out.head_dim = h.head_dim;
+  if (spec->id != CodecId::kFp16 && spec->id != CodecId::kBf16 && h.head_dim % 8 != 0) {
+    return absl::DataLossError(absl::StrCat("block: codec ", h.codec_spec, " with head_dim ",
+                                            h.head_dim, ", not a multiple of 8"));
+  }
+  const std::vector<CodecSpec> part_specs = spec->PartSpecs();
+  std::vector<uint32_t> counts(part_specs.size(), 0);
+  std::vector<std::vector<uint32_t>> positions(part_specs.size());
+  if (spec->has_parts()) {
+    if (block.section_count() < 1 || block.section(0).entry.kind != SectionKind::kTokenBits ||
+        block.section(0).entry.tensor != Tensor::kShared ||
+        block.section(0).entry.elem != ElemType::kUInt8 ||
+        block.section(0).entry.count != h.token_count) {
+      return absl::DataLossError(absl::StrCat("block: codec ", h.codec_spec,
+                                              " needs a token map (token_bits/shared/u8 x",
+                                              h.token_count, ") as its first section"));
+    }
+    const uint8_t* map = block.section(0).data.data();
+    for (uint32_t t = 0; t < h.token_count; ++t) {
+      if (map[t] >= part_specs.size()) {
+        return absl::DataLossError(absl::StrCat("block: token ", t, " is in part ", int{map[t]},
+                                                ", the codec has ", part_specs.size()));
+      }
+      ++counts[map[t]];
+      positions[map[t]].push_back(t);
+    }
+  } else {
+    counts[0] = h.token_count;
+  }
+  const BlockPartsLayout layout = MakeBlockLayout(*spec, counts, h.kv_heads, h.head_dim);
+  if (block.section_count() != static_cast<int>(layout.sections.size())) {
+    return absl::DataLossError(absl::StrCat("block: codec ", h.codec_spec, " writes ",
+                                            layout.sections.size(), " sections, block has ",
+                                            block.section_count()));
+  }
+  for (int i = 0; i < block.section_count(); ++i) {
+    const SectionEntry& got = block.section(i).entry;
+    const SectionDesc& want = layout.sections[i];
+    if (got.kind != want.kind || got.tensor != want.tensor || got.elem != want.elem ||
+        got.count != want.count) {
+      return absl::DataLossError(
+          absl::StrCat("block: section ", i, " is ", SectionKindName(got.kind), "/",
+                       TensorName(got.tensor), "/", ElemTypeName(got.elem), " x", got.count,
+                       " but codec ", h.codec_spec, " writes ", SectionKindName(want.kind), "/",
+                       TensorName(want.tensor), "/", ElemTypeName(want.elem), " x", want.count));
+    }
+  }
+  for (size_t p = 0; p < part_specs.size(); ++p) {
+    if (counts[p] == 0) continue;
+    BlockOperands ops;
+    ops.spec = part_specs[p];
+    ops.tokens = counts[p];
+    ops.kv_heads = h.kv_heads;
+    ops.head_dim = h.head_dim;
+    STRATA_RETURN_IF_ERROR(FillPart(block, layout.first_section[p], layout.parts[p], ops));
+    out.parts.push_back(ops);
+    if (!spec->has_parts()) {
+      positions[p].resize(counts[p]);
+      for (uint32_t t = 0; t < counts[p]; ++t) positions[p][t] = t;
+    }
+    out.part_tokens.push_back(std::move(positions[p]));
+  }
+  return out;
 }
 
 absl::Status DecodeOperandsRef(const BlockOperands& ops, float* k, float* v) {
@@ -179,6 +228,13 @@ absl::Status DecodeOperandsRef(const BlockOperands& ops, float* k, float* v) {
           }
         }
       }
+      if (t.channel_norm != nullptr) {  // multiplies everything above
+        for (uint32_t tok = 0; tok < T; ++tok) {
+          for (uint32_t d = 0; d < D; ++d) {
+            hm[(size_t{h} * T + tok) * D + d] *= HalfBitsToFloat(t.channel_norm[size_t{h} * D + d]);
+          }
+        }
+      }
     }
     float* out = is_k ? k : v;
     for (uint32_t h = 0; h < H; ++h) {
@@ -191,9 +247,26 @@ absl::Status DecodeOperandsRef(const BlockOperands& ops, float* k, float* v) {
   return absl::OkStatus();
 }
 
+absl::Status DecodePreparedRef(const PreparedBlock& block, float* k, float* v) {
+  const size_t row = size_t{block.kv_heads} * block.head_dim;
+  std::vector<float> pk, pv;
+  for (size_t p = 0; p < block.parts.size(); ++p) {
+    const BlockOperands& ops = block.parts[p];
+    pk.resize(ops.tokens * row);
+    pv.resize(ops.tokens * row);
+    STRATA_RETURN_IF_ERROR(DecodeOperandsRef(ops, pk.data(), pv.data()));
+    for (uint32_t i = 0; i < ops.tokens; ++i) {
+      const uint32_t t = block.part_tokens[p][i];
+      std::memcpy(k + t * row, &pk[i * row], row * sizeof(float));
+      std::memcpy(v + t * row, &pv[i * row], row * sizeof(float));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status DecodeBlockRef(const BlockView& block, float* k, float* v) {
-  STRATA_ASSIGN_OR_RETURN(BlockOperands ops, PrepareBlock(block));
-  return DecodeOperandsRef(ops, k, v);
+  STRATA_ASSIGN_OR_RETURN(PreparedBlock prepared, PrepareBlock(block));
+  return DecodePreparedRef(prepared, k, v);
 }
 
 }  // namespace strata::kernels

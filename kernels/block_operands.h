@@ -18,11 +18,19 @@
 //                 K: [H, D, n], the token of each outlier in its channel;
 //                 V: [H, T, n], the channel of each outlier in its token;
 //                 each value is added to the backbone's dequantized element.
+//   zipcache      a part: K as kcvt (per channel over the part's tokens); V per token with one
+//                 group, plus channel_normalizers f16 [H, D] that multiply every dequantized
+//                 element of their channel (channel-separable tokenwise quantization).
+// Blocks with parts (a spec with sinkN, or zipcache) begin with a token map, token_bits u8 [T]
+// (shared): the part of each token, indexing CodecSpec::PartSpecs(); then each non-empty part's
+// sections, as above for its own token count. Attention does not depend on the order of a
+// block's tokens (they all precede the query), so each part is attended as a block of its own.
 // Errors: kDataLoss naming the missing or mis-sized section; kInvalidArgument when the codec
 // spec in the header does not parse.
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "common/block_reader.h"
@@ -52,14 +60,17 @@ struct TensorOperands {
   const uint16_t* outlier_values = nullptr;  // fp16 bits
   const uint8_t* outlier_index8 = nullptr;   // one of the two is set
   const uint16_t* outlier_index16 = nullptr;
+  // Per-channel multipliers of the dequantized values, fp16 [H, D]; nullptr when absent.
+  const uint16_t* channel_norm = nullptr;
 
   uint32_t OutlierIndex(size_t i) const {
     return outlier_index8 != nullptr ? outlier_index8[i] : outlier_index16[i];
   }
 };
 
+// One homogeneous part of a block (the whole block for a spec without parts).
 struct BlockOperands {
-  CodecSpec spec;
+  CodecSpec spec;  // the part's plain spec
   uint32_t tokens = 0;
   uint32_t kv_heads = 0;
   uint32_t head_dim = 0;
@@ -67,11 +78,22 @@ struct BlockOperands {
   TensorOperands v;
 };
 
-absl::StatusOr<BlockOperands> PrepareBlock(const BlockView& block);
+struct PreparedBlock {
+  CodecSpec spec;  // the block's spec, as in its header
+  uint32_t tokens = 0;
+  uint32_t kv_heads = 0;
+  uint32_t head_dim = 0;
+  std::vector<BlockOperands> parts;               // the non-empty parts, in block order
+  std::vector<std::vector<uint32_t>> part_tokens;  // each part's token positions, ascending
+};
 
-// Reference decoder: the block's K and V at fp32, [tokens, kv_heads, head_dim] each, exactly as
-// attention over the block sees them (backbone + low-rank + outliers).
+absl::StatusOr<PreparedBlock> PrepareBlock(const BlockView& block);
+
+// Reference decoder: the block's K and V at fp32, [tokens, kv_heads, head_dim] each, in token
+// order, exactly as attention over the block sees them (backbone + low-rank + outliers).
 absl::Status DecodeBlockRef(const BlockView& block, float* k, float* v);
+absl::Status DecodePreparedRef(const PreparedBlock& block, float* k, float* v);
+// One part alone: [part tokens, kv_heads, head_dim].
 absl::Status DecodeOperandsRef(const BlockOperands& ops, float* k, float* v);
 
 }  // namespace strata::kernels

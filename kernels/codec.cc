@@ -236,34 +236,6 @@ std::vector<size_t> SelectOutliers(const HeadMajor& x, bool per_channel, uint32_
   return positions;
 }
 
-class IdentityCodec : public Codec {
- public:
-  using Codec::Codec;
-  absl::StatusOr<AlignedBuffer> Encode(const KvChunkView& c,
-                                       const BlockContext& ctx) const override;
-};
-
-class Int8Codec : public Codec {
- public:
-  using Codec::Codec;
-  absl::StatusOr<AlignedBuffer> Encode(const KvChunkView& c,
-                                       const BlockContext& ctx) const override;
-};
-
-class Fp8Codec : public Codec {
- public:
-  using Codec::Codec;
-  absl::StatusOr<AlignedBuffer> Encode(const KvChunkView& c,
-                                       const BlockContext& ctx) const override;
-};
-
-class AffineCodec : public Codec {
- public:
-  using Codec::Codec;
-  absl::StatusOr<AlignedBuffer> Encode(const KvChunkView& c,
-                                       const BlockContext& ctx) const override;
-};
-
 absl::Status CheckShape(const CodecSpec& s, const KvChunkView& c) {
   if (c.k == nullptr || c.v == nullptr) return absl::InvalidArgumentError("codec: null K or V");
   if (c.tokens < 1 || c.kv_heads < 1 || c.head_dim < 1 || c.tokens > kMaxBlockTokens ||
@@ -279,31 +251,12 @@ absl::Status CheckShape(const CodecSpec& s, const KvChunkView& c) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<BlockBuilder> StartBlock(const CodecSpec& s, const KvChunkView& c,
-                                        const BlockContext& ctx, const CodecLayout& layout,
-                                        const std::string& spec_text) {
-  BlockHeader h;
-  h.codec = s.id;
-  h.codec_spec = spec_text;
-  h.source_dtype = c.dtype;
-  h.layer = ctx.layer;
-  h.chunk_index = ctx.chunk_index;
-  h.token_count = c.tokens;
-  h.kv_heads = c.kv_heads;
-  h.head_dim = c.head_dim;
-  h.model_fingerprint = ctx.model_fingerprint;
-  return BlockBuilder::Create(h, layout.sections);
-}
-
-absl::StatusOr<AlignedBuffer> IdentityCodec::Encode(const KvChunkView& c,
-                                                    const BlockContext& ctx) const {
-  STRATA_RETURN_IF_ERROR(CheckShape(spec(), c));
-  const bool f16 = spec().id == CodecId::kFp16;
+// Part writers: one part's K and V sections, from section `first` on; `c` is the part's tokens.
+absl::Status WriteIdentity(const CodecSpec& s, const CodecLayout& layout, const KvChunkView& c,
+                           BlockBuilder& b, int first) {
+  const bool f16 = s.id == CodecId::kFp16;
   const float limit = f16 ? 65504.0f : INFINITY;
-  const CodecLayout layout = MakeCodecLayout(spec(), c.tokens, c.kv_heads, c.head_dim);
-  const std::string text = spec().ToString();
-  STRATA_ASSIGN_OR_RETURN(BlockBuilder b, StartBlock(spec(), c, ctx, layout, text));
-  int section = 0;
+  int section = first;
   for (const auto& [src, name] : {std::pair{c.k, "K"}, std::pair{c.v, "V"}}) {
     STRATA_ASSIGN_OR_RETURN(HeadMajor m, ToHeadMajor(c, src, name, limit));
     if (f16) {
@@ -313,17 +266,13 @@ absl::StatusOr<AlignedBuffer> IdentityCodec::Encode(const KvChunkView& c,
     }
     section += layout.k_section_count;
   }
-  return std::move(b).Finish();
+  return absl::OkStatus();
 }
 
-absl::StatusOr<AlignedBuffer> Int8Codec::Encode(const KvChunkView& c,
-                                                const BlockContext& ctx) const {
-  STRATA_RETURN_IF_ERROR(CheckShape(spec(), c));
-  const CodecLayout layout = MakeCodecLayout(spec(), c.tokens, c.kv_heads, c.head_dim);
-  const std::string text = spec().ToString();
-  STRATA_ASSIGN_OR_RETURN(BlockBuilder b, StartBlock(spec(), c, ctx, layout, text));
+absl::Status WriteInt8(const CodecSpec&, const CodecLayout& layout, const KvChunkView& c,
+                       BlockBuilder& b, int first) {
   const uint32_t D = c.head_dim;
-  int section = 0;
+  int section = first;
   for (const auto& [src, name] : {std::pair{c.k, "K"}, std::pair{c.v, "V"}}) {
     STRATA_ASSIGN_OR_RETURN(HeadMajor m, ToHeadMajor(c, src, name, kMetadataLimit));
     int8_t* codes = b.section_as<int8_t>(section);
@@ -343,16 +292,12 @@ absl::StatusOr<AlignedBuffer> Int8Codec::Encode(const KvChunkView& c,
     }
     section += layout.k_section_count;
   }
-  return std::move(b).Finish();
+  return absl::OkStatus();
 }
 
-absl::StatusOr<AlignedBuffer> Fp8Codec::Encode(const KvChunkView& c,
-                                               const BlockContext& ctx) const {
-  STRATA_RETURN_IF_ERROR(CheckShape(spec(), c));
-  const CodecLayout layout = MakeCodecLayout(spec(), c.tokens, c.kv_heads, c.head_dim);
-  const std::string text = spec().ToString();
-  STRATA_ASSIGN_OR_RETURN(BlockBuilder b, StartBlock(spec(), c, ctx, layout, text));
-  int section = 0;
+absl::Status WriteFp8(const CodecSpec&, const CodecLayout& layout, const KvChunkView& c,
+                      BlockBuilder& b, int first) {
+  int section = first;
   for (const auto& [src, name] : {std::pair{c.k, "K"}, std::pair{c.v, "V"}}) {
     STRATA_ASSIGN_OR_RETURN(HeadMajor m, ToHeadMajor(c, src, name, INFINITY));
     float amax = 0;
@@ -364,22 +309,32 @@ absl::StatusOr<AlignedBuffer> Fp8Codec::Encode(const KvChunkView& c,
     std::memcpy(b.section(section + 1).data(), &scale, sizeof(scale));
     section += layout.k_section_count;
   }
-  return std::move(b).Finish();
+  return absl::OkStatus();
 }
 
-absl::StatusOr<AlignedBuffer> AffineCodec::Encode(const KvChunkView& c,
-                                                  const BlockContext& ctx) const {
-  STRATA_RETURN_IF_ERROR(CheckShape(spec(), c));
-  const CodecSpec& s = spec();
-  const CodecLayout layout = MakeCodecLayout(s, c.tokens, c.kv_heads, c.head_dim);
-  const std::string text = s.ToString();
-  STRATA_ASSIGN_OR_RETURN(BlockBuilder b, StartBlock(s, c, ctx, layout, text));
+absl::Status WriteAffine(const CodecSpec& s, const CodecLayout& layout, const KvChunkView& c,
+                         BlockBuilder& b, int first) {
   const uint32_t T = c.tokens, H = c.kv_heads, D = c.head_dim;
-  int section = 0;
+  int section = first;
   for (const auto& [src, name] : {std::pair{c.k, "K"}, std::pair{c.v, "V"}}) {
-    const bool is_k = section == 0;
+    const bool is_k = section == first;
     const TensorLayout& tl = is_k ? layout.k : layout.v;
     STRATA_ASSIGN_OR_RETURN(HeadMajor m, ToHeadMajor(c, src, name, kMetadataLimit));
+    std::vector<uint16_t> norms;
+    if (s.id == CodecId::kZipCache && !is_k) {
+      // Channel-separable tokenwise quantization: each channel divided by sqrt(max |x|) of the
+      // part, per-token groups, the divisor multiplied back at attention.
+      norms.resize(size_t{H} * D);
+      for (uint32_t h = 0; h < H; ++h) {
+        for (uint32_t d = 0; d < D; ++d) {
+          float mx = 0;
+          for (uint32_t t = 0; t < T; ++t) mx = std::max(mx, std::fabs(m.at(h, t, d)));
+          norms[size_t{h} * D + d] = F16(mx > 0 ? std::sqrt(mx) : 1.0f);
+          const float inv = 1.0f / F32(norms[size_t{h} * D + d]);
+          for (uint32_t t = 0; t < T; ++t) m.at(h, t, d) *= inv;
+        }
+      }
+    }
     std::vector<uint8_t> mask;
     std::vector<size_t> outliers;
     if (tl.outliers > 0) outliers = SelectOutliers(m, is_k, tl.outliers, mask);
@@ -389,6 +344,7 @@ absl::StatusOr<AlignedBuffer> AffineCodec::Encode(const KvChunkView& c,
     Put(b, next++, q.packed);
     Put(b, next++, q.scales);
     Put(b, next++, q.zeros);
+    if (!norms.empty()) Put(b, next++, norms);
     if (tl.rank == 0 && tl.outliers == 0) {
       section += layout.k_section_count;
       continue;
@@ -431,7 +387,106 @@ absl::StatusOr<AlignedBuffer> AffineCodec::Encode(const KvChunkView& c,
     }
     section += layout.k_section_count;
   }
-  return std::move(b).Finish();
+  return absl::OkStatus();
+}
+
+// ZipCache's token saliency: the normalized attention score of each token under probe queries
+// (the p % most recent tokens' queries plus p % drawn at random from the rest, deterministic per
+// layer and chunk): for every probe query and query head, softmax over the tokens it can see
+// (itself and earlier tokens of the chunk), summed per token, divided by the number of probes
+// that can see it. Without queries, falls back to how far each token lies from the chunk's
+// per-channel means (K and V, in channel standard deviations): outlier tokens are what low bits
+// hurt most.
+std::vector<double> Saliency(const CodecSpec& s, const KvChunkView& c, const BlockContext& ctx) {
+  const uint32_t T = c.tokens, H = c.kv_heads, D = c.head_dim;
+  const size_t row = size_t{H} * D;
+  std::vector<float> k(T * row);
+  for (uint32_t t = 0; t < T; ++t) SourceRow(c.k, c.dtype, t * row, row, &k[t * row]);
+  std::vector<double> sal(T, 0.0);
+  if (c.q == nullptr) {
+    std::vector<float> v(T * row);
+    for (uint32_t t = 0; t < T; ++t) SourceRow(c.v, c.dtype, t * row, row, &v[t * row]);
+    for (const std::vector<float>* x : {&k, &v}) {
+      for (size_t e = 0; e < row; ++e) {
+        double mean = 0, var = 0;
+        for (uint32_t t = 0; t < T; ++t) mean += (*x)[t * row + e];
+        mean /= T;
+        for (uint32_t t = 0; t < T; ++t) var += std::pow((*x)[t * row + e] - mean, 2);
+        const double inv = var > 0 ? 1.0 / (var / T) : 0.0;
+        for (uint32_t t = 0; t < T; ++t) sal[t] += std::pow((*x)[t * row + e] - mean, 2) * inv;
+      }
+    }
+    return sal;
+  }
+  const uint32_t QH = c.q_heads, G = QH / H;
+  const uint32_t per = std::max<uint32_t>(
+      1, static_cast<uint32_t>(std::floor(T * s.probe_percent / 100.0 + 0.5)));
+  std::vector<uint32_t> probes;
+  for (uint32_t i = T - std::min(per, T); i < T; ++i) probes.push_back(i);
+  if (T > per) {  // random probes among the earlier tokens, without repetition
+    std::vector<uint32_t> rest(T - per);
+    std::iota(rest.begin(), rest.end(), 0u);
+    uint64_t state = 0x9e3779b97f4a7c15ull ^ (uint64_t{ctx.layer} << 32) ^ ctx.chunk_index;
+    const uint32_t n = std::min<uint32_t>(per, static_cast<uint32_t>(rest.size()));
+    for (uint32_t i = 0; i < n; ++i) {
+      state = state * 6364136223846793005ull + 1442695040888963407ull;
+      const uint32_t j = i + static_cast<uint32_t>((state >> 33) % (rest.size() - i));
+      std::swap(rest[i], rest[j]);
+      probes.push_back(rest[i]);
+    }
+  }
+  std::vector<uint32_t> seen_by(T, 0);
+  std::vector<double> score(T);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  for (uint32_t i : probes) {
+    for (uint32_t t = 0; t <= i; ++t) ++seen_by[t];
+    for (uint32_t j = 0; j < QH; ++j) {
+      const float* q = c.q + (size_t{i} * QH + j) * D;
+      const uint32_t h = j / G;
+      double mx = -INFINITY;
+      for (uint32_t t = 0; t <= i; ++t) {
+        const float* kt = &k[t * row + size_t{h} * D];
+        double dot = 0;
+        for (uint32_t d = 0; d < D; ++d) dot += double{q[d]} * kt[d];
+        score[t] = dot * scale;
+        mx = std::max(mx, score[t]);
+      }
+      double sum = 0;
+      for (uint32_t t = 0; t <= i; ++t) sum += (score[t] = std::exp(score[t] - mx));
+      for (uint32_t t = 0; t <= i; ++t) sal[t] += score[t] / sum;
+    }
+  }
+  for (uint32_t t = 0; t < T; ++t) sal[t] = seen_by[t] > 0 ? sal[t] / seen_by[t] : 0.0;
+  return sal;
+}
+
+// The part of each token of a chunk (indices into spec.PartSpecs()).
+std::vector<uint8_t> AssignParts(const CodecSpec& s, const KvChunkView& c,
+                                 const BlockContext& ctx) {
+  const uint32_t T = c.tokens;
+  uint8_t next = 0;
+  const uint8_t sink_part = s.sink_tokens > 0 ? next++ : 0;
+  const bool zip = s.id == CodecId::kZipCache && s.salient_percent > 0;
+  const uint8_t hi_part = zip ? next++ : 0;
+  const uint8_t main_part = next;
+  std::vector<uint8_t> map(T, main_part);
+  uint32_t sinks = 0;
+  if (s.sink_tokens > 0 && ctx.chunk_index == 0) {
+    sinks = std::min<uint32_t>(static_cast<uint32_t>(s.sink_tokens), T);
+    std::fill(map.begin(), map.begin() + sinks, sink_part);
+  }
+  if (zip && sinks < T) {
+    const std::vector<double> sal = Saliency(s, c, ctx);
+    std::vector<uint32_t> order(T - sinks);
+    std::iota(order.begin(), order.end(), sinks);
+    const uint32_t n = std::min<uint32_t>(static_cast<uint32_t>(order.size()),
+                                          s.SalientTokens(static_cast<uint32_t>(order.size())));
+    std::partial_sort(order.begin(), order.begin() + n, order.end(), [&](uint32_t a, uint32_t b) {
+      return sal[a] != sal[b] ? sal[a] > sal[b] : a < b;
+    });
+    for (uint32_t i = 0; i < n; ++i) map[order[i]] = hi_part;
+  }
+  return map;
 }
 
 }  // namespace
@@ -441,25 +496,98 @@ absl::StatusOr<std::unique_ptr<Codec>> Codec::Create(absl::string_view text) {
   switch (s.id) {
     case CodecId::kFp16:
     case CodecId::kBf16:
-      return std::make_unique<IdentityCodec>(s);
     case CodecId::kInt8:
-      return std::make_unique<Int8Codec>(s);
     case CodecId::kFp8E4M3:
-      return std::make_unique<Fp8Codec>(s);
     case CodecId::kKivi:
     case CodecId::kKcvt:
     case CodecId::kGear:
     case CodecId::kGearL:
-      return std::make_unique<AffineCodec>(s);
+    case CodecId::kZipCache:
+      return std::make_unique<Codec>(s);
     default:
       break;
   }
   return absl::UnimplementedError(absl::StrCat("codec ", s.ToString(), " is not implemented yet"));
 }
 
+absl::StatusOr<AlignedBuffer> Codec::Encode(const KvChunkView& c, const BlockContext& ctx) const {
+  const CodecSpec& s = spec_;
+  STRATA_RETURN_IF_ERROR(CheckShape(s, c));
+  if (c.q != nullptr && (c.q_heads == 0 || c.q_heads % c.kv_heads != 0)) {
+    return absl::InvalidArgumentError(absl::StrCat("codec: ", c.q_heads,
+                                                   " query heads are not a multiple of ",
+                                                   c.kv_heads, " KV heads"));
+  }
+  const std::vector<CodecSpec> part_specs = s.PartSpecs();
+  std::vector<uint8_t> map;  // the part of each token, when the spec has parts
+  std::vector<uint32_t> counts(part_specs.size(), 0);
+  if (s.has_parts()) {
+    map = AssignParts(s, c, ctx);
+    for (uint8_t p : map) ++counts[p];
+  } else {
+    counts[0] = c.tokens;
+  }
+  const BlockPartsLayout layout = MakeBlockLayout(s, counts, c.kv_heads, c.head_dim);
+  const std::string text = s.ToString();  // the header views it
+  BlockHeader h;
+  h.codec = s.id;
+  h.codec_spec = text;
+  h.source_dtype = c.dtype;
+  h.layer = ctx.layer;
+  h.chunk_index = ctx.chunk_index;
+  h.token_count = c.tokens;
+  h.kv_heads = c.kv_heads;
+  h.head_dim = c.head_dim;
+  h.model_fingerprint = ctx.model_fingerprint;
+  STRATA_ASSIGN_OR_RETURN(BlockBuilder b, BlockBuilder::Create(h, layout.sections));
+  if (layout.has_map) std::memcpy(b.section(0).data(), map.data(), map.size());
+  std::vector<float> pk, pv;  // one part's tokens, gathered
+  for (size_t p = 0; p < part_specs.size(); ++p) {
+    if (counts[p] == 0) continue;
+    KvChunkView part = c;
+    part.tokens = counts[p];
+    part.q = nullptr;
+    if (layout.has_map) {
+      const size_t row = size_t{c.kv_heads} * c.head_dim;
+      pk.resize(counts[p] * row);
+      pv.resize(counts[p] * row);
+      size_t i = 0;
+      for (uint32_t t = 0; t < c.tokens; ++t) {
+        if (map[t] != p) continue;
+        SourceRow(c.k, c.dtype, t * row, row, &pk[i * row]);
+        SourceRow(c.v, c.dtype, t * row, row, &pv[i * row]);
+        ++i;
+      }
+      part.k = pk.data();
+      part.v = pv.data();
+      part.dtype = SourceDType::kFloat32;
+    }
+    const CodecSpec& ps = part_specs[p];
+    const CodecLayout& pl = layout.parts[p];
+    const int first = layout.first_section[p];
+    switch (ps.id) {
+      case CodecId::kFp16:
+      case CodecId::kBf16:
+        STRATA_RETURN_IF_ERROR(WriteIdentity(ps, pl, part, b, first));
+        break;
+      case CodecId::kInt8:
+        STRATA_RETURN_IF_ERROR(WriteInt8(ps, pl, part, b, first));
+        break;
+      case CodecId::kFp8E4M3:
+        STRATA_RETURN_IF_ERROR(WriteFp8(ps, pl, part, b, first));
+        break;
+      default:
+        STRATA_RETURN_IF_ERROR(WriteAffine(ps, pl, part, b, first));
+        break;
+    }
+  }
+  return std::move(b).Finish();
+}
+
 absl::StatusOr<double> Codec::BitsPerElement(uint32_t tokens, uint32_t kv_heads,
                                              uint32_t head_dim) const {
-  const CodecLayout layout = MakeCodecLayout(spec_, tokens, kv_heads, head_dim);
+  const BlockPartsLayout layout =
+      MakeBlockLayout(spec_, DefaultPartTokens(spec_, tokens, /*chunk_index=*/1), kv_heads, head_dim);
   const std::string text = spec_.ToString();
   BlockHeader h;
   h.codec = spec_.id;

@@ -31,6 +31,11 @@ struct KvChunkView {
   uint32_t tokens = 0;
   uint32_t kv_heads = 0;
   uint32_t head_dim = 0;
+  // Optional: the queries of these same tokens (after RoPE), fp32 [tokens, q_heads, head_dim].
+  // ZipCache draws its probe queries from them; without them it falls back to a data-only
+  // saliency (see codec_spec.h).
+  const float* q = nullptr;
+  uint32_t q_heads = 0;
 };
 
 // Where a block sits: recorded in its header.
@@ -44,15 +49,16 @@ class Codec {
  public:
   static absl::StatusOr<std::unique_ptr<Codec>> Create(absl::string_view spec);
   explicit Codec(CodecSpec spec) : spec_(spec) {}
-  virtual ~Codec() = default;
 
   const CodecSpec& spec() const { return spec_; }
+  // True when Encode uses the chunk's queries (ZipCache's probes).
+  bool wants_queries() const { return spec_.id == CodecId::kZipCache; }
 
-  virtual absl::StatusOr<AlignedBuffer> Encode(const KvChunkView& chunk,
-                                               const BlockContext& context) const = 0;
+  absl::StatusOr<AlignedBuffer> Encode(const KvChunkView& chunk, const BlockContext& context) const;
 
   // The exact size of a block of this shape, in bits per element of K and V, everything
-  // counted (header, table, scales, zero points, factors, outliers, padding).
+  // counted (header, table, scales, zero points, factors, outliers, padding), for a chunk other
+  // than the first (no sinks) with ZipCache's nominal salient share.
   absl::StatusOr<double> BitsPerElement(uint32_t tokens, uint32_t kv_heads,
                                         uint32_t head_dim) const;
 

@@ -49,6 +49,9 @@ CodecLayout MakeCodecLayout(const CodecSpec& s, uint32_t t, uint32_t h, uint32_t
       const uint32_t count = is_k ? h * tl.groups * d : h * t * tl.groups;
       out.sections.push_back({SectionKind::kScales, tensor, ElemType::kFloat16, count});
       out.sections.push_back({SectionKind::kZeroPoints, tensor, ElemType::kFloat16, count});
+      if (s.id == CodecId::kZipCache && !is_k) {  // channel-separable tokenwise V
+        out.sections.push_back({SectionKind::kChannelNormalizers, tensor, ElemType::kFloat16, h * d});
+      }
       if (s.rank > 0) {
         tl.rank = std::min<uint32_t>({static_cast<uint32_t>(s.rank), t, d});
         out.sections.push_back(
@@ -66,6 +69,47 @@ CodecLayout MakeCodecLayout(const CodecSpec& s, uint32_t t, uint32_t h, uint32_t
     }
     if (is_k) out.k_section_count = static_cast<int>(out.sections.size());
   }
+  return out;
+}
+
+BlockPartsLayout MakeBlockLayout(const CodecSpec& spec, const std::vector<uint32_t>& part_tokens,
+                                 uint32_t kv_heads, uint32_t head_dim) {
+  BlockPartsLayout out;
+  out.part_specs = spec.PartSpecs();
+  out.part_tokens = part_tokens;
+  out.has_map = spec.has_parts();
+  uint32_t tokens = 0;
+  for (uint32_t n : part_tokens) tokens += n;
+  if (out.has_map) {
+    out.sections.push_back({SectionKind::kTokenBits, Tensor::kShared, ElemType::kUInt8, tokens});
+  }
+  for (size_t p = 0; p < out.part_specs.size(); ++p) {
+    out.first_section.push_back(static_cast<int>(out.sections.size()));
+    const uint32_t n = p < part_tokens.size() ? part_tokens[p] : 0;
+    out.parts.push_back(n == 0 ? CodecLayout{}
+                               : MakeCodecLayout(out.part_specs[p], n, kv_heads, head_dim));
+    out.sections.insert(out.sections.end(), out.parts.back().sections.begin(),
+                        out.parts.back().sections.end());
+  }
+  return out;
+}
+
+std::vector<uint32_t> DefaultPartTokens(const CodecSpec& spec, uint32_t tokens,
+                                        uint32_t chunk_index) {
+  std::vector<uint32_t> out;
+  uint32_t rest = tokens;
+  if (spec.sink_tokens > 0) {
+    const uint32_t sinks =
+        chunk_index == 0 ? std::min<uint32_t>(static_cast<uint32_t>(spec.sink_tokens), tokens) : 0;
+    out.push_back(sinks);
+    rest -= sinks;
+  }
+  if (spec.id == CodecId::kZipCache && spec.salient_percent > 0) {
+    const uint32_t salient = std::min(rest, spec.SalientTokens(rest));
+    out.push_back(salient);
+    rest -= salient;
+  }
+  out.push_back(rest);
   return out;
 }
 

@@ -1,10 +1,13 @@
 #include "kernels/codec_spec.h"
 
+#include <algorithm>
+#include <cmath>
 #include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_split.h"
 
 namespace strata::kernels {
@@ -32,7 +35,34 @@ bool ParseIntField(absl::string_view f, char prefix, int* out) {
 
 bool CodecSpec::is_affine() const {
   return id == CodecId::kKivi || id == CodecId::kKcvt || id == CodecId::kGear ||
-         id == CodecId::kGearL;
+         id == CodecId::kGearL || id == CodecId::kZipCache;
+}
+
+uint32_t CodecSpec::SalientTokens(uint32_t tokens) const {
+  if (salient_percent <= 0) return 0;
+  const double n = std::floor(tokens * salient_percent / 100.0 + 0.5);
+  return static_cast<uint32_t>(std::min<double>(tokens, std::max(1.0, n)));
+}
+
+std::vector<CodecSpec> CodecSpec::PartSpecs() const {
+  std::vector<CodecSpec> out;
+  CodecSpec plain = *this;
+  plain.sink_tokens = 0;
+  if (sink_tokens > 0) {
+    CodecSpec fp;
+    fp.id = CodecId::kFp16;
+    out.push_back(fp);
+  }
+  if (id == CodecId::kZipCache && salient_percent > 0) {
+    plain.salient_percent = 0;
+    CodecSpec hi = plain;
+    hi.k_bits = hi.v_bits = hi_bits;
+    hi.hi_bits = 0;
+    out.push_back(hi);
+    plain.hi_bits = 0;
+  }
+  out.push_back(plain);
+  return out;
 }
 
 double CodecSpec::nominal_bits() const {
@@ -44,11 +74,28 @@ absl::StatusOr<CodecSpec> CodecSpec::Parse(absl::string_view text) {
   const std::vector<absl::string_view> f = absl::StrSplit(text, ':');
   CodecSpec s;
   const absl::string_view name = f[0];
+  // The trailing options every quantizing codec takes, from field i on.
+  auto options = [&](size_t i) -> absl::StatusOr<CodecSpec> {
+    if (i < f.size() && absl::StartsWith(f[i], "sink")) {
+      if (s.id == CodecId::kFp16 || s.id == CodecId::kBf16) {
+        return Bad(text, "sinks are for quantizing codecs (fp16/bf16 keep every token)");
+      }
+      if (!absl::SimpleAtoi(f[i].substr(4), &s.sink_tokens) || s.sink_tokens < 1 ||
+          s.sink_tokens > 1024) {
+        return Bad(text, "sinkN needs N in [1, 1024]");
+      }
+      ++i;
+    }
+    if (i != f.size()) return Bad(text, absl::StrCat("unexpected field '", f[i], "'"));
+    return s;
+  };
   auto no_fields = [&](CodecId id) -> absl::StatusOr<CodecSpec> {
-    if (f.size() != 1) return Bad(text, absl::StrCat(name, " takes no parameters"));
     s.id = id;
     if (id == CodecId::kInt8 || id == CodecId::kFp8E4M3) s.k_bits = s.v_bits = 8;
-    return s;
+    if (f.size() > 1 && !absl::StartsWith(f[1], "sink")) {
+      return Bad(text, absl::StrCat(name, " takes no parameters but sinkN"));
+    }
+    return options(1);
   };
   if (name == "fp16") return no_fields(CodecId::kFp16);
   if (name == "bf16") return no_fields(CodecId::kBf16);
@@ -63,9 +110,12 @@ absl::StatusOr<CodecSpec> CodecSpec::Parse(absl::string_view text) {
     s.id = CodecId::kGear;
   } else if (name == "gearl") {
     s.id = CodecId::kGearL;
+  } else if (name == "zipcache") {
+    s.id = CodecId::kZipCache;
   } else {
     return Bad(text, absl::StrCat("unknown codec '", name,
-                                  "' (known: fp16, bf16, int8, fp8e4m3, kivi, kcvt, gear, gearl)"));
+                                  "' (known: fp16, bf16, int8, fp8e4m3, kivi, kcvt, gear, gearl, "
+                                  "zipcache)"));
   }
   size_t i = 1;
   if (i >= f.size() || !ParseBits(f[i], &s.k_bits, &s.v_bits)) {
@@ -75,6 +125,28 @@ absl::StatusOr<CodecSpec> CodecSpec::Parse(absl::string_view text) {
     return Bad(text, absl::StrCat("bits must be 2, 3, 4 or 8, not k", s.k_bits, "v", s.v_bits));
   }
   ++i;
+  if (s.id == CodecId::kZipCache) {
+    s.group = 0;
+    if (i >= f.size() || !ParseIntField(f[i], 'h', &s.hi_bits) || !ValidBits(s.hi_bits) ||
+        s.hi_bits <= std::max(s.k_bits, s.v_bits)) {
+      return Bad(text, "needs the salient bits hN (2, 3, 4 or 8) above the k/v bits, e.g. h4");
+    }
+    ++i;
+    if (i >= f.size() || f[i].size() < 2 || f[i][0] != 's' ||
+        !absl::SimpleAtod(f[i].substr(1), &s.salient_percent) || !(s.salient_percent > 0) ||
+        s.salient_percent >= 100) {
+      return Bad(text, "needs the salient share sX with X the percent in (0, 100), e.g. s10");
+    }
+    ++i;
+    if (i < f.size() && f[i].size() >= 2 && f[i][0] == 'p') {
+      if (!absl::SimpleAtod(f[i].substr(1), &s.probe_percent) || !(s.probe_percent > 0) ||
+          s.probe_percent > 50) {
+        return Bad(text, "probe share pX needs X in (0, 50]");
+      }
+      ++i;
+    }
+    return options(i);
+  }
   if (s.id == CodecId::kKcvt) {
     s.group = 0;
   } else {
@@ -109,14 +181,24 @@ absl::StatusOr<CodecSpec> CodecSpec::Parse(absl::string_view text) {
       ++i;
     }
   }
-  if (i != f.size()) return Bad(text, absl::StrCat("unexpected field '", f[i], "'"));
-  return s;
+  return options(i);
 }
 
 std::string CodecSpec::ToString() const {
-  if (!is_affine()) return CodecIdName(id);  // fp16, bf16, int8, fp8e4m3: no parameters
-  std::vector<std::string> f = {CodecIdName(id), absl::StrCat("k", k_bits, "v", v_bits)};
-  if (id == CodecId::kKcvt) return absl::StrJoin(f, ":");
+  std::vector<std::string> f = {CodecIdName(id)};
+  const std::string sinks = sink_tokens > 0 ? absl::StrCat(":sink", sink_tokens) : "";
+  if (!is_affine()) return absl::StrCat(f[0], sinks);  // fp16, bf16, int8, fp8e4m3
+  f.push_back(absl::StrCat("k", k_bits, "v", v_bits));
+  if (id == CodecId::kZipCache) {
+    // A part spec (salient_percent 0) prints as its bits only; it never appears in a header.
+    if (salient_percent > 0) {
+      f.push_back(absl::StrCat("h", hi_bits));
+      f.push_back(absl::StrCat("s", salient_percent));
+      if (probe_percent != 5) f.push_back(absl::StrCat("p", probe_percent));
+    }
+    return absl::StrCat(absl::StrJoin(f, ":"), sinks);
+  }
+  if (id == CodecId::kKcvt) return absl::StrCat(absl::StrJoin(f, ":"), sinks);
   f.push_back(group == 0 ? "kcvt" : absl::StrCat("g", group));
   if (id == CodecId::kGear || id == CodecId::kGearL) {
     f.push_back(absl::StrCat("r", rank));
@@ -125,7 +207,7 @@ std::string CodecSpec::ToString() const {
       f.push_back(absl::StrCat("i", power_iterations));
     }
   }
-  return absl::StrJoin(f, ":");
+  return absl::StrCat(absl::StrJoin(f, ":"), sinks);
 }
 
 }  // namespace strata::kernels

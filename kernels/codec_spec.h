@@ -11,12 +11,22 @@
 //   gear:k4v4:kcvt:r4:s2              s/2 % outliers per vector, rank-r residual per head by
 //                                   power iteration (i iterations, default 3)
 //   gearl:k2v2:g32:r4[:i3]          GEAR-L: low-rank without the sparse part
+//   zipcache:k2v2:h4:s10[:p5]       ZipCache: the s % most salient tokens (normalized attention
+//                                   of probe queries: p % most recent + p % random) at h bits,
+//                                   the rest at k/v bits; K per channel over the chunk, V per
+//                                   token after dividing each channel by sqrt(max |x|)
 //
+// Every quantizing codec takes a trailing `sinkN`: the first N tokens of a sequence (attention
+// sinks) stay at fp16 inside the first chunk's block, e.g. kivi:k2v2:g32:sink4.
+//
+// A block may hold several parts (token subsets with their own encoding: sinks, salient
+// tokens, the rest); PartSpecs() lists them in block order.
 // Errors are kInvalidArgument naming the offending field.
 #pragma once
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -34,13 +44,25 @@ struct CodecSpec {
   int rank = 0;                // low-rank r per head (GEAR, GEAR-L); 0 = none
   double outlier_percent = 0;  // s: top s/2 % and bottom s/2 % per vector (GEAR); 0 = none
   int power_iterations = kDefaultPowerIterations;
+  int sink_tokens = 0;  // first tokens of a sequence kept at fp16 (chunk 0 only)
+  // ZipCache
+  int hi_bits = 0;                // bits of salient tokens
+  double salient_percent = 0;     // share of tokens that are salient
+  double probe_percent = 5;       // probe queries: this % most recent plus this % random
 
   static absl::StatusOr<CodecSpec> Parse(absl::string_view text);
   std::string ToString() const;
 
-  bool is_affine() const;  // KIVI/KCVT backbone (kivi, kcvt, gear, gearl)
+  bool is_affine() const;  // affine backbone codes (kivi, kcvt, gear, gearl, zipcache)
+  bool has_parts() const { return sink_tokens > 0 || salient_percent > 0; }
+  // Tokens of a chunk of `tokens` that ZipCache keeps at hi_bits (0 for other codecs).
+  uint32_t SalientTokens(uint32_t tokens) const;
   // Bits per element the way papers count them: the backbone's bit width only.
   double nominal_bits() const;
+
+  // The parts of a block, in block order, each a plain spec (no parts of its own): the fp16
+  // sinks when sink_tokens > 0, ZipCache's salient part, then the main part.
+  std::vector<CodecSpec> PartSpecs() const;
 
   friend bool operator==(const CodecSpec&, const CodecSpec&) = default;
 };

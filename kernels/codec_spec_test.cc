@@ -14,7 +14,9 @@ TEST(CodecSpecTest, CanonicalSpecsRoundTrip) {
   for (const char* text :
        {"fp16", "bf16", "int8", "fp8e4m3", "kivi:k2v2:g32", "kivi:k4v2:g128", "kivi:k3v3:g64",
         "kivi:k8v8:g16", "kcvt:k2v2", "kcvt:k4v4", "gear:k2v2:g32:r4:s2", "gear:k4v4:kcvt:r4:s2",
-        "gear:k2v2:g64:r2:s0.5:i5", "gearl:k2v2:g32:r4", "gearl:k3v2:kcvt:r8:i1"}) {
+        "gear:k2v2:g64:r2:s0.5:i5", "gearl:k2v2:g32:r4", "gearl:k3v2:kcvt:r8:i1",
+        "zipcache:k2v2:h4:s10", "zipcache:k3v2:h8:s12.5:p10", "kivi:k2v2:g32:sink4",
+        "int8:sink1", "gear:k2v2:g32:r4:s2:i5:sink8", "zipcache:k2v2:h4:s10:sink4"}) {
     absl::StatusOr<CodecSpec> s = CodecSpec::Parse(text);
     ASSERT_TRUE(s.ok()) << text << ": " << s.status();
     EXPECT_EQ(s->ToString(), text);
@@ -34,6 +36,20 @@ TEST(CodecSpecTest, FieldsAreParsed) {
   EXPECT_DOUBLE_EQ(g.nominal_bits(), 3.0);
   EXPECT_EQ(CodecSpec::Parse("gear:k2v2:g32:r4:s2:i3")->ToString(), "gear:k2v2:g32:r4:s2");
   EXPECT_EQ(CodecSpec::Parse("kcvt:k2v2")->group, 0);
+  const CodecSpec z = *CodecSpec::Parse("zipcache:k2v2:h4:s10:sink4");
+  EXPECT_EQ(z.id, CodecId::kZipCache);
+  EXPECT_EQ(z.hi_bits, 4);
+  EXPECT_DOUBLE_EQ(z.salient_percent, 10);
+  EXPECT_DOUBLE_EQ(z.probe_percent, 5);
+  EXPECT_EQ(z.sink_tokens, 4);
+  EXPECT_EQ(z.SalientTokens(256), 26u);
+  const std::vector<CodecSpec> parts = z.PartSpecs();  // sinks, salient, the rest
+  ASSERT_EQ(parts.size(), 3u);
+  EXPECT_EQ(parts[0].id, CodecId::kFp16);
+  EXPECT_EQ(parts[1].k_bits, 4);
+  EXPECT_EQ(parts[2].k_bits, 2);
+  for (const CodecSpec& p : parts) EXPECT_FALSE(p.has_parts());
+  EXPECT_EQ(CodecSpec::Parse("kivi:k2v2:g32")->PartSpecs().size(), 1u);
 }
 
 TEST(CodecSpecTest, BadSpecsSayWhatIsWrong) {
@@ -57,6 +73,14 @@ TEST(CodecSpecTest, BadSpecsSayWhatIsWrong) {
       {"gear:k2v2:g32:r99:s2", "rank"},
       {"gearl:k2v2:g32:r4:i0", "power iterations"},
       {"kcvt:k2v2:g32", "unexpected field 'g32'"},
+      {"fp16:sink4", "sinks are for quantizing codecs"},
+      {"kivi:k2v2:g32:sink0", "sinkN needs N in [1, 1024]"},
+      {"kivi:k2v2:g32:sink4:r2", "unexpected field 'r2'"},
+      {"zipcache:k2v2:s10", "salient bits"},
+      {"zipcache:k4v4:h4:s10", "salient bits"},
+      {"zipcache:k2v2:h4", "salient share"},
+      {"zipcache:k2v2:h4:s100", "salient share"},
+      {"zipcache:k2v2:h4:s10:p0", "probe share"},
   };
   for (const Case& c : cases) {
     absl::StatusOr<CodecSpec> s = CodecSpec::Parse(c.text);

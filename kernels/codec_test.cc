@@ -77,7 +77,11 @@ const char* kAllCodecs[] = {"fp16",
                             "gearl:k2v2:g32:r4",
                             "gear:k2v2:g32:r4:s2",
                             "gear:k4v4:kcvt:r4:s2",
-                            "gear:k3v3:g64:r2:s1"};
+                            "gear:k3v3:g64:r2:s1",
+                            "zipcache:k2v2:h4:s10",
+                            "zipcache:k2v2:h8:s20:p10",
+                            "kivi:k2v2:g32:sink4",
+                            "int8:sink2"};
 
 // Error bounds on the synthetic KV (relative Frobenius), loose enough for any seed.
 double Bound(const std::string& spec) {
@@ -94,7 +98,11 @@ double Bound(const std::string& spec) {
                                                         {"gearl:k2v2:g32:r4", 0.55},
                                                         {"gear:k2v2:g32:r4:s2", 0.5},
                                                         {"gear:k4v4:kcvt:r4:s2", 0.15},
-                                                        {"gear:k3v3:g64:r2:s1", 0.3}};
+                                                        {"gear:k3v3:g64:r2:s1", 0.3},
+                                                        {"zipcache:k2v2:h4:s10", 1.6},
+                                                        {"zipcache:k2v2:h8:s20:p10", 1.6},
+                                                        {"kivi:k2v2:g32:sink4", 0.55},
+                                                        {"int8:sink2", 3e-2}};
   return kBounds.at(spec);
 }
 
@@ -263,6 +271,97 @@ TEST(BlockOperandsTest, InconsistentBlocksAreDataLoss) {
   s = PrepareBlock(*BlockView::Parse(relabelled.span())).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
   EXPECT_THAT(std::string(s.message()), HasSubstr("writes 10 sections, block has 6"));
+}
+
+// Sinks: the first N tokens of a sequence (chunk 0 only) come back exactly at fp16, in token
+// order, with the rest quantized; later chunks have no sinks but keep the (all-main) token map.
+TEST(CodecTest, SinksStayFullPrecisionInTheFirstChunkOnly) {
+  const SyntheticKv kv = MakeSyntheticKv(64, 2, 64, /*seed=*/5);
+  auto codec = *Codec::Create("kivi:k2v2:g32:sink4");
+  for (uint32_t chunk : {0u, 1u}) {
+    AlignedBuffer block = *codec->Encode(View(kv), {.chunk_index = chunk});
+    const BlockView view = *BlockView::Parse(block.span());
+    const PreparedBlock ops = *PrepareBlock(view);
+    ASSERT_EQ(ops.parts.size(), chunk == 0 ? 2u : 1u);
+    std::vector<float> k(kv.k.size()), v(kv.v.size());
+    ASSERT_TRUE(DecodePreparedRef(ops, k.data(), v.data()).ok());
+    const size_t row = 2 * 64;
+    for (size_t i = 0; i < 4 * row; ++i) {
+      const float want_k = HalfBitsToFloat(FloatToHalfBits(kv.k[i]));
+      if (chunk == 0) {
+        ASSERT_EQ(k[i], want_k) << i;
+        ASSERT_EQ(v[i], HalfBitsToFloat(FloatToHalfBits(kv.v[i]))) << i;
+      }
+    }
+    if (chunk == 1) {
+      double diff = 0;
+      for (size_t i = 0; i < 4 * row; ++i) diff += std::fabs(k[i] - kv.k[i]);
+      EXPECT_GT(diff, 0) << "chunk 1 must quantize its first tokens too";
+    }
+    // The quantized tokens are still within KIVI-2's bound.
+    EXPECT_LT(RelativeError(kv.k, k), 0.55);
+    EXPECT_EQ(ops.part_tokens.back().size(), chunk == 0 ? 60u : 64u);
+  }
+}
+
+// ZipCache with probe queries keeps the tokens the probes attend to at high bits: plant a few
+// keys every query matches strongly, and those must be the salient (4-bit) part.
+TEST(CodecTest, ZipCacheKeepsTheTokensProbeQueriesAttendToAtHighBits) {
+  const uint32_t T = 128, H = 2, D = 64, QH = 4;
+  SyntheticKv kv = MakeSyntheticKv(T, H, D, /*seed=*/11);
+  std::mt19937 rng(4);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> dir(D);
+  for (float& x : dir) x = normal(rng);
+  const uint32_t hot[] = {3, 40, 77, 90, 101};
+  for (float& x : kv.k) x = 0.2f * normal(rng);  // plain keys; the hot ones stand out
+  for (uint32_t t : hot) {
+    for (uint32_t h = 0; h < H; ++h) {
+      for (uint32_t d = 0; d < D; ++d) kv.k[(size_t{t} * H + h) * D + d] = 0.5f * dir[d];
+    }
+  }
+  std::vector<float> q(size_t{T} * QH * D);
+  for (size_t i = 0; i < q.size(); ++i) q[i] = 2.0f * dir[i % D] + 0.1f * normal(rng);
+  KvChunkView view = View(kv);
+  view.q = q.data();
+  view.q_heads = QH;
+  auto codec = *Codec::Create("zipcache:k2v2:h4:s5:p10");  // 5 % of 128 = 6 salient tokens
+  AlignedBuffer block = *codec->Encode(view, {.layer = 1, .chunk_index = 3});
+  const PreparedBlock ops = *PrepareBlock(*BlockView::Parse(block.span()));
+  ASSERT_EQ(ops.parts.size(), 2u);
+  EXPECT_EQ(ops.parts[0].k.bits, 4);
+  EXPECT_EQ(ops.parts[1].k.bits, 2);
+  ASSERT_EQ(ops.part_tokens[0].size(), 6u);
+  for (uint32_t t : hot) {
+    EXPECT_THAT(ops.part_tokens[0], testing::Contains(t)) << "token " << t << " not salient";
+  }
+  // Same chunk without queries: still a valid block of the same size (data-only fallback).
+  AlignedBuffer fallback = *codec->Encode(View(kv), {.layer = 1, .chunk_index = 3});
+  EXPECT_EQ(fallback.size(), block.size());
+  // Queries whose head count does not divide into the KV heads are refused.
+  view.q_heads = 3;
+  EXPECT_EQ(codec->Encode(view, {}).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// A token map naming a part the codec does not have is data loss, not a crash.
+TEST(BlockOperandsTest, TokenMapOutOfRangeIsDataLoss) {
+  const SyntheticKv kv = MakeSyntheticKv(32, 1, 64, /*seed=*/2);
+  AlignedBuffer block = *(*Codec::Create("kivi:k4v4:g32:sink4"))->Encode(View(kv), {});
+  const BlockView view = *BlockView::Parse(block.span());
+  const SectionView* map = view.Find(SectionKind::kTokenBits, Tensor::kShared);
+  ASSERT_NE(map, nullptr);
+  std::vector<uint8_t> bad(block.data(), block.data() + block.size());
+  bad[map->entry.offset + 7] = 9;
+  SealBlock(absl::MakeSpan(bad));
+  absl::Status s = PrepareBlock(*BlockView::Parse(bad)).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("token 7 is in part 9"));
+  // Moving a token between parts changes the parts' sizes: the sections no longer match.
+  bad[map->entry.offset + 7] = 0;
+  SealBlock(absl::MakeSpan(bad));
+  s = PrepareBlock(*BlockView::Parse(bad)).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("but codec kivi:k4v4:g32:sink4 writes"));
 }
 
 }  // namespace

@@ -116,7 +116,21 @@ void RunSegments(const std::vector<Segment>& segs, size_t begin, size_t end, boo
   for (size_t i = begin; i < end; ++i) {
     const Segment& seg = segs[i];
     st.scores.resize(size_t{st.g} * seg.tokens);
+    // Per-channel multipliers of a block's K fold into q; those of its V multiply the block's
+    // share of the output, accumulated apart (after the softmax step has rescaled acc).
+    const uint16_t* k_norm = seg.block != nullptr ? seg.block->k.channel_norm : nullptr;
+    const uint16_t* v_norm = seg.block != nullptr ? seg.block->v.channel_norm : nullptr;
+    thread_local std::vector<float> saved;
+    if (k_norm != nullptr) {
+      saved = st.q;
+      for (uint32_t r = 0; r < st.g; ++r) {
+        for (uint32_t d = 0; d < st.d; ++d) {
+          st.q[size_t{r} * st.d + d] *= HalfBitsToFloat(k_norm[size_t{seg.head} * st.d + d]);
+        }
+      }
+    }
     kernels.scores(seg, st);
+    if (k_norm != nullptr) st.q.swap(saved);
     if (last_is_window && i + 1 == segs.size()) {
       for (uint32_t r = 0; r < st.g; ++r) {
         float* s = &st.scores[size_t{r} * seg.tokens];
@@ -124,7 +138,20 @@ void RunSegments(const std::vector<Segment>& segs, size_t begin, size_t end, boo
       }
     }
     kernels.softmax(seg.tokens, st);
+    if (v_norm == nullptr) {
+      kernels.accumulate(seg, st);
+      continue;
+    }
+    saved.assign(st.acc.size(), 0.0f);
+    st.acc.swap(saved);
     kernels.accumulate(seg, st);
+    for (uint32_t r = 0; r < st.g; ++r) {
+      for (uint32_t d = 0; d < st.d; ++d) {
+        const size_t e = size_t{r} * st.d + d;
+        saved[e] += st.acc[e] * HalfBitsToFloat(v_norm[size_t{seg.head} * st.d + d]);
+      }
+    }
+    st.acc.swap(saved);
   }
 }
 

@@ -22,7 +22,7 @@ struct TestSequence {
   std::vector<float> q, sink_k, sink_v, win_k, win_v;
   std::vector<AlignedBuffer> buffers;
   std::vector<BlockView> views;
-  std::vector<BlockOperands> ops;
+  std::vector<PreparedBlock> ops;
   std::vector<const BlockOperands*> op_ptrs;
   std::vector<float> out, ref;
   DecodeSequence seq;
@@ -56,11 +56,13 @@ std::unique_ptr<TestSequence> MakeSequence(const std::string& spec, uint32_t q_h
   }
   for (const AlignedBuffer& b : s->buffers) s->views.push_back(*BlockView::Parse(b.span()));
   for (const BlockView& v : s->views) {
-    absl::StatusOr<BlockOperands> ops = PrepareBlock(v);
+    absl::StatusOr<PreparedBlock> ops = PrepareBlock(v);
     EXPECT_TRUE(ops.ok()) << ops.status();
     s->ops.push_back(*ops);
   }
-  for (const BlockOperands& o : s->ops) s->op_ptrs.push_back(&o);
+  for (const PreparedBlock& o : s->ops) {
+    for (const BlockOperands& part : o.parts) s->op_ptrs.push_back(&part);
+  }
   if (window > 0) full(window, s->win_k, s->win_v);
   s->out.assign(s->q.size(), NAN);
   s->ref.assign(s->q.size(), NAN);
@@ -82,6 +84,9 @@ double NormalizedMaxError(const std::vector<float>& out, const std::vector<float
 }
 
 const char* kCodecs[] = {"fp16",
+                         "zipcache:k2v2:h4:s10",
+                         "kivi:k2v2:g32:sink4",
+                         "gear:k2v2:g32:r4:s2:sink2",
                          "bf16",
                          "int8",
                          "fp8e4m3",

@@ -1,7 +1,10 @@
 // SequenceKvCache: one sequence's KV cache across all layers, the way a decode node keeps it:
 // compressed blocks (one per full chunk of C tokens and layer, in the Strata block format) and a
-// full-precision window of the newest tokens. When the window holds a full chunk, the codec
-// compresses it into a block (GEAR's streaming buffer, SKVQ's window, KIVI's residual).
+// full-precision window of the newest tokens. When the window holds a full chunk beyond its
+// minimum size (`window_tokens`), the codec compresses the oldest chunk into a block (GEAR's
+// streaming buffer, SKVQ's sliding window, KIVI's residual). Attention sinks — the first tokens
+// of the sequence at full precision — are the codec's `sinkN` option: they travel inside chunk
+// 0's block (as its fp16 part), so a store or a peer gets them with the prefix.
 //
 // A cached prefix can be adopted as blocks (AdoptBlock) — prefix reuse — and the model then
 // prefills only the suffix on top of it.
@@ -26,6 +29,8 @@ namespace strata::model {
 struct KvCacheOptions {
   std::string codec = "fp16";   // codec spec for the blocks
   uint32_t chunk_tokens = 256;  // tokens per block
+  uint32_t window_tokens = 0;   // newest tokens always kept at full precision (besides the
+                                // partial chunk), as SKVQ's sliding window
   uint64_t model_fingerprint = 0;
   absl::Status Validate() const;
 };
@@ -38,13 +43,15 @@ class SequenceKvCache {
 
   uint32_t tokens() const { return tokens_; }  // every token cached, blocks + window
   uint32_t window_tokens() const { return window_tokens_; }
-  size_t blocks_per_layer() const { return layers_.empty() ? 0 : layers_[0].blocks.size(); }
+  size_t blocks_per_layer() const { return layers_.empty() ? 0 : layers_[0].ops.size(); }
   // Bytes of all blocks (every layer), as a store would hold them.
   size_t block_bytes() const;
 
-  // Appends `n` tokens of one layer to its window: k, v [n, kv_heads, head_dim]. Every layer
-  // must receive the same tokens before Commit.
-  void AppendWindow(uint32_t layer, const float* k, const float* v, uint32_t n);
+  // Appends `n` tokens of one layer to its window: k, v [n, kv_heads, head_dim], and their
+  // queries q [n, q_heads, head_dim] (kept only when the codec uses them: ZipCache's probes; may
+  // be null). Every layer must receive the same tokens before Commit.
+  void AppendWindow(uint32_t layer, const float* k, const float* v, uint32_t n,
+                    const float* q = nullptr, uint32_t q_heads = 0);
   // Accounts the appended tokens and compresses every full chunk of the window into blocks.
   // All or nothing: on an error the appended tokens are discarded and the cache is as before.
   absl::Status Commit(uint32_t n);
@@ -70,9 +77,11 @@ class SequenceKvCache {
   struct Layer {
     std::vector<AlignedBuffer> buffers;
     std::vector<BlockView> views;
-    std::vector<std::unique_ptr<kernels::BlockOperands>> ops;
-    std::vector<const kernels::BlockOperands*> blocks;
+    std::vector<std::unique_ptr<kernels::PreparedBlock>> ops;
+    std::vector<const kernels::BlockOperands*> blocks;  // every part of every block
     std::vector<float> window_k, window_v;  // [window, kv_heads, head_dim]
+    std::vector<float> window_q;            // [window, q_heads, head_dim] when the codec wants it
+    uint32_t q_heads = 0;
   };
   SequenceKvCache() = default;
   absl::Status AddBlock(Layer& l, AlignedBuffer block);

@@ -257,7 +257,7 @@ absl::StatusOr<std::vector<std::vector<float>>> LlamaModel::RunBatch(
       Rope(ks, pos0[s], rows, c.num_kv_heads);
       kernels::DecodeSequence& seq = batch[s];
       if (cached) {
-        caches[s]->AppendWindow(li, ks, vs, rows);
+        caches[s]->AppendWindow(li, ks, vs, rows, qs, c.num_heads);
         seq = caches[s]->View(li);
       } else {
         seq = {};

@@ -9,6 +9,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "common/block_reader.h"
+#include "kernels/block_operands.h"
 #include "model/safetensors.h"
 
 namespace strata::model {
@@ -186,6 +188,41 @@ TEST(LlamaModelTest, SuffixPrefillOverAnAdoptedCompressedPrefixMatchesRecomputin
   const std::vector<float> full = *model->Forward(ids);
   const std::vector<float> tail(full.end() - reused.size(), full.end());
   EXPECT_LT(MaxRelDiff(reused, tail), 5e-2);
+  // Blocks that are not this cache's next chunk, or of another codec, are refused.
+  auto c = *model->NewCache(opts);
+  AlignedBuffer second(a->layer_blocks(0)[1].size());
+  std::memcpy(second.data(), a->layer_blocks(0)[1].data(), second.size());
+  EXPECT_EQ(c->AdoptBlock(0, std::move(second)).code(), absl::StatusCode::kInvalidArgument);
+  auto d = *model->NewCache({.codec = "kivi:k4v4:g16", .chunk_tokens = 16});
+  AlignedBuffer first(a->layer_blocks(0)[0].size());
+  std::memcpy(first.data(), a->layer_blocks(0)[0].data(), first.size());
+  EXPECT_EQ(d->AdoptBlock(0, std::move(first)).code(), absl::StatusCode::kInvalidArgument);
+}
+
+// Sinks ride in chunk 0's block at fp16, the window keeps at least window_tokens at full
+// precision, and ZipCache gets the chunk's queries for its probes: the cached model stays close
+// to the uncompressed one.
+TEST(LlamaModelTest, SinksWindowAndZipCacheInTheCache) {
+  auto model = *LlamaModel::Load(absl::StrCat(STRATA_SOURCE_DIR, "/tests/data/tiny-llama"));
+  std::vector<uint32_t> ids;
+  for (uint32_t i = 0; i < 100; ++i) ids.push_back((i * 53 + 7) % model->config().vocab_size);
+  const std::vector<float> full = *model->Forward(ids);
+  for (const char* codec : {"kivi:k4v4:g16:sink4", "zipcache:k4v4:h8:s20:sink4"}) {
+    auto cache = *model->NewCache({.codec = codec, .chunk_tokens = 16, .window_tokens = 24});
+    std::vector<float> got = *model->Step(absl::MakeSpan(ids).first(60), cache.get());
+    for (size_t t = 60; t < ids.size(); ++t) {
+      std::vector<float> l = *model->Step(absl::MakeSpan(ids).subspan(t, 1), cache.get());
+      got.insert(got.end(), l.begin(), l.end());
+    }
+    // 100 tokens, at least 24 in the window: 4 chunks of 16 compressed, 36 in the window.
+    EXPECT_EQ(cache->blocks_per_layer(), 4u) << codec;
+    EXPECT_EQ(cache->window_tokens(), 36u) << codec;
+    const BlockView first = *BlockView::Parse(cache->layer_blocks(0)[0].span());
+    const kernels::PreparedBlock ops = *kernels::PrepareBlock(first);
+    EXPECT_EQ(ops.parts.front().spec.id, CodecId::kFp16) << codec;
+    EXPECT_EQ(ops.part_tokens.front(), (std::vector<uint32_t>{0, 1, 2, 3})) << codec;
+    EXPECT_LT(MaxRelDiff(got, full), 0.1) << codec;
+  }
 }
 
 }  // namespace

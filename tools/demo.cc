@@ -125,7 +125,7 @@ absl::Status AttendOverStoredBlocks(const DemoOptions& o, const PrefixHasher& ha
   const std::vector<BlockHash> keys = hasher.ChunkKeys(ByteTokens(absl::StrCat(system, question)));
   std::vector<AlignedBuffer> files;
   std::vector<BlockView> views;
-  std::vector<kernels::BlockOperands> ops;
+  std::vector<kernels::PreparedBlock> ops;
   std::vector<float> k_ref, v_ref;  // the same KV at fp16 precision, [tokens, heads, dim]
   size_t compressed_bytes = 0;
   for (uint32_t c = 0; c < keys.size(); ++c) {
@@ -142,11 +142,13 @@ absl::Status AttendOverStoredBlocks(const DemoOptions& o, const PrefixHasher& ha
     views.push_back(v);
   }
   for (const BlockView& v : views) {
-    STRATA_ASSIGN_OR_RETURN(kernels::BlockOperands op, kernels::PrepareBlock(v));
-    ops.push_back(op);
+    STRATA_ASSIGN_OR_RETURN(kernels::PreparedBlock op, kernels::PrepareBlock(v));
+    ops.push_back(std::move(op));
   }
   std::vector<const kernels::BlockOperands*> ptrs;
-  for (const kernels::BlockOperands& op : ops) ptrs.push_back(&op);
+  for (const kernels::PreparedBlock& op : ops) {
+    for (const kernels::BlockOperands& part : op.parts) ptrs.push_back(&part);
+  }
   std::mt19937 rng(7);
   std::normal_distribution<float> normal(0.0f, 0.05f);
   std::vector<float> q(size_t{o.q_heads} * o.head_dim), out_c(q.size()), out_f(q.size());

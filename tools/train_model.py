@@ -35,6 +35,10 @@ import unicodedata
 
 DOC_ROOT = "/usr/share/doc"
 MAN_ROOT = "/usr/share/man"
+INFO_ROOT = "/usr/share/info"
+# Generated command references (tens of thousands of near-identical pages) that would drown the
+# prose: the Google Cloud SDK ships one man page per gcloud subcommand.
+SKIP_MAN = re.compile(r"/(gcloud|bq|gsutil)[-_.]")
 
 
 def _read_maybe_gz(path, limit=2 << 20):
@@ -83,6 +87,26 @@ def _clean(text):
     return text.strip()
 
 
+def _strip_info(text):
+    """GNU info: drop the node separators (0x1f) and the "File: ... Node: ..." header lines."""
+    out = []
+    for line in text.split("\n"):
+        if "\x1f" in line or "\x7f" in line or line.startswith(("File: ", "Tag Table:", "* Menu:")):
+            continue
+        out.append(line)
+    return "\n".join(out)
+
+
+def _prose_fraction(text):
+    """Share of the text in lines that read like sentences (6+ words, mostly letters)."""
+    n = 0
+    for line in text.splitlines():
+        if len(line.split()) >= 6 and \
+                sum(c.isalpha() or c == " " for c in line) > 0.85 * len(line):
+            n += len(line)
+    return n / max(1, len(text))
+
+
 def _english_enough(text):
     if len(text) < 400:
         return False
@@ -94,7 +118,7 @@ def _english_enough(text):
 def collect_corpus(max_bytes):
     """(path, text) for every usable document, sorted by path, up to max_bytes in total."""
     paths = []
-    for root in (DOC_ROOT, MAN_ROOT):
+    for root in (DOC_ROOT, INFO_ROOT, MAN_ROOT):
         for dirpath, dirnames, filenames in os.walk(root):
             dirnames.sort()
             if root == MAN_ROOT and not re.search(r"/man[1-8]$", dirpath):
@@ -102,19 +126,28 @@ def collect_corpus(max_bytes):
             for name in sorted(filenames):
                 if name.startswith(("changelog", "copyright", "NEWS.Debian")):
                     continue
-                paths.append(os.path.join(dirpath, name))
+                path = os.path.join(dirpath, name)
+                if root == MAN_ROOT and SKIP_MAN.search(path):
+                    continue
+                paths.append(path)
     docs, total = [], 0
     for path in paths:
         is_man = path.startswith(MAN_ROOT)
-        if not is_man and not re.search(r"(README|\.txt|\.md|\.rst)(\.gz)?$", path, re.I):
+        is_info = path.startswith(INFO_ROOT)
+        if is_info and not re.search(r"\.info(-\d+)?(\.gz)?$", path):
+            continue
+        if not is_man and not is_info and \
+                not re.search(r"(README|\.txt|\.md|\.rst)(\.gz)?$", path, re.I):
             continue
         text = _read_maybe_gz(path)
         if text is None:
             continue
         if is_man:
             text = _strip_roff(text)
+        if is_info:
+            text = _strip_info(text)
         text = _clean(text)
-        if not _english_enough(text):
+        if not _english_enough(text) or _prose_fraction(text) < 0.5:
             continue
         docs.append((path, text))
         total += len(text)
@@ -474,6 +507,25 @@ on a Debian machine); the weights are a statistical summary of it meant for test
 
 # ---------------------------------------------------------------------------------------------
 
+def reproduce_argv(steps):
+    """This run's arguments with a wall-clock budget replaced by the steps it reached, so the
+    command in the model card reproduces the same weights on any machine."""
+    out, skip = [], False
+    for a in sys.argv[1:]:
+        if skip:
+            skip = False
+            continue
+        if a == "--minutes":
+            skip = True
+            continue
+        if a.startswith("--minutes="):
+            continue
+        out.append(a)
+    if "--steps" not in out and not any(a.startswith("--steps=") for a in out):
+        out += ["--steps", str(steps)]
+    return " ".join(out)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
@@ -654,7 +706,7 @@ def main():
             seq=seq_len, lr=args.lr, ppl=ppl, device=device, torch=torch.__version__,
             seed=args.seed, minutes=(time.time() - train_start) / 60,
             first=log[0]["loss"] if log else float("nan"),
-            last=log[-1]["loss"] if log else float("nan"), argv=" ".join(sys.argv[1:])))
+            last=log[-1]["loss"] if log else float("nan"), argv=reproduce_argv(step)))
     print(f"exported to {args.out} ({time.time() - t0:.0f} s in all)", flush=True)
 
 

@@ -32,7 +32,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   absl::StatusOr<strata::BlockView> view =
       strata::BlockView::Parse(absl::MakeConstSpan(data, size));
   if (!view.ok()) return 0;
-  absl::StatusOr<BlockOperands> ops = PrepareBlock(*view);
+  absl::StatusOr<PreparedBlock> ops = PrepareBlock(*view);
   if (!ops.ok()) {
     if (ops.status().message().empty()) __builtin_trap();
     return 0;
@@ -40,14 +40,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const uint64_t n = uint64_t{ops->tokens} * ops->kv_heads * ops->head_dim;
   if (n > (1u << 20)) return 0;  // keep each run fast; larger blocks add nothing new
   std::vector<float> k(n), v(n);
-  if (!DecodeOperandsRef(*ops, k.data(), v.data()).ok()) __builtin_trap();
+  if (!DecodePreparedRef(*ops, k.data(), v.data()).ok()) __builtin_trap();
+  if (ops->parts.empty()) return 0;
   static strata::ThreadPool pool(1);
   const uint32_t q_heads = ops->kv_heads * 2;
   std::vector<float> q(size_t{q_heads} * ops->head_dim, 0.5f), out(q.size());
-  const BlockOperands* ptr = &*ops;
+  std::vector<const BlockOperands*> ptrs;
+  for (const BlockOperands& p : ops->parts) ptrs.push_back(&p);
   DecodeSequence seq;
   seq.q = q.data();
-  seq.blocks = absl::MakeConstSpan(&ptr, 1);
+  seq.blocks = ptrs;
   seq.out = out.data();
   const DecodeAttentionParams params{q_heads, ops->kv_heads, ops->head_dim};
   for (AttentionImpl impl : {AttentionImpl::kPortable, AttentionImpl::kAvx2}) {

@@ -89,7 +89,9 @@ int main(int argc, char** argv) {
                          "kivi:k3v3:g16",
                          "kcvt:k4v4",
                          "gearl:k2v2:g8:r2",
-                         "gear:k2v2:g8:r2:s10"};
+                         "gear:k2v2:g8:r2:s10",
+                         "gear:k2v2:g8:r2:s10:sink2",
+                         "zipcache:k2v2:h4:s20:sink1"};
   int i = 0;
   for (const char* spec : specs) {
     auto codec = kernels::Codec::Create(spec);
