@@ -270,6 +270,7 @@ absl::StatusOr<std::vector<std::vector<float>>> LlamaModel::RunBatch(
     if (kv != nullptr) {
       (*kv)[li].k = k;
       (*kv)[li].v = v;
+      (*kv)[li].q = q;
     }
     const absl::Status attn = kernels::DecodeAttention(params, batch);
     if (!attn.ok()) {

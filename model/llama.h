@@ -26,8 +26,9 @@ namespace strata::model {
 
 // One layer's KV for a token range: [tokens, kv_heads, head_dim] each, fp32.
 struct LayerKv {
-  std::vector<float> k;
-  std::vector<float> v;
+  std::vector<float> k;  // [tokens, kv_heads, head_dim], after RoPE
+  std::vector<float> v;  // [tokens, kv_heads, head_dim]
+  std::vector<float> q;  // [tokens, heads, head_dim], after RoPE
 };
 
 class LlamaModel {

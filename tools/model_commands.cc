@@ -12,7 +12,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/status_macros.h"
+#include "common/block_reader.h"
+#include "kernels/block_operands.h"
+#include "kernels/codec.h"
+#include "kernels/decode_attention.h"
 #include "model/llama.h"
+#include "nlohmann/json.hpp"
 #include "model/safetensors.h"
 #include "model/tokenizer.h"
 
@@ -50,6 +55,55 @@ double Seconds(std::chrono::steady_clock::time_point since) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - since).count();
 }
 
+struct PplResult {
+  double ppl = 0;
+  size_t scored = 0, windows = 0;
+  size_t block_bytes = 0, block_elements = 0;  // every block made, and the K+V elements in them
+  double seconds = 0;
+  double bits() const { return block_elements > 0 ? 8.0 * block_bytes / block_elements : 0; }
+};
+
+// Perplexity with the KV cache compressed as in serving: each window prefilled chunk by chunk,
+// each chunk attending over the compressed earlier chunks (+ the full-precision window).
+absl::StatusOr<PplResult> Perplexity(const Loaded& l, const std::vector<uint32_t>& ids,
+                                     const ModelCommandOptions& o, uint32_t context,
+                                     uint32_t max_windows) {
+  const model::ModelConfig& c = l.model->config();
+  if (ids.size() < 2) return absl::InvalidArgumentError("ppl: the text has fewer than 2 tokens");
+  if (context < 2) return absl::InvalidArgumentError("ppl: --context must be >= 2");
+  PplResult r;
+  double nll = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (size_t start = 0; start + 1 < ids.size(); start += context) {
+    if (max_windows != 0 && r.windows == max_windows) break;
+    const size_t end = std::min(ids.size(), start + context);
+    STRATA_ASSIGN_OR_RETURN(auto cache, l.model->NewCache({.codec = o.codec,
+                                                           .chunk_tokens = o.chunk_tokens,
+                                                           .window_tokens = o.window_tokens}));
+    for (size_t s = start; s < end; s += o.chunk_tokens) {
+      const size_t e = std::min(end, s + o.chunk_tokens);
+      STRATA_ASSIGN_OR_RETURN(
+          std::vector<float> logits,
+          l.model->Step(absl::MakeConstSpan(ids).subspan(s, e - s), cache.get()));
+      for (size_t t = s; t < e && t + 1 < end; ++t) {
+        const float* row = &logits[(t - s) * c.vocab_size];
+        const float mx = *std::max_element(row, row + c.vocab_size);
+        double sum = 0;
+        for (uint32_t v = 0; v < c.vocab_size; ++v) sum += std::exp(double{row[v]} - mx);
+        nll += -(row[ids[t + 1]] - mx - std::log(sum));
+        ++r.scored;
+      }
+    }
+    r.block_bytes += cache->block_bytes();
+    r.block_elements += cache->blocks_per_layer() * size_t{o.chunk_tokens} * c.num_layers *
+                        c.num_kv_heads * c.head_dim * 2;
+    ++r.windows;
+  }
+  r.ppl = std::exp(nll / r.scored);
+  r.seconds = Seconds(t0);
+  return r;
+}
+
 }  // namespace
 
 absl::Status RunGenerate(const GenerateOptions& o, std::ostream& out, std::ostream& info) {
@@ -57,7 +111,9 @@ absl::Status RunGenerate(const GenerateOptions& o, std::ostream& out, std::ostre
   const model::ModelConfig& c = l.model->config();
   const std::vector<uint32_t> prompt = WithBos(c, l.tokenizer->Encode(o.prompt));
   STRATA_ASSIGN_OR_RETURN(auto cache,
-                          l.model->NewCache({.codec = o.codec, .chunk_tokens = o.chunk_tokens}));
+                          l.model->NewCache({.codec = o.codec,
+                                             .chunk_tokens = o.chunk_tokens,
+                                             .window_tokens = o.window_tokens}));
   const auto t0 = std::chrono::steady_clock::now();
   STRATA_ASSIGN_OR_RETURN(std::vector<float> logits, l.model->Step(prompt, cache.get()));
   const double prefill_s = Seconds(t0);
@@ -98,41 +154,238 @@ absl::Status RunPpl(const PplOptions& o, std::ostream& out) {
   const model::ModelConfig& c = l.model->config();
   STRATA_ASSIGN_OR_RETURN(std::string text, ReadText(o.text_file));
   const std::vector<uint32_t> ids = WithBos(c, l.tokenizer->Encode(text, false));
-  if (ids.size() < 2) return absl::InvalidArgumentError("ppl: the text has fewer than 2 tokens");
-  if (o.context < 2) return absl::InvalidArgumentError("ppl: --context must be >= 2");
-  double nll = 0;
-  size_t scored = 0, windows = 0, block_bytes = 0;
-  const auto t0 = std::chrono::steady_clock::now();
-  for (size_t start = 0; start + 1 < ids.size(); start += o.context) {
-    if (o.max_windows != 0 && windows == o.max_windows) break;
-    const size_t end = std::min(ids.size(), start + o.context);
-    STRATA_ASSIGN_OR_RETURN(auto cache,
-                            l.model->NewCache({.codec = o.codec, .chunk_tokens = o.chunk_tokens}));
-    // As in serving: chunk by chunk, each chunk attending over the compressed earlier chunks.
-    for (size_t s = start; s < end; s += o.chunk_tokens) {
-      const size_t e = std::min(end, s + o.chunk_tokens);
-      STRATA_ASSIGN_OR_RETURN(
-          std::vector<float> logits,
-          l.model->Step(absl::MakeConstSpan(ids).subspan(s, e - s), cache.get()));
-      for (size_t t = s; t < e && t + 1 < end; ++t) {
-        const float* row = &logits[(t - s) * c.vocab_size];
-        const float mx = *std::max_element(row, row + c.vocab_size);
-        double sum = 0;
-        for (uint32_t v = 0; v < c.vocab_size; ++v) sum += std::exp(double{row[v]} - mx);
-        nll += -(row[ids[t + 1]] - mx - std::log(sum));
-        ++scored;
-      }
-    }
-    block_bytes += cache->block_bytes();
-    ++windows;
-  }
-  const double ppl = std::exp(nll / scored);
-  absl::StatusOr<std::unique_ptr<kernels::Codec>> codec = kernels::Codec::Create(o.codec);
-  const double bits = *(*codec)->BitsPerElement(o.chunk_tokens, c.num_kv_heads, c.head_dim);
+  STRATA_ASSIGN_OR_RETURN(PplResult r, Perplexity(l, ids, o, o.context, o.max_windows));
   out << absl::StrFormat(
       "perplexity %.4f over %d tokens (%d windows of up to %d) with KV codec %s at %.3f bits "
-      "per element (%d-token chunks); %.1f s\n",
-      ppl, scored, windows, o.context, o.codec, bits, o.chunk_tokens, Seconds(t0));
+      "per element (%d-token chunks, all metadata counted); %.1f s\n",
+      r.ppl, r.scored, r.windows, o.context, o.codec, r.bits(), o.chunk_tokens, r.seconds);
+  return absl::OkStatus();
+}
+
+namespace {
+
+double RelError(absl::Span<const float> want, absl::Span<const float> got) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const double d = double{want[i]} - got[i];
+    num += d * d;
+    den += double{want[i]} * want[i];
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+struct LayerErrors {
+  std::vector<double> k, v, attn;
+  double encode_seconds = 0;
+  size_t encoded_bytes_in = 0;  // fp16 bytes of the K and V encoded
+};
+
+// Encodes the window's K/V chunk by chunk with the codec, as a prefill node would (with each
+// chunk's queries), and compares per layer: K and V decoded against the originals, and the
+// attention output of the window's last queries over blocks + full-precision rest against
+// attention over the original K/V.
+absl::StatusOr<LayerErrors> MeasureErrors(const Loaded& l, const std::vector<model::LayerKv>& kv,
+                                          uint32_t tokens, const std::string& spec,
+                                          uint32_t chunk, uint32_t queries) {
+  const model::ModelConfig& c = l.model->config();
+  const uint32_t H = c.num_kv_heads, D = c.head_dim, QH = c.num_heads;
+  const size_t row = size_t{H} * D, qrow = size_t{QH} * D;
+  const uint32_t blocks = (tokens - queries) / chunk;
+  if (blocks == 0) {
+    return absl::InvalidArgumentError(absl::StrCat("eval: ", tokens, " tokens leave no ", chunk,
+                                                   "-token chunk before the ", queries,
+                                                   " error queries; use more text or a larger "
+                                                   "--context"));
+  }
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<kernels::Codec> codec, kernels::Codec::Create(spec));
+  LayerErrors e;
+  const size_t n = size_t{blocks} * chunk * row;
+  std::vector<float> k_dec(n), v_dec(n), out(queries * qrow), ref(out.size());
+  for (uint32_t li = 0; li < kv.size(); ++li) {
+    const model::LayerKv& lk = kv[li];
+    std::vector<AlignedBuffer> buffers;
+    std::vector<kernels::PreparedBlock> prepared;
+    for (uint32_t b = 0; b < blocks; ++b) {
+      kernels::KvChunkView view{lk.k.data() + b * chunk * row, lk.v.data() + b * chunk * row,
+                                SourceDType::kFloat32, chunk, H, D};
+      view.q = lk.q.data() + b * chunk * qrow;
+      view.q_heads = QH;
+      const auto t0 = std::chrono::steady_clock::now();
+      STRATA_ASSIGN_OR_RETURN(AlignedBuffer buf,
+                              codec->Encode(view, {.layer = li, .chunk_index = b}));
+      e.encode_seconds += Seconds(t0);
+      e.encoded_bytes_in += size_t{chunk} * row * 2 * 2;
+      buffers.push_back(std::move(buf));
+    }
+    for (uint32_t b = 0; b < blocks; ++b) {
+      STRATA_ASSIGN_OR_RETURN(BlockView view, BlockView::Parse(buffers[b].span()));
+      STRATA_ASSIGN_OR_RETURN(kernels::PreparedBlock p, kernels::PrepareBlock(view));
+      STRATA_RETURN_IF_ERROR(kernels::DecodePreparedRef(p, &k_dec[b * chunk * row],
+                                                        &v_dec[b * chunk * row]));
+      prepared.push_back(std::move(p));
+    }
+    e.k.push_back(RelError(absl::MakeConstSpan(lk.k).first(n), k_dec));
+    e.v.push_back(RelError(absl::MakeConstSpan(lk.v).first(n), v_dec));
+    std::vector<const kernels::BlockOperands*> parts;
+    for (const kernels::PreparedBlock& p : prepared) {
+      for (const kernels::BlockOperands& part : p.parts) parts.push_back(&part);
+    }
+    const kernels::DecodeAttentionParams params{QH, H, D};
+    const size_t done = size_t{blocks} * chunk;
+    kernels::DecodeSequence seq;
+    seq.q = lk.q.data() + (tokens - queries) * qrow;
+    seq.query_tokens = queries;
+    seq.blocks = parts;
+    seq.window = {lk.k.data() + done * row, lk.v.data() + done * row,
+                  static_cast<uint32_t>(tokens - done)};
+    seq.out = out.data();
+    STRATA_RETURN_IF_ERROR(kernels::DecodeAttention(params, {&seq, 1}));
+    kernels::DecodeSequence full = seq;
+    full.blocks = {};
+    full.window = {lk.k.data(), lk.v.data(), tokens};
+    full.out = ref.data();
+    STRATA_RETURN_IF_ERROR(kernels::DecodeAttention(params, {&full, 1}));
+    e.attn.push_back(RelError(ref, out));
+  }
+  return e;
+}
+
+// Greedy continuation of each prompt with the given cache codec.
+absl::StatusOr<std::vector<std::vector<uint32_t>>> Continue(
+    const Loaded& l, const std::vector<std::vector<uint32_t>>& prompts,
+    const model::KvCacheOptions& opts, uint32_t n) {
+  const model::ModelConfig& c = l.model->config();
+  std::vector<std::vector<uint32_t>> out;
+  for (const std::vector<uint32_t>& p : prompts) {
+    STRATA_ASSIGN_OR_RETURN(auto cache, l.model->NewCache(opts));
+    STRATA_ASSIGN_OR_RETURN(std::vector<float> logits, l.model->Step(p, cache.get()));
+    std::vector<uint32_t> gen;
+    for (uint32_t i = 0; i < n; ++i) {
+      const float* last = &logits[logits.size() - c.vocab_size];
+      const uint32_t next =
+          static_cast<uint32_t>(std::max_element(last, last + c.vocab_size) - last);
+      gen.push_back(next);
+      if (i + 1 == n) break;
+      STRATA_ASSIGN_OR_RETURN(logits, l.model->Step({&next, 1}, cache.get()));
+    }
+    out.push_back(std::move(gen));
+  }
+  return out;
+}
+
+double Mean(const std::vector<double>& v) {
+  double s = 0;
+  for (double x : v) s += x;
+  return v.empty() ? 0 : s / v.size();
+}
+
+double Max(const std::vector<double>& v) {
+  return v.empty() ? 0 : *std::max_element(v.begin(), v.end());
+}
+
+}  // namespace
+
+absl::Status RunEval(const EvalOptions& o, std::ostream& out) {
+  if (o.codecs.empty()) return absl::InvalidArgumentError("eval: --codecs names no codec");
+  for (const std::string& spec : o.codecs) {
+    STRATA_RETURN_IF_ERROR(kernels::Codec::Create(spec).status());
+  }
+  STRATA_ASSIGN_OR_RETURN(Loaded l, Load(o));
+  const model::ModelConfig& c = l.model->config();
+  STRATA_ASSIGN_OR_RETURN(std::string text, ReadText(o.text_file));
+  const std::vector<uint32_t> ids = WithBos(c, l.tokenizer->Encode(text, false));
+  if (ids.size() < size_t{o.prompt_tokens} + o.generate_tokens + 2 || ids.size() < o.context) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "eval: the text has ", ids.size(), " tokens; it needs at least --context (", o.context,
+        ") and a prompt + continuation (", o.prompt_tokens + o.generate_tokens, ")"));
+  }
+  if (o.error_queries < 1 || o.error_queries >= o.context) {
+    return absl::InvalidArgumentError("eval: error queries must be in [1, context)");
+  }
+  // The error window: the text's first `context` tokens, run once at full precision.
+  std::vector<model::LayerKv> kv;
+  const std::vector<uint32_t> window(ids.begin(), ids.begin() + o.context);
+  STRATA_RETURN_IF_ERROR(l.model->Forward(window, &kv).status());
+  // Continuation prompts spread over the text, each starting with BOS.
+  std::vector<std::vector<uint32_t>> prompts;
+  for (uint32_t i = 0; i < o.continuations; ++i) {
+    const size_t span = ids.size() - o.prompt_tokens - o.generate_tokens;
+    const size_t start = span * i / std::max<uint32_t>(1, o.continuations);
+    std::vector<uint32_t> p(ids.begin() + start, ids.begin() + start + o.prompt_tokens);
+    prompts.push_back(WithBos(c, std::move(p)));
+  }
+  model::KvCacheOptions base_opts{.codec = "fp16", .chunk_tokens = o.chunk_tokens,
+                                  .window_tokens = o.window_tokens};
+  STRATA_ASSIGN_OR_RETURN(auto baseline_gen,
+                          Continue(l, prompts, base_opts, o.generate_tokens));
+  ModelCommandOptions fp16 = o;
+  fp16.codec = "fp16";
+  STRATA_ASSIGN_OR_RETURN(PplResult base, Perplexity(l, ids, fp16, o.context, o.max_windows));
+
+  nlohmann::json report = {
+      {"model", o.model_dir},
+      {"text", o.text_file},
+      {"context", o.context},
+      {"windows", base.windows},
+      {"scored_tokens", base.scored},
+      {"chunk_tokens", o.chunk_tokens},
+      {"window_tokens", o.window_tokens},
+      {"continuations", o.continuations},
+      {"prompt_tokens", o.prompt_tokens},
+      {"generate_tokens", o.generate_tokens},
+      {"fp16_perplexity", base.ppl},
+      {"codecs", nlohmann::json::array()}};
+  out << absl::StrFormat(
+      "model %s, text %s: perplexity over %d tokens (%d windows of %d), errors on the first %d "
+      "tokens (last %d queries), %d greedy continuations of %d tokens after %d-token prompts; "
+      "%d-token chunks, full-precision window >= %d\n",
+      o.model_dir, o.text_file, base.scored, base.windows, o.context, o.context, o.error_queries,
+      o.continuations, o.generate_tokens, o.prompt_tokens, o.chunk_tokens, o.window_tokens);
+  out << absl::StrFormat("%-32s %6s %9s %8s %8s %8s %8s %8s %8s %7s %7s %8s\n", "codec", "bits",
+                         "ppl", "d ppl %", "K err", "K worst", "V err", "V worst", "attn err",
+                         "greedy", "prefix", "enc MB/s");
+  for (const std::string& spec : o.codecs) {
+    ModelCommandOptions mo = o;
+    mo.codec = spec;
+    STRATA_ASSIGN_OR_RETURN(PplResult r, Perplexity(l, ids, mo, o.context, o.max_windows));
+    STRATA_ASSIGN_OR_RETURN(LayerErrors e,
+                            MeasureErrors(l, kv, o.context, spec, o.chunk_tokens, o.error_queries));
+    model::KvCacheOptions opts = base_opts;
+    opts.codec = spec;
+    STRATA_ASSIGN_OR_RETURN(auto gen, Continue(l, prompts, opts, o.generate_tokens));
+    double same = 0, prefix = 0;
+    for (size_t i = 0; i < gen.size(); ++i) {
+      size_t p = 0;
+      while (p < gen[i].size() && gen[i][p] == baseline_gen[i][p]) ++p;
+      prefix += p;
+      for (size_t t = 0; t < gen[i].size(); ++t) same += gen[i][t] == baseline_gen[i][t];
+    }
+    const double total = static_cast<double>(gen.size()) * o.generate_tokens;
+    const double agreement = total > 0 ? same / total : 1.0;
+    const double mean_prefix = gen.empty() ? 0 : prefix / gen.size();
+    const double mbps = e.encode_seconds > 0 ? e.encoded_bytes_in / e.encode_seconds / 1e6 : 0;
+    const double dppl = 100.0 * (r.ppl / base.ppl - 1.0);
+    out << absl::StrFormat("%-32s %6.3f %9.3f %+8.2f %8.4f %8.4f %8.4f %8.4f %8.4f %6.1f%% %7.1f %8.1f\n",
+                           spec, r.bits(), r.ppl, dppl, Mean(e.k), Max(e.k), Mean(e.v), Max(e.v),
+                           Mean(e.attn), 100 * agreement, mean_prefix, mbps);
+    report["codecs"].push_back({{"codec", spec},
+                                {"bits_per_element", r.bits()},
+                                {"perplexity", r.ppl},
+                                {"perplexity_change_percent", dppl},
+                                {"k_rel_error", {{"per_layer", e.k}, {"mean", Mean(e.k)}, {"worst", Max(e.k)}}},
+                                {"v_rel_error", {{"per_layer", e.v}, {"mean", Mean(e.v)}, {"worst", Max(e.v)}}},
+                                {"attn_rel_error",
+                                 {{"per_layer", e.attn}, {"mean", Mean(e.attn)}, {"worst", Max(e.attn)}}},
+                                {"greedy_agreement", agreement},
+                                {"greedy_common_prefix_tokens", mean_prefix},
+                                {"encode_mb_per_s_one_thread", mbps}});
+  }
+  if (!o.json_out.empty()) {
+    std::ofstream f(o.json_out);
+    f << report.dump(1) << "\n";
+    if (!f) return absl::InternalError(absl::StrCat("eval: cannot write ", o.json_out));
+    out << "wrote " << o.json_out << "\n";
+  }
   return absl::OkStatus();
 }
 

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <ostream>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 
@@ -14,6 +15,7 @@ struct ModelCommandOptions {
   std::string model_dir;        // Hugging Face layout: config.json, *.safetensors, tokenizer.json
   std::string codec = "fp16";   // KV cache codec spec
   uint32_t chunk_tokens = 256;  // tokens per compressed block
+  uint32_t window_tokens = 0;   // newest tokens always kept at full precision
 };
 
 struct GenerateOptions : ModelCommandOptions {
@@ -34,6 +36,23 @@ struct DumpKvOptions : ModelCommandOptions {
   std::string out_dir;
   uint32_t max_tokens = 2048;
 };
+
+// `strata eval`: every codec on the same text — bits per element (all metadata), relative error
+// of K, V and attention output per layer, perplexity and its change against fp16, agreement of
+// greedy continuations with fp16, encode throughput — as a table and as JSON.
+struct EvalOptions : ModelCommandOptions {
+  std::string text_file;
+  std::vector<std::string> codecs;
+  uint32_t context = 1024;         // tokens per perplexity window (and the error window)
+  uint32_t max_windows = 8;        // perplexity windows (0: the whole text)
+  uint32_t continuations = 8;      // greedy continuations compared with fp16
+  uint32_t prompt_tokens = 600;    // prompt of each continuation (longer than a chunk)
+  uint32_t generate_tokens = 32;   // tokens generated per continuation
+  uint32_t error_queries = 64;     // queries at the end of the error window
+  std::string json_out;            // write the report here as JSON ("" = don't)
+};
+
+absl::Status RunEval(const EvalOptions& o, std::ostream& out);
 
 absl::Status RunGenerate(const GenerateOptions& o, std::ostream& out, std::ostream& info);
 absl::Status RunPpl(const PplOptions& o, std::ostream& out);

@@ -9,6 +9,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "model/safetensors.h"
+#include "nlohmann/json.hpp"
 
 namespace strata::tools {
 namespace {
@@ -61,6 +62,45 @@ TEST(ModelCommandsTest, PerplexityRisesWithCoarserCodecs) {
   EXPECT_GT(fp16, 1.0);
   EXPECT_NEAR(kivi8, fp16, 0.02 * fp16);
   EXPECT_GT(kivi2, kivi8);
+}
+
+TEST(ModelCommandsTest, EvalReportsEveryCodecAndWritesJson) {
+  EvalOptions o;
+  o.model_dir = kModel;
+  o.text_file = WriteText();
+  o.context = 128;
+  o.chunk_tokens = 32;
+  o.max_windows = 2;
+  o.continuations = 2;
+  o.prompt_tokens = 70;
+  o.generate_tokens = 6;
+  o.error_queries = 16;
+  o.codecs = {"fp16", "kivi:k8v8:g32", "kivi:k2v2:g32", "zipcache:k2v2:h4:s10:sink2"};
+  o.json_out = absl::StrCat(testing::TempDir(), "/eval.json");
+  std::ostringstream out;
+  const absl::Status s = RunEval(o, out);
+  ASSERT_TRUE(s.ok()) << s;
+  std::ifstream f(o.json_out);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  const nlohmann::json j = nlohmann::json::parse(ss.str());
+  ASSERT_EQ(j["codecs"].size(), 4u);
+  const nlohmann::json& fp16 = j["codecs"][0];
+  const nlohmann::json& k8 = j["codecs"][1];
+  const nlohmann::json& k2 = j["codecs"][2];
+  EXPECT_NEAR(fp16["perplexity_change_percent"].get<double>(), 0.0, 1e-9);
+  EXPECT_DOUBLE_EQ(fp16["greedy_agreement"].get<double>(), 1.0);
+  EXPECT_LT(fp16["attn_rel_error"]["worst"].get<double>(), 1e-3);
+  // Fewer bits: smaller blocks, larger errors.
+  EXPECT_LT(k2["bits_per_element"].get<double>(), k8["bits_per_element"].get<double>());
+  EXPECT_GT(k2["k_rel_error"]["mean"].get<double>(), k8["k_rel_error"]["mean"].get<double>());
+  EXPECT_GT(k2["attn_rel_error"]["mean"].get<double>(), k8["attn_rel_error"]["mean"].get<double>());
+  EXPECT_EQ(k2["k_rel_error"]["per_layer"].size(), 2u);  // the test model's layers
+  EXPECT_GE(k2["attn_rel_error"]["worst"].get<double>(), k2["attn_rel_error"]["mean"].get<double>());
+  EXPECT_THAT(out.str(), HasSubstr("zipcache:k2v2:h4:s10:sink2"));
+  // A codec that does not parse is refused before any work.
+  o.codecs = {"fp16", "kivi:k9v9:g32"};
+  EXPECT_EQ(RunEval(o, out).code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST(ModelCommandsTest, DumpKvWritesEveryLayer) {

@@ -40,7 +40,14 @@ ABSL_FLAG(uint64_t, seed, 1, "generate: sampling seed");
 ABSL_FLAG(std::string, text, "", "ppl/dump-kv: text file");
 ABSL_FLAG(uint32_t, context, 2048, "ppl: tokens per evaluation window; dump-kv: tokens to run");
 ABSL_FLAG(uint32_t, windows, 0, "ppl: evaluate at most this many windows (0: the whole text)");
-ABSL_FLAG(uint32_t, kv_chunk_tokens, 256, "generate/ppl: tokens per compressed KV block");
+ABSL_FLAG(uint32_t, kv_chunk_tokens, 256, "generate/ppl/eval: tokens per compressed KV block");
+ABSL_FLAG(uint32_t, kv_window, 0,
+          "generate/ppl/eval: newest tokens always kept at full precision in the KV cache");
+ABSL_FLAG(std::vector<std::string>, codecs, {}, "eval: comma-separated codec specs");
+ABSL_FLAG(std::string, json, "", "eval: also write the report as JSON to this file");
+ABSL_FLAG(uint32_t, continuations, 8, "eval: greedy continuations compared with fp16");
+ABSL_FLAG(uint32_t, prompt_tokens, 600, "eval: prompt tokens of each continuation");
+ABSL_FLAG(uint32_t, generate_tokens, 32, "eval: tokens generated per continuation");
 
 namespace {
 
@@ -51,6 +58,8 @@ constexpr char kUsage[] =
     "  demo           compute, store, reuse and verify prefix-keyed blocks (see --helpfull)\n"
     "  generate TEXT  continue a prompt with the model (--model, --codec, --max_tokens)\n"
     "  ppl FILE       perplexity of a text with the KV cache compressed by --codec\n"
+    "  eval FILE      quality report of --codecs on a text (errors, perplexity, greedy "
+    "agreement)\n"
     "  dump-kv FILE   write each layer's K and V for a text to --out/kv.safetensors\n";
 
 int Fail(const absl::Status& s) {
@@ -95,6 +104,7 @@ int main(int argc, char** argv) {
     o.model_dir = absl::GetFlag(FLAGS_model);
     if (!absl::GetFlag(FLAGS_codec).empty()) o.codec = absl::GetFlag(FLAGS_codec);
     o.chunk_tokens = absl::GetFlag(FLAGS_kv_chunk_tokens);
+    o.window_tokens = absl::GetFlag(FLAGS_kv_window);
   };
   if (command == "generate") {
     strata::tools::GenerateOptions o;
@@ -115,6 +125,21 @@ int main(int argc, char** argv) {
     o.context = absl::GetFlag(FLAGS_context);
     o.max_windows = absl::GetFlag(FLAGS_windows);
     const absl::Status s = strata::tools::RunPpl(o, std::cout);
+    return s.ok() ? 0 : Fail(s);
+  }
+  if (command == "eval") {
+    strata::tools::EvalOptions o;
+    model_options(o);
+    o.text_file = absl::GetFlag(FLAGS_text);
+    if (args.size() > 2) o.text_file = args[2];
+    o.codecs = absl::GetFlag(FLAGS_codecs);
+    o.context = absl::GetFlag(FLAGS_context);
+    o.max_windows = absl::GetFlag(FLAGS_windows) == 0 ? 8 : absl::GetFlag(FLAGS_windows);
+    o.continuations = absl::GetFlag(FLAGS_continuations);
+    o.prompt_tokens = absl::GetFlag(FLAGS_prompt_tokens);
+    o.generate_tokens = absl::GetFlag(FLAGS_generate_tokens);
+    o.json_out = absl::GetFlag(FLAGS_json);
+    const absl::Status s = strata::tools::RunEval(o, std::cout);
     return s.ok() ? 0 : Fail(s);
   }
   if (command == "dump-kv") {

@@ -494,11 +494,14 @@ Strata runs end to end on a laptop-class CPU with a model whose KV cache is real
 | shape | {layers} layers, hidden {hidden}, {heads} query heads over {kv} KV heads, head dim {head_dim}, SwiGLU {ffn}, RoPE theta {theta:g}, context {ctx} |
 | tokenizer | byte-level BPE, {vocab} tokens, trained by the script on the training split |
 | data | {docs} documents from Debian's /usr/share/doc and English manual pages: {train_chars:,} training and {held_chars:,} held-out characters ({train_tokens:,} / {held_tokens:,} tokens); held-out documents chosen by a hash of their path, never trained on |
-| training | {steps} steps of batch {batch} x {seq} tokens ({tokens:,} tokens seen), AdamW, peak lr {lr:g}, cosine schedule, {minutes:.1f} min on {device}, PyTorch {torch}, seed {seed} |
+| training | {steps} steps of batch {batch} x {seq} tokens{long} ({tokens:,} tokens seen), AdamW, peak lr {lr:g}, cosine schedule, {minutes:.1f} min on {device}, PyTorch {torch}, seed {seed} |
 | loss | {first:.3f} at the first logged step, {last:.3f} at the last (curve in train_log.json) |
-| held-out perplexity | {ppl:.2f} |
+| held-out perplexity | {ppl:.2f} (windows of {eval_len} tokens) |
 
-Reproduce: `/usr/bin/python3 tools/train_model.py {argv}` (after `scripts/setup_training.sh`).
+Reproduce: `/usr/bin/python3 tools/train_model.py {argv}` (after `scripts/setup_training.sh`);
+with a step budget the run is deterministic given the seed (a wall-clock budget, as used here,
+spaces the learning-rate schedule by time instead, so the same command with `--minutes` differs
+slightly from machine to machine).
 
 The text is package documentation, under each package's own license (see /usr/share/doc/*/copyright
 on a Debian machine); the weights are a statistical summary of it meant for testing Strata.
@@ -539,6 +542,10 @@ def main():
     ap.add_argument("--steps", type=int, default=0, help="or for this many steps")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=0, help="training context (default: preset)")
+    ap.add_argument("--long-seq-len", type=int, default=0,
+                    help="train the last --long-fraction of the run at this context (same tokens "
+                         "per step), so the model learns long positions cheaply")
+    ap.add_argument("--long-fraction", type=float, default=0.2)
     ap.add_argument("--vocab", type=int, default=0, help="tokenizer size (default: preset)")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--device", default="cuda" if os.environ.get("CUDA_VISIBLE_DEVICES") else "cpu")
@@ -600,19 +607,21 @@ def main():
                             weight_decay=0.1)
     gen = torch.Generator().manual_seed(args.seed)
 
-    def batch(ids, n):
+    def batch(ids, n, seq_len):
         starts = torch.randint(0, len(ids) - seq_len - 1, (n,), generator=gen)
         x = torch.stack([ids[s:s + seq_len] for s in starts])
         y = torch.stack([ids[s + 1:s + seq_len + 1] for s in starts])
         return x.to(device), y.to(device)
 
+    eval_len = args.long_seq_len or seq_len
+
     @torch.no_grad()
     def heldout_ppl(max_windows=64):
         model.eval()
         losses = []
-        for w in range(min(max_windows, (len(held_ids) - 1) // seq_len)):
-            x = held_ids[w * seq_len:(w + 1) * seq_len][None].to(device)
-            y = held_ids[w * seq_len + 1:(w + 1) * seq_len + 1][None].to(device)
+        for w in range(min(max_windows, (len(held_ids) - 1) // eval_len)):
+            x = held_ids[w * eval_len:(w + 1) * eval_len][None].to(device)
+            y = held_ids[w * eval_len + 1:(w + 1) * eval_len + 1][None].to(device)
             losses.append(torch.nn.functional.cross_entropy(
                 model(x).flatten(0, 1), y.flatten()).item())
         model.train()
@@ -630,7 +639,12 @@ def main():
         lr = args.lr * min(1.0, (step + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         for g in opt.param_groups:
             g["lr"] = lr
-        x, y = batch(train_ids, args.batch)
+        long_phase = args.long_seq_len and frac >= 1 - args.long_fraction
+        if long_phase:
+            x, y = batch(train_ids, max(1, args.batch * seq_len // args.long_seq_len),
+                         args.long_seq_len)
+        else:
+            x, y = batch(train_ids, args.batch, seq_len)
         loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -640,6 +654,7 @@ def main():
         tokens_seen += x.numel()
         if step % 25 == 0 or step == 1:
             log.append({"step": step, "tokens": tokens_seen, "loss": loss.item(), "lr": lr,
+                        "seq_len": x.shape[1],
                         "seconds": round(time.time() - train_start, 1)})
             print(f"step {step} loss {loss.item():.3f} lr {lr:.2e} tokens {tokens_seen}",
                   flush=True)
@@ -703,7 +718,9 @@ def main():
             theta=cfg["rope_theta"], docs=len(docs), train_chars=sum(map(len, train_docs)),
             held_chars=sum(map(len, held_docs)), train_tokens=len(train_ids),
             held_tokens=len(held_ids), steps=step, tokens=tokens_seen, batch=args.batch,
-            seq=seq_len, lr=args.lr, ppl=ppl, device=device, torch=torch.__version__,
+            seq=seq_len, lr=args.lr, eval_len=eval_len,
+            long=(f", the last {args.long_fraction:.0%} of the time at {args.long_seq_len} tokens"
+                  if args.long_seq_len else ""), ppl=ppl, device=device, torch=torch.__version__,
             seed=args.seed, minutes=(time.time() - train_start) / 60,
             first=log[0]["loss"] if log else float("nan"),
             last=log[-1]["loss"] if log else float("nan"), argv=reproduce_argv(step)))
