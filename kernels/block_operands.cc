@@ -8,6 +8,7 @@
 #include "common/half.h"
 #include "common/status_macros.h"
 #include "kernels/bit_pack.h"
+#include "kernels/calibration.h"
 #include "kernels/codec_layout.h"
 
 namespace strata::kernels {
@@ -52,6 +53,7 @@ absl::Status FillPart(const BlockView& block, int i, const CodecLayout& layout, 
     } else if (t.kind == CodeKind::kFp8E4M3) {
       std::memcpy(&t.tensor_scale, block.section(i++).data.data(), sizeof(float));
     } else if (t.kind == CodeKind::kAffine) {
+      t.token_groups = tl.token_groups;
       t.groups = tl.groups;
       t.group_size = tl.group_size;
       t.scales = u16(i++);
@@ -89,13 +91,39 @@ absl::Status FillPart(const BlockView& block, int i, const CodecLayout& layout, 
 
 }  // namespace
 
-absl::StatusOr<PreparedBlock> PrepareBlock(const BlockView& block) {
+absl::StatusOr<PreparedBlock> PrepareBlock(const BlockView& block,
+                                           const Calibration* calibration) {
   const BlockHeader& h = block.header();
   absl::StatusOr<CodecSpec> spec = CodecSpec::Parse(h.codec_spec);
   if (!spec.ok()) return spec.status();
   if (spec->id != h.codec) {
     return absl::DataLossError(absl::StrCat("block: codec id ", CodecIdName(h.codec),
                                             " does not match its spec '", h.codec_spec, "'"));
+  }
+  if (spec->needs_calibration() != (h.calibration_fingerprint != 0)) {
+    return absl::DataLossError(absl::StrCat("block: codec ", h.codec_spec,
+                                            spec->needs_calibration() ? " needs" : " takes no",
+                                            " calibration, the header says ",
+                                            absl::Hex(h.calibration_fingerprint)));
+  }
+  const LayerCalibration* layer_cal = nullptr;
+  if (h.calibration_fingerprint != 0) {
+    if (calibration == nullptr || calibration->fingerprint() != h.calibration_fingerprint) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "block: made with calibration ", absl::Hex(h.calibration_fingerprint, absl::kZeroPad16),
+          ", loaded: ",
+          calibration == nullptr
+              ? std::string("none")
+              : absl::StrCat(absl::Hex(calibration->fingerprint(), absl::kZeroPad16))));
+    }
+    if (h.layer >= calibration->layers.size() || calibration->kv_heads != h.kv_heads ||
+        calibration->head_dim != h.head_dim) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "block: layer ", h.layer, " of ", h.kv_heads, "x", h.head_dim,
+          " is not covered by its calibration (", calibration->layers.size(), " layers of ",
+          calibration->kv_heads, "x", calibration->head_dim, ")"));
+    }
+    layer_cal = &calibration->layers[h.layer];
   }
   PreparedBlock out;
   out.spec = *spec;
@@ -156,6 +184,10 @@ absl::StatusOr<PreparedBlock> PrepareBlock(const BlockView& block) {
     ops.kv_heads = h.kv_heads;
     ops.head_dim = h.head_dim;
     STRATA_RETURN_IF_ERROR(FillPart(block, layout.first_section[p], layout.parts[p], ops));
+    if (layer_cal != nullptr && part_specs[p].needs_calibration()) {
+      if (!layer_cal->k_perm.empty()) ops.k.channel_perm = layer_cal->k_perm.data();
+      if (!layer_cal->v_perm.empty()) ops.v.channel_perm = layer_cal->v_perm.data();
+    }
     out.parts.push_back(ops);
     if (!spec->has_parts()) {
       positions[p].resize(counts[p]);
@@ -198,8 +230,9 @@ absl::Status DecodeOperandsRef(const BlockOperands& ops, float* k, float* v) {
               x = Fp8E4M3ToFloat(codes[d]) * t.tensor_scale;
               break;
             case CodeKind::kAffine: {
-              const size_t p = is_k ? (size_t{h} * t.groups + tok / t.group_size) * D + d
-                                    : row * t.groups + d / t.group_size;
+              const size_t p = !t.token_groups
+                                   ? (size_t{h} * t.groups + tok / t.group_size) * D + d
+                                   : row * t.groups + d / t.group_size;
               x = HalfBitsToFloat(t.zeros[p]) +
                   static_cast<float>(UnpackBit(codes, d, t.bits)) * HalfBitsToFloat(t.scales[p]);
               break;
@@ -239,8 +272,13 @@ absl::Status DecodeOperandsRef(const BlockOperands& ops, float* k, float* v) {
     float* out = is_k ? k : v;
     for (uint32_t h = 0; h < H; ++h) {
       for (uint32_t tok = 0; tok < T; ++tok) {
-        std::memcpy(out + (size_t{tok} * H + h) * D, &hm[(size_t{h} * T + tok) * D],
-                    D * sizeof(float));
+        float* dst = out + (size_t{tok} * H + h) * D;
+        const float* src = &hm[(size_t{h} * T + tok) * D];
+        if (t.channel_perm == nullptr) {
+          std::memcpy(dst, src, D * sizeof(float));
+        } else {  // back to the original channel order
+          for (uint32_t d = 0; d < D; ++d) dst[t.channel_perm[size_t{h} * D + d]] = src[d];
+        }
       }
     }
   }
@@ -264,8 +302,9 @@ absl::Status DecodePreparedRef(const PreparedBlock& block, float* k, float* v) {
   return absl::OkStatus();
 }
 
-absl::Status DecodeBlockRef(const BlockView& block, float* k, float* v) {
-  STRATA_ASSIGN_OR_RETURN(PreparedBlock prepared, PrepareBlock(block));
+absl::Status DecodeBlockRef(const BlockView& block, float* k, float* v,
+                            const Calibration* calibration) {
+  STRATA_ASSIGN_OR_RETURN(PreparedBlock prepared, PrepareBlock(block, calibration));
   return DecodePreparedRef(prepared, k, v);
 }
 

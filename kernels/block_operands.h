@@ -18,6 +18,9 @@
 //                 K: [H, D, n], the token of each outlier in its channel;
 //                 V: [H, T, n], the channel of each outlier in its token;
 //                 each value is added to the backbone's dequantized element.
+//   skvq          K and V both like kivi's V (per token, G channel groups), stored in the
+//                 calibration's channel order: channel_perm (from the calibration, not the
+//                 block) maps stored channel i of head h to original channel perm[h * D + i].
 //   zipcache      a part: K as kcvt (per channel over the part's tokens); V per token with one
 //                 group, plus channel_normalizers f16 [H, D] that multiply every dequantized
 //                 element of their channel (channel-separable tokenwise quantization).
@@ -48,6 +51,8 @@ struct TensorOperands {
   // kAffine: per group; kInt8: [H, T]; kFp8E4M3: tensor_scale only.
   const uint16_t* scales = nullptr;  // fp16 bits
   const uint16_t* zeros = nullptr;   // fp16 bits
+  bool token_groups = false;         // params per (head, token, channel group), as V's; else
+                                     // per (head, token group, channel), as KIVI's K
   uint32_t groups = 1;               // G: token groups (K) or channel groups (V) per vector
   uint32_t group_size = 0;           // tokens (K) or channels (V) per group
   float tensor_scale = 1.0f;
@@ -62,6 +67,8 @@ struct TensorOperands {
   const uint16_t* outlier_index16 = nullptr;
   // Per-channel multipliers of the dequantized values, fp16 [H, D]; nullptr when absent.
   const uint16_t* channel_norm = nullptr;
+  // Stored channel i of head h is original channel channel_perm[h * D + i]; nullptr: identity.
+  const uint16_t* channel_perm = nullptr;
 
   uint32_t OutlierIndex(size_t i) const {
     return outlier_index8 != nullptr ? outlier_index8[i] : outlier_index16[i];
@@ -87,11 +94,17 @@ struct PreparedBlock {
   std::vector<std::vector<uint32_t>> part_tokens;  // each part's token positions, ascending
 };
 
-absl::StatusOr<PreparedBlock> PrepareBlock(const BlockView& block);
+// A block made with a calibration (nonzero calibration fingerprint in its header) needs that
+// calibration: kFailedPrecondition when `calibration` is null or another one. The pointers into
+// the calibration stay valid while it lives.
+struct Calibration;
+absl::StatusOr<PreparedBlock> PrepareBlock(const BlockView& block,
+                                           const Calibration* calibration = nullptr);
 
 // Reference decoder: the block's K and V at fp32, [tokens, kv_heads, head_dim] each, in token
 // order, exactly as attention over the block sees them (backbone + low-rank + outliers).
-absl::Status DecodeBlockRef(const BlockView& block, float* k, float* v);
+absl::Status DecodeBlockRef(const BlockView& block, float* k, float* v,
+                            const Calibration* calibration = nullptr);
 absl::Status DecodePreparedRef(const PreparedBlock& block, float* k, float* v);
 // One part alone: [part tokens, kv_heads, head_dim].
 absl::Status DecodeOperandsRef(const BlockOperands& ops, float* k, float* v);

@@ -94,7 +94,7 @@ struct AffineResult {
 // group's min/max. K: groups of `gs` tokens per (head, channel); V: groups of `gs` channels per
 // (head, token).
 AffineResult QuantizeAffine(const HeadMajor& x, bool per_channel, uint32_t gs, uint32_t groups,
-                            int bits, const std::vector<uint8_t>& mask) {
+                            int bits, const std::vector<uint8_t>& mask, float clip = 1.0f) {
   const uint32_t T = x.t, H = x.h, D = x.d;
   const float qmax = static_cast<float>((1 << bits) - 1);
   AffineResult r;
@@ -159,6 +159,10 @@ AffineResult QuantizeAffine(const HeadMajor& x, bool per_channel, uint32_t gs, u
             if (masked && mask[base + d]) continue;
             lo = std::min(lo, x.x[base + d]);
             hi = std::max(hi, x.x[base + d]);
+          }
+          if (clip != 1.0f && lo <= hi) {  // SKVQ: clipped dynamic range
+            lo *= clip;
+            hi *= clip;
           }
           params(lo, hi, (size_t{h} * T + t) * groups + g, &scale[d0], &zero[d0], &inv[d0]);
           for (uint32_t d = d0 + 1; d < d1; ++d) {
@@ -313,13 +317,25 @@ absl::Status WriteFp8(const CodecSpec&, const CodecLayout& layout, const KvChunk
 }
 
 absl::Status WriteAffine(const CodecSpec& s, const CodecLayout& layout, const KvChunkView& c,
-                         BlockBuilder& b, int first) {
+                         BlockBuilder& b, int first, const LayerCalibration* cal) {
   const uint32_t T = c.tokens, H = c.kv_heads, D = c.head_dim;
   int section = first;
   for (const auto& [src, name] : {std::pair{c.k, "K"}, std::pair{c.v, "V"}}) {
     const bool is_k = section == first;
     const TensorLayout& tl = is_k ? layout.k : layout.v;
     STRATA_ASSIGN_OR_RETURN(HeadMajor m, ToHeadMajor(c, src, name, kMetadataLimit));
+    const std::vector<uint16_t>* perm = cal == nullptr ? nullptr : is_k ? &cal->k_perm : &cal->v_perm;
+    if (perm != nullptr && !perm->empty()) {  // SKVQ: store channels in calibrated order
+      std::vector<float> row(D);
+      for (uint32_t h = 0; h < H; ++h) {
+        for (uint32_t t = 0; t < T; ++t) {
+          float* x = &m.at(h, t, 0);
+          for (uint32_t d = 0; d < D; ++d) row[d] = x[(*perm)[size_t{h} * D + d]];
+          std::copy(row.begin(), row.end(), x);
+        }
+      }
+    }
+    const float clip = cal == nullptr ? 1.0f : is_k ? cal->k_clip : cal->v_clip;
     std::vector<uint16_t> norms;
     if (s.id == CodecId::kZipCache && !is_k) {
       // Channel-separable tokenwise quantization: each channel divided by sqrt(max |x|) of the
@@ -339,7 +355,7 @@ absl::Status WriteAffine(const CodecSpec& s, const CodecLayout& layout, const Kv
     std::vector<size_t> outliers;
     if (tl.outliers > 0) outliers = SelectOutliers(m, is_k, tl.outliers, mask);
     const int bits = is_k ? s.k_bits : s.v_bits;
-    AffineResult q = QuantizeAffine(m, is_k, tl.group_size, tl.groups, bits, mask);
+    AffineResult q = QuantizeAffine(m, !tl.token_groups, tl.group_size, tl.groups, bits, mask, clip);
     int next = section;
     Put(b, next++, q.packed);
     Put(b, next++, q.scales);
@@ -491,8 +507,24 @@ std::vector<uint8_t> AssignParts(const CodecSpec& s, const KvChunkView& c,
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Codec>> Codec::Create(absl::string_view text) {
+absl::StatusOr<std::unique_ptr<Codec>> Codec::Create(
+    absl::string_view text, std::shared_ptr<const Calibration> calibration) {
   STRATA_ASSIGN_OR_RETURN(CodecSpec s, CodecSpec::Parse(text));
+  if (s.needs_calibration()) {
+    if (calibration == nullptr) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "codec ", s.ToString(), " needs a calibration file (make one with strata calibrate)"));
+    }
+    CodecSpec main = s;
+    main.sink_tokens = 0;
+    if (calibration->codec != main.ToString()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("codec ", s.ToString(), ": the calibration was made for '",
+                       calibration->codec, "'"));
+    }
+  } else {
+    calibration = nullptr;  // nothing to record
+  }
   switch (s.id) {
     case CodecId::kFp16:
     case CodecId::kBf16:
@@ -503,7 +535,8 @@ absl::StatusOr<std::unique_ptr<Codec>> Codec::Create(absl::string_view text) {
     case CodecId::kGear:
     case CodecId::kGearL:
     case CodecId::kZipCache:
-      return std::make_unique<Codec>(s);
+    case CodecId::kSkvq:
+      return std::make_unique<Codec>(s, std::move(calibration));
     default:
       break;
   }
@@ -517,6 +550,17 @@ absl::StatusOr<AlignedBuffer> Codec::Encode(const KvChunkView& c, const BlockCon
     return absl::InvalidArgumentError(absl::StrCat("codec: ", c.q_heads,
                                                    " query heads are not a multiple of ",
                                                    c.kv_heads, " KV heads"));
+  }
+  const LayerCalibration* layer_cal = nullptr;
+  if (calibration_ != nullptr) {
+    if (ctx.layer >= calibration_->layers.size() || calibration_->kv_heads != c.kv_heads ||
+        calibration_->head_dim != c.head_dim) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "codec ", s.ToString(), ": layer ", ctx.layer, " of ", c.kv_heads, "x", c.head_dim,
+          " is not covered by the calibration (", calibration_->layers.size(), " layers of ",
+          calibration_->kv_heads, "x", calibration_->head_dim, ")"));
+    }
+    layer_cal = &calibration_->layers[ctx.layer];
   }
   const std::vector<CodecSpec> part_specs = s.PartSpecs();
   std::vector<uint8_t> map;  // the part of each token, when the spec has parts
@@ -539,6 +583,7 @@ absl::StatusOr<AlignedBuffer> Codec::Encode(const KvChunkView& c, const BlockCon
   h.kv_heads = c.kv_heads;
   h.head_dim = c.head_dim;
   h.model_fingerprint = ctx.model_fingerprint;
+  h.calibration_fingerprint = calibration_ != nullptr ? calibration_->fingerprint() : 0;
   STRATA_ASSIGN_OR_RETURN(BlockBuilder b, BlockBuilder::Create(h, layout.sections));
   if (layout.has_map) std::memcpy(b.section(0).data(), map.data(), map.size());
   std::vector<float> pk, pv;  // one part's tokens, gathered
@@ -577,7 +622,8 @@ absl::StatusOr<AlignedBuffer> Codec::Encode(const KvChunkView& c, const BlockCon
         STRATA_RETURN_IF_ERROR(WriteFp8(ps, pl, part, b, first));
         break;
       default:
-        STRATA_RETURN_IF_ERROR(WriteAffine(ps, pl, part, b, first));
+        STRATA_RETURN_IF_ERROR(
+            WriteAffine(ps, pl, part, b, first, ps.needs_calibration() ? layer_cal : nullptr));
         break;
     }
   }

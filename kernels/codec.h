@@ -19,6 +19,7 @@
 #include "absl/status/statusor.h"
 #include "common/aligned_buffer.h"
 #include "common/block_format.h"
+#include "kernels/calibration.h"
 #include "kernels/codec_spec.h"
 
 namespace strata::kernels {
@@ -47,8 +48,13 @@ struct BlockContext {
 
 class Codec {
  public:
-  static absl::StatusOr<std::unique_ptr<Codec>> Create(absl::string_view spec);
-  explicit Codec(CodecSpec spec) : spec_(spec) {}
+  // Codecs that need a calibration (CodecSpec::needs_calibration) fail with
+  // kFailedPrecondition without one, or with one made for another codec.
+  static absl::StatusOr<std::unique_ptr<Codec>> Create(
+      absl::string_view spec, std::shared_ptr<const Calibration> calibration = nullptr);
+  explicit Codec(CodecSpec spec, std::shared_ptr<const Calibration> calibration = nullptr)
+      : spec_(spec), calibration_(std::move(calibration)) {}
+  const Calibration* calibration() const { return calibration_.get(); }
 
   const CodecSpec& spec() const { return spec_; }
   // True when Encode uses the chunk's queries (ZipCache's probes).
@@ -64,6 +70,7 @@ class Codec {
 
  private:
   CodecSpec spec_;
+  std::shared_ptr<const Calibration> calibration_;
 };
 
 }  // namespace strata::kernels

@@ -42,11 +42,13 @@ CodecLayout MakeCodecLayout(const CodecSpec& s, uint32_t t, uint32_t h, uint32_t
     } else if (s.id == CodecId::kFp8E4M3) {
       out.sections.push_back({SectionKind::kScales, tensor, ElemType::kFloat32, 1});
     } else if (s.is_affine()) {
-      // K groups run along tokens (per channel), V groups along channels (per token).
-      const uint32_t len = is_k ? t : d;
+      // K groups run along tokens (per channel), V groups along channels (per token); SKVQ's
+      // K is grouped like V.
+      tl.token_groups = !is_k || s.k_token_groups();
+      const uint32_t len = tl.token_groups ? d : t;
       tl.group_size = s.group == 0 ? len : std::min<uint32_t>(s.group, len);
       tl.groups = (len + tl.group_size - 1) / tl.group_size;
-      const uint32_t count = is_k ? h * tl.groups * d : h * t * tl.groups;
+      const uint32_t count = tl.token_groups ? h * t * tl.groups : h * tl.groups * d;
       out.sections.push_back({SectionKind::kScales, tensor, ElemType::kFloat16, count});
       out.sections.push_back({SectionKind::kZeroPoints, tensor, ElemType::kFloat16, count});
       if (s.id == CodecId::kZipCache && !is_k) {  // channel-separable tokenwise V

@@ -11,6 +11,7 @@
 namespace strata::kernels {
 
 struct TensorLayout {
+  bool token_groups = false;  // groups run along channels within a token (V; SKVQ's K)
   uint32_t groups = 1;      // scale groups per vector (affine); see block_operands.h
   uint32_t group_size = 0;  // elements per group
   uint32_t rank = 0;        // effective low-rank r = min(spec rank, tokens, head_dim)

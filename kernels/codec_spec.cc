@@ -35,7 +35,7 @@ bool ParseIntField(absl::string_view f, char prefix, int* out) {
 
 bool CodecSpec::is_affine() const {
   return id == CodecId::kKivi || id == CodecId::kKcvt || id == CodecId::kGear ||
-         id == CodecId::kGearL || id == CodecId::kZipCache;
+         id == CodecId::kGearL || id == CodecId::kZipCache || id == CodecId::kSkvq;
 }
 
 uint32_t CodecSpec::SalientTokens(uint32_t tokens) const {
@@ -112,10 +112,12 @@ absl::StatusOr<CodecSpec> CodecSpec::Parse(absl::string_view text) {
     s.id = CodecId::kGearL;
   } else if (name == "zipcache") {
     s.id = CodecId::kZipCache;
+  } else if (name == "skvq") {
+    s.id = CodecId::kSkvq;
   } else {
     return Bad(text, absl::StrCat("unknown codec '", name,
                                   "' (known: fp16, bf16, int8, fp8e4m3, kivi, kcvt, gear, gearl, "
-                                  "zipcache)"));
+                                  "zipcache, skvq)"));
   }
   size_t i = 1;
   if (i >= f.size() || !ParseBits(f[i], &s.k_bits, &s.v_bits)) {
@@ -151,12 +153,14 @@ absl::StatusOr<CodecSpec> CodecSpec::Parse(absl::string_view text) {
     s.group = 0;
   } else {
     if (i >= f.size()) return Bad(text, "missing the group field (gN, or kcvt)");
-    if (f[i] == "kcvt" && s.id != CodecId::kKivi) {
+    if (f[i] == "kcvt" && s.id != CodecId::kKivi && s.id != CodecId::kSkvq) {
       s.group = 0;
     } else if (!ParseIntField(f[i], 'g', &s.group) || s.group < 8 || s.group > 4096 ||
                s.group % 8 != 0) {
       return Bad(text, absl::StrCat("group '", f[i], "' must be gN with N a multiple of 8 in ",
-                                    "[8, 4096]", s.id == CodecId::kKivi ? "" : ", or kcvt"));
+                                    "[8, 4096]",
+                                    s.id == CodecId::kKivi || s.id == CodecId::kSkvq ? ""
+                                                                                     : ", or kcvt"));
     }
     ++i;
   }

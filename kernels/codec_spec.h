@@ -16,6 +16,11 @@
 //                                   the rest at k/v bits; K per channel over the chunk, V per
 //                                   token after dividing each channel by sqrt(max |x|)
 //
+//   skvq:k2v2:g32                   SKVQ: channels reordered (calibrated permutation) so similar
+//                                   channels share a group, then per-token groups of g channels
+//                                   for K and V, min/max clipped by calibrated ratios; needs a
+//                                   calibration file (strata calibrate)
+//
 // Every quantizing codec takes a trailing `sinkN`: the first N tokens of a sequence (attention
 // sinks) stay at fp16 inside the first chunk's block, e.g. kivi:k2v2:g32:sink4.
 //
@@ -54,6 +59,9 @@ struct CodecSpec {
   std::string ToString() const;
 
   bool is_affine() const;  // affine backbone codes (kivi, kcvt, gear, gearl, zipcache)
+  bool needs_calibration() const { return id == CodecId::kSkvq; }
+  // K quantized per token in channel groups (like V) rather than per channel over tokens.
+  bool k_token_groups() const { return id == CodecId::kSkvq; }
   bool has_parts() const { return sink_tokens > 0 || salient_percent > 0; }
   // Tokens of a chunk of `tokens` that ZipCache keeps at hi_bits (0 for other codecs).
   uint32_t SalientTokens(uint32_t tokens) const;

@@ -343,6 +343,109 @@ TEST(CodecTest, ZipCacheKeepsTheTokensProbeQueriesAttendToAtHighBits) {
   EXPECT_EQ(codec->Encode(view, {}).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+Calibration MakeSkvqCalibration(const SyntheticKv& kv, bool reorder, float k_clip, float v_clip) {
+  Calibration c;
+  c.codec = "skvq:k2v2:g16";
+  c.kv_heads = kv.kv_heads;
+  c.head_dim = kv.head_dim;
+  LayerCalibration l;
+  if (reorder) {
+    for (uint32_t h = 0; h < kv.kv_heads; ++h) {
+      for (const auto& [x, perm] : {std::pair{&kv.k, &l.k_perm}, std::pair{&kv.v, &l.v_perm}}) {
+        const std::vector<uint16_t> p =
+            ChannelOrderByRange(x->data(), kv.tokens, kv.kv_heads, kv.head_dim, h);
+        perm->insert(perm->end(), p.begin(), p.end());
+      }
+    }
+  }
+  l.k_clip = k_clip;
+  l.v_clip = v_clip;
+  c.layers = {l, l};
+  return c;
+}
+
+// SKVQ: the calibration is required to encode and to read; reordering channels by range puts
+// the outlier channels in groups of their own and cuts the error of per-token groups.
+TEST(CodecTest, SkvqNeedsItsCalibrationAndReorderingHelps) {
+  const SyntheticKv kv = MakeSyntheticKv(128, 2, 64, /*seed=*/21);
+  EXPECT_EQ(Codec::Create("skvq:k2v2:g16").status().code(), absl::StatusCode::kFailedPrecondition);
+  auto other = std::make_shared<Calibration>(MakeSkvqCalibration(kv, true, 1, 1));
+  other->codec = "skvq:k4v4:g16";
+  EXPECT_EQ(Codec::Create("skvq:k2v2:g16", other).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  auto error = [&](bool reorder) {
+    auto cal = std::make_shared<Calibration>(MakeSkvqCalibration(kv, reorder, 1, 1));
+    auto codec = *Codec::Create("skvq:k2v2:g16", cal);
+    AlignedBuffer block = *codec->Encode(View(kv), {.layer = 1});
+    const BlockView view = *BlockView::Parse(block.span());
+    EXPECT_EQ(view.header().calibration_fingerprint, cal->fingerprint());
+    // Without the calibration, or with another one, the block is refused.
+    absl::Status s = PrepareBlock(view).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_THAT(std::string(s.message()), HasSubstr("loaded: none"));
+    Calibration changed = *cal;
+    changed.layers[1].k_clip = 0.5f;
+    EXPECT_EQ(PrepareBlock(view, &changed).status().code(), absl::StatusCode::kFailedPrecondition);
+    std::vector<float> k(kv.k.size()), v(kv.v.size());
+    EXPECT_TRUE(DecodeBlockRef(view, k.data(), v.data(), cal.get()).ok());
+    // K's error channel by channel (relative to each channel's own size), averaged: what a
+    // query that weighs the ordinary channels sees. (V here has no channel structure.)
+    const uint32_t rows = kv.tokens * kv.kv_heads, D = kv.head_dim;
+    double sum = 0;
+    for (uint32_t d = 0; d < D; ++d) {
+      double num = 0, den = 0;
+      for (uint32_t r = 0; r < rows; ++r) {
+        num += std::pow(double{kv.k[r * D + d]} - k[r * D + d], 2);
+        den += std::pow(double{kv.k[r * D + d]}, 2);
+      }
+      sum += std::sqrt(num / den);
+    }
+    EXPECT_LT(RelativeError(kv.v, v), 0.6);
+    return sum / D;
+  };
+  const double plain = error(false), reordered = error(true);
+  EXPECT_LT(reordered, 0.93 * plain) << "plain " << plain << " reordered " << reordered;
+}
+
+TEST(CalibrationTest, RoundTripsAndRejectsBadFiles) {
+  const SyntheticKv kv = MakeSyntheticKv(32, 2, 16, /*seed=*/3);
+  Calibration c = MakeSkvqCalibration(kv, true, 0.9f, 0.85f);
+  c.model_fingerprint = 0x0123456789abcdefull;
+  c.source = "test";
+  const absl::StatusOr<Calibration> back = Calibration::Parse(c.Serialize());
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(*back, c);
+  EXPECT_EQ(back->fingerprint(), c.fingerprint());
+  Calibration d = c;
+  d.layers[0].v_clip = 0.8f;
+  EXPECT_NE(d.fingerprint(), c.fingerprint());
+  struct Case {
+    std::string json, message;
+  } cases[] = {
+      {"[]", "not a JSON object"},
+      {"{\"version\": 9}", "version 9"},
+      {"{\"version\": 1}", "malformed field"},
+  };
+  for (const Case& k : cases) {
+    absl::Status s = Calibration::Parse(k.json).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << k.json;
+    EXPECT_THAT(std::string(s.message()), HasSubstr(k.message)) << k.json;
+  }
+  Calibration bad = c;
+  bad.layers[1].k_perm[3] = bad.layers[1].k_perm[4];  // not a permutation
+  absl::Status s = Calibration::Parse(bad.Serialize()).status();
+  EXPECT_THAT(std::string(s.message()), HasSubstr("layer 1 k_perm head 0 is not a permutation"));
+  bad = c;
+  bad.layers[0].v_clip = 1.5f;
+  s = Calibration::Parse(bad.Serialize()).status();
+  EXPECT_THAT(std::string(s.message()), HasSubstr("layer 0 v_clip 1.5 is not in (0, 1]"));
+  bad = c;
+  bad.layers[0].v_perm.pop_back();
+  s = Calibration::Parse(bad.Serialize()).status();
+  EXPECT_THAT(std::string(s.message()), HasSubstr("entries, not kv_heads x head_dim"));
+  EXPECT_EQ(Calibration::Load("/nonexistent.json").status().code(), absl::StatusCode::kNotFound);
+}
+
 // A token map naming a part the codec does not have is data loss, not a crash.
 TEST(BlockOperandsTest, TokenMapOutOfRangeIsDataLoss) {
   const SyntheticKv kv = MakeSyntheticKv(32, 1, 64, /*seed=*/2);

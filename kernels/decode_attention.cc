@@ -116,21 +116,28 @@ void RunSegments(const std::vector<Segment>& segs, size_t begin, size_t end, boo
   for (size_t i = begin; i < end; ++i) {
     const Segment& seg = segs[i];
     st.scores.resize(size_t{st.g} * seg.tokens);
-    // Per-channel multipliers of a block's K fold into q; those of its V multiply the block's
-    // share of the output, accumulated apart (after the softmax step has rescaled acc).
-    const uint16_t* k_norm = seg.block != nullptr ? seg.block->k.channel_norm : nullptr;
-    const uint16_t* v_norm = seg.block != nullptr ? seg.block->v.channel_norm : nullptr;
+    // Per-channel transforms of a block (multipliers, channel order): K's fold into q, V's
+    // apply to the block's share of the output, accumulated apart (after the softmax step has
+    // rescaled acc). Stored channel c of head h is original channel perm[c], times norm[c].
+    const TensorOperands* kt = seg.block != nullptr ? &seg.block->k : nullptr;
+    const TensorOperands* vt = seg.block != nullptr ? &seg.block->v : nullptr;
+    const bool k_tf = kt != nullptr && (kt->channel_norm != nullptr || kt->channel_perm != nullptr);
+    const bool v_tf = vt != nullptr && (vt->channel_norm != nullptr || vt->channel_perm != nullptr);
+    const size_t hd = size_t{seg.head} * st.d;
     thread_local std::vector<float> saved;
-    if (k_norm != nullptr) {
+    if (k_tf) {
       saved = st.q;
       for (uint32_t r = 0; r < st.g; ++r) {
-        for (uint32_t d = 0; d < st.d; ++d) {
-          st.q[size_t{r} * st.d + d] *= HalfBitsToFloat(k_norm[size_t{seg.head} * st.d + d]);
+        const float* src = &saved[size_t{r} * st.d];
+        float* dst = &st.q[size_t{r} * st.d];
+        for (uint32_t c = 0; c < st.d; ++c) {
+          const float q = src[kt->channel_perm != nullptr ? kt->channel_perm[hd + c] : c];
+          dst[c] = kt->channel_norm != nullptr ? q * HalfBitsToFloat(kt->channel_norm[hd + c]) : q;
         }
       }
     }
     kernels.scores(seg, st);
-    if (k_norm != nullptr) st.q.swap(saved);
+    if (k_tf) st.q.swap(saved);
     if (last_is_window && i + 1 == segs.size()) {
       for (uint32_t r = 0; r < st.g; ++r) {
         float* s = &st.scores[size_t{r} * seg.tokens];
@@ -138,7 +145,7 @@ void RunSegments(const std::vector<Segment>& segs, size_t begin, size_t end, boo
       }
     }
     kernels.softmax(seg.tokens, st);
-    if (v_norm == nullptr) {
+    if (!v_tf) {
       kernels.accumulate(seg, st);
       continue;
     }
@@ -146,9 +153,12 @@ void RunSegments(const std::vector<Segment>& segs, size_t begin, size_t end, boo
     st.acc.swap(saved);
     kernels.accumulate(seg, st);
     for (uint32_t r = 0; r < st.g; ++r) {
-      for (uint32_t d = 0; d < st.d; ++d) {
-        const size_t e = size_t{r} * st.d + d;
-        saved[e] += st.acc[e] * HalfBitsToFloat(v_norm[size_t{seg.head} * st.d + d]);
+      const float* part = &st.acc[size_t{r} * st.d];
+      float* acc = &saved[size_t{r} * st.d];
+      for (uint32_t c = 0; c < st.d; ++c) {
+        const float x =
+            vt->channel_norm != nullptr ? part[c] * HalfBitsToFloat(vt->channel_norm[hd + c]) : part[c];
+        acc[vt->channel_perm != nullptr ? vt->channel_perm[hd + c] : c] += x;
       }
     }
     st.acc.swap(saved);
@@ -339,6 +349,37 @@ void ScoresPortable(const Segment& seg, HeadGroupState& st) {
   float* row = st.work.data();
   float* qf = row + D;               // [G, D] q with this token group's scales folded in
   float* bias = qf + size_t{G} * D;  // [G]
+  if (k.kind == CodeKind::kAffine && k.token_groups) {
+    // Per-token channel groups (SKVQ): s = sum_g scale_g (q_g . c_g) + zero_g sum(q_g).
+    const uint32_t Gn = k.groups, gs = k.group_size;
+    st.work.resize(std::max(st.work.size(), size_t{D} + size_t{G} * Gn));
+    row = st.work.data();
+    float* qsum = row + D;  // [G, groups]
+    for (uint32_t j = 0; j < G; ++j) {
+      for (uint32_t g = 0; g < Gn; ++g) {
+        float sum = 0;
+        for (uint32_t d = g * gs; d < std::min(D, (g + 1) * gs); ++d) sum += st.q[size_t{j} * D + d];
+        qsum[j * Gn + g] = sum;
+      }
+    }
+    for (uint32_t t = 0; t < T; ++t) {
+      const size_t r = size_t{seg.head} * T + t;
+      UnpackRow(k, r, D, row);
+      for (uint32_t j = 0; j < G; ++j) {
+        const float* q = &st.q[size_t{j} * D];
+        float s = 0;
+        for (uint32_t g = 0; g < Gn; ++g) {
+          float dot = 0;
+          for (uint32_t d = g * gs; d < std::min(D, (g + 1) * gs); ++d) dot += q[d] * row[d];
+          s += HalfBitsToFloat(k.scales[r * Gn + g]) * dot +
+               HalfBitsToFloat(k.zeros[r * Gn + g]) * qsum[j * Gn + g];
+        }
+        st.scores[size_t{j} * T + t] = s;
+      }
+    }
+    AddScoreCorrections(seg, st);
+    return;
+  }
   for (uint32_t t = 0; t < T; ++t) {
     const size_t r = size_t{seg.head} * T + t;
     if (k.kind == CodeKind::kAffine && (t % k.group_size == 0)) {

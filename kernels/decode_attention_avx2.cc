@@ -406,7 +406,7 @@ STRATA_AVX2 void SoftmaxAvx2(uint32_t T, HeadGroupState& st) {
 }
 
 void ScoresAvx2(const Segment& seg, HeadGroupState& st) {
-  if (st.d % 8 != 0 ||
+  if (st.d % 8 != 0 || (seg.block != nullptr && seg.block->k.token_groups) ||
       !Dispatch<ScoresOp>(SourceOf(seg, seg.block ? &seg.block->k : nullptr), seg, st)) {
     ScoresPortable(seg, st);
   }

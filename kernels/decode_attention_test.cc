@@ -1,5 +1,7 @@
 #include "kernels/decode_attention.h"
 
+#include <algorithm>
+#include <numeric>
 #include <cmath>
 #include <memory>
 #include <random>
@@ -26,7 +28,33 @@ struct TestSequence {
   std::vector<const BlockOperands*> op_ptrs;
   std::vector<float> out, ref;
   DecodeSequence seq;
+  std::shared_ptr<Calibration> calibration;
 };
+
+// A calibration for layer 0 of this shape: random channel orders, clipping on.
+std::shared_ptr<Calibration> TestCalibration(const CodecSpec& spec, uint32_t kv_heads,
+                                             uint32_t dim, uint64_t seed) {
+  auto c = std::make_shared<Calibration>();
+  CodecSpec main = spec;
+  main.sink_tokens = 0;
+  c->codec = main.ToString();
+  c->kv_heads = kv_heads;
+  c->head_dim = dim;
+  LayerCalibration l;
+  std::mt19937 rng(seed);
+  for (std::vector<uint16_t>* perm : {&l.k_perm, &l.v_perm}) {
+    for (uint32_t h = 0; h < kv_heads; ++h) {
+      std::vector<uint16_t> p(dim);
+      std::iota(p.begin(), p.end(), uint16_t{0});
+      std::shuffle(p.begin(), p.end(), rng);
+      perm->insert(perm->end(), p.begin(), p.end());
+    }
+  }
+  l.k_clip = 0.95f;
+  l.v_clip = 0.9f;
+  c->layers.push_back(l);
+  return c;
+}
 
 std::unique_ptr<TestSequence> MakeSequence(const std::string& spec, uint32_t q_heads,
                                            uint32_t kv_heads, uint32_t dim, uint32_t sinks,
@@ -45,7 +73,9 @@ std::unique_ptr<TestSequence> MakeSequence(const std::string& spec, uint32_t q_h
     pos += n;
   };
   if (sinks > 0) full(sinks, s->sink_k, s->sink_v);
-  auto codec = *Codec::Create(spec);
+  const CodecSpec parsed = *CodecSpec::Parse(spec);
+  if (parsed.needs_calibration()) s->calibration = TestCalibration(parsed, kv_heads, dim, seed);
+  auto codec = *Codec::Create(spec, s->calibration);
   for (uint32_t n : chunk_tokens) {
     const SyntheticKv kv = MakeSyntheticKv(n, kv_heads, dim, seed + pos, pos);
     pos += n;
@@ -56,7 +86,7 @@ std::unique_ptr<TestSequence> MakeSequence(const std::string& spec, uint32_t q_h
   }
   for (const AlignedBuffer& b : s->buffers) s->views.push_back(*BlockView::Parse(b.span()));
   for (const BlockView& v : s->views) {
-    absl::StatusOr<PreparedBlock> ops = PrepareBlock(v);
+    absl::StatusOr<PreparedBlock> ops = PrepareBlock(v, s->calibration.get());
     EXPECT_TRUE(ops.ok()) << ops.status();
     s->ops.push_back(*ops);
   }
@@ -84,6 +114,8 @@ double NormalizedMaxError(const std::vector<float>& out, const std::vector<float
 }
 
 const char* kCodecs[] = {"fp16",
+                         "skvq:k2v2:g32",
+                         "skvq:k4v4:g16:sink2",
                          "zipcache:k2v2:h4:s10",
                          "kivi:k2v2:g32:sink4",
                          "gear:k2v2:g32:r4:s2:sink2",

@@ -28,7 +28,7 @@ absl::StatusOr<std::unique_ptr<SequenceKvCache>> SequenceKvCache::Create(
   }
   std::unique_ptr<SequenceKvCache> c(new SequenceKvCache());
   c->options_ = options;
-  STRATA_ASSIGN_OR_RETURN(c->codec_, kernels::Codec::Create(options.codec));
+  STRATA_ASSIGN_OR_RETURN(c->codec_, kernels::Codec::Create(options.codec, options.calibration));
   c->kv_heads_ = kv_heads;
   c->head_dim_ = head_dim;
   c->layers_.resize(layers);
@@ -58,7 +58,8 @@ void SequenceKvCache::AppendWindow(uint32_t layer, const float* k, const float* 
 
 absl::Status SequenceKvCache::AddBlock(Layer& l, AlignedBuffer block) {
   STRATA_ASSIGN_OR_RETURN(BlockView view, BlockView::Parse(block.span()));
-  STRATA_ASSIGN_OR_RETURN(kernels::PreparedBlock ops, kernels::PrepareBlock(view));
+  STRATA_ASSIGN_OR_RETURN(kernels::PreparedBlock ops,
+                          kernels::PrepareBlock(view, options_.calibration.get()));
   if (ops.kv_heads != kv_heads_ || ops.head_dim != head_dim_) {
     return absl::InvalidArgumentError(absl::StrCat("kv cache: block of ", ops.kv_heads, "x",
                                                    ops.head_dim, ", cache is ", kv_heads_, "x",

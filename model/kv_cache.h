@@ -32,6 +32,8 @@ struct KvCacheOptions {
   uint32_t window_tokens = 0;   // newest tokens always kept at full precision (besides the
                                 // partial chunk), as SKVQ's sliding window
   uint64_t model_fingerprint = 0;
+  // For codecs that need one (SKVQ); blocks made with it are read back with it.
+  std::shared_ptr<const kernels::Calibration> calibration = nullptr;
   absl::Status Validate() const;
 };
 
