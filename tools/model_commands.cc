@@ -79,7 +79,8 @@ absl::StatusOr<PplResult> Perplexity(const Loaded& l, const std::vector<uint32_t
     const size_t end = std::min(ids.size(), start + context);
     STRATA_ASSIGN_OR_RETURN(auto cache, l.model->NewCache({.codec = o.codec,
                                                            .chunk_tokens = o.chunk_tokens,
-                                                           .window_tokens = o.window_tokens}));
+                                                           .window_tokens = o.window_tokens,
+                                                           .calibration = o.calibration}));
     for (size_t s = start; s < end; s += o.chunk_tokens) {
       const size_t e = std::min(end, s + o.chunk_tokens);
       STRATA_ASSIGN_OR_RETURN(
@@ -113,7 +114,8 @@ absl::Status RunGenerate(const GenerateOptions& o, std::ostream& out, std::ostre
   STRATA_ASSIGN_OR_RETURN(auto cache,
                           l.model->NewCache({.codec = o.codec,
                                              .chunk_tokens = o.chunk_tokens,
-                                             .window_tokens = o.window_tokens}));
+                                             .window_tokens = o.window_tokens,
+                                             .calibration = o.calibration}));
   const auto t0 = std::chrono::steady_clock::now();
   STRATA_ASSIGN_OR_RETURN(std::vector<float> logits, l.model->Step(prompt, cache.get()));
   const double prefill_s = Seconds(t0);
@@ -185,8 +187,8 @@ struct LayerErrors {
 // attention output of the window's last queries over blocks + full-precision rest against
 // attention over the original K/V.
 absl::StatusOr<LayerErrors> MeasureErrors(const Loaded& l, const std::vector<model::LayerKv>& kv,
-                                          uint32_t tokens, const std::string& spec,
-                                          uint32_t chunk, uint32_t queries) {
+                                          uint32_t tokens, const kernels::Codec& codec,
+                                          uint32_t chunk, uint32_t queries, int only_layer = -1) {
   const model::ModelConfig& c = l.model->config();
   const uint32_t H = c.num_kv_heads, D = c.head_dim, QH = c.num_heads;
   const size_t row = size_t{H} * D, qrow = size_t{QH} * D;
@@ -197,11 +199,11 @@ absl::StatusOr<LayerErrors> MeasureErrors(const Loaded& l, const std::vector<mod
                                                    " error queries; use more text or a larger "
                                                    "--context"));
   }
-  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<kernels::Codec> codec, kernels::Codec::Create(spec));
   LayerErrors e;
   const size_t n = size_t{blocks} * chunk * row;
   std::vector<float> k_dec(n), v_dec(n), out(queries * qrow), ref(out.size());
   for (uint32_t li = 0; li < kv.size(); ++li) {
+    if (only_layer >= 0 && li != static_cast<uint32_t>(only_layer)) continue;
     const model::LayerKv& lk = kv[li];
     std::vector<AlignedBuffer> buffers;
     std::vector<kernels::PreparedBlock> prepared;
@@ -212,14 +214,15 @@ absl::StatusOr<LayerErrors> MeasureErrors(const Loaded& l, const std::vector<mod
       view.q_heads = QH;
       const auto t0 = std::chrono::steady_clock::now();
       STRATA_ASSIGN_OR_RETURN(AlignedBuffer buf,
-                              codec->Encode(view, {.layer = li, .chunk_index = b}));
+                              codec.Encode(view, {.layer = li, .chunk_index = b}));
       e.encode_seconds += Seconds(t0);
       e.encoded_bytes_in += size_t{chunk} * row * 2 * 2;
       buffers.push_back(std::move(buf));
     }
     for (uint32_t b = 0; b < blocks; ++b) {
       STRATA_ASSIGN_OR_RETURN(BlockView view, BlockView::Parse(buffers[b].span()));
-      STRATA_ASSIGN_OR_RETURN(kernels::PreparedBlock p, kernels::PrepareBlock(view));
+      STRATA_ASSIGN_OR_RETURN(kernels::PreparedBlock p,
+                              kernels::PrepareBlock(view, codec.calibration()));
       STRATA_RETURN_IF_ERROR(kernels::DecodePreparedRef(p, &k_dec[b * chunk * row],
                                                         &v_dec[b * chunk * row]));
       prepared.push_back(std::move(p));
@@ -249,6 +252,118 @@ absl::StatusOr<LayerErrors> MeasureErrors(const Loaded& l, const std::vector<mod
   }
   return e;
 }
+
+// Forward passes over the calibration windows, K/V/q of each layer concatenated.
+absl::StatusOr<std::vector<model::LayerKv>> RunWindows(const Loaded& l,
+                                                       const std::vector<uint32_t>& ids,
+                                                       uint32_t context, uint32_t windows) {
+  std::vector<model::LayerKv> all;
+  for (uint32_t w = 0; w < windows && size_t{w + 1} * context <= ids.size(); ++w) {
+    std::vector<model::LayerKv> kv;
+    const std::vector<uint32_t> window(ids.begin() + size_t{w} * context,
+                                       ids.begin() + size_t{w + 1} * context);
+    STRATA_RETURN_IF_ERROR(l.model->Forward(window, &kv).status());
+    if (all.empty()) {
+      all = std::move(kv);
+      continue;
+    }
+    for (size_t i = 0; i < kv.size(); ++i) {
+      all[i].k.insert(all[i].k.end(), kv[i].k.begin(), kv[i].k.end());
+      all[i].v.insert(all[i].v.end(), kv[i].v.begin(), kv[i].v.end());
+      all[i].q.insert(all[i].q.end(), kv[i].q.begin(), kv[i].q.end());
+    }
+  }
+  if (all.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("calibrate: the text has ", ids.size(),
+                                                   " tokens, less than one window of ", context));
+  }
+  return all;
+}
+
+}  // namespace
+
+static absl::StatusOr<kernels::Calibration> Calibrate(const Loaded& l, const std::vector<uint32_t>& ids,
+                                               const std::string& spec_text,
+                                               const CalibrateOptions& o) {
+  STRATA_ASSIGN_OR_RETURN(kernels::CodecSpec spec, kernels::CodecSpec::Parse(spec_text));
+  const model::ModelConfig& c = l.model->config();
+  kernels::Calibration cal;
+  kernels::CodecSpec main = spec;
+  main.sink_tokens = 0;
+  cal.codec = main.ToString();
+  cal.model_fingerprint = l.model->fingerprint();
+  cal.kv_heads = c.num_kv_heads;
+  cal.head_dim = c.head_dim;
+  if (!spec.needs_calibration()) return cal;
+  STRATA_ASSIGN_OR_RETURN(std::vector<model::LayerKv> kv,
+                          RunWindows(l, ids, o.context, o.windows));
+  const uint32_t tokens = static_cast<uint32_t>(kv[0].k.size() / (size_t{c.num_kv_heads} * c.head_dim));
+  cal.source = absl::StrCat(o.source, ", ", tokens, " tokens");
+  // Channel order: by range over every calibration token.
+  cal.layers.resize(c.num_layers);
+  for (uint32_t li = 0; li < c.num_layers; ++li) {
+    for (uint32_t h = 0; h < c.num_kv_heads; ++h) {
+      for (const auto& [x, perm] : {std::pair{&kv[li].k, &cal.layers[li].k_perm},
+                                    std::pair{&kv[li].v, &cal.layers[li].v_perm}}) {
+        const std::vector<uint16_t> p =
+            kernels::ChannelOrderByRange(x->data(), tokens, c.num_kv_heads, c.head_dim, h);
+        perm->insert(perm->end(), p.begin(), p.end());
+      }
+    }
+  }
+  // Clip ratios: per layer, K's then V's, each the grid value with the least attention-output
+  // error on the first calibration window (the other tensor's ratio held at its current value).
+  std::vector<model::LayerKv> first(kv.size());
+  const size_t row = size_t{c.num_kv_heads} * c.head_dim, qrow = size_t{c.num_heads} * c.head_dim;
+  for (size_t i = 0; i < kv.size(); ++i) {
+    first[i].k.assign(kv[i].k.begin(), kv[i].k.begin() + o.context * row);
+    first[i].v.assign(kv[i].v.begin(), kv[i].v.begin() + o.context * row);
+    first[i].q.assign(kv[i].q.begin(), kv[i].q.begin() + o.context * qrow);
+  }
+  const float grid[] = {1.0f, 0.95f, 0.9f, 0.85f, 0.8f, 0.75f, 0.7f, 0.65f, 0.6f, 0.55f, 0.5f};
+  for (uint32_t li = 0; li < c.num_layers; ++li) {
+    for (float kernels::LayerCalibration::*field :
+         {&kernels::LayerCalibration::k_clip, &kernels::LayerCalibration::v_clip}) {
+      double best = INFINITY;
+      float best_clip = 1.0f;
+      for (float clip : grid) {
+        auto trial = std::make_shared<kernels::Calibration>(cal);
+        trial->layers[li].*field = clip;
+        STRATA_ASSIGN_OR_RETURN(auto codec, kernels::Codec::Create(spec_text, trial));
+        STRATA_ASSIGN_OR_RETURN(LayerErrors e,
+                                MeasureErrors(l, first, o.context, *codec, o.chunk_tokens,
+                                              o.error_queries, static_cast<int>(li)));
+        if (e.attn[0] < best) {
+          best = e.attn[0];
+          best_clip = clip;
+        }
+      }
+      cal.layers[li].*field = best_clip;
+    }
+  }
+  return cal;
+}
+
+absl::Status RunCalibrate(const CalibrateOptions& o, std::ostream& out) {
+  STRATA_ASSIGN_OR_RETURN(Loaded l, Load(o));
+  STRATA_ASSIGN_OR_RETURN(std::string text, ReadText(o.text_file));
+  const std::vector<uint32_t> ids = WithBos(l.model->config(), l.tokenizer->Encode(text, false));
+  CalibrateOptions co = o;
+  if (co.source.empty()) co.source = o.text_file;
+  const auto t0 = std::chrono::steady_clock::now();
+  STRATA_ASSIGN_OR_RETURN(kernels::Calibration cal, Calibrate(l, ids, o.codec, co));
+  STRATA_RETURN_IF_ERROR(cal.Save(o.out_file));
+  out << absl::StrFormat("wrote %s: calibration %016x of %s for %s (%d layers; %s); %.1f s\n",
+                         o.out_file, cal.fingerprint(), cal.codec, o.model_dir, cal.layers.size(),
+                         cal.source, Seconds(t0));
+  for (size_t i = 0; i < cal.layers.size(); ++i) {
+    out << absl::StrFormat("  layer %d: clip K %.2f V %.2f\n", i, cal.layers[i].k_clip,
+                           cal.layers[i].v_clip);
+  }
+  return absl::OkStatus();
+}
+
+namespace {
 
 // Greedy continuation of each prompt with the given cache codec.
 absl::StatusOr<std::vector<std::vector<uint32_t>>> Continue(
@@ -288,7 +403,7 @@ double Max(const std::vector<double>& v) {
 absl::Status RunEval(const EvalOptions& o, std::ostream& out) {
   if (o.codecs.empty()) return absl::InvalidArgumentError("eval: --codecs names no codec");
   for (const std::string& spec : o.codecs) {
-    STRATA_RETURN_IF_ERROR(kernels::Codec::Create(spec).status());
+    STRATA_RETURN_IF_ERROR(kernels::CodecSpec::Parse(spec).status());
   }
   STRATA_ASSIGN_OR_RETURN(Loaded l, Load(o));
   const model::ModelConfig& c = l.model->config();
@@ -344,14 +459,36 @@ absl::Status RunEval(const EvalOptions& o, std::ostream& out) {
   out << absl::StrFormat("%-32s %6s %9s %8s %8s %8s %8s %8s %8s %7s %7s %8s\n", "codec", "bits",
                          "ppl", "d ppl %", "K err", "K worst", "V err", "V worst", "attn err",
                          "greedy", "prefix", "enc MB/s");
+  std::vector<uint32_t> calib_ids;
+  if (!o.calib_text_file.empty()) {
+    STRATA_ASSIGN_OR_RETURN(std::string calib_text, ReadText(o.calib_text_file));
+    calib_ids = WithBos(c, l.tokenizer->Encode(calib_text, false));
+  }
   for (const std::string& spec : o.codecs) {
     ModelCommandOptions mo = o;
     mo.codec = spec;
+    if (kernels::CodecSpec::Parse(spec)->needs_calibration()) {
+      if (calib_ids.empty()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "eval: codec ", spec, " needs calibration; give --calib_text (text disjoint from ",
+            o.text_file, ")"));
+      }
+      CalibrateOptions co;
+      co.context = std::min<uint32_t>(o.context, static_cast<uint32_t>(calib_ids.size()));
+      co.windows = 2;
+      co.chunk_tokens = o.chunk_tokens;
+      co.error_queries = o.error_queries;
+      co.source = o.calib_text_file;
+      STRATA_ASSIGN_OR_RETURN(kernels::Calibration cal, Calibrate(l, calib_ids, spec, co));
+      mo.calibration = std::make_shared<kernels::Calibration>(std::move(cal));
+    }
+    STRATA_ASSIGN_OR_RETURN(auto codec, kernels::Codec::Create(spec, mo.calibration));
     STRATA_ASSIGN_OR_RETURN(PplResult r, Perplexity(l, ids, mo, o.context, o.max_windows));
     STRATA_ASSIGN_OR_RETURN(LayerErrors e,
-                            MeasureErrors(l, kv, o.context, spec, o.chunk_tokens, o.error_queries));
+                            MeasureErrors(l, kv, o.context, *codec, o.chunk_tokens, o.error_queries));
     model::KvCacheOptions opts = base_opts;
     opts.codec = spec;
+    opts.calibration = mo.calibration;
     STRATA_ASSIGN_OR_RETURN(auto gen, Continue(l, prompts, opts, o.generate_tokens));
     double same = 0, prefix = 0;
     for (size_t i = 0; i < gen.size(); ++i) {

@@ -3,11 +3,13 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <ostream>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "kernels/calibration.h"
 
 namespace strata::tools {
 
@@ -16,6 +18,8 @@ struct ModelCommandOptions {
   std::string codec = "fp16";   // KV cache codec spec
   uint32_t chunk_tokens = 256;  // tokens per compressed block
   uint32_t window_tokens = 0;   // newest tokens always kept at full precision
+  // For codecs that need one (strata calibrate --out FILE; --calibration FILE).
+  std::shared_ptr<const kernels::Calibration> calibration;
 };
 
 struct GenerateOptions : ModelCommandOptions {
@@ -50,7 +54,21 @@ struct EvalOptions : ModelCommandOptions {
   uint32_t generate_tokens = 32;   // tokens generated per continuation
   uint32_t error_queries = 64;     // queries at the end of the error window
   std::string json_out;            // write the report here as JSON ("" = don't)
+  std::string calib_text_file;     // calibration text for codecs that need it (disjoint!)
 };
+
+// `strata calibrate`: learns what a codec needs from the model's KV on calibration text and
+// writes the calibration file (SKVQ: channel orders by range, clip ratios by attention error).
+struct CalibrateOptions : ModelCommandOptions {
+  std::string text_file;
+  std::string out_file;
+  uint32_t context = 1024;      // tokens per forward window
+  uint32_t windows = 2;         // windows of calibration text
+  uint32_t error_queries = 64;  // queries whose attention output the clip search minimizes
+  std::string source;           // recorded in the file ("" = the text file's name)
+};
+
+absl::Status RunCalibrate(const CalibrateOptions& o, std::ostream& out);
 
 absl::Status RunEval(const EvalOptions& o, std::ostream& out);
 

@@ -103,6 +103,40 @@ TEST(ModelCommandsTest, EvalReportsEveryCodecAndWritesJson) {
   EXPECT_EQ(RunEval(o, out).code(), absl::StatusCode::kInvalidArgument);
 }
 
+TEST(ModelCommandsTest, CalibrateWritesAFileThatPplAndEvalUse) {
+  CalibrateOptions o;
+  o.model_dir = kModel;
+  o.codec = "skvq:k2v2:g16";
+  o.text_file = WriteText();
+  o.out_file = absl::StrCat(testing::TempDir(), "/skvq.json");
+  o.context = 96;
+  o.chunk_tokens = 32;
+  o.error_queries = 16;
+  std::ostringstream out;
+  absl::Status s = RunCalibrate(o, out);
+  ASSERT_TRUE(s.ok()) << s;
+  absl::StatusOr<kernels::Calibration> cal = kernels::Calibration::Load(o.out_file);
+  ASSERT_TRUE(cal.ok()) << cal.status();
+  EXPECT_EQ(cal->codec, "skvq:k2v2:g16");
+  EXPECT_EQ(cal->layers.size(), 2u);
+  EXPECT_NE(cal->model_fingerprint, 0u);
+  EXPECT_THAT(out.str(), HasSubstr("layer 1: clip K"));
+  // ppl needs it: refused without, runs with it.
+  PplOptions p;
+  p.model_dir = kModel;
+  p.text_file = o.text_file;
+  p.context = 128;
+  p.chunk_tokens = 32;
+  p.codec = "skvq:k2v2:g16";
+  EXPECT_EQ(RunPpl(p, out).code(), absl::StatusCode::kFailedPrecondition);
+  p.calibration = std::make_shared<kernels::Calibration>(*cal);
+  s = RunPpl(p, out);
+  EXPECT_TRUE(s.ok()) << s;
+  // A calibration for another codec is refused too.
+  p.codec = "skvq:k4v4:g16";
+  EXPECT_EQ(RunPpl(p, out).code(), absl::StatusCode::kFailedPrecondition);
+}
+
 TEST(ModelCommandsTest, DumpKvWritesEveryLayer) {
   DumpKvOptions o;
   o.model_dir = kModel;

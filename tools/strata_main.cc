@@ -19,8 +19,9 @@
 #include "tools/inspect.h"
 #include "tools/model_commands.h"
 
-ABSL_FLAG(std::string, out, "/tmp/strata-demo",
-          "demo: directory for block files; dump-kv: output folder");
+constexpr char kDefaultOut[] = "/tmp/strata-demo";
+ABSL_FLAG(std::string, out, kDefaultOut,
+          "demo: directory for block files; dump-kv: output folder; calibrate: output file");
 ABSL_FLAG(uint32_t, layers, 4, "demo: layers of the stand-in model");
 ABSL_FLAG(uint32_t, kv_heads, 2, "demo: KV heads");
 ABSL_FLAG(uint32_t, head_dim, 64, "demo: head dimension");
@@ -44,6 +45,10 @@ ABSL_FLAG(uint32_t, kv_chunk_tokens, 256, "generate/ppl/eval: tokens per compres
 ABSL_FLAG(uint32_t, kv_window, 0,
           "generate/ppl/eval: newest tokens always kept at full precision in the KV cache");
 ABSL_FLAG(std::vector<std::string>, codecs, {}, "eval: comma-separated codec specs");
+ABSL_FLAG(std::string, calibration, "",
+          "generate/ppl: calibration file for codecs that need one (strata calibrate)");
+ABSL_FLAG(std::string, calib_text, "",
+          "eval: calibration text (disjoint from the evaluated text) for codecs that need it");
 ABSL_FLAG(std::string, json, "", "eval: also write the report as JSON to this file");
 ABSL_FLAG(uint32_t, continuations, 8, "eval: greedy continuations compared with fp16");
 ABSL_FLAG(uint32_t, prompt_tokens, 600, "eval: prompt tokens of each continuation");
@@ -60,7 +65,8 @@ constexpr char kUsage[] =
     "  ppl FILE       perplexity of a text with the KV cache compressed by --codec\n"
     "  eval FILE      quality report of --codecs on a text (errors, perplexity, greedy "
     "agreement)\n"
-    "  dump-kv FILE   write each layer's K and V for a text to --out/kv.safetensors\n";
+    "  dump-kv FILE   write each layer's K and V for a text to --out/kv.safetensors\n"
+    "  calibrate FILE calibration of --codec on a text, written to --out FILE\n";
 
 int Fail(const absl::Status& s) {
   std::cerr << "strata: " << s << "\n";
@@ -100,15 +106,37 @@ int main(int argc, char** argv) {
     const absl::Status s = strata::tools::RunDemo(o, std::cout);
     return s.ok() ? 0 : Fail(s);
   }
-  auto model_options = [](strata::tools::ModelCommandOptions& o) {
+  auto model_options = [](strata::tools::ModelCommandOptions& o) -> absl::Status {
     o.model_dir = absl::GetFlag(FLAGS_model);
     if (!absl::GetFlag(FLAGS_codec).empty()) o.codec = absl::GetFlag(FLAGS_codec);
     o.chunk_tokens = absl::GetFlag(FLAGS_kv_chunk_tokens);
     o.window_tokens = absl::GetFlag(FLAGS_kv_window);
+    if (!absl::GetFlag(FLAGS_calibration).empty()) {
+      absl::StatusOr<strata::kernels::Calibration> c =
+          strata::kernels::Calibration::Load(absl::GetFlag(FLAGS_calibration));
+      if (!c.ok()) return c.status();
+      o.calibration = std::make_shared<strata::kernels::Calibration>(*std::move(c));
+    }
+    return absl::OkStatus();
   };
+  if (command == "calibrate") {
+    strata::tools::CalibrateOptions o;
+    if (absl::Status s = model_options(o); !s.ok()) return Fail(s);
+    o.text_file = absl::GetFlag(FLAGS_text);
+    if (args.size() > 2) o.text_file = args[2];
+    o.out_file = absl::GetFlag(FLAGS_out);
+    if (o.out_file == kDefaultOut) {
+      std::cerr << "usage: strata calibrate --codec SPEC --out FILE [--model DIR] TEXT\n";
+      return 2;
+    }
+    o.context = absl::GetFlag(FLAGS_context);
+    if (absl::GetFlag(FLAGS_windows) != 0) o.windows = absl::GetFlag(FLAGS_windows);
+    const absl::Status s = strata::tools::RunCalibrate(o, std::cout);
+    return s.ok() ? 0 : Fail(s);
+  }
   if (command == "generate") {
     strata::tools::GenerateOptions o;
-    model_options(o);
+    if (absl::Status s = model_options(o); !s.ok()) return Fail(s);
     o.prompt = absl::GetFlag(FLAGS_prompt);
     if (args.size() > 2) o.prompt = args[2];
     o.max_tokens = absl::GetFlag(FLAGS_max_tokens);
@@ -119,7 +147,7 @@ int main(int argc, char** argv) {
   }
   if (command == "ppl") {
     strata::tools::PplOptions o;
-    model_options(o);
+    if (absl::Status s = model_options(o); !s.ok()) return Fail(s);
     o.text_file = absl::GetFlag(FLAGS_text);
     if (args.size() > 2) o.text_file = args[2];
     o.context = absl::GetFlag(FLAGS_context);
@@ -129,7 +157,7 @@ int main(int argc, char** argv) {
   }
   if (command == "eval") {
     strata::tools::EvalOptions o;
-    model_options(o);
+    if (absl::Status s = model_options(o); !s.ok()) return Fail(s);
     o.text_file = absl::GetFlag(FLAGS_text);
     if (args.size() > 2) o.text_file = args[2];
     o.codecs = absl::GetFlag(FLAGS_codecs);
@@ -139,12 +167,13 @@ int main(int argc, char** argv) {
     o.prompt_tokens = absl::GetFlag(FLAGS_prompt_tokens);
     o.generate_tokens = absl::GetFlag(FLAGS_generate_tokens);
     o.json_out = absl::GetFlag(FLAGS_json);
+    o.calib_text_file = absl::GetFlag(FLAGS_calib_text);
     const absl::Status s = strata::tools::RunEval(o, std::cout);
     return s.ok() ? 0 : Fail(s);
   }
   if (command == "dump-kv") {
     strata::tools::DumpKvOptions o;
-    model_options(o);
+    if (absl::Status s = model_options(o); !s.ok()) return Fail(s);
     o.text_file = absl::GetFlag(FLAGS_text);
     if (args.size() > 2) o.text_file = args[2];
     o.out_dir = absl::GetFlag(FLAGS_out);

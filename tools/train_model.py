@@ -510,6 +510,20 @@ on a Debian machine); the weights are a statistical summary of it meant for test
 
 # ---------------------------------------------------------------------------------------------
 
+def write_calibration_text(docs, heldout, path, max_chars=400_000):
+    """Training-split documents (never the held-out ones) for codecs that calibrate: every 7th
+    training document by path order until max_chars, so it spans the corpus."""
+    out, n = [], 0
+    train = [(p, t) for p, t in docs if not is_heldout(p, heldout)]
+    for p, t in train[::7]:
+        out.append(t)
+        n += len(t)
+        if n >= max_chars:
+            break
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n\n".join(out))
+
+
 def reproduce_argv(steps):
     """This run's arguments with a wall-clock budget replaced by the steps it reached, so the
     command in the model card reproduces the same weights on any machine."""
@@ -551,7 +565,15 @@ def main():
     ap.add_argument("--device", default="cuda" if os.environ.get("CUDA_VISIBLE_DEVICES") else "cpu")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--dtype", default="F16", choices=["F16", "BF16", "F32"])
+    ap.add_argument("--calibration-text-only", action="store_true",
+                    help="write OUT/calibration.txt (training-split text for codec calibration, "
+                         "disjoint from heldout.txt) and stop")
     args = ap.parse_args()
+    if args.calibration_text_only:
+        os.makedirs(args.out, exist_ok=True)
+        docs = collect_corpus(args.corpus_bytes)
+        write_calibration_text(docs, args.heldout, os.path.join(args.out, "calibration.txt"))
+        return 0
     if not args.minutes and not args.steps:
         ap.error("give --minutes or --steps")
 
@@ -684,6 +706,7 @@ def main():
                    "model_max_length": cfg["max_position_embeddings"]}, f, indent=2)
     with open(os.path.join(args.out, "heldout.txt"), "w", encoding="utf-8") as f:
         f.write("\n\n".join(held_docs[:200]))
+    write_calibration_text(docs, args.heldout, os.path.join(args.out, "calibration.txt"))
 
     # Fixture: logits of the exported (rounded) weights for a few held-out sequences.
     import torch.nn.functional as F  # noqa: F401
