@@ -58,6 +58,7 @@ absl::Status FillPart(const BlockView& block, int i, const CodecLayout& layout, 
       t.group_size = tl.group_size;
       t.scales = u16(i++);
       t.zeros = u16(i++);
+      if (ops.spec.id == CodecId::kTada) t.head_mean = u16(i++);
       if (ops.spec.id == CodecId::kZipCache && !is_k) t.channel_norm = u16(i++);
       if (tl.rank > 0) {
         t.rank = tl.rank;
@@ -184,6 +185,20 @@ absl::StatusOr<PreparedBlock> PrepareBlock(const BlockView& block,
     ops.kv_heads = h.kv_heads;
     ops.head_dim = h.head_dim;
     STRATA_RETURN_IF_ERROR(FillPart(block, layout.first_section[p], layout.parts[p], ops));
+    if (ops.k.head_mean != nullptr) {
+      auto mean = std::make_shared<BlockOperands>();
+      mean->spec.id = CodecId::kFp16;
+      mean->tokens = ops.tokens;
+      mean->kv_heads = 1;
+      mean->head_dim = ops.head_dim;
+      for (auto [dst, src] : {std::pair{&mean->k, ops.k.head_mean}, std::pair{&mean->v, ops.v.head_mean}}) {
+        dst->kind = CodeKind::kFloat16;
+        dst->bits = 16;
+        dst->codes = reinterpret_cast<const uint8_t*>(src);
+        dst->row_bytes = 2 * ops.head_dim;
+      }
+      ops.mean_ops = std::move(mean);
+    }
     if (layer_cal != nullptr && part_specs[p].needs_calibration()) {
       if (!layer_cal->k_perm.empty()) ops.k.channel_perm = layer_cal->k_perm.data();
       if (!layer_cal->v_perm.empty()) ops.v.channel_perm = layer_cal->v_perm.data();
@@ -238,6 +253,7 @@ absl::Status DecodeOperandsRef(const BlockOperands& ops, float* k, float* v) {
               break;
             }
           }
+          if (t.head_mean != nullptr) x += HalfBitsToFloat(t.head_mean[size_t{tok} * D + d]);
           if (t.rank > 0) {
             const uint16_t* a = t.lowrank_a + row * t.rank;
             const uint16_t* b = t.lowrank_b + (size_t{h} * D + d) * t.rank;

@@ -21,6 +21,9 @@
 //   skvq          K and V both like kivi's V (per token, G channel groups), stored in the
 //                 calibration's channel order: channel_perm (from the calibration, not the
 //                 block) maps stored channel i of head h to original channel perm[h * D + i].
+//   tada          kivi / kcvt of each head's deviation from the mean over heads, plus
+//                 head_mean f16 [T, D] per tensor, added to every head (exposed as mean_ops,
+//                 an fp16 one-head block the kernels attend over alongside the deviations).
 //   zipcache      a part: K as kcvt (per channel over the part's tokens); V per token with one
 //                 group, plus channel_normalizers f16 [H, D] that multiply every dequantized
 //                 element of their channel (channel-separable tokenwise quantization).
@@ -33,6 +36,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -69,6 +73,8 @@ struct TensorOperands {
   const uint16_t* channel_norm = nullptr;
   // Stored channel i of head h is original channel channel_perm[h * D + i]; nullptr: identity.
   const uint16_t* channel_perm = nullptr;
+  // TaDA: fp16 [T, D] added to every head's dequantized row; nullptr when absent.
+  const uint16_t* head_mean = nullptr;
 
   uint32_t OutlierIndex(size_t i) const {
     return outlier_index8 != nullptr ? outlier_index8[i] : outlier_index16[i];
@@ -83,6 +89,8 @@ struct BlockOperands {
   uint32_t head_dim = 0;
   TensorOperands k;
   TensorOperands v;
+  // TaDA: the head means of K and V as a one-head fp16 block over the same tokens.
+  std::shared_ptr<const BlockOperands> mean_ops;
 };
 
 struct PreparedBlock {

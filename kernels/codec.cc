@@ -336,6 +336,19 @@ absl::Status WriteAffine(const CodecSpec& s, const CodecLayout& layout, const Kv
       }
     }
     const float clip = cal == nullptr ? 1.0f : is_k ? cal->k_clip : cal->v_clip;
+    std::vector<uint16_t> head_mean;
+    if (s.id == CodecId::kTada) {  // mean over heads (as fp16 will store it); deviations remain
+      head_mean.resize(size_t{T} * D);
+      for (uint32_t t = 0; t < T; ++t) {
+        for (uint32_t d = 0; d < D; ++d) {
+          float sum = 0;
+          for (uint32_t h = 0; h < H; ++h) sum += m.at(h, t, d);
+          head_mean[size_t{t} * D + d] = F16(sum / H);
+          const float mean = F32(head_mean[size_t{t} * D + d]);
+          for (uint32_t h = 0; h < H; ++h) m.at(h, t, d) -= mean;
+        }
+      }
+    }
     std::vector<uint16_t> norms;
     if (s.id == CodecId::kZipCache && !is_k) {
       // Channel-separable tokenwise quantization: each channel divided by sqrt(max |x|) of the
@@ -360,6 +373,7 @@ absl::Status WriteAffine(const CodecSpec& s, const CodecLayout& layout, const Kv
     Put(b, next++, q.packed);
     Put(b, next++, q.scales);
     Put(b, next++, q.zeros);
+    if (!head_mean.empty()) Put(b, next++, head_mean);
     if (!norms.empty()) Put(b, next++, norms);
     if (tl.rank == 0 && tl.outliers == 0) {
       section += layout.k_section_count;
@@ -536,6 +550,7 @@ absl::StatusOr<std::unique_ptr<Codec>> Codec::Create(
     case CodecId::kGearL:
     case CodecId::kZipCache:
     case CodecId::kSkvq:
+    case CodecId::kTada:
       return std::make_unique<Codec>(s, std::move(calibration));
     default:
       break;

@@ -51,6 +51,9 @@ CodecLayout MakeCodecLayout(const CodecSpec& s, uint32_t t, uint32_t h, uint32_t
       const uint32_t count = tl.token_groups ? h * t * tl.groups : h * tl.groups * d;
       out.sections.push_back({SectionKind::kScales, tensor, ElemType::kFloat16, count});
       out.sections.push_back({SectionKind::kZeroPoints, tensor, ElemType::kFloat16, count});
+      if (s.id == CodecId::kTada) {  // the mean over heads, per token
+        out.sections.push_back({SectionKind::kHeadMean, tensor, ElemType::kFloat16, t * d});
+      }
       if (s.id == CodecId::kZipCache && !is_k) {  // channel-separable tokenwise V
         out.sections.push_back({SectionKind::kChannelNormalizers, tensor, ElemType::kFloat16, h * d});
       }

@@ -35,7 +35,8 @@ bool ParseIntField(absl::string_view f, char prefix, int* out) {
 
 bool CodecSpec::is_affine() const {
   return id == CodecId::kKivi || id == CodecId::kKcvt || id == CodecId::kGear ||
-         id == CodecId::kGearL || id == CodecId::kZipCache || id == CodecId::kSkvq;
+         id == CodecId::kGearL || id == CodecId::kZipCache || id == CodecId::kSkvq ||
+         id == CodecId::kTada;
 }
 
 uint32_t CodecSpec::SalientTokens(uint32_t tokens) const {
@@ -114,10 +115,12 @@ absl::StatusOr<CodecSpec> CodecSpec::Parse(absl::string_view text) {
     s.id = CodecId::kZipCache;
   } else if (name == "skvq") {
     s.id = CodecId::kSkvq;
+  } else if (name == "tada") {
+    s.id = CodecId::kTada;
   } else {
     return Bad(text, absl::StrCat("unknown codec '", name,
                                   "' (known: fp16, bf16, int8, fp8e4m3, kivi, kcvt, gear, gearl, "
-                                  "zipcache, skvq)"));
+                                  "zipcache, skvq, tada)"));
   }
   size_t i = 1;
   if (i >= f.size() || !ParseBits(f[i], &s.k_bits, &s.v_bits)) {

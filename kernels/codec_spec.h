@@ -16,6 +16,8 @@
 //                                   the rest at k/v bits; K per channel over the chunk, V per
 //                                   token after dividing each channel by sqrt(max |x|)
 //
+//   tada:k2v2:g32                   TaDA: per token the mean over KV heads at fp16, each head's
+//   tada:k2v2:kcvt                    deviation from it quantized as KIVI (gN) or KCVT
 //   skvq:k2v2:g32                   SKVQ: channels reordered (calibrated permutation) so similar
 //                                   channels share a group, then per-token groups of g channels
 //                                   for K and V, min/max clipped by calibrated ratios; needs a

@@ -16,7 +16,8 @@ TEST(CodecSpecTest, CanonicalSpecsRoundTrip) {
         "kivi:k8v8:g16", "kcvt:k2v2", "kcvt:k4v4", "gear:k2v2:g32:r4:s2", "gear:k4v4:kcvt:r4:s2",
         "gear:k2v2:g64:r2:s0.5:i5", "gearl:k2v2:g32:r4", "gearl:k3v2:kcvt:r8:i1",
         "zipcache:k2v2:h4:s10", "zipcache:k3v2:h8:s12.5:p10", "kivi:k2v2:g32:sink4",
-        "int8:sink1", "gear:k2v2:g32:r4:s2:i5:sink8", "zipcache:k2v2:h4:s10:sink4"}) {
+        "int8:sink1", "gear:k2v2:g32:r4:s2:i5:sink8", "zipcache:k2v2:h4:s10:sink4", "tada:k2v2:g32", "tada:k4v2:kcvt:sink2",
+        "skvq:k2v2:g16"}) {
     absl::StatusOr<CodecSpec> s = CodecSpec::Parse(text);
     ASSERT_TRUE(s.ok()) << text << ": " << s.status();
     EXPECT_EQ(s->ToString(), text);

@@ -81,7 +81,9 @@ const char* kAllCodecs[] = {"fp16",
                             "zipcache:k2v2:h4:s10",
                             "zipcache:k2v2:h8:s20:p10",
                             "kivi:k2v2:g32:sink4",
-                            "int8:sink2"};
+                            "int8:sink2",
+                            "tada:k2v2:g32",
+                            "tada:k4v4:kcvt:sink4"};
 
 // Error bounds on the synthetic KV (relative Frobenius), loose enough for any seed.
 double Bound(const std::string& spec) {
@@ -102,7 +104,9 @@ double Bound(const std::string& spec) {
                                                         {"zipcache:k2v2:h4:s10", 1.6},
                                                         {"zipcache:k2v2:h8:s20:p10", 1.6},
                                                         {"kivi:k2v2:g32:sink4", 0.55},
-                                                        {"int8:sink2", 3e-2}};
+                                                        {"int8:sink2", 3e-2},
+                                                        {"tada:k2v2:g32", 0.6},
+                                                        {"tada:k4v4:kcvt:sink4", 0.4}};
   return kBounds.at(spec);
 }
 

@@ -138,6 +138,16 @@ void RunSegments(const std::vector<Segment>& segs, size_t begin, size_t end, boo
     }
     kernels.scores(seg, st);
     if (k_tf) st.q.swap(saved);
+    // TaDA: the head means, an fp16 one-head block over the same tokens, add their scores.
+    Segment mean_seg;
+    if (seg.block != nullptr && seg.block->mean_ops != nullptr) {
+      mean_seg.block = seg.block->mean_ops.get();
+      mean_seg.head = 0;
+      mean_seg.tokens = seg.tokens;
+      saved = st.scores;
+      kernels.scores(mean_seg, st);
+      for (size_t e = 0; e < saved.size(); ++e) st.scores[e] += saved[e];
+    }
     if (last_is_window && i + 1 == segs.size()) {
       for (uint32_t r = 0; r < st.g; ++r) {
         float* s = &st.scores[size_t{r} * seg.tokens];
@@ -145,6 +155,7 @@ void RunSegments(const std::vector<Segment>& segs, size_t begin, size_t end, boo
       }
     }
     kernels.softmax(seg.tokens, st);
+    if (mean_seg.block != nullptr) kernels.accumulate(mean_seg, st);
     if (!v_tf) {
       kernels.accumulate(seg, st);
       continue;
