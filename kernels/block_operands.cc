@@ -101,11 +101,12 @@ absl::StatusOr<PreparedBlock> PrepareBlock(const BlockView& block,
     return absl::DataLossError(absl::StrCat("block: codec id ", CodecIdName(h.codec),
                                             " does not match its spec '", h.codec_spec, "'"));
   }
-  if (spec->needs_calibration() != (h.calibration_fingerprint != 0)) {
-    return absl::DataLossError(absl::StrCat("block: codec ", h.codec_spec,
-                                            spec->needs_calibration() ? " needs" : " takes no",
-                                            " calibration, the header says ",
-                                            absl::Hex(h.calibration_fingerprint)));
+  if (spec->id == CodecId::kStrata) {
+    return absl::DataLossError("block: a strata block must carry its layer's own codec spec");
+  }
+  if (spec->needs_calibration() && h.calibration_fingerprint == 0) {
+    return absl::DataLossError(
+        absl::StrCat("block: codec ", h.codec_spec, " needs a calibration, the header names none"));
   }
   const LayerCalibration* layer_cal = nullptr;
   if (h.calibration_fingerprint != 0) {
@@ -199,7 +200,7 @@ absl::StatusOr<PreparedBlock> PrepareBlock(const BlockView& block,
       }
       ops.mean_ops = std::move(mean);
     }
-    if (layer_cal != nullptr && part_specs[p].needs_calibration()) {
+    if (layer_cal != nullptr && part_specs[p].id == CodecId::kSkvq) {
       if (!layer_cal->k_perm.empty()) ops.k.channel_perm = layer_cal->k_perm.data();
       if (!layer_cal->v_perm.empty()) ops.v.channel_perm = layer_cal->v_perm.data();
     }

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/sha256.h"
 #include "common/status_macros.h"
+#include "kernels/codec_spec.h"
 #include "nlohmann/json.hpp"
 
 namespace strata::kernels {
@@ -39,7 +40,8 @@ std::string Calibration::Serialize() const {
                            {"k_clip", l.k_clip},
                            {"v_clip", l.v_clip},
                            {"k_bits", l.k_bits},
-                           {"v_bits", l.v_bits}});
+                           {"v_bits", l.v_bits},
+                           {"spec", l.spec}});
   }
   return j.dump(1);
 }
@@ -51,7 +53,7 @@ uint64_t Calibration::fingerprint() const {
                                    layers.size(), "\n");
   for (const LayerCalibration& l : layers) {
     absl::StrAppend(&bytes, l.k_perm.size(), " ", l.v_perm.size(), " ", l.k_clip, " ", l.v_clip,
-                    " ", l.k_bits, " ", l.v_bits, "\n");
+                    " ", l.k_bits, " ", l.v_bits, " ", l.spec, "\n");
     bytes.append(reinterpret_cast<const char*>(l.k_perm.data()), l.k_perm.size() * 2);
     bytes.append(reinterpret_cast<const char*>(l.v_perm.data()), l.v_perm.size() * 2);
   }
@@ -90,6 +92,12 @@ absl::StatusOr<Calibration> Calibration::Parse(absl::string_view text) {
       l.v_clip = lj.at("v_clip").get<float>();
       l.k_bits = lj.at("k_bits").get<int>();
       l.v_bits = lj.at("v_bits").get<int>();
+      l.spec = lj.value("spec", "");
+      if (!l.spec.empty()) {
+        absl::StatusOr<CodecSpec> ls = CodecSpec::Parse(l.spec);
+        if (!ls.ok()) return Bad(absl::StrCat("layer ", i, " spec: ", ls.status().message()));
+        if (ls->id == CodecId::kStrata) return Bad(absl::StrCat("layer ", i, " spec is a mix"));
+      }
       for (const auto& [name, perm] : {std::pair{"k_perm", &l.k_perm}, std::pair{"v_perm", &l.v_perm}}) {
         if (perm->empty()) continue;
         if (perm->size() != size_t{c.kv_heads} * c.head_dim) {

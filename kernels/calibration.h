@@ -27,6 +27,9 @@ struct LayerCalibration {
   float k_clip = 1.0f, v_clip = 1.0f;
   // Bits of this layer (0: the spec's).
   int k_bits = 0, v_bits = 0;
+  // This layer's own codec (per-layer precision and the Strata mix); empty: the file's codec.
+  // Blocks of the layer carry this spec in their header.
+  std::string spec;
 
   friend bool operator==(const LayerCalibration&, const LayerCalibration&) = default;
 };

@@ -524,20 +524,41 @@ std::vector<uint8_t> AssignParts(const CodecSpec& s, const KvChunkView& c,
 absl::StatusOr<std::unique_ptr<Codec>> Codec::Create(
     absl::string_view text, std::shared_ptr<const Calibration> calibration) {
   STRATA_ASSIGN_OR_RETURN(CodecSpec s, CodecSpec::Parse(text));
+  CodecSpec main = s;
+  main.sink_tokens = 0;
+  const bool for_this = calibration != nullptr && calibration->codec == main.ToString();
   if (s.needs_calibration()) {
     if (calibration == nullptr) {
       return absl::FailedPreconditionError(absl::StrCat(
           "codec ", s.ToString(), " needs a calibration file (make one with strata calibrate)"));
     }
-    CodecSpec main = s;
-    main.sink_tokens = 0;
-    if (calibration->codec != main.ToString()) {
+    if (!for_this) {
       return absl::FailedPreconditionError(
           absl::StrCat("codec ", s.ToString(), ": the calibration was made for '",
                        calibration->codec, "'"));
     }
-  } else {
+  } else if (!(s.searches_layers() && for_this)) {
     calibration = nullptr;  // nothing to record
+  }
+  if (calibration != nullptr && s.searches_layers()) {
+    // The calibration chose each layer's codec: blocks are made by (and carry) that codec.
+    std::vector<std::unique_ptr<Codec>> layers;
+    for (size_t l = 0; l < calibration->layers.size(); ++l) {
+      const std::string& ls = calibration->layers[l].spec;
+      if (ls.empty()) {
+        if (s.id == CodecId::kStrata) {
+          return absl::FailedPreconditionError(
+              absl::StrCat("codec ", s.ToString(), ": the calibration chose no codec for layer ", l));
+        }
+        layers.push_back(std::make_unique<Codec>(s, calibration));
+        continue;
+      }
+      STRATA_ASSIGN_OR_RETURN(CodecSpec lspec, CodecSpec::Parse(ls));
+      layers.push_back(std::make_unique<Codec>(lspec, calibration));
+    }
+    auto codec = std::make_unique<Codec>(s, calibration);
+    codec->layer_codecs_ = std::move(layers);
+    return codec;
   }
   switch (s.id) {
     case CodecId::kFp16:
@@ -558,8 +579,24 @@ absl::StatusOr<std::unique_ptr<Codec>> Codec::Create(
   return absl::UnimplementedError(absl::StrCat("codec ", s.ToString(), " is not implemented yet"));
 }
 
+std::string Codec::LayerSpec(uint32_t layer) const {
+  if (layer < layer_codecs_.size()) return layer_codecs_[layer]->spec().ToString();
+  return spec_.ToString();
+}
+
 absl::StatusOr<AlignedBuffer> Codec::Encode(const KvChunkView& c, const BlockContext& ctx) const {
+  if (!layer_codecs_.empty()) {
+    if (ctx.layer >= layer_codecs_.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("codec ", spec_.ToString(), ": layer ",
+                                                     ctx.layer, " beyond the calibration's ",
+                                                     layer_codecs_.size()));
+    }
+    return layer_codecs_[ctx.layer]->Encode(c, ctx);
+  }
   const CodecSpec& s = spec_;
+  if (s.id == CodecId::kStrata) {
+    return absl::FailedPreconditionError("codec strata: no per-layer choice (calibration)");
+  }
   STRATA_RETURN_IF_ERROR(CheckShape(s, c));
   if (c.q != nullptr && (c.q_heads == 0 || c.q_heads % c.kv_heads != 0)) {
     return absl::InvalidArgumentError(absl::StrCat("codec: ", c.q_heads,
@@ -638,7 +675,7 @@ absl::StatusOr<AlignedBuffer> Codec::Encode(const KvChunkView& c, const BlockCon
         break;
       default:
         STRATA_RETURN_IF_ERROR(
-            WriteAffine(ps, pl, part, b, first, ps.needs_calibration() ? layer_cal : nullptr));
+            WriteAffine(ps, pl, part, b, first, ps.id == CodecId::kSkvq ? layer_cal : nullptr));
         break;
     }
   }

@@ -55,6 +55,8 @@ class Codec {
   explicit Codec(CodecSpec spec, std::shared_ptr<const Calibration> calibration = nullptr)
       : spec_(spec), calibration_(std::move(calibration)) {}
   const Calibration* calibration() const { return calibration_.get(); }
+  // The spec the blocks of `layer` carry: the calibration's choice for that layer, if any.
+  std::string LayerSpec(uint32_t layer) const;
 
   const CodecSpec& spec() const { return spec_; }
   // True when Encode uses the chunk's queries (ZipCache's probes).
@@ -71,6 +73,7 @@ class Codec {
  private:
   CodecSpec spec_;
   std::shared_ptr<const Calibration> calibration_;
+  std::vector<std::unique_ptr<Codec>> layer_codecs_;  // per layer, when the calibration chose
 };
 
 }  // namespace strata::kernels

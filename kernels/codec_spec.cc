@@ -117,10 +117,19 @@ absl::StatusOr<CodecSpec> CodecSpec::Parse(absl::string_view text) {
     s.id = CodecId::kSkvq;
   } else if (name == "tada") {
     s.id = CodecId::kTada;
+  } else if (name == "strata") {
+    s.id = CodecId::kStrata;
+    if (f.size() != 2 || f[1].size() < 2 || f[1][0] != 'b' ||
+        !absl::SimpleAtod(f[1].substr(1), &s.budget_bits) || !(s.budget_bits >= 1.5) ||
+        s.budget_bits > 16) {
+      return Bad(text, "strata takes one field bX, the bits per element in [1.5, 16], e.g. b3");
+    }
+    s.k_bits = s.v_bits = 0;
+    return s;
   } else {
     return Bad(text, absl::StrCat("unknown codec '", name,
                                   "' (known: fp16, bf16, int8, fp8e4m3, kivi, kcvt, gear, gearl, "
-                                  "zipcache, skvq, tada)"));
+                                  "zipcache, skvq, tada, strata)"));
   }
   size_t i = 1;
   if (i >= f.size() || !ParseBits(f[i], &s.k_bits, &s.v_bits)) {
@@ -192,6 +201,7 @@ absl::StatusOr<CodecSpec> CodecSpec::Parse(absl::string_view text) {
 }
 
 std::string CodecSpec::ToString() const {
+  if (id == CodecId::kStrata) return absl::StrCat("strata:b", budget_bits);
   std::vector<std::string> f = {CodecIdName(id)};
   const std::string sinks = sink_tokens > 0 ? absl::StrCat(":sink", sink_tokens) : "";
   if (!is_affine()) return absl::StrCat(f[0], sinks);  // fp16, bf16, int8, fp8e4m3

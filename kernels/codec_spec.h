@@ -18,6 +18,10 @@
 //
 //   tada:k2v2:g32                   TaDA: per token the mean over KV heads at fp16, each head's
 //   tada:k2v2:kcvt                    deviation from it quantized as KIVI (gN) or KCVT
+//   strata:b3                       the Strata mix: each layer's codec chosen by calibration (strata
+//                                   calibrate) among all the methods above to minimize the loss
+//                                   at an average of b bits per element, metadata included;
+//                                   blocks carry their layer's own spec
 //   skvq:k2v2:g32                   SKVQ: channels reordered (calibrated permutation) so similar
 //                                   channels share a group, then per-token groups of g channels
 //                                   for K and V, min/max clipped by calibrated ratios; needs a
@@ -52,6 +56,7 @@ struct CodecSpec {
   double outlier_percent = 0;  // s: top s/2 % and bottom s/2 % per vector (GEAR); 0 = none
   int power_iterations = kDefaultPowerIterations;
   int sink_tokens = 0;  // first tokens of a sequence kept at fp16 (chunk 0 only)
+  double budget_bits = 0;  // strata: average bits per element of the mix
   // ZipCache
   int hi_bits = 0;                // bits of salient tokens
   double salient_percent = 0;     // share of tokens that are salient
@@ -61,7 +66,9 @@ struct CodecSpec {
   std::string ToString() const;
 
   bool is_affine() const;  // affine backbone codes (kivi, kcvt, gear, gearl, zipcache)
-  bool needs_calibration() const { return id == CodecId::kSkvq; }
+  bool needs_calibration() const { return id == CodecId::kSkvq || id == CodecId::kStrata; }
+  // Codecs whose per-layer choice a calibration may make (TaDA's precision search, the mix).
+  bool searches_layers() const { return id == CodecId::kTada || id == CodecId::kStrata; }
   // K quantized per token in channel groups (like V) rather than per channel over tokens.
   bool k_token_groups() const { return id == CodecId::kSkvq; }
   bool has_parts() const { return sink_tokens > 0 || salient_percent > 0; }

@@ -145,7 +145,7 @@ absl::Status SequenceKvCache::AdoptBlock(uint32_t layer, AlignedBuffer block) {
   STRATA_ASSIGN_OR_RETURN(BlockView view, BlockView::Parse(block.span()));
   const BlockHeader& h = view.header();
   const Layer& l = layers_[layer];
-  const std::string want = codec_->spec().ToString();
+  const std::string want = codec_->LayerSpec(layer);
   if (h.codec_spec != want) {
     return absl::InvalidArgumentError(absl::StrCat("kv cache: block of codec '", h.codec_spec,
                                                    "', the cache uses '", want, "'"));

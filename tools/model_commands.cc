@@ -5,6 +5,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <random>
 #include <sstream>
 #include <vector>
@@ -282,25 +283,14 @@ absl::StatusOr<std::vector<model::LayerKv>> RunWindows(const Loaded& l,
 
 }  // namespace
 
-static absl::StatusOr<kernels::Calibration> Calibrate(const Loaded& l, const std::vector<uint32_t>& ids,
-                                               const std::string& spec_text,
-                                               const CalibrateOptions& o) {
-  STRATA_ASSIGN_OR_RETURN(kernels::CodecSpec spec, kernels::CodecSpec::Parse(spec_text));
+// SKVQ's part of a calibration: channel orders and clip ratios, for `skvq_spec`.
+static absl::Status CalibrateSkvq(const Loaded& l, const std::string& skvq_spec,
+                                  const std::vector<model::LayerKv>& kv, uint32_t tokens,
+                                  const CalibrateOptions& o, kernels::Calibration& cal) {
   const model::ModelConfig& c = l.model->config();
-  kernels::Calibration cal;
-  kernels::CodecSpec main = spec;
-  main.sink_tokens = 0;
-  cal.codec = main.ToString();
-  cal.model_fingerprint = l.model->fingerprint();
-  cal.kv_heads = c.num_kv_heads;
-  cal.head_dim = c.head_dim;
-  if (!spec.needs_calibration()) return cal;
-  STRATA_ASSIGN_OR_RETURN(std::vector<model::LayerKv> kv,
-                          RunWindows(l, ids, o.context, o.windows));
-  const uint32_t tokens = static_cast<uint32_t>(kv[0].k.size() / (size_t{c.num_kv_heads} * c.head_dim));
-  cal.source = absl::StrCat(o.source, ", ", tokens, " tokens");
+  const std::string codec = cal.codec;
+  cal.codec = skvq_spec;
   // Channel order: by range over every calibration token.
-  cal.layers.resize(c.num_layers);
   for (uint32_t li = 0; li < c.num_layers; ++li) {
     for (uint32_t h = 0; h < c.num_kv_heads; ++h) {
       for (const auto& [x, perm] : {std::pair{&kv[li].k, &cal.layers[li].k_perm},
@@ -329,7 +319,7 @@ static absl::StatusOr<kernels::Calibration> Calibrate(const Loaded& l, const std
       for (float clip : grid) {
         auto trial = std::make_shared<kernels::Calibration>(cal);
         trial->layers[li].*field = clip;
-        STRATA_ASSIGN_OR_RETURN(auto codec, kernels::Codec::Create(spec_text, trial));
+        STRATA_ASSIGN_OR_RETURN(auto codec, kernels::Codec::Create(skvq_spec, trial));
         STRATA_ASSIGN_OR_RETURN(LayerErrors e,
                                 MeasureErrors(l, first, o.context, *codec, o.chunk_tokens,
                                               o.error_queries, static_cast<int>(li)));
@@ -340,6 +330,142 @@ static absl::StatusOr<kernels::Calibration> Calibrate(const Loaded& l, const std
       }
       cal.layers[li].*field = best_clip;
     }
+  }
+  cal.codec = codec;
+  return absl::OkStatus();
+}
+
+
+// The Strata mix's menu: every method, at several sizes, each with fp16 sinks.
+constexpr char kStrataSkvq[] = "skvq:k2v2:g32";
+const char* const kStrataMenu[] = {
+    "kivi:k2v2:g64:sink4",     "kivi:k2v2:g32:sink4",        "kivi:k3v3:g32:sink4",
+    "kivi:k4v4:g32:sink4",     "kivi:k4v2:g32:sink4",        "kivi:k2v4:g32:sink4",
+    "kivi:k8v8:g32:sink4",     "kcvt:k2v2:sink4",            "kcvt:k4v4:sink4",
+    "gear:k2v2:kcvt:r2:s1:sink4", "gear:k2v2:g64:r2:s1:sink4", "gear:k3v3:kcvt:r2:s1:sink4",
+    "gear:k4v4:kcvt:r2:s1:sink4", "zipcache:k2v2:h4:s10:sink4", "zipcache:k2v2:h8:s10:sink4",
+    "zipcache:k3v3:h8:s10:sink4", "skvq:k2v2:g32:sink4",     "skvq:k3v3:g32:sink4",
+    "skvq:k4v4:g32:sink4",     "tada:k2v2:g32:sink4",        "tada:k4v4:g32:sink4",
+    "fp16"};
+
+// Per-layer codecs for a budget (TaDA's precision search; the Strata mix): the loss increase of
+// each candidate with only that layer compressed (log perplexity on the calibration text, the
+// other layers at fp16), then the choice per layer that minimizes the summed increase with the
+// average bits per element within the budget (a multiple-choice knapsack, exact by dynamic
+// programming over 1/64-bit steps).
+static absl::Status SearchLayers(const Loaded& l, const std::vector<uint32_t>& ids,
+                                 const kernels::CodecSpec& spec,
+                                 const std::vector<model::LayerKv>& kv, uint32_t tokens,
+                                 const CalibrateOptions& o, kernels::Calibration& cal) {
+  (void)kv;
+  (void)tokens;
+  const model::ModelConfig& c = l.model->config();
+  const uint32_t L = c.num_layers;
+  std::vector<std::string> candidates;
+  double budget = spec.budget_bits;
+  if (spec.id == CodecId::kTada) {
+    for (int bits : {2, 4, 8}) {
+      kernels::CodecSpec t = spec;
+      t.k_bits = t.v_bits = bits;
+      candidates.push_back(t.ToString());
+    }
+    budget = kernels::Codec(spec).BitsPerElement(o.chunk_tokens, c.num_kv_heads, c.head_dim).value();
+  } else {
+    candidates.assign(std::begin(kStrataMenu), std::end(kStrataMenu));
+  }
+  std::vector<double> bits;
+  for (const std::string& cs : candidates) {
+    bits.push_back(kernels::Codec(*kernels::CodecSpec::Parse(cs))
+                       .BitsPerElement(o.chunk_tokens, c.num_kv_heads, c.head_dim)
+                       .value());
+  }
+  ModelCommandOptions mo = o;
+  mo.codec = cal.codec;
+  auto loss = [&](const kernels::Calibration& trial) -> absl::StatusOr<double> {
+    mo.calibration = std::make_shared<kernels::Calibration>(trial);
+    STRATA_ASSIGN_OR_RETURN(PplResult r, Perplexity(l, ids, mo, o.context, o.windows));
+    return std::log(r.ppl);
+  };
+  kernels::Calibration trial = cal;
+  for (auto& layer : trial.layers) layer.spec = "fp16";
+  STRATA_ASSIGN_OR_RETURN(const double base, loss(trial));
+  // delta[l][i]: loss increase with layer l alone at candidate i.
+  std::vector<std::vector<double>> delta(L, std::vector<double>(candidates.size()));
+  for (uint32_t li = 0; li < L; ++li) {
+    for (size_t i = 0; i < candidates.size(); ++i) {
+      trial.layers[li].spec = candidates[i];
+      STRATA_ASSIGN_OR_RETURN(const double x, loss(trial));
+      delta[li][i] = x - base;
+    }
+    trial.layers[li].spec = "fp16";
+  }
+  constexpr int kSteps = 64;  // cost units per bit
+  std::vector<int> cost(candidates.size());
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    cost[i] = static_cast<int>(std::ceil(bits[i] * kSteps - 1e-9));
+  }
+  const int cap = static_cast<int>(std::floor(budget * L * kSteps + 1e-9));
+  const double inf = std::numeric_limits<double>::infinity();
+  // best[li + 1][w]: least summed increase of layers 0..li at total cost exactly w.
+  std::vector<std::vector<double>> best(L + 1, std::vector<double>(cap + 1, inf));
+  std::vector<std::vector<int>> pick(L + 1, std::vector<int>(cap + 1, -1));
+  best[0][0] = 0;
+  for (uint32_t li = 0; li < L; ++li) {
+    for (int w = 0; w <= cap; ++w) {
+      if (best[li][w] == inf) continue;
+      for (size_t i = 0; i < candidates.size(); ++i) {
+        const int nw = w + cost[i];
+        if (nw > cap) continue;
+        const double v = best[li][w] + delta[li][i];
+        if (v < best[li + 1][nw]) {
+          best[li + 1][nw] = v;
+          pick[li + 1][nw] = static_cast<int>(i);
+        }
+      }
+    }
+  }
+  int w_best = -1;
+  for (int w = 0; w <= cap; ++w) {
+    if (best[L][w] < inf && (w_best < 0 || best[L][w] < best[L][w_best])) w_best = w;
+  }
+  if (w_best < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("calibrate: no per-layer choice of ",
+                                                   spec.ToString(), " fits ", budget,
+                                                   " bits per element"));
+  }
+  for (int li = static_cast<int>(L); li > 0; --li) {
+    const int i = pick[li][w_best];
+    cal.layers[li - 1].spec = candidates[i];
+    w_best -= cost[i];
+  }
+  return absl::OkStatus();
+}
+
+static absl::StatusOr<kernels::Calibration> Calibrate(const Loaded& l, const std::vector<uint32_t>& ids,
+                                               const std::string& spec_text,
+                                               const CalibrateOptions& o) {
+  STRATA_ASSIGN_OR_RETURN(kernels::CodecSpec spec, kernels::CodecSpec::Parse(spec_text));
+  const model::ModelConfig& c = l.model->config();
+  kernels::Calibration cal;
+  kernels::CodecSpec main = spec;
+  main.sink_tokens = 0;
+  cal.codec = main.ToString();
+  cal.model_fingerprint = l.model->fingerprint();
+  cal.kv_heads = c.num_kv_heads;
+  cal.head_dim = c.head_dim;
+  if (!spec.needs_calibration() && !spec.searches_layers()) return cal;
+  STRATA_ASSIGN_OR_RETURN(std::vector<model::LayerKv> kv,
+                          RunWindows(l, ids, o.context, o.windows));
+  const uint32_t tokens = static_cast<uint32_t>(kv[0].k.size() / (size_t{c.num_kv_heads} * c.head_dim));
+  cal.source = absl::StrCat(o.source, ", ", tokens, " tokens");
+  cal.layers.resize(c.num_layers);
+  if (spec.id == CodecId::kSkvq) {
+    STRATA_RETURN_IF_ERROR(CalibrateSkvq(l, cal.codec, kv, tokens, o, cal));
+  } else if (spec.id == CodecId::kStrata) {  // SKVQ is on the menu
+    STRATA_RETURN_IF_ERROR(CalibrateSkvq(l, kStrataSkvq, kv, tokens, o, cal));
+  }
+  if (spec.searches_layers()) {
+    STRATA_RETURN_IF_ERROR(SearchLayers(l, ids, spec, kv, tokens, o, cal));
   }
   return cal;
 }
@@ -467,7 +593,8 @@ absl::Status RunEval(const EvalOptions& o, std::ostream& out) {
   for (const std::string& spec : o.codecs) {
     ModelCommandOptions mo = o;
     mo.codec = spec;
-    if (kernels::CodecSpec::Parse(spec)->needs_calibration()) {
+    const kernels::CodecSpec parsed = *kernels::CodecSpec::Parse(spec);
+    if (parsed.needs_calibration() || (parsed.searches_layers() && !calib_ids.empty())) {
       if (calib_ids.empty()) {
         return absl::InvalidArgumentError(absl::StrCat(
             "eval: codec ", spec, " needs calibration; give --calib_text (text disjoint from ",
