@@ -45,4 +45,22 @@ constexpr uint8_t FloatToFp8E4M3(float f) {
   return static_cast<uint8_t>(sign | r);
 }
 
+// The largest e4m3 value <= f (round toward -inf), saturating at -448; f must not be NaN.
+constexpr uint8_t Fp8E4M3Floor(float f) {
+  uint8_t c = FloatToFp8E4M3(f);
+  if (Fp8E4M3ToFloat(c) <= f) return c;
+  if (c == 0x00u) return 0x81u;                    // +0 -> the smallest negative subnormal
+  if ((c & 0x80u) == 0) return c - 1;              // smaller positive
+  return (c & 0x7fu) < 0x7eu ? c + 1 : c;          // larger negative magnitude
+}
+
+// The smallest e4m3 value >= f (round toward +inf), saturating at 448; f must not be NaN.
+constexpr uint8_t Fp8E4M3Ceil(float f) {
+  uint8_t c = FloatToFp8E4M3(f);
+  if (Fp8E4M3ToFloat(c) >= f) return c;
+  if (c == 0x80u) return 0x01u;                    // -0 -> the smallest positive subnormal
+  if ((c & 0x80u) != 0) return c - 1;              // smaller negative magnitude
+  return (c & 0x7fu) < 0x7eu ? c + 1 : c;          // larger positive
+}
+
 }  // namespace strata

@@ -1,7 +1,9 @@
 #include "common/fp8.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <vector>
 
 #include "gtest/gtest.h"
 
@@ -51,6 +53,31 @@ TEST(Fp8Test, NarrowingRoundsToNearestEvenAndSaturates) {
   EXPECT_EQ(FloatToFp8E4M3(0x1p-10f), 0x00);
   EXPECT_EQ(FloatToFp8E4M3(0x1.8p-10f), 0x01);
   EXPECT_EQ(FloatToFp8E4M3(-0.0f), 0x80);
+}
+
+// Floor and ceil: the nearest representable value on the right side, for every float in a dense
+// sweep, checked against the sorted list of all finite e4m3 values.
+TEST(Fp8Test, FloorAndCeilPickTheNeighboursOnTheRightSide) {
+  std::vector<float> all;
+  for (int b = 0; b < 256; ++b) {
+    const float f = Fp8E4M3ToFloat(static_cast<uint8_t>(b));
+    if (f == f) all.push_back(f);
+  }
+  std::sort(all.begin(), all.end());
+  for (float x = -460.0f; x <= 460.0f; x += 0.0371f) {
+    for (float y : {x, x * 1e-3f}) {
+      const float lo = Fp8E4M3ToFloat(Fp8E4M3Floor(y));
+      const float hi = Fp8E4M3ToFloat(Fp8E4M3Ceil(y));
+      if (y >= -448.0f) {
+        EXPECT_LE(lo, y);
+        EXPECT_EQ(lo, *(std::upper_bound(all.begin(), all.end(), y) - 1)) << y;
+      }
+      if (y <= 448.0f) {
+        EXPECT_GE(hi, y);
+        EXPECT_EQ(hi, *std::lower_bound(all.begin(), all.end(), y)) << y;
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 #include "kernels/block_operands.h"
 
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -34,7 +35,8 @@ CodeKind KindOf(CodecId id) {
 namespace {
 
 // Fills one part's operands from its sections, which begin at `i`.
-absl::Status FillPart(const BlockView& block, int i, const CodecLayout& layout, BlockOperands& ops) {
+absl::Status FillPart(const BlockView& block, int i, const CodecLayout& layout, BlockOperands& ops,
+                      std::vector<std::shared_ptr<std::vector<uint16_t>>>& widened) {
   const uint32_t D = ops.head_dim;
   for (Tensor tensor : {Tensor::kKey, Tensor::kValue}) {
     const bool is_k = tensor == Tensor::kKey;
@@ -56,8 +58,39 @@ absl::Status FillPart(const BlockView& block, int i, const CodecLayout& layout, 
       t.token_groups = tl.token_groups;
       t.groups = tl.groups;
       t.group_size = tl.group_size;
-      t.scales = u16(i++);
-      t.zeros = u16(i++);
+      const int first_meta = i;
+      i += 2;
+      float mult[2] = {1.0f, 1.0f};
+      if (ops.spec.fp8_meta) {
+        std::memcpy(mult, block.section(i++).data.data(), sizeof(mult));
+        for (float m : mult) {
+          if (!(m > 0.0f && m < 1e30f)) {
+            return absl::DataLossError(absl::StrCat("block: ", TensorName(tensor),
+                                                    " fp8 metadata multiplier ", m,
+                                                    " is not a positive finite number"));
+          }
+        }
+      }
+      for (int which = 0; which < 2; ++which) {
+        const uint16_t** dst = which == 0 ? &t.scales : &t.zeros;
+        const SectionView& sv = block.section(first_meta + which);
+        if (sv.entry.elem != ElemType::kFp8E4M3) {
+          *dst = reinterpret_cast<const uint16_t*>(sv.data.data());
+          continue;
+        }
+        auto w = std::make_shared<std::vector<uint16_t>>(sv.entry.count);
+        for (uint32_t e = 0; e < sv.entry.count; ++e) {
+          const float x = Fp8E4M3ToFloat(sv.data[e]) * mult[which];
+          if (!(std::fabs(x) <= 65504.0f)) {
+            return absl::DataLossError(absl::StrCat("block: ", TensorName(tensor),
+                                                    " fp8 scale/zero ", e, " is ", x,
+                                                    ", not a finite fp16 value"));
+          }
+          (*w)[e] = FloatToHalfBits(x);
+        }
+        *dst = w->data();
+        widened.push_back(std::move(w));
+      }
       if (ops.spec.id == CodecId::kTada) t.head_mean = u16(i++);
       if (ops.spec.id == CodecId::kZipCache && !is_k) t.channel_norm = u16(i++);
       if (tl.rank > 0) {
@@ -185,7 +218,8 @@ absl::StatusOr<PreparedBlock> PrepareBlock(const BlockView& block,
     ops.tokens = counts[p];
     ops.kv_heads = h.kv_heads;
     ops.head_dim = h.head_dim;
-    STRATA_RETURN_IF_ERROR(FillPart(block, layout.first_section[p], layout.parts[p], ops));
+    STRATA_RETURN_IF_ERROR(
+        FillPart(block, layout.first_section[p], layout.parts[p], ops, out.widened));
     if (ops.k.head_mean != nullptr) {
       auto mean = std::make_shared<BlockOperands>();
       mean->spec.id = CodecId::kFp16;

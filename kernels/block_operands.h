@@ -100,6 +100,8 @@ struct PreparedBlock {
   uint32_t head_dim = 0;
   std::vector<BlockOperands> parts;               // the non-empty parts, in block order
   std::vector<std::vector<uint32_t>> part_tokens;  // each part's token positions, ascending
+  // fp8 scales and zero points (m8) widened to fp16 for the kernels: metadata only, small.
+  std::vector<std::shared_ptr<std::vector<uint16_t>>> widened;
 };
 
 // A block made with a calibration (nonzero calibration fingerprint in its header) needs that

@@ -86,7 +86,9 @@ void Put(BlockBuilder& b, int section, const std::vector<T>& v) {
 
 struct AffineResult {
   std::vector<uint8_t> packed;
-  std::vector<uint16_t> scales, zeros;
+  std::vector<uint16_t> scales, zeros;    // fp16 bits
+  std::vector<uint8_t> scales8, zeros8;   // fp8 e4m3, when asked for
+  float multipliers[2] = {1.0f, 1.0f};    // of the fp8 scales and zero points
   std::vector<float> dequant;  // head-major, backbone only
 };
 
@@ -94,7 +96,8 @@ struct AffineResult {
 // group's min/max. K: groups of `gs` tokens per (head, channel); V: groups of `gs` channels per
 // (head, token).
 AffineResult QuantizeAffine(const HeadMajor& x, bool per_channel, uint32_t gs, uint32_t groups,
-                            int bits, const std::vector<uint8_t>& mask, float clip = 1.0f) {
+                            int bits, const std::vector<uint8_t>& mask, float clip = 1.0f,
+                            bool fp8_meta = false) {
   const uint32_t T = x.t, H = x.h, D = x.d;
   const float qmax = static_cast<float>((1 << bits) - 1);
   AffineResult r;
@@ -103,15 +106,36 @@ AffineResult QuantizeAffine(const HeadMajor& x, bool per_channel, uint32_t gs, u
   const size_t n_params = per_channel ? size_t{H} * groups * D : size_t{H} * T * groups;
   r.scales.resize(n_params);
   r.zeros.resize(n_params);
+  if (fp8_meta) {
+    r.scales8.resize(n_params);
+    r.zeros8.resize(n_params);
+    // Multipliers from the tensor's largest magnitude: zero points lie within it, scales within
+    // twice it over qmax (with headroom for the rounded-down zero).
+    float maxabs = 0;
+    for (float v : x.x) maxabs = std::max(maxabs, std::fabs(v));
+    maxabs = std::max(maxabs, 1e-20f);
+    r.multipliers[0] = 2.1f * maxabs / qmax / kFp8E4M3Max;
+    r.multipliers[1] = maxabs / kFp8E4M3Max;
+  }
   const bool masked = !mask.empty();
   std::vector<float> mn(D), mx(D), scale(D), zero(D), inv(D);
   // Stores the fp16 parameters of one group and returns them as float (what decode sees).
   auto params = [&](float lo, float hi, size_t p, float* s_out, float* z_out, float* inv_out) {
     if (lo > hi) lo = hi = 0;  // every element of the group is an outlier
-    r.scales[p] = F16((hi - lo) / qmax);
-    r.zeros[p] = F16(lo);
-    *s_out = F32(r.scales[p]);
-    *z_out = F32(r.zeros[p]);
+    if (fp8_meta) {  // zero rounded down, scale up: the group's range stays covered
+      const float ms = r.multipliers[0], mz = r.multipliers[1];
+      r.zeros8[p] = Fp8E4M3Floor(lo / mz);
+      // What decode sees: fp8 x multiplier, widened to fp16.
+      const float z = F32(F16(Fp8E4M3ToFloat(r.zeros8[p]) * mz));
+      r.scales8[p] = Fp8E4M3Ceil((hi - z) / qmax / ms);
+      *s_out = F32(F16(Fp8E4M3ToFloat(r.scales8[p]) * ms));
+      *z_out = z;
+    } else {
+      r.scales[p] = F16((hi - lo) / qmax);
+      r.zeros[p] = F16(lo);
+      *s_out = F32(r.scales[p]);
+      *z_out = F32(r.zeros[p]);
+    }
     *inv_out = *s_out > 0 ? 1.0f / *s_out : 0.0f;
   };
   auto quantize_row = [&](size_t base, uint32_t d0, uint32_t d1, const float* s, const float* z,
@@ -368,11 +392,19 @@ absl::Status WriteAffine(const CodecSpec& s, const CodecLayout& layout, const Kv
     std::vector<size_t> outliers;
     if (tl.outliers > 0) outliers = SelectOutliers(m, is_k, tl.outliers, mask);
     const int bits = is_k ? s.k_bits : s.v_bits;
-    AffineResult q = QuantizeAffine(m, !tl.token_groups, tl.group_size, tl.groups, bits, mask, clip);
+    AffineResult q =
+        QuantizeAffine(m, !tl.token_groups, tl.group_size, tl.groups, bits, mask, clip, s.fp8_meta);
+
     int next = section;
     Put(b, next++, q.packed);
-    Put(b, next++, q.scales);
-    Put(b, next++, q.zeros);
+    if (s.fp8_meta) {
+      Put(b, next++, q.scales8);
+      Put(b, next++, q.zeros8);
+      std::memcpy(b.section(next++).data(), q.multipliers, sizeof(q.multipliers));
+    } else {
+      Put(b, next++, q.scales);
+      Put(b, next++, q.zeros);
+    }
     if (!head_mean.empty()) Put(b, next++, head_mean);
     if (!norms.empty()) Put(b, next++, norms);
     if (tl.rank == 0 && tl.outliers == 0) {

@@ -49,8 +49,12 @@ CodecLayout MakeCodecLayout(const CodecSpec& s, uint32_t t, uint32_t h, uint32_t
       tl.group_size = s.group == 0 ? len : std::min<uint32_t>(s.group, len);
       tl.groups = (len + tl.group_size - 1) / tl.group_size;
       const uint32_t count = tl.token_groups ? h * t * tl.groups : h * tl.groups * d;
-      out.sections.push_back({SectionKind::kScales, tensor, ElemType::kFloat16, count});
-      out.sections.push_back({SectionKind::kZeroPoints, tensor, ElemType::kFloat16, count});
+      const ElemType meta = s.fp8_meta ? ElemType::kFp8E4M3 : ElemType::kFloat16;
+      out.sections.push_back({SectionKind::kScales, tensor, meta, count});
+      out.sections.push_back({SectionKind::kZeroPoints, tensor, meta, count});
+      if (s.fp8_meta) {  // the fp32 multipliers of the fp8 scales and zero points
+        out.sections.push_back({SectionKind::kScales, tensor, ElemType::kFloat32, 2});
+      }
       if (s.id == CodecId::kTada) {  // the mean over heads, per token
         out.sections.push_back({SectionKind::kHeadMean, tensor, ElemType::kFloat16, t * d});
       }

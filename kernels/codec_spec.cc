@@ -77,6 +77,11 @@ absl::StatusOr<CodecSpec> CodecSpec::Parse(absl::string_view text) {
   const absl::string_view name = f[0];
   // The trailing options every quantizing codec takes, from field i on.
   auto options = [&](size_t i) -> absl::StatusOr<CodecSpec> {
+    if (i < f.size() && f[i] == "m8") {
+      if (!s.is_affine()) return Bad(text, "m8 (fp8 scales) is for the affine codecs");
+      s.fp8_meta = true;
+      ++i;
+    }
     if (i < f.size() && absl::StartsWith(f[i], "sink")) {
       if (s.id == CodecId::kFp16 || s.id == CodecId::kBf16) {
         return Bad(text, "sinks are for quantizing codecs (fp16/bf16 keep every token)");
@@ -203,7 +208,8 @@ absl::StatusOr<CodecSpec> CodecSpec::Parse(absl::string_view text) {
 std::string CodecSpec::ToString() const {
   if (id == CodecId::kStrata) return absl::StrCat("strata:b", budget_bits);
   std::vector<std::string> f = {CodecIdName(id)};
-  const std::string sinks = sink_tokens > 0 ? absl::StrCat(":sink", sink_tokens) : "";
+  const std::string sinks = absl::StrCat(fp8_meta ? ":m8" : "",
+                                         sink_tokens > 0 ? absl::StrCat(":sink", sink_tokens) : "");
   if (!is_affine()) return absl::StrCat(f[0], sinks);  // fp16, bf16, int8, fp8e4m3
   f.push_back(absl::StrCat("k", k_bits, "v", v_bits));
   if (id == CodecId::kZipCache) {

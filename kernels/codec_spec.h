@@ -27,6 +27,11 @@
 //                                   for K and V, min/max clipped by calibrated ratios; needs a
 //                                   calibration file (strata calibrate)
 //
+// The affine codecs (kivi, kcvt, gear, gearl, zipcache, skvq, tada) take `m8`: scales and zero
+// points in fp8 e4m3 instead of fp16 (as SKVQ stores them), each set relative to one fp32
+// multiplier per tensor and block (so any range fits), zero points rounded down and scales up so
+// every value stays in range; e.g. skvq:k2v2:g32:m8.
+//
 // Every quantizing codec takes a trailing `sinkN`: the first N tokens of a sequence (attention
 // sinks) stay at fp16 inside the first chunk's block, e.g. kivi:k2v2:g32:sink4.
 //
@@ -57,6 +62,7 @@ struct CodecSpec {
   int power_iterations = kDefaultPowerIterations;
   int sink_tokens = 0;  // first tokens of a sequence kept at fp16 (chunk 0 only)
   double budget_bits = 0;  // strata: average bits per element of the mix
+  bool fp8_meta = false;   // m8: affine scales and zero points in fp8 e4m3
   // ZipCache
   int hi_bits = 0;                // bits of salient tokens
   double salient_percent = 0;     // share of tokens that are salient

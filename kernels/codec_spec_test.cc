@@ -17,7 +17,7 @@ TEST(CodecSpecTest, CanonicalSpecsRoundTrip) {
         "gear:k2v2:g64:r2:s0.5:i5", "gearl:k2v2:g32:r4", "gearl:k3v2:kcvt:r8:i1",
         "zipcache:k2v2:h4:s10", "zipcache:k3v2:h8:s12.5:p10", "kivi:k2v2:g32:sink4",
         "int8:sink1", "gear:k2v2:g32:r4:s2:i5:sink8", "zipcache:k2v2:h4:s10:sink4", "tada:k2v2:g32", "tada:k4v2:kcvt:sink2",
-        "skvq:k2v2:g16"}) {
+        "skvq:k2v2:g16", "kivi:k2v2:g32:m8:sink4", "strata:b3", "strata:b2.25"}) {
     absl::StatusOr<CodecSpec> s = CodecSpec::Parse(text);
     ASSERT_TRUE(s.ok()) << text << ": " << s.status();
     EXPECT_EQ(s->ToString(), text);
@@ -75,6 +75,10 @@ TEST(CodecSpecTest, BadSpecsSayWhatIsWrong) {
       {"gearl:k2v2:g32:r4:i0", "power iterations"},
       {"kcvt:k2v2:g32", "unexpected field 'g32'"},
       {"fp16:sink4", "sinks are for quantizing codecs"},
+      {"int8:m8", "int8 takes no parameters but sinkN"},
+      {"kivi:k2v2:g32:sink4:m8", "unexpected field 'm8'"},
+      {"strata", "strata takes one field bX"},
+      {"strata:b1", "strata takes one field bX"},
       {"kivi:k2v2:g32:sink0", "sinkN needs N in [1, 1024]"},
       {"kivi:k2v2:g32:sink4:r2", "unexpected field 'r2'"},
       {"zipcache:k2v2:s10", "salient bits"},

@@ -83,7 +83,10 @@ const char* kAllCodecs[] = {"fp16",
                             "kivi:k2v2:g32:sink4",
                             "int8:sink2",
                             "tada:k2v2:g32",
-                            "tada:k4v4:kcvt:sink4"};
+                            "tada:k4v4:kcvt:sink4",
+                            "kivi:k2v2:g32:m8",
+                            "kcvt:k4v4:m8",
+                            "gear:k2v2:g32:r4:s2:m8:sink2"};
 
 // Error bounds on the synthetic KV (relative Frobenius), loose enough for any seed.
 double Bound(const std::string& spec) {
@@ -106,7 +109,10 @@ double Bound(const std::string& spec) {
                                                         {"kivi:k2v2:g32:sink4", 0.55},
                                                         {"int8:sink2", 3e-2},
                                                         {"tada:k2v2:g32", 0.6},
-                                                        {"tada:k4v4:kcvt:sink4", 0.4}};
+                                                        {"tada:k4v4:kcvt:sink4", 0.4},
+                                                        {"kivi:k2v2:g32:m8", 0.6},
+                                                        {"kcvt:k4v4:m8", 0.35},
+                                                        {"gear:k2v2:g32:r4:s2:m8:sink2", 0.5}};
   return kBounds.at(spec);
 }
 
@@ -448,6 +454,22 @@ TEST(CalibrationTest, RoundTripsAndRejectsBadFiles) {
   s = Calibration::Parse(bad.Serialize()).status();
   EXPECT_THAT(std::string(s.message()), HasSubstr("entries, not kv_heads x head_dim"));
   EXPECT_EQ(Calibration::Load("/nonexistent.json").status().code(), absl::StatusCode::kNotFound);
+}
+
+// fp8 metadata cuts the scale/zero cost at little extra error, at any magnitude (the
+// multipliers carry the range).
+TEST(CodecTest, Fp8MetadataIsSmallerAtAnyMagnitude) {
+  SyntheticKv kv = MakeSyntheticKv(256, 2, 64, /*seed=*/8);
+  for (float scale : {1.0f, 30.0f, 1e-3f}) {
+    SyntheticKv scaled = kv;
+    for (float& x : scaled.k) x *= scale;
+    for (float& x : scaled.v) x *= scale;
+    const RoundTrip f16 = EncodeDecode("kcvt:k2v2", scaled);
+    const RoundTrip f8 = EncodeDecode("kcvt:k2v2:m8", scaled);
+    EXPECT_LT(f8.bits, f16.bits - 0.1);
+    EXPECT_LT(f8.v_error, 1.25 * f16.v_error) << scale;
+    EXPECT_LT(f8.k_error, 1.25 * f16.k_error) << scale;
+  }
 }
 
 // A token map naming a part the codec does not have is data loss, not a crash.

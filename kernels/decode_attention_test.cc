@@ -115,6 +115,8 @@ double NormalizedMaxError(const std::vector<float>& out, const std::vector<float
 
 const char* kCodecs[] = {"fp16",
                          "skvq:k2v2:g32",
+                         "skvq:k2v2:g32:m8",
+                         "kivi:k2v2:g32:m8",
                          "tada:k2v2:g32:sink2",
                          "skvq:k4v4:g16:sink2",
                          "zipcache:k2v2:h4:s10",
