@@ -346,7 +346,9 @@ const char* const kStrataMenu[] = {
     "gear:k4v4:kcvt:r2:s1:sink4", "zipcache:k2v2:h4:s10:sink4", "zipcache:k2v2:h8:s10:sink4",
     "zipcache:k3v3:h8:s10:sink4", "skvq:k2v2:g32:sink4",     "skvq:k3v3:g32:sink4",
     "skvq:k4v4:g32:sink4",     "tada:k2v2:g32:sink4",        "tada:k4v4:g32:sink4",
-    "fp16"};
+    "kcvt:k2v2:m8:sink4",      "kivi:k2v2:g64:m8:sink4",     "kivi:k2v2:g32:m8:sink4",
+    "kivi:k3v3:g64:m8:sink4",  "skvq:k2v2:g32:m8:sink4",     "skvq:k3v3:g32:m8:sink4",
+    "gear:k2v2:kcvt:r2:s1:m8:sink4", "zipcache:k2v2:h4:s10:m8:sink4", "fp16"};
 
 // Per-layer codecs for a budget (TaDA's precision search; the Strata mix): the loss increase of
 // each candidate with only that layer compressed (log perplexity on the calibration text, the
