@@ -91,7 +91,9 @@ int main(int argc, char** argv) {
                          "gearl:k2v2:g8:r2",
                          "gear:k2v2:g8:r2:s10",
                          "gear:k2v2:g8:r2:s10:sink2",
-                         "zipcache:k2v2:h4:s20:sink1"};
+                         "zipcache:k2v2:h4:s20:sink1",
+                         "tada:k2v2:g8:m8",
+                         "kcvt:k2v2:m8:sink2"};
   int i = 0;
   for (const char* spec : specs) {
     auto codec = kernels::Codec::Create(spec);
