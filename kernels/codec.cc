@@ -715,9 +715,9 @@ absl::StatusOr<AlignedBuffer> Codec::Encode(const KvChunkView& c, const BlockCon
 }
 
 absl::StatusOr<double> Codec::BitsPerElement(uint32_t tokens, uint32_t kv_heads,
-                                             uint32_t head_dim) const {
+                                             uint32_t head_dim, uint32_t chunk_index) const {
   const BlockPartsLayout layout =
-      MakeBlockLayout(spec_, DefaultPartTokens(spec_, tokens, /*chunk_index=*/1), kv_heads, head_dim);
+      MakeBlockLayout(spec_, DefaultPartTokens(spec_, tokens, chunk_index), kv_heads, head_dim);
   const std::string text = spec_.ToString();
   BlockHeader h;
   h.codec = spec_.id;

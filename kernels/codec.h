@@ -67,8 +67,8 @@ class Codec {
   // The exact size of a block of this shape, in bits per element of K and V, everything
   // counted (header, table, scales, zero points, factors, outliers, padding), for a chunk other
   // than the first (no sinks) with ZipCache's nominal salient share.
-  absl::StatusOr<double> BitsPerElement(uint32_t tokens, uint32_t kv_heads,
-                                        uint32_t head_dim) const;
+  absl::StatusOr<double> BitsPerElement(uint32_t tokens, uint32_t kv_heads, uint32_t head_dim,
+                                        uint32_t chunk_index = 1) const;
 
  private:
   CodecSpec spec_;

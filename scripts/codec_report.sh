@@ -2,11 +2,12 @@
 # The codec quality report on the bundled model: every method and the Strata mix on the held-out
 # split (calibrating on the model's calibration.txt, disjoint from it), as a table, JSON and the
 # Pareto chart, in bench/results/codec-report-<date>-<commit>.{txt,json,png}.
-#   scripts/codec_report.sh [MODEL_DIR] [CONTEXT] [WINDOWS]
+#   scripts/codec_report.sh [MODEL_DIR] [CONTEXT] [WINDOWS] [CONTINUATIONS]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 model="${1:-models/strata-tiny}"
 context="${2:-2048}"
+continuations="${4:-8}"
 windows="${3:-8}"
 ./scripts/setup_training.sh >/dev/null  # python3-matplotlib for the chart
 ./scripts/build.sh --target strata >/dev/null
@@ -25,7 +26,7 @@ IFS=,
 {
   echo "machine $(uname -m) $(nproc) cores, $(date -u +%FT%TZ), commit $commit"
   ./build/tools/strata eval --model "$model" --codecs "${codecs[*]}" --context "$context" \
-    --windows "$windows" --calib_text "$model/calibration.txt" --json "$base.json" \
+    --windows "$windows" --continuations "$continuations" --calib_text "$model/calibration.txt" --json "$base.json" \
     "$model/heldout.txt"
 } | tee "$base.txt"
 /usr/bin/python3 tools/pareto_chart.py "$base.json" "$base.png"

@@ -61,19 +61,29 @@ struct PplResult {
   size_t scored = 0, windows = 0;
   size_t block_bytes = 0, block_elements = 0;  // every block made, and the K+V elements in them
   double seconds = 0;
+  double kl = 0;  // mean KL(reference || this) over the tokens the reference covers, nats
   double bits() const { return block_elements > 0 ? 8.0 * block_bytes / block_elements : 0; }
 };
 
 // Perplexity with the KV cache compressed as in serving: each window prefilled chunk by chunk,
 // each chunk attending over the compressed earlier chunks (+ the full-precision window).
+// Optional: `record` gets the log-probabilities of the first `kl_tokens` scored positions
+// ([kl_tokens, vocab]); with `reference` (as recorded by another run on the same text) the mean
+// KL divergence from it is computed over those positions: fidelity to the reference, which
+// unlike perplexity cannot improve by accident.
 absl::StatusOr<PplResult> Perplexity(const Loaded& l, const std::vector<uint32_t>& ids,
                                      const ModelCommandOptions& o, uint32_t context,
-                                     uint32_t max_windows) {
+                                     uint32_t max_windows, size_t kl_tokens = 0,
+                                     std::vector<float>* record = nullptr,
+                                     const std::vector<float>* reference = nullptr) {
   const model::ModelConfig& c = l.model->config();
   if (ids.size() < 2) return absl::InvalidArgumentError("ppl: the text has fewer than 2 tokens");
   if (context < 2) return absl::InvalidArgumentError("ppl: --context must be >= 2");
   PplResult r;
-  double nll = 0;
+  double nll = 0, kl = 0;
+  size_t kl_n = 0;
+  std::vector<double> logp(c.vocab_size);
+  if (record != nullptr) record->clear();
   const auto t0 = std::chrono::steady_clock::now();
   for (size_t start = 0; start + 1 < ids.size(); start += context) {
     if (max_windows != 0 && r.windows == max_windows) break;
@@ -92,7 +102,19 @@ absl::StatusOr<PplResult> Perplexity(const Loaded& l, const std::vector<uint32_t
         const float mx = *std::max_element(row, row + c.vocab_size);
         double sum = 0;
         for (uint32_t v = 0; v < c.vocab_size; ++v) sum += std::exp(double{row[v]} - mx);
-        nll += -(row[ids[t + 1]] - mx - std::log(sum));
+        const double lse = mx + std::log(sum);
+        nll += -(row[ids[t + 1]] - lse);
+        if (r.scored < kl_tokens) {
+          for (uint32_t v = 0; v < c.vocab_size; ++v) logp[v] = row[v] - lse;
+          if (record != nullptr) record->insert(record->end(), logp.begin(), logp.end());
+          if (reference != nullptr && (r.scored + 1) * c.vocab_size <= reference->size()) {
+            const float* ref = &(*reference)[r.scored * c.vocab_size];
+            double d = 0;
+            for (uint32_t v = 0; v < c.vocab_size; ++v) d += std::exp(double{ref[v]}) * (ref[v] - logp[v]);
+            kl += d;
+            ++kl_n;
+          }
+        }
         ++r.scored;
       }
     }
@@ -102,6 +124,7 @@ absl::StatusOr<PplResult> Perplexity(const Loaded& l, const std::vector<uint32_t
     ++r.windows;
   }
   r.ppl = std::exp(nll / r.scored);
+  r.kl = kl_n > 0 ? kl / kl_n : 0;
   r.seconds = Seconds(t0);
   return r;
 }
@@ -348,7 +371,8 @@ const char* const kStrataMenu[] = {
     "skvq:k4v4:g32:sink4",     "tada:k2v2:g32:sink4",        "tada:k4v4:g32:sink4",
     "kcvt:k2v2:m8:sink4",      "kivi:k2v2:g64:m8:sink4",     "kivi:k2v2:g32:m8:sink4",
     "kivi:k3v3:g64:m8:sink4",  "skvq:k2v2:g32:m8:sink4",     "skvq:k3v3:g32:m8:sink4",
-    "gear:k2v2:kcvt:r2:s1:m8:sink4", "zipcache:k2v2:h4:s10:m8:sink4", "fp16"};
+    "gear:k2v2:kcvt:r2:s1:m8:sink4", "zipcache:k2v2:h4:s10:m8:sink4", "skvq:k2v2:g64:sink4",
+    "skvq:k2v2:g64:m8:sink4", "fp16"};
 
 // Per-layer codecs for a budget (TaDA's precision search; the Strata mix): the loss increase of
 // each candidate with only that layer compressed (log perplexity on the calibration text, the
@@ -375,22 +399,32 @@ static absl::Status SearchLayers(const Loaded& l, const std::vector<uint32_t>& i
   } else {
     candidates.assign(std::begin(kStrataMenu), std::end(kStrataMenu));
   }
+  // Each candidate's size as eval measures it: the blocks of one full window, chunk 0's sinks
+  // included.
+  const uint32_t chunks = std::max<uint32_t>(1, o.context / o.chunk_tokens);
   std::vector<double> bits;
   for (const std::string& cs : candidates) {
-    bits.push_back(kernels::Codec(*kernels::CodecSpec::Parse(cs))
-                       .BitsPerElement(o.chunk_tokens, c.num_kv_heads, c.head_dim)
-                       .value());
+    const kernels::Codec codec(*kernels::CodecSpec::Parse(cs));
+    const double first = codec.BitsPerElement(o.chunk_tokens, c.num_kv_heads, c.head_dim, 0).value();
+    const double rest = codec.BitsPerElement(o.chunk_tokens, c.num_kv_heads, c.head_dim, 1).value();
+    bits.push_back((first + (chunks - 1) * rest) / chunks);
   }
   ModelCommandOptions mo = o;
   mo.codec = cal.codec;
+  // The loss is the mean KL divergence of the next-token distribution from the fp16 model's on
+  // the calibration text: fidelity, which (unlike perplexity) no codec can improve by accident.
+  const size_t kl_tokens = size_t{o.context} * o.windows;
+  std::vector<float> reference;
   auto loss = [&](const kernels::Calibration& trial) -> absl::StatusOr<double> {
     mo.calibration = std::make_shared<kernels::Calibration>(trial);
-    STRATA_ASSIGN_OR_RETURN(PplResult r, Perplexity(l, ids, mo, o.context, o.windows));
-    return std::log(r.ppl);
+    STRATA_ASSIGN_OR_RETURN(PplResult r, Perplexity(l, ids, mo, o.context, o.windows, kl_tokens,
+                                                    reference.empty() ? &reference : nullptr,
+                                                    reference.empty() ? nullptr : &reference));
+    return r.kl;
   };
   kernels::Calibration trial = cal;
   for (auto& layer : trial.layers) layer.spec = "fp16";
-  STRATA_ASSIGN_OR_RETURN(const double base, loss(trial));
+  STRATA_ASSIGN_OR_RETURN(const double base, loss(trial));  // records the reference; 0
   // delta[l][i]: loss increase with layer l alone at candidate i.
   std::vector<std::vector<double>> delta(L, std::vector<double>(candidates.size()));
   for (uint32_t li = 0; li < L; ++li) {
@@ -563,13 +597,18 @@ absl::Status RunEval(const EvalOptions& o, std::ostream& out) {
                           Continue(l, prompts, base_opts, o.generate_tokens));
   ModelCommandOptions fp16 = o;
   fp16.codec = "fp16";
-  STRATA_ASSIGN_OR_RETURN(PplResult base, Perplexity(l, ids, fp16, o.context, o.max_windows));
+  // KL to fp16 over the first two windows (the reference log-probabilities are vocab-sized).
+  const size_t kl_tokens = 2 * size_t{o.context};
+  std::vector<float> reference;
+  STRATA_ASSIGN_OR_RETURN(PplResult base, Perplexity(l, ids, fp16, o.context, o.max_windows,
+                                                     kl_tokens, &reference));
 
   nlohmann::json report = {
       {"model", o.model_dir},
       {"text", o.text_file},
       {"context", o.context},
       {"windows", base.windows},
+      {"kl_tokens", std::min(kl_tokens, base.scored)},
       {"scored_tokens", base.scored},
       {"chunk_tokens", o.chunk_tokens},
       {"window_tokens", o.window_tokens},
@@ -584,9 +623,9 @@ absl::Status RunEval(const EvalOptions& o, std::ostream& out) {
       "%d-token chunks, full-precision window >= %d\n",
       o.model_dir, o.text_file, base.scored, base.windows, o.context, o.context, o.error_queries,
       o.continuations, o.generate_tokens, o.prompt_tokens, o.chunk_tokens, o.window_tokens);
-  out << absl::StrFormat("%-32s %6s %9s %8s %8s %8s %8s %8s %8s %7s %7s %8s\n", "codec", "bits",
-                         "ppl", "d ppl %", "K err", "K worst", "V err", "V worst", "attn err",
-                         "greedy", "prefix", "enc MB/s");
+  out << absl::StrFormat("%-32s %6s %9s %8s %8s %8s %8s %8s %8s %8s %7s %7s %8s\n", "codec",
+                         "bits", "ppl", "d ppl %", "KL nats", "K err", "K worst", "V err",
+                         "V worst", "attn err", "greedy", "prefix", "enc MB/s");
   std::vector<uint32_t> calib_ids;
   if (!o.calib_text_file.empty()) {
     STRATA_ASSIGN_OR_RETURN(std::string calib_text, ReadText(o.calib_text_file));
@@ -612,7 +651,8 @@ absl::Status RunEval(const EvalOptions& o, std::ostream& out) {
       mo.calibration = std::make_shared<kernels::Calibration>(std::move(cal));
     }
     STRATA_ASSIGN_OR_RETURN(auto codec, kernels::Codec::Create(spec, mo.calibration));
-    STRATA_ASSIGN_OR_RETURN(PplResult r, Perplexity(l, ids, mo, o.context, o.max_windows));
+    STRATA_ASSIGN_OR_RETURN(PplResult r, Perplexity(l, ids, mo, o.context, o.max_windows,
+                                                    kl_tokens, nullptr, &reference));
     STRATA_ASSIGN_OR_RETURN(LayerErrors e,
                             MeasureErrors(l, kv, o.context, *codec, o.chunk_tokens, o.error_queries));
     model::KvCacheOptions opts = base_opts;
@@ -631,13 +671,15 @@ absl::Status RunEval(const EvalOptions& o, std::ostream& out) {
     const double mean_prefix = gen.empty() ? 0 : prefix / gen.size();
     const double mbps = e.encode_seconds > 0 ? e.encoded_bytes_in / e.encode_seconds / 1e6 : 0;
     const double dppl = 100.0 * (r.ppl / base.ppl - 1.0);
-    out << absl::StrFormat("%-32s %6.3f %9.3f %+8.2f %8.4f %8.4f %8.4f %8.4f %8.4f %6.1f%% %7.1f %8.1f\n",
-                           spec, r.bits(), r.ppl, dppl, Mean(e.k), Max(e.k), Mean(e.v), Max(e.v),
-                           Mean(e.attn), 100 * agreement, mean_prefix, mbps);
+    out << absl::StrFormat(
+        "%-32s %6.3f %9.3f %+8.2f %8.5f %8.4f %8.4f %8.4f %8.4f %8.4f %6.1f%% %7.1f %8.1f\n", spec,
+        r.bits(), r.ppl, dppl, r.kl, Mean(e.k), Max(e.k), Mean(e.v), Max(e.v), Mean(e.attn),
+        100 * agreement, mean_prefix, mbps);
     report["codecs"].push_back({{"codec", spec},
                                 {"bits_per_element", r.bits()},
                                 {"perplexity", r.ppl},
                                 {"perplexity_change_percent", dppl},
+                                {"kl_to_fp16_nats", r.kl},
                                 {"k_rel_error", {{"per_layer", e.k}, {"mean", Mean(e.k)}, {"worst", Max(e.k)}}},
                                 {"v_rel_error", {{"per_layer", e.v}, {"mean", Mean(e.v)}, {"worst", Max(e.v)}}},
                                 {"attn_rel_error",

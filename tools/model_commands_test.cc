@@ -91,6 +91,9 @@ TEST(ModelCommandsTest, EvalReportsEveryCodecAndWritesJson) {
   EXPECT_NEAR(fp16["perplexity_change_percent"].get<double>(), 0.0, 1e-9);
   EXPECT_DOUBLE_EQ(fp16["greedy_agreement"].get<double>(), 1.0);
   EXPECT_LT(fp16["attn_rel_error"]["worst"].get<double>(), 1e-3);
+  EXPECT_NEAR(fp16["kl_to_fp16_nats"].get<double>(), 0.0, 1e-6);
+  EXPECT_GT(k8["kl_to_fp16_nats"].get<double>(), 0.0);
+  EXPECT_GT(k2["kl_to_fp16_nats"].get<double>(), k8["kl_to_fp16_nats"].get<double>());
   // Fewer bits: smaller blocks, larger errors.
   EXPECT_LT(k2["bits_per_element"].get<double>(), k8["bits_per_element"].get<double>());
   EXPECT_GT(k2["k_rel_error"]["mean"].get<double>(), k8["k_rel_error"]["mean"].get<double>());
