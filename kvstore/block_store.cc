@@ -1,0 +1,542 @@
+#include "kvstore/block_store.h"
+
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/block_reader.h"
+#include "common/status_macros.h"
+#include "rocksdb/db.h"
+#include "rocksdb/options.h"
+#include "rocksdb/write_batch.h"
+
+namespace strata::kvstore {
+namespace {
+
+// On disk, per block two keys written in one batch: 'M' + name -> metadata ("SKV1", parent name
+// length (0 or BlockName::kEncodedBytes), parent name, block size as 8 bytes little-endian),
+// small enough to stay in the LSM tree, so a restart scans only these; 'B' + name -> the block
+// bytes, large, in blob files, read (and verified) only when the block is.
+constexpr char kMagic[4] = {'S', 'K', 'V', '1'};
+
+std::string MetaKey(const std::string& key) { return "M" + key; }
+std::string BlockKey(const std::string& key) { return "B" + key; }
+
+std::string EncodeMeta(const std::string& parent, uint64_t size) {
+  std::string v(kMagic, 4);
+  v.push_back(static_cast<char>(parent.size()));
+  v += parent;
+  for (int i = 0; i < 8; ++i) v.push_back(static_cast<char>((size >> (8 * i)) & 0xff));
+  return v;
+}
+
+// false when `v` is not a metadata record.
+bool DecodeMeta(absl::string_view v, std::string* parent, uint64_t* size) {
+  if (v.size() < 5 || std::memcmp(v.data(), kMagic, 4) != 0) return false;
+  const size_t n = static_cast<uint8_t>(v[4]);
+  if ((n != 0 && n != BlockName::kEncodedBytes) || v.size() != 5 + n + 8) return false;
+  *parent = std::string(v.substr(5, n));
+  *size = 0;
+  for (int i = 0; i < 8; ++i) *size |= uint64_t{static_cast<uint8_t>(v[5 + n + i])} << (8 * i);
+  return true;
+}
+
+absl::Status FromRocks(const rocksdb::Status& s, absl::string_view what) {
+  if (s.ok()) return absl::OkStatus();
+  return absl::UnavailableError(absl::StrCat("store: ", what, ": ", s.ToString()));
+}
+
+}  // namespace
+
+const char* TierName(Tier t) {
+  switch (t) {
+    case Tier::kRam:
+      return "ram";
+    case Tier::kDisk:
+      return "disk";
+    default:
+      return "none";
+  }
+}
+
+BlockStore::BlockStore(const StoreOptions& o)
+    : options_(o),
+      ram_policy_(MakePolicy(o.ram_policy, o.ram_bytes)),
+      disk_policy_(MakePolicy(PolicyKind::kLru, o.disk_bytes)) {}
+
+absl::StatusOr<std::unique_ptr<BlockStore>> BlockStore::Open(const StoreOptions& options) {
+  if (!options.disk_path.empty() && options.disk_bytes == 0) {
+    return absl::InvalidArgumentError("store: a disk path needs --disk-bytes > 0");
+  }
+  std::unique_ptr<BlockStore> s(new BlockStore(options));
+  if (!options.disk_path.empty()) {
+    STRATA_RETURN_IF_ERROR(s->OpenDisk());
+    s->spill_thread_ = std::thread([p = s.get()] { p->SpillLoop(); });
+  }
+  return s;
+}
+
+BlockStore::~BlockStore() {
+  if (db_ != nullptr) {
+    // A clean shutdown keeps the cache warm: blocks only in RAM go to disk (as far as the disk
+    // tier has room), then RocksDB flushes its memtable into table and blob files.
+    Flush();
+    std::vector<std::pair<std::string, std::shared_ptr<const AlignedBuffer>>> ram_only;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const auto& [key, e] : entries_) {
+        if (e.ram && !e.on_disk) ram_only.emplace_back(key, e.ram);
+      }
+    }
+    for (auto& [key, bytes] : ram_only) {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = entries_.find(key);
+      if (it == entries_.end() || it->second.on_disk) continue;
+      if (disk_used_ + bytes->size() > options_.disk_bytes) break;
+      if (!WriteDisk(key, it->second.parent, bytes->span()).ok()) break;
+      it->second.on_disk = true;
+      disk_ids_[it->second.id] = key;
+      disk_policy_->Insert(it->second.id, it->second.bytes);
+      disk_used_ += it->second.bytes;
+    }
+    db_->Flush(rocksdb::FlushOptions());
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  spill_cv_.notify_all();
+  if (spill_thread_.joinable()) spill_thread_.join();
+}
+
+absl::Status BlockStore::OpenDisk() {
+  rocksdb::Options o;
+  o.create_if_missing = true;
+  o.compression = rocksdb::kNoCompression;  // blocks are already compressed
+  // Write-once-read-many values of 0.1-4 MB: values in blob files, keys in the LSM.
+  o.enable_blob_files = true;
+  o.min_blob_size = 4096;
+  o.blob_file_size = size_t{256} << 20;
+  o.enable_blob_garbage_collection = true;
+  o.write_buffer_size = size_t{64} << 20;
+  rocksdb::DB* db = nullptr;
+  STRATA_RETURN_IF_ERROR(FromRocks(rocksdb::DB::Open(o, options_.disk_path, &db),
+                                   absl::StrCat("open ", options_.disk_path)));
+  db_.reset(db);
+  // Rebuild the disk index: every key, its parent and size (values are verified when read).
+  std::vector<std::string> bad;
+  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
+  std::lock_guard<std::mutex> lock(mu_);
+  for (it->Seek("M"); it->Valid() && it->key().starts_with("M"); it->Next()) {
+    const std::string key = it->key().ToString().substr(1);
+    std::string parent;
+    uint64_t size = 0;
+    if (key.size() != BlockName::kEncodedBytes ||
+        !DecodeMeta(absl::string_view(it->value().data(), it->value().size()), &parent, &size) ||
+        size > options_.max_block_bytes) {
+      bad.push_back(key);
+      continue;
+    }
+    Entry& e = entries_[key];
+    e.parent = parent;
+    e.id = next_id_++;
+    e.bytes = size;
+    e.on_disk = true;
+    disk_ids_[e.id] = key;
+    disk_policy_->Insert(e.id, e.bytes);
+    disk_used_ += e.bytes;
+    if (!parent.empty()) children_[parent].insert(key);
+  }
+  STRATA_RETURN_IF_ERROR(FromRocks(it->status(), "scan"));
+  for (const std::string& k : bad) {
+    DeleteDisk(k);
+    ++stats_.corruptions;
+  }
+  // Chunks whose parent did not survive (a crash between them) can never be used.
+  std::vector<std::string> orphans;
+  for (const auto& [key, e] : entries_) {
+    if (!e.parent.empty() && !entries_.contains(e.parent)) orphans.push_back(key);
+  }
+  for (const std::string& k : orphans) {
+    if (entries_.contains(k)) DropLocked(k);
+  }
+  EvictDiskLocked(0);
+  return absl::OkStatus();
+}
+
+absl::Status BlockStore::WriteDisk(const std::string& key, const std::string& parent,
+                                   absl::Span<const uint8_t> bytes) {
+  rocksdb::WriteBatch batch;
+  batch.Put(BlockKey(key), rocksdb::Slice(reinterpret_cast<const char*>(bytes.data()), bytes.size()));
+  batch.Put(MetaKey(key), EncodeMeta(parent, bytes.size()));  // last: a torn batch has no meta
+  return FromRocks(db_->Write(rocksdb::WriteOptions(), &batch), "write");
+}
+
+void BlockStore::DeleteDisk(const std::string& key) {
+  rocksdb::WriteBatch batch;
+  batch.Delete(MetaKey(key));
+  batch.Delete(BlockKey(key));
+  db_->Write(rocksdb::WriteOptions(), &batch);
+}
+
+absl::Status BlockStore::Put(const BlockName& name, const BlockHash* parent,
+                             absl::Span<const uint8_t> block) {
+  if (block.size() > options_.max_block_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("store: block of ", block.size(),
+                                                   " bytes exceeds the limit of ",
+                                                   options_.max_block_bytes));
+  }
+  absl::StatusOr<BlockView> view = BlockView::Parse(block);
+  if (!view.ok()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++stats_.refused_puts;
+    return absl::DataLossError(absl::StrCat("store: refused ", name.ToString(), ": ",
+                                            view.status().message()));
+  }
+  const BlockHeader& h = view->header();
+  if (h.layer != name.layer || h.model_fingerprint != name.model_fingerprint ||
+      h.codec_fingerprint != name.codec_fingerprint ||
+      h.calibration_fingerprint != name.calibration_fingerprint) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++stats_.refused_puts;
+    return absl::InvalidArgumentError(absl::StrCat(
+        "store: block header (layer ", h.layer, ", fingerprints ", absl::Hex(h.model_fingerprint),
+        "/", absl::Hex(h.codec_fingerprint), "/", absl::Hex(h.calibration_fingerprint),
+        ") does not match its name ", name.ToString()));
+  }
+  const std::string key = name.Encode();
+  std::string parent_key;
+  if (parent != nullptr) {
+    BlockName p = name;
+    p.key = *parent;
+    parent_key = p.Encode();
+  }
+  auto buffer = std::make_shared<AlignedBuffer>(block.size());
+  std::memcpy(buffer->data(), block.data(), block.size());
+  const bool through = db_ != nullptr && options_.durable_puts;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++stats_.puts;
+    if (auto it = entries_.find(key); it != entries_.end()) {
+      ++stats_.duplicate_puts;
+      if (it->second.ram) ram_policy_->Access(it->second.id);
+      return absl::OkStatus();
+    }
+    if (!parent_key.empty() && !entries_.contains(parent_key)) {
+      ++stats_.refused_puts;
+      return absl::FailedPreconditionError(
+          absl::StrCat("store: the parent of ", name.ToString(), " is not stored"));
+    }
+  }
+  if (through) STRATA_RETURN_IF_ERROR(WriteDisk(key, parent_key, block));
+  std::vector<std::pair<std::string, std::shared_ptr<const AlignedBuffer>>> write_through;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (entries_.contains(key) || (!parent_key.empty() && !entries_.contains(parent_key))) {
+      // Raced with another Put of the same block, or the parent left meanwhile.
+      if (!entries_.contains(key) && through) DeleteDisk(key);
+      return entries_.contains(key) ? absl::OkStatus()
+                                    : absl::FailedPreconditionError(absl::StrCat(
+                                          "store: the parent of ", name.ToString(),
+                                          " was evicted during the Put"));
+    }
+    Entry& e = entries_[key];
+    e.parent = parent_key;
+    e.id = next_id_++;
+    e.bytes = block.size();
+    if (!parent_key.empty()) children_[parent_key].insert(key);
+    if (through) {
+      e.on_disk = true;
+      disk_ids_[e.id] = key;
+      disk_policy_->Insert(e.id, e.bytes);
+      disk_used_ += e.bytes;
+      EvictDiskLocked(0);
+      if (!entries_.contains(key)) return absl::OkStatus();  // larger than the disk tier
+    }
+    const absl::Status s = InsertRamLocked(key, entries_[key], buffer, &write_through);
+    if (!s.ok() && !entries_[key].on_disk) {
+      if (db_ == nullptr) {
+        DropLocked(key);
+        return s;
+      }
+      // RAM cannot take it (leased full, or too large): straight to disk.
+      entries_[key].spilling = buffer;
+      write_through.emplace_back(key, buffer);
+    }
+  }
+  for (auto& [k, b] : write_through) {  // the write-back queue was full: write it ourselves
+    std::string parent_of;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = entries_.find(k);
+      if (it == entries_.end()) continue;
+      parent_of = it->second.parent;
+    }
+    const absl::Status s = WriteDisk(k, parent_of, b->span());
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = entries_.find(k);
+    if (it == entries_.end() || it->second.spilling != b) continue;
+    it->second.spilling = nullptr;
+    if (!s.ok()) {
+      DropLocked(k);
+      continue;
+    }
+    it->second.on_disk = true;
+    disk_ids_[it->second.id] = k;
+    disk_policy_->Insert(it->second.id, it->second.bytes);
+    disk_used_ += it->second.bytes;
+    ++stats_.spills;
+    EvictDiskLocked(0);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status BlockStore::InsertRamLocked(
+    const std::string& key, Entry& e, std::shared_ptr<const AlignedBuffer> bytes,
+    std::vector<std::pair<std::string, std::shared_ptr<const AlignedBuffer>>>* write_through) {
+  if (e.bytes > options_.ram_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat("store: a block of ", e.bytes,
+                                                     " bytes does not fit in RAM of ",
+                                                     options_.ram_bytes));
+  }
+  // Leased blocks stay, and so do the new block's ancestors (evicting one could drop the new
+  // block itself as its descendant).
+  absl::flat_hash_set<std::string> ancestors;
+  for (std::string p = db_ == nullptr ? e.parent : ""; !p.empty();) {
+    auto it = entries_.find(p);
+    if (it == entries_.end() || !ancestors.insert(p).second) break;
+    p = it->second.parent;
+  }
+  auto pinned = [&](uint64_t id) {
+    auto it = ram_ids_.find(id);
+    if (it == ram_ids_.end()) return false;
+    return entries_[it->second].ram.use_count() > 1 || ancestors.contains(it->second);
+  };
+  while (ram_used_ + e.bytes > options_.ram_bytes) {
+    const std::optional<uint64_t> victim = ram_policy_->Victim(pinned);
+    if (!victim) {
+      return absl::ResourceExhaustedError(
+          "store: RAM is full of leased blocks and the new block's ancestors");
+    }
+    const std::string vkey = ram_ids_[*victim];
+    Entry& v = entries_[vkey];
+    ram_policy_->Evict(*victim);
+    ram_ids_.erase(*victim);
+    ram_used_ -= v.bytes;
+    ++stats_.ram_evictions;
+    std::shared_ptr<const AlignedBuffer> vbytes = std::move(v.ram);
+    v.ram = nullptr;
+    if (v.on_disk) continue;  // the disk has a copy
+    if (db_ == nullptr) {     // no lower tier: gone, and its descendants with it
+      DropLocked(vkey);
+      continue;
+    }
+    v.spilling = vbytes;
+    if (spill_queued_bytes_ + v.bytes <= options_.spill_queue_bytes) {
+      spill_queue_.emplace_back(vkey, std::move(vbytes));
+      spill_queued_bytes_ += v.bytes;
+      spill_cv_.notify_one();
+    } else {
+      write_through->emplace_back(vkey, std::move(vbytes));
+    }
+  }
+  e.ram = std::move(bytes);
+  ram_ids_[e.id] = key;
+  ram_policy_->Insert(e.id, e.bytes);
+  ram_used_ += e.bytes;
+  return absl::OkStatus();
+}
+
+void BlockStore::EvictDiskLocked(size_t incoming) {
+  while (disk_used_ + incoming > options_.disk_bytes && disk_policy_->size() > 0) {
+    const std::optional<uint64_t> victim = disk_policy_->Victim([](uint64_t) { return false; });
+    if (!victim) return;
+    const std::string key = disk_ids_[*victim];
+    Entry& e = entries_[key];
+    disk_policy_->Evict(*victim);
+    disk_ids_.erase(*victim);
+    disk_used_ -= e.bytes;
+    e.on_disk = false;
+    DeleteDisk(key);
+    ++stats_.disk_evictions;
+    if (!e.ram && !e.spilling) DropLocked(key);  // in no tier any more
+  }
+}
+
+void BlockStore::DropLocked(const std::string& root) {
+  std::vector<std::string> stack = {root};
+  bool first = true;
+  while (!stack.empty()) {
+    const std::string key = stack.back();
+    stack.pop_back();
+    auto it = entries_.find(key);
+    if (it == entries_.end()) continue;
+    Entry& e = it->second;
+    if (e.ram) {
+      ram_policy_->Erase(e.id);
+      ram_ids_.erase(e.id);
+      ram_used_ -= e.bytes;
+    }
+    if (e.on_disk) {
+      disk_policy_->Erase(e.id);
+      disk_ids_.erase(e.id);
+      disk_used_ -= e.bytes;
+      DeleteDisk(key);
+    }
+    if (!e.parent.empty()) {
+      auto p = children_.find(e.parent);
+      if (p != children_.end()) {
+        p->second.erase(key);
+        if (p->second.empty()) children_.erase(p);
+      }
+    }
+    if (auto c = children_.find(key); c != children_.end()) {
+      for (const std::string& child : c->second) stack.push_back(child);
+      children_.erase(c);
+    }
+    entries_.erase(it);
+    if (!first) ++stats_.orphans_dropped;
+    first = false;
+  }
+}
+
+void BlockStore::SpillLoop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    spill_cv_.wait(lock, [&] { return stopping_ || !spill_queue_.empty(); });
+    if (spill_queue_.empty()) return;  // stopping
+    auto [key, bytes] = std::move(spill_queue_.front());
+    spill_queue_.pop_front();
+    spill_busy_ = true;
+    auto it = entries_.find(key);
+    const bool live = it != entries_.end() && it->second.spilling == bytes;
+    const std::string parent = live ? it->second.parent : "";
+    lock.unlock();
+    const absl::Status s = live ? WriteDisk(key, parent, bytes->span()) : absl::OkStatus();
+    lock.lock();
+    spill_queued_bytes_ -= bytes->size();
+    spill_busy_ = false;
+    it = entries_.find(key);
+    if (live && it != entries_.end() && it->second.spilling == bytes) {
+      it->second.spilling = nullptr;
+      if (s.ok()) {
+        it->second.on_disk = true;
+        disk_ids_[it->second.id] = key;
+        disk_policy_->Insert(it->second.id, it->second.bytes);
+        disk_used_ += it->second.bytes;
+        ++stats_.spills;
+        EvictDiskLocked(0);
+      } else if (!it->second.ram) {
+        DropLocked(key);
+      }
+    } else if (live && s.ok() && it == entries_.end()) {
+      DeleteDisk(key);  // deleted while being written
+    }
+    spill_done_cv_.notify_all();
+  }
+}
+
+void BlockStore::Flush() {
+  std::unique_lock<std::mutex> lock(mu_);
+  spill_done_cv_.wait(lock, [&] { return spill_queue_.empty() && !spill_busy_; });
+}
+
+absl::StatusOr<Lease> BlockStore::Get(const BlockName& name) {
+  const std::string key = name.Encode();
+  size_t expected_size = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = entries_.find(key);
+    if (it == entries_.end()) {
+      ++stats_.misses;
+      return absl::NotFoundError(absl::StrCat("store: no block ", name.ToString()));
+    }
+    Entry& e = it->second;
+    if (e.ram) {
+      ram_policy_->Access(e.id);
+      ++stats_.ram_hits;
+      return Lease(e.ram, Tier::kRam);
+    }
+    if (e.spilling) {  // on its way to disk: still in memory
+      ++stats_.ram_hits;
+      return Lease(e.spilling, Tier::kRam);
+    }
+    disk_policy_->Access(e.id);
+    expected_size = e.bytes;
+  }
+  std::string value;
+  const rocksdb::Status rs = db_->Get(rocksdb::ReadOptions(), BlockKey(key), &value);
+  const absl::string_view block = value;
+  bool ok = rs.ok() && block.size() == expected_size;
+  if (ok) {
+    ok = BlockView::Parse(absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(block.data()),
+                                              block.size()))
+             .ok();
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = entries_.find(key);
+  if (!ok) {
+    if (!rs.IsNotFound()) ++stats_.corruptions;
+    ++stats_.misses;
+    if (it != entries_.end() && !it->second.ram) DropLocked(key);
+    return absl::NotFoundError(absl::StrCat("store: block ", name.ToString(),
+                                            rs.ok() ? " was corrupt on disk and is dropped"
+                                                    : " could not be read from disk"));
+  }
+  auto buffer = std::make_shared<AlignedBuffer>(block.size());
+  std::memcpy(buffer->data(), block.data(), block.size());
+  ++stats_.disk_hits;
+  if (it != entries_.end() && !it->second.ram && !it->second.spilling) {  // promote
+    std::vector<std::pair<std::string, std::shared_ptr<const AlignedBuffer>>> write_through;
+    if (InsertRamLocked(key, it->second, buffer, &write_through).ok()) ++stats_.promotions;
+    // A promotion only evicts; anything that had to be written through stays queued.
+    for (auto& [k, b] : write_through) {
+      spill_queue_.emplace_back(k, std::move(b));
+      spill_queued_bytes_ += spill_queue_.back().second->size();
+      spill_cv_.notify_one();
+    }
+  }
+  return Lease(std::move(buffer), Tier::kDisk);
+}
+
+LookupResult BlockStore::Lookup(const BlockName& prefix, absl::Span<const BlockHash> chain,
+                                uint32_t layers) {
+  LookupResult r;
+  std::lock_guard<std::mutex> lock(mu_);
+  BlockName n = prefix;
+  for (const BlockHash& k : chain) {
+    n.key = k;
+    bool all_ram = true;
+    for (uint32_t layer = 0; layer < layers; ++layer) {
+      n.layer = layer;
+      auto it = entries_.find(n.Encode());
+      if (it == entries_.end()) return r;
+      all_ram &= it->second.ram != nullptr || it->second.spilling != nullptr;
+    }
+    ++r.chunks;
+    r.tiers.push_back(all_ram ? Tier::kRam : Tier::kDisk);
+  }
+  return r;
+}
+
+bool BlockStore::Delete(const BlockName& name) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const std::string key = name.Encode();
+  if (!entries_.contains(key)) return false;
+  DropLocked(key);
+  ++stats_.deletes;
+  return true;
+}
+
+StoreStats BlockStore::Stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  StoreStats s = stats_;
+  s.ram_blocks = ram_ids_.size();
+  s.ram_bytes = ram_used_;
+  s.disk_blocks = disk_ids_.size();
+  s.disk_bytes = disk_used_;
+  s.spill_queue_bytes = spill_queued_bytes_;
+  return s;
+}
+
+}  // namespace strata::kvstore

@@ -1,0 +1,344 @@
+#include "kvstore/block_store.h"
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/block_reader.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/codec.h"
+
+namespace strata::kvstore {
+namespace {
+
+using testing::HasSubstr;
+
+constexpr uint64_t kModel = 0x1234;
+
+// A real block (fp16 codec) of `tokens` tokens whose values depend on `seed`.
+AlignedBuffer MakeBlock(uint32_t layer, uint32_t chunk, uint32_t seed, uint32_t tokens = 64) {
+  std::vector<float> k(size_t{tokens} * 2 * 64), v(k.size());
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> n(0, 1);
+  for (float& x : k) x = n(rng);
+  for (float& x : v) x = n(rng);
+  auto codec = *kernels::Codec::Create("fp16");
+  return *codec->Encode({k.data(), v.data(), SourceDType::kFloat32, tokens, 2, 64},
+                        {.layer = layer, .chunk_index = chunk, .model_fingerprint = kModel});
+}
+
+BlockHash Key(uint32_t i) {
+  BlockHash h{};
+  h[0] = static_cast<uint8_t>(i);
+  h[1] = static_cast<uint8_t>(i >> 8);
+  h[2] = static_cast<uint8_t>(i >> 16);
+  h[31] = 0x5a;
+  return h;
+}
+
+BlockName Name(const AlignedBuffer& block, const BlockHash& key) {
+  const BlockHeader h = BlockView::Parse(block.span())->header();
+  return BlockName{h.model_fingerprint, h.codec_fingerprint, h.calibration_fingerprint, key,
+                   h.layer};
+}
+
+std::string TempDir(const std::string& name) {
+  const std::string d = absl::StrCat(testing::TempDir(), "/", name, "-", getpid());
+  std::filesystem::remove_all(d);
+  return d;
+}
+
+// Puts a chain of `n` chunks (keys first..first+n-1), `layers` layers each.
+void PutChain(BlockStore& s, uint32_t first, uint32_t n, uint32_t layers = 1) {
+  for (uint32_t c = 0; c < n; ++c) {
+    for (uint32_t l = 0; l < layers; ++l) {
+      AlignedBuffer b = MakeBlock(l, c, first + c * 31 + l);
+      const BlockHash parent = Key(first + c - 1);
+      ASSERT_TRUE(s.Put(Name(b, Key(first + c)), c == 0 ? nullptr : &parent, b.span()).ok());
+    }
+  }
+}
+
+std::vector<BlockHash> Chain(uint32_t first, uint32_t n) {
+  std::vector<BlockHash> c;
+  for (uint32_t i = 0; i < n; ++i) c.push_back(Key(first + i));
+  return c;
+}
+
+TEST(BlockStoreTest, PutGetLookupDeleteAndRefusals) {
+  auto s = *BlockStore::Open({.ram_bytes = 1 << 20});
+  AlignedBuffer b0 = MakeBlock(0, 0, 1), b1 = MakeBlock(0, 1, 2);
+  const BlockName n0 = Name(b0, Key(0)), n1 = Name(b1, Key(1));
+  const BlockHash k0 = Key(0);
+  ASSERT_TRUE(s->Put(n0, nullptr, b0.span()).ok());
+  ASSERT_TRUE(s->Put(n0, nullptr, b0.span()).ok());  // idempotent
+  ASSERT_TRUE(s->Put(n1, &k0, b1.span()).ok());
+  absl::StatusOr<Lease> got = s->Get(n1);
+  ASSERT_TRUE(got.ok());
+  EXPECT_EQ(got->served_from(), Tier::kRam);
+  EXPECT_TRUE(std::equal(got->bytes().begin(), got->bytes().end(), b1.data()));
+  BlockName prefix = n0;
+  EXPECT_EQ(s->Lookup(prefix, Chain(0, 3), 1).chunks, 2u);
+  EXPECT_EQ(s->Lookup(prefix, Chain(0, 3), 2).chunks, 0u);  // layer 1 was never stored
+  // A corrupt block, a block under another name, an orphan: refused, with reasons.
+  std::vector<uint8_t> bad(b1.data(), b1.data() + b1.size());
+  bad[200] ^= 1;
+  absl::Status st = s->Put(Name(b1, Key(7)), &k0, bad);
+  EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(std::string(st.message()), HasSubstr("checksum"));
+  BlockName wrong = n1;
+  wrong.layer = 3;
+  EXPECT_EQ(s->Put(wrong, &k0, b1.span()).code(), absl::StatusCode::kInvalidArgument);
+  const BlockHash missing = Key(99);
+  EXPECT_EQ(s->Put(Name(b1, Key(8)), &missing, b1.span()).code(),
+            absl::StatusCode::kFailedPrecondition);
+  // Deleting the first chunk takes the second with it; the lease keeps its bytes.
+  EXPECT_TRUE(s->Delete(n0));
+  EXPECT_EQ(s->Get(n1).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(std::equal(got->bytes().begin(), got->bytes().end(), b1.data()));
+  const StoreStats stats = s->Stats();
+  EXPECT_EQ(stats.duplicate_puts, 1u);
+  EXPECT_EQ(stats.refused_puts, 3u);
+  EXPECT_EQ(stats.orphans_dropped, 1u);
+  EXPECT_EQ(stats.ram_blocks, 0u);
+  EXPECT_EQ(stats.ram_bytes, 0u);
+}
+
+// RAM only: evicting a chunk drops its descendants (they could never be used), and RAM never
+// holds more bytes than its capacity.
+TEST(BlockStoreTest, EvictionNeverLeavesOrphansAndCapacityIsExact) {
+  const size_t block = MakeBlock(0, 0, 0).size();
+  auto s = *BlockStore::Open({.ram_bytes = 6 * block, .ram_policy = PolicyKind::kLru});
+  PutChain(*s, 100, 3);  // A -> B -> C
+  PutChain(*s, 200, 3);  // D -> E -> F: RAM is full
+  EXPECT_EQ(s->Stats().ram_bytes, 6 * block);
+  // Touch chain 2 so chain 1's head is the LRU victim, then add one more block.
+  for (uint32_t i = 0; i < 3; ++i) ASSERT_TRUE(s->Get(Name(MakeBlock(0, i, 0), Key(200 + i))).ok());
+  PutChain(*s, 300, 1);
+  const BlockName prefix = Name(MakeBlock(0, 0, 0), Key(0));
+  EXPECT_EQ(s->Lookup(prefix, Chain(100, 3), 1).chunks, 0u) << "B and C outlived A";
+  EXPECT_EQ(s->Lookup(prefix, Chain(200, 3), 1).chunks, 3u);
+  const StoreStats st = s->Stats();
+  EXPECT_EQ(st.ram_evictions, 1u);
+  EXPECT_EQ(st.orphans_dropped, 2u);
+  EXPECT_LE(st.ram_bytes, 6 * block);
+  EXPECT_EQ(st.ram_blocks, 4u);
+}
+
+TEST(BlockStoreTest, LeasedBlocksAreNotEvicted) {
+  const size_t block = MakeBlock(0, 0, 0).size();
+  auto s = *BlockStore::Open({.ram_bytes = 2 * block, .ram_policy = PolicyKind::kLru});
+  PutChain(*s, 10, 1);
+  PutChain(*s, 20, 1);
+  Lease lease = *s->Get(Name(MakeBlock(0, 0, 0), Key(10)));
+  ASSERT_TRUE(s->Get(Name(MakeBlock(0, 0, 0), Key(20))).ok());  // 10 is the LRU victim...
+  PutChain(*s, 30, 1);  // ...but leased: 20 goes instead
+  const BlockName prefix = Name(MakeBlock(0, 0, 0), Key(0));
+  EXPECT_EQ(s->Lookup(prefix, Chain(10, 1), 1).chunks, 1u);
+  EXPECT_EQ(s->Lookup(prefix, Chain(20, 1), 1).chunks, 0u);
+  lease = Lease();
+  PutChain(*s, 40, 1);  // now 10 can go
+  EXPECT_EQ(s->Lookup(prefix, Chain(10, 1), 1).chunks, 0u);
+}
+
+// With a disk tier: RAM evictions spill (write-back mode), disk hits are promoted, restarts find
+// the disk tier again, and the disk evicts for good (descendants with it).
+TEST(BlockStoreTest, SpillPromoteRestartAndDiskEviction) {
+  const size_t block = MakeBlock(0, 0, 0).size();
+  const std::string dir = TempDir("spill");
+  const BlockName prefix = Name(MakeBlock(0, 0, 0), Key(0));
+  {
+    auto s = *BlockStore::Open({.ram_bytes = 2 * block,
+                                .disk_path = dir,
+                                .disk_bytes = 100 * block,
+                                .durable_puts = false});
+    PutChain(*s, 500, 6, 2);  // 12 blocks through a 2-block RAM
+    s->Flush();
+    StoreStats st = s->Stats();
+    EXPECT_EQ(st.spills, 10u);
+    EXPECT_EQ(st.ram_blocks, 2u);
+    EXPECT_EQ(s->Lookup(prefix, Chain(500, 6), 2).chunks, 6u);
+    const BlockName first = Name(MakeBlock(1, 0, 0), Key(500));
+    Lease l = *s->Get(first);
+    EXPECT_EQ(l.served_from(), Tier::kDisk);
+    EXPECT_EQ(s->Get(first)->served_from(), Tier::kRam);  // promoted
+    EXPECT_EQ(s->Stats().promotions, 1u);
+    s->Flush();
+  }
+  {
+    auto s = *BlockStore::Open(
+        {.ram_bytes = 2 * block, .disk_path = dir, .disk_bytes = 100 * block});
+    EXPECT_EQ(s->Lookup(prefix, Chain(500, 6), 2).chunks, 6u) << "the disk tier came back";
+    EXPECT_EQ(s->Stats().disk_blocks, 12u);
+    ASSERT_TRUE(s->Get(Name(MakeBlock(0, 5, 0), Key(505))).ok());
+  }
+  {  // Reopened with room for 4 blocks: the oldest go, and no chunk outlives its parent.
+    auto s = *BlockStore::Open({.ram_bytes = 2 * block, .disk_path = dir, .disk_bytes = 4 * block});
+    const StoreStats st = s->Stats();
+    EXPECT_LE(st.disk_bytes, 4 * block);
+    const LookupResult r = s->Lookup(prefix, Chain(500, 6), 2);
+    EXPECT_EQ(r.chunks, 0u);
+    EXPECT_EQ(st.disk_blocks, 0u) << "every survivor would be an orphan";
+  }
+}
+
+// A block corrupted on disk is caught by its checksum, counted, dropped and never served.
+TEST(BlockStoreTest, CorruptionOnDiskIsAMissNeverData) {
+  const size_t block = MakeBlock(0, 0, 0).size();
+  const std::string dir = TempDir("corrupt");
+  AlignedBuffer b = MakeBlock(0, 0, 77);
+  const BlockName name = Name(b, Key(1));
+  {
+    auto s = *BlockStore::Open({.ram_bytes = 4 * block, .disk_path = dir, .disk_bytes = 1 << 30});
+    ASSERT_TRUE(s->Put(name, nullptr, b.span()).ok());
+  }
+  // Flip a byte of the block's payload wherever RocksDB put it (blob file, WAL or table).
+  int flipped = 0;
+  for (const auto& f : std::filesystem::directory_iterator(dir)) {
+    std::fstream io(f.path(), std::ios::in | std::ios::out | std::ios::binary);
+    std::string data((std::istreambuf_iterator<char>(io)), std::istreambuf_iterator<char>());
+    const std::string needle(reinterpret_cast<const char*>(b.data()) + 1000, 64);
+    for (size_t pos = data.find(needle); pos != std::string::npos; pos = data.find(needle, pos + 1)) {
+      io.seekp(static_cast<std::streamoff>(pos + 10));
+      io.put(static_cast<char>(data[pos + 10] ^ 0x40));
+      ++flipped;
+    }
+  }
+  ASSERT_GT(flipped, 0);
+  auto s = *BlockStore::Open({.ram_bytes = 4 * block, .disk_path = dir, .disk_bytes = 1 << 30});
+  absl::StatusOr<Lease> got = s->Get(name);
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kNotFound) << got.status();
+  EXPECT_EQ(s->Stats().corruptions, 1u);
+  EXPECT_EQ(s->Get(name).status().code(), absl::StatusCode::kNotFound);  // dropped
+  EXPECT_EQ(s->Stats().disk_blocks, 0u);
+}
+
+// The writer of KillDuringWrites, run as a fresh child process (exec of this binary): a long
+// chain, writing after each Put that returned how many have.
+TEST(BlockStoreChild, Writer) {
+  const char* dir = std::getenv("STRATA_STORE_CHILD_DIR");
+  if (dir == nullptr) GTEST_SKIP() << "runs only as the child of KillDuringWritesLosesOnlyUnreturnedPuts";
+  auto s = BlockStore::Open({.ram_bytes = 1 << 20, .disk_path = dir, .disk_bytes = 1ull << 32});
+  if (!s.ok()) _exit(2);
+  const std::string progress = std::string(dir) + ".progress";
+  for (uint32_t c = 0;; ++c) {
+    AlignedBuffer b = MakeBlock(0, c, c);
+    const BlockHash parent = Key(c - 1);
+    if (!(*s)->Put(Name(b, Key(c)), c == 0 ? nullptr : &parent, b.span()).ok()) _exit(3);
+    std::ofstream(progress, std::ios::trunc) << c + 1 << std::flush;
+  }
+}
+
+// kill -9 while a child process writes: every Put the child saw return is there after reopen.
+TEST(BlockStoreTest, KillDuringWritesLosesOnlyUnreturnedPuts) {
+  const std::string dir = TempDir("kill");
+  const std::string progress = dir + ".progress";
+  std::filesystem::remove(progress);
+  const std::string self = std::filesystem::read_symlink("/proc/self/exe");
+  const pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    setenv("STRATA_STORE_CHILD_DIR", dir.c_str(), 1);
+    execl(self.c_str(), self.c_str(), "--gtest_filter=BlockStoreChild.Writer", nullptr);
+    _exit(4);
+  }
+  for (int i = 0; i < 1000; ++i) {  // let it write at least 20 blocks (10 s at most)
+    usleep(10000);
+    std::ifstream f(progress);
+    uint32_t n = 0;
+    if (f >> n && n >= 20) break;
+  }
+  kill(pid, SIGKILL);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  ASSERT_TRUE(WIFSIGNALED(status)) << "the writer stopped by itself: " << status;
+  uint32_t returned = 0;
+  std::ifstream(progress) >> returned;
+  ASSERT_GT(returned, 0u);
+  auto s = *BlockStore::Open({.ram_bytes = 1 << 20, .disk_path = dir, .disk_bytes = 1ull << 32});
+  const BlockName prefix = Name(MakeBlock(0, 0, 0), Key(0));
+  const LookupResult r = s->Lookup(prefix, Chain(0, returned + 5), 1);
+  EXPECT_GE(r.chunks, returned);
+  for (uint32_t c = 0; c < r.chunks; ++c) {
+    absl::StatusOr<Lease> l = s->Get(Name(MakeBlock(0, c, c), Key(c)));
+    ASSERT_TRUE(l.ok()) << c;
+    AlignedBuffer want = MakeBlock(0, c, c);
+    EXPECT_TRUE(std::equal(l->bytes().begin(), l->bytes().end(), want.data())) << c;
+  }
+}
+
+// Many clients at once (run under TSan by scripts/test.sh): puts, gets, lookups, deletes over
+// shared chains with a small RAM and a disk tier; capacity and consistency hold.
+TEST(BlockStoreTest, ConcurrentClients) {
+  const size_t block = MakeBlock(0, 0, 0).size();
+  const std::string dir = TempDir("concurrent");
+  auto s = *BlockStore::Open({.ram_bytes = 8 * block,
+                              .disk_path = dir,
+                              .disk_bytes = 40 * block,
+                              .spill_queue_bytes = 2 * block,
+                              .durable_puts = false});
+  std::vector<AlignedBuffer> blocks;
+  for (uint32_t c = 0; c < 16; ++c) blocks.push_back(MakeBlock(0, c, c));
+  std::atomic<int> unexpected{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937 rng(t);
+      for (int i = 0; i < 300; ++i) {
+        const uint32_t chain = rng() % 4, c = rng() % 4;  // 4 chains of 4 chunks
+        const uint32_t id = chain * 1000 + c;
+        const BlockName name = Name(blocks[chain * 4 + c], Key(id));
+        const BlockHash parent = Key(id - 1);
+        switch (rng() % 4) {
+          case 0: {
+            const absl::Status st =
+                s->Put(name, c == 0 ? nullptr : &parent, blocks[chain * 4 + c].span());
+            if (!st.ok() && st.code() != absl::StatusCode::kFailedPrecondition) {
+              ++unexpected;
+              ADD_FAILURE() << st;
+            }
+            break;
+          }
+          case 1: {
+            absl::StatusOr<Lease> l = s->Get(name);
+            if (l.ok() && !std::equal(l->bytes().begin(), l->bytes().end(),
+                                      blocks[chain * 4 + c].data())) {
+              ++unexpected;
+            } else if (!l.ok() && l.status().code() != absl::StatusCode::kNotFound) {
+              ++unexpected;
+              ADD_FAILURE() << l.status();
+            }
+            break;
+          }
+          case 2:
+            s->Lookup(name, Chain(chain * 1000, 4), 1);
+            break;
+          default:
+            if (rng() % 8 == 0) s->Delete(name);
+            break;
+        }
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  s->Flush();
+  EXPECT_EQ(unexpected.load(), 0);
+  const StoreStats st = s->Stats();
+  EXPECT_LE(st.ram_bytes, 8 * block);
+  EXPECT_LE(st.disk_bytes, 40 * block);
+  EXPECT_EQ(st.corruptions, 0u);
+}
+
+}  // namespace
+}  // namespace strata::kvstore
