@@ -1,0 +1,90 @@
+// strata-store: the KV store as a service.
+//   strata-store --listen 0.0.0.0:7070 --ram-bytes 8G --disk-path /nvme/strata --disk-bytes 1T
+#include <csignal>
+#include <iostream>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "kvstore/block_store.h"
+#include "kvstore/store_service.h"
+
+ABSL_FLAG(std::string, listen, "127.0.0.1:7070", "address to serve gRPC on (port 0: any)");
+ABSL_FLAG(std::string, ram_bytes, "1G", "RAM tier capacity (suffixes K, M, G, T: powers of 1024)");
+ABSL_FLAG(std::string, disk_path, "", "RocksDB folder of the disk tier (empty: RAM only)");
+ABSL_FLAG(std::string, disk_bytes, "0", "disk tier capacity");
+ABSL_FLAG(std::string, policy, "s3fifo", "RAM eviction policy: lru or s3fifo");
+ABSL_FLAG(std::string, max_block_bytes, "64M", "largest block accepted");
+ABSL_FLAG(bool, durable_puts, true, "write blocks through to disk before Put returns");
+
+namespace {
+
+bool ParseBytes(const std::string& s, size_t* out) {
+  if (s.empty()) return false;
+  size_t mult = 1;
+  std::string digits = s;
+  switch (s.back()) {
+    case 'K': mult = size_t{1} << 10; break;
+    case 'M': mult = size_t{1} << 20; break;
+    case 'G': mult = size_t{1} << 30; break;
+    case 'T': mult = size_t{1} << 40; break;
+    default: mult = 1;
+  }
+  if (mult != 1) digits.pop_back();
+  uint64_t n = 0;
+  if (!absl::SimpleAtoi(digits, &n)) return false;
+  *out = n * mult;
+  return true;
+}
+
+volatile std::sig_atomic_t g_stop = 0;
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("strata-store --listen ADDR --ram-bytes N [--disk-path DIR --disk-bytes N]");
+  absl::ParseCommandLine(argc, argv);
+  strata::kvstore::StoreOptions o;
+  o.disk_path = absl::GetFlag(FLAGS_disk_path);
+  o.durable_puts = absl::GetFlag(FLAGS_durable_puts);
+  for (const auto& [flag, dst] : {std::pair{absl::GetFlag(FLAGS_ram_bytes), &o.ram_bytes},
+                                  std::pair{absl::GetFlag(FLAGS_disk_bytes), &o.disk_bytes},
+                                  std::pair{absl::GetFlag(FLAGS_max_block_bytes), &o.max_block_bytes}}) {
+    if (!ParseBytes(flag, dst)) {
+      std::cerr << "strata-store: '" << flag << "' is not a byte count (e.g. 512M, 8G)\n";
+      return 2;
+    }
+  }
+  absl::StatusOr<strata::kvstore::PolicyKind> policy =
+      strata::kvstore::ParsePolicy(absl::GetFlag(FLAGS_policy));
+  if (!policy.ok()) {
+    std::cerr << "strata-store: " << policy.status() << "\n";
+    return 2;
+  }
+  o.ram_policy = *policy;
+  auto store = strata::kvstore::BlockStore::Open(o);
+  if (!store.ok()) {
+    std::cerr << "strata-store: " << store.status() << "\n";
+    return 1;
+  }
+  strata::kvstore::StoreService service(store->get(), o.max_block_bytes);
+  int port = 0;
+  auto server = strata::kvstore::StartStoreServer(&service, absl::GetFlag(FLAGS_listen),
+                                                  o.max_block_bytes, &port);
+  if (!server.ok()) {
+    std::cerr << server.status() << "\n";
+    return 1;
+  }
+  std::cout << "strata-store: serving on port " << port << " (RAM " << o.ram_bytes
+            << " bytes, disk " << (o.disk_path.empty() ? "none" : o.disk_path) << ")"
+            << std::endl;
+  std::signal(SIGINT, [](int) { g_stop = 1; });
+  std::signal(SIGTERM, [](int) { g_stop = 1; });
+  while (!g_stop) pause();
+  (*server)->Shutdown();
+  std::cout << "strata-store: stopped" << std::endl;
+  return 0;
+}

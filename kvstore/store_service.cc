@@ -1,0 +1,167 @@
+#include "kvstore/store_service.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "grpcpp/server_builder.h"
+
+namespace strata::kvstore {
+namespace {
+
+grpc::Status Invalid(const std::string& what) {
+  return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, what);
+}
+
+absl::StatusOr<BlockName> ParseName(const std::string& bytes, const char* field) {
+  absl::StatusOr<BlockName> n = BlockName::Decode(bytes);
+  if (!n.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(field, " is ", bytes.size(),
+                                                   " bytes, not an encoded block name (",
+                                                   BlockName::kEncodedBytes, " bytes)"));
+  }
+  return n;
+}
+
+bool ToKey(const std::string& bytes, BlockHash* key) {
+  if (bytes.size() != key->size()) return false;
+  std::copy(bytes.begin(), bytes.end(), key->begin());
+  return true;
+}
+
+strata::v1::Tier ToProto(Tier t) {
+  switch (t) {
+    case Tier::kRam:
+      return strata::v1::TIER_RAM;
+    case Tier::kDisk:
+      return strata::v1::TIER_DISK;
+    default:
+      return strata::v1::TIER_NONE;
+  }
+}
+
+}  // namespace
+
+grpc::Status ToGrpc(const absl::Status& s) {
+  if (s.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
+}
+
+grpc::Status StoreService::Lookup(grpc::ServerContext*, const strata::v1::LookupRequest* req,
+                                  strata::v1::LookupResponse* resp) {
+  if (req->layers() < 1 || req->layers() > 4096) {
+    return Invalid(absl::StrCat("lookup: layers ", req->layers(), " not in [1, 4096]"));
+  }
+  if (req->chain_size() > 1 << 20) return Invalid("lookup: chain longer than 2^20 chunks");
+  std::vector<BlockHash> chain(req->chain_size());
+  for (int i = 0; i < req->chain_size(); ++i) {
+    if (!ToKey(req->chain(i), &chain[i])) {
+      return Invalid(absl::StrCat("lookup: chain[", i, "] is ", req->chain(i).size(),
+                                  " bytes, not a 32-byte prefix key"));
+    }
+  }
+  BlockName prefix;
+  prefix.model_fingerprint = req->model_fingerprint();
+  prefix.codec_fingerprint = req->codec_fingerprint();
+  prefix.calibration_fingerprint = req->calibration_fingerprint();
+  const LookupResult r = store_->Lookup(prefix, chain, req->layers());
+  resp->set_chunks(r.chunks);
+  for (Tier t : r.tiers) resp->add_tiers(ToProto(t));
+  return grpc::Status::OK;
+}
+
+grpc::Status StoreService::Put(grpc::ServerContext*, const strata::v1::PutRequest* req,
+                               strata::v1::PutResponse*) {
+  absl::StatusOr<BlockName> name = ParseName(req->name(), "put: name");
+  if (!name.ok()) return Invalid(std::string(name.status().message()));
+  BlockHash parent;
+  const bool has_parent = !req->parent_key().empty();
+  if (has_parent && !ToKey(req->parent_key(), &parent)) {
+    return Invalid(absl::StrCat("put: parent_key is ", req->parent_key().size(),
+                                " bytes, not a 32-byte prefix key"));
+  }
+  if (req->block().size() > max_block_bytes_) {
+    return Invalid(absl::StrCat("put: block of ", req->block().size(), " bytes exceeds ",
+                                max_block_bytes_));
+  }
+  const absl::Status s = store_->Put(
+      *name, has_parent ? &parent : nullptr,
+      absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(req->block().data()),
+                          req->block().size()));
+  if (s.code() == absl::StatusCode::kDataLoss) return Invalid(std::string(s.message()));
+  return ToGrpc(s);
+}
+
+grpc::Status StoreService::Get(grpc::ServerContext* ctx, const strata::v1::GetRequest* req,
+                               grpc::ServerWriter<strata::v1::GetResponse>* writer) {
+  absl::StatusOr<BlockName> name = ParseName(req->name(), "get: name");
+  if (!name.ok()) return Invalid(std::string(name.status().message()));
+  absl::StatusOr<Lease> lease = store_->Get(*name);
+  if (!lease.ok()) return ToGrpc(lease.status());
+  const size_t piece = req->max_chunk_bytes() == 0 ? size_t{1} << 20
+                                                   : std::max<size_t>(4096, req->max_chunk_bytes());
+  const absl::Span<const uint8_t> bytes = lease->bytes();
+  for (size_t off = 0; off < bytes.size() || off == 0; off += piece) {
+    if (ctx->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "get: cancelled");
+    strata::v1::GetResponse r;
+    const size_t n = std::min(piece, bytes.size() - off);
+    r.set_data(reinterpret_cast<const char*>(bytes.data() + off), n);
+    if (off == 0) {
+      r.set_total_bytes(bytes.size());
+      r.set_tier(ToProto(lease->served_from()));
+    }
+    if (!writer->Write(r)) return grpc::Status(grpc::StatusCode::CANCELLED, "get: client gone");
+    if (bytes.empty()) break;
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status StoreService::Delete(grpc::ServerContext*, const strata::v1::DeleteRequest* req,
+                                  strata::v1::DeleteResponse* resp) {
+  absl::StatusOr<BlockName> name = ParseName(req->name(), "delete: name");
+  if (!name.ok()) return Invalid(std::string(name.status().message()));
+  resp->set_deleted(store_->Delete(*name));
+  return grpc::Status::OK;
+}
+
+grpc::Status StoreService::Stats(grpc::ServerContext*, const strata::v1::StatsRequest*,
+                                 strata::v1::StatsResponse* resp) {
+  const StoreStats s = store_->Stats();
+  auto& m = *resp->mutable_counters();
+  m["puts"] = s.puts;
+  m["duplicate_puts"] = s.duplicate_puts;
+  m["refused_puts"] = s.refused_puts;
+  m["ram_hits"] = s.ram_hits;
+  m["disk_hits"] = s.disk_hits;
+  m["misses"] = s.misses;
+  m["ram_evictions"] = s.ram_evictions;
+  m["disk_evictions"] = s.disk_evictions;
+  m["spills"] = s.spills;
+  m["promotions"] = s.promotions;
+  m["orphans_dropped"] = s.orphans_dropped;
+  m["corruptions"] = s.corruptions;
+  m["deletes"] = s.deletes;
+  m["ram_blocks"] = s.ram_blocks;
+  m["ram_bytes"] = s.ram_bytes;
+  m["disk_blocks"] = s.disk_blocks;
+  m["disk_bytes"] = s.disk_bytes;
+  m["spill_queue_bytes"] = s.spill_queue_bytes;
+  return grpc::Status::OK;
+}
+
+absl::StatusOr<std::unique_ptr<grpc::Server>> StartStoreServer(StoreService* service,
+                                                               const std::string& address,
+                                                               size_t max_block_bytes, int* port) {
+  grpc::ServerBuilder b;
+  b.AddListeningPort(address, grpc::InsecureServerCredentials(), port);
+  b.RegisterService(service);
+  const int limit = static_cast<int>(std::min<size_t>(max_block_bytes + (1 << 20), INT32_MAX));
+  b.SetMaxReceiveMessageSize(limit);
+  b.SetMaxSendMessageSize(limit);
+  std::unique_ptr<grpc::Server> server = b.BuildAndStart();
+  if (server == nullptr || *port == 0) {
+    return absl::UnavailableError(absl::StrCat("strata-store: cannot listen on ", address));
+  }
+  return server;
+}
+
+}  // namespace strata::kvstore
