@@ -138,6 +138,7 @@ class BlockStore {
   const StoreOptions options_;
   std::unique_ptr<rocksdb::DB> db_;
   mutable std::mutex mu_;
+  std::mutex disk_write_mu_;  // after mu_ when both are held
   std::condition_variable spill_cv_, spill_done_cv_;
   absl::flat_hash_map<std::string, Entry> entries_;
   absl::flat_hash_map<std::string, absl::flat_hash_set<std::string>> children_;

@@ -20,7 +20,7 @@ if [ "$sanitizers" = 1 ]; then
      ctest -L unit --output-on-failure -j "$jobs")
   ./scripts/build.sh --tsan --cpu-only
   echo "== TSan build: unit tests"
-  (cd build-tsan-cpu && TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
+  (cd build-tsan-cpu && TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/../tests/tsan_suppressions.txt" \
      ctest -L unit --output-on-failure -j "$jobs")
 fi
 ./scripts/build.sh
