@@ -303,24 +303,21 @@ absl::Status BlockStore::InsertRamLocked(
                                                      " bytes does not fit in RAM of ",
                                                      options_.ram_bytes));
   }
-  // Leased blocks stay, and so do the new block's ancestors (evicting one could drop the new
-  // block itself as its descendant).
-  absl::flat_hash_set<std::string> ancestors;
-  for (std::string p = db_ == nullptr ? e.parent : ""; !p.empty();) {
-    auto it = entries_.find(p);
-    if (it == entries_.end() || !ancestors.insert(p).second) break;
-    p = it->second.parent;
-  }
+  // Leased blocks stay; without a disk tier, so do blocks with descendants (leaves go first, as
+  // in any prefix cache: evicting a prefix would drop everything after it, the new block too).
   auto pinned = [&](uint64_t id) {
     auto it = ram_ids_.find(id);
     if (it == ram_ids_.end()) return false;
-    return entries_[it->second].ram.use_count() > 1 || ancestors.contains(it->second);
+    if (entries_[it->second].ram.use_count() > 1) return true;
+    if (db_ != nullptr) return false;
+    auto c = children_.find(it->second);
+    return c != children_.end() && !c->second.empty();
   };
   while (ram_used_ + e.bytes > options_.ram_bytes) {
     const std::optional<uint64_t> victim = ram_policy_->Victim(pinned);
     if (!victim) {
       return absl::ResourceExhaustedError(
-          "store: RAM is full of leased blocks and the new block's ancestors");
+          "store: RAM is full of leased blocks and prefixes of resident blocks");
     }
     const std::string vkey = ram_ids_[*victim];
     Entry& v = entries_[vkey];
@@ -353,7 +350,11 @@ absl::Status BlockStore::InsertRamLocked(
 
 void BlockStore::EvictDiskLocked(size_t incoming) {
   while (disk_used_ + incoming > options_.disk_bytes && disk_policy_->size() > 0) {
-    const std::optional<uint64_t> victim = disk_policy_->Victim([](uint64_t) { return false; });
+    // Leaves first: a block with descendants stays while they do.
+    const std::optional<uint64_t> victim = disk_policy_->Victim([&](uint64_t id) {
+      auto c = children_.find(disk_ids_[id]);
+      return c != children_.end() && !c->second.empty();
+    });
     if (!victim) return;
     const std::string key = disk_ids_[*victim];
     Entry& e = entries_[key];

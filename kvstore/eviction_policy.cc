@@ -38,8 +38,12 @@ class Lru : public EvictionPolicy {
   }
   void Evict(uint64_t id) override { Erase(id); }
   std::optional<uint64_t> Victim(const std::function<bool(uint64_t)>& pinned) override {
-    for (auto it = order_.rbegin(); it != order_.rend(); ++it) {
-      if (!pinned(*it)) return *it;
+    // A pinned entry (leased, or a prefix with resident descendants) counts as just used: it
+    // moves to the front, so repeated searches stay cheap.
+    for (size_t n = order_.size(); n > 0 && !order_.empty(); --n) {
+      const uint64_t id = order_.back();
+      if (!pinned(id)) return id;
+      order_.splice(order_.begin(), order_, std::prev(order_.end()));
     }
     return std::nullopt;
   }

@@ -8,7 +8,8 @@
 //            new prefixes leaves through the small FIFO without flushing the reused ones.
 //
 // Sizes are bytes; entries are ids the tier assigns. Policies are not thread-safe (the tier
-// holds its lock). Victim() skips entries `pinned` says are in use (leased).
+// holds its lock). Victim() skips entries `pinned` says are in use (leased, or prefixes whose
+// descendants are still resident: prefix caches evict leaves first) and treats them as used.
 #pragma once
 
 #include <cstddef>

@@ -86,6 +86,11 @@ class TierModel {
     bool ram = false, disk = false;
   };
 
+  bool HasChildren(uint64_t id) const {
+    auto it = children_.find(id);
+    return it != children_.end() && !it->second.empty();
+  }
+
   void InsertRam(uint64_t id, ReplayResult& r) {
     if (c_.chunk_bytes > c_.ram_bytes) {  // RAM too small for one chunk: disk only, or nothing
       if (c_.disk_bytes >= c_.chunk_bytes && !e_[id].disk) ToDisk(id, r);
@@ -93,15 +98,10 @@ class TierModel {
       return;
     }
     // Protect the chunk's ancestors only when there is no disk (else they just spill).
-    absl::flat_hash_set<uint64_t> keep;
-    if (c_.disk_bytes == 0) {
-      for (uint64_t p = id; e_[p].has_parent && e_.contains(e_[p].parent);) {
-        p = e_[p].parent;
-        if (!keep.insert(p).second) break;
-      }
-    }
+    // Without a disk, leaves go first (a prefix with resident descendants stays), as in the store.
+    const bool leaf_first = c_.disk_bytes == 0;
     while (ram_used_ + c_.chunk_bytes > c_.ram_bytes) {
-      auto v = ram_->Victim([&](uint64_t x) { return keep.contains(x); });
+      auto v = ram_->Victim([&](uint64_t x) { return leaf_first && HasChildren(x); });
       if (!v) return;  // everything protected: the new chunk stays out of RAM
       ram_->Evict(*v);
       ram_used_ -= c_.chunk_bytes;
@@ -124,7 +124,7 @@ class TierModel {
 
   void ToDisk(uint64_t id, ReplayResult& r) {
     while (disk_used_ + c_.chunk_bytes > c_.disk_bytes) {
-      auto v = disk_->Victim([&](uint64_t x) { return x == id; });
+      auto v = disk_->Victim([&](uint64_t x) { return x == id || HasChildren(x); });
       if (!v) return;
       disk_->Evict(*v);
       disk_used_ -= c_.chunk_bytes;

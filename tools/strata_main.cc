@@ -18,6 +18,7 @@
 #include "tools/demo.h"
 #include "tools/inspect.h"
 #include "tools/model_commands.h"
+#include "tools/replay_command.h"
 
 constexpr char kDefaultOut[] = "/tmp/strata-demo";
 ABSL_FLAG(std::string, out, kDefaultOut,
@@ -45,6 +46,14 @@ ABSL_FLAG(uint32_t, kv_chunk_tokens, 256, "generate/ppl/eval: tokens per compres
 ABSL_FLAG(uint32_t, kv_window, 0,
           "generate/ppl/eval: newest tokens always kept at full precision in the KV cache");
 ABSL_FLAG(std::vector<std::string>, codecs, {}, "eval: comma-separated codec specs");
+ABSL_FLAG(std::string, trace, "", "replay: Mooncake trace (JSON lines)");
+ABSL_FLAG(std::vector<std::string>, ram_sizes,
+          std::vector<std::string>({"8G", "16G", "32G", "64G", "128G", "256G", "512G", "1T"}),
+          "replay: RAM tier sizes to sweep");
+ABSL_FLAG(std::string, disk_size, "4T", "replay: disk tier of the runs with a disk (0: none)");
+ABSL_FLAG(uint32_t, model_layers, 32, "replay: layers of the model whose KV is stored");
+ABSL_FLAG(uint32_t, model_kv_heads, 8, "replay: KV heads");
+ABSL_FLAG(uint32_t, model_head_dim, 128, "replay: head dimension");
 ABSL_FLAG(std::string, calibration, "",
           "generate/ppl: calibration file for codecs that need one (strata calibrate)");
 ABSL_FLAG(std::string, calib_text, "",
@@ -66,7 +75,8 @@ constexpr char kUsage[] =
     "  eval FILE      quality report of --codecs on a text (errors, perplexity, greedy "
     "agreement)\n"
     "  dump-kv FILE   write each layer's K and V for a text to --out/kv.safetensors\n"
-    "  calibrate FILE calibration of --codec on a text, written to --out FILE\n";
+    "  calibrate FILE calibration of --codec on a text, written to --out FILE\n"
+    "  replay TRACE   offload-capacity sweep of a Mooncake trace (--codecs, --ram_sizes, ...)\n";
 
 int Fail(const absl::Status& s) {
   std::cerr << "strata: " << s << "\n";
@@ -169,6 +179,30 @@ int main(int argc, char** argv) {
     o.json_out = absl::GetFlag(FLAGS_json);
     o.calib_text_file = absl::GetFlag(FLAGS_calib_text);
     const absl::Status s = strata::tools::RunEval(o, std::cout);
+    return s.ok() ? 0 : Fail(s);
+  }
+  if (command == "replay") {
+    strata::tools::ReplayOptions o;
+    o.trace_file = absl::GetFlag(FLAGS_trace);
+    if (args.size() > 2) o.trace_file = args[2];
+    if (!absl::GetFlag(FLAGS_codecs).empty()) o.codecs = absl::GetFlag(FLAGS_codecs);
+    o.layers = absl::GetFlag(FLAGS_model_layers);
+    o.kv_heads = absl::GetFlag(FLAGS_model_kv_heads);
+    o.head_dim = absl::GetFlag(FLAGS_model_head_dim);
+    o.json_out = absl::GetFlag(FLAGS_json);
+    for (const std::string& r : absl::GetFlag(FLAGS_ram_sizes)) {
+      uint64_t b = 0;
+      if (!strata::tools::ParseByteSize(r, &b)) {
+        std::cerr << "strata: --ram_sizes: '" << r << "' is not a size like 64G\n";
+        return 2;
+      }
+      o.ram_bytes.push_back(b);
+    }
+    if (!strata::tools::ParseByteSize(absl::GetFlag(FLAGS_disk_size), &o.disk_bytes)) {
+      std::cerr << "strata: --disk_size: not a size like 4T\n";
+      return 2;
+    }
+    const absl::Status s = strata::tools::RunReplay(o, std::cout);
     return s.ok() ? 0 : Fail(s);
   }
   if (command == "dump-kv") {

@@ -1,0 +1,115 @@
+#include "tools/replay_command.h"
+
+#include <fstream>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/status_macros.h"
+#include "kernels/codec.h"
+#include "kvstore/replay.h"
+#include "nlohmann/json.hpp"
+
+namespace strata::tools {
+
+bool ParseByteSize(const std::string& text, uint64_t* bytes) {
+  if (text.empty()) return false;
+  uint64_t mult = 1;
+  std::string digits = text;
+  switch (text.back()) {
+    case 'K': mult = uint64_t{1} << 10; break;
+    case 'M': mult = uint64_t{1} << 20; break;
+    case 'G': mult = uint64_t{1} << 30; break;
+    case 'T': mult = uint64_t{1} << 40; break;
+    default: break;
+  }
+  if (mult != 1) digits.pop_back();
+  uint64_t n = 0;
+  if (!absl::SimpleAtoi(digits, &n)) return false;
+  *bytes = n * mult;
+  return true;
+}
+
+namespace {
+
+std::string Gib(uint64_t b) { return absl::StrFormat("%.0fG", b / double(uint64_t{1} << 30)); }
+
+}  // namespace
+
+absl::Status RunReplay(const ReplayOptions& o, std::ostream& out) {
+  if (o.ram_bytes.empty()) return absl::InvalidArgumentError("replay: no RAM sizes to sweep");
+  STRATA_ASSIGN_OR_RETURN(std::vector<kvstore::TraceRequest> trace,
+                          kvstore::LoadMooncakeTrace(o.trace_file));
+  nlohmann::json report = {{"trace", o.trace_file},
+                           {"requests", trace.size()},
+                           {"layers", o.layers},
+                           {"kv_heads", o.kv_heads},
+                           {"head_dim", o.head_dim},
+                           {"block_tokens", o.block_tokens},
+                           {"disk_bytes", o.disk_bytes},
+                           {"runs", nlohmann::json::array()}};
+  out << absl::StrFormat(
+      "trace %s: %d requests; model %d layers x %d KV heads x %d dims; %d-token chunks\n",
+      o.trace_file, trace.size(), o.layers, o.kv_heads, o.head_dim, o.block_tokens);
+  out << absl::StrFormat("%-16s %6s %8s %6s %6s %7s | %7s %7s %9s %9s %9s %9s %8s %8s\n",
+                         "codec", "bits", "chunk MB", "RAM", "disk", "policy", "chunk%",
+                         "token%", "saved Mtok", "RAM GB rd", "disk GB rd", "disk GB wr",
+                         "RAM evic", "orphans");
+  for (const std::string& spec : o.codecs) {
+    STRATA_ASSIGN_OR_RETURN(kernels::CodecSpec parsed, kernels::CodecSpec::Parse(spec));
+    if (parsed.needs_calibration()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "replay: ", spec, " needs a calibration; use a codec of the same size that does not"));
+    }
+    // The block size a real block of this shape has (nominal: chunks other than the first).
+    STRATA_ASSIGN_OR_RETURN(double bits, kernels::Codec(parsed).BitsPerElement(
+                                             o.block_tokens, o.kv_heads, o.head_dim));
+    const uint64_t chunk_bytes = static_cast<uint64_t>(
+        bits / 8.0 * 2.0 * o.block_tokens * o.kv_heads * o.head_dim * o.layers + 0.5);
+    for (const uint64_t disk : {uint64_t{0}, o.disk_bytes}) {
+      for (const std::string& pol : o.policies) {
+        STRATA_ASSIGN_OR_RETURN(kvstore::PolicyKind policy, kvstore::ParsePolicy(pol));
+        for (uint64_t ram : o.ram_bytes) {
+          const kvstore::ReplayResult r = kvstore::Replay(
+              trace, {.block_tokens = o.block_tokens, .chunk_bytes = chunk_bytes,
+                      .ram_bytes = ram, .disk_bytes = disk, .ram_policy = policy});
+          out << absl::StrFormat(
+              "%-16s %6.3f %8.2f %6s %6s %7s | %6.2f%% %6.2f%% %9.2f %9.1f %9.1f %9.1f %8d %8d\n",
+              spec, bits, chunk_bytes / 1e6, Gib(ram), disk ? Gib(disk) : "-", pol,
+              100 * r.chunk_hit_rate(), 100 * r.token_hit_rate(), r.tokens_saved / 1e6,
+              r.bytes_read_ram / 1e9, r.bytes_read_disk / 1e9, r.bytes_written_disk / 1e9,
+              r.ram_evictions, r.orphans_dropped);
+          report["runs"].push_back({{"codec", spec},
+                                    {"bits_per_element", bits},
+                                    {"chunk_bytes", chunk_bytes},
+                                    {"ram_bytes", ram},
+                                    {"disk_bytes", disk},
+                                    {"policy", pol},
+                                    {"chunk_hit_rate", r.chunk_hit_rate()},
+                                    {"token_hit_rate", r.token_hit_rate()},
+                                    {"tokens_requested", r.tokens_requested},
+                                    {"tokens_saved", r.tokens_saved},
+                                    {"chunk_hits_ram", r.chunk_hits_ram},
+                                    {"chunk_hits_disk", r.chunk_hits_disk},
+                                    {"bytes_read_ram", r.bytes_read_ram},
+                                    {"bytes_read_disk", r.bytes_read_disk},
+                                    {"bytes_written_disk", r.bytes_written_disk},
+                                    {"ram_evictions", r.ram_evictions},
+                                    {"disk_evictions", r.disk_evictions},
+                                    {"promotions", r.promotions},
+                                    {"orphans_dropped", r.orphans_dropped}});
+        }
+      }
+      if (o.disk_bytes == 0) break;  // no "with disk" runs
+    }
+  }
+  if (!o.json_out.empty()) {
+    std::ofstream f(o.json_out);
+    f << report.dump(1) << "\n";
+    if (!f) return absl::InternalError(absl::StrCat("replay: cannot write ", o.json_out));
+    out << "wrote " << o.json_out << "\n";
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace strata::tools

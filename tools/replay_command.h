@@ -1,0 +1,31 @@
+// `strata replay`: offload-capacity experiments — a Mooncake trace replayed against the store's
+// tiers for a sweep of RAM sizes, with and without a disk tier, fp16 vs compressed blocks, LRU vs
+// S3-FIFO; a table on stdout and JSON for the chart (tools/replay_chart.py).
+#pragma once
+
+#include <cstdint>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+
+namespace strata::tools {
+
+struct ReplayOptions {
+  std::string trace_file;
+  std::vector<std::string> codecs = {"fp16", "kivi:k2v2:g32"};
+  uint32_t layers = 32, kv_heads = 8, head_dim = 128;  // an 8B-class model
+  uint32_t block_tokens = 512;                         // Mooncake's hash block
+  std::vector<uint64_t> ram_bytes;                     // the sweep
+  uint64_t disk_bytes = 0;                             // the disk tier of the "with disk" runs
+  std::vector<std::string> policies = {"lru", "s3fifo"};
+  std::string json_out;
+};
+
+absl::Status RunReplay(const ReplayOptions& o, std::ostream& out);
+
+// "16G" -> 16 << 30; K, M, G, T suffixes are powers of 1024.
+bool ParseByteSize(const std::string& text, uint64_t* bytes);
+
+}  // namespace strata::tools
