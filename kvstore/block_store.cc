@@ -94,10 +94,7 @@ BlockStore::~BlockStore() {
       if (it == entries_.end() || it->second.on_disk) continue;
       if (disk_used_ + bytes->size() > options_.disk_bytes) break;
       if (!WriteDisk(key, it->second.parent, bytes->span()).ok()) break;
-      it->second.on_disk = true;
-      disk_ids_[it->second.id] = key;
-      disk_policy_->Insert(it->second.id, it->second.bytes);
-      disk_used_ += it->second.bytes;
+      AddDiskLocked(key, it->second);
     }
     db_->Flush(rocksdb::FlushOptions());
   }
@@ -143,9 +140,11 @@ absl::Status BlockStore::OpenDisk() {
     e.bytes = size;
     e.on_disk = true;
     disk_ids_[e.id] = key;
-    disk_policy_->Insert(e.id, e.bytes);
     disk_used_ += e.bytes;
     if (!parent.empty()) children_[parent].insert(key);
+  }
+  for (const auto& [key, e] : entries_) {  // the disk policy holds leaves only
+    if (!HasChildrenLocked(key)) disk_policy_->Insert(e.id, e.bytes);
   }
   STRATA_RETURN_IF_ERROR(FromRocks(it->status(), "scan"));
   for (const std::string& k : bad) {
@@ -248,12 +247,9 @@ absl::Status BlockStore::Put(const BlockName& name, const BlockHash* parent,
     e.parent = parent_key;
     e.id = next_id_++;
     e.bytes = block.size();
-    if (!parent_key.empty()) children_[parent_key].insert(key);
+    if (!parent_key.empty()) AddChildLocked(parent_key, key);
     if (through) {
-      e.on_disk = true;
-      disk_ids_[e.id] = key;
-      disk_policy_->Insert(e.id, e.bytes);
-      disk_used_ += e.bytes;
+      AddDiskLocked(key, entries_[key]);
       EvictDiskLocked(0);
       if (!entries_.contains(key)) return absl::OkStatus();  // larger than the disk tier
     }
@@ -285,10 +281,7 @@ absl::Status BlockStore::Put(const BlockName& name, const BlockHash* parent,
       DropLocked(k);
       continue;
     }
-    it->second.on_disk = true;
-    disk_ids_[it->second.id] = k;
-    disk_policy_->Insert(it->second.id, it->second.bytes);
-    disk_used_ += it->second.bytes;
+    AddDiskLocked(k, it->second);
     ++stats_.spills;
     EvictDiskLocked(0);
   }
@@ -303,15 +296,11 @@ absl::Status BlockStore::InsertRamLocked(
                                                      " bytes does not fit in RAM of ",
                                                      options_.ram_bytes));
   }
-  // Leased blocks stay; without a disk tier, so do blocks with descendants (leaves go first, as
-  // in any prefix cache: evicting a prefix would drop everything after it, the new block too).
+  // Leased blocks stay. (Without a disk tier, blocks with descendants are not in the policy at
+  // all: leaves go first, as in any prefix cache.)
   auto pinned = [&](uint64_t id) {
     auto it = ram_ids_.find(id);
-    if (it == ram_ids_.end()) return false;
-    if (entries_[it->second].ram.use_count() > 1) return true;
-    if (db_ != nullptr) return false;
-    auto c = children_.find(it->second);
-    return c != children_.end() && !c->second.empty();
+    return it != ram_ids_.end() && entries_[it->second].ram.use_count() > 1;
   };
   while (ram_used_ + e.bytes > options_.ram_bytes) {
     const std::optional<uint64_t> victim = ram_policy_->Victim(pinned);
@@ -343,18 +332,15 @@ absl::Status BlockStore::InsertRamLocked(
   }
   e.ram = std::move(bytes);
   ram_ids_[e.id] = key;
-  ram_policy_->Insert(e.id, e.bytes);
+  if (db_ != nullptr || !HasChildrenLocked(key)) ram_policy_->Insert(e.id, e.bytes);
   ram_used_ += e.bytes;
   return absl::OkStatus();
 }
 
 void BlockStore::EvictDiskLocked(size_t incoming) {
   while (disk_used_ + incoming > options_.disk_bytes && disk_policy_->size() > 0) {
-    // Leaves first: a block with descendants stays while they do.
-    const std::optional<uint64_t> victim = disk_policy_->Victim([&](uint64_t id) {
-      auto c = children_.find(disk_ids_[id]);
-      return c != children_.end() && !c->second.empty();
-    });
+    // The disk policy holds leaves only: a block with descendants stays while they do.
+    const std::optional<uint64_t> victim = disk_policy_->Victim([](uint64_t) { return false; });
     if (!victim) return;
     const std::string key = disk_ids_[*victim];
     Entry& e = entries_[key];
@@ -368,6 +354,43 @@ void BlockStore::EvictDiskLocked(size_t incoming) {
   }
 }
 
+bool BlockStore::HasChildrenLocked(const std::string& key) const {
+  auto it = children_.find(key);
+  return it != children_.end() && !it->second.empty();
+}
+
+void BlockStore::AddDiskLocked(const std::string& key, Entry& e) {
+  e.on_disk = true;
+  disk_ids_[e.id] = key;
+  if (!HasChildrenLocked(key)) disk_policy_->Insert(e.id, e.bytes);
+  disk_used_ += e.bytes;
+}
+
+// The policies hold only what may go: a block that gains its first child leaves the disk policy
+// (and, without a disk tier, the RAM policy); when its last child goes it comes back.
+void BlockStore::AddChildLocked(const std::string& parent, const std::string& child) {
+  auto& kids = children_[parent];
+  const bool was_leaf = kids.empty();
+  kids.insert(child);
+  if (!was_leaf) return;
+  auto it = entries_.find(parent);
+  if (it == entries_.end()) return;
+  if (it->second.ram && db_ == nullptr) ram_policy_->Erase(it->second.id);
+  if (it->second.on_disk) disk_policy_->Erase(it->second.id);
+}
+
+void BlockStore::RemoveChildLocked(const std::string& parent, const std::string& child) {
+  auto c = children_.find(parent);
+  if (c == children_.end()) return;
+  c->second.erase(child);
+  if (!c->second.empty()) return;
+  children_.erase(c);
+  auto it = entries_.find(parent);
+  if (it == entries_.end()) return;
+  if (it->second.ram && db_ == nullptr) ram_policy_->Insert(it->second.id, it->second.bytes);
+  if (it->second.on_disk) disk_policy_->Insert(it->second.id, it->second.bytes);
+}
+
 void BlockStore::DropLocked(const std::string& root) {
   std::vector<std::string> stack = {root};
   bool first = true;
@@ -376,6 +399,10 @@ void BlockStore::DropLocked(const std::string& root) {
     stack.pop_back();
     auto it = entries_.find(key);
     if (it == entries_.end()) continue;
+    if (auto c = children_.find(key); c != children_.end()) {
+      for (const std::string& child : c->second) stack.push_back(child);
+      children_.erase(c);
+    }
     Entry& e = it->second;
     if (e.ram) {
       ram_policy_->Erase(e.id);
@@ -388,18 +415,9 @@ void BlockStore::DropLocked(const std::string& root) {
       disk_used_ -= e.bytes;
       DeleteDisk(key);
     }
-    if (!e.parent.empty()) {
-      auto p = children_.find(e.parent);
-      if (p != children_.end()) {
-        p->second.erase(key);
-        if (p->second.empty()) children_.erase(p);
-      }
-    }
-    if (auto c = children_.find(key); c != children_.end()) {
-      for (const std::string& child : c->second) stack.push_back(child);
-      children_.erase(c);
-    }
+    const std::string parent = e.parent;
     entries_.erase(it);
+    if (!parent.empty()) RemoveChildLocked(parent, key);
     if (!first) ++stats_.orphans_dropped;
     first = false;
   }
@@ -425,10 +443,7 @@ void BlockStore::SpillLoop() {
     if (live && it != entries_.end() && it->second.spilling == bytes) {
       it->second.spilling = nullptr;
       if (s.ok()) {
-        it->second.on_disk = true;
-        disk_ids_[it->second.id] = key;
-        disk_policy_->Insert(it->second.id, it->second.bytes);
-        disk_used_ += it->second.bytes;
+        AddDiskLocked(key, it->second);
         ++stats_.spills;
         EvictDiskLocked(0);
       } else if (!it->second.ram) {

@@ -131,6 +131,10 @@ class BlockStore {
                                std::vector<std::pair<std::string, std::shared_ptr<const AlignedBuffer>>>* write_through);
   void EvictDiskLocked(size_t incoming);
   void DropLocked(const std::string& key);  // from every tier, with descendants
+  bool HasChildrenLocked(const std::string& key) const;
+  void AddDiskLocked(const std::string& key, Entry& e);
+  void AddChildLocked(const std::string& parent, const std::string& child);
+  void RemoveChildLocked(const std::string& parent, const std::string& child);
   void SpillLoop();
   absl::Status WriteDisk(const std::string& key, const std::string& parent, absl::Span<const uint8_t> bytes);
   void DeleteDisk(const std::string& key);

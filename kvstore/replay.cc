@@ -47,7 +47,7 @@ class TierModel {
       : c_(c), ram_(MakePolicy(c.ram_policy, c.ram_bytes)),
         disk_(MakePolicy(PolicyKind::kLru, c.disk_bytes)) {}
 
-  // The tier holding `id`, 0 none, 1 RAM, 2 disk.
+  // The tier holding `id`: 0 none, 1 RAM, 2 disk.
   int Where(uint64_t id) const {
     auto it = e_.find(id);
     if (it == e_.end()) return 0;
@@ -57,11 +57,11 @@ class TierModel {
   void Hit(uint64_t id, ReplayResult& r) {
     Entry& e = e_[id];
     if (e.ram) {
-      ram_->Access(id);
+      if (InRamPolicy(id)) ram_->Access(id);
       r.bytes_read_ram += c_.chunk_bytes;
       return;
     }
-    disk_->Access(id);
+    if (!HasChildren(id)) disk_->Access(id);
     r.bytes_read_disk += c_.chunk_bytes;
     ++r.promotions;
     InsertRam(id, r);  // the disk copy stays
@@ -74,9 +74,9 @@ class TierModel {
     Entry& e = e_[id];
     e.parent = parent;
     e.has_parent = has_parent;
-    if (has_parent) children_[parent].insert(id);
+    if (has_parent) AddChild(parent, id);
     InsertRam(id, r);
-    return true;
+    return e_.contains(id);
   }
 
  private:
@@ -86,23 +86,41 @@ class TierModel {
     bool ram = false, disk = false;
   };
 
+  // Eviction is leaf-first: the policies only hold entries that can go. Without a disk, a chunk
+  // in RAM with descendants stays (evicting it would drop them); on disk the same always holds.
   bool HasChildren(uint64_t id) const {
     auto it = children_.find(id);
     return it != children_.end() && !it->second.empty();
   }
+  bool InRamPolicy(uint64_t id) const { return c_.disk_bytes > 0 || !HasChildren(id); }
+
+  void AddChild(uint64_t parent, uint64_t child) {
+    auto& kids = children_[parent];
+    const bool was_leaf = kids.empty();
+    kids.insert(child);
+    if (!was_leaf) return;
+    const Entry& p = e_[parent];
+    if (p.ram && c_.disk_bytes == 0) ram_->Erase(parent);
+    if (p.disk) disk_->Erase(parent);
+  }
+
+  void RemoveChild(uint64_t parent, uint64_t child) {
+    auto it = children_.find(parent);
+    if (it == children_.end()) return;
+    it->second.erase(child);
+    if (!it->second.empty()) return;
+    children_.erase(it);
+    auto pe = e_.find(parent);
+    if (pe == e_.end()) return;
+    if (pe->second.ram && c_.disk_bytes == 0) ram_->Insert(parent, c_.chunk_bytes);
+    if (pe->second.disk) disk_->Insert(parent, c_.chunk_bytes);
+  }
 
   void InsertRam(uint64_t id, ReplayResult& r) {
-    if (c_.chunk_bytes > c_.ram_bytes) {  // RAM too small for one chunk: disk only, or nothing
-      if (c_.disk_bytes >= c_.chunk_bytes && !e_[id].disk) ToDisk(id, r);
-      if (!e_[id].disk) Drop(id, r, /*root=*/true);
-      return;
-    }
-    // Protect the chunk's ancestors only when there is no disk (else they just spill).
-    // Without a disk, leaves go first (a prefix with resident descendants stays), as in the store.
-    const bool leaf_first = c_.disk_bytes == 0;
-    while (ram_used_ + c_.chunk_bytes > c_.ram_bytes) {
-      auto v = ram_->Victim([&](uint64_t x) { return leaf_first && HasChildren(x); });
-      if (!v) return;  // everything protected: the new chunk stays out of RAM
+    const bool fits = c_.chunk_bytes <= c_.ram_bytes;
+    while (fits && ram_used_ + c_.chunk_bytes > c_.ram_bytes) {
+      auto v = ram_->Victim([](uint64_t) { return false; });
+      if (!v) break;
       ram_->Evict(*v);
       ram_used_ -= c_.chunk_bytes;
       ++r.ram_evictions;
@@ -112,35 +130,40 @@ class TierModel {
       if (c_.disk_bytes >= c_.chunk_bytes) {
         ToDisk(*v, r);
       } else {
-        Drop(*v, r, /*root=*/true);
+        Drop(*v, r);
       }
     }
     auto it = e_.find(id);
-    if (it == e_.end()) return;  // dropped meanwhile (its disk copy was evicted, or an ancestor)
+    if (it == e_.end()) return;  // dropped meanwhile
+    if (!fits || ram_used_ + c_.chunk_bytes > c_.ram_bytes) {  // RAM cannot take it
+      if (!it->second.disk && c_.disk_bytes >= c_.chunk_bytes) ToDisk(id, r);
+      if (e_.contains(id) && !e_[id].disk) Drop(id, r);
+      return;
+    }
     it->second.ram = true;
-    ram_->Insert(id, c_.chunk_bytes);
+    if (InRamPolicy(id)) ram_->Insert(id, c_.chunk_bytes);
     ram_used_ += c_.chunk_bytes;
   }
 
   void ToDisk(uint64_t id, ReplayResult& r) {
     while (disk_used_ + c_.chunk_bytes > c_.disk_bytes) {
-      auto v = disk_->Victim([&](uint64_t x) { return x == id || HasChildren(x); });
+      auto v = disk_->Victim([](uint64_t) { return false; });
       if (!v) return;
       disk_->Evict(*v);
       disk_used_ -= c_.chunk_bytes;
       ++r.disk_evictions;
       e_[*v].disk = false;
-      if (!e_[*v].ram) Drop(*v, r, /*root=*/true);
+      if (!e_[*v].ram) Drop(*v, r);
     }
     if (!e_.contains(id)) return;
     e_[id].disk = true;
-    disk_->Insert(id, c_.chunk_bytes);
+    if (!HasChildren(id)) disk_->Insert(id, c_.chunk_bytes);
     disk_used_ += c_.chunk_bytes;
     r.bytes_written_disk += c_.chunk_bytes;
   }
 
   // Removes `root` from every tier, and its descendants (counted as orphans).
-  void Drop(uint64_t root, ReplayResult& r, bool) {
+  void Drop(uint64_t root, ReplayResult& r) {
     std::vector<uint64_t> stack = {root};
     bool first = true;
     while (!stack.empty()) {
@@ -148,6 +171,10 @@ class TierModel {
       stack.pop_back();
       auto it = e_.find(id);
       if (it == e_.end()) continue;
+      if (auto ch = children_.find(id); ch != children_.end()) {
+        for (uint64_t c : ch->second) stack.push_back(c);
+        children_.erase(ch);
+      }
       if (it->second.ram) {
         ram_->Erase(id);
         ram_used_ -= c_.chunk_bytes;
@@ -156,15 +183,10 @@ class TierModel {
         disk_->Erase(id);
         disk_used_ -= c_.chunk_bytes;
       }
-      if (it->second.has_parent) {
-        auto p = children_.find(it->second.parent);
-        if (p != children_.end()) p->second.erase(id);
-      }
-      if (auto ch = children_.find(id); ch != children_.end()) {
-        for (uint64_t c : ch->second) stack.push_back(c);
-        children_.erase(ch);
-      }
+      const bool has_parent = it->second.has_parent;
+      const uint64_t parent = it->second.parent;
       e_.erase(it);
+      if (has_parent) RemoveChild(parent, id);
       if (!first) ++r.orphans_dropped;
       first = false;
     }
