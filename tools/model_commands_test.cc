@@ -1,4 +1,5 @@
 #include "tools/model_commands.h"
+#include "tools/replay_command.h"
 
 #include <filesystem>
 #include <fstream>
@@ -138,6 +139,50 @@ TEST(ModelCommandsTest, CalibrateWritesAFileThatPplAndEvalUse) {
   // A calibration for another codec is refused too.
   p.codec = "skvq:k4v4:g16";
   EXPECT_EQ(RunPpl(p, out).code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(ReplayCommandTest, SweepsEveryConfigurationAndCompressionRaisesHits) {
+  const std::string trace = absl::StrCat(testing::TempDir(), "/trace.jsonl");
+  {
+    std::ofstream f(trace);
+    for (int turn = 1; turn <= 4; ++turn) {  // 30 interleaved conversations, a shared prompt
+      for (int c = 0; c < 30; ++c) {
+        f << "{\"timestamp\": 0, \"input_length\": " << 512 * (2 + 2 * turn)
+          << ", \"output_length\": 10, \"hash_ids\": [0, 1";
+        for (int k = 0; k < 2 * turn; ++k) f << ", " << 1000 * (c + 1) + k;
+        f << "]}\n";
+      }
+    }
+  }
+  ReplayOptions o;
+  o.trace_file = trace;
+  o.codecs = {"fp16", "kivi:k2v2:g32"};
+  o.ram_bytes = {uint64_t{1} << 30, uint64_t{4} << 30};
+  o.disk_bytes = uint64_t{64} << 30;
+  o.json_out = absl::StrCat(testing::TempDir(), "/replay.json");
+  std::ostringstream out;
+  const absl::Status s = RunReplay(o, out);
+  ASSERT_TRUE(s.ok()) << s;
+  std::ifstream f(o.json_out);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  const nlohmann::json j = nlohmann::json::parse(ss.str());
+  ASSERT_EQ(j["runs"].size(), 2u * 2 * 2 * 2);  // codecs x disk or not x policies x RAM sizes
+  auto hit = [&](const std::string& codec, uint64_t ram, uint64_t disk) {
+    for (const auto& r : j["runs"]) {
+      if (r["codec"] == codec && r["ram_bytes"] == ram && r["disk_bytes"] == disk &&
+          r["policy"] == "s3fifo") {
+        return r["token_hit_rate"].get<double>();
+      }
+    }
+    ADD_FAILURE() << "no run";
+    return 0.0;
+  };
+  // 1 GiB holds 15 fp16 chunks of this 8B-shaped model but ~80 at 3 bits.
+  EXPECT_GT(hit("kivi:k2v2:g32", 1ull << 30, 0), hit("fp16", 1ull << 30, 0));
+  EXPECT_GE(hit("fp16", 1ull << 30, 64ull << 30), hit("fp16", 1ull << 30, 0));
+  o.trace_file = "/nonexistent";
+  EXPECT_EQ(RunReplay(o, out).code(), absl::StatusCode::kNotFound);
 }
 
 TEST(ModelCommandsTest, DumpKvWritesEveryLayer) {
