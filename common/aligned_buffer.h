@@ -27,6 +27,19 @@ class AlignedBuffer {
     data_.reset(static_cast<uint8_t*>(p));
   }
 
+  // Without zeroing, for buffers about to be overwritten whole (copies of blocks).
+  static AlignedBuffer Uninitialized(size_t size) {
+    AlignedBuffer b;
+    b.size_ = size;
+    if (size == 0) return b;
+    const size_t rounded = (size + kAlignment - 1) / kAlignment * kAlignment;
+    void* p = std::aligned_alloc(kAlignment, rounded);
+    if (p == nullptr) throw std::bad_alloc();
+    if (rounded > size) std::memset(static_cast<uint8_t*>(p) + size, 0, rounded - size);
+    b.data_.reset(static_cast<uint8_t*>(p));
+    return b;
+  }
+
   uint8_t* data() { return data_.get(); }
   const uint8_t* data() const { return data_.get(); }
   size_t size() const { return size_; }

@@ -214,7 +214,7 @@ absl::Status BlockStore::Put(const BlockName& name, const BlockHash* parent,
     p.key = *parent;
     parent_key = p.Encode();
   }
-  auto buffer = std::make_shared<AlignedBuffer>(block.size());
+  auto buffer = std::make_shared<AlignedBuffer>(AlignedBuffer::Uninitialized(block.size()));
   std::memcpy(buffer->data(), block.data(), block.size());
   const bool through = db_ != nullptr && options_.durable_puts;
   {
@@ -503,7 +503,7 @@ absl::StatusOr<Lease> BlockStore::Get(const BlockName& name) {
                                             rs.ok() ? " was corrupt on disk and is dropped"
                                                     : " could not be read from disk"));
   }
-  auto buffer = std::make_shared<AlignedBuffer>(block.size());
+  auto buffer = std::make_shared<AlignedBuffer>(AlignedBuffer::Uninitialized(block.size()));
   std::memcpy(buffer->data(), block.data(), block.size());
   ++stats_.disk_hits;
   if (it != entries_.end() && !it->second.ram && !it->second.spilling) {  // promote
