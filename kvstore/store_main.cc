@@ -19,6 +19,8 @@ ABSL_FLAG(std::string, disk_bytes, "0", "disk tier capacity");
 ABSL_FLAG(std::string, policy, "s3fifo", "RAM eviction policy: lru or s3fifo");
 ABSL_FLAG(std::string, max_block_bytes, "64M", "largest block accepted");
 ABSL_FLAG(bool, durable_puts, true, "write blocks through to disk before Put returns");
+ABSL_FLAG(int, metrics_port, 9464, "Prometheus metrics at http://HOST:PORT/metrics (-1: off)");
+ABSL_FLAG(std::string, metrics_host, "127.0.0.1", "address the metrics endpoint listens on");
 
 namespace {
 
@@ -77,6 +79,18 @@ int main(int argc, char** argv) {
   if (!server.ok()) {
     std::cerr << server.status() << "\n";
     return 1;
+  }
+  std::unique_ptr<strata::MetricsServer> metrics;
+  if (absl::GetFlag(FLAGS_metrics_port) >= 0) {
+    auto m = strata::MetricsServer::Start(absl::GetFlag(FLAGS_metrics_host),
+                                          absl::GetFlag(FLAGS_metrics_port),
+                                          [&service] { return service.RenderMetrics(); });
+    if (!m.ok()) {
+      std::cerr << "strata-store: " << m.status() << "\n";
+      return 1;
+    }
+    metrics = *std::move(m);
+    std::cout << "strata-store: metrics on port " << metrics->port() << std::endl;
   }
   std::cout << "strata-store: serving on port " << port << " (RAM " << o.ram_bytes
             << " bytes, disk " << (o.disk_path.empty() ? "none" : o.disk_path) << ")"

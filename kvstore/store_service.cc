@@ -1,6 +1,7 @@
 #include "kvstore/store_service.h"
 
 #include <algorithm>
+#include <chrono>
 
 #include "absl/strings/str_cat.h"
 #include "grpcpp/server_builder.h"
@@ -46,8 +47,54 @@ grpc::Status ToGrpc(const absl::Status& s) {
   return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
 }
 
+namespace {
+
+// Records the time from construction to destruction into a histogram.
+class Timer {
+ public:
+  explicit Timer(LatencyHistogram& h) : h_(h), t0_(std::chrono::steady_clock::now()) {}
+  ~Timer() {
+    h_.Record(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count());
+  }
+
+ private:
+  LatencyHistogram& h_;
+  std::chrono::steady_clock::time_point t0_;
+};
+
+}  // namespace
+
+std::string StoreService::RenderMetrics() const {
+  const StoreStats s = store_->Stats();
+  std::string out;
+  const std::pair<const char*, uint64_t> counters[] = {
+      {"puts", s.puts}, {"duplicate_puts", s.duplicate_puts}, {"refused_puts", s.refused_puts},
+      {"ram_hits", s.ram_hits}, {"disk_hits", s.disk_hits}, {"misses", s.misses},
+      {"ram_evictions", s.ram_evictions}, {"disk_evictions", s.disk_evictions},
+      {"spills", s.spills}, {"promotions", s.promotions}, {"orphans_dropped", s.orphans_dropped},
+      {"corruptions", s.corruptions}, {"deletes", s.deletes}};
+  for (const auto& [name, v] : counters) {
+    RenderMetric(absl::StrCat("strata_store_", name, "_total"), "counter",
+                 absl::StrCat("store ", name), static_cast<double>(v), &out);
+  }
+  const std::pair<const char*, uint64_t> gauges[] = {
+      {"ram_blocks", s.ram_blocks}, {"ram_bytes", s.ram_bytes}, {"disk_blocks", s.disk_blocks},
+      {"disk_bytes", s.disk_bytes}, {"spill_queue_bytes", s.spill_queue_bytes}};
+  for (const auto& [name, v] : gauges) {
+    RenderMetric(absl::StrCat("strata_store_", name), "gauge", absl::StrCat("store ", name),
+                 static_cast<double>(v), &out);
+  }
+  const char* ops[kOps] = {"lookup", "put", "get", "delete"};
+  for (int i = 0; i < kOps; ++i) {
+    latency_[i].Render("strata_store_rpc_seconds", absl::StrCat("rpc=\"", ops[i], "\""), i == 0,
+                       "store RPC latency", &out);
+  }
+  return out;
+}
+
 grpc::Status StoreService::Lookup(grpc::ServerContext*, const strata::v1::LookupRequest* req,
                                   strata::v1::LookupResponse* resp) {
+  Timer timer(latency_[kLookup]);
   if (req->layers() < 1 || req->layers() > 4096) {
     return Invalid(absl::StrCat("lookup: layers ", req->layers(), " not in [1, 4096]"));
   }
@@ -71,6 +118,7 @@ grpc::Status StoreService::Lookup(grpc::ServerContext*, const strata::v1::Lookup
 
 grpc::Status StoreService::Put(grpc::ServerContext*, const strata::v1::PutRequest* req,
                                strata::v1::PutResponse*) {
+  Timer timer(latency_[kPut]);
   absl::StatusOr<BlockName> name = ParseName(req->name(), "put: name");
   if (!name.ok()) return Invalid(std::string(name.status().message()));
   BlockHash parent;
@@ -93,6 +141,7 @@ grpc::Status StoreService::Put(grpc::ServerContext*, const strata::v1::PutReques
 
 grpc::Status StoreService::Get(grpc::ServerContext* ctx, const strata::v1::GetRequest* req,
                                grpc::ServerWriter<strata::v1::GetResponse>* writer) {
+  Timer timer(latency_[kGet]);
   absl::StatusOr<BlockName> name = ParseName(req->name(), "get: name");
   if (!name.ok()) return Invalid(std::string(name.status().message()));
   absl::StatusOr<Lease> lease = store_->Get(*name);
@@ -117,6 +166,7 @@ grpc::Status StoreService::Get(grpc::ServerContext* ctx, const strata::v1::GetRe
 
 grpc::Status StoreService::Delete(grpc::ServerContext*, const strata::v1::DeleteRequest* req,
                                   strata::v1::DeleteResponse* resp) {
+  Timer timer(latency_[kDelete]);
   absl::StatusOr<BlockName> name = ParseName(req->name(), "delete: name");
   if (!name.ok()) return Invalid(std::string(name.status().message()));
   resp->set_deleted(store_->Delete(*name));

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "common/metrics.h"
 #include "kvstore/block_store.h"
 #include "grpcpp/server.h"
 #include "proto/store.grpc.pb.h"
@@ -32,7 +33,12 @@ class StoreService final : public strata::v1::Store::Service {
   grpc::Status Stats(grpc::ServerContext*, const strata::v1::StatsRequest* req,
                      strata::v1::StatsResponse* resp) override;
 
+  // Prometheus text: the store's counters and gauges, and per-RPC latency histograms.
+  std::string RenderMetrics() const;
+
  private:
+  enum Op { kLookup, kPut, kGet, kDelete, kOps };
+  LatencyHistogram latency_[kOps];
   BlockStore* store_;
   size_t max_block_bytes_;
 };

@@ -122,6 +122,10 @@ TEST_F(StoreServiceTest, PutLookupGetStreamsDeleteStats) {
     ASSERT_TRUE(stub_->Stats(&ctx, strata::v1::StatsRequest(), &st).ok());
   }
   EXPECT_EQ(st.counters().at("puts"), 2u);
+  const std::string metrics = service_->RenderMetrics();
+  EXPECT_THAT(metrics, HasSubstr("strata_store_puts_total 2\n"));
+  EXPECT_THAT(metrics, HasSubstr("strata_store_rpc_seconds_count{rpc=\"put\"} 2\n"));
+  EXPECT_THAT(metrics, HasSubstr("strata_store_rpc_seconds_count{rpc=\"get\"} 2\n"));
   EXPECT_EQ(st.counters().at("orphans_dropped"), 1u);
   EXPECT_EQ(st.counters().at("ram_blocks"), 0u);
 }
