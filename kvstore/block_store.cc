@@ -61,6 +61,7 @@ const char* TierName(Tier t) {
 
 BlockStore::BlockStore(const StoreOptions& o)
     : options_(o),
+      pool_(BufferPool::Create(o.ram_bytes / 4)),
       ram_policy_(MakePolicy(o.ram_policy, o.ram_bytes)),
       disk_policy_(MakePolicy(PolicyKind::kLru, o.disk_bytes)) {}
 
@@ -214,7 +215,7 @@ absl::Status BlockStore::Put(const BlockName& name, const BlockHash* parent,
     p.key = *parent;
     parent_key = p.Encode();
   }
-  auto buffer = std::make_shared<AlignedBuffer>(AlignedBuffer::Uninitialized(block.size()));
+  std::shared_ptr<AlignedBuffer> buffer = pool_->Acquire(block.size());
   std::memcpy(buffer->data(), block.data(), block.size());
   const bool through = db_ != nullptr && options_.durable_puts;
   {
@@ -503,7 +504,7 @@ absl::StatusOr<Lease> BlockStore::Get(const BlockName& name) {
                                             rs.ok() ? " was corrupt on disk and is dropped"
                                                     : " could not be read from disk"));
   }
-  auto buffer = std::make_shared<AlignedBuffer>(AlignedBuffer::Uninitialized(block.size()));
+  std::shared_ptr<AlignedBuffer> buffer = pool_->Acquire(block.size());
   std::memcpy(buffer->data(), block.data(), block.size());
   ++stats_.disk_hits;
   if (it != entries_.end() && !it->second.ram && !it->second.spilling) {  // promote
@@ -556,6 +557,8 @@ StoreStats BlockStore::Stats() const {
   s.disk_blocks = disk_ids_.size();
   s.disk_bytes = disk_used_;
   s.spill_queue_bytes = spill_queued_bytes_;
+  s.pool_idle_bytes = pool_->idle_bytes();
+  s.pool_reuses = pool_->reused();
   return s;
 }
 

@@ -14,7 +14,8 @@
 // - A block's parent is the previous chunk's block of the same layer (nullptr for chunk 0). A
 //   block whose parent is in no tier is refused (kFailedPrecondition), and when a block leaves
 //   every tier its descendants are dropped too: a chunk is only useful after its whole prefix.
-// - RAM is byte-accurate: the bytes of resident blocks never exceed ram_bytes. Eviction (LRU or
+// - RAM is byte-accurate: the bytes of resident blocks never exceed ram_bytes. Block buffers come
+//   from a pool that reuses freed ones of the same size (at most ram_bytes / 4 idle). Eviction (LRU or
 //   S3-FIFO) spills to disk through a bounded write-back queue (when the queue is full the
 //   evicting call writes through itself); the disk evicts for good (LRU). A hit on disk is
 //   promoted to RAM; the disk copy stays (inclusive), so a later eviction costs no write.
@@ -47,6 +48,7 @@
 #include "absl/types/span.h"
 #include "common/aligned_buffer.h"
 #include "common/prefix_key.h"
+#include "kvstore/buffer_pool.h"
 #include "kvstore/eviction_policy.h"
 
 namespace rocksdb {
@@ -75,6 +77,8 @@ struct StoreStats {
   uint64_t orphans_dropped = 0, corruptions = 0, deletes = 0;
   uint64_t ram_blocks = 0, ram_bytes = 0, disk_blocks = 0, disk_bytes = 0;
   uint64_t spill_queue_bytes = 0;
+  uint64_t pool_idle_bytes = 0;  // freed block buffers kept for reuse (not counted in ram_bytes)
+  uint64_t pool_reuses = 0;      // block buffers handed out again instead of allocated
 };
 
 // A pinned, zero-copy view of a block.
@@ -140,6 +144,7 @@ class BlockStore {
   void DeleteDisk(const std::string& key);
 
   const StoreOptions options_;
+  std::shared_ptr<BufferPool> pool_;
   std::unique_ptr<rocksdb::DB> db_;
   mutable std::mutex mu_;
   std::mutex disk_write_mu_;  // after mu_ when both are held

@@ -135,6 +135,7 @@ TEST(BlockStoreTest, EvictionNeverLeavesOrphansAndCapacityIsExact) {
   EXPECT_EQ(st.orphans_dropped, 0u);
   EXPECT_EQ(st.ram_bytes, 6 * block);
   EXPECT_EQ(st.ram_blocks, 6u);
+  EXPECT_GE(st.pool_reuses, 0u);
   // More single-chunk prompts: whatever goes, every resident block is reachable through its
   // prefix (the lookups account for every block in RAM).
   for (uint32_t k = 400; k < 1000; k += 100) {
@@ -147,6 +148,7 @@ TEST(BlockStoreTest, EvictionNeverLeavesOrphansAndCapacityIsExact) {
     EXPECT_EQ(st.orphans_dropped, 0u);
     EXPECT_LE(st.ram_bytes, 6 * block);
   }
+  EXPECT_GT(st.pool_reuses, 0u) << "evicted buffers are handed out again";
 }
 
 TEST(BlockStoreTest, LeasedBlocksAreNotEvicted) {
