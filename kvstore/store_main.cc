@@ -9,6 +9,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/byte_size.h"
 #include "kvstore/block_store.h"
 #include "kvstore/store_service.h"
 
@@ -24,24 +25,6 @@ ABSL_FLAG(std::string, metrics_host, "127.0.0.1", "address the metrics endpoint 
 
 namespace {
 
-bool ParseBytes(const std::string& s, size_t* out) {
-  if (s.empty()) return false;
-  size_t mult = 1;
-  std::string digits = s;
-  switch (s.back()) {
-    case 'K': mult = size_t{1} << 10; break;
-    case 'M': mult = size_t{1} << 20; break;
-    case 'G': mult = size_t{1} << 30; break;
-    case 'T': mult = size_t{1} << 40; break;
-    default: mult = 1;
-  }
-  if (mult != 1) digits.pop_back();
-  uint64_t n = 0;
-  if (!absl::SimpleAtoi(digits, &n)) return false;
-  *out = n * mult;
-  return true;
-}
-
 volatile std::sig_atomic_t g_stop = 0;
 
 }  // namespace
@@ -55,10 +38,12 @@ int main(int argc, char** argv) {
   for (const auto& [flag, dst] : {std::pair{absl::GetFlag(FLAGS_ram_bytes), &o.ram_bytes},
                                   std::pair{absl::GetFlag(FLAGS_disk_bytes), &o.disk_bytes},
                                   std::pair{absl::GetFlag(FLAGS_max_block_bytes), &o.max_block_bytes}}) {
-    if (!ParseBytes(flag, dst)) {
+    uint64_t n = 0;
+    if (!strata::ParseByteSize(flag, &n)) {
       std::cerr << "strata-store: '" << flag << "' is not a byte count (e.g. 512M, 8G)\n";
       return 2;
     }
+    *dst = n;
   }
   absl::StatusOr<strata::kvstore::PolicyKind> policy =
       strata::kvstore::ParsePolicy(absl::GetFlag(FLAGS_policy));

@@ -12,24 +12,6 @@
 
 namespace strata::tools {
 
-bool ParseByteSize(const std::string& text, uint64_t* bytes) {
-  if (text.empty()) return false;
-  uint64_t mult = 1;
-  std::string digits = text;
-  switch (text.back()) {
-    case 'K': mult = uint64_t{1} << 10; break;
-    case 'M': mult = uint64_t{1} << 20; break;
-    case 'G': mult = uint64_t{1} << 30; break;
-    case 'T': mult = uint64_t{1} << 40; break;
-    default: break;
-  }
-  if (mult != 1) digits.pop_back();
-  uint64_t n = 0;
-  if (!absl::SimpleAtoi(digits, &n)) return false;
-  *bytes = n * mult;
-  return true;
-}
-
 namespace {
 
 std::string Gib(uint64_t b) { return absl::StrFormat("%.0fG", b / double(uint64_t{1} << 30)); }

@@ -25,7 +25,4 @@ struct ReplayOptions {
 
 absl::Status RunReplay(const ReplayOptions& o, std::ostream& out);
 
-// "16G" -> 16 << 30; K, M, G, T suffixes are powers of 1024.
-bool ParseByteSize(const std::string& text, uint64_t* bytes);
-
 }  // namespace strata::tools

@@ -15,6 +15,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
+#include "common/byte_size.h"
 #include "tools/demo.h"
 #include "tools/inspect.h"
 #include "tools/model_commands.h"
@@ -192,13 +193,13 @@ int main(int argc, char** argv) {
     o.json_out = absl::GetFlag(FLAGS_json);
     for (const std::string& r : absl::GetFlag(FLAGS_ram_sizes)) {
       uint64_t b = 0;
-      if (!strata::tools::ParseByteSize(r, &b)) {
+      if (!strata::ParseByteSize(r, &b)) {
         std::cerr << "strata: --ram_sizes: '" << r << "' is not a size like 64G\n";
         return 2;
       }
       o.ram_bytes.push_back(b);
     }
-    if (!strata::tools::ParseByteSize(absl::GetFlag(FLAGS_disk_size), &o.disk_bytes)) {
+    if (!strata::ParseByteSize(absl::GetFlag(FLAGS_disk_size), &o.disk_bytes)) {
       std::cerr << "strata: --disk_size: not a size like 4T\n";
       return 2;
     }
