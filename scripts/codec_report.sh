@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 model="${1:-models/strata-tiny}"
 context="${2:-2048}"
 continuations="${4:-8}"
-windows="${3:-8}"
+windows="${3:-4}"
 ./scripts/setup_training.sh >/dev/null  # python3-matplotlib for the chart
 ./scripts/build.sh --target strata >/dev/null
 commit="$(git rev-parse --short HEAD)$(git diff --quiet || echo -dirty)"

@@ -6,12 +6,16 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <map>
+#include <mutex>
 #include <random>
 #include <sstream>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "common/sha256.h"
 #include "common/status_macros.h"
 #include "common/block_reader.h"
 #include "kernels/block_operands.h"
@@ -422,18 +426,35 @@ static absl::Status SearchLayers(const Loaded& l, const std::vector<uint32_t>& i
                                                     reference.empty() ? nullptr : &reference));
     return r.kl;
   };
-  kernels::Calibration trial = cal;
-  for (auto& layer : trial.layers) layer.spec = "fp16";
-  STRATA_ASSIGN_OR_RETURN(const double base, loss(trial));  // records the reference; 0
-  // delta[l][i]: loss increase with layer l alone at candidate i.
-  std::vector<std::vector<double>> delta(L, std::vector<double>(candidates.size()));
-  for (uint32_t li = 0; li < L; ++li) {
-    for (size_t i = 0; i < candidates.size(); ++i) {
-      trial.layers[li].spec = candidates[i];
-      STRATA_ASSIGN_OR_RETURN(const double x, loss(trial));
-      delta[li][i] = x - base;
+  // delta[l][i]: loss increase with layer l alone at candidate i. It does not depend on the
+  // budget, so one process searching several budgets (strata eval) measures it once.
+  static std::mutex cache_mu;
+  static std::map<std::string, std::vector<std::vector<double>>> cache;
+  const std::string cache_key = absl::StrCat(
+      l.model->fingerprint(), "/", Fingerprint64(absl::string_view(
+                                        reinterpret_cast<const char*>(ids.data()), ids.size() * 4)),
+      "/", o.context, "/", o.windows, "/", o.chunk_tokens, "/", o.window_tokens, "/",
+      cal.fingerprint(), "/", absl::StrJoin(candidates, ","));
+  std::vector<std::vector<double>> delta;
+  {
+    std::lock_guard<std::mutex> lock(cache_mu);
+    if (auto it = cache.find(cache_key); it != cache.end()) delta = it->second;
+  }
+  if (delta.empty()) {
+    kernels::Calibration trial = cal;
+    for (auto& layer : trial.layers) layer.spec = "fp16";
+    STRATA_ASSIGN_OR_RETURN(const double base, loss(trial));  // records the reference; 0
+    delta.assign(L, std::vector<double>(candidates.size()));
+    for (uint32_t li = 0; li < L; ++li) {
+      for (size_t i = 0; i < candidates.size(); ++i) {
+        trial.layers[li].spec = candidates[i];
+        STRATA_ASSIGN_OR_RETURN(const double x, loss(trial));
+        delta[li][i] = x - base;
+      }
+      trial.layers[li].spec = "fp16";
     }
-    trial.layers[li].spec = "fp16";
+    std::lock_guard<std::mutex> lock(cache_mu);
+    cache[cache_key] = delta;
   }
   constexpr int kSteps = 64;  // cost units per bit
   std::vector<int> cost(candidates.size());
