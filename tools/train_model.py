@@ -493,7 +493,7 @@ Strata runs end to end on a laptop-class CPU with a model whose KV cache is real
 | parameters | {params:,} ({mib:.1f} MiB at {dtype}) |
 | shape | {layers} layers, hidden {hidden}, {heads} query heads over {kv} KV heads, head dim {head_dim}, SwiGLU {ffn}, RoPE theta {theta:g}, context {ctx} |
 | tokenizer | byte-level BPE, {vocab} tokens, trained by the script on the training split |
-| data | {docs} documents from Debian's /usr/share/doc and English manual pages: {train_chars:,} training and {held_chars:,} held-out characters ({train_tokens:,} / {held_tokens:,} tokens); held-out documents chosen by a hash of their path, never trained on |
+| data | {docs} documents from Debian's /usr/share/doc (READMEs, .txt/.md/.rst), GNU info manuals and English manual pages, kept when mostly prose (the Google Cloud SDK's generated per-command pages left out): {train_chars:,} training and {held_chars:,} held-out characters ({train_tokens:,} / {held_tokens:,} tokens); held-out documents chosen by a hash of their path, never trained on; calibration.txt (for codecs that calibrate) is training-split text |
 | training | {steps} steps of batch {batch} x {seq} tokens{long} ({tokens:,} tokens seen), AdamW, peak lr {lr:g}, cosine schedule, {minutes:.1f} min on {device}, PyTorch {torch}, seed {seed} |
 | loss | {first:.3f} at the first logged step, {last:.3f} at the last (curve in train_log.json) |
 | held-out perplexity | {ppl:.2f} (windows of {eval_len} tokens) |
