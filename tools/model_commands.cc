@@ -376,7 +376,9 @@ const char* const kStrataMenu[] = {
     "kcvt:k2v2:m8:sink4",      "kivi:k2v2:g64:m8:sink4",     "kivi:k2v2:g32:m8:sink4",
     "kivi:k3v3:g64:m8:sink4",  "skvq:k2v2:g32:m8:sink4",     "skvq:k3v3:g32:m8:sink4",
     "gear:k2v2:kcvt:r2:s1:m8:sink4", "zipcache:k2v2:h4:s10:m8:sink4", "skvq:k2v2:g64:sink4",
-    "skvq:k2v2:g64:m8:sink4", "fp16"};
+    "skvq:k2v2:g64:m8:sink4",  "kcvt:k2v2:m8",               "kcvt:k2v2",
+    "skvq:k2v2:g64:m8",        "skvq:k2v2:g64",              "kivi:k2v2:g64:m8",
+    "zipcache:k2v2:h4:s10:m8", "fp16"};
 
 // Per-layer codecs for a budget (TaDA's precision search; the Strata mix): the loss increase of
 // each candidate with only that layer compressed (log perplexity on the calibration text, the
@@ -668,8 +670,13 @@ absl::Status RunEval(const EvalOptions& o, std::ostream& out) {
       co.chunk_tokens = o.chunk_tokens;
       co.error_queries = o.error_queries;
       co.source = o.calib_text_file;
-      STRATA_ASSIGN_OR_RETURN(kernels::Calibration cal, Calibrate(l, calib_ids, spec, co));
-      mo.calibration = std::make_shared<kernels::Calibration>(std::move(cal));
+      absl::StatusOr<kernels::Calibration> cal = Calibrate(l, calib_ids, spec, co);
+      if (!cal.ok()) {  // e.g. a budget no per-layer choice fits: say so, go on
+        out << absl::StrFormat("%-32s %s\n", spec, cal.status().ToString());
+        report["codecs"].push_back({{"codec", spec}, {"error", cal.status().ToString()}});
+        continue;
+      }
+      mo.calibration = std::make_shared<kernels::Calibration>(*std::move(cal));
     }
     STRATA_ASSIGN_OR_RETURN(auto codec, kernels::Codec::Create(spec, mo.calibration));
     STRATA_ASSIGN_OR_RETURN(PplResult r, Perplexity(l, ids, mo, o.context, o.max_windows,

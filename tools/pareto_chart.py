@@ -27,7 +27,7 @@ def main():
               ("kl_to_fp16_nats", "KL divergence from fp16 KV (nats per token, log scale)", True)]
     for ax, (key, label, log) in zip(axes, panels):
         points = [(c["bits_per_element"], c[key], c["codec"])
-                  for c in report["codecs"] if c["codec"] != "fp16" and key in c]
+                  for c in report["codecs"] if c["codec"] != "fp16" and key in c and "error" not in c]
         front, best = [], float("inf")
         for bits, d, name in sorted(points):
             if d < best:
