@@ -649,6 +649,7 @@ absl::Status RunEval(const EvalOptions& o, std::ostream& out) {
   out << absl::StrFormat("%-32s %6s %9s %8s %8s %8s %8s %8s %8s %8s %7s %7s %8s\n", "codec",
                          "bits", "ppl", "d ppl %", "KL nats", "K err", "K worst", "V err",
                          "V worst", "attn err", "greedy", "prefix", "enc MB/s");
+  std::map<std::string, std::vector<std::string>> layer_choices;
   std::vector<uint32_t> calib_ids;
   if (!o.calib_text_file.empty()) {
     STRATA_ASSIGN_OR_RETURN(std::string calib_text, ReadText(o.calib_text_file));
@@ -677,6 +678,12 @@ absl::Status RunEval(const EvalOptions& o, std::ostream& out) {
         continue;
       }
       mo.calibration = std::make_shared<kernels::Calibration>(*std::move(cal));
+      if (parsed.searches_layers()) {  // the per-layer choice, for the reader and the JSON
+        std::vector<std::string> chosen;
+        for (const kernels::LayerCalibration& lc : mo.calibration->layers) chosen.push_back(lc.spec);
+        layer_choices[spec] = chosen;
+        out << absl::StrFormat("%-32s layers: %s\n", spec, absl::StrJoin(chosen, " | "));
+      }
     }
     STRATA_ASSIGN_OR_RETURN(auto codec, kernels::Codec::Create(spec, mo.calibration));
     STRATA_ASSIGN_OR_RETURN(PplResult r, Perplexity(l, ids, mo, o.context, o.max_windows,
@@ -715,6 +722,9 @@ absl::Status RunEval(const EvalOptions& o, std::ostream& out) {
                                 {"greedy_agreement", agreement},
                                 {"greedy_common_prefix_tokens", mean_prefix},
                                 {"encode_mb_per_s_one_thread", mbps}});
+    if (auto lc = layer_choices.find(spec); lc != layer_choices.end()) {
+      report["codecs"].back()["layer_codecs"] = lc->second;
+    }
   }
   if (!o.json_out.empty()) {
     std::ofstream f(o.json_out);

@@ -102,6 +102,24 @@ TEST(ModelCommandsTest, EvalReportsEveryCodecAndWritesJson) {
   EXPECT_EQ(k2["k_rel_error"]["per_layer"].size(), 2u);  // the test model's layers
   EXPECT_GE(k2["attn_rel_error"]["worst"].get<double>(), k2["attn_rel_error"]["mean"].get<double>());
   EXPECT_THAT(out.str(), HasSubstr("zipcache:k2v2:h4:s10:sink2"));
+  // The mix: calibrated on the same text here (a test), its per-layer choice is reported.
+  o.codecs = {"fp16", "strata:b4"};
+  o.calib_text_file = o.text_file;
+  o.max_windows = 1;
+  std::ostringstream mix;
+  const absl::Status ms = RunEval(o, mix);
+  ASSERT_TRUE(ms.ok()) << ms;
+  EXPECT_THAT(mix.str(), HasSubstr("strata:b4"));
+  EXPECT_THAT(mix.str(), HasSubstr("layers: "));
+  std::ifstream f2(o.json_out);
+  std::stringstream ss2;
+  ss2 << f2.rdbuf();
+  const nlohmann::json j2 = nlohmann::json::parse(ss2.str());
+  ASSERT_EQ(j2["codecs"].size(), 2u);
+  ASSERT_EQ(j2["codecs"][1]["layer_codecs"].size(), 2u);  // the test model's layers
+  EXPECT_LE(j2["codecs"][1]["bits_per_element"].get<double>(), 4.0 + 0.2);  // sinks amortized
+  o.calib_text_file.clear();
+  o.max_windows = 2;
   // A codec that does not parse is refused before any work.
   o.codecs = {"fp16", "kivi:k9v9:g32"};
   EXPECT_EQ(RunEval(o, out).code(), absl::StatusCode::kInvalidArgument);
