@@ -275,18 +275,28 @@ absl::Status BlockStore::Put(const BlockName& name, const BlockHash* parent,
     }
     const absl::Status s = WriteDisk(k, parent_of, b->span());
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = entries_.find(k);
-    if (it == entries_.end() || it->second.spilling != b) continue;
-    it->second.spilling = nullptr;
-    if (!s.ok()) {
-      DropLocked(k);
-      continue;
-    }
-    AddDiskLocked(k, it->second);
-    ++stats_.spills;
-    EvictDiskLocked(0);
+    FinishWriteBackLocked(k, b, s);
   }
   return absl::OkStatus();
+}
+
+void BlockStore::FinishWriteBackLocked(const std::string& key,
+                                       const std::shared_ptr<const AlignedBuffer>& bytes,
+                                       const absl::Status& written) {
+  auto it = entries_.find(key);
+  if (it == entries_.end()) {
+    if (written.ok()) DeleteDisk(key);  // deleted while being written
+    return;
+  }
+  if (it->second.spilling != bytes) return;  // superseded meanwhile
+  it->second.spilling = nullptr;
+  if (written.ok()) {
+    AddDiskLocked(key, it->second);
+    ++stats_.spills;
+    EvictDiskLocked(0);
+  } else if (!it->second.ram) {
+    DropLocked(key);  // in no tier any more
+  }
 }
 
 absl::Status BlockStore::InsertRamLocked(
@@ -440,19 +450,7 @@ void BlockStore::SpillLoop() {
     lock.lock();
     spill_queued_bytes_ -= bytes->size();
     spill_busy_ = false;
-    it = entries_.find(key);
-    if (live && it != entries_.end() && it->second.spilling == bytes) {
-      it->second.spilling = nullptr;
-      if (s.ok()) {
-        AddDiskLocked(key, it->second);
-        ++stats_.spills;
-        EvictDiskLocked(0);
-      } else if (!it->second.ram) {
-        DropLocked(key);
-      }
-    } else if (live && s.ok() && it == entries_.end()) {
-      DeleteDisk(key);  // deleted while being written
-    }
+    if (live) FinishWriteBackLocked(key, bytes, s);
     spill_done_cv_.notify_all();
   }
 }

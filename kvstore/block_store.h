@@ -142,6 +142,12 @@ class BlockStore {
   void SpillLoop();
   absl::Status WriteDisk(const std::string& key, const std::string& parent, absl::Span<const uint8_t> bytes);
   void DeleteDisk(const std::string& key);
+  // After a write-back of `bytes` for `key` (spill thread or a write-through by the evicting
+  // call) returned `written`: the entry now lives on disk, or leaves every tier if the write
+  // failed; a block deleted meanwhile is removed from disk again. Holds mu_.
+  void FinishWriteBackLocked(const std::string& key,
+                             const std::shared_ptr<const AlignedBuffer>& bytes,
+                             const absl::Status& written);
 
   const StoreOptions options_;
   std::shared_ptr<BufferPool> pool_;
