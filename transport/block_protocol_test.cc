@@ -1,0 +1,87 @@
+// The protocol's wire format: round trips, and every malformed header refused with a message.
+// (Behaviour over real transports: tests/conformance/transport_conformance_test.cc.)
+#include "transport/block_protocol.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+namespace strata::transport {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::span<const uint8_t> Bytes(const std::string& s) {
+  return {reinterpret_cast<const uint8_t*>(s.data()), s.size()};
+}
+
+TEST(BlockWireTest, DataHeaderRoundTrips) {
+  BlockDataHeader h{.seq = 42, .size = 1ull << 33, .crc32c = 0xdeadbeef,
+                    .block_id = std::string("key\0with\xffnul", 12)};
+  absl::StatusOr<BlockDataHeader> d = DecodeBlockDataHeader(Bytes(EncodeBlockDataHeader(h)));
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->seq, 42u);
+  EXPECT_EQ(d->size, 1ull << 33);
+  EXPECT_EQ(d->crc32c, 0xdeadbeefu);
+  EXPECT_EQ(d->block_id, h.block_id);
+}
+
+TEST(BlockWireTest, AckHeaderRoundTripsAndTruncatesLongMessages) {
+  BlockAckHeader h{.seq = 7, .status = absl::DataLossError(std::string(2000, 'x'))};
+  absl::StatusOr<BlockAckHeader> d = DecodeBlockAckHeader(Bytes(EncodeBlockAckHeader(h)));
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->seq, 7u);
+  EXPECT_EQ(d->status.code(), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(d->status.message().size(), kMaxAckMessageBytes);
+  BlockAckHeader ok{.seq = 8, .status = absl::OkStatus()};
+  EXPECT_TRUE(DecodeBlockAckHeader(Bytes(EncodeBlockAckHeader(ok)))->status.ok());
+}
+
+TEST(BlockWireTest, EveryTruncationOfAHeaderIsRefused) {
+  const std::string data =
+      EncodeBlockDataHeader({.seq = 1, .size = 10, .crc32c = 3, .block_id = "abc"});
+  for (size_t n = 0; n < data.size(); ++n) {
+    EXPECT_EQ(DecodeBlockDataHeader(Bytes(data.substr(0, n))).status().code(),
+              absl::StatusCode::kInvalidArgument)
+        << n;
+  }
+  const std::string ack = EncodeBlockAckHeader({.seq = 1, .status = absl::InternalError("m")});
+  for (size_t n = 0; n < ack.size(); ++n) {
+    EXPECT_EQ(DecodeBlockAckHeader(Bytes(ack.substr(0, n))).status().code(),
+              absl::StatusCode::kInvalidArgument)
+        << n;
+  }
+}
+
+TEST(BlockWireTest, MalformedFieldsAreNamed) {
+  std::string data = EncodeBlockDataHeader({.seq = 1, .size = 10, .crc32c = 3, .block_id = "abc"});
+  std::string bad_magic = data;
+  bad_magic[0] ^= 1;
+  EXPECT_THAT(DecodeBlockDataHeader(Bytes(bad_magic)).status().message(), HasSubstr("magic"));
+  std::string bad_version = data;
+  bad_version[4] = 9;
+  EXPECT_THAT(DecodeBlockDataHeader(Bytes(bad_version)).status().message(),
+              HasSubstr("wire version 9"));
+  std::string long_id = data;
+  long_id[6] = static_cast<char>(0xff);
+  long_id[7] = static_cast<char>(0xff);
+  EXPECT_THAT(DecodeBlockDataHeader(Bytes(long_id)).status().message(), HasSubstr("block id"));
+  EXPECT_THAT(DecodeBlockDataHeader(Bytes(data + "trailing")).status().message(),
+              HasSubstr("block id length"));
+  std::string ack = EncodeBlockAckHeader({.seq = 1, .status = absl::InternalError("m")});
+  ack[16] = 99;  // status code out of range
+  EXPECT_THAT(DecodeBlockAckHeader(Bytes(ack)).status().message(), HasSubstr("status code 99"));
+}
+
+TEST(BlockWireTest, OptionsValidate) {
+  EXPECT_FALSE(BlockReceiverOptions{.verify_threads = 0}.Validate().ok());
+  EXPECT_FALSE(BlockReceiverOptions{.max_block_bytes = 0}.Validate().ok());
+  EXPECT_FALSE(BlockSenderOptions{.max_bytes_in_flight = 0}.Validate().ok());
+  EXPECT_FALSE(BlockSenderOptions{.timeout = absl::ZeroDuration()}.Validate().ok());
+  EXPECT_TRUE(BlockSenderOptions{}.Validate().ok());
+}
+
+}  // namespace
+}  // namespace strata::transport

@@ -1,0 +1,1050 @@
+#include "transport/ucx/ucx_transport.h"
+
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <ucp/api/ucp.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "absl/strings/ascii.h"
+#include "common/status_macros.h"
+#include "transport/internal/failure_notifier.h"
+
+namespace strata::transport {
+namespace {
+
+constexpr absl::string_view kScheme = "ucx://";
+// Message ids the transport itself uses (connection handshake).
+constexpr uint16_t kHelloId = 0xfff0;
+constexpr uint16_t kHelloAckId = 0xfff1;
+constexpr uint32_t kRegionMagic = 0x52584355;  // "UCXR"
+
+// The one adapter from UCX status to absl::Status.
+absl::Status FromUcs(ucs_status_t s, absl::string_view what) {
+  if (s == UCS_OK) return absl::OkStatus();
+  const std::string msg = absl::StrCat(what, ": ", ucs_status_string(s));
+  switch (s) {
+    case UCS_ERR_CANCELED:
+      return absl::CancelledError(msg);
+    case UCS_ERR_INVALID_PARAM:
+    case UCS_ERR_INVALID_ADDR:
+      return absl::InvalidArgumentError(msg);
+    case UCS_ERR_NO_MEMORY:
+    case UCS_ERR_NO_RESOURCE:
+    case UCS_ERR_EXCEEDS_LIMIT:
+      return absl::ResourceExhaustedError(msg);
+    case UCS_ERR_UNSUPPORTED:
+      return absl::UnimplementedError(msg);
+    case UCS_ERR_TIMED_OUT:
+      return absl::DeadlineExceededError(msg);
+    default:
+      return absl::UnavailableError(msg);  // unreachable, reset, rejected, endpoint timeout, I/O
+  }
+}
+
+class Engine;
+
+struct RecvOp {
+  Engine* engine;
+  Completion done;
+};
+
+struct Op {
+  uint64_t tid = 0;
+  std::vector<uint8_t> header;
+  Payload payload;
+  Completion done;
+  void* request = nullptr;           // UCX request while outstanding
+  std::optional<absl::Status> why;   // reported instead of UCX's error (cancel, timeout, reset)
+  absl::Time deadline = absl::InfiniteFuture();
+  bool is_put = false;
+  ucp_rkey_h rkey = nullptr;         // Put: released on completion
+  std::string remote;                // Put: the descriptor
+  uint64_t remote_offset = 0;
+};
+
+class UcxEndpoint final : public Endpoint, public std::enable_shared_from_this<UcxEndpoint> {
+ public:
+  UcxEndpoint(std::weak_ptr<Engine> engine, std::string peer)
+      : engine_(std::move(engine)), peer_(std::move(peer)) {}
+
+  uint64_t Send(uint16_t id, std::span<const uint8_t> header, Payload payload,
+                absl::Duration timeout, Completion done) override;
+  uint64_t Put(Payload payload, absl::string_view remote, uint64_t remote_offset,
+               absl::Duration timeout, Completion done) override;
+  void Cancel(uint64_t tid) override;
+  absl::Status health() const override { return notifier_.health(); }
+  uint64_t OnFailure(std::function<void(const absl::Status&)> fn) override {
+    return notifier_.Add(std::move(fn));
+  }
+  void RemoveFailureCallback(uint64_t handle) override { notifier_.Remove(handle); }
+  std::string peer() const override { return peer_; }
+  std::string Describe() const override;
+
+  // Progress-thread state.
+  ucp_ep_h ep = nullptr;
+  std::unordered_map<uint64_t, Op*> ops;
+  uint16_t am_id_for_send = 0;
+  internal::FailureNotifier notifier_;
+
+ private:
+  uint64_t Post(Op* op, uint16_t id, absl::Duration timeout);
+
+  std::weak_ptr<Engine> engine_;
+  const std::string peer_;
+  std::atomic<uint64_t> next_tid_{0};
+};
+
+class UcxRegion final : public MemoryRegion {
+ public:
+  UcxRegion(uint8_t* data, size_t size, std::shared_ptr<Engine> engine, ucp_mem_h memh)
+      : MemoryRegion(data, size, MemoryKind::kHost), engine_(std::move(engine)), memh_(memh) {}
+  ~UcxRegion() override;
+  absl::StatusOr<std::string> RemoteDescriptor() const override;
+  ucp_mem_h memh() const { return memh_; }
+
+ private:
+  std::shared_ptr<Engine> engine_;  // keeps the UCP context alive
+  ucp_mem_h memh_;
+};
+
+ucp_mem_h MemhOf(const MemoryRegion* region) {
+  const auto* r = dynamic_cast<const UcxRegion*>(region);
+  return r == nullptr ? nullptr : r->memh();
+}
+
+// The UCP context and worker, and the thread that drives them.
+class Engine : public std::enable_shared_from_this<Engine> {
+ public:
+  explicit Engine(UcxTransportOptions options) : options_(std::move(options)) {}
+  ~Engine() {
+    if (listener_ != nullptr) ucp_listener_destroy(listener_);  // only if never started
+    if (worker_ != nullptr) ucp_worker_destroy(worker_);
+    if (context_ != nullptr) ucp_cleanup(context_);
+  }
+
+  absl::Status Init() {
+    ucp_config_t* config = nullptr;
+    if (absl::Status s = FromUcs(ucp_config_read(nullptr, nullptr, &config), "ucp_config_read");
+        !s.ok()) {
+      return s;
+    }
+    if (!options_.tls.empty()) {
+      if (absl::Status s = FromUcs(ucp_config_modify(config, "TLS", options_.tls.c_str()),
+                                   absl::StrCat("UCX_TLS=", options_.tls));
+          !s.ok()) {
+        ucp_config_release(config);
+        return absl::InvalidArgumentError(s.message());
+      }
+    }
+    // Shared-memory transports take part in endpoints with peer error handling (which every
+    // endpoint here has) only when told to; without this, same-host peers would talk over TCP.
+    const bool may_use_shm = options_.tls.empty() || absl::StrContains(options_.tls, "posix") ||
+                             absl::StrContains(options_.tls, "sysv") ||
+                             absl::StrContains(options_.tls, "sm") ||
+                             absl::StrContains(options_.tls, "all");
+    if (may_use_shm && ucp_config_modify(config, "MM_ERROR_HANDLING", "y") != UCS_OK) {
+      ucp_config_release(config);
+      return absl::InternalError("UCX: cannot enable MM_ERROR_HANDLING");
+    }
+    ucp_params_t params{};
+    params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED |
+                        UCP_PARAM_FIELD_NAME;
+    params.features = UCP_FEATURE_AM | UCP_FEATURE_RMA;
+    params.mt_workers_shared = 1;  // memory is registered from callers' threads
+    params.name = "strata";
+    ucs_status_t st = ucp_init(&params, config, &context_);
+    ucp_config_release(config);
+    if (st != UCS_OK) return FromUcs(st, "ucp_init");
+
+    ucp_context_attr_t cattr{};
+    cattr.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
+    if (ucp_context_query(context_, &cattr) == UCS_OK) {
+      device_memory_ = (cattr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
+    }
+
+    ucp_worker_params_t wparams{};
+    wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+    wparams.thread_mode = UCS_THREAD_MODE_SINGLE;  // only the progress thread touches it
+    if (absl::Status s = FromUcs(ucp_worker_create(context_, &wparams, &worker_),
+                                 "ucp_worker_create");
+        !s.ok()) {
+      return s;
+    }
+    RegisterAm(kHelloId);
+    RegisterAm(kHelloAckId);
+
+    if (!options_.listen_host.empty()) {
+      STRATA_RETURN_IF_ERROR(Listen());
+    }
+    return absl::OkStatus();
+  }
+
+  void Start() {
+    thread_ = std::thread([this] { Loop(); });
+  }
+
+  // Runs `cmd` on the progress thread (inline if called there). False once stopped.
+  bool Post(std::function<void()> cmd) {
+    if (OnProgressThread()) {
+      cmd();
+      return true;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stopping_) return false;
+      commands_.push_back(std::move(cmd));
+    }
+    cv_.notify_one();
+    return true;
+  }
+
+  // Runs `cmd` on the progress thread and waits for it.
+  bool Run(std::function<void()> cmd) {
+    if (OnProgressThread()) {
+      cmd();
+      return true;
+    }
+    std::mutex m;
+    std::condition_variable c;
+    bool ran = false;
+    const bool posted = Post([&] {
+      cmd();
+      std::lock_guard<std::mutex> lock(m);
+      ran = true;
+      c.notify_all();
+    });
+    if (!posted) return false;
+    std::unique_lock<std::mutex> lock(m);
+    c.wait(lock, [&] { return ran; });
+    return true;
+  }
+
+  void Stop() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stopping_) return;
+      stopping_ = true;
+    }
+    cv_.notify_one();
+    if (thread_.joinable()) thread_.join();
+  }
+
+  ucp_context_h context() const { return context_; }
+  bool device_memory() const { return device_memory_; }
+  const std::string& address() const { return address_; }
+
+  void SetHandler(uint16_t id, MessageHandler h) {
+    bool fresh;
+    {
+      std::lock_guard<std::mutex> lock(handlers_mu_);
+      fresh = !registered_ids_.contains(id);
+      registered_ids_.insert({id, true});
+      if (h) {
+        handlers_[id] = std::make_shared<MessageHandler>(std::move(h));
+      } else {
+        handlers_.erase(id);
+      }
+    }
+    if (fresh) Run([this, id] { RegisterAm(id); });
+  }
+
+  absl::StatusOr<std::shared_ptr<Endpoint>> Connect(absl::string_view address,
+                                                    absl::Duration timeout);
+
+  // ---- progress thread ----
+  void DoSend(const std::shared_ptr<UcxEndpoint>& ep, Op* op, uint16_t id);
+  void DoPut(const std::shared_ptr<UcxEndpoint>& ep, Op* op);
+  void DoCancel(const std::shared_ptr<UcxEndpoint>& ep, uint64_t tid, absl::Status why);
+  void Finish(const std::shared_ptr<UcxEndpoint>& ep, Op* op, absl::Status s);
+  void CloseEndpoint(const std::shared_ptr<UcxEndpoint>& ep, absl::Status why);
+  ucp_worker_h worker() const { return worker_; }
+  void TrackRecv(RecvOp* op) { recvs_.insert(op); }
+  void FinishRecv(RecvOp* op, absl::Status s) {
+    recvs_.erase(op);
+    Completion fn = std::move(op->done);
+    delete op;
+    fn(std::move(s));
+  }
+
+ private:
+  friend class UcxEndpoint;
+  struct AmArg {
+    Engine* engine;
+    uint16_t id;
+  };
+
+  bool OnProgressThread() const { return std::this_thread::get_id() == progress_id_.load(); }
+
+  absl::Status Listen() {
+    addrinfo hints{};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_PASSIVE;
+    addrinfo* res = nullptr;
+    const std::string port = std::to_string(options_.listen_port);
+    if (int rc = getaddrinfo(options_.listen_host.c_str(), port.c_str(), &hints, &res); rc != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("listen address ", options_.listen_host,
+                                                     ": ", gai_strerror(rc)));
+    }
+    ucp_listener_params_t lp{};
+    lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
+    lp.sockaddr.addr = res->ai_addr;
+    lp.sockaddr.addrlen = res->ai_addrlen;
+    lp.conn_handler.cb = &Engine::OnConnRequest;
+    lp.conn_handler.arg = this;
+    ucs_status_t st = ucp_listener_create(worker_, &lp, &listener_);
+    freeaddrinfo(res);
+    if (st != UCS_OK) {
+      return FromUcs(st, absl::StrCat("listen on ", options_.listen_host, ":", port));
+    }
+    ucp_listener_attr_t attr{};
+    attr.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
+    STRATA_RETURN_IF_ERROR(FromUcs(ucp_listener_query(listener_, &attr), "ucp_listener_query"));
+    uint16_t bound = 0;
+    if (attr.sockaddr.ss_family == AF_INET) {
+      bound = ntohs(reinterpret_cast<const sockaddr_in*>(&attr.sockaddr)->sin_port);
+    } else if (attr.sockaddr.ss_family == AF_INET6) {
+      bound = ntohs(reinterpret_cast<const sockaddr_in6*>(&attr.sockaddr)->sin6_port);
+    }
+    const bool v6 = absl::StrContains(options_.listen_host, ':');
+    address_ = absl::StrCat(kScheme, v6 ? "[" : "", options_.listen_host, v6 ? "]" : "", ":",
+                            bound);
+    return absl::OkStatus();
+  }
+
+  void RegisterAm(uint16_t id) {
+    auto& arg = am_args_[id];
+    if (arg == nullptr) arg = std::make_unique<AmArg>(AmArg{this, id});
+    ucp_am_handler_param_t p{};
+    p.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                   UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
+    p.id = id;
+    p.cb = &Engine::OnAm;
+    p.arg = arg.get();
+    p.flags = UCP_AM_FLAG_WHOLE_MSG;
+    ucp_worker_set_am_recv_handler(worker_, &p);
+  }
+
+  static void OnConnRequest(ucp_conn_request_h req, void* arg) {
+    auto* self = static_cast<Engine*>(arg);
+    std::string peer = "ucx://(unknown)";
+    ucp_conn_request_attr_t attr{};
+    attr.field_mask = UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ADDR;
+    if (ucp_conn_request_query(req, &attr) == UCS_OK) {
+      char host[NI_MAXHOST], port[NI_MAXSERV];
+      if (getnameinfo(reinterpret_cast<const sockaddr*>(&attr.client_address),
+                      sizeof(attr.client_address), host, sizeof(host), port, sizeof(port),
+                      NI_NUMERICHOST | NI_NUMERICSERV) == 0) {
+        peer = absl::StrCat(kScheme, host, ":", port);
+      }
+    }
+    auto ep = std::make_shared<UcxEndpoint>(self->weak_from_this(), peer);
+    ucp_ep_params_t p{};
+    p.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                   UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    p.conn_request = req;
+    p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    p.err_handler.cb = &Engine::OnEpError;
+    p.err_handler.arg = self;
+    if (ucp_ep_create(self->worker_, &p, &ep->ep) != UCS_OK) return;
+    self->eps_[ep->ep] = ep;
+  }
+
+  static void OnEpError(void* arg, ucp_ep_h h, ucs_status_t status) {
+    auto* self = static_cast<Engine*>(arg);
+    auto it = self->eps_.find(h);
+    if (it == self->eps_.end()) return;
+    std::shared_ptr<UcxEndpoint> ep = it->second;
+    // Closing inside UCX's callback is not allowed; the loop closes it next.
+    self->to_close_.emplace_back(
+        ep, FromUcs(status, absl::StrCat("connection to ", ep->peer())));
+  }
+
+  static ucs_status_t OnAm(void* arg, const void* header, size_t header_length, void* data,
+                           size_t length, const ucp_am_recv_param_t* param);
+
+  void Loop();
+  void CheckDeadlines();
+  void Shutdown();
+
+  const UcxTransportOptions options_;
+  ucp_context_h context_ = nullptr;
+  ucp_worker_h worker_ = nullptr;
+  ucp_listener_h listener_ = nullptr;
+  bool device_memory_ = false;
+  std::string address_;
+  std::thread thread_;
+  std::atomic<std::thread::id> progress_id_{};
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> commands_;
+  bool stopping_ = false;
+
+  std::mutex handlers_mu_;
+  std::unordered_map<uint16_t, std::shared_ptr<MessageHandler>> handlers_;
+  std::unordered_map<uint16_t, bool> registered_ids_;
+
+  // Progress thread only.
+  std::unordered_map<uint16_t, std::unique_ptr<AmArg>> am_args_;
+  std::unordered_map<ucp_ep_h, std::shared_ptr<UcxEndpoint>> eps_;
+  std::vector<std::pair<std::shared_ptr<UcxEndpoint>, absl::Status>> to_close_;
+  std::vector<void*> closing_;  // ucp_ep_close_nbx requests
+  std::unordered_set<RecvOp*> recvs_;  // payloads being received
+  std::multimap<absl::Time, std::pair<std::weak_ptr<UcxEndpoint>, uint64_t>> deadlines_;
+  absl::Time next_deadline_check_ = absl::InfinitePast();
+  struct ConnectWait {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::optional<absl::Status> result;
+    void Set(absl::Status s) {
+      std::lock_guard<std::mutex> lock(mu);
+      if (!result) result = std::move(s);
+      cv.notify_all();
+    }
+  };
+  std::unordered_map<uint64_t, std::shared_ptr<ConnectWait>> connect_waits_;
+  uint64_t next_nonce_ = 0;
+};
+
+// A message from UCX, for the handler.
+class UcxMessage final : public IncomingMessage {
+ public:
+  UcxMessage(Engine* engine, std::span<const uint8_t> header, void* data, size_t length,
+             bool rndv, std::shared_ptr<Endpoint> ep)
+      : engine_(engine), header_(header), data_(data), length_(length), rndv_(rndv),
+        ep_(std::move(ep)) {}
+  std::span<const uint8_t> header() const override { return header_; }
+  size_t payload_size() const override { return length_; }
+  std::shared_ptr<Endpoint> endpoint() const override { return ep_; }
+  bool accepted() const { return accepted_; }
+
+  void Accept(Destination dest, Completion done) override {
+    if (accepted_) {
+      done(absl::FailedPreconditionError("Accept called twice"));
+      return;
+    }
+    if (dest.bytes.size() != length_) {
+      done(absl::InvalidArgumentError(absl::StrCat(
+          "Accept: destination of ", dest.bytes.size(), " bytes for a payload of ", length_)));
+      return;
+    }
+    accepted_ = true;
+    if (!rndv_) {
+      if (length_ > 0) std::memcpy(dest.bytes.data(), data_, length_);
+      done(absl::OkStatus());
+      return;
+    }
+    auto* cb = new RecvOp{engine_, std::move(done)};
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    p.cb.recv_am = [](void* request, ucs_status_t status, size_t, void* user) {
+      auto* op = static_cast<RecvOp*>(user);
+      ucp_request_free(request);
+      op->engine->FinishRecv(op, FromUcs(status, "receiving a message's payload"));
+    };
+    p.user_data = cb;
+    if (ucp_mem_h memh = MemhOf(dest.region); memh != nullptr) {
+      p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+      p.memh = memh;
+    }
+    ucs_status_ptr_t r =
+        ucp_am_recv_data_nbx(engine_->worker(), data_, dest.bytes.data(), length_, &p);
+    if (r == nullptr || UCS_PTR_IS_ERR(r)) {
+      Completion fn = std::move(cb->done);
+      delete cb;
+      fn(FromUcs(UCS_PTR_STATUS(r), "receiving a message's payload"));
+    } else {
+      engine_->TrackRecv(cb);
+    }
+  }
+
+ private:
+  Engine* engine_;
+  std::span<const uint8_t> header_;
+  void* data_;
+  size_t length_;
+  bool rndv_;
+  std::shared_ptr<Endpoint> ep_;
+  bool accepted_ = false;
+};
+
+ucs_status_t Engine::OnAm(void* arg, const void* header, size_t header_length, void* data,
+                          size_t length, const ucp_am_recv_param_t* param) {
+  auto* a = static_cast<AmArg*>(arg);
+  Engine* self = a->engine;
+  std::shared_ptr<UcxEndpoint> ep;
+  if ((param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) && param->reply_ep != nullptr) {
+    auto it = self->eps_.find(param->reply_ep);
+    if (it != self->eps_.end()) ep = it->second;
+  }
+  const auto hdr = std::span<const uint8_t>(static_cast<const uint8_t*>(header), header_length);
+  const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
+
+  if (a->id == kHelloId || a->id == kHelloAckId) {
+    if (rndv) return UCS_ERR_INVALID_PARAM;  // handshakes carry no payload
+    if (a->id == kHelloId) {
+      if (ep != nullptr && ep->ep != nullptr) {
+        ucp_request_param_t p{};
+        p.op_attr_mask =
+            UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_USER_DATA;
+        p.flags = UCP_AM_SEND_FLAG_REPLY;
+        // The header must outlive the send.
+        auto* copy = new uint64_t(0);
+        if (header_length == sizeof(uint64_t)) std::memcpy(copy, header, sizeof(uint64_t));
+        p.user_data = copy;
+        p.cb.send = [](void* request, ucs_status_t, void* user) {
+          ucp_request_free(request);
+          delete static_cast<uint64_t*>(user);
+        };
+        ucs_status_ptr_t r =
+            ucp_am_send_nbx(ep->ep, kHelloAckId, copy, sizeof(uint64_t), nullptr, 0, &p);
+        if (r == nullptr || UCS_PTR_IS_ERR(r)) delete copy;
+      }
+    } else if (header_length == sizeof(uint64_t)) {
+      uint64_t nonce;
+      std::memcpy(&nonce, header, sizeof(nonce));
+      auto it = self->connect_waits_.find(nonce);
+      if (it != self->connect_waits_.end()) {
+        it->second->Set(absl::OkStatus());
+        self->connect_waits_.erase(it);
+      }
+    }
+    return UCS_OK;
+  }
+
+  std::shared_ptr<MessageHandler> handler;
+  {
+    std::lock_guard<std::mutex> lock(self->handlers_mu_);
+    auto it = self->handlers_.find(a->id);
+    if (it != self->handlers_.end()) handler = it->second;
+  }
+  if (handler == nullptr) {
+    return rndv ? UCS_ERR_UNSUPPORTED : UCS_OK;  // nobody listens: the sender learns it
+  }
+  UcxMessage m(self, hdr, data, length, rndv, ep);
+  (*handler)(m);
+  return UCS_OK;  // a rendezvous not accepted is dropped; an accepted one is already receiving
+}
+
+void Engine::Loop() {
+  progress_id_.store(std::this_thread::get_id());
+  absl::Time last_activity = absl::Now();
+  absl::Duration sleep = absl::Microseconds(50);
+  for (;;) {
+    std::deque<std::function<void()>> cmds;
+    bool stop;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      cmds.swap(commands_);
+      stop = stopping_;
+    }
+    for (auto& c : cmds) c();
+    if (stop) {
+      Shutdown();
+      return;
+    }
+    unsigned n = 0;
+    for (int i = 0; i < 16; ++i) n += ucp_worker_progress(worker_);
+    if (!to_close_.empty()) {
+      auto closing = std::move(to_close_);
+      to_close_.clear();
+      for (auto& [ep, why] : closing) CloseEndpoint(ep, why);
+    }
+    const absl::Time now = absl::Now();
+    if (now >= next_deadline_check_) {
+      CheckDeadlines();
+      next_deadline_check_ = now + absl::Milliseconds(1);
+    }
+    if (n > 0 || !cmds.empty()) {
+      last_activity = now;
+      sleep = absl::Microseconds(50);
+      continue;
+    }
+    if (now - last_activity < options_.busy_poll) continue;
+    std::unique_lock<std::mutex> lock(mu_);
+    if (commands_.empty() && !stopping_) {
+      cv_.wait_for(lock, absl::ToChronoNanoseconds(sleep));
+      sleep = std::min(sleep * 2, absl::Milliseconds(1));
+    }
+  }
+}
+
+void Engine::CheckDeadlines() {
+  const absl::Time now = absl::Now();
+  while (!deadlines_.empty() && deadlines_.begin()->first <= now) {
+    auto [weak, tid] = deadlines_.begin()->second;
+    deadlines_.erase(deadlines_.begin());
+    if (auto ep = weak.lock()) {
+      DoCancel(ep, tid,
+               absl::DeadlineExceededError(absl::StrCat("transfer ", tid, " to ", ep->peer(),
+                                                        " did not complete within its timeout")));
+    }
+  }
+}
+
+void Engine::Finish(const std::shared_ptr<UcxEndpoint>& ep, Op* op, absl::Status s) {
+  if (ep != nullptr) ep->ops.erase(op->tid);
+  if (op->rkey != nullptr) ucp_rkey_destroy(op->rkey);
+  if (!s.ok() && op->why.has_value()) s = *op->why;
+  Completion done = std::move(op->done);
+  delete op;
+  done(std::move(s));
+}
+
+struct OpContext {
+  std::weak_ptr<UcxEndpoint> ep;
+  Op* op;
+  Engine* engine;
+};
+
+void Engine::DoSend(const std::shared_ptr<UcxEndpoint>& ep, Op* op, uint16_t id) {
+  if (ep->ep == nullptr) {
+    absl::Status h = ep->health();
+    Finish(nullptr, op, h.ok() ? absl::UnavailableError("endpoint closed") : h);
+    return;
+  }
+  auto* ctx = new OpContext{ep, op, this};
+  ucp_request_param_t p{};
+  p.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+  p.flags = UCP_AM_SEND_FLAG_REPLY;
+  p.user_data = ctx;
+  p.cb.send = [](void* request, ucs_status_t status, void* user) {
+    auto* c = static_cast<OpContext*>(user);
+    ucp_request_free(request);
+    c->engine->Finish(c->ep.lock(), c->op, FromUcs(status, "send"));
+    delete c;
+  };
+  if (ucp_mem_h memh = MemhOf(op->payload.region); memh != nullptr) {
+    p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+    p.memh = memh;
+  }
+  ucs_status_ptr_t r =
+      ucp_am_send_nbx(ep->ep, id, op->header.data(), op->header.size(), op->payload.bytes.data(),
+                      op->payload.bytes.size(), &p);
+  if (r == nullptr || UCS_PTR_IS_ERR(r)) {
+    delete ctx;
+    Finish(nullptr, op, FromUcs(UCS_PTR_STATUS(r), absl::StrCat("send to ", ep->peer())));
+    return;
+  }
+  op->request = r;
+  ep->ops[op->tid] = op;
+  if (op->deadline != absl::InfiniteFuture()) {
+    deadlines_.emplace(op->deadline, std::make_pair(std::weak_ptr<UcxEndpoint>(ep), op->tid));
+  }
+}
+
+void Engine::DoPut(const std::shared_ptr<UcxEndpoint>& ep, Op* op) {
+  if (ep->ep == nullptr) {
+    absl::Status h = ep->health();
+    Finish(nullptr, op, h.ok() ? absl::UnavailableError("endpoint closed") : h);
+    return;
+  }
+  // remote: magic u32, address u64, size u64, packed rkey
+  const std::string& d = op->remote;
+  constexpr size_t kFixed = 4 + 8 + 8;
+  uint32_t magic = 0;
+  uint64_t addr = 0, size = 0;
+  if (d.size() > kFixed) {
+    std::memcpy(&magic, d.data(), 4);
+    std::memcpy(&addr, d.data() + 4, 8);
+    std::memcpy(&size, d.data() + 12, 8);
+  }
+  if (d.size() <= kFixed || magic != kRegionMagic) {
+    Finish(nullptr, op, absl::InvalidArgumentError("Put: not a UCX region descriptor"));
+    return;
+  }
+  const uint64_t len = op->payload.bytes.size();
+  if (op->remote_offset > size || len > size - op->remote_offset) {
+    Finish(nullptr, op,
+           absl::OutOfRangeError(absl::StrCat("Put: ", len, " bytes at offset ", op->remote_offset,
+                                              " overrun the peer's region of ", size, " bytes")));
+    return;
+  }
+  if (ucs_status_t st = ucp_ep_rkey_unpack(ep->ep, d.data() + kFixed, &op->rkey); st != UCS_OK) {
+    Finish(nullptr, op, FromUcs(st, "Put: unpacking the remote key"));
+    return;
+  }
+  ucp_request_param_t pp{};
+  pp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK;
+  pp.cb.send = [](void* request, ucs_status_t, void*) { ucp_request_free(request); };
+  if (ucp_mem_h memh = MemhOf(op->payload.region); memh != nullptr) {
+    pp.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+    pp.memh = memh;
+  }
+  ucs_status_ptr_t r = ucp_put_nbx(ep->ep, op->payload.bytes.data(), len,
+                                   addr + op->remote_offset, op->rkey, &pp);
+  if (UCS_PTR_IS_ERR(r)) {
+    Finish(nullptr, op, FromUcs(UCS_PTR_STATUS(r), "Put"));
+    return;
+  }
+  // Remote completion: a flush of the endpoint completes once the put is in the peer's memory.
+  auto* ctx = new OpContext{ep, op, this};
+  ucp_request_param_t fp{};
+  fp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  fp.user_data = ctx;
+  fp.cb.send = [](void* request, ucs_status_t status, void* user) {
+    auto* c = static_cast<OpContext*>(user);
+    ucp_request_free(request);
+    c->engine->Finish(c->ep.lock(), c->op, FromUcs(status, "Put"));
+    delete c;
+  };
+  ucs_status_ptr_t f = ucp_ep_flush_nbx(ep->ep, &fp);
+  if (f == nullptr || UCS_PTR_IS_ERR(f)) {
+    delete ctx;
+    Finish(nullptr, op, FromUcs(UCS_PTR_STATUS(f), "Put"));
+    return;
+  }
+  op->request = f;
+  ep->ops[op->tid] = op;
+  if (op->deadline != absl::InfiniteFuture()) {
+    deadlines_.emplace(op->deadline, std::make_pair(std::weak_ptr<UcxEndpoint>(ep), op->tid));
+  }
+}
+
+void Engine::DoCancel(const std::shared_ptr<UcxEndpoint>& ep, uint64_t tid, absl::Status why) {
+  auto it = ep->ops.find(tid);
+  if (it == ep->ops.end()) return;
+  Op* op = it->second;
+  op->why = why;
+  ucp_request_cancel(worker_, op->request);
+  // UCX cannot recall every send (a rendezvous under way); give it a moment to finish or cancel.
+  const absl::Time until = absl::Now() + absl::Milliseconds(1);
+  while (ep->ops.contains(tid) && absl::Now() < until) ucp_worker_progress(worker_);
+  if (!ep->ops.contains(tid)) return;
+  CloseEndpoint(ep, absl::UnavailableError(absl::StrCat(
+                        "connection to ", ep->peer(), " reset: transfer ", tid,
+                        " was stopped (", why.message(), ") while its payload was moving")));
+}
+
+void Engine::CloseEndpoint(const std::shared_ptr<UcxEndpoint>& ep, absl::Status why) {
+  if (ep->ep == nullptr) return;
+  ucp_ep_h h = ep->ep;
+  ep->ep = nullptr;
+  for (auto& [tid, op] : ep->ops) {
+    if (!op->why.has_value()) op->why = why;
+  }
+  ep->notifier_.Fail(why);
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+  ucs_status_ptr_t r = ucp_ep_close_nbx(h, &p);
+  if (r != nullptr && !UCS_PTR_IS_ERR(r)) closing_.push_back(r);
+  // Outstanding requests complete (with errors) as the worker progresses; keep the endpoint in
+  // eps_ until then so their callbacks find it.
+  eps_.erase(h);
+}
+
+void Engine::Shutdown() {
+  std::vector<std::shared_ptr<UcxEndpoint>> eps;
+  for (auto& [h, ep] : eps_) eps.push_back(ep);
+  for (auto& ep : eps) CloseEndpoint(ep, absl::UnavailableError("UCX transport shut down"));
+  for (auto& [nonce, wait] : connect_waits_) {
+    wait->Set(absl::UnavailableError("UCX transport shut down"));
+  }
+  connect_waits_.clear();
+  const absl::Time until = absl::Now() + absl::Seconds(2);
+  auto all_closed = [&] {
+    for (void* r : closing_) {
+      if (ucp_request_check_status(r) == UCS_INPROGRESS) return false;
+    }
+    return true;
+  };
+  while (!all_closed() && absl::Now() < until) ucp_worker_progress(worker_);
+  for (void* r : closing_) ucp_request_free(r);
+  closing_.clear();
+  // Ops UCX still holds (it had no time to fail them) are failed here.
+  std::vector<RecvOp*> recvs(recvs_.begin(), recvs_.end());
+  for (RecvOp* r : recvs) FinishRecv(r, absl::UnavailableError("UCX transport shut down"));
+  for (auto& ep : eps) {
+    std::vector<Op*> ops;
+    for (auto& [tid, op] : ep->ops) ops.push_back(op);
+    ep->ops.clear();
+    for (Op* op : ops) Finish(nullptr, op, absl::UnavailableError("UCX transport shut down"));
+  }
+  if (listener_ != nullptr) ucp_listener_destroy(listener_);
+  listener_ = nullptr;
+  ucp_worker_destroy(worker_);
+  worker_ = nullptr;
+}
+
+absl::StatusOr<std::shared_ptr<Endpoint>> Engine::Connect(absl::string_view address,
+                                                          absl::Duration timeout) {
+  absl::string_view rest = address;
+  if (absl::StartsWith(rest, kScheme)) rest.remove_prefix(kScheme.size());
+  const size_t colon = rest.rfind(':');
+  uint32_t port = 0;
+  if (colon == absl::string_view::npos || colon == 0 ||
+      !absl::SimpleAtoi(rest.substr(colon + 1), &port) || port == 0 || port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("'", address, "' is not a UCX address (ucx://HOST:PORT)"));
+  }
+  std::string host(rest.substr(0, colon));
+  if (host.size() > 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  if (int rc = getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res); rc != 0) {
+    return absl::UnavailableError(absl::StrCat("resolving ", host, ": ", gai_strerror(rc)));
+  }
+  sockaddr_storage sa{};
+  std::memcpy(&sa, res->ai_addr, res->ai_addrlen);
+  const socklen_t salen = res->ai_addrlen;
+  freeaddrinfo(res);
+
+  auto ep = std::make_shared<UcxEndpoint>(weak_from_this(), std::string(address));
+  auto wait = std::make_shared<ConnectWait>();
+  const uint64_t handle = ep->OnFailure([wait](const absl::Status& s) { wait->Set(s); });
+  const std::string addr(address);
+  const bool posted = Post([this, sa, salen, addr, ep, wait] {
+    ucp_ep_params_t p{};
+    p.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
+                   UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    p.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
+    p.sockaddr.addr = reinterpret_cast<const sockaddr*>(&sa);
+    p.sockaddr.addrlen = salen;
+    p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    p.err_handler.cb = &Engine::OnEpError;
+    p.err_handler.arg = this;
+    if (ucs_status_t st = ucp_ep_create(worker_, &p, &ep->ep); st != UCS_OK) {
+      ep->ep = nullptr;
+      wait->Set(FromUcs(st, absl::StrCat("connecting to ", addr)));
+      return;
+    }
+    eps_[ep->ep] = ep;
+    const uint64_t n = ++next_nonce_;
+    connect_waits_[n] = wait;
+    auto* header = new uint64_t(n);
+    ucp_request_param_t sp{};
+    sp.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+    sp.flags = UCP_AM_SEND_FLAG_REPLY;
+    sp.user_data = header;
+    sp.cb.send = [](void* request, ucs_status_t, void* user) {
+      ucp_request_free(request);
+      delete static_cast<uint64_t*>(user);
+    };
+    ucs_status_ptr_t r = ucp_am_send_nbx(ep->ep, kHelloId, header, sizeof(*header), nullptr, 0,
+                                         &sp);
+    if (r == nullptr || UCS_PTR_IS_ERR(r)) delete header;
+    if (UCS_PTR_IS_ERR(r)) wait->Set(FromUcs(UCS_PTR_STATUS(r), "connect handshake"));
+  });
+  if (!posted) return absl::UnavailableError("UCX transport shut down");
+  absl::Status result;
+  {
+    std::unique_lock<std::mutex> lock(wait->mu);
+    if (!wait->cv.wait_for(lock, absl::ToChronoNanoseconds(timeout),
+                           [&] { return wait->result.has_value(); })) {
+      result = absl::UnavailableError(absl::StrCat("connecting to ", address, ": no answer within ",
+                                                   absl::FormatDuration(timeout)));
+    } else {
+      result = *wait->result;
+    }
+  }
+  ep->RemoveFailureCallback(handle);
+  if (!result.ok()) {
+    Post([this, ep, result] { CloseEndpoint(ep, absl::UnavailableError(result.message())); });
+    if (result.code() != absl::StatusCode::kInvalidArgument) {
+      return absl::UnavailableError(result.message());
+    }
+    return result;
+  }
+  return std::shared_ptr<Endpoint>(ep);
+}
+
+uint64_t UcxEndpoint::Post(Op* op, uint16_t id, absl::Duration timeout) {
+  const uint64_t tid = op->tid;
+  if (timeout != absl::InfiniteDuration()) op->deadline = absl::Now() + timeout;
+  std::shared_ptr<Engine> engine = engine_.lock();
+  auto self = shared_from_this();
+  const bool posted =
+      engine != nullptr && engine->Post([engine, self, op, id] {
+        if (op->is_put) {
+          engine->DoPut(self, op);
+        } else {
+          engine->DoSend(self, op, id);
+        }
+      });
+  if (!posted) {
+    Completion done = std::move(op->done);
+    delete op;
+    done(absl::UnavailableError("UCX transport shut down"));
+  }
+  return tid;
+}
+
+uint64_t UcxEndpoint::Send(uint16_t id, std::span<const uint8_t> header, Payload payload,
+                           absl::Duration timeout, Completion done) {
+  auto* op = new Op;
+  op->tid = next_tid_.fetch_add(1) + 1;
+  op->header.assign(header.begin(), header.end());
+  op->payload = payload;
+  op->done = std::move(done);
+  if (id >= kHelloId) {
+    const uint64_t tid = op->tid;
+    Completion d = std::move(op->done);
+    delete op;
+    d(absl::InvalidArgumentError(absl::StrCat("message id ", id, " is reserved")));
+    return tid;
+  }
+  return Post(op, id, timeout);
+}
+
+uint64_t UcxEndpoint::Put(Payload payload, absl::string_view remote, uint64_t remote_offset,
+                          absl::Duration timeout, Completion done) {
+  auto* op = new Op;
+  op->tid = next_tid_.fetch_add(1) + 1;
+  op->payload = payload;
+  op->done = std::move(done);
+  op->is_put = true;
+  op->remote = std::string(remote);
+  op->remote_offset = remote_offset;
+  return Post(op, 0, timeout);
+}
+
+void UcxEndpoint::Cancel(uint64_t tid) {
+  std::shared_ptr<Engine> engine = engine_.lock();
+  if (engine == nullptr) return;
+  auto self = shared_from_this();
+  engine->Post([engine, self, tid] {
+    engine->DoCancel(self, tid, absl::CancelledError(absl::StrCat("transfer ", tid, " cancelled")));
+  });
+}
+
+std::string UcxEndpoint::Describe() const {
+  std::shared_ptr<Engine> engine = engine_.lock();
+  if (engine == nullptr) return peer_ + " (transport shut down)";
+  std::string info;
+  engine->Run([&] {
+    if (ep == nullptr) {
+      info = "(closed)";
+      return;
+    }
+    char* buf = nullptr;
+    size_t len = 0;
+    FILE* f = open_memstream(&buf, &len);
+    if (f == nullptr) return;
+    ucp_ep_print_info(ep, f);
+    fclose(f);
+    info.assign(buf, len);
+    free(buf);
+  });
+  // Keep the lane lines: "#   lane[0]:  1:posix/memory.0 md[0] ... am zcopy_rndv"
+  std::string lanes;
+  for (absl::string_view line : absl::StrSplit(info, '\n')) {
+    if (!absl::StrContains(line, "lane[")) continue;
+    line = absl::StripAsciiWhitespace(absl::StripPrefix(absl::StripAsciiWhitespace(line), "#"));
+    absl::StrAppend(&lanes, lanes.empty() ? "" : "; ", line);
+  }
+  return absl::StrCat(peer_, " [", lanes.empty() ? info : lanes, "]");
+}
+
+UcxRegion::~UcxRegion() { ucp_mem_unmap(engine_->context(), memh_); }
+
+absl::StatusOr<std::string> UcxRegion::RemoteDescriptor() const {
+  void* rkey = nullptr;
+  size_t rkey_size = 0;
+  if (ucs_status_t st = ucp_rkey_pack(engine_->context(), memh_, &rkey, &rkey_size);
+      st != UCS_OK) {
+    return FromUcs(st, "ucp_rkey_pack");
+  }
+  std::string out(4 + 8 + 8, '\0');
+  const uint64_t addr = reinterpret_cast<uint64_t>(data());
+  const uint64_t size = this->size();
+  std::memcpy(out.data(), &kRegionMagic, 4);
+  std::memcpy(out.data() + 4, &addr, 8);
+  std::memcpy(out.data() + 12, &size, 8);
+  out.append(static_cast<const char*>(rkey), rkey_size);
+  ucp_rkey_buffer_release(rkey);
+  return out;
+}
+
+class UcxTransport final : public Transport {
+ public:
+  explicit UcxTransport(std::shared_ptr<Engine> engine) : engine_(std::move(engine)) {
+    caps_.backend = "ucx";
+    caps_.one_sided = true;
+    caps_.device_memory = engine_->device_memory();
+    caps_.cross_process = true;
+  }
+  ~UcxTransport() override { engine_->Stop(); }
+
+  const Capabilities& capabilities() const override { return caps_; }
+  std::string address() const override { return engine_->address(); }
+
+  absl::StatusOr<std::unique_ptr<MemoryRegion>> Register(void* data, size_t size,
+                                                         MemoryKind kind) override {
+    if (data == nullptr || size == 0) return absl::InvalidArgumentError("Register: empty region");
+    if (kind == MemoryKind::kDevice && !caps_.device_memory) {
+      return absl::UnimplementedError("this UCX build has no CUDA memory support");
+    }
+    ucp_mem_map_params_t p{};
+    p.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+    p.address = data;
+    p.length = size;
+    ucp_mem_h memh = nullptr;
+    if (ucs_status_t st = ucp_mem_map(engine_->context(), &p, &memh); st != UCS_OK) {
+      return FromUcs(st, absl::StrCat("registering ", size, " bytes"));
+    }
+    return std::unique_ptr<MemoryRegion>(
+        new UcxRegion(static_cast<uint8_t*>(data), size, engine_, memh));
+  }
+
+  absl::StatusOr<std::shared_ptr<Endpoint>> Connect(absl::string_view address,
+                                                    absl::Duration timeout) override {
+    return engine_->Connect(address, timeout);
+  }
+
+  void SetHandler(uint16_t id, MessageHandler handler) override {
+    if (id >= kHelloId) return;  // reserved for the handshake
+    engine_->SetHandler(id, std::move(handler));
+  }
+
+  size_t max_header_size() const override { return 4096; }
+
+ private:
+  std::shared_ptr<Engine> engine_;
+  Capabilities caps_;
+};
+
+}  // namespace
+
+absl::Status UcxTransportOptions::Validate() const {
+  if (busy_poll < absl::ZeroDuration()) return absl::InvalidArgumentError("busy_poll < 0");
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<Transport>> CreateUcxTransport(UcxTransportOptions options) {
+  if (absl::Status s = options.Validate(); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("UcxTransportOptions: ", s.message()));
+  }
+  auto engine = std::make_shared<Engine>(std::move(options));
+  if (absl::Status s = engine->Init(); !s.ok()) return s;
+  engine->Start();
+  return std::unique_ptr<Transport>(new UcxTransport(std::move(engine)));
+}
+
+std::string UcxVersion() { return ucp_get_version_string(); }
+
+}  // namespace strata::transport

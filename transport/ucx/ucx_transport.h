@@ -1,0 +1,44 @@
+// The UCX transport (UCP active messages, one-sided put with remote keys).
+//
+// One UCP worker per transport, driven by one progress thread that makes every UCP call; the
+// public methods hand it commands. Peers connect by socket address ("ucx://HOST:PORT") through
+// UCX's connection manager; the data then moves over whatever transports UCX picks among those
+// allowed (UCX_TLS in the environment, or UcxTransportOptions::tls): here TCP and shared memory
+// (posix/sysv/cma), in a cluster RDMA (rc/dc/ud verbs) and CUDA IPC/GDR copy where the UCX build
+// has them. Large messages go by rendezvous straight into the receiver's registered buffer.
+//
+// Endpoints use UCX's peer error handling: a peer that dies fails its endpoint (UNAVAILABLE) and
+// every transfer on it; partial receives are reported as failed to the receiver's Accept.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "transport/transport.h"
+
+namespace strata::transport {
+
+struct UcxTransportOptions {
+  // Listen for peers on this host:port (port 0: any free port, see Transport::address()).
+  // Empty host: do not listen (connect-only).
+  std::string listen_host = "127.0.0.1";
+  uint16_t listen_port = 0;
+  // UCX transports allowed (the value of UCX_TLS, e.g. "tcp", "posix,sysv,cma"); empty leaves
+  // UCX's own setting (the UCX_TLS environment variable, or all it has).
+  std::string tls;
+  // After the last activity the progress thread keeps polling this long before it sleeps (sleeps
+  // are 50 us .. 1 ms and end early on a local command). Longer: lower latency, more CPU.
+  absl::Duration busy_poll = absl::Microseconds(500);
+
+  absl::Status Validate() const;
+};
+
+absl::StatusOr<std::unique_ptr<Transport>> CreateUcxTransport(UcxTransportOptions options);
+
+// The UCX library version this binary runs with ("1.13.1").
+std::string UcxVersion();
+
+}  // namespace strata::transport
