@@ -14,6 +14,8 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -32,6 +34,10 @@ struct UcxTransportOptions {
   // After the last activity the progress thread keeps polling this long before it sleeps (sleeps
   // are 50 us .. 1 ms and end early on a local command). Longer: lower latency, more CPU.
   absl::Duration busy_poll = absl::Microseconds(500);
+  // Further UCX settings (names without the UCX_ prefix, e.g. {"RNDV_THRESH", "64k"}). They
+  // override the environment's UCX_* values and the transport's own same-host settings
+  // (UCX_MM_ERROR_HANDLING=y, UCX_TCP_PUT_ENABLE=n when shared memory is allowed; see the .cc for why).
+  std::vector<std::pair<std::string, std::string>> ucx_config = {};
 
   absl::Status Validate() const;
 };

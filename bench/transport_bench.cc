@@ -1,0 +1,422 @@
+// transport_bench: the block shipping protocol over UCX between two processes on this machine —
+// throughput against block size (4 KiB .. 64 MiB) and small-block latency — with ucx_perftest
+// (Debian's ucx-utils) on the same UCX transports measured in the same run as the ceiling.
+//
+// Strata's numbers include everything the protocol does: a header per block, the payload placed
+// into the receiver's registered buffer, the receiver's CRC-32C verification of every block, and
+// an acknowledgement per block (a transfer completes when the receiver has verified it). The
+// sender passes each block's CRC-32C as a prefill node does (computed once, when the block is
+// encoded). ucx_perftest's ucp_am_bw moves the same sizes as UCP active messages with no checks.
+//
+//   transport_bench [--tls LIST] [--sizes 4K,64K,...] [--mib N] [--perftest PATH]
+//                   [--commit SHA] [--out DIR]
+// Prints a table and writes JSON (and the same table as .txt) to --out (default bench/results).
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <netinet/in.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <random>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "bench/bench_util.h"
+#include "common/aligned_buffer.h"
+#include "common/crc32c.h"
+#include "transport/block_protocol.h"
+#include "transport/ucx/ucx_transport.h"
+
+namespace strata::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using transport::BlockReceiver;
+using transport::BlockSender;
+using transport::Payload;
+using transport::Transfer;
+
+double Seconds(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+uint64_t ParseSize(const std::string& s) {
+  uint64_t mult = 1;
+  std::string num = s;
+  if (!num.empty() && (num.back() == 'K' || num.back() == 'M' || num.back() == 'G')) {
+    mult = num.back() == 'K' ? 1024 : num.back() == 'M' ? (1 << 20) : (1ull << 30);
+    num.pop_back();
+  }
+  uint64_t v = 0;
+  if (!absl::SimpleAtoi(num, &v)) {
+    std::fprintf(stderr, "bad size '%s'\n", s.c_str());
+    std::exit(2);
+  }
+  return v * mult;
+}
+
+std::string HumanSize(uint64_t n) {
+  if (n >= (1 << 20) && n % (1 << 20) == 0) return absl::StrCat(n >> 20, "M");
+  if (n >= 1024 && n % 1024 == 0) return absl::StrCat(n >> 10, "K");
+  return absl::StrCat(n);
+}
+
+uint16_t FreePort() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  socklen_t len = sizeof(a);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+// ---- the receiving process -------------------------------------------------------------------
+
+int RunReceiver(const std::string& tls, const std::string& address_file) {
+  auto t = transport::CreateUcxTransport({.tls = tls, .busy_poll = absl::Milliseconds(5)});
+  if (!t.ok()) {
+    std::fprintf(stderr, "receiver: %s\n", t.status().ToString().c_str());
+    return 1;
+  }
+  auto r = BlockReceiver::Create(t->get(), {.pool_bytes = uint64_t{1} << 30},
+                                 [](transport::ReceivedBlock) { return absl::OkStatus(); });
+  if (!r.ok()) return 1;
+  {
+    std::ofstream(address_file + ".tmp") << (*t)->address() << std::flush;
+  }
+  std::filesystem::rename(address_file + ".tmp", address_file);
+  for (;;) pause();  // until the parent's SIGTERM
+}
+
+// ---- ucx_perftest ----------------------------------------------------------------------------
+
+struct PerftestResult {
+  bool ok = false;
+  double bandwidth = 0;   // bytes/s (overall)
+  double latency_us = 0;  // one-way, median
+  std::string error;
+};
+
+// Runs `ucx_perftest -t TEST` server and client on loopback; parses the client's "Final:" line
+// (iterations, overhead 50%/avg/overall us, bandwidth avg/overall MiB/s, msg rate avg/overall).
+// `env` is extra UCX settings ("UCX_A=x UCX_B=y"); `errors` adds -e (peer error handling on
+// every endpoint, as Strata's endpoints have).
+PerftestResult RunPerftest(const std::string& perftest, const std::string& tls,
+                           const std::string& env, bool errors, const std::string& test,
+                           uint64_t size, uint64_t iters) {
+  PerftestResult res;
+  const uint16_t port = FreePort();
+  const pid_t server = fork();
+  if (server == 0) {
+    setenv("UCX_TLS", tls.c_str(), 1);
+    for (absl::string_view kv : absl::StrSplit(env, ' ', absl::SkipEmpty())) {
+      std::vector<std::string> p = absl::StrSplit(kv, absl::MaxSplits('=', 1));
+      if (p.size() == 2) setenv(p[0].c_str(), p[1].c_str(), 1);
+    }
+    const int devnull = open("/dev/null", O_WRONLY);
+    dup2(devnull, 1);
+    dup2(devnull, 2);
+    if (errors) {
+      execl(perftest.c_str(), perftest.c_str(), "-p", std::to_string(port).c_str(), "-e", nullptr);
+    } else {
+      execl(perftest.c_str(), perftest.c_str(), "-p", std::to_string(port).c_str(), nullptr);
+    }
+    _exit(127);
+  }
+  std::string out;
+  for (int attempt = 0; attempt < 20 && out.find("Final:") == std::string::npos; ++attempt) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    const std::string cmd =
+        absl::StrCat("UCX_TLS=", tls, " ", env, " ", perftest, " 127.0.0.1 -p ", port,
+                     errors ? " -e" : "", " -t ", test, " -s ", size, " -n ", iters, " -w ",
+                     std::max<uint64_t>(iters / 10, 10), " 2>&1");
+    FILE* p = popen(cmd.c_str(), "r");
+    if (p == nullptr) break;
+    char buf[4096];
+    out.clear();
+    while (fgets(buf, sizeof(buf), p) != nullptr) out += buf;
+    pclose(p);
+  }
+  kill(server, SIGTERM);
+  waitpid(server, nullptr, 0);
+  const size_t at = out.find("Final:");
+  if (at == std::string::npos) {
+    res.error = out.substr(0, 300);
+    return res;
+  }
+  std::istringstream line(out.substr(at + 6));
+  double iters_done, lat50, lat_avg, lat_all, bw_avg, bw_all;
+  if (!(line >> iters_done >> lat50 >> lat_avg >> lat_all >> bw_avg >> bw_all)) {
+    res.error = "unparsable: " + out.substr(at, 200);
+    return res;
+  }
+  res.ok = true;
+  res.bandwidth = bw_all * 1024 * 1024;
+  res.latency_us = lat50;
+  return res;
+}
+
+// ---- the sending side ------------------------------------------------------------------------
+
+struct Row {
+  uint64_t size = 0;
+  uint64_t blocks = 0;
+  double strata_bw = 0;      // bytes/s
+  double perftest_bw = 0;        // bytes/s, endpoints configured as Strata's (0: not measured)
+  double perftest_plain_bw = 0;  // bytes/s, UCX's defaults without peer error handling
+  std::string perftest_error;
+};
+
+int Main(int argc, char** argv) {
+  std::string tls = "posix,sysv,cma,tcp", commit = "unknown", out_dir = "bench/results";
+  std::string perftest = "/usr/bin/ucx_perftest", role, address_file;
+  std::vector<uint64_t> sizes = {4 << 10,  16 << 10, 64 << 10, 256 << 10,
+                                 1 << 20,  4 << 20,  16 << 20, 64 << 20};
+  uint64_t mib = 1024;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string f = argv[i], v = argv[i + 1];
+    if (f == "--tls") tls = v;
+    else if (f == "--commit") commit = v;
+    else if (f == "--out") out_dir = v;
+    else if (f == "--perftest") perftest = v;
+    else if (f == "--role") role = v;
+    else if (f == "--address-file") address_file = v;
+    else if (f == "--mib") mib = ParseSize(v);
+    else if (f == "--sizes") {
+      sizes.clear();
+      for (absl::string_view s : absl::StrSplit(v, ',')) sizes.push_back(ParseSize(std::string(s)));
+    } else {
+      std::fprintf(stderr, "unknown flag %s\n", f.c_str());
+      return 2;
+    }
+  }
+  if (role == "receiver") return RunReceiver(tls, address_file);
+
+  const RunInfo info = CollectRunInfo(commit);
+  const bool have_perftest = access(perftest.c_str(), X_OK) == 0;
+  // The settings CreateUcxTransport makes when shared memory is allowed (ucx_transport.cc).
+  const bool shm = absl::StrContains(tls, "posix") || absl::StrContains(tls, "sysv") ||
+                   absl::StrContains(tls, "sm") || absl::StrContains(tls, "all");
+  const std::string same_env = shm ? "UCX_MM_ERROR_HANDLING=y UCX_TCP_PUT_ENABLE=n" : "";
+
+  // The receiver in its own process, as a decode node would be.
+  const std::string dir = absl::StrCat("/tmp/strata-transport-bench-", getpid());
+  std::filesystem::create_directories(dir);
+  address_file = dir + "/address";
+  const std::string self = std::filesystem::read_symlink("/proc/self/exe");
+  const pid_t child = fork();
+  if (child == 0) {
+    execl(self.c_str(), self.c_str(), "--role", "receiver", "--tls", tls.c_str(),
+          "--address-file", address_file.c_str(), nullptr);
+    _exit(127);
+  }
+  std::string address;
+  for (int i = 0; i < 1000 && address.empty(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    std::ifstream(address_file) >> address;
+  }
+  auto stop_child = [&] {
+    kill(child, SIGTERM);
+    waitpid(child, nullptr, 0);
+    std::filesystem::remove_all(dir);
+  };
+  if (address.empty()) {
+    std::fprintf(stderr, "the receiver process did not start\n");
+    stop_child();
+    return 1;
+  }
+  auto t = transport::CreateUcxTransport({.listen_host = "", .tls = tls});
+  if (!t.ok()) {
+    std::fprintf(stderr, "%s\n", t.status().ToString().c_str());
+    stop_child();
+    return 1;
+  }
+  auto ep = (*t)->Connect(address, absl::Seconds(10));
+  if (!ep.ok()) {
+    std::fprintf(stderr, "%s\n", ep.status().ToString().c_str());
+    stop_child();
+    return 1;
+  }
+  const std::string lanes = (*ep)->Describe();
+  auto sender = std::move(*BlockSender::Create(t->get(), {.max_bytes_in_flight = 256 << 20}));
+
+  const uint64_t max_size = *std::max_element(sizes.begin(), sizes.end());
+  AlignedBuffer src = AlignedBuffer::Uninitialized(max_size);
+  std::mt19937_64 rng(1);
+  for (uint64_t i = 0; i + 8 <= max_size; i += 8) {
+    const uint64_t x = rng();
+    std::memcpy(src.data() + i, &x, 8);
+  }
+  auto region = (*t)->Register(src.data(), max_size, transport::MemoryKind::kHost);
+  if (!region.ok()) {
+    std::fprintf(stderr, "%s\n", region.status().ToString().c_str());
+    stop_child();
+    return 1;
+  }
+
+  std::string table;
+  auto print = [&](const std::string& s) {
+    std::fputs(s.c_str(), stdout);
+    std::fflush(stdout);
+    table += s;
+  };
+  print(absl::StrCat("transport_bench  ", info.machine, "  ", info.date, "  commit ", commit,
+                     "\nUCX ", transport::UcxVersion(), ", UCX_TLS=", tls,
+                     "; sender and receiver in two processes\nstrata's connection: ", lanes,
+                     "\n\n"));
+  print(absl::StrCat("perftest: ucp_am_bw / ucp_am_lat with UCX_TLS=", tls, " ", same_env,
+                     " -e (peer error handling: the endpoints Strata makes);\n"
+                     "perftest plain: the same without -e", shm ? " and those settings" : "",
+                     " (UCX's defaults)\n\n"));
+  print(absl::StrFormat("%-6s %8s %12s %14s %7s %16s %7s\n", "block", "blocks", "strata MB/s",
+                        "perftest MB/s", "ratio", "perftest plain", "ratio"));
+
+  std::vector<Row> rows;
+  for (uint64_t size : sizes) {
+    Row row;
+    row.size = size;
+    row.blocks = std::clamp<uint64_t>((mib << 20) / size, 64, 200000);
+    const uint32_t crc = Crc32c(src.data(), size);
+    const Payload payload{.bytes = {src.data(), size}, .region = region->get()};
+    // Warm-up (connection lanes, receiver's buffer pool), then the best of three runs.
+    for (int i = 0; i < 16; ++i) {
+      sender->Send(*ep, "warm", payload, {.crc32c = crc})->Wait().IgnoreError();
+    }
+    for (int rep = 0; rep < 3; ++rep) {
+      std::vector<std::shared_ptr<Transfer>> ts;
+      ts.reserve(row.blocks);
+      const auto a = Clock::now();
+      for (uint64_t i = 0; i < row.blocks; ++i) {
+        ts.push_back(sender->Send(*ep, "b", payload, {.crc32c = crc}));
+      }
+      bool all_ok = true;
+      for (auto& tr : ts) all_ok &= tr->Wait().ok();
+      const double s = Seconds(a, Clock::now());
+      if (!all_ok) {
+        std::fprintf(stderr, "transfers failed at %s\n", HumanSize(size).c_str());
+        stop_child();
+        return 1;
+      }
+      row.strata_bw = std::max(row.strata_bw, size * row.blocks / s);
+    }
+    if (have_perftest) {
+      const uint64_t iters = std::clamp<uint64_t>((mib << 20) / size, 64, 200000);
+      PerftestResult p = RunPerftest(perftest, tls, same_env, true, "ucp_am_bw", size, iters);
+      row.perftest_bw = p.ok ? p.bandwidth : 0;
+      row.perftest_error = p.error;
+      PerftestResult q = RunPerftest(perftest, tls, "", false, "ucp_am_bw", size, iters);
+      row.perftest_plain_bw = q.ok ? q.bandwidth : 0;
+    }
+    rows.push_back(row);
+    auto mbs = [](double v) { return v > 0 ? absl::StrFormat("%.0f", v / 1e6) : std::string("-"); };
+    auto ratio = [&](double v) {
+      return v > 0 ? absl::StrFormat("%.2f", row.strata_bw / v) : std::string("-");
+    };
+    print(absl::StrFormat("%-6s %8d %12.0f %14s %7s %16s %7s\n", HumanSize(size), row.blocks,
+                          row.strata_bw / 1e6, mbs(row.perftest_bw), ratio(row.perftest_bw),
+                          mbs(row.perftest_plain_bw), ratio(row.perftest_plain_bw)));
+  }
+
+  // Latency: one block at a time, send -> verified -> acknowledged; half the round trip is
+  // comparable with ucx_perftest's ucp_am_lat (a message and its reply).
+  struct Lat {
+    uint64_t size;
+    double strata_half_rtt_us_p50, strata_half_rtt_us_p99, perftest_us;
+  };
+  std::vector<Lat> lats;
+  print(absl::StrFormat("\n%-6s %22s %22s %18s\n", "block", "strata 1/2 RTT p50 us",
+                        "strata 1/2 RTT p99 us", "perftest lat us"));
+  for (uint64_t size : {uint64_t{8}, uint64_t{4096}}) {
+    const uint32_t crc = Crc32c(src.data(), size);
+    const Payload payload{.bytes = {src.data(), size}, .region = region->get()};
+    std::vector<double> us;
+    for (int i = 0; i < 20000; ++i) {
+      const auto a = Clock::now();
+      sender->Send(*ep, "l", payload, {.crc32c = crc})->Wait().IgnoreError();
+      if (i >= 1000) us.push_back(Seconds(a, Clock::now()) * 1e6 / 2);
+    }
+    std::sort(us.begin(), us.end());
+    Lat l{size, us[us.size() / 2], us[us.size() * 99 / 100], 0};
+    if (have_perftest) {
+      PerftestResult p = RunPerftest(perftest, tls, same_env, true, "ucp_am_lat", size, 20000);
+      l.perftest_us = p.ok ? p.latency_us : 0;
+    }
+    lats.push_back(l);
+    print(absl::StrFormat("%-6s %22.2f %22.2f %18s\n", HumanSize(size), l.strata_half_rtt_us_p50,
+                          l.strata_half_rtt_us_p99,
+                          l.perftest_us > 0 ? absl::StrFormat("%.2f", l.perftest_us) : "-"));
+  }
+  if (!have_perftest) print(absl::StrCat("\n", perftest, " not found (apt install ucx-utils)\n"));
+  const auto stats = sender->stats();
+  sender.reset();
+  region->reset();
+  ep->reset();
+  t->reset();
+  stop_child();
+
+  std::vector<std::string> jrows;
+  for (const Row& r : rows) {
+    jrows.push_back(Json()
+                        .Num("block_bytes", r.size)
+                        .Num("blocks", r.blocks)
+                        .Num("strata_bytes_per_s", r.strata_bw)
+                        .Num("perftest_bytes_per_s", r.perftest_bw)
+                        .Num("ratio", r.perftest_bw > 0 ? r.strata_bw / r.perftest_bw : 0)
+                        .Num("perftest_plain_bytes_per_s", r.perftest_plain_bw)
+                        .Str("perftest_error", r.perftest_error)
+                        .Done());
+  }
+  std::vector<std::string> jlats;
+  for (const Lat& l : lats) {
+    jlats.push_back(Json()
+                        .Num("block_bytes", l.size)
+                        .Num("strata_half_rtt_us_p50", l.strata_half_rtt_us_p50)
+                        .Num("strata_half_rtt_us_p99", l.strata_half_rtt_us_p99)
+                        .Num("perftest_latency_us", l.perftest_us)
+                        .Done());
+  }
+  const std::string json = Json()
+                               .Str("benchmark", "transport_bench")
+                               .Str("machine", info.machine)
+                               .Str("date", info.date)
+                               .Str("commit", commit)
+                               .Str("ucx_version", transport::UcxVersion())
+                               .Str("ucx_tls", tls)
+                               .Str("perftest_env", same_env + " -e")
+                               .Str("connection", lanes)
+                               .Num("blocks_sent", stats.sent)
+                               .Raw("throughput", JsonArray(jrows))
+                               .Raw("latency", JsonArray(jlats))
+                               .Done();
+  std::string tag = tls;
+  std::replace(tag.begin(), tag.end(), ',', '+');
+  const std::string base = absl::StrCat(out_dir, "/transport_bench-", tag, "-",
+                                        info.date.substr(0, 10), "-", commit);
+  std::ofstream(base + ".json") << json << "\n";
+  std::ofstream(base + ".txt") << table;
+  std::printf("\nwrote %s.{json,txt}\n", base.c_str());
+  return 0;
+}
+
+}  // namespace
+}  // namespace strata::bench
+
+int main(int argc, char** argv) { return strata::bench::Main(argc, argv); }
