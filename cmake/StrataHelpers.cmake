@@ -42,13 +42,14 @@ function(strata_add_library name)
   target_link_options(strata_${name} PUBLIC ${STRATA_SANITIZE_FLAGS})
 endfunction()
 
-# strata_add_test(name SOURCES ... DEPS ... LABELS ...): a GoogleTest binary registered with CTest
+# strata_add_test(name SOURCES ... DEPS ... LABELS ... [TIMEOUT s] [ENVIRONMENT VAR=value...]): a
+# GoogleTest binary registered with CTest
 # (each TEST is its own CTest test, via gtest_discover_tests). Default label: unit.
 function(strata_add_test name)
   if(NOT STRATA_BUILD_TESTS)
     return()
   endif()
-  cmake_parse_arguments(ARG "" "TIMEOUT" "SOURCES;DEPS;LABELS" ${ARGN})
+  cmake_parse_arguments(ARG "" "TIMEOUT" "SOURCES;DEPS;LABELS;ENVIRONMENT" ${ARGN})
   if(NOT ARG_LABELS)
     set(ARG_LABELS unit)
   endif()
@@ -61,7 +62,7 @@ function(strata_add_test name)
   include(GoogleTest)
   gtest_discover_tests(${name}
     WORKING_DIRECTORY ${PROJECT_SOURCE_DIR}
-    PROPERTIES LABELS "${ARG_LABELS}" TIMEOUT ${ARG_TIMEOUT}
+    PROPERTIES LABELS "${ARG_LABELS}" TIMEOUT ${ARG_TIMEOUT} ENVIRONMENT "${ARG_ENVIRONMENT}"
     DISCOVERY_TIMEOUT 60)
 endfunction()
 

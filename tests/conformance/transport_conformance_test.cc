@@ -3,6 +3,7 @@
 // TCP and over shared memory (posix/sysv/cma), the in-process backend in memory. Backends that
 // reach other processes are also tested against a peer process killed with SIGKILL.
 #include <fcntl.h>
+#include <spawn.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -29,6 +30,8 @@
 #include "transport/block_protocol.h"
 #include "transport/inproc/inproc_transport.h"
 #include "transport/ucx/ucx_transport.h"
+
+extern char** environ;
 
 namespace strata::transport {
 namespace {
@@ -141,6 +144,7 @@ class TransportConformanceTest : public ::testing::TestWithParam<Backend> {
   }
 
   void TearDown() override {
+    hold_.Open();  // a failed test may have left a consumer waiting
     sender_.reset();
     receiver_.reset();
     peer_.reset();
@@ -148,6 +152,8 @@ class TransportConformanceTest : public ::testing::TestWithParam<Backend> {
     receiver_transport_.reset();
   }
 
+  // Gates and the sink outlive the receiver (whose consumers use them): members, not locals.
+  Gate hold_;
   Sink sink_;
   std::unique_ptr<Transport> sender_transport_;
   std::unique_ptr<Transport> receiver_transport_;
@@ -197,9 +203,8 @@ TEST_P(TransportConformanceTest, ManyConcurrentTransfersAllComplete) {
 }
 
 TEST_P(TransportConformanceTest, TransfersCompleteOutOfOrder) {
-  Gate hold_a;
   Start({.verify_threads = 2}, {}, [&](ReceivedBlock b) {
-    if (b.id == "a") hold_a.Wait();
+    if (b.id == "a") hold_.Wait();
     return sink_.Take(b);
   });
   const auto a_data = RandomBytes(1000, 1), b_data = RandomBytes(2000, 2);
@@ -207,7 +212,7 @@ TEST_P(TransportConformanceTest, TransfersCompleteOutOfOrder) {
   auto b = sender_->Send(peer_, "b", View(b_data));
   EXPECT_TRUE(b->Wait().ok());
   EXPECT_FALSE(a->done()) << "a completed though its consumer has not returned";
-  hold_a.Open();
+  hold_.Open();
   EXPECT_TRUE(a->Wait().ok());
   EXPECT_EQ(sink_.Get("a"), a_data);
 }
@@ -241,9 +246,8 @@ TEST_P(TransportConformanceTest, ConsumerRefusalAndSizeLimitComeBackToTheSender)
 }
 
 TEST_P(TransportConformanceTest, CancelCompletesPromptlyWithCancelled) {
-  Gate hold;
   Start({}, {}, [&](ReceivedBlock b) {
-    hold.Wait();
+    hold_.Wait();
     return sink_.Take(b);
   });
   const auto data = RandomBytes(5000, 6);
@@ -252,7 +256,7 @@ TEST_P(TransportConformanceTest, CancelCompletesPromptlyWithCancelled) {
   t->Cancel();
   ASSERT_TRUE(t->WaitFor(absl::Seconds(5)));
   EXPECT_EQ(t->status().code(), absl::StatusCode::kCancelled) << t->status();
-  hold.Open();
+  hold_.Open();
   // A cancel after completion changes nothing; the sender still works.
   t->Cancel();
   EXPECT_EQ(t->status().code(), absl::StatusCode::kCancelled);
@@ -260,9 +264,8 @@ TEST_P(TransportConformanceTest, CancelCompletesPromptlyWithCancelled) {
 }
 
 TEST_P(TransportConformanceTest, UnacknowledgedTransferTimesOut) {
-  Gate hold;
   Start({}, {}, [&](ReceivedBlock b) {
-    hold.Wait();
+    hold_.Wait();
     return sink_.Take(b);
   });
   const auto data = RandomBytes(5000, 7);
@@ -271,7 +274,7 @@ TEST_P(TransportConformanceTest, UnacknowledgedTransferTimesOut) {
       sender_->Send(peer_, "slow", View(data), {.timeout = absl::Milliseconds(300)})->Wait();
   EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
   EXPECT_LT(absl::Now() - start, absl::Seconds(5));
-  hold.Open();
+  hold_.Open();
   // The late acknowledgement is counted, not delivered to anybody.
   for (int i = 0; i < 500 && sender_->stats().late_acks == 0; ++i) absl::SleepFor(absl::Milliseconds(10));
   EXPECT_EQ(sender_->stats().late_acks, 1u);
@@ -294,9 +297,8 @@ TEST_P(TransportConformanceTest, SlowConsumerSlowsTheSenderWithinItsWindow) {
 }
 
 TEST_P(TransportConformanceTest, WindowThatNeverOpensTimesOutWithoutSending) {
-  Gate hold;
   Start({}, {.max_bytes_in_flight = 1000}, [&](ReceivedBlock b) {
-    hold.Wait();
+    hold_.Wait();
     return sink_.Take(b);
   });
   const auto data = RandomBytes(800, 9);
@@ -305,7 +307,7 @@ TEST_P(TransportConformanceTest, WindowThatNeverOpensTimesOutWithoutSending) {
       sender_->Send(peer_, "second", View(data), {.timeout = absl::Milliseconds(200)})->Wait();
   EXPECT_EQ(second.code(), absl::StatusCode::kDeadlineExceeded) << second;
   EXPECT_THAT(second.message(), HasSubstr("window"));
-  hold.Open();
+  hold_.Open();
   EXPECT_TRUE(first->Wait().ok());
   EXPECT_TRUE(sink_.Get("second").empty());
 }
@@ -388,6 +390,7 @@ TEST_P(TransportConformanceTest, PeerShutdownFailsPendingTransfersAndReconnectWo
   auto hung = MakeTransport(GetParam());
   ASSERT_TRUE(hung.ok());
   std::vector<std::vector<uint8_t>> held;
+  held.reserve(8);  // no reallocation under a payload being written
   std::mutex mu;
   std::atomic<int> arrived{0};
   (*hung)->SetHandler(kBlockDataMessage, [&](IncomingMessage& m) {
@@ -398,7 +401,6 @@ TEST_P(TransportConformanceTest, PeerShutdownFailsPendingTransfersAndReconnectWo
   });
   auto ep = sender_transport_->Connect((*hung)->address(), absl::Seconds(10));
   ASSERT_TRUE(ep.ok()) << ep.status();
-  held.reserve(8);
   const auto data = RandomBytes(2 << 20, 11);
   std::vector<std::shared_ptr<Transfer>> ts;
   for (int i = 0; i < 3; ++i) {
@@ -455,15 +457,20 @@ TEST_P(TransportConformanceTest, KilledPeerProcessFailsPendingTransfersWithUnava
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
   const std::string self = std::filesystem::read_symlink("/proc/self/exe");
-  const pid_t pid = fork();
-  ASSERT_GE(pid, 0);
-  if (pid == 0) {
-    setenv("STRATA_TRANSPORT_CHILD_DIR", dir.c_str(), 1);
-    setenv("STRATA_TRANSPORT_CHILD_TLS", GetParam().tls.c_str(), 1);
-    execl(self.c_str(), self.c_str(), "--gtest_filter=TransportChild.DISABLED_StallingReceiver",
-          "--gtest_also_run_disabled_tests", nullptr);
-    _exit(4);
-  }
+  // posix_spawn, not fork: this process has UCX's threads (and UCX's fork handlers).
+  std::vector<std::string> env_strings;
+  for (char** e = environ; *e != nullptr; ++e) env_strings.emplace_back(*e);
+  env_strings.push_back("STRATA_TRANSPORT_CHILD_DIR=" + dir);
+  env_strings.push_back("STRATA_TRANSPORT_CHILD_TLS=" + GetParam().tls);
+  std::vector<char*> envp;
+  for (auto& e : env_strings) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  std::string a1 = "--gtest_filter=TransportChild.DISABLED_StallingReceiver";
+  std::string a2 = "--gtest_also_run_disabled_tests";
+  std::string a0 = self;
+  char* argv[] = {a0.data(), a1.data(), a2.data(), nullptr};
+  pid_t pid = -1;
+  ASSERT_EQ(posix_spawn(&pid, self.c_str(), nullptr, nullptr, argv, envp.data()), 0);
   std::string address;
   for (int i = 0; i < 2000 && address.empty(); ++i) {
     absl::SleepFor(absl::Milliseconds(5));

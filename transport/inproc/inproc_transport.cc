@@ -15,6 +15,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/aligned_buffer.h"
 #include "transport/internal/failure_notifier.h"
 
 namespace strata::transport {
@@ -69,14 +70,19 @@ struct Delivery {
 
 class InprocRegion final : public MemoryRegion {
  public:
-  InprocRegion(uint8_t* data, size_t size, std::weak_ptr<Core> core, uint64_t id)
-      : MemoryRegion(data, size, MemoryKind::kHost), core_(std::move(core)), id_(id) {}
+  InprocRegion(uint8_t* data, size_t size, std::weak_ptr<Core> core, uint64_t id,
+               AlignedBuffer owned = AlignedBuffer())
+      : MemoryRegion(data, size, MemoryKind::kHost),
+        core_(std::move(core)),
+        id_(id),
+        owned_(std::move(owned)) {}
   ~InprocRegion() override;
   absl::StatusOr<std::string> RemoteDescriptor() const override;
 
  private:
   std::weak_ptr<Core> core_;
   uint64_t id_;
+  AlignedBuffer owned_;  // Allocate's memory
 };
 
 // A transport's shared state: handlers, the delivery queue and thread, registered regions.
@@ -422,6 +428,17 @@ class InprocTransport final : public Transport {
     auto* p = static_cast<uint8_t*>(data);
     return std::unique_ptr<MemoryRegion>(
         new InprocRegion(p, size, core_, core_->AddRegion(p, size)));
+  }
+
+  absl::StatusOr<std::unique_ptr<MemoryRegion>> Allocate(size_t size, MemoryKind kind) override {
+    if (kind != MemoryKind::kHost) {
+      return absl::UnimplementedError("the inproc transport registers host memory only");
+    }
+    if (size == 0) return absl::InvalidArgumentError("Allocate: empty region");
+    AlignedBuffer buf = AlignedBuffer::Uninitialized(size);
+    uint8_t* p = buf.data();
+    return std::unique_ptr<MemoryRegion>(
+        new InprocRegion(p, size, core_, core_->AddRegion(p, size), std::move(buf)));
   }
 
   absl::StatusOr<std::shared_ptr<Endpoint>> Connect(absl::string_view address,

@@ -1,6 +1,7 @@
 #include "transport/ucx/ucx_transport.h"
 
 #include <netdb.h>
+#include <poll.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <ucp/api/ucp.h>
@@ -31,8 +32,16 @@ namespace {
 
 constexpr absl::string_view kScheme = "ucx://";
 // Message ids the transport itself uses (connection handshake).
+// Connecting: the client's connection-manager endpoint (socket address, the liveness channel)
+// carries kHello{nonce}; the server answers kHelloAck{nonce, token, its worker address}. The
+// client then opens a data endpoint to that worker address (UCX chooses its lanes as for any
+// worker-address endpoint: single-copy shared memory between processes of one host, RDMA
+// between hosts) and sends kDataHello{token, nonce} on it; the server ties the data endpoint
+// to the connection by the token and answers kDataHelloAck{nonce}.
 constexpr uint16_t kHelloId = 0xfff0;
 constexpr uint16_t kHelloAckId = 0xfff1;
+constexpr uint16_t kDataHelloId = 0xfff2;
+constexpr uint16_t kDataHelloAckId = 0xfff3;
 constexpr uint32_t kRegionMagic = 0x52584355;  // "UCXR"
 
 // The one adapter from UCX status to absl::Status.
@@ -97,8 +106,11 @@ class UcxEndpoint final : public Endpoint, public std::enable_shared_from_this<U
   std::string peer() const override { return peer_; }
   std::string Describe() const override;
 
-  // Progress-thread state.
+  // Progress-thread state. `ep` is the connection-manager endpoint (liveness, handshake);
+  // `data_ep` carries the messages once the handshake is done.
   ucp_ep_h ep = nullptr;
+  ucp_ep_h data_ep = nullptr;
+  ucp_ep_h send_ep() const { return data_ep != nullptr ? data_ep : ep; }
   std::unordered_map<uint64_t, Op*> ops;
   uint16_t am_id_for_send = 0;
   internal::FailureNotifier notifier_;
@@ -182,7 +194,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
     ucp_params_t params{};
     params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED |
                         UCP_PARAM_FIELD_NAME;
-    params.features = UCP_FEATURE_AM | UCP_FEATURE_RMA;
+    // WAKEUP: the progress thread sleeps on UCX's event fd instead of polling when idle.
+    params.features = UCP_FEATURE_AM | UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
     params.mt_workers_shared = 1;  // memory is registered from callers' threads
     params.name = "strata";
     ucs_status_t st = ucp_init(&params, config, &context_);
@@ -203,8 +216,14 @@ class Engine : public std::enable_shared_from_this<Engine> {
         !s.ok()) {
       return s;
     }
-    RegisterAm(kHelloId);
-    RegisterAm(kHelloAckId);
+    for (uint16_t id : {kHelloId, kHelloAckId, kDataHelloId, kDataHelloAckId}) RegisterAm(id);
+    if (ucp_worker_get_efd(worker_, &efd_) != UCS_OK) efd_ = -1;  // then: timed sleeps
+    ucp_address_t* addr = nullptr;
+    size_t addr_len = 0;
+    STRATA_RETURN_IF_ERROR(
+        FromUcs(ucp_worker_get_address(worker_, &addr, &addr_len), "ucp_worker_get_address"));
+    worker_address_.assign(reinterpret_cast<const char*>(addr), addr_len);
+    ucp_worker_release_address(worker_, addr);
 
     if (!options_.listen_host.empty()) {
       STRATA_RETURN_IF_ERROR(Listen());
@@ -222,13 +241,23 @@ class Engine : public std::enable_shared_from_this<Engine> {
       cmd();
       return true;
     }
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (stopping_) return false;
-      commands_.push_back(std::move(cmd));
-    }
-    cv_.notify_one();
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return false;
+    commands_.push_back(std::move(cmd));
+    WakeLocked();
     return true;
+  }
+
+  // Wakes the progress thread from its sleep (UCX's event fd, or the condition variable). Under
+  // mu_: while sleeping_ is set the thread is in its sleep, so the worker cannot be destroyed
+  // under the signal.
+  void WakeLocked() {
+    if (!sleeping_) return;
+    if (efd_ >= 0) {
+      ucp_worker_signal(worker_);
+    } else {
+      cv_.notify_one();
+    }
   }
 
   // Runs `cmd` on the progress thread and waits for it.
@@ -257,8 +286,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
       std::lock_guard<std::mutex> lock(mu_);
       if (stopping_) return;
       stopping_ = true;
+      WakeLocked();
     }
-    cv_.notify_one();
     if (thread_.joinable()) thread_.join();
   }
 
@@ -413,6 +442,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::condition_variable cv_;
   std::deque<std::function<void()>> commands_;
   bool stopping_ = false;
+  bool sleeping_ = false;  // the progress thread is (about to be) asleep: Post must wake it
+  int efd_ = -1;           // UCX's event fd (owned by the worker)
 
   std::mutex handlers_mu_;
   std::unordered_map<uint16_t, std::shared_ptr<MessageHandler>> handlers_;
@@ -437,7 +468,28 @@ class Engine : public std::enable_shared_from_this<Engine> {
     }
   };
   std::unordered_map<uint64_t, std::shared_ptr<ConnectWait>> connect_waits_;
+  std::unordered_map<uint64_t, std::shared_ptr<UcxEndpoint>> connecting_;  // client, by nonce
+  std::unordered_map<uint64_t, std::weak_ptr<UcxEndpoint>> accepting_;     // server, by token
   uint64_t next_nonce_ = 0;
+  std::string worker_address_;
+
+  // Sends a handshake message (payload-free) on `h`; the bytes are kept until it completes.
+  void SendControl(ucp_ep_h h, uint16_t id, std::string bytes) {
+    auto* copy = new std::string(std::move(bytes));
+    ucp_request_param_t p{};
+    p.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_USER_DATA;
+    p.flags = UCP_AM_SEND_FLAG_REPLY;
+    p.user_data = copy;
+    p.cb.send = [](void* request, ucs_status_t, void* user) {
+      ucp_request_free(request);
+      delete static_cast<std::string*>(user);
+    };
+    ucs_status_ptr_t r = ucp_am_send_nbx(h, id, copy->data(), copy->size(), nullptr, 0, &p);
+    if (r == nullptr || UCS_PTR_IS_ERR(r)) delete copy;
+  }
+  void OnHandshake(uint16_t id, std::span<const uint8_t> h, ucp_ep_h reply_ep,
+                   const std::shared_ptr<UcxEndpoint>& ep);
 };
 
 // A message from UCX, for the handler.
@@ -514,35 +566,12 @@ ucs_status_t Engine::OnAm(void* arg, const void* header, size_t header_length, v
   const auto hdr = std::span<const uint8_t>(static_cast<const uint8_t*>(header), header_length);
   const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
 
-  if (a->id == kHelloId || a->id == kHelloAckId) {
+  if (a->id >= kHelloId) {
     if (rndv) return UCS_ERR_INVALID_PARAM;  // handshakes carry no payload
-    if (a->id == kHelloId) {
-      if (ep != nullptr && ep->ep != nullptr) {
-        ucp_request_param_t p{};
-        p.op_attr_mask =
-            UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_USER_DATA;
-        p.flags = UCP_AM_SEND_FLAG_REPLY;
-        // The header must outlive the send.
-        auto* copy = new uint64_t(0);
-        if (header_length == sizeof(uint64_t)) std::memcpy(copy, header, sizeof(uint64_t));
-        p.user_data = copy;
-        p.cb.send = [](void* request, ucs_status_t, void* user) {
-          ucp_request_free(request);
-          delete static_cast<uint64_t*>(user);
-        };
-        ucs_status_ptr_t r =
-            ucp_am_send_nbx(ep->ep, kHelloAckId, copy, sizeof(uint64_t), nullptr, 0, &p);
-        if (r == nullptr || UCS_PTR_IS_ERR(r)) delete copy;
-      }
-    } else if (header_length == sizeof(uint64_t)) {
-      uint64_t nonce;
-      std::memcpy(&nonce, header, sizeof(nonce));
-      auto it = self->connect_waits_.find(nonce);
-      if (it != self->connect_waits_.end()) {
-        it->second->Set(absl::OkStatus());
-        self->connect_waits_.erase(it);
-      }
-    }
+    self->OnHandshake(a->id, hdr,
+                      (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ? param->reply_ep
+                                                                            : nullptr,
+                      ep);
     return UCS_OK;
   }
 
@@ -560,10 +589,95 @@ ucs_status_t Engine::OnAm(void* arg, const void* header, size_t header_length, v
   return UCS_OK;  // a rendezvous not accepted is dropped; an accepted one is already receiving
 }
 
+namespace {
+template <typename T>
+void AppendPod(std::string& out, T v) {
+  out.append(reinterpret_cast<const char*>(&v), sizeof(T));
+}
+template <typename T>
+bool ReadPod(std::span<const uint8_t> h, size_t at, T* v) {
+  if (h.size() < at + sizeof(T)) return false;
+  std::memcpy(v, h.data() + at, sizeof(T));
+  return true;
+}
+}  // namespace
+
+void Engine::OnHandshake(uint16_t id, std::span<const uint8_t> h, ucp_ep_h reply_ep,
+                         const std::shared_ptr<UcxEndpoint>& ep) {
+  uint64_t a = 0, b = 0;
+  switch (id) {
+    case kHelloId: {  // server, on the connection-manager endpoint
+      if (ep == nullptr || ep->ep == nullptr || !ReadPod(h, 0, &a)) return;
+      const uint64_t token = (static_cast<uint64_t>(getpid()) << 32) ^ ++next_nonce_ ^
+                             reinterpret_cast<uintptr_t>(ep.get());
+      accepting_[token] = ep;
+      std::string ack;
+      AppendPod(ack, a);
+      AppendPod(ack, token);
+      ack += worker_address_;
+      SendControl(ep->ep, kHelloAckId, std::move(ack));
+      return;
+    }
+    case kHelloAckId: {  // client: open the data endpoint
+      if (!ReadPod(h, 0, &a) || !ReadPod(h, 8, &b) || h.size() <= 16) return;
+      auto it = connecting_.find(a);
+      if (it == connecting_.end()) return;
+      std::shared_ptr<UcxEndpoint> conn = it->second;
+      ucp_ep_params_t p{};
+      p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                     UCP_EP_PARAM_FIELD_ERR_HANDLER;
+      p.address = reinterpret_cast<const ucp_address_t*>(h.data() + 16);
+      p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+      p.err_handler.cb = &Engine::OnEpError;
+      p.err_handler.arg = this;
+      if (ucs_status_t st = ucp_ep_create(worker_, &p, &conn->data_ep); st != UCS_OK) {
+        conn->data_ep = nullptr;
+        auto w = connect_waits_.find(a);
+        if (w != connect_waits_.end()) w->second->Set(FromUcs(st, "opening the data endpoint"));
+        return;
+      }
+      eps_[conn->data_ep] = conn;
+      std::string hello;
+      AppendPod(hello, b);
+      AppendPod(hello, a);
+      SendControl(conn->data_ep, kDataHelloId, std::move(hello));
+      return;
+    }
+    case kDataHelloId: {  // server, on the new data endpoint (UCX made it): tie it by the token
+      if (reply_ep == nullptr || !ReadPod(h, 0, &a) || !ReadPod(h, 8, &b)) return;
+      auto it = accepting_.find(a);
+      if (it == accepting_.end()) return;
+      std::shared_ptr<UcxEndpoint> conn = it->second.lock();
+      accepting_.erase(it);
+      if (conn == nullptr || conn->ep == nullptr) return;
+      conn->data_ep = reply_ep;
+      eps_[reply_ep] = conn;
+      std::string ack;
+      AppendPod(ack, b);
+      SendControl(reply_ep, kDataHelloAckId, std::move(ack));
+      return;
+    }
+    case kDataHelloAckId: {  // client: connected
+      if (!ReadPod(h, 0, &a)) return;
+      connecting_.erase(a);
+      auto it = connect_waits_.find(a);
+      if (it != connect_waits_.end()) {
+        it->second->Set(absl::OkStatus());
+        connect_waits_.erase(it);
+      }
+      return;
+    }
+    default:
+      return;
+  }
+}
+
 void Engine::Loop() {
   progress_id_.store(std::this_thread::get_id());
   absl::Time last_activity = absl::Now();
   absl::Duration sleep = absl::Microseconds(50);
+  int busy_rounds = 0;
+  bool idle_since_known = false;
   for (;;) {
     std::deque<std::function<void()>> cmds;
     bool stop;
@@ -584,23 +698,49 @@ void Engine::Loop() {
       to_close_.clear();
       for (auto& [ep, why] : closing) CloseEndpoint(ep, why);
     }
+    if ((n > 0 || !cmds.empty()) && ++busy_rounds < 64) {
+      idle_since_known = false;  // busy: skip the clock (it costs more than a progress call)
+      continue;
+    }
+    busy_rounds = 0;
     const absl::Time now = absl::Now();
     if (now >= next_deadline_check_) {
       CheckDeadlines();
       next_deadline_check_ = now + absl::Milliseconds(1);
     }
-    if (n > 0 || !cmds.empty()) {
+    if (n > 0 || !cmds.empty() || !idle_since_known) {
       last_activity = now;
+      idle_since_known = n == 0 && cmds.empty();
       sleep = absl::Microseconds(50);
       continue;
     }
-    if (now - last_activity < options_.busy_poll) {
-      std::this_thread::yield();  // polling, but let this process's other threads have the core
+    if (now - last_activity < options_.busy_poll) continue;
+    // Idle: sleep until UCX has an event, a command arrives (Post signals), or the next
+    // deadline check is due.
+    if (efd_ >= 0) {
+      const ucs_status_t armed = ucp_worker_arm(worker_);
+      if (armed == UCS_ERR_BUSY) continue;  // events arrived meanwhile: progress them
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (!commands_.empty() || stopping_) continue;
+        sleeping_ = true;
+      }
+      int timeout_ms = 100;
+      if (!deadlines_.empty()) {
+        const int64_t ms = absl::ToInt64Milliseconds(deadlines_.begin()->first - now) + 1;
+        timeout_ms = static_cast<int>(std::clamp<int64_t>(ms, 1, 100));
+      }
+      pollfd pfd{.fd = efd_, .events = POLLIN, .revents = 0};
+      poll(&pfd, 1, armed == UCS_OK ? timeout_ms : 1);
+      std::lock_guard<std::mutex> lock(mu_);
+      sleeping_ = false;
       continue;
     }
     std::unique_lock<std::mutex> lock(mu_);
     if (commands_.empty() && !stopping_) {
+      sleeping_ = true;
       cv_.wait_for(lock, absl::ToChronoNanoseconds(sleep));
+      sleeping_ = false;
       sleep = std::min(sleep * 2, absl::Milliseconds(1));
     }
   }
@@ -657,7 +797,7 @@ void Engine::DoSend(const std::shared_ptr<UcxEndpoint>& ep, Op* op, uint16_t id)
     p.memh = memh;
   }
   ucs_status_ptr_t r =
-      ucp_am_send_nbx(ep->ep, id, op->header.data(), op->header.size(), op->payload.bytes.data(),
+      ucp_am_send_nbx(ep->send_ep(), id, op->header.data(), op->header.size(), op->payload.bytes.data(),
                       op->payload.bytes.size(), &p);
   if (r == nullptr || UCS_PTR_IS_ERR(r)) {
     delete ctx;
@@ -698,7 +838,8 @@ void Engine::DoPut(const std::shared_ptr<UcxEndpoint>& ep, Op* op) {
                                               " overrun the peer's region of ", size, " bytes")));
     return;
   }
-  if (ucs_status_t st = ucp_ep_rkey_unpack(ep->ep, d.data() + kFixed, &op->rkey); st != UCS_OK) {
+  if (ucs_status_t st = ucp_ep_rkey_unpack(ep->send_ep(), d.data() + kFixed, &op->rkey);
+      st != UCS_OK) {
     Finish(nullptr, op, FromUcs(st, "Put: unpacking the remote key"));
     return;
   }
@@ -709,7 +850,7 @@ void Engine::DoPut(const std::shared_ptr<UcxEndpoint>& ep, Op* op) {
     pp.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
     pp.memh = memh;
   }
-  ucs_status_ptr_t r = ucp_put_nbx(ep->ep, op->payload.bytes.data(), len,
+  ucs_status_ptr_t r = ucp_put_nbx(ep->send_ep(), op->payload.bytes.data(), len,
                                    addr + op->remote_offset, op->rkey, &pp);
   if (UCS_PTR_IS_ERR(r)) {
     Finish(nullptr, op, FromUcs(UCS_PTR_STATUS(r), "Put"));
@@ -726,7 +867,7 @@ void Engine::DoPut(const std::shared_ptr<UcxEndpoint>& ep, Op* op) {
     c->engine->Finish(c->ep.lock(), c->op, FromUcs(status, "Put"));
     delete c;
   };
-  ucs_status_ptr_t f = ucp_ep_flush_nbx(ep->ep, &fp);
+  ucs_status_ptr_t f = ucp_ep_flush_nbx(ep->send_ep(), &fp);
   if (f == nullptr || UCS_PTR_IS_ERR(f)) {
     delete ctx;
     Finish(nullptr, op, FromUcs(UCS_PTR_STATUS(f), "Put"));
@@ -757,19 +898,31 @@ void Engine::DoCancel(const std::shared_ptr<UcxEndpoint>& ep, uint64_t tid, absl
 void Engine::CloseEndpoint(const std::shared_ptr<UcxEndpoint>& ep, absl::Status why) {
   if (ep->ep == nullptr) return;
   ucp_ep_h h = ep->ep;
+  ucp_ep_h data = ep->data_ep;
   ep->ep = nullptr;
+  ep->data_ep = nullptr;
   for (auto& [tid, op] : ep->ops) {
     if (!op->why.has_value()) op->why = why;
   }
   ep->notifier_.Fail(why);
-  ucp_request_param_t p{};
-  p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-  p.flags = UCP_EP_CLOSE_FLAG_FORCE;
-  ucs_status_ptr_t r = ucp_ep_close_nbx(h, &p);
-  if (r != nullptr && !UCS_PTR_IS_ERR(r)) closing_.push_back(r);
-  // Outstanding requests complete (with errors) as the worker progresses; keep the endpoint in
-  // eps_ until then so their callbacks find it.
-  eps_.erase(h);
+  // Outstanding requests complete (with errors) as the worker progresses; their callbacks hold
+  // the endpoint weakly, so it need not stay in eps_.
+  for (ucp_ep_h e : {data, h}) {
+    if (e == nullptr) continue;
+    eps_.erase(e);
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    ucs_status_ptr_t r = ucp_ep_close_nbx(e, &p);
+    if (r != nullptr && !UCS_PTR_IS_ERR(r)) closing_.push_back(r);
+  }
+  for (auto it = connecting_.begin(); it != connecting_.end();) {
+    it = it->second == ep ? connecting_.erase(it) : std::next(it);
+  }
+  for (auto it = accepting_.begin(); it != accepting_.end();) {
+    auto conn = it->second.lock();
+    it = (conn == nullptr || conn == ep) ? accepting_.erase(it) : std::next(it);
+  }
 }
 
 void Engine::Shutdown() {
@@ -854,20 +1007,10 @@ absl::StatusOr<std::shared_ptr<Endpoint>> Engine::Connect(absl::string_view addr
     eps_[ep->ep] = ep;
     const uint64_t n = ++next_nonce_;
     connect_waits_[n] = wait;
-    auto* header = new uint64_t(n);
-    ucp_request_param_t sp{};
-    sp.op_attr_mask =
-        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
-    sp.flags = UCP_AM_SEND_FLAG_REPLY;
-    sp.user_data = header;
-    sp.cb.send = [](void* request, ucs_status_t, void* user) {
-      ucp_request_free(request);
-      delete static_cast<uint64_t*>(user);
-    };
-    ucs_status_ptr_t r = ucp_am_send_nbx(ep->ep, kHelloId, header, sizeof(*header), nullptr, 0,
-                                         &sp);
-    if (r == nullptr || UCS_PTR_IS_ERR(r)) delete header;
-    if (UCS_PTR_IS_ERR(r)) wait->Set(FromUcs(UCS_PTR_STATUS(r), "connect handshake"));
+    connecting_[n] = ep;
+    std::string hello;
+    AppendPod(hello, n);
+    SendControl(ep->ep, kHelloId, std::move(hello));
   });
   if (!posted) return absl::UnavailableError("UCX transport shut down");
   absl::Status result;
@@ -964,12 +1107,12 @@ std::string UcxEndpoint::Describe() const {
     size_t len = 0;
     FILE* f = open_memstream(&buf, &len);
     if (f == nullptr) return;
-    ucp_ep_print_info(ep, f);
+    ucp_ep_print_info(send_ep(), f);
     fclose(f);
     info.assign(buf, len);
     free(buf);
   });
-  // Keep the lane lines: "#   lane[0]:  1:posix/memory.0 md[0] ... am zcopy_rndv"
+  // The data endpoint's lanes: "#   lane[0]:  1:posix/memory.0 md[0] ... am zcopy_rndv"
   std::string lanes;
   for (absl::string_view line : absl::StrSplit(info, '\n')) {
     if (!absl::StrContains(line, "lane[")) continue;
@@ -1028,6 +1171,32 @@ class UcxTransport final : public Transport {
     }
     return std::unique_ptr<MemoryRegion>(
         new UcxRegion(static_cast<uint8_t*>(data), size, engine_, memh));
+  }
+
+  absl::StatusOr<std::unique_ptr<MemoryRegion>> Allocate(size_t size, MemoryKind kind) override {
+    if (size == 0) return absl::InvalidArgumentError("Allocate: empty region");
+    if (kind == MemoryKind::kDevice && !caps_.device_memory) {
+      return absl::UnimplementedError("this UCX build has no CUDA memory support");
+    }
+    ucp_mem_map_params_t p{};
+    p.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                   UCP_MEM_MAP_PARAM_FIELD_FLAGS | UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
+    p.address = nullptr;
+    p.length = size;
+    p.flags = UCP_MEM_MAP_ALLOCATE;
+    p.memory_type = kind == MemoryKind::kDevice ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST;
+    ucp_mem_h memh = nullptr;
+    if (ucs_status_t st = ucp_mem_map(engine_->context(), &p, &memh); st != UCS_OK) {
+      return FromUcs(st, absl::StrCat("allocating ", size, " bytes"));
+    }
+    ucp_mem_attr_t attr{};
+    attr.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH;
+    if (ucs_status_t st = ucp_mem_query(memh, &attr); st != UCS_OK) {
+      ucp_mem_unmap(engine_->context(), memh);
+      return FromUcs(st, "ucp_mem_query");
+    }
+    return std::unique_ptr<MemoryRegion>(
+        new UcxRegion(static_cast<uint8_t*>(attr.address), size, engine_, memh));
   }
 
   absl::StatusOr<std::shared_ptr<Endpoint>> Connect(absl::string_view address,

@@ -31,9 +31,10 @@ struct UcxTransportOptions {
   // UCX transports allowed (the value of UCX_TLS, e.g. "tcp", "posix,sysv,cma"); empty leaves
   // UCX's own setting (the UCX_TLS environment variable, or all it has).
   std::string tls;
-  // After the last activity the progress thread keeps polling this long before it sleeps (sleeps
-  // are 50 us .. 1 ms and end early on a local command). Longer: lower latency, more CPU.
-  absl::Duration busy_poll = absl::Microseconds(500);
+  // After the last activity the progress thread keeps polling this long before it sleeps on
+  // UCX's event fd (woken by arriving data and by local commands). Longer: lower latency after a
+  // pause, more CPU taken from the threads that verify and consume blocks.
+  absl::Duration busy_poll = absl::Microseconds(50);
   // Further UCX settings (names without the UCX_ prefix, e.g. {"RNDV_THRESH", "64k"}). They
   // override the environment's UCX_* values and the transport's own same-host settings
   // (UCX_MM_ERROR_HANDLING=y, UCX_TCP_PUT_ENABLE=n when shared memory is allowed; see the .cc for why).
