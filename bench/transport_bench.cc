@@ -8,7 +8,8 @@
 // sender passes each block's CRC-32C as a prefill node does (computed once, when the block is
 // encoded). ucx_perftest's ucp_am_bw moves the same sizes as UCP active messages with no checks.
 //
-//   transport_bench [--tls LIST] [--sizes 4K,64K,...] [--mib N] [--reps N] [--perftest PATH]
+//   transport_bench [--tls LIST] [--sizes 4K,64K,...] [--mib N] [--reps N] [--window BYTES]
+//                   [--inline BYTES] [--perftest PATH]
 //                   [--commit SHA] [--out DIR]
 // Prints a table and writes JSON (and the same table as .txt) to --out (default bench/results).
 #include <fcntl.h>
@@ -90,13 +91,14 @@ uint16_t FreePort() {
 
 // ---- the receiving process -------------------------------------------------------------------
 
-int RunReceiver(const std::string& tls, const std::string& address_file) {
+int RunReceiver(const std::string& tls, const std::string& address_file, uint64_t inline_max) {
   auto t = transport::CreateUcxTransport({.tls = tls, .busy_poll = absl::Milliseconds(5)});
   if (!t.ok()) {
     std::fprintf(stderr, "receiver: %s\n", t.status().ToString().c_str());
     return 1;
   }
-  auto r = BlockReceiver::Create(t->get(), {.pool_bytes = uint64_t{1} << 30},
+  auto r = BlockReceiver::Create(t->get(),
+                                 {.pool_bytes = uint64_t{1} << 30, .inline_max_bytes = inline_max},
                                  [](transport::ReceivedBlock) { return absl::OkStatus(); });
   if (!r.ok()) return 1;
   {
@@ -183,6 +185,7 @@ struct Row {
   double perftest_bw = 0;        // bytes/s, endpoints configured as Strata's (0: not measured)
   double perftest_plain_bw = 0;  // bytes/s, UCX's defaults without peer error handling
   double strata_median = 0, perftest_median = 0, perftest_plain_median = 0;
+  uint64_t window = 0;  // the sender's bytes in flight
   std::string perftest_error;
 };
 
@@ -193,6 +196,10 @@ int Main(int argc, char** argv) {
                                  1 << 20,  4 << 20,  16 << 20, 64 << 20};
   uint64_t mib = 1024;
   int reps = 5;
+  uint64_t window = 0;  // 0: per size, max(2 blocks, 16 MiB)
+  // The receiver verifies and consumes blocks up to this size on its transport thread (its
+  // consumer here only drops the block, as a decode node hands it to its KV cache).
+  uint64_t inline_max = 4 << 20;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string f = argv[i], v = argv[i + 1];
     if (f == "--tls") tls = v;
@@ -203,6 +210,8 @@ int Main(int argc, char** argv) {
     else if (f == "--address-file") address_file = v;
     else if (f == "--mib") mib = ParseSize(v);
     else if (f == "--reps") reps = std::max(1, std::atoi(v.c_str()));
+    else if (f == "--window") window = ParseSize(v);
+    else if (f == "--inline") inline_max = ParseSize(v);
     else if (f == "--sizes") {
       sizes.clear();
       for (absl::string_view s : absl::StrSplit(v, ',')) sizes.push_back(ParseSize(std::string(s)));
@@ -211,7 +220,7 @@ int Main(int argc, char** argv) {
       return 2;
     }
   }
-  if (role == "receiver") return RunReceiver(tls, address_file);
+  if (role == "receiver") return RunReceiver(tls, address_file, inline_max);
 
   const RunInfo info = CollectRunInfo(commit);
   const bool have_perftest = access(perftest.c_str(), X_OK) == 0;
@@ -228,7 +237,8 @@ int Main(int argc, char** argv) {
   const pid_t child = fork();
   if (child == 0) {
     execl(self.c_str(), self.c_str(), "--role", "receiver", "--tls", tls.c_str(),
-          "--address-file", address_file.c_str(), nullptr);
+          "--address-file", address_file.c_str(), "--inline",
+          std::to_string(inline_max).c_str(), nullptr);
     _exit(127);
   }
   std::string address;
@@ -259,7 +269,7 @@ int Main(int argc, char** argv) {
     return 1;
   }
   const std::string lanes = (*ep)->Describe();
-  auto sender = std::move(*BlockSender::Create(t->get(), {.max_bytes_in_flight = 256 << 20}));
+  std::unique_ptr<BlockSender> sender;
 
   const uint64_t max_size = *std::max_element(sizes.begin(), sizes.end());
   // The blocks live in memory the transport allocated (as a prefill node's block pool would).
@@ -287,7 +297,9 @@ int Main(int argc, char** argv) {
   };
   print(absl::StrCat("transport_bench  ", info.machine, "  ", info.date, "  commit ", commit,
                      "\nUCX ", transport::UcxVersion(), ", UCX_TLS=", tls,
-                     "; sender and receiver in two processes\nstrata's connection: ", lanes,
+                     "; sender and receiver in two processes\nreceiver verifies blocks <= ",
+                     HumanSize(inline_max), " on its transport thread, larger on a verify thread;",
+                     " sender window max(2 blocks, 16M)\nstrata's connection: ", lanes,
                      "\n\n"));
   print(absl::StrCat("perftest: ucp_am_bw / ucp_am_lat with UCX_TLS=", tls, " ", same_env,
                      " -e (peer error handling: the endpoints Strata makes);\n"
@@ -303,6 +315,9 @@ int Main(int argc, char** argv) {
     row.blocks = std::clamp<uint64_t>((mib << 20) / size, 64, 200000);
     const uint32_t crc = Crc32c(src.data(), size);
     const Payload payload{.bytes = {src.data(), size}, .region = region->get()};
+    row.window = window != 0 ? window : std::max<uint64_t>(2 * size, 16 << 20);
+    sender.reset();
+    sender = std::move(*BlockSender::Create(t->get(), {.max_bytes_in_flight = row.window}));
     // Warm-up (connection lanes, receiver's buffer pool). Then `reps` rounds, each one run of
     // Strata and one of each ucx_perftest mode back to back: on a small shared machine single
     // runs swing by 2-3x, so the table gives the best round of each (and the JSON the medians).
@@ -368,6 +383,8 @@ int Main(int argc, char** argv) {
   std::vector<Lat> lats;
   print(absl::StrFormat("\n%-6s %22s %22s %18s\n", "block", "strata 1/2 RTT p50 us",
                         "strata 1/2 RTT p99 us", "perftest lat us"));
+  sender.reset();
+  sender = std::move(*BlockSender::Create(t->get(), {}));
   for (uint64_t size : {uint64_t{8}, uint64_t{4096}}) {
     const uint32_t crc = Crc32c(src.data(), size);
     const Payload payload{.bytes = {src.data(), size}, .region = region->get()};
@@ -401,6 +418,7 @@ int Main(int argc, char** argv) {
     jrows.push_back(Json()
                         .Num("block_bytes", r.size)
                         .Num("blocks", r.blocks)
+                        .Num("window_bytes", r.window)
                         .Num("strata_bytes_per_s", r.strata_bw)
                         .Num("perftest_bytes_per_s", r.perftest_bw)
                         .Num("ratio", r.perftest_bw > 0 ? r.strata_bw / r.perftest_bw : 0)
@@ -427,6 +445,7 @@ int Main(int argc, char** argv) {
                                .Str("commit", commit)
                                .Str("ucx_version", transport::UcxVersion())
                                .Str("ucx_tls", tls)
+                               .Num("inline_max_bytes", inline_max)
                                .Str("perftest_env", same_env + " -e")
                                .Str("connection", lanes)
                                .Num("blocks_sent", stats.sent)

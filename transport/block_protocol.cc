@@ -334,6 +334,10 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
     }
     const uint64_t seq = header->seq;
     const int64_t size = static_cast<int64_t>(header->size);
+    if (header->size <= self->options_.inline_max_bytes) {  // still in cache; no hand-off
+      self->Verify(*header, std::move(buf), ep);
+      return;
+    }
     bool posted = self->tasks_.Post([self, header, buf, ep] { self->Verify(*header, buf, ep); });
     if (!posted) {
       self->AddPending(-size);

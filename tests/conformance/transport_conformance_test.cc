@@ -230,6 +230,23 @@ TEST_P(TransportConformanceTest, ChecksumMismatchIsDataLossAndNeverHandedOn) {
   EXPECT_TRUE(sender_->Send(peer_, "good", View(data))->Wait().ok());
 }
 
+// Blocks verified on the transport's thread (BlockReceiverOptions::inline_max_bytes) behave the
+// same: intact ones delivered, corrupt ones refused with DATA_LOSS; larger ones still go through
+// the verify threads.
+TEST_P(TransportConformanceTest, InlineVerificationDeliversAndRefusesAlike) {
+  Start({.inline_max_bytes = 100000});
+  const auto small = RandomBytes(50000, 20), large = RandomBytes(300000, 21);
+  EXPECT_TRUE(sender_->Send(peer_, "small", View(small))->Wait().ok());
+  EXPECT_TRUE(sender_->Send(peer_, "large", View(large))->Wait().ok());
+  const uint32_t wrong = Crc32c(small.data(), small.size()) ^ 4;
+  EXPECT_EQ(sender_->Send(peer_, "bad", View(small), {.crc32c = wrong})->Wait().code(),
+            absl::StatusCode::kDataLoss);
+  EXPECT_EQ(sink_.Get("small"), small);
+  EXPECT_EQ(sink_.Get("large"), large);
+  EXPECT_TRUE(sink_.Get("bad").empty());
+  EXPECT_EQ(receiver_->stats().checksum_failures, 1u);
+}
+
 TEST_P(TransportConformanceTest, ConsumerRefusalAndSizeLimitComeBackToTheSender) {
   Start({.max_block_bytes = 1 << 20}, {}, [&](ReceivedBlock b) -> absl::Status {
     if (b.id == "dup") return absl::AlreadyExistsError("have it");
