@@ -30,3 +30,8 @@ if { [ "$filter" = "." ] || [ "$filter" = "model_bench" ]; } && [ -f models/stra
   ./build/bench/model_bench --commit "${commit}${dirty}" --out bench/results |
     tee "bench/results/model_bench-$(date -u +%Y-%m-%d)-${commit}${dirty}.txt"
 fi
+if [ "$filter" = "." ] || [ "$filter" = "transport_bench" ]; then
+  # Two processes on this machine over UCX, against ucx_perftest in the same run; writes
+  # bench/results/transport_bench-<UCX_TLS>-<date>-<commit>.{txt,json}.
+  ./build/bench/transport_bench --commit "${commit}${dirty}" --out bench/results
+fi

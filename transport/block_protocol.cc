@@ -70,6 +70,10 @@ absl::StatusOr<BlockDataHeader> DecodeBlockDataHeader(std::span<const uint8_t> b
         absl::StrCat("block data header: wire version ", b[4], ", this build speaks ",
                      kWireVersion));
   }
+  if (b[5] != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("block data header: reserved byte is ", b[5], ", must be 0"));
+  }
   const size_t id_len = Get<uint16_t>(b.data() + 6);
   if (id_len > kMaxBlockIdBytes) {
     return absl::InvalidArgumentError(absl::StrCat("block data header: block id of ", id_len,
@@ -112,6 +116,10 @@ absl::StatusOr<BlockAckHeader> DecodeBlockAckHeader(std::span<const uint8_t> b) 
   }
   if (b[4] != kWireVersion) {
     return absl::InvalidArgumentError(absl::StrCat("block ack header: wire version ", b[4]));
+  }
+  if (b[5] != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("block ack header: reserved byte is ", b[5], ", must be 0"));
   }
   const size_t msg_len = Get<uint16_t>(b.data() + 6);
   if (msg_len > kMaxAckMessageBytes || b.size() != kAckFixed + msg_len) {
@@ -507,6 +515,7 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
       if (!refuse.ok()) {
         --peer.users;
         MaybeDropPeerLocked(ep.get(), lock);
+        lock.unlock();  // the caller's callback runs without the sender's lock
         return fail_now(std::move(refuse));
       }
       --peer.users;
