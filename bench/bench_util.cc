@@ -1,3 +1,4 @@
+#include <cmath>
 #include "bench/bench_util.h"
 
 #include <unistd.h>
@@ -64,7 +65,12 @@ void Json::Key(const std::string& key) {
 }
 Json& Json::Num(const std::string& key, double v) {
   Key(key);
-  body_ += absl::StrFormat("%.6g", v);
+  // Integers (sizes, counts) exactly; other values to 10 significant digits.
+  if (v == std::floor(v) && std::fabs(v) < 9.007199254740992e15) {
+    body_ += absl::StrFormat("%.0f", v);
+  } else {
+    body_ += absl::StrFormat("%.10g", v);
+  }
   return *this;
 }
 Json& Json::Str(const std::string& key, const std::string& v) {

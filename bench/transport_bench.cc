@@ -9,7 +9,10 @@
 // encoded). ucx_perftest's ucp_am_bw moves the same sizes as UCP active messages with no checks.
 //
 //   transport_bench [--tls LIST] [--sizes 4K,64K,...] [--mib N] [--reps N] [--window BYTES]
-//                   [--inline BYTES] [--perftest PATH]
+//                   [--inline BYTES] [--busy-poll-us N] [--perftest PATH]
+// Between two hosts (no ucx_perftest comparison then; run it yourself for the ceiling):
+//   host A: transport_bench --role receiver --listen 0.0.0.0:7080 [--tls LIST]
+//   host B: transport_bench --connect ucx://A:7080 [--tls LIST]
 //                   [--commit SHA] [--out DIR]
 // Prints a table and writes JSON (and the same table as .txt) to --out (default bench/results).
 #include <fcntl.h>
@@ -91,8 +94,23 @@ uint16_t FreePort() {
 
 // ---- the receiving process -------------------------------------------------------------------
 
-int RunReceiver(const std::string& tls, const std::string& address_file, uint64_t inline_max) {
-  auto t = transport::CreateUcxTransport({.tls = tls, .busy_poll = absl::Milliseconds(5)});
+// Listens on `listen` (HOST:PORT; default loopback, any port) and writes its address to
+// `address_file`, or prints it when there is none (a receiver on another host).
+int RunReceiver(const std::string& tls, const std::string& address_file, uint64_t inline_max,
+                int64_t busy_us, const std::string& listen) {
+  transport::UcxTransportOptions o{.tls = tls, .busy_poll = absl::Microseconds(busy_us)};
+  if (!listen.empty()) {
+    const size_t colon = listen.rfind(':');
+    int port = 0;
+    if (colon == std::string::npos || !absl::SimpleAtoi(listen.substr(colon + 1), &port) ||
+        port <= 0 || port > 65535) {
+      std::fprintf(stderr, "--listen wants HOST:PORT, got '%s'\n", listen.c_str());
+      return 2;
+    }
+    o.listen_host = listen.substr(0, colon);
+    o.listen_port = static_cast<uint16_t>(port);
+  }
+  auto t = transport::CreateUcxTransport(o);
   if (!t.ok()) {
     std::fprintf(stderr, "receiver: %s\n", t.status().ToString().c_str());
     return 1;
@@ -101,11 +119,17 @@ int RunReceiver(const std::string& tls, const std::string& address_file, uint64_
                                  {.pool_bytes = uint64_t{1} << 30, .inline_max_bytes = inline_max},
                                  [](transport::ReceivedBlock) { return absl::OkStatus(); });
   if (!r.ok()) return 1;
-  {
-    std::ofstream(address_file + ".tmp") << (*t)->address() << std::flush;
+  if (address_file.empty()) {
+    std::printf("receiving at %s (UCX_TLS=%s); stop with Ctrl-C\n", (*t)->address().c_str(),
+                tls.c_str());
+    std::fflush(stdout);
+  } else {
+    {
+      std::ofstream(address_file + ".tmp") << (*t)->address() << std::flush;
+    }
+    std::filesystem::rename(address_file + ".tmp", address_file);
   }
-  std::filesystem::rename(address_file + ".tmp", address_file);
-  for (;;) pause();  // until the parent's SIGTERM
+  for (;;) pause();  // until SIGTERM (the parent's) or SIGINT
 }
 
 // ---- ucx_perftest ----------------------------------------------------------------------------
@@ -191,7 +215,7 @@ struct Row {
 
 int Main(int argc, char** argv) {
   std::string tls = "posix,sysv,cma,tcp", commit = "unknown", out_dir = "bench/results";
-  std::string perftest = "/usr/bin/ucx_perftest", role, address_file;
+  std::string perftest = "/usr/bin/ucx_perftest", role, address_file, listen, connect;
   std::vector<uint64_t> sizes = {4 << 10,  16 << 10, 64 << 10, 256 << 10,
                                  1 << 20,  4 << 20,  16 << 20, 64 << 20};
   uint64_t mib = 1024;
@@ -200,6 +224,7 @@ int Main(int argc, char** argv) {
   // The receiver verifies and consumes blocks up to this size on its transport thread (its
   // consumer here only drops the block, as a decode node hands it to its KV cache).
   uint64_t inline_max = 4 << 20;
+  int64_t busy_us = 50;  // UcxTransportOptions::busy_poll, both sides
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string f = argv[i], v = argv[i + 1];
     if (f == "--tls") tls = v;
@@ -208,10 +233,13 @@ int Main(int argc, char** argv) {
     else if (f == "--perftest") perftest = v;
     else if (f == "--role") role = v;
     else if (f == "--address-file") address_file = v;
+    else if (f == "--listen") listen = v;
+    else if (f == "--connect") connect = v;
     else if (f == "--mib") mib = ParseSize(v);
     else if (f == "--reps") reps = std::max(1, std::atoi(v.c_str()));
     else if (f == "--window") window = ParseSize(v);
     else if (f == "--inline") inline_max = ParseSize(v);
+    else if (f == "--busy-poll-us") busy_us = std::atoll(v.c_str());
     else if (f == "--sizes") {
       sizes.clear();
       for (absl::string_view s : absl::StrSplit(v, ',')) sizes.push_back(ParseSize(std::string(s)));
@@ -220,10 +248,11 @@ int Main(int argc, char** argv) {
       return 2;
     }
   }
-  if (role == "receiver") return RunReceiver(tls, address_file, inline_max);
+  if (role == "receiver") return RunReceiver(tls, address_file, inline_max, busy_us, listen);
 
   const RunInfo info = CollectRunInfo(commit);
-  const bool have_perftest = access(perftest.c_str(), X_OK) == 0;
+  // Against a receiver elsewhere (--connect) there is no local ucx_perftest pair to compare with.
+  const bool have_perftest = connect.empty() && access(perftest.c_str(), X_OK) == 0;
   // The settings CreateUcxTransport makes when shared memory is allowed (ucx_transport.cc).
   const bool shm = absl::StrContains(tls, "posix") || absl::StrContains(tls, "sysv") ||
                    absl::StrContains(tls, "sm") || absl::StrContains(tls, "all");
@@ -234,21 +263,24 @@ int Main(int argc, char** argv) {
   std::filesystem::create_directories(dir);
   address_file = dir + "/address";
   const std::string self = std::filesystem::read_symlink("/proc/self/exe");
-  const pid_t child = fork();
+  const pid_t child = connect.empty() ? fork() : -1;
   if (child == 0) {
     execl(self.c_str(), self.c_str(), "--role", "receiver", "--tls", tls.c_str(),
           "--address-file", address_file.c_str(), "--inline",
-          std::to_string(inline_max).c_str(), nullptr);
+          std::to_string(inline_max).c_str(), "--busy-poll-us", std::to_string(busy_us).c_str(),
+          nullptr);
     _exit(127);
   }
-  std::string address;
+  std::string address = connect;
   for (int i = 0; i < 1000 && address.empty(); ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
     std::ifstream(address_file) >> address;
   }
   auto stop_child = [&] {
-    kill(child, SIGTERM);
-    waitpid(child, nullptr, 0);
+    if (child > 0) {
+      kill(child, SIGTERM);
+      waitpid(child, nullptr, 0);
+    }
     std::filesystem::remove_all(dir);
   };
   if (address.empty()) {
@@ -256,7 +288,8 @@ int Main(int argc, char** argv) {
     stop_child();
     return 1;
   }
-  auto t = transport::CreateUcxTransport({.listen_host = "", .tls = tls});
+  auto t = transport::CreateUcxTransport(
+      {.listen_host = "", .tls = tls, .busy_poll = absl::Microseconds(busy_us)});
   if (!t.ok()) {
     std::fprintf(stderr, "%s\n", t.status().ToString().c_str());
     stop_child();
@@ -297,7 +330,9 @@ int Main(int argc, char** argv) {
   };
   print(absl::StrCat("transport_bench  ", info.machine, "  ", info.date, "  commit ", commit,
                      "\nUCX ", transport::UcxVersion(), ", UCX_TLS=", tls,
-                     "; sender and receiver in two processes\nreceiver verifies blocks <= ",
+                     connect.empty() ? "; sender and receiver in two processes on this host\n"
+                                     : "; receiver at " + connect + "\n",
+                     "receiver verifies blocks <= ",
                      HumanSize(inline_max), " on its transport thread, larger on a verify thread;",
                      " sender window max(2 blocks, 16M)\nstrata's connection: ", lanes,
                      "\n\n"));

@@ -202,6 +202,52 @@ TEST_P(TransportConformanceTest, ManyConcurrentTransfersAllComplete) {
   EXPECT_LE(sender_->stats().max_bytes_in_flight, uint64_t{4} << 20);
 }
 
+// Several prefill nodes ship to one decode node at once: every block arrives, each sender's
+// window holds, and the acknowledgements find their way back to the right sender.
+TEST_P(TransportConformanceTest, SeveralSendersToOneReceiver) {
+  Start();
+  constexpr int kSenders = 3, kBlocks = 40;
+  std::vector<std::unique_ptr<Transport>> transports;
+  std::vector<std::unique_ptr<BlockSender>> senders;
+  std::vector<std::shared_ptr<Endpoint>> eps;
+  for (int i = 0; i < kSenders; ++i) {
+    auto t = MakeTransport(GetParam());
+    ASSERT_TRUE(t.ok()) << t.status();
+    auto s = BlockSender::Create(t->get(), {.max_bytes_in_flight = 512 << 10});
+    ASSERT_TRUE(s.ok());
+    auto ep = (*t)->Connect(receiver_transport_->address(), absl::Seconds(10));
+    ASSERT_TRUE(ep.ok()) << ep.status();
+    transports.push_back(std::move(*t));
+    senders.push_back(std::move(*s));
+    eps.push_back(std::move(*ep));
+  }
+  std::vector<std::vector<uint8_t>> data;
+  for (int i = 0; i < kSenders * kBlocks; ++i) data.push_back(RandomBytes(1000 + 997 * i, 300 + i));
+  std::vector<std::thread> threads;
+  std::atomic<int> failures{0};
+  for (int s = 0; s < kSenders; ++s) {
+    threads.emplace_back([&, s] {
+      std::vector<std::shared_ptr<Transfer>> ts;
+      for (int b = 0; b < kBlocks; ++b) {
+        const int i = s * kBlocks + b;
+        ts.push_back(senders[s]->Send(eps[s], absl::StrCat("s", s, "b", b), View(data[i])));
+      }
+      for (auto& t : ts) failures += t->Wait().ok() ? 0 : 1;
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(failures.load(), 0);
+  for (int s = 0; s < kSenders; ++s) {
+    EXPECT_EQ(senders[s]->stats().sent, static_cast<uint64_t>(kBlocks));
+    EXPECT_LE(senders[s]->stats().max_bytes_in_flight, uint64_t{512} << 10);
+    for (int b = 0; b < kBlocks; ++b) {
+      ASSERT_EQ(sink_.Get(absl::StrCat("s", s, "b", b)), data[s * kBlocks + b]) << s << " " << b;
+    }
+  }
+  senders.clear();
+  eps.clear();
+}
+
 TEST_P(TransportConformanceTest, TransfersCompleteOutOfOrder) {
   Start({.verify_threads = 2}, {}, [&](ReceivedBlock b) {
     if (b.id == "a") hold_.Wait();
