@@ -1,9 +1,9 @@
-#include <cmath>
 #include "bench/bench_util.h"
 
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <ctime>
 #include <fstream>
