@@ -325,9 +325,16 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
     return stats_;
   }
 
+  // After this no consumer call starts; those under way (queued or inline) finish first.
   void Shutdown() {
     transport_->SetHandler(kBlockDataMessage, nullptr);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopped_ = true;
+    }
     tasks_.Stop();
+    std::unique_lock<std::mutex> lock(mu_);
+    inline_cv_.wait(lock, [&] { return inline_running_ == 0; });
   }
 
  private:
@@ -343,7 +350,20 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
     const uint64_t seq = header->seq;
     const int64_t size = static_cast<int64_t>(header->size);
     if (header->size <= self->options_.inline_max_bytes) {  // still in cache; no hand-off
+      bool run;
+      {
+        std::lock_guard<std::mutex> lock(self->mu_);
+        run = !self->stopped_;
+        if (run) ++self->inline_running_;
+      }
+      if (!run) {
+        self->AddPending(-size);
+        Reply(ep, seq, absl::UnavailableError("receiver shut down"));
+        return;
+      }
       self->Verify(*header, std::move(buf), ep);
+      std::lock_guard<std::mutex> lock(self->mu_);
+      if (--self->inline_running_ == 0) self->inline_cv_.notify_all();
       return;
     }
     bool posted = self->tasks_.Post([self, header, buf, ep] { self->Verify(*header, buf, ep); });
@@ -401,6 +421,9 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
   mutable std::mutex mu_;
   Stats stats_;
   uint64_t pending_bytes_ = 0;
+  bool stopped_ = false;         // Shutdown began: no new consumer calls
+  int inline_running_ = 0;       // consumer calls on the transport's thread under way
+  std::condition_variable inline_cv_;
   TaskThreads tasks_;  // last: joined first in the destructor
 };
 
@@ -545,7 +568,8 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
       if (it != pending_.end()) {
         it->second.backend_id = tid;
         it->second.posted = true;
-        cancel = it->second.outcome.has_value() && !it->second.send_done;
+        // Cancelled or timed out before the backend gave its id (not merely acknowledged early).
+        cancel = it->second.cancel_requested && !it->second.send_done;
       }
     }
     if (cancel) ep->Cancel(tid);
@@ -561,6 +585,7 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
       auto it = pending_.find(seq);
       if (it == pending_.end() || it->second.outcome.has_value()) return;
       it->second.outcome = std::move(why);
+      it->second.cancel_requested = true;
       if (it->second.send_done) {
         FinishLocked(it, lock);
         return;
@@ -630,6 +655,7 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     bool send_done = false;
     absl::Status send_status;
     std::optional<absl::Status> outcome;  // the ack's status, or why it was given up
+    bool cancel_requested = false;        // Abort: the backend's send must be stopped
   };
   using PendingMap = std::unordered_map<uint64_t, Pending>;
 

@@ -486,6 +486,29 @@ TEST_P(TransportConformanceTest, PeerShutdownFailsPendingTransfersAndReconnectWo
   EXPECT_TRUE(sender_->Send(peer_, "still", View(data))->Wait().ok());
 }
 
+// A sender that restarts under the same name (a node coming back) gets its acks: the receiver's
+// reply endpoint to the old incarnation is not reused.
+TEST(InprocTransportTest, APeerRestartedUnderTheSameNameIsAnsweredAgain) {
+  auto receiver_t = CreateInprocTransport({.name = "restart-receiver"});
+  ASSERT_TRUE(receiver_t.ok());
+  Sink sink;
+  auto receiver = BlockReceiver::Create(receiver_t->get(), {},
+                                        [&](ReceivedBlock b) { return sink.Take(b); });
+  ASSERT_TRUE(receiver.ok());
+  const auto data = RandomBytes(1000, 40);
+  for (int life = 0; life < 2; ++life) {
+    auto t = CreateInprocTransport({.name = "restart-sender"});
+    ASSERT_TRUE(t.ok()) << t.status();
+    auto sender = BlockSender::Create(t->get(), {.timeout = absl::Seconds(5)});
+    ASSERT_TRUE(sender.ok());
+    auto ep = (*t)->Connect("inproc://restart-receiver", absl::Seconds(1));
+    ASSERT_TRUE(ep.ok());
+    absl::Status s = (*sender)->Send(*ep, absl::StrCat("life", life), View(data))->Wait();
+    EXPECT_TRUE(s.ok()) << "life " << life << ": " << s;
+  }
+  EXPECT_EQ(sink.count(), 2u);
+}
+
 // ---- a peer in another process, killed with SIGKILL --------------------------------------------
 
 // The child: a receiver whose consumer stalls after noting that a block arrived.

@@ -45,6 +45,21 @@ struct DeliveryState {
   bool finished = false;  // its completion ran
   Completion done;
 
+  // Completes it CANCELLED unless the receiving thread has taken it (then it finishes on its own
+  // once the copy is done). Checked and marked in one step, so the payload is never read after
+  // the completion.
+  bool TryCancel(absl::Status why) {
+    Completion fn;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (started || finished) return false;
+      finished = true;
+      fn = std::move(done);
+    }
+    fn(std::move(why));
+    return true;
+  }
+
   // Runs the completion once; false if it already ran.
   bool Finish(absl::Status s) {
     Completion fn;
@@ -123,6 +138,7 @@ class Core : public std::enable_shared_from_this<Core> {
 
   void TrackInbound(std::weak_ptr<InprocEndpoint> ep) {
     std::lock_guard<std::mutex> lock(mu_);
+    std::erase_if(inbound_, [](const auto& w) { return w.expired(); });
     inbound_.push_back(std::move(ep));
   }
 
@@ -255,11 +271,7 @@ class InprocEndpoint final : public Endpoint, public std::enable_shared_from_thi
       if (it == live_.end()) return;
       state = it->second;
     }
-    {
-      std::lock_guard<std::mutex> lock(state->mu);
-      if (state->started) return;  // being copied now; completes on its own in microseconds
-    }
-    state->Finish(absl::CancelledError(absl::StrCat("transfer ", tid, " cancelled")));
+    state->TryCancel(absl::CancelledError(absl::StrCat("transfer ", tid, " cancelled")));
   }
 
   absl::Status health() const override { return notifier_.health(); }
@@ -270,6 +282,7 @@ class InprocEndpoint final : public Endpoint, public std::enable_shared_from_thi
   std::string peer() const override { return absl::StrCat(kScheme, target_name_); }
 
   void Fail(absl::Status why) { notifier_.Fail(std::move(why)); }
+  bool Targets(const std::shared_ptr<Core>& core) const { return target_.lock() == core; }
 
  private:
   void Forget(uint64_t tid) {
@@ -291,7 +304,8 @@ std::shared_ptr<Endpoint> Core::ReplyEndpoint(const std::shared_ptr<Core>& peer)
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto& slot = replies_[peer->name()];
-    if (slot != nullptr) return slot;
+    // A cached endpoint to an earlier transport of the same name is dead: replace it.
+    if (slot != nullptr && slot->health().ok() && slot->Targets(peer)) return slot;
     slot = std::make_shared<InprocEndpoint>(weak_from_this(), peer, peer->name());
     ep = slot;
   }
@@ -402,12 +416,14 @@ class InprocTransport final : public Transport {
       std::lock_guard<std::mutex> lock(r.mu);
       r.cores.erase(core_->name());
     }
-    std::vector<std::shared_ptr<InprocEndpoint>> outbound;
+    std::vector<std::weak_ptr<InprocEndpoint>> outbound;
     {
       std::lock_guard<std::mutex> lock(mu_);
       outbound.swap(outbound_);
     }
-    for (auto& ep : outbound) {
+    for (auto& weak : outbound) {
+      auto ep = weak.lock();
+      if (ep == nullptr) continue;
       ep->Fail(absl::UnavailableError(absl::StrCat("inproc transport ", core_->name(),
                                                    " shut down")));
     }
@@ -461,6 +477,7 @@ class InprocTransport final : public Transport {
     auto ep = std::make_shared<InprocEndpoint>(core_, target, name);
     target->TrackInbound(ep);
     std::lock_guard<std::mutex> lock(mu_);
+    std::erase_if(outbound_, [](const auto& w) { return w.expired(); });
     outbound_.push_back(ep);
     return std::shared_ptr<Endpoint>(ep);
   }
@@ -475,7 +492,7 @@ class InprocTransport final : public Transport {
   std::shared_ptr<Core> core_;
   Capabilities caps_;
   std::mutex mu_;
-  std::vector<std::shared_ptr<InprocEndpoint>> outbound_;
+  std::vector<std::weak_ptr<InprocEndpoint>> outbound_;  // failed when this transport goes
 };
 
 }  // namespace

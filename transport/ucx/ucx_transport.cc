@@ -72,6 +72,7 @@ class Engine;
 struct RecvOp {
   Engine* engine;
   Completion done;
+  void* request = nullptr;  // UCX request while the payload is arriving
 };
 
 struct Op {
@@ -80,6 +81,7 @@ struct Op {
   Payload payload;
   Completion done;
   void* request = nullptr;           // UCX request while outstanding
+  void* ctx = nullptr;               // its OpContext (UCX's user data), freed with it
   std::optional<absl::Status> why;   // reported instead of UCX's error (cancel, timeout, reset)
   absl::Time deadline = absl::InfiniteFuture();
   bool is_put = false;
@@ -321,6 +323,15 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void CloseEndpoint(const std::shared_ptr<UcxEndpoint>& ep, absl::Status why);
   ucp_worker_h worker() const { return worker_; }
   void TrackRecv(RecvOp* op) { recvs_.insert(op); }
+  // Like Post, but always through the queue: for calls that may come from inside a UCX callback
+  // and must not make UCP calls there (progress, endpoint close).
+  bool PostQueued(std::function<void()> cmd) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return false;
+    commands_.push_back(std::move(cmd));
+    WakeLocked();
+    return true;
+  }
   void FinishRecv(RecvOp* op, absl::Status s) {
     recvs_.erase(op);
     Completion fn = std::move(op->done);
@@ -455,6 +466,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::vector<std::pair<std::shared_ptr<UcxEndpoint>, absl::Status>> to_close_;
   std::vector<void*> closing_;  // ucp_ep_close_nbx requests
   std::unordered_set<RecvOp*> recvs_;  // payloads being received
+  std::unordered_set<Op*> live_ops_;   // sends and puts UCX holds
   std::multimap<absl::Time, std::pair<std::weak_ptr<UcxEndpoint>, uint64_t>> deadlines_;
   absl::Time next_deadline_check_ = absl::InfinitePast();
   struct ConnectWait {
@@ -540,6 +552,7 @@ class UcxMessage final : public IncomingMessage {
       delete cb;
       fn(FromUcs(UCS_PTR_STATUS(r), "receiving a message's payload"));
     } else {
+      cb->request = r;
       engine_->TrackRecv(cb);
     }
   }
@@ -689,6 +702,7 @@ void Engine::Loop() {
     for (auto& c : cmds) c();
     if (stop) {
       Shutdown();
+      progress_id_.store(std::thread::id{});
       return;
     }
     unsigned n = 0;
@@ -706,6 +720,11 @@ void Engine::Loop() {
     const absl::Time now = absl::Now();
     if (now >= next_deadline_check_) {
       CheckDeadlines();
+      std::erase_if(closing_, [](void* r) {
+        if (ucp_request_check_status(r) == UCS_INPROGRESS) return false;
+        ucp_request_free(r);
+        return true;
+      });
       next_deadline_check_ = now + absl::Milliseconds(1);
     }
     if (n > 0 || !cmds.empty() || !idle_since_known) {
@@ -761,6 +780,7 @@ void Engine::CheckDeadlines() {
 
 void Engine::Finish(const std::shared_ptr<UcxEndpoint>& ep, Op* op, absl::Status s) {
   if (ep != nullptr) ep->ops.erase(op->tid);
+  live_ops_.erase(op);
   if (op->rkey != nullptr) ucp_rkey_destroy(op->rkey);
   if (!s.ok() && op->why.has_value()) s = *op->why;
   Completion done = std::move(op->done);
@@ -805,7 +825,9 @@ void Engine::DoSend(const std::shared_ptr<UcxEndpoint>& ep, Op* op, uint16_t id)
     return;
   }
   op->request = r;
+  op->ctx = ctx;
   ep->ops[op->tid] = op;
+  live_ops_.insert(op);
   if (op->deadline != absl::InfiniteFuture()) {
     deadlines_.emplace(op->deadline, std::make_pair(std::weak_ptr<UcxEndpoint>(ep), op->tid));
   }
@@ -874,7 +896,9 @@ void Engine::DoPut(const std::shared_ptr<UcxEndpoint>& ep, Op* op) {
     return;
   }
   op->request = f;
+  op->ctx = ctx;
   ep->ops[op->tid] = op;
+  live_ops_.insert(op);
   if (op->deadline != absl::InfiniteFuture()) {
     deadlines_.emplace(op->deadline, std::make_pair(std::weak_ptr<UcxEndpoint>(ep), op->tid));
   }
@@ -933,29 +957,37 @@ void Engine::Shutdown() {
     wait->Set(absl::UnavailableError("UCX transport shut down"));
   }
   connect_waits_.clear();
+  // Ask UCX to give back what it still holds; its callbacks complete them as it progresses.
+  for (RecvOp* r : std::vector<RecvOp*>(recvs_.begin(), recvs_.end())) {
+    if (r->request != nullptr) ucp_request_cancel(worker_, r->request);
+  }
+  for (Op* op : std::vector<Op*>(live_ops_.begin(), live_ops_.end())) {
+    if (op->request != nullptr) ucp_request_cancel(worker_, op->request);
+  }
   const absl::Time until = absl::Now() + absl::Seconds(2);
-  auto all_closed = [&] {
+  auto settled = [&] {
     for (void* r : closing_) {
       if (ucp_request_check_status(r) == UCS_INPROGRESS) return false;
     }
-    return true;
+    return recvs_.empty() && live_ops_.empty();
   };
-  while (!all_closed() && absl::Now() < until) ucp_worker_progress(worker_);
+  while (!settled() && absl::Now() < until) ucp_worker_progress(worker_);
   for (void* r : closing_) ucp_request_free(r);
   closing_.clear();
-  // Ops UCX still holds (it had no time to fail them) are failed here.
-  std::vector<RecvOp*> recvs(recvs_.begin(), recvs_.end());
-  for (RecvOp* r : recvs) FinishRecv(r, absl::UnavailableError("UCX transport shut down"));
-  for (auto& ep : eps) {
-    std::vector<Op*> ops;
-    for (auto& [tid, op] : ep->ops) ops.push_back(op);
-    ep->ops.clear();
-    for (Op* op : ops) Finish(nullptr, op, absl::UnavailableError("UCX transport shut down"));
-  }
   if (listener_ != nullptr) ucp_listener_destroy(listener_);
   listener_ = nullptr;
   ucp_worker_destroy(worker_);
   worker_ = nullptr;
+  // What UCX never completed (its requests went with the worker) is failed here, once UCX can
+  // no longer touch the buffers.
+  for (RecvOp* r : std::vector<RecvOp*>(recvs_.begin(), recvs_.end())) {
+    FinishRecv(r, absl::UnavailableError("UCX transport shut down"));
+  }
+  for (Op* op : std::vector<Op*>(live_ops_.begin(), live_ops_.end())) {
+    delete static_cast<OpContext*>(op->ctx);
+    Finish(nullptr, op, absl::UnavailableError("UCX transport shut down"));
+  }
+  for (auto& ep : eps) ep->ops.clear();
 }
 
 absl::StatusOr<std::shared_ptr<Endpoint>> Engine::Connect(absl::string_view address,
@@ -1026,7 +1058,10 @@ absl::StatusOr<std::shared_ptr<Endpoint>> Engine::Connect(absl::string_view addr
   }
   ep->RemoveFailureCallback(handle);
   if (!result.ok()) {
-    Post([this, ep, result] { CloseEndpoint(ep, absl::UnavailableError(result.message())); });
+    Post([this, ep, wait, result] {
+      std::erase_if(connect_waits_, [&](const auto& kv) { return kv.second == wait; });
+      CloseEndpoint(ep, absl::UnavailableError(result.message()));
+    });
     if (result.code() != absl::StatusCode::kInvalidArgument) {
       return absl::UnavailableError(result.message());
     }
@@ -1089,7 +1124,7 @@ void UcxEndpoint::Cancel(uint64_t tid) {
   std::shared_ptr<Engine> engine = engine_.lock();
   if (engine == nullptr) return;
   auto self = shared_from_this();
-  engine->Post([engine, self, tid] {
+  engine->PostQueued([engine, self, tid] {
     engine->DoCancel(self, tid, absl::CancelledError(absl::StrCat("transfer ", tid, " cancelled")));
   });
 }
