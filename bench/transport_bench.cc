@@ -24,6 +24,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
+#include <mutex>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -94,6 +96,8 @@ uint16_t FreePort() {
 
 // ---- the receiving process -------------------------------------------------------------------
 
+constexpr uint16_t kRawMessage = 100;  // transport_bench's own message id, beside the protocol's
+
 // Listens on `listen` (HOST:PORT; default loopback, any port) and writes its address to
 // `address_file`, or prints it when there is none (a receiver on another host).
 int RunReceiver(const std::string& tls, const std::string& address_file, uint64_t inline_max,
@@ -119,6 +123,15 @@ int RunReceiver(const std::string& tls, const std::string& address_file, uint64_
                                  {.pool_bytes = uint64_t{1} << 30, .inline_max_bytes = inline_max},
                                  [](transport::ReceivedBlock) { return absl::OkStatus(); });
   if (!r.ok()) return 1;
+  // Raw messages (no protocol): every payload lands in one buffer, which stays in cache, and
+  // nothing is checked or acknowledged — what ucx_perftest's receiver does.
+  auto raw_buf = (*t)->Allocate(uint64_t{64} << 20, transport::MemoryKind::kHost);
+  if (!raw_buf.ok()) return 1;
+  transport::MemoryRegion* raw = raw_buf->get();
+  (*t)->SetHandler(kRawMessage, [raw](transport::IncomingMessage& m) {
+    if (m.payload_size() > raw->size()) return;
+    m.Accept({.bytes = {raw->data(), m.payload_size()}, .region = raw}, [](absl::Status) {});
+  });
   if (address_file.empty()) {
     std::printf("receiving at %s (UCX_TLS=%s); stop with Ctrl-C\n", (*t)->address().c_str(),
                 tls.c_str());
@@ -202,6 +215,32 @@ PerftestResult RunPerftest(const std::string& perftest, const std::string& tls,
 
 // ---- the sending side ------------------------------------------------------------------------
 
+// Sends `n` raw messages (no protocol) with at most `window` bytes outstanding; bytes/s until the
+// last one completes (for rendezvous sizes: until the receiver has fetched it).
+double RawRound(transport::Endpoint& ep, const Payload& payload, uint64_t n, uint64_t window) {
+  std::mutex mu;
+  std::condition_variable cv;
+  uint64_t outstanding = 0, done = 0;
+  const uint64_t size = payload.bytes.size();
+  const auto a = Clock::now();
+  for (uint64_t i = 0; i < n; ++i) {
+    {
+      std::unique_lock<std::mutex> lock(mu);
+      cv.wait(lock, [&] { return outstanding == 0 || outstanding + size <= window; });
+      outstanding += size;
+    }
+    ep.Send(kRawMessage, {}, payload, absl::Seconds(30), [&](absl::Status) {
+      std::lock_guard<std::mutex> lock(mu);
+      outstanding -= size;
+      ++done;
+      cv.notify_all();
+    });
+  }
+  std::unique_lock<std::mutex> lock(mu);
+  cv.wait(lock, [&] { return done == n; });
+  return size * n / Seconds(a, Clock::now());
+}
+
 struct Row {
   uint64_t size = 0;
   uint64_t blocks = 0;
@@ -209,6 +248,7 @@ struct Row {
   double perftest_bw = 0;        // bytes/s, endpoints configured as Strata's (0: not measured)
   double perftest_plain_bw = 0;  // bytes/s, UCX's defaults without peer error handling
   double strata_median = 0, perftest_median = 0, perftest_plain_median = 0;
+  double raw_bw = 0, raw_median = 0;  // raw UCX messages on Strata's connection (no protocol)
   uint64_t window = 0;  // the sender's bytes in flight
   std::string perftest_error;
 };
@@ -340,8 +380,9 @@ int Main(int argc, char** argv) {
                      " -e (peer error handling: the endpoints Strata makes);\n"
                      "perftest plain: the same without -e", shm ? " and those settings" : "",
                      " (UCX's defaults)\n\n"));
-  print(absl::StrFormat("%-6s %8s %12s %14s %7s %16s %7s\n", "block", "blocks", "strata MB/s",
-                        "perftest MB/s", "ratio", "perftest plain", "ratio"));
+  print(absl::StrFormat("%-6s %8s %12s %14s %7s %16s %7s %12s\n", "block", "blocks",
+                        "strata MB/s", "perftest MB/s", "ratio", "perftest plain", "ratio",
+                        "raw UCX MB/s"));
 
   std::vector<Row> rows;
   for (uint64_t size : sizes) {
@@ -359,7 +400,7 @@ int Main(int argc, char** argv) {
     for (int i = 0; i < 16; ++i) {
       sender->Send(*ep, "warm", payload, {.crc32c = crc})->Wait().IgnoreError();
     }
-    std::vector<double> mine, theirs, plain;
+    std::vector<double> mine, theirs, plain, raw;
     for (int rep = 0; rep < reps; ++rep) {
       std::vector<std::shared_ptr<Transfer>> ts;
       ts.reserve(row.blocks);
@@ -376,6 +417,7 @@ int Main(int argc, char** argv) {
         return 1;
       }
       mine.push_back(size * row.blocks / s);
+      raw.push_back(RawRound(**ep, payload, row.blocks, row.window));
       if (have_perftest) {
         PerftestResult p =
             RunPerftest(perftest, tls, same_env, true, "ucp_am_bw", size, row.blocks);
@@ -397,6 +439,8 @@ int Main(int argc, char** argv) {
     row.perftest_bw = best(theirs);
     row.perftest_plain_bw = best(plain);
     row.strata_median = median(mine);
+    row.raw_bw = best(raw);
+    row.raw_median = median(raw);
     row.perftest_median = median(theirs);
     row.perftest_plain_median = median(plain);
     rows.push_back(row);
@@ -404,9 +448,10 @@ int Main(int argc, char** argv) {
     auto ratio = [&](double v) {
       return v > 0 ? absl::StrFormat("%.2f", row.strata_bw / v) : std::string("-");
     };
-    print(absl::StrFormat("%-6s %8d %12.0f %14s %7s %16s %7s\n", HumanSize(size), row.blocks,
-                          row.strata_bw / 1e6, mbs(row.perftest_bw), ratio(row.perftest_bw),
-                          mbs(row.perftest_plain_bw), ratio(row.perftest_plain_bw)));
+    print(absl::StrFormat("%-6s %8d %12.0f %14s %7s %16s %7s %12.0f\n", HumanSize(size),
+                          row.blocks, row.strata_bw / 1e6, mbs(row.perftest_bw),
+                          ratio(row.perftest_bw), mbs(row.perftest_plain_bw),
+                          ratio(row.perftest_plain_bw), row.raw_bw / 1e6));
   }
 
   // Latency: one block at a time, send -> verified -> acknowledged; half the round trip is
@@ -459,6 +504,8 @@ int Main(int argc, char** argv) {
                         .Num("ratio", r.perftest_bw > 0 ? r.strata_bw / r.perftest_bw : 0)
                         .Num("perftest_plain_bytes_per_s", r.perftest_plain_bw)
                         .Num("strata_median_bytes_per_s", r.strata_median)
+                        .Num("raw_ucx_bytes_per_s", r.raw_bw)
+                        .Num("raw_ucx_median_bytes_per_s", r.raw_median)
                         .Num("perftest_median_bytes_per_s", r.perftest_median)
                         .Num("perftest_plain_median_bytes_per_s", r.perftest_plain_median)
                         .Str("perftest_error", r.perftest_error)
