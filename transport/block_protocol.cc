@@ -714,12 +714,18 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
       ++stats_.failed;
     }
     auto peer = peers_.find(p.ep.get());
+    bool wake = true;
     if (peer != peers_.end()) {
+      // Senders blocked on a full window are woken when it has drained to half (or is empty),
+      // not on every ack: one wake-up per half window instead of two context switches per block.
+      const uint64_t half = options_.max_bytes_in_flight / 2;
+      const uint64_t before = peer->second.in_flight;
       peer->second.in_flight -= p.size;
+      wake = peer->second.in_flight == 0 || (before > half && peer->second.in_flight <= half);
       --peer->second.pending;
       MaybeDropPeerLocked(p.ep.get(), lock);
     }
-    window_cv_.notify_all();
+    if (wake) window_cv_.notify_all();
     if (pending_.empty()) idle_cv_.notify_all();
     lock.unlock();
     Complete(p.state, std::move(p.done), status);
