@@ -115,6 +115,69 @@ class Sink {
   std::vector<std::string> order_;
 };
 
+// A fault-injecting decorator for the receiving side (a test seam, not a product part): it can
+// flip one byte of a payload after the backend has placed it (corruption on the wire or in a
+// DMA), or drop a message entirely (a lost message). Everything else goes to the real backend.
+class FaultInjectingTransport final : public Transport {
+ public:
+  explicit FaultInjectingTransport(Transport* inner) : inner_(inner) {}
+
+  // Message number n (1-based, data messages only) is corrupted / dropped when pred(n) is true.
+  std::function<bool(int)> corrupt = [](int) { return false; };
+  std::function<bool(int)> drop = [](int) { return false; };
+
+  const Capabilities& capabilities() const override { return inner_->capabilities(); }
+  std::string address() const override { return inner_->address(); }
+  absl::StatusOr<std::unique_ptr<MemoryRegion>> Register(void* d, size_t n,
+                                                         MemoryKind k) override {
+    return inner_->Register(d, n, k);
+  }
+  absl::StatusOr<std::unique_ptr<MemoryRegion>> Allocate(size_t n, MemoryKind k) override {
+    return inner_->Allocate(n, k);
+  }
+  absl::StatusOr<std::shared_ptr<Endpoint>> Connect(absl::string_view a,
+                                                    absl::Duration t) override {
+    return inner_->Connect(a, t);
+  }
+  size_t max_header_size() const override { return inner_->max_header_size(); }
+
+  void SetHandler(uint16_t id, MessageHandler h) override {
+    if (!h || id != kBlockDataMessage) {
+      inner_->SetHandler(id, std::move(h));
+      return;
+    }
+    inner_->SetHandler(id, [this, h = std::move(h)](IncomingMessage& m) {
+      const int n = ++count_;
+      if (drop(n)) return;
+      Faulty f(m, corrupt(n));
+      h(f);
+    });
+  }
+
+ private:
+  class Faulty final : public IncomingMessage {
+   public:
+    Faulty(IncomingMessage& m, bool corrupt) : m_(m), corrupt_(corrupt) {}
+    std::span<const uint8_t> header() const override { return m_.header(); }
+    size_t payload_size() const override { return m_.payload_size(); }
+    std::shared_ptr<Endpoint> endpoint() const override { return m_.endpoint(); }
+    void Accept(Destination dest, Completion done) override {
+      const bool corrupt = corrupt_;
+      m_.Accept(dest, [dest, corrupt, done = std::move(done)](absl::Status s) {
+        if (s.ok() && corrupt && !dest.bytes.empty()) dest.bytes[dest.bytes.size() / 2] ^= 0x40;
+        done(std::move(s));
+      });
+    }
+
+   private:
+    IncomingMessage& m_;
+    bool corrupt_;
+  };
+
+  Transport* inner_;
+  std::atomic<int> count_{0};
+};
+
 class TransportConformanceTest : public ::testing::TestWithParam<Backend> {
  protected:
   void SetUp() override {
@@ -373,6 +436,55 @@ TEST_P(TransportConformanceTest, WindowThatNeverOpensTimesOutWithoutSending) {
   hold_.Open();
   EXPECT_TRUE(first->Wait().ok());
   EXPECT_TRUE(sink_.Get("second").empty());
+}
+
+// Corruption after the backend placed the payload (the header's CRC is right): the receiver's
+// check catches it, the sender gets DATA_LOSS, the consumer never sees those bytes.
+TEST_P(TransportConformanceTest, PayloadCorruptedInFlightIsCaughtAndNeverHandedOn) {
+  FaultInjectingTransport faulty(receiver_transport_.get());
+  faulty.corrupt = [](int n) { return n % 3 == 0; };
+  auto r = BlockReceiver::Create(&faulty, {}, [&](ReceivedBlock b) { return sink_.Take(b); });
+  ASSERT_TRUE(r.ok());
+  auto s = BlockSender::Create(sender_transport_.get(), {});
+  ASSERT_TRUE(s.ok());
+  auto ep = sender_transport_->Connect(faulty.address(), absl::Seconds(10));
+  ASSERT_TRUE(ep.ok()) << ep.status();
+  std::vector<std::vector<uint8_t>> data;
+  for (int i = 0; i < 9; ++i) data.push_back(RandomBytes(1000 + 70000 * i, 50 + i));
+  for (int i = 0; i < 9; ++i) {
+    absl::Status st = (*s)->Send(*ep, absl::StrCat("c", i), View(data[i]))->Wait();
+    if ((i + 1) % 3 == 0) {
+      EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss) << i << ": " << st;
+      EXPECT_TRUE(sink_.Get(absl::StrCat("c", i)).empty()) << i;
+    } else {
+      EXPECT_TRUE(st.ok()) << i << ": " << st;
+      EXPECT_EQ(sink_.Get(absl::StrCat("c", i)), data[i]) << i;
+    }
+  }
+  EXPECT_EQ((*r)->stats().checksum_failures, 3u);
+  s->reset();
+  r->reset();
+}
+
+// A lost message: that transfer times out, the next one on the same connection goes through.
+TEST_P(TransportConformanceTest, LostMessageTimesOutAndTheNextGoesThrough) {
+  FaultInjectingTransport faulty(receiver_transport_.get());
+  faulty.drop = [](int n) { return n == 1; };
+  auto r = BlockReceiver::Create(&faulty, {}, [&](ReceivedBlock b) { return sink_.Take(b); });
+  ASSERT_TRUE(r.ok());
+  auto s = BlockSender::Create(sender_transport_.get(), {});
+  ASSERT_TRUE(s.ok());
+  auto ep = sender_transport_->Connect(faulty.address(), absl::Seconds(10));
+  ASSERT_TRUE(ep.ok()) << ep.status();
+  const auto data = RandomBytes(200000, 60);
+  absl::Status lost =
+      (*s)->Send(*ep, "lost", View(data), {.timeout = absl::Milliseconds(300)})->Wait();
+  EXPECT_EQ(lost.code(), absl::StatusCode::kDeadlineExceeded) << lost;
+  EXPECT_TRUE((*s)->Send(*ep, "next", View(data))->Wait().ok());
+  EXPECT_EQ(sink_.Get("next"), data);
+  EXPECT_TRUE(sink_.Get("lost").empty());
+  s->reset();
+  r->reset();
 }
 
 // A prefill node sends layer by layer: the consumer has layer 0 before layer 1 is even sent.
