@@ -96,7 +96,8 @@ uint16_t FreePort() {
 
 // ---- the receiving process -------------------------------------------------------------------
 
-constexpr uint16_t kRawMessage = 100;  // transport_bench's own message id, beside the protocol's
+constexpr uint16_t kRawMessage = 100;  // transport_bench's own message ids, beside the protocol's
+constexpr uint16_t kRawRingMessage = 101;
 
 // Listens on `listen` (HOST:PORT; default loopback, any port) and writes its address to
 // `address_file`, or prints it when there is none (a receiver on another host).
@@ -131,6 +132,19 @@ int RunReceiver(const std::string& tls, const std::string& address_file, uint64_
   (*t)->SetHandler(kRawMessage, [raw](transport::IncomingMessage& m) {
     if (m.payload_size() > raw->size()) return;
     m.Accept({.bytes = {raw->data(), m.payload_size()}, .region = raw}, [](absl::Status) {});
+  });
+  // The same, but each message lands in the next slot of a 256 MiB ring, as blocks land in
+  // distinct pool buffers: memory that is not in cache.
+  auto ring_buf = (*t)->Allocate(uint64_t{256} << 20, transport::MemoryKind::kHost);
+  if (!ring_buf.ok()) return 1;
+  transport::MemoryRegion* ring = ring_buf->get();
+  auto next = std::make_shared<uint64_t>(0);
+  (*t)->SetHandler(kRawRingMessage, [ring, next](transport::IncomingMessage& m) {
+    const uint64_t n = m.payload_size();
+    if (n > ring->size()) return;
+    const uint64_t slots = ring->size() / std::max<uint64_t>(n, 4096);
+    const uint64_t at = ((*next)++ % slots) * std::max<uint64_t>(n, 4096);
+    m.Accept({.bytes = {ring->data() + at, n}, .region = ring}, [](absl::Status) {});
   });
   if (address_file.empty()) {
     std::printf("receiving at %s (UCX_TLS=%s); stop with Ctrl-C\n", (*t)->address().c_str(),
@@ -217,7 +231,8 @@ PerftestResult RunPerftest(const std::string& perftest, const std::string& tls,
 
 // Sends `n` raw messages (no protocol) with at most `window` bytes outstanding; bytes/s until the
 // last one completes (for rendezvous sizes: until the receiver has fetched it).
-double RawRound(transport::Endpoint& ep, const Payload& payload, uint64_t n, uint64_t window) {
+double RawRound(transport::Endpoint& ep, const Payload& payload, uint64_t n, uint64_t window,
+                uint16_t id = kRawMessage) {
   std::mutex mu;
   std::condition_variable cv;
   uint64_t outstanding = 0, done = 0;
@@ -229,7 +244,7 @@ double RawRound(transport::Endpoint& ep, const Payload& payload, uint64_t n, uin
       cv.wait(lock, [&] { return outstanding == 0 || outstanding + size <= window; });
       outstanding += size;
     }
-    ep.Send(kRawMessage, {}, payload, absl::Seconds(30), [&](absl::Status) {
+    ep.Send(id, {}, payload, absl::Seconds(30), [&](absl::Status) {
       std::lock_guard<std::mutex> lock(mu);
       outstanding -= size;
       ++done;
@@ -249,6 +264,7 @@ struct Row {
   double perftest_plain_bw = 0;  // bytes/s, UCX's defaults without peer error handling
   double strata_median = 0, perftest_median = 0, perftest_plain_median = 0;
   double raw_bw = 0, raw_median = 0;  // raw UCX messages on Strata's connection (no protocol)
+  double raw_ring_bw = 0;             // the same, landing in a 256 MiB ring (not in cache)
   uint64_t window = 0;  // the sender's bytes in flight
   std::string perftest_error;
 };
@@ -380,9 +396,9 @@ int Main(int argc, char** argv) {
                      " -e (peer error handling: the endpoints Strata makes);\n"
                      "perftest plain: the same without -e", shm ? " and those settings" : "",
                      " (UCX's defaults)\n\n"));
-  print(absl::StrFormat("%-6s %8s %12s %14s %7s %16s %7s %12s\n", "block", "blocks",
+  print(absl::StrFormat("%-6s %8s %12s %14s %7s %16s %7s %12s %10s\n", "block", "blocks",
                         "strata MB/s", "perftest MB/s", "ratio", "perftest plain", "ratio",
-                        "raw UCX MB/s"));
+                        "raw UCX MB/s", "raw ring"));
 
   std::vector<Row> rows;
   for (uint64_t size : sizes) {
@@ -400,7 +416,7 @@ int Main(int argc, char** argv) {
     for (int i = 0; i < 16; ++i) {
       sender->Send(*ep, "warm", payload, {.crc32c = crc})->Wait().IgnoreError();
     }
-    std::vector<double> mine, theirs, plain, raw;
+    std::vector<double> mine, theirs, plain, raw, raw_ring;
     for (int rep = 0; rep < reps; ++rep) {
       std::vector<std::shared_ptr<Transfer>> ts;
       ts.reserve(row.blocks);
@@ -418,6 +434,7 @@ int Main(int argc, char** argv) {
       }
       mine.push_back(size * row.blocks / s);
       raw.push_back(RawRound(**ep, payload, row.blocks, row.window));
+      raw_ring.push_back(RawRound(**ep, payload, row.blocks, row.window, kRawRingMessage));
       if (have_perftest) {
         PerftestResult p =
             RunPerftest(perftest, tls, same_env, true, "ucp_am_bw", size, row.blocks);
@@ -441,6 +458,7 @@ int Main(int argc, char** argv) {
     row.strata_median = median(mine);
     row.raw_bw = best(raw);
     row.raw_median = median(raw);
+    row.raw_ring_bw = best(raw_ring);
     row.perftest_median = median(theirs);
     row.perftest_plain_median = median(plain);
     rows.push_back(row);
@@ -448,10 +466,10 @@ int Main(int argc, char** argv) {
     auto ratio = [&](double v) {
       return v > 0 ? absl::StrFormat("%.2f", row.strata_bw / v) : std::string("-");
     };
-    print(absl::StrFormat("%-6s %8d %12.0f %14s %7s %16s %7s %12.0f\n", HumanSize(size),
+    print(absl::StrFormat("%-6s %8d %12.0f %14s %7s %16s %7s %12.0f %10.0f\n", HumanSize(size),
                           row.blocks, row.strata_bw / 1e6, mbs(row.perftest_bw),
                           ratio(row.perftest_bw), mbs(row.perftest_plain_bw),
-                          ratio(row.perftest_plain_bw), row.raw_bw / 1e6));
+                          ratio(row.perftest_plain_bw), row.raw_bw / 1e6, row.raw_ring_bw / 1e6));
   }
 
   // Latency: one block at a time, send -> verified -> acknowledged; half the round trip is
@@ -506,6 +524,7 @@ int Main(int argc, char** argv) {
                         .Num("strata_median_bytes_per_s", r.strata_median)
                         .Num("raw_ucx_bytes_per_s", r.raw_bw)
                         .Num("raw_ucx_median_bytes_per_s", r.raw_median)
+                        .Num("raw_ucx_ring_bytes_per_s", r.raw_ring_bw)
                         .Num("perftest_median_bytes_per_s", r.perftest_median)
                         .Num("perftest_plain_median_bytes_per_s", r.perftest_plain_median)
                         .Str("perftest_error", r.perftest_error)
