@@ -172,7 +172,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
     //    handling (which every endpoint here has) only when told to; without it same-host peers
     //    talk over loopback TCP.
     //  - TCP PUT_ENABLE=n: otherwise UCX 1.13 makes TCP the endpoint's RMA lane and moves every
-    //    rendezvous payload over loopback TCP (2.3 GB/s here) instead of shared memory (6-7 GB/s).
+    //    rendezvous payload over loopback TCP instead of shared memory (see docs/transport.md).
     //    Between hosts, rendezvous over TCP then runs as pipelined active messages instead.
     // Then the caller's own settings, which win.
     const bool may_use_shm = options_.tls.empty() || absl::StrContains(options_.tls, "posix") ||
