@@ -15,6 +15,7 @@
 #include "absl/strings/str_format.h"
 #include "common/aligned_buffer.h"
 #include "common/crc32c.h"
+#include "common/metrics.h"
 
 namespace strata::transport {
 namespace {
@@ -325,6 +326,33 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
     return stats_;
   }
 
+  std::string RenderMetrics() const {
+    Stats st;
+    uint64_t pending;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      st = stats_;
+      pending = pending_bytes_;
+    }
+    std::string out;
+    const std::pair<const char*, uint64_t> counters[] = {
+        {"blocks", st.blocks},           {"bytes", st.bytes},
+        {"refused", st.refused},         {"checksum_failures", st.checksum_failures},
+        {"too_large", st.too_large},     {"malformed", st.malformed},
+        {"aborted", st.aborted}};
+    for (const auto& [name, v] : counters) {
+      RenderMetric(absl::StrCat("strata_transport_received_", name, "_total"), "counter",
+                   absl::StrCat("block receiver: ", name), static_cast<double>(v), &out);
+    }
+    RenderMetric("strata_transport_received_pending_bytes", "gauge",
+                 "payload bytes arriving or being consumed now", static_cast<double>(pending),
+                 &out);
+    RenderMetric("strata_transport_received_max_pending_bytes", "gauge",
+                 "most payload bytes held at once", static_cast<double>(st.max_pending_bytes),
+                 &out);
+    return out;
+  }
+
   // After this no consumer call starts; those under way (queued or inline) finish first.
   void Shutdown() {
     transport_->SetHandler(kBlockDataMessage, nullptr);
@@ -446,6 +474,8 @@ BlockReceiver::~BlockReceiver() { impl_->Shutdown(); }
 
 BlockReceiver::Stats BlockReceiver::stats() const { return impl_->stats(); }
 
+std::string BlockReceiver::RenderMetrics() const { return impl_->RenderMetrics(); }
+
 // ---- sender -------------------------------------------------------------------------------------
 
 absl::Status BlockSenderOptions::Validate() const {
@@ -551,6 +581,7 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
       p.state = state;
       p.done = std::move(done);
       p.deadline = deadline;
+      p.start = absl::Now();
       deadlines_.emplace(deadline, seq);
     }
     watchdog_cv_.notify_one();
@@ -635,6 +666,24 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     return stats_;
   }
 
+  std::string RenderMetrics() const {
+    const Stats st = stats();
+    std::string out;
+    const std::pair<const char*, uint64_t> counters[] = {
+        {"blocks", st.sent}, {"bytes", st.bytes}, {"failures", st.failed},
+        {"late_acks", st.late_acks}};
+    for (const auto& [name, v] : counters) {
+      RenderMetric(absl::StrCat("strata_transport_sent_", name, "_total"), "counter",
+                   absl::StrCat("block sender: ", name), static_cast<double>(v), &out);
+    }
+    RenderMetric("strata_transport_sent_max_bytes_in_flight", "gauge",
+                 "most unacknowledged bytes to one peer at once",
+                 static_cast<double>(st.max_bytes_in_flight), &out);
+    latency_.Render("strata_transport_block_transfer_seconds", "", true,
+                    "Send to acknowledgement, successful transfers", &out);
+    return out;
+  }
+
  private:
   struct Peer {
     std::shared_ptr<Endpoint> ep;
@@ -650,6 +699,7 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     std::shared_ptr<Transfer::State> state;
     std::function<void(absl::Status)> done;
     absl::Time deadline;
+    absl::Time start;
     uint64_t backend_id = 0;
     bool posted = false;
     bool send_done = false;
@@ -710,6 +760,7 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     if (status.ok()) {
       ++stats_.sent;
       stats_.bytes += p.size;
+      latency_.Record(absl::ToDoubleSeconds(absl::Now() - p.start));
     } else {
       ++stats_.failed;
     }
@@ -797,6 +848,7 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
   std::multimap<absl::Time, uint64_t> deadlines_;
   std::unordered_map<Endpoint*, Peer> peers_;
   Stats stats_;
+  LatencyHistogram latency_;
   bool shutting_down_ = false;
   bool stop_watchdog_ = false;
   std::thread watchdog_;  // last: started after the members it uses
@@ -854,5 +906,7 @@ std::shared_ptr<Transfer> BlockSender::Send(const std::shared_ptr<Endpoint>& pee
 }
 
 BlockSender::Stats BlockSender::stats() const { return impl_->stats(); }
+
+std::string BlockSender::RenderMetrics() const { return impl_->RenderMetrics(); }
 
 }  // namespace strata::transport

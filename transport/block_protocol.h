@@ -119,6 +119,10 @@ class BlockReceiver {
 
   Stats stats() const;
 
+  // Prometheus text (strata_transport_received_* counters, pending-bytes gauges), for a node's
+  // /metrics (common/metrics.h).
+  std::string RenderMetrics() const;
+
   class Impl;
 
  private:
@@ -193,6 +197,10 @@ class BlockSender {
                                  std::function<void(absl::Status)> done = nullptr);
 
   Stats stats() const;
+
+  // Prometheus text: strata_transport_sent_* counters and the histogram of transfer times
+  // (Send to acknowledgement) of successful transfers.
+  std::string RenderMetrics() const;
 
   class Impl;
 

@@ -356,6 +356,25 @@ TEST_P(TransportConformanceTest, InlineVerificationDeliversAndRefusesAlike) {
   EXPECT_EQ(receiver_->stats().checksum_failures, 1u);
 }
 
+// What a node's /metrics shows: the counters and the transfer-time histogram follow the traffic.
+TEST_P(TransportConformanceTest, MetricsCountWhatHappened) {
+  Start();
+  const auto data = RandomBytes(70000, 70);
+  EXPECT_TRUE(sender_->Send(peer_, "m1", View(data))->Wait().ok());
+  EXPECT_TRUE(sender_->Send(peer_, "m2", View(data))->Wait().ok());
+  EXPECT_EQ(sender_->Send(peer_, "m3", View(data), {.crc32c = 1})->Wait().code(),
+            absl::StatusCode::kDataLoss);
+  const std::string sent = sender_->RenderMetrics();
+  EXPECT_THAT(sent, HasSubstr("\nstrata_transport_sent_blocks_total 2\n"));
+  EXPECT_THAT(sent, HasSubstr("\nstrata_transport_sent_bytes_total 140000\n"));
+  EXPECT_THAT(sent, HasSubstr("\nstrata_transport_sent_failures_total 1\n"));
+  EXPECT_THAT(sent, HasSubstr("\nstrata_transport_block_transfer_seconds_count 2\n"));
+  const std::string received = receiver_->RenderMetrics();
+  EXPECT_THAT(received, HasSubstr("\nstrata_transport_received_blocks_total 2\n"));
+  EXPECT_THAT(received, HasSubstr("\nstrata_transport_received_checksum_failures_total 1\n"));
+  EXPECT_THAT(received, HasSubstr("\nstrata_transport_received_pending_bytes 0\n"));
+}
+
 TEST_P(TransportConformanceTest, ConsumerRefusalAndSizeLimitComeBackToTheSender) {
   Start({.max_block_bytes = 1 << 20}, {}, [&](ReceivedBlock b) -> absl::Status {
     if (b.id == "dup") return absl::AlreadyExistsError("have it");
