@@ -61,7 +61,7 @@ const char* TierName(Tier t) {
 
 BlockStore::BlockStore(const StoreOptions& o)
     : options_(o),
-      pool_(BufferPool::Create(o.ram_bytes / 4)),
+      pool_(BufferPool<AlignedBuffer>::Create(o.ram_bytes / 4)),
       ram_policy_(MakePolicy(o.ram_policy, o.ram_bytes)),
       disk_policy_(MakePolicy(PolicyKind::kLru, o.disk_bytes)) {}
 
@@ -215,7 +215,7 @@ absl::Status BlockStore::Put(const BlockName& name, const BlockHash* parent,
     p.key = *parent;
     parent_key = p.Encode();
   }
-  std::shared_ptr<AlignedBuffer> buffer = pool_->Acquire(block.size());
+  std::shared_ptr<AlignedBuffer> buffer = AcquireBuffer(*pool_, block.size());
   std::memcpy(buffer->data(), block.data(), block.size());
   const bool through = db_ != nullptr && options_.durable_puts;
   {
@@ -502,7 +502,7 @@ absl::StatusOr<Lease> BlockStore::Get(const BlockName& name) {
                                             rs.ok() ? " was corrupt on disk and is dropped"
                                                     : " could not be read from disk"));
   }
-  std::shared_ptr<AlignedBuffer> buffer = pool_->Acquire(block.size());
+  std::shared_ptr<AlignedBuffer> buffer = AcquireBuffer(*pool_, block.size());
   std::memcpy(buffer->data(), block.data(), block.size());
   ++stats_.disk_hits;
   if (it != entries_.end() && !it->second.ram && !it->second.spilling) {  // promote

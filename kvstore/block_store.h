@@ -48,7 +48,7 @@
 #include "absl/types/span.h"
 #include "common/aligned_buffer.h"
 #include "common/prefix_key.h"
-#include "kvstore/buffer_pool.h"
+#include "common/buffer_pool.h"
 #include "kvstore/eviction_policy.h"
 
 namespace rocksdb {
@@ -150,7 +150,7 @@ class BlockStore {
                              const absl::Status& written);
 
   const StoreOptions options_;
-  std::shared_ptr<BufferPool> pool_;
+  std::shared_ptr<BufferPool<AlignedBuffer>> pool_;
   std::unique_ptr<rocksdb::DB> db_;
   mutable std::mutex mu_;
   std::mutex disk_write_mu_;  // after mu_ when both are held

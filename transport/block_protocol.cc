@@ -14,8 +14,10 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_format.h"
 #include "common/aligned_buffer.h"
+#include "common/buffer_pool.h"
 #include "common/crc32c.h"
 #include "common/metrics.h"
+#include "common/status_macros.h"
 
 namespace strata::transport {
 namespace {
@@ -152,62 +154,26 @@ absl::Status BlockReceiverOptions::Validate() const {
 
 namespace {
 
-// Registered receive buffers, reused by rounded size (a model's blocks come in few sizes).
-class BufferPool : public std::enable_shared_from_this<BufferPool> {
- public:
-  struct Slot {
-    AlignedBuffer buffer;
-    std::unique_ptr<MemoryRegion> region;
-    size_t capacity = 0;
-  };
-
-  BufferPool(Transport* transport, uint64_t max_free_bytes)
-      : transport_(transport), max_free_bytes_(max_free_bytes) {}
-
-  absl::StatusOr<std::shared_ptr<Slot>> Acquire(size_t size) {
-    const size_t capacity = std::max<size_t>(64, (size + 4095) / 4096 * 4096);
-    std::unique_ptr<Slot> slot;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      auto it = free_.find(capacity);
-      if (it != free_.end() && !it->second.empty()) {
-        slot = std::move(it->second.back());
-        it->second.pop_back();
-        free_bytes_ -= capacity;
-      }
-    }
-    if (slot == nullptr) {
-      slot = std::make_unique<Slot>();
-      slot->buffer = AlignedBuffer::Uninitialized(capacity);
-      slot->capacity = capacity;
-      auto region = transport_->Register(slot->buffer.data(), capacity, MemoryKind::kHost);
-      if (!region.ok()) return region.status();
-      slot->region = std::move(*region);
-    }
-    std::weak_ptr<BufferPool> pool = weak_from_this();
-    return std::shared_ptr<Slot>(slot.release(), [pool](Slot* s) {
-      if (auto p = pool.lock()) {
-        p->Release(std::unique_ptr<Slot>(s));
-      } else {
-        delete s;
-      }
-    });
-  }
-
- private:
-  void Release(std::unique_ptr<Slot> slot) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (free_bytes_ + slot->capacity > max_free_bytes_) return;  // dropped: deregisters, frees
-    free_bytes_ += slot->capacity;
-    free_[slot->capacity].push_back(std::move(slot));
-  }
-
-  Transport* transport_;
-  const uint64_t max_free_bytes_;
-  std::mutex mu_;
-  std::unordered_map<size_t, std::vector<std::unique_ptr<Slot>>> free_;
-  uint64_t free_bytes_ = 0;
+// A receive buffer and its registration with the transport, pooled together (a registration
+// is what makes reuse pay: registering memory costs far more than the copy for RDMA NICs).
+struct RegisteredBuffer {
+  AlignedBuffer buffer;
+  std::unique_ptr<MemoryRegion> region;
+  size_t size() const { return buffer.size(); }
 };
+
+// A registered buffer for `size` bytes, reused by 4 KiB-rounded size (a model's blocks come in
+// few sizes).
+absl::StatusOr<std::shared_ptr<RegisteredBuffer>> AcquireRegistered(
+    BufferPool<RegisteredBuffer>& pool, Transport& transport, size_t size) {
+  const size_t capacity = std::max<size_t>(64, (size + 4095) / 4096 * 4096);
+  if (std::shared_ptr<RegisteredBuffer> b = pool.Reuse(capacity)) return b;
+  auto b = std::make_unique<RegisteredBuffer>();
+  b->buffer = AlignedBuffer::Uninitialized(capacity);
+  STRATA_ASSIGN_OR_RETURN(b->region,
+                          transport.Register(b->buffer.data(), capacity, MemoryKind::kHost));
+  return pool.Track(std::move(b));
+}
 
 // A few threads running queued tasks in order of arrival.
 class TaskThreads {
@@ -277,7 +243,7 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
       : transport_(transport),
         options_(options),
         consumer_(std::move(consumer)),
-        pool_(std::make_shared<BufferPool>(transport, options.pool_bytes)),
+        pool_(BufferPool<RegisteredBuffer>::Create(options.pool_bytes)),
         tasks_(options.verify_threads) {}
 
   void OnData(IncomingMessage& m) {
@@ -303,7 +269,8 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
                                                       options_.max_block_bytes)));
       return;
     }
-    absl::StatusOr<std::shared_ptr<BufferPool::Slot>> slot = pool_->Acquire(h->size);
+    absl::StatusOr<std::shared_ptr<RegisteredBuffer>> slot =
+        AcquireRegistered(*pool_, *transport_, h->size);
     if (!slot.ok()) {
       Reply(ep, h->seq, slot.status());
       return;
@@ -311,7 +278,7 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
     AddPending(static_cast<int64_t>(h->size));
     auto self = shared_from_this();
     auto header = std::make_shared<BlockDataHeader>(std::move(*h));
-    std::shared_ptr<BufferPool::Slot> buf = std::move(*slot);
+    std::shared_ptr<RegisteredBuffer> buf = std::move(*slot);
     Destination dest{.bytes = std::span<uint8_t>(buf->buffer.data(), header->size),
                      .region = buf->region.get()};
     if (header->size == 0) {
@@ -367,7 +334,7 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
 
  private:
   static void Arrived(const std::shared_ptr<Impl>& self, std::shared_ptr<BlockDataHeader> header,
-                      std::shared_ptr<BufferPool::Slot> buf, std::shared_ptr<Endpoint> ep,
+                      std::shared_ptr<RegisteredBuffer> buf, std::shared_ptr<Endpoint> ep,
                       absl::Status s) {
     if (!s.ok()) {  // partial data: discarded with the buffer
       self->Count(&Stats::aborted);
@@ -384,24 +351,20 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
         run = !self->stopped_;
         if (run) ++self->inline_running_;
       }
-      if (!run) {
-        self->AddPending(-size);
-        Reply(ep, seq, absl::UnavailableError("receiver shut down"));
+      if (run) {
+        self->Verify(*header, std::move(buf), ep);
+        std::lock_guard<std::mutex> lock(self->mu_);
+        if (--self->inline_running_ == 0) self->inline_cv_.notify_all();
         return;
       }
-      self->Verify(*header, std::move(buf), ep);
-      std::lock_guard<std::mutex> lock(self->mu_);
-      if (--self->inline_running_ == 0) self->inline_cv_.notify_all();
+    } else if (self->tasks_.Post([self, header, buf, ep] { self->Verify(*header, buf, ep); })) {
       return;
     }
-    bool posted = self->tasks_.Post([self, header, buf, ep] { self->Verify(*header, buf, ep); });
-    if (!posted) {
-      self->AddPending(-size);
-      Reply(ep, seq, absl::UnavailableError("receiver shut down"));
-    }
+    self->AddPending(-size);  // the receiver is shutting down: nobody will consume it
+    Reply(ep, seq, absl::UnavailableError("receiver shut down"));
   }
 
-  void Verify(const BlockDataHeader& h, std::shared_ptr<BufferPool::Slot> buf,
+  void Verify(const BlockDataHeader& h, std::shared_ptr<RegisteredBuffer> buf,
               const std::shared_ptr<Endpoint>& ep) {
     const uint32_t crc = Crc32c(buf->buffer.data(), h.size);
     absl::Status status;
@@ -445,7 +408,7 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
   Transport* transport_;
   const BlockReceiverOptions options_;
   BlockConsumer consumer_;
-  std::shared_ptr<BufferPool> pool_;
+  std::shared_ptr<BufferPool<RegisteredBuffer>> pool_;
   mutable std::mutex mu_;
   Stats stats_;
   uint64_t pending_bytes_ = 0;
