@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <ctime>
 #include <fstream>
@@ -82,6 +83,29 @@ Json& Json::Raw(const std::string& key, const std::string& json) {
   Key(key);
   body_ += json;
   return *this;
+}
+
+Json ResultJson(const std::string& benchmark, const RunInfo& info) {
+  Json j;
+  j.Str("benchmark", benchmark).Str("machine", info.machine).Str("date", info.date)
+      .Str("commit", info.commit);
+  return j;
+}
+
+std::string ResultPath(const std::string& out_dir, const std::string& benchmark,
+                       const RunInfo& info, const std::string& tag) {
+  return absl::StrCat(out_dir, "/", benchmark, tag.empty() ? "" : "-", tag, "-",
+                      info.date.substr(0, 10), "-", info.commit);
+}
+
+bool WriteResultFile(const std::string& path, const std::string& contents) {
+  std::ofstream f(path);
+  f << contents;
+  if (!f) {
+    std::fprintf(stderr, "cannot write %s\n", path.c_str());
+    return false;
+  }
+  return true;
 }
 
 std::string JsonArray(const std::vector<std::string>& items) {

@@ -52,4 +52,14 @@ class Json {
 std::string JsonArray(const std::vector<std::string>& items);
 std::string JsonEscape(const std::string& s);
 
+// A result file's first fields: benchmark, machine, date, commit.
+Json ResultJson(const std::string& benchmark, const RunInfo& info);
+
+// OUT_DIR/BENCHMARK[-TAG]-YYYY-MM-DD-COMMIT, without extension: where a program's results go.
+std::string ResultPath(const std::string& out_dir, const std::string& benchmark,
+                       const RunInfo& info, const std::string& tag = "");
+
+// Writes `contents` to `path`; false, and a line on stderr, when it cannot.
+bool WriteResultFile(const std::string& path, const std::string& contents);
+
 }  // namespace strata::bench

@@ -318,11 +318,7 @@ int Main(int argc, char** argv) {
   }
 
   const std::string json =
-      Json()
-          .Str("benchmark", "codec_bench")
-          .Str("machine", info.machine)
-          .Str("date", info.date)
-          .Str("commit", info.commit)
+      ResultJson("codec_bench", info)
           .Num("read_bandwidth_gbps", read_bw / 1e9)
           .Num("copy_bandwidth_gbps", copy_bw / 1e9)
           .Str("attention_kernels", kernels::DecodeAttentionUsesAvx2() ? "avx2" : "portable")
@@ -330,14 +326,8 @@ int Main(int argc, char** argv) {
           .Raw("attention", JsonArray(j_attention))
           .Raw("error", JsonArray(j_error))
           .Done();
-  const std::string path =
-      absl::StrCat(out_dir, "/codec_bench-", info.date.substr(0, 10), "-", commit, ".json");
-  std::ofstream f(path);
-  f << json << "\n";
-  if (!f) {
-    std::fprintf(stderr, "cannot write %s\n", path.c_str());
-    return 1;
-  }
+  const std::string path = ResultPath(out_dir, "codec_bench", info) + ".json";
+  if (!WriteResultFile(path, json + "\n")) return 1;
   std::printf("\nwrote %s\n", path.c_str());
   return 0;
 }

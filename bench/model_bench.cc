@@ -85,18 +85,13 @@ int Main(int argc, char** argv) {
                        .Num("kv_block_bytes", (*cache)->block_bytes())
                        .Done());
   }
-  const std::string json = Json()
-                               .Str("benchmark", "model_bench")
-                               .Str("machine", info.machine)
-                               .Str("date", info.date)
-                               .Str("commit", commit)
+  const std::string json = ResultJson("model_bench", info)
                                .Str("model", model_dir)
                                .Num("context", context)
                                .Raw("rows", JsonArray(rows))
                                .Done();
-  const std::string path =
-      absl::StrCat(out_dir, "/model_bench-", info.date.substr(0, 10), "-", commit, ".json");
-  std::ofstream(path) << json << "\n";
+  const std::string path = ResultPath(out_dir, "model_bench", info) + ".json";
+  if (!WriteResultFile(path, json + "\n")) return 1;
   std::printf("wrote %s\n", path.c_str());
   return 0;
 }

@@ -207,16 +207,11 @@ int Main(int argc, char** argv) {
       std::filesystem::remove_all(dir);
     }
   }
-  const std::string json = Json()
-                               .Str("benchmark", "store_bench")
-                               .Str("machine", info.machine)
-                               .Str("date", info.date)
-                               .Str("commit", commit)
-                               .Raw("rows", JsonArray(rows))
-                               .Done();
-  const std::string path =
-      absl::StrCat(out_dir, "/store_bench-", info.date.substr(0, 10), "-", commit, ".json");
-  std::ofstream(path) << json << "\n";
+  const std::string path = ResultPath(out_dir, "store_bench", info) + ".json";
+  if (!WriteResultFile(path, ResultJson("store_bench", info).Raw("rows", JsonArray(rows)).Done() +
+                                 "\n")) {
+    return 1;
+  }
   std::printf("wrote %s\n", path.c_str());
   return 0;
 }

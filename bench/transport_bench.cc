@@ -43,7 +43,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "bench/bench_util.h"
-#include "common/aligned_buffer.h"
+#include "common/byte_size.h"
 #include "common/crc32c.h"
 #include "transport/block_protocol.h"
 #include "transport/ucx/ucx_transport.h"
@@ -62,18 +62,12 @@ double Seconds(Clock::time_point a, Clock::time_point b) {
 }
 
 uint64_t ParseSize(const std::string& s) {
-  uint64_t mult = 1;
-  std::string num = s;
-  if (!num.empty() && (num.back() == 'K' || num.back() == 'M' || num.back() == 'G')) {
-    mult = num.back() == 'K' ? 1024 : num.back() == 'M' ? (1 << 20) : (1ull << 30);
-    num.pop_back();
-  }
   uint64_t v = 0;
-  if (!absl::SimpleAtoi(num, &v)) {
-    std::fprintf(stderr, "bad size '%s'\n", s.c_str());
+  if (!ParseByteSize(s, &v)) {
+    std::fprintf(stderr, "bad size '%s' (a count with an optional K/M/G/T suffix)\n", s.c_str());
     std::exit(2);
   }
-  return v * mult;
+  return v;
 }
 
 std::string HumanSize(uint64_t n) {
@@ -368,14 +362,11 @@ int Main(int argc, char** argv) {
     stop_child();
     return 1;
   }
-  struct {
-    uint8_t* data() { return r->data(); }
-    transport::MemoryRegion* r;
-  } src{region->get()};
+  uint8_t* const src = (*region)->data();
   std::mt19937_64 rng(1);
   for (uint64_t i = 0; i + 8 <= max_size; i += 8) {
     const uint64_t x = rng();
-    std::memcpy(src.data() + i, &x, 8);
+    std::memcpy(src + i, &x, 8);
   }
 
   std::string table;
@@ -405,8 +396,8 @@ int Main(int argc, char** argv) {
     Row row;
     row.size = size;
     row.blocks = std::clamp<uint64_t>((mib << 20) / size, 64, 200000);
-    const uint32_t crc = Crc32c(src.data(), size);
-    const Payload payload{.bytes = {src.data(), size}, .region = region->get()};
+    const uint32_t crc = Crc32c(src, size);
+    const Payload payload{.bytes = {src, size}, .region = region->get()};
     row.window = window != 0 ? window : std::max<uint64_t>(2 * size, 16 << 20);
     sender.reset();
     sender = std::move(*BlockSender::Create(t->get(), {.max_bytes_in_flight = row.window}));
@@ -484,8 +475,8 @@ int Main(int argc, char** argv) {
   sender.reset();
   sender = std::move(*BlockSender::Create(t->get(), {}));
   for (uint64_t size : {uint64_t{8}, uint64_t{4096}}) {
-    const uint32_t crc = Crc32c(src.data(), size);
-    const Payload payload{.bytes = {src.data(), size}, .region = region->get()};
+    const uint32_t crc = Crc32c(src, size);
+    const Payload payload{.bytes = {src, size}, .region = region->get()};
     std::vector<double> us;
     for (int i = 0; i < 20000; ++i) {
       const auto a = Clock::now();
@@ -539,11 +530,7 @@ int Main(int argc, char** argv) {
                         .Num("perftest_latency_us", l.perftest_us)
                         .Done());
   }
-  const std::string json = Json()
-                               .Str("benchmark", "transport_bench")
-                               .Str("machine", info.machine)
-                               .Str("date", info.date)
-                               .Str("commit", commit)
+  const std::string json = ResultJson("transport_bench", info)
                                .Str("ucx_version", transport::UcxVersion())
                                .Str("ucx_tls", tls)
                                .Num("inline_max_bytes", inline_max)
@@ -555,10 +542,10 @@ int Main(int argc, char** argv) {
                                .Done();
   std::string tag = tls;
   std::replace(tag.begin(), tag.end(), ',', '+');
-  const std::string base = absl::StrCat(out_dir, "/transport_bench-", tag, "-",
-                                        info.date.substr(0, 10), "-", commit);
-  std::ofstream(base + ".json") << json << "\n";
-  std::ofstream(base + ".txt") << table;
+  const std::string base = ResultPath(out_dir, "transport_bench", info, tag);
+  if (!WriteResultFile(base + ".json", json + "\n") || !WriteResultFile(base + ".txt", table)) {
+    return 1;
+  }
   std::printf("\nwrote %s.{json,txt}\n", base.c_str());
   return 0;
 }
