@@ -190,18 +190,21 @@ class TransportConformanceTest : public ::testing::TestWithParam<Backend> {
   }
 
   // A receiver whose consumer is `consumer` (default: the sink), and a sender connected to it.
+  // The receiver listens on the receiving transport, or through faulty_ when a test set it.
   void Start(BlockReceiverOptions ro = {}, BlockSenderOptions so = {},
              BlockConsumer consumer = nullptr) {
     if (!consumer) consumer = [this](ReceivedBlock b) { return sink_.Take(b); };
     sender_.reset();  // one sender and one receiver per transport at a time
     receiver_.reset();
-    auto r = BlockReceiver::Create(receiver_transport_.get(), ro, std::move(consumer));
+    Transport* receiving =
+        faulty_ != nullptr ? static_cast<Transport*>(faulty_.get()) : receiver_transport_.get();
+    auto r = BlockReceiver::Create(receiving, ro, std::move(consumer));
     ASSERT_TRUE(r.ok()) << r.status();
     receiver_ = std::move(*r);
     auto s = BlockSender::Create(sender_transport_.get(), so);
     ASSERT_TRUE(s.ok()) << s.status();
     sender_ = std::move(*s);
-    auto ep = sender_transport_->Connect(receiver_transport_->address(), absl::Seconds(10));
+    auto ep = sender_transport_->Connect(receiving->address(), absl::Seconds(10));
     ASSERT_TRUE(ep.ok()) << ep.status();
     peer_ = std::move(*ep);
   }
@@ -210,6 +213,7 @@ class TransportConformanceTest : public ::testing::TestWithParam<Backend> {
     hold_.Open();  // a failed test may have left a consumer waiting
     sender_.reset();
     receiver_.reset();
+    faulty_.reset();
     peer_.reset();
     sender_transport_.reset();
     receiver_transport_.reset();
@@ -220,6 +224,7 @@ class TransportConformanceTest : public ::testing::TestWithParam<Backend> {
   Sink sink_;
   std::unique_ptr<Transport> sender_transport_;
   std::unique_ptr<Transport> receiver_transport_;
+  std::unique_ptr<FaultInjectingTransport> faulty_;  // wraps receiver_transport_ when set
   std::unique_ptr<BlockReceiver> receiver_;
   std::unique_ptr<BlockSender> sender_;
   std::shared_ptr<Endpoint> peer_;
@@ -460,18 +465,13 @@ TEST_P(TransportConformanceTest, WindowThatNeverOpensTimesOutWithoutSending) {
 // Corruption after the backend placed the payload (the header's CRC is right): the receiver's
 // check catches it, the sender gets DATA_LOSS, the consumer never sees those bytes.
 TEST_P(TransportConformanceTest, PayloadCorruptedInFlightIsCaughtAndNeverHandedOn) {
-  FaultInjectingTransport faulty(receiver_transport_.get());
-  faulty.corrupt = [](int n) { return n % 3 == 0; };
-  auto r = BlockReceiver::Create(&faulty, {}, [&](ReceivedBlock b) { return sink_.Take(b); });
-  ASSERT_TRUE(r.ok());
-  auto s = BlockSender::Create(sender_transport_.get(), {});
-  ASSERT_TRUE(s.ok());
-  auto ep = sender_transport_->Connect(faulty.address(), absl::Seconds(10));
-  ASSERT_TRUE(ep.ok()) << ep.status();
+  faulty_ = std::make_unique<FaultInjectingTransport>(receiver_transport_.get());
+  faulty_->corrupt = [](int n) { return n % 3 == 0; };
+  ASSERT_NO_FATAL_FAILURE(Start());
   std::vector<std::vector<uint8_t>> data;
   for (int i = 0; i < 9; ++i) data.push_back(RandomBytes(1000 + 70000 * i, 50 + i));
   for (int i = 0; i < 9; ++i) {
-    absl::Status st = (*s)->Send(*ep, absl::StrCat("c", i), View(data[i]))->Wait();
+    absl::Status st = sender_->Send(peer_, absl::StrCat("c", i), View(data[i]))->Wait();
     if ((i + 1) % 3 == 0) {
       EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss) << i << ": " << st;
       EXPECT_TRUE(sink_.Get(absl::StrCat("c", i)).empty()) << i;
@@ -480,30 +480,21 @@ TEST_P(TransportConformanceTest, PayloadCorruptedInFlightIsCaughtAndNeverHandedO
       EXPECT_EQ(sink_.Get(absl::StrCat("c", i)), data[i]) << i;
     }
   }
-  EXPECT_EQ((*r)->stats().checksum_failures, 3u);
-  s->reset();
-  r->reset();
+  EXPECT_EQ(receiver_->stats().checksum_failures, 3u);
 }
 
 // A lost message: that transfer times out, the next one on the same connection goes through.
 TEST_P(TransportConformanceTest, LostMessageTimesOutAndTheNextGoesThrough) {
-  FaultInjectingTransport faulty(receiver_transport_.get());
-  faulty.drop = [](int n) { return n == 1; };
-  auto r = BlockReceiver::Create(&faulty, {}, [&](ReceivedBlock b) { return sink_.Take(b); });
-  ASSERT_TRUE(r.ok());
-  auto s = BlockSender::Create(sender_transport_.get(), {});
-  ASSERT_TRUE(s.ok());
-  auto ep = sender_transport_->Connect(faulty.address(), absl::Seconds(10));
-  ASSERT_TRUE(ep.ok()) << ep.status();
+  faulty_ = std::make_unique<FaultInjectingTransport>(receiver_transport_.get());
+  faulty_->drop = [](int n) { return n == 1; };
+  ASSERT_NO_FATAL_FAILURE(Start());
   const auto data = RandomBytes(200000, 60);
   absl::Status lost =
-      (*s)->Send(*ep, "lost", View(data), {.timeout = absl::Milliseconds(300)})->Wait();
+      sender_->Send(peer_, "lost", View(data), {.timeout = absl::Milliseconds(300)})->Wait();
   EXPECT_EQ(lost.code(), absl::StatusCode::kDeadlineExceeded) << lost;
-  EXPECT_TRUE((*s)->Send(*ep, "next", View(data))->Wait().ok());
+  EXPECT_TRUE(sender_->Send(peer_, "next", View(data))->Wait().ok());
   EXPECT_EQ(sink_.Get("next"), data);
   EXPECT_TRUE(sink_.Get("lost").empty());
-  s->reset();
-  r->reset();
 }
 
 // A prefill node sends layer by layer: the consumer has layer 0 before layer 1 is even sent.

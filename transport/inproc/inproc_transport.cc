@@ -111,7 +111,7 @@ class Core : public std::enable_shared_from_this<Core> {
 
   const std::string& name() const { return name_; }
 
-  // False (and the delivery is failed) once closed.
+  // Queues a delivery; once closed, fails it with UNAVAILABLE instead.
   void Enqueue(Delivery d) {
     {
       std::lock_guard<std::mutex> lock(mu_);

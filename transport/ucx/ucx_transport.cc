@@ -114,7 +114,6 @@ class UcxEndpoint final : public Endpoint, public std::enable_shared_from_this<U
   ucp_ep_h data_ep = nullptr;
   ucp_ep_h send_ep() const { return data_ep != nullptr ? data_ep : ep; }
   std::unordered_map<uint64_t, Op*> ops;
-  uint16_t am_id_for_send = 0;
   internal::FailureNotifier notifier_;
 
  private:
@@ -301,8 +300,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
     bool fresh;
     {
       std::lock_guard<std::mutex> lock(handlers_mu_);
-      fresh = !registered_ids_.contains(id);
-      registered_ids_.insert({id, true});
+      fresh = registered_ids_.insert(id).second;
       if (h) {
         handlers_[id] = std::make_shared<MessageHandler>(std::move(h));
       } else {
@@ -458,7 +456,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
 
   std::mutex handlers_mu_;
   std::unordered_map<uint16_t, std::shared_ptr<MessageHandler>> handlers_;
-  std::unordered_map<uint16_t, bool> registered_ids_;
+  std::unordered_set<uint16_t> registered_ids_;  // ids whose UCX handler is installed
 
   // Progress thread only.
   std::unordered_map<uint16_t, std::unique_ptr<AmArg>> am_args_;
