@@ -101,6 +101,18 @@ class Endpoint {
   virtual uint64_t Put(Payload payload, absl::string_view remote, uint64_t remote_offset,
                        absl::Duration timeout, Completion done) = 0;
 
+  // Maps the peer's region described by `remote` (its MemoryRegion::RemoteDescriptor()) into this
+  // process for plain loads and stores: one copy by this process's CPU instead of a transfer.
+  // Where the backend can (UCX: a same-host peer's memory from Transport::Allocate, through
+  // shared memory); UNIMPLEMENTED otherwise (another host, no shared-memory transport, inproc),
+  // INVALID_ARGUMENT for a descriptor that is not one. The mapping stays valid while the caller
+  // holds this endpoint, even after the peer frees the region or dies (the memory is then
+  // detached from the peer). Stores are visible to the peer before any message sent after them.
+  virtual absl::StatusOr<std::span<uint8_t>> Map(absl::string_view remote) {
+    (void)remote;
+    return absl::UnimplementedError("this transport cannot map a peer's memory");
+  }
+
   // Stops a transfer: its completion runs with CANCELLED promptly (or with its own status if it
   // had already finished). A transfer the backend cannot recall once started (a UCX rendezvous
   // send) resets the connection: the endpoint's other transfers fail with UNAVAILABLE.

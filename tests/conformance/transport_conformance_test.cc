@@ -558,6 +558,34 @@ TEST_P(TransportConformanceTest, PutWritesIntoThePeersRegisteredRegion) {
   EXPECT_EQ(garbage.get_future().get().code(), absl::StatusCode::kInvalidArgument);
 }
 
+TEST_P(TransportConformanceTest, MapGivesSameHostSharedMemoryOrSaysItCannot) {
+  Start();
+  auto region = receiver_transport_->Allocate(1 << 20, MemoryKind::kHost);
+  ASSERT_TRUE(region.ok()) << region.status();
+  auto desc = (*region)->RemoteDescriptor();
+  if (!desc.ok()) {
+    EXPECT_EQ(desc.status().code(), absl::StatusCode::kUnimplemented) << desc.status();
+    EXPECT_EQ(peer_->Map("x").status().code(), absl::StatusCode::kUnimplemented);
+    return;
+  }
+  absl::StatusOr<std::span<uint8_t>> mapped = peer_->Map(*desc);
+  if (GetParam().name != "ucx_shm") {  // another transport or no shared memory: refused cleanly
+    EXPECT_EQ(mapped.status().code(), absl::StatusCode::kUnimplemented) << mapped.status();
+    return;
+  }
+  ASSERT_TRUE(mapped.ok()) << mapped.status();
+  ASSERT_EQ(mapped->size(), size_t{1} << 20);
+  const auto data = RandomBytes(mapped->size(), 12);
+  std::memcpy(mapped->data(), data.data(), data.size());
+  EXPECT_EQ(std::memcmp((*region)->data(), data.data(), data.size()), 0)
+      << "stores through the mapping are the peer's memory";
+  EXPECT_EQ(peer_->Map("not a descriptor").status().code(), absl::StatusCode::kInvalidArgument);
+  // The mapping outlives the peer's region (the memory stays attached while we hold the
+  // endpoint): writing after the peer freed it must not fault.
+  region->reset();
+  (*mapped)[0] = 1;
+}
+
 TEST_P(TransportConformanceTest, ConnectToNobodyIsUnavailableAndBadAddressInvalid) {
   Start();
   const std::string nobody = GetParam().name == "inproc" ? "inproc://nobody-here"

@@ -94,11 +94,13 @@ class UcxEndpoint final : public Endpoint, public std::enable_shared_from_this<U
  public:
   UcxEndpoint(std::weak_ptr<Engine> engine, std::string peer)
       : engine_(std::move(engine)), peer_(std::move(peer)) {}
+  ~UcxEndpoint() override;
 
   uint64_t Send(uint16_t id, std::span<const uint8_t> header, Payload payload,
                 absl::Duration timeout, Completion done) override;
   uint64_t Put(Payload payload, absl::string_view remote, uint64_t remote_offset,
                absl::Duration timeout, Completion done) override;
+  absl::StatusOr<std::span<uint8_t>> Map(absl::string_view remote) override;
   void Cancel(uint64_t tid) override;
   absl::Status health() const override { return notifier_.health(); }
   uint64_t OnFailure(std::function<void(const absl::Status&)> fn) override {
@@ -115,6 +117,9 @@ class UcxEndpoint final : public Endpoint, public std::enable_shared_from_this<U
   ucp_ep_h send_ep() const { return data_ep != nullptr ? data_ep : ep; }
   std::unordered_map<uint64_t, Op*> ops;
   internal::FailureNotifier notifier_;
+  // Remote keys behind Map's mappings: released when the endpoint is destroyed (releasing one
+  // detaches the peer's memory, which a caller holding the endpoint may still be writing).
+  std::vector<ucp_rkey_h> mapped_rkeys;
 
  private:
   uint64_t Post(Op* op, uint16_t id, absl::Duration timeout);
@@ -831,26 +836,42 @@ void Engine::DoSend(const std::shared_ptr<UcxEndpoint>& ep, Op* op, uint16_t id)
   }
 }
 
+// A UCX region descriptor (UcxRegion::RemoteDescriptor): magic u32, address u64, size u64, packed
+// remote key.
+struct RegionDescriptor {
+  uint64_t addr = 0;
+  uint64_t size = 0;
+  const void* packed_rkey = nullptr;
+};
+
+absl::StatusOr<RegionDescriptor> ParseRegionDescriptor(absl::string_view d, const char* what) {
+  constexpr size_t kFixed = 4 + 8 + 8;
+  uint32_t magic = 0;
+  if (d.size() > kFixed) std::memcpy(&magic, d.data(), 4);
+  if (d.size() <= kFixed || magic != kRegionMagic) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": not a UCX region descriptor (", d.size(), " bytes)"));
+  }
+  RegionDescriptor r;
+  std::memcpy(&r.addr, d.data() + 4, 8);
+  std::memcpy(&r.size, d.data() + 12, 8);
+  r.packed_rkey = d.data() + kFixed;
+  return r;
+}
+
 void Engine::DoPut(const std::shared_ptr<UcxEndpoint>& ep, Op* op) {
   if (ep->ep == nullptr) {
     absl::Status h = ep->health();
     Finish(nullptr, op, h.ok() ? absl::UnavailableError("endpoint closed") : h);
     return;
   }
-  // remote: magic u32, address u64, size u64, packed rkey
-  const std::string& d = op->remote;
-  constexpr size_t kFixed = 4 + 8 + 8;
-  uint32_t magic = 0;
-  uint64_t addr = 0, size = 0;
-  if (d.size() > kFixed) {
-    std::memcpy(&magic, d.data(), 4);
-    std::memcpy(&addr, d.data() + 4, 8);
-    std::memcpy(&size, d.data() + 12, 8);
-  }
-  if (d.size() <= kFixed || magic != kRegionMagic) {
-    Finish(nullptr, op, absl::InvalidArgumentError("Put: not a UCX region descriptor"));
+  absl::StatusOr<RegionDescriptor> desc = ParseRegionDescriptor(op->remote, "Put");
+  if (!desc.ok()) {
+    Finish(nullptr, op, desc.status());
     return;
   }
+  const uint64_t addr = desc->addr;
+  const uint64_t size = desc->size;
   const uint64_t len = op->payload.bytes.size();
   if (op->remote_offset > size || len > size - op->remote_offset) {
     Finish(nullptr, op,
@@ -858,7 +879,7 @@ void Engine::DoPut(const std::shared_ptr<UcxEndpoint>& ep, Op* op) {
                                               " overrun the peer's region of ", size, " bytes")));
     return;
   }
-  if (ucs_status_t st = ucp_ep_rkey_unpack(ep->send_ep(), d.data() + kFixed, &op->rkey);
+  if (ucs_status_t st = ucp_ep_rkey_unpack(ep->send_ep(), desc->packed_rkey, &op->rkey);
       st != UCS_OK) {
     Finish(nullptr, op, FromUcs(st, "Put: unpacking the remote key"));
     return;
@@ -1116,6 +1137,46 @@ uint64_t UcxEndpoint::Put(Payload payload, absl::string_view remote, uint64_t re
   op->remote = std::string(remote);
   op->remote_offset = remote_offset;
   return Post(op, 0, timeout);
+}
+
+UcxEndpoint::~UcxEndpoint() {
+  if (mapped_rkeys.empty()) return;
+  if (std::shared_ptr<Engine> engine = engine_.lock()) {
+    // (If the transport is shutting down the keys go with its worker.)
+    engine->PostQueued([keys = std::move(mapped_rkeys)] {
+      for (ucp_rkey_h k : keys) ucp_rkey_destroy(k);
+    });
+  }
+}
+
+absl::StatusOr<std::span<uint8_t>> UcxEndpoint::Map(absl::string_view remote) {
+  STRATA_ASSIGN_OR_RETURN(const RegionDescriptor desc, ParseRegionDescriptor(remote, "Map"));
+  std::shared_ptr<Engine> engine = engine_.lock();
+  absl::StatusOr<std::span<uint8_t>> result = absl::UnavailableError("UCX transport shut down");
+  if (engine == nullptr) return result;
+  engine->Run([&] {
+    if (ep == nullptr) {
+      const absl::Status h = health();
+      result = h.ok() ? absl::UnavailableError("endpoint closed") : h;
+      return;
+    }
+    ucp_rkey_h rkey = nullptr;
+    if (ucs_status_t st = ucp_ep_rkey_unpack(send_ep(), desc.packed_rkey, &rkey); st != UCS_OK) {
+      result = FromUcs(st, "Map: unpacking the remote key");
+      return;
+    }
+    void* local = nullptr;
+    if (ucs_status_t st = ucp_rkey_ptr(rkey, desc.addr, &local); st != UCS_OK) {
+      ucp_rkey_destroy(rkey);
+      result = absl::UnimplementedError(absl::StrCat(
+          "Map: the region of ", peer_, " is not reachable through shared memory (",
+          ucs_status_string(st), ")"));
+      return;
+    }
+    mapped_rkeys.push_back(rkey);
+    result = std::span<uint8_t>(static_cast<uint8_t*>(local), desc.size);
+  });
+  return result;
 }
 
 void UcxEndpoint::Cancel(uint64_t tid) {
