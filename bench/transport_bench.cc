@@ -90,8 +90,8 @@ uint16_t FreePort() {
 
 // ---- the receiving process -------------------------------------------------------------------
 
-constexpr uint16_t kRawMessage = 100;  // transport_bench's own message ids, beside the protocol's
-constexpr uint16_t kRawRingMessage = 101;
+constexpr uint16_t kRawMessage = 40;  // transport_bench's own message ids, beside the protocol's
+constexpr uint16_t kRawRingMessage = 41;
 
 // Listens on `listen` (HOST:PORT; default loopback, any port) and writes its address to
 // `address_file`, or prints it when there is none (a receiver on another host).
@@ -230,6 +230,7 @@ double RawRound(transport::Endpoint& ep, const Payload& payload, uint64_t n, uin
   std::mutex mu;
   std::condition_variable cv;
   uint64_t outstanding = 0, done = 0;
+  absl::Status failed;
   const uint64_t size = payload.bytes.size();
   const auto a = Clock::now();
   for (uint64_t i = 0; i < n; ++i) {
@@ -238,8 +239,9 @@ double RawRound(transport::Endpoint& ep, const Payload& payload, uint64_t n, uin
       cv.wait(lock, [&] { return outstanding == 0 || outstanding + size <= window; });
       outstanding += size;
     }
-    ep.Send(id, {}, payload, absl::Seconds(30), [&](absl::Status) {
+    ep.Send(id, {}, payload, absl::Seconds(30), [&](absl::Status s) {
       std::lock_guard<std::mutex> lock(mu);
+      if (!s.ok()) failed = s;
       outstanding -= size;
       ++done;
       cv.notify_all();
@@ -247,6 +249,10 @@ double RawRound(transport::Endpoint& ep, const Payload& payload, uint64_t n, uin
   }
   std::unique_lock<std::mutex> lock(mu);
   cv.wait(lock, [&] { return done == n; });
+  if (!failed.ok()) {
+    std::cerr << "raw UCX round failed: " << failed << "\n";
+    std::exit(1);
+  }
   return size * n / Seconds(a, Clock::now());
 }
 

@@ -1,11 +1,13 @@
 #include "transport/block_protocol.h"
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
 #include <map>
 #include <mutex>
+#include <random>
 #include <thread>
 #include <unordered_map>
 #include <vector>
@@ -24,15 +26,37 @@ namespace {
 
 constexpr uint32_t kDataMagic = 0x314b4253;  // "SBK1"
 constexpr uint32_t kAckMagic = 0x314b4153;   // "SAK1"
+constexpr uint32_t kRequestMagic = 0x31515253;  // "SRQ1"
+constexpr uint32_t kGrantMagic = 0x31475253;    // "SRG1"
+constexpr uint32_t kReleaseMagic = 0x314c5253;  // "SRL1"
 constexpr uint8_t kWireVersion = 1;
-constexpr size_t kDataFixed = 4 + 1 + 1 + 2 + 8 + 8 + 4;  // magic ver pad id_len seq size crc
-constexpr size_t kAckFixed = 4 + 1 + 1 + 2 + 8 + 4;       // magic ver pad msg_len seq code
+constexpr size_t kDataFixed = 4 + 1 + 1 + 2 + 8 + 8 + 4;  // magic ver flags id_len seq size crc
+constexpr size_t kAckFixed = 4 + 1 + 1 + 2 + 8 + 4;       // magic ver flags msg_len seq code
+constexpr size_t kPlaceBytes = 8 + 8;                     // token offset, when flagged
+constexpr uint8_t kPlacedFlag = 1;                        // data: placed; ack: released
+constexpr uint8_t kStreamedFlag = 2;                      // data: placed, still being written
+// Streamed placement: blocks of at least 2 chunks, progress published per chunk; the receiver
+// gives up on a sender that has not advanced for kStreamStall.
+constexpr uint64_t kStreamChunk = 128 << 10;
+constexpr absl::Duration kStreamStall = absl::Seconds(2);
+constexpr size_t kRequestBytes = 4 + 1 + 1 + 2 + 8;       // magic ver 0 0 token
+constexpr size_t kGrantFixed = 4 + 1 + 1 + 2 + 8 + 4;     // magic ver 0 desc_len token code
+constexpr size_t kReleaseFixed = 4 + 1 + 1 + 2 + 8;       // magic ver flags count token
+constexpr uint8_t kDropFlag = 1;
 
 template <typename T>
 void Put(std::string& out, T v) {
   char b[sizeof(T)];
   std::memcpy(b, &v, sizeof(T));  // little-endian host (x86-64, aarch64)
   out.append(b, sizeof(T));
+}
+
+void SpinPause() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
 }
 
 template <typename T>
@@ -49,11 +73,15 @@ std::string EncodeBlockDataHeader(const BlockDataHeader& h) {
   out.reserve(kDataFixed + h.block_id.size());
   Put<uint32_t>(out, kDataMagic);
   Put<uint8_t>(out, kWireVersion);
-  Put<uint8_t>(out, 0);
+  Put<uint8_t>(out, h.placed ? (h.streamed ? kPlacedFlag | kStreamedFlag : kPlacedFlag) : 0);
   Put<uint16_t>(out, static_cast<uint16_t>(h.block_id.size()));
   Put<uint64_t>(out, h.seq);
   Put<uint64_t>(out, h.size);
   Put<uint32_t>(out, h.crc32c);
+  if (h.placed) {
+    Put<uint64_t>(out, h.placed->token);
+    Put<uint64_t>(out, h.placed->offset);
+  }
   out += h.block_id;
   return out;
 }
@@ -73,25 +101,32 @@ absl::StatusOr<BlockDataHeader> DecodeBlockDataHeader(std::span<const uint8_t> b
         absl::StrCat("block data header: wire version ", b[4], ", this build speaks ",
                      kWireVersion));
   }
-  if (b[5] != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("block data header: reserved byte is ", b[5], ", must be 0"));
+  if ((b[5] & ~(kPlacedFlag | kStreamedFlag)) != 0 || b[5] == kStreamedFlag) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "block data header: flags ", b[5], " (1: placed, 3: placed and streamed)"));
   }
+  const bool placed = (b[5] & kPlacedFlag) != 0;
+  const size_t fixed = kDataFixed + (placed ? kPlaceBytes : 0);
   const size_t id_len = Get<uint16_t>(b.data() + 6);
   if (id_len > kMaxBlockIdBytes) {
     return absl::InvalidArgumentError(absl::StrCat("block data header: block id of ", id_len,
                                                    " bytes exceeds ", kMaxBlockIdBytes));
   }
-  if (b.size() != kDataFixed + id_len) {
+  if (b.size() != fixed + id_len) {
     return absl::InvalidArgumentError(absl::StrCat("block data header: ", b.size(),
-                                                   " bytes, but its block id length says ",
-                                                   kDataFixed + id_len));
+                                                   " bytes, but its flags and block id length say ",
+                                                   fixed + id_len));
   }
   BlockDataHeader h;
   h.seq = Get<uint64_t>(b.data() + 8);
   h.size = Get<uint64_t>(b.data() + 16);
   h.crc32c = Get<uint32_t>(b.data() + 24);
-  h.block_id.assign(reinterpret_cast<const char*>(b.data() + kDataFixed), id_len);
+  if (placed) {
+    h.placed = RingPlace{.token = Get<uint64_t>(b.data() + kDataFixed),
+                         .offset = Get<uint64_t>(b.data() + kDataFixed + 8)};
+    h.streamed = (b[5] & kStreamedFlag) != 0;
+  }
+  h.block_id.assign(reinterpret_cast<const char*>(b.data() + fixed), id_len);
   return h;
 }
 
@@ -101,10 +136,14 @@ std::string EncodeBlockAckHeader(const BlockAckHeader& h) {
   out.reserve(kAckFixed + msg.size());
   Put<uint32_t>(out, kAckMagic);
   Put<uint8_t>(out, kWireVersion);
-  Put<uint8_t>(out, 0);
+  Put<uint8_t>(out, h.released ? kPlacedFlag : 0);
   Put<uint16_t>(out, static_cast<uint16_t>(msg.size()));
   Put<uint64_t>(out, h.seq);
   Put<uint32_t>(out, static_cast<uint32_t>(h.status.code()));
+  if (h.released) {
+    Put<uint64_t>(out, h.released->token);
+    Put<uint64_t>(out, h.released->offset);
+  }
   out.append(msg.data(), msg.size());
   return out;
 }
@@ -120,14 +159,17 @@ absl::StatusOr<BlockAckHeader> DecodeBlockAckHeader(std::span<const uint8_t> b) 
   if (b[4] != kWireVersion) {
     return absl::InvalidArgumentError(absl::StrCat("block ack header: wire version ", b[4]));
   }
-  if (b[5] != 0) {
+  if ((b[5] & ~kPlacedFlag) != 0) {
     return absl::InvalidArgumentError(
-        absl::StrCat("block ack header: reserved byte is ", b[5], ", must be 0"));
+        absl::StrCat("block ack header: unknown flags ", b[5], " (only 1, released, is defined)"));
   }
+  const bool released = (b[5] & kPlacedFlag) != 0;
+  const size_t fixed = kAckFixed + (released ? kPlaceBytes : 0);
   const size_t msg_len = Get<uint16_t>(b.data() + 6);
-  if (msg_len > kMaxAckMessageBytes || b.size() != kAckFixed + msg_len) {
+  if (msg_len > kMaxAckMessageBytes || b.size() != fixed + msg_len) {
     return absl::InvalidArgumentError(absl::StrCat("block ack header: ", b.size(),
-                                                   " bytes with a message length of ", msg_len));
+                                                   " bytes with flags ", b[5],
+                                                   " and a message length of ", msg_len));
   }
   const uint32_t code = Get<uint32_t>(b.data() + 16);
   if (code > static_cast<uint32_t>(absl::StatusCode::kUnauthenticated)) {
@@ -137,14 +179,124 @@ absl::StatusOr<BlockAckHeader> DecodeBlockAckHeader(std::span<const uint8_t> b) 
   h.seq = Get<uint64_t>(b.data() + 8);
   h.status = absl::Status(
       static_cast<absl::StatusCode>(code),
-      absl::string_view(reinterpret_cast<const char*>(b.data() + kAckFixed), msg_len));
+      absl::string_view(reinterpret_cast<const char*>(b.data() + fixed), msg_len));
+  if (released) {
+    h.released = RingPlace{.token = Get<uint64_t>(b.data() + kAckFixed),
+                           .offset = Get<uint64_t>(b.data() + kAckFixed + 8)};
+  }
   return h;
+}
+
+namespace {
+
+// Magic and version of a ring message; `what` names it in errors.
+absl::Status CheckRingPrefix(std::span<const uint8_t> b, size_t min_size, uint32_t magic,
+                             const char* what) {
+  if (b.size() < min_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": ", b.size(), " bytes, needs at least ", min_size));
+  }
+  if (Get<uint32_t>(b.data()) != magic) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": bad magic"));
+  }
+  if (b[4] != kWireVersion) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": wire version ", b[4]));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+std::string EncodeRingRequest(const RingRequest& r) {
+  std::string out;
+  Put<uint32_t>(out, kRequestMagic);
+  Put<uint8_t>(out, kWireVersion);
+  Put<uint8_t>(out, 0);
+  Put<uint16_t>(out, 0);
+  Put<uint64_t>(out, r.token);
+  return out;
+}
+
+absl::StatusOr<RingRequest> DecodeRingRequest(std::span<const uint8_t> b) {
+  STRATA_RETURN_IF_ERROR(CheckRingPrefix(b, kRequestBytes, kRequestMagic, "ring request"));
+  if (b.size() != kRequestBytes || b[5] != 0 || Get<uint16_t>(b.data() + 6) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ring request: ", b.size(), " bytes or reserved fields not zero"));
+  }
+  return RingRequest{.token = Get<uint64_t>(b.data() + 8)};
+}
+
+std::string EncodeRingGrant(const RingGrant& g) {
+  std::string out;
+  Put<uint32_t>(out, kGrantMagic);
+  Put<uint8_t>(out, kWireVersion);
+  Put<uint8_t>(out, 0);
+  Put<uint16_t>(out, static_cast<uint16_t>(g.descriptor.size()));
+  Put<uint64_t>(out, g.token);
+  Put<uint32_t>(out, static_cast<uint32_t>(g.code));
+  out += g.descriptor;
+  return out;
+}
+
+absl::StatusOr<RingGrant> DecodeRingGrant(std::span<const uint8_t> b) {
+  STRATA_RETURN_IF_ERROR(CheckRingPrefix(b, kGrantFixed, kGrantMagic, "ring grant"));
+  if (b[5] != 0) return absl::InvalidArgumentError("ring grant: reserved byte not zero");
+  const size_t len = Get<uint16_t>(b.data() + 6);
+  const uint32_t code = Get<uint32_t>(b.data() + 16);
+  if (len > kMaxRingDescriptorBytes || b.size() != kGrantFixed + len) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ring grant: ", b.size(), " bytes with a descriptor length of ", len));
+  }
+  if (code > static_cast<uint32_t>(absl::StatusCode::kUnauthenticated)) {
+    return absl::InvalidArgumentError(absl::StrCat("ring grant: status code ", code));
+  }
+  if ((code == 0) != (len > 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ring grant: status code ", code, " with a descriptor of ", len,
+        " bytes (a grant has one, a refusal none)"));
+  }
+  RingGrant g;
+  g.token = Get<uint64_t>(b.data() + 8);
+  g.code = static_cast<absl::StatusCode>(code);
+  g.descriptor.assign(reinterpret_cast<const char*>(b.data() + kGrantFixed), len);
+  return g;
+}
+
+std::string EncodeRingRelease(const RingRelease& r) {
+  std::string out;
+  Put<uint32_t>(out, kReleaseMagic);
+  Put<uint8_t>(out, kWireVersion);
+  Put<uint8_t>(out, r.drop ? kDropFlag : 0);
+  Put<uint16_t>(out, static_cast<uint16_t>(r.offsets.size()));
+  Put<uint64_t>(out, r.token);
+  for (uint64_t o : r.offsets) Put<uint64_t>(out, o);
+  return out;
+}
+
+absl::StatusOr<RingRelease> DecodeRingRelease(std::span<const uint8_t> b) {
+  STRATA_RETURN_IF_ERROR(CheckRingPrefix(b, kReleaseFixed, kReleaseMagic, "ring release"));
+  if ((b[5] & ~kDropFlag) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("ring release: unknown flags ", b[5]));
+  }
+  const size_t count = Get<uint16_t>(b.data() + 6);
+  if (count > kMaxReleasedOffsets || b.size() != kReleaseFixed + 8 * count) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ring release: ", b.size(), " bytes for ", count, " offsets"));
+  }
+  RingRelease r;
+  r.drop = (b[5] & kDropFlag) != 0;
+  r.token = Get<uint64_t>(b.data() + 8);
+  for (size_t i = 0; i < count; ++i) {
+    r.offsets.push_back(Get<uint64_t>(b.data() + kReleaseFixed + 8 * i));
+  }
+  return r;
 }
 
 // ---- receiver -----------------------------------------------------------------------------------
 
 absl::Status BlockReceiverOptions::Validate() const {
   if (max_block_bytes == 0) return absl::InvalidArgumentError("max_block_bytes must be > 0");
+  if (max_rings < 0) return absl::InvalidArgumentError("max_rings must be >= 0");
   if (verify_threads < 1 || verify_threads > 64) {
     return absl::InvalidArgumentError(
         absl::StrCat("verify_threads must be in [1, 64], got ", verify_threads));
@@ -227,13 +379,52 @@ class TaskThreads {
   std::vector<std::thread> threads_;
 };
 
-void Reply(const std::shared_ptr<Endpoint>& ep, uint64_t seq, const absl::Status& status) {
-  if (ep == nullptr) return;
-  const std::string h = EncodeBlockAckHeader({.seq = seq, .status = status});
-  ep->Send(kBlockAckMessage,
-           std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(h.data()), h.size()), {},
-           absl::Seconds(30), [](absl::Status) {});
+template <typename Fn>
+void SendMessage(const std::shared_ptr<Endpoint>& ep, uint16_t id, const std::string& h,
+                 Fn done) {
+  ep->Send(id, std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(h.data()), h.size()),
+           {}, absl::Seconds(30), std::move(done));
 }
+
+void Reply(const std::shared_ptr<Endpoint>& ep, uint64_t seq, const absl::Status& status,
+           std::optional<RingPlace> released = std::nullopt) {
+  if (ep == nullptr) return;
+  SendMessage(ep, kBlockAckMessage,
+              EncodeBlockAckHeader({.seq = seq, .status = status, .released = released}),
+              [](absl::Status) {});
+}
+
+void SendRelease(const std::shared_ptr<Endpoint>& ep, uint16_t id, RingRelease r) {
+  if (ep == nullptr) return;
+  SendMessage(ep, id, EncodeRingRelease(r), [](absl::Status) {});
+}
+
+// Memory lent to one same-host sender.
+struct LentRing {
+  uint64_t token = 0;
+  std::unique_ptr<MemoryRegion> region;
+  std::weak_ptr<Endpoint> ep;
+  uint64_t failure_handle = 0;
+};
+
+// Who gives a placed block's ring space back: the ack, if the block's last hold is gone by the
+// time it is sent, or else a release message when it goes.
+struct PlacedRelease {
+  RingPlace place;
+  std::weak_ptr<Endpoint> ep;
+  std::atomic<int> state{0};  // 0: both pending; 1: hold gone first; 2: ack went first
+
+  void HoldGone() {
+    if (state.exchange(1) == 2) {
+      SendRelease(ep.lock(), kBlockRingReleaseMessage,
+                  {.token = place.token, .offsets = {place.offset}});
+    }
+  }
+  // The ack carries the release if the hold went first.
+  std::optional<RingPlace> AckGoing() {
+    return state.exchange(2) == 1 ? std::optional<RingPlace>(place) : std::nullopt;
+  }
+};
 
 }  // namespace
 
@@ -253,6 +444,10 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
       return;  // no sequence number to answer to; the sender times out
     }
     std::shared_ptr<Endpoint> ep = m.endpoint();
+    if (h->placed) {
+      OnPlaced(std::move(*h), m.payload_size(), std::move(ep));
+      return;
+    }
     if (m.payload_size() != h->size) {
       Count(&Stats::malformed);
       Reply(ep, h->seq,
@@ -279,13 +474,80 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
     auto self = shared_from_this();
     auto header = std::make_shared<BlockDataHeader>(std::move(*h));
     std::shared_ptr<RegisteredBuffer> buf = std::move(*slot);
-    Destination dest{.bytes = std::span<uint8_t>(buf->buffer.data(), header->size),
-                     .region = buf->region.get()};
+    Landed landed{.bytes = std::span<const uint8_t>(buf->buffer.data(), header->size),
+                  .hold = buf};
     if (header->size == 0) {
-      Arrived(self, header, buf, ep, absl::OkStatus());
+      Arrived(self, header, std::move(landed), ep, absl::OkStatus());
       return;
     }
-    m.Accept(dest, [self, header, buf, ep](absl::Status s) { Arrived(self, header, buf, ep, s); });
+    Destination dest{.bytes = std::span<uint8_t>(buf->buffer.data(), header->size),
+                     .region = buf->region.get()};
+    m.Accept(dest, [self, header, landed, ep](absl::Status s) {
+      Arrived(self, header, landed, ep, std::move(s));
+    });
+  }
+
+  // A sender asks for a ring: lend one (allocated where the transport moves it fastest, i.e.
+  // where a same-host peer can map it) or say why not.
+  void OnRingRequest(IncomingMessage& m) {
+    absl::StatusOr<RingRequest> req = DecodeRingRequest(m.header());
+    if (!req.ok()) {
+      Count(&Stats::malformed);
+      return;
+    }
+    std::shared_ptr<Endpoint> ep = m.endpoint();
+    RingGrant grant{.token = req->token};
+    auto refuse = [&](absl::StatusCode code) {
+      grant.code = code;
+      SendMessage(ep, kBlockRingGrantMessage, EncodeRingGrant(grant), [](absl::Status) {});
+    };
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stopped_ || options_.ring_bytes == 0) return refuse(absl::StatusCode::kUnimplemented);
+      if (rings_.contains(req->token)) return refuse(absl::StatusCode::kAlreadyExists);
+      if (rings_.size() >= static_cast<size_t>(options_.max_rings)) {
+        return refuse(absl::StatusCode::kResourceExhausted);
+      }
+    }
+    auto ring = std::make_shared<LentRing>();
+    ring->token = req->token;
+    ring->ep = ep;
+    absl::StatusOr<std::unique_ptr<MemoryRegion>> region =
+        transport_->Allocate(options_.ring_bytes, MemoryKind::kHost);
+    if (!region.ok()) return refuse(region.status().code());
+    ring->region = std::move(*region);
+    absl::StatusOr<std::string> desc = ring->region->RemoteDescriptor();
+    if (!desc.ok()) return refuse(desc.status().code());
+    if (desc->empty() || desc->size() > kMaxRingDescriptorBytes) {
+      return refuse(absl::StatusCode::kUnimplemented);
+    }
+    grant.descriptor = std::move(*desc);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stopped_) return refuse(absl::StatusCode::kUnavailable);
+      rings_[ring->token] = ring;
+      stats_.rings = rings_.size();
+    }
+    // The ring goes with the connection (the holds of blocks in it keep its memory).
+    const uint64_t handle =
+        ep->OnFailure([weak = weak_from_this(), token = ring->token](const absl::Status&) {
+          if (auto self = weak.lock()) self->TakeBack(token, /*tell_sender=*/false);
+        });
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ring->failure_handle = handle;
+    }
+    SendMessage(ep, kBlockRingGrantMessage, EncodeRingGrant(grant), [](absl::Status) {});
+  }
+
+  // A sender gives its ring back (it cannot map it, or is shutting down).
+  void OnRingReturn(IncomingMessage& m) {
+    absl::StatusOr<RingRelease> r = DecodeRingRelease(m.header());
+    if (!r.ok() || !r->drop) {
+      Count(&Stats::malformed);
+      return;
+    }
+    TakeBack(r->token, /*tell_sender=*/false);
   }
 
   BlockReceiver::Stats stats() const {
@@ -306,7 +568,7 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
         {"blocks", st.blocks},           {"bytes", st.bytes},
         {"refused", st.refused},         {"checksum_failures", st.checksum_failures},
         {"too_large", st.too_large},     {"malformed", st.malformed},
-        {"aborted", st.aborted}};
+        {"aborted", st.aborted},         {"placed_blocks", st.placed}};
     for (const auto& [name, v] : counters) {
       RenderMetric(absl::StrCat("strata_transport_received_", name, "_total"), "counter",
                    absl::StrCat("block receiver: ", name), static_cast<double>(v), &out);
@@ -317,33 +579,149 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
     RenderMetric("strata_transport_received_max_pending_bytes", "gauge",
                  "most payload bytes held at once", static_cast<double>(st.max_pending_bytes),
                  &out);
+    RenderMetric("strata_transport_lent_rings", "gauge",
+                 "rings of memory lent to same-host senders now", static_cast<double>(st.rings),
+                 &out);
     return out;
   }
 
-  // After this no consumer call starts; those under way (queued or inline) finish first.
+  // After this no consumer call starts; those under way (queued or inline) finish first. Lent
+  // rings are taken back (their senders told); blocks still held keep their memory.
   void Shutdown() {
-    transport_->SetHandler(kBlockDataMessage, nullptr);
+    for (uint16_t id : {kBlockDataMessage, kBlockRingRequestMessage, kBlockRingReturnMessage}) {
+      transport_->SetHandler(id, nullptr);
+    }
+    std::vector<uint64_t> tokens;
     {
       std::lock_guard<std::mutex> lock(mu_);
       stopped_ = true;
+      for (const auto& [token, ring] : rings_) tokens.push_back(token);
     }
+    for (uint64_t token : tokens) TakeBack(token, /*tell_sender=*/true);
     tasks_.Stop();
     std::unique_lock<std::mutex> lock(mu_);
     inline_cv_.wait(lock, [&] { return inline_running_ == 0; });
   }
 
  private:
-  static void Arrived(const std::shared_ptr<Impl>& self, std::shared_ptr<BlockDataHeader> header,
-                      std::shared_ptr<RegisteredBuffer> buf, std::shared_ptr<Endpoint> ep,
-                      absl::Status s) {
-    if (!s.ok()) {  // partial data: discarded with the buffer
-      self->Count(&Stats::aborted);
-      self->AddPending(-static_cast<int64_t>(header->size));
-      Reply(ep, header->seq, s);
+  // Where a block's bytes are, and what keeps them there.
+  struct Landed {
+    std::span<const uint8_t> bytes;
+    std::shared_ptr<const void> hold;
+    std::shared_ptr<PlacedRelease> placed = nullptr;  // set for a block in a lent ring
+    uint64_t* progress = nullptr;  // a streamed block's progress word (in the ring)
+  };
+
+  // The CRC of a streamed block, computed as the sender's progress word says its bytes are
+  // there (each piece still in cache from the sender's copy).
+  static absl::StatusOr<uint32_t> CrcAsWritten(const BlockDataHeader& h, const Landed& landed,
+                                               const std::shared_ptr<Endpoint>& ep) {
+    std::atomic_ref<uint64_t> progress(*landed.progress);
+    const uint64_t n = landed.bytes.size();
+    uint32_t crc = 0;
+    uint64_t done = 0;
+    absl::Time stall_at = absl::Now() + kStreamStall;
+    for (uint32_t spins = 0; done < n;) {
+      const uint64_t there = progress.load(std::memory_order_acquire);
+      if (there > n) {
+        return absl::DataLossError(absl::StrCat("block ", h.seq, ": the sender's progress word says ",
+                                                there, " of its ", n, " bytes are written"));
+      }
+      if (there > done) {
+        crc = Crc32cExtend(crc, landed.bytes.data() + done, there - done);
+        done = there;
+        stall_at = absl::Now() + kStreamStall;
+        continue;
+      }
+      if (++spins % 1024 == 0) {
+        if (absl::Status health = ep != nullptr ? ep->health() : absl::OkStatus(); !health.ok()) {
+          return absl::UnavailableError(absl::StrCat("block ", h.seq, ": the sender failed with ",
+                                                     done, " of ", n, " bytes written: ",
+                                                     health.message()));
+        }
+        if (absl::Now() > stall_at) {
+          return absl::DeadlineExceededError(
+              absl::StrCat("block ", h.seq, ": the sender stopped writing at ", done, " of ", n,
+                           " bytes for ", absl::FormatDuration(kStreamStall)));
+        }
+      }
+      SpinPause();
+    }
+    return crc;
+  }
+
+  void OnPlaced(BlockDataHeader h, size_t payload_size, std::shared_ptr<Endpoint> ep) {
+    const RingPlace place = *h.placed;
+    std::shared_ptr<LentRing> ring;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (auto it = rings_.find(place.token); it != rings_.end()) ring = it->second;
+    }
+    absl::Status bad;
+    if (payload_size != 0) {
+      bad = absl::InvalidArgumentError(absl::StrCat(
+          "block ", h.seq, ": placed in a ring, yet the message carries ", payload_size,
+          " payload bytes"));
+    } else if (ring == nullptr) {
+      bad = absl::FailedPreconditionError(absl::StrFormat(
+          "block %d: placed in ring %016x, which this receiver has not lent (or took back)",
+          h.seq, place.token));
+    } else if (place.offset < kPlacedPrefixBytes || place.offset % 8 != 0 ||
+               place.offset > ring->region->size() ||
+               h.size > ring->region->size() - place.offset) {
+      bad = absl::OutOfRangeError(absl::StrCat(
+          "block ", h.seq, ": ", h.size, " bytes at offset ", place.offset,
+          " do not fit the ring of ", ring->region->size(),
+          " bytes after an aligned progress word"));
+    }
+    if (!bad.ok()) {
+      Count(&Stats::malformed);
+      Reply(ep, h.seq, bad);  // (no space to give back: what it names was never lent)
       return;
     }
-    const uint64_t seq = header->seq;
-    const int64_t size = static_cast<int64_t>(header->size);
+    AddPending(static_cast<int64_t>(h.size));
+    auto control = std::make_shared<PlacedRelease>();
+    control->place = place;
+    control->ep = ep;
+    const uint8_t* at = ring->region->data() + place.offset;
+    Landed landed{.bytes = std::span<const uint8_t>(at, h.size),
+                  .hold = std::shared_ptr<const void>(
+                      at, [ring, control](const void*) { control->HoldGone(); }),
+                  .placed = control,
+                  .progress = h.streamed ? reinterpret_cast<uint64_t*>(ring->region->data() +
+                                                                       place.offset -
+                                                                       kPlacedPrefixBytes)
+                                         : nullptr};
+    Arrived(shared_from_this(), std::make_shared<BlockDataHeader>(std::move(h)),
+            std::move(landed), ep, absl::OkStatus());
+  }
+
+  // Takes a lent ring back: no more blocks placed in it are accepted.
+  void TakeBack(uint64_t token, bool tell_sender) {
+    std::shared_ptr<LentRing> ring;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = rings_.find(token);
+      if (it == rings_.end()) return;
+      ring = std::move(it->second);
+      rings_.erase(it);
+      stats_.rings = rings_.size();
+    }
+    if (std::shared_ptr<Endpoint> ep = ring->ep.lock()) {
+      ep->RemoveFailureCallback(ring->failure_handle);
+      if (tell_sender) {
+        SendRelease(ep, kBlockRingReleaseMessage, {.token = token, .drop = true});
+      }
+    }
+  }
+
+  static void Arrived(const std::shared_ptr<Impl>& self, std::shared_ptr<BlockDataHeader> header,
+                      Landed landed, std::shared_ptr<Endpoint> ep, absl::Status s) {
+    if (!s.ok()) {  // partial data: discarded with the buffer
+      self->Count(&Stats::aborted);
+      self->Finish(ep, *header, std::move(landed), s);
+      return;
+    }
     if (header->size <= self->options_.inline_max_bytes) {  // still in cache; no hand-off
       bool run;
       {
@@ -352,46 +730,68 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
         if (run) ++self->inline_running_;
       }
       if (run) {
-        self->Verify(*header, std::move(buf), ep);
+        self->Verify(*header, std::move(landed), ep);
         std::lock_guard<std::mutex> lock(self->mu_);
         if (--self->inline_running_ == 0) self->inline_cv_.notify_all();
         return;
       }
-    } else if (self->tasks_.Post([self, header, buf, ep] { self->Verify(*header, buf, ep); })) {
+    } else if (self->tasks_.Post([self, header, landed, ep] {
+                 self->Verify(*header, landed, ep);
+               })) {
       return;
     }
-    self->AddPending(-size);  // the receiver is shutting down: nobody will consume it
-    Reply(ep, seq, absl::UnavailableError("receiver shut down"));
+    // The receiver is shutting down: nobody will consume it.
+    self->Finish(ep, *header, std::move(landed), absl::UnavailableError("receiver shut down"));
   }
 
-  void Verify(const BlockDataHeader& h, std::shared_ptr<RegisteredBuffer> buf,
-              const std::shared_ptr<Endpoint>& ep) {
-    const uint32_t crc = Crc32c(buf->buffer.data(), h.size);
+  void Verify(const BlockDataHeader& h, Landed landed, const std::shared_ptr<Endpoint>& ep) {
+    uint32_t crc = 0;
+    if (landed.progress != nullptr) {
+      absl::StatusOr<uint32_t> c = CrcAsWritten(h, landed, ep);
+      if (!c.ok()) {
+        Count(&Stats::aborted);
+        Finish(ep, h, std::move(landed), c.status());
+        return;
+      }
+      crc = *c;
+    } else {
+      crc = Crc32c(landed.bytes.data(), h.size);
+    }
     absl::Status status;
     if (crc != h.crc32c) {
       Count(&Stats::checksum_failures);
       status = absl::DataLossError(absl::StrFormat(
-          "block %s (transfer %d, %d bytes): checksum mismatch, received data has CRC-32C %08x, "
-          "the sender's header says %08x",
-          absl::CEscape(h.block_id.substr(0, 64)), h.seq, h.size, crc, h.crc32c));
+          "block %s (transfer %d, %d bytes%s): checksum mismatch, received data has CRC-32C "
+          "%08x, the sender's header says %08x",
+          absl::CEscape(h.block_id.substr(0, 64)), h.seq, h.size,
+          landed.placed ? ", placed in the sender's ring" : "", crc, h.crc32c));
     } else {
-      ReceivedBlock block{.id = h.block_id,
-                          .crc32c = crc,
-                          .bytes = std::span<const uint8_t>(buf->buffer.data(), h.size),
-                          .hold = buf,
-                          .from = ep};
-      buf.reset();
-      status = consumer_(std::move(block));
+      status = consumer_(ReceivedBlock{.id = h.block_id,
+                                       .crc32c = crc,
+                                       .bytes = landed.bytes,
+                                       .hold = landed.hold,
+                                       .from = ep});
       std::lock_guard<std::mutex> lock(mu_);
       if (status.ok()) {
         ++stats_.blocks;
         stats_.bytes += h.size;
+        if (landed.placed) ++stats_.placed;
       } else {
         ++stats_.refused;
       }
     }
+    Finish(ep, h, std::move(landed), status);
+  }
+
+  // Drops the receiver's own hold on the block and acknowledges it (giving its ring space back
+  // with the ack when nobody else holds it).
+  void Finish(const std::shared_ptr<Endpoint>& ep, const BlockDataHeader& h, Landed landed,
+              const absl::Status& status) {
     AddPending(-static_cast<int64_t>(h.size));
-    Reply(ep, h.seq, status);
+    landed.hold.reset();
+    std::optional<RingPlace> released;
+    if (landed.placed) released = landed.placed->AckGoing();
+    Reply(ep, h.seq, status, released);
   }
 
   void Count(uint64_t Stats::*field) {
@@ -412,9 +812,10 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
   mutable std::mutex mu_;
   Stats stats_;
   uint64_t pending_bytes_ = 0;
-  bool stopped_ = false;         // Shutdown began: no new consumer calls
+  bool stopped_ = false;         // Shutdown began: no new consumer calls, no rings lent
   int inline_running_ = 0;       // consumer calls on the transport's thread under way
   std::condition_variable inline_cv_;
+  std::unordered_map<uint64_t, std::shared_ptr<LentRing>> rings_;  // by token
   TaskThreads tasks_;  // last: joined first in the destructor
 };
 
@@ -429,6 +830,12 @@ absl::StatusOr<std::unique_ptr<BlockReceiver>> BlockReceiver::Create(
   std::weak_ptr<Impl> weak = impl;
   transport->SetHandler(kBlockDataMessage, [weak](IncomingMessage& m) {
     if (auto self = weak.lock()) self->OnData(m);
+  });
+  transport->SetHandler(kBlockRingRequestMessage, [weak](IncomingMessage& m) {
+    if (auto self = weak.lock()) self->OnRingRequest(m);
+  });
+  transport->SetHandler(kBlockRingReturnMessage, [weak](IncomingMessage& m) {
+    if (auto self = weak.lock()) self->OnRingReturn(m);
   });
   return std::unique_ptr<BlockReceiver>(new BlockReceiver(std::move(impl)));
 }
@@ -483,11 +890,17 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
           absl::StrCat("block id of ", block_id.size(), " bytes exceeds ", kMaxBlockIdBytes)));
     }
     const uint64_t size = payload.bytes.size();
-    const std::string header = EncodeBlockDataHeader(
-        {.seq = seq,
-         .size = size,
-         .crc32c = so.crc32c ? *so.crc32c : Crc32c(payload.bytes.data(), size),
-         .block_id = std::string(block_id)});
+    const uint8_t* const src = payload.bytes.data();
+    BlockDataHeader header_fields{
+        .seq = seq,
+        .size = size,
+        .crc32c = so.crc32c ? *so.crc32c : Crc32c(payload.bytes.data(), size),
+        .block_id = std::string(block_id)};
+    const bool may_place = options_.placement_min_bytes > 0 &&
+                           size >= options_.placement_min_bytes &&
+                           transport_->capabilities().maps_peer_memory;
+    std::shared_ptr<SenderRing> ring;  // where the block goes, if placed
+    std::shared_ptr<SenderRing> ask;   // a ring to ask the peer for
 
     bool need_failure_callback = false;
     {
@@ -535,12 +948,33 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
         return fail_now(std::move(refuse));
       }
       --peer.users;
+      if (may_place) {
+        std::shared_ptr<SenderRing>& r = rings_by_ep_[ep.get()];
+        if (r != nullptr && r->ep.lock() != ep) {  // an earlier endpoint's, at the same address
+          rings_.erase(r->token);
+          r = nullptr;
+        }
+        if (r == nullptr) {
+          r = std::make_shared<SenderRing>();
+          r->token = NewTokenLocked();
+          r->ep = ep;
+          rings_[r->token] = r;
+          ask = r;
+        } else if (r->state == SenderRing::State::kReady) {
+          if (std::optional<uint64_t> at = r->Allocate(size)) {
+            header_fields.placed = RingPlace{.token = r->token, .offset = *at};
+            header_fields.streamed = size >= 2 * kStreamChunk;
+            ring = r;
+          }
+        }
+      }
       peer.in_flight += size;
       ++peer.pending;
       stats_.max_bytes_in_flight = std::max(stats_.max_bytes_in_flight, peer.in_flight);
       Pending& p = pending_[seq];
       p.ep = ep;
       p.size = size;
+      p.placed = ring != nullptr;
       p.state = state;
       p.done = std::move(done);
       p.deadline = deadline;
@@ -548,13 +982,37 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
       deadlines_.emplace(deadline, seq);
     }
     watchdog_cv_.notify_one();
-
+    if (ask != nullptr) AskForRing(ep, ask);
+    // The one copy goes straight into the receiver's memory (mapped while we hold `ep`): all of
+    // it before the header, or, streamed, after it, chunk by chunk behind the progress word.
+    uint8_t* place = ring != nullptr ? ring->mem.data() + header_fields.placed->offset : nullptr;
+    std::optional<std::atomic_ref<uint64_t>> progress;
+    if (place != nullptr) {
+      payload = {};
+      if (header_fields.streamed) {
+        progress.emplace(*reinterpret_cast<uint64_t*>(place - kPlacedPrefixBytes));
+        progress->store(0, std::memory_order_release);
+      } else {
+        std::memcpy(place, src, size);
+        std::atomic_thread_fence(std::memory_order_seq_cst);  // (orders streaming stores too)
+      }
+    }
+    const std::string header = EncodeBlockDataHeader(header_fields);
     const uint64_t tid = ep->Send(
         kBlockDataMessage,
         std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(header.data()), header.size()),
         payload, timeout, [weak = weak_from_this(), seq](absl::Status s) {
           if (auto self = weak.lock()) self->SendDone(seq, std::move(s));
         });
+    if (progress.has_value()) {
+      for (uint64_t done = 0; done < size;) {
+        const uint64_t n = std::min<uint64_t>(kStreamChunk, size - done);
+        std::memcpy(place + done, src + done, n);
+        done += n;
+        std::atomic_thread_fence(std::memory_order_seq_cst);
+        progress->store(done, std::memory_order_release);
+      }
+    }
     bool cancel = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -596,22 +1054,91 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     absl::StatusOr<BlockAckHeader> h = DecodeBlockAckHeader(m.header());
     if (!h.ok()) return;  // a peer speaking garbage: the transfer times out
     std::unique_lock<std::mutex> lock(mu_);
+    if (h->released) FreeRingSpaceLocked(h->released->token, {h->released->offset});
     auto it = pending_.find(h->seq);
     if (it == pending_.end() || it->second.outcome.has_value()) {
       ++stats_.late_acks;
       return;
     }
+    if (it->second.placed && h->status.code() == absl::StatusCode::kFailedPrecondition) {
+      // The receiver no longer knows the ring (it restarted before its word reached us).
+      if (auto r = rings_by_ep_.find(it->second.ep.get()); r != rings_by_ep_.end()) {
+        DropRingLocked(r->second->token);
+      }
+    }
     it->second.outcome = std::move(h->status);
     if (it->second.send_done) FinishLocked(it, lock);
   }
 
+  // The receiver lends a ring (map it) or refuses (send blocks as payload to that peer).
+  void OnGrant(IncomingMessage& m) {
+    absl::StatusOr<RingGrant> g = DecodeRingGrant(m.header());
+    if (!g.ok()) return;
+    std::shared_ptr<SenderRing> ring;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = rings_.find(g->token);
+      if (it != rings_.end() && it->second->state == SenderRing::State::kRequested) {
+        ring = it->second;
+      }
+    }
+    std::shared_ptr<Endpoint> ep = ring != nullptr ? ring->ep.lock() : nullptr;
+    if (ep == nullptr) {  // not asked for (any more): give it back
+      if (g->code == absl::StatusCode::kOk) {
+        SendRelease(m.endpoint(), kBlockRingReturnMessage, {.token = g->token, .drop = true});
+      }
+      return;
+    }
+    absl::StatusOr<std::span<uint8_t>> mem = absl::UnavailableError("refused");
+    if (g->code == absl::StatusCode::kOk) mem = ep->Map(g->descriptor);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (mem.ok() && !shutting_down_) {
+        ring->mem = *mem;
+        ring->free[0] = mem->size();
+        ring->state = SenderRing::State::kReady;
+        return;
+      }
+      ring->state = SenderRing::State::kRefused;  // the entry stays: not asked again
+    }
+    if (g->code == absl::StatusCode::kOk) {  // lent but not mappable (another host): return it
+      SendRelease(ep, kBlockRingReturnMessage, {.token = g->token, .drop = true});
+    }
+  }
+
+  // Ring space the receiver is done with, or the whole ring taken back.
+  void OnRelease(IncomingMessage& m) {
+    absl::StatusOr<RingRelease> r = DecodeRingRelease(m.header());
+    if (!r.ok()) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (r->drop) {
+      DropRingLocked(r->token);
+    } else {
+      FreeRingSpaceLocked(r->token, r->offsets);
+    }
+  }
+
   void Shutdown() {
-    transport_->SetHandler(kBlockAckMessage, nullptr);
+    for (uint16_t id : {kBlockAckMessage, kBlockRingGrantMessage, kBlockRingReleaseMessage}) {
+      transport_->SetHandler(id, nullptr);
+    }
     std::vector<uint64_t> seqs;
+    std::vector<std::shared_ptr<SenderRing>> rings;
     {
       std::lock_guard<std::mutex> lock(mu_);
       shutting_down_ = true;
       for (const auto& [seq, p] : pending_) seqs.push_back(seq);
+      for (const auto& [token, ring] : rings_) rings.push_back(ring);
+      rings_.clear();
+      rings_by_ep_.clear();
+    }
+    for (const auto& ring : rings) {  // give the rings back
+      std::shared_ptr<Endpoint> ep = ring->ep.lock();
+      if (ep == nullptr) continue;
+      ep->RemoveFailureCallback(ring->failure_handle);
+      if (ring->state != SenderRing::State::kRefused) {
+        SendRelease(ep, kBlockRingReturnMessage, {.token = ring->token, .drop = true});
+      }
     }
     window_cv_.notify_all();
     for (uint64_t seq : seqs) Abort(seq, absl::CancelledError("block sender shut down"));
@@ -626,7 +1153,9 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
 
   BlockSender::Stats stats() const {
     std::lock_guard<std::mutex> lock(mu_);
-    return stats_;
+    Stats st = stats_;
+    for (const auto& [token, ring] : rings_) st.rings += ring->state == SenderRing::State::kReady;
+    return st;
   }
 
   std::string RenderMetrics() const {
@@ -634,7 +1163,7 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     std::string out;
     const std::pair<const char*, uint64_t> counters[] = {
         {"blocks", st.sent}, {"bytes", st.bytes}, {"failures", st.failed},
-        {"late_acks", st.late_acks}};
+        {"late_acks", st.late_acks}, {"placed_blocks", st.placed}};
     for (const auto& [name, v] : counters) {
       RenderMetric(absl::StrCat("strata_transport_sent_", name, "_total"), "counter",
                    absl::StrCat("block sender: ", name), static_cast<double>(v), &out);
@@ -656,9 +1185,63 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     uint64_t failure_handle = 0;
     absl::Status failed;
   };
+  // A ring of a same-host receiver's memory, lent to this sender (see block_protocol.h).
+  struct SenderRing {
+    enum class State { kRequested, kReady, kRefused };
+    uint64_t token = 0;
+    std::weak_ptr<Endpoint> ep;
+    State state = State::kRequested;
+    std::span<uint8_t> mem;                       // mapped while the endpoint is held
+    std::map<uint64_t, uint64_t> free;            // offset -> bytes, coalesced
+    std::unordered_map<uint64_t, uint64_t> used;  // offset -> bytes, placed and not given back
+    uint64_t failure_handle = 0;
+
+    // Lowest free space of `size` bytes (256-byte aligned): blocks given back quickly are
+    // followed by blocks in the same, cache-warm, memory.
+    // Returns the block's offset; its progress word is the kPlacedPrefixBytes before it.
+    std::optional<uint64_t> Allocate(uint64_t size) {
+      const uint64_t need = (kPlacedPrefixBytes + std::max<uint64_t>(size, 1) + 255) / 256 * 256;
+      for (auto it = free.begin(); it != free.end(); ++it) {
+        if (it->second < need) continue;
+        const uint64_t at = it->first;
+        const uint64_t left = it->second - need;
+        free.erase(it);
+        if (left > 0) free[at + need] = left;
+        used[at + kPlacedPrefixBytes] = need;
+        return at + kPlacedPrefixBytes;
+      }
+      return std::nullopt;
+    }
+
+    // False for an offset that is not placed (a confused or stale peer): ignored.
+    bool Release(uint64_t offset) {
+      auto u = used.find(offset);
+      if (u == used.end()) return false;
+      uint64_t start = offset - kPlacedPrefixBytes, len = u->second;
+      used.erase(u);
+      auto next = free.find(start + len);
+      if (next != free.end()) {
+        len += next->second;
+        free.erase(next);
+      }
+      auto after = free.lower_bound(start);
+      if (after != free.begin()) {
+        auto prev = std::prev(after);
+        if (prev->first + prev->second == start) {
+          start = prev->first;
+          len += prev->second;
+          free.erase(prev);
+        }
+      }
+      free[start] = len;
+      return true;
+    }
+  };
+
   struct Pending {
     std::shared_ptr<Endpoint> ep;
     uint64_t size = 0;
+    bool placed = false;
     std::shared_ptr<Transfer::State> state;
     std::function<void(absl::Status)> done;
     absl::Time deadline;
@@ -723,6 +1306,7 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     if (status.ok()) {
       ++stats_.sent;
       stats_.bytes += p.size;
+      if (p.placed) ++stats_.placed;
       latency_.Record(absl::ToDoubleSeconds(absl::Now() - p.start));
     } else {
       ++stats_.failed;
@@ -770,6 +1354,56 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     if (done) done(std::move(status));
   }
 
+  uint64_t NewTokenLocked() {
+    if (token_base_ == 0) token_base_ = (uint64_t{std::random_device{}()} << 32) | 1;
+    return token_base_ + (++tokens_made_ << 1);
+  }
+
+  // Asks the peer for a ring (the answer comes to OnGrant); the ring goes when the peer fails.
+  void AskForRing(const std::shared_ptr<Endpoint>& ep, const std::shared_ptr<SenderRing>& ring) {
+    const uint64_t handle =
+        ep->OnFailure([weak = weak_from_this(), token = ring->token](const absl::Status&) {
+          if (auto self = weak.lock()) {
+            std::lock_guard<std::mutex> lock(self->mu_);
+            self->DropRingLocked(token);
+          }
+        });
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ring->failure_handle = handle;
+    }
+    SendMessage(ep, kBlockRingRequestMessage, EncodeRingRequest({.token = ring->token}),
+                [weak = weak_from_this(), token = ring->token](absl::Status s) {
+                  if (s.ok()) return;
+                  if (auto self = weak.lock()) {  // not delivered: no placement to this peer
+                    std::lock_guard<std::mutex> lock(self->mu_);
+                    if (auto it = self->rings_.find(token); it != self->rings_.end()) {
+                      it->second->state = SenderRing::State::kRefused;
+                    }
+                  }
+                });
+  }
+
+  // Forgets a ring: blocks to that peer go as payload until a new one is lent. (Its mapping
+  // stays valid for a Send still copying into it: that copy's header is refused by the receiver.)
+  void DropRingLocked(uint64_t token) {
+    auto it = rings_.find(token);
+    if (it == rings_.end()) return;
+    for (auto e = rings_by_ep_.begin(); e != rings_by_ep_.end(); ++e) {
+      if (e->second == it->second) {
+        rings_by_ep_.erase(e);
+        break;
+      }
+    }
+    rings_.erase(it);
+  }
+
+  void FreeRingSpaceLocked(uint64_t token, const std::vector<uint64_t>& offsets) {
+    auto it = rings_.find(token);
+    if (it == rings_.end()) return;
+    for (uint64_t at : offsets) it->second->Release(at);
+  }
+
   void Watchdog() {
     std::unique_lock<std::mutex> lock(mu_);
     while (!stop_watchdog_) {
@@ -810,6 +1444,10 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
   PendingMap pending_;
   std::multimap<absl::Time, uint64_t> deadlines_;
   std::unordered_map<Endpoint*, Peer> peers_;
+  std::unordered_map<uint64_t, std::shared_ptr<SenderRing>> rings_;       // by token
+  std::unordered_map<Endpoint*, std::shared_ptr<SenderRing>> rings_by_ep_;
+  uint64_t token_base_ = 0;
+  uint64_t tokens_made_ = 0;
   Stats stats_;
   LatencyHistogram latency_;
   bool shutting_down_ = false;
@@ -855,6 +1493,12 @@ absl::StatusOr<std::unique_ptr<BlockSender>> BlockSender::Create(Transport* tran
   std::weak_ptr<Impl> weak = impl;
   transport->SetHandler(kBlockAckMessage, [weak](IncomingMessage& m) {
     if (auto self = weak.lock()) self->OnAck(m);
+  });
+  transport->SetHandler(kBlockRingGrantMessage, [weak](IncomingMessage& m) {
+    if (auto self = weak.lock()) self->OnGrant(m);
+  });
+  transport->SetHandler(kBlockRingReleaseMessage, [weak](IncomingMessage& m) {
+    if (auto self = weak.lock()) self->OnRelease(m);
   });
   return std::unique_ptr<BlockSender>(new BlockSender(std::move(impl)));
 }

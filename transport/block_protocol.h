@@ -17,6 +17,17 @@
 // Streaming: every block is acknowledged on its own, so a prefill node sends layer l while it
 // computes layer l+1, and the consumer sees layer 0 as soon as it is verified.
 //
+// Direct placement (same-host peers, where the transport can map the peer's memory, see
+// Endpoint::Map): the receiver lends each such sender a ring of its memory (ring_bytes); the
+// sender copies a block straight into free space there and sends only the header, which says
+// where it lies. The receiver verifies and consumes it in place: one copy in all (the sender's),
+// against two through a transport's shared-memory FIFO. The space returns to the sender when the
+// block's last ReceivedBlock copy is gone (flagged on the ack, or a release message later). No
+// ring (refused, full, not mappable, a block too large for it): the block travels as payload.
+// A sender writes only space it was lent and not given back; the receiver trusts same-host
+// senders not to rewrite a block after sending it (the checksum covers the transit, not a
+// sender that keeps writing).
+//
 // Backpressure: a sender keeps at most max_bytes_in_flight unacknowledged bytes per peer;
 // Send blocks (up to the transfer's deadline) until the window has room. The receiver
 // acknowledges after its consumer returns, so a slow consumer slows the sender, and the
@@ -29,6 +40,8 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <vector>
+
 #include "absl/strings/string_view.h"
 
 #include "absl/status/status.h"
@@ -41,22 +54,63 @@ namespace strata::transport {
 // Transport message ids the protocol uses.
 inline constexpr uint16_t kBlockDataMessage = 1;
 inline constexpr uint16_t kBlockAckMessage = 2;
+inline constexpr uint16_t kBlockRingRequestMessage = 3;  // sender -> receiver: lend me a ring
+inline constexpr uint16_t kBlockRingGrantMessage = 4;    // receiver -> sender: here it is / no
+inline constexpr uint16_t kBlockRingReleaseMessage = 5;  // receiver -> sender: space free / ring gone
+inline constexpr uint16_t kBlockRingReturnMessage = 6;   // sender -> receiver: ring not used
 
 // ---- wire format (little-endian; every decoder bounds-checks) ---------------------------------
 
 inline constexpr size_t kMaxBlockIdBytes = 1024;
 inline constexpr size_t kMaxAckMessageBytes = 512;
+inline constexpr size_t kMaxRingDescriptorBytes = 2048;
+inline constexpr size_t kMaxReleasedOffsets = 256;
+
+// Where a directly placed block lies: in ring `token` at `offset`.
+struct RingPlace {
+  uint64_t token = 0;
+  uint64_t offset = 0;
+  bool operator==(const RingPlace&) const = default;
+};
+
+// A placed block lies at `offset` in the ring; the 64 bytes before it are its progress word
+// (little-endian u64 at offset - 64): for a streamed block, how many of its bytes the sender has
+// written so far.
+inline constexpr uint64_t kPlacedPrefixBytes = 64;
 
 struct BlockDataHeader {
   uint64_t seq = 0;        // the sender's transfer number, echoed by the ack
-  uint64_t size = 0;       // payload bytes
-  uint32_t crc32c = 0;     // of the payload
+  uint64_t size = 0;       // block bytes
+  uint32_t crc32c = 0;     // of the block
   std::string block_id;    // opaque to the protocol (the store's BlockName bytes), <= 1 KiB
+  // Set: the block is written into the receiver's ring there and the message has no payload.
+  std::optional<RingPlace> placed = std::nullopt;
+  // With `placed`: the header went first and the sender is still writing; the receiver checks
+  // the bytes as the progress word says they are there (both cores at work on one block).
+  bool streamed = false;
 };
 
 struct BlockAckHeader {
   uint64_t seq = 0;
   absl::Status status;     // message truncated to kMaxAckMessageBytes
+  // Set: the placed block's ring space is free again.
+  std::optional<RingPlace> released = std::nullopt;
+};
+
+struct RingRequest {
+  uint64_t token = 0;      // the sender's name for the ring; every later message carries it
+};
+
+struct RingGrant {
+  uint64_t token = 0;
+  absl::StatusCode code = absl::StatusCode::kOk;  // not OK: refused, no descriptor
+  std::string descriptor = {};  // MemoryRegion::RemoteDescriptor of the ring
+};
+
+struct RingRelease {
+  uint64_t token = 0;
+  bool drop = false;                // the whole ring is gone (either side stops using it)
+  std::vector<uint64_t> offsets = {};  // placed blocks whose space is free again
 };
 
 std::string EncodeBlockDataHeader(const BlockDataHeader& h);
@@ -64,6 +118,12 @@ std::string EncodeBlockDataHeader(const BlockDataHeader& h);
 absl::StatusOr<BlockDataHeader> DecodeBlockDataHeader(std::span<const uint8_t> bytes);
 std::string EncodeBlockAckHeader(const BlockAckHeader& h);
 absl::StatusOr<BlockAckHeader> DecodeBlockAckHeader(std::span<const uint8_t> bytes);
+std::string EncodeRingRequest(const RingRequest& r);
+absl::StatusOr<RingRequest> DecodeRingRequest(std::span<const uint8_t> bytes);
+std::string EncodeRingGrant(const RingGrant& g);
+absl::StatusOr<RingGrant> DecodeRingGrant(std::span<const uint8_t> bytes);
+std::string EncodeRingRelease(const RingRelease& r);
+absl::StatusOr<RingRelease> DecodeRingRelease(std::span<const uint8_t> bytes);
 
 // ---- receiver -----------------------------------------------------------------------------------
 
@@ -92,6 +152,10 @@ struct BlockReceiverOptions {
   // the benchmark machine). Only for a consumer that returns quickly (hands the block on, copies
   // it into RAM): the transport receives nothing else meanwhile. 0: always a verify thread.
   uint64_t inline_max_bytes = 0;
+  // Direct placement: bytes of memory lent to each same-host sender that asks (0: never), and
+  // how many senders may hold one at once (more are refused and send as payload).
+  uint64_t ring_bytes = uint64_t{64} << 20;
+  int max_rings = 8;
 
   absl::Status Validate() const;
 };
@@ -107,6 +171,8 @@ class BlockReceiver {
     uint64_t malformed = 0;          // undecodable header or size mismatch
     uint64_t aborted = 0;            // payload transfer failed midway; discarded
     uint64_t max_pending_bytes = 0;  // most payload bytes held at once (arriving or being consumed)
+    uint64_t placed = 0;             // of `blocks`, written into a lent ring by the sender
+    uint64_t rings = 0;              // rings lent now
   };
 
   // Installs the data handler on `transport` (which must outlive the receiver). One receiver per
@@ -137,6 +203,9 @@ struct BlockSenderOptions {
   uint64_t max_bytes_in_flight = uint64_t{64} << 20;
   // Per-transfer limit from Send until the acknowledgement, unless SendOptions says otherwise.
   absl::Duration timeout = absl::Seconds(30);
+  // Direct placement into a same-host receiver's ring (when the transport can map it) for blocks
+  // of at least this many bytes; smaller ones ride in the message. 0: never place.
+  uint64_t placement_min_bytes = 16 << 10;
 
   absl::Status Validate() const;
 };
@@ -180,6 +249,8 @@ class BlockSender {
     uint64_t failed = 0;                 // completed with any other status
     uint64_t max_bytes_in_flight = 0;    // most unacknowledged bytes to one peer at once
     uint64_t late_acks = 0;              // acks for transfers already completed (timed out)
+    uint64_t placed = 0;                 // of `sent`, written straight into the peer's ring
+    uint64_t rings = 0;                  // peers' rings mapped now
   };
 
   // Installs the ack handler on `transport` (which must outlive the sender). One sender per

@@ -75,9 +75,85 @@ TEST(BlockWireTest, MalformedFieldsAreNamed) {
   EXPECT_THAT(DecodeBlockAckHeader(Bytes(ack)).status().message(), HasSubstr("status code 99"));
 }
 
+TEST(BlockWireTest, PlacedAndStreamedHeadersRoundTrip) {
+  BlockDataHeader h{.seq = 3, .size = 1 << 20, .crc32c = 9, .block_id = "layer-0",
+                    .placed = RingPlace{.token = 0xabcdef0123456789, .offset = 4160},
+                    .streamed = true};
+  absl::StatusOr<BlockDataHeader> d = DecodeBlockDataHeader(Bytes(EncodeBlockDataHeader(h)));
+  ASSERT_TRUE(d.ok()) << d.status();
+  ASSERT_TRUE(d->placed.has_value());
+  EXPECT_EQ(*d->placed, *h.placed);
+  EXPECT_TRUE(d->streamed);
+  EXPECT_EQ(d->block_id, "layer-0");
+  h.streamed = false;
+  d = DecodeBlockDataHeader(Bytes(EncodeBlockDataHeader(h)));
+  ASSERT_TRUE(d.ok());
+  EXPECT_FALSE(d->streamed);
+  // "Streamed" without "placed", or an unknown flag, is refused.
+  std::string bad = EncodeBlockDataHeader({.seq = 1, .size = 1, .crc32c = 0, .block_id = "x"});
+  for (char flags : {'\x02', '\x04', '\x80'}) {
+    bad[5] = flags;
+    EXPECT_THAT(DecodeBlockDataHeader(Bytes(bad)).status().message(), HasSubstr("flags"));
+  }
+  // The placed flag without the place (the header is 16 bytes short).
+  bad[5] = 1;
+  EXPECT_EQ(DecodeBlockDataHeader(Bytes(bad)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+
+  BlockAckHeader a{.seq = 5, .status = absl::OkStatus(), .released = RingPlace{7, 64}};
+  absl::StatusOr<BlockAckHeader> da = DecodeBlockAckHeader(Bytes(EncodeBlockAckHeader(a)));
+  ASSERT_TRUE(da.ok()) << da.status();
+  ASSERT_TRUE(da->released.has_value());
+  EXPECT_EQ(*da->released, *a.released);
+}
+
+TEST(BlockWireTest, RingMessagesRoundTripAndRefuseGarbage) {
+  absl::StatusOr<RingRequest> rq = DecodeRingRequest(Bytes(EncodeRingRequest({.token = 77})));
+  ASSERT_TRUE(rq.ok()) << rq.status();
+  EXPECT_EQ(rq->token, 77u);
+
+  const RingGrant lent{.token = 5, .code = absl::StatusCode::kOk, .descriptor = "desc"};
+  absl::StatusOr<RingGrant> g = DecodeRingGrant(Bytes(EncodeRingGrant(lent)));
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_EQ(g->descriptor, "desc");
+  const RingGrant refused{.token = 5, .code = absl::StatusCode::kResourceExhausted};
+  g = DecodeRingGrant(Bytes(EncodeRingGrant(refused)));
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_EQ(g->code, absl::StatusCode::kResourceExhausted);
+  // A grant without a descriptor, or a refusal with one, is malformed.
+  EXPECT_THAT(DecodeRingGrant(Bytes(EncodeRingGrant({.token = 5}))).status().message(),
+              HasSubstr("descriptor"));
+  EXPECT_THAT(DecodeRingGrant(Bytes(EncodeRingGrant({.token = 5,
+                                                     .code = absl::StatusCode::kInternal,
+                                                     .descriptor = "d"})))
+                  .status()
+                  .message(),
+              HasSubstr("descriptor"));
+
+  const RingRelease rel{.token = 9, .drop = false, .offsets = {64, 1 << 20}};
+  absl::StatusOr<RingRelease> r = DecodeRingRelease(Bytes(EncodeRingRelease(rel)));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->offsets, rel.offsets);
+  EXPECT_FALSE(r->drop);
+  std::string bad = EncodeRingRelease(rel);
+  bad[6] = 3;  // says three offsets, carries two
+  EXPECT_THAT(DecodeRingRelease(Bytes(bad)).status().message(), HasSubstr("3 offsets"));
+
+  for (const std::string& m : {EncodeRingRequest({.token = 1}), EncodeRingGrant(lent),
+                               EncodeRingRelease(rel)}) {
+    for (size_t n = 0; n < m.size(); ++n) {
+      const auto b = Bytes(m.substr(0, n));
+      EXPECT_FALSE(DecodeRingRequest(b).ok() || DecodeRingGrant(b).ok() ||
+                   DecodeRingRelease(b).ok())
+          << n;
+    }
+  }
+}
+
 TEST(BlockWireTest, OptionsValidate) {
   EXPECT_FALSE(BlockReceiverOptions{.verify_threads = 0}.Validate().ok());
   EXPECT_FALSE(BlockReceiverOptions{.max_block_bytes = 0}.Validate().ok());
+  EXPECT_FALSE(BlockReceiverOptions{.max_rings = -1}.Validate().ok());
   EXPECT_FALSE(BlockSenderOptions{.max_bytes_in_flight = 0}.Validate().ok());
   EXPECT_FALSE(BlockSenderOptions{.timeout = absl::ZeroDuration()}.Validate().ok());
   EXPECT_TRUE(BlockSenderOptions{}.Validate().ok());

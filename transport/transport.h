@@ -43,6 +43,7 @@ struct Capabilities {
   bool one_sided = false;       // Endpoint::Put into a peer's registered region
   bool device_memory = false;   // Register(MemoryKind::kDevice)
   bool cross_process = false;   // peers may be other processes or hosts
+  bool maps_peer_memory = false;  // Endpoint::Map can succeed (for some peers: same host)
 };
 
 // A registered region of memory. Owned by the caller of Register; deregisters when destroyed
@@ -81,6 +82,9 @@ struct Destination {
 };
 
 using Completion = std::function<void(absl::Status)>;
+
+// Message ids are 0..kMaxMessageId; Send refuses others with INVALID_ARGUMENT.
+inline constexpr uint16_t kMaxMessageId = 63;
 
 // A connection to one peer. Shared: the transport keeps endpoints that peers connected to, and
 // hands them to handlers so that replies go back the way the message came.
@@ -176,8 +180,9 @@ class Transport {
   virtual absl::StatusOr<std::shared_ptr<Endpoint>> Connect(absl::string_view address,
                                                             absl::Duration timeout) = 0;
 
-  // Installs the handler for message `id` (replacing any). Handlers run on a backend thread, one
-  // message at a time per transport; they must not block.
+  // Installs the handler for message `id` (replacing any; ids 0..63, kMaxMessageId). Handlers run
+  // on a backend thread, one message at a time per transport; they must not block. A message
+  // for an id without a handler is dropped.
   virtual void SetHandler(uint16_t id, MessageHandler handler) = 0;
 
   // Largest header Send accepts.

@@ -133,7 +133,12 @@ class FaultInjectingTransport final : public Transport {
     return inner_->Register(d, n, k);
   }
   absl::StatusOr<std::unique_ptr<MemoryRegion>> Allocate(size_t n, MemoryKind k) override {
-    return inner_->Allocate(n, k);
+    auto r = inner_->Allocate(n, k);
+    if (r.ok()) {  // the receiver's lent ring (tests here have one sender)
+      std::lock_guard<std::mutex> lock(mu_);
+      ring_ = std::span<uint8_t>((*r)->data(), (*r)->size());
+    }
+    return r;
   }
   absl::StatusOr<std::shared_ptr<Endpoint>> Connect(absl::string_view a,
                                                     absl::Duration t) override {
@@ -149,12 +154,33 @@ class FaultInjectingTransport final : public Transport {
     inner_->SetHandler(id, [this, h = std::move(h)](IncomingMessage& m) {
       const int n = ++count_;
       if (drop(n)) return;
-      Faulty f(m, corrupt(n));
+      const bool bad = corrupt(n);
+      if (bad) CorruptPlaced(m.header());
+      Faulty f(m, bad);
       h(f);
     });
   }
 
  private:
+  // A block the sender wrote into the lent ring has landed before its header arrives: flip a bit
+  // of it there.
+  void CorruptPlaced(std::span<const uint8_t> header) {
+    absl::StatusOr<BlockDataHeader> h = DecodeBlockDataHeader(header);
+    if (!h.ok() || !h->placed || h->size == 0) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (h->placed->offset < kPlacedPrefixBytes || h->placed->offset + h->size > ring_.size()) {
+      return;
+    }
+    if (h->streamed) {  // the sender is still writing: corrupt what it has finished writing
+      std::atomic_ref<uint64_t> progress(
+          *reinterpret_cast<uint64_t*>(ring_.data() + h->placed->offset - kPlacedPrefixBytes));
+      const absl::Time until = absl::Now() + absl::Seconds(5);
+      while (progress.load() < h->size && absl::Now() < until) {
+      }
+    }
+    ring_[h->placed->offset + h->size / 2] ^= 0x40;
+  }
+
   class Faulty final : public IncomingMessage {
    public:
     Faulty(IncomingMessage& m, bool corrupt) : m_(m), corrupt_(corrupt) {}
@@ -176,6 +202,8 @@ class FaultInjectingTransport final : public Transport {
 
   Transport* inner_;
   std::atomic<int> count_{0};
+  std::mutex mu_;
+  std::span<uint8_t> ring_;
 };
 
 class TransportConformanceTest : public ::testing::TestWithParam<Backend> {
@@ -481,6 +509,9 @@ TEST_P(TransportConformanceTest, PayloadCorruptedInFlightIsCaughtAndNeverHandedO
     }
   }
   EXPECT_EQ(receiver_->stats().checksum_failures, 3u);
+  if (GetParam().name == "ucx_shm") {  // the later ones were placed (and streamed) in the ring
+    EXPECT_GE(receiver_->stats().placed, 4u);
+  }
 }
 
 // A lost message: that transfer times out, the next one on the same connection goes through.
@@ -584,6 +615,96 @@ TEST_P(TransportConformanceTest, MapGivesSameHostSharedMemoryOrSaysItCannot) {
   // endpoint): writing after the peer freed it must not fault.
   region->reset();
   (*mapped)[0] = 1;
+}
+
+// Sends a small block and waits for the sender to map the receiver's ring (true), or gives up
+// after `wait` (false: this backend or peer has none).
+bool WaitForRing(BlockSender& sender, const std::shared_ptr<Endpoint>& peer, absl::Duration wait) {
+  const auto data = RandomBytes(100, 70);
+  if (!sender.Send(peer, "warm-up", View(data))->Wait().ok()) return false;
+  const absl::Time until = absl::Now() + wait;
+  while (sender.stats().rings == 0 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(2));
+  return sender.stats().rings > 0;
+}
+
+// Same-host UCX peers: blocks go straight into the receiver's lent ring (one copy), up to the
+// ring's size; larger ones, and every block on other backends, travel as payload. All intact.
+TEST_P(TransportConformanceTest, SameHostBlocksArePlacedInTheReceiversRing) {
+  Start({.ring_bytes = 4 << 20}, {.placement_min_bytes = 1});
+  const bool shm = GetParam().name == "ucx_shm";
+  ASSERT_EQ(WaitForRing(*sender_, peer_, shm ? absl::Seconds(10) : absl::Milliseconds(300)), shm);
+  // (A block takes its size and a 64-byte progress word: 4 MiB exactly does not fit.)
+  const size_t sizes[] = {1, 4096, 300000, 1 << 20, (4 << 20) - 4096, 4 << 20};
+  uint32_t seed = 80;
+  for (size_t n : sizes) {
+    const auto data = RandomBytes(n, seed++);
+    const std::string id = absl::StrCat("p", n);
+    ASSERT_TRUE(sender_->Send(peer_, id, View(data))->Wait().ok()) << n;
+    EXPECT_EQ(sink_.Get(id), data) << n;
+  }
+  const uint64_t placed = shm ? std::size(sizes) - 1 : 0;
+  EXPECT_EQ(sender_->stats().placed, placed);
+  EXPECT_EQ(receiver_->stats().placed, placed);
+  EXPECT_EQ(receiver_->stats().rings, shm ? 1u : 0u);
+  EXPECT_THAT(receiver_->RenderMetrics(),
+              HasSubstr(absl::StrCat("strata_transport_received_placed_blocks_total ", placed)));
+}
+
+// A consumer that keeps blocks keeps their ring space: later blocks never overwrite them (they
+// travel as payload while the ring is full) and are placed again once the space comes back.
+TEST_P(TransportConformanceTest, HeldBlocksKeepTheirRingSpaceUntilLetGo) {
+  if (GetParam().name != "ucx_shm") GTEST_SKIP() << "no direct placement on " << GetParam().name;
+  std::mutex mu;
+  std::vector<ReceivedBlock> kept;
+  Start({.ring_bytes = 1 << 20}, {.placement_min_bytes = 1}, [&](ReceivedBlock b) {
+    std::lock_guard<std::mutex> lock(mu);
+    kept.push_back(std::move(b));
+    return absl::OkStatus();
+  });
+  ASSERT_TRUE(WaitForRing(*sender_, peer_, absl::Seconds(10)));
+  std::vector<std::vector<uint8_t>> data;
+  for (int i = 0; i < 6; ++i) {  // four fill the ring, with their progress words
+    data.push_back(RandomBytes((256 << 10) - 4096, 90 + i));
+    ASSERT_TRUE(sender_->Send(peer_, absl::StrCat("k", i), View(data[i]))->Wait().ok()) << i;
+  }
+  EXPECT_EQ(receiver_->stats().placed, 4u);  // four fill the 1 MiB ring; two went as payload
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    ASSERT_EQ(kept.size(), 7u);  // with the warm-up
+    for (int i = 0; i < 6; ++i) {
+      EXPECT_EQ(kept[i + 1].id, absl::StrCat("k", i));
+      EXPECT_TRUE(std::equal(kept[i + 1].bytes.begin(), kept[i + 1].bytes.end(), data[i].begin(),
+                             data[i].end()))
+          << "block " << i << " changed while held";
+    }
+    kept.clear();  // the space goes back (release messages)
+  }
+  bool placed_again = false;
+  for (int i = 0; i < 200 && !placed_again; ++i) {
+    ASSERT_TRUE(sender_->Send(peer_, absl::StrCat("again", i), View(data[0]))->Wait().ok());
+    placed_again = receiver_->stats().placed > 4;
+    if (!placed_again) absl::SleepFor(absl::Milliseconds(5));
+  }
+  EXPECT_TRUE(placed_again);
+}
+
+// A receiver replaced on the same transport takes its rings back; the sender asks the new one.
+TEST_P(TransportConformanceTest, ANewReceiverLendsANewRing) {
+  if (GetParam().name != "ucx_shm") GTEST_SKIP() << "no direct placement on " << GetParam().name;
+  Start({}, {.placement_min_bytes = 1});
+  ASSERT_TRUE(WaitForRing(*sender_, peer_, absl::Seconds(10)));
+  receiver_.reset();  // tells the sender its ring is gone
+  for (int i = 0; i < 500 && sender_->stats().rings > 0; ++i) absl::SleepFor(absl::Milliseconds(2));
+  EXPECT_EQ(sender_->stats().rings, 0u);
+  auto r = BlockReceiver::Create(receiver_transport_.get(), {},
+                                 [this](ReceivedBlock b) { return sink_.Take(b); });
+  ASSERT_TRUE(r.ok());
+  receiver_ = std::move(*r);
+  ASSERT_TRUE(WaitForRing(*sender_, peer_, absl::Seconds(10)));
+  const auto data = RandomBytes(100000, 99);
+  ASSERT_TRUE(sender_->Send(peer_, "new", View(data))->Wait().ok());
+  EXPECT_EQ(sink_.Get("new"), data);
+  EXPECT_EQ(receiver_->stats().placed, 1u);
 }
 
 TEST_P(TransportConformanceTest, ConnectToNobodyIsUnavailableAndBadAddressInvalid) {

@@ -1,4 +1,5 @@
-// libFuzzer target: the block shipping protocol's header decoders (bytes a peer sends). Every
+// libFuzzer target: the block shipping protocol's decoders (headers and ring messages: bytes a
+// peer sends). Every
 // input either decodes to a header that re-encodes to the same bytes, or is refused with
 // INVALID_ARGUMENT; nothing else (no crash, no out-of-bounds read under ASan).
 #include <cstdint>
@@ -22,5 +23,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   } else if (a.status().code() != absl::StatusCode::kInvalidArgument) {
     std::abort();
   }
+  // The ring messages (direct placement) re-encode exactly too.
+  auto exact = [&](const auto& decoded, auto encode) {
+    if (decoded.ok()) {
+      if (encode(*decoded) != raw) std::abort();
+    } else if (decoded.status().code() != absl::StatusCode::kInvalidArgument) {
+      std::abort();
+    }
+  };
+  exact(DecodeRingRequest(bytes), [](const RingRequest& r) { return EncodeRingRequest(r); });
+  exact(DecodeRingGrant(bytes), [](const RingGrant& g) { return EncodeRingGrant(g); });
+  exact(DecodeRingRelease(bytes), [](const RingRelease& r) { return EncodeRingRelease(r); });
   return 0;
 }

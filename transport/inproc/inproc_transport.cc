@@ -206,6 +206,11 @@ class InprocEndpoint final : public Endpoint, public std::enable_shared_from_thi
           absl::StrCat("header of ", header.size(), " bytes exceeds ", kMaxHeader)));
       return tid;
     }
+    if (id > kMaxMessageId) {
+      done(absl::InvalidArgumentError(
+          absl::StrCat("message id ", id, " is out of range (0..", kMaxMessageId, ")")));
+      return tid;
+    }
     std::shared_ptr<Core> target = target_.lock();
     std::shared_ptr<Core> self = self_.lock();
     if (target == nullptr || self == nullptr) {

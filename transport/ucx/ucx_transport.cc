@@ -38,6 +38,9 @@ constexpr absl::string_view kScheme = "ucx://";
 // worker-address endpoint: single-copy shared memory between processes of one host, RDMA
 // between hosts) and sends kDataHello{token, nonce} on it; the server ties the data endpoint
 // to the connection by the token and answers kDataHelloAck{nonce}.
+// Every message id Send accepts (kMaxMessageId) has a UCX handler from the start (ours drops a
+// message nobody handles): UCX 1.13 can crash on an active message with a reply endpoint for an
+// id without one (seen in ucp_am_handler_reply, for a peer that never installed the id).
 constexpr uint16_t kHelloId = 0xfff0;
 constexpr uint16_t kHelloAckId = 0xfff1;
 constexpr uint16_t kDataHelloId = 0xfff2;
@@ -223,6 +226,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
       return s;
     }
     for (uint16_t id : {kHelloId, kHelloAckId, kDataHelloId, kDataHelloAckId}) RegisterAm(id);
+    for (uint16_t id = 0; id <= kMaxMessageId; ++id) RegisterAm(id);
     if (ucp_worker_get_efd(worker_, &efd_) != UCS_OK) efd_ = -1;  // then: timed sleeps
     ucp_address_t* addr = nullptr;
     size_t addr_len = 0;
@@ -302,17 +306,12 @@ class Engine : public std::enable_shared_from_this<Engine> {
   const std::string& address() const { return address_; }
 
   void SetHandler(uint16_t id, MessageHandler h) {
-    bool fresh;
-    {
-      std::lock_guard<std::mutex> lock(handlers_mu_);
-      fresh = registered_ids_.insert(id).second;
-      if (h) {
-        handlers_[id] = std::make_shared<MessageHandler>(std::move(h));
-      } else {
-        handlers_.erase(id);
-      }
+    std::lock_guard<std::mutex> lock(handlers_mu_);
+    if (h) {
+      handlers_[id] = std::make_shared<MessageHandler>(std::move(h));
+    } else {
+      handlers_.erase(id);
     }
-    if (fresh) Run([this, id] { RegisterAm(id); });
   }
 
   absl::StatusOr<std::shared_ptr<Endpoint>> Connect(absl::string_view address,
@@ -461,7 +460,6 @@ class Engine : public std::enable_shared_from_this<Engine> {
 
   std::mutex handlers_mu_;
   std::unordered_map<uint16_t, std::shared_ptr<MessageHandler>> handlers_;
-  std::unordered_set<uint16_t> registered_ids_;  // ids whose UCX handler is installed
 
   // Progress thread only.
   std::unordered_map<uint16_t, std::unique_ptr<AmArg>> am_args_;
@@ -1117,11 +1115,12 @@ uint64_t UcxEndpoint::Send(uint16_t id, std::span<const uint8_t> header, Payload
   op->header.assign(header.begin(), header.end());
   op->payload = payload;
   op->done = std::move(done);
-  if (id >= kHelloId) {
+  if (id > kMaxMessageId) {
     const uint64_t tid = op->tid;
     Completion d = std::move(op->done);
     delete op;
-    d(absl::InvalidArgumentError(absl::StrCat("message id ", id, " is reserved")));
+    d(absl::InvalidArgumentError(
+        absl::StrCat("message id ", id, " is out of range (0..", kMaxMessageId, ")")));
     return tid;
   }
   return Post(op, id, timeout);
@@ -1243,6 +1242,7 @@ class UcxTransport final : public Transport {
     caps_.one_sided = true;
     caps_.device_memory = engine_->device_memory();
     caps_.cross_process = true;
+    caps_.maps_peer_memory = true;
   }
   ~UcxTransport() override { engine_->Stop(); }
 
@@ -1299,7 +1299,7 @@ class UcxTransport final : public Transport {
   }
 
   void SetHandler(uint16_t id, MessageHandler handler) override {
-    if (id >= kHelloId) return;  // reserved for the handshake
+    if (id > kMaxMessageId) return;  // (Send refuses them)
     engine_->SetHandler(id, std::move(handler));
   }
 
