@@ -59,6 +59,18 @@ void SpinPause() {
 #endif
 }
 
+// Orders the stores before it (memcpy's non-temporal ones included) before those after it, as
+// seen from another process mapping the same memory.
+void StoreFence() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_sfence();
+#elif defined(__aarch64__)
+  asm volatile("dmb ishst" ::: "memory");
+#else
+  __sync_synchronize();
+#endif
+}
+
 template <typename T>
 T Get(const uint8_t* p) {
   T v;
@@ -994,7 +1006,7 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
         progress->store(0, std::memory_order_release);
       } else {
         std::memcpy(place, src, size);
-        std::atomic_thread_fence(std::memory_order_seq_cst);  // (orders streaming stores too)
+        StoreFence();
       }
     }
     const std::string header = EncodeBlockDataHeader(header_fields);
@@ -1009,7 +1021,7 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
         const uint64_t n = std::min<uint64_t>(kStreamChunk, size - done);
         std::memcpy(place + done, src + done, n);
         done += n;
-        std::atomic_thread_fence(std::memory_order_seq_cst);
+        StoreFence();
         progress->store(done, std::memory_order_release);
       }
     }

@@ -142,7 +142,8 @@ TEST(BlockWireTest, RingMessagesRoundTripAndRefuseGarbage) {
   for (const std::string& m : {EncodeRingRequest({.token = 1}), EncodeRingGrant(lent),
                                EncodeRingRelease(rel)}) {
     for (size_t n = 0; n < m.size(); ++n) {
-      const auto b = Bytes(m.substr(0, n));
+      const std::string prefix = m.substr(0, n);
+      const auto b = Bytes(prefix);
       EXPECT_FALSE(DecodeRingRequest(b).ok() || DecodeRingGrant(b).ok() ||
                    DecodeRingRelease(b).ok())
           << n;

@@ -110,8 +110,8 @@ class Endpoint {
   // Where the backend can (UCX: a same-host peer's memory from Transport::Allocate, through
   // shared memory); UNIMPLEMENTED otherwise (another host, no shared-memory transport, inproc),
   // INVALID_ARGUMENT for a descriptor that is not one. The mapping stays valid while the caller
-  // holds this endpoint, even after the peer frees the region or dies (the memory is then
-  // detached from the peer). Stores are visible to the peer before any message sent after them.
+  // holds this endpoint and the transport runs, even after the peer frees the region or dies
+  // (the memory is then detached from the peer). Stores are visible to the peer before any message sent after them.
   virtual absl::StatusOr<std::span<uint8_t>> Map(absl::string_view remote) {
     (void)remote;
     return absl::UnimplementedError("this transport cannot map a peer's memory");

@@ -121,7 +121,8 @@ class UcxEndpoint final : public Endpoint, public std::enable_shared_from_this<U
   std::unordered_map<uint64_t, Op*> ops;
   internal::FailureNotifier notifier_;
   // Remote keys behind Map's mappings: released when the endpoint is destroyed (releasing one
-  // detaches the peer's memory, which a caller holding the endpoint may still be writing).
+  // detaches the peer's memory, which a caller holding the endpoint may still be writing) or
+  // when the transport shuts down.
   std::vector<ucp_rkey_h> mapped_rkeys;
 
  private:
@@ -325,6 +326,10 @@ class Engine : public std::enable_shared_from_this<Engine> {
   void CloseEndpoint(const std::shared_ptr<UcxEndpoint>& ep, absl::Status why);
   ucp_worker_h worker() const { return worker_; }
   void TrackRecv(RecvOp* op) { recvs_.insert(op); }
+  void TrackMapped(ucp_rkey_h k) { mapped_rkeys_.insert(k); }
+  void ReleaseMapped(ucp_rkey_h k) {
+    if (mapped_rkeys_.erase(k) > 0) ucp_rkey_destroy(k);
+  }
   // Like Post, but always through the queue: for calls that may come from inside a UCX callback
   // and must not make UCP calls there (progress, endpoint close).
   bool PostQueued(std::function<void()> cmd) {
@@ -467,6 +472,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::vector<std::pair<std::shared_ptr<UcxEndpoint>, absl::Status>> to_close_;
   std::vector<void*> closing_;  // ucp_ep_close_nbx requests
   std::unordered_set<RecvOp*> recvs_;  // payloads being received
+  std::unordered_set<ucp_rkey_h> mapped_rkeys_;  // behind Endpoint::Map's mappings
   std::unordered_set<Op*> live_ops_;   // sends and puts UCX holds
   std::multimap<absl::Time, std::pair<std::weak_ptr<UcxEndpoint>, uint64_t>> deadlines_;
   absl::Time next_deadline_check_ = absl::InfinitePast();
@@ -991,6 +997,8 @@ void Engine::Shutdown() {
   while (!settled() && absl::Now() < until) ucp_worker_progress(worker_);
   for (void* r : closing_) ucp_request_free(r);
   closing_.clear();
+  for (ucp_rkey_h k : mapped_rkeys_) ucp_rkey_destroy(k);  // Map's mappings end here
+  mapped_rkeys_.clear();
   if (listener_ != nullptr) ucp_listener_destroy(listener_);
   listener_ = nullptr;
   ucp_worker_destroy(worker_);
@@ -1141,9 +1149,9 @@ uint64_t UcxEndpoint::Put(Payload payload, absl::string_view remote, uint64_t re
 UcxEndpoint::~UcxEndpoint() {
   if (mapped_rkeys.empty()) return;
   if (std::shared_ptr<Engine> engine = engine_.lock()) {
-    // (If the transport is shutting down the keys go with its worker.)
-    engine->PostQueued([keys = std::move(mapped_rkeys)] {
-      for (ucp_rkey_h k : keys) ucp_rkey_destroy(k);
+    // (Once the transport is shutting down, its Shutdown releases them.)
+    engine->PostQueued([e = engine.get(), keys = std::move(mapped_rkeys)] {
+      for (ucp_rkey_h k : keys) e->ReleaseMapped(k);
     });
   }
 }
@@ -1173,6 +1181,7 @@ absl::StatusOr<std::span<uint8_t>> UcxEndpoint::Map(absl::string_view remote) {
       return;
     }
     mapped_rkeys.push_back(rkey);
+    engine->TrackMapped(rkey);
     result = std::span<uint8_t>(static_cast<uint8_t*>(local), desc.size);
   });
   return result;
