@@ -281,6 +281,10 @@ int Main(int argc, char** argv) {
   // consumer here only drops the block, as a decode node hands it to its KV cache).
   uint64_t inline_max = 4 << 20;
   int64_t busy_us = 50;  // UcxTransportOptions::busy_poll, both sides
+  // BlockSenderOptions::placement_min_bytes: direct placement into the receiver's ring for
+  // blocks this large (0: never, every block as payload through UCX).
+  uint64_t place_min = transport::BlockSenderOptions{}.placement_min_bytes;
+  uint64_t stream_min = transport::BlockSenderOptions{}.stream_min_bytes;  // 0: never
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string f = argv[i], v = argv[i + 1];
     if (f == "--tls") tls = v;
@@ -296,6 +300,8 @@ int Main(int argc, char** argv) {
     else if (f == "--window") window = ParseSize(v);
     else if (f == "--inline") inline_max = ParseSize(v);
     else if (f == "--busy-poll-us") busy_us = std::atoll(v.c_str());
+    else if (f == "--place-min") place_min = ParseSize(v);
+    else if (f == "--stream-min") stream_min = ParseSize(v);
     else if (f == "--sizes") {
       sizes.clear();
       for (absl::string_view s : absl::StrSplit(v, ',')) sizes.push_back(ParseSize(std::string(s)));
@@ -406,7 +412,10 @@ int Main(int argc, char** argv) {
     const Payload payload{.bytes = {src, size}, .region = region->get()};
     row.window = window != 0 ? window : std::max<uint64_t>(2 * size, 16 << 20);
     sender.reset();
-    sender = std::move(*BlockSender::Create(t->get(), {.max_bytes_in_flight = row.window}));
+    sender = std::move(*BlockSender::Create(
+        t->get(), {.max_bytes_in_flight = row.window,
+                   .placement_min_bytes = place_min,
+                   .stream_min_bytes = stream_min}));
     // Warm-up (connection lanes, receiver's buffer pool). Then `reps` rounds, each one run of
     // Strata and one of each ucx_perftest mode back to back: on a small shared machine single
     // runs swing by 2-3x, so the table gives the best round of each (and the JSON the medians).

@@ -35,8 +35,8 @@ constexpr size_t kAckFixed = 4 + 1 + 1 + 2 + 8 + 4;       // magic ver flags msg
 constexpr size_t kPlaceBytes = 8 + 8;                     // token offset, when flagged
 constexpr uint8_t kPlacedFlag = 1;                        // data: placed; ack: released
 constexpr uint8_t kStreamedFlag = 2;                      // data: placed, still being written
-// Streamed placement: blocks of at least 2 chunks, progress published per chunk; the receiver
-// gives up on a sender that has not advanced for kStreamStall.
+// Streamed placement: progress published per chunk; the receiver gives up on a sender that has
+// not advanced for kStreamStall.
 constexpr uint64_t kStreamChunk = 128 << 10;
 constexpr absl::Duration kStreamStall = absl::Seconds(2);
 constexpr size_t kRequestBytes = 4 + 1 + 1 + 2 + 8;       // magic ver 0 0 token
@@ -975,7 +975,8 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
         } else if (r->state == SenderRing::State::kReady) {
           if (std::optional<uint64_t> at = r->Allocate(size)) {
             header_fields.placed = RingPlace{.token = r->token, .offset = *at};
-            header_fields.streamed = size >= 2 * kStreamChunk;
+            header_fields.streamed =
+                options_.stream_min_bytes > 0 && size >= options_.stream_min_bytes;
             ring = r;
           }
         }
