@@ -264,6 +264,7 @@ struct Row {
   double perftest_plain_bw = 0;  // bytes/s, UCX's defaults without peer error handling
   double strata_median = 0, perftest_median = 0, perftest_plain_median = 0;
   double raw_bw = 0, raw_median = 0;  // raw UCX messages on Strata's connection (no protocol)
+  uint64_t placed = 0;                // of Strata's blocks (warm-up included), directly placed
   double raw_ring_bw = 0;             // the same, landing in a 256 MiB ring (not in cache)
   uint64_t window = 0;  // the sender's bytes in flight
   std::string perftest_error;
@@ -393,7 +394,12 @@ int Main(int argc, char** argv) {
                                      : "; receiver at " + connect + "\n",
                      "receiver verifies blocks <= ",
                      HumanSize(inline_max), " on its transport thread, larger on a verify thread;",
-                     " sender window max(2 blocks, 16M)\nstrata's connection: ", lanes,
+                     " sender window max(2 blocks, 16M); direct placement ",
+                     place_min == 0 ? std::string("off")
+                                    : absl::StrCat("from ", HumanSize(place_min), ", streamed from ",
+                                                   stream_min == 0 ? std::string("never")
+                                                                   : HumanSize(stream_min)),
+                     "\nstrata's connection: ", lanes,
                      "\n\n"));
   print(absl::StrCat("perftest: ucp_am_bw / ucp_am_lat with UCX_TLS=", tls, " ", same_env,
                      " -e (peer error handling: the endpoints Strata makes);\n"
@@ -439,6 +445,7 @@ int Main(int argc, char** argv) {
         return 1;
       }
       mine.push_back(size * row.blocks / s);
+      row.placed = sender->stats().placed;
       raw.push_back(RawRound(**ep, payload, row.blocks, row.window));
       raw_ring.push_back(RawRound(**ep, payload, row.blocks, row.window, kRawRingMessage));
       if (have_perftest) {
@@ -523,6 +530,7 @@ int Main(int argc, char** argv) {
                         .Num("block_bytes", r.size)
                         .Num("blocks", r.blocks)
                         .Num("window_bytes", r.window)
+                        .Num("blocks_placed", r.placed)
                         .Num("strata_bytes_per_s", r.strata_bw)
                         .Num("perftest_bytes_per_s", r.perftest_bw)
                         .Num("ratio", r.perftest_bw > 0 ? r.strata_bw / r.perftest_bw : 0)
@@ -549,6 +557,8 @@ int Main(int argc, char** argv) {
                                .Str("ucx_version", transport::UcxVersion())
                                .Str("ucx_tls", tls)
                                .Num("inline_max_bytes", inline_max)
+                               .Num("placement_min_bytes", place_min)
+                               .Num("stream_min_bytes", stream_min)
                                .Str("perftest_env", same_env + " -e")
                                .Str("connection", lanes)
                                .Num("blocks_sent", stats.sent)
@@ -557,6 +567,7 @@ int Main(int argc, char** argv) {
                                .Done();
   std::string tag = tls;
   std::replace(tag.begin(), tag.end(), ',', '+');
+  if (place_min == 0) tag += "-noplace";
   const std::string base = ResultPath(out_dir, "transport_bench", info, tag);
   if (!WriteResultFile(base + ".json", json + "\n") || !WriteResultFile(base + ".txt", table)) {
     return 1;
