@@ -747,8 +747,10 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
         if (--self->inline_running_ == 0) self->inline_cv_.notify_all();
         return;
       }
-    } else if (self->tasks_.Post([self, header, landed, ep] {
-                 self->Verify(*header, landed, ep);
+    } else if (self->tasks_.Post([self, header, landed, ep]() mutable {
+                 // (moved: the task's copy of the hold must not outlive the ack, or the ring
+                 // space would come back in a message of its own)
+                 self->Verify(*header, std::move(landed), ep);
                })) {
       return;
     }
