@@ -10,6 +10,7 @@
 #include <random>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -689,6 +690,9 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
     if (!bad.ok()) {
       Count(&Stats::malformed);
       Reply(ep, h.seq, bad);  // (no space to give back: what it names was never lent)
+      if (ring == nullptr && payload_size == 0) {  // tell the sender to forget that ring
+        SendRelease(ep, kBlockRingReleaseMessage, {.token = place.token, .drop = true});
+      }
       return;
     }
     AddPending(static_cast<int64_t>(h.size));
@@ -711,6 +715,7 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
   // Takes a lent ring back: no more blocks placed in it are accepted.
   void TakeBack(uint64_t token, bool tell_sender) {
     std::shared_ptr<LentRing> ring;
+    uint64_t handle = 0;
     {
       std::lock_guard<std::mutex> lock(mu_);
       auto it = rings_.find(token);
@@ -718,9 +723,10 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
       ring = std::move(it->second);
       rings_.erase(it);
       stats_.rings = rings_.size();
+      handle = ring->failure_handle;
     }
     if (std::shared_ptr<Endpoint> ep = ring->ep.lock()) {
-      ep->RemoveFailureCallback(ring->failure_handle);
+      ep->RemoveFailureCallback(handle);
       if (tell_sender) {
         SendRelease(ep, kBlockRingReleaseMessage, {.token = token, .drop = true});
       }
@@ -747,14 +753,18 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
         if (--self->inline_running_ == 0) self->inline_cv_.notify_all();
         return;
       }
-    } else if (self->tasks_.Post([self, header, landed, ep]() mutable {
-                 // (moved: the task's copy of the hold must not outlive the ack, or the ring
-                 // space would come back in a message of its own)
+    } else if (self->tasks_.Post([self, header, landed = std::move(landed), ep]() mutable {
+                 // (moved, not copied: no other copy of the hold may outlive the ack, or the
+                 // ring space would come back in a message of its own)
                  self->Verify(*header, std::move(landed), ep);
                })) {
       return;
+    } else {
+      // The receiver is shutting down: nobody will consume it (the task, and the block's hold
+      // with it, is gone; its ring is being taken back).
+      self->Finish(ep, *header, Landed{}, absl::UnavailableError("receiver shut down"));
+      return;
     }
-    // The receiver is shutting down: nobody will consume it.
     self->Finish(ep, *header, std::move(landed), absl::UnavailableError("receiver shut down"));
   }
 
@@ -979,6 +989,7 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
             header_fields.placed = RingPlace{.token = r->token, .offset = *at};
             header_fields.streamed =
                 options_.stream_min_bytes > 0 && size >= options_.stream_min_bytes;
+            if (header_fields.streamed) r->copying.insert(*at);  // copied after the header
             ring = r;
           }
         }
@@ -990,6 +1001,7 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
       p.ep = ep;
       p.size = size;
       p.placed = ring != nullptr;
+      p.copying = header_fields.streamed;
       p.state = state;
       p.done = std::move(done);
       p.deadline = deadline;
@@ -1020,13 +1032,21 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
           if (auto self = weak.lock()) self->SendDone(seq, std::move(s));
         });
     if (progress.has_value()) {
+      // The transfer cannot complete, nor its space come back, until this copy has stopped
+      // (`copying`): the caller's payload and the ring stay untouched after completion. An
+      // outcome arriving meanwhile (the receiver gave up, cancel, timeout) stops it early.
       for (uint64_t done = 0; done < size;) {
         const uint64_t n = std::min<uint64_t>(kStreamChunk, size - done);
         std::memcpy(place + done, src + done, n);
         done += n;
         StoreFence();
         progress->store(done, std::memory_order_release);
+        if (done < size && copy_waited_on_.load(std::memory_order_relaxed) != 0 &&
+            OutcomeKnown(seq)) {
+          break;
+        }
       }
+      CopyDone(seq, ring, header_fields.placed->offset);
     }
     bool cancel = false;
     {
@@ -1075,12 +1095,6 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
       ++stats_.late_acks;
       return;
     }
-    if (it->second.placed && h->status.code() == absl::StatusCode::kFailedPrecondition) {
-      // The receiver no longer knows the ring (it restarted before its word reached us).
-      if (auto r = rings_by_ep_.find(it->second.ep.get()); r != rings_by_ep_.end()) {
-        DropRingLocked(r->second->token);
-      }
-    }
     it->second.outcome = std::move(h->status);
     if (it->second.send_done) FinishLocked(it, lock);
   }
@@ -1125,12 +1139,19 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
   void OnRelease(IncomingMessage& m) {
     absl::StatusOr<RingRelease> r = DecodeRingRelease(m.header());
     if (!r.ok()) return;
-    std::lock_guard<std::mutex> lock(mu_);
-    if (r->drop) {
-      DropRingLocked(r->token);
-    } else {
-      FreeRingSpaceLocked(r->token, r->offsets);
+    std::shared_ptr<SenderRing> dropped;
+    uint64_t handle = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!r->drop) {
+        FreeRingSpaceLocked(r->token, r->offsets);
+        return;
+      }
+      dropped = DropRingLocked(r->token);
+      if (dropped == nullptr) return;
+      handle = dropped->failure_handle;
     }
+    if (std::shared_ptr<Endpoint> ep = dropped->ep.lock()) ep->RemoveFailureCallback(handle);
   }
 
   void Shutdown() {
@@ -1138,22 +1159,28 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
       transport_->SetHandler(id, nullptr);
     }
     std::vector<uint64_t> seqs;
-    std::vector<std::shared_ptr<SenderRing>> rings;
+    struct Returning {
+      std::weak_ptr<Endpoint> ep;
+      uint64_t token, failure_handle;
+      bool lent;
+    };
+    std::vector<Returning> rings;
     {
       std::lock_guard<std::mutex> lock(mu_);
       shutting_down_ = true;
       for (const auto& [seq, p] : pending_) seqs.push_back(seq);
-      for (const auto& [token, ring] : rings_) rings.push_back(ring);
+      for (const auto& [token, ring] : rings_) {
+        rings.push_back({ring->ep, token, ring->failure_handle,
+                         ring->state != SenderRing::State::kRefused});
+      }
       rings_.clear();
       rings_by_ep_.clear();
     }
-    for (const auto& ring : rings) {  // give the rings back
-      std::shared_ptr<Endpoint> ep = ring->ep.lock();
+    for (const Returning& r : rings) {  // give the rings back
+      std::shared_ptr<Endpoint> ep = r.ep.lock();
       if (ep == nullptr) continue;
-      ep->RemoveFailureCallback(ring->failure_handle);
-      if (ring->state != SenderRing::State::kRefused) {
-        SendRelease(ep, kBlockRingReturnMessage, {.token = ring->token, .drop = true});
-      }
+      ep->RemoveFailureCallback(r.failure_handle);
+      if (r.lent) SendRelease(ep, kBlockRingReturnMessage, {.token = r.token, .drop = true});
     }
     window_cv_.notify_all();
     for (uint64_t seq : seqs) Abort(seq, absl::CancelledError("block sender shut down"));
@@ -1209,7 +1236,15 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     std::span<uint8_t> mem;                       // mapped while the endpoint is held
     std::map<uint64_t, uint64_t> free;            // offset -> bytes, coalesced
     std::unordered_map<uint64_t, uint64_t> used;  // offset -> bytes, placed and not given back
+    std::unordered_set<uint64_t> copying;             // streamed blocks still being written
+    std::unordered_set<uint64_t> release_after_copy;  // given back while being written
     uint64_t failure_handle = 0;
+
+    // The mapping goes with the last holder (the sender's maps, or a Send still copying).
+    ~SenderRing() {
+      if (mem.empty()) return;
+      if (std::shared_ptr<Endpoint> e = ep.lock()) e->Unmap(mem.data());
+    }
 
     // Lowest free space of `size` bytes (256-byte aligned): blocks given back quickly are
     // followed by blocks in the same, cache-warm, memory.
@@ -1228,8 +1263,13 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
       return std::nullopt;
     }
 
-    // False for an offset that is not placed (a confused or stale peer): ignored.
+    // False for an offset that is not placed (a confused or stale peer): ignored. Space still
+    // being written is freed when its copy stops.
     bool Release(uint64_t offset) {
+      if (copying.contains(offset)) {
+        release_after_copy.insert(offset);
+        return true;
+      }
       auto u = used.find(offset);
       if (u == used.end()) return false;
       uint64_t start = offset - kPlacedPrefixBytes, len = u->second;
@@ -1262,6 +1302,7 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     absl::Time deadline;
     absl::Time start;
     uint64_t backend_id = 0;
+    bool copying = false;  // a streamed block still being copied into the ring
     bool posted = false;
     bool send_done = false;
     absl::Status send_status;
@@ -1269,6 +1310,24 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     bool cancel_requested = false;        // Abort: the backend's send must be stopped
   };
   using PendingMap = std::unordered_map<uint64_t, Pending>;
+
+  bool OutcomeKnown(uint64_t seq) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = pending_.find(seq);
+    return it == pending_.end() || it->second.outcome.has_value();
+  }
+
+  // A streamed block's copy has stopped: its space may come back, the transfer may complete.
+  void CopyDone(uint64_t seq, const std::shared_ptr<SenderRing>& ring, uint64_t offset) {
+    std::unique_lock<std::mutex> lock(mu_);
+    ring->copying.erase(offset);
+    if (ring->release_after_copy.erase(offset) > 0) ring->Release(offset);
+    auto it = pending_.find(seq);
+    if (it == pending_.end()) return;
+    it->second.copying = false;
+    if (it->second.send_done && it->second.outcome.has_value()) FinishLocked(it, lock);
+  }
+
 
   void SendDone(uint64_t seq, absl::Status s) {
     std::unique_lock<std::mutex> lock(mu_);
@@ -1307,6 +1366,10 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
   // Completes a pending transfer whose send is done and whose outcome is known. Unlocks around
   // the user's callback and relocks.
   void FinishLocked(PendingMap::iterator it, std::unique_lock<std::mutex>& lock) {
+    if (it->second.copying) {  // CopyDone finishes it
+      copy_waited_on_.store(1, std::memory_order_relaxed);
+      return;
+    }
     const uint64_t seq = it->first;
     Pending p = std::move(it->second);
     pending_.erase(it);
@@ -1401,16 +1464,18 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
 
   // Forgets a ring: blocks to that peer go as payload until a new one is lent. (Its mapping
   // stays valid for a Send still copying into it: that copy's header is refused by the receiver.)
-  void DropRingLocked(uint64_t token) {
+  std::shared_ptr<SenderRing> DropRingLocked(uint64_t token) {
     auto it = rings_.find(token);
-    if (it == rings_.end()) return;
+    if (it == rings_.end()) return nullptr;
+    std::shared_ptr<SenderRing> ring = std::move(it->second);
+    rings_.erase(it);
     for (auto e = rings_by_ep_.begin(); e != rings_by_ep_.end(); ++e) {
-      if (e->second == it->second) {
+      if (e->second == ring) {
         rings_by_ep_.erase(e);
         break;
       }
     }
-    rings_.erase(it);
+    return ring;
   }
 
   void FreeRingSpaceLocked(uint64_t token, const std::vector<uint64_t>& offsets) {
@@ -1463,6 +1528,9 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
   std::unordered_map<Endpoint*, std::shared_ptr<SenderRing>> rings_by_ep_;
   uint64_t token_base_ = 0;
   uint64_t tokens_made_ = 0;
+  // Set once a transfer's outcome came while its block was still being copied: from then on
+  // copy loops look at their transfer's outcome between pieces (one load on the common path).
+  std::atomic<int> copy_waited_on_{0};
   Stats stats_;
   LatencyHistogram latency_;
   bool shutting_down_ = false;

@@ -117,6 +117,10 @@ class Endpoint {
     return absl::UnimplementedError("this transport cannot map a peer's memory");
   }
 
+  // Ends a mapping Map returned (by its first byte); the caller must no longer touch it. Unknown
+  // addresses are ignored. (Without it the mapping ends with the endpoint or the transport.)
+  virtual void Unmap(const uint8_t* base) { (void)base; }
+
   // Stops a transfer: its completion runs with CANCELLED promptly (or with its own status if it
   // had already finished). A transfer the backend cannot recall once started (a UCX rendezvous
   // send) resets the connection: the endpoint's other transfers fail with UNAVAILABLE.

@@ -104,6 +104,7 @@ class UcxEndpoint final : public Endpoint, public std::enable_shared_from_this<U
   uint64_t Put(Payload payload, absl::string_view remote, uint64_t remote_offset,
                absl::Duration timeout, Completion done) override;
   absl::StatusOr<std::span<uint8_t>> Map(absl::string_view remote) override;
+  void Unmap(const uint8_t* base) override;
   void Cancel(uint64_t tid) override;
   absl::Status health() const override { return notifier_.health(); }
   uint64_t OnFailure(std::function<void(const absl::Status&)> fn) override {
@@ -123,7 +124,7 @@ class UcxEndpoint final : public Endpoint, public std::enable_shared_from_this<U
   // Remote keys behind Map's mappings: released when the endpoint is destroyed (releasing one
   // detaches the peer's memory, which a caller holding the endpoint may still be writing) or
   // when the transport shuts down.
-  std::vector<ucp_rkey_h> mapped_rkeys;
+  std::vector<std::pair<const uint8_t*, ucp_rkey_h>> mapped_rkeys;  // by mapping address
 
  private:
   uint64_t Post(Op* op, uint16_t id, absl::Duration timeout);
@@ -1151,9 +1152,23 @@ UcxEndpoint::~UcxEndpoint() {
   if (std::shared_ptr<Engine> engine = engine_.lock()) {
     // (Once the transport is shutting down, its Shutdown releases them.)
     engine->PostQueued([e = engine.get(), keys = std::move(mapped_rkeys)] {
-      for (ucp_rkey_h k : keys) e->ReleaseMapped(k);
+      for (const auto& [base, k] : keys) e->ReleaseMapped(k);
     });
   }
+}
+
+void UcxEndpoint::Unmap(const uint8_t* base) {
+  std::shared_ptr<Engine> engine = engine_.lock();
+  if (engine == nullptr) return;
+  engine->PostQueued([e = engine.get(), self = shared_from_this(), base] {
+    auto& keys = self->mapped_rkeys;
+    for (auto it = keys.begin(); it != keys.end(); ++it) {
+      if (it->first != base) continue;
+      e->ReleaseMapped(it->second);
+      keys.erase(it);
+      return;
+    }
+  });
 }
 
 absl::StatusOr<std::span<uint8_t>> UcxEndpoint::Map(absl::string_view remote) {
@@ -1173,14 +1188,22 @@ absl::StatusOr<std::span<uint8_t>> UcxEndpoint::Map(absl::string_view remote) {
       return;
     }
     void* local = nullptr;
-    if (ucs_status_t st = ucp_rkey_ptr(rkey, desc.addr, &local); st != UCS_OK) {
+    void* last = nullptr;
+    ucs_status_t st = ucp_rkey_ptr(rkey, desc.addr, &local);
+    // (The whole region must be mapped, not only its first byte: the size is the peer's word.)
+    if (st == UCS_OK && desc.size > 0) st = ucp_rkey_ptr(rkey, desc.addr + desc.size - 1, &last);
+    if (st == UCS_OK && desc.size > 0 &&
+        static_cast<uint8_t*>(last) != static_cast<uint8_t*>(local) + desc.size - 1) {
+      st = UCS_ERR_INVALID_ADDR;
+    }
+    if (st != UCS_OK) {
       ucp_rkey_destroy(rkey);
       result = absl::UnimplementedError(absl::StrCat(
           "Map: the region of ", peer_, " is not reachable through shared memory (",
           ucs_status_string(st), ")"));
       return;
     }
-    mapped_rkeys.push_back(rkey);
+    mapped_rkeys.emplace_back(static_cast<const uint8_t*>(local), rkey);
     engine->TrackMapped(rkey);
     result = std::span<uint8_t>(static_cast<uint8_t*>(local), desc.size);
   });
