@@ -10,6 +10,7 @@
 //
 //   transport_bench [--tls LIST] [--sizes 4K,64K,...] [--mib N] [--reps N] [--window BYTES]
 //                   [--inline BYTES] [--busy-poll-us N] [--perftest PATH]
+//                   [--place-min BYTES (0: no direct placement)] [--stream-min BYTES (0: never)]
 // Between two hosts (no ucx_perftest comparison then; run it yourself for the ceiling):
 //   host A: transport_bench --role receiver --listen 0.0.0.0:7080 [--tls LIST]
 //   host B: transport_bench --connect ucx://A:7080 [--tls LIST]

@@ -392,6 +392,25 @@ class TaskThreads {
   std::vector<std::thread> threads_;
 };
 
+// A protocol side's message handlers: installed from one list and uninstalled from the same.
+template <typename Impl>
+using HandlerList = std::vector<std::pair<uint16_t, void (Impl::*)(IncomingMessage&)>>;
+
+template <typename Impl>
+void InstallHandlers(Transport* transport, const std::shared_ptr<Impl>& impl,
+                     const HandlerList<Impl>& handlers) {
+  for (const auto& [id, method] : handlers) {
+    transport->SetHandler(id, [weak = std::weak_ptr<Impl>(impl), method](IncomingMessage& m) {
+      if (auto self = weak.lock()) ((*self).*method)(m);
+    });
+  }
+}
+
+template <typename Impl>
+void UninstallHandlers(Transport* transport, const HandlerList<Impl>& handlers) {
+  for (const auto& [id, method] : handlers) transport->SetHandler(id, nullptr);
+}
+
 template <typename Fn>
 void SendMessage(const std::shared_ptr<Endpoint>& ep, uint16_t id, const std::string& h,
                  Fn done) {
@@ -449,6 +468,12 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
         consumer_(std::move(consumer)),
         pool_(BufferPool<RegisteredBuffer>::Create(options.pool_bytes)),
         tasks_(options.verify_threads) {}
+
+  static HandlerList<Impl> Handlers() {
+    return {{kBlockDataMessage, &Impl::OnData},
+            {kBlockRingRequestMessage, &Impl::OnRingRequest},
+            {kBlockRingReturnMessage, &Impl::OnRingReturn}};
+  }
 
   void OnData(IncomingMessage& m) {
     absl::StatusOr<BlockDataHeader> h = DecodeBlockDataHeader(m.header());
@@ -601,9 +626,7 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
   // After this no consumer call starts; those under way (queued or inline) finish first. Lent
   // rings are taken back (their senders told); blocks still held keep their memory.
   void Shutdown() {
-    for (uint16_t id : {kBlockDataMessage, kBlockRingRequestMessage, kBlockRingReturnMessage}) {
-      transport_->SetHandler(id, nullptr);
-    }
+    UninstallHandlers(transport_, Handlers());
     std::vector<uint64_t> tokens;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -760,11 +783,9 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
                })) {
       return;
     } else {
-      // The receiver is shutting down: nobody will consume it (the task, and the block's hold
-      // with it, is gone; its ring is being taken back).
-      self->Finish(ep, *header, Landed{}, absl::UnavailableError("receiver shut down"));
-      return;
+      landed = {};  // went with the task that was not run
     }
+    // The receiver is shutting down: nobody will consume it.
     self->Finish(ep, *header, std::move(landed), absl::UnavailableError("receiver shut down"));
   }
 
@@ -851,16 +872,7 @@ absl::StatusOr<std::unique_ptr<BlockReceiver>> BlockReceiver::Create(
     return absl::InvalidArgumentError(absl::StrCat("BlockReceiverOptions: ", s.message()));
   }
   auto impl = std::make_shared<Impl>(transport, options, std::move(consumer));
-  std::weak_ptr<Impl> weak = impl;
-  transport->SetHandler(kBlockDataMessage, [weak](IncomingMessage& m) {
-    if (auto self = weak.lock()) self->OnData(m);
-  });
-  transport->SetHandler(kBlockRingRequestMessage, [weak](IncomingMessage& m) {
-    if (auto self = weak.lock()) self->OnRingRequest(m);
-  });
-  transport->SetHandler(kBlockRingReturnMessage, [weak](IncomingMessage& m) {
-    if (auto self = weak.lock()) self->OnRingReturn(m);
-  });
+  InstallHandlers(transport, impl, Impl::Handlers());
   return std::unique_ptr<BlockReceiver>(new BlockReceiver(std::move(impl)));
 }
 
@@ -894,6 +906,12 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
  public:
   Impl(Transport* transport, BlockSenderOptions options)
       : transport_(transport), options_(options), watchdog_([this] { Watchdog(); }) {}
+
+  static HandlerList<Impl> Handlers() {
+    return {{kBlockAckMessage, &Impl::OnAck},
+            {kBlockRingGrantMessage, &Impl::OnGrant},
+            {kBlockRingReleaseMessage, &Impl::OnRelease}};
+  }
 
   std::shared_ptr<Transfer> Send(const std::shared_ptr<Endpoint>& ep, absl::string_view block_id,
                                  Payload payload, const SendOptions& so,
@@ -1041,10 +1059,7 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
         done += n;
         StoreFence();
         progress->store(done, std::memory_order_release);
-        if (done < size && copy_waited_on_.load(std::memory_order_relaxed) != 0 &&
-            OutcomeKnown(seq)) {
-          break;
-        }
+        if (done < size && OutcomeKnown(seq)) break;
       }
       CopyDone(seq, ring, header_fields.placed->offset);
     }
@@ -1155,9 +1170,7 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
   }
 
   void Shutdown() {
-    for (uint16_t id : {kBlockAckMessage, kBlockRingGrantMessage, kBlockRingReleaseMessage}) {
-      transport_->SetHandler(id, nullptr);
-    }
+    UninstallHandlers(transport_, Handlers());
     std::vector<uint64_t> seqs;
     struct Returning {
       std::weak_ptr<Endpoint> ep;
@@ -1366,10 +1379,7 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
   // Completes a pending transfer whose send is done and whose outcome is known. Unlocks around
   // the user's callback and relocks.
   void FinishLocked(PendingMap::iterator it, std::unique_lock<std::mutex>& lock) {
-    if (it->second.copying) {  // CopyDone finishes it
-      copy_waited_on_.store(1, std::memory_order_relaxed);
-      return;
-    }
+    if (it->second.copying) return;  // CopyDone finishes it
     const uint64_t seq = it->first;
     Pending p = std::move(it->second);
     pending_.erase(it);
@@ -1528,9 +1538,6 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
   std::unordered_map<Endpoint*, std::shared_ptr<SenderRing>> rings_by_ep_;
   uint64_t token_base_ = 0;
   uint64_t tokens_made_ = 0;
-  // Set once a transfer's outcome came while its block was still being copied: from then on
-  // copy loops look at their transfer's outcome between pieces (one load on the common path).
-  std::atomic<int> copy_waited_on_{0};
   Stats stats_;
   LatencyHistogram latency_;
   bool shutting_down_ = false;
@@ -1573,16 +1580,7 @@ absl::StatusOr<std::unique_ptr<BlockSender>> BlockSender::Create(Transport* tran
     return absl::InvalidArgumentError(absl::StrCat("BlockSenderOptions: ", s.message()));
   }
   auto impl = std::make_shared<Impl>(transport, options);
-  std::weak_ptr<Impl> weak = impl;
-  transport->SetHandler(kBlockAckMessage, [weak](IncomingMessage& m) {
-    if (auto self = weak.lock()) self->OnAck(m);
-  });
-  transport->SetHandler(kBlockRingGrantMessage, [weak](IncomingMessage& m) {
-    if (auto self = weak.lock()) self->OnGrant(m);
-  });
-  transport->SetHandler(kBlockRingReleaseMessage, [weak](IncomingMessage& m) {
-    if (auto self = weak.lock()) self->OnRelease(m);
-  });
+  InstallHandlers(transport, impl, Impl::Handlers());
   return std::unique_ptr<BlockSender>(new BlockSender(std::move(impl)));
 }
 

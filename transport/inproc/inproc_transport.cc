@@ -17,6 +17,7 @@
 #include "absl/strings/str_split.h"
 #include "common/aligned_buffer.h"
 #include "transport/internal/failure_notifier.h"
+#include "transport/internal/handler_table.h"
 
 namespace strata::transport {
 namespace {
@@ -124,14 +125,7 @@ class Core : public std::enable_shared_from_this<Core> {
     d.state->Finish(absl::UnavailableError(absl::StrCat("inproc peer ", name_, " shut down")));
   }
 
-  void SetHandler(uint16_t id, MessageHandler h) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (h) {
-      handlers_[id] = std::make_shared<MessageHandler>(std::move(h));
-    } else {
-      handlers_.erase(id);
-    }
-  }
+  void SetHandler(uint16_t id, MessageHandler h) { handlers_.Set(id, std::move(h)); }
 
   // The endpoint for replies to `peer`, made on first use.
   std::shared_ptr<Endpoint> ReplyEndpoint(const std::shared_ptr<Core>& peer);
@@ -179,7 +173,7 @@ class Core : public std::enable_shared_from_this<Core> {
   std::condition_variable cv_;
   std::deque<Delivery> queue_;
   bool closed_ = false;
-  std::unordered_map<uint16_t, std::shared_ptr<MessageHandler>> handlers_;
+  internal::HandlerTable handlers_;
   std::unordered_map<std::string, std::shared_ptr<InprocEndpoint>> replies_;
   std::vector<std::weak_ptr<InprocEndpoint>> inbound_;
   std::thread thread_;
@@ -348,16 +342,14 @@ class InprocMessage final : public IncomingMessage {
 void Core::Loop() {
   for (;;) {
     Delivery d;
-    std::shared_ptr<MessageHandler> handler;
     {
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [&] { return closed_ || !queue_.empty(); });
       if (queue_.empty()) return;
       d = std::move(queue_.front());
       queue_.pop_front();
-      auto it = handlers_.find(d.id);
-      if (it != handlers_.end()) handler = it->second;
     }
+    std::shared_ptr<MessageHandler> handler = handlers_.Get(d.id);
     {
       std::lock_guard<std::mutex> lock(d.state->mu);
       if (d.state->finished) continue;  // cancelled while queued
@@ -385,8 +377,8 @@ void Core::Close() {
     queued.swap(queue_);
     replies.swap(replies_);
     inbound.swap(inbound_);
-    handlers_.clear();
   }
+  handlers_.Clear();
   cv_.notify_all();
   if (thread_.joinable()) thread_.join();
   const absl::Status gone = absl::UnavailableError(absl::StrCat("inproc peer ", name_, " shut down"));

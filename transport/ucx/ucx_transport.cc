@@ -26,6 +26,7 @@
 #include "absl/strings/ascii.h"
 #include "common/status_macros.h"
 #include "transport/internal/failure_notifier.h"
+#include "transport/internal/handler_table.h"
 
 namespace strata::transport {
 namespace {
@@ -92,6 +93,8 @@ struct Op {
   std::string remote;                // Put: the descriptor
   uint64_t remote_offset = 0;
 };
+
+struct OpContext;  // a posted operation's UCX user data (defined with DoSend)
 
 class UcxEndpoint final : public Endpoint, public std::enable_shared_from_this<UcxEndpoint> {
  public:
@@ -307,14 +310,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   bool device_memory() const { return device_memory_; }
   const std::string& address() const { return address_; }
 
-  void SetHandler(uint16_t id, MessageHandler h) {
-    std::lock_guard<std::mutex> lock(handlers_mu_);
-    if (h) {
-      handlers_[id] = std::make_shared<MessageHandler>(std::move(h));
-    } else {
-      handlers_.erase(id);
-    }
-  }
+  void SetHandler(uint16_t id, MessageHandler h) { handlers_.Set(id, std::move(h)); }
 
   absl::StatusOr<std::shared_ptr<Endpoint>> Connect(absl::string_view address,
                                                     absl::Duration timeout);
@@ -322,6 +318,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // ---- progress thread ----
   void DoSend(const std::shared_ptr<UcxEndpoint>& ep, Op* op, uint16_t id);
   void DoPut(const std::shared_ptr<UcxEndpoint>& ep, Op* op);
+  // A posted send or put UCX now holds: found by id (cancel) and by deadline (timeout).
+  void Track(const std::shared_ptr<UcxEndpoint>& ep, Op* op, void* request, OpContext* ctx);
   void DoCancel(const std::shared_ptr<UcxEndpoint>& ep, uint64_t tid, absl::Status why);
   void Finish(const std::shared_ptr<UcxEndpoint>& ep, Op* op, absl::Status s);
   void CloseEndpoint(const std::shared_ptr<UcxEndpoint>& ep, absl::Status why);
@@ -464,8 +462,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   bool sleeping_ = false;  // the progress thread is (about to be) asleep: Post must wake it
   int efd_ = -1;           // UCX's event fd (owned by the worker)
 
-  std::mutex handlers_mu_;
-  std::unordered_map<uint16_t, std::shared_ptr<MessageHandler>> handlers_;
+  internal::HandlerTable handlers_;
 
   // Progress thread only.
   std::unordered_map<uint16_t, std::unique_ptr<AmArg>> am_args_;
@@ -596,12 +593,7 @@ ucs_status_t Engine::OnAm(void* arg, const void* header, size_t header_length, v
     return UCS_OK;
   }
 
-  std::shared_ptr<MessageHandler> handler;
-  {
-    std::lock_guard<std::mutex> lock(self->handlers_mu_);
-    auto it = self->handlers_.find(a->id);
-    if (it != self->handlers_.end()) handler = it->second;
-  }
+  std::shared_ptr<MessageHandler> handler = self->handlers_.Get(a->id);
   if (handler == nullptr) {
     return rndv ? UCS_ERR_UNSUPPORTED : UCS_OK;  // nobody listens: the sender learns it
   }
@@ -832,13 +824,7 @@ void Engine::DoSend(const std::shared_ptr<UcxEndpoint>& ep, Op* op, uint16_t id)
     Finish(nullptr, op, FromUcs(UCS_PTR_STATUS(r), absl::StrCat("send to ", ep->peer())));
     return;
   }
-  op->request = r;
-  op->ctx = ctx;
-  ep->ops[op->tid] = op;
-  live_ops_.insert(op);
-  if (op->deadline != absl::InfiniteFuture()) {
-    deadlines_.emplace(op->deadline, std::make_pair(std::weak_ptr<UcxEndpoint>(ep), op->tid));
-  }
+  Track(ep, op, r, ctx);
 }
 
 // A UCX region descriptor (UcxRegion::RemoteDescriptor): magic u32, address u64, size u64, packed
@@ -862,6 +848,17 @@ absl::StatusOr<RegionDescriptor> ParseRegionDescriptor(absl::string_view d, cons
   std::memcpy(&r.size, d.data() + 12, 8);
   r.packed_rkey = d.data() + kFixed;
   return r;
+}
+
+void Engine::Track(const std::shared_ptr<UcxEndpoint>& ep, Op* op, void* request,
+                   OpContext* ctx) {
+  op->request = request;
+  op->ctx = ctx;
+  ep->ops[op->tid] = op;
+  live_ops_.insert(op);
+  if (op->deadline != absl::InfiniteFuture()) {
+    deadlines_.emplace(op->deadline, std::make_pair(std::weak_ptr<UcxEndpoint>(ep), op->tid));
+  }
 }
 
 void Engine::DoPut(const std::shared_ptr<UcxEndpoint>& ep, Op* op) {
@@ -919,13 +916,7 @@ void Engine::DoPut(const std::shared_ptr<UcxEndpoint>& ep, Op* op) {
     Finish(nullptr, op, FromUcs(UCS_PTR_STATUS(f), "Put"));
     return;
   }
-  op->request = f;
-  op->ctx = ctx;
-  ep->ops[op->tid] = op;
-  live_ops_.insert(op);
-  if (op->deadline != absl::InfiniteFuture()) {
-    deadlines_.emplace(op->deadline, std::make_pair(std::weak_ptr<UcxEndpoint>(ep), op->tid));
-  }
+  Track(ep, op, f, ctx);
 }
 
 void Engine::DoCancel(const std::shared_ptr<UcxEndpoint>& ep, uint64_t tid, absl::Status why) {
@@ -1331,7 +1322,6 @@ class UcxTransport final : public Transport {
   }
 
   void SetHandler(uint16_t id, MessageHandler handler) override {
-    if (id > kMaxMessageId) return;  // (Send refuses them)
     engine_->SetHandler(id, std::move(handler));
   }
 
