@@ -254,7 +254,10 @@ TEST(BlockStoreChild, DISABLED_Writer) {  // not a test of its own: see below
     AlignedBuffer b = MakeBlock(0, c, c);
     const BlockHash parent = Key(c - 1);
     if (!(*s)->Put(Name(b, Key(c)), c == 0 ? nullptr : &parent, b.span()).ok()) _exit(3);
-    std::ofstream(progress, std::ios::trunc) << c + 1 << std::flush;
+    // Written aside and renamed over: a kill between truncating and writing the file would
+    // otherwise leave it empty, and the parent would read 0 puts returned.
+    std::ofstream(progress + ".tmp", std::ios::trunc) << c + 1 << std::flush;
+    std::filesystem::rename(progress + ".tmp", progress);
   }
 }
 
