@@ -11,6 +11,7 @@
 //   transport_bench [--tls LIST] [--sizes 4K,64K,...] [--mib N] [--reps N] [--window BYTES]
 //                   [--inline BYTES] [--busy-poll-us N] [--perftest PATH]
 //                   [--place-min BYTES (0: no direct placement)] [--stream-min BYTES (0: never)]
+//                   [--ring BYTES (the receiver's ring_bytes)]
 // Between two hosts (no ucx_perftest comparison then; run it yourself for the ceiling):
 //   host A: transport_bench --role receiver --listen 0.0.0.0:7080 [--tls LIST]
 //   host B: transport_bench --connect ucx://A:7080 [--tls LIST]
@@ -97,7 +98,7 @@ constexpr uint16_t kRawRingMessage = 41;
 // Listens on `listen` (HOST:PORT; default loopback, any port) and writes its address to
 // `address_file`, or prints it when there is none (a receiver on another host).
 int RunReceiver(const std::string& tls, const std::string& address_file, uint64_t inline_max,
-                int64_t busy_us, const std::string& listen) {
+                int64_t busy_us, uint64_t ring_bytes, const std::string& listen) {
   transport::UcxTransportOptions o{.tls = tls, .busy_poll = absl::Microseconds(busy_us)};
   if (!listen.empty()) {
     const size_t colon = listen.rfind(':');
@@ -116,7 +117,9 @@ int RunReceiver(const std::string& tls, const std::string& address_file, uint64_
     return 1;
   }
   auto r = BlockReceiver::Create(t->get(),
-                                 {.pool_bytes = uint64_t{1} << 30, .inline_max_bytes = inline_max},
+                                 {.pool_bytes = uint64_t{1} << 30,
+                                  .inline_max_bytes = inline_max,
+                                  .ring_bytes = ring_bytes},
                                  [](transport::ReceivedBlock) { return absl::OkStatus(); });
   if (!r.ok()) return 1;
   // Raw messages (no protocol): every payload lands in one buffer, which stays in cache, and
@@ -287,6 +290,7 @@ int Main(int argc, char** argv) {
   // blocks this large (0: never, every block as payload through UCX).
   uint64_t place_min = transport::BlockSenderOptions{}.placement_min_bytes;
   uint64_t stream_min = transport::BlockSenderOptions{}.stream_min_bytes;  // 0: never
+  uint64_t ring = transport::BlockReceiverOptions{}.ring_bytes;  // lent to the sender
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string f = argv[i], v = argv[i + 1];
     if (f == "--tls") tls = v;
@@ -304,6 +308,7 @@ int Main(int argc, char** argv) {
     else if (f == "--busy-poll-us") busy_us = std::atoll(v.c_str());
     else if (f == "--place-min") place_min = ParseSize(v);
     else if (f == "--stream-min") stream_min = ParseSize(v);
+    else if (f == "--ring") ring = ParseSize(v);
     else if (f == "--sizes") {
       sizes.clear();
       for (absl::string_view s : absl::StrSplit(v, ',')) sizes.push_back(ParseSize(std::string(s)));
@@ -312,7 +317,7 @@ int Main(int argc, char** argv) {
       return 2;
     }
   }
-  if (role == "receiver") return RunReceiver(tls, address_file, inline_max, busy_us, listen);
+  if (role == "receiver") return RunReceiver(tls, address_file, inline_max, busy_us, ring, listen);
 
   const RunInfo info = CollectRunInfo(commit);
   // Against a receiver elsewhere (--connect) there is no local ucx_perftest pair to compare with.
@@ -332,7 +337,7 @@ int Main(int argc, char** argv) {
     execl(self.c_str(), self.c_str(), "--role", "receiver", "--tls", tls.c_str(),
           "--address-file", address_file.c_str(), "--inline",
           std::to_string(inline_max).c_str(), "--busy-poll-us", std::to_string(busy_us).c_str(),
-          nullptr);
+          "--ring", std::to_string(ring).c_str(), nullptr);
     _exit(127);
   }
   std::string address = connect;
@@ -395,11 +400,15 @@ int Main(int argc, char** argv) {
                                      : "; receiver at " + connect + "\n",
                      "receiver verifies blocks <= ",
                      HumanSize(inline_max), " on its transport thread, larger on a verify thread;",
-                     " sender window max(2 blocks, 16M); direct placement ",
+                     " sender window ",
+                     window != 0 ? HumanSize(window) : std::string("max(2 blocks, 16M)"),
+                     "; direct placement ",
                      place_min == 0 ? std::string("off")
                                     : absl::StrCat("from ", HumanSize(place_min), ", streamed from ",
                                                    stream_min == 0 ? std::string("never")
-                                                                   : HumanSize(stream_min)),
+                                                                   : HumanSize(stream_min),
+                                                   ", ring ", HumanSize(ring)),
+                     "; progress threads poll ", busy_us, " us before sleeping",
                      "\nstrata's connection: ", lanes,
                      "\n\n"));
   print(absl::StrCat("perftest: ucp_am_bw / ucp_am_lat with UCX_TLS=", tls, " ", same_env,
@@ -560,6 +569,8 @@ int Main(int argc, char** argv) {
                                .Num("inline_max_bytes", inline_max)
                                .Num("placement_min_bytes", place_min)
                                .Num("stream_min_bytes", stream_min)
+                               .Num("ring_bytes", ring)
+                               .Num("busy_poll_us", busy_us)
                                .Str("perftest_env", same_env + " -e")
                                .Str("connection", lanes)
                                .Num("blocks_sent", stats.sent)

@@ -153,8 +153,11 @@ struct BlockReceiverOptions {
   // it into RAM): the transport receives nothing else meanwhile. 0: always a verify thread.
   uint64_t inline_max_bytes = 0;
   // Direct placement: bytes of memory lent to each same-host sender that asks (0: never), and
-  // how many senders may hold one at once (more are refused and send as payload).
-  uint64_t ring_bytes = uint64_t{64} << 20;
+  // how many senders may hold one at once (more are refused and send as payload). The default
+  // holds two 64 MiB blocks (each behind its 64-byte progress word); blocks that do not fit go
+  // as payload. Pages are backed only once written, and blocks fill the ring lowest-first, so a
+  // sender of small blocks touches little more than its window of it.
+  uint64_t ring_bytes = uint64_t{160} << 20;
   int max_rings = 8;
 
   absl::Status Validate() const;

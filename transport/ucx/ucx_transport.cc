@@ -2,6 +2,7 @@
 
 #include <netdb.h>
 #include <poll.h>
+#include <sched.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <ucp/api/ucp.h>
@@ -733,7 +734,12 @@ void Engine::Loop() {
       sleep = absl::Microseconds(50);
       continue;
     }
-    if (now - last_activity < options_.busy_poll) continue;
+    if (now - last_activity < options_.busy_poll) {
+      // Polling, but idle: let a thread with work (the caller copying a block, a verify thread)
+      // have this core if it shares it. Costs one syscall when the core is free.
+      sched_yield();
+      continue;
+    }
     // Idle: sleep until UCX has an event, a command arrives (Post signals), or the next
     // deadline check is due.
     if (efd_ >= 0) {
