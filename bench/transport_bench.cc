@@ -43,6 +43,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "bench/bench_util.h"
 #include "common/byte_size.h"
@@ -260,6 +261,12 @@ double RawRound(transport::Endpoint& ep, const Payload& payload, uint64_t n, uin
   return size * n / Seconds(a, Clock::now());
 }
 
+std::string NumArray(const std::vector<double>& v) {
+  std::vector<std::string> items;
+  for (double x : v) items.push_back(absl::StrFormat("%.0f", x));
+  return absl::StrCat("[", absl::StrJoin(items, ", "), "]");
+}
+
 struct Row {
   uint64_t size = 0;
   uint64_t blocks = 0;
@@ -272,6 +279,7 @@ struct Row {
   double raw_ring_bw = 0;             // the same, landing in a 256 MiB ring (not in cache)
   uint64_t window = 0;  // the sender's bytes in flight
   std::string perftest_error;
+  std::vector<double> strata_rounds, perftest_rounds;  // bytes/s, every round in order
 };
 
 int Main(int argc, char** argv) {
@@ -415,9 +423,9 @@ int Main(int argc, char** argv) {
                      " -e (peer error handling: the endpoints Strata makes);\n"
                      "perftest plain: the same without -e", shm ? " and those settings" : "",
                      " (UCX's defaults)\n\n"));
-  print(absl::StrFormat("%-6s %8s %12s %14s %7s %16s %7s %12s %10s\n", "block", "blocks",
+  print(absl::StrFormat("%-6s %8s %12s %14s %7s %16s %7s %12s %10s %10s\n", "block", "blocks",
                         "strata MB/s", "perftest MB/s", "ratio", "perftest plain", "ratio",
-                        "raw UCX MB/s", "raw ring"));
+                        "raw UCX MB/s", "raw ring", "med ratio"));
 
   std::vector<Row> rows;
   for (uint64_t size : sizes) {
@@ -484,15 +492,20 @@ int Main(int argc, char** argv) {
     row.raw_ring_bw = best(raw_ring);
     row.perftest_median = median(theirs);
     row.perftest_plain_median = median(plain);
+    row.strata_rounds = mine;
+    row.perftest_rounds = theirs;
     rows.push_back(row);
     auto mbs = [](double v) { return v > 0 ? absl::StrFormat("%.0f", v / 1e6) : std::string("-"); };
     auto ratio = [&](double v) {
       return v > 0 ? absl::StrFormat("%.2f", row.strata_bw / v) : std::string("-");
     };
-    print(absl::StrFormat("%-6s %8d %12.0f %14s %7s %16s %7s %12.0f %10.0f\n", HumanSize(size),
+    print(absl::StrFormat("%-6s %8d %12.0f %14s %7s %16s %7s %12.0f %10.0f %10s\n", HumanSize(size),
                           row.blocks, row.strata_bw / 1e6, mbs(row.perftest_bw),
                           ratio(row.perftest_bw), mbs(row.perftest_plain_bw),
-                          ratio(row.perftest_plain_bw), row.raw_bw / 1e6, row.raw_ring_bw / 1e6));
+                          ratio(row.perftest_plain_bw), row.raw_bw / 1e6, row.raw_ring_bw / 1e6,
+                          row.perftest_median > 0
+                              ? absl::StrFormat("%.2f", row.strata_median / row.perftest_median)
+                              : std::string("-")));
   }
 
   // Latency: one block at a time, send -> verified -> acknowledged; half the round trip is
@@ -552,6 +565,8 @@ int Main(int argc, char** argv) {
                         .Num("perftest_median_bytes_per_s", r.perftest_median)
                         .Num("perftest_plain_median_bytes_per_s", r.perftest_plain_median)
                         .Str("perftest_error", r.perftest_error)
+                        .Raw("strata_rounds_bytes_per_s", NumArray(r.strata_rounds))
+                        .Raw("perftest_rounds_bytes_per_s", NumArray(r.perftest_rounds))
                         .Done());
   }
   std::vector<std::string> jlats;
