@@ -708,6 +708,130 @@ TEST_P(TransportConformanceTest, ANewReceiverLendsANewRing) {
   EXPECT_EQ(receiver_->stats().placed, 1u);
 }
 
+// A sender written by hand from the wire format (block_protocol.h), to do what BlockSender
+// never does: announce a streamed block and then stop writing it, or lie in its progress word.
+class HandMadeSender {
+ public:
+  HandMadeSender(Transport* transport, std::shared_ptr<Endpoint> peer)
+      : transport_(transport), peer_(std::move(peer)) {
+    transport_->SetHandler(kBlockRingGrantMessage, [this](IncomingMessage& m) {
+      auto g = DecodeRingGrant(m.header());
+      std::lock_guard<std::mutex> lock(mu_);
+      if (g.ok()) grant_ = *g;
+      cv_.notify_all();
+    });
+    transport_->SetHandler(kBlockAckMessage, [this](IncomingMessage& m) {
+      auto a = DecodeBlockAckHeader(m.header());
+      std::lock_guard<std::mutex> lock(mu_);
+      if (a.ok()) acks_[a->seq] = a->status;
+      cv_.notify_all();
+    });
+  }
+  ~HandMadeSender() {
+    transport_->SetHandler(kBlockRingGrantMessage, nullptr);
+    transport_->SetHandler(kBlockAckMessage, nullptr);
+  }
+
+  // Asks for a ring and maps it.
+  absl::StatusOr<std::span<uint8_t>> MapRing(uint64_t token) {
+    const std::string req = EncodeRingRequest({.token = token});
+    peer_->Send(kBlockRingRequestMessage, AsBytes(req), {}, absl::Seconds(10),
+                [](absl::Status) {});
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!cv_.wait_for(lock, std::chrono::seconds(10), [&] { return grant_.has_value(); })) {
+      return absl::DeadlineExceededError("no ring grant");
+    }
+    if (grant_->code != absl::StatusCode::kOk) return absl::Status(grant_->code, "refused");
+    return peer_->Map(grant_->descriptor);
+  }
+
+  // Announces a streamed block of `size` bytes at `offset` in ring `token`.
+  void Announce(uint64_t seq, uint64_t size, uint32_t crc, uint64_t token, uint64_t offset) {
+    const std::string h = EncodeBlockDataHeader({.seq = seq,
+                                                 .size = size,
+                                                 .crc32c = crc,
+                                                 .block_id = absl::StrCat("hand", seq),
+                                                 .placed = RingPlace{token, offset},
+                                                 .streamed = true});
+    peer_->Send(kBlockDataMessage, AsBytes(h), {}, absl::Seconds(10), [](absl::Status) {});
+  }
+
+  // The receiver's answer for `seq`, waiting up to `wait`.
+  std::optional<absl::Status> Ack(uint64_t seq, absl::Duration wait) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_for(lock, absl::ToChronoNanoseconds(wait), [&] { return acks_.contains(seq); });
+    if (!acks_.contains(seq)) return std::nullopt;
+    return acks_[seq];
+  }
+
+ private:
+  static std::span<const uint8_t> AsBytes(const std::string& s) {
+    return {reinterpret_cast<const uint8_t*>(s.data()), s.size()};
+  }
+  Transport* transport_;
+  std::shared_ptr<Endpoint> peer_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::optional<RingGrant> grant_;
+  std::map<uint64_t, absl::Status> acks_;
+};
+
+// A same-host sender that announces a streamed block and stops writing it halfway: the receiver
+// gives up after its stall limit (2 s) with DEADLINE_EXCEEDED, never hands the block on, and
+// then serves other senders again. One that claims more bytes than the block has is DATA_LOSS.
+TEST_P(TransportConformanceTest, StalledOrLyingStreamedSenderFailsItsBlockOnly) {
+  if (GetParam().name != "ucx_shm") GTEST_SKIP() << "no direct placement on " << GetParam().name;
+  Start({.inline_max_bytes = 4 << 20}, {});
+  sender_.reset();  // this transport's handlers are the hand-made sender's now
+  HandMadeSender hand(sender_transport_.get(), peer_);
+  const uint64_t token = 0x5eed5eed5eed5eedULL;
+  absl::StatusOr<std::span<uint8_t>> ring = hand.MapRing(token);
+  ASSERT_TRUE(ring.ok()) << ring.status();
+  const size_t n = 1 << 20;
+  const auto data = RandomBytes(n, 123);
+  const uint64_t offset = kPlacedPrefixBytes;
+  auto progress = [&](uint64_t at) -> std::atomic_ref<uint64_t> {
+    return std::atomic_ref<uint64_t>(
+        *reinterpret_cast<uint64_t*>(ring->data() + at - kPlacedPrefixBytes));
+  };
+  progress(offset).store(0, std::memory_order_release);
+  hand.Announce(1, n, Crc32c(data.data(), n), token, offset);
+  std::memcpy(ring->data() + offset, data.data(), n / 2);
+  progress(offset).store(n / 2, std::memory_order_release);  // ...and nothing more
+
+  const absl::Time start = absl::Now();
+  std::optional<absl::Status> ack = hand.Ack(1, absl::Seconds(15));
+  ASSERT_TRUE(ack.has_value()) << "no answer for a stalled block";
+  EXPECT_EQ(ack->code(), absl::StatusCode::kDeadlineExceeded) << *ack;
+  EXPECT_THAT(std::string(ack->message()), HasSubstr("stopped writing"));
+  EXPECT_GE(absl::Now() - start, absl::Seconds(1.5));
+  EXPECT_TRUE(sink_.Get("hand1").empty()) << "a stalled block was handed on";
+
+  // A progress word beyond the block's size.
+  const uint64_t offset2 = offset + n + kPlacedPrefixBytes;
+  progress(offset2).store(0, std::memory_order_release);
+  hand.Announce(2, 4096, Crc32c(data.data(), 4096), token, offset2);
+  std::memcpy(ring->data() + offset2, data.data(), 4096);
+  progress(offset2).store(8192, std::memory_order_release);
+  ack = hand.Ack(2, absl::Seconds(15));
+  ASSERT_TRUE(ack.has_value());
+  EXPECT_EQ(ack->code(), absl::StatusCode::kDataLoss) << *ack;
+  EXPECT_TRUE(sink_.Get("hand2").empty()) << "a block with a false progress word was handed on";
+
+  // The receiver goes on serving: a real sender on another transport gets its block through.
+  auto other = MakeTransport(GetParam());
+  ASSERT_TRUE(other.ok()) << other.status();
+  auto s = BlockSender::Create(other->get(), {});
+  ASSERT_TRUE(s.ok()) << s.status();
+  auto ep = (*other)->Connect(receiver_transport_->address(), absl::Seconds(10));
+  ASSERT_TRUE(ep.ok()) << ep.status();
+  ASSERT_TRUE((*s)->Send(*ep, "after", View(data))->Wait().ok());
+  EXPECT_EQ(sink_.Get("after"), data);
+  s->reset();
+  ep->reset();
+  EXPECT_EQ(receiver_->stats().blocks, 1u);  // only the last one
+}
+
 TEST_P(TransportConformanceTest, ConnectToNobodyIsUnavailableAndBadAddressInvalid) {
   Start();
   const std::string nobody = GetParam().name == "inproc" ? "inproc://nobody-here"
