@@ -832,6 +832,31 @@ TEST_P(TransportConformanceTest, StalledOrLyingStreamedSenderFailsItsBlockOnly) 
   EXPECT_EQ(receiver_->stats().blocks, 1u);  // only the last one
 }
 
+// A streamed block whose transfer times out while the sender is still copying it: the copy
+// stops early, the transfer completes with DEADLINE_EXCEEDED, the receiver (left with half a
+// block) never hands it on, and the ring space comes back for later blocks.
+TEST_P(TransportConformanceTest, TimeoutDuringAStreamedCopyStopsItAndFreesItsSpace) {
+  if (GetParam().name != "ucx_shm") GTEST_SKIP() << "no direct placement on " << GetParam().name;
+  Start({.ring_bytes = 80 << 20}, {.placement_min_bytes = 1});
+  ASSERT_TRUE(WaitForRing(*sender_, peer_, absl::Seconds(10)));
+  const auto big = RandomBytes(64 << 20, 124);
+  auto t = sender_->Send(peer_, "cut", View(big), {.timeout = absl::Microseconds(200)});
+  EXPECT_EQ(t->Wait().code(), absl::StatusCode::kDeadlineExceeded) << t->status();
+  // The ring holds one such block: the next is placed only once the cut one's space is back
+  // (the receiver gives up on it after its 2 s stall limit).
+  const absl::Time until = absl::Now() + absl::Seconds(20);
+  const uint64_t placed_before = receiver_->stats().placed;
+  bool placed_again = false;
+  for (int i = 0; !placed_again && absl::Now() < until; ++i) {
+    const std::string id = absl::StrCat("next", i);
+    ASSERT_TRUE(sender_->Send(peer_, id, View(big))->Wait().ok()) << i;
+    EXPECT_EQ(sink_.Get(id), big) << i;
+    placed_again = receiver_->stats().placed > placed_before;
+  }
+  EXPECT_TRUE(placed_again) << "the cut block's ring space never came back";
+  EXPECT_TRUE(sink_.Get("cut").empty()) << "half a block was handed on";
+}
+
 TEST_P(TransportConformanceTest, ConnectToNobodyIsUnavailableAndBadAddressInvalid) {
   Start();
   const std::string nobody = GetParam().name == "inproc" ? "inproc://nobody-here"
