@@ -415,7 +415,9 @@ int Main(int argc, char** argv) {
                                     : absl::StrCat("from ", HumanSize(place_min), ", streamed from ",
                                                    stream_min == 0 ? std::string("never")
                                                                    : HumanSize(stream_min),
-                                                   ", ring ", HumanSize(ring)),
+                                                   ", ring ",
+                                                   connect.empty() ? HumanSize(ring)
+                                                                   : std::string("the receiver's")),
                      "; progress threads poll ", busy_us, " us before sleeping",
                      "\nstrata's connection: ", lanes,
                      "\n\n"));
@@ -584,7 +586,7 @@ int Main(int argc, char** argv) {
                                .Num("inline_max_bytes", inline_max)
                                .Num("placement_min_bytes", place_min)
                                .Num("stream_min_bytes", stream_min)
-                               .Num("ring_bytes", ring)
+                               .Num("ring_bytes", connect.empty() ? ring : 0)  // 0: remote
                                .Num("busy_poll_us", busy_us)
                                .Str("perftest_env", same_env + " -e")
                                .Str("connection", lanes)

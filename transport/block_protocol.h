@@ -155,8 +155,9 @@ struct BlockReceiverOptions {
   // Direct placement: bytes of memory lent to each same-host sender that asks (0: never), and
   // how many senders may hold one at once (more are refused and send as payload). The default
   // holds two 64 MiB blocks (each behind its 64-byte progress word); blocks that do not fit go
-  // as payload. Pages are backed only once written, and blocks fill the ring lowest-first, so a
-  // sender of small blocks touches little more than its window of it.
+  // as payload. With UCX's System V shared memory (no huge pages) pages are backed only once
+  // written, and blocks fill the ring lowest-first, so a sender of small blocks touches little
+  // more than its window of it; huge pages or a pinning (RDMA) domain commit it all when lent.
   uint64_t ring_bytes = uint64_t{160} << 20;
   int max_rings = 8;
 
