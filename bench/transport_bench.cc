@@ -498,16 +498,14 @@ int Main(int argc, char** argv) {
     row.perftest_rounds = theirs;
     rows.push_back(row);
     auto mbs = [](double v) { return v > 0 ? absl::StrFormat("%.0f", v / 1e6) : std::string("-"); };
-    auto ratio = [&](double v) {
-      return v > 0 ? absl::StrFormat("%.2f", row.strata_bw / v) : std::string("-");
+    auto ratio = [](double mine_bw, double theirs_bw) {
+      return theirs_bw > 0 ? absl::StrFormat("%.2f", mine_bw / theirs_bw) : std::string("-");
     };
     print(absl::StrFormat("%-6s %8d %12.0f %14s %7s %16s %7s %12.0f %10.0f %10s\n", HumanSize(size),
                           row.blocks, row.strata_bw / 1e6, mbs(row.perftest_bw),
-                          ratio(row.perftest_bw), mbs(row.perftest_plain_bw),
-                          ratio(row.perftest_plain_bw), row.raw_bw / 1e6, row.raw_ring_bw / 1e6,
-                          row.perftest_median > 0
-                              ? absl::StrFormat("%.2f", row.strata_median / row.perftest_median)
-                              : std::string("-")));
+                          ratio(row.strata_bw, row.perftest_bw), mbs(row.perftest_plain_bw),
+                          ratio(row.strata_bw, row.perftest_plain_bw), row.raw_bw / 1e6,
+                          row.raw_ring_bw / 1e6, ratio(row.strata_median, row.perftest_median)));
   }
 
   // Latency: one block at a time, send -> verified -> acknowledged; half the round trip is

@@ -564,7 +564,6 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
       std::lock_guard<std::mutex> lock(mu_);
       if (stopped_) return refuse(absl::StatusCode::kUnavailable);
       rings_[ring->token] = ring;
-      stats_.rings = rings_.size();
     }
     // The ring goes with the connection (the holds of blocks in it keep its memory).
     const uint64_t handle =
@@ -590,7 +589,12 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
 
   BlockReceiver::Stats stats() const {
     std::lock_guard<std::mutex> lock(mu_);
-    return stats_;
+    return StatsLocked();
+  }
+  BlockReceiver::Stats StatsLocked() const {
+    BlockReceiver::Stats st = stats_;
+    st.rings = rings_.size();
+    return st;
   }
 
   std::string RenderMetrics() const {
@@ -598,7 +602,7 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
     uint64_t pending;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      st = stats_;
+      st = StatsLocked();
       pending = pending_bytes_;
     }
     std::string out;
@@ -745,7 +749,6 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
       if (it == rings_.end()) return;
       ring = std::move(it->second);
       rings_.erase(it);
-      stats_.rings = rings_.size();
       handle = ring->failure_handle;
     }
     if (std::shared_ptr<Endpoint> ep = ring->ep.lock()) {

@@ -49,24 +49,17 @@ struct DeliveryState {
   // Completes it CANCELLED unless the receiving thread has taken it (then it finishes on its own
   // once the copy is done). Checked and marked in one step, so the payload is never read after
   // the completion.
-  bool TryCancel(absl::Status why) {
-    Completion fn;
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      if (started || finished) return false;
-      finished = true;
-      fn = std::move(done);
-    }
-    fn(std::move(why));
-    return true;
-  }
+  bool TryCancel(absl::Status why) { return Complete(std::move(why), /*unless_started=*/true); }
 
   // Runs the completion once; false if it already ran.
-  bool Finish(absl::Status s) {
+  bool Finish(absl::Status s) { return Complete(std::move(s), /*unless_started=*/false); }
+
+ private:
+  bool Complete(absl::Status s, bool unless_started) {
     Completion fn;
     {
       std::lock_guard<std::mutex> lock(mu);
-      if (finished) return false;
+      if (finished || (unless_started && started)) return false;
       finished = true;
       fn = std::move(done);
     }
@@ -200,9 +193,8 @@ class InprocEndpoint final : public Endpoint, public std::enable_shared_from_thi
           absl::StrCat("header of ", header.size(), " bytes exceeds ", kMaxHeader)));
       return tid;
     }
-    if (id > kMaxMessageId) {
-      done(absl::InvalidArgumentError(
-          absl::StrCat("message id ", id, " is out of range (0..", kMaxMessageId, ")")));
+    if (absl::Status bad = internal::CheckMessageId(id); !bad.ok()) {
+      done(std::move(bad));
       return tid;
     }
     std::shared_ptr<Core> target = target_.lock();

@@ -6,9 +6,18 @@
 #include <mutex>
 #include <unordered_map>
 
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "transport/transport.h"
 
 namespace strata::transport::internal {
+
+// What Send answers for a message id no backend carries.
+inline absl::Status CheckMessageId(uint16_t id) {
+  if (id <= kMaxMessageId) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("message id ", id, " is out of range (0..", kMaxMessageId, ")"));
+}
 
 class HandlerTable {
  public:

@@ -257,11 +257,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
       cmd();
       return true;
     }
-    std::lock_guard<std::mutex> lock(mu_);
-    if (stopping_) return false;
-    commands_.push_back(std::move(cmd));
-    WakeLocked();
-    return true;
+    return PostQueued(std::move(cmd));
   }
 
   // Wakes the progress thread from its sleep (UCX's event fd, or the condition variable). Under
@@ -1121,12 +1117,11 @@ uint64_t UcxEndpoint::Send(uint16_t id, std::span<const uint8_t> header, Payload
   op->header.assign(header.begin(), header.end());
   op->payload = payload;
   op->done = std::move(done);
-  if (id > kMaxMessageId) {
+  if (absl::Status bad = internal::CheckMessageId(id); !bad.ok()) {
     const uint64_t tid = op->tid;
     Completion d = std::move(op->done);
     delete op;
-    d(absl::InvalidArgumentError(
-        absl::StrCat("message id ", id, " is out of range (0..", kMaxMessageId, ")")));
+    d(std::move(bad));
     return tid;
   }
   return Post(op, id, timeout);
