@@ -11,7 +11,7 @@
 //   transport_bench [--tls LIST] [--sizes 4K,64K,...] [--mib N] [--reps N] [--window BYTES]
 //                   [--inline BYTES] [--busy-poll-us N] [--perftest PATH]
 //                   [--place-min BYTES (0: no direct placement)] [--stream-min BYTES (0: never)]
-//                   [--ring BYTES (the receiver's ring_bytes)]
+//                   [--ring BYTES (the receiver's ring_bytes)] [--piece BYTES (0: whole)]
 // Between two hosts (no ucx_perftest comparison then; run it yourself for the ceiling):
 //   host A: transport_bench --role receiver --listen 0.0.0.0:7080 [--tls LIST]
 //   host B: transport_bench --connect ucx://A:7080 [--tls LIST]
@@ -298,6 +298,7 @@ int Main(int argc, char** argv) {
   // blocks this large (0: never, every block as payload through UCX).
   uint64_t place_min = transport::BlockSenderOptions{}.placement_min_bytes;
   uint64_t stream_min = transport::BlockSenderOptions{}.stream_min_bytes;  // 0: never
+  uint64_t piece = transport::BlockSenderOptions{}.piece_bytes;  // 0: whole
   uint64_t ring = transport::BlockReceiverOptions{}.ring_bytes;  // lent to the sender
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string f = argv[i], v = argv[i + 1];
@@ -316,6 +317,7 @@ int Main(int argc, char** argv) {
     else if (f == "--busy-poll-us") busy_us = std::atoll(v.c_str());
     else if (f == "--place-min") place_min = ParseSize(v);
     else if (f == "--stream-min") stream_min = ParseSize(v);
+    else if (f == "--piece") piece = ParseSize(v);
     else if (f == "--ring") ring = ParseSize(v);
     else if (f == "--sizes") {
       sizes.clear();
@@ -418,6 +420,9 @@ int Main(int argc, char** argv) {
                                                    ", ring ",
                                                    connect.empty() ? HumanSize(ring)
                                                                    : std::string("the receiver's")),
+                     "; blocks not placed go ",
+                     piece == 0 ? std::string("whole")
+                                : absl::StrCat("in ", HumanSize(piece), " pieces, each checked as it lands"),
                      "; progress threads poll ", busy_us, " us before sleeping",
                      "\nstrata's connection: ", lanes,
                      "\n\n"));
@@ -441,7 +446,8 @@ int Main(int argc, char** argv) {
     sender = std::move(*BlockSender::Create(
         t->get(), {.max_bytes_in_flight = row.window,
                    .placement_min_bytes = place_min,
-                   .stream_min_bytes = stream_min}));
+                   .stream_min_bytes = stream_min,
+                   .piece_bytes = piece}));
     // Warm-up (connection lanes, receiver's buffer pool). Then `reps` rounds, each one run of
     // Strata and one of each ucx_perftest mode back to back: on a small shared machine single
     // runs swing by 2-3x, so the table gives the best round of each (and the JSON the medians).
@@ -584,6 +590,7 @@ int Main(int argc, char** argv) {
                                .Num("inline_max_bytes", inline_max)
                                .Num("placement_min_bytes", place_min)
                                .Num("stream_min_bytes", stream_min)
+                               .Num("piece_bytes", piece)
                                .Num("ring_bytes", connect.empty() ? ring : 0)  // 0: remote
                                .Num("busy_poll_us", busy_us)
                                .Str("perftest_env", same_env + " -e")

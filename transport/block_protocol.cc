@@ -13,6 +13,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_format.h"
@@ -30,12 +31,15 @@ constexpr uint32_t kAckMagic = 0x314b4153;   // "SAK1"
 constexpr uint32_t kRequestMagic = 0x31515253;  // "SRQ1"
 constexpr uint32_t kGrantMagic = 0x31475253;    // "SRG1"
 constexpr uint32_t kReleaseMagic = 0x314c5253;  // "SRL1"
+constexpr uint32_t kPieceMagic = 0x31435053;    // "SPC1"
 constexpr uint8_t kWireVersion = 1;
 constexpr size_t kDataFixed = 4 + 1 + 1 + 2 + 8 + 8 + 4;  // magic ver flags id_len seq size crc
 constexpr size_t kAckFixed = 4 + 1 + 1 + 2 + 8 + 4;       // magic ver flags msg_len seq code
 constexpr size_t kPlaceBytes = 8 + 8;                     // token offset, when flagged
 constexpr uint8_t kPlacedFlag = 1;                        // data: placed; ack: released
 constexpr uint8_t kStreamedFlag = 2;                      // data: placed, still being written
+constexpr uint8_t kPiecedFlag = 4;                        // data: first piece; the rest follow
+constexpr size_t kPieceBytes = 4 + 1 + 1 + 2 + 8 + 8;     // magic ver 0 0 seq offset
 // Streamed placement: progress published per chunk; the receiver gives up on a sender that has
 // not advanced for kStreamStall.
 constexpr uint64_t kStreamChunk = 128 << 10;
@@ -86,7 +90,8 @@ std::string EncodeBlockDataHeader(const BlockDataHeader& h) {
   out.reserve(kDataFixed + h.block_id.size());
   Put<uint32_t>(out, kDataMagic);
   Put<uint8_t>(out, kWireVersion);
-  Put<uint8_t>(out, h.placed ? (h.streamed ? kPlacedFlag | kStreamedFlag : kPlacedFlag) : 0);
+  Put<uint8_t>(out, h.placed ? (h.streamed ? kPlacedFlag | kStreamedFlag : kPlacedFlag)
+                             : (h.pieced ? kPiecedFlag : 0));
   Put<uint16_t>(out, static_cast<uint16_t>(h.block_id.size()));
   Put<uint64_t>(out, h.seq);
   Put<uint64_t>(out, h.size);
@@ -114,9 +119,10 @@ absl::StatusOr<BlockDataHeader> DecodeBlockDataHeader(std::span<const uint8_t> b
         absl::StrCat("block data header: wire version ", b[4], ", this build speaks ",
                      kWireVersion));
   }
-  if ((b[5] & ~(kPlacedFlag | kStreamedFlag)) != 0 || b[5] == kStreamedFlag) {
+  if (b[5] != 0 && b[5] != kPlacedFlag && b[5] != (kPlacedFlag | kStreamedFlag) &&
+      b[5] != kPiecedFlag) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "block data header: flags ", b[5], " (1: placed, 3: placed and streamed)"));
+        "block data header: flags ", b[5], " (1: placed, 3: placed and streamed, 4: pieced)"));
   }
   const bool placed = (b[5] & kPlacedFlag) != 0;
   const size_t fixed = kDataFixed + (placed ? kPlaceBytes : 0);
@@ -139,6 +145,7 @@ absl::StatusOr<BlockDataHeader> DecodeBlockDataHeader(std::span<const uint8_t> b
                          .offset = Get<uint64_t>(b.data() + kDataFixed + 8)};
     h.streamed = (b[5] & kStreamedFlag) != 0;
   }
+  h.pieced = b[5] == kPiecedFlag;
   h.block_id.assign(reinterpret_cast<const char*>(b.data() + fixed), id_len);
   return h;
 }
@@ -202,7 +209,7 @@ absl::StatusOr<BlockAckHeader> DecodeBlockAckHeader(std::span<const uint8_t> b) 
 
 namespace {
 
-// Magic and version of a ring message; `what` names it in errors.
+// Magic and version of a ring or piece message; `what` names it in errors.
 absl::Status CheckRingPrefix(std::span<const uint8_t> b, size_t min_size, uint32_t magic,
                              const char* what) {
   if (b.size() < min_size) {
@@ -219,6 +226,28 @@ absl::Status CheckRingPrefix(std::span<const uint8_t> b, size_t min_size, uint32
 }
 
 }  // namespace
+
+std::string EncodeBlockPieceHeader(const BlockPieceHeader& h) {
+  std::string out;
+  out.reserve(kPieceBytes);
+  Put<uint32_t>(out, kPieceMagic);
+  Put<uint8_t>(out, kWireVersion);
+  Put<uint8_t>(out, 0);
+  Put<uint16_t>(out, 0);
+  Put<uint64_t>(out, h.seq);
+  Put<uint64_t>(out, h.offset);
+  return out;
+}
+
+absl::StatusOr<BlockPieceHeader> DecodeBlockPieceHeader(std::span<const uint8_t> b) {
+  STRATA_RETURN_IF_ERROR(CheckRingPrefix(b, kPieceBytes, kPieceMagic, "block piece header"));
+  if (b.size() != kPieceBytes || b[5] != 0 || Get<uint16_t>(b.data() + 6) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("block piece header: ", b.size(), " bytes or reserved fields not zero"));
+  }
+  return BlockPieceHeader{.seq = Get<uint64_t>(b.data() + 8),
+                          .offset = Get<uint64_t>(b.data() + 16)};
+}
 
 std::string EncodeRingRequest(const RingRequest& r) {
   std::string out;
@@ -471,6 +500,7 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
 
   static HandlerList<Impl> Handlers() {
     return {{kBlockDataMessage, &Impl::OnData},
+            {kBlockPieceMessage, &Impl::OnPiece},
             {kBlockRingRequestMessage, &Impl::OnRingRequest},
             {kBlockRingReturnMessage, &Impl::OnRingReturn}};
   }
@@ -486,12 +516,14 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
       OnPlaced(std::move(*h), m.payload_size(), std::move(ep));
       return;
     }
-    if (m.payload_size() != h->size) {
+    const uint64_t first = m.payload_size();
+    if (h->pieced ? first == 0 || first >= h->size || ep == nullptr : first != h->size) {
       Count(&Stats::malformed);
       Reply(ep, h->seq,
-            absl::InvalidArgumentError(absl::StrCat("block ", h->seq, ": header says ", h->size,
-                                                    " bytes, the message carries ",
-                                                    m.payload_size())));
+            absl::InvalidArgumentError(absl::StrCat(
+                "block ", h->seq, ": header says ", h->size, " bytes",
+                h->pieced ? " in pieces (the first shorter than the block)" : "",
+                ", the message carries ", first)));
       return;
     }
     if (h->size > options_.max_block_bytes) {
@@ -518,11 +550,166 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
       Arrived(self, header, std::move(landed), ep, absl::OkStatus());
       return;
     }
+    if (header->pieced) {
+      StartPieces(m, header, std::move(buf), std::move(ep));
+      return;
+    }
     Destination dest{.bytes = std::span<uint8_t>(buf->buffer.data(), header->size),
                      .region = buf->region.get()};
     m.Accept(dest, [self, header, landed, ep](absl::Status s) {
       Arrived(self, header, landed, ep, std::move(s));
     });
+  }
+
+  // A later piece of a pieced block: it must be the next one (pieces come in order).
+  void OnPiece(IncomingMessage& m) {
+    absl::StatusOr<BlockPieceHeader> p = DecodeBlockPieceHeader(m.header());
+    if (!p.ok()) {
+      Count(&Stats::malformed);
+      return;
+    }
+    std::shared_ptr<Pieces> a;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = pieces_.find({m.endpoint().get(), p->seq});
+      if (it == pieces_.end()) return;  // its block failed or was given up: dropped
+      a = it->second;
+    }
+    absl::Status bad;
+    {
+      std::lock_guard<std::mutex> lock(a->mu);
+      if (a->over) return;
+      const uint64_t n = m.payload_size();
+      if (p->offset != a->arrived || n == 0 || n > a->header->size - a->arrived) {
+        bad = absl::InvalidArgumentError(absl::StrCat(
+            "block ", p->seq, ": a piece of ", n, " bytes at offset ", p->offset,
+            ", where the next piece of its ", a->header->size, " bytes starts at ", a->arrived));
+      } else {
+        a->arrived += n;
+      }
+    }
+    if (!bad.ok()) {
+      Count(&Stats::malformed);
+      GiveUp(a, std::move(bad));
+      return;
+    }
+    AcceptPiece(m, a, p->offset);
+  }
+
+  // A pieced block being received: its pieces land in one buffer, each checked as it lands.
+  struct Pieces {
+    std::shared_ptr<BlockDataHeader> header;
+    std::shared_ptr<RegisteredBuffer> buf;
+    std::shared_ptr<Endpoint> ep;
+    uint64_t failure_handle = 0;
+    std::mutex mu;
+    uint64_t arrived = 0;  // bytes whose pieces have arrived: where the next piece starts
+    uint64_t checked = 0;  // bytes from the start whose CRC is `crc`
+    uint32_t crc = 0;
+    std::map<uint64_t, uint64_t> ahead;  // offset -> bytes of pieces landed before their turn
+    bool over = false;  // complete, failed or given up: nothing more is done with it
+  };
+
+  void StartPieces(IncomingMessage& m, std::shared_ptr<BlockDataHeader> header,
+                   std::shared_ptr<RegisteredBuffer> buf, std::shared_ptr<Endpoint> ep) {
+    auto a = std::make_shared<Pieces>();
+    a->header = std::move(header);
+    a->buf = std::move(buf);
+    a->ep = std::move(ep);
+    a->arrived = m.payload_size();
+    bool taken;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      taken = !pieces_.try_emplace({a->ep.get(), a->header->seq}, a).second;
+    }
+    if (taken) {
+      a->over = true;
+      Count(&Stats::malformed);
+      Finish(a->ep, *a->header, Landed{.bytes = {}, .hold = a->buf},
+             absl::AlreadyExistsError(absl::StrCat("block ", a->header->seq,
+                                                   ": another block with this sequence number "
+                                                   "is still arriving in pieces")));
+      return;
+    }
+    // The pieces still to come go with the connection.
+    const uint64_t handle =
+        a->ep->OnFailure([weak = weak_from_this(), wa = std::weak_ptr<Pieces>(a)](
+                             const absl::Status& s) {
+          auto self = weak.lock();
+          auto a = wa.lock();
+          if (self == nullptr || a == nullptr) return;
+          self->Count(&Stats::aborted);
+          self->GiveUp(a, absl::UnavailableError(
+                              absl::StrCat("block ", a->header->seq,
+                                           ": the connection failed while its pieces arrived: ",
+                                           s.message())));
+        });
+    {
+      std::lock_guard<std::mutex> lock(a->mu);
+      a->failure_handle = handle;
+      if (a->over) return;  // the connection had already failed
+    }
+    AcceptPiece(m, a, 0);
+  }
+
+  // Lands the message's payload at `at` in the block's buffer; PieceLanded checks it.
+  void AcceptPiece(IncomingMessage& m, const std::shared_ptr<Pieces>& a, uint64_t at) {
+    const uint64_t n = m.payload_size();
+    m.Accept({.bytes = std::span<uint8_t>(a->buf->buffer.data() + at, n),
+              .region = a->buf->region.get()},
+             [self = shared_from_this(), a, at, n](absl::Status s) {
+               self->PieceLanded(a, at, n, std::move(s));
+             });
+  }
+
+  // On the transport's thread, while the piece is in cache: its CRC extends the block's (a piece
+  // that landed before its turn is checked when its turn comes). The last one hands the block on.
+  void PieceLanded(const std::shared_ptr<Pieces>& a, uint64_t at, uint64_t n, absl::Status s) {
+    if (!s.ok()) {
+      Count(&Stats::aborted);
+      GiveUp(a, std::move(s));
+      return;
+    }
+    uint32_t crc;
+    {
+      std::lock_guard<std::mutex> lock(a->mu);
+      if (a->over) return;
+      a->ahead[at] = n;
+      for (auto it = a->ahead.begin(); it != a->ahead.end() && it->first == a->checked;
+           it = a->ahead.erase(it)) {
+        a->crc = Crc32cExtend(a->crc, a->buf->buffer.data() + it->first, it->second);
+        a->checked += it->second;
+      }
+      if (a->checked != a->header->size) return;
+      a->over = true;
+      crc = a->crc;
+    }
+    Forget(*a);
+    Arrived(shared_from_this(), a->header,
+            Landed{.bytes = std::span<const uint8_t>(a->buf->buffer.data(), a->header->size),
+                   .hold = a->buf,
+                   .crc = crc},
+            a->ep, absl::OkStatus());
+  }
+
+  // Fails a pieced block (once): the sender learns why, the partial data goes with the buffer
+  // (once the pieces still landing are in), later pieces are dropped.
+  void GiveUp(const std::shared_ptr<Pieces>& a, absl::Status why) {
+    {
+      std::lock_guard<std::mutex> lock(a->mu);
+      if (a->over) return;
+      a->over = true;
+    }
+    Forget(*a);
+    Finish(a->ep, *a->header, Landed{.bytes = {}, .hold = a->buf}, why);
+  }
+
+  void Forget(const Pieces& a) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      pieces_.erase({a.ep.get(), a.header->seq});
+    }
+    a.ep->RemoveFailureCallback(a.failure_handle);
   }
 
   // A sender asks for a ring: lend one (allocated where the transport moves it fastest, i.e.
@@ -610,7 +797,8 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
         {"blocks", st.blocks},           {"bytes", st.bytes},
         {"refused", st.refused},         {"checksum_failures", st.checksum_failures},
         {"too_large", st.too_large},     {"malformed", st.malformed},
-        {"aborted", st.aborted},         {"placed_blocks", st.placed}};
+        {"aborted", st.aborted},         {"placed_blocks", st.placed},
+        {"pieced_blocks", st.pieced}};
     for (const auto& [name, v] : counters) {
       RenderMetric(absl::StrCat("strata_transport_received_", name, "_total"), "counter",
                    absl::StrCat("block receiver: ", name), static_cast<double>(v), &out);
@@ -632,12 +820,18 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
   void Shutdown() {
     UninstallHandlers(transport_, Handlers());
     std::vector<uint64_t> tokens;
+    std::vector<std::shared_ptr<Pieces>> arriving;
     {
       std::lock_guard<std::mutex> lock(mu_);
       stopped_ = true;
       for (const auto& [token, ring] : rings_) tokens.push_back(token);
+      for (const auto& [key, a] : pieces_) arriving.push_back(a);
     }
     for (uint64_t token : tokens) TakeBack(token, /*tell_sender=*/true);
+    for (const auto& a : arriving) {
+      GiveUp(a, absl::UnavailableError(absl::StrCat("block ", a->header->seq,
+                                                    ": the receiver shut down")));
+    }
     tasks_.Stop();
     std::unique_lock<std::mutex> lock(mu_);
     inline_cv_.wait(lock, [&] { return inline_running_ == 0; });
@@ -650,6 +844,7 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
     std::shared_ptr<const void> hold;
     std::shared_ptr<PlacedRelease> placed = nullptr;  // set for a block in a lent ring
     uint64_t* progress = nullptr;  // a streamed block's progress word (in the ring)
+    std::optional<uint32_t> crc = std::nullopt;  // a pieced block's, computed as it landed
   };
 
   // The CRC of a streamed block, computed as the sender's progress word says its bytes are
@@ -803,7 +998,7 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
       }
       crc = *c;
     } else {
-      crc = Crc32c(landed.bytes.data(), h.size);
+      crc = landed.crc.has_value() ? *landed.crc : Crc32c(landed.bytes.data(), h.size);
     }
     absl::Status status;
     if (crc != h.crc32c) {
@@ -824,6 +1019,7 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
         ++stats_.blocks;
         stats_.bytes += h.size;
         if (landed.placed) ++stats_.placed;
+        if (landed.crc.has_value()) ++stats_.pieced;
       } else {
         ++stats_.refused;
       }
@@ -864,6 +1060,8 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
   int inline_running_ = 0;       // consumer calls on the transport's thread under way
   std::condition_variable inline_cv_;
   std::unordered_map<uint64_t, std::shared_ptr<LentRing>> rings_;  // by token
+  // Pieced blocks arriving, by sender connection and sequence number.
+  absl::flat_hash_map<std::pair<const Endpoint*, uint64_t>, std::shared_ptr<Pieces>> pieces_;
   TaskThreads tasks_;  // last: joined first in the destructor
 };
 
@@ -893,6 +1091,10 @@ absl::Status BlockSenderOptions::Validate() const {
   }
   if (timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("timeout must be positive");
+  }
+  if (piece_bytes != 0 && piece_bytes < 4096) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("piece_bytes must be 0 (never) or at least 4096, got ", piece_bytes));
   }
   return absl::OkStatus();
 }
@@ -1045,13 +1247,33 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
         StoreFence();
       }
     }
-    const std::string header = EncodeBlockDataHeader(header_fields);
-    const uint64_t tid = ep->Send(
-        kBlockDataMessage,
-        std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(header.data()), header.size()),
-        payload, timeout, [weak = weak_from_this(), seq](absl::Status s) {
-          if (auto self = weak.lock()) self->SendDone(seq, std::move(s));
-        });
+    // A block going as payload and larger than a piece goes in pieces: the header with the
+    // first, then the rest in order (each its own message, checked by the receiver as it lands).
+    header_fields.pieced =
+        place == nullptr && options_.piece_bytes > 0 && size > options_.piece_bytes;
+    std::vector<uint64_t> tids;
+    auto post = [&](uint16_t id, const std::string& h, Payload part) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        ++pending_.at(seq).sends_left;  // (the entry stays while `posting`)
+      }
+      tids.push_back(ep->Send(
+          id, std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(h.data()), h.size()),
+          part, timeout, [weak = weak_from_this(), seq](absl::Status s) {
+            if (auto self = weak.lock()) self->SendDone(seq, std::move(s));
+          }));
+    };
+    auto piece = [&](uint64_t at, uint64_t n) {
+      return Payload{.bytes = payload.bytes.subspan(at, n), .region = payload.region};
+    };
+    post(kBlockDataMessage, EncodeBlockDataHeader(header_fields),
+         header_fields.pieced ? piece(0, options_.piece_bytes) : payload);
+    for (uint64_t at = options_.piece_bytes; header_fields.pieced && at < size;
+         at += options_.piece_bytes) {
+      if (OutcomeKnown(seq)) break;  // failed, cancelled or timed out: the rest stays here
+      post(kBlockPieceMessage, EncodeBlockPieceHeader({.seq = seq, .offset = at}),
+           piece(at, std::min(options_.piece_bytes, size - at)));
+    }
     if (progress.has_value()) {
       // The transfer cannot complete, nor its space come back, until this copy has stopped
       // (`copying`): the caller's payload and the ring stay untouched after completion. An
@@ -1068,39 +1290,43 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     }
     bool cancel = false;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      std::unique_lock<std::mutex> lock(mu_);
       auto it = pending_.find(seq);
       if (it != pending_.end()) {
-        it->second.backend_id = tid;
-        it->second.posted = true;
-        // Cancelled or timed out before the backend gave its id (not merely acknowledged early).
-        cancel = it->second.cancel_requested && !it->second.send_done;
+        it->second.backend_ids = tids;
+        it->second.posting = false;
+        // Cancelled or timed out while posting, with sends still under way.
+        cancel = it->second.cancel_requested && it->second.sends_left > 0;
+        if (it->second.outcome.has_value()) FinishLocked(it, lock);
       }
     }
-    if (cancel) ep->Cancel(tid);
+    if (cancel) {
+      for (uint64_t tid : tids) ep->Cancel(tid);
+    }
     return transfer;
   }
 
   // Sets the outcome of `seq` if it has none (cancel, timeout).
   void Abort(uint64_t seq, absl::Status why) {
     std::shared_ptr<Endpoint> ep;
-    uint64_t tid = 0;
+    std::vector<uint64_t> tids;
     {
       std::unique_lock<std::mutex> lock(mu_);
       auto it = pending_.find(seq);
       if (it == pending_.end() || it->second.outcome.has_value()) return;
       it->second.outcome = std::move(why);
       it->second.cancel_requested = true;
-      if (it->second.send_done) {
+      if (it->second.sends_done()) {
         FinishLocked(it, lock);
         return;
       }
-      if (it->second.posted) {
+      if (!it->second.posting) {
         ep = it->second.ep;
-        tid = it->second.backend_id;
+        tids = it->second.backend_ids;
       }
     }
-    if (ep != nullptr) ep->Cancel(tid);  // the backend completes the send; SendDone finishes
+    // The backend completes the sends (cancelling a finished one does nothing); SendDone finishes.
+    for (uint64_t tid : tids) ep->Cancel(tid);
   }
 
   void OnAck(IncomingMessage& m) {
@@ -1114,7 +1340,7 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
       return;
     }
     it->second.outcome = std::move(h->status);
-    if (it->second.send_done) FinishLocked(it, lock);
+    FinishLocked(it, lock);
   }
 
   // The receiver lends a ring (map it) or refuses (send blocks as payload to that peer).
@@ -1317,11 +1543,11 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     std::function<void(absl::Status)> done;
     absl::Time deadline;
     absl::Time start;
-    uint64_t backend_id = 0;
+    std::vector<uint64_t> backend_ids;  // the block's messages (header, pieces), once posted
     bool copying = false;  // a streamed block still being copied into the ring
-    bool posted = false;
-    bool send_done = false;
-    absl::Status send_status;
+    bool posting = true;   // Send is still posting its messages
+    uint32_t sends_left = 0;  // messages posted whose sends have not completed
+    bool sends_done() const { return !posting && sends_left == 0; }
     std::optional<absl::Status> outcome;  // the ack's status, or why it was given up
     bool cancel_requested = false;        // Abort: the backend's send must be stopped
   };
@@ -1341,7 +1567,7 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     auto it = pending_.find(seq);
     if (it == pending_.end()) return;
     it->second.copying = false;
-    if (it->second.send_done && it->second.outcome.has_value()) FinishLocked(it, lock);
+    if (it->second.outcome.has_value()) FinishLocked(it, lock);
   }
 
 
@@ -1349,7 +1575,7 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     std::unique_lock<std::mutex> lock(mu_);
     auto it = pending_.find(seq);
     if (it == pending_.end()) return;
-    it->second.send_done = true;
+    --it->second.sends_left;
     if (!s.ok() && !it->second.outcome.has_value()) {
       it->second.outcome = s.code() == absl::StatusCode::kCancelled ||
                                    s.code() == absl::StatusCode::kDeadlineExceeded ||
@@ -1371,7 +1597,7 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     for (auto& [seq, p] : pending_) {
       if (p.ep.get() != key || p.outcome.has_value()) continue;
       p.outcome = peer->second.failed;
-      if (p.send_done) finished.push_back(seq);
+      if (p.sends_done()) finished.push_back(seq);
     }
     for (uint64_t seq : finished) {
       auto it = pending_.find(seq);
@@ -1379,10 +1605,11 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     }
   }
 
-  // Completes a pending transfer whose send is done and whose outcome is known. Unlocks around
-  // the user's callback and relocks.
+  // Completes a pending transfer whose outcome is known once its sends are done and its copy
+  // has stopped (else SendDone, Send or CopyDone calls again). Unlocks around the user's
+  // callback and relocks.
   void FinishLocked(PendingMap::iterator it, std::unique_lock<std::mutex>& lock) {
-    if (it->second.copying) return;  // CopyDone finishes it
+    if (it->second.copying || !it->second.sends_done()) return;
     const uint64_t seq = it->first;
     Pending p = std::move(it->second);
     pending_.erase(it);

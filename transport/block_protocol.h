@@ -58,6 +58,7 @@ inline constexpr uint16_t kBlockRingRequestMessage = 3;  // sender -> receiver: 
 inline constexpr uint16_t kBlockRingGrantMessage = 4;    // receiver -> sender: here it is / no
 inline constexpr uint16_t kBlockRingReleaseMessage = 5;  // receiver -> sender: space free / ring gone
 inline constexpr uint16_t kBlockRingReturnMessage = 6;   // sender -> receiver: ring not used
+inline constexpr uint16_t kBlockPieceMessage = 7;        // sender -> receiver: a later piece
 
 // ---- wire format (little-endian; every decoder bounds-checks) ---------------------------------
 
@@ -88,6 +89,15 @@ struct BlockDataHeader {
   // With `placed`: the header went first and the sender is still writing; the receiver checks
   // the bytes as the progress word says they are there (both cores at work on one block).
   bool streamed = false;
+  // Not placed: the block comes in pieces. This message carries the first (its payload, shorter
+  // than `size`); kBlockPieceMessage messages carry the rest, in order, each checked as it lands.
+  bool pieced = false;
+};
+
+// A later piece of a pieced block: its bytes at `offset` (the message's payload).
+struct BlockPieceHeader {
+  uint64_t seq = 0;
+  uint64_t offset = 0;
 };
 
 struct BlockAckHeader {
@@ -118,6 +128,8 @@ std::string EncodeBlockDataHeader(const BlockDataHeader& h);
 absl::StatusOr<BlockDataHeader> DecodeBlockDataHeader(std::span<const uint8_t> bytes);
 std::string EncodeBlockAckHeader(const BlockAckHeader& h);
 absl::StatusOr<BlockAckHeader> DecodeBlockAckHeader(std::span<const uint8_t> bytes);
+std::string EncodeBlockPieceHeader(const BlockPieceHeader& h);
+absl::StatusOr<BlockPieceHeader> DecodeBlockPieceHeader(std::span<const uint8_t> bytes);
 std::string EncodeRingRequest(const RingRequest& r);
 absl::StatusOr<RingRequest> DecodeRingRequest(std::span<const uint8_t> bytes);
 std::string EncodeRingGrant(const RingGrant& g);
@@ -176,6 +188,7 @@ class BlockReceiver {
     uint64_t aborted = 0;            // payload transfer failed midway; discarded
     uint64_t max_pending_bytes = 0;  // most payload bytes held at once (arriving or being consumed)
     uint64_t placed = 0;             // of `blocks`, written into a lent ring by the sender
+    uint64_t pieced = 0;             // of `blocks`, arrived in pieces (BlockSenderOptions)
     uint64_t rings = 0;              // rings lent now
   };
 
@@ -214,6 +227,12 @@ struct BlockSenderOptions {
   // Placed blocks of at least this many bytes are streamed: header first, then the copy in
   // pieces that the receiver checks as they land (see block_protocol.h). 0: never.
   uint64_t stream_min_bytes = 1 << 20;
+  // Blocks that travel as payload and are larger than this go in pieces of this many bytes, each
+  // its own message; the receiver checks each piece's CRC on the transport's thread as it lands,
+  // still in cache, instead of reading the whole block again afterwards (over TCP on the
+  // benchmark machine, where that second read cost a third of the throughput:
+  // docs/transport.md). 0: always whole.
+  uint64_t piece_bytes = 1 << 20;
 
   absl::Status Validate() const;
 };

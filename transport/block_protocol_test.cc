@@ -89,9 +89,9 @@ TEST(BlockWireTest, PlacedAndStreamedHeadersRoundTrip) {
   d = DecodeBlockDataHeader(Bytes(EncodeBlockDataHeader(h)));
   ASSERT_TRUE(d.ok());
   EXPECT_FALSE(d->streamed);
-  // "Streamed" without "placed", or an unknown flag, is refused.
+  // "Streamed" without "placed", "pieced" with either, or an unknown flag, is refused.
   std::string bad = EncodeBlockDataHeader({.seq = 1, .size = 1, .crc32c = 0, .block_id = "x"});
-  for (char flags : {'\x02', '\x04', '\x80'}) {
+  for (char flags : {'\x02', '\x06', '\x08', '\x80'}) {
     bad[5] = flags;
     EXPECT_THAT(DecodeBlockDataHeader(Bytes(bad)).status().message(), HasSubstr("flags"));
   }
@@ -105,6 +105,41 @@ TEST(BlockWireTest, PlacedAndStreamedHeadersRoundTrip) {
   ASSERT_TRUE(da.ok()) << da.status();
   ASSERT_TRUE(da->released.has_value());
   EXPECT_EQ(*da->released, *a.released);
+}
+
+TEST(BlockWireTest, PiecedHeadersAndPiecesRoundTrip) {
+  BlockDataHeader h{.seq = 4, .size = 3 << 20, .crc32c = 11, .block_id = "layer-1",
+                    .pieced = true};
+  absl::StatusOr<BlockDataHeader> d = DecodeBlockDataHeader(Bytes(EncodeBlockDataHeader(h)));
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_TRUE(d->pieced);
+  EXPECT_FALSE(d->placed.has_value());
+  const std::string whole = EncodeBlockDataHeader({.seq = 1, .block_id = "x"});
+  EXPECT_FALSE(DecodeBlockDataHeader(Bytes(whole)).value().pieced);
+  // Placed and pieced at once (flags 5, with the place) is refused.
+  std::string placed = EncodeBlockDataHeader(
+      {.seq = 1, .size = 1, .block_id = "x", .placed = RingPlace{.token = 1, .offset = 64}});
+  placed[5] = 5;
+  EXPECT_THAT(DecodeBlockDataHeader(Bytes(placed)).status().message(), HasSubstr("flags 5"));
+
+  const std::string piece = EncodeBlockPieceHeader({.seq = 9, .offset = 5ull << 32});
+  absl::StatusOr<BlockPieceHeader> p = DecodeBlockPieceHeader(Bytes(piece));
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->seq, 9u);
+  EXPECT_EQ(p->offset, 5ull << 32);
+  for (size_t n = 0; n < piece.size(); ++n) {
+    EXPECT_EQ(DecodeBlockPieceHeader(Bytes(piece.substr(0, n))).status().code(),
+              absl::StatusCode::kInvalidArgument)
+        << n;
+  }
+  for (size_t at : {0, 4, 5, 6}) {  // magic, version, reserved fields
+    std::string bad = piece;
+    bad[at] ^= 1;
+    EXPECT_THAT(DecodeBlockPieceHeader(Bytes(bad)).status().message(),
+                HasSubstr("block piece header"))
+        << at;
+  }
+  EXPECT_FALSE(DecodeBlockPieceHeader(Bytes(piece + "x")).ok());
 }
 
 TEST(BlockWireTest, RingMessagesRoundTripAndRefuseGarbage) {
@@ -157,6 +192,8 @@ TEST(BlockWireTest, OptionsValidate) {
   EXPECT_FALSE(BlockReceiverOptions{.max_rings = -1}.Validate().ok());
   EXPECT_FALSE(BlockSenderOptions{.max_bytes_in_flight = 0}.Validate().ok());
   EXPECT_FALSE(BlockSenderOptions{.timeout = absl::ZeroDuration()}.Validate().ok());
+  EXPECT_FALSE(BlockSenderOptions{.piece_bytes = 100}.Validate().ok());
+  EXPECT_TRUE(BlockSenderOptions{.piece_bytes = 0}.Validate().ok());
   EXPECT_TRUE(BlockSenderOptions{}.Validate().ok());
 }
 
