@@ -122,7 +122,8 @@ class FaultInjectingTransport final : public Transport {
  public:
   explicit FaultInjectingTransport(Transport* inner) : inner_(inner) {}
 
-  // Message number n (1-based, data messages only) is corrupted / dropped when pred(n) is true.
+  // Message number n (1-based, counting data and piece messages) is corrupted / dropped when
+  // pred(n) is true.
   std::function<bool(int)> corrupt = [](int) { return false; };
   std::function<bool(int)> drop = [](int) { return false; };
 
@@ -147,7 +148,7 @@ class FaultInjectingTransport final : public Transport {
   size_t max_header_size() const override { return inner_->max_header_size(); }
 
   void SetHandler(uint16_t id, MessageHandler h) override {
-    if (!h || id != kBlockDataMessage) {
+    if (!h || (id != kBlockDataMessage && id != kBlockPieceMessage)) {
       inner_->SetHandler(id, std::move(h));
       return;
     }
@@ -763,6 +764,11 @@ class HandMadeSender {
     peer_->Send(kBlockDataMessage, AsBytes(h), {}, absl::Seconds(10), [](absl::Status) {});
   }
 
+  // Any protocol message, as this sender wrote it.
+  void Send(uint16_t id, const std::string& header, std::span<const uint8_t> payload = {}) {
+    peer_->Send(id, AsBytes(header), {.bytes = payload}, absl::Seconds(10), [](absl::Status) {});
+  }
+
   // The receiver's answer for `seq`, waiting up to `wait`.
   std::optional<absl::Status> Ack(uint64_t seq, absl::Duration wait) {
     std::unique_lock<std::mutex> lock(state_->mu);
@@ -786,6 +792,109 @@ class HandMadeSender {
   std::shared_ptr<Endpoint> peer_;
   std::shared_ptr<State> state_;
 };
+
+// Blocks that travel as payload and are larger than a piece come in pieces, each checked as it
+// lands: intact, counted as pieced; a corrupted piece is DATA_LOSS for its block alone, a lost
+// one fails its block as soon as the next piece shows the gap.
+TEST_P(TransportConformanceTest, PiecedBlocksArriveIntactAndAFaultyPieceFailsOnlyItsBlock) {
+  faulty_ = std::make_unique<FaultInjectingTransport>(receiver_transport_.get());
+  // Messages: 3 blocks of 4 pieces (1-12), then one of 4 whose 3rd is corrupted (15), then one
+  // of 4 whose 2nd is lost (18), then whole and pieced blocks that go through.
+  faulty_->corrupt = [](int n) { return n == 15; };
+  faulty_->drop = [](int n) { return n == 18; };
+  ASSERT_NO_FATAL_FAILURE(Start({}, {.placement_min_bytes = 0, .piece_bytes = 64 << 10}));
+  std::vector<std::vector<uint8_t>> data;
+  for (size_t n : {(3 << 16) + 1, 4 << 16, (3 << 16) + 100, 4 << 16, 4 << 16, 64 << 10,
+                   (1 << 20) + 3}) {
+    data.push_back(RandomBytes(n, 90 + static_cast<uint32_t>(data.size())));
+  }
+  std::vector<absl::Status> got;
+  for (size_t i = 0; i < data.size(); ++i) {
+    got.push_back(sender_->Send(peer_, absl::StrCat("p", i), View(data[i]),
+                                {.timeout = absl::Seconds(10)})->Wait());
+  }
+  for (size_t i : {0, 1, 2, 5, 6}) {
+    EXPECT_TRUE(got[i].ok()) << i << ": " << got[i];
+    EXPECT_EQ(sink_.Get(absl::StrCat("p", i)), data[i]) << i;
+  }
+  EXPECT_EQ(got[3].code(), absl::StatusCode::kDataLoss) << got[3];
+  EXPECT_EQ(got[4].code(), absl::StatusCode::kInvalidArgument) << got[4];
+  EXPECT_THAT(got[4].message(), HasSubstr("where the next piece"));
+  EXPECT_TRUE(sink_.Get("p3").empty());
+  EXPECT_TRUE(sink_.Get("p4").empty());
+  const BlockReceiver::Stats st = receiver_->stats();
+  EXPECT_EQ(st.blocks, 5u);
+  EXPECT_EQ(st.pieced, 4u);  // all but the one of exactly a piece
+  EXPECT_EQ(st.checksum_failures, 1u);
+  EXPECT_EQ(st.malformed, 1u);
+  EXPECT_THAT(receiver_->RenderMetrics(), HasSubstr("strata_transport_received_pending_bytes 0"));
+}
+
+// A sender writing pieced blocks by hand: pieces past the block's end, a first piece that is the
+// whole block, a sequence number already arriving are refused with a reason; pieces of a block
+// already failed are dropped; a block whose sender's connection goes before its last piece is
+// freed (aborted), never handed on.
+TEST_P(TransportConformanceTest, HandMadePiecesAreCheckedAndAnUnfinishedBlockIsFreed) {
+  Start();
+  sender_.reset();  // this transport's handlers are the hand-made sender's now
+  auto hand = std::make_unique<HandMadeSender>(sender_transport_.get(), peer_);
+  const std::vector<uint8_t> data = RandomBytes(3 * 4096 + 8, 99);
+  const std::span<const uint8_t> all(data);
+  const uint64_t size = 3 * 4096;
+  const uint32_t crc = Crc32c(data.data(), size);
+  auto header = [&](uint64_t seq) {
+    return EncodeBlockDataHeader({.seq = seq, .size = size, .crc32c = crc,
+                                  .block_id = absl::StrCat("h", seq), .pieced = true});
+  };
+  auto piece = [](uint64_t seq, uint64_t at) {
+    return EncodeBlockPieceHeader({.seq = seq, .offset = at});
+  };
+  // In order: intact.
+  hand->Send(kBlockDataMessage, header(1), all.subspan(0, 4096));
+  hand->Send(kBlockPieceMessage, piece(1, 4096), all.subspan(4096, 4096));
+  hand->Send(kBlockPieceMessage, piece(1, 8192), all.subspan(8192, 4096));
+  std::optional<absl::Status> a = hand->Ack(1, absl::Seconds(10));
+  ASSERT_TRUE(a.has_value());
+  EXPECT_TRUE(a->ok()) << *a;
+  EXPECT_EQ(sink_.Get("h1"), std::vector<uint8_t>(data.begin(), data.begin() + size));
+  // A last piece 8 bytes too long.
+  hand->Send(kBlockDataMessage, header(2), all.subspan(0, 4096));
+  hand->Send(kBlockPieceMessage, piece(2, 4096), all.subspan(4096, 4096));
+  hand->Send(kBlockPieceMessage, piece(2, 8192), all.subspan(8192, 4096 + 8));
+  a = hand->Ack(2, absl::Seconds(10));
+  ASSERT_TRUE(a.has_value());
+  EXPECT_EQ(a->code(), absl::StatusCode::kInvalidArgument) << *a;
+  hand->Send(kBlockPieceMessage, piece(2, 8192), all.subspan(8192, 4096));  // dropped
+  // A "pieced" block whose first piece is all of it.
+  hand->Send(kBlockDataMessage, header(3), all.subspan(0, size));
+  a = hand->Ack(3, absl::Seconds(10));
+  ASSERT_TRUE(a.has_value());
+  EXPECT_THAT(a->message(), HasSubstr("in pieces"));
+  // Two blocks under one sequence number at once: the second is refused, the first completes.
+  hand->Send(kBlockDataMessage, header(4), all.subspan(0, 4096));
+  hand->Send(kBlockDataMessage, header(4), all.subspan(0, 4096));
+  a = hand->Ack(4, absl::Seconds(10));
+  ASSERT_TRUE(a.has_value());
+  EXPECT_EQ(a->code(), absl::StatusCode::kAlreadyExists) << *a;
+  // A block whose sender stops after its first piece, then goes away.
+  hand->Send(kBlockDataMessage, header(5), all.subspan(0, 4096));
+  EXPECT_FALSE(hand->Ack(5, absl::Milliseconds(300)).has_value());
+  EXPECT_EQ(receiver_->stats().aborted, 0u);
+  hand.reset();
+  peer_.reset();
+  sender_transport_.reset();
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  while (receiver_->stats().aborted < 2 && absl::Now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  const BlockReceiver::Stats st = receiver_->stats();
+  EXPECT_EQ(st.aborted, 2u);  // blocks 4 (its first) and 5, both unfinished
+  EXPECT_EQ(st.blocks, 1u);
+  EXPECT_EQ(st.malformed, 3u);
+  EXPECT_TRUE(sink_.Get("h4").empty());
+  EXPECT_TRUE(sink_.Get("h5").empty());
+  EXPECT_THAT(receiver_->RenderMetrics(), HasSubstr("strata_transport_received_pending_bytes 0"));
+}
 
 // A same-host sender that announces a streamed block and stops writing it halfway: the receiver
 // gives up after its stall limit (2 s) with DEADLINE_EXCEEDED, never hands the block on, and
