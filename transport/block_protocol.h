@@ -1,10 +1,11 @@
 // The block shipping protocol, on any Transport.
 //
 // A prefill node's BlockSender ships each block as one message: a header (transfer sequence
-// number, block id, size, CRC-32C) and the block's bytes as the payload. The peer's
-// BlockReceiver places the payload in registered memory from its pool, verifies the checksum off
-// the transport's thread, hands the block to its consumer, and acknowledges with the consumer's
-// status; a block whose checksum fails is never handed on (DATA_LOSS goes back). The sender's
+// number, block id, size, CRC-32C) and the block's bytes as the payload (a block larger than
+// BlockSenderOptions::piece_bytes as several: the header with the first piece, then the rest,
+// each checked as it lands). The peer's BlockReceiver places the payload in registered memory
+// from its pool, verifies the checksum, hands the block to its consumer, and acknowledges with
+// the consumer's status; a block whose checksum fails is never handed on (DATA_LOSS goes back). The sender's
 // Transfer completes with that acknowledgement, or with the failure that prevented it:
 //
 //   UNAVAILABLE         the peer died or the connection failed (partial data is discarded)
