@@ -1,5 +1,5 @@
-// libFuzzer target: the block shipping protocol's decoders (headers and ring messages: bytes a
-// peer sends). Every
+// libFuzzer target: the block shipping protocol's decoders (headers, piece and ring messages:
+// bytes a peer sends). Every
 // input either decodes to a header that re-encodes to the same bytes, or is refused with
 // INVALID_ARGUMENT; nothing else (no crash, no out-of-bounds read under ASan).
 #include <cstdint>
@@ -31,6 +31,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       std::abort();
     }
   };
+  exact(DecodeBlockPieceHeader(bytes),
+        [](const BlockPieceHeader& p) { return EncodeBlockPieceHeader(p); });
   exact(DecodeRingRequest(bytes), [](const RingRequest& r) { return EncodeRingRequest(r); });
   exact(DecodeRingGrant(bytes), [](const RingGrant& g) { return EncodeRingGrant(g); });
   exact(DecodeRingRelease(bytes), [](const RingRelease& r) { return EncodeRingRelease(r); });
