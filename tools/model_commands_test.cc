@@ -19,8 +19,12 @@ using testing::HasSubstr;
 
 const std::string kModel = absl::StrCat(STRATA_SOURCE_DIR, "/tests/data/tiny-llama");
 
+// CTest runs these tests as parallel processes: each writes its own file (one shared name let a
+// test read the text while another was rewriting it).
 std::string WriteText() {
-  const std::string path = absl::StrCat(testing::TempDir(), "/ppl.txt");
+  const std::string path =
+      absl::StrCat(testing::TempDir(), "/ppl-",
+                   testing::UnitTest::GetInstance()->current_test_info()->name(), ".txt");
   std::ofstream f(path);
   for (int i = 0; i < 20; ++i) {
     f << "The kernel loads modules at boot. Use the command line to list files and read the "

@@ -39,7 +39,8 @@ constexpr size_t kPlaceBytes = 8 + 8;                     // token offset, when 
 constexpr uint8_t kPlacedFlag = 1;                        // data: placed; ack: released
 constexpr uint8_t kStreamedFlag = 2;                      // data: placed, still being written
 constexpr uint8_t kPiecedFlag = 4;                        // data: first piece; the rest follow
-constexpr size_t kPieceBytes = 4 + 1 + 1 + 2 + 8 + 8;     // magic ver 0 0 seq offset
+constexpr size_t kPieceBytes = 4 + 1 + 1 + 2 + 8 + 8;     // magic ver flags 0 seq offset
+constexpr uint8_t kAbandonedFlag = 1;                     // piece: the rest will not come
 // Streamed placement: progress published per chunk; the receiver gives up on a sender that has
 // not advanced for kStreamStall.
 constexpr uint64_t kStreamChunk = 128 << 10;
@@ -232,7 +233,7 @@ std::string EncodeBlockPieceHeader(const BlockPieceHeader& h) {
   out.reserve(kPieceBytes);
   Put<uint32_t>(out, kPieceMagic);
   Put<uint8_t>(out, kWireVersion);
-  Put<uint8_t>(out, 0);
+  Put<uint8_t>(out, h.abandoned ? kAbandonedFlag : 0);
   Put<uint16_t>(out, 0);
   Put<uint64_t>(out, h.seq);
   Put<uint64_t>(out, h.offset);
@@ -241,12 +242,15 @@ std::string EncodeBlockPieceHeader(const BlockPieceHeader& h) {
 
 absl::StatusOr<BlockPieceHeader> DecodeBlockPieceHeader(std::span<const uint8_t> b) {
   STRATA_RETURN_IF_ERROR(CheckRingPrefix(b, kPieceBytes, kPieceMagic, "block piece header"));
-  if (b.size() != kPieceBytes || b[5] != 0 || Get<uint16_t>(b.data() + 6) != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("block piece header: ", b.size(), " bytes or reserved fields not zero"));
+  if (b.size() != kPieceBytes || (b[5] & ~kAbandonedFlag) != 0 ||
+      Get<uint16_t>(b.data() + 6) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "block piece header: ", b.size(), " bytes, flags ", b[5],
+        " (only 1, abandoned, is defined) or a reserved field not zero"));
   }
   return BlockPieceHeader{.seq = Get<uint64_t>(b.data() + 8),
-                          .offset = Get<uint64_t>(b.data() + 16)};
+                          .offset = Get<uint64_t>(b.data() + 16),
+                          .abandoned = (b[5] & kAbandonedFlag) != 0};
 }
 
 std::string EncodeRingRequest(const RingRequest& r) {
@@ -575,6 +579,13 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
       if (it == pieces_.end()) return;  // its block failed or was given up: dropped
       a = it->second;
     }
+    if (p->abandoned) {  // the sender gave the transfer up (cancel, timeout) before its end
+      Count(&Stats::aborted);
+      GiveUp(a, absl::CancelledError(absl::StrCat("block ", p->seq,
+                                                  ": the sender gave it up with ", p->offset,
+                                                  " of its ", a->header->size, " bytes sent")));
+      return;
+    }
     absl::Status bad;
     {
       std::lock_guard<std::mutex> lock(a->mu);
@@ -617,21 +628,33 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
     a->buf = std::move(buf);
     a->ep = std::move(ep);
     a->arrived = m.payload_size();
-    bool taken;
+    bool stopped;
+    std::shared_ptr<Pieces> stale;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      taken = !pieces_.try_emplace({a->ep.get(), a->header->seq}, a).second;
+      stopped = stopped_;
+      if (!stopped) {
+        std::shared_ptr<Pieces>& slot = pieces_[{a->ep.get(), a->header->seq}];
+        stale = std::move(slot);
+        slot = a;
+      }
     }
-    if (taken) {
+    if (stopped) {
       a->over = true;
-      Count(&Stats::malformed);
       Finish(a->ep, *a->header, Landed{.bytes = {}, .hold = a->buf},
-             absl::AlreadyExistsError(absl::StrCat("block ", a->header->seq,
-                                                   ": another block with this sequence number "
-                                                   "is still arriving in pieces")));
+             absl::UnavailableError(absl::StrCat("block ", a->header->seq,
+                                                 ": the receiver is shutting down")));
       return;
     }
+    if (stale != nullptr) {
+      // A block under the same sequence number that never finished (a sender that started
+      // again numbers its transfers from 1 again): freed without an answer, which would now go
+      // to the new block's transfer.
+      Count(&Stats::aborted);
+      GiveUp(stale, absl::AbortedError("superseded"), /*reply=*/false);
+    }
     // The pieces still to come go with the connection.
+    bool handle_set = false;
     const uint64_t handle =
         a->ep->OnFailure([weak = weak_from_this(), wa = std::weak_ptr<Pieces>(a)](
                              const absl::Status& s) {
@@ -646,8 +669,14 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
         });
     {
       std::lock_guard<std::mutex> lock(a->mu);
-      a->failure_handle = handle;
-      if (a->over) return;  // the connection had already failed
+      if (!a->over) {
+        a->failure_handle = handle;
+        handle_set = true;
+      }
+    }
+    if (!handle_set) {  // the connection had already failed, or shutdown came first
+      a->ep->RemoveFailureCallback(handle);
+      return;
     }
     AcceptPiece(m, a, 0);
   }
@@ -684,7 +713,7 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
       a->over = true;
       crc = a->crc;
     }
-    Forget(*a);
+    Forget(a);
     Arrived(shared_from_this(), a->header,
             Landed{.bytes = std::span<const uint8_t>(a->buf->buffer.data(), a->header->size),
                    .hold = a->buf,
@@ -692,24 +721,36 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
             a->ep, absl::OkStatus());
   }
 
-  // Fails a pieced block (once): the sender learns why, the partial data goes with the buffer
-  // (once the pieces still landing are in), later pieces are dropped.
-  void GiveUp(const std::shared_ptr<Pieces>& a, absl::Status why) {
+  // Fails a pieced block (once): the sender learns why (unless `reply` is false), the partial
+  // data goes with the buffer (once the pieces still landing are in), later pieces are dropped.
+  void GiveUp(const std::shared_ptr<Pieces>& a, absl::Status why, bool reply = true) {
     {
       std::lock_guard<std::mutex> lock(a->mu);
       if (a->over) return;
       a->over = true;
     }
-    Forget(*a);
-    Finish(a->ep, *a->header, Landed{.bytes = {}, .hold = a->buf}, why);
+    Forget(a);
+    if (reply) {
+      Finish(a->ep, *a->header, Landed{.bytes = {}, .hold = a->buf}, why);
+    } else {
+      AddPending(-static_cast<int64_t>(a->header->size));
+    }
   }
 
-  void Forget(const Pieces& a) {
+  // Takes a block that is over out of the map (if it is still the one there) and off its
+  // connection's failure callbacks.
+  void Forget(const std::shared_ptr<Pieces>& a) {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      pieces_.erase({a.ep.get(), a.header->seq});
+      auto it = pieces_.find({a->ep.get(), a->header->seq});
+      if (it != pieces_.end() && it->second == a) pieces_.erase(it);
     }
-    a.ep->RemoveFailureCallback(a.failure_handle);
+    uint64_t handle;
+    {
+      std::lock_guard<std::mutex> lock(a->mu);
+      handle = a->failure_handle;
+    }
+    if (handle != 0) a->ep->RemoveFailureCallback(handle);
   }
 
   // A sender asks for a ring: lend one (allocated where the transport moves it fastest, i.e.
@@ -1217,6 +1258,10 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
           }
         }
       }
+      // A block going as payload and larger than a piece goes in pieces: the header with the
+      // first, then the rest in order (each its own message, checked by the receiver as it lands).
+      header_fields.pieced =
+          ring == nullptr && options_.piece_bytes > 0 && size > options_.piece_bytes;
       peer.in_flight += size;
       ++peer.pending;
       stats_.max_bytes_in_flight = std::max(stats_.max_bytes_in_flight, peer.in_flight);
@@ -1225,6 +1270,7 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
       p.size = size;
       p.placed = ring != nullptr;
       p.copying = header_fields.streamed;
+      p.pieced = header_fields.pieced;
       p.state = state;
       p.done = std::move(done);
       p.deadline = deadline;
@@ -1247,10 +1293,6 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
         StoreFence();
       }
     }
-    // A block going as payload and larger than a piece goes in pieces: the header with the
-    // first, then the rest in order (each its own message, checked by the receiver as it lands).
-    header_fields.pieced =
-        place == nullptr && options_.piece_bytes > 0 && size > options_.piece_bytes;
     std::vector<uint64_t> tids;
     auto post = [&](uint16_t id, const std::string& h, Payload part) {
       {
@@ -1268,11 +1310,14 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     };
     post(kBlockDataMessage, EncodeBlockDataHeader(header_fields),
          header_fields.pieced ? piece(0, options_.piece_bytes) : payload);
-    for (uint64_t at = options_.piece_bytes; header_fields.pieced && at < size;
-         at += options_.piece_bytes) {
-      if (OutcomeKnown(seq)) break;  // failed, cancelled or timed out: the rest stays here
-      post(kBlockPieceMessage, EncodeBlockPieceHeader({.seq = seq, .offset = at}),
-           piece(at, std::min(options_.piece_bytes, size - at)));
+    if (header_fields.pieced) {
+      uint64_t at = options_.piece_bytes;
+      for (; at < size && !OutcomeKnown(seq); at += options_.piece_bytes) {
+        post(kBlockPieceMessage, EncodeBlockPieceHeader({.seq = seq, .offset = at}),
+             piece(at, std::min(options_.piece_bytes, size - at)));
+      }
+      // Failed, cancelled or timed out: the rest stays here, and the receiver lets the block go.
+      if (at < size) Abandon(ep, seq, at);
     }
     if (progress.has_value()) {
       // The transfer cannot complete, nor its space come back, until this copy has stopped
@@ -1302,6 +1347,7 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     }
     if (cancel) {
       for (uint64_t tid : tids) ep->Cancel(tid);
+      if (header_fields.pieced) Abandon(ep, seq, size);
     }
     return transfer;
   }
@@ -1310,6 +1356,8 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
   void Abort(uint64_t seq, absl::Status why) {
     std::shared_ptr<Endpoint> ep;
     std::vector<uint64_t> tids;
+    bool pieced = false;
+    uint64_t size = 0;
     {
       std::unique_lock<std::mutex> lock(mu_);
       auto it = pending_.find(seq);
@@ -1323,10 +1371,15 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
       if (!it->second.posting) {
         ep = it->second.ep;
         tids = it->second.backend_ids;
+        pieced = it->second.pieced;
+        size = it->second.size;
       }
     }
     // The backend completes the sends (cancelling a finished one does nothing); SendDone finishes.
     for (uint64_t tid : tids) ep->Cancel(tid);
+    // A backend may drop a cancelled piece without a word (inproc does): the receiver would wait
+    // for it until the connection goes.
+    if (pieced) Abandon(ep, seq, size);
   }
 
   void OnAck(IncomingMessage& m) {
@@ -1545,6 +1598,7 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     absl::Time start;
     std::vector<uint64_t> backend_ids;  // the block's messages (header, pieces), once posted
     bool copying = false;  // a streamed block still being copied into the ring
+    bool pieced = false;   // sent in pieces
     bool posting = true;   // Send is still posting its messages
     uint32_t sends_left = 0;  // messages posted whose sends have not completed
     bool sends_done() const { return !posting && sends_left == 0; }
@@ -1552,6 +1606,13 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     bool cancel_requested = false;        // Abort: the backend's send must be stopped
   };
   using PendingMap = std::unordered_map<uint64_t, Pending>;
+
+  // Tells the receiver that a pieced block's pieces from `at` on will not come.
+  static void Abandon(const std::shared_ptr<Endpoint>& ep, uint64_t seq, uint64_t at) {
+    SendMessage(ep, kBlockPieceMessage,
+                EncodeBlockPieceHeader({.seq = seq, .offset = at, .abandoned = true}),
+                [](absl::Status) {});
+  }
 
   bool OutcomeKnown(uint64_t seq) {
     std::lock_guard<std::mutex> lock(mu_);

@@ -95,10 +95,12 @@ struct BlockDataHeader {
   bool pieced = false;
 };
 
-// A later piece of a pieced block: its bytes at `offset` (the message's payload).
+// A later piece of a pieced block: its bytes at `offset` (the message's payload). Abandoned (no
+// payload): the sender gave the transfer up there (cancel, timeout); the rest will not come.
 struct BlockPieceHeader {
   uint64_t seq = 0;
   uint64_t offset = 0;
+  bool abandoned = false;
 };
 
 struct BlockAckHeader {

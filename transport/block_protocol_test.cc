@@ -134,12 +134,18 @@ TEST(BlockWireTest, PiecedHeadersAndPiecesRoundTrip) {
   }
   for (size_t at : {0, 4, 5, 6}) {  // magic, version, reserved fields
     std::string bad = piece;
-    bad[at] ^= 1;
+    bad[at] ^= 2;
     EXPECT_THAT(DecodeBlockPieceHeader(Bytes(bad)).status().message(),
                 HasSubstr("block piece header"))
         << at;
   }
   EXPECT_FALSE(DecodeBlockPieceHeader(Bytes(piece + "x")).ok());
+  EXPECT_FALSE(p->abandoned);
+  p = DecodeBlockPieceHeader(
+      Bytes(EncodeBlockPieceHeader({.seq = 9, .offset = 4096, .abandoned = true})));
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_TRUE(p->abandoned);
+  EXPECT_EQ(p->offset, 4096u);
 }
 
 TEST(BlockWireTest, RingMessagesRoundTripAndRefuseGarbage) {

@@ -830,10 +830,10 @@ TEST_P(TransportConformanceTest, PiecedBlocksArriveIntactAndAFaultyPieceFailsOnl
   EXPECT_THAT(receiver_->RenderMetrics(), HasSubstr("strata_transport_received_pending_bytes 0"));
 }
 
-// A sender writing pieced blocks by hand: pieces past the block's end, a first piece that is the
-// whole block, a sequence number already arriving are refused with a reason; pieces of a block
-// already failed are dropped; a block whose sender's connection goes before its last piece is
-// freed (aborted), never handed on.
+// A sender writing pieced blocks by hand: pieces past the block's end and a first piece that is
+// the whole block are refused with a reason; pieces of a block already failed are dropped; a
+// block that a new one under the same sequence number supersedes, one the sender abandons and
+// one whose sender's connection goes before its last piece are freed (aborted), never handed on.
 TEST_P(TransportConformanceTest, HandMadePiecesAreCheckedAndAnUnfinishedBlockIsFreed) {
   Start();
   sender_.reset();  // this transport's handlers are the hand-made sender's now
@@ -870,29 +870,41 @@ TEST_P(TransportConformanceTest, HandMadePiecesAreCheckedAndAnUnfinishedBlockIsF
   a = hand->Ack(3, absl::Seconds(10));
   ASSERT_TRUE(a.has_value());
   EXPECT_THAT(a->message(), HasSubstr("in pieces"));
-  // Two blocks under one sequence number at once: the second is refused, the first completes.
+  // A block under a sequence number still arriving (a sender that started again): the old one is
+  // freed without an answer, the new one completes.
   hand->Send(kBlockDataMessage, header(4), all.subspan(0, 4096));
   hand->Send(kBlockDataMessage, header(4), all.subspan(0, 4096));
+  hand->Send(kBlockPieceMessage, piece(4, 4096), all.subspan(4096, 4096));
+  hand->Send(kBlockPieceMessage, piece(4, 8192), all.subspan(8192, 4096));
   a = hand->Ack(4, absl::Seconds(10));
   ASSERT_TRUE(a.has_value());
-  EXPECT_EQ(a->code(), absl::StatusCode::kAlreadyExists) << *a;
+  EXPECT_TRUE(a->ok()) << *a;
+  // A block the sender abandons after its first piece (a cancel or timeout on its side).
+  hand->Send(kBlockDataMessage, header(6), all.subspan(0, 4096));
+  hand->Send(kBlockPieceMessage,
+             EncodeBlockPieceHeader({.seq = 6, .offset = 4096, .abandoned = true}));
+  a = hand->Ack(6, absl::Seconds(10));
+  ASSERT_TRUE(a.has_value());
+  EXPECT_EQ(a->code(), absl::StatusCode::kCancelled) << *a;
+  EXPECT_THAT(a->message(), HasSubstr("gave it up"));
   // A block whose sender stops after its first piece, then goes away.
   hand->Send(kBlockDataMessage, header(5), all.subspan(0, 4096));
   EXPECT_FALSE(hand->Ack(5, absl::Milliseconds(300)).has_value());
-  EXPECT_EQ(receiver_->stats().aborted, 0u);
+  EXPECT_EQ(receiver_->stats().aborted, 2u);  // 4's first, 6
   hand.reset();
   peer_.reset();
   sender_transport_.reset();
   const absl::Time until = absl::Now() + absl::Seconds(10);
-  while (receiver_->stats().aborted < 2 && absl::Now() < until) {
+  while (receiver_->stats().aborted < 3 && absl::Now() < until) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   const BlockReceiver::Stats st = receiver_->stats();
-  EXPECT_EQ(st.aborted, 2u);  // blocks 4 (its first) and 5, both unfinished
-  EXPECT_EQ(st.blocks, 1u);
-  EXPECT_EQ(st.malformed, 3u);
-  EXPECT_TRUE(sink_.Get("h4").empty());
+  EXPECT_EQ(st.aborted, 3u);  // 4's first, 6, and 5 when its connection went
+  EXPECT_EQ(st.blocks, 2u);
+  EXPECT_EQ(st.malformed, 2u);
+  EXPECT_EQ(sink_.Get("h4"), sink_.Get("h1"));
   EXPECT_TRUE(sink_.Get("h5").empty());
+  EXPECT_TRUE(sink_.Get("h6").empty());
   EXPECT_THAT(receiver_->RenderMetrics(), HasSubstr("strata_transport_received_pending_bytes 0"));
 }
 
