@@ -580,10 +580,10 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
       a = it->second;
     }
     if (p->abandoned) {  // the sender gave the transfer up (cancel, timeout) before its end
-      Count(&Stats::aborted);
-      GiveUp(a, absl::CancelledError(absl::StrCat("block ", p->seq,
-                                                  ": the sender gave it up with ", p->offset,
-                                                  " of its ", a->header->size, " bytes sent")));
+      GiveUp(a, &Stats::aborted,
+             absl::CancelledError(absl::StrCat("block ", p->seq, ": the sender gave it up with ",
+                                               p->offset, " of its ", a->header->size,
+                                               " bytes sent")));
       return;
     }
     absl::Status bad;
@@ -600,8 +600,7 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
       }
     }
     if (!bad.ok()) {
-      Count(&Stats::malformed);
-      GiveUp(a, std::move(bad));
+      GiveUp(a, &Stats::malformed, std::move(bad));
       return;
     }
     AcceptPiece(m, a, p->offset);
@@ -640,18 +639,15 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
       }
     }
     if (stopped) {
-      a->over = true;
-      Finish(a->ep, *a->header, Landed{.bytes = {}, .hold = a->buf},
-             absl::UnavailableError(absl::StrCat("block ", a->header->seq,
-                                                 ": the receiver is shutting down")));
+      GiveUp(a, nullptr, absl::UnavailableError(absl::StrCat("block ", a->header->seq,
+                                                             ": the receiver is shutting down")));
       return;
     }
     if (stale != nullptr) {
       // A block under the same sequence number that never finished (a sender that started
       // again numbers its transfers from 1 again): freed without an answer, which would now go
       // to the new block's transfer.
-      Count(&Stats::aborted);
-      GiveUp(stale, absl::AbortedError("superseded"), /*reply=*/false);
+      GiveUp(stale, &Stats::aborted, absl::AbortedError("superseded"), /*reply=*/false);
     }
     // The pieces still to come go with the connection.
     bool handle_set = false;
@@ -661,8 +657,7 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
           auto self = weak.lock();
           auto a = wa.lock();
           if (self == nullptr || a == nullptr) return;
-          self->Count(&Stats::aborted);
-          self->GiveUp(a, absl::UnavailableError(
+          self->GiveUp(a, &Stats::aborted, absl::UnavailableError(
                               absl::StrCat("block ", a->header->seq,
                                            ": the connection failed while its pieces arrived: ",
                                            s.message())));
@@ -695,8 +690,7 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
   // that landed before its turn is checked when its turn comes). The last one hands the block on.
   void PieceLanded(const std::shared_ptr<Pieces>& a, uint64_t at, uint64_t n, absl::Status s) {
     if (!s.ok()) {
-      Count(&Stats::aborted);
-      GiveUp(a, std::move(s));
+      GiveUp(a, &Stats::aborted, std::move(s));
       return;
     }
     uint32_t crc;
@@ -721,14 +715,17 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
             a->ep, absl::OkStatus());
   }
 
-  // Fails a pieced block (once): the sender learns why (unless `reply` is false), the partial
-  // data goes with the buffer (once the pieces still landing are in), later pieces are dropped.
-  void GiveUp(const std::shared_ptr<Pieces>& a, absl::Status why, bool reply = true) {
+  // Fails a pieced block (once; `counter`, if set, counts it then): the sender learns why
+  // (unless `reply` is false), the partial data goes with the buffer (once the pieces still
+  // landing are in), later pieces are dropped.
+  void GiveUp(const std::shared_ptr<Pieces>& a, uint64_t Stats::*counter, absl::Status why,
+              bool reply = true) {
     {
       std::lock_guard<std::mutex> lock(a->mu);
       if (a->over) return;
       a->over = true;
     }
+    if (counter != nullptr) Count(counter);
     Forget(a);
     if (reply) {
       Finish(a->ep, *a->header, Landed{.bytes = {}, .hold = a->buf}, why);
@@ -870,8 +867,8 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
     }
     for (uint64_t token : tokens) TakeBack(token, /*tell_sender=*/true);
     for (const auto& a : arriving) {
-      GiveUp(a, absl::UnavailableError(absl::StrCat("block ", a->header->seq,
-                                                    ": the receiver shut down")));
+      GiveUp(a, nullptr, absl::UnavailableError(absl::StrCat("block ", a->header->seq,
+                                                             ": the receiver shut down")));
     }
     tasks_.Stop();
     std::unique_lock<std::mutex> lock(mu_);
@@ -1310,14 +1307,13 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     };
     post(kBlockDataMessage, EncodeBlockDataHeader(header_fields),
          header_fields.pieced ? piece(0, options_.piece_bytes) : payload);
+    uint64_t posted_to = size;  // where a pieced block's posting stopped
     if (header_fields.pieced) {
-      uint64_t at = options_.piece_bytes;
-      for (; at < size && !OutcomeKnown(seq); at += options_.piece_bytes) {
-        post(kBlockPieceMessage, EncodeBlockPieceHeader({.seq = seq, .offset = at}),
-             piece(at, std::min(options_.piece_bytes, size - at)));
+      posted_to = options_.piece_bytes;
+      for (; posted_to < size && !OutcomeKnown(seq); posted_to += options_.piece_bytes) {
+        post(kBlockPieceMessage, EncodeBlockPieceHeader({.seq = seq, .offset = posted_to}),
+             piece(posted_to, std::min(options_.piece_bytes, size - posted_to)));
       }
-      // Failed, cancelled or timed out: the rest stays here, and the receiver lets the block go.
-      if (at < size) Abandon(ep, seq, at);
     }
     if (progress.has_value()) {
       // The transfer cannot complete, nor its space come back, until this copy has stopped
@@ -1347,8 +1343,10 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     }
     if (cancel) {
       for (uint64_t tid : tids) ep->Cancel(tid);
-      if (header_fields.pieced) Abandon(ep, seq, size);
     }
+    // Posting stopped early (failed, cancelled, timed out: the rest stays here) or what was
+    // posted is being cancelled: the receiver lets the block go.
+    if (header_fields.pieced && (posted_to < size || cancel)) Abandon(ep, seq, posted_to);
     return transfer;
   }
 
