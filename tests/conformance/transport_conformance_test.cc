@@ -737,9 +737,7 @@ class HandMadeSender {
 
   // Asks for a ring and maps it.
   absl::StatusOr<std::span<uint8_t>> MapRing(uint64_t token) {
-    const std::string req = EncodeRingRequest({.token = token});
-    peer_->Send(kBlockRingRequestMessage, AsBytes(req), {}, absl::Seconds(10),
-                [](absl::Status) {});
+    Send(kBlockRingRequestMessage, EncodeRingRequest({.token = token}));
     RingGrant grant;
     {
       std::unique_lock<std::mutex> lock(state_->mu);
@@ -761,7 +759,7 @@ class HandMadeSender {
                                                  .block_id = absl::StrCat("hand", seq),
                                                  .placed = RingPlace{token, offset},
                                                  .streamed = true});
-    peer_->Send(kBlockDataMessage, AsBytes(h), {}, absl::Seconds(10), [](absl::Status) {});
+    Send(kBlockDataMessage, h);
   }
 
   // Any protocol message, as this sender wrote it.
