@@ -41,10 +41,9 @@ constexpr uint8_t kStreamedFlag = 2;                      // data: placed, still
 constexpr uint8_t kPiecedFlag = 4;                        // data: first piece; the rest follow
 constexpr size_t kPieceBytes = 4 + 1 + 1 + 2 + 8 + 8;     // magic ver flags 0 seq offset
 constexpr uint8_t kAbandonedFlag = 1;                     // piece: the rest will not come
-// Streamed placement: progress published per chunk; the receiver gives up on a sender that has
-// not advanced for kStreamStall.
+// Streamed placement: progress published per chunk (the receiver gives up on a sender that has
+// not advanced for BlockReceiverOptions::stall_timeout).
 constexpr uint64_t kStreamChunk = 128 << 10;
-constexpr absl::Duration kStreamStall = absl::Seconds(2);
 constexpr size_t kRequestBytes = 4 + 1 + 1 + 2 + 8;       // magic ver 0 0 token
 constexpr size_t kGrantFixed = 4 + 1 + 1 + 2 + 8 + 4;     // magic ver 0 desc_len token code
 constexpr size_t kReleaseFixed = 4 + 1 + 1 + 2 + 8;       // magic ver flags count token
@@ -342,6 +341,15 @@ absl::StatusOr<RingRelease> DecodeRingRelease(std::span<const uint8_t> b) {
 
 absl::Status BlockReceiverOptions::Validate() const {
   if (max_block_bytes == 0) return absl::InvalidArgumentError("max_block_bytes must be > 0");
+  if (max_pending_bytes < max_block_bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_pending_bytes (", max_pending_bytes,
+                     ") must be at least max_block_bytes (", max_block_bytes, ")"));
+  }
+  if (stall_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("stall_timeout must be positive, got ", absl::FormatDuration(stall_timeout)));
+  }
   if (max_rings < 0) return absl::InvalidArgumentError("max_rings must be >= 0");
   if (verify_threads < 1 || verify_threads > 64) {
     return absl::InvalidArgumentError(
@@ -500,7 +508,9 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
         options_(options),
         consumer_(std::move(consumer)),
         pool_(BufferPool<RegisteredBuffer>::Create(options.pool_bytes)),
-        tasks_(options.verify_threads) {}
+        tasks_(options.verify_threads) {
+    watcher_ = std::thread([this] { WatchStalls(); });
+  }
 
   static HandlerList<Impl> Handlers() {
     return {{kBlockDataMessage, &Impl::OnData},
@@ -538,13 +548,18 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
                                                       options_.max_block_bytes)));
       return;
     }
+    if (absl::Status room = TakePending(h->size); !room.ok()) {
+      Count(&Stats::overloaded);
+      Reply(ep, h->seq, room);
+      return;
+    }
     absl::StatusOr<std::shared_ptr<RegisteredBuffer>> slot =
         AcquireRegistered(*pool_, *transport_, h->size);
     if (!slot.ok()) {
+      AddPending(-static_cast<int64_t>(h->size));
       Reply(ep, h->seq, slot.status());
       return;
     }
-    AddPending(static_cast<int64_t>(h->size));
     auto self = shared_from_this();
     auto header = std::make_shared<BlockDataHeader>(std::move(*h));
     std::shared_ptr<RegisteredBuffer> buf = std::move(*slot);
@@ -597,6 +612,7 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
             ", where the next piece of its ", a->header->size, " bytes starts at ", a->arrived));
       } else {
         a->arrived += n;
+        a->moved = absl::Now();
       }
     }
     if (!bad.ok()) {
@@ -614,6 +630,7 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
     uint64_t failure_handle = 0;
     std::mutex mu;
     uint64_t arrived = 0;  // bytes whose pieces have arrived: where the next piece starts
+    absl::Time moved = absl::Now();  // when a piece last arrived or landed
     uint64_t checked = 0;  // bytes from the start whose CRC is `crc`
     uint32_t crc = 0;
     std::map<uint64_t, uint64_t> ahead;  // offset -> bytes of pieces landed before their turn
@@ -697,6 +714,7 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
     {
       std::lock_guard<std::mutex> lock(a->mu);
       if (a->over) return;
+      a->moved = absl::Now();
       a->ahead[at] = n;
       for (auto it = a->ahead.begin(); it != a->ahead.end() && it->first == a->checked;
            it = a->ahead.erase(it)) {
@@ -713,6 +731,36 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
                    .hold = a->buf,
                    .crc = crc},
             a->ep, absl::OkStatus());
+  }
+
+  // Gives up pieced blocks whose sender stopped sending their pieces (a lost piece, a sender
+  // that went quiet without its connection failing), until Shutdown.
+  void WatchStalls() {
+    const absl::Duration stall = options_.stall_timeout;
+    const absl::Duration period =
+        std::clamp(stall / 4, absl::Milliseconds(5), absl::Milliseconds(500));
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!stopped_) {
+      watch_cv_.wait_for(lock, absl::ToChronoNanoseconds(period));
+      if (stopped_ || pieces_.empty()) continue;
+      std::vector<std::shared_ptr<Pieces>> arriving;
+      for (const auto& [key, a] : pieces_) arriving.push_back(a);
+      lock.unlock();
+      const absl::Time now = absl::Now();
+      for (const auto& a : arriving) {
+        uint64_t arrived;
+        {
+          std::lock_guard<std::mutex> piece_lock(a->mu);
+          if (now - a->moved < stall) continue;
+          arrived = a->arrived;
+        }
+        GiveUp(a, &Stats::aborted,
+               absl::DeadlineExceededError(absl::StrCat(
+                   "block ", a->header->seq, ": no piece for ", absl::FormatDuration(stall),
+                   " with ", arrived, " of its ", a->header->size, " bytes sent")));
+      }
+      lock.lock();
+    }
   }
 
   // Fails a pieced block (once; `counter`, if set, counts it then): the sender learns why
@@ -832,10 +880,15 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
     }
     std::string out;
     const std::pair<const char*, uint64_t> counters[] = {
-        {"blocks", st.blocks},           {"bytes", st.bytes},
-        {"refused", st.refused},         {"checksum_failures", st.checksum_failures},
-        {"too_large", st.too_large},     {"malformed", st.malformed},
-        {"aborted", st.aborted},         {"placed_blocks", st.placed},
+        {"blocks", st.blocks},
+        {"bytes", st.bytes},
+        {"refused", st.refused},
+        {"checksum_failures", st.checksum_failures},
+        {"too_large", st.too_large},
+        {"overloaded", st.overloaded},
+        {"malformed", st.malformed},
+        {"aborted", st.aborted},
+        {"placed_blocks", st.placed},
         {"pieced_blocks", st.pieced}};
     for (const auto& [name, v] : counters) {
       RenderMetric(absl::StrCat("strata_transport_received_", name, "_total"), "counter",
@@ -862,9 +915,11 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
     {
       std::lock_guard<std::mutex> lock(mu_);
       stopped_ = true;
+      watch_cv_.notify_all();
       for (const auto& [token, ring] : rings_) tokens.push_back(token);
       for (const auto& [key, a] : pieces_) arriving.push_back(a);
     }
+    if (watcher_.joinable()) watcher_.join();
     for (uint64_t token : tokens) TakeBack(token, /*tell_sender=*/true);
     for (const auto& a : arriving) {
       GiveUp(a, nullptr, absl::UnavailableError(absl::StrCat("block ", a->header->seq,
@@ -887,13 +942,14 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
 
   // The CRC of a streamed block, computed as the sender's progress word says its bytes are
   // there (each piece still in cache from the sender's copy).
-  static absl::StatusOr<uint32_t> CrcAsWritten(const BlockDataHeader& h, const Landed& landed,
-                                               const std::shared_ptr<Endpoint>& ep) {
+  absl::StatusOr<uint32_t> CrcAsWritten(const BlockDataHeader& h, const Landed& landed,
+                                        const std::shared_ptr<Endpoint>& ep) const {
+    const absl::Duration stall = options_.stall_timeout;
     std::atomic_ref<uint64_t> progress(*landed.progress);
     const uint64_t n = landed.bytes.size();
     uint32_t crc = 0;
     uint64_t done = 0;
-    absl::Time stall_at = absl::Now() + kStreamStall;
+    absl::Time stall_at = absl::Now() + stall;
     for (uint32_t spins = 0; done < n;) {
       const uint64_t there = progress.load(std::memory_order_acquire);
       if (there > n) {
@@ -903,7 +959,7 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
       if (there > done) {
         crc = Crc32cExtend(crc, landed.bytes.data() + done, there - done);
         done = there;
-        stall_at = absl::Now() + kStreamStall;
+        stall_at = absl::Now() + stall;
         continue;
       }
       if (++spins % 1024 == 0) {
@@ -915,7 +971,7 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
         if (absl::Now() > stall_at) {
           return absl::DeadlineExceededError(
               absl::StrCat("block ", h.seq, ": the sender stopped writing at ", done, " of ", n,
-                           " bytes for ", absl::FormatDuration(kStreamStall)));
+                           " bytes for ", absl::FormatDuration(stall)));
         }
       }
       SpinPause();
@@ -1081,6 +1137,20 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
     ++(stats_.*field);
   }
 
+  // Counts `size` more payload bytes held, unless that would pass max_pending_bytes.
+  absl::Status TakePending(uint64_t size) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (pending_bytes_ + size > options_.max_pending_bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "block of ", size, " bytes: the receiver holds ", pending_bytes_,
+          " bytes of blocks arriving or being consumed, its limit is ",
+          options_.max_pending_bytes, "; try again"));
+    }
+    pending_bytes_ += size;
+    stats_.max_pending_bytes = std::max(stats_.max_pending_bytes, pending_bytes_);
+    return absl::OkStatus();
+  }
+
   void AddPending(int64_t delta) {
     std::lock_guard<std::mutex> lock(mu_);
     pending_bytes_ = static_cast<uint64_t>(static_cast<int64_t>(pending_bytes_) + delta);
@@ -1097,10 +1167,12 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
   bool stopped_ = false;         // Shutdown began: no new consumer calls, no rings lent
   int inline_running_ = 0;       // consumer calls on the transport's thread under way
   std::condition_variable inline_cv_;
+  std::condition_variable watch_cv_;  // wakes WatchStalls for Shutdown
   std::unordered_map<uint64_t, std::shared_ptr<LentRing>> rings_;  // by token
   // Pieced blocks arriving, by sender connection and sequence number.
   absl::flat_hash_map<std::pair<const Endpoint*, uint64_t>, std::shared_ptr<Pieces>> pieces_;
-  TaskThreads tasks_;  // last: joined first in the destructor
+  std::thread watcher_;  // WatchStalls, joined in Shutdown
+  TaskThreads tasks_;    // last: joined first in the destructor
 };
 
 absl::StatusOr<std::unique_ptr<BlockReceiver>> BlockReceiver::Create(

@@ -152,12 +152,23 @@ struct ReceivedBlock {
 };
 
 // Consumes a block. Runs on one of the receiver's verify threads (or the transport's thread, see
-// BlockReceiverOptions::inline_max_bytes); may take its time (the sender's window absorbs it). Its status is what the sender's Transfer completes with.
+// BlockReceiverOptions::inline_max_bytes); may take its time (the sender's window absorbs it).
+// Its status is what the sender's Transfer completes with.
 using BlockConsumer = std::function<absl::Status(ReceivedBlock)>;
 
 struct BlockReceiverOptions {
   // Larger announced blocks are refused with RESOURCE_EXHAUSTED before any byte moves.
   uint64_t max_block_bytes = uint64_t{1} << 30;
+  // Payload bytes held at once, over all senders (arriving, being verified or consumed): a
+  // block sent as payload that would take the total past this is refused with
+  // RESOURCE_EXHAUSTED before any byte moves (its sender may try again). Each sender's window
+  // bounds what it keeps in flight; this bounds the receiver against many senders, or one that
+  // starts blocks and never finishes them. At least max_block_bytes.
+  uint64_t max_pending_bytes = uint64_t{4} << 30;
+  // A block still arriving whose sender has not moved it on for this long (no piece of a
+  // pieced block, no progress in a streamed one) is given up: DEADLINE_EXCEEDED to its sender,
+  // counted as aborted, never handed on, its memory freed.
+  absl::Duration stall_timeout = absl::Seconds(2);
   // Free registered buffers kept for reuse (bytes); more are deregistered and freed.
   uint64_t pool_bytes = uint64_t{256} << 20;
   // Threads that verify checksums and run the consumer (>= 1).
@@ -186,9 +197,10 @@ class BlockReceiver {
     uint64_t bytes = 0;
     uint64_t refused = 0;            // consumer returned an error
     uint64_t checksum_failures = 0;  // DATA_LOSS sent back
-    uint64_t too_large = 0;          // RESOURCE_EXHAUSTED sent back
+    uint64_t too_large = 0;          // over max_block_bytes: RESOURCE_EXHAUSTED sent back
+    uint64_t overloaded = 0;         // over max_pending_bytes: RESOURCE_EXHAUSTED sent back
     uint64_t malformed = 0;          // undecodable header or size mismatch
-    uint64_t aborted = 0;            // payload transfer failed midway; discarded
+    uint64_t aborted = 0;            // failed, stalled or given up midway; discarded
     uint64_t max_pending_bytes = 0;  // most payload bytes held at once (arriving or being consumed)
     uint64_t placed = 0;             // of `blocks`, written into a lent ring by the sender
     uint64_t pieced = 0;             // of `blocks`, arrived in pieces (BlockSenderOptions)

@@ -196,6 +196,11 @@ TEST(BlockWireTest, OptionsValidate) {
   EXPECT_FALSE(BlockReceiverOptions{.verify_threads = 0}.Validate().ok());
   EXPECT_FALSE(BlockReceiverOptions{.max_block_bytes = 0}.Validate().ok());
   EXPECT_FALSE(BlockReceiverOptions{.max_rings = -1}.Validate().ok());
+  const BlockReceiverOptions small_limit{.max_block_bytes = 2 << 20,
+                                         .max_pending_bytes = 1 << 20};
+  EXPECT_FALSE(small_limit.Validate().ok());
+  EXPECT_FALSE(BlockReceiverOptions{.stall_timeout = absl::ZeroDuration()}.Validate().ok());
+  EXPECT_TRUE(BlockReceiverOptions{}.Validate().ok());
   EXPECT_FALSE(BlockSenderOptions{.max_bytes_in_flight = 0}.Validate().ok());
   EXPECT_FALSE(BlockSenderOptions{.timeout = absl::ZeroDuration()}.Validate().ok());
   EXPECT_FALSE(BlockSenderOptions{.piece_bytes = 100}.Validate().ok());

@@ -906,6 +906,95 @@ TEST_P(TransportConformanceTest, HandMadePiecesAreCheckedAndAnUnfinishedBlockIsF
   EXPECT_THAT(receiver_->RenderMetrics(), HasSubstr("strata_transport_received_pending_bytes 0"));
 }
 
+// A pieced block whose sender stops sending pieces while its connection stays up is given up
+// after the receiver's stall_timeout (DEADLINE_EXCEEDED, its buffer freed, nothing handed on);
+// its late pieces are dropped and the next block goes through.
+TEST_P(TransportConformanceTest, StalledPiecedBlockIsGivenUpAfterTheStallTimeout) {
+  Start({.stall_timeout = absl::Milliseconds(300)});
+  sender_.reset();  // this transport's handlers are the hand-made sender's now
+  HandMadeSender hand(sender_transport_.get(), peer_);
+  const std::vector<uint8_t> data = RandomBytes(3 * 4096, 7);
+  const std::span<const uint8_t> all(data);
+  const uint32_t crc = Crc32c(data.data(), data.size());
+  auto header = [&](uint64_t seq) {
+    return EncodeBlockDataHeader({.seq = seq, .size = data.size(), .crc32c = crc,
+                                  .block_id = absl::StrCat("s", seq), .pieced = true});
+  };
+  const absl::Time start = absl::Now();
+  hand.Send(kBlockDataMessage, header(1), all.subspan(0, 4096));
+  hand.Send(kBlockPieceMessage, EncodeBlockPieceHeader({.seq = 1, .offset = 4096}),
+            all.subspan(4096, 4096));  // ...and not the last piece
+  std::optional<absl::Status> a = hand.Ack(1, absl::Seconds(10));
+  ASSERT_TRUE(a.has_value()) << "no answer for a stalled pieced block";
+  EXPECT_EQ(a->code(), absl::StatusCode::kDeadlineExceeded) << *a;
+  EXPECT_THAT(a->message(), HasSubstr("8192 of its 12288 bytes sent"));
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(250));
+  EXPECT_EQ(receiver_->stats().aborted, 1u);
+  EXPECT_THAT(receiver_->RenderMetrics(), HasSubstr("strata_transport_received_pending_bytes 0"));
+  // The late piece is dropped; block 2 goes through.
+  hand.Send(kBlockPieceMessage, EncodeBlockPieceHeader({.seq = 1, .offset = 8192}),
+            all.subspan(8192, 4096));
+  hand.Send(kBlockDataMessage, header(2), all.subspan(0, 8192));
+  hand.Send(kBlockPieceMessage, EncodeBlockPieceHeader({.seq = 2, .offset = 8192}),
+            all.subspan(8192, 4096));
+  a = hand.Ack(2, absl::Seconds(10));
+  ASSERT_TRUE(a.has_value());
+  EXPECT_TRUE(a->ok()) << *a;
+  EXPECT_EQ(sink_.Get("s2"), data);
+  EXPECT_TRUE(sink_.Get("s1").empty()) << "a stalled block was handed on";
+  const BlockReceiver::Stats st = receiver_->stats();
+  EXPECT_EQ(st.blocks, 1u);
+  EXPECT_EQ(st.aborted, 1u);
+  EXPECT_EQ(st.malformed, 0u);
+}
+
+// Blocks sent as payload are refused with RESOURCE_EXHAUSTED, before any byte moves, while they
+// would take the bytes the receiver holds past max_pending_bytes; once the held block is done,
+// the next one is taken.
+TEST_P(TransportConformanceTest, ReceiverHoldingItsLimitRefusesMoreUntilItHasRoom) {
+  Start({.max_block_bytes = 64 << 10, .max_pending_bytes = 64 << 10});
+  sender_.reset();
+  HandMadeSender hand(sender_transport_.get(), peer_);
+  const std::vector<uint8_t> data = RandomBytes(48 << 10, 8);
+  const std::span<const uint8_t> all(data);
+  auto header = [&](uint64_t seq, uint64_t size, bool pieced) {
+    return EncodeBlockDataHeader({.seq = seq, .size = size,
+                                  .crc32c = Crc32c(data.data(), size),
+                                  .block_id = absl::StrCat("o", seq), .pieced = pieced});
+  };
+  // Block 1 (48 KiB) starts and holds its buffer while its pieces come.
+  hand.Send(kBlockDataMessage, header(1, 48 << 10, true), all.subspan(0, 16 << 10));
+  // Block 2 (32 KiB, whole) would pass the limit.
+  hand.Send(kBlockDataMessage, header(2, 32 << 10, false), all.subspan(0, 32 << 10));
+  std::optional<absl::Status> a = hand.Ack(2, absl::Seconds(10));
+  ASSERT_TRUE(a.has_value());
+  EXPECT_EQ(a->code(), absl::StatusCode::kResourceExhausted) << *a;
+  EXPECT_THAT(a->message(), HasSubstr("limit is 65536"));
+  // A 16 KiB block fits beside block 1.
+  hand.Send(kBlockDataMessage, header(3, 16 << 10, false), all.subspan(0, 16 << 10));
+  a = hand.Ack(3, absl::Seconds(10));
+  ASSERT_TRUE(a.has_value());
+  EXPECT_TRUE(a->ok()) << *a;
+  hand.Send(kBlockPieceMessage, EncodeBlockPieceHeader({.seq = 1, .offset = 16 << 10}),
+            all.subspan(16 << 10, 32 << 10));
+  a = hand.Ack(1, absl::Seconds(10));
+  ASSERT_TRUE(a.has_value());
+  EXPECT_TRUE(a->ok()) << *a;
+  // Room again: block 2 goes through when sent again.
+  hand.Send(kBlockDataMessage, header(4, 32 << 10, false), all.subspan(0, 32 << 10));
+  a = hand.Ack(4, absl::Seconds(10));
+  ASSERT_TRUE(a.has_value());
+  EXPECT_TRUE(a->ok()) << *a;
+  const BlockReceiver::Stats st = receiver_->stats();
+  EXPECT_EQ(st.overloaded, 1u);
+  EXPECT_EQ(st.blocks, 3u);
+  EXPECT_LE(st.max_pending_bytes, uint64_t{64} << 10);
+  EXPECT_EQ(sink_.Get("o1"), data);
+  EXPECT_TRUE(sink_.Get("o2").empty());
+  EXPECT_THAT(receiver_->RenderMetrics(),
+              HasSubstr("strata_transport_received_overloaded_total 1"));
+}
+
 // A same-host sender that announces a streamed block and stops writing it halfway: the receiver
 // gives up after its stall limit (2 s) with DEADLINE_EXCEEDED, never hands the block on, and
 // then serves other senders again. One that claims more bytes than the block has is DATA_LOSS.
