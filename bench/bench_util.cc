@@ -15,6 +15,31 @@
 
 namespace strata::bench {
 
+std::optional<std::vector<std::pair<std::string, std::string>>> FlagPairs(int argc,
+                                                                          char** argv,
+                                                                          const char* usage,
+                                                                          int* exit_code) {
+  std::vector<std::pair<std::string, std::string>> pairs;
+  for (int i = 1; i < argc; i += 2) {
+    const std::string flag = argv[i];
+    if (flag == "--help" || flag == "-h") {
+      std::fputs(usage, stdout);
+      *exit_code = 0;
+      return std::nullopt;
+    }
+    const char* wrong = flag.rfind("--", 0) != 0 ? "is not a flag"
+                        : i + 1 == argc           ? "wants a value"
+                                                  : nullptr;
+    if (wrong != nullptr) {
+      std::fprintf(stderr, "%s %s\n%s", flag.c_str(), wrong, usage);
+      *exit_code = 2;
+      return std::nullopt;
+    }
+    pairs.emplace_back(flag, argv[i + 1]);
+  }
+  return pairs;
+}
+
 RunInfo CollectRunInfo(const std::string& commit) {
   RunInfo r;
   char host[256] = {};

@@ -4,10 +4,20 @@
 
 #include <algorithm>
 #include <chrono>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace strata::bench {
+
+// A program's command line as (--flag, value) pairs. `--help` (or `-h`) prints `usage` to stdout
+// and sets *exit_code to 0; a flag without its value, or an argument that is not a flag, prints
+// what is wrong and `usage` to stderr and sets it to 2. Either way the caller returns it.
+std::optional<std::vector<std::pair<std::string, std::string>>> FlagPairs(int argc,
+                                                                          char** argv,
+                                                                          const char* usage,
+                                                                          int* exit_code);
 
 struct RunInfo {
   std::string machine;  // host, CPU model, cores

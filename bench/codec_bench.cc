@@ -8,8 +8,7 @@
 //      Frobenius error of K and V, relative error of attention output, and bits per element
 //      (everything counted) next to the nominal bits papers quote.
 // Prints the tables and writes JSON to --out (default bench/results).
-//
-//   codec_bench [--commit SHA] [--out DIR] [--contexts 8192,32768] [--codecs a,b,...]
+// Flags: kUsage below (--help).
 #include <malloc.h>
 
 #include <cmath>
@@ -128,6 +127,10 @@ double RelErr(const float* a, const float* b, size_t n) {
   return std::sqrt(num / den);
 }
 
+constexpr char kUsage[] =
+    "usage: codec_bench [--commit SHA] [--out DIR (default bench/results)]\n"
+    "                   [--contexts 8192,32768] [--codecs a,b,...]\n";
+
 int Main(int argc, char** argv) {
   // Keep freed memory in the heap: codecs allocate per-chunk scratch, and glibc's default of
   // returning every block over 128 KiB to the kernel turns each chunk into page faults. Serving
@@ -136,8 +139,10 @@ int Main(int argc, char** argv) {
   mallopt(M_TRIM_THRESHOLD, 512 << 20);
   std::string commit = "unknown", out_dir = "bench/results", codec_list = kDefaultCodecs;
   std::vector<uint32_t> contexts = {8192, 32768};
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string flag = argv[i], val = argv[i + 1];
+  int exit_code = 0;
+  const auto flags = FlagPairs(argc, argv, kUsage, &exit_code);
+  if (!flags) return exit_code;
+  for (const auto& [flag, val] : *flags) {
     if (flag == "--commit")
       commit = val;
     else if (flag == "--out")
@@ -155,7 +160,7 @@ int Main(int argc, char** argv) {
         contexts.push_back(c / kChunk * kChunk);
       }
     } else {
-      std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
+      std::fprintf(stderr, "unknown flag %s\n%s", flag.c_str(), kUsage);
       return 2;
     }
   }

@@ -1,7 +1,6 @@
 // model_bench: prefill and decode speed of the model engine on this machine, with the KV cache
 // at fp16 and compressed by codecs, at a given context (default 2048 tokens).
-//   model_bench [--model DIR] [--context N] [--decode N] [--codecs a,b] [--commit SHA] [--out DIR]
-// Prints a table and writes JSON to --out (default bench/results).
+// Prints a table and writes JSON to --out (default bench/results). Flags: kUsage below (--help).
 #include <malloc.h>
 
 #include <chrono>
@@ -19,14 +18,20 @@
 namespace strata::bench {
 namespace {
 
+constexpr char kUsage[] =
+    "usage: model_bench [--model DIR] [--context N] [--decode N] [--codecs a,b]\n"
+    "                   [--commit SHA] [--out DIR (default bench/results)]\n";
+
 int Main(int argc, char** argv) {
   mallopt(M_MMAP_THRESHOLD, 256 << 20);
   mallopt(M_TRIM_THRESHOLD, 512 << 20);
   std::string model_dir = STRATA_DEFAULT_MODEL, commit = "unknown", out_dir = "bench/results",
               codecs = "fp16,kivi:k2v2:g32,gear:k2v2:kcvt:r2:s1";
   uint32_t context = 2048, decode = 32;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string f = argv[i], v = argv[i + 1];
+  int exit_code = 0;
+  const auto flags = FlagPairs(argc, argv, kUsage, &exit_code);
+  if (!flags) return exit_code;
+  for (const auto& [f, v] : *flags) {
     if (f == "--model")
       model_dir = v;
     else if (f == "--commit")
@@ -40,7 +45,7 @@ int Main(int argc, char** argv) {
     else if (f == "--decode" && absl::SimpleAtoi(v, &decode))
       continue;
     else {
-      std::fprintf(stderr, "bad flag %s %s\n", f.c_str(), v.c_str());
+      std::fprintf(stderr, "bad flag %s %s\n%s", f.c_str(), v.c_str(), kUsage);
       return 2;
     }
   }

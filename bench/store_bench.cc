@@ -2,8 +2,7 @@
 // RocksDB) at 256 KiB and 2 MiB blocks with 1 and 8 client threads, against a raw memcpy and a
 // raw sequential file write/read of the same sizes measured in the same run (the ratios are the
 // result; absolute numbers depend on the machine).
-//   store_bench [--dir DIR] [--mib N] [--commit SHA] [--out DIR]
-// Prints a table and writes JSON to --out (default bench/results).
+// Prints a table and writes JSON to --out (default bench/results). Flags: kUsage below (--help).
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -100,17 +99,23 @@ Stat Run(int threads, uint32_t n, size_t bytes, Op&& op) {
   return Summarize(all, size_t{n} * bytes, wall);
 }
 
+constexpr char kUsage[] =
+    "usage: store_bench [--dir DIR] [--mib N] [--commit SHA]\n"
+    "                   [--out DIR (default bench/results)]\n";
+
 int Main(int argc, char** argv) {
   std::string dir = "/tmp/strata-store-bench", commit = "unknown", out_dir = "bench/results";
   uint32_t mib = 512;  // data per measurement
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string f = argv[i], v = argv[i + 1];
+  int exit_code = 0;
+  const auto flags = FlagPairs(argc, argv, kUsage, &exit_code);
+  if (!flags) return exit_code;
+  for (const auto& [f, v] : *flags) {
     if (f == "--dir") dir = v;
     else if (f == "--commit") commit = v;
     else if (f == "--out") out_dir = v;
     else if (f == "--mib" && absl::SimpleAtoi(v, &mib)) continue;
     else {
-      std::fprintf(stderr, "bad flag %s %s\n", f.c_str(), v.c_str());
+      std::fprintf(stderr, "bad flag %s %s\n%s", f.c_str(), v.c_str(), kUsage);
       return 2;
     }
   }

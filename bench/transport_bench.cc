@@ -8,15 +8,8 @@
 // sender passes each block's CRC-32C as a prefill node does (computed once, when the block is
 // encoded). ucx_perftest's ucp_am_bw moves the same sizes as UCP active messages with no checks.
 //
-//   transport_bench [--tls LIST] [--sizes 4K,64K,...] [--mib N] [--reps N] [--window BYTES]
-//                   [--inline BYTES] [--busy-poll-us N] [--perftest PATH]
-//                   [--place-min BYTES (0: no direct placement)] [--stream-min BYTES (0: never)]
-//                   [--ring BYTES (the receiver's ring_bytes)] [--piece BYTES (0: whole)]
-// Between two hosts (no ucx_perftest comparison then; run it yourself for the ceiling):
-//   host A: transport_bench --role receiver --listen 0.0.0.0:7080 [--tls LIST]
-//   host B: transport_bench --connect ucx://A:7080 [--tls LIST]
-//                   [--commit SHA] [--out DIR]
 // Prints a table and writes JSON (and the same table as .txt) to --out (default bench/results).
+// Flags: kUsage below (--help).
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -282,6 +275,16 @@ struct Row {
   std::vector<double> strata_rounds, perftest_rounds;  // bytes/s, every round in order
 };
 
+constexpr char kUsage[] =
+    "usage: transport_bench [--tls LIST] [--sizes 4K,64K,...] [--mib N] [--reps N]\n"
+    "         [--window BYTES] [--inline BYTES] [--busy-poll-us N] [--perftest PATH]\n"
+    "         [--place-min BYTES (0: no direct placement)] [--stream-min BYTES (0: never)]\n"
+    "         [--ring BYTES (the receiver's ring_bytes)] [--piece BYTES (0: whole)]\n"
+    "         [--commit SHA] [--out DIR (default bench/results)]\n"
+    "between two hosts (no ucx_perftest comparison then; run it yourself for the ceiling):\n"
+    "  host A: transport_bench --role receiver --listen 0.0.0.0:7080 [--tls LIST]\n"
+    "  host B: transport_bench --connect ucx://A:7080 [--tls LIST] [other flags as above]\n";
+
 int Main(int argc, char** argv) {
   std::string tls = "posix,sysv,cma,tcp", commit = "unknown", out_dir = "bench/results";
   std::string perftest = "/usr/bin/ucx_perftest", role, address_file, listen, connect;
@@ -300,8 +303,10 @@ int Main(int argc, char** argv) {
   uint64_t stream_min = transport::BlockSenderOptions{}.stream_min_bytes;  // 0: never
   uint64_t piece = transport::BlockSenderOptions{}.piece_bytes;  // 0: whole
   uint64_t ring = transport::BlockReceiverOptions{}.ring_bytes;  // lent to the sender
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string f = argv[i], v = argv[i + 1];
+  int exit_code = 0;
+  const auto flags = FlagPairs(argc, argv, kUsage, &exit_code);
+  if (!flags) return exit_code;
+  for (const auto& [f, v] : *flags) {
     if (f == "--tls") tls = v;
     else if (f == "--commit") commit = v;
     else if (f == "--out") out_dir = v;
@@ -323,7 +328,7 @@ int Main(int argc, char** argv) {
       sizes.clear();
       for (absl::string_view s : absl::StrSplit(v, ',')) sizes.push_back(ParseSize(std::string(s)));
     } else {
-      std::fprintf(stderr, "unknown flag %s\n", f.c_str());
+      std::fprintf(stderr, "unknown flag %s\n%s", f.c_str(), kUsage);
       return 2;
     }
   }
