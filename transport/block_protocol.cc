@@ -10,7 +10,6 @@
 #include <random>
 #include <thread>
 #include <unordered_map>
-#include <unordered_set>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -83,6 +82,25 @@ T Get(const uint8_t* p) {
   return v;
 }
 
+// The length, magic and wire version every protocol message starts with; `what` names the
+// message in errors.
+absl::Status CheckPrefix(std::span<const uint8_t> b, size_t min_size, uint32_t magic,
+                         const char* what) {
+  if (b.size() < min_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": ", b.size(), " bytes, needs at least ", min_size));
+  }
+  if (const uint32_t m = Get<uint32_t>(b.data()); m != magic) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s: magic %08x, expected %08x", what, m, magic));
+  }
+  if (b[4] != kWireVersion) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": wire version ", b[4], ", this build speaks ", kWireVersion));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 std::string EncodeBlockDataHeader(const BlockDataHeader& h) {
@@ -105,20 +123,7 @@ std::string EncodeBlockDataHeader(const BlockDataHeader& h) {
 }
 
 absl::StatusOr<BlockDataHeader> DecodeBlockDataHeader(std::span<const uint8_t> b) {
-  if (b.size() < kDataFixed) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("block data header: ", b.size(), " bytes, needs at least ", kDataFixed));
-  }
-  const uint32_t magic = Get<uint32_t>(b.data());
-  if (magic != kDataMagic) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("block data header: magic %08x, expected %08x", magic, kDataMagic));
-  }
-  if (b[4] != kWireVersion) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("block data header: wire version ", b[4], ", this build speaks ",
-                     kWireVersion));
-  }
+  STRATA_RETURN_IF_ERROR(CheckPrefix(b, kDataFixed, kDataMagic, "block data header"));
   if (b[5] != 0 && b[5] != kPlacedFlag && b[5] != (kPlacedFlag | kStreamedFlag) &&
       b[5] != kPiecedFlag) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -169,16 +174,7 @@ std::string EncodeBlockAckHeader(const BlockAckHeader& h) {
 }
 
 absl::StatusOr<BlockAckHeader> DecodeBlockAckHeader(std::span<const uint8_t> b) {
-  if (b.size() < kAckFixed) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("block ack header: ", b.size(), " bytes, needs at least ", kAckFixed));
-  }
-  if (Get<uint32_t>(b.data()) != kAckMagic) {
-    return absl::InvalidArgumentError("block ack header: bad magic");
-  }
-  if (b[4] != kWireVersion) {
-    return absl::InvalidArgumentError(absl::StrCat("block ack header: wire version ", b[4]));
-  }
+  STRATA_RETURN_IF_ERROR(CheckPrefix(b, kAckFixed, kAckMagic, "block ack header"));
   if ((b[5] & ~kPlacedFlag) != 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("block ack header: unknown flags ", b[5], " (only 1, released, is defined)"));
@@ -207,26 +203,6 @@ absl::StatusOr<BlockAckHeader> DecodeBlockAckHeader(std::span<const uint8_t> b) 
   return h;
 }
 
-namespace {
-
-// Magic and version of a ring or piece message; `what` names it in errors.
-absl::Status CheckRingPrefix(std::span<const uint8_t> b, size_t min_size, uint32_t magic,
-                             const char* what) {
-  if (b.size() < min_size) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, ": ", b.size(), " bytes, needs at least ", min_size));
-  }
-  if (Get<uint32_t>(b.data()) != magic) {
-    return absl::InvalidArgumentError(absl::StrCat(what, ": bad magic"));
-  }
-  if (b[4] != kWireVersion) {
-    return absl::InvalidArgumentError(absl::StrCat(what, ": wire version ", b[4]));
-  }
-  return absl::OkStatus();
-}
-
-}  // namespace
-
 std::string EncodeBlockPieceHeader(const BlockPieceHeader& h) {
   std::string out;
   out.reserve(kPieceBytes);
@@ -240,7 +216,7 @@ std::string EncodeBlockPieceHeader(const BlockPieceHeader& h) {
 }
 
 absl::StatusOr<BlockPieceHeader> DecodeBlockPieceHeader(std::span<const uint8_t> b) {
-  STRATA_RETURN_IF_ERROR(CheckRingPrefix(b, kPieceBytes, kPieceMagic, "block piece header"));
+  STRATA_RETURN_IF_ERROR(CheckPrefix(b, kPieceBytes, kPieceMagic, "block piece header"));
   if (b.size() != kPieceBytes || (b[5] & ~kAbandonedFlag) != 0 ||
       Get<uint16_t>(b.data() + 6) != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -263,7 +239,7 @@ std::string EncodeRingRequest(const RingRequest& r) {
 }
 
 absl::StatusOr<RingRequest> DecodeRingRequest(std::span<const uint8_t> b) {
-  STRATA_RETURN_IF_ERROR(CheckRingPrefix(b, kRequestBytes, kRequestMagic, "ring request"));
+  STRATA_RETURN_IF_ERROR(CheckPrefix(b, kRequestBytes, kRequestMagic, "ring request"));
   if (b.size() != kRequestBytes || b[5] != 0 || Get<uint16_t>(b.data() + 6) != 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("ring request: ", b.size(), " bytes or reserved fields not zero"));
@@ -284,7 +260,7 @@ std::string EncodeRingGrant(const RingGrant& g) {
 }
 
 absl::StatusOr<RingGrant> DecodeRingGrant(std::span<const uint8_t> b) {
-  STRATA_RETURN_IF_ERROR(CheckRingPrefix(b, kGrantFixed, kGrantMagic, "ring grant"));
+  STRATA_RETURN_IF_ERROR(CheckPrefix(b, kGrantFixed, kGrantMagic, "ring grant"));
   if (b[5] != 0) return absl::InvalidArgumentError("ring grant: reserved byte not zero");
   const size_t len = Get<uint16_t>(b.data() + 6);
   const uint32_t code = Get<uint32_t>(b.data() + 16);
@@ -319,7 +295,7 @@ std::string EncodeRingRelease(const RingRelease& r) {
 }
 
 absl::StatusOr<RingRelease> DecodeRingRelease(std::span<const uint8_t> b) {
-  STRATA_RETURN_IF_ERROR(CheckRingPrefix(b, kReleaseFixed, kReleaseMagic, "ring release"));
+  STRATA_RETURN_IF_ERROR(CheckPrefix(b, kReleaseFixed, kReleaseMagic, "ring release"));
   if ((b[5] & ~kDropFlag) != 0) {
     return absl::InvalidArgumentError(absl::StrCat("ring release: unknown flags ", b[5]));
   }
@@ -1322,7 +1298,7 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
             header_fields.placed = RingPlace{.token = r->token, .offset = *at};
             header_fields.streamed =
                 options_.stream_min_bytes > 0 && size >= options_.stream_min_bytes;
-            if (header_fields.streamed) r->copying.insert(*at);  // copied after the header
+            if (header_fields.streamed) r->copying[*at] = false;  // copied after the header
             ring = r;
           }
         }
@@ -1601,8 +1577,8 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     std::span<uint8_t> mem;                       // mapped while the endpoint is held
     std::map<uint64_t, uint64_t> free;            // offset -> bytes, coalesced
     std::unordered_map<uint64_t, uint64_t> used;  // offset -> bytes, placed and not given back
-    std::unordered_set<uint64_t> copying;             // streamed blocks still being written
-    std::unordered_set<uint64_t> release_after_copy;  // given back while being written
+    // Streamed blocks still being written -> given back meanwhile (freed when the copy stops).
+    std::unordered_map<uint64_t, bool> copying;
     uint64_t failure_handle = 0;
 
     // The mapping goes with the last holder (the sender's maps, or a Send still copying).
@@ -1631,8 +1607,8 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     // False for an offset that is not placed (a confused or stale peer): ignored. Space still
     // being written is freed when its copy stops.
     bool Release(uint64_t offset) {
-      if (copying.contains(offset)) {
-        release_after_copy.insert(offset);
+      if (auto c = copying.find(offset); c != copying.end()) {
+        c->second = true;
         return true;
       }
       auto u = used.find(offset);
@@ -1693,8 +1669,11 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
   // A streamed block's copy has stopped: its space may come back, the transfer may complete.
   void CopyDone(uint64_t seq, const std::shared_ptr<SenderRing>& ring, uint64_t offset) {
     std::unique_lock<std::mutex> lock(mu_);
-    ring->copying.erase(offset);
-    if (ring->release_after_copy.erase(offset) > 0) ring->Release(offset);
+    if (auto c = ring->copying.find(offset); c != ring->copying.end()) {
+      const bool released = c->second;
+      ring->copying.erase(c);
+      if (released) ring->Release(offset);
+    }
     auto it = pending_.find(seq);
     if (it == pending_.end()) return;
     it->second.copying = false;

@@ -481,8 +481,11 @@ class Engine : public std::enable_shared_from_this<Engine> {
       cv.notify_all();
     }
   };
-  std::unordered_map<uint64_t, std::shared_ptr<ConnectWait>> connect_waits_;
-  std::unordered_map<uint64_t, std::shared_ptr<UcxEndpoint>> connecting_;  // client, by nonce
+  struct Connecting {  // a client connection in its handshake, and its Connect call
+    std::shared_ptr<UcxEndpoint> ep;
+    std::shared_ptr<ConnectWait> wait;
+  };
+  std::unordered_map<uint64_t, Connecting> connecting_;                    // client, by nonce
   std::unordered_map<uint64_t, std::weak_ptr<UcxEndpoint>> accepting_;     // server, by token
   uint64_t next_nonce_ = 0;
   std::string worker_address_;
@@ -632,7 +635,7 @@ void Engine::OnHandshake(uint16_t id, std::span<const uint8_t> h, ucp_ep_h reply
       if (!ReadPod(h, 0, &a) || !ReadPod(h, 8, &b) || h.size() <= 16) return;
       auto it = connecting_.find(a);
       if (it == connecting_.end()) return;
-      std::shared_ptr<UcxEndpoint> conn = it->second;
+      std::shared_ptr<UcxEndpoint> conn = it->second.ep;
       ucp_ep_params_t p{};
       p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                      UCP_EP_PARAM_FIELD_ERR_HANDLER;
@@ -642,8 +645,7 @@ void Engine::OnHandshake(uint16_t id, std::span<const uint8_t> h, ucp_ep_h reply
       p.err_handler.arg = this;
       if (ucs_status_t st = ucp_ep_create(worker_, &p, &conn->data_ep); st != UCS_OK) {
         conn->data_ep = nullptr;
-        auto w = connect_waits_.find(a);
-        if (w != connect_waits_.end()) w->second->Set(FromUcs(st, "opening the data endpoint"));
+        it->second.wait->Set(FromUcs(st, "opening the data endpoint"));
         return;
       }
       eps_[conn->data_ep] = conn;
@@ -669,11 +671,10 @@ void Engine::OnHandshake(uint16_t id, std::span<const uint8_t> h, ucp_ep_h reply
     }
     case kDataHelloAckId: {  // client: connected
       if (!ReadPod(h, 0, &a)) return;
-      connecting_.erase(a);
-      auto it = connect_waits_.find(a);
-      if (it != connect_waits_.end()) {
-        it->second->Set(absl::OkStatus());
-        connect_waits_.erase(it);
+      auto it = connecting_.find(a);
+      if (it != connecting_.end()) {
+        it->second.wait->Set(absl::OkStatus());
+        connecting_.erase(it);
       }
       return;
     }
@@ -958,7 +959,7 @@ void Engine::CloseEndpoint(const std::shared_ptr<UcxEndpoint>& ep, absl::Status 
     if (r != nullptr && !UCS_PTR_IS_ERR(r)) closing_.push_back(r);
   }
   for (auto it = connecting_.begin(); it != connecting_.end();) {
-    it = it->second == ep ? connecting_.erase(it) : std::next(it);
+    it = it->second.ep == ep ? connecting_.erase(it) : std::next(it);
   }
   for (auto it = accepting_.begin(); it != accepting_.end();) {
     auto conn = it->second.lock();
@@ -970,10 +971,10 @@ void Engine::Shutdown() {
   std::vector<std::shared_ptr<UcxEndpoint>> eps;
   for (auto& [h, ep] : eps_) eps.push_back(ep);
   for (auto& ep : eps) CloseEndpoint(ep, absl::UnavailableError("UCX transport shut down"));
-  for (auto& [nonce, wait] : connect_waits_) {
-    wait->Set(absl::UnavailableError("UCX transport shut down"));
+  for (auto& [nonce, c] : connecting_) {
+    c.wait->Set(absl::UnavailableError("UCX transport shut down"));
   }
-  connect_waits_.clear();
+  connecting_.clear();
   // Ask UCX to give back what it still holds; its callbacks complete them as it progresses.
   for (RecvOp* r : std::vector<RecvOp*>(recvs_.begin(), recvs_.end())) {
     if (r->request != nullptr) ucp_request_cancel(worker_, r->request);
@@ -1057,8 +1058,7 @@ absl::StatusOr<std::shared_ptr<Endpoint>> Engine::Connect(absl::string_view addr
     }
     eps_[ep->ep] = ep;
     const uint64_t n = ++next_nonce_;
-    connect_waits_[n] = wait;
-    connecting_[n] = ep;
+    connecting_[n] = {.ep = ep, .wait = wait};
     std::string hello;
     AppendPod(hello, n);
     SendControl(ep->ep, kHelloId, std::move(hello));
@@ -1078,7 +1078,7 @@ absl::StatusOr<std::shared_ptr<Endpoint>> Engine::Connect(absl::string_view addr
   ep->RemoveFailureCallback(handle);
   if (!result.ok()) {
     Post([this, ep, wait, result] {
-      std::erase_if(connect_waits_, [&](const auto& kv) { return kv.second == wait; });
+      std::erase_if(connecting_, [&](const auto& kv) { return kv.second.wait == wait; });
       CloseEndpoint(ep, absl::UnavailableError(result.message()));
     });
     if (result.code() != absl::StatusCode::kInvalidArgument) {
