@@ -1,5 +1,7 @@
 #include "tools/demo.h"
 
+#include <unistd.h>
+
 #include <filesystem>
 #include <sstream>
 #include <string>
@@ -15,7 +17,8 @@ using testing::HasSubstr;
 
 TEST(DemoTest, SecondRequestReusesTheSharedPrefixAndCorruptionIsCaught) {
   DemoOptions o;
-  o.out_dir = absl::StrCat(testing::TempDir(), "/demo_blocks");
+  // Per process: the sanitizer builds' runs and another checkout's may share TempDir.
+  o.out_dir = absl::StrCat(testing::TempDir(), "/demo_blocks-", getpid());
   o.layers = 3;
   std::ostringstream out;
   const absl::Status s = RunDemo(o, out);
@@ -34,6 +37,7 @@ TEST(DemoTest, SecondRequestReusesTheSharedPrefixAndCorruptionIsCaught) {
   std::ostringstream again;
   ASSERT_TRUE(RunDemo(o, again).ok());
   EXPECT_EQ(again.str(), text);
+  std::filesystem::remove_all(o.out_dir);
 }
 
 TEST(DemoTest, BadOptionsAreRejected) {
