@@ -322,9 +322,11 @@ absl::Status BlockReceiverOptions::Validate() const {
         absl::StrCat("max_pending_bytes (", max_pending_bytes,
                      ") must be at least max_block_bytes (", max_block_bytes, ")"));
   }
-  if (stall_timeout <= absl::ZeroDuration()) {
+  if (stall_timeout <= absl::ZeroDuration() || piece_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError(
-        absl::StrCat("stall_timeout must be positive, got ", absl::FormatDuration(stall_timeout)));
+        absl::StrCat("stall_timeout and piece_timeout must be positive, got ",
+                     absl::FormatDuration(stall_timeout), " and ",
+                     absl::FormatDuration(piece_timeout)));
   }
   if (max_rings < 0) return absl::InvalidArgumentError("max_rings must be >= 0");
   if (verify_threads < 1 || verify_threads > 64) {
@@ -532,7 +534,7 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
     absl::StatusOr<std::shared_ptr<RegisteredBuffer>> slot =
         AcquireRegistered(*pool_, *transport_, h->size);
     if (!slot.ok()) {
-      AddPending(-static_cast<int64_t>(h->size));
+      AddPending(-static_cast<int64_t>(h->size), /*pooled=*/true);
       Reply(ep, h->seq, slot.status());
       return;
     }
@@ -712,7 +714,7 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
   // Gives up pieced blocks whose sender stopped sending their pieces (a lost piece, a sender
   // that went quiet without its connection failing), until Shutdown.
   void WatchStalls() {
-    const absl::Duration stall = options_.stall_timeout;
+    const absl::Duration stall = options_.piece_timeout;
     const absl::Duration period =
         std::clamp(stall / 4, absl::Milliseconds(5), absl::Milliseconds(500));
     std::unique_lock<std::mutex> lock(mu_);
@@ -754,7 +756,7 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
     if (reply) {
       Finish(a->ep, *a->header, Landed{.bytes = {}, .hold = a->buf}, why);
     } else {
-      AddPending(-static_cast<int64_t>(a->header->size));
+      AddPending(-static_cast<int64_t>(a->header->size), /*pooled=*/true);
     }
   }
 
@@ -987,7 +989,7 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
       }
       return;
     }
-    AddPending(static_cast<int64_t>(h.size));
+    AddPending(static_cast<int64_t>(h.size), /*pooled=*/false);
     auto control = std::make_shared<PlacedRelease>();
     control->place = place;
     control->ep = ep;
@@ -1101,7 +1103,7 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
   // with the ack when nobody else holds it).
   void Finish(const std::shared_ptr<Endpoint>& ep, const BlockDataHeader& h, Landed landed,
               const absl::Status& status) {
-    AddPending(-static_cast<int64_t>(h.size));
+    AddPending(-static_cast<int64_t>(h.size), /*pooled=*/!h.placed.has_value());
     landed.hold.reset();
     std::optional<RingPlace> released;
     if (landed.placed) released = landed.placed->AckGoing();
@@ -1113,23 +1115,29 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
     ++(stats_.*field);
   }
 
-  // Counts `size` more payload bytes held, unless that would pass max_pending_bytes.
+  // Counts `size` more bytes of a payload block held, unless the receiver's pooled buffers
+  // would then hold more than max_pending_bytes.
   absl::Status TakePending(uint64_t size) {
     std::lock_guard<std::mutex> lock(mu_);
-    if (pending_bytes_ + size > options_.max_pending_bytes) {
+    if (pooled_bytes_ + size > options_.max_pending_bytes) {
       return absl::ResourceExhaustedError(absl::StrCat(
-          "block of ", size, " bytes: the receiver holds ", pending_bytes_,
+          "block of ", size, " bytes: the receiver holds ", pooled_bytes_,
           " bytes of blocks arriving or being consumed, its limit is ",
           options_.max_pending_bytes, "; try again"));
     }
-    pending_bytes_ += size;
-    stats_.max_pending_bytes = std::max(stats_.max_pending_bytes, pending_bytes_);
+    AddPendingLocked(static_cast<int64_t>(size), /*pooled=*/true);
     return absl::OkStatus();
   }
 
-  void AddPending(int64_t delta) {
+  // `pooled`: a payload block's bytes (in a pooled buffer), not a placed block's (in a ring).
+  void AddPending(int64_t delta, bool pooled) {
     std::lock_guard<std::mutex> lock(mu_);
+    AddPendingLocked(delta, pooled);
+  }
+
+  void AddPendingLocked(int64_t delta, bool pooled) {
     pending_bytes_ = static_cast<uint64_t>(static_cast<int64_t>(pending_bytes_) + delta);
+    if (pooled) pooled_bytes_ = static_cast<uint64_t>(static_cast<int64_t>(pooled_bytes_) + delta);
     stats_.max_pending_bytes = std::max(stats_.max_pending_bytes, pending_bytes_);
   }
 
@@ -1140,6 +1148,7 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
   mutable std::mutex mu_;
   Stats stats_;
   uint64_t pending_bytes_ = 0;
+  uint64_t pooled_bytes_ = 0;  // of pending_bytes_, payload blocks': what max_pending_bytes bounds
   bool stopped_ = false;         // Shutdown began: no new consumer calls, no rings lent
   int inline_running_ = 0;       // consumer calls on the transport's thread under way
   std::condition_variable inline_cv_;

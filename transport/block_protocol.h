@@ -159,16 +159,21 @@ using BlockConsumer = std::function<absl::Status(ReceivedBlock)>;
 struct BlockReceiverOptions {
   // Larger announced blocks are refused with RESOURCE_EXHAUSTED before any byte moves.
   uint64_t max_block_bytes = uint64_t{1} << 30;
-  // Payload bytes held at once, over all senders (arriving, being verified or consumed): a
-  // block sent as payload that would take the total past this is refused with
-  // RESOURCE_EXHAUSTED before any byte moves (its sender may try again). Each sender's window
-  // bounds what it keeps in flight; this bounds the receiver against many senders, or one that
-  // starts blocks and never finishes them. At least max_block_bytes.
+  // Payload bytes held at once, over all senders (arriving, being verified or consumed; placed
+  // blocks are in the rings lent and do not count): a block that would take them past this is
+  // refused with RESOURCE_EXHAUSTED before any byte moves (its sender may try again). Each
+  // sender's window bounds what it keeps in flight; this bounds the receiver against many
+  // senders, or one that starts blocks and never finishes them. At least max_block_bytes.
   uint64_t max_pending_bytes = uint64_t{4} << 30;
-  // A block still arriving whose sender has not moved it on for this long (no piece of a
-  // pieced block, no progress in a streamed one) is given up: DEADLINE_EXCEEDED to its sender,
-  // counted as aborted, never handed on, its memory freed.
+  // A streamed block (direct placement) whose sender has not advanced it for this long is given
+  // up: DEADLINE_EXCEEDED to its sender, counted as aborted, never handed on. Short: a receiver
+  // thread waits on the block meanwhile.
   absl::Duration stall_timeout = absl::Seconds(2);
+  // A block arriving in pieces that gets no piece for this long (a lost piece, a sender gone
+  // quiet on a live connection) is given up the same way and its buffer freed. Long: it only
+  // bounds memory (a sender that gives a transfer up says so at once), and the clock also runs
+  // while this receiver's own thread is held (an inline consumer, a streamed block).
+  absl::Duration piece_timeout = absl::Seconds(30);
   // Free registered buffers kept for reuse (bytes); more are deregistered and freed.
   uint64_t pool_bytes = uint64_t{256} << 20;
   // Threads that verify checksums and run the consumer (>= 1).

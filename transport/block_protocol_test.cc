@@ -200,6 +200,7 @@ TEST(BlockWireTest, OptionsValidate) {
                                          .max_pending_bytes = 1 << 20};
   EXPECT_FALSE(small_limit.Validate().ok());
   EXPECT_FALSE(BlockReceiverOptions{.stall_timeout = absl::ZeroDuration()}.Validate().ok());
+  EXPECT_FALSE(BlockReceiverOptions{.piece_timeout = -absl::Seconds(1)}.Validate().ok());
   EXPECT_TRUE(BlockReceiverOptions{}.Validate().ok());
   EXPECT_FALSE(BlockSenderOptions{.max_bytes_in_flight = 0}.Validate().ok());
   EXPECT_FALSE(BlockSenderOptions{.timeout = absl::ZeroDuration()}.Validate().ok());
