@@ -1077,10 +1077,8 @@ absl::StatusOr<std::shared_ptr<Endpoint>> Engine::Connect(absl::string_view addr
   }
   ep->RemoveFailureCallback(handle);
   if (!result.ok()) {
-    Post([this, ep, wait, result] {
-      std::erase_if(connecting_, [&](const auto& kv) { return kv.second.wait == wait; });
-      CloseEndpoint(ep, absl::UnavailableError(result.message()));
-    });
+    // (CloseEndpoint also takes the handshake's entry, wait and all, out of `connecting_`.)
+    Post([this, ep, result] { CloseEndpoint(ep, absl::UnavailableError(result.message())); });
     if (result.code() != absl::StatusCode::kInvalidArgument) {
       return absl::UnavailableError(result.message());
     }
