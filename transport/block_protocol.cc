@@ -10,6 +10,7 @@
 #include <random>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -43,6 +44,8 @@ constexpr uint8_t kAbandonedFlag = 1;                     // piece: the rest wil
 // Streamed placement: progress published per chunk (the receiver gives up on a sender that has
 // not advanced for BlockReceiverOptions::stall_timeout).
 constexpr uint64_t kStreamChunk = 128 << 10;
+// A sender refused a ring because the receiver lends all it may asks again after this long.
+constexpr absl::Duration kAskAgainAfter = absl::Seconds(1);
 constexpr size_t kRequestBytes = 4 + 1 + 1 + 2 + 8;       // magic ver 0 0 token
 constexpr size_t kGrantFixed = 4 + 1 + 1 + 2 + 8 + 4;     // magic ver 0 desc_len token code
 constexpr size_t kReleaseFixed = 4 + 1 + 1 + 2 + 8;       // magic ver flags count token
@@ -794,7 +797,8 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
       std::lock_guard<std::mutex> lock(mu_);
       if (stopped_ || options_.ring_bytes == 0) return refuse(absl::StatusCode::kUnimplemented);
       if (rings_.contains(req->token)) return refuse(absl::StatusCode::kAlreadyExists);
-      if (rings_.size() >= static_cast<size_t>(options_.max_rings)) {
+      std::erase_if(retired_, [](const std::weak_ptr<LentRing>& r) { return r.expired(); });
+      if (rings_.size() + retired_.size() >= static_cast<size_t>(options_.max_rings)) {
         return refuse(absl::StatusCode::kResourceExhausted);
       }
     }
@@ -845,6 +849,8 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
   BlockReceiver::Stats StatsLocked() const {
     BlockReceiver::Stats st = stats_;
     st.rings = rings_.size();
+    st.retired_rings = std::count_if(retired_.begin(), retired_.end(),
+                                     [](const std::weak_ptr<LentRing>& r) { return !r.expired(); });
     return st;
   }
 
@@ -881,6 +887,9 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
     RenderMetric("strata_transport_lent_rings", "gauge",
                  "rings of memory lent to same-host senders now", static_cast<double>(st.rings),
                  &out);
+    RenderMetric("strata_transport_retired_rings", "gauge",
+                 "rings taken back whose memory blocks in use still hold",
+                 static_cast<double>(st.retired_rings), &out);
     return out;
   }
 
@@ -1017,6 +1026,8 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
       ring = std::move(it->second);
       rings_.erase(it);
       handle = ring->failure_handle;
+      std::erase_if(retired_, [](const std::weak_ptr<LentRing>& r) { return r.expired(); });
+      retired_.push_back(ring);  // (its memory goes with the last block in it)
     }
     if (std::shared_ptr<Endpoint> ep = ring->ep.lock()) {
       ep->RemoveFailureCallback(handle);
@@ -1154,6 +1165,7 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
   std::condition_variable inline_cv_;
   std::condition_variable watch_cv_;  // wakes WatchStalls for Shutdown
   std::unordered_map<uint64_t, std::shared_ptr<LentRing>> rings_;  // by token
+  std::vector<std::weak_ptr<LentRing>> retired_;  // taken back; count toward max_rings while held
   // Pieced blocks arriving, by sender connection and sequence number.
   absl::flat_hash_map<std::pair<const Endpoint*, uint64_t>, std::shared_ptr<Pieces>> pieces_;
   std::thread watcher_;  // WatchStalls, joined in Shutdown
@@ -1243,6 +1255,7 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
                            transport_->capabilities().maps_peer_memory;
     std::shared_ptr<SenderRing> ring;  // where the block goes, if placed
     std::shared_ptr<SenderRing> ask;   // a ring to ask the peer for
+    std::shared_ptr<SenderRing> replaced;  // a ring (or refusal) to forget: `ask` replaces it
 
     bool need_failure_callback = false;
     {
@@ -1296,20 +1309,34 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
           rings_.erase(r->token);
           r = nullptr;
         }
+        if (r != nullptr && r->state == SenderRing::State::kRefused &&
+            absl::Now() >= r->ask_again) {  // refused for now: ask again
+          replaced = std::move(r);
+          rings_.erase(replaced->token);
+        }
+        if (r != nullptr && r->state == SenderRing::State::kReady) {
+          if (std::optional<uint64_t> at = r->Allocate(size)) {
+            header_fields.placed = RingPlace{.token = r->token, .offset = *at};
+            header_fields.streamed =
+                options_.stream_min_bytes > 0 && size >= options_.stream_min_bytes;
+            if (header_fields.streamed) r->copying[*at] = false;  // copied after the header
+            ++r->unsettled;
+            ring = r;
+          } else if (r->unsettled == 0 && !r->doubtful.empty()) {
+            // What keeps this block out is space no answer will give back (below): return the
+            // ring and ask for a new one. (The receiver keeps the old one's memory while blocks
+            // in it are used, and refuses headers that name it.)
+            replaced = std::move(r);
+            rings_.erase(replaced->token);
+            ++stats_.rings_renewed;
+          }
+        }
         if (r == nullptr) {
           r = std::make_shared<SenderRing>();
           r->token = NewTokenLocked();
           r->ep = ep;
           rings_[r->token] = r;
           ask = r;
-        } else if (r->state == SenderRing::State::kReady) {
-          if (std::optional<uint64_t> at = r->Allocate(size)) {
-            header_fields.placed = RingPlace{.token = r->token, .offset = *at};
-            header_fields.streamed =
-                options_.stream_min_bytes > 0 && size >= options_.stream_min_bytes;
-            if (header_fields.streamed) r->copying[*at] = false;  // copied after the header
-            ring = r;
-          }
         }
       }
       // A block going as payload and larger than a piece goes in pieces: the header with the
@@ -1323,6 +1350,7 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
       p.ep = ep;
       p.size = size;
       p.placed = ring != nullptr;
+      if (p.placed) p.place = *header_fields.placed;
       p.copying = header_fields.streamed;
       p.pieced = header_fields.pieced;
       p.state = state;
@@ -1332,6 +1360,12 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
       deadlines_.emplace(deadline, seq);
     }
     watchdog_cv_.notify_one();
+    if (replaced != nullptr) {
+      ep->RemoveFailureCallback(replaced->failure_handle);
+      if (replaced->state == SenderRing::State::kReady) {
+        SendRelease(ep, kBlockRingReturnMessage, {.token = replaced->token, .drop = true});
+      }
+    }
     if (ask != nullptr) AskForRing(ep, ask);
     // The one copy goes straight into the receiver's memory (mapped while we hold `ep`): all of
     // it before the header, or, streamed, after it, chunk by chunk behind the progress word.
@@ -1443,6 +1477,7 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     std::unique_lock<std::mutex> lock(mu_);
     if (h->released) FreeRingSpaceLocked(h->released->token, {h->released->offset});
     auto it = pending_.find(h->seq);
+    if (it != pending_.end()) it->second.answered = true;
     if (it == pending_.end() || it->second.outcome.has_value()) {
       ++stats_.late_acks;
       return;
@@ -1480,7 +1515,12 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
         ring->state = SenderRing::State::kReady;
         return;
       }
-      ring->state = SenderRing::State::kRefused;  // the entry stays: not asked again
+      // The entry stays: not asked again, or, where the receiver lends all the rings it may
+      // (they free as their blocks go), not before kAskAgainAfter.
+      ring->state = SenderRing::State::kRefused;
+      if (g->code == absl::StatusCode::kResourceExhausted) {
+        ring->ask_again = absl::Now() + kAskAgainAfter;
+      }
     }
     if (g->code == absl::StatusCode::kOk) {  // lent but not mappable (another host): return it
       SendRelease(ep, kBlockRingReturnMessage, {.token = g->token, .drop = true});
@@ -1555,7 +1595,8 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     std::string out;
     const std::pair<const char*, uint64_t> counters[] = {
         {"blocks", st.sent}, {"bytes", st.bytes}, {"failures", st.failed},
-        {"late_acks", st.late_acks}, {"placed_blocks", st.placed}};
+        {"late_acks", st.late_acks}, {"placed_blocks", st.placed},
+        {"rings_renewed", st.rings_renewed}};
     for (const auto& [name, v] : counters) {
       RenderMetric(absl::StrCat("strata_transport_sent_", name, "_total"), "counter",
                    absl::StrCat("block sender: ", name), static_cast<double>(v), &out);
@@ -1588,6 +1629,12 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     std::unordered_map<uint64_t, uint64_t> used;  // offset -> bytes, placed and not given back
     // Streamed blocks still being written -> given back meanwhile (freed when the copy stops).
     std::unordered_map<uint64_t, bool> copying;
+    // Placed blocks whose transfer is not complete, and the offsets of blocks whose transfer
+    // completed without the receiver's answer (timed out, cancelled, the header's send failed):
+    // if the header never arrived, nothing gives their space back; if it did, a release still may.
+    size_t unsettled = 0;
+    std::unordered_set<uint64_t> doubtful;
+    absl::Time ask_again = absl::InfiniteFuture();  // kRefused: when to ask again
     uint64_t failure_handle = 0;
 
     // The mapping goes with the last holder (the sender's maps, or a Send still copying).
@@ -1624,6 +1671,7 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
       if (u == used.end()) return false;
       uint64_t start = offset - kPlacedPrefixBytes, len = u->second;
       used.erase(u);
+      doubtful.erase(offset);
       auto next = free.find(start + len);
       if (next != free.end()) {
         len += next->second;
@@ -1647,6 +1695,8 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     std::shared_ptr<Endpoint> ep;
     uint64_t size = 0;
     bool placed = false;
+    RingPlace place;        // where, if placed
+    bool answered = false;  // the receiver's ack came (in time or not)
     std::shared_ptr<Transfer::State> state;
     std::function<void(absl::Status)> done;
     absl::Time deadline;
@@ -1737,6 +1787,15 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
       if (d->second == seq) {
         deadlines_.erase(d);
         break;
+      }
+    }
+    if (p.placed) {
+      if (auto r = rings_.find(p.place.token); r != rings_.end()) {
+        SenderRing& ring = *r->second;
+        --ring.unsettled;
+        if (!p.answered && ring.used.contains(p.place.offset)) {
+          ring.doubtful.insert(p.place.offset);
+        }
       }
     }
     const absl::Status status = *p.outcome;

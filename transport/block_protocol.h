@@ -189,6 +189,8 @@ struct BlockReceiverOptions {
   // as payload. With UCX's System V shared memory (no huge pages) pages are backed only once
   // written, and blocks fill the ring lowest-first, so a sender of small blocks touches little
   // more than its window of it; huge pages or a pinning (RDMA) domain commit it all when lent.
+  // Rings taken back whose memory blocks still hold count toward max_rings, so at most
+  // ring_bytes * max_rings is lent memory; a sender refused for that asks again a second later.
   uint64_t ring_bytes = uint64_t{160} << 20;
   int max_rings = 8;
 
@@ -210,6 +212,7 @@ class BlockReceiver {
     uint64_t placed = 0;             // of `blocks`, written into a lent ring by the sender
     uint64_t pieced = 0;             // of `blocks`, arrived in pieces (BlockSenderOptions)
     uint64_t rings = 0;              // rings lent now
+    uint64_t retired_rings = 0;      // taken back, their memory still held by blocks in use
   };
 
   // Installs the data handler on `transport` (which must outlive the receiver). One receiver per
@@ -298,6 +301,9 @@ class BlockSender {
     uint64_t late_acks = 0;              // acks for transfers already completed (timed out)
     uint64_t placed = 0;                 // of `sent`, written straight into the peer's ring
     uint64_t rings = 0;                  // peers' rings mapped now
+    // Rings given back for a new one because space in them was held by blocks whose transfer
+    // ended without the receiver's answer (e.g. a lost header): nothing else would free it.
+    uint64_t rings_renewed = 0;
   };
 
   // Installs the ack handler on `transport` (which must outlive the sender). One sender per

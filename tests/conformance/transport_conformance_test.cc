@@ -709,6 +709,82 @@ TEST_P(TransportConformanceTest, ANewReceiverLendsANewRing) {
   EXPECT_EQ(receiver_->stats().placed, 1u);
 }
 
+// A placed block whose header never reaches the receiver (lost here; the sender times out) holds
+// ring space that no answer will give back. When that is what keeps a block out of the ring, the
+// sender gives the ring back and asks for a new one: later blocks are placed again.
+TEST_P(TransportConformanceTest, SpaceOfLostPlacedBlocksComesBackWithANewRing) {
+  if (GetParam().name != "ucx_shm") GTEST_SKIP() << "no direct placement on " << GetParam().name;
+  faulty_ = std::make_unique<FaultInjectingTransport>(receiver_transport_.get());
+  faulty_->drop = [](int n) { return n >= 2 && n <= 5; };  // (1 is the warm-up)
+  Start({.ring_bytes = 1 << 20}, {.placement_min_bytes = 1});
+  ASSERT_TRUE(WaitForRing(*sender_, peer_, absl::Seconds(10)));
+  const auto data = RandomBytes((256 << 10) - 4096, 31);
+  for (int i = 0; i < 4; ++i) {  // four fill the ring; their headers are lost
+    auto t = sender_->Send(peer_, absl::StrCat("lost", i), View(data),
+                           {.timeout = absl::Milliseconds(200)});
+    EXPECT_EQ(t->Wait().code(), absl::StatusCode::kDeadlineExceeded) << i << ": " << t->status();
+  }
+  EXPECT_EQ(sender_->stats().rings_renewed, 0u);
+  // No room: this one goes as payload, and the ring is given back for a new one.
+  ASSERT_TRUE(sender_->Send(peer_, "payload", View(data))->Wait().ok());
+  EXPECT_EQ(sink_.Get("payload"), data);
+  EXPECT_EQ(sender_->stats().rings_renewed, 1u);
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  while (sender_->stats().rings == 0 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(2));
+  ASSERT_EQ(sender_->stats().rings, 1u) << "no new ring";
+  for (int i = 0; i < 4; ++i) {
+    ASSERT_TRUE(sender_->Send(peer_, absl::StrCat("placed", i), View(data))->Wait().ok()) << i;
+    EXPECT_EQ(sink_.Get(absl::StrCat("placed", i)), data) << i;
+  }
+  EXPECT_EQ(receiver_->stats().placed, 4u);
+  EXPECT_EQ(receiver_->stats().rings, 1u);  // the old one taken back
+  EXPECT_EQ(receiver_->stats().retired_rings, 0u);
+  EXPECT_THAT(sender_->RenderMetrics(), HasSubstr("strata_transport_sent_rings_renewed_total 1"));
+  for (int i = 0; i < 4; ++i) EXPECT_TRUE(sink_.Get(absl::StrCat("lost", i)).empty()) << i;
+}
+
+// A ring taken back while a block in it is held still counts toward max_rings (lent memory stays
+// within ring_bytes * max_rings): a sender asking meanwhile is refused, and asks again, and gets
+// one, once that memory is free.
+TEST_P(TransportConformanceTest, HeldRingsCountTowardTheLimitAndARefusedSenderAsksAgain) {
+  if (GetParam().name != "ucx_shm") GTEST_SKIP() << "no direct placement on " << GetParam().name;
+  std::mutex mu;
+  std::vector<ReceivedBlock> kept;
+  Start({.ring_bytes = 1 << 20, .max_rings = 1}, {.placement_min_bytes = 1},
+        [&](ReceivedBlock b) {
+          std::lock_guard<std::mutex> lock(mu);
+          kept.push_back(std::move(b));
+          return absl::OkStatus();
+        });
+  ASSERT_TRUE(WaitForRing(*sender_, peer_, absl::Seconds(10)));
+  const auto data = RandomBytes(100000, 32);
+  ASSERT_TRUE(sender_->Send(peer_, "held", View(data))->Wait().ok());
+  EXPECT_EQ(receiver_->stats().placed, 1u);
+  sender_.reset();  // gives its ring back; the held block keeps the ring's memory
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  while (receiver_->stats().rings > 0 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(2));
+  ASSERT_EQ(receiver_->stats().rings, 0u);
+  EXPECT_EQ(receiver_->stats().retired_rings, 1u);
+  EXPECT_THAT(receiver_->RenderMetrics(), HasSubstr("strata_transport_retired_rings 1"));
+  auto s = BlockSender::Create(sender_transport_.get(), {.placement_min_bytes = 1});
+  ASSERT_TRUE(s.ok());
+  sender_ = std::move(*s);
+  EXPECT_FALSE(WaitForRing(*sender_, peer_, absl::Milliseconds(300))) << "lent past max_rings";
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    kept.clear();  // the old ring's memory is freed
+  }
+  EXPECT_EQ(receiver_->stats().retired_rings, 0u);
+  bool placed = false;
+  for (int i = 0; !placed && absl::Now() < until; ++i) {
+    ASSERT_TRUE(sender_->Send(peer_, absl::StrCat("b", i), View(data))->Wait().ok()) << i;
+    placed = receiver_->stats().placed > 1;
+    if (!placed) absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_TRUE(placed) << "the refused sender never got a ring";
+  EXPECT_EQ(receiver_->stats().rings, 1u);
+}
+
 // A sender written by hand from the wire format (block_protocol.h), to do what BlockSender
 // never does: announce a streamed block and then stop writing it, or lie in its progress word.
 class HandMadeSender {
