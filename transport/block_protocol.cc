@@ -10,7 +10,6 @@
 #include <random>
 #include <thread>
 #include <unordered_map>
-#include <unordered_set>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -807,7 +806,9 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
     ring->ep = ep;
     absl::StatusOr<std::unique_ptr<MemoryRegion>> region =
         transport_->Allocate(options_.ring_bytes, MemoryKind::kHost);
-    if (!region.ok()) return refuse(region.status().code());
+    // (Never RESOURCE_EXHAUSTED, which has the sender ask again: a failed allocation is not
+    // retried.)
+    if (!region.ok()) return refuse(absl::StatusCode::kUnavailable);
     ring->region = std::move(*region);
     absl::StatusOr<std::string> desc = ring->region->RemoteDescriptor();
     if (!desc.ok()) return refuse(desc.status().code());
@@ -1203,6 +1204,9 @@ absl::Status BlockSenderOptions::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat("piece_bytes must be 0 (never) or at least 4096, got ", piece_bytes));
   }
+  if (reclaim_after < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("reclaim_after must not be negative");
+  }
   return absl::OkStatus();
 }
 
@@ -1315,17 +1319,18 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
           rings_.erase(replaced->token);
         }
         if (r != nullptr && r->state == SenderRing::State::kReady) {
-          if (std::optional<uint64_t> at = r->Allocate(size)) {
+          if (std::optional<uint64_t> at = r->Allocate(size, seq)) {
             header_fields.placed = RingPlace{.token = r->token, .offset = *at};
             header_fields.streamed =
                 options_.stream_min_bytes > 0 && size >= options_.stream_min_bytes;
             if (header_fields.streamed) r->copying[*at] = false;  // copied after the header
             ++r->unsettled;
             ring = r;
-          } else if (r->unsettled == 0 && !r->doubtful.empty()) {
-            // What keeps this block out is space no answer will give back (below): return the
-            // ring and ask for a new one. (The receiver keeps the old one's memory while blocks
-            // in it are used, and refuses headers that name it.)
+          } else if (r->unsettled == 0 &&
+                     r->FitsIfReclaimed(size, absl::Now() - options_.reclaim_after)) {
+            // What keeps this block out is space presumed lost (SenderRing::doubtful): return
+            // the ring and ask for a new one. (The receiver keeps the old one's memory while
+            // blocks in it are used, and refuses headers that name it.)
             replaced = std::move(r);
             rings_.erase(replaced->token);
             ++stats_.rings_renewed;
@@ -1626,14 +1631,18 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     State state = State::kRequested;
     std::span<uint8_t> mem;                       // mapped while the endpoint is held
     std::map<uint64_t, uint64_t> free;            // offset -> bytes, coalesced
-    std::unordered_map<uint64_t, uint64_t> used;  // offset -> bytes, placed and not given back
+    struct Used {
+      uint64_t bytes, seq;  // the space taken (with the progress word), and whose
+    };
+    std::unordered_map<uint64_t, Used> used;  // offset -> placed and not given back
     // Streamed blocks still being written -> given back meanwhile (freed when the copy stops).
     std::unordered_map<uint64_t, bool> copying;
     // Placed blocks whose transfer is not complete, and the offsets of blocks whose transfer
-    // completed without the receiver's answer (timed out, cancelled, the header's send failed):
-    // if the header never arrived, nothing gives their space back; if it did, a release still may.
+    // completed without the receiver's answer (timed out, cancelled, the header's send failed),
+    // with when: if the header never arrived, nothing gives their space back; if it did, a
+    // release still may.
     size_t unsettled = 0;
-    std::unordered_set<uint64_t> doubtful;
+    std::unordered_map<uint64_t, absl::Time> doubtful;
     absl::Time ask_again = absl::InfiniteFuture();  // kRefused: when to ask again
     uint64_t failure_handle = 0;
 
@@ -1646,18 +1655,43 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     // Lowest free space of `size` bytes (256-byte aligned): blocks given back quickly are
     // followed by blocks in the same, cache-warm, memory.
     // Returns the block's offset; its progress word is the kPlacedPrefixBytes before it.
-    std::optional<uint64_t> Allocate(uint64_t size) {
-      const uint64_t need = (kPlacedPrefixBytes + std::max<uint64_t>(size, 1) + 255) / 256 * 256;
+    static uint64_t Need(uint64_t size) {
+      return (kPlacedPrefixBytes + std::max<uint64_t>(size, 1) + 255) / 256 * 256;
+    }
+    std::optional<uint64_t> Allocate(uint64_t size, uint64_t seq) {
+      const uint64_t need = Need(size);
       for (auto it = free.begin(); it != free.end(); ++it) {
         if (it->second < need) continue;
         const uint64_t at = it->first;
         const uint64_t left = it->second - need;
         free.erase(it);
         if (left > 0) free[at + need] = left;
-        used[at + kPlacedPrefixBytes] = need;
+        used[at + kPlacedPrefixBytes] = {.bytes = need, .seq = seq};
         return at + kPlacedPrefixBytes;
       }
       return std::nullopt;
+    }
+
+    // Whether `size` bytes would fit if the space of blocks doubtful since before `before` came
+    // back (false if there is none).
+    bool FitsIfReclaimed(uint64_t size, absl::Time before) const {
+      std::map<uint64_t, uint64_t> space = free;
+      bool any = false;
+      for (const auto& [offset, since] : doubtful) {
+        if (since > before) continue;
+        space[offset - kPlacedPrefixBytes] = used.at(offset).bytes;
+        any = true;
+      }
+      uint64_t run_start = 0, run = 0;
+      for (const auto& [at, len] : space) {  // longest run of adjacent extents
+        if (run == 0 || at != run_start + run) {
+          run_start = at;
+          run = 0;
+        }
+        run += len;
+        if (any && run >= Need(size)) return true;
+      }
+      return false;
     }
 
     // False for an offset that is not placed (a confused or stale peer): ignored. Space still
@@ -1669,7 +1703,7 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
       }
       auto u = used.find(offset);
       if (u == used.end()) return false;
-      uint64_t start = offset - kPlacedPrefixBytes, len = u->second;
+      uint64_t start = offset - kPlacedPrefixBytes, len = u->second.bytes;
       used.erase(u);
       doubtful.erase(offset);
       auto next = free.find(start + len);
@@ -1793,8 +1827,9 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
       if (auto r = rings_.find(p.place.token); r != rings_.end()) {
         SenderRing& ring = *r->second;
         --ring.unsettled;
-        if (!p.answered && ring.used.contains(p.place.offset)) {
-          ring.doubtful.insert(p.place.offset);
+        auto u = ring.used.find(p.place.offset);
+        if (!p.answered && u != ring.used.end() && u->second.seq == seq) {
+          ring.doubtful[p.place.offset] = absl::Now();
         }
       }
     }

@@ -256,6 +256,12 @@ struct BlockSenderOptions {
   // benchmark machine, where that second read cost a third of the throughput:
   // docs/transport.md). 0: always whole.
   uint64_t piece_bytes = 1 << 20;
+  // Ring space of a placed block whose transfer ended without the receiver's answer (timed out,
+  // cancelled, its header lost) is presumed lost after this long: if a block does not fit the
+  // ring only because of such space, the sender gives the ring back and asks for a new one.
+  // (Before then a late ack or release may still free it: a slow consumer, a receiver waiting
+  // out a stalled copy.)
+  absl::Duration reclaim_after = absl::Seconds(10);
 
   absl::Status Validate() const;
 };

@@ -204,6 +204,7 @@ TEST(BlockWireTest, OptionsValidate) {
   EXPECT_TRUE(BlockReceiverOptions{}.Validate().ok());
   EXPECT_FALSE(BlockSenderOptions{.max_bytes_in_flight = 0}.Validate().ok());
   EXPECT_FALSE(BlockSenderOptions{.timeout = absl::ZeroDuration()}.Validate().ok());
+  EXPECT_FALSE(BlockSenderOptions{.reclaim_after = -absl::Seconds(1)}.Validate().ok());
   EXPECT_FALSE(BlockSenderOptions{.piece_bytes = 100}.Validate().ok());
   EXPECT_TRUE(BlockSenderOptions{.piece_bytes = 0}.Validate().ok());
   EXPECT_TRUE(BlockSenderOptions{}.Validate().ok());

@@ -710,22 +710,30 @@ TEST_P(TransportConformanceTest, ANewReceiverLendsANewRing) {
 }
 
 // A placed block whose header never reaches the receiver (lost here; the sender times out) holds
-// ring space that no answer will give back. When that is what keeps a block out of the ring, the
-// sender gives the ring back and asks for a new one: later blocks are placed again.
+// ring space that no answer will give back. When, after reclaim_after, that is what keeps a block
+// out of the ring, the sender gives the ring back and asks for a new one: later blocks are placed
+// again.
 TEST_P(TransportConformanceTest, SpaceOfLostPlacedBlocksComesBackWithANewRing) {
   if (GetParam().name != "ucx_shm") GTEST_SKIP() << "no direct placement on " << GetParam().name;
   faulty_ = std::make_unique<FaultInjectingTransport>(receiver_transport_.get());
   faulty_->drop = [](int n) { return n >= 2 && n <= 5; };  // (1 is the warm-up)
-  Start({.ring_bytes = 1 << 20}, {.placement_min_bytes = 1});
+  const absl::Duration reclaim_after = absl::Seconds(1);
+  Start({.ring_bytes = 1 << 20}, {.placement_min_bytes = 1, .reclaim_after = reclaim_after});
   ASSERT_TRUE(WaitForRing(*sender_, peer_, absl::Seconds(10)));
   const auto data = RandomBytes((256 << 10) - 4096, 31);
-  for (int i = 0; i < 4; ++i) {  // four fill the ring; their headers are lost
-    auto t = sender_->Send(peer_, absl::StrCat("lost", i), View(data),
-                           {.timeout = absl::Milliseconds(200)});
-    EXPECT_EQ(t->Wait().code(), absl::StatusCode::kDeadlineExceeded) << i << ": " << t->status();
+  std::vector<std::shared_ptr<Transfer>> lost;  // four fill the ring; their headers are lost
+  for (int i = 0; i < 4; ++i) {
+    lost.push_back(sender_->Send(peer_, absl::StrCat("lost", i), View(data),
+                                 {.timeout = absl::Milliseconds(200)}));
   }
+  for (const auto& t : lost) {
+    EXPECT_EQ(t->Wait().code(), absl::StatusCode::kDeadlineExceeded) << t->status();
+  }
+  // No room: this one goes as payload; the space is not yet presumed lost.
+  ASSERT_TRUE(sender_->Send(peer_, "early", View(data))->Wait().ok());
   EXPECT_EQ(sender_->stats().rings_renewed, 0u);
-  // No room: this one goes as payload, and the ring is given back for a new one.
+  // Later it is: this one goes as payload too, and the ring is given back for a new one.
+  absl::SleepFor(reclaim_after);
   ASSERT_TRUE(sender_->Send(peer_, "payload", View(data))->Wait().ok());
   EXPECT_EQ(sink_.Get("payload"), data);
   EXPECT_EQ(sender_->stats().rings_renewed, 1u);
@@ -1150,6 +1158,7 @@ TEST_P(TransportConformanceTest, TimeoutDuringAStreamedCopyFreesItsSpaceAndHands
     placed_again = receiver_->stats().placed > placed_before;
   }
   EXPECT_TRUE(placed_again) << "the cut block's ring space never came back";
+  EXPECT_EQ(sender_->stats().rings_renewed, 0u) << "the ring was replaced, not given back space";
   // Normally the copy was cut and the receiver gave up on the block. Only if the watchdog got no
   // core during the whole copy (a loaded machine) did the block arrive whole: then it is intact.
   const std::vector<uint8_t> cut = sink_.Get("cut");
