@@ -793,6 +793,36 @@ TEST_P(TransportConformanceTest, HeldRingsCountTowardTheLimitAndARefusedSenderAs
   EXPECT_EQ(receiver_->stats().rings, 1u);
 }
 
+// Placed blocks lie in the ring lent for them, not in the receiver's own buffers: they do not
+// count toward max_pending_bytes. With the consumer held, placed blocks far past the limit queue
+// and complete; payload blocks past it are refused.
+TEST_P(TransportConformanceTest, PlacedBlocksDoNotCountTowardThePendingLimit) {
+  if (GetParam().name != "ucx_shm") GTEST_SKIP() << "no direct placement on " << GetParam().name;
+  Start({.max_block_bytes = 256 << 10, .max_pending_bytes = 256 << 10, .ring_bytes = 1 << 20},
+        {.placement_min_bytes = 1}, [this](ReceivedBlock b) {
+          if (b.id != "warm-up") hold_.Wait();
+          return sink_.Take(b);
+        });
+  ASSERT_TRUE(WaitForRing(*sender_, peer_, absl::Seconds(10)));
+  const auto data = RandomBytes(240 << 10, 33);
+  std::vector<std::shared_ptr<Transfer>> t;
+  for (int i = 0; i < 6; ++i) {  // four fill the ring; the fifth and sixth go as payload
+    t.push_back(sender_->Send(peer_, absl::StrCat("q", i), View(data),
+                              {.timeout = absl::Seconds(20)}));
+  }
+  EXPECT_EQ(t[5]->Wait().code(), absl::StatusCode::kResourceExhausted) << t[5]->status();
+  for (int i = 0; i < 5; ++i) EXPECT_FALSE(t[i]->done()) << i;  // all held or queued
+  hold_.Open();
+  for (int i = 0; i < 5; ++i) {
+    ASSERT_TRUE(t[i]->Wait().ok()) << i << ": " << t[i]->status();
+    EXPECT_EQ(sink_.Get(absl::StrCat("q", i)), data) << i;
+  }
+  const BlockReceiver::Stats st = receiver_->stats();
+  EXPECT_EQ(st.placed, 4u);
+  EXPECT_EQ(st.overloaded, 1u);
+  EXPECT_GE(st.max_pending_bytes, uint64_t{5} * data.size());  // (counted, not limited)
+}
+
 // A sender written by hand from the wire format (block_protocol.h), to do what BlockSender
 // never does: announce a streamed block and then stop writing it, or lie in its progress word.
 class HandMadeSender {
