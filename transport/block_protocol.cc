@@ -36,6 +36,7 @@ constexpr size_t kDataFixed = 4 + 1 + 1 + 2 + 8 + 8 + 4;  // magic ver flags id_
 constexpr size_t kAckFixed = 4 + 1 + 1 + 2 + 8 + 4;       // magic ver flags msg_len seq code
 constexpr size_t kPlaceBytes = 8 + 8;                     // token offset, when flagged
 constexpr uint8_t kPlacedFlag = 1;                        // data: placed; ack: released
+constexpr uint8_t kRetryFlag = 2;                         // ack: sending again may succeed
 constexpr uint8_t kStreamedFlag = 2;                      // data: placed, still being written
 constexpr uint8_t kPiecedFlag = 4;                        // data: first piece; the rest follow
 constexpr size_t kPieceBytes = 4 + 1 + 1 + 2 + 8 + 8;     // magic ver flags 0 seq offset
@@ -163,7 +164,7 @@ std::string EncodeBlockAckHeader(const BlockAckHeader& h) {
   out.reserve(kAckFixed + msg.size());
   Put<uint32_t>(out, kAckMagic);
   Put<uint8_t>(out, kWireVersion);
-  Put<uint8_t>(out, h.released ? kPlacedFlag : 0);
+  Put<uint8_t>(out, (h.released ? kPlacedFlag : 0) | (h.retryable ? kRetryFlag : 0));
   Put<uint16_t>(out, static_cast<uint16_t>(msg.size()));
   Put<uint64_t>(out, h.seq);
   Put<uint32_t>(out, static_cast<uint32_t>(h.status.code()));
@@ -177,9 +178,9 @@ std::string EncodeBlockAckHeader(const BlockAckHeader& h) {
 
 absl::StatusOr<BlockAckHeader> DecodeBlockAckHeader(std::span<const uint8_t> b) {
   STRATA_RETURN_IF_ERROR(CheckPrefix(b, kAckFixed, kAckMagic, "block ack header"));
-  if ((b[5] & ~kPlacedFlag) != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("block ack header: unknown flags ", b[5], " (only 1, released, is defined)"));
+  if ((b[5] & ~(kPlacedFlag | kRetryFlag)) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "block ack header: unknown flags ", b[5], " (1, released, and 2, retryable, are defined)"));
   }
   const bool released = (b[5] & kPlacedFlag) != 0;
   const size_t fixed = kAckFixed + (released ? kPlaceBytes : 0);
@@ -195,6 +196,7 @@ absl::StatusOr<BlockAckHeader> DecodeBlockAckHeader(std::span<const uint8_t> b) 
   }
   BlockAckHeader h;
   h.seq = Get<uint64_t>(b.data() + 8);
+  h.retryable = (b[5] & kRetryFlag) != 0;
   h.status = absl::Status(
       static_cast<absl::StatusCode>(code),
       absl::string_view(reinterpret_cast<const char*>(b.data() + fixed), msg_len));
@@ -439,11 +441,13 @@ void SendMessage(const std::shared_ptr<Endpoint>& ep, uint16_t id, const std::st
            {}, absl::Seconds(30), std::move(done));
 }
 
+// `retryable`: the receiver's own passing refusal (bytes damaged on the way, no room now).
 void Reply(const std::shared_ptr<Endpoint>& ep, uint64_t seq, const absl::Status& status,
-           std::optional<RingPlace> released = std::nullopt) {
+           std::optional<RingPlace> released = std::nullopt, bool retryable = false) {
   if (ep == nullptr) return;
   SendMessage(ep, kBlockAckMessage,
-              EncodeBlockAckHeader({.seq = seq, .status = status, .released = released}),
+              EncodeBlockAckHeader(
+                  {.seq = seq, .status = status, .released = released, .retryable = retryable}),
               [](absl::Status) {});
 }
 
@@ -530,7 +534,7 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
     }
     if (absl::Status room = TakePending(h->size); !room.ok()) {
       Count(&Stats::overloaded);
-      Reply(ep, h->seq, room);
+      Reply(ep, h->seq, room, std::nullopt, /*retryable=*/true);
       return;
     }
     absl::StatusOr<std::shared_ptr<RegisteredBuffer>> slot =
@@ -1085,7 +1089,8 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
       crc = landed.crc.has_value() ? *landed.crc : Crc32c(landed.bytes.data(), h.size);
     }
     absl::Status status;
-    if (crc != h.crc32c) {
+    const bool damaged = crc != h.crc32c;
+    if (damaged) {
       Count(&Stats::checksum_failures);
       status = absl::DataLossError(absl::StrFormat(
           "block %s (transfer %d, %d bytes%s): checksum mismatch, received data has CRC-32C "
@@ -1108,18 +1113,18 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
         ++stats_.refused;
       }
     }
-    Finish(ep, h, std::move(landed), status);
+    Finish(ep, h, std::move(landed), status, /*retryable=*/damaged);
   }
 
   // Drops the receiver's own hold on the block and acknowledges it (giving its ring space back
   // with the ack when nobody else holds it).
   void Finish(const std::shared_ptr<Endpoint>& ep, const BlockDataHeader& h, Landed landed,
-              const absl::Status& status) {
+              const absl::Status& status, bool retryable = false) {
     AddPending(-static_cast<int64_t>(h.size), /*pooled=*/!h.placed.has_value());
     landed.hold.reset();
     std::optional<RingPlace> released;
     if (landed.placed) released = landed.placed->AckGoing();
-    Reply(ep, h.seq, status, released);
+    Reply(ep, h.seq, status, released, retryable);
   }
 
   void Count(uint64_t Stats::*field) {
@@ -1207,6 +1212,12 @@ absl::Status BlockSenderOptions::Validate() const {
   if (reclaim_after < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("reclaim_after must not be negative");
   }
+  if (max_attempts < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("max_attempts must be >= 1, got ", max_attempts));
+  }
+  if (retry_backoff < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("retry_backoff must not be negative");
+  }
   return absl::OkStatus();
 }
 
@@ -1216,12 +1227,31 @@ struct Transfer::State {
   bool done = false;
   absl::Status status = absl::UnknownError("transfer not complete");
   std::weak_ptr<BlockSender::Impl> sender;
+  // Under the sender's mutex: the current attempt's sequence number, and whether Cancel was called.
+  uint64_t seq = 0;
+  bool cancelled = false;
 };
 
 class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl> {
+  // A block on its way, over all its attempts.
+  struct Job {
+    std::shared_ptr<Endpoint> ep;
+    std::string block_id;
+    Payload payload;
+    uint32_t crc32c = 0;
+    absl::Time deadline;
+    int attempt = 1;
+    std::shared_ptr<Transfer::State> state;
+    std::function<void(absl::Status)> done;
+    absl::Status last;  // why the previous attempt failed
+  };
+
  public:
   Impl(Transport* transport, BlockSenderOptions options)
-      : transport_(transport), options_(options), watchdog_([this] { Watchdog(); }) {}
+      : transport_(transport),
+        options_(options),
+        watchdog_([this] { Watchdog(); }),
+        retrier_([this] { Retrier(); }) {}
 
   static HandlerList<Impl> Handlers() {
     return {{kBlockAckMessage, &Impl::OnAck},
@@ -1234,26 +1264,42 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
                                  std::function<void(absl::Status)> done) {
     auto state = std::make_shared<Transfer::State>();
     state->sender = weak_from_this();
+    const uint64_t seq = Attempt(Job{
+        .ep = ep,
+        .block_id = std::string(block_id),
+        .payload = payload,
+        .crc32c = so.crc32c ? *so.crc32c : Crc32c(payload.bytes.data(), payload.bytes.size()),
+        .deadline = absl::Now() + so.timeout.value_or(options_.timeout),
+        .state = state,
+        .done = std::move(done),
+        .last = absl::OkStatus()});
+    return std::shared_ptr<Transfer>(new Transfer(state, seq));
+  }
+
+  // Sends a block (once: a retry is another attempt); returns the attempt's sequence number.
+  uint64_t Attempt(Job job) {
     const uint64_t seq = next_seq_.fetch_add(1) + 1;
-    auto transfer = std::shared_ptr<Transfer>(new Transfer(state, seq));
-    const absl::Duration timeout = so.timeout.value_or(options_.timeout);
-    const absl::Time deadline = absl::Now() + timeout;
+    const std::shared_ptr<Endpoint> ep = job.ep;
+    const absl::Time deadline = job.deadline;
+    const absl::Duration timeout = deadline - absl::Now();  // what is left of the transfer's
     auto fail_now = [&](absl::Status s) {
-      Complete(state, std::move(done), std::move(s));
-      return transfer;
+      Complete(job.state, std::move(job.done), Attempted(s, job.attempt));
+      return seq;
     };
     if (ep == nullptr) return fail_now(absl::InvalidArgumentError("Send: null endpoint"));
-    if (block_id.size() > kMaxBlockIdBytes) {
-      return fail_now(absl::InvalidArgumentError(
-          absl::StrCat("block id of ", block_id.size(), " bytes exceeds ", kMaxBlockIdBytes)));
+    if (job.attempt > 1 && timeout <= absl::ZeroDuration()) {
+      return fail_now(absl::DeadlineExceededError(absl::StrCat(
+          "block transfer ", seq, ": no time left to send again after: ", job.last.message())));
     }
+    if (job.block_id.size() > kMaxBlockIdBytes) {
+      return fail_now(absl::InvalidArgumentError(absl::StrCat(
+          "block id of ", job.block_id.size(), " bytes exceeds ", kMaxBlockIdBytes)));
+    }
+    Payload payload = job.payload;
     const uint64_t size = payload.bytes.size();
     const uint8_t* const src = payload.bytes.data();
     BlockDataHeader header_fields{
-        .seq = seq,
-        .size = size,
-        .crc32c = so.crc32c ? *so.crc32c : Crc32c(payload.bytes.data(), size),
-        .block_id = std::string(block_id)};
+        .seq = seq, .size = size, .crc32c = job.crc32c, .block_id = job.block_id};
     const bool may_place = options_.placement_min_bytes > 0 &&
                            size >= options_.placement_min_bytes &&
                            transport_->capabilities().maps_peer_memory;
@@ -1264,6 +1310,7 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     bool need_failure_callback = false;
     {
       std::unique_lock<std::mutex> lock(mu_);
+      job.state->seq = seq;
       Peer& peer = peers_[ep.get()];
       if (peer.ep == nullptr) {
         peer.ep = ep;
@@ -1293,6 +1340,8 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
       absl::Status refuse;
       if (shutting_down_) {
         refuse = absl::CancelledError("block sender shut down");
+      } else if (job.state->cancelled) {
+        refuse = absl::CancelledError(absl::StrCat("block transfer ", seq, " cancelled"));
       } else if (!peer.failed.ok()) {
         refuse = absl::UnavailableError(peer.failed.message());
       } else if (!room()) {
@@ -1358,9 +1407,13 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
       if (p.placed) p.place = *header_fields.placed;
       p.copying = header_fields.streamed;
       p.pieced = header_fields.pieced;
-      p.state = state;
-      p.done = std::move(done);
+      p.state = job.state;
+      p.done = std::move(job.done);
       p.deadline = deadline;
+      p.block_id = std::move(job.block_id);
+      p.payload = job.payload;
+      p.crc32c = job.crc32c;
+      p.attempt = job.attempt;
       p.start = absl::Now();
       deadlines_.emplace(deadline, seq);
     }
@@ -1443,10 +1496,22 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     // Posting stopped early (failed, cancelled, timed out: the rest stays here) or what was
     // posted is being cancelled: the receiver lets the block go.
     if (header_fields.pieced && (posted_to < size || cancel)) Abandon(ep, seq, posted_to);
-    return transfer;
+    return seq;
   }
 
-  // Sets the outcome of `seq` if it has none (cancel, timeout).
+  // Transfer::Cancel: the current attempt, or the transfer waiting for its next one.
+  void Cancel(Transfer::State& state) {
+    uint64_t seq = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      state.cancelled = true;  // (an attempt starting now sees it)
+      seq = state.seq;
+    }
+    Abort(seq, absl::CancelledError(absl::StrCat("block transfer ", seq, " cancelled")));
+  }
+
+  // Sets the outcome of `seq` if it has none (cancel, timeout), or completes the transfer that
+  // waits to be sent again after it.
   void Abort(uint64_t seq, absl::Status why) {
     std::shared_ptr<Endpoint> ep;
     std::vector<uint64_t> tids;
@@ -1455,7 +1520,17 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     {
       std::unique_lock<std::mutex> lock(mu_);
       auto it = pending_.find(seq);
-      if (it == pending_.end() || it->second.outcome.has_value()) return;
+      if (it == pending_.end()) {
+        auto q = queued_.find(seq);
+        if (q == queued_.end()) return;
+        Job job = std::move(q->second);
+        queued_.erase(q);
+        ++stats_.failed;
+        lock.unlock();
+        Complete(job.state, std::move(job.done), Attempted(why, job.attempt));
+        return;
+      }
+      if (it->second.outcome.has_value()) return;
       it->second.outcome = std::move(why);
       it->second.cancel_requested = true;
       if (it->second.sends_done()) {
@@ -1488,6 +1563,7 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
       return;
     }
     it->second.outcome = std::move(h->status);
+    it->second.retryable = h->retryable;
     FinishLocked(it, lock);
   }
 
@@ -1553,6 +1629,23 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
 
   void Shutdown() {
     UninstallHandlers(transport_, Handlers());
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      shutting_down_ = true;
+    }
+    window_cv_.notify_all();
+    retry_cv_.notify_all();
+    retrier_.join();  // no attempt starts after this
+    std::map<uint64_t, Job> queued;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queued.swap(queued_);
+      stats_.failed += queued.size();
+    }
+    for (auto& [seq, job] : queued) {
+      Complete(job.state, std::move(job.done),
+               Attempted(absl::CancelledError("block sender shut down"), job.attempt));
+    }
     std::vector<uint64_t> seqs;
     struct Returning {
       std::weak_ptr<Endpoint> ep;
@@ -1600,7 +1693,7 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     std::string out;
     const std::pair<const char*, uint64_t> counters[] = {
         {"blocks", st.sent}, {"bytes", st.bytes}, {"failures", st.failed},
-        {"late_acks", st.late_acks}, {"placed_blocks", st.placed},
+        {"late_acks", st.late_acks}, {"placed_blocks", st.placed}, {"retries", st.retries},
         {"rings_renewed", st.rings_renewed}};
     for (const auto& [name, v] : counters) {
       RenderMetric(absl::StrCat("strata_transport_sent_", name, "_total"), "counter",
@@ -1742,7 +1835,13 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     uint32_t sends_left = 0;  // messages posted whose sends have not completed
     bool sends_done() const { return !posting && sends_left == 0; }
     std::optional<absl::Status> outcome;  // the ack's status, or why it was given up
+    bool retryable = false;               // the ack says sending again may succeed
     bool cancel_requested = false;        // Abort: the backend's send must be stopped
+    // For another attempt (BlockSenderOptions::max_attempts).
+    std::string block_id;
+    Payload payload;
+    uint32_t crc32c = 0;
+    int attempt = 1;
   };
   using PendingMap = std::unordered_map<uint64_t, Pending>;
 
@@ -1834,7 +1933,25 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
       }
     }
     const absl::Status status = *p.outcome;
-    if (status.ok()) {
+    // The receiver refused it only for now, and there is time for another attempt: it waits in
+    // queued_ (the retry thread sends it again).
+    const absl::Time again =
+        absl::Now() + options_.retry_backoff * (int64_t{1} << std::min(p.attempt - 1, 20));
+    const bool retry = !status.ok() && p.retryable && p.attempt < options_.max_attempts &&
+                       !shutting_down_ && again < p.deadline;
+    if (retry) {
+      queued_[seq] = Job{.ep = p.ep,
+                         .block_id = std::move(p.block_id),
+                         .payload = p.payload,
+                         .crc32c = p.crc32c,
+                         .deadline = p.deadline,
+                         .attempt = p.attempt,
+                         .state = std::move(p.state),
+                         .done = std::move(p.done),
+                         .last = status};
+      retry_times_.emplace(again, seq);
+      retry_cv_.notify_one();
+    } else if (status.ok()) {
       ++stats_.sent;
       stats_.bytes += p.size;
       if (p.placed) ++stats_.placed;
@@ -1856,9 +1973,65 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     }
     if (wake) window_cv_.notify_all();
     if (pending_.empty()) idle_cv_.notify_all();
+    if (retry) return;
     lock.unlock();
-    Complete(p.state, std::move(p.done), status);
+    Complete(p.state, std::move(p.done), Attempted(status, p.attempt));
     lock.lock();
+  }
+
+  // A failure of a transfer's later attempt says which it was.
+  static absl::Status Attempted(const absl::Status& s, int attempt) {
+    if (s.ok() || attempt == 1) return s;
+    return absl::Status(s.code(), absl::StrCat(s.message(), " (attempt ", attempt, ")"));
+  }
+
+  // The retry thread: sends queued transfers again when their time comes. A damaged block is
+  // first checked against the CRC-32C it was sent with: bytes that no longer match it (a wrong
+  // SendOptions::crc32c, a buffer changed after Send) would only be damaged again.
+  void Retrier() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!shutting_down_) {
+      while (!retry_times_.empty() && !queued_.contains(retry_times_.begin()->second)) {
+        retry_times_.erase(retry_times_.begin());  // cancelled meanwhile
+      }
+      if (retry_times_.empty()) {
+        retry_cv_.wait(lock);
+        continue;
+      }
+      const auto [when, seq] = *retry_times_.begin();
+      if (absl::Now() < when) {
+        retry_cv_.wait_until(lock, absl::ToChronoTime(when));
+        continue;
+      }
+      retry_times_.erase(retry_times_.begin());
+      auto q = queued_.find(seq);
+      Job job = std::move(q->second);
+      queued_.erase(q);
+      lock.unlock();
+      const Payload& pl = job.payload;
+      if (job.last.code() == absl::StatusCode::kDataLoss &&
+          (pl.region == nullptr || pl.region->kind() == MemoryKind::kHost) &&
+          Crc32c(pl.bytes.data(), pl.bytes.size()) != job.crc32c) {
+        {
+          std::lock_guard<std::mutex> relock(mu_);
+          ++stats_.failed;
+        }
+        Complete(job.state, std::move(job.done),
+                 Attempted(absl::DataLossError(absl::StrCat(
+                               job.last.message(),
+                               "; not sent again: the sender's bytes do not match that CRC-32C "
+                               "either (a wrong SendOptions::crc32c, or bytes changed after Send)")),
+                           job.attempt));
+      } else {
+        {
+          std::lock_guard<std::mutex> relock(mu_);
+          ++stats_.retries;
+        }
+        ++job.attempt;
+        Attempt(std::move(job));
+      }
+      lock.lock();
+    }
   }
 
   // Forgets a peer with nothing pending (and nobody waiting on its window), so that endpoints are
@@ -1985,7 +2158,11 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
   LatencyHistogram latency_;
   bool shutting_down_ = false;
   bool stop_watchdog_ = false;
-  std::thread watchdog_;  // last: started after the members it uses
+  std::map<uint64_t, Job> queued_;                  // to be sent again, by the failed attempt's seq
+  std::multimap<absl::Time, uint64_t> retry_times_;  // when (entries of cancelled ones linger)
+  std::condition_variable retry_cv_;
+  std::thread watchdog_;  // last: started after the members they use
+  std::thread retrier_;
 };
 
 absl::Status Transfer::Wait() {
@@ -2011,9 +2188,7 @@ absl::Status Transfer::status() const {
 }
 
 void Transfer::Cancel() {
-  if (auto sender = state_->sender.lock()) {
-    sender->Abort(seq_, absl::CancelledError(absl::StrCat("block transfer ", seq_, " cancelled")));
-  }
+  if (auto sender = state_->sender.lock()) sender->Cancel(*state_);
 }
 
 absl::StatusOr<std::unique_ptr<BlockSender>> BlockSender::Create(Transport* transport,

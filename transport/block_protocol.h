@@ -11,8 +11,10 @@
 //   UNAVAILABLE         the peer died or the connection failed (partial data is discarded)
 //   DEADLINE_EXCEEDED   no acknowledgement within the transfer's timeout
 //   CANCELLED           Transfer::Cancel
-//   DATA_LOSS           the receiver's checksum did not match
-//   RESOURCE_EXHAUSTED  the block is larger than the receiver accepts
+//   DATA_LOSS           the receiver's checksum did not match (on every attempt: see
+//                       BlockSenderOptions::max_attempts)
+//   RESOURCE_EXHAUSTED  the block is larger than the receiver accepts, or the receiver held
+//                       its limit of pending bytes at the last attempt
 //   anything else       the receiver's consumer refused the block with that status
 //
 // Streaming: every block is acknowledged on its own, so a prefill node sends layer l while it
@@ -108,6 +110,10 @@ struct BlockAckHeader {
   absl::Status status;     // message truncated to kMaxAckMessageBytes
   // Set: the placed block's ring space is free again.
   std::optional<RingPlace> released = std::nullopt;
+  // The receiver's own passing refusal (the bytes were damaged on the way: DATA_LOSS; no room
+  // now: RESOURCE_EXHAUSTED): the sender may send the block again (BlockSenderOptions::
+  // max_attempts). Never set for the consumer's status or a block too large.
+  bool retryable = false;
 };
 
 struct RingRequest {
@@ -262,6 +268,15 @@ struct BlockSenderOptions {
   // (Before then a late ack or release may still free it: a slow consumer, a receiver waiting
   // out a stalled copy.)
   absl::Duration reclaim_after = absl::Seconds(10);
+  // Attempts per transfer (>= 1). A block the receiver refuses only for now — its bytes arrived
+  // damaged (DATA_LOSS), it holds its limit of pending bytes (RESOURCE_EXHAUSTED) — is sent
+  // again after retry_backoff, doubled for each further attempt, within the transfer's timeout.
+  // Before sending a damaged block again the sender checks its own bytes against the CRC-32C it
+  // sent: if they differ (a wrong SendOptions::crc32c, bytes changed after Send) it is not sent
+  // again. Nothing else is retried: the consumer's status, a block too large, a lost connection
+  // (UNAVAILABLE: the caller reconnects), the timeout.
+  int max_attempts = 3;
+  absl::Duration retry_backoff = absl::Milliseconds(10);
 
   absl::Status Validate() const;
 };
@@ -284,8 +299,10 @@ class Transfer {
   // Its status once done (UNKNOWN before).
   absl::Status status() const;
   // Completes it with CANCELLED unless it has already completed (see Endpoint::Cancel for what
-  // that does to a payload already moving). The receiver may still have received the block.
+  // that does to a payload already moving), also between attempts. The receiver may still have
+  // received the block.
   void Cancel();
+  // The transfer's sequence number on the wire (of its first attempt; each attempt has its own).
   uint64_t seq() const { return seq_; }
 
   struct State;
@@ -301,6 +318,7 @@ class BlockSender {
  public:
   struct Stats {
     uint64_t sent = 0;                   // acknowledged OK
+    uint64_t retries = 0;                // attempts after a first (BlockSenderOptions::max_attempts)
     uint64_t bytes = 0;
     uint64_t failed = 0;                 // completed with any other status
     uint64_t max_bytes_in_flight = 0;    // most unacknowledged bytes to one peer at once

@@ -105,6 +105,16 @@ TEST(BlockWireTest, PlacedAndStreamedHeadersRoundTrip) {
   ASSERT_TRUE(da.ok()) << da.status();
   ASSERT_TRUE(da->released.has_value());
   EXPECT_EQ(*da->released, *a.released);
+  EXPECT_FALSE(da->retryable);
+  a.retryable = true;
+  a.status = absl::DataLossError("damaged");
+  da = DecodeBlockAckHeader(Bytes(EncodeBlockAckHeader(a)));
+  ASSERT_TRUE(da.ok()) << da.status();
+  EXPECT_TRUE(da->retryable);
+  EXPECT_TRUE(da->released.has_value());
+  std::string unknown = EncodeBlockAckHeader({.seq = 1, .status = absl::OkStatus()});
+  unknown[5] = 4;
+  EXPECT_THAT(DecodeBlockAckHeader(Bytes(unknown)).status().message(), HasSubstr("unknown flags"));
 }
 
 TEST(BlockWireTest, PiecedHeadersAndPiecesRoundTrip) {
@@ -205,6 +215,8 @@ TEST(BlockWireTest, OptionsValidate) {
   EXPECT_FALSE(BlockSenderOptions{.max_bytes_in_flight = 0}.Validate().ok());
   EXPECT_FALSE(BlockSenderOptions{.timeout = absl::ZeroDuration()}.Validate().ok());
   EXPECT_FALSE(BlockSenderOptions{.reclaim_after = -absl::Seconds(1)}.Validate().ok());
+  EXPECT_FALSE(BlockSenderOptions{.max_attempts = 0}.Validate().ok());
+  EXPECT_FALSE(BlockSenderOptions{.retry_backoff = -absl::Seconds(1)}.Validate().ok());
   EXPECT_FALSE(BlockSenderOptions{.piece_bytes = 100}.Validate().ok());
   EXPECT_TRUE(BlockSenderOptions{.piece_bytes = 0}.Validate().ok());
   EXPECT_TRUE(BlockSenderOptions{}.Validate().ok());

@@ -367,6 +367,10 @@ TEST_P(TransportConformanceTest, ChecksumMismatchIsDataLossAndNeverHandedOn) {
   absl::Status s = sender_->Send(peer_, "bad", View(data), {.crc32c = wrong})->Wait();
   EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
   EXPECT_THAT(s.message(), HasSubstr("checksum mismatch"));
+  // The receiver's DATA_LOSS allows another attempt, but the sender's own bytes do not match the
+  // CRC-32C either: sending them again could not help.
+  EXPECT_THAT(s.message(), HasSubstr("not sent again"));
+  EXPECT_EQ(sender_->stats().retries, 0u);
   EXPECT_EQ(sink_.count(), 0u);
   EXPECT_EQ(receiver_->stats().checksum_failures, 1u);
   // The connection is still good.
@@ -496,8 +500,10 @@ TEST_P(TransportConformanceTest, WindowThatNeverOpensTimesOutWithoutSending) {
 TEST_P(TransportConformanceTest, PayloadCorruptedInFlightIsCaughtAndNeverHandedOn) {
   faulty_ = std::make_unique<FaultInjectingTransport>(receiver_transport_.get());
   faulty_->corrupt = [](int n) { return n % 3 == 0; };
-  // (On ucx_shm the later blocks are placed in the receiver's ring; from 256 KiB on, streamed.)
-  ASSERT_NO_FATAL_FAILURE(Start({}, {.placement_min_bytes = 1, .stream_min_bytes = 256 << 10}));
+  // (On ucx_shm the later blocks are placed in the receiver's ring; from 256 KiB on, streamed.
+  // One attempt each: DamagedBlockIsSentAgain… covers the next.)
+  ASSERT_NO_FATAL_FAILURE(Start(
+      {}, {.placement_min_bytes = 1, .stream_min_bytes = 256 << 10, .max_attempts = 1}));
   std::vector<std::vector<uint8_t>> data;
   for (int i = 0; i < 9; ++i) data.push_back(RandomBytes(1000 + 70000 * i, 50 + i));
   for (int i = 0; i < 9; ++i) {
@@ -514,6 +520,87 @@ TEST_P(TransportConformanceTest, PayloadCorruptedInFlightIsCaughtAndNeverHandedO
   if (GetParam().name == "ucx_shm") {  // the later ones were placed (and streamed) in the ring
     EXPECT_GE(receiver_->stats().placed, 4u);
   }
+}
+
+// A block damaged on the way is sent again (the receiver's DATA_LOSS is a passing refusal): it
+// arrives intact and the damaged copy is never handed on. One damaged on every attempt fails
+// with DATA_LOSS saying which attempt was the last.
+TEST_P(TransportConformanceTest, DamagedBlockIsSentAgainAndArrivesIntact) {
+  faulty_ = std::make_unique<FaultInjectingTransport>(receiver_transport_.get());
+  faulty_->corrupt = [](int n) { return n == 1 || (n >= 3 && n <= 5); };
+  ASSERT_NO_FATAL_FAILURE(
+      Start({}, {.max_attempts = 3, .retry_backoff = absl::Milliseconds(1)}));
+  const auto a = RandomBytes(200000, 61), b = RandomBytes(200000, 62), c = RandomBytes(5000, 63);
+  absl::Status st = sender_->Send(peer_, "a", View(a))->Wait();  // messages 1 (damaged) and 2
+  EXPECT_TRUE(st.ok()) << st;
+  EXPECT_EQ(sink_.Get("a"), a);
+  st = sender_->Send(peer_, "b", View(b))->Wait();  // 3, 4, 5: all damaged
+  EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss) << st;
+  EXPECT_THAT(st.message(), HasSubstr("(attempt 3)"));
+  EXPECT_TRUE(sink_.Get("b").empty());
+  st = sender_->Send(peer_, "c", View(c))->Wait();
+  EXPECT_TRUE(st.ok()) << st;
+  EXPECT_EQ(sink_.Get("c"), c);
+  EXPECT_EQ(sender_->stats().retries, 3u);
+  EXPECT_EQ(sender_->stats().sent, 2u);
+  EXPECT_EQ(sender_->stats().failed, 1u);
+  EXPECT_EQ(receiver_->stats().checksum_failures, 4u);
+  EXPECT_EQ(receiver_->stats().blocks, 2u);
+  EXPECT_THAT(sender_->RenderMetrics(), HasSubstr("strata_transport_sent_retries_total 3"));
+}
+
+// A receiver that holds its limit of pending bytes refuses a block for now (RESOURCE_EXHAUSTED,
+// retryable): the sender sends it again after its backoff, and it goes through once there is
+// room. A consumer's own refusal is never retried.
+TEST_P(TransportConformanceTest, RefusedForNowIsSentAgainOnceThereIsRoom) {
+  Start({.max_block_bytes = 256 << 10, .max_pending_bytes = 256 << 10},
+        {.placement_min_bytes = 0, .max_attempts = 5, .retry_backoff = absl::Milliseconds(200)},
+        [this](ReceivedBlock b) -> absl::Status {
+          if (b.id == "first") hold_.Wait();
+          if (b.id == "dup") return absl::AlreadyExistsError("have it");
+          return sink_.Take(b);
+        });
+  const auto data = RandomBytes(200000, 64);
+  auto first = sender_->Send(peer_, "first", View(data));
+  auto second = sender_->Send(peer_, "second", View(data));
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  while (receiver_->stats().overloaded == 0 && absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  EXPECT_EQ(receiver_->stats().overloaded, 1u);
+  EXPECT_FALSE(second->done()) << second->status();  // waiting to be sent again
+  hold_.Open();
+  EXPECT_TRUE(first->Wait().ok()) << first->status();
+  EXPECT_TRUE(second->Wait().ok()) << second->status();
+  EXPECT_EQ(sink_.Get("second"), data);
+  EXPECT_GE(sender_->stats().retries, 1u);
+  const uint64_t retries = sender_->stats().retries;
+  EXPECT_EQ(sender_->Send(peer_, "dup", View(data))->Wait().code(),
+            absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(sender_->stats().retries, retries);
+}
+
+// Cancel reaches a transfer waiting for its next attempt.
+TEST_P(TransportConformanceTest, CancelBetweenAttemptsCompletesWithCancelled) {
+  faulty_ = std::make_unique<FaultInjectingTransport>(receiver_transport_.get());
+  faulty_->corrupt = [](int n) { return n == 1; };
+  ASSERT_NO_FATAL_FAILURE(Start({}, {.max_attempts = 3, .retry_backoff = absl::Seconds(5)}));
+  const auto data = RandomBytes(100000, 65);
+  auto t = sender_->Send(peer_, "x", View(data));
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  while (receiver_->stats().checksum_failures == 0 && absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  absl::SleepFor(absl::Milliseconds(50));  // (the DATA_LOSS ack reaches the sender)
+  EXPECT_FALSE(t->done()) << t->status();
+  const absl::Time cancelled = absl::Now();
+  t->Cancel();
+  EXPECT_TRUE(t->WaitFor(absl::Seconds(1))) << "the cancel waited for the next attempt";
+  EXPECT_EQ(t->status().code(), absl::StatusCode::kCancelled) << t->status();
+  EXPECT_LT(absl::Now() - cancelled, absl::Seconds(1));
+  EXPECT_EQ(sender_->stats().retries, 0u);
+  EXPECT_TRUE(sender_->Send(peer_, "y", View(data))->Wait().ok());
+  EXPECT_TRUE(sink_.Get("x").empty());
 }
 
 // A lost message: that transfer times out, the next one on the same connection goes through.
@@ -799,7 +886,7 @@ TEST_P(TransportConformanceTest, HeldRingsCountTowardTheLimitAndARefusedSenderAs
 TEST_P(TransportConformanceTest, PlacedBlocksDoNotCountTowardThePendingLimit) {
   if (GetParam().name != "ucx_shm") GTEST_SKIP() << "no direct placement on " << GetParam().name;
   Start({.max_block_bytes = 256 << 10, .max_pending_bytes = 256 << 10, .ring_bytes = 1 << 20},
-        {.placement_min_bytes = 1}, [this](ReceivedBlock b) {
+        {.placement_min_bytes = 1, .max_attempts = 1}, [this](ReceivedBlock b) {
           if (b.id != "warm-up") hold_.Wait();
           return sink_.Take(b);
         });
@@ -914,7 +1001,8 @@ TEST_P(TransportConformanceTest, PiecedBlocksArriveIntactAndAFaultyPieceFailsOnl
   // of 4 whose 2nd is lost (18), then whole and pieced blocks that go through.
   faulty_->corrupt = [](int n) { return n == 15; };
   faulty_->drop = [](int n) { return n == 18; };
-  ASSERT_NO_FATAL_FAILURE(Start({}, {.placement_min_bytes = 0, .piece_bytes = 64 << 10}));
+  ASSERT_NO_FATAL_FAILURE(
+      Start({}, {.placement_min_bytes = 0, .piece_bytes = 64 << 10, .max_attempts = 1}));
   std::vector<std::vector<uint8_t>> data;
   for (size_t n : {(3 << 16) + 1, 4 << 16, (3 << 16) + 100, 4 << 16, 4 << 16, 64 << 10,
                    (1 << 20) + 3}) {
