@@ -1281,13 +1281,18 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     const uint64_t seq = next_seq_.fetch_add(1) + 1;
     const std::shared_ptr<Endpoint> ep = job.ep;
     const absl::Time deadline = job.deadline;
-    const absl::Duration timeout = deadline - absl::Now();  // what is left of the transfer's
-    auto fail_now = [&](absl::Status s) {
+    // What is left of the transfer's time (a later attempt's; the watchdog ends it at the deadline).
+    const absl::Duration timeout = std::max(deadline - absl::Now(), absl::Nanoseconds(1));
+    auto fail_now = [&](absl::Status s) {  // (called without mu_)
+      if (job.attempt > 1) {  // a first attempt that fails at once is not counted, as before
+        std::lock_guard<std::mutex> lock(mu_);
+        ++stats_.failed;
+      }
       Complete(job.state, std::move(job.done), Attempted(s, job.attempt));
       return seq;
     };
     if (ep == nullptr) return fail_now(absl::InvalidArgumentError("Send: null endpoint"));
-    if (job.attempt > 1 && timeout <= absl::ZeroDuration()) {
+    if (job.attempt > 1 && deadline <= absl::Now()) {
       return fail_now(absl::DeadlineExceededError(absl::StrCat(
           "block transfer ", seq, ": no time left to send again after: ", job.last.message())));
     }
@@ -1318,8 +1323,8 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
       }
       ++peer.users;  // keeps the entry while this call waits
       const auto room = [&] {
-        return shutting_down_ || !peer.failed.ok() || peer.in_flight == 0 ||
-               peer.in_flight + size <= options_.max_bytes_in_flight;
+        return shutting_down_ || job.state->cancelled || !peer.failed.ok() ||
+               peer.in_flight == 0 || peer.in_flight + size <= options_.max_bytes_in_flight;
       };
       if (need_failure_callback) {
         lock.unlock();
@@ -1504,9 +1509,10 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     uint64_t seq = 0;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      state.cancelled = true;  // (an attempt starting now sees it)
+      state.cancelled = true;  // (an attempt starting now, or waiting for room, sees it)
       seq = state.seq;
     }
+    window_cv_.notify_all();
     Abort(seq, absl::CancelledError(absl::StrCat("block transfer ", seq, " cancelled")));
   }
 
@@ -1938,7 +1944,7 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     const absl::Time again =
         absl::Now() + options_.retry_backoff * (int64_t{1} << std::min(p.attempt - 1, 20));
     const bool retry = !status.ok() && p.retryable && p.attempt < options_.max_attempts &&
-                       !shutting_down_ && again < p.deadline;
+                       !shutting_down_ && !p.state->cancelled && again < p.deadline;
     if (retry) {
       queued_[seq] = Job{.ep = p.ep,
                          .block_id = std::move(p.block_id),

@@ -339,7 +339,8 @@ class BlockSender {
 
   // Ships `payload` (which must stay valid until the transfer completes) as block `block_id`.
   // Blocks while the peer's window is full (backpressure), at most until the deadline. `done`,
-  // if set, runs once on completion (on a transport or sender thread; must not block).
+  // if set, runs once on completion (on a transport or sender thread; must not block, nor
+  // destroy the sender).
   std::shared_ptr<Transfer> Send(const std::shared_ptr<Endpoint>& peer, absl::string_view block_id,
                                  Payload payload, SendOptions options = {},
                                  std::function<void(absl::Status)> done = nullptr);

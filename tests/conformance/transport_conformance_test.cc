@@ -553,13 +553,14 @@ TEST_P(TransportConformanceTest, DamagedBlockIsSentAgainAndArrivesIntact) {
 // retryable): the sender sends it again after its backoff, and it goes through once there is
 // room. A consumer's own refusal is never retried.
 TEST_P(TransportConformanceTest, RefusedForNowIsSentAgainOnceThereIsRoom) {
-  Start({.max_block_bytes = 256 << 10, .max_pending_bytes = 256 << 10},
-        {.placement_min_bytes = 0, .max_attempts = 5, .retry_backoff = absl::Milliseconds(200)},
-        [this](ReceivedBlock b) -> absl::Status {
-          if (b.id == "first") hold_.Wait();
-          if (b.id == "dup") return absl::AlreadyExistsError("have it");
-          return sink_.Take(b);
-        });
+  ASSERT_NO_FATAL_FAILURE(Start(
+      {.max_block_bytes = 256 << 10, .max_pending_bytes = 256 << 10},
+      {.placement_min_bytes = 0, .max_attempts = 5, .retry_backoff = absl::Milliseconds(200)},
+      [this](ReceivedBlock b) -> absl::Status {
+        if (b.id == "first") hold_.Wait();
+        if (b.id == "dup") return absl::AlreadyExistsError("have it");
+        return sink_.Take(b);
+      }));
   const auto data = RandomBytes(200000, 64);
   auto first = sender_->Send(peer_, "first", View(data));
   auto second = sender_->Send(peer_, "second", View(data));
@@ -567,7 +568,7 @@ TEST_P(TransportConformanceTest, RefusedForNowIsSentAgainOnceThereIsRoom) {
   while (receiver_->stats().overloaded == 0 && absl::Now() < until) {
     absl::SleepFor(absl::Milliseconds(1));
   }
-  EXPECT_EQ(receiver_->stats().overloaded, 1u);
+  EXPECT_GE(receiver_->stats().overloaded, 1u);
   EXPECT_FALSE(second->done()) << second->status();  // waiting to be sent again
   hold_.Open();
   EXPECT_TRUE(first->Wait().ok()) << first->status();
