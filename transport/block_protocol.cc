@@ -800,7 +800,7 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
       std::lock_guard<std::mutex> lock(mu_);
       if (stopped_ || options_.ring_bytes == 0) return refuse(absl::StatusCode::kUnimplemented);
       if (rings_.contains(req->token)) return refuse(absl::StatusCode::kAlreadyExists);
-      std::erase_if(retired_, [](const std::weak_ptr<LentRing>& r) { return r.expired(); });
+      std::erase_if(retired_, Expired);
       if (rings_.size() + retired_.size() >= static_cast<size_t>(options_.max_rings)) {
         return refuse(absl::StatusCode::kResourceExhausted);
       }
@@ -854,8 +854,7 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
   BlockReceiver::Stats StatsLocked() const {
     BlockReceiver::Stats st = stats_;
     st.rings = rings_.size();
-    st.retired_rings = std::count_if(retired_.begin(), retired_.end(),
-                                     [](const std::weak_ptr<LentRing>& r) { return !r.expired(); });
+    st.retired_rings = retired_.size() - std::count_if(retired_.begin(), retired_.end(), Expired);
     return st;
   }
 
@@ -1031,7 +1030,7 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
       ring = std::move(it->second);
       rings_.erase(it);
       handle = ring->failure_handle;
-      std::erase_if(retired_, [](const std::weak_ptr<LentRing>& r) { return r.expired(); });
+      std::erase_if(retired_, Expired);
       retired_.push_back(ring);  // (its memory goes with the last block in it)
     }
     if (std::shared_ptr<Endpoint> ep = ring->ep.lock()) {
@@ -1172,6 +1171,7 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
   std::condition_variable watch_cv_;  // wakes WatchStalls for Shutdown
   std::unordered_map<uint64_t, std::shared_ptr<LentRing>> rings_;  // by token
   std::vector<std::weak_ptr<LentRing>> retired_;  // taken back; count toward max_rings while held
+  static bool Expired(const std::weak_ptr<LentRing>& r) { return r.expired(); }
   // Pieced blocks arriving, by sender connection and sequence number.
   absl::flat_hash_map<std::pair<const Endpoint*, uint64_t>, std::shared_ptr<Pieces>> pieces_;
   std::thread watcher_;  // WatchStalls, joined in Shutdown
@@ -1406,19 +1406,12 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
       ++peer.pending;
       stats_.max_bytes_in_flight = std::max(stats_.max_bytes_in_flight, peer.in_flight);
       Pending& p = pending_[seq];
-      p.ep = ep;
       p.size = size;
       p.placed = ring != nullptr;
       if (p.placed) p.place = *header_fields.placed;
       p.copying = header_fields.streamed;
       p.pieced = header_fields.pieced;
-      p.state = job.state;
-      p.done = std::move(job.done);
-      p.deadline = deadline;
-      p.block_id = std::move(job.block_id);
-      p.payload = job.payload;
-      p.crc32c = job.crc32c;
-      p.attempt = job.attempt;
+      p.job = std::move(job);  // (ep and deadline are copies)
       p.start = absl::Now();
       deadlines_.emplace(deadline, seq);
     }
@@ -1544,7 +1537,7 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
         return;
       }
       if (!it->second.posting) {
-        ep = it->second.ep;
+        ep = it->second.job.ep;
         tids = it->second.backend_ids;
         pieced = it->second.pieced;
         size = it->second.size;
@@ -1825,14 +1818,11 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
   };
 
   struct Pending {
-    std::shared_ptr<Endpoint> ep;
+    Job job;  // the transfer (its caller's state and callback; all another attempt needs)
     uint64_t size = 0;
     bool placed = false;
     RingPlace place;        // where, if placed
     bool answered = false;  // the receiver's ack came (in time or not)
-    std::shared_ptr<Transfer::State> state;
-    std::function<void(absl::Status)> done;
-    absl::Time deadline;
     absl::Time start;
     std::vector<uint64_t> backend_ids;  // the block's messages (header, pieces), once posted
     bool copying = false;  // a streamed block still being copied into the ring
@@ -1843,11 +1833,6 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     std::optional<absl::Status> outcome;  // the ack's status, or why it was given up
     bool retryable = false;               // the ack says sending again may succeed
     bool cancel_requested = false;        // Abort: the backend's send must be stopped
-    // For another attempt (BlockSenderOptions::max_attempts).
-    std::string block_id;
-    Payload payload;
-    uint32_t crc32c = 0;
-    int attempt = 1;
   };
   using PendingMap = std::unordered_map<uint64_t, Pending>;
 
@@ -1903,7 +1888,7 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     window_cv_.notify_all();
     std::vector<uint64_t> finished;
     for (auto& [seq, p] : pending_) {
-      if (p.ep.get() != key || p.outcome.has_value()) continue;
+      if (p.job.ep.get() != key || p.outcome.has_value()) continue;
       p.outcome = peer->second.failed;
       if (p.sends_done()) finished.push_back(seq);
     }
@@ -1921,7 +1906,7 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     const uint64_t seq = it->first;
     Pending p = std::move(it->second);
     pending_.erase(it);
-    auto range = deadlines_.equal_range(p.deadline);
+    auto range = deadlines_.equal_range(p.job.deadline);
     for (auto d = range.first; d != range.second; ++d) {
       if (d->second == seq) {
         deadlines_.erase(d);
@@ -1942,19 +1927,14 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     // The receiver refused it only for now, and there is time for another attempt: it waits in
     // queued_ (the retry thread sends it again).
     const absl::Time again =
-        absl::Now() + options_.retry_backoff * (int64_t{1} << std::min(p.attempt - 1, 20));
-    const bool retry = !status.ok() && p.retryable && p.attempt < options_.max_attempts &&
-                       !shutting_down_ && !p.state->cancelled && again < p.deadline;
+        absl::Now() + options_.retry_backoff * (int64_t{1} << std::min(p.job.attempt - 1, 20));
+    const bool retry = !status.ok() && p.retryable && p.job.attempt < options_.max_attempts &&
+                       !shutting_down_ && !p.job.state->cancelled && again < p.job.deadline;
+    const int attempt = p.job.attempt;
+    const std::shared_ptr<Endpoint> ep = p.job.ep;
     if (retry) {
-      queued_[seq] = Job{.ep = p.ep,
-                         .block_id = std::move(p.block_id),
-                         .payload = p.payload,
-                         .crc32c = p.crc32c,
-                         .deadline = p.deadline,
-                         .attempt = p.attempt,
-                         .state = std::move(p.state),
-                         .done = std::move(p.done),
-                         .last = status};
+      Job& queued = queued_[seq] = std::move(p.job);
+      queued.last = status;
       retry_times_.emplace(again, seq);
       retry_cv_.notify_one();
     } else if (status.ok()) {
@@ -1965,7 +1945,7 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     } else {
       ++stats_.failed;
     }
-    auto peer = peers_.find(p.ep.get());
+    auto peer = peers_.find(ep.get());
     bool wake = true;
     if (peer != peers_.end()) {
       // Senders blocked on a full window are woken when it has drained to half (or is empty),
@@ -1975,13 +1955,13 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
       peer->second.in_flight -= p.size;
       wake = peer->second.in_flight == 0 || (before > half && peer->second.in_flight <= half);
       --peer->second.pending;
-      MaybeDropPeerLocked(p.ep.get(), lock);
+      MaybeDropPeerLocked(ep.get(), lock);
     }
     if (wake) window_cv_.notify_all();
     if (pending_.empty()) idle_cv_.notify_all();
     if (retry) return;
     lock.unlock();
-    Complete(p.state, std::move(p.done), Attempted(status, p.attempt));
+    Complete(p.job.state, std::move(p.job.done), Attempted(status, attempt));
     lock.lock();
   }
 
@@ -1995,22 +1975,12 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
   // first checked against the CRC-32C it was sent with: bytes that no longer match it (a wrong
   // SendOptions::crc32c, a buffer changed after Send) would only be damaged again.
   void Retrier() {
+    const auto queued = [this](uint64_t seq) { return queued_.contains(seq); };  // not cancelled
     std::unique_lock<std::mutex> lock(mu_);
     while (!shutting_down_) {
-      while (!retry_times_.empty() && !queued_.contains(retry_times_.begin()->second)) {
-        retry_times_.erase(retry_times_.begin());  // cancelled meanwhile
-      }
-      if (retry_times_.empty()) {
-        retry_cv_.wait(lock);
-        continue;
-      }
-      const auto [when, seq] = *retry_times_.begin();
-      if (absl::Now() < when) {
-        retry_cv_.wait_until(lock, absl::ToChronoTime(when));
-        continue;
-      }
-      retry_times_.erase(retry_times_.begin());
-      auto q = queued_.find(seq);
+      const std::optional<uint64_t> seq = TakeDueLocked(retry_times_, queued, retry_cv_, lock);
+      if (!seq.has_value()) continue;
+      auto q = queued_.find(*seq);
       Job job = std::move(q->second);
       queued_.erase(q);
       lock.unlock();
@@ -2116,32 +2086,39 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     for (uint64_t at : offsets) it->second->Release(at);
   }
 
+  // Waits on `cv` until the first of `timers` still `live` (the others are dropped) is due, and
+  // takes it; nullopt when woken before then (the caller checks why, and calls again).
+  static std::optional<uint64_t> TakeDueLocked(std::multimap<absl::Time, uint64_t>& timers,
+                                               const std::function<bool(uint64_t)>& live,
+                                               std::condition_variable& cv,
+                                               std::unique_lock<std::mutex>& lock) {
+    while (!timers.empty() && !live(timers.begin()->second)) timers.erase(timers.begin());
+    if (timers.empty()) {
+      cv.wait(lock);
+      return std::nullopt;
+    }
+    const auto [when, seq] = *timers.begin();
+    if (absl::Now() < when) {
+      cv.wait_until(lock, absl::ToChronoTime(when));
+      return std::nullopt;
+    }
+    timers.erase(timers.begin());
+    return seq;
+  }
+
+  // Fires the deadlines of transfers not finished by then.
   void Watchdog() {
+    const auto unfinished = [this](uint64_t seq) {
+      auto it = pending_.find(seq);
+      return it != pending_.end() && !it->second.outcome.has_value();
+    };
     std::unique_lock<std::mutex> lock(mu_);
     while (!stop_watchdog_) {
-      // Drop entries of transfers that have finished; fire the first that is due.
-      while (!deadlines_.empty()) {
-        auto first = deadlines_.begin();
-        auto it = pending_.find(first->second);
-        if (it == pending_.end() || it->second.outcome.has_value()) {
-          deadlines_.erase(first);
-          continue;
-        }
-        break;
-      }
-      if (deadlines_.empty()) {
-        watchdog_cv_.wait(lock);
-        continue;
-      }
-      const auto [when, seq] = *deadlines_.begin();
-      if (absl::Now() < when) {
-        watchdog_cv_.wait_until(lock, absl::ToChronoTime(when));
-        continue;
-      }
-      deadlines_.erase(deadlines_.begin());
+      const std::optional<uint64_t> seq = TakeDueLocked(deadlines_, unfinished, watchdog_cv_, lock);
+      if (!seq.has_value()) continue;
       lock.unlock();
-      Abort(seq, absl::DeadlineExceededError(absl::StrCat(
-                     "block transfer ", seq, " not acknowledged within its timeout")));
+      Abort(*seq, absl::DeadlineExceededError(absl::StrCat(
+                      "block transfer ", *seq, " not acknowledged within its timeout")));
       lock.lock();
     }
   }
