@@ -1276,9 +1276,12 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     return std::shared_ptr<Transfer>(new Transfer(state, seq));
   }
 
-  // Sends a block (once: a retry is another attempt); returns the attempt's sequence number.
+  // Sends a block (once: a retry is another attempt); returns the attempt's sequence number. A
+  // later attempt does not wait for room in the peer's window: its transfer kept its room
+  // (FinishLocked), so the retry thread never waits behind one peer's window.
   uint64_t Attempt(Job job) {
     const uint64_t seq = next_seq_.fetch_add(1) + 1;
+    const bool holds_room = job.attempt > 1;
     const std::shared_ptr<Endpoint> ep = job.ep;
     const absl::Time deadline = job.deadline;
     // What is left of the transfer's time (a later attempt's; the watchdog ends it at the deadline).
@@ -1292,10 +1295,6 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
       return seq;
     };
     if (ep == nullptr) return fail_now(absl::InvalidArgumentError("Send: null endpoint"));
-    if (job.attempt > 1 && deadline <= absl::Now()) {
-      return fail_now(absl::DeadlineExceededError(absl::StrCat(
-          "block transfer ", seq, ": no time left to send again after: ", job.last.message())));
-    }
     if (job.block_id.size() > kMaxBlockIdBytes) {
       return fail_now(absl::InvalidArgumentError(absl::StrCat(
           "block id of ", job.block_id.size(), " bytes exceeds ", kMaxBlockIdBytes)));
@@ -1323,7 +1322,7 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
       }
       ++peer.users;  // keeps the entry while this call waits
       const auto room = [&] {
-        return shutting_down_ || job.state->cancelled || !peer.failed.ok() ||
+        return holds_room || shutting_down_ || job.state->cancelled || !peer.failed.ok() ||
                peer.in_flight == 0 || peer.in_flight + size <= options_.max_bytes_in_flight;
       };
       if (need_failure_callback) {
@@ -1353,10 +1352,17 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
         refuse = absl::DeadlineExceededError(absl::StrCat(
             "block transfer ", seq, ": the peer's window (", options_.max_bytes_in_flight,
             " bytes in flight) did not open within ", absl::FormatDuration(timeout)));
+      } else if (holds_room && deadline <= absl::Now()) {
+        refuse = absl::DeadlineExceededError(absl::StrCat(
+            "block transfer ", seq, ": no time left to send again after: ", job.last.message()));
       }
       if (!refuse.ok()) {
         --peer.users;
-        MaybeDropPeerLocked(ep.get(), lock);
+        if (holds_room) {
+          ReleaseRoomLocked(ep.get(), size, lock);
+        } else {
+          MaybeDropPeerLocked(ep.get(), lock);
+        }
         lock.unlock();  // the caller's callback runs without the sender's lock
         return fail_now(std::move(refuse));
       }
@@ -1402,8 +1408,10 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
       // first, then the rest in order (each its own message, checked by the receiver as it lands).
       header_fields.pieced =
           ring == nullptr && options_.piece_bytes > 0 && size > options_.piece_bytes;
-      peer.in_flight += size;
-      ++peer.pending;
+      if (!holds_room) {
+        peer.in_flight += size;
+        ++peer.pending;
+      }
       stats_.max_bytes_in_flight = std::max(stats_.max_bytes_in_flight, peer.in_flight);
       Pending& p = pending_[seq];
       p.size = size;
@@ -1525,6 +1533,7 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
         Job job = std::move(q->second);
         queued_.erase(q);
         ++stats_.failed;
+        ReleaseRoomLocked(job.ep.get(), job.payload.bytes.size(), lock);
         lock.unlock();
         Complete(job.state, std::move(job.done), Attempted(why, job.attempt));
         return;
@@ -1637,9 +1646,12 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     retrier_.join();  // no attempt starts after this
     std::map<uint64_t, Job> queued;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      std::unique_lock<std::mutex> lock(mu_);
       queued.swap(queued_);
       stats_.failed += queued.size();
+      for (auto& [seq, job] : queued) {
+        ReleaseRoomLocked(job.ep.get(), job.payload.bytes.size(), lock);
+      }
     }
     for (auto& [seq, job] : queued) {
       Complete(job.state, std::move(job.done),
@@ -1883,18 +1895,38 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     std::unique_lock<std::mutex> lock(mu_);
     auto peer = peers_.find(key);
     if (peer == peers_.end()) return;
-    peer->second.failed = absl::UnavailableError(
+    const absl::Status failed = peer->second.failed = absl::UnavailableError(
         absl::StrCat("peer ", peer->second.ep->peer(), " failed: ", s.message()));
     window_cv_.notify_all();
     std::vector<uint64_t> finished;
     for (auto& [seq, p] : pending_) {
       if (p.job.ep.get() != key || p.outcome.has_value()) continue;
-      p.outcome = peer->second.failed;
+      p.outcome = failed;
       if (p.sends_done()) finished.push_back(seq);
+    }
+    // Transfers waiting to be sent again to this peer fail now, not at their next attempt.
+    std::vector<Job> waiting;
+    for (auto q = queued_.begin(); q != queued_.end();) {
+      if (q->second.ep.get() != key) {
+        ++q;
+        continue;
+      }
+      waiting.push_back(std::move(q->second));
+      q = queued_.erase(q);
+      ++stats_.failed;
     }
     for (uint64_t seq : finished) {
       auto it = pending_.find(seq);
       if (it != pending_.end()) FinishLocked(it, lock);  // relocks; iterators refetched
+    }
+    for (const Job& job : waiting) ReleaseRoomLocked(key, job.payload.bytes.size(), lock);
+    lock.unlock();
+    for (Job& job : waiting) {
+      Complete(job.state, std::move(job.done),
+               absl::UnavailableError(absl::StrCat(failed.message(),
+                                                   " (while the block waited to be sent again "
+                                                   "after: ",
+                                                   job.last.message(), ")")));
     }
   }
 
@@ -1945,19 +1977,10 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     } else {
       ++stats_.failed;
     }
-    auto peer = peers_.find(ep.get());
-    bool wake = true;
-    if (peer != peers_.end()) {
-      // Senders blocked on a full window are woken when it has drained to half (or is empty),
-      // not on every ack: one wake-up per half window instead of two context switches per block.
-      const uint64_t half = options_.max_bytes_in_flight / 2;
-      const uint64_t before = peer->second.in_flight;
-      peer->second.in_flight -= p.size;
-      wake = peer->second.in_flight == 0 || (before > half && peer->second.in_flight <= half);
-      --peer->second.pending;
-      MaybeDropPeerLocked(ep.get(), lock);
-    }
-    if (wake) window_cv_.notify_all();
+    // A transfer to be sent again keeps its room in the window: its next attempt need not wait
+    // for room (nor the retry thread with it), and a receiver that refused it for want of room
+    // thereby slows its sender.
+    if (!retry) ReleaseRoomLocked(ep.get(), p.size, lock);
     if (pending_.empty()) idle_cv_.notify_all();
     if (retry) return;
     lock.unlock();
@@ -1989,8 +2012,9 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
           (pl.region == nullptr || pl.region->kind() == MemoryKind::kHost) &&
           Crc32c(pl.bytes.data(), pl.bytes.size()) != job.crc32c) {
         {
-          std::lock_guard<std::mutex> relock(mu_);
+          std::unique_lock<std::mutex> relock(mu_);
           ++stats_.failed;
+          ReleaseRoomLocked(job.ep.get(), pl.bytes.size(), relock);
         }
         Complete(job.state, std::move(job.done),
                  Attempted(absl::DataLossError(absl::StrCat(
@@ -2008,6 +2032,23 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
       }
       lock.lock();
     }
+  }
+
+  // A transfer (pending or queued) is over: its bytes leave the peer's window. Senders blocked on
+  // a full window are woken when it has drained to half (or is empty), not on every ack: one
+  // wake-up per half window instead of two context switches per block.
+  void ReleaseRoomLocked(Endpoint* key, uint64_t size, std::unique_lock<std::mutex>& lock) {
+    auto peer = peers_.find(key);
+    bool wake = true;
+    if (peer != peers_.end()) {
+      const uint64_t half = options_.max_bytes_in_flight / 2;
+      const uint64_t before = peer->second.in_flight;
+      peer->second.in_flight -= size;
+      wake = peer->second.in_flight == 0 || (before > half && peer->second.in_flight <= half);
+      --peer->second.pending;
+      MaybeDropPeerLocked(key, lock);
+    }
+    if (wake) window_cv_.notify_all();
   }
 
   // Forgets a peer with nothing pending (and nobody waiting on its window), so that endpoints are

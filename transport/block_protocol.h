@@ -274,7 +274,9 @@ struct BlockSenderOptions {
   // Before sending a damaged block again the sender checks its own bytes against the CRC-32C it
   // sent: if they differ (a wrong SendOptions::crc32c, bytes changed after Send) it is not sent
   // again. Nothing else is retried: the consumer's status, a block too large, a lost connection
-  // (UNAVAILABLE: the caller reconnects), the timeout.
+  // (UNAVAILABLE: the caller reconnects), the timeout. A block waiting to be sent again keeps its
+  // room in the peer's window (its next attempt never waits for room, and a receiver refusing
+  // for want of room slows its sender); its peer failing meanwhile fails it at once.
   int max_attempts = 3;
   absl::Duration retry_backoff = absl::Milliseconds(10);
 

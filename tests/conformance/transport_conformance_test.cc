@@ -604,6 +604,95 @@ TEST_P(TransportConformanceTest, CancelBetweenAttemptsCompletesWithCancelled) {
   EXPECT_TRUE(sink_.Get("x").empty());
 }
 
+// A transfer waiting to be sent again keeps its room in the peer's window. Its next attempt
+// therefore never waits for room, and the one retry thread never waits behind one peer's full
+// window while another peer's retry is due. Here peer A's window is full (a block its consumer
+// holds, a damaged block waiting for its retry, a third block waiting for room that the consumer
+// will hold too) while peer B's damaged block is sent again and arrives. (When a retry gave its
+// room up, the third block took it, and the retry thread waited for A's consumer.)
+TEST_P(TransportConformanceTest, ARetryKeepsItsWindowRoomAndNeverWaitsBehindAnotherPeer) {
+  faulty_ = std::make_unique<FaultInjectingTransport>(receiver_transport_.get());
+  faulty_->corrupt = [](int n) { return n == 2; };  // A's second block, first attempt
+  constexpr size_t kSize = 100000;
+  ASSERT_NO_FATAL_FAILURE(Start(
+      {.verify_threads = 2},
+      {.max_bytes_in_flight = 2 * kSize, .placement_min_bytes = 0, .max_attempts = 3,
+       .retry_backoff = absl::Milliseconds(200)},
+      [this](ReceivedBlock b) -> absl::Status {
+        if (b.id == "a1" || b.id == "a3") hold_.Wait();  // each holds one of A's two threads
+        return sink_.Take(b);
+      }));
+  // Peer B: its own transport and receiver; its first block arrives damaged.
+  auto b_transport = MakeTransport(GetParam());
+  ASSERT_TRUE(b_transport.ok()) << b_transport.status();
+  FaultInjectingTransport b_faulty(b_transport->get());
+  b_faulty.corrupt = [](int n) { return n == 1; };
+  Sink b_sink;
+  auto b_receiver = BlockReceiver::Create(&b_faulty, {}, [&](ReceivedBlock b) {
+    return b_sink.Take(b);
+  });
+  ASSERT_TRUE(b_receiver.ok()) << b_receiver.status();
+  auto b_peer = sender_transport_->Connect(b_faulty.address(), absl::Seconds(10));
+  ASSERT_TRUE(b_peer.ok()) << b_peer.status();
+
+  const auto a1 = RandomBytes(kSize, 71), a2 = RandomBytes(kSize, 72), a3 = RandomBytes(kSize, 73);
+  const auto b1 = RandomBytes(kSize, 74);
+  auto t1 = sender_->Send(peer_, "a1", View(a1));  // held by A's consumer
+  auto t2 = sender_->Send(peer_, "a2", View(a2));  // damaged: waits 200 ms to be sent again
+  std::shared_ptr<Transfer> t3;
+  std::thread third([&] { t3 = sender_->Send(peer_, "a3", View(a3)); });  // waits for room
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  while (receiver_->stats().checksum_failures == 0 && absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  ASSERT_EQ(receiver_->stats().checksum_failures, 1u);
+  // B's damaged block is due for its retry after A's: it must not wait for A's window.
+  auto u1 = sender_->Send(*b_peer, "b1", View(b1));
+  EXPECT_TRUE(u1->WaitFor(absl::Seconds(5))) << "B's retry waited behind A's full window";
+  EXPECT_TRUE(u1->status().ok()) << u1->status();
+  EXPECT_EQ(b_sink.Get("b1"), b1);
+  EXPECT_FALSE(t1->done()) << t1->status();
+  EXPECT_TRUE(t2->done()) << "a2's retry waited for room";
+  EXPECT_TRUE(t2->status().ok()) << t2->status();  // its consumer ran: A took it in its turn
+  EXPECT_LE(sender_->stats().max_bytes_in_flight, 2 * kSize);
+  hold_.Open();
+  third.join();
+  EXPECT_TRUE(t1->Wait().ok()) << t1->status();
+  EXPECT_TRUE(t3->Wait().ok()) << t3->status();
+  EXPECT_EQ(sink_.Get("a2"), a2);
+  EXPECT_EQ(sink_.Get("a3"), a3);
+  EXPECT_EQ(sender_->stats().retries, 2u);
+  EXPECT_EQ(sender_->stats().sent, 4u);
+  sender_.reset();  // before B's receiver and transport go
+  b_receiver->reset();
+}
+
+// A peer that fails while a block waits to be sent to it again fails that block at once, with
+// UNAVAILABLE, rather than at its next attempt.
+TEST_P(TransportConformanceTest, PeerFailingWhileABlockWaitsToBeSentAgainFailsItAtOnce) {
+  faulty_ = std::make_unique<FaultInjectingTransport>(receiver_transport_.get());
+  faulty_->corrupt = [](int n) { return n == 1; };
+  ASSERT_NO_FATAL_FAILURE(Start({}, {.max_attempts = 3, .retry_backoff = absl::Seconds(5)}));
+  const auto data = RandomBytes(100000, 66);
+  auto t = sender_->Send(peer_, "x", View(data));
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  while (receiver_->stats().checksum_failures == 0 && absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  absl::SleepFor(absl::Milliseconds(50));  // (the DATA_LOSS ack reaches the sender)
+  EXPECT_FALSE(t->done()) << t->status();
+  const absl::Time gone = absl::Now();
+  receiver_.reset();
+  faulty_.reset();
+  receiver_transport_.reset();  // the peer goes away
+  EXPECT_TRUE(t->WaitFor(absl::Seconds(3))) << "the failure waited for the next attempt";
+  EXPECT_EQ(t->status().code(), absl::StatusCode::kUnavailable) << t->status();
+  EXPECT_THAT(t->status().message(), HasSubstr("waited to be sent again"));
+  EXPECT_LT(absl::Now() - gone, absl::Seconds(3));
+  EXPECT_EQ(sender_->stats().retries, 0u);
+  EXPECT_EQ(sender_->stats().failed, 1u);
+}
+
 // A lost message: that transfer times out, the next one on the same connection goes through.
 TEST_P(TransportConformanceTest, LostMessageTimesOutAndTheNextGoesThrough) {
   faulty_ = std::make_unique<FaultInjectingTransport>(receiver_transport_.get());
