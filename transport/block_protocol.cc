@@ -1960,8 +1960,10 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     // queued_ (the retry thread sends it again).
     const absl::Time again =
         absl::Now() + options_.retry_backoff * (int64_t{1} << std::min(p.job.attempt - 1, 20));
+    const auto peer = peers_.find(p.job.ep.get());
     const bool retry = !status.ok() && p.retryable && p.job.attempt < options_.max_attempts &&
-                       !shutting_down_ && !p.job.state->cancelled && again < p.job.deadline;
+                       !shutting_down_ && !p.job.state->cancelled && again < p.job.deadline &&
+                       (peer == peers_.end() || peer->second.failed.ok());  // (failed: no use)
     const int attempt = p.job.attempt;
     const std::shared_ptr<Endpoint> ep = p.job.ep;
     if (retry) {
