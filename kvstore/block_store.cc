@@ -1,6 +1,7 @@
 #include "kvstore/block_store.h"
 
 #include <cstring>
+#include <filesystem>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -13,31 +14,55 @@
 namespace strata::kvstore {
 namespace {
 
-// On disk, per block two keys written in one batch: 'M' + name -> metadata ("SKV1", parent name
-// length (0 or BlockName::kEncodedBytes), parent name, block size as 8 bytes little-endian),
-// small enough to stay in the LSM tree, so a restart scans only these; 'B' + name -> the block
-// bytes, large, in blob files, read (and verified) only when the block is.
-constexpr char kMagic[4] = {'S', 'K', 'V', '1'};
+// On disk, per block: its bytes in the block log (block_log.h, `<disk_path>/blocks/`), and in
+// RocksDB 'M' + name -> its index record ("SKV2", parent name length (0 or
+// BlockName::kEncodedBytes), parent name, block size as 8 bytes, log file number as 4, offset as
+// 8; little-endian), small enough to stay in the LSM tree, so a restart scans only these. Stores
+// written before the block log have "SKV1" records (no file and offset) and the bytes under
+// 'B' + name (in RocksDB's blob files); they are still read, and deleted as before.
+constexpr char kMagicV1[4] = {'S', 'K', 'V', '1'};
+constexpr char kMagicV2[4] = {'S', 'K', 'V', '2'};
 
 std::string MetaKey(const std::string& key) { return "M" + key; }
 std::string BlockKey(const std::string& key) { return "B" + key; }
 
-std::string EncodeMeta(const std::string& parent, uint64_t size) {
-  std::string v(kMagic, 4);
+void PutLe(std::string& v, uint64_t x, int bytes) {
+  for (int i = 0; i < bytes; ++i) v.push_back(static_cast<char>((x >> (8 * i)) & 0xff));
+}
+uint64_t GetLe(absl::string_view v, size_t at, int bytes) {
+  uint64_t x = 0;
+  for (int i = 0; i < bytes; ++i) x |= uint64_t{static_cast<uint8_t>(v[at + i])} << (8 * i);
+  return x;
+}
+
+std::string EncodeMeta(const std::string& parent, uint64_t size, const Extent& where) {
+  std::string v(kMagicV2, 4);
   v.push_back(static_cast<char>(parent.size()));
   v += parent;
-  for (int i = 0; i < 8; ++i) v.push_back(static_cast<char>((size >> (8 * i)) & 0xff));
+  PutLe(v, size, 8);
+  PutLe(v, where.file, 4);
+  PutLe(v, where.offset, 8);
   return v;
 }
 
-// false when `v` is not a metadata record.
-bool DecodeMeta(absl::string_view v, std::string* parent, uint64_t* size) {
-  if (v.size() < 5 || std::memcmp(v.data(), kMagic, 4) != 0) return false;
+// false when `v` is not an index record. `where->file` is 0 for a block kept in RocksDB.
+bool DecodeMeta(absl::string_view v, std::string* parent, uint64_t* size, Extent* where) {
+  if (v.size() < 5) return false;
+  const bool v1 = std::memcmp(v.data(), kMagicV1, 4) == 0;
+  if (!v1 && std::memcmp(v.data(), kMagicV2, 4) != 0) return false;
   const size_t n = static_cast<uint8_t>(v[4]);
-  if ((n != 0 && n != BlockName::kEncodedBytes) || v.size() != 5 + n + 8) return false;
+  if ((n != 0 && n != BlockName::kEncodedBytes) || v.size() != 5 + n + (v1 ? 8 : 20)) {
+    return false;
+  }
   *parent = std::string(v.substr(5, n));
-  *size = 0;
-  for (int i = 0; i < 8; ++i) *size |= uint64_t{static_cast<uint8_t>(v[5 + n + i])} << (8 * i);
+  *size = GetLe(v, 5 + n, 8);
+  *where = Extent{};
+  if (!v1) {
+    where->file = static_cast<uint32_t>(GetLe(v, 5 + n + 8, 4));
+    where->offset = GetLe(v, 5 + n + 12, 8);
+    where->size = *size;
+    if (where->file == 0 || where->offset % BlockLog::kAlign != 0) return false;
+  }
   return true;
 }
 
@@ -94,9 +119,11 @@ BlockStore::~BlockStore() {
       auto it = entries_.find(key);
       if (it == entries_.end() || it->second.on_disk) continue;
       if (disk_used_ + bytes->size() > options_.disk_bytes) break;
-      if (!WriteDisk(key, it->second.parent, bytes->span()).ok()) break;
-      AddDiskLocked(key, it->second);
+      absl::StatusOr<Extent> where = WriteDisk(key, it->second.parent, bytes->span());
+      if (!where.ok()) break;
+      AddDiskLocked(key, it->second, *where);
     }
+    log_->Sync().IgnoreError();  // (a clean shutdown also survives power loss, as far as it can)
     db_->Flush(rocksdb::FlushOptions());
   }
   {
@@ -121,16 +148,23 @@ absl::Status BlockStore::OpenDisk() {
   STRATA_RETURN_IF_ERROR(FromRocks(rocksdb::DB::Open(o, options_.disk_path, &db),
                                    absl::StrCat("open ", options_.disk_path)));
   db_.reset(db);
-  // Rebuild the disk index: every key, its parent and size (values are verified when read).
+  absl::StatusOr<std::unique_ptr<BlockLog>> log =
+      BlockLog::Open((std::filesystem::path(options_.disk_path) / "blocks").string());
+  if (!log.ok()) return log.status();
+  log_ = std::move(*log);
+  // Rebuild the disk index: every key, its parent, size and extent (blocks are verified when read).
   std::vector<std::string> bad;
+  std::vector<Extent> live;
   std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
   std::lock_guard<std::mutex> lock(mu_);
   for (it->Seek("M"); it->Valid() && it->key().starts_with("M"); it->Next()) {
     const std::string key = it->key().ToString().substr(1);
     std::string parent;
     uint64_t size = 0;
+    Extent where;
     if (key.size() != BlockName::kEncodedBytes ||
-        !DecodeMeta(absl::string_view(it->value().data(), it->value().size()), &parent, &size) ||
+        !DecodeMeta(absl::string_view(it->value().data(), it->value().size()), &parent, &size,
+                    &where) ||
         size > options_.max_block_bytes) {
       bad.push_back(key);
       continue;
@@ -140,6 +174,8 @@ absl::Status BlockStore::OpenDisk() {
     e.id = next_id_++;
     e.bytes = size;
     e.on_disk = true;
+    e.where = where;
+    if (where.file != 0) live.push_back(where);
     disk_ids_[e.id] = key;
     disk_used_ += e.bytes;
     if (!parent.empty()) children_[parent].insert(key);
@@ -148,8 +184,9 @@ absl::Status BlockStore::OpenDisk() {
     if (!HasChildrenLocked(key)) disk_policy_->Insert(e.id, e.bytes);
   }
   STRATA_RETURN_IF_ERROR(FromRocks(it->status(), "scan"));
+  log_->Recover(live);  // space nothing names goes back
   for (const std::string& k : bad) {
-    DeleteDisk(k);
+    DeleteDisk(k, Extent{});
     ++stats_.corruptions;
   }
   // Chunks whose parent did not survive (a crash between them) can never be used.
@@ -164,23 +201,49 @@ absl::Status BlockStore::OpenDisk() {
   return absl::OkStatus();
 }
 
-absl::Status BlockStore::WriteDisk(const std::string& key, const std::string& parent,
-                                   absl::Span<const uint8_t> bytes) {
-  rocksdb::WriteBatch batch;
-  batch.Put(BlockKey(key), rocksdb::Slice(reinterpret_cast<const char*>(bytes.data()), bytes.size()));
-  batch.Put(MetaKey(key), EncodeMeta(parent, bytes.size()));  // last: a torn batch has no meta
-  // One writer at a time: RocksDB would group concurrent writes anyway (the disk is bandwidth-
-  // bound), and its lock-free write groups are invisible to ThreadSanitizer.
-  std::lock_guard<std::mutex> lock(disk_write_mu_);
-  return FromRocks(db_->Write(rocksdb::WriteOptions(), &batch), "write");
+absl::StatusOr<Extent> BlockStore::WriteDisk(const std::string& key, const std::string& parent,
+                                             absl::Span<const uint8_t> bytes) {
+  absl::StatusOr<Extent> where = log_->Append({bytes.data(), bytes.size()});
+  if (!where.ok()) return where.status();
+  absl::Status s;
+  {
+    // One index writer at a time: RocksDB would group concurrent writes anyway, and its
+    // lock-free write groups are invisible to ThreadSanitizer. (The block bytes, above, are
+    // written in parallel.)
+    std::lock_guard<std::mutex> lock(disk_write_mu_);
+    s = FromRocks(db_->Put(rocksdb::WriteOptions(), MetaKey(key),
+                           EncodeMeta(parent, bytes.size(), *where)),
+                  "write");
+  }
+  if (!s.ok()) {
+    log_->Free(*where);
+    return s;
+  }
+  return where;
 }
 
-void BlockStore::DeleteDisk(const std::string& key) {
+void BlockStore::DeleteDisk(const std::string& key, const Extent& where) {
   rocksdb::WriteBatch batch;
-  batch.Delete(MetaKey(key));
-  batch.Delete(BlockKey(key));
-  std::lock_guard<std::mutex> lock(disk_write_mu_);
-  db_->Write(rocksdb::WriteOptions(), &batch);
+  batch.Delete(MetaKey(key));  // first: an index entry never names freed space for long
+  if (where.file == 0) batch.Delete(BlockKey(key));  // an older store's block
+  {
+    std::lock_guard<std::mutex> lock(disk_write_mu_);
+    db_->Write(rocksdb::WriteOptions(), &batch);
+  }
+  if (where.file != 0) log_->Free(where);
+}
+
+void BlockStore::DiscardWriteLocked(const std::string& key, const Extent& ours) {
+  auto it = entries_.find(key);
+  if (it != entries_.end() && it->second.on_disk) {  // our index record may have replaced its own
+    std::lock_guard<std::mutex> lock(disk_write_mu_);
+    db_->Put(rocksdb::WriteOptions(), MetaKey(key),
+             EncodeMeta(it->second.parent, it->second.bytes, it->second.where));
+  } else {
+    std::lock_guard<std::mutex> lock(disk_write_mu_);
+    db_->Delete(rocksdb::WriteOptions(), MetaKey(key));
+  }
+  log_->Free(ours);
 }
 
 absl::Status BlockStore::Put(const BlockName& name, const BlockHash* parent,
@@ -232,13 +295,18 @@ absl::Status BlockStore::Put(const BlockName& name, const BlockHash* parent,
           absl::StrCat("store: the parent of ", name.ToString(), " is not stored"));
     }
   }
-  if (through) STRATA_RETURN_IF_ERROR(WriteDisk(key, parent_key, block));
+  Extent where;
+  if (through) {
+    absl::StatusOr<Extent> written = WriteDisk(key, parent_key, block);
+    if (!written.ok()) return written.status();
+    where = *written;
+  }
   std::vector<std::pair<std::string, std::shared_ptr<const AlignedBuffer>>> write_through;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (entries_.contains(key) || (!parent_key.empty() && !entries_.contains(parent_key))) {
       // Raced with another Put of the same block, or the parent left meanwhile.
-      if (!entries_.contains(key) && through) DeleteDisk(key);
+      if (through) DiscardWriteLocked(key, where);
       return entries_.contains(key) ? absl::OkStatus()
                                     : absl::FailedPreconditionError(absl::StrCat(
                                           "store: the parent of ", name.ToString(),
@@ -250,7 +318,7 @@ absl::Status BlockStore::Put(const BlockName& name, const BlockHash* parent,
     e.bytes = block.size();
     if (!parent_key.empty()) AddChildLocked(parent_key, key);
     if (through) {
-      AddDiskLocked(key, entries_[key]);
+      AddDiskLocked(key, entries_[key], where);
       EvictDiskLocked(0);
       if (!entries_.contains(key)) return absl::OkStatus();  // larger than the disk tier
     }
@@ -273,7 +341,7 @@ absl::Status BlockStore::Put(const BlockName& name, const BlockHash* parent,
       if (it == entries_.end()) continue;
       parent_of = it->second.parent;
     }
-    const absl::Status s = WriteDisk(k, parent_of, b->span());
+    const absl::StatusOr<Extent> s = WriteDisk(k, parent_of, b->span());
     std::lock_guard<std::mutex> lock(mu_);
     FinishWriteBackLocked(k, b, s);
   }
@@ -282,16 +350,15 @@ absl::Status BlockStore::Put(const BlockName& name, const BlockHash* parent,
 
 void BlockStore::FinishWriteBackLocked(const std::string& key,
                                        const std::shared_ptr<const AlignedBuffer>& bytes,
-                                       const absl::Status& written) {
+                                       const absl::StatusOr<Extent>& written) {
   auto it = entries_.find(key);
-  if (it == entries_.end()) {
-    if (written.ok()) DeleteDisk(key);  // deleted while being written
+  if (it == entries_.end() || it->second.spilling != bytes) {
+    if (written.ok()) DiscardWriteLocked(key, *written);  // deleted or superseded meanwhile
     return;
   }
-  if (it->second.spilling != bytes) return;  // superseded meanwhile
   it->second.spilling = nullptr;
   if (written.ok()) {
-    AddDiskLocked(key, it->second);
+    AddDiskLocked(key, it->second, *written);
     ++stats_.spills;
     EvictDiskLocked(0);
   } else if (!it->second.ram) {
@@ -359,7 +426,7 @@ void BlockStore::EvictDiskLocked(size_t incoming) {
     disk_ids_.erase(*victim);
     disk_used_ -= e.bytes;
     e.on_disk = false;
-    DeleteDisk(key);
+    DeleteDisk(key, e.where);
     ++stats_.disk_evictions;
     if (!e.ram && !e.spilling) DropLocked(key);  // in no tier any more
   }
@@ -370,8 +437,9 @@ bool BlockStore::HasChildrenLocked(const std::string& key) const {
   return it != children_.end() && !it->second.empty();
 }
 
-void BlockStore::AddDiskLocked(const std::string& key, Entry& e) {
+void BlockStore::AddDiskLocked(const std::string& key, Entry& e, const Extent& where) {
   e.on_disk = true;
+  e.where = where;
   disk_ids_[e.id] = key;
   if (!HasChildrenLocked(key)) disk_policy_->Insert(e.id, e.bytes);
   disk_used_ += e.bytes;
@@ -424,7 +492,7 @@ void BlockStore::DropLocked(const std::string& root) {
       disk_policy_->Erase(e.id);
       disk_ids_.erase(e.id);
       disk_used_ -= e.bytes;
-      DeleteDisk(key);
+      DeleteDisk(key, e.where);
     }
     const std::string parent = e.parent;
     entries_.erase(it);
@@ -446,7 +514,8 @@ void BlockStore::SpillLoop() {
     const bool live = it != entries_.end() && it->second.spilling == bytes;
     const std::string parent = live ? it->second.parent : "";
     lock.unlock();
-    const absl::Status s = live ? WriteDisk(key, parent, bytes->span()) : absl::OkStatus();
+    const absl::StatusOr<Extent> s =
+        live ? WriteDisk(key, parent, bytes->span()) : absl::StatusOr<Extent>(Extent{});
     lock.lock();
     spill_queued_bytes_ -= bytes->size();
     spill_busy_ = false;
@@ -463,6 +532,7 @@ void BlockStore::Flush() {
 absl::StatusOr<Lease> BlockStore::Get(const BlockName& name) {
   const std::string key = name.Encode();
   size_t expected_size = 0;
+  Extent where;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = entries_.find(key);
@@ -482,28 +552,44 @@ absl::StatusOr<Lease> BlockStore::Get(const BlockName& name) {
     }
     disk_policy_->Access(e.id);
     expected_size = e.bytes;
+    where = e.where;
   }
-  std::string value;
-  const rocksdb::Status rs = db_->Get(rocksdb::ReadOptions(), BlockKey(key), &value);
-  const absl::string_view block = value;
-  bool ok = rs.ok() && block.size() == expected_size;
-  if (ok) {
-    ok = BlockView::Parse(absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(block.data()),
-                                              block.size()))
-             .ok();
+  // Read without the lock, straight into the buffer RAM will keep (one copy, from the page cache
+  // or the disk), and verify: the block's own CRC-32C guards it on disk.
+  std::shared_ptr<AlignedBuffer> buffer = AcquireBuffer(*pool_, expected_size);
+  absl::Status read;
+  if (where.file != 0) {
+    read = log_->Read(where, {buffer->data(), buffer->size()});
+  } else {  // an older store's block, in RocksDB
+    std::string value;
+    const rocksdb::Status rs = db_->Get(rocksdb::ReadOptions(), BlockKey(key), &value);
+    if (!rs.ok()) {
+      read = rs.IsNotFound() ? absl::NotFoundError("not in RocksDB")
+                             : absl::DataLossError(rs.ToString());
+    } else if (value.size() != expected_size) {
+      read = absl::DataLossError(absl::StrCat(value.size(), " bytes, not ", expected_size));
+    } else {
+      std::memcpy(buffer->data(), value.data(), value.size());
+    }
   }
+  if (read.ok()) read = BlockView::Parse(buffer->span()).status();
   std::lock_guard<std::mutex> lock(mu_);
   auto it = entries_.find(key);
-  if (!ok) {
-    if (!rs.IsNotFound()) ++stats_.corruptions;
+  if (!read.ok()) {
     ++stats_.misses;
-    if (it != entries_.end() && !it->second.ram) DropLocked(key);
+    // Evicted or deleted while being read (its space freed): a miss, not a corruption.
+    const bool same = it != entries_.end() && it->second.on_disk && !it->second.ram &&
+                      it->second.where.file == where.file &&
+                      it->second.where.offset == where.offset;
+    if (!same) {
+      return absl::NotFoundError(absl::StrCat("store: no block ", name.ToString()));
+    }
+    if (!absl::IsNotFound(read)) ++stats_.corruptions;
+    DropLocked(key);
     return absl::NotFoundError(absl::StrCat("store: block ", name.ToString(),
-                                            rs.ok() ? " was corrupt on disk and is dropped"
-                                                    : " could not be read from disk"));
+                                            " was corrupt on disk and is dropped (",
+                                            read.message(), ")"));
   }
-  std::shared_ptr<AlignedBuffer> buffer = AcquireBuffer(*pool_, block.size());
-  std::memcpy(buffer->data(), block.data(), block.size());
   ++stats_.disk_hits;
   if (it != entries_.end() && !it->second.ram && !it->second.spilling) {  // promote
     std::vector<std::pair<std::string, std::shared_ptr<const AlignedBuffer>>> write_through;

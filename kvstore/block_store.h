@@ -1,6 +1,6 @@
 // BlockStore: Strata blocks kept by (prefix key, layer) across tiers — host RAM, then local disk
-// through RocksDB (values in blob files) — with eviction, spill and promotion, and a disk tier
-// that survives restarts. Embeddable in any node; `strata-store` serves it over gRPC.
+// (the blocks in a log of files of their own, kvstore/block_log.h, indexed in RocksDB) — with
+// eviction, spill and promotion, and a disk tier that survives restarts. Embeddable in any node; `strata-store` serves it over gRPC.
 //
 //   StoreOptions o{.ram_bytes = 8ull << 30, .disk_path = "/nvme/strata", .disk_bytes = 1ull << 40};
 //   STRATA_ASSIGN_OR_RETURN(auto store, BlockStore::Open(o));
@@ -22,12 +22,14 @@
 // - Leases pin: a leased block is never evicted; the bytes stay valid until the lease drops,
 //   even if the block is deleted meanwhile.
 // - Durability: with `durable_puts` (the default when there is a disk tier) Put writes the block
-//   through to RocksDB (write-ahead log, no fsync) before it returns, so a killed process
+//   through to disk (the block log, then RocksDB's write-ahead log; no fsync) before it returns, so a killed process
 //   (kill -9) loses at most the Puts that had not returned; RAM then holds copies, and evicting
 //   one costs no write. Without it, blocks reach the disk only when evicted from RAM (write-
-//   back), and a crash loses what was only in RAM — a cache's trade for less disk traffic. After a restart
-//   the disk tier's index is rebuilt from RocksDB; a block corrupted on disk is detected by its
-//   checksum when read, counted, dropped and reported as a miss — never served.
+//   back), and a crash loses what was only in RAM — a cache's trade for less disk traffic. After
+//   a restart the disk tier's index is rebuilt from RocksDB (log space nothing names, left by a
+//   crash, is given back); a block corrupted on disk is detected by its checksum when read,
+//   counted, dropped and reported as a miss — never served. Blocks of stores written before the
+//   block log (in RocksDB's blob files) are still read.
 // Thread-safe.
 #pragma once
 
@@ -49,6 +51,7 @@
 #include "common/aligned_buffer.h"
 #include "common/prefix_key.h"
 #include "common/buffer_pool.h"
+#include "kvstore/block_log.h"
 #include "kvstore/eviction_policy.h"
 
 namespace rocksdb {
@@ -125,6 +128,7 @@ class BlockStore {
     size_t bytes = 0;
     std::shared_ptr<const AlignedBuffer> ram;  // set while in RAM
     bool on_disk = false;
+    Extent where;  // its bytes in the block log, while on_disk (file 0: in RocksDB, an old store)
     std::shared_ptr<const AlignedBuffer> spilling;  // queued for write-back (still servable)
   };
   explicit BlockStore(const StoreOptions& o);
@@ -136,22 +140,31 @@ class BlockStore {
   void EvictDiskLocked(size_t incoming);
   void DropLocked(const std::string& key);  // from every tier, with descendants
   bool HasChildrenLocked(const std::string& key) const;
-  void AddDiskLocked(const std::string& key, Entry& e);
+  void AddDiskLocked(const std::string& key, Entry& e, const Extent& where);
   void AddChildLocked(const std::string& parent, const std::string& child);
   void RemoveChildLocked(const std::string& parent, const std::string& child);
   void SpillLoop();
-  absl::Status WriteDisk(const std::string& key, const std::string& parent, absl::Span<const uint8_t> bytes);
-  void DeleteDisk(const std::string& key);
+  // Appends the block to the log, then indexes it (the index entry last: a crash between them
+  // leaves only log space, which the next open gives back).
+  absl::StatusOr<Extent> WriteDisk(const std::string& key, const std::string& parent,
+                                   absl::Span<const uint8_t> bytes);
+  // Unindexes `key` and frees its bytes. Holds mu_.
+  void DeleteDisk(const std::string& key, const Extent& where);
+  // A write of `key` to `ours` that lost a race (another Put of the block won, the block left
+  // meanwhile): the index is left naming the entry's own copy, if it has one, and ours is freed.
+  // Holds mu_.
+  void DiscardWriteLocked(const std::string& key, const Extent& ours);
   // After a write-back of `bytes` for `key` (spill thread or a write-through by the evicting
   // call) returned `written`: the entry now lives on disk, or leaves every tier if the write
   // failed; a block deleted meanwhile is removed from disk again. Holds mu_.
   void FinishWriteBackLocked(const std::string& key,
                              const std::shared_ptr<const AlignedBuffer>& bytes,
-                             const absl::Status& written);
+                             const absl::StatusOr<Extent>& written);
 
   const StoreOptions options_;
   std::shared_ptr<BufferPool<AlignedBuffer>> pool_;
-  std::unique_ptr<rocksdb::DB> db_;
+  std::unique_ptr<rocksdb::DB> db_;  // the disk tier's index (and blocks of older stores)
+  std::unique_ptr<BlockLog> log_;    // the disk tier's blocks
   mutable std::mutex mu_;
   std::mutex disk_write_mu_;  // after mu_ when both are held
   std::condition_variable spill_cv_, spill_done_cv_;
