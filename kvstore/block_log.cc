@@ -84,6 +84,7 @@ void BlockLog::Recover(std::span<const Extent> live) {
   std::map<uint32_t, std::vector<std::pair<uint64_t, uint64_t>>> by_file;  // [offset, end)
   for (const Extent& e : live) by_file[e.file].emplace_back(e.offset, e.offset + e.size);
   std::lock_guard<std::mutex> lock(mu_);
+  if (!by_file.empty()) next_file_ = std::max(next_file_, by_file.rbegin()->first + 1);
   std::vector<uint32_t> dead;
   for (auto& [n, f] : files_) {
     auto it = by_file.find(n);
@@ -136,7 +137,9 @@ absl::StatusOr<Extent> BlockLog::Append(std::span<const uint8_t> bytes) {
                              static_cast<off_t>(e.offset + done));
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) {
-      const absl::Status s = absl::UnavailableError(Errno("write", f->path));
+      const absl::Status s =
+          n < 0 ? absl::UnavailableError(Errno("write", f->path))
+                : absl::UnavailableError(absl::StrCat("store: write ", f->path, ": wrote nothing"));
       Free(e);
       return s;
     }
@@ -177,6 +180,11 @@ absl::Status BlockLog::Read(const Extent& e, std::span<uint8_t> out) const {
     done += static_cast<uint64_t>(n);
   }
   return absl::OkStatus();
+}
+
+bool BlockLog::Has(uint32_t file) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return files_.contains(file);
 }
 
 void BlockLog::Free(const Extent& e) {

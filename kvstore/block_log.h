@@ -38,6 +38,7 @@ struct Extent {
 class BlockLog {
  public:
   static constexpr uint64_t kAlign = 4096;
+  static constexpr uint32_t kMaxFile = uint32_t{1} << 30;  // file numbers a record may name
 
   // Opens (creating) `dir`. Files found there are kept until Recover says which extents live.
   static absl::StatusOr<std::unique_ptr<BlockLog>> Open(const std::string& dir,
@@ -48,8 +49,9 @@ class BlockLog {
 
   // Once, after Open, with every extent the index holds: files holding none are deleted, and the
   // space around the live extents (left by a crash between an append and its index entry, or
-  // between an index delete and its punch) is punched out. Extents naming files that are not
-  // there, or lying past a file's end, are left to fail when read.
+  // between an index delete and its punch) is punched out. New files are numbered past every
+  // file named, so that a record naming a lost file can never name a new one. Extents lying past
+  // a file's end are left to fail when read.
   void Recover(std::span<const Extent> live);
 
   // Writes `bytes` at the end of the current file (a new file when it would pass file_bytes).
@@ -57,6 +59,7 @@ class BlockLog {
   absl::StatusOr<Extent> Append(std::span<const uint8_t> bytes);
   // Reads `e` into `out` (out.size() == e.size). DATA_LOSS when the file is gone or ends early.
   absl::Status Read(const Extent& e, std::span<uint8_t> out) const;
+  bool Has(uint32_t file) const;
   // The extent's bytes are no longer needed.
   void Free(const Extent& e);
   // fdatasync of every file (clean shutdown).

@@ -61,7 +61,10 @@ bool DecodeMeta(absl::string_view v, std::string* parent, uint64_t* size, Extent
     where->file = static_cast<uint32_t>(GetLe(v, 5 + n + 8, 4));
     where->offset = GetLe(v, 5 + n + 12, 8);
     where->size = *size;
-    if (where->file == 0 || where->offset % BlockLog::kAlign != 0) return false;
+    if (where->file == 0 || where->file > BlockLog::kMaxFile ||
+        where->offset % BlockLog::kAlign != 0) {
+      return false;
+    }
   }
   return true;
 }
@@ -119,8 +122,12 @@ BlockStore::~BlockStore() {
       auto it = entries_.find(key);
       if (it == entries_.end() || it->second.on_disk) continue;
       if (disk_used_ + bytes->size() > options_.disk_bytes) break;
-      absl::StatusOr<Extent> where = WriteDisk(key, it->second.parent, bytes->span());
+      absl::StatusOr<Extent> where = AppendDisk(bytes->span());
       if (!where.ok()) break;
+      if (!IndexDiskLocked(key, it->second.parent, *where).ok()) {
+        log_->Free(*where);
+        break;
+      }
       AddDiskLocked(key, it->second, *where);
     }
     log_->Sync().IgnoreError();  // (a clean shutdown also survives power loss, as far as it can)
@@ -137,13 +144,14 @@ BlockStore::~BlockStore() {
 absl::Status BlockStore::OpenDisk() {
   rocksdb::Options o;
   o.create_if_missing = true;
-  o.compression = rocksdb::kNoCompression;  // blocks are already compressed
-  // Write-once-read-many values of 0.1-4 MB: values in blob files, keys in the LSM.
+  o.compression = rocksdb::kNoCompression;
+  // Index records only (tens of bytes). The blob settings serve the blocks of stores written
+  // before the block log, which RocksDB kept in blob files: read, deleted, garbage-collected.
   o.enable_blob_files = true;
   o.min_blob_size = 4096;
   o.blob_file_size = size_t{256} << 20;
   o.enable_blob_garbage_collection = true;
-  o.write_buffer_size = size_t{64} << 20;
+  o.write_buffer_size = size_t{16} << 20;
   rocksdb::DB* db = nullptr;
   STRATA_RETURN_IF_ERROR(FromRocks(rocksdb::DB::Open(o, options_.disk_path, &db),
                                    absl::StrCat("open ", options_.disk_path)));
@@ -154,7 +162,7 @@ absl::Status BlockStore::OpenDisk() {
   log_ = std::move(*log);
   // Rebuild the disk index: every key, its parent, size and extent (blocks are verified when read).
   std::vector<std::string> bad;
-  std::vector<Extent> live;
+  std::vector<Extent> named;
   std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
   std::lock_guard<std::mutex> lock(mu_);
   for (it->Seek("M"); it->Valid() && it->key().starts_with("M"); it->Next()) {
@@ -162,11 +170,13 @@ absl::Status BlockStore::OpenDisk() {
     std::string parent;
     uint64_t size = 0;
     Extent where;
-    if (key.size() != BlockName::kEncodedBytes ||
-        !DecodeMeta(absl::string_view(it->value().data(), it->value().size()), &parent, &size,
-                    &where) ||
-        size > options_.max_block_bytes) {
-      bad.push_back(key);
+    const bool decoded =
+        DecodeMeta(absl::string_view(it->value().data(), it->value().size()), &parent, &size,
+                   &where);
+    if (decoded && where.file != 0) named.push_back(where);  // (new files are numbered past it)
+    if (key.size() != BlockName::kEncodedBytes || !decoded || size > options_.max_block_bytes ||
+        (where.file != 0 && !log_->Has(where.file))) {
+      bad.push_back(key);  // undecodable, or naming a log file that is gone
       continue;
     }
     Entry& e = entries_[key];
@@ -175,7 +185,6 @@ absl::Status BlockStore::OpenDisk() {
     e.bytes = size;
     e.on_disk = true;
     e.where = where;
-    if (where.file != 0) live.push_back(where);
     disk_ids_[e.id] = key;
     disk_used_ += e.bytes;
     if (!parent.empty()) children_[parent].insert(key);
@@ -184,7 +193,7 @@ absl::Status BlockStore::OpenDisk() {
     if (!HasChildrenLocked(key)) disk_policy_->Insert(e.id, e.bytes);
   }
   STRATA_RETURN_IF_ERROR(FromRocks(it->status(), "scan"));
-  log_->Recover(live);  // space nothing names goes back
+  log_->Recover(named);  // space nothing names goes back
   for (const std::string& k : bad) {
     DeleteDisk(k, Extent{});
     ++stats_.corruptions;
@@ -201,49 +210,32 @@ absl::Status BlockStore::OpenDisk() {
   return absl::OkStatus();
 }
 
-absl::StatusOr<Extent> BlockStore::WriteDisk(const std::string& key, const std::string& parent,
-                                             absl::Span<const uint8_t> bytes) {
-  absl::StatusOr<Extent> where = log_->Append({bytes.data(), bytes.size()});
-  if (!where.ok()) return where.status();
-  absl::Status s;
-  {
-    // One index writer at a time: RocksDB would group concurrent writes anyway, and its
-    // lock-free write groups are invisible to ThreadSanitizer. (The block bytes, above, are
-    // written in parallel.)
-    std::lock_guard<std::mutex> lock(disk_write_mu_);
-    s = FromRocks(db_->Put(rocksdb::WriteOptions(), MetaKey(key),
-                           EncodeMeta(parent, bytes.size(), *where)),
-                  "write");
-  }
-  if (!s.ok()) {
-    log_->Free(*where);
-    return s;
-  }
-  return where;
+absl::StatusOr<Extent> BlockStore::AppendDisk(absl::Span<const uint8_t> bytes) {
+  return log_->Append({bytes.data(), bytes.size()});
+}
+
+absl::Status BlockStore::IndexDiskLocked(const std::string& key, const std::string& parent,
+                                         const Extent& where) {
+  // One index writer at a time: RocksDB would group concurrent writes anyway, and its lock-free
+  // write groups are invisible to ThreadSanitizer. (Block bytes are appended in parallel.)
+  std::lock_guard<std::mutex> lock(disk_write_mu_);
+  return FromRocks(db_->Put(rocksdb::WriteOptions(), MetaKey(key),
+                            EncodeMeta(parent, where.size, where)),
+                   "write");
 }
 
 void BlockStore::DeleteDisk(const std::string& key, const Extent& where) {
   rocksdb::WriteBatch batch;
   batch.Delete(MetaKey(key));  // first: an index entry never names freed space for long
   if (where.file == 0) batch.Delete(BlockKey(key));  // an older store's block
+  rocksdb::Status st;
   {
     std::lock_guard<std::mutex> lock(disk_write_mu_);
-    db_->Write(rocksdb::WriteOptions(), &batch);
+    st = db_->Write(rocksdb::WriteOptions(), &batch);
   }
-  if (where.file != 0) log_->Free(where);
-}
-
-void BlockStore::DiscardWriteLocked(const std::string& key, const Extent& ours) {
-  auto it = entries_.find(key);
-  if (it != entries_.end() && it->second.on_disk) {  // our index record may have replaced its own
-    std::lock_guard<std::mutex> lock(disk_write_mu_);
-    db_->Put(rocksdb::WriteOptions(), MetaKey(key),
-             EncodeMeta(it->second.parent, it->second.bytes, it->second.where));
-  } else {
-    std::lock_guard<std::mutex> lock(disk_write_mu_);
-    db_->Delete(rocksdb::WriteOptions(), MetaKey(key));
-  }
-  log_->Free(ours);
+  // Bytes the index may still name are kept (leaked until the next open's Recover, which frees
+  // what the index no longer names).
+  if (st.ok() && where.file != 0) log_->Free(where);
 }
 
 absl::Status BlockStore::Put(const BlockName& name, const BlockHash* parent,
@@ -295,9 +287,9 @@ absl::Status BlockStore::Put(const BlockName& name, const BlockHash* parent,
           absl::StrCat("store: the parent of ", name.ToString(), " is not stored"));
     }
   }
-  Extent where;
+  Extent where;  // the bytes go to the log now, the index record only once this Put wins (below)
   if (through) {
-    absl::StatusOr<Extent> written = WriteDisk(key, parent_key, block);
+    absl::StatusOr<Extent> written = AppendDisk(block);
     if (!written.ok()) return written.status();
     where = *written;
   }
@@ -306,11 +298,17 @@ absl::Status BlockStore::Put(const BlockName& name, const BlockHash* parent,
     std::lock_guard<std::mutex> lock(mu_);
     if (entries_.contains(key) || (!parent_key.empty() && !entries_.contains(parent_key))) {
       // Raced with another Put of the same block, or the parent left meanwhile.
-      if (through) DiscardWriteLocked(key, where);
+      if (through) log_->Free(where);
       return entries_.contains(key) ? absl::OkStatus()
                                     : absl::FailedPreconditionError(absl::StrCat(
                                           "store: the parent of ", name.ToString(),
                                           " was evicted during the Put"));
+    }
+    if (through) {
+      if (absl::Status s = IndexDiskLocked(key, parent_key, where); !s.ok()) {
+        log_->Free(where);
+        return s;
+      }
     }
     Entry& e = entries_[key];
     e.parent = parent_key;
@@ -334,14 +332,11 @@ absl::Status BlockStore::Put(const BlockName& name, const BlockHash* parent,
     }
   }
   for (auto& [k, b] : write_through) {  // the write-back queue was full: write it ourselves
-    std::string parent_of;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      auto it = entries_.find(k);
-      if (it == entries_.end()) continue;
-      parent_of = it->second.parent;
+      if (!entries_.contains(k)) continue;
     }
-    const absl::StatusOr<Extent> s = WriteDisk(k, parent_of, b->span());
+    const absl::StatusOr<Extent> s = AppendDisk(b->span());
     std::lock_guard<std::mutex> lock(mu_);
     FinishWriteBackLocked(k, b, s);
   }
@@ -353,11 +348,16 @@ void BlockStore::FinishWriteBackLocked(const std::string& key,
                                        const absl::StatusOr<Extent>& written) {
   auto it = entries_.find(key);
   if (it == entries_.end() || it->second.spilling != bytes) {
-    if (written.ok()) DiscardWriteLocked(key, *written);  // deleted or superseded meanwhile
+    if (written.ok()) log_->Free(*written);  // deleted or superseded meanwhile: never indexed
     return;
   }
   it->second.spilling = nullptr;
-  if (written.ok()) {
+  absl::Status indexed = written.status();
+  if (indexed.ok()) {
+    indexed = IndexDiskLocked(key, it->second.parent, *written);
+    if (!indexed.ok()) log_->Free(*written);
+  }
+  if (indexed.ok()) {
     AddDiskLocked(key, it->second, *written);
     ++stats_.spills;
     EvictDiskLocked(0);
@@ -512,10 +512,9 @@ void BlockStore::SpillLoop() {
     spill_busy_ = true;
     auto it = entries_.find(key);
     const bool live = it != entries_.end() && it->second.spilling == bytes;
-    const std::string parent = live ? it->second.parent : "";
     lock.unlock();
     const absl::StatusOr<Extent> s =
-        live ? WriteDisk(key, parent, bytes->span()) : absl::StatusOr<Extent>(Extent{});
+        live ? AppendDisk(bytes->span()) : absl::StatusOr<Extent>(Extent{});
     lock.lock();
     spill_queued_bytes_ -= bytes->size();
     spill_busy_ = false;
@@ -572,7 +571,18 @@ absl::StatusOr<Lease> BlockStore::Get(const BlockName& name) {
       std::memcpy(buffer->data(), value.data(), value.size());
     }
   }
-  if (read.ok()) read = BlockView::Parse(buffer->span()).status();
+  if (read.ok()) {
+    // Intact, and the block this name stands for (the bytes a record names, not another's).
+    absl::StatusOr<BlockView> view = BlockView::Parse(buffer->span());
+    if (!view.ok()) {
+      read = view.status();
+    } else if (const BlockHeader& h = view->header();
+               h.layer != name.layer || h.model_fingerprint != name.model_fingerprint ||
+               h.codec_fingerprint != name.codec_fingerprint ||
+               h.calibration_fingerprint != name.calibration_fingerprint) {
+      read = absl::DataLossError("the bytes read are another block's (layer or fingerprints)");
+    }
+  }
   std::lock_guard<std::mutex> lock(mu_);
   auto it = entries_.find(key);
   if (!read.ok()) {

@@ -144,16 +144,16 @@ class BlockStore {
   void AddChildLocked(const std::string& parent, const std::string& child);
   void RemoveChildLocked(const std::string& parent, const std::string& child);
   void SpillLoop();
-  // Appends the block to the log, then indexes it (the index entry last: a crash between them
-  // leaves only log space, which the next open gives back).
-  absl::StatusOr<Extent> WriteDisk(const std::string& key, const std::string& parent,
-                                   absl::Span<const uint8_t> bytes);
+  // A block goes to disk in two steps: its bytes are appended to the log (without mu_, in
+  // parallel), then, under mu_ and only by the write that the entry takes (a racing Put of the
+  // same block, a block deleted or superseded meanwhile: their bytes are just freed), its index
+  // record. So the index always names the entry's own copy, and a crash between the steps leaves
+  // only log space, which the next open gives back.
+  absl::StatusOr<Extent> AppendDisk(absl::Span<const uint8_t> bytes);
+  absl::Status IndexDiskLocked(const std::string& key, const std::string& parent,
+                               const Extent& where);
   // Unindexes `key` and frees its bytes. Holds mu_.
   void DeleteDisk(const std::string& key, const Extent& where);
-  // A write of `key` to `ours` that lost a race (another Put of the block won, the block left
-  // meanwhile): the index is left naming the entry's own copy, if it has one, and ours is freed.
-  // Holds mu_.
-  void DiscardWriteLocked(const std::string& key, const Extent& ours);
   // After a write-back of `bytes` for `key` (spill thread or a write-through by the evicting
   // call) returned `written`: the entry now lives on disk, or leaves every tier if the write
   // failed; a block deleted meanwhile is removed from disk again. Holds mu_.

@@ -267,8 +267,44 @@ TEST(BlockStoreTest, DiskEvictionGivesTheSpaceBack) {
   const StoreStats st = s->Stats();
   EXPECT_EQ(st.disk_blocks, 8u);
   EXPECT_GE(st.disk_evictions, 190u);
+  const uint32_t kept = 1000 + 193 * 3;  // on disk, not in RAM (RAM holds the last two)
+  absl::StatusOr<Lease> l = s->Get(Name(MakeBlock(0, 0, kept), Key(kept)));
+  ASSERT_TRUE(l.ok()) << l.status();
+  EXPECT_EQ(l->served_from(), Tier::kDisk);
+  l = Lease();
+  s.reset();  // (closed files: no file system's preallocation past the end is counted)
   EXPECT_LE(LogAllocatedBytes(dir), 8 * (block + 8192)) << "evicted blocks kept their space";
-  EXPECT_TRUE(s->Get(Name(MakeBlock(0, 0, 1000 + 199 * 3), Key(1000 + 199 * 3))).ok());
+}
+
+// Index records naming a log file that is gone (wiped, restored without it) are dropped at open
+// and counted; the file's number is never used again, so no record can name a new file's bytes.
+TEST(BlockStoreTest, ALostLogFileDropsItsBlocksAndItsNumberIsNotReused) {
+  const size_t block = MakeBlock(0, 0, 0).size();
+  const std::string dir = TempDir("lostfile");
+  {
+    auto s = *BlockStore::Open({.ram_bytes = 2 * block, .disk_path = dir, .disk_bytes = 1 << 30});
+    PutChain(*s, 60, 3);
+  }
+  std::vector<std::string> lost;
+  for (const auto& f : std::filesystem::directory_iterator(std::filesystem::path(dir) / "blocks")) {
+    lost.push_back(f.path().filename().string());
+    std::filesystem::remove(f.path());
+  }
+  ASSERT_EQ(lost.size(), 1u);
+  auto s = *BlockStore::Open({.ram_bytes = 2 * block, .disk_path = dir, .disk_bytes = 1 << 30});
+  EXPECT_EQ(s->Stats().disk_blocks, 0u);
+  EXPECT_EQ(s->Stats().corruptions, 3u);
+  const BlockName prefix = Name(MakeBlock(0, 0, 0), Key(0));
+  EXPECT_EQ(s->Lookup(prefix, Chain(60, 3), 1).chunks, 0u);
+  PutChain(*s, 60, 3);
+  s->Flush();
+  for (const auto& f : std::filesystem::directory_iterator(std::filesystem::path(dir) / "blocks")) {
+    EXPECT_NE(f.path().filename().string(), lost[0]) << "a lost file's number was used again";
+  }
+  s.reset();
+  s = *BlockStore::Open({.ram_bytes = 2 * block, .disk_path = dir, .disk_bytes = 1 << 30});
+  EXPECT_EQ(s->Lookup(prefix, Chain(60, 3), 1).chunks, 3u);
+  ASSERT_TRUE(s->Get(Name(MakeBlock(0, 1, 60 + 31), Key(61))).ok());
 }
 
 // A crash between a block's append and its index entry leaves log space that nothing names: the
