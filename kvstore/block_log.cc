@@ -80,7 +80,7 @@ std::string BlockLog::PathOf(uint32_t n) const {
   return (std::filesystem::path(dir_) / absl::StrCat(n, ".log")).string();
 }
 
-void BlockLog::Recover(std::span<const Extent> live) {
+void BlockLog::Recover(absl::Span<const Extent> live) {
   std::map<uint32_t, std::vector<std::pair<uint64_t, uint64_t>>> by_file;  // [offset, end)
   for (const Extent& e : live) by_file[e.file].emplace_back(e.offset, e.offset + e.size);
   std::lock_guard<std::mutex> lock(mu_);
@@ -108,7 +108,7 @@ void BlockLog::Recover(std::span<const Extent> live) {
   for (uint32_t n : dead) DeleteLocked(n);
 }
 
-absl::StatusOr<Extent> BlockLog::Append(std::span<const uint8_t> bytes) {
+absl::StatusOr<Extent> BlockLog::Append(absl::Span<const uint8_t> bytes) {
   std::shared_ptr<File> f;
   Extent e{.size = bytes.size()};
   {
@@ -148,7 +148,7 @@ absl::StatusOr<Extent> BlockLog::Append(std::span<const uint8_t> bytes) {
   return e;
 }
 
-absl::Status BlockLog::Read(const Extent& e, std::span<uint8_t> out) const {
+absl::Status BlockLog::Read(const Extent& e, absl::Span<uint8_t> out) const {
   if (out.size() != e.size) {
     return absl::InvalidArgumentError(absl::StrCat("store: read of ", e.size, " bytes into ",
                                                    out.size()));

@@ -20,11 +20,11 @@
 #include <map>
 #include <memory>
 #include <mutex>
-#include <span>
 #include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 
 namespace strata::kvstore {
 
@@ -52,13 +52,13 @@ class BlockLog {
   // between an index delete and its punch) is punched out. New files are numbered past every
   // file named, so that a record naming a lost file can never name a new one. Extents lying past
   // a file's end are left to fail when read.
-  void Recover(std::span<const Extent> live);
+  void Recover(absl::Span<const Extent> live);
 
   // Writes `bytes` at the end of the current file (a new file when it would pass file_bytes).
   // Thread-safe; appends proceed in parallel.
-  absl::StatusOr<Extent> Append(std::span<const uint8_t> bytes);
+  absl::StatusOr<Extent> Append(absl::Span<const uint8_t> bytes);
   // Reads `e` into `out` (out.size() == e.size). DATA_LOSS when the file is gone or ends early.
-  absl::Status Read(const Extent& e, std::span<uint8_t> out) const;
+  absl::Status Read(const Extent& e, absl::Span<uint8_t> out) const;
   bool Has(uint32_t file) const;
   // The extent's bytes are no longer needed.
   void Free(const Extent& e);

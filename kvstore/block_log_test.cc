@@ -30,7 +30,7 @@ std::vector<uint8_t> Bytes(size_t n, uint32_t seed) {
 
 std::vector<uint8_t> ReadBack(const BlockLog& log, const Extent& e) {
   std::vector<uint8_t> out(e.size);
-  const absl::Status s = log.Read(e, out);
+  const absl::Status s = log.Read(e, absl::MakeSpan(out));
   EXPECT_TRUE(s.ok()) << s;
   return out;
 }
@@ -89,16 +89,17 @@ TEST(BlockLogTest, ReadsOfExtentsThatAreNotThereFailWithReasons) {
   auto log = *BlockLog::Open(dir);
   const Extent e = *log->Append(Bytes(5000, 1));
   std::vector<uint8_t> out(e.size);
-  absl::Status s = log->Read({.file = e.file, .offset = e.offset + 4096, .size = e.size}, out);
+  absl::Status s =
+      log->Read({.file = e.file, .offset = e.offset + 4096, .size = e.size}, absl::MakeSpan(out));
   EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
   EXPECT_THAT(s.message(), HasSubstr("ends at"));
-  s = log->Read({.file = e.file + 7, .offset = 0, .size = e.size}, out);
+  s = log->Read({.file = e.file + 7, .offset = 0, .size = e.size}, absl::MakeSpan(out));
   EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
   EXPECT_THAT(s.message(), HasSubstr("is gone"));
-  s = log->Read({.file = e.file, .offset = uint64_t{1} << 63, .size = e.size}, out);
+  s = log->Read({.file = e.file, .offset = uint64_t{1} << 63, .size = e.size}, absl::MakeSpan(out));
   EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
   std::vector<uint8_t> small(10);
-  EXPECT_EQ(log->Read(e, small).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(log->Read(e, absl::MakeSpan(small)).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(BlockLog::Open(dir, 100).status().code(), absl::StatusCode::kInvalidArgument);
 }
 

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/block_reader.h"
+#include "common/endian.h"
 #include "common/status_macros.h"
 #include "rocksdb/db.h"
 #include "rocksdb/options.h"
@@ -26,22 +27,16 @@ constexpr char kMagicV2[4] = {'S', 'K', 'V', '2'};
 std::string MetaKey(const std::string& key) { return "M" + key; }
 std::string BlockKey(const std::string& key) { return "B" + key; }
 
-void PutLe(std::string& v, uint64_t x, int bytes) {
-  for (int i = 0; i < bytes; ++i) v.push_back(static_cast<char>((x >> (8 * i)) & 0xff));
-}
-uint64_t GetLe(absl::string_view v, size_t at, int bytes) {
-  uint64_t x = 0;
-  for (int i = 0; i < bytes; ++i) x |= uint64_t{static_cast<uint8_t>(v[at + i])} << (8 * i);
-  return x;
-}
-
 std::string EncodeMeta(const std::string& parent, uint64_t size, const Extent& where) {
   std::string v(kMagicV2, 4);
   v.push_back(static_cast<char>(parent.size()));
   v += parent;
-  PutLe(v, size, 8);
-  PutLe(v, where.file, 4);
-  PutLe(v, where.offset, 8);
+  const size_t at = v.size();
+  v.resize(at + 20);
+  auto* p = reinterpret_cast<uint8_t*>(v.data()) + at;
+  StoreLE<uint64_t>(p, size);
+  StoreLE<uint32_t>(p + 8, where.file);
+  StoreLE<uint64_t>(p + 12, where.offset);
   return v;
 }
 
@@ -55,11 +50,12 @@ bool DecodeMeta(absl::string_view v, std::string* parent, uint64_t* size, Extent
     return false;
   }
   *parent = std::string(v.substr(5, n));
-  *size = GetLe(v, 5 + n, 8);
+  const auto* p = reinterpret_cast<const uint8_t*>(v.data()) + 5 + n;
+  *size = LoadLE<uint64_t>(p);
   *where = Extent{};
   if (!v1) {
-    where->file = static_cast<uint32_t>(GetLe(v, 5 + n + 8, 4));
-    where->offset = GetLe(v, 5 + n + 12, 8);
+    where->file = LoadLE<uint32_t>(p + 8);
+    where->offset = LoadLE<uint64_t>(p + 12);
     where->size = *size;
     if (where->file == 0 || where->file > BlockLog::kMaxFile ||
         where->offset % BlockLog::kAlign != 0) {
@@ -67,6 +63,14 @@ bool DecodeMeta(absl::string_view v, std::string* parent, uint64_t* size, Extent
     }
   }
   return true;
+}
+
+// Whether a block's header is that of the block `name` stands for (its key aside, which the
+// header does not carry).
+bool HeaderMatches(const BlockHeader& h, const BlockName& name) {
+  return h.layer == name.layer && h.model_fingerprint == name.model_fingerprint &&
+         h.codec_fingerprint == name.codec_fingerprint &&
+         h.calibration_fingerprint == name.calibration_fingerprint;
 }
 
 absl::Status FromRocks(const rocksdb::Status& s, absl::string_view what) {
@@ -122,12 +126,8 @@ BlockStore::~BlockStore() {
       auto it = entries_.find(key);
       if (it == entries_.end() || it->second.on_disk) continue;
       if (disk_used_ + bytes->size() > options_.disk_bytes) break;
-      absl::StatusOr<Extent> where = AppendDisk(bytes->span());
-      if (!where.ok()) break;
-      if (!IndexDiskLocked(key, it->second.parent, *where).ok()) {
-        log_->Free(*where);
-        break;
-      }
+      absl::StatusOr<Extent> where = log_->Append(bytes->span());
+      if (!where.ok() || !IndexDiskLocked(key, it->second.parent, *where).ok()) break;
       AddDiskLocked(key, it->second, *where);
     }
     log_->Sync().IgnoreError();  // (a clean shutdown also survives power loss, as far as it can)
@@ -210,18 +210,19 @@ absl::Status BlockStore::OpenDisk() {
   return absl::OkStatus();
 }
 
-absl::StatusOr<Extent> BlockStore::AppendDisk(absl::Span<const uint8_t> bytes) {
-  return log_->Append({bytes.data(), bytes.size()});
-}
-
 absl::Status BlockStore::IndexDiskLocked(const std::string& key, const std::string& parent,
                                          const Extent& where) {
   // One index writer at a time: RocksDB would group concurrent writes anyway, and its lock-free
   // write groups are invisible to ThreadSanitizer. (Block bytes are appended in parallel.)
-  std::lock_guard<std::mutex> lock(disk_write_mu_);
-  return FromRocks(db_->Put(rocksdb::WriteOptions(), MetaKey(key),
-                            EncodeMeta(parent, where.size, where)),
-                   "write");
+  absl::Status s;
+  {
+    std::lock_guard<std::mutex> lock(disk_write_mu_);
+    s = FromRocks(
+        db_->Put(rocksdb::WriteOptions(), MetaKey(key), EncodeMeta(parent, where.size, where)),
+        "write");
+  }
+  if (!s.ok()) log_->Free(where);
+  return s;
 }
 
 void BlockStore::DeleteDisk(const std::string& key, const Extent& where) {
@@ -253,9 +254,7 @@ absl::Status BlockStore::Put(const BlockName& name, const BlockHash* parent,
                                             view.status().message()));
   }
   const BlockHeader& h = view->header();
-  if (h.layer != name.layer || h.model_fingerprint != name.model_fingerprint ||
-      h.codec_fingerprint != name.codec_fingerprint ||
-      h.calibration_fingerprint != name.calibration_fingerprint) {
+  if (!HeaderMatches(h, name)) {
     std::lock_guard<std::mutex> lock(mu_);
     ++stats_.refused_puts;
     return absl::InvalidArgumentError(absl::StrCat(
@@ -289,7 +288,7 @@ absl::Status BlockStore::Put(const BlockName& name, const BlockHash* parent,
   }
   Extent where;  // the bytes go to the log now, the index record only once this Put wins (below)
   if (through) {
-    absl::StatusOr<Extent> written = AppendDisk(block);
+    absl::StatusOr<Extent> written = log_->Append(block);
     if (!written.ok()) return written.status();
     where = *written;
   }
@@ -305,10 +304,7 @@ absl::Status BlockStore::Put(const BlockName& name, const BlockHash* parent,
                                           " was evicted during the Put"));
     }
     if (through) {
-      if (absl::Status s = IndexDiskLocked(key, parent_key, where); !s.ok()) {
-        log_->Free(where);
-        return s;
-      }
+      STRATA_RETURN_IF_ERROR(IndexDiskLocked(key, parent_key, where));
     }
     Entry& e = entries_[key];
     e.parent = parent_key;
@@ -336,7 +332,7 @@ absl::Status BlockStore::Put(const BlockName& name, const BlockHash* parent,
       std::lock_guard<std::mutex> lock(mu_);
       if (!entries_.contains(k)) continue;
     }
-    const absl::StatusOr<Extent> s = AppendDisk(b->span());
+    const absl::StatusOr<Extent> s = log_->Append(b->span());
     std::lock_guard<std::mutex> lock(mu_);
     FinishWriteBackLocked(k, b, s);
   }
@@ -352,12 +348,7 @@ void BlockStore::FinishWriteBackLocked(const std::string& key,
     return;
   }
   it->second.spilling = nullptr;
-  absl::Status indexed = written.status();
-  if (indexed.ok()) {
-    indexed = IndexDiskLocked(key, it->second.parent, *written);
-    if (!indexed.ok()) log_->Free(*written);
-  }
-  if (indexed.ok()) {
+  if (written.ok() && IndexDiskLocked(key, it->second.parent, *written).ok()) {
     AddDiskLocked(key, it->second, *written);
     ++stats_.spills;
     EvictDiskLocked(0);
@@ -514,7 +505,7 @@ void BlockStore::SpillLoop() {
     const bool live = it != entries_.end() && it->second.spilling == bytes;
     lock.unlock();
     const absl::StatusOr<Extent> s =
-        live ? AppendDisk(bytes->span()) : absl::StatusOr<Extent>(Extent{});
+        live ? log_->Append(bytes->span()) : absl::StatusOr<Extent>(Extent{});
     lock.lock();
     spill_queued_bytes_ -= bytes->size();
     spill_busy_ = false;
@@ -576,10 +567,7 @@ absl::StatusOr<Lease> BlockStore::Get(const BlockName& name) {
     absl::StatusOr<BlockView> view = BlockView::Parse(buffer->span());
     if (!view.ok()) {
       read = view.status();
-    } else if (const BlockHeader& h = view->header();
-               h.layer != name.layer || h.model_fingerprint != name.model_fingerprint ||
-               h.codec_fingerprint != name.codec_fingerprint ||
-               h.calibration_fingerprint != name.calibration_fingerprint) {
+    } else if (!HeaderMatches(view->header(), name)) {
       read = absl::DataLossError("the bytes read are another block's (layer or fingerprints)");
     }
   }

@@ -144,12 +144,11 @@ class BlockStore {
   void AddChildLocked(const std::string& parent, const std::string& child);
   void RemoveChildLocked(const std::string& parent, const std::string& child);
   void SpillLoop();
-  // A block goes to disk in two steps: its bytes are appended to the log (without mu_, in
-  // parallel), then, under mu_ and only by the write that the entry takes (a racing Put of the
-  // same block, a block deleted or superseded meanwhile: their bytes are just freed), its index
-  // record. So the index always names the entry's own copy, and a crash between the steps leaves
-  // only log space, which the next open gives back.
-  absl::StatusOr<Extent> AppendDisk(absl::Span<const uint8_t> bytes);
+  // A block goes to disk in two steps: log_->Append writes its bytes (without mu_, in parallel),
+  // then this writes its index record, under mu_ and only for the write that the entry takes (a
+  // racing Put of the same block, a block deleted or superseded meanwhile: their bytes are just
+  // freed). So the index always names the entry's own copy, and a crash between the steps leaves
+  // only log space, which the next open gives back. On failure the bytes are freed.
   absl::Status IndexDiskLocked(const std::string& key, const std::string& parent,
                                const Extent& where);
   // Unindexes `key` and frees its bytes. Holds mu_.

@@ -238,6 +238,23 @@ class TransportConformanceTest : public ::testing::TestWithParam<Backend> {
     peer_ = std::move(*ep);
   }
 
+  // A receiver whose first block arrives damaged and a sender that waits 5 s before sending a
+  // block again; sends block "x" (100 KB of `seed`) and returns once the sender has its DATA_LOSS
+  // answer, the transfer waiting for its next attempt.
+  void SendOneDamagedOnce(uint32_t seed, std::shared_ptr<Transfer>* t) {
+    faulty_ = std::make_unique<FaultInjectingTransport>(receiver_transport_.get());
+    faulty_->corrupt = [](int n) { return n == 1; };
+    ASSERT_NO_FATAL_FAILURE(Start({}, {.max_attempts = 3, .retry_backoff = absl::Seconds(5)}));
+    sent_ = RandomBytes(100000, seed);
+    *t = sender_->Send(peer_, "x", View(sent_));
+    const absl::Time until = absl::Now() + absl::Seconds(10);
+    while (receiver_->stats().checksum_failures == 0 && absl::Now() < until) {
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+    absl::SleepFor(absl::Milliseconds(500));  // (the DATA_LOSS ack reaches the sender)
+    ASSERT_FALSE((*t)->done()) << (*t)->status();
+  }
+
   void TearDown() override {
     hold_.Open();  // a failed test may have left a consumer waiting
     sender_.reset();
@@ -257,6 +274,7 @@ class TransportConformanceTest : public ::testing::TestWithParam<Backend> {
   std::unique_ptr<BlockReceiver> receiver_;
   std::unique_ptr<BlockSender> sender_;
   std::shared_ptr<Endpoint> peer_;
+  std::vector<uint8_t> sent_;  // SendOneDamagedOnce's block (alive while it is sent)
 };
 
 TEST_P(TransportConformanceTest, BlocksOfEverySizeArriveIntactAndVerified) {
@@ -583,24 +601,15 @@ TEST_P(TransportConformanceTest, RefusedForNowIsSentAgainOnceThereIsRoom) {
 
 // Cancel reaches a transfer waiting for its next attempt.
 TEST_P(TransportConformanceTest, CancelBetweenAttemptsCompletesWithCancelled) {
-  faulty_ = std::make_unique<FaultInjectingTransport>(receiver_transport_.get());
-  faulty_->corrupt = [](int n) { return n == 1; };
-  ASSERT_NO_FATAL_FAILURE(Start({}, {.max_attempts = 3, .retry_backoff = absl::Seconds(5)}));
-  const auto data = RandomBytes(100000, 65);
-  auto t = sender_->Send(peer_, "x", View(data));
-  const absl::Time until = absl::Now() + absl::Seconds(10);
-  while (receiver_->stats().checksum_failures == 0 && absl::Now() < until) {
-    absl::SleepFor(absl::Milliseconds(1));
-  }
-  absl::SleepFor(absl::Milliseconds(500));  // (the DATA_LOSS ack reaches the sender)
-  EXPECT_FALSE(t->done()) << t->status();
+  std::shared_ptr<Transfer> t;
+  ASSERT_NO_FATAL_FAILURE(SendOneDamagedOnce(65, &t));
   const absl::Time cancelled = absl::Now();
   t->Cancel();
   EXPECT_TRUE(t->WaitFor(absl::Seconds(1))) << "the cancel waited for the next attempt";
   EXPECT_EQ(t->status().code(), absl::StatusCode::kCancelled) << t->status();
   EXPECT_LT(absl::Now() - cancelled, absl::Seconds(1));
   EXPECT_EQ(sender_->stats().retries, 0u);
-  EXPECT_TRUE(sender_->Send(peer_, "y", View(data))->Wait().ok());
+  EXPECT_TRUE(sender_->Send(peer_, "y", View(sent_))->Wait().ok());
   EXPECT_TRUE(sink_.Get("x").empty());
 }
 
@@ -670,17 +679,8 @@ TEST_P(TransportConformanceTest, ARetryKeepsItsWindowRoomAndNeverWaitsBehindAnot
 // A peer that fails while a block waits to be sent to it again fails that block at once, with
 // UNAVAILABLE, rather than at its next attempt.
 TEST_P(TransportConformanceTest, PeerFailingWhileABlockWaitsToBeSentAgainFailsItAtOnce) {
-  faulty_ = std::make_unique<FaultInjectingTransport>(receiver_transport_.get());
-  faulty_->corrupt = [](int n) { return n == 1; };
-  ASSERT_NO_FATAL_FAILURE(Start({}, {.max_attempts = 3, .retry_backoff = absl::Seconds(5)}));
-  const auto data = RandomBytes(100000, 66);
-  auto t = sender_->Send(peer_, "x", View(data));
-  const absl::Time until = absl::Now() + absl::Seconds(10);
-  while (receiver_->stats().checksum_failures == 0 && absl::Now() < until) {
-    absl::SleepFor(absl::Milliseconds(1));
-  }
-  absl::SleepFor(absl::Milliseconds(500));  // (the DATA_LOSS ack reaches the sender)
-  EXPECT_FALSE(t->done()) << t->status();
+  std::shared_ptr<Transfer> t;
+  ASSERT_NO_FATAL_FAILURE(SendOneDamagedOnce(66, &t));
   const absl::Time gone = absl::Now();
   receiver_.reset();
   faulty_.reset();
