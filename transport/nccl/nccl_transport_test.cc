@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "transport/inproc/inproc_transport.h"
 
 namespace strata::transport {
@@ -39,6 +40,12 @@ std::shared_ptr<Transport> Inproc() {
   auto t = CreateInprocTransport({});
   EXPECT_TRUE(t.ok()) << t.status();
   return t.ok() ? std::shared_ptr<Transport>(*std::move(t)) : nullptr;
+}
+
+// Why there is no GPU, in the words scripts/test.sh collects ("skipped, no GPU: ...").
+std::string NoGpu() {
+  auto t = CreateNcclTransport({.host = Inproc()});
+  return absl::StrCat("skipped, no GPU: ", t.ok() ? "?" : t.status().message());
 }
 
 // A completion the test waits for.
@@ -93,10 +100,7 @@ TEST(NcclTransportTest, ReportsTheNcclVersionItRunsWith) {
 class NcclSelfTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (GpuCount() == 0) {
-      auto t = CreateNcclTransport({.host = Inproc()});
-      GTEST_SKIP() << "skipped, no GPU: " << t.status().message();
-    }
+    if (GpuCount() == 0) GTEST_SKIP() << NoGpu();
     auto t = CreateNcclTransport({.host = Inproc(), .device = 0});
     ASSERT_TRUE(t.ok()) << t.status();
     t_ = *std::move(t);
@@ -271,6 +275,7 @@ TEST_F(NcclSelfTest, BadArgumentsAreRefusedWithTheReason) {
 
 // Two transports on one GPU: NCCL refuses two ranks on one device, and Connect says so.
 TEST(NcclTransportTest, TwoTransportsOnOneGpuCannotConnectAndSayWhy) {
+  if (GpuCount() == 0) GTEST_SKIP() << NoGpu();
   if (GpuCount() != 1) GTEST_SKIP() << "needs exactly one GPU (this machine has " << GpuCount() << ")";
   auto a = CreateNcclTransport({.host = Inproc(), .setup_timeout = absl::Seconds(20)});
   auto b = CreateNcclTransport({.host = Inproc(), .setup_timeout = absl::Seconds(20)});
@@ -284,6 +289,7 @@ TEST(NcclTransportTest, TwoTransportsOnOneGpuCannotConnectAndSayWhy) {
 
 // Two GPUs: both directions, replies over the endpoint a message came on, and a peer going away.
 TEST(NcclTransportTest, TwoGpusSendBothWaysAndAPeerGoingAwayFailsItsTransfers) {
+  if (GpuCount() == 0) GTEST_SKIP() << NoGpu();
   if (GpuCount() < 2) GTEST_SKIP() << "needs two GPUs (this machine has " << GpuCount() << ")";
   auto a = CreateNcclTransport({.host = Inproc(), .device = 0});
   auto b = CreateNcclTransport({.host = Inproc(), .device = 1});

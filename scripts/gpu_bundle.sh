@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Builds the GPU test binaries (CTest label "gpu") and gathers them, with the shared libraries they
+# need that a bare CUDA machine lacks (Debian's Abseil, ...), into build/gpu-bundle/, with a
+# run.sh that runs each of them there. For a lent GPU machine that has the CUDA driver and NCCL
+# (a CUDA image's Python nvidia-nccl package will do) but not Debian's libraries:
+#   scripts/gpu_bundle.sh            # here: build and gather
+#   build/gpu-bundle/run.sh          # there (carry build/gpu-bundle); exit status: any failure
+# NCCL itself is not copied (over 200 MB): run.sh finds libnccl.so.2 in /usr/local/cuda/lib, in
+# $NCCL_LIB_DIR, or in Python's nvidia.nccl package.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+targets=(common_cuda_test nccl_transport_test)
+./scripts/build.sh $(printf -- "--target %s " "${targets[@]}")
+
+out=build/gpu-bundle
+rm -rf "$out"
+mkdir -p "$out/lib"
+for t in "${targets[@]}"; do
+  bin="$(find build -path build/gpu-bundle -prune -o -type f -name "$t" -perm -u+x -print | head -n 1)"
+  [ -n "$bin" ] || { echo "gpu_bundle: $t was not built (no CUDA in this build?)" >&2; exit 1; }
+  cp "$bin" "$out/"
+  # Every shared library it loads except the C/C++ runtime, CUDA's driver and NCCL.
+  ldd "$bin" | awk '$3 ~ /^\// {print $3}' |
+    { grep -vE '/(libc|libm|libstdc\+\+|libgcc_s|libpthread|libdl|librt|libcuda|libnccl)\.so' || true; } |
+    while read -r lib; do cp -L "$lib" "$out/lib/"; done
+done
+
+cat > "$out/run.sh" <<'EOF'
+#!/usr/bin/env bash
+# Runs every GPU test binary beside this script; exit status 1 if any failed.
+set -uo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+nccl="${NCCL_LIB_DIR:-}"
+if [ -z "$nccl" ] && [ ! -e /usr/local/cuda/lib/libnccl.so.2 ]; then
+  nccl="$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null || true)"
+fi
+export LD_LIBRARY_PATH="$here/lib${nccl:+:$nccl}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+nvidia-smi -L 2>/dev/null || true
+rc=0
+for t in "$here"/*_test; do
+  echo "== $(basename "$t")"
+  "$t" || rc=1
+done
+exit "$rc"
+EOF
+chmod +x "$out/run.sh"
+du -sh "$out"
