@@ -107,7 +107,6 @@ struct Channel {
   enum class State { kNew, kInit, kWarmPosting, kWarm, kReady, kFailed } state = State::kNew;
   ncclComm_t comm = nullptr;
   cudaStream_t stream = nullptr;
-  uint8_t* scratch = nullptr;  // the warm-up's two bytes
   cudaEvent_t warm = nullptr;
   std::deque<Post> queue;     // waiting for the channel to be ready and free
   std::optional<Post> posting;  // its group returned ncclInProgress; no event recorded yet
@@ -136,6 +135,8 @@ struct Job {
   Post post;
   absl::Status status;     // kFail
   bool tell_peer = false;  // kFail: send kReset (the peer does not know yet)
+  std::shared_ptr<Endpoint> host;  // kFail: where to tell it when the link's endpoint is gone
+  std::vector<Completion> orphans;  // kFail: transfers of a destroyed endpoint, not yet posted
 };
 
 class NcclRegion final : public MemoryRegion {
@@ -167,7 +168,13 @@ const MemoryRegion* HostRegionOf(const MemoryRegion* r) {
 
 class Core : public std::enable_shared_from_this<Core> {
  public:
-  explicit Core(NcclTransportOptions options) : options_(std::move(options)) {
+  // The host transport is owned by NcclTransport, which destroys it on its own thread after
+  // Close(): the last reference to the Core may be dropped on the host transport's thread.
+  explicit Core(NcclTransportOptions options)
+      : options_(std::move(options)),
+        host_(options_.host.get()),
+        max_header_(host_->max_header_size() - kDataPrefix) {
+    options_.host.reset();
     std::random_device rd;
     next_link_ = (static_cast<uint64_t>(rd()) << 32 | rd()) & ~uint64_t{0xffff};
   }
@@ -176,8 +183,8 @@ class Core : public std::enable_shared_from_this<Core> {
   void Close();
 
   int device() const { return options_.device; }
-  Transport& host() const { return *options_.host; }
-  size_t max_header() const { return options_.host->max_header_size() - kDataPrefix; }
+  Transport& host() const { return *host_; }
+  size_t max_header() const { return max_header_; }
 
   absl::StatusOr<std::shared_ptr<Endpoint>> Connect(absl::string_view address,
                                                     absl::Duration timeout);
@@ -186,10 +193,15 @@ class Core : public std::enable_shared_from_this<Core> {
   void Enqueue(Job job);
   void Wake() {
     std::lock_guard<std::mutex> lock(jobs_mu_);
+    wake_ = true;
     jobs_cv_.notify_one();
   }
 
   // Everything below is for NcclEndpoint and NcclMessage.
+  absl::Status LinkFailureIfFailed(const Link& link) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return link.state == Link::State::kFailed ? link.failure : absl::OkStatus();
+  }
   std::mutex mu_;
   std::multimap<absl::Time, std::pair<std::weak_ptr<NcclEndpoint>, uint64_t>> deadlines_;
   struct SelfRecv {
@@ -216,11 +228,17 @@ class Core : public std::enable_shared_from_this<Core> {
     return link.failure.ok() ? absl::UnavailableError("the NCCL link failed") : link.failure;
   }
   void Finish(Post& p, const absl::Status& s, const Link* link);
-  void FailLink(const std::shared_ptr<Link>& link, const absl::Status& why, bool tell_peer);
+  // Aborts the link's communicators, then completes everything on it with `why`; with
+  // `tell_peer`, sends the peer kReset over the link endpoint's host connection (or over
+  // `fallback`, that of an endpoint being destroyed).
+  void FailLink(const std::shared_ptr<Link>& link, const absl::Status& why, bool tell_peer,
+                Endpoint* fallback = nullptr);
   void MarkReady(const std::shared_ptr<Link>& link);
   cudaEvent_t GetEvent();
 
-  NcclTransportOptions options_;
+  NcclTransportOptions options_;  // less the host
+  Transport* host_;
+  size_t max_header_;
   internal::HandlerTable handlers_;
   std::thread worker_;
 
@@ -228,6 +246,7 @@ class Core : public std::enable_shared_from_this<Core> {
   std::condition_variable jobs_cv_;
   std::deque<Job> jobs_;
   bool closing_ = false;  // under jobs_mu_
+  bool wake_ = false;     // under jobs_mu_: look at the deadlines again
 
   // Under mu_.
   std::condition_variable link_cv_;
@@ -239,6 +258,7 @@ class Core : public std::enable_shared_from_this<Core> {
   // The worker's alone.
   std::vector<std::pair<std::shared_ptr<Channel>, std::weak_ptr<Link>>> channels_;
   std::vector<cudaEvent_t> free_events_;
+  uint8_t* scratch_ = nullptr;  // the warm-ups' bytes (their values do not matter)
 };
 
 class NcclEndpoint final : public Endpoint, public std::enable_shared_from_this<NcclEndpoint> {
@@ -272,6 +292,12 @@ class NcclEndpoint final : public Endpoint, public std::enable_shared_from_this<
     j.status = absl::UnavailableError(absl::StrCat("the endpoint to NCCL peer ", link_->peer,
                                                    " was closed"));
     j.tell_peer = true;
+    j.host = host_;
+    // No other thread reaches out_ now (they find this endpoint through weak pointers, which
+    // have expired). Posted transfers complete with their channel.
+    for (auto& [seq, o] : out_) {
+      if (o.device && !o.posted && o.done) j.orphans.push_back(std::move(o.done));
+    }
     core_->Enqueue(std::move(j));
   }
 
@@ -295,6 +321,8 @@ class NcclEndpoint final : public Endpoint, public std::enable_shared_from_this<
   }
 
   Endpoint& host_endpoint() const { return *host_; }
+  Core& core() const { return *core_; }
+  void Forget(uint64_t seq);
   const std::shared_ptr<Link>& link() const { return link_; }
   void Fail(const absl::Status& s) { notifier_.Fail(s); }
 
@@ -381,11 +409,8 @@ uint64_t NcclEndpoint::Send(uint16_t id, std::span<const uint8_t> header, Payloa
   if (!device) {
     const uint64_t host_id = host_->Send(
         kDataId, msg, Payload{payload.bytes, HostRegionOf(payload.region)}, timeout,
-        [self, seq, core = core_, done = std::move(done)](absl::Status s) mutable {
-          if (auto ep = self.lock()) {
-            std::lock_guard<std::mutex> lock(core->mu_);
-            ep->out_.erase(seq);
-          }
+        [self, seq, done = std::move(done)](absl::Status s) mutable {
+          if (auto ep = self.lock()) ep->Forget(seq);
           done(std::move(s));
         });
     bool cancel = false;
@@ -402,14 +427,19 @@ uint64_t NcclEndpoint::Send(uint16_t id, std::span<const uint8_t> header, Payloa
     return seq;
   }
   // A device payload: announce it; the receiver's answer (kClearToSend or kDropped) goes on.
-  host_->Send(kDataId, msg, Payload{}, timeout, [self, seq, core = core_](absl::Status s) {
+  host_->Send(kDataId, msg, Payload{}, timeout, [self, seq](absl::Status s) {
     if (s.ok()) return;
     auto ep = self.lock();
     if (ep == nullptr) return;
-    core->ResetForTransfer(ep, seq, absl::Status(s.code(), absl::StrCat(
+    ep->core().ResetForTransfer(ep, seq, absl::Status(s.code(), absl::StrCat(
         "announcing a device payload failed: ", s.message())));
   });
   return seq;
+}
+
+void NcclEndpoint::Forget(uint64_t seq) {
+  std::lock_guard<std::mutex> lock(core_->mu_);
+  out_.erase(seq);
 }
 
 void NcclEndpoint::Cancel(uint64_t transfer_id) {
@@ -501,6 +531,11 @@ class NcclMessage final : public IncomingMessage {
         return;
       }
     } else {
+      absl::Status failed = core_.LinkFailureIfFailed(*link_);
+      if (!failed.ok()) {  // its sender has been told (kReset) or told this side
+        done(failed);
+        return;
+      }
       Job j;
       j.kind = Job::kPost;
       j.link = link_;
@@ -529,10 +564,10 @@ class NcclMessage final : public IncomingMessage {
 
 void Core::Start() {
   std::weak_ptr<Core> weak = weak_from_this();
-  options_.host->SetHandler(kDataId, [weak](IncomingMessage& m) {
+  host_->SetHandler(kDataId, [weak](IncomingMessage& m) {
     if (auto c = weak.lock()) c->OnData(m);
   });
-  options_.host->SetHandler(kControlId, [weak](IncomingMessage& m) {
+  host_->SetHandler(kControlId, [weak](IncomingMessage& m) {
     if (auto c = weak.lock()) c->OnControl(m);
   });
   worker_ = std::thread([this] { Loop(); });
@@ -545,8 +580,8 @@ void Core::Close() {
     jobs_cv_.notify_all();
   }
   if (worker_.joinable()) worker_.join();
-  options_.host->SetHandler(kDataId, nullptr);
-  options_.host->SetHandler(kControlId, nullptr);
+  host_->SetHandler(kDataId, nullptr);
+  host_->SetHandler(kControlId, nullptr);
   handlers_.Clear();
   std::vector<std::shared_ptr<NcclEndpoint>> inbound;
   {
@@ -571,6 +606,7 @@ void Core::Enqueue(Job job) {
     if (job.post.send_done) job.post.send_done(gone);
     if (job.post.recv_done) job.post.recv_done(gone);
   }
+  for (Completion& done : job.orphans) done(gone);
 }
 
 void Core::SendControl(Endpoint& host_ep, ControlType type, uint64_t link, uint64_t seq) {
@@ -591,11 +627,11 @@ absl::StatusOr<std::shared_ptr<Endpoint>> Core::Connect(absl::string_view addres
   }
   const absl::string_view host_address = address.substr(kScheme.size());
   const absl::Time start = absl::Now();
-  auto host_ep = options_.host->Connect(host_address, timeout);
+  auto host_ep = host_->Connect(host_address, timeout);
   if (!host_ep.ok()) return host_ep.status();
 
   auto link = std::make_shared<Link>();
-  link->self = host_address == options_.host->address();
+  link->self = host_address == host_->address();
   link->peer = std::string(address);
   link->deadline = absl::Now() + options_.setup_timeout;
   ncclUniqueId ids[2] = {};
@@ -647,10 +683,12 @@ absl::StatusOr<std::shared_ptr<Endpoint>> Core::Connect(absl::string_view addres
   const absl::Time deadline = start + timeout + options_.setup_timeout;
   std::unique_lock<std::mutex> lock(mu_);
   while (link->state == Link::State::kSettingUp && !closed_) {
-    if (link_cv_.wait_for(lock, absl::ToChronoNanoseconds(deadline - absl::Now())) ==
-            std::cv_status::timeout &&
-        absl::Now() >= deadline) {
+    if (deadline == absl::InfiniteFuture()) {
+      link_cv_.wait(lock);
+    } else if (absl::Now() >= deadline) {
       break;
+    } else {
+      link_cv_.wait_for(lock, absl::ToChronoNanoseconds(deadline - absl::Now()));
     }
   }
   if (link->state == Link::State::kReady) return std::shared_ptr<Endpoint>(std::move(ep));
@@ -730,6 +768,7 @@ void Core::OnControl(IncomingMessage& m) {
   std::shared_ptr<NcclEndpoint> ep;
   Completion dropped;
   std::optional<Job> post;
+  bool broken = false;  // a self link's answer without its receive: cannot happen
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = links_.find(link_id);
@@ -745,36 +784,43 @@ void Core::OnControl(IncomingMessage& m) {
         dropped = std::move(o->second.done);
         ep->out_.erase(o);
       } else if (type == kClearToSend) {
-        o->second.posted = true;
-        Job j;
-        j.kind = Job::kPost;
-        j.link = link;
-        j.outbound = true;
-        j.post.kind = Post::kSend;
-        j.post.src = o->second.src;
-        j.post.size = o->second.size;
-        j.post.send_done = std::move(o->second.done);
-        j.post.sender = ep;
-        j.post.seq = seq;
+        auto r = self_recvs_.end();
         if (link->self) {
-          auto r = self_recvs_.find({link->remote_id, seq});
-          if (r == self_recvs_.end()) return;  // cannot happen: Accept stores it first
-          j.post.kind = Post::kSelf;
-          j.post.dst = r->second.dst;
-          j.post.recv_done = std::move(r->second.done);
-          self_recvs_.erase(r);
+          r = self_recvs_.find({link->remote_id, seq});  // Accept stores it before answering
+          broken = r == self_recvs_.end();
         }
-        post = std::move(j);
+        if (!broken) {
+          o->second.posted = true;
+          Job j;
+          j.kind = Job::kPost;
+          j.link = link;
+          j.outbound = true;
+          j.post.kind = link->self ? Post::kSelf : Post::kSend;
+          j.post.src = o->second.src;
+          j.post.size = o->second.size;
+          j.post.send_done = std::move(o->second.done);
+          j.post.sender = ep;
+          j.post.seq = seq;
+          if (link->self) {
+            j.post.dst = r->second.dst;
+            j.post.recv_done = std::move(r->second.done);
+            self_recvs_.erase(r);
+          }
+          post = std::move(j);
+        }
       }
     }
   }
   if (dropped) dropped(absl::OkStatus());
   if (post) Enqueue(*std::move(post));
-  if (type == kReset) {
+  if (type == kReset || broken) {
     Job j;
     j.kind = Job::kFail;
     j.link = link;
-    j.status = absl::UnavailableError(absl::StrCat("NCCL peer ", link->peer, " reset the link"));
+    j.status = absl::UnavailableError(
+        type == kReset ? absl::StrCat("NCCL peer ", link->peer, " reset the link")
+                       : absl::StrCat("NCCL link to ", link->peer,
+                                      ": clear-to-send for a transfer with no receive"));
     Enqueue(std::move(j));
   }
 }
@@ -789,17 +835,22 @@ void Core::OnData(IncomingMessage& m) {
   const uint64_t link_id = LoadLE<uint64_t>(h.data() + 8);
   const uint64_t seq = LoadLE<uint64_t>(h.data() + 16);
   const uint64_t size = LoadLE<uint64_t>(h.data() + 24);
-  if (device && m.payload_size() != 0) return;
   std::shared_ptr<Link> link;
   std::shared_ptr<NcclEndpoint> ep;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = links_.find(link_id);
-    if (it == links_.end()) return;
-    link = it->second;
-    ep = link->ep.lock();
+    if (it != links_.end()) {
+      link = it->second;
+      ep = link->ep.lock();
+    }
   }
-  if (ep == nullptr) return;
+  if (ep == nullptr || (device && m.payload_size() != 0)) {
+    // No link (failed, or never was), its endpoint gone, or a malformed announcement: a device
+    // payload's sender waits for an answer; tell it the link is gone.
+    if (device) SendControl(*m.endpoint(), kReset, link_id ^ 1, seq);
+    return;
+  }
   NcclMessage msg(*this, m, ep, link, device, seq, size);
   if (std::shared_ptr<MessageHandler> handler = handlers_.Get(id)) (*handler)(msg);
   if (device && !msg.accepted()) SendControl(ep->host_endpoint(), kDropped, link->remote_id, seq);
@@ -869,7 +920,10 @@ void Core::Finish(Post& p, const absl::Status& s, const Link* link) {
     ep->out_.erase(p.seq);
     if (link != nullptr && !s.ok()) {
       auto v = ep->link()->verdicts.find(p.seq);
-      if (v != ep->link()->verdicts.end()) send_status = v->second;
+      if (v != ep->link()->verdicts.end()) {
+        send_status = v->second;
+        ep->link()->verdicts.erase(v);
+      }
     }
   }
   if (p.send_done) std::exchange(p.send_done, nullptr)(send_status);
@@ -957,8 +1011,8 @@ bool Core::Step(Channel& ch, const std::shared_ptr<Link>& owner, absl::Time now)
         // One byte each way that this channel carries: NCCL connects the pair now, not on the
         // first block.
         ncclGroupStart();
-        if (ch.sends) ncclSend(ch.scratch, 1, ncclUint8, ch.peer, ch.comm, ch.stream);
-        if (ch.receives) ncclRecv(ch.scratch + 1, 1, ncclUint8, ch.peer, ch.comm, ch.stream);
+        if (ch.sends) ncclSend(scratch_, 1, ncclUint8, ch.peer, ch.comm, ch.stream);
+        if (ch.receives) ncclRecv(scratch_ + 1, 1, ncclUint8, ch.peer, ch.comm, ch.stream);
         const ncclResult_t r = ncclGroupEnd();
         if (r == ncclInProgress) {
           ch.state = S::kWarmPosting;
@@ -1016,7 +1070,8 @@ bool Core::Step(Channel& ch, const std::shared_ptr<Link>& owner, absl::Time now)
   return false;
 }
 
-void Core::FailLink(const std::shared_ptr<Link>& link, const absl::Status& why, bool tell_peer) {
+void Core::FailLink(const std::shared_ptr<Link>& link, const absl::Status& why, bool tell_peer,
+                    Endpoint* fallback) {
   std::vector<std::shared_ptr<Link>> links = {link};
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -1042,10 +1097,6 @@ void Core::FailLink(const std::shared_ptr<Link>& link, const absl::Status& why, 
     if (ch->warm != nullptr) {
       (void)cudaEventDestroy(ch->warm);
       ch->warm = nullptr;
-    }
-    if (ch->scratch != nullptr) {
-      (void)cudaFree(ch->scratch);
-      ch->scratch = nullptr;
     }
     if (ch->posting) dead.push_back(*std::move(ch->posting));
     ch->posting.reset();
@@ -1096,8 +1147,9 @@ void Core::FailLink(const std::shared_ptr<Link>& link, const absl::Status& why, 
     }
     link_cv_.notify_all();
   }
-  if (tell_peer && !link->self && !eps.empty()) {
-    SendControl(eps.front()->host_endpoint(), kReset, link->remote_id, 0);
+  if (tell_peer && !link->self) {
+    Endpoint* host_ep = eps.empty() ? fallback : &eps.front()->host_endpoint();
+    if (host_ep != nullptr) SendControl(*host_ep, kReset, link->remote_id, 0);
   }
   for (Post& p : dead) Finish(p, why, link.get());
   for (auto& [done, s] : dones) {
@@ -1105,22 +1157,20 @@ void Core::FailLink(const std::shared_ptr<Link>& link, const absl::Status& why, 
   }
   for (const auto& ep : eps) ep->Fail(why);
   eps.clear();
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (const auto& l : links) l->verdicts.clear();
-  }
   drop.clear();  // their destructors enqueue kFail for a failed link: a no-op
 }
 
 void Core::Loop() {
-  (void)cudaSetDevice(options_.device);
   for (;;) {
+    // Every time: a user's completion, run on this thread, may have switched devices.
+    (void)cudaSetDevice(options_.device);
     std::deque<Job> jobs;
     bool closing;
     {
       std::lock_guard<std::mutex> lock(jobs_mu_);
       jobs.swap(jobs_);
       closing = closing_;
+      wake_ = false;
     }
     const absl::Time now = absl::Now();
     std::vector<std::pair<std::shared_ptr<NcclEndpoint>, uint64_t>> due;
@@ -1150,7 +1200,9 @@ void Core::Loop() {
             ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
             config.blocking = 0;
             cudaError_t e = cudaStreamCreateWithFlags(&ch->stream, cudaStreamNonBlocking);
-            if (e == cudaSuccess) e = cudaMalloc(&ch->scratch, 2);
+            // cudaMalloc once per transport: cudaFree waits for the whole device, which a
+            // link's failure must not.
+            if (e == cudaSuccess && scratch_ == nullptr) e = cudaMalloc(&scratch_, 2);
             ncclResult_t r = ncclSuccess;
             if (e == cudaSuccess) {
               r = ncclCommInitRankConfig(&ch->comm, ch->nranks, ch->uid, ch->rank, &config);
@@ -1185,7 +1237,8 @@ void Core::Loop() {
             std::lock_guard<std::mutex> lock(mu_);
             failed = link->state == Link::State::kFailed;
           }
-          if (!failed) FailLink(link, j.status, j.tell_peer);
+          if (!failed) FailLink(link, j.status, j.tell_peer, j.host.get());
+          for (Completion& done : j.orphans) done(j.status);
           break;
         }
       }
@@ -1205,6 +1258,8 @@ void Core::Loop() {
       }
       for (cudaEvent_t e : free_events_) (void)cudaEventDestroy(e);
       free_events_.clear();
+      if (scratch_ != nullptr) (void)cudaFree(scratch_);
+      scratch_ = nullptr;
       return;
     }
 
@@ -1225,7 +1280,7 @@ void Core::Loop() {
     }
 
     std::unique_lock<std::mutex> lock(jobs_mu_);
-    if (!jobs_.empty() || closing_) continue;
+    if (!jobs_.empty() || closing_ || wake_) continue;
     if (busy) {
       jobs_cv_.wait_for(lock, std::chrono::microseconds(20));
     } else if (next_deadline == absl::InfiniteFuture()) {
@@ -1238,13 +1293,15 @@ void Core::Loop() {
 
 class NcclTransport final : public Transport {
  public:
-  explicit NcclTransport(std::shared_ptr<Core> core) : core_(std::move(core)) {
+  NcclTransport(std::shared_ptr<Transport> host, std::shared_ptr<Core> core)
+      : host_(std::move(host)), core_(std::move(core)) {
     caps_.backend = "nccl";
     caps_.one_sided = false;
     caps_.device_memory = true;
     caps_.cross_process = core_->host().capabilities().cross_process;
     caps_.maps_peer_memory = false;
   }
+  // Closes the core, then destroys the host transport here (members go in reverse order).
   ~NcclTransport() override { core_->Close(); }
 
   const Capabilities& capabilities() const override { return caps_; }
@@ -1300,6 +1357,7 @@ class NcclTransport final : public Transport {
   size_t max_header_size() const override { return core_->max_header(); }
 
  private:
+  std::shared_ptr<Transport> host_;
   std::shared_ptr<Core> core_;
   Capabilities caps_;
 };
@@ -1329,9 +1387,11 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateNcclTransport(NcclTransportOpti
                                                    " does not exist (this machine has ", count,
                                                    ")"));
   }
+  std::shared_ptr<Transport> host = options.host;
   auto core = std::make_shared<Core>(std::move(options));
   core->Start();
-  return std::unique_ptr<Transport>(std::make_unique<NcclTransport>(std::move(core)));
+  return std::unique_ptr<Transport>(
+      std::make_unique<NcclTransport>(std::move(host), std::move(core)));
 }
 
 std::string NcclVersion() {

@@ -249,7 +249,7 @@ TEST_F(NcclSelfTest, ShuttingDownFailsTransfersInFlight) {
     m.Accept(Destination{{dst->data(), 4096}, dst.get()}, received.fn());
   });
   ep_->Send(6, {}, Payload{{src->data(), 4096}, src.get()}, kWait, sent.fn());
-  in_handler.get_future().wait();
+  ASSERT_EQ(in_handler.get_future().wait_for(std::chrono::seconds(30)), std::future_status::ready);
   t_.reset();
   const absl::Status s = sent.Wait();
   EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
@@ -335,7 +335,7 @@ TEST(NcclTransportTest, TwoGpusSendBothWaysAndAPeerGoingAwayFailsItsTransfers) {
     std::this_thread::sleep_for(std::chrono::milliseconds(300));
   });
   (*ep)->Send(3, {}, Payload{{(*a_buf)->data(), kSize}, a_buf->get()}, kWait, lost.fn());
-  in_handler.get_future().wait();
+  ASSERT_EQ(in_handler.get_future().wait_for(std::chrono::seconds(30)), std::future_status::ready);
   b_buf->reset();
   b->reset();
   EXPECT_EQ(lost.Wait().code(), absl::StatusCode::kUnavailable);
