@@ -1264,11 +1264,15 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
                                  std::function<void(absl::Status)> done) {
     auto state = std::make_shared<Transfer::State>();
     state->sender = weak_from_this();
+    // Attempt refuses these before it sends anything: do not read the payload for them.
+    const bool refused = ep == nullptr || block_id.size() > kMaxBlockIdBytes;
     const uint64_t seq = Attempt(Job{
         .ep = ep,
         .block_id = std::string(block_id),
         .payload = payload,
-        .crc32c = so.crc32c ? *so.crc32c : Crc32c(payload.bytes.data(), payload.bytes.size()),
+        .crc32c = so.crc32c    ? *so.crc32c
+                  : refused    ? 0
+                               : Crc32c(payload.bytes.data(), payload.bytes.size()),
         .deadline = absl::Now() + so.timeout.value_or(options_.timeout),
         .state = state,
         .done = std::move(done),

@@ -1386,6 +1386,19 @@ TEST_P(TransportConformanceTest, ConnectToNobodyIsUnavailableAndBadAddressInvali
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << bad.status();
 }
 
+// A send that is refused before it goes (no endpoint, an id too long) fails with the reason and
+// does not read the payload: here bytes that are not there, which a checksum would fault on.
+TEST_P(TransportConformanceTest, ASendRefusedAtOnceNeverReadsItsPayload) {
+  Start();
+  const Payload unreadable{.bytes = {reinterpret_cast<const uint8_t*>(uintptr_t{4096}), 1 << 20}};
+  absl::Status s = sender_->Send(nullptr, "x", unreadable)->Wait();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("null endpoint"));
+  s = sender_->Send(peer_, std::string(kMaxBlockIdBytes + 1, 'x'), unreadable)->Wait();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("block id of"));
+}
+
 // A peer that takes payloads but never answers, then shuts down: pending transfers fail with
 // UNAVAILABLE (well before their timeout), the endpoint reports it, a new peer can be reached.
 TEST_P(TransportConformanceTest, PeerShutdownFailsPendingTransfersAndReconnectWorks) {
