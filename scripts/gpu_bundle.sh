@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# Builds the GPU test binaries (CTest label "gpu") and gathers them, with the shared libraries they
+# Builds the GPU test binaries (CTest label "gpu") and GPU benchmarks and gathers them, with the shared libraries they
 # need that a bare CUDA machine lacks (Debian's Abseil, ...), into build/gpu-bundle/, with a
 # run.sh that runs each of them there. For a lent GPU machine that has the CUDA driver and NCCL
 # (a CUDA image's Python nvidia-nccl package will do) but not Debian's libraries:
 #   scripts/gpu_bundle.sh            # here: build and gather
-#   build/gpu-bundle/run.sh          # there (carry build/gpu-bundle); exit status: any failure
+#   STRATA_COMMIT=$(git rev-parse --short HEAD) build/gpu-bundle/run.sh
+#                                    # there (carry build/gpu-bundle); exit status: any failure
 # NCCL itself is not copied (over 200 MB): run.sh finds libnccl.so.2 in /usr/local/cuda/lib, in
 # $NCCL_LIB_DIR, or in Python's nvidia.nccl package.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-targets=(common_cuda_test nccl_transport_test)
+targets=(common_cuda_test nccl_transport_test nccl_bench)
 ./scripts/build.sh $(printf -- "--target %s " "${targets[@]}")
 
 out=build/gpu-bundle
@@ -42,6 +43,11 @@ for t in "$here"/*_test; do
   echo "== $(basename "$t")"
   "$t" || rc=1
 done
+# Benchmarks: results land in $OUT (the device tool's) or beside this script.
+results="${OUT:-$here/results}"
+mkdir -p "$results"
+echo "== nccl_bench"
+"$here/nccl_bench" --out "$results" --commit "${STRATA_COMMIT:-unknown}" || rc=1
 exit "$rc"
 EOF
 chmod +x "$out/run.sh"
