@@ -24,6 +24,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "bench/bench_util.h"
+#include "common/byte_size.h"
 #include "transport/inproc/inproc_transport.h"
 #include "transport/nccl/nccl_transport.h"
 
@@ -40,18 +41,6 @@ using transport::Transport;
 constexpr char kUsage[] =
     "nccl_bench [--sizes 64K,1M,16M,64M] [--mib 1024] [--window-mib 256] [--reps 3]\n"
     "           [--out bench/results] [--commit SHA]\n";
-
-bool ParseSize(absl::string_view s, size_t* out) {
-  size_t mult = 1;
-  if (!s.empty() && (s.back() == 'K' || s.back() == 'M' || s.back() == 'G')) {
-    mult = s.back() == 'K' ? 1 << 10 : s.back() == 'M' ? 1 << 20 : size_t{1} << 30;
-    s.remove_suffix(1);
-  }
-  uint64_t v = 0;
-  if (!absl::SimpleAtoi(s, &v) || v == 0) return false;
-  *out = v * mult;
-  return true;
-}
 
 // Counts completions; Wait returns the first failure, or OK once `n` have come.
 class Counter {
@@ -98,8 +87,8 @@ int Main(int argc, char** argv) {
     if (k == "--sizes") {
       sizes.clear();
       for (absl::string_view s : absl::StrSplit(v, ',')) {
-        size_t n = 0;
-        ok = ok && ParseSize(s, &n);
+        uint64_t n = 0;
+        ok = ok && ParseByteSize(std::string(s), &n) && n > 0;
         sizes.push_back(n);
       }
     } else if (k == "--mib") {

@@ -223,6 +223,8 @@ class Core : public std::enable_shared_from_this<Core> {
   void Loop();
   bool Step(Channel& ch, const std::shared_ptr<Link>& owner, absl::Time now);
   void Issue(Channel& ch, Post& p);
+  // Records the event after `p` on the channel's stream and moves it in flight.
+  void Record(Channel& ch, Post& p);
   absl::Status LinkFailure(const Link& link) {
     std::lock_guard<std::mutex> lock(mu_);
     return link.failure.ok() ? absl::UnavailableError("the NCCL link failed") : link.failure;
@@ -952,6 +954,10 @@ void Core::Issue(Channel& ch, Post& p) {
     ch.posting = std::move(p);  // fails with the channel
     return;
   }
+  Record(ch, p);
+}
+
+void Core::Record(Channel& ch, Post& p) {
   p.event = GetEvent();
   if (p.event == nullptr) {
     ch.state = Channel::State::kFailed;
@@ -960,7 +966,7 @@ void Core::Issue(Channel& ch, Post& p) {
     ch.state = Channel::State::kFailed;
     ch.error = absl::StrCat("cudaEventRecord failed: ", CudaError(e));
   }
-  ch.inflight.push_back(std::move(p));
+  ch.inflight.push_back(std::move(p));  // failed or not: it completes with the channel
 }
 
 // Advances one channel. Returns whether it is busy (the worker should poll again soon). On an
@@ -987,15 +993,6 @@ bool Core::Step(Channel& ch, const std::shared_ptr<Link>& owner, absl::Time now)
     if (now <= owner->deadline) return true;
     return fail(absl::StrCat(during, " did not finish within ",
                              absl::FormatDuration(options_.setup_timeout)));
-  };
-  auto record = [&](Post& p) {
-    p.event = GetEvent();
-    if (p.event == nullptr) {
-      fail("cudaEventCreate failed");
-    } else if (const cudaError_t e = cudaEventRecord(p.event, ch.stream); e != cudaSuccess) {
-      fail(absl::StrCat("cudaEventRecord failed: ", CudaError(e)));
-    }
-    ch.inflight.push_back(std::move(p));
   };
   switch (ch.state) {
     case S::kNew:
@@ -1045,7 +1042,7 @@ bool Core::Step(Channel& ch, const std::shared_ptr<Link>& owner, absl::Time now)
         if (a != ncclSuccess) return false;
         Post p = *std::move(ch.posting);
         ch.posting.reset();
-        record(p);
+        Record(ch, p);
         if (ch.state != S::kReady) return false;
       }
       while (!ch.posting && !ch.queue.empty() && ch.state == S::kReady) {
@@ -1232,12 +1229,7 @@ void Core::Loop() {
           break;
         }
         case Job::kFail: {
-          bool failed;
-          {
-            std::lock_guard<std::mutex> lock(mu_);
-            failed = link->state == Link::State::kFailed;
-          }
-          if (!failed) FailLink(link, j.status, j.tell_peer, j.host.get());
+          if (LinkFailureIfFailed(*link).ok()) FailLink(link, j.status, j.tell_peer, j.host.get());
           for (Completion& done : j.orphans) done(j.status);
           break;
         }
