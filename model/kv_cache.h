@@ -9,6 +9,13 @@
 // A cached prefix can be adopted as blocks (AdoptBlock) — prefix reuse — and the model then
 // prefills only the suffix on top of it.
 //
+// Serving hooks: a prefill node compresses each layer's new full chunks as soon as that layer
+// is computed (CompressLayer, from the model's per-layer hook) and ships them while later layers
+// still compute; Commit then takes those blocks instead of encoding again. A sequence moves
+// between nodes as its blocks (SharedBytes, never copied) plus its window (ExportWindow /
+// ImportWindow: the partial last chunk at full precision, so the receiving node continues
+// exactly where the sender stopped).
+//
 // Not thread-safe; one cache per sequence.
 #pragma once
 
@@ -19,6 +26,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/aligned_buffer.h"
+#include "common/shared_bytes.h"
 #include "common/block_reader.h"
 #include "kernels/block_operands.h"
 #include "kernels/codec.h"
@@ -57,36 +65,68 @@ class SequenceKvCache {
   // Accounts the appended tokens and compresses every full chunk of the window into blocks.
   // All or nothing: on an error the appended tokens are discarded and the cache is as before.
   absl::Status Commit(uint32_t n);
-  // Drops tokens appended since the last Commit (a failed step).
+  // Drops tokens appended since the last Commit (a failed step), and blocks CompressLayer made
+  // for them.
   void DiscardUncommitted();
+
+  // Compresses now the full chunks that the next Commit would make for `layer` (every token
+  // appended to it since the last Commit counted) and returns them, oldest first; Commit then
+  // adopts these instead of encoding them again. Call once per layer per step, after the
+  // layer's AppendWindow. Returns no blocks when no chunk fills. Errors are the codec's.
+  absl::StatusOr<std::vector<SharedBytes>> CompressLayer(uint32_t layer);
 
   // Adds an already-compressed block for the next chunk of `layer` (a cached prefix). The
   // block must be that layer's next chunk, of chunk_tokens tokens, made by the cache's codec for
   // this model (when the cache has a model fingerprint); kInvalidArgument / kDataLoss otherwise.
-  // All layers of a chunk must be adopted before CommitAdopted.
-  absl::Status AdoptBlock(uint32_t layer, AlignedBuffer block);
+  // `checksum_verified`: the bytes' CRC was verified where they arrived in this process (the
+  // transport's receiver, the store's Get): the structure is still checked, the CRC is not
+  // computed again. All layers of a chunk must be adopted before CommitAdopted.
+  absl::Status AdoptBlock(uint32_t layer, SharedBytes block, bool checksum_verified = false);
+  absl::Status AdoptBlock(uint32_t layer, AlignedBuffer block) {
+    return AdoptBlock(layer, SharedBytes::FromBuffer(std::move(block)));
+  }
   absl::Status CommitAdopted();
+
+  // The window of `layer` (the committed tokens not in blocks) as bytes, for another node's
+  // ImportWindow: a 32-byte header (magic "SKVW", version, layer, tokens, kv heads, head dim,
+  // query heads) then K, V [tokens, kv_heads, head_dim] and the queries [tokens, q_heads,
+  // head_dim] when the codec keeps them, fp32 little-endian.
+  std::string ExportWindow(uint32_t layer) const;
+  // Installs an exported window for `layer` after the adopted blocks (no window yet, every
+  // layer's the same length); then CommitWindow accounts its tokens. kInvalidArgument naming
+  // the field for bytes that are not a window of this cache's shape; kFailedPrecondition when
+  // the cache already has a window or uncommitted tokens.
+  absl::Status ImportWindow(uint32_t layer, absl::Span<const uint8_t> bytes);
+  absl::Status CommitWindow();
+  // Forgets every block and window: the cache is empty again (a sequence preempted to the
+  // store, resumed later by adoption).
+  void Clear();
 
   // The attention input for `layer`: blocks + window (the window's last query_tokens are new).
   kernels::DecodeSequence View(uint32_t layer) const;
 
   // The blocks of one layer, for a store or the transport.
-  const std::vector<AlignedBuffer>& layer_blocks(uint32_t layer) const {
+  const std::vector<SharedBytes>& layer_blocks(uint32_t layer) const {
     return layers_[layer].buffers;
   }
+  uint32_t layers() const { return static_cast<uint32_t>(layers_.size()); }
+  const KvCacheOptions& options() const { return options_; }
 
  private:
   struct Layer {
-    std::vector<AlignedBuffer> buffers;
+    std::vector<SharedBytes> buffers;
     std::vector<BlockView> views;
     std::vector<std::unique_ptr<kernels::PreparedBlock>> ops;
     std::vector<const kernels::BlockOperands*> blocks;  // every part of every block
     std::vector<float> window_k, window_v;  // [window, kv_heads, head_dim]
     std::vector<float> window_q;            // [window, q_heads, head_dim] when the codec wants it
     uint32_t q_heads = 0;
+    std::vector<SharedBytes> pending;  // CompressLayer's blocks for the next Commit
   };
   SequenceKvCache() = default;
-  absl::Status AddBlock(Layer& l, AlignedBuffer block);
+  absl::Status AddBlock(Layer& l, SharedBytes block, bool checksum_verified);
+  // Encodes the full chunks of layer `li`'s window (its first `window` tokens) from token 0.
+  absl::StatusOr<std::vector<SharedBytes>> EncodeChunks(uint32_t li, uint32_t window) const;
 
   KvCacheOptions options_;
   std::unique_ptr<kernels::Codec> codec_;

@@ -44,11 +44,28 @@ absl::Status ReadTensor(const Checkpoint& ck, const std::string& name, std::vect
   return absl::OkStatus();
 }
 
+// Rows of every product are padded to a multiple of this, so that each row goes through
+// OpenBLAS's full-width micro-kernel whatever the batch: a row's result is then the same bits
+// alone or in any batch (its edge kernels sum in another order), and a sequence's output never
+// depends on which others share its continuous batch.
+constexpr int kRowMultiple = 16;
+
 // y[n, out] = x[n, in] . W^T (+ b)
 void Linear(const float* x, int n, int in, const std::vector<float>& w, const std::vector<float>& b,
             int out, float* y) {
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, out, in, 1.0f, x, in, w.data(), in, 0.0f,
-              y, out);
+  if (n % kRowMultiple != 0) {
+    const int padded = (n + kRowMultiple - 1) / kRowMultiple * kRowMultiple;
+    thread_local std::vector<float> xp, yp;
+    xp.assign(static_cast<size_t>(padded) * in, 0.0f);
+    std::memcpy(xp.data(), x, static_cast<size_t>(n) * in * sizeof(float));
+    yp.resize(static_cast<size_t>(padded) * out);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, padded, out, in, 1.0f, xp.data(), in,
+                w.data(), in, 0.0f, yp.data(), out);
+    std::memcpy(y, yp.data(), static_cast<size_t>(n) * out * sizeof(float));
+  } else {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, out, in, 1.0f, x, in, w.data(), in,
+                0.0f, y, out);
+  }
   if (!b.empty()) {
     for (int i = 0; i < n; ++i) {
       for (int j = 0; j < out; ++j) y[static_cast<size_t>(i) * out + j] += b[j];
@@ -177,9 +194,36 @@ absl::StatusOr<std::vector<float>> LlamaModel::Run(absl::Span<const uint32_t> to
   return std::move(logits[0]);
 }
 
+absl::StatusOr<std::vector<float>> LlamaModel::Prefill(absl::Span<const uint32_t> tokens,
+                                                       SequenceKvCache* cache,
+                                                       const LayerHook& hook) const {
+  if (cache == nullptr) return absl::InvalidArgumentError("model: Prefill needs a cache");
+  if (tokens.empty()) return absl::InvalidArgumentError("model: Prefill of no tokens");
+  const KvCacheOptions& o = cache->options();
+  if (o.window_tokens != 0) {
+    return absl::InvalidArgumentError(
+        "model: Prefill needs a cache without a full-precision window (window_tokens 0)");
+  }
+  const uint32_t c = o.chunk_tokens;
+  std::vector<float> last;
+  size_t done = 0;
+  while (done < tokens.size()) {
+    // Up to the next chunk boundary of the sequence.
+    const size_t to_boundary = c - cache->tokens() % c;
+    const size_t n = std::min(to_boundary, tokens.size() - done);
+    const absl::Span<const uint32_t> one[] = {tokens.subspan(done, n)};
+    SequenceKvCache* const caches[] = {cache};
+    STRATA_ASSIGN_OR_RETURN(std::vector<std::vector<float>> logits,
+                            RunBatch(one, caches, nullptr, hook, /*last_only=*/true));
+    last = std::move(logits[0]);
+    done += n;
+  }
+  return last;
+}
+
 absl::StatusOr<std::vector<std::vector<float>>> LlamaModel::StepBatch(
     absl::Span<const absl::Span<const uint32_t>> tokens,
-    absl::Span<SequenceKvCache* const> caches) const {
+    absl::Span<SequenceKvCache* const> caches, const LayerHook& hook) const {
   if (tokens.size() != caches.size() || tokens.empty()) {
     return absl::InvalidArgumentError("model: StepBatch needs one cache per sequence");
   }
@@ -189,14 +233,14 @@ absl::StatusOr<std::vector<std::vector<float>>> LlamaModel::StepBatch(
       if (caches[j] == caches[i]) return absl::InvalidArgumentError("model: a cache twice");
     }
   }
-  return RunBatch(tokens, caches, nullptr);
+  return RunBatch(tokens, caches, nullptr, hook);
 }
 
 // Every sequence's new tokens go through the matrix products together (one sgemm per weight for
 // the whole batch); attention runs per sequence over its own cache, in one batched call.
 absl::StatusOr<std::vector<std::vector<float>>> LlamaModel::RunBatch(
     absl::Span<const absl::Span<const uint32_t>> seqs, absl::Span<SequenceKvCache* const> caches,
-    std::vector<LayerKv>* kv) const {
+    std::vector<LayerKv>* kv, const LayerHook& hook, bool last_only) const {
   const ModelConfig& c = config_;
   const bool cached = !caches.empty();
   std::vector<uint32_t> row0(seqs.size() + 1, 0), pos0(seqs.size(), 0);
@@ -285,6 +329,13 @@ absl::StatusOr<std::vector<std::vector<float>>> LlamaModel::RunBatch(
     for (size_t i = 0; i < g.size(); ++i) g[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
     Linear(g.data(), n, ff, l.w_down, {}, hs, o.data());
     for (size_t i = 0; i < x.size(); ++i) x[i] += o[i];
+    if (hook) {
+      const absl::Status hs_status = hook(li);
+      if (!hs_status.ok()) {
+        discard();
+        return hs_status;
+      }
+    }
   }
   for (size_t s = 0; s < caches.size(); ++s) {
     const absl::Status st = caches[s]->Commit(row0[s + 1] - row0[s]);
@@ -293,14 +344,27 @@ absl::StatusOr<std::vector<std::vector<float>>> LlamaModel::RunBatch(
       return st;
     }
   }
-  RmsNorm(x.data(), n, hs, norm_, c.rms_norm_eps, h.data());
-  std::vector<float> logits(size_t(n) * c.vocab_size);
-  Linear(h.data(), n, hs, lm_head_.empty() ? embed_ : lm_head_, {}, static_cast<int>(c.vocab_size),
-         logits.data());
+  // The final norm and the vocabulary projection, for every token or each sequence's last.
+  std::vector<float> xs;
+  const float* final_in = x.data();
+  int rows = n;
+  if (last_only) {
+    xs.resize(seqs.size() * size_t(hs));
+    for (size_t s = 0; s < seqs.size(); ++s) {
+      std::memcpy(&xs[s * hs], &x[size_t{row0[s + 1] - 1} * hs], hs * sizeof(float));
+    }
+    final_in = xs.data();
+    rows = static_cast<int>(seqs.size());
+  }
+  RmsNorm(final_in, rows, hs, norm_, c.rms_norm_eps, h.data());
+  std::vector<float> logits(size_t(rows) * c.vocab_size);
+  Linear(h.data(), rows, hs, lm_head_.empty() ? embed_ : lm_head_, {},
+         static_cast<int>(c.vocab_size), logits.data());
   std::vector<std::vector<float>> out(seqs.size());
   for (size_t s = 0; s < seqs.size(); ++s) {
-    out[s].assign(logits.begin() + size_t{row0[s]} * c.vocab_size,
-                  logits.begin() + size_t{row0[s + 1]} * c.vocab_size);
+    const size_t first = last_only ? s : row0[s];
+    const size_t end = last_only ? s + 1 : row0[s + 1];
+    out[s].assign(logits.begin() + first * c.vocab_size, logits.begin() + end * c.vocab_size);
   }
   return out;
 }

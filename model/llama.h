@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -30,6 +31,12 @@ struct LayerKv {
   std::vector<float> v;  // [tokens, kv_heads, head_dim]
   std::vector<float> q;  // [tokens, heads, head_dim], after RoPE
 };
+
+// Called after every layer of a step, once that layer is done for every sequence of the batch
+// (its K and V in each cache's window): a prefill node compresses the layer's new chunks there
+// (SequenceKvCache::CompressLayer) and ships them while the next layer computes. An error ends
+// the step; the caches discard its tokens.
+using LayerHook = std::function<absl::Status(uint32_t layer)>;
 
 class LlamaModel {
  public:
@@ -52,12 +59,23 @@ class LlamaModel {
   absl::StatusOr<std::vector<float>> Step(absl::Span<const uint32_t> tokens,
                                           SequenceKvCache* cache) const;
 
+  // Prefill as serving runs it: `tokens` on top of what the cache holds, in pieces that end on
+  // the sequence's chunk boundaries (the last may end short), each piece committed before the
+  // next, so every chunk is compressed before later tokens attend to it. A chunk's block is
+  // then the same bytes whether this node computed it or adopted it from a store or a peer: the
+  // output never depends on where a prefix came from. Needs a cache without an always-full-
+  // precision window (KvCacheOptions::window_tokens == 0; kInvalidArgument otherwise). `hook`
+  // runs after each layer of each piece. Returns the logits of the last token [vocab].
+  absl::StatusOr<std::vector<float>> Prefill(absl::Span<const uint32_t> tokens,
+                                             SequenceKvCache* cache,
+                                             const LayerHook& hook = nullptr) const;
+
   // Step for a batch of sequences at once, each on its own cache (distinct caches): the matrix
   // products run over all sequences' new tokens together, attention per sequence. Returns
   // each sequence's logits [its tokens, vocab].
   absl::StatusOr<std::vector<std::vector<float>>> StepBatch(
       absl::Span<const absl::Span<const uint32_t>> tokens,
-      absl::Span<SequenceKvCache* const> caches) const;
+      absl::Span<SequenceKvCache* const> caches, const LayerHook& hook = nullptr) const;
 
   // A cache shaped for this model.
   absl::StatusOr<std::unique_ptr<SequenceKvCache>> NewCache(KvCacheOptions options) const;
@@ -72,9 +90,10 @@ class LlamaModel {
   void Rope(float* x, uint32_t position0, uint32_t tokens, uint32_t heads) const;
   absl::StatusOr<std::vector<float>> Run(absl::Span<const uint32_t> tokens, SequenceKvCache* cache,
                                          std::vector<LayerKv>* kv) const;
+  // `last_only`: logits of each sequence's last token only ([vocab] per sequence).
   absl::StatusOr<std::vector<std::vector<float>>> RunBatch(
       absl::Span<const absl::Span<const uint32_t>> seqs, absl::Span<SequenceKvCache* const> caches,
-      std::vector<LayerKv>* kv) const;
+      std::vector<LayerKv>* kv, const LayerHook& hook = nullptr, bool last_only = false) const;
 
   ModelConfig config_;
   uint64_t fingerprint_ = 0;

@@ -10,11 +10,19 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "common/block_reader.h"
+#include "common/status_macros.h"
 #include "kernels/block_operands.h"
 #include "model/safetensors.h"
 
 namespace strata::model {
 namespace {
+
+// A block's bytes in a buffer of their own, as a store or a peer would hand them over.
+AlignedBuffer Copy(const SharedBytes& b) {
+  AlignedBuffer copy(b.size());
+  std::memcpy(copy.data(), b.data(), b.size());
+  return copy;
+}
 
 // Holds the engine to the logits PyTorch computed for the same (fp16-rounded) weights.
 void CheckAgainstFixture(const std::string& dir) {
@@ -172,10 +180,8 @@ TEST(LlamaModelTest, SuffixPrefillOverAnAdoptedCompressedPrefixMatchesRecomputin
   // Request B adopts copies of those blocks and prefills only the suffix.
   auto b = *model->NewCache(opts);
   for (uint32_t l = 0; l < model->config().num_layers; ++l) {
-    for (const AlignedBuffer& blk : a->layer_blocks(l)) {
-      AlignedBuffer copy(blk.size());
-      std::memcpy(copy.data(), blk.data(), blk.size());
-      ASSERT_TRUE(b->AdoptBlock(l, std::move(copy)).ok());
+    for (const SharedBytes& blk : a->layer_blocks(l)) {
+      ASSERT_TRUE(b->AdoptBlock(l, Copy(blk)).ok());
     }
   }
   ASSERT_TRUE(b->CommitAdopted().ok());
@@ -190,13 +196,11 @@ TEST(LlamaModelTest, SuffixPrefillOverAnAdoptedCompressedPrefixMatchesRecomputin
   EXPECT_LT(MaxRelDiff(reused, tail), 5e-2);
   // Blocks that are not this cache's next chunk, or of another codec, are refused.
   auto c = *model->NewCache(opts);
-  AlignedBuffer second(a->layer_blocks(0)[1].size());
-  std::memcpy(second.data(), a->layer_blocks(0)[1].data(), second.size());
-  EXPECT_EQ(c->AdoptBlock(0, std::move(second)).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(c->AdoptBlock(0, Copy(a->layer_blocks(0)[1])).code(),
+            absl::StatusCode::kInvalidArgument);
   auto d = *model->NewCache({.codec = "kivi:k4v4:g16", .chunk_tokens = 16});
-  AlignedBuffer first(a->layer_blocks(0)[0].size());
-  std::memcpy(first.data(), a->layer_blocks(0)[0].data(), first.size());
-  EXPECT_EQ(d->AdoptBlock(0, std::move(first)).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(d->AdoptBlock(0, Copy(a->layer_blocks(0)[0])).code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 // Sinks ride in chunk 0's block at fp16, the window keeps at least window_tokens at full
@@ -222,6 +226,170 @@ TEST(LlamaModelTest, SinksWindowAndZipCacheInTheCache) {
     EXPECT_EQ(ops.parts.front().spec.id, CodecId::kFp16) << codec;
     EXPECT_EQ(ops.part_tokens.front(), (std::vector<uint32_t>{0, 1, 2, 3})) << codec;
     EXPECT_LT(MaxRelDiff(got, full), 0.1) << codec;
+  }
+}
+
+std::vector<uint32_t> TestIds(const LlamaModel& model, uint32_t n, uint32_t mul, uint32_t add) {
+  std::vector<uint32_t> ids;
+  for (uint32_t i = 0; i < n; ++i) ids.push_back((i * mul + add) % model.config().vocab_size);
+  return ids;
+}
+
+// Serving's prefill: each chunk is compressed before later tokens attend to it, so a prefix
+// adopted from elsewhere gives exactly what computing it gives — blocks and logits alike.
+TEST(LlamaModelTest, ChunkAlignedPrefillIsTheSameWhetherThePrefixIsAdoptedOrComputed) {
+  auto model = *LlamaModel::Load(absl::StrCat(STRATA_SOURCE_DIR, "/tests/data/tiny-llama"));
+  const std::vector<uint32_t> ids = TestIds(*model, 70, 37, 11);
+  for (const char* codec : {"kivi:k2v2:g16", "gear:k2v2:kcvt:r2:s2", "fp16"}) {
+    const KvCacheOptions opts{.codec = codec, .chunk_tokens = 16};
+    auto a = *model->NewCache(opts);
+    // Computed whole: 4 full chunks and a 6-token tail.
+    const std::vector<float> whole = *model->Prefill(ids, a.get());
+    ASSERT_EQ(whole.size(), model->config().vocab_size);
+    ASSERT_EQ(a->blocks_per_layer(), 4u);
+    EXPECT_EQ(a->window_tokens(), 6u);
+    // A second request computes only a 2-chunk prefix, a third adopts that prefix's blocks and
+    // computes the rest: same blocks for the chunks after it, same logits.
+    auto b = *model->NewCache(opts);
+    ASSERT_TRUE(model->Prefill(absl::MakeSpan(ids).first(40), b.get()).ok());
+    auto c = *model->NewCache(opts);
+    for (uint32_t l = 0; l < model->config().num_layers; ++l) {
+      for (uint32_t k = 0; k < 2; ++k) ASSERT_TRUE(c->AdoptBlock(l, Copy(b->layer_blocks(l)[k])).ok());
+    }
+    ASSERT_TRUE(c->CommitAdopted().ok());
+    const std::vector<float> reused = *model->Prefill(absl::MakeSpan(ids).subspan(32), c.get());
+    EXPECT_EQ(reused, whole) << codec;
+    for (uint32_t l = 0; l < model->config().num_layers; ++l) {
+      for (uint32_t k = 0; k < 4; ++k) {
+        const auto x = a->layer_blocks(l)[k].span(), y = c->layer_blocks(l)[k].span();
+        EXPECT_TRUE(std::equal(x.begin(), x.end(), y.begin(), y.end()))
+            << codec << " layer " << l << " chunk " << k;
+      }
+    }
+  }
+}
+
+// The per-layer hook sees each layer done, and the blocks CompressLayer makes there are the ones
+// the cache keeps (no second encode, the same bytes).
+TEST(LlamaModelTest, LayerHookCompressesEachLayerAsItCompletes) {
+  auto model = *LlamaModel::Load(absl::StrCat(STRATA_SOURCE_DIR, "/tests/data/tiny-llama"));
+  const std::vector<uint32_t> ids = TestIds(*model, 40, 29, 3);
+  auto cache = *model->NewCache({.codec = "kivi:k4v4:g16", .chunk_tokens = 16});
+  std::vector<std::vector<SharedBytes>> shipped(model->config().num_layers);
+  std::vector<uint32_t> order;
+  const LayerHook hook = [&](uint32_t layer) -> absl::Status {
+    order.push_back(layer);
+    STRATA_ASSIGN_OR_RETURN(std::vector<SharedBytes> blocks, cache->CompressLayer(layer));
+    for (SharedBytes& b : blocks) shipped[layer].push_back(std::move(b));
+    return absl::OkStatus();
+  };
+  ASSERT_TRUE(model->Prefill(ids, cache.get(), hook).ok());
+  // Three pieces (16, 16, 8 tokens) of every layer, in layer order each time.
+  const uint32_t L = model->config().num_layers;
+  ASSERT_EQ(order.size(), 3u * L);
+  for (size_t i = 0; i < order.size(); ++i) EXPECT_EQ(order[i], i % L);
+  for (uint32_t l = 0; l < L; ++l) {
+    ASSERT_EQ(shipped[l].size(), 2u);
+    for (uint32_t k = 0; k < 2; ++k) {
+      EXPECT_EQ(shipped[l][k].data(), cache->layer_blocks(l)[k].data()) << "a copy, not the block";
+    }
+  }
+  // A failing hook ends the step and leaves the cache as before it.
+  auto other = *model->NewCache({.codec = "kivi:k4v4:g16", .chunk_tokens = 16});
+  const LayerHook fail = [](uint32_t layer) {
+    return layer == 1 ? absl::CancelledError("stop") : absl::OkStatus();
+  };
+  EXPECT_EQ(model->Prefill(ids, other.get(), fail).status().code(), absl::StatusCode::kCancelled);
+  EXPECT_EQ(other->tokens(), 0u);
+  EXPECT_EQ(other->blocks_per_layer(), 0u);
+}
+
+// A sequence moves to another node as its blocks plus its window, and continues there exactly.
+TEST(LlamaModelTest, ExportedWindowContinuesTheSequenceExactlyElsewhere) {
+  auto model = *LlamaModel::Load(absl::StrCat(STRATA_SOURCE_DIR, "/tests/data/tiny-llama"));
+  const std::vector<uint32_t> ids = TestIds(*model, 45, 17, 5);
+  for (const char* codec : {"kivi:k2v2:g16", "zipcache:k4v4:h8:s20"}) {
+    const KvCacheOptions opts{.codec = codec, .chunk_tokens = 16};
+    auto a = *model->NewCache(opts);
+    ASSERT_TRUE(model->Prefill(ids, a.get()).ok());
+    auto b = *model->NewCache(opts);
+    const uint32_t L = model->config().num_layers;
+    for (uint32_t l = 0; l < L; ++l) {
+      for (const SharedBytes& blk : a->layer_blocks(l)) ASSERT_TRUE(b->AdoptBlock(l, blk, true).ok());
+    }
+    ASSERT_TRUE(b->CommitAdopted().ok());
+    for (uint32_t l = 0; l < L; ++l) {
+      const std::string w = a->ExportWindow(l);
+      ASSERT_TRUE(b->ImportWindow(l, {reinterpret_cast<const uint8_t*>(w.data()), w.size()}).ok());
+    }
+    ASSERT_TRUE(b->CommitWindow().ok());
+    EXPECT_EQ(b->tokens(), a->tokens());
+    EXPECT_EQ(b->window_tokens(), 13u);
+    for (uint32_t step = 0; step < 20; ++step) {
+      const uint32_t t = (step * 7 + 1) % model->config().vocab_size;
+      const std::vector<float> x = *model->Step({&t, 1}, a.get());
+      const std::vector<float> y = *model->Step({&t, 1}, b.get());
+      ASSERT_EQ(x, y) << codec << " step " << step;
+    }
+  }
+}
+
+TEST(LlamaModelTest, ImportWindowRefusesBytesThatAreNotAWindowOfThisCache) {
+  auto model = *LlamaModel::Load(absl::StrCat(STRATA_SOURCE_DIR, "/tests/data/tiny-llama"));
+  const std::vector<uint32_t> ids = TestIds(*model, 20, 13, 2);
+  auto a = *model->NewCache({.codec = "fp16", .chunk_tokens = 16});
+  ASSERT_TRUE(model->Prefill(ids, a.get()).ok());
+  const std::string w = a->ExportWindow(1);
+  auto bytes = [](const std::string& s) {
+    return absl::Span<const uint8_t>(reinterpret_cast<const uint8_t*>(s.data()), s.size());
+  };
+  auto fresh = [&] { return *model->NewCache({.codec = "fp16", .chunk_tokens = 16}); };
+  EXPECT_EQ(fresh()->ImportWindow(0, bytes(w)).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(fresh()->ImportWindow(1, bytes(w.substr(0, 20))).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(fresh()->ImportWindow(1, bytes(w.substr(0, w.size() - 4))).code(),
+            absl::StatusCode::kInvalidArgument);
+  std::string bad_tokens = w;
+  bad_tokens[13] = 0x7f;  // a token count beyond any window
+  EXPECT_EQ(fresh()->ImportWindow(1, bytes(bad_tokens)).code(), absl::StatusCode::kInvalidArgument);
+  std::string bad_magic = w;
+  bad_magic[0] = 'X';
+  EXPECT_EQ(fresh()->ImportWindow(1, bytes(bad_magic)).code(), absl::StatusCode::kInvalidArgument);
+  auto other_shape = *model->NewCache({.codec = "fp16", .chunk_tokens = 16});
+  EXPECT_TRUE(other_shape->ImportWindow(1, bytes(w)).ok());
+  EXPECT_EQ(other_shape->ImportWindow(1, bytes(w)).code(), absl::StatusCode::kFailedPrecondition);
+}
+
+// Continuous batching relies on this: a sequence's logits in a batch are bit for bit its logits
+// alone, so its output does not depend on who else is in the batch.
+TEST(LlamaModelTest, BatchedDecodeStepsEqualSoloSteps) {
+  auto model = *LlamaModel::Load(absl::StrCat(STRATA_SOURCE_DIR, "/models/strata-tiny"));
+  const KvCacheOptions opts{.codec = "kivi:k2v2:g32", .chunk_tokens = 32};
+  constexpr int kSeqs = 9;
+  std::vector<std::unique_ptr<SequenceKvCache>> solo, batched;
+  std::vector<uint32_t> next(kSeqs);
+  for (int s = 0; s < kSeqs; ++s) {
+    const std::vector<uint32_t> ids = TestIds(*model, 20 + 7 * s, 31 + s, s);
+    solo.push_back(*model->NewCache(opts));
+    batched.push_back(*model->NewCache(opts));
+    const std::vector<float> x = *model->Prefill(ids, solo.back().get());
+    const std::vector<float> y = *model->Prefill(ids, batched.back().get());
+    ASSERT_EQ(x, y);
+    next[s] = static_cast<uint32_t>(std::max_element(x.begin(), x.end()) - x.begin());
+  }
+  for (int step = 0; step < 40; ++step) {
+    std::vector<absl::Span<const uint32_t>> toks;
+    std::vector<SequenceKvCache*> caches;
+    for (int s = 0; s < kSeqs; ++s) {
+      toks.push_back({&next[s], 1});
+      caches.push_back(batched[s].get());
+    }
+    const std::vector<std::vector<float>> got = *model->StepBatch(toks, caches);
+    for (int s = 0; s < kSeqs; ++s) {
+      const std::vector<float> want = *model->Step({&next[s], 1}, solo[s].get());
+      ASSERT_EQ(got[s], want) << "sequence " << s << " step " << step;
+      next[s] = static_cast<uint32_t>(std::max_element(want.begin(), want.end()) - want.begin());
+    }
   }
 }
 

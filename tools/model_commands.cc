@@ -22,6 +22,7 @@
 #include "kernels/codec.h"
 #include "kernels/decode_attention.h"
 #include "model/llama.h"
+#include "model/sampler.h"
 #include "nlohmann/json.hpp"
 #include "model/safetensors.h"
 #include "model/tokenizer.h"
@@ -145,27 +146,26 @@ absl::Status RunGenerate(const GenerateOptions& o, std::ostream& out, std::ostre
                                              .window_tokens = o.window_tokens,
                                              .calibration = o.calibration}));
   const auto t0 = std::chrono::steady_clock::now();
-  STRATA_ASSIGN_OR_RETURN(std::vector<float> logits, l.model->Step(prompt, cache.get()));
+  // Serving's chunk-aligned prefill (LlamaModel::Prefill), so that the output is the cluster's
+  // for the same codec; a cache with a full-precision window (--kv_window) prefills in one step.
+  STRATA_ASSIGN_OR_RETURN(std::vector<float> logits,
+                          o.window_tokens == 0 ? l.model->Prefill(prompt, cache.get())
+                                               : l.model->Step(prompt, cache.get()));
   const double prefill_s = Seconds(t0);
-  std::mt19937_64 rng(o.seed);
+  const model::Sampler sampler({.temperature = o.temperature, .top_k = o.top_k, .top_p = o.top_p,
+                                .seed = o.seed});
+  STRATA_RETURN_IF_ERROR(sampler.options().Validate());
   std::vector<uint32_t> generated;
   out << o.prompt;
   const auto t1 = std::chrono::steady_clock::now();
   for (uint32_t i = 0; i < o.max_tokens; ++i) {
-    const float* last = &logits[logits.size() - c.vocab_size];
-    uint32_t next;
-    if (o.temperature <= 0) {
-      next = static_cast<uint32_t>(std::max_element(last, last + c.vocab_size) - last);
-    } else {
-      std::vector<double> p(c.vocab_size);
-      const float mx = *std::max_element(last, last + c.vocab_size);
-      for (uint32_t v = 0; v < c.vocab_size; ++v) p[v] = std::exp((last[v] - mx) / o.temperature);
-      next = static_cast<uint32_t>(std::discrete_distribution<uint32_t>(p.begin(), p.end())(rng));
-    }
+    const uint32_t next = sampler.Sample(
+        absl::MakeConstSpan(logits).subspan(logits.size() - c.vocab_size), i);
     if (c.eos_token_id >= 0 && next == c.eos_token_id) break;
     generated.push_back(next);
     STRATA_ASSIGN_OR_RETURN(std::string piece, l.tokenizer->Decode({next}));
     out << piece << std::flush;
+    if (i + 1 == o.max_tokens) break;  // the last token's logits are never used
     STRATA_ASSIGN_OR_RETURN(logits, l.model->Step({&next, 1}, cache.get()));
   }
   out << "\n";

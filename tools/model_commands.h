@@ -26,6 +26,8 @@ struct GenerateOptions : ModelCommandOptions {
   std::string prompt;
   uint32_t max_tokens = 64;
   float temperature = 0;  // 0: greedy
+  uint32_t top_k = 0;     // 0: off
+  float top_p = 1.0f;
   uint64_t seed = 1;
 };
 

@@ -40,6 +40,8 @@ ABSL_FLAG(std::string, prompt, "", "generate: the prompt");
 ABSL_FLAG(uint32_t, max_tokens, 64, "generate: tokens to generate");
 ABSL_FLAG(float, temperature, 0.0f, "generate: sampling temperature (0: greedy)");
 ABSL_FLAG(uint64_t, seed, 1, "generate: sampling seed");
+ABSL_FLAG(uint32_t, top_k, 0, "generate: sample from the k most likely tokens (0: all)");
+ABSL_FLAG(float, top_p, 1.0f, "generate: nucleus sampling mass in (0, 1]");
 ABSL_FLAG(std::string, text, "", "ppl/dump-kv: text file");
 ABSL_FLAG(uint32_t, context, 2048, "ppl: tokens per evaluation window; dump-kv: tokens to run");
 ABSL_FLAG(uint32_t, windows, 0, "ppl: evaluate at most this many windows (0: the whole text)");
@@ -153,6 +155,8 @@ int main(int argc, char** argv) {
     o.max_tokens = absl::GetFlag(FLAGS_max_tokens);
     o.temperature = absl::GetFlag(FLAGS_temperature);
     o.seed = absl::GetFlag(FLAGS_seed);
+    o.top_k = absl::GetFlag(FLAGS_top_k);
+    o.top_p = absl::GetFlag(FLAGS_top_p);
     const absl::Status s = strata::tools::RunGenerate(o, std::cout, std::cerr);
     return s.ok() ? 0 : Fail(s);
   }

@@ -1,0 +1,106 @@
+#include "model/sampler.h"
+
+#include <map>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "model/text_stream.h"
+#include "model/tokenizer.h"
+
+namespace strata::model {
+namespace {
+
+TEST(SamplerTest, GreedyTakesTheArgmax) {
+  const std::vector<float> logits = {0.1f, 2.0f, -1.0f, 1.9f};
+  EXPECT_EQ(Sampler({}).Sample(logits, 0), 1u);
+  EXPECT_EQ(Sampler({.temperature = 1.0f, .top_k = 1}).Sample(logits, 5), 1u);
+}
+
+TEST(SamplerTest, DrawsDependOnlyOnSeedAndIndex) {
+  std::vector<float> logits(64);
+  for (size_t i = 0; i < logits.size(); ++i) logits[i] = static_cast<float>(i % 7) * 0.3f;
+  const Sampler a({.temperature = 1.0f, .seed = 42}), b({.temperature = 1.0f, .seed = 42}),
+      c({.temperature = 1.0f, .seed = 43});
+  int differ = 0;
+  for (uint64_t i = 0; i < 50; ++i) {
+    EXPECT_EQ(a.Sample(logits, i), b.Sample(logits, i));
+    differ += a.Sample(logits, i) != c.Sample(logits, i);
+  }
+  EXPECT_GT(differ, 10);  // another seed draws other tokens
+  // Order does not matter: index 7 alone equals index 7 after others.
+  EXPECT_EQ(a.Sample(logits, 7), Sampler({.temperature = 1.0f, .seed = 42}).Sample(logits, 7));
+}
+
+TEST(SamplerTest, TopKAndTopPKeepOnlyTheLikelyTokens) {
+  std::vector<float> logits = {5.0f, 4.9f, 0.0f, -1.0f, 4.8f, -3.0f};
+  std::map<uint32_t, int> seen;
+  const Sampler k2({.temperature = 1.0f, .top_k = 2, .seed = 1});
+  for (uint64_t i = 0; i < 400; ++i) ++seen[k2.Sample(logits, i)];
+  EXPECT_EQ(seen.size(), 2u);
+  EXPECT_GT(seen[0], 100);
+  EXPECT_GT(seen[1], 100);
+  seen.clear();
+  // Tokens 0, 1, 4 hold almost all the mass: p = 0.5 needs tokens 0 and 1 only.
+  const Sampler p({.temperature = 1.0f, .top_p = 0.5f, .seed = 2});
+  for (uint64_t i = 0; i < 400; ++i) ++seen[p.Sample(logits, i)];
+  EXPECT_EQ(seen.size(), 2u);
+  EXPECT_EQ(seen.count(4), 0u);
+}
+
+TEST(SamplerTest, OptionsAreValidated) {
+  EXPECT_EQ(SamplingOptions{.temperature = -1}.Validate().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(SamplingOptions{.top_p = 0}.Validate().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE((SamplingOptions{.temperature = 0.7f, .top_p = 0.9f}.Validate().ok()));
+}
+
+class TextStreamTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto t = Tokenizer::Load(absl::StrCat(STRATA_SOURCE_DIR, "/models/strata-tiny"));
+    ASSERT_TRUE(t.ok()) << t.status();
+    tok_ = *std::move(t);
+  }
+  // Streams `text`'s tokens; returns what was emitted and whether it stopped.
+  std::pair<std::string, bool> Stream(const std::string& text, std::vector<std::string> stop) {
+    TextStream s(tok_.get(), std::move(stop));
+    std::string out;
+    for (uint32_t id : tok_->Encode(text, false)) {
+      TextStream::Piece p = *s.Add(id);
+      out += p.text;
+      if (p.stopped) return {out, true};
+    }
+    return {out + s.Finish(), false};
+  }
+  std::unique_ptr<Tokenizer> tok_;
+};
+
+TEST_F(TextStreamTest, EmitsTheTextWholeWithoutStops) {
+  const std::string text = "Hello, wörld — naïve café ✓ done";
+  EXPECT_EQ(Stream(text, {}), std::make_pair(text, false));
+}
+
+TEST_F(TextStreamTest, StopsBeforeTheFirstStopString) {
+  EXPECT_EQ(Stream("one two three four", {"three", "zzz"}), std::make_pair(std::string("one two "), true));
+  EXPECT_EQ(Stream("abc\n\nnext", {"\n\n"}), std::make_pair(std::string("abc"), true));
+  EXPECT_EQ(Stream("no stop here", {"xyz"}), std::make_pair(std::string("no stop here"), false));
+}
+
+TEST_F(TextStreamTest, NeverEmitsHalfACharacter) {
+  TextStream s(tok_.get(), {});
+  std::string out;
+  for (uint32_t id : tok_->Encode("✓✓✓ é", false)) {
+    const std::string piece = (*s.Add(id)).text;
+    for (size_t i = 0; i < piece.size();) {  // each piece is whole UTF-8 on its own
+      const unsigned char c = piece[i];
+      const size_t n = c < 0x80 ? 1 : c >= 0xF0 ? 4 : c >= 0xE0 ? 3 : 2;
+      ASSERT_LE(i + n, piece.size()) << "a split character";
+      i += n;
+    }
+    out += piece;
+  }
+  EXPECT_EQ(out + s.Finish(), "✓✓✓ é");
+}
+
+}  // namespace
+}  // namespace strata::model
