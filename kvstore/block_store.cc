@@ -2,6 +2,7 @@
 
 #include <cstring>
 #include <filesystem>
+#include <random>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -91,15 +92,34 @@ const char* TierName(Tier t) {
   }
 }
 
+const char* BlockEventKindName(BlockEventKind k) {
+  return k == BlockEventKind::kStored ? "stored" : "removed";
+}
+
+namespace {
+
+uint64_t NewStoreId() {
+  std::random_device rd;
+  uint64_t id = 0;
+  while (id == 0) id = (uint64_t{rd()} << 32) ^ rd();
+  return id;
+}
+
+}  // namespace
+
 BlockStore::BlockStore(const StoreOptions& o)
     : options_(o),
       pool_(BufferPool<AlignedBuffer>::Create(o.ram_bytes / 4)),
       ram_policy_(MakePolicy(o.ram_policy, o.ram_bytes)),
-      disk_policy_(MakePolicy(PolicyKind::kLru, o.disk_bytes)) {}
+      disk_policy_(MakePolicy(PolicyKind::kLru, o.disk_bytes)),
+      store_id_(NewStoreId()) {}
 
 absl::StatusOr<std::unique_ptr<BlockStore>> BlockStore::Open(const StoreOptions& options) {
   if (!options.disk_path.empty() && options.disk_bytes == 0) {
     return absl::InvalidArgumentError("store: a disk path needs --disk-bytes > 0");
+  }
+  if (options.event_ring == 0) {
+    return absl::InvalidArgumentError("store: event_ring must be at least 1");
   }
   std::unique_ptr<BlockStore> s(new BlockStore(options));
   if (!options.disk_path.empty()) {
@@ -114,7 +134,7 @@ BlockStore::~BlockStore() {
     // A clean shutdown keeps the cache warm: blocks only in RAM go to disk (as far as the disk
     // tier has room), then RocksDB flushes its memtable into table and blob files.
     Flush();
-    std::vector<std::pair<std::string, std::shared_ptr<const AlignedBuffer>>> ram_only;
+    std::vector<std::pair<std::string, Held>> ram_only;
     {
       std::lock_guard<std::mutex> lock(mu_);
       for (const auto& [key, e] : entries_) {
@@ -207,6 +227,8 @@ absl::Status BlockStore::OpenDisk() {
     if (entries_.contains(k)) DropLocked(k);
   }
   EvictDiskLocked(0);
+  // What survived is the first snapshot's; only what happens from here on is an event.
+  for (auto& [key, e] : entries_) e.announced = true;
   return absl::OkStatus();
 }
 
@@ -241,6 +263,21 @@ void BlockStore::DeleteDisk(const std::string& key, const Extent& where) {
 
 absl::Status BlockStore::Put(const BlockName& name, const BlockHash* parent,
                              absl::Span<const uint8_t> block) {
+  return PutBytes(name, parent, block, nullptr);
+}
+
+absl::Status BlockStore::Put(const BlockName& name, const BlockHash* parent, SharedBytes block) {
+  // Leases promise 64-byte alignment (block sections are aligned relative to the block's start);
+  // bytes without an owner cannot be kept past this call. Either way: copy.
+  const bool keep =
+      block && reinterpret_cast<uintptr_t>(block.data()) % AlignedBuffer::kAlignment == 0;
+  const absl::Span<const uint8_t> bytes = block.span();
+  return PutBytes(name, parent, bytes,
+                  keep ? std::make_shared<const SharedBytes>(std::move(block)) : nullptr);
+}
+
+absl::Status BlockStore::PutBytes(const BlockName& name, const BlockHash* parent,
+                                  absl::Span<const uint8_t> block, Held held) {
   if (block.size() > options_.max_block_bytes) {
     return absl::InvalidArgumentError(absl::StrCat("store: block of ", block.size(),
                                                    " bytes exceeds the limit of ",
@@ -269,8 +306,6 @@ absl::Status BlockStore::Put(const BlockName& name, const BlockHash* parent,
     p.key = *parent;
     parent_key = p.Encode();
   }
-  std::shared_ptr<AlignedBuffer> buffer = AcquireBuffer(*pool_, block.size());
-  std::memcpy(buffer->data(), block.data(), block.size());
   const bool through = db_ != nullptr && options_.durable_puts;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -286,13 +321,18 @@ absl::Status BlockStore::Put(const BlockName& name, const BlockHash* parent,
           absl::StrCat("store: the parent of ", name.ToString(), " is not stored"));
     }
   }
+  if (held == nullptr) {  // copied outside the lock, and only for a block the store lacks
+    std::shared_ptr<AlignedBuffer> buffer = AcquireBuffer(*pool_, block.size());
+    std::memcpy(buffer->data(), block.data(), block.size());
+    held = std::make_shared<const SharedBytes>(SharedBytes::FromShared(std::move(buffer)));
+  }
   Extent where;  // the bytes go to the log now, the index record only once this Put wins (below)
   if (through) {
     absl::StatusOr<Extent> written = log_->Append(block);
     if (!written.ok()) return written.status();
     where = *written;
   }
-  std::vector<std::pair<std::string, std::shared_ptr<const AlignedBuffer>>> write_through;
+  std::vector<std::pair<std::string, Held>> write_through;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (entries_.contains(key) || (!parent_key.empty() && !entries_.contains(parent_key))) {
@@ -306,25 +346,29 @@ absl::Status BlockStore::Put(const BlockName& name, const BlockHash* parent,
     if (through) {
       STRATA_RETURN_IF_ERROR(IndexDiskLocked(key, parent_key, where));
     }
-    Entry& e = entries_[key];
-    e.parent = parent_key;
-    e.id = next_id_++;
-    e.bytes = block.size();
+    Entry& fresh = entries_[key];
+    fresh.parent = parent_key;
+    fresh.id = next_id_++;
+    fresh.bytes = block.size();
     if (!parent_key.empty()) AddChildLocked(parent_key, key);
     if (through) {
       AddDiskLocked(key, entries_[key], where);
       EvictDiskLocked(0);
       if (!entries_.contains(key)) return absl::OkStatus();  // larger than the disk tier
     }
-    const absl::Status s = InsertRamLocked(key, entries_[key], buffer, &write_through);
+    const absl::Status s = InsertRamLocked(key, entries_[key], held, &write_through);
     if (!s.ok() && !entries_[key].on_disk) {
       if (db_ == nullptr) {
         DropLocked(key);
         return s;
       }
       // RAM cannot take it (leased full, or too large): straight to disk.
-      entries_[key].spilling = buffer;
-      write_through.emplace_back(key, buffer);
+      entries_[key].spilling = held;
+      write_through.emplace_back(key, held);
+    }
+    if (auto it = entries_.find(key); it != entries_.end()) {
+      it->second.announced = true;
+      EmitLocked(BlockEventKind::kStored, key, TierOf(it->second));
     }
   }
   for (auto& [k, b] : write_through) {  // the write-back queue was full: write it ourselves
@@ -340,7 +384,7 @@ absl::Status BlockStore::Put(const BlockName& name, const BlockHash* parent,
 }
 
 void BlockStore::FinishWriteBackLocked(const std::string& key,
-                                       const std::shared_ptr<const AlignedBuffer>& bytes,
+                                       const Held& bytes,
                                        const absl::StatusOr<Extent>& written) {
   auto it = entries_.find(key);
   if (it == entries_.end() || it->second.spilling != bytes) {
@@ -358,8 +402,8 @@ void BlockStore::FinishWriteBackLocked(const std::string& key,
 }
 
 absl::Status BlockStore::InsertRamLocked(
-    const std::string& key, Entry& e, std::shared_ptr<const AlignedBuffer> bytes,
-    std::vector<std::pair<std::string, std::shared_ptr<const AlignedBuffer>>>* write_through) {
+    const std::string& key, Entry& e, Held bytes,
+    std::vector<std::pair<std::string, Held>>* write_through) {
   if (e.bytes > options_.ram_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat("store: a block of ", e.bytes,
                                                      " bytes does not fit in RAM of ",
@@ -383,7 +427,7 @@ absl::Status BlockStore::InsertRamLocked(
     ram_ids_.erase(*victim);
     ram_used_ -= v.bytes;
     ++stats_.ram_evictions;
-    std::shared_ptr<const AlignedBuffer> vbytes = std::move(v.ram);
+    Held vbytes = std::move(v.ram);
     v.ram = nullptr;
     if (v.on_disk) continue;  // the disk has a copy
     if (db_ == nullptr) {     // no lower tier: gone, and its descendants with it
@@ -486,7 +530,9 @@ void BlockStore::DropLocked(const std::string& root) {
       DeleteDisk(key, e.where);
     }
     const std::string parent = e.parent;
+    const bool announced = e.announced;
     entries_.erase(it);
+    if (announced) EmitLocked(BlockEventKind::kRemoved, key, Tier::kNone);
     if (!parent.empty()) RemoveChildLocked(parent, key);
     if (!first) ++stats_.orphans_dropped;
     first = false;
@@ -547,6 +593,7 @@ absl::StatusOr<Lease> BlockStore::Get(const BlockName& name) {
   // Read without the lock, straight into the buffer RAM will keep (one copy, from the page cache
   // or the disk), and verify: the block's own CRC-32C guards it on disk.
   std::shared_ptr<AlignedBuffer> buffer = AcquireBuffer(*pool_, expected_size);
+  Held held = std::make_shared<const SharedBytes>(SharedBytes::FromShared(buffer));
   absl::Status read;
   if (where.file != 0) {
     read = log_->Read(where, {buffer->data(), buffer->size()});
@@ -590,8 +637,8 @@ absl::StatusOr<Lease> BlockStore::Get(const BlockName& name) {
   }
   ++stats_.disk_hits;
   if (it != entries_.end() && !it->second.ram && !it->second.spilling) {  // promote
-    std::vector<std::pair<std::string, std::shared_ptr<const AlignedBuffer>>> write_through;
-    if (InsertRamLocked(key, it->second, buffer, &write_through).ok()) ++stats_.promotions;
+    std::vector<std::pair<std::string, Held>> write_through;
+    if (InsertRamLocked(key, it->second, held, &write_through).ok()) ++stats_.promotions;
     // A promotion only evicts; anything that had to be written through stays queued.
     for (auto& [k, b] : write_through) {
       spill_queue_.emplace_back(k, std::move(b));
@@ -599,19 +646,27 @@ absl::StatusOr<Lease> BlockStore::Get(const BlockName& name) {
       spill_cv_.notify_one();
     }
   }
-  return Lease(std::move(buffer), Tier::kDisk);
+  return Lease(std::move(held), Tier::kDisk);
 }
 
 LookupResult BlockStore::Lookup(const BlockName& prefix, absl::Span<const BlockHash> chain,
                                 uint32_t layers) {
+  const std::vector<uint64_t> codecs(layers, prefix.codec_fingerprint);
+  return Lookup(prefix, chain, codecs);
+}
+
+LookupResult BlockStore::Lookup(const BlockName& prefix, absl::Span<const BlockHash> chain,
+                                absl::Span<const uint64_t> layer_codec_fingerprints) {
   LookupResult r;
+  if (layer_codec_fingerprints.empty()) return r;  // no layers: nothing is present for all
   std::lock_guard<std::mutex> lock(mu_);
   BlockName n = prefix;
   for (const BlockHash& k : chain) {
     n.key = k;
     bool all_ram = true;
-    for (uint32_t layer = 0; layer < layers; ++layer) {
+    for (uint32_t layer = 0; layer < layer_codec_fingerprints.size(); ++layer) {
       n.layer = layer;
+      n.codec_fingerprint = layer_codec_fingerprints[layer];
       auto it = entries_.find(n.Encode());
       if (it == entries_.end()) return r;
       all_ram &= it->second.ram != nullptr || it->second.spilling != nullptr;
@@ -620,6 +675,60 @@ LookupResult BlockStore::Lookup(const BlockName& prefix, absl::Span<const BlockH
     r.tiers.push_back(all_ram ? Tier::kRam : Tier::kDisk);
   }
   return r;
+}
+
+Tier BlockStore::TierOf(const Entry& e) {
+  if (e.ram || e.spilling) return Tier::kRam;
+  return e.on_disk ? Tier::kDisk : Tier::kNone;
+}
+
+void BlockStore::EmitLocked(BlockEventKind kind, const std::string& key, Tier tier) {
+  BlockEvent ev;
+  ev.kind = kind;
+  ev.name = *BlockName::Decode(key);  // keys are encoded names by construction
+  ev.tier = tier;
+  absl::MutexLock lock(&events_mu_);
+  ev.id = ++last_event_id_;
+  events_.push_back(std::move(ev));
+  if (events_.size() > options_.event_ring) events_.pop_front();
+}
+
+EventRead BlockStore::ReadEvents(uint64_t after_id, size_t max, absl::Duration timeout) const {
+  EventRead r;
+  absl::MutexLock lock(&events_mu_);
+  auto first_available = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(events_mu_) {
+    return events_.empty() ? last_event_id_ + 1 : events_.front().id;
+  };
+  auto gap = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(events_mu_) {
+    return after_id > last_event_id_ || after_id + 1 < first_available();
+  };
+  auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(events_mu_) {
+    return last_event_id_ > after_id || gap();
+  };
+  events_mu_.AwaitWithTimeout(absl::Condition(&ready), timeout);
+  r.first_available_id = first_available();
+  r.last_id = last_event_id_;
+  r.gap = gap();
+  if (r.gap || last_event_id_ <= after_id) return r;
+  // Ids are consecutive: the event after `after_id` sits at a known index.
+  const size_t from = static_cast<size_t>(after_id + 1 - r.first_available_id);
+  const size_t n = std::min(max, events_.size() - from);
+  r.events.assign(events_.begin() + from, events_.begin() + from + n);
+  return r;
+}
+
+StoreSnapshot BlockStore::Snapshot() const {
+  StoreSnapshot s;
+  std::lock_guard<std::mutex> lock(mu_);  // no event is emitted while it is held
+  {
+    absl::MutexLock events_lock(&events_mu_);
+    s.event_id = last_event_id_;
+  }
+  s.blocks.reserve(entries_.size());
+  for (const auto& [key, e] : entries_) {
+    s.blocks.push_back({*BlockName::Decode(key), TierOf(e)});
+  }
+  return s;
 }
 
 bool BlockStore::Delete(const BlockName& name) {

@@ -1,35 +1,51 @@
 // BlockStore: Strata blocks kept by (prefix key, layer) across tiers — host RAM, then local disk
 // (the blocks in a log of files of their own, kvstore/block_log.h, indexed in RocksDB) — with
-// eviction, spill and promotion, and a disk tier that survives restarts. Embeddable in any node; `strata-store` serves it over gRPC.
+// eviction, spill and promotion, and a disk tier that survives restarts. Embeddable in any node;
+// `strata-store` serves it over gRPC.
 //
 //   StoreOptions o{.ram_bytes = 8ull << 30, .disk_path = "/nvme/strata", .disk_bytes = 1ull << 40};
 //   STRATA_ASSIGN_OR_RETURN(auto store, BlockStore::Open(o));
 //   STRATA_RETURN_IF_ERROR(store->Put(name, &parent_key, block_bytes));
-//   LookupResult hit = store->Lookup(prefix, chain_of_keys, layers);   // leading chunks present
+//   LookupResult hit = store->Lookup(prefix, chain_of_keys, layer_codec_fingerprints);
 //   STRATA_ASSIGN_OR_RETURN(Lease lease, store->Get(name));             // zero-copy, pinned
 //
 // Semantics:
 // - Put is idempotent; a block whose checksum or structure fails is refused (kDataLoss), and so
-//   is a block whose header disagrees with its name (layer, fingerprints).
+//   is a block whose header disagrees with its name (layer, fingerprints: kInvalidArgument).
 // - A block's parent is the previous chunk's block of the same layer (nullptr for chunk 0). A
 //   block whose parent is in no tier is refused (kFailedPrecondition), and when a block leaves
 //   every tier its descendants are dropped too: a chunk is only useful after its whole prefix.
-// - RAM is byte-accurate: the bytes of resident blocks never exceed ram_bytes. Block buffers come
-//   from a pool that reuses freed ones of the same size (at most ram_bytes / 4 idle). Eviction (LRU or
+// - Codecs may differ per layer (TaDA's per-layer bits, the Strata mix): each layer's blocks
+//   carry (and are named by) that layer's own codec fingerprint, so Lookup takes one codec
+//   fingerprint per layer.
+// - RAM is byte-accurate: the bytes of resident blocks never exceed ram_bytes. Put(span) copies
+//   into a buffer from a pool that reuses freed ones of the same size (at most ram_bytes / 4
+//   idle); Put(SharedBytes) keeps the caller's bytes as the RAM copy (no copy) when they start
+//   on a 64-byte boundary, so every lease's bytes are 64-byte aligned. RAM counts a block's own
+//   bytes; an owner the caller shared may keep more memory alive. Eviction (LRU or
 //   S3-FIFO) spills to disk through a bounded write-back queue (when the queue is full the
 //   evicting call writes through itself); the disk evicts for good (LRU). A hit on disk is
 //   promoted to RAM; the disk copy stays (inclusive), so a later eviction costs no write.
-// - Leases pin: a leased block is never evicted; the bytes stay valid until the lease drops,
-//   even if the block is deleted meanwhile.
+// - Leases pin: a leased block is never evicted; the bytes stay valid until the lease (and every
+//   SharedBytes taken from it) drops, even if the block is deleted meanwhile.
 // - Durability: with `durable_puts` (the default when there is a disk tier) Put writes the block
-//   through to disk (the block log, then RocksDB's write-ahead log; no fsync) before it returns, so a killed process
-//   (kill -9) loses at most the Puts that had not returned; RAM then holds copies, and evicting
-//   one costs no write. Without it, blocks reach the disk only when evicted from RAM (write-
-//   back), and a crash loses what was only in RAM — a cache's trade for less disk traffic. After
-//   a restart the disk tier's index is rebuilt from RocksDB (log space nothing names, left by a
-//   crash, is given back); a block corrupted on disk is detected by its checksum when read,
-//   counted, dropped and reported as a miss — never served. Blocks of stores written before the
-//   block log (in RocksDB's blob files) are still read.
+//   through to disk (the block log, then RocksDB's write-ahead log; no fsync) before it returns,
+//   so a killed process (kill -9) loses at most the Puts that had not returned; RAM then holds
+//   copies, and evicting one costs no write. Without it, blocks reach the disk only when evicted
+//   from RAM (write-back), and a crash loses what was only in RAM — a cache's trade for less
+//   disk traffic. After a restart the disk tier's index is rebuilt from RocksDB (log space
+//   nothing names, left by a crash, is given back); a block corrupted on disk is detected by its
+//   checksum when read, counted, dropped and reported as a miss — never served. Blocks of stores
+//   written before the block log (in RocksDB's blob files) are still read.
+// - Events (for a router's index of who holds what): a block entering the store (its first
+//   successful Put) is a kStored event; a block leaving every tier (eviction from the last
+//   tier, Delete, a descendant dropped with its prefix, corruption) is a kRemoved event. Moves
+//   between tiers (spill, promotion) are not events. Ids are consecutive from 1 in one
+//   incarnation of the store (store_id(), random per Open); the last `event_ring` events are
+//   kept for ReadEvents. A reader that fell behind the ring (EventRead::gap) takes a Snapshot()
+//   — every present block, as of an event id — and reads on from there. Blocks found on disk at
+//   Open are in the first snapshot, not in events. The feed is pulled: no user code runs under
+//   the store's locks.
 // Thread-safe.
 #pragma once
 
@@ -45,12 +61,16 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "common/aligned_buffer.h"
-#include "common/prefix_key.h"
 #include "common/buffer_pool.h"
+#include "common/prefix_key.h"
+#include "common/shared_bytes.h"
 #include "kvstore/block_log.h"
 #include "kvstore/eviction_policy.h"
 
@@ -71,6 +91,7 @@ struct StoreOptions {
   size_t spill_queue_bytes = size_t{256} << 20;  // bytes waiting to be written to disk
   size_t max_block_bytes = size_t{64} << 20;     // larger Puts are refused
   bool durable_puts = true;                      // write through to disk before Put returns
+  size_t event_ring = 65536;                     // events kept for ReadEvents (>= 1)
 };
 
 struct StoreStats {
@@ -84,24 +105,58 @@ struct StoreStats {
   uint64_t pool_reuses = 0;      // block buffers handed out again instead of allocated
 };
 
-// A pinned, zero-copy view of a block.
+// A pinned, zero-copy view of a block; its bytes start on a 64-byte boundary.
 class Lease {
  public:
   Lease() = default;
-  absl::Span<const uint8_t> bytes() const { return buffer_ ? buffer_->span() : absl::Span<const uint8_t>(); }
+  absl::Span<const uint8_t> bytes() const {
+    return held_ ? held_->span() : absl::Span<const uint8_t>();
+  }
+  // The same bytes as SharedBytes (to send, or keep in a sequence's cache without a copy). Every
+  // copy pins the block as the lease does, until the last one drops.
+  SharedBytes shared() const { return held_ ? SharedBytes(held_->span(), held_) : SharedBytes(); }
   Tier served_from() const { return tier_; }
-  explicit operator bool() const { return buffer_ != nullptr; }
+  explicit operator bool() const { return held_ != nullptr; }
 
  private:
   friend class BlockStore;
-  Lease(std::shared_ptr<const AlignedBuffer> b, Tier t) : buffer_(std::move(b)), tier_(t) {}
-  std::shared_ptr<const AlignedBuffer> buffer_;
+  Lease(std::shared_ptr<const SharedBytes> b, Tier t) : held_(std::move(b)), tier_(t) {}
+  std::shared_ptr<const SharedBytes> held_;
   Tier tier_ = Tier::kNone;
 };
 
 struct LookupResult {
   uint32_t chunks = 0;      // leading chunks of the chain present for every layer
   std::vector<Tier> tiers;  // per present chunk: kRam if every layer is in RAM, else kDisk
+};
+
+enum class BlockEventKind : uint8_t { kStored = 1, kRemoved = 2 };
+const char* BlockEventKindName(BlockEventKind k);
+
+struct BlockEvent {
+  uint64_t id = 0;  // consecutive from 1 per incarnation of the store
+  BlockEventKind kind = BlockEventKind::kStored;
+  BlockName name;
+  Tier tier = Tier::kNone;  // kStored: the fastest tier holding it; kRemoved: kNone
+};
+
+struct EventRead {
+  std::vector<BlockEvent> events;  // ids after_id + 1, after_id + 2, ... (none on a gap)
+  uint64_t first_available_id = 1;  // oldest id the ring holds (last_id + 1 when it holds none)
+  uint64_t last_id = 0;             // newest id so far (0: none yet)
+  // The events after `after_id` are no longer all in the ring, or after_id is beyond last_id
+  // (ids of another incarnation): the reader lost events and must take a Snapshot().
+  bool gap = false;
+};
+
+struct StoredBlock {
+  BlockName name;
+  Tier tier = Tier::kNone;  // the fastest tier holding it
+};
+
+struct StoreSnapshot {
+  uint64_t event_id = 0;  // every event up to this id is reflected; read on with ReadEvents(it)
+  std::vector<StoredBlock> blocks;  // every block present, in no particular order
 };
 
 class BlockStore {
@@ -111,8 +166,20 @@ class BlockStore {
   BlockStore(const BlockStore&) = delete;
   BlockStore& operator=(const BlockStore&) = delete;
 
+  // Copies `block` into a pooled buffer (RAM) and, with durable_puts, writes it to disk.
+  // kInvalidArgument (too large, or the header disagrees with `name`), kDataLoss (corrupt),
+  // kFailedPrecondition (parent not stored), kResourceExhausted (no tier can take it, RAM only),
+  // kUnavailable (disk errors).
   absl::Status Put(const BlockName& name, const BlockHash* parent, absl::Span<const uint8_t> block);
-  // `prefix` supplies the fingerprints; its key and layer are ignored.
+  // The same, keeping `block` itself as the RAM copy when it starts on a 64-byte boundary (else
+  // it is copied): its bytes must not change while the store or a lease holds them.
+  absl::Status Put(const BlockName& name, const BlockHash* parent, SharedBytes block);
+  // How many leading chunks of `chain` are present for every layer: layer l is looked up under
+  // `prefix`'s model and calibration fingerprints and layer_codec_fingerprints[l] (one per
+  // layer; a model of L layers passes L). `prefix`'s codec fingerprint, key and layer are ignored.
+  LookupResult Lookup(const BlockName& prefix, absl::Span<const BlockHash> chain,
+                      absl::Span<const uint64_t> layer_codec_fingerprints);
+  // The same with prefix.codec_fingerprint for each of `layers` layers (one codec for all).
   LookupResult Lookup(const BlockName& prefix, absl::Span<const BlockHash> chain,
                       uint32_t layers);
   absl::StatusOr<Lease> Get(const BlockName& name);  // kNotFound on a miss
@@ -121,22 +188,39 @@ class BlockStore {
   // Waits until the write-back queue is empty (tests, shutdown).
   void Flush();
 
+  // This incarnation's id: random, never 0, new at every Open.
+  uint64_t store_id() const { return store_id_; }
+  // At most `max` events after `after_id`, oldest first. Waits up to `timeout` while there are
+  // none (returns at once on a gap). Never blocks a Put for longer than it takes to copy them.
+  EventRead ReadEvents(uint64_t after_id, size_t max, absl::Duration timeout) const;
+  // Every block present, consistent with the event feed up to the snapshot's event_id. Holds the
+  // store's lock while it lists them (time in proportion to the blocks): for a reader's start or
+  // a gap, not a loop.
+  StoreSnapshot Snapshot() const;
+
  private:
+  // A block's bytes as the store holds them: a lease copies this pointer, so a use count above
+  // one means leased (or queued for write-back); the caller's own copies of the SharedBytes do
+  // not count.
+  using Held = std::shared_ptr<const SharedBytes>;
   struct Entry {
     std::string parent;  // encoded name of the parent block, "" for chunk 0
     uint64_t id = 0;
     size_t bytes = 0;
-    std::shared_ptr<const AlignedBuffer> ram;  // set while in RAM
+    Held ram;  // set while in RAM
     bool on_disk = false;
     Extent where;  // its bytes in the block log, while on_disk (file 0: in RocksDB, an old store)
-    std::shared_ptr<const AlignedBuffer> spilling;  // queued for write-back (still servable)
+    Held spilling;  // queued for write-back (still servable)
+    bool announced = false;  // a kStored event (or the snapshot at Open) made it known
   };
   explicit BlockStore(const StoreOptions& o);
   absl::Status OpenDisk();
+  // `held` is `block` already owned (Put(SharedBytes)), or null to copy `block` into the pool.
+  absl::Status PutBytes(const BlockName& name, const BlockHash* parent,
+                        absl::Span<const uint8_t> block, Held held);
   // All of these hold mu_.
-  absl::Status InsertRamLocked(const std::string& key, Entry& e,
-                               std::shared_ptr<const AlignedBuffer> bytes,
-                               std::vector<std::pair<std::string, std::shared_ptr<const AlignedBuffer>>>* write_through);
+  absl::Status InsertRamLocked(const std::string& key, Entry& e, Held bytes,
+                               std::vector<std::pair<std::string, Held>>* write_through);
   void EvictDiskLocked(size_t incoming);
   void DropLocked(const std::string& key);  // from every tier, with descendants
   bool HasChildrenLocked(const std::string& key) const;
@@ -156,9 +240,12 @@ class BlockStore {
   // After a write-back of `bytes` for `key` (spill thread or a write-through by the evicting
   // call) returned `written`: the entry now lives on disk, or leaves every tier if the write
   // failed; a block deleted meanwhile is removed from disk again. Holds mu_.
-  void FinishWriteBackLocked(const std::string& key,
-                             const std::shared_ptr<const AlignedBuffer>& bytes,
+  void FinishWriteBackLocked(const std::string& key, const Held& bytes,
                              const absl::StatusOr<Extent>& written);
+  static Tier TierOf(const Entry& e);
+  // Appends an event to the ring and wakes readers. Holds mu_ (so events follow the entries'
+  // order and Snapshot() can name the id it is current as of).
+  void EmitLocked(BlockEventKind kind, const std::string& key, Tier tier);
 
   const StoreOptions options_;
   std::shared_ptr<BufferPool<AlignedBuffer>> pool_;
@@ -173,12 +260,17 @@ class BlockStore {
   std::unique_ptr<EvictionPolicy> ram_policy_, disk_policy_;
   uint64_t next_id_ = 1;
   size_t ram_used_ = 0, disk_used_ = 0;
-  std::deque<std::pair<std::string, std::shared_ptr<const AlignedBuffer>>> spill_queue_;
+  std::deque<std::pair<std::string, Held>> spill_queue_;
   size_t spill_queued_bytes_ = 0;
   bool spill_busy_ = false;
   bool stopping_ = false;
   StoreStats stats_;
   std::thread spill_thread_;
+  const uint64_t store_id_;
+  // The event feed, after mu_ when both are held.
+  mutable absl::Mutex events_mu_;
+  std::deque<BlockEvent> events_ ABSL_GUARDED_BY(events_mu_);  // the last event_ring events
+  uint64_t last_event_id_ ABSL_GUARDED_BY(events_mu_) = 0;
 };
 
 }  // namespace strata::kvstore

@@ -14,10 +14,14 @@
 #include <thread>
 #include <vector>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "common/block_reader.h"
+#include "common/shared_bytes.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/calibration.h"
 #include "kernels/codec.h"
 #include "rocksdb/db.h"
 
@@ -438,6 +442,29 @@ TEST(BlockStoreTest, ConcurrentClients) {
   std::vector<AlignedBuffer> blocks;
   for (uint32_t c = 0; c < 16; ++c) blocks.push_back(MakeBlock(0, c, c));
   std::atomic<int> unexpected{0};
+  // A reader follows the event feed meanwhile: ids consecutive, every block in once before out.
+  std::atomic<bool> done{false};
+  absl::flat_hash_set<std::string> present;  // by the events
+  uint64_t after = 0;
+  auto follow = [&] {
+    const EventRead r = s->ReadEvents(after, 64, absl::Milliseconds(20));
+    EXPECT_FALSE(r.gap);
+    for (const BlockEvent& e : r.events) {
+      EXPECT_EQ(e.id, after + 1);
+      after = e.id;
+      const bool in = present.contains(e.name.Encode());
+      EXPECT_EQ(in, e.kind == BlockEventKind::kRemoved) << e.id;
+      if (in) {
+        present.erase(e.name.Encode());
+      } else {
+        present.insert(e.name.Encode());
+      }
+    }
+    return r.events.size();
+  };
+  std::thread reader([&] {
+    while (!done.load()) follow();
+  });
   std::vector<std::thread> threads;
   for (int t = 0; t < 8; ++t) {
     threads.emplace_back([&, t] {
@@ -480,11 +507,242 @@ TEST(BlockStoreTest, ConcurrentClients) {
   }
   for (std::thread& t : threads) t.join();
   s->Flush();
+  done = true;
+  reader.join();
+  while (follow() > 0) {
+  }
+  // What the events say is present is exactly what the store holds.
+  const StoreSnapshot snap = s->Snapshot();
+  EXPECT_EQ(snap.event_id, after);
+  absl::flat_hash_set<std::string> held;
+  for (const StoredBlock& b : snap.blocks) held.insert(b.name.Encode());
+  EXPECT_EQ(held, present);
+  EXPECT_GT(after, 0u);
   EXPECT_EQ(unexpected.load(), 0);
   const StoreStats st = s->Stats();
   EXPECT_LE(st.ram_bytes, 8 * block);
   EXPECT_LE(st.disk_bytes, 40 * block);
   EXPECT_EQ(st.corruptions, 0u);
+}
+
+// Per-layer codecs (the Strata mix): each layer's blocks carry that layer's own codec
+// fingerprint in their header, so they are stored under it, and a lookup must name each layer's.
+TEST(BlockStoreTest, LookupWithPerLayerCodecFingerprintsFindsAMixedCodecPrefix) {
+  auto cal = std::make_shared<kernels::Calibration>();
+  cal->codec = "strata:b3";
+  cal->model_fingerprint = kModel;
+  cal->kv_heads = 2;
+  cal->head_dim = 64;
+  cal->layers.resize(2);
+  cal->layers[0].spec = "kivi:k2v2:g32";
+  cal->layers[1].spec = "fp16";
+  absl::StatusOr<std::unique_ptr<kernels::Codec>> codec = kernels::Codec::Create("strata:b3", cal);
+  ASSERT_TRUE(codec.ok()) << codec.status();
+  auto s = *BlockStore::Open({.ram_bytes = 1 << 22});
+  std::vector<float> k(size_t{64} * 2 * 64, 0.5f), v(k.size(), -0.25f);
+  std::vector<uint64_t> layer_codecs(2);
+  BlockName prefix;
+  for (uint32_t c = 0; c < 3; ++c) {
+    for (uint32_t l = 0; l < 2; ++l) {
+      absl::StatusOr<AlignedBuffer> b = (*codec)->Encode(
+          {k.data(), v.data(), SourceDType::kFloat32, 64, 2, 64},
+          {.layer = l, .chunk_index = c, .model_fingerprint = kModel});
+      ASSERT_TRUE(b.ok()) << b.status();
+      const BlockName name = Name(*b, Key(700 + c));
+      layer_codecs[l] = name.codec_fingerprint;
+      if (c == 0 && l == 0) prefix = name;
+      const BlockHash parent = Key(700 + c - 1);
+      ASSERT_TRUE(s->Put(name, c == 0 ? nullptr : &parent, b->span()).ok());
+    }
+  }
+  ASSERT_NE(layer_codecs[0], layer_codecs[1]) << "the layers were to use different codecs";
+  EXPECT_EQ(layer_codecs[1], Fingerprint64("fp16"));
+  const LookupResult hit = s->Lookup(prefix, Chain(700, 4), layer_codecs);
+  EXPECT_EQ(hit.chunks, 3u);
+  EXPECT_EQ(hit.tiers, std::vector<Tier>(3, Tier::kRam));
+  // One codec fingerprint for every layer (all the old Lookup could say) finds nothing.
+  EXPECT_EQ(s->Lookup(prefix, Chain(700, 3), 2).chunks, 0u);
+  // A layer missing from a chunk ends the hit there; a wrong fingerprint for one layer: no hit.
+  BlockName last = prefix;
+  last.key = Key(702);
+  last.layer = 1;
+  last.codec_fingerprint = layer_codecs[1];
+  EXPECT_TRUE(s->Delete(last));
+  EXPECT_EQ(s->Lookup(prefix, Chain(700, 3), layer_codecs).chunks, 2u);
+  const std::vector<uint64_t> swapped = {layer_codecs[1], layer_codecs[0]};
+  EXPECT_EQ(s->Lookup(prefix, Chain(700, 3), swapped).chunks, 0u);
+  EXPECT_EQ(s->Lookup(prefix, Chain(700, 3), absl::Span<const uint64_t>()).chunks, 0u);
+}
+
+// Put(SharedBytes) keeps the caller's buffer as the RAM copy: a lease's bytes are the caller's.
+// The caller's own copies do not pin the block; a lease's SharedBytes do.
+TEST(BlockStoreTest, PutSharedBytesKeepsTheCallersBufferWithoutACopy) {
+  const size_t block = MakeBlock(0, 0, 0).size();
+  auto s = *BlockStore::Open({.ram_bytes = 2 * block, .ram_policy = PolicyKind::kLru});
+  const SharedBytes a = SharedBytes::FromBuffer(MakeBlock(0, 0, 1));
+  const BlockName na = Name(MakeBlock(0, 0, 1), Key(1));
+  ASSERT_TRUE(s->Put(na, nullptr, a).ok());
+  {
+    absl::StatusOr<Lease> l = s->Get(na);
+    ASSERT_TRUE(l.ok());
+    EXPECT_EQ(l->bytes().data(), a.data()) << "the store copied the block";
+    EXPECT_EQ(l->shared().data(), a.data());
+    EXPECT_EQ(l->shared().size(), a.size());
+  }
+  StoreStats st = s->Stats();
+  EXPECT_EQ(st.ram_bytes, block);
+  EXPECT_EQ(st.pool_idle_bytes, 0u);
+  // LRU: a goes first although the caller still holds it.
+  PutChain(*s, 2, 1);
+  PutChain(*s, 3, 1);
+  const BlockName prefix = Name(MakeBlock(0, 0, 0), Key(0));
+  EXPECT_EQ(s->Lookup(prefix, Chain(1, 1), 1).chunks, 0u);
+  EXPECT_EQ(s->Stats().ram_bytes, 2 * block);
+  EXPECT_TRUE(BlockView::Parse(a.span()).ok()) << "the caller's bytes are the caller's";
+  // SharedBytes taken from a lease pin the block after the lease is gone: 3 goes, not 2.
+  const SharedBytes kept = s->Get(Name(MakeBlock(0, 0, 0), Key(2)))->shared();
+  PutChain(*s, 4, 1);
+  EXPECT_EQ(s->Lookup(prefix, Chain(2, 1), 1).chunks, 1u);
+  EXPECT_EQ(s->Lookup(prefix, Chain(3, 1), 1).chunks, 0u);
+  EXPECT_EQ(s->Stats().ram_bytes, 2 * block);
+  // Bytes not on a 64-byte boundary are copied, so every lease stays aligned.
+  auto backing = std::make_shared<AlignedBuffer>(block + 8);
+  const AlignedBuffer b5 = MakeBlock(0, 0, 5);
+  std::memcpy(backing->data() + 8, b5.data(), block);
+  const SharedBytes unaligned({backing->data() + 8, block}, backing);
+  const BlockName n5 = Name(b5, Key(5));
+  ASSERT_TRUE(s->Put(n5, nullptr, unaligned).ok());
+  absl::StatusOr<Lease> l5 = s->Get(n5);
+  ASSERT_TRUE(l5.ok());
+  EXPECT_NE(l5->bytes().data(), unaligned.data());
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(l5->bytes().data()) % AlignedBuffer::kAlignment, 0u);
+  EXPECT_TRUE(std::equal(l5->bytes().begin(), l5->bytes().end(), b5.data()));
+  EXPECT_EQ(s->Stats().ram_bytes, 2 * block);
+}
+
+std::vector<std::pair<BlockEventKind, BlockHash>> KindsAndKeys(const std::vector<BlockEvent>& es) {
+  std::vector<std::pair<BlockEventKind, BlockHash>> out;
+  for (const BlockEvent& e : es) out.emplace_back(e.kind, e.name.key);
+  return out;
+}
+
+// Every block entering the store is one kStored event, every block leaving every tier (Delete,
+// its descendants, eviction without a disk) one kRemoved; ids are consecutive from 1.
+TEST(BlockStoreTest, EventsNumberEveryBlockInAndOutInOrder) {
+  const size_t block = MakeBlock(0, 0, 0).size();
+  auto s = *BlockStore::Open({.ram_bytes = 2 * block, .ram_policy = PolicyKind::kLru});
+  EXPECT_NE(s->store_id(), 0u);
+  EXPECT_NE(s->store_id(), (*BlockStore::Open({}))->store_id());
+  PutChain(*s, 100, 2);
+  AlignedBuffer b0 = MakeBlock(0, 0, 100);
+  ASSERT_TRUE(s->Put(Name(b0, Key(100)), nullptr, b0.span()).ok());  // a duplicate: no event
+  const BlockHash missing = Key(99);
+  ASSERT_EQ(s->Put(Name(b0, Key(150)), &missing, b0.span()).code(),
+            absl::StatusCode::kFailedPrecondition);  // refused: no event
+  EXPECT_TRUE(s->Delete(Name(b0, Key(100))));  // and chunk 1 with it
+  PutChain(*s, 200, 1);
+  PutChain(*s, 300, 1);
+  PutChain(*s, 400, 1);  // evicts 200 (RAM only: gone)
+  const EventRead all = s->ReadEvents(0, 100, absl::ZeroDuration());
+  EXPECT_FALSE(all.gap);
+  EXPECT_EQ(all.first_available_id, 1u);
+  EXPECT_EQ(all.last_id, 8u);
+  using K = BlockEventKind;
+  const std::vector<std::pair<BlockEventKind, BlockHash>> want = {
+      {K::kStored, Key(100)},  {K::kStored, Key(101)}, {K::kRemoved, Key(100)},
+      {K::kRemoved, Key(101)}, {K::kStored, Key(200)}, {K::kStored, Key(300)},
+      {K::kRemoved, Key(200)}, {K::kStored, Key(400)}};
+  EXPECT_EQ(KindsAndKeys(all.events), want);
+  for (size_t i = 0; i < all.events.size(); ++i) {
+    const BlockEvent& e = all.events[i];
+    EXPECT_EQ(e.id, i + 1);
+    EXPECT_EQ(e.tier, e.kind == K::kStored ? Tier::kRam : Tier::kNone) << e.id;
+    EXPECT_EQ(e.name.model_fingerprint, kModel);
+  }
+  const EventRead some = s->ReadEvents(5, 2, absl::ZeroDuration());
+  ASSERT_EQ(some.events.size(), 2u);
+  EXPECT_EQ(some.events[0].id, 6u);
+  EXPECT_EQ(some.events[1].id, 7u);
+  const EventRead none = s->ReadEvents(8, 10, absl::Milliseconds(1));  // times out
+  EXPECT_TRUE(none.events.empty());
+  EXPECT_FALSE(none.gap);
+  EXPECT_TRUE(s->ReadEvents(9, 10, absl::Hours(1)).gap) << "an id from the future";
+}
+
+// A reader that fell behind the ring is told (gap) and resumes from a snapshot.
+TEST(BlockStoreTest, AReaderBehindTheRingSeesAGapAndResumesFromASnapshot) {
+  auto s = *BlockStore::Open({.ram_bytes = 1 << 22, .event_ring = 4});
+  for (uint32_t i = 0; i < 6; ++i) PutChain(*s, 10 * i + 10, 1);  // events 1..6; the ring: 3..6
+  const EventRead behind = s->ReadEvents(1, 100, absl::Hours(1));  // (a gap answers at once)
+  EXPECT_TRUE(behind.gap);
+  EXPECT_TRUE(behind.events.empty());
+  EXPECT_EQ(behind.first_available_id, 3u);
+  const EventRead in_ring = s->ReadEvents(2, 100, absl::ZeroDuration());
+  EXPECT_FALSE(in_ring.gap);
+  ASSERT_EQ(in_ring.events.size(), 4u);
+  EXPECT_EQ(in_ring.events.front().id, 3u);
+  const StoreSnapshot snap = s->Snapshot();
+  EXPECT_EQ(snap.event_id, 6u);
+  std::vector<BlockHash> keys;
+  for (const StoredBlock& b : snap.blocks) {
+    keys.push_back(b.name.key);
+    EXPECT_EQ(b.tier, Tier::kRam);
+  }
+  EXPECT_THAT(keys, testing::UnorderedElementsAreArray(
+                        {Key(10), Key(20), Key(30), Key(40), Key(50), Key(60)}));
+  EXPECT_TRUE(s->Delete(Name(MakeBlock(0, 0, 0), Key(30))));
+  const EventRead next = s->ReadEvents(snap.event_id, 100, absl::ZeroDuration());
+  ASSERT_EQ(next.events.size(), 1u);
+  EXPECT_EQ(next.events[0].id, 7u);
+  EXPECT_EQ(next.events[0].kind, BlockEventKind::kRemoved);
+  EXPECT_EQ(next.events[0].name.key, Key(30));
+}
+
+TEST(BlockStoreTest, ReadEventsWaitsForTheNextEvent) {
+  auto s = *BlockStore::Open({.ram_bytes = 1 << 22});
+  EventRead got;
+  std::thread reader([&] { got = s->ReadEvents(0, 10, absl::Seconds(60)); });
+  const absl::Time t0 = absl::Now();
+  PutChain(*s, 1, 1);
+  reader.join();  // woken by the Put (or it saw the event at once)
+  EXPECT_LT(absl::Now() - t0, absl::Seconds(30));
+  ASSERT_EQ(got.events.size(), 1u);
+  EXPECT_EQ(got.events[0].kind, BlockEventKind::kStored);
+}
+
+// With a disk tier: blocks found at Open are in the snapshot, not in events; leaving RAM for
+// disk is no event; leaving the disk for good is.
+TEST(BlockStoreTest, EventsWithADiskTier) {
+  const size_t block = MakeBlock(0, 0, 0).size();
+  const std::string dir = TempDir("events");
+  uint64_t first_id = 0;
+  {
+    auto s = *BlockStore::Open({.ram_bytes = block, .disk_path = dir, .disk_bytes = 2 * block});
+    first_id = s->store_id();
+    PutChain(*s, 10, 1);
+    PutChain(*s, 20, 1);  // 10 leaves RAM (its disk copy stays): no event
+    EXPECT_EQ(s->ReadEvents(0, 10, absl::ZeroDuration()).events.size(), 2u);
+    PutChain(*s, 30, 1);  // the disk evicts 10, which is in no tier then
+    const EventRead r = s->ReadEvents(2, 10, absl::ZeroDuration());
+    ASSERT_EQ(r.events.size(), 2u);
+    EXPECT_EQ(r.events[0].kind, BlockEventKind::kRemoved);
+    EXPECT_EQ(r.events[0].name.key, Key(10));
+    EXPECT_EQ(r.events[1].kind, BlockEventKind::kStored);
+    EXPECT_EQ(r.events[1].name.key, Key(30));
+    const StoreSnapshot snap = s->Snapshot();
+    ASSERT_EQ(snap.blocks.size(), 2u);
+    for (const StoredBlock& b : snap.blocks) {
+      EXPECT_EQ(b.tier, b.name.key == Key(30) ? Tier::kRam : Tier::kDisk);
+    }
+  }
+  auto s = *BlockStore::Open({.ram_bytes = block, .disk_path = dir, .disk_bytes = 2 * block});
+  EXPECT_NE(s->store_id(), first_id);
+  const EventRead r = s->ReadEvents(0, 10, absl::ZeroDuration());
+  EXPECT_TRUE(r.events.empty());
+  EXPECT_EQ(r.last_id, 0u);
+  const StoreSnapshot snap = s->Snapshot();
+  EXPECT_EQ(snap.event_id, 0u);
+  EXPECT_EQ(snap.blocks.size(), 2u);
 }
 
 }  // namespace

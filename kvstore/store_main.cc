@@ -83,7 +83,7 @@ int main(int argc, char** argv) {
   std::signal(SIGINT, [](int) { g_stop = 1; });
   std::signal(SIGTERM, [](int) { g_stop = 1; });
   while (!g_stop) pause();
-  (*server)->Shutdown();
+  strata::kvstore::StopStoreServer(server->get(), &service);  // open Watch streams end too
   std::cout << "strata-store: stopped" << std::endl;
   return 0;
 }

@@ -4,6 +4,7 @@
 #include <chrono>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "grpcpp/server_builder.h"
 
 namespace strata::kvstore {
@@ -41,11 +42,6 @@ strata::v1::Tier ToProto(Tier t) {
 }
 
 }  // namespace
-
-grpc::Status ToGrpc(const absl::Status& s) {
-  if (s.ok()) return grpc::Status::OK;
-  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
-}
 
 namespace {
 
@@ -95,8 +91,20 @@ std::string StoreService::RenderMetrics() const {
 grpc::Status StoreService::Lookup(grpc::ServerContext*, const strata::v1::LookupRequest* req,
                                   strata::v1::LookupResponse* resp) {
   Timer timer(latency_[kLookup]);
-  if (req->layers() < 1 || req->layers() > 4096) {
-    return Invalid(absl::StrCat("lookup: layers ", req->layers(), " not in [1, 4096]"));
+  constexpr int kMaxLayers = 4096;
+  const int per_layer = req->layer_codec_fingerprints_size();
+  if (per_layer > kMaxLayers) {
+    return Invalid(absl::StrCat("lookup: layer_codec_fingerprints has ", per_layer,
+                                " entries, more than ", kMaxLayers, " layers"));
+  }
+  if (per_layer > 0 && req->layers() != 0 && req->layers() != static_cast<uint32_t>(per_layer)) {
+    return Invalid(absl::StrCat("lookup: layers ", req->layers(),
+                                " disagrees with the ", per_layer,
+                                " entries of layer_codec_fingerprints"));
+  }
+  if (per_layer == 0 && (req->layers() < 1 || req->layers() > kMaxLayers)) {
+    return Invalid(absl::StrCat("lookup: layers ", req->layers(), " not in [1, ", kMaxLayers,
+                                "] (and no layer_codec_fingerprints)"));
   }
   if (req->chain_size() > 1 << 20) return Invalid("lookup: chain longer than 2^20 chunks");
   std::vector<BlockHash> chain(req->chain_size());
@@ -110,33 +118,60 @@ grpc::Status StoreService::Lookup(grpc::ServerContext*, const strata::v1::Lookup
   prefix.model_fingerprint = req->model_fingerprint();
   prefix.codec_fingerprint = req->codec_fingerprint();
   prefix.calibration_fingerprint = req->calibration_fingerprint();
-  const LookupResult r = store_->Lookup(prefix, chain, req->layers());
+  const LookupResult r =
+      per_layer > 0 ? store_->Lookup(prefix, chain,
+                                     absl::MakeConstSpan(req->layer_codec_fingerprints().data(),
+                                                         per_layer))
+                    : store_->Lookup(prefix, chain, req->layers());
   resp->set_chunks(r.chunks);
   for (Tier t : r.tiers) resp->add_tiers(ToProto(t));
   return grpc::Status::OK;
 }
 
-grpc::Status StoreService::Put(grpc::ServerContext*, const strata::v1::PutRequest* req,
-                               strata::v1::PutResponse*) {
-  Timer timer(latency_[kPut]);
-  absl::StatusOr<BlockName> name = ParseName(req->name(), "put: name");
-  if (!name.ok()) return Invalid(std::string(name.status().message()));
+absl::Status StoreService::PutOne(const strata::v1::PutRequest& req) {
+  absl::StatusOr<BlockName> name = ParseName(req.name(), "put: name");
+  if (!name.ok()) return name.status();
   BlockHash parent;
-  const bool has_parent = !req->parent_key().empty();
-  if (has_parent && !ToKey(req->parent_key(), &parent)) {
-    return Invalid(absl::StrCat("put: parent_key is ", req->parent_key().size(),
-                                " bytes, not a 32-byte prefix key"));
+  const bool has_parent = !req.parent_key().empty();
+  if (has_parent && !ToKey(req.parent_key(), &parent)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "put: parent_key is ", req.parent_key().size(), " bytes, not a 32-byte prefix key"));
   }
-  if (req->block().size() > max_block_bytes_) {
-    return Invalid(absl::StrCat("put: block of ", req->block().size(), " bytes exceeds ",
-                                max_block_bytes_));
+  if (req.block().size() > max_block_bytes_) {
+    return absl::InvalidArgumentError(absl::StrCat("put: block of ", req.block().size(),
+                                                   " bytes exceeds ", max_block_bytes_));
   }
   const absl::Status s = store_->Put(
       *name, has_parent ? &parent : nullptr,
-      absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(req->block().data()),
-                          req->block().size()));
-  if (s.code() == absl::StatusCode::kDataLoss) return Invalid(std::string(s.message()));
-  return ToGrpc(s);
+      absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(req.block().data()),
+                          req.block().size()));
+  // A corrupt block is a bad argument of this call (the store's kDataLoss is about its own
+  // bytes).
+  if (s.code() == absl::StatusCode::kDataLoss) return absl::InvalidArgumentError(s.message());
+  return s;
+}
+
+grpc::Status StoreService::Put(grpc::ServerContext*, const strata::v1::PutRequest* req,
+                               strata::v1::PutResponse*) {
+  Timer timer(latency_[kPut]);
+  return ToGrpc(PutOne(*req));
+}
+
+grpc::Status StoreService::PutStream(grpc::ServerContext*,
+                                     grpc::ServerReader<strata::v1::PutRequest>* reader,
+                                     strata::v1::PutStreamResponse* resp) {
+  strata::v1::PutRequest req;
+  uint32_t stored = 0;
+  while (reader->Read(&req)) {
+    Timer timer(latency_[kPut]);
+    const absl::Status s = PutOne(req);
+    strata::v1::PutResult* r = resp->add_results();
+    r->set_code(static_cast<int32_t>(s.code()));
+    if (!s.ok()) r->set_message(std::string(s.message()));
+    stored += s.ok();
+  }
+  resp->set_stored(stored);
+  return grpc::Status::OK;
 }
 
 grpc::Status StoreService::Get(grpc::ServerContext* ctx, const strata::v1::GetRequest* req,
@@ -195,7 +230,61 @@ grpc::Status StoreService::Stats(grpc::ServerContext*, const strata::v1::StatsRe
   m["disk_blocks"] = s.disk_blocks;
   m["disk_bytes"] = s.disk_bytes;
   m["spill_queue_bytes"] = s.spill_queue_bytes;
+  m["pool_idle_bytes"] = s.pool_idle_bytes;
+  m["pool_reuses"] = s.pool_reuses;
   return grpc::Status::OK;
+}
+
+grpc::Status StoreService::Watch(grpc::ServerContext* ctx, const strata::v1::WatchRequest* req,
+                                 grpc::ServerWriter<strata::v1::BlockEvent>* writer) {
+  const uint64_t store_id = store_->store_id();
+  uint64_t after = req->after_event_id();
+  bool need_snapshot = after == 0 || (req->store_id() != 0 && req->store_id() != store_id);
+  const grpc::Status gone(grpc::StatusCode::CANCELLED, "watch: client gone");
+  strata::v1::BlockEvent msg;
+  while (!stopping_.load() && !ctx->IsCancelled()) {
+    if (!need_snapshot) {
+      // Waits at most kWatchPoll, so cancellation and Stop() are noticed that soon.
+      const EventRead r = store_->ReadEvents(after, 1024, kWatchPoll);
+      need_snapshot = r.gap;
+      for (const BlockEvent& e : r.events) {
+        msg.Clear();
+        msg.set_store_id(store_id);
+        msg.set_event_id(e.id);
+        msg.set_kind(e.kind == BlockEventKind::kStored ? strata::v1::BLOCK_STORED
+                                                       : strata::v1::BLOCK_REMOVED);
+        msg.set_name(e.name.Encode());
+        msg.set_tier(ToProto(e.tier));
+        if (!writer->Write(msg)) return gone;
+        after = e.id;
+      }
+    }
+    if (need_snapshot) {
+      const StoreSnapshot snap = store_->Snapshot();
+      for (const StoredBlock& b : snap.blocks) {
+        msg.Clear();
+        msg.set_store_id(store_id);
+        msg.set_event_id(snap.event_id);
+        msg.set_kind(strata::v1::BLOCK_STORED);
+        msg.set_name(b.name.Encode());
+        msg.set_tier(ToProto(b.tier));
+        msg.set_snapshot(true);
+        if (!writer->Write(msg)) return gone;
+      }
+      msg.Clear();
+      msg.set_store_id(store_id);
+      msg.set_event_id(snap.event_id);
+      msg.set_snapshot(true);
+      msg.set_snapshot_end(true);
+      if (!writer->Write(msg)) return gone;
+      after = snap.event_id;
+      need_snapshot = false;
+    }
+  }
+  if (stopping_.load()) {
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE, "watch: the store is shutting down");
+  }
+  return gone;
 }
 
 absl::StatusOr<std::unique_ptr<grpc::Server>> StartStoreServer(StoreService* service,
@@ -212,6 +301,11 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartStoreServer(StoreService* ser
     return absl::UnavailableError(absl::StrCat("strata-store: cannot listen on ", address));
   }
   return server;
+}
+
+void StopStoreServer(grpc::Server* server, StoreService* service, absl::Duration grace) {
+  service->Stop();
+  server->Shutdown(absl::ToChronoTime(absl::Now() + grace));
 }
 
 }  // namespace strata::kvstore

@@ -1,18 +1,27 @@
 // The Store gRPC service (proto/store.proto) over a BlockStore, and the pieces strata-store
 // needs to serve it. Every request is validated before it reaches the store: names of the wrong
-// size, keys that are not 32 bytes, oversized blocks, corrupt blocks and empty chains get
-// INVALID_ARGUMENT with a message that says which field; misses are NOT_FOUND; a block whose
-// parent is not stored is FAILED_PRECONDITION.
+// size, keys that are not 32 bytes, oversized blocks, corrupt blocks, empty chains and
+// layer_codec_fingerprints that disagree with `layers` get INVALID_ARGUMENT with a message that
+// says which field; misses are NOT_FOUND; a block whose parent is not stored is
+// FAILED_PRECONDITION. PutStream answers each block with what Put would have (in order), and
+// fails as a whole only when the stream breaks. Watch streams the store's block events (a
+// snapshot first when the client has none or fell behind, see BlockEvent in store.proto) until
+// the client cancels (CANCELLED) or Stop() (UNAVAILABLE).
+//
+// Thread-safe; the store must outlive the service, and the service the server.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/time/time.h"
 #include "common/metrics.h"
-#include "kvstore/block_store.h"
 #include "grpcpp/server.h"
+#include "kvstore/block_store.h"
+#include "kvstore/grpc_status.h"
 #include "proto/store.grpc.pb.h"
 
 namespace strata::kvstore {
@@ -26,29 +35,45 @@ class StoreService final : public strata::v1::Store::Service {
                       strata::v1::LookupResponse* resp) override;
   grpc::Status Put(grpc::ServerContext*, const strata::v1::PutRequest* req,
                    strata::v1::PutResponse* resp) override;
+  grpc::Status PutStream(grpc::ServerContext*, grpc::ServerReader<strata::v1::PutRequest>* reader,
+                         strata::v1::PutStreamResponse* resp) override;
   grpc::Status Get(grpc::ServerContext*, const strata::v1::GetRequest* req,
                    grpc::ServerWriter<strata::v1::GetResponse>* writer) override;
   grpc::Status Delete(grpc::ServerContext*, const strata::v1::DeleteRequest* req,
                       strata::v1::DeleteResponse* resp) override;
   grpc::Status Stats(grpc::ServerContext*, const strata::v1::StatsRequest* req,
                      strata::v1::StatsResponse* resp) override;
+  grpc::Status Watch(grpc::ServerContext*, const strata::v1::WatchRequest* req,
+                     grpc::ServerWriter<strata::v1::BlockEvent>* writer) override;
+
+  // Ends open Watch streams (UNAVAILABLE) within kWatchPoll and refuses new ones, so that a
+  // server shutdown does not wait on them. Irreversible.
+  void Stop() { stopping_.store(true); }
 
   // Prometheus text: the store's counters and gauges, and per-RPC latency histograms.
   std::string RenderMetrics() const;
 
+  // How often a Watch stream with nothing to send checks for cancellation and Stop().
+  static constexpr absl::Duration kWatchPoll = absl::Milliseconds(100);
+
  private:
   enum Op { kLookup, kPut, kGet, kDelete, kOps };
+  absl::Status PutOne(const strata::v1::PutRequest& req);
   LatencyHistogram latency_[kOps];
   BlockStore* store_;
   size_t max_block_bytes_;
+  std::atomic<bool> stopping_{false};
 };
-
-grpc::Status ToGrpc(const absl::Status& s);
 
 // Starts a gRPC server for `service` on `address` ("host:port"; port 0 picks one). The bound
 // port is written to *port. Message size limits follow max_block_bytes.
 absl::StatusOr<std::unique_ptr<grpc::Server>> StartStoreServer(StoreService* service,
                                                                const std::string& address,
                                                                size_t max_block_bytes, int* port);
+
+// Stops `service`'s Watch streams and shuts `server` down, cancelling calls still running after
+// `grace`. Returns once every handler has returned.
+void StopStoreServer(grpc::Server* server, StoreService* service,
+                     absl::Duration grace = absl::Seconds(1));
 
 }  // namespace strata::kvstore
