@@ -36,6 +36,22 @@ absl::StatusOr<std::unique_ptr<SequenceKvCache>> SequenceKvCache::Create(
   return c;
 }
 
+BlockName SequenceKvCache::NameOf(uint32_t layer, const BlockHash& key) const {
+  BlockName n;
+  n.model_fingerprint = options_.model_fingerprint;
+  n.codec_fingerprint = Fingerprint64(codec_->LayerSpec(layer));
+  n.calibration_fingerprint = codec_->calibration() != nullptr ? codec_->calibration()->fingerprint() : 0;
+  n.key = key;
+  n.layer = layer;
+  return n;
+}
+
+std::vector<uint64_t> SequenceKvCache::LayerCodecFingerprints() const {
+  std::vector<uint64_t> out;
+  for (uint32_t l = 0; l < layers_.size(); ++l) out.push_back(Fingerprint64(codec_->LayerSpec(l)));
+  return out;
+}
+
 size_t SequenceKvCache::block_bytes() const {
   size_t n = 0;
   for (const Layer& l : layers_) {

@@ -28,6 +28,7 @@
 #include "common/aligned_buffer.h"
 #include "common/shared_bytes.h"
 #include "common/block_reader.h"
+#include "common/prefix_key.h"
 #include "kernels/block_operands.h"
 #include "kernels/codec.h"
 #include "kernels/decode_attention.h"
@@ -110,6 +111,12 @@ class SequenceKvCache {
     return layers_[layer].buffers;
   }
   uint32_t layers() const { return static_cast<uint32_t>(layers_.size()); }
+  // What a store names layer `layer`'s block of the chunk keyed `key`: this model's and the
+  // calibration's fingerprints, and the codec fingerprint that layer's blocks carry (per-layer
+  // codecs such as the Strata mix carry their layer's own).
+  BlockName NameOf(uint32_t layer, const BlockHash& key) const;
+  // Every layer's codec fingerprint, in layer order (for a store's Lookup).
+  std::vector<uint64_t> LayerCodecFingerprints() const;
   const KvCacheOptions& options() const { return options_; }
 
  private:

@@ -1,0 +1,513 @@
+#include "decode_node/decode_engine.h"
+
+#include <algorithm>
+#include <chrono>
+#include <iostream>
+#include <optional>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "model/text_stream.h"
+#include "transport/shipment.h"
+
+namespace strata::decode {
+
+struct DecodeEngine::Sequence {
+  DecodeRequest req;
+  std::shared_ptr<TokenSink> sink;
+  absl::Time deadline;
+  std::atomic<bool> cancelled{false};
+  // Arriving KV (guarded by mu_).
+  std::vector<std::vector<SharedBytes>> blocks;  // [chunk][layer]
+  std::vector<SharedBytes> windows;              // [layer]
+  std::optional<transport::ShipmentEnd> end;
+  absl::Status aborted;
+  uint64_t arrived_bytes = 0;
+  bool queued = false;  // in ready_ or running
+  // Running state (the scheduler thread only).
+  std::unique_ptr<model::SequenceKvCache> cache;
+  std::unique_ptr<model::TextStream> text;
+  std::optional<model::Sampler> sampler;
+  std::vector<uint32_t> generated;
+  bool preempted = false;
+  uint32_t preempted_chunks = 0;
+  std::vector<std::string> saved_windows;
+  uint64_t saved_bytes = 0;
+  DecodeUsage usage;
+};
+
+absl::Status DecodeEngineOptions::Validate() const {
+  STRATA_RETURN_IF_ERROR(kernels::CodecSpec::Parse(codec).status());
+  PrefixKeyOptions k = keys;
+  k.chunk_tokens = chunk_tokens;
+  STRATA_RETURN_IF_ERROR(k.Validate());
+  if (max_batch < 1) return absl::InvalidArgumentError("decode: max_batch must be >= 1");
+  if (kv_budget_bytes == 0) return absl::InvalidArgumentError("decode: kv_budget_bytes must be > 0");
+  if (kv_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("decode: kv_timeout must be positive");
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<DecodeEngine>> DecodeEngine::Create(
+    DecodeEngineOptions options, const model::LlamaModel* model, const model::Tokenizer* tokenizer,
+    transport::Transport* transport, kvstore::BlockSource* store) {
+  STRATA_RETURN_IF_ERROR(options.Validate());
+  if (model == nullptr || tokenizer == nullptr || transport == nullptr) {
+    return absl::InvalidArgumentError("decode: needs a model, a tokenizer and a transport");
+  }
+  STRATA_RETURN_IF_ERROR(model->NewCache({.codec = options.codec,
+                                          .chunk_tokens = options.chunk_tokens,
+                                          .calibration = options.calibration})
+                             .status());
+  std::unique_ptr<DecodeEngine> e(
+      new DecodeEngine(std::move(options), model, tokenizer, transport, store));
+  DecodeEngine* raw = e.get();
+  transport::BlockReceiverOptions ro;
+  // Arrived blocks stay in the receiver's memory while their sequence lives (no copy): the
+  // receiver may hold the whole KV budget and a margin for blocks in flight.
+  ro.max_pending_bytes = std::max<uint64_t>(ro.max_pending_bytes, raw->options_.kv_budget_bytes * 2);
+  STRATA_ASSIGN_OR_RETURN(e->receiver_,
+                          transport::BlockReceiver::Create(
+                              transport, ro, [raw](transport::ReceivedBlock b) {
+                                return raw->Consume(std::move(b));
+                              }));
+  e->thread_ = std::thread([raw] { raw->Loop(); });
+  return e;
+}
+
+DecodeEngine::~DecodeEngine() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+  receiver_.reset();  // no more Consume calls
+  std::vector<std::shared_ptr<Sequence>> left;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [id, s] : by_id_) left.push_back(s);
+    by_id_.clear();
+    ready_.clear();
+    running_.clear();
+  }
+  for (auto& s : left) {
+    if (!s->cancelled) s->sink->Fail(absl::UnavailableError("decode: the node is shutting down"));
+  }
+}
+
+absl::Status DecodeEngine::Start(DecodeRequest request, std::shared_ptr<TokenSink> sink) {
+  STRATA_RETURN_IF_ERROR(transport::ValidateRequestId(request.request_id));
+  STRATA_RETURN_IF_ERROR(request.sampling.Validate());
+  if (request.prompt.empty()) return absl::InvalidArgumentError("decode: empty prompt");
+  if (request.max_tokens < 1) return absl::InvalidArgumentError("decode: max_tokens must be >= 1");
+  if (sink == nullptr) return absl::InvalidArgumentError("decode: no sink");
+  auto s = std::make_shared<Sequence>();
+  s->req = std::move(request);
+  s->sink = std::move(sink);
+  s->deadline = absl::Now() + options_.kv_timeout;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (by_id_.contains(s->req.request_id)) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("decode: request ", s->req.request_id, " is already registered"));
+  }
+  if (load_.waiting >= options_.max_waiting) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("decode: ", load_.waiting, " requests waiting, the limit is ",
+                     options_.max_waiting));
+  }
+  ++load_.waiting;
+  ++stats_.requests;
+  by_id_[s->req.request_id] = s;
+  return absl::OkStatus();
+}
+
+void DecodeEngine::Cancel(const std::string& request_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = by_id_.find(request_id);
+  if (it == by_id_.end()) return;
+  std::shared_ptr<Sequence> s = it->second;
+  s->cancelled = true;
+  ++stats_.cancelled;
+  // A sequence not yet running is dropped here; a running one by the scheduler's next step.
+  auto r = std::find(ready_.begin(), ready_.end(), s);
+  if (r != ready_.end()) ready_.erase(r);
+  if (std::find(running_.begin(), running_.end(), s) == running_.end()) {
+    by_id_.erase(it);
+    --load_.waiting;
+    load_.kv_bytes_arrived -= s->arrived_bytes;
+  }
+  cv_.notify_all();
+}
+
+DecodeLoad DecodeEngine::load() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return load_;
+}
+
+DecodeStats DecodeEngine::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_;
+}
+
+absl::Status DecodeEngine::Consume(transport::ReceivedBlock b) {
+  STRATA_ASSIGN_OR_RETURN(transport::ShipmentId id, transport::ShipmentId::Decode(b.id));
+  const uint32_t L = model_->config().num_layers;
+  const uint32_t max_chunks = model_->config().max_position_embeddings / options_.chunk_tokens + 1;
+  if (id.layer >= L) {
+    return absl::InvalidArgumentError(absl::StrCat("decode: layer ", id.layer, " of ", L));
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = by_id_.find(id.request_id);
+  if (it == by_id_.end()) {
+    return absl::NotFoundError(absl::StrCat("decode: no request ", id.request_id,
+                                            " (never registered, cancelled or timed out)"));
+  }
+  Sequence& s = *it->second;
+  if (s.queued) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("decode: request ", id.request_id, " is complete already"));
+  }
+  SharedBytes bytes({b.bytes.data(), b.bytes.size()}, b.hold);
+  switch (id.kind) {
+    case transport::ShipmentKind::kBlock:
+      if (id.chunk >= max_chunks) {
+        return absl::InvalidArgumentError(absl::StrCat("decode: chunk ", id.chunk, " beyond the context"));
+      }
+      if (s.blocks.size() <= id.chunk) s.blocks.resize(id.chunk + 1, std::vector<SharedBytes>(L));
+      s.blocks[id.chunk][id.layer] = std::move(bytes);
+      ++stats_.blocks_received;
+      break;
+    case transport::ShipmentKind::kWindow:
+      s.windows.resize(L);
+      s.windows[id.layer] = std::move(bytes);
+      break;
+    case transport::ShipmentKind::kEnd: {
+      STRATA_ASSIGN_OR_RETURN(transport::ShipmentEnd end, transport::ShipmentEnd::Decode(b.bytes));
+      if (end.layers != L || end.chunks > max_chunks) {
+        return absl::InvalidArgumentError("decode: end shipment of another model's shape");
+      }
+      s.end = end;
+      break;
+    }
+    case transport::ShipmentKind::kAbort:
+      s.aborted = absl::AbortedError(absl::StrCat(
+          "prefill failed: ", std::string(reinterpret_cast<const char*>(b.bytes.data()),
+                                          std::min<size_t>(b.bytes.size(), 512))));
+      break;
+  }
+  s.arrived_bytes += b.bytes.size();
+  load_.kv_bytes_arrived += b.bytes.size();
+  stats_.bytes_received += b.bytes.size();
+  bool complete = !s.aborted.ok();
+  if (s.end.has_value() && s.windows.size() == L && s.blocks.size() >= s.end->chunks) {
+    complete = true;
+    for (const SharedBytes& w : s.windows) complete &= static_cast<bool>(w);
+    for (uint32_t k = 0; k < s.end->chunks && complete; ++k) {
+      for (const SharedBytes& blk : s.blocks[k]) complete &= static_cast<bool>(blk);
+    }
+  }
+  if (complete) {
+    s.queued = true;
+    ready_.push_back(it->second);
+    cv_.notify_all();
+  }
+  return absl::OkStatus();
+}
+
+uint64_t DecodeEngine::KvBytes(const Sequence& s) const {
+  if (s.preempted) return s.saved_bytes;
+  if (s.cache == nullptr) return s.arrived_bytes;
+  const model::ModelConfig& c = model_->config();
+  return s.cache->block_bytes() +
+         uint64_t{s.cache->window_tokens()} * c.num_layers * c.num_kv_heads * c.head_dim * 8;
+}
+
+absl::Status DecodeEngine::Activate(Sequence& s) {
+  if (!s.aborted.ok()) return s.aborted;
+  const uint32_t L = model_->config().num_layers;
+  STRATA_ASSIGN_OR_RETURN(s.cache, model_->NewCache({.codec = options_.codec,
+                                                     .chunk_tokens = options_.chunk_tokens,
+                                                     .calibration = options_.calibration}));
+  const transport::ShipmentEnd& end = *s.end;
+  for (uint32_t k = 0; k < end.chunks; ++k) {
+    for (uint32_t l = 0; l < L; ++l) {
+      // The receiver verified the checksum where the bytes arrived: once per hop.
+      STRATA_RETURN_IF_ERROR(s.cache->AdoptBlock(l, s.blocks[k][l], /*checksum_verified=*/true));
+    }
+  }
+  STRATA_RETURN_IF_ERROR(s.cache->CommitAdopted());
+  for (uint32_t l = 0; l < L; ++l) STRATA_RETURN_IF_ERROR(s.cache->ImportWindow(l, s.windows[l].span()));
+  STRATA_RETURN_IF_ERROR(s.cache->CommitWindow());
+  if (s.cache->tokens() != s.req.prompt.size() || end.prompt_tokens != s.req.prompt.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("decode: the prefill node shipped ",
+                                                   s.cache->tokens(), " tokens of KV for a ",
+                                                   s.req.prompt.size(), "-token prompt"));
+  }
+  s.blocks.clear();  // the cache holds them now
+  s.windows.clear();
+  s.text = std::make_unique<model::TextStream>(tokenizer_, s.req.stop);
+  s.sampler.emplace(s.req.sampling);
+  s.usage.prompt_tokens = end.prompt_tokens;
+  s.usage.cached_tokens = end.cached_tokens;
+  return absl::OkStatus();
+}
+
+bool DecodeEngine::Emit(Sequence& s, uint32_t token) {
+  const model::ModelConfig& c = model_->config();
+  s.generated.push_back(token);
+  ++s.usage.completion_tokens;
+  if (s.cancelled) return true;
+  if (!s.req.ignore_eos && c.eos_token_id >= 0 && token == static_cast<uint32_t>(c.eos_token_id)) {
+    const std::string rest = s.text->Finish();
+    if (!rest.empty()) s.sink->Token(token, rest);
+    PutGenerated(s);
+    s.sink->Finish(FinishReason::kStop, s.usage);
+    return true;
+  }
+  absl::StatusOr<model::TextStream::Piece> piece = s.text->Add(token);
+  if (!piece.ok()) {
+    s.sink->Fail(piece.status());
+    return true;
+  }
+  const bool length = s.generated.size() >= s.req.max_tokens ||
+                      s.req.prompt.size() + s.generated.size() >= c.max_position_embeddings;
+  if (!piece->stopped && length) piece->text += s.text->Finish();
+  s.sink->Token(token, piece->text);
+  if (piece->stopped || length) {
+    PutGenerated(s);
+    s.sink->Finish(piece->stopped ? FinishReason::kStop : FinishReason::kLength, s.usage);
+    return true;
+  }
+  return false;
+}
+
+void DecodeEngine::PutGenerated(Sequence& s) {
+  if (store_ == nullptr || !options_.put_to_store || s.cache == nullptr) return;
+  const uint32_t chunks = static_cast<uint32_t>(s.cache->blocks_per_layer());
+  const uint32_t first = s.end.has_value() ? s.end->chunks : 0;
+  if (chunks <= first) return;
+  std::vector<uint32_t> all = s.req.prompt;
+  all.insert(all.end(), s.generated.begin(), s.generated.end());
+  PrefixKeyOptions ko = options_.keys;
+  ko.chunk_tokens = options_.chunk_tokens;
+  ko.cache_salt = s.req.cache_salt;
+  absl::StatusOr<PrefixHasher> hasher = PrefixHasher::Create(ko);
+  if (!hasher.ok()) return;
+  const std::vector<BlockHash> keys =
+      hasher->ChunkKeys(absl::MakeConstSpan(all).first(s.cache->tokens()));
+  auto put_from = [&](uint32_t from) -> absl::Status {
+    for (uint32_t k = from; k < chunks && k < keys.size(); ++k) {
+      for (uint32_t l = 0; l < s.cache->layers(); ++l) {
+        STRATA_RETURN_IF_ERROR(store_->Put(s.cache->NameOf(l, keys[k]), k > 0 ? &keys[k - 1] : nullptr,
+                                           s.cache->layer_blocks(l)[k]));
+        std::lock_guard<std::mutex> lock(mu_);
+        ++stats_.blocks_stored;
+      }
+    }
+    return absl::OkStatus();
+  };
+  absl::Status st = put_from(first);
+  // The prefill node's Put of the prompt's chunks may not have landed yet: then all of them.
+  if (st.code() == absl::StatusCode::kFailedPrecondition) st = put_from(0);
+  if (!st.ok()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++stats_.store_put_errors;
+    std::cerr << "decode: request " << s.req.request_id << ": store Put failed: " << st << "\n";
+  }
+}
+
+absl::Status DecodeEngine::Preempt(Sequence& s) {
+  const uint32_t chunks = static_cast<uint32_t>(s.cache->blocks_per_layer());
+  std::vector<uint32_t> all = s.req.prompt;
+  all.insert(all.end(), s.generated.begin(), s.generated.end());
+  PrefixKeyOptions ko = options_.keys;
+  ko.chunk_tokens = options_.chunk_tokens;
+  ko.cache_salt = s.req.cache_salt;
+  STRATA_ASSIGN_OR_RETURN(PrefixHasher hasher, PrefixHasher::Create(ko));
+  const std::vector<BlockHash> keys = hasher.ChunkKeys(absl::MakeConstSpan(all).first(s.cache->tokens()));
+  for (uint32_t k = 0; k < chunks; ++k) {
+    for (uint32_t l = 0; l < s.cache->layers(); ++l) {
+      STRATA_RETURN_IF_ERROR(store_->Put(s.cache->NameOf(l, keys[k]), k > 0 ? &keys[k - 1] : nullptr,
+                                         s.cache->layer_blocks(l)[k]));
+    }
+  }
+  s.saved_windows.clear();
+  for (uint32_t l = 0; l < s.cache->layers(); ++l) s.saved_windows.push_back(s.cache->ExportWindow(l));
+  s.saved_bytes = KvBytes(s);
+  s.preempted_chunks = chunks;
+  s.preempted = true;
+  s.cache->Clear();
+  return absl::OkStatus();
+}
+
+absl::Status DecodeEngine::Resume(Sequence& s) {
+  std::vector<uint32_t> all = s.req.prompt;
+  all.insert(all.end(), s.generated.begin(), s.generated.end());
+  PrefixKeyOptions ko = options_.keys;
+  ko.chunk_tokens = options_.chunk_tokens;
+  ko.cache_salt = s.req.cache_salt;
+  STRATA_ASSIGN_OR_RETURN(PrefixHasher hasher, PrefixHasher::Create(ko));
+  const std::vector<BlockHash> keys = hasher.ChunkKeys(all);
+  for (uint32_t k = 0; k < s.preempted_chunks; ++k) {
+    for (uint32_t l = 0; l < s.cache->layers(); ++l) {
+      absl::StatusOr<SharedBytes> b = store_->Get(s.cache->NameOf(l, keys[k]));
+      if (!b.ok()) {
+        return absl::UnavailableError(absl::StrCat(
+            "decode: the preempted sequence's KV is gone from the store: ", b.status().message()));
+      }
+      STRATA_RETURN_IF_ERROR(s.cache->AdoptBlock(l, *std::move(b), store_->verified_on_get()));
+    }
+  }
+  STRATA_RETURN_IF_ERROR(s.cache->CommitAdopted());
+  for (uint32_t l = 0; l < s.cache->layers(); ++l) {
+    const std::string& w = s.saved_windows[l];
+    STRATA_RETURN_IF_ERROR(
+        s.cache->ImportWindow(l, {reinterpret_cast<const uint8_t*>(w.data()), w.size()}));
+  }
+  STRATA_RETURN_IF_ERROR(s.cache->CommitWindow());
+  s.saved_windows.clear();
+  s.preempted = false;
+  return absl::OkStatus();
+}
+
+void DecodeEngine::Loop() {
+  const uint32_t vocab = model_->config().vocab_size;
+  for (;;) {
+    std::vector<std::shared_ptr<Sequence>> admit, expired;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      if (running_.empty()) {
+        cv_.wait_for(lock, std::chrono::milliseconds(50),
+                     [&] { return stop_ || !ready_.empty(); });
+      }
+      if (stop_) return;
+      const absl::Time now = absl::Now();
+      for (auto it = by_id_.begin(); it != by_id_.end();) {
+        Sequence& s = *it->second;
+        if (!s.queued && s.deadline < now) {
+          expired.push_back(it->second);
+          --load_.waiting;
+          load_.kv_bytes_arrived -= s.arrived_bytes;
+          by_id_.erase(it++);
+        } else {
+          ++it;
+        }
+      }
+      uint64_t in_use = 0;
+      for (const auto& s : running_) in_use += KvBytes(*s);
+      while (!ready_.empty() && running_.size() + admit.size() < options_.max_batch) {
+        const uint64_t need = KvBytes(*ready_.front());
+        if (in_use + need > options_.kv_budget_bytes && !(running_.empty() && admit.empty())) break;
+        in_use += need;
+        admit.push_back(ready_.front());
+        ready_.pop_front();
+      }
+    }
+    for (auto& s : expired) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        ++stats_.failed;
+      }
+      s->sink->Fail(absl::DeadlineExceededError(absl::StrCat(
+          "decode: request ", s->req.request_id, ": its KV did not arrive in time")));
+    }
+    std::vector<std::shared_ptr<Sequence>> done;
+    for (auto& s : admit) {
+      const bool resume = s->preempted;
+      absl::Status st = resume ? Resume(*s) : Activate(*s);
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (!resume) {
+          --load_.waiting;
+          load_.kv_bytes_arrived -= s->arrived_bytes;
+        } else {
+          ++stats_.resumed;
+        }
+        if (st.ok()) running_.push_back(s);
+      }
+      if (!st.ok()) {
+        if (!s->cancelled) s->sink->Fail(st);
+        done.push_back(s);
+        continue;
+      }
+      if (!resume && Emit(*s, s->end->first_token)) done.push_back(s);
+    }
+    // The batch: every running sequence's last token, one step.
+    std::vector<std::shared_ptr<Sequence>> batch;
+    for (auto& s : running_) {
+      if (std::find(done.begin(), done.end(), s) == done.end() && !s->cancelled) batch.push_back(s);
+    }
+    if (!batch.empty()) {
+      std::vector<absl::Span<const uint32_t>> tokens;
+      std::vector<model::SequenceKvCache*> caches;
+      for (auto& s : batch) {
+        tokens.push_back({&s->generated.back(), 1});
+        caches.push_back(s->cache.get());
+      }
+      absl::StatusOr<std::vector<std::vector<float>>> logits = model_->StepBatch(tokens, caches);
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        ++stats_.steps;
+        stats_.batched_sequences += batch.size();
+      }
+      for (size_t i = 0; i < batch.size(); ++i) {
+        Sequence& s = *batch[i];
+        if (!logits.ok()) {
+          s.sink->Fail(logits.status());
+          done.push_back(batch[i]);
+          continue;
+        }
+        const uint32_t token = s.sampler->Sample(
+            absl::MakeConstSpan((*logits)[i]).subspan((*logits)[i].size() - vocab),
+            s.generated.size());
+        if (Emit(s, token)) done.push_back(batch[i]);
+      }
+    }
+    // Preempt the newest while the running ones outgrow the budget (never the last one).
+    std::vector<std::shared_ptr<Sequence>> preempted;
+    if (store_ != nullptr) {
+      uint64_t in_use = 0;
+      std::vector<std::shared_ptr<Sequence>> live;
+      for (auto& s : running_) {
+        if (std::find(done.begin(), done.end(), s) == done.end() && !s->cancelled) {
+          live.push_back(s);
+          in_use += KvBytes(*s);
+        }
+      }
+      while (in_use > options_.kv_budget_bytes && live.size() > 1) {
+        std::shared_ptr<Sequence> victim = live.back();
+        live.pop_back();
+        const uint64_t bytes = KvBytes(*victim);
+        absl::Status st = Preempt(*victim);
+        if (!st.ok()) {
+          std::cerr << "decode: could not preempt " << victim->req.request_id << ": " << st << "\n";
+          break;
+        }
+        in_use -= bytes;
+        preempted.push_back(victim);
+      }
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& s : running_) {
+      if (s->cancelled && std::find(done.begin(), done.end(), s) == done.end()) done.push_back(s);
+    }
+    for (auto& s : done) {
+      running_.erase(std::remove(running_.begin(), running_.end(), s), running_.end());
+      by_id_.erase(s->req.request_id);
+      if (!s->cancelled) ++stats_.finished;
+    }
+    for (auto it = preempted.rbegin(); it != preempted.rend(); ++it) {
+      running_.erase(std::remove(running_.begin(), running_.end(), *it), running_.end());
+      ready_.push_front(*it);
+      ++stats_.preemptions;
+    }
+    load_.running = static_cast<uint32_t>(running_.size());
+    uint64_t in_use = 0;
+    for (const auto& s : running_) in_use += KvBytes(*s);
+    load_.kv_bytes_in_use = in_use;
+  }
+}
+
+}  // namespace strata::decode

@@ -1,0 +1,160 @@
+// DecodeEngine: a decode node's work, with a Status API (decode_service.h is the thin gRPC
+// adapter; tests run it in one process over the in-process transport).
+//
+// A request is registered first (Start), then its KV arrives from a prefill node over the
+// transport (transport/shipment.h): every layer's blocks, every layer's window, and the end
+// shipment with the first token. The engine adopts the blocks as they are (verified once, by the
+// receiver; never copied or re-packed), installs the windows, and the sequence joins the running
+// batch. Continuous batching: one scheduler thread steps every running sequence together
+// (LlamaModel::StepBatch); sequences join and leave at every step. Admission is by max_batch and
+// by KV bytes in use (compressed blocks plus full-precision windows); a sequence whose KV has
+// arrived waits while either is full. When the running sequences outgrow the KV budget, the
+// newest is preempted: its blocks go to the store, its window stays here, and it resumes from the
+// store when there is room — never recomputed.
+//
+// Tokens stream to the request's TokenSink from the scheduler thread (the sink must not block).
+// When a sequence ends, its full chunks that the prefill node did not store (generated text) are
+// Put in the store, so the conversation's next turn is a prefix hit.
+//
+// Thread-safe.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "common/prefix_key.h"
+#include "kernels/calibration.h"
+#include "kvstore/block_source.h"
+#include "model/llama.h"
+#include "model/sampler.h"
+#include "model/tokenizer.h"
+#include "transport/block_protocol.h"
+
+namespace strata::decode {
+
+struct DecodeEngineOptions {
+  std::string codec = "fp16";   // must be the prefill nodes' codec
+  uint32_t chunk_tokens = 256;
+  std::shared_ptr<const kernels::Calibration> calibration = nullptr;
+  PrefixKeyOptions keys = {};   // as the prefill nodes key chunks (cache salt per request)
+  uint32_t max_batch = 32;      // sequences stepped together
+  uint64_t kv_budget_bytes = uint64_t{1} << 30;  // compressed blocks + windows of admitted ones
+  uint32_t max_waiting = 4096;  // registered requests not yet running; more are refused
+  absl::Duration kv_timeout = absl::Seconds(60);  // from Start to the end shipment
+  bool put_to_store = true;     // Put generated chunks (and preempted sequences) in the store
+  absl::Status Validate() const;
+};
+
+enum class FinishReason { kStop, kLength };
+
+struct DecodeRequest {
+  std::string request_id = "";
+  std::vector<uint32_t> prompt = {};  // the prompt as the prefill node got it
+  std::string cache_salt = "";
+  model::SamplingOptions sampling = {};
+  uint32_t max_tokens = 16;      // generated tokens at most (the first included)
+  std::vector<std::string> stop = {};
+  bool ignore_eos = false;
+};
+
+struct DecodeUsage {
+  uint32_t prompt_tokens = 0, completion_tokens = 0, cached_tokens = 0;
+};
+
+// Where a request's output goes. Called from the scheduler thread, in order: Token* then one of
+// Finish or Fail. Must not block.
+class TokenSink {
+ public:
+  virtual ~TokenSink() = default;
+  virtual void Token(uint32_t token, const std::string& text) = 0;
+  virtual void Finish(FinishReason reason, const DecodeUsage& usage) = 0;
+  virtual void Fail(const absl::Status& status) = 0;
+};
+
+struct DecodeLoad {
+  uint32_t running = 0, waiting = 0;  // in the batch / registered, not yet running
+  uint64_t kv_bytes_in_use = 0;       // of running sequences (compressed blocks + windows)
+  uint64_t kv_bytes_arrived = 0;      // of waiting sequences, held since arrival
+};
+
+struct DecodeStats {
+  uint64_t requests = 0, finished = 0, failed = 0, cancelled = 0, preemptions = 0, resumed = 0;
+  uint64_t tokens = 0, steps = 0, batched_sequences = 0;  // batched_sequences / steps = batch size
+  uint64_t blocks_received = 0, bytes_received = 0;
+  uint64_t blocks_stored = 0, store_put_errors = 0;
+};
+
+class DecodeEngine {
+ public:
+  // `model`, `tokenizer` and `transport` must outlive the engine; `store` may be null (no Put,
+  // no preemption). Installs a BlockReceiver on `transport`.
+  static absl::StatusOr<std::unique_ptr<DecodeEngine>> Create(DecodeEngineOptions options,
+                                                              const model::LlamaModel* model,
+                                                              const model::Tokenizer* tokenizer,
+                                                              transport::Transport* transport,
+                                                              kvstore::BlockSource* store);
+  // Fails what is still registered (UNAVAILABLE) and stops the scheduler.
+  ~DecodeEngine();
+
+  // Registers a request; its KV is then expected. kInvalidArgument (bad request),
+  // kAlreadyExists (the id is registered), kResourceExhausted (too many waiting).
+  absl::Status Start(DecodeRequest request, std::shared_ptr<TokenSink> sink);
+  // Drops a request wherever it is (waiting for KV, waiting for room, running): its KV is freed
+  // and its sink gets no further call. Unknown ids are ignored.
+  void Cancel(const std::string& request_id);
+
+  DecodeLoad load() const;
+  DecodeStats stats() const;
+  std::string transport_address() const { return transport_->address(); }
+  const transport::BlockReceiver& receiver() const { return *receiver_; }
+
+ private:
+  struct Sequence;
+  DecodeEngine(DecodeEngineOptions options, const model::LlamaModel* model,
+               const model::Tokenizer* tokenizer, transport::Transport* transport,
+               kvstore::BlockSource* store)
+      : options_(std::move(options)),
+        model_(model),
+        tokenizer_(tokenizer),
+        transport_(transport),
+        store_(store) {}
+  absl::Status Consume(transport::ReceivedBlock block);
+  void Loop();
+  // Adopts an arrived sequence's KV into its cache; emits its first token. Holds no lock.
+  absl::Status Activate(Sequence& s);
+  absl::Status Preempt(Sequence& s);
+  absl::Status Resume(Sequence& s);
+  // Emits `token` for `s`; true when the sequence is done (finished now).
+  bool Emit(Sequence& s, uint32_t token);
+  void PutGenerated(Sequence& s);
+  uint64_t KvBytes(const Sequence& s) const;
+
+  const DecodeEngineOptions options_;
+  const model::LlamaModel* model_;
+  const model::Tokenizer* tokenizer_;
+  transport::Transport* transport_;
+  kvstore::BlockSource* store_;
+  std::unique_ptr<transport::BlockReceiver> receiver_;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  absl::flat_hash_map<std::string, std::shared_ptr<Sequence>> by_id_;  // every registered one
+  std::deque<std::shared_ptr<Sequence>> ready_;  // KV arrived (or preempted), waiting for room
+  std::vector<std::shared_ptr<Sequence>> running_;  // only the scheduler thread changes it
+  DecodeLoad load_;
+  DecodeStats stats_;
+  std::thread thread_;
+};
+
+}  // namespace strata::decode

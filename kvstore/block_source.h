@@ -1,0 +1,61 @@
+// BlockSource: what a serving node needs of a block store, whether the store is embedded in the
+// node (a BlockStore) or a `strata-store` reached over gRPC (StoreClient): longest cached prefix,
+// Get, Put. Prefill and decode engines take one, so the same engine runs in one process over an
+// embedded store and in a cluster over the store service.
+//
+// Thread-safe: every implementation may be called from several threads.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "common/prefix_key.h"
+#include "common/shared_bytes.h"
+#include "kvstore/block_store.h"
+
+namespace strata::kvstore {
+
+class BlockSource {
+ public:
+  virtual ~BlockSource() = default;
+  // Leading chunks of `chain` present for every layer, layer l named with
+  // layer_codec_fingerprints[l] (prefix supplies the model and calibration fingerprints).
+  virtual absl::StatusOr<uint32_t> Lookup(const BlockName& prefix,
+                                          absl::Span<const BlockHash> chain,
+                                          absl::Span<const uint64_t> layer_codec_fingerprints) = 0;
+  // The block's bytes; kNotFound on a miss.
+  virtual absl::StatusOr<SharedBytes> Get(const BlockName& name) = 0;
+  virtual absl::Status Put(const BlockName& name, const BlockHash* parent, SharedBytes block) = 0;
+  // True when Get's bytes were checksum-verified in this process (an embedded store keeps only
+  // verified blocks); false when they crossed a network (the caller verifies once, on use).
+  virtual bool verified_on_get() const = 0;
+  virtual std::string Describe() const = 0;
+};
+
+// An embedded store as a BlockSource (`store` must outlive it).
+class EmbeddedBlockSource final : public BlockSource {
+ public:
+  explicit EmbeddedBlockSource(BlockStore* store) : store_(store) {}
+  absl::StatusOr<uint32_t> Lookup(const BlockName& prefix, absl::Span<const BlockHash> chain,
+                                  absl::Span<const uint64_t> layer_codec_fingerprints) override {
+    return store_->Lookup(prefix, chain, layer_codec_fingerprints).chunks;
+  }
+  absl::StatusOr<SharedBytes> Get(const BlockName& name) override {
+    absl::StatusOr<Lease> lease = store_->Get(name);
+    if (!lease.ok()) return lease.status();
+    return lease->shared();
+  }
+  absl::Status Put(const BlockName& name, const BlockHash* parent, SharedBytes block) override {
+    return store_->Put(name, parent, std::move(block));
+  }
+  bool verified_on_get() const override { return true; }
+  std::string Describe() const override { return "embedded store"; }
+
+ private:
+  BlockStore* store_;
+};
+
+}  // namespace strata::kvstore

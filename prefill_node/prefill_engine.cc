@@ -1,0 +1,323 @@
+#include "prefill_node/prefill_engine.h"
+
+#include <algorithm>
+#include <chrono>
+#include <iostream>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "transport/shipment.h"
+
+namespace strata::prefill {
+namespace {
+
+double Since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+transport::Payload PayloadOf(absl::Span<const uint8_t> b) {
+  return {.bytes = std::span<const uint8_t>(b.data(), b.size())};
+}
+
+}  // namespace
+
+absl::Status PrefillEngineOptions::Validate() const {
+  STRATA_RETURN_IF_ERROR(kernels::CodecSpec::Parse(codec).status());
+  PrefixKeyOptions k = keys;
+  k.chunk_tokens = chunk_tokens;
+  STRATA_RETURN_IF_ERROR(k.Validate());
+  if (max_concurrent < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("prefill: max_concurrent must be >= 1, got ", max_concurrent));
+  }
+  if (ship_timeout <= absl::ZeroDuration() || connect_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("prefill: timeouts must be positive");
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<PrefillEngine>> PrefillEngine::Create(
+    PrefillEngineOptions options, const model::LlamaModel* model, transport::Transport* transport,
+    kvstore::BlockSource* store) {
+  STRATA_RETURN_IF_ERROR(options.Validate());
+  if (model == nullptr || transport == nullptr) {
+    return absl::InvalidArgumentError("prefill: needs a model and a transport");
+  }
+  // A cache of this codec must be constructible (a calibration present when needed).
+  STRATA_RETURN_IF_ERROR(model->NewCache({.codec = options.codec,
+                                          .chunk_tokens = options.chunk_tokens,
+                                          .calibration = options.calibration})
+                             .status());
+  std::unique_ptr<PrefillEngine> e(new PrefillEngine(std::move(options), model, transport, store));
+  STRATA_ASSIGN_OR_RETURN(e->sender_,
+                          transport::BlockSender::Create(transport, {.timeout = e->options_.ship_timeout}));
+  return e;
+}
+
+PrefillEngine::~PrefillEngine() = default;
+
+PrefillLoad PrefillEngine::load() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return load_;
+}
+
+PrefillStats PrefillEngine::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_;
+}
+
+absl::StatusOr<std::shared_ptr<transport::Endpoint>> PrefillEngine::Peer(
+    const std::string& address) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = peers_.find(address);
+    if (it != peers_.end() && it->second->health().ok()) return it->second;
+  }
+  STRATA_ASSIGN_OR_RETURN(std::shared_ptr<transport::Endpoint> ep,
+                          transport_->Connect(address, options_.connect_timeout));
+  std::lock_guard<std::mutex> lock(mu_);
+  peers_[address] = ep;
+  return ep;
+}
+
+absl::StatusOr<PrefillResult> PrefillEngine::Prefill(const PrefillRequest& r,
+                                                     const std::function<bool()>& cancelled) {
+  const auto t0 = std::chrono::steady_clock::now();
+  STRATA_RETURN_IF_ERROR(transport::ValidateRequestId(r.request_id));
+  STRATA_RETURN_IF_ERROR(r.sampling.Validate());
+  const model::ModelConfig& c = model_->config();
+  if (r.tokens.empty()) return absl::InvalidArgumentError("prefill: the prompt has no tokens");
+  if (r.tokens.size() >= c.max_position_embeddings) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("prefill: prompt of ", r.tokens.size(), " tokens, the model's context is ",
+                     c.max_position_embeddings));
+  }
+  for (size_t i = 0; i < r.tokens.size(); ++i) {
+    if (r.tokens[i] >= c.vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat("prefill: token ", i, " is ", r.tokens[i],
+                                                     ", beyond the vocabulary of ", c.vocab_size));
+    }
+  }
+  // A compute slot, in arrival order.
+  uint64_t ticket;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (load_.queued_tokens + r.tokens.size() > options_.max_queued_tokens) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "prefill: ", load_.queued_tokens, " prompt tokens queued, the limit is ",
+          options_.max_queued_tokens));
+    }
+    load_.queued_tokens += r.tokens.size();
+    ++load_.active;
+    ++stats_.requests;
+    ticket = next_ticket_++;
+    while (!(ticket == serving_ticket_ && computing_ < options_.max_concurrent)) {
+      turn_cv_.wait_for(lock, std::chrono::milliseconds(20));
+      if (cancelled && cancelled()) {
+        // Give the turn up without computing: the next ticket may go when ours comes.
+        while (!(ticket == serving_ticket_)) turn_cv_.wait_for(lock, std::chrono::milliseconds(5));
+        ++serving_ticket_;
+        load_.queued_tokens -= r.tokens.size();
+        --load_.active;
+        ++stats_.cancelled;
+        turn_cv_.notify_all();
+        return absl::CancelledError("prefill: cancelled while queued");
+      }
+    }
+    ++serving_ticket_;
+    ++computing_;
+    turn_cv_.notify_all();
+  }
+  const double queued = Since(t0);
+  absl::StatusOr<PrefillResult> result = Run(r, cancelled);
+  std::lock_guard<std::mutex> lock(mu_);
+  --computing_;
+  load_.queued_tokens -= r.tokens.size();
+  --load_.active;
+  turn_cv_.notify_all();
+  if (!result.ok()) {
+    ++(result.status().code() == absl::StatusCode::kCancelled ? stats_.cancelled : stats_.failed);
+    return result;
+  }
+  result->queue_seconds = queued;
+  result->total_seconds = Since(t0);
+  stats_.prompt_tokens += result->prompt_tokens;
+  stats_.cached_tokens += result->cached_tokens;
+  stats_.computed_tokens += result->computed_tokens;
+  stats_.blocks_shipped += result->blocks_shipped;
+  stats_.bytes_shipped += result->bytes_shipped;
+  stats_.block_bytes += result->block_bytes;
+  stats_.fp16_bytes += result->fp16_bytes;
+  stats_.blocks_stored += result->blocks_stored;
+  return result;
+}
+
+absl::StatusOr<PrefillResult> PrefillEngine::Run(const PrefillRequest& r,
+                                                 const std::function<bool()>& cancelled) {
+  const model::ModelConfig& c = model_->config();
+  const uint32_t C = options_.chunk_tokens, L = c.num_layers;
+  PrefillResult res;
+  res.prompt_tokens = static_cast<uint32_t>(r.tokens.size());
+  STRATA_ASSIGN_OR_RETURN(std::shared_ptr<transport::Endpoint> peer, Peer(r.decode_address));
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<model::SequenceKvCache> cache,
+                          model_->NewCache({.codec = options_.codec,
+                                            .chunk_tokens = C,
+                                            .calibration = options_.calibration}));
+  PrefixKeyOptions ko = options_.keys;
+  ko.chunk_tokens = C;
+  ko.cache_salt = r.cache_salt;
+  STRATA_ASSIGN_OR_RETURN(PrefixHasher hasher, PrefixHasher::Create(ko));
+  const std::vector<BlockHash> keys = hasher.ChunkKeys(r.tokens);
+  const std::vector<uint64_t> layer_fps = cache->LayerCodecFingerprints();
+
+  // Everything sent stays alive here until its transfer completes.
+  std::vector<std::shared_ptr<transport::Transfer>> transfers;
+  std::vector<SharedBytes> keep;
+  std::vector<std::shared_ptr<const std::string>> keep_text;
+  absl::Status ship_error;
+  auto ship = [&](const transport::ShipmentId& id, absl::Span<const uint8_t> payload) {
+    const std::string encoded = id.Encode();
+    res.bytes_shipped += encoded.size() + payload.size();
+    transfers.push_back(sender_->Send(peer, encoded, PayloadOf(payload)));
+    if (transfers.back()->done() && !transfers.back()->status().ok() && ship_error.ok()) {
+      ship_error = transfers.back()->status();
+    }
+  };
+  auto ship_block = [&](uint32_t layer, uint32_t chunk, SharedBytes bytes) {
+    transport::ShipmentId id{.kind = transport::ShipmentKind::kBlock,
+                             .request_id = r.request_id,
+                             .layer = layer,
+                             .chunk = chunk,
+                             .name = cache->NameOf(layer, keys[chunk])};
+    if (chunk > 0) id.parent_key = keys[chunk - 1];
+    res.block_bytes += bytes.size();
+    res.fp16_bytes += size_t{C} * c.num_kv_heads * c.head_dim * 2 * 2;
+    ++res.blocks_shipped;
+    ship(id, bytes.span());
+    keep.push_back(std::move(bytes));
+  };
+  // Cancels what is in flight, waits for it (the payloads must outlive it), and tells the
+  // decode node to drop the request.
+  auto abort = [&](const absl::Status& why) -> absl::Status {
+    for (auto& t : transfers) t->Cancel();
+    for (auto& t : transfers) t->Wait().IgnoreError();
+    auto reason = std::make_shared<const std::string>(std::string(why.message()));
+    transport::ShipmentId id{.kind = transport::ShipmentKind::kAbort, .request_id = r.request_id};
+    auto t = sender_->Send(peer, id.Encode(),
+                           PayloadOf({reinterpret_cast<const uint8_t*>(reason->data()), reason->size()}),
+                           {.timeout = absl::Seconds(2)});
+    t->Wait().IgnoreError();  // best effort: the decode node also times the request out
+    return why;
+  };
+
+  // The cached prefix: at most every chunk but the one holding the last prompt token.
+  uint32_t hit = 0;
+  const uint32_t max_hit = static_cast<uint32_t>((r.tokens.size() - 1) / C);
+  if (store_ != nullptr && max_hit > 0) {
+    absl::StatusOr<uint32_t> n =
+        store_->Lookup(cache->NameOf(0, keys[0]), absl::MakeConstSpan(keys).first(max_hit), layer_fps);
+    if (n.ok()) {
+      hit = std::min(*n, max_hit);
+    } else {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++stats_.store_lookup_errors;
+    }
+  }
+  // Fetch it; a block gone meanwhile shortens the hit to the chunks fully fetched.
+  std::vector<std::vector<SharedBytes>> fetched(hit);
+  for (uint32_t k = 0; k < hit; ++k) {
+    for (uint32_t l = 0; l < L; ++l) {
+      absl::StatusOr<SharedBytes> b = store_->Get(cache->NameOf(l, keys[k]));
+      if (!b.ok()) {
+        hit = k;
+        break;
+      }
+      fetched[k].push_back(*std::move(b));
+    }
+  }
+  fetched.resize(hit);
+  absl::Status adopted;
+  for (uint32_t k = 0; k < hit && adopted.ok(); ++k) {
+    for (uint32_t l = 0; l < L && adopted.ok(); ++l) {
+      adopted = cache->AdoptBlock(l, fetched[k][l], store_->verified_on_get());
+    }
+  }
+  if (!adopted.ok()) {  // a damaged or foreign block from the store: compute it all instead
+    std::cerr << "prefill: request " << r.request_id << ": cached prefix unusable, computing it: "
+              << adopted << "\n";
+    STRATA_ASSIGN_OR_RETURN(cache, model_->NewCache(cache->options()));
+    hit = 0;
+    fetched.clear();
+  }
+  STRATA_RETURN_IF_ERROR(cache->CommitAdopted());
+  res.cached_tokens = hit * C;
+  for (uint32_t k = 0; k < hit; ++k) {
+    for (uint32_t l = 0; l < L; ++l) ship_block(l, k, fetched[k][l]);
+  }
+
+  // Compute the rest; each layer's new chunk leaves as soon as the layer is done.
+  std::vector<uint32_t> next_chunk(L, hit);
+  std::vector<std::pair<uint32_t, uint32_t>> computed;  // (layer, chunk) of new blocks
+  const auto tc = std::chrono::steady_clock::now();
+  const model::LayerHook hook = [&](uint32_t layer) -> absl::Status {
+    if (cancelled && cancelled()) return absl::CancelledError("prefill: cancelled");
+    if (!ship_error.ok()) return ship_error;
+    STRATA_ASSIGN_OR_RETURN(std::vector<SharedBytes> blocks, cache->CompressLayer(layer));
+    for (SharedBytes& b : blocks) {
+      const uint32_t chunk = next_chunk[layer]++;
+      computed.emplace_back(layer, chunk);
+      ship_block(layer, chunk, std::move(b));
+    }
+    return absl::OkStatus();
+  };
+  absl::StatusOr<std::vector<float>> logits =
+      model_->Prefill(absl::MakeConstSpan(r.tokens).subspan(res.cached_tokens), cache.get(), hook);
+  res.compute_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - tc).count();
+  if (!logits.ok()) return abort(logits.status());
+  res.computed_tokens = res.prompt_tokens - res.cached_tokens;
+  res.first_token = model::Sampler(r.sampling).Sample(*logits, 0);
+
+  // Each layer's window, then the end.
+  for (uint32_t l = 0; l < L; ++l) {
+    auto w = std::make_shared<const std::string>(cache->ExportWindow(l));
+    ship({.kind = transport::ShipmentKind::kWindow, .request_id = r.request_id, .layer = l},
+         {reinterpret_cast<const uint8_t*>(w->data()), w->size()});
+    keep_text.push_back(std::move(w));
+  }
+  const transport::ShipmentEnd end{.first_token = res.first_token,
+                                   .prompt_tokens = res.prompt_tokens,
+                                   .chunks = static_cast<uint32_t>(cache->blocks_per_layer()),
+                                   .layers = L,
+                                   .window_tokens = cache->window_tokens(),
+                                   .cached_tokens = res.cached_tokens};
+  auto end_bytes = std::make_shared<const std::string>(end.Encode());
+  ship({.kind = transport::ShipmentKind::kEnd, .request_id = r.request_id},
+       {reinterpret_cast<const uint8_t*>(end_bytes->data()), end_bytes->size()});
+  keep_text.push_back(end_bytes);
+  for (auto& t : transfers) {
+    absl::Status s = t->Wait();
+    if (!s.ok()) return abort(s);
+  }
+
+  // New chunks to the store, parents first (a store refuses orphans).
+  if (store_ != nullptr && options_.put_to_store) {
+    std::sort(computed.begin(), computed.end(),
+              [](auto a, auto b) { return a.second != b.second ? a.second < b.second : a.first < b.first; });
+    for (const auto& [layer, chunk] : computed) {
+      const BlockHash* parent = chunk > 0 ? &keys[chunk - 1] : nullptr;
+      absl::Status s = store_->Put(cache->NameOf(layer, keys[chunk]), parent,
+                                   cache->layer_blocks(layer)[chunk]);
+      if (s.ok()) {
+        ++res.blocks_stored;
+      } else {
+        std::lock_guard<std::mutex> lock(mu_);
+        ++stats_.store_put_errors;
+        std::cerr << "prefill: request " << r.request_id << ": store Put failed: " << s << "\n";
+        break;  // later chunks would be orphans
+      }
+    }
+  }
+  return res;
+}
+
+}  // namespace strata::prefill

@@ -1,0 +1,282 @@
+// The prefill and decode engines in one process: prefill ships blocks over the in-process
+// transport to decode, which generates. Greedy output equals single-process generation with the
+// same codec (LlamaModel::Prefill then Step, as `strata generate` runs), prefixes are reused from
+// the store, layers stream, sequences batch, and cancellation and bad shipments are handled.
+#include <condition_variable>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "decode_node/decode_engine.h"
+#include "gtest/gtest.h"
+#include "kvstore/block_source.h"
+#include "model/llama.h"
+#include "model/tokenizer.h"
+#include "prefill_node/prefill_engine.h"
+#include "transport/inproc/inproc_transport.h"
+#include "transport/shipment.h"
+
+namespace strata {
+namespace {
+
+class CollectingSink : public decode::TokenSink {
+ public:
+  void Token(uint32_t token, const std::string& text) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    tokens_.push_back(token);
+    text_ += text;
+  }
+  void Finish(decode::FinishReason reason, const decode::DecodeUsage& usage) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    reason_ = reason;
+    usage_ = usage;
+    done_ = true;
+    cv_.notify_all();
+  }
+  void Fail(const absl::Status& status) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    status_ = status;
+    done_ = true;
+    cv_.notify_all();
+  }
+  bool Wait(absl::Duration timeout = absl::Seconds(60)) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, absl::ToChronoSeconds(timeout), [&] { return done_; });
+  }
+  std::vector<uint32_t> tokens() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return tokens_;
+  }
+  absl::Status status() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return status_;
+  }
+  decode::DecodeUsage usage() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return usage_;
+  }
+  std::string text() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return text_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<uint32_t> tokens_;
+  std::string text_;
+  decode::FinishReason reason_ = decode::FinishReason::kLength;
+  decode::DecodeUsage usage_;
+  absl::Status status_;
+  bool done_ = false;
+};
+
+constexpr uint32_t kChunk = 32;
+
+class ServingEngineTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    model_ = model::LlamaModel::Load(absl::StrCat(STRATA_SOURCE_DIR, "/models/strata-tiny"))->release();
+    tokenizer_ = model::Tokenizer::Load(absl::StrCat(STRATA_SOURCE_DIR, "/models/strata-tiny"))->release();
+  }
+  static void TearDownTestSuite() {
+    delete model_;
+    delete tokenizer_;
+  }
+
+  void Build(const std::string& codec, uint32_t max_batch = 32, uint64_t budget = 1ull << 30) {
+    codec_ = codec;
+    decode_.reset();  // engines before the transports and the store they use
+    prefill_.reset();
+    store_ = *kvstore::BlockStore::Open({.ram_bytes = 256 << 20});
+    source_ = std::make_unique<kvstore::EmbeddedBlockSource>(store_.get());
+    pt_ = *transport::CreateInprocTransport({});
+    dt_ = *transport::CreateInprocTransport({});
+    prefill_ = *prefill::PrefillEngine::Create({.codec = codec, .chunk_tokens = kChunk},
+                                               model_, pt_.get(), source_.get());
+    decode_ = *decode::DecodeEngine::Create(
+        {.codec = codec, .chunk_tokens = kChunk, .max_batch = max_batch, .kv_budget_bytes = budget},
+        model_, tokenizer_, dt_.get(), source_.get());
+  }
+
+  std::vector<uint32_t> Prompt(const std::string& text) {
+    std::vector<uint32_t> ids = tokenizer_->Encode(text);
+    ids.insert(ids.begin(), static_cast<uint32_t>(model_->config().bos_token_id));
+    return ids;
+  }
+
+  // Single-process greedy generation, as `strata generate` runs it.
+  std::vector<uint32_t> Solo(const std::vector<uint32_t>& prompt, uint32_t n) {
+    auto cache = *model_->NewCache({.codec = codec_, .chunk_tokens = kChunk});
+    std::vector<float> logits = *model_->Prefill(prompt, cache.get());
+    std::vector<uint32_t> out;
+    for (uint32_t i = 0; i < n; ++i) {
+      const uint32_t t = model::Sampler({}).Sample(logits, i);
+      out.push_back(t);
+      if (t == static_cast<uint32_t>(model_->config().eos_token_id)) break;
+      logits = *model_->Step({&t, 1}, cache.get());
+    }
+    return out;
+  }
+
+  // Through the engines: register at decode, prefill ships, decode generates.
+  std::shared_ptr<CollectingSink> Serve(const std::string& id, const std::vector<uint32_t>& prompt,
+                                        uint32_t n, prefill::PrefillResult* result = nullptr,
+                                        const std::string& salt = "") {
+    auto sink = std::make_shared<CollectingSink>();
+    EXPECT_TRUE(decode_->Start({.request_id = id, .prompt = prompt, .cache_salt = salt,
+                                .max_tokens = n, .ignore_eos = false},
+                               sink)
+                    .ok());
+    absl::StatusOr<prefill::PrefillResult> r = prefill_->Prefill(
+        {.request_id = id, .tokens = prompt, .cache_salt = salt, .decode_address = dt_->address()});
+    EXPECT_TRUE(r.ok()) << r.status();
+    if (r.ok() && result != nullptr) *result = *r;
+    return sink;
+  }
+
+  static model::LlamaModel* model_;
+  static model::Tokenizer* tokenizer_;
+  std::string codec_;
+  std::unique_ptr<kvstore::BlockStore> store_;
+  std::unique_ptr<kvstore::EmbeddedBlockSource> source_;
+  std::unique_ptr<transport::Transport> pt_, dt_;
+  std::unique_ptr<prefill::PrefillEngine> prefill_;
+  std::unique_ptr<decode::DecodeEngine> decode_;
+};
+
+model::LlamaModel* ServingEngineTest::model_ = nullptr;
+model::Tokenizer* ServingEngineTest::tokenizer_ = nullptr;
+
+const char kText[] =
+    "The kernel schedules processes and manages memory. Each process has its own address space, "
+    "and the kernel maps pages on demand when a process touches them for the first time.";
+
+TEST_F(ServingEngineTest, GreedyOutputEqualsSingleProcessForEveryCodecFamily) {
+  for (const char* codec : {"fp16", "kivi:k2v2:g32", "gear:k2v2:kcvt:r2:s1", "zipcache:k2v2:h4:s10",
+                            "kcvt:k4v4"}) {
+    Build(codec);
+    const std::vector<uint32_t> prompt = Prompt(absl::StrCat(kText, " ", kText));
+    ASSERT_GT(prompt.size(), 2 * kChunk);
+    prefill::PrefillResult r;
+    auto sink = Serve(absl::StrCat("req-", std::string(codec).substr(0, 4)), prompt, 24, &r);
+    ASSERT_TRUE(sink->Wait());
+    ASSERT_TRUE(sink->status().ok()) << codec << ": " << sink->status();
+    EXPECT_EQ(sink->tokens(), Solo(prompt, 24)) << codec;
+    EXPECT_EQ(r.blocks_shipped, (prompt.size() / kChunk) * model_->config().num_layers) << codec;
+    EXPECT_GT(r.block_bytes, 0u);
+    EXPECT_EQ(sink->usage().prompt_tokens, prompt.size());
+  }
+}
+
+TEST_F(ServingEngineTest, ASecondTurnAdoptsTheFirstTurnsPrefixAndMatchesRecomputing) {
+  Build("kivi:k2v2:g32");
+  const std::vector<uint32_t> turn1 = Prompt(kText);
+  prefill::PrefillResult r1, r2;
+  auto s1 = Serve("turn-1", turn1, 40, &r1);
+  ASSERT_TRUE(s1->Wait());
+  ASSERT_TRUE(s1->status().ok()) << s1->status();
+  EXPECT_EQ(r1.cached_tokens, 0u);
+  // Turn 2: turn 1, its answer, a new question.
+  std::vector<uint32_t> turn2 = turn1;
+  const std::vector<uint32_t> answer = s1->tokens();
+  turn2.insert(turn2.end(), answer.begin(), answer.end());
+  const std::vector<uint32_t> more = tokenizer_->Encode(" What does the kernel do next?");
+  turn2.insert(turn2.end(), more.begin(), more.end());
+  auto s2 = Serve("turn-2", turn2, 16, &r2);
+  ASSERT_TRUE(s2->Wait());
+  ASSERT_TRUE(s2->status().ok()) << s2->status();
+  // Every full chunk of turn 1's prompt and answer was stored (prefill and decode), so turn 2
+  // computes only from the last of them on.
+  EXPECT_GE(r2.cached_tokens, (turn1.size() / kChunk) * kChunk);
+  EXPECT_EQ(s2->usage().cached_tokens, r2.cached_tokens);
+  EXPECT_EQ(r2.computed_tokens, turn2.size() - r2.cached_tokens);
+  // Another tenant shares nothing.
+  prefill::PrefillResult r3;
+  auto s3 = Serve("turn-2-other-tenant", turn2, 4, &r3, "tenant-b");
+  ASSERT_TRUE(s3->Wait());
+  EXPECT_EQ(r3.cached_tokens, 0u);
+  const std::vector<uint32_t> t2 = s2->tokens();
+  EXPECT_EQ(s3->tokens(), std::vector<uint32_t>(t2.begin(), t2.begin() + 4));
+}
+
+TEST_F(ServingEngineTest, ConcurrentSequencesBatchAndEachEqualsItsSoloOutput) {
+  Build("kivi:k4v4:g32", /*max_batch=*/8);
+  constexpr int kStreams = 12;
+  std::vector<std::vector<uint32_t>> prompts;
+  std::vector<std::shared_ptr<CollectingSink>> sinks;
+  for (int i = 0; i < kStreams; ++i) {
+    prompts.push_back(Prompt(absl::StrCat("Request ", i, ": ", std::string(kText).substr(i * 5))));
+    sinks.push_back(Serve(absl::StrCat("c", i), prompts.back(), 20));
+  }
+  for (int i = 0; i < kStreams; ++i) {
+    ASSERT_TRUE(sinks[i]->Wait());
+    ASSERT_TRUE(sinks[i]->status().ok()) << sinks[i]->status();
+    EXPECT_EQ(sinks[i]->tokens(), Solo(prompts[i], 20)) << "stream " << i;
+  }
+  const decode::DecodeStats st = decode_->stats();
+  EXPECT_GT(st.batched_sequences, st.steps) << "sequences were never batched";
+}
+
+TEST_F(ServingEngineTest, PreemptedSequencesResumeFromTheStoreWithTheSameOutput) {
+  // A budget that holds about one sequence: the others are preempted to the store and resumed.
+  Build("fp16", /*max_batch=*/8, /*budget=*/300 << 10);
+  constexpr int kStreams = 4;
+  std::vector<std::vector<uint32_t>> prompts;
+  std::vector<std::shared_ptr<CollectingSink>> sinks;
+  for (int i = 0; i < kStreams; ++i) {
+    prompts.push_back(Prompt(absl::StrCat(i, " ", kText)));
+    sinks.push_back(Serve(absl::StrCat("p", i), prompts.back(), 70));
+  }
+  for (int i = 0; i < kStreams; ++i) {
+    ASSERT_TRUE(sinks[i]->Wait());
+    ASSERT_TRUE(sinks[i]->status().ok()) << sinks[i]->status();
+    EXPECT_EQ(sinks[i]->tokens(), Solo(prompts[i], 70)) << "stream " << i;
+  }
+  EXPECT_GT(decode_->stats().preemptions, 0u);
+  EXPECT_EQ(decode_->stats().resumed, decode_->stats().preemptions);
+}
+
+TEST_F(ServingEngineTest, UnknownRequestsAndBadShipmentsAreRefused) {
+  Build("fp16");
+  // Prefill for a request the decode node never registered: its blocks are refused.
+  absl::StatusOr<prefill::PrefillResult> r = prefill_->Prefill(
+      {.request_id = "nobody", .tokens = Prompt(kText), .decode_address = dt_->address()});
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kNotFound) << r.status();
+  // Bad requests.
+  EXPECT_EQ(prefill_->Prefill({.request_id = "x", .tokens = {}, .decode_address = dt_->address()})
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(prefill_->Prefill({.request_id = "has space", .tokens = {1}, .decode_address = dt_->address()})
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(prefill_->Prefill({.request_id = "y", .tokens = {999999}, .decode_address = dt_->address()})
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  auto sink = std::make_shared<CollectingSink>();
+  ASSERT_TRUE(decode_->Start({.request_id = "dup", .prompt = {1, 2}}, sink).ok());
+  EXPECT_EQ(decode_->Start({.request_id = "dup", .prompt = {1, 2}}, sink).code(),
+            absl::StatusCode::kAlreadyExists);
+}
+
+TEST_F(ServingEngineTest, CancelledPrefillTellsTheDecodeNodeToDropTheRequest) {
+  Build("fp16");
+  auto sink = std::make_shared<CollectingSink>();
+  const std::vector<uint32_t> prompt = Prompt(kText);
+  ASSERT_TRUE(decode_->Start({.request_id = "cx", .prompt = prompt, .max_tokens = 8}, sink).ok());
+  int polls = 0;
+  absl::StatusOr<prefill::PrefillResult> r = prefill_->Prefill(
+      {.request_id = "cx", .tokens = prompt, .decode_address = dt_->address()},
+      [&] { return ++polls > 2; });
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kCancelled);
+  ASSERT_TRUE(sink->Wait(absl::Seconds(10)));
+  EXPECT_EQ(sink->status().code(), absl::StatusCode::kAborted) << sink->status();
+  EXPECT_EQ(decode_->load().waiting, 0u);
+}
+
+}  // namespace
+}  // namespace strata
