@@ -687,25 +687,28 @@ void BlockStore::EmitLocked(BlockEventKind kind, const std::string& key, Tier ti
   ev.kind = kind;
   ev.name = *BlockName::Decode(key);  // keys are encoded names by construction
   ev.tier = tier;
-  absl::MutexLock lock(&events_mu_);
-  ev.id = ++last_event_id_;
-  events_.push_back(std::move(ev));
-  if (events_.size() > options_.event_ring) events_.pop_front();
+  {
+    std::lock_guard<std::mutex> lock(events_mu_);
+    ev.id = ++last_event_id_;
+    events_.push_back(std::move(ev));
+    if (events_.size() > options_.event_ring) events_.pop_front();
+  }
+  events_cv_.notify_all();
 }
 
 EventRead BlockStore::ReadEvents(uint64_t after_id, size_t max, absl::Duration timeout) const {
   EventRead r;
-  absl::MutexLock lock(&events_mu_);
-  auto first_available = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(events_mu_) {
+  std::unique_lock<std::mutex> lock(events_mu_);
+  auto first_available = [&] {
     return events_.empty() ? last_event_id_ + 1 : events_.front().id;
   };
-  auto gap = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(events_mu_) {
-    return after_id > last_event_id_ || after_id + 1 < first_available();
-  };
-  auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(events_mu_) {
-    return last_event_id_ > after_id || gap();
-  };
-  events_mu_.AwaitWithTimeout(absl::Condition(&ready), timeout);
+  auto gap = [&] { return after_id > last_event_id_ || after_id + 1 < first_available(); };
+  auto ready = [&] { return last_event_id_ > after_id || gap(); };
+  if (timeout == absl::InfiniteDuration()) {
+    events_cv_.wait(lock, ready);
+  } else if (timeout > absl::ZeroDuration()) {
+    events_cv_.wait_for(lock, absl::ToChronoNanoseconds(std::min(timeout, absl::Hours(24))), ready);
+  }
   r.first_available_id = first_available();
   r.last_id = last_event_id_;
   r.gap = gap();
@@ -721,7 +724,7 @@ StoreSnapshot BlockStore::Snapshot() const {
   StoreSnapshot s;
   std::lock_guard<std::mutex> lock(mu_);  // no event is emitted while it is held
   {
-    absl::MutexLock events_lock(&events_mu_);
+    std::lock_guard<std::mutex> events_lock(events_mu_);
     s.event_id = last_event_id_;
   }
   s.blocks.reserve(entries_.size());

@@ -268,9 +268,12 @@ class BlockStore {
   std::thread spill_thread_;
   const uint64_t store_id_;
   // The event feed, after mu_ when both are held.
-  mutable absl::Mutex events_mu_;
-  std::deque<BlockEvent> events_ ABSL_GUARDED_BY(events_mu_);  // the last event_ring events
-  uint64_t last_event_id_ ABSL_GUARDED_BY(events_mu_) = 0;
+  // std::mutex, not absl::Mutex: Debian's Abseil is not built for TSan, which then reports the
+  // readers' waits as races.
+  mutable std::mutex events_mu_;
+  mutable std::condition_variable events_cv_;
+  std::deque<BlockEvent> events_;  // the last event_ring events (guarded by events_mu_)
+  uint64_t last_event_id_ = 0;     // (guarded by events_mu_)
 };
 
 }  // namespace strata::kvstore

@@ -11,7 +11,7 @@ packages=(
   # fuzzers (libFuzzer ships with clang's runtime)
   clang libclang-rt-dev
   # libraries
-  libabsl-dev libssl-dev nlohmann-json3-dev libopenblas-dev libre2-dev
+  libabsl-dev libssl-dev nlohmann-json3-dev libopenblas-dev libre2-dev libboost-dev
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   librocksdb-dev
   libucx-dev ucx-utils

@@ -1,0 +1,802 @@
+#include "router/http_server.h"
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <optional>
+#include <random>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "boost/asio.hpp"
+#include "boost/beast/core.hpp"
+#include "boost/beast/http.hpp"
+#include "router/chat_template.h"
+#include "router/openai_api.h"
+
+namespace strata::router {
+namespace {
+
+namespace net = boost::asio;
+namespace beast = boost::beast;
+namespace http = beast::http;
+using tcp = net::ip::tcp;
+using error_code = boost::system::error_code;
+
+constexpr size_t kHeaderLimit = 64 * 1024;
+// After answering with "close" (413, 400 on a malformed request), keep reading and discarding
+// for this long so that the client's unsent body does not turn our close into a reset that
+// destroys the response before the client read it ("lingering close", as nginx does).
+constexpr auto kLingerTime = std::chrono::seconds(2);
+
+// Beast's string_view and Debian Abseil's are different types.
+absl::string_view Sv(beast::string_view s) { return absl::string_view(s.data(), s.size()); }
+
+std::chrono::steady_clock::duration ToChrono(absl::Duration d) {
+  return absl::ToChronoNanoseconds(d);
+}
+
+// Request ids: 128 random bits, per-thread generator seeded from the OS.
+std::string NewId(absl::string_view prefix) {
+  thread_local std::mt19937_64 rng{[] {
+    std::random_device rd;
+    return (uint64_t{rd()} << 32) ^ rd();
+  }()};
+  return absl::StrFormat("%s%016x%016x", prefix, rng(), rng());
+}
+
+void LogLine(const std::string& line) {
+  static absl::Mutex mu(absl::kConstInit);
+  absl::MutexLock lock(&mu);
+  std::cerr << line << '\n';
+}
+
+class Connection;
+
+// What the backend talks to: forwards each call onto the connection's strand, tagged with the
+// request's sequence number so that a late call can never touch a later request on the same
+// connection. Holds no Asio object (only a weak reference to the connection), so it may outlive
+// the server.
+class ConnectionStream final : public CompletionStream {
+ public:
+  ConnectionStream(std::weak_ptr<Connection> connection, uint64_t seq, ResponseContext ctx,
+                   bool streaming)
+      : connection_(std::move(connection)),
+        seq_(seq),
+        ctx_(std::move(ctx)),
+        streaming_(streaming) {}
+
+  void Token(std::string_view text, uint32_t token_id) override;
+  void Finish(FinishReason reason, const Usage& usage) override;
+  void Fail(const absl::Status& status) override;
+
+  // No further calls are forwarded (the request is over, or the server is stopping). Waits for
+  // a forward in progress on another thread.
+  void Close() {
+    absl::MutexLock lock(&mu_);
+    closed_ = true;
+  }
+
+ private:
+  enum class Kind { kData, kEnd, kFail };
+  void Forward(Kind kind, std::string data, int http_status = 200);
+
+  const std::weak_ptr<Connection> connection_;
+  const uint64_t seq_;
+  const ResponseContext ctx_;
+  const bool streaming_;
+  absl::Mutex mu_;
+  bool closed_ ABSL_GUARDED_BY(mu_) = false;
+  std::string text_ ABSL_GUARDED_BY(mu_);  // non-streaming: the completion so far
+};
+
+class ServerImpl;
+
+// One client connection. Every member is touched only on the connection's strand (the socket's
+// executor), except in ServerImpl::Stop after the I/O threads were joined.
+class Connection : public std::enable_shared_from_this<Connection> {
+ public:
+  Connection(ServerImpl* server, tcp::socket socket)
+      : server_(server), socket_(std::move(socket)), timer_(socket_.get_executor()) {}
+  ~Connection();
+
+  void Start() {
+    net::dispatch(socket_.get_executor(), [self = shared_from_this()] { self->DoRead(); });
+  }
+
+  // Server stopping; runs with no I/O thread left.
+  void Abandon() { Close(); }
+
+  // Called by ConnectionStream, from any thread.
+  template <typename F>
+  void Post(F&& f) {
+    net::post(socket_.get_executor(), std::forward<F>(f));
+  }
+  void OnStreamEvent(uint64_t seq, bool end, bool ok, std::string data);
+  void OnResponseEvent(uint64_t seq, int http_status, std::string body);
+
+ private:
+  using Request = http::request<http::string_body>;
+
+  void DoRead();
+  void OnRead(error_code ec);
+  void HandleRequest(Request request);
+  void HandleCompletion(const Request& request, Endpoint endpoint);
+  void NextRequest();
+
+  void SendResponse(int status, absl::string_view content_type, std::string body,
+                    bool close = false);
+  void SendError(const ApiError& error, bool close = false);
+  void OnResponseWritten(error_code ec, bool close);
+
+  void StartStream(const ResponseContext& ctx);
+  void EnqueueStream(std::string data);
+  void WriteStream();
+  void OnStreamWritten(error_code ec, bool last);
+
+  void RequestDone();
+  void ClientGone();
+  void LingerClose();
+  void Drain();
+  void Close();
+
+  void ArmTimer(absl::Duration d);
+  void DisarmTimer();
+
+  ServerImpl* const server_;
+  tcp::socket socket_;  // its executor is this connection's strand
+  net::steady_timer timer_;
+  uint64_t timer_gen_ = 0;  // a fired wait of an older generation is stale
+  beast::flat_buffer buffer_;
+  std::optional<http::request_parser<http::string_body>> parser_;
+  bool reading_ = false;
+  std::optional<Request> pipelined_;  // read while a request was in flight
+  bool closing_ = false;
+  bool lingering_ = false;  // answered with "close": reading only to discard
+
+  // The request being answered.
+  bool in_flight_ = false;
+  bool backend_done_ = false;  // Finish / Fail arrived (or the backend was never involved)
+  uint64_t seq_ = 0;
+  std::string request_id_;
+  std::string route_;
+  absl::Time start_;
+  int status_ = 0;
+  bool keep_alive_ = true;
+  std::unique_ptr<RequestHandle> handle_;
+  std::shared_ptr<ConnectionStream> stream_;
+  // Keeps this connection alive while the backend has its request (no I/O may be pending).
+  std::shared_ptr<Connection> self_;
+
+  // Writing.
+  bool writing_ = false;
+  bool streaming_ = false;
+  bool stream_end_ = false;
+  bool close_after_stream_ = false;
+  std::string pending_;    // stream bytes not yet handed to a write
+  std::string write_buf_;  // stream bytes of the write in flight
+  std::optional<http::response<http::empty_body>> stream_header_;
+  std::optional<http::response_serializer<http::empty_body>> stream_serializer_;
+  std::array<char, 4096> drain_{};  // lingering close
+};
+
+class ServerImpl final : public HttpServer {
+ public:
+  ServerImpl(const HttpServerOptions& options, Backend* backend)
+      : options_(options), backend_(backend), acceptor_(ioc_) {}
+  ~ServerImpl() override { Stop(); }
+
+  absl::Status Listen() {
+    error_code ec;
+    const net::ip::address address = net::ip::make_address(options_.host, ec);
+    if (ec) return absl::InvalidArgumentError(absl::StrCat("bad host '", options_.host, "'"));
+    const tcp::endpoint endpoint(address, options_.port);
+    acceptor_.open(endpoint.protocol(), ec);
+    if (!ec) acceptor_.set_option(net::socket_base::reuse_address(true), ec);
+    if (!ec) acceptor_.bind(endpoint, ec);
+    if (!ec) acceptor_.listen(net::socket_base::max_listen_connections, ec);
+    if (ec) {
+      return absl::UnavailableError(
+          absl::StrCat("cannot listen on ", options_.host, ":", options_.port, ": ", ec.message()));
+    }
+    port_ = acceptor_.local_endpoint().port();
+    DoAccept();
+    threads_.reserve(options_.threads);
+    for (int i = 0; i < options_.threads; ++i) threads_.emplace_back([this] { ioc_.run(); });
+    return absl::OkStatus();
+  }
+
+  uint16_t port() const override { return port_; }
+
+  void Stop() override {
+    {
+      absl::MutexLock lock(&stop_mu_);
+      if (stopped_) return;
+      stopped_ = true;
+    }
+    work_.reset();
+    ioc_.stop();
+    for (std::thread& t : threads_) t.join();
+    threads_.clear();
+    error_code ec;
+    acceptor_.close(ec);
+    std::vector<std::shared_ptr<Connection>> open;
+    {
+      absl::MutexLock lock(&mu_);
+      for (auto& [ptr, weak] : connections_) {
+        if (std::shared_ptr<Connection> c = weak.lock()) open.push_back(std::move(c));
+      }
+    }
+    for (const std::shared_ptr<Connection>& c : open) c->Abandon();
+    open.clear();
+    // Let the aborted operations' handlers run so that they release their connections.
+    ioc_.restart();
+    ioc_.run_for(std::chrono::seconds(2));
+  }
+
+  const HttpServerOptions& options() const { return options_; }
+  Backend* backend() const { return backend_; }
+
+  void Unregister(Connection* c) {
+    absl::MutexLock lock(&mu_);
+    connections_.erase(c);
+  }
+
+ private:
+  void DoAccept() {
+    acceptor_.async_accept(net::make_strand(ioc_), [this](error_code ec, tcp::socket socket) {
+      if (ec == net::error::operation_aborted || !acceptor_.is_open()) return;
+      if (ec) {
+        // Out of file descriptors and the like: back off instead of spinning.
+        auto timer = std::make_shared<net::steady_timer>(ioc_, std::chrono::milliseconds(20));
+        timer->async_wait([this, timer](error_code) { DoAccept(); });
+        return;
+      }
+      std::shared_ptr<Connection> connection;
+      {
+        absl::MutexLock lock(&mu_);
+        if (connections_.size() < options_.max_connections) {
+          connection = std::make_shared<Connection>(this, std::move(socket));
+          connections_.emplace(connection.get(), connection);
+        }
+      }
+      if (connection != nullptr) {
+        connection->Start();
+      } else {
+        error_code ignored;
+        socket.close(ignored);
+      }
+      DoAccept();
+    });
+  }
+
+  const HttpServerOptions options_;
+  Backend* const backend_;
+  absl::Mutex mu_;
+  // Open connections (for max_connections and Stop). Declared before ioc_: connections still
+  // owned by handlers are destroyed with ioc_ and unregister themselves here.
+  std::unordered_map<Connection*, std::weak_ptr<Connection>> connections_ ABSL_GUARDED_BY(mu_);
+  net::io_context ioc_;
+  std::optional<net::executor_work_guard<net::io_context::executor_type>> work_{
+      net::make_work_guard(ioc_)};
+  tcp::acceptor acceptor_;  // touched by the accept chain only (one operation at a time)
+  uint16_t port_ = 0;
+  std::vector<std::thread> threads_;
+  absl::Mutex stop_mu_;
+  bool stopped_ ABSL_GUARDED_BY(stop_mu_) = false;
+};
+
+// ---- ConnectionStream ------------------------------------------------------------------------
+
+void ConnectionStream::Token(std::string_view text, uint32_t /*token_id*/) {
+  if (streaming_) {
+    if (!text.empty())
+      Forward(Kind::kData,
+              RenderStreamTextEvent(ctx_, absl::string_view(text.data(), text.size())));
+    return;
+  }
+  absl::MutexLock lock(&mu_);
+  if (!closed_) text_.append(text);
+}
+
+void ConnectionStream::Finish(FinishReason reason, const Usage& usage) {
+  if (streaming_) {
+    std::string data = RenderStreamFinishEvent(ctx_, reason);
+    if (ctx_.include_usage) data += RenderStreamUsageEvent(ctx_, usage);
+    data.append(kStreamDoneEvent.data(), kStreamDoneEvent.size());
+    Forward(Kind::kEnd, std::move(data));
+    return;
+  }
+  std::string text;
+  {
+    absl::MutexLock lock(&mu_);
+    text.swap(text_);
+  }
+  Forward(Kind::kEnd, RenderCompletionResponse(ctx_, text, reason, usage));
+}
+
+void ConnectionStream::Fail(const absl::Status& status) {
+  const absl::Status error = status.ok() ? absl::InternalError("backend failed with OK") : status;
+  const ApiError api = ToApiError(error);
+  if (streaming_) {
+    Forward(Kind::kFail, RenderStreamErrorEvent(api));
+  } else {
+    Forward(Kind::kFail, RenderErrorJson(api), api.http_status);
+  }
+}
+
+void ConnectionStream::Forward(Kind kind, std::string data, int http_status) {
+  absl::MutexLock lock(&mu_);
+  if (closed_) return;
+  // The strong reference lives only inside the lock: the backend thread must never be the one
+  // that destroys a connection (its socket belongs to the server's io_context).
+  std::shared_ptr<Connection> c = connection_.lock();
+  if (c == nullptr) return;
+  Connection* raw = c.get();
+  if (streaming_) {
+    raw->Post([c = std::move(c), seq = seq_, kind, data = std::move(data)]() mutable {
+      c->OnStreamEvent(seq, kind != Kind::kData, kind == Kind::kEnd, std::move(data));
+    });
+  } else {
+    raw->Post([c = std::move(c), seq = seq_, http_status, data = std::move(data)]() mutable {
+      c->OnResponseEvent(seq, http_status, std::move(data));
+    });
+  }
+}
+
+// ---- Connection ------------------------------------------------------------------------------
+
+Connection::~Connection() { server_->Unregister(this); }
+
+void Connection::ArmTimer(absl::Duration d) {
+  const uint64_t gen = ++timer_gen_;
+  timer_.expires_after(ToChrono(d));
+  timer_.async_wait([self = shared_from_this(), gen](error_code ec) {
+    if (ec || gen != self->timer_gen_ || self->closing_) return;
+    self->ClientGone();
+    self->Close();
+  });
+}
+
+void Connection::DisarmTimer() {
+  ++timer_gen_;
+  timer_.cancel();
+}
+
+void Connection::DoRead() {
+  if (closing_ || reading_) return;
+  reading_ = true;
+  parser_.emplace();
+  parser_->body_limit(server_->options().max_body_bytes);
+  parser_->header_limit(kHeaderLimit);
+  if (!in_flight_) ArmTimer(server_->options().idle_timeout);
+  http::async_read(socket_, buffer_, *parser_,
+                   [self = shared_from_this()](error_code ec, size_t) { self->OnRead(ec); });
+}
+
+void Connection::OnRead(error_code ec) {
+  reading_ = false;
+  if (closing_) return;
+  if (lingering_) {
+    if (ec) {
+      Close();
+    } else {
+      Drain();
+    }
+    return;
+  }
+  if (ec) {
+    if (in_flight_) {  // the client went away (or broke the protocol) while being answered
+      ClientGone();
+      Close();
+      return;
+    }
+    if (ec == http::error::body_limit) {
+      seq_++;
+      request_id_ = NewId("req-");
+      route_ = "(body too large)";
+      start_ = absl::Now();
+      in_flight_ = true;
+      keep_alive_ = false;
+      SendError(
+          ToApiError(absl::OutOfRangeError(absl::StrCat(
+              "request body exceeds the limit of ", server_->options().max_body_bytes, " bytes"))),
+          /*close=*/true);
+      return;
+    }
+    if (ec == http::error::end_of_stream || ec == net::error::eof ||
+        ec == net::error::operation_aborted || ec == net::error::connection_reset ||
+        ec == http::error::partial_message) {
+      Close();
+      return;
+    }
+    seq_++;
+    request_id_ = NewId("req-");
+    route_ = "(malformed request)";
+    start_ = absl::Now();
+    in_flight_ = true;
+    keep_alive_ = false;
+    SendError({400, absl::StrCat("malformed HTTP request: ", ec.message()), "invalid_request_error",
+               std::nullopt, std::nullopt},
+              /*close=*/true);
+    return;
+  }
+  Request request = parser_->release();
+  if (in_flight_) {
+    pipelined_ = std::move(request);
+    return;
+  }
+  HandleRequest(std::move(request));
+}
+
+void Connection::HandleRequest(Request request) {
+  DisarmTimer();
+  seq_++;
+  status_ = 0;
+  in_flight_ = true;
+  backend_done_ = true;
+  start_ = absl::Now();
+  keep_alive_ = request.keep_alive();
+  absl::string_view target = Sv(request.target());
+  target = target.substr(0, target.find('?'));
+  route_ = absl::StrCat(Sv(request.method_string()), " ", target);
+  const bool get = request.method() == http::verb::get;
+  const bool post = request.method() == http::verb::post;
+
+  std::optional<Endpoint> endpoint;
+  if (target == "/v1/completions") endpoint = Endpoint::kCompletions;
+  if (target == "/v1/chat/completions") endpoint = Endpoint::kChatCompletions;
+  if (endpoint.has_value()) {
+    request_id_ = NewId(*endpoint == Endpoint::kChatCompletions ? "chatcmpl-" : "cmpl-");
+    if (!post) {
+      SendError({405,
+                 absl::StrCat("method ", Sv(request.method_string()), " is not allowed on ", target,
+                              "; use POST"),
+                 "invalid_request_error", std::nullopt, "method_not_allowed"});
+      return;
+    }
+    HandleCompletion(request, *endpoint);
+    return;
+  }
+  request_id_ = NewId("req-");
+  Backend* backend = server_->backend();
+  if (target == "/v1/models" || target == "/health" || target == "/metrics") {
+    if (!get) {
+      SendError({405,
+                 absl::StrCat("method ", Sv(request.method_string()), " is not allowed on ", target,
+                              "; use GET"),
+                 "invalid_request_error", std::nullopt, "method_not_allowed"});
+      return;
+    }
+    if (target == "/v1/models") {
+      SendResponse(200, "application/json", RenderModelList(backend->Models()));
+    } else if (target == "/health") {
+      std::string detail;
+      if (backend->Healthy(&detail)) {
+        SendResponse(200, "application/json", R"({"status":"ok"})");
+      } else {
+        ApiError e = ToApiError(absl::UnavailableError(detail.empty() ? "unhealthy" : detail));
+        SendError(e);
+      }
+    } else {
+      SendResponse(200, "text/plain; version=0.0.4; charset=utf-8", backend->RenderMetrics());
+    }
+    return;
+  }
+  SendError({404, absl::StrCat("no route for ", Sv(request.method_string()), " ", target),
+             "not_found_error", std::nullopt, std::nullopt});
+}
+
+void Connection::HandleCompletion(const Request& http_request, Endpoint endpoint) {
+  Backend* backend = server_->backend();
+  ChatRenderer render = [backend](
+                            const std::string& model,
+                            absl::Span<const ChatMessage> messages) -> absl::StatusOr<std::string> {
+    const std::string text = backend->ChatTemplateText(model);
+    if (text.empty()) {
+      for (const ModelCard& card : backend->Models()) {
+        if (card.id == model) {
+          return FieldError(
+              "model", absl::StrCat("model ", model, " has no chat template; use /v1/completions"));
+        }
+      }
+      return absl::NotFoundError(absl::StrCat("The model `", model, "` does not exist."));
+    }
+    absl::StatusOr<ChatTemplate> chat_template = AnalyzeChatTemplate(text);
+    if (!chat_template.ok()) {
+      return FieldError("model",
+                        absl::StrCat("model ", model, " has a chat template Strata cannot render"));
+    }
+    return RenderChat(*chat_template, messages);
+  };
+  absl::StatusOr<CompletionRequest> parsed =
+      ParseCompletionRequest(http_request.body(), endpoint, render);
+  if (!parsed.ok()) {
+    SendError(ToApiError(parsed.status()));
+    return;
+  }
+  CompletionRequest request = *std::move(parsed);
+  request.request_id = request_id_;
+  request.arrival = start_;
+  ResponseContext ctx;
+  ctx.id = request_id_;
+  ctx.model = request.model;
+  ctx.created = absl::ToUnixSeconds(start_);
+  ctx.chat = request.chat;
+  ctx.include_usage = request.include_usage;
+  const bool streaming = request.stream;
+  stream_ = std::make_shared<ConnectionStream>(weak_from_this(), seq_, ctx, streaming);
+  backend_done_ = false;
+  absl::StatusOr<std::unique_ptr<RequestHandle>> handle =
+      backend->Start(std::move(request), stream_);
+  if (!handle.ok()) {
+    stream_->Close();
+    stream_.reset();
+    backend_done_ = true;
+    SendError(ToApiError(handle.status()));
+    return;
+  }
+  handle_ = *std::move(handle);
+  self_ = shared_from_this();
+  if (streaming) StartStream(ctx);
+  DoRead();  // notices a client that goes away while the backend works
+}
+
+void Connection::NextRequest() {
+  if (closing_) return;
+  if (pipelined_.has_value()) {
+    Request next = std::move(*pipelined_);
+    pipelined_.reset();
+    HandleRequest(std::move(next));
+    return;
+  }
+  if (reading_) {
+    ArmTimer(server_->options().idle_timeout);
+  } else {
+    DoRead();
+  }
+}
+
+void Connection::SendResponse(int status, absl::string_view content_type, std::string body,
+                              bool close) {
+  status_ = status;
+  auto response =
+      std::make_shared<http::response<http::string_body>>(static_cast<http::status>(status), 11);
+  response->set(http::field::server, "strata-router");
+  response->set(http::field::content_type,
+                beast::string_view(content_type.data(), content_type.size()));
+  response->set("X-Request-Id", request_id_);
+  if (status == 429) response->set(http::field::retry_after, "1");
+  response->keep_alive(keep_alive_ && !close);
+  response->body() = std::move(body);
+  response->prepare_payload();
+  writing_ = true;
+  ArmTimer(server_->options().write_timeout);
+  http::async_write(socket_, *response,
+                    [self = shared_from_this(), response, close](error_code ec, size_t) {
+                      self->OnResponseWritten(ec, close || !response->keep_alive());
+                    });
+}
+
+void Connection::SendError(const ApiError& error, bool close) {
+  SendResponse(error.http_status, "application/json", RenderErrorJson(error), close);
+}
+
+void Connection::OnResponseWritten(error_code ec, bool close) {
+  writing_ = false;
+  if (closing_) return;
+  DisarmTimer();
+  if (ec) {
+    ClientGone();
+    Close();
+    return;
+  }
+  RequestDone();
+  if (close) {
+    LingerClose();
+    return;
+  }
+  NextRequest();
+}
+
+void Connection::StartStream(const ResponseContext& ctx) {
+  streaming_ = true;
+  stream_end_ = false;
+  close_after_stream_ = false;
+  status_ = 200;
+  stream_header_.emplace(http::status::ok, 11);
+  stream_header_->set(http::field::server, "strata-router");
+  stream_header_->set(http::field::content_type, "text/event-stream");
+  stream_header_->set(http::field::cache_control, "no-cache");
+  stream_header_->set("X-Request-Id", request_id_);
+  stream_header_->keep_alive(keep_alive_);
+  stream_header_->chunked(true);
+  stream_serializer_.emplace(*stream_header_);
+  if (ctx.chat) pending_ = RenderStreamRoleEvent(ctx);  // OpenAI's first chunk: the role
+  writing_ = true;
+  ArmTimer(server_->options().write_timeout);
+  http::async_write_header(socket_, *stream_serializer_,
+                           [self = shared_from_this()](error_code ec, size_t) {
+                             self->OnStreamWritten(ec, /*last=*/false);
+                           });
+}
+
+void Connection::OnStreamEvent(uint64_t seq, bool end, bool ok, std::string data) {
+  if (closing_ || seq != seq_ || !in_flight_ || !streaming_ || stream_end_) return;
+  if (!end) {
+    EnqueueStream(std::move(data));
+    return;
+  }
+  backend_done_ = true;
+  stream_end_ = true;
+  close_after_stream_ = !ok;
+  if (!ok) status_ = 500;  // logged only: the client already has its 200
+  pending_ += data;
+  WriteStream();
+}
+
+void Connection::OnResponseEvent(uint64_t seq, int http_status, std::string body) {
+  if (closing_ || seq != seq_ || !in_flight_ || streaming_ || backend_done_) return;
+  backend_done_ = true;
+  SendResponse(http_status, "application/json", std::move(body));
+}
+
+void Connection::EnqueueStream(std::string data) {
+  if (pending_.size() + data.size() > server_->options().max_pending_stream_bytes) {
+    ClientGone();  // reads slower than we produce: give the capacity to someone else
+    Close();
+    return;
+  }
+  pending_ += data;
+  WriteStream();
+}
+
+void Connection::WriteStream() {
+  if (writing_ || closing_) return;
+  if (!pending_.empty()) {
+    write_buf_.clear();
+    write_buf_.swap(pending_);
+    writing_ = true;
+    ArmTimer(server_->options().write_timeout);
+    net::async_write(socket_, http::make_chunk(net::buffer(write_buf_)),
+                     [self = shared_from_this()](error_code ec, size_t) {
+                       self->OnStreamWritten(ec, /*last=*/false);
+                     });
+    return;
+  }
+  if (stream_end_) {
+    writing_ = true;
+    ArmTimer(server_->options().write_timeout);
+    net::async_write(socket_, http::make_chunk_last(),
+                     [self = shared_from_this()](error_code ec, size_t) {
+                       self->OnStreamWritten(ec, /*last=*/true);
+                     });
+    return;
+  }
+  DisarmTimer();  // waiting for the backend: no deadline
+}
+
+void Connection::OnStreamWritten(error_code ec, bool last) {
+  writing_ = false;
+  if (closing_) return;
+  if (ec) {
+    ClientGone();
+    Close();
+    return;
+  }
+  if (!last) {
+    WriteStream();
+    return;
+  }
+  DisarmTimer();
+  const bool close = close_after_stream_ || !keep_alive_;
+  RequestDone();
+  if (close) {
+    LingerClose();
+    return;
+  }
+  NextRequest();
+}
+
+void Connection::RequestDone() {
+  if (!in_flight_) return;
+  if (server_->options().log_requests) {
+    LogLine(absl::StrFormat("strata-router: %s %s %d %.1fms", request_id_, route_, status_,
+                            absl::ToDoubleMilliseconds(absl::Now() - start_)));
+  }
+  in_flight_ = false;
+  if (stream_ != nullptr) stream_->Close();
+  stream_.reset();
+  handle_.reset();  // finished: destroying the handle cancels nothing
+  streaming_ = false;
+  stream_end_ = false;
+  close_after_stream_ = false;
+  stream_serializer_.reset();
+  stream_header_.reset();
+  pending_.clear();
+  write_buf_.clear();
+  self_.reset();  // every caller runs in a handler that holds its own reference
+}
+
+void Connection::ClientGone() {
+  if (!in_flight_) return;
+  if (stream_ != nullptr) stream_->Close();
+  if (handle_ != nullptr && !backend_done_) {
+    handle_->Cancel();
+    status_ = 499;  // logged only (nginx's "client closed request")
+  }
+  handle_.reset();
+  RequestDone();
+}
+
+void Connection::LingerClose() {
+  error_code ignored;
+  socket_.shutdown(tcp::socket::shutdown_send, ignored);
+  const uint64_t gen = ++timer_gen_;
+  timer_.expires_after(kLingerTime);
+  timer_.async_wait([self = shared_from_this(), gen](error_code ec) {
+    if (!ec && gen == self->timer_gen_) self->Close();
+  });
+  lingering_ = true;
+  if (reading_) return;  // the pending read ends in OnRead, which drains
+  Drain();
+}
+
+void Connection::Drain() {
+  socket_.async_read_some(net::buffer(drain_), [self = shared_from_this()](error_code ec, size_t) {
+    if (ec || self->closing_) {
+      self->Close();
+      return;
+    }
+    self->Drain();
+  });
+}
+
+void Connection::Close() {
+  if (closing_) return;
+  ClientGone();
+  closing_ = true;
+  ++timer_gen_;
+  timer_.cancel();
+  error_code ignored;
+  socket_.shutdown(tcp::socket::shutdown_both, ignored);
+  socket_.close(ignored);
+  pipelined_.reset();
+  self_.reset();
+}
+
+}  // namespace
+
+absl::Status HttpServerOptions::Validate() const {
+  if (threads < 1) return absl::InvalidArgumentError("threads must be >= 1");
+  if (max_body_bytes < 1) return absl::InvalidArgumentError("max_body_bytes must be >= 1");
+  if (max_connections < 1) return absl::InvalidArgumentError("max_connections must be >= 1");
+  if (idle_timeout <= absl::ZeroDuration() || write_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("idle_timeout and write_timeout must be positive");
+  }
+  if (max_pending_stream_bytes < 1) {
+    return absl::InvalidArgumentError("max_pending_stream_bytes must be >= 1");
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const HttpServerOptions& options,
+                                                              Backend* backend) {
+  if (backend == nullptr) return absl::InvalidArgumentError("HttpServer needs a backend");
+  if (absl::Status s = options.Validate(); !s.ok()) return s;
+  auto server = std::make_unique<ServerImpl>(options, backend);
+  if (absl::Status s = server->Listen(); !s.ok()) return s;
+  return std::unique_ptr<HttpServer>(std::move(server));
+}
+
+}  // namespace strata::router
