@@ -283,20 +283,25 @@ bool DecodeEngine::Emit(Sequence& s, uint32_t token) {
   return false;
 }
 
-void DecodeEngine::PutGenerated(Sequence& s) {
-  if (store_ == nullptr || !options_.put_to_store || s.cache == nullptr) return;
-  const uint32_t chunks = static_cast<uint32_t>(s.cache->blocks_per_layer());
-  const uint32_t first = s.end.has_value() ? s.end->chunks : 0;
-  if (chunks <= first) return;
+absl::StatusOr<std::vector<BlockHash>> DecodeEngine::ChunkKeys(const Sequence& s,
+                                                               size_t tokens) const {
   std::vector<uint32_t> all = s.req.prompt;
   all.insert(all.end(), s.generated.begin(), s.generated.end());
   PrefixKeyOptions ko = options_.keys;
   ko.chunk_tokens = options_.chunk_tokens;
   ko.cache_salt = s.req.cache_salt;
-  absl::StatusOr<PrefixHasher> hasher = PrefixHasher::Create(ko);
-  if (!hasher.ok()) return;
-  const std::vector<BlockHash> keys =
-      hasher->ChunkKeys(absl::MakeConstSpan(all).first(s.cache->tokens()));
+  STRATA_ASSIGN_OR_RETURN(PrefixHasher hasher, PrefixHasher::Create(ko));
+  return hasher.ChunkKeys(absl::MakeConstSpan(all).first(std::min(tokens, all.size())));
+}
+
+void DecodeEngine::PutGenerated(Sequence& s) {
+  if (store_ == nullptr || !options_.put_to_store || s.cache == nullptr) return;
+  const uint32_t chunks = static_cast<uint32_t>(s.cache->blocks_per_layer());
+  const uint32_t first = s.end.has_value() ? s.end->chunks : 0;
+  if (chunks <= first) return;
+  absl::StatusOr<std::vector<BlockHash>> chunk_keys = ChunkKeys(s, s.cache->tokens());
+  if (!chunk_keys.ok()) return;
+  const std::vector<BlockHash>& keys = *chunk_keys;
   auto put_from = [&](uint32_t from) -> absl::Status {
     for (uint32_t k = from; k < chunks && k < keys.size(); ++k) {
       for (uint32_t l = 0; l < s.cache->layers(); ++l) {
@@ -320,13 +325,7 @@ void DecodeEngine::PutGenerated(Sequence& s) {
 
 absl::Status DecodeEngine::Preempt(Sequence& s) {
   const uint32_t chunks = static_cast<uint32_t>(s.cache->blocks_per_layer());
-  std::vector<uint32_t> all = s.req.prompt;
-  all.insert(all.end(), s.generated.begin(), s.generated.end());
-  PrefixKeyOptions ko = options_.keys;
-  ko.chunk_tokens = options_.chunk_tokens;
-  ko.cache_salt = s.req.cache_salt;
-  STRATA_ASSIGN_OR_RETURN(PrefixHasher hasher, PrefixHasher::Create(ko));
-  const std::vector<BlockHash> keys = hasher.ChunkKeys(absl::MakeConstSpan(all).first(s.cache->tokens()));
+  STRATA_ASSIGN_OR_RETURN(const std::vector<BlockHash> keys, ChunkKeys(s, s.cache->tokens()));
   for (uint32_t k = 0; k < chunks; ++k) {
     for (uint32_t l = 0; l < s.cache->layers(); ++l) {
       STRATA_RETURN_IF_ERROR(store_->Put(s.cache->NameOf(l, keys[k]), k > 0 ? &keys[k - 1] : nullptr,
@@ -343,13 +342,8 @@ absl::Status DecodeEngine::Preempt(Sequence& s) {
 }
 
 absl::Status DecodeEngine::Resume(Sequence& s) {
-  std::vector<uint32_t> all = s.req.prompt;
-  all.insert(all.end(), s.generated.begin(), s.generated.end());
-  PrefixKeyOptions ko = options_.keys;
-  ko.chunk_tokens = options_.chunk_tokens;
-  ko.cache_salt = s.req.cache_salt;
-  STRATA_ASSIGN_OR_RETURN(PrefixHasher hasher, PrefixHasher::Create(ko));
-  const std::vector<BlockHash> keys = hasher.ChunkKeys(all);
+  STRATA_ASSIGN_OR_RETURN(const std::vector<BlockHash> keys,
+                          ChunkKeys(s, s.req.prompt.size() + s.generated.size()));
   for (uint32_t k = 0; k < s.preempted_chunks; ++k) {
     for (uint32_t l = 0; l < s.cache->layers(); ++l) {
       absl::StatusOr<SharedBytes> b = store_->Get(s.cache->NameOf(l, keys[k]));

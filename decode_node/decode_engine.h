@@ -137,6 +137,8 @@ class DecodeEngine {
   // Emits `token` for `s`; true when the sequence is done (finished now).
   bool Emit(Sequence& s, uint32_t token);
   void PutGenerated(Sequence& s);
+  // The prefix keys of the full chunks among the first `tokens` of s's prompt and output.
+  absl::StatusOr<std::vector<BlockHash>> ChunkKeys(const Sequence& s, size_t tokens) const;
   uint64_t KvBytes(const Sequence& s) const;
 
   const DecodeEngineOptions options_;
