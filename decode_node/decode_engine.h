@@ -116,6 +116,8 @@ class DecodeEngine {
   DecodeLoad load() const;
   DecodeStats stats() const;
   std::string transport_address() const { return transport_->address(); }
+  const DecodeEngineOptions& options() const { return options_; }
+  const model::LlamaModel& model() const { return *model_; }
   const transport::BlockReceiver& receiver() const { return *receiver_; }
 
  private:

@@ -31,6 +31,7 @@
 #include "common/shared_bytes.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/client_context.h"
+#include "kvstore/block_source.h"
 #include "kvstore/block_store.h"
 #include "proto/store.grpc.pb.h"
 
@@ -153,6 +154,28 @@ class StoreClient {
   const StoreClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<strata::v1::Store::Stub> stub_;
+};
+
+// A strata-store reached over gRPC as a BlockSource (`client` must outlive it). Blocks from Get
+// crossed the network: they are verified once by whoever adopts them (verified_on_get false).
+class StoreClientBlockSource final : public BlockSource {
+ public:
+  explicit StoreClientBlockSource(StoreClient* client) : client_(client) {}
+  absl::StatusOr<uint32_t> Lookup(const BlockName& prefix, absl::Span<const BlockHash> chain,
+                                  absl::Span<const uint64_t> layer_codec_fingerprints) override {
+    absl::StatusOr<LookupResult> r = client_->Lookup(prefix, chain, layer_codec_fingerprints);
+    if (!r.ok()) return r.status();
+    return r->chunks;
+  }
+  absl::StatusOr<SharedBytes> Get(const BlockName& name) override { return client_->Get(name); }
+  absl::Status Put(const BlockName& name, const BlockHash* parent, SharedBytes block) override {
+    return client_->Put(name, parent, block);
+  }
+  bool verified_on_get() const override { return false; }
+  std::string Describe() const override { return "store " + client_->address(); }
+
+ private:
+  StoreClient* client_;
 };
 
 }  // namespace strata::kvstore

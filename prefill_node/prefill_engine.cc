@@ -149,6 +149,7 @@ absl::StatusOr<PrefillResult> PrefillEngine::Prefill(const PrefillRequest& r,
   stats_.block_bytes += result->block_bytes;
   stats_.fp16_bytes += result->fp16_bytes;
   stats_.blocks_stored += result->blocks_stored;
+  stats_.streamed_early += result->layer0_acked_early > 0;
   return result;
 }
 
@@ -258,15 +259,24 @@ absl::StatusOr<PrefillResult> PrefillEngine::Run(const PrefillRequest& r,
   // Compute the rest; each layer's new chunk leaves as soon as the layer is done.
   std::vector<uint32_t> next_chunk(L, hit);
   std::vector<std::pair<uint32_t, uint32_t>> computed;  // (layer, chunk) of new blocks
+  std::vector<size_t> layer0_transfers;  // indices into `transfers` of computed layer-0 blocks
   const auto tc = std::chrono::steady_clock::now();
   const model::LayerHook hook = [&](uint32_t layer) -> absl::Status {
     if (cancelled && cancelled()) return absl::CancelledError("prefill: cancelled");
     if (!ship_error.ok()) return ship_error;
+    if (layer + 1 == L) {
+      // Layer streaming, observed: layer-0 blocks the decode node acknowledged (it holds them)
+      // before this, the last layer, is compressed.
+      uint32_t acked = 0;
+      for (size_t i : layer0_transfers) acked += transfers[i]->done() && transfers[i]->status().ok();
+      res.layer0_acked_early = std::max(res.layer0_acked_early, acked);
+    }
     STRATA_ASSIGN_OR_RETURN(std::vector<SharedBytes> blocks, cache->CompressLayer(layer));
     for (SharedBytes& b : blocks) {
       const uint32_t chunk = next_chunk[layer]++;
       computed.emplace_back(layer, chunk);
       ship_block(layer, chunk, std::move(b));
+      if (layer == 0) layer0_transfers.push_back(transfers.size() - 1);
     }
     return absl::OkStatus();
   };

@@ -75,6 +75,9 @@ struct PrefillResult {
   uint64_t block_bytes = 0;      // of which compressed blocks
   uint64_t fp16_bytes = 0;       // what the shipped chunks' K and V would be at fp16
   uint32_t blocks_stored = 0;    // new chunks' blocks Put in the store
+  // Computed layer-0 blocks the decode node had acknowledged before the last layer was
+  // compressed: > 0 shows layers streaming while later layers compute.
+  uint32_t layer0_acked_early = 0;
   double queue_seconds = 0, compute_seconds = 0, total_seconds = 0;
 };
 
@@ -88,6 +91,7 @@ struct PrefillStats {
   uint64_t prompt_tokens = 0, cached_tokens = 0, computed_tokens = 0;
   uint64_t blocks_shipped = 0, bytes_shipped = 0, block_bytes = 0, fp16_bytes = 0;
   uint64_t store_lookup_errors = 0, store_put_errors = 0, blocks_stored = 0;
+  uint64_t streamed_early = 0;  // requests with layer0_acked_early > 0
 };
 
 class PrefillEngine {

@@ -13,7 +13,7 @@ packages=(
   # libraries
   libabsl-dev libssl-dev nlohmann-json3-dev libopenblas-dev libre2-dev libboost-dev
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
-  librocksdb-dev
+  librocksdb-dev prometheus-cpp-dev curl
   libucx-dev ucx-utils
   libgtest-dev libgmock-dev libbenchmark-dev
   # test oracles (run with Debian's /usr/bin/python3)

@@ -167,6 +167,9 @@ TEST_F(ServingEngineTest, GreedyOutputEqualsSingleProcessForEveryCodecFamily) {
     EXPECT_EQ(r.blocks_shipped, (prompt.size() / kChunk) * model_->config().num_layers) << codec;
     EXPECT_GT(r.block_bytes, 0u);
     EXPECT_EQ(sink->usage().prompt_tokens, prompt.size());
+    // Layers stream: the decode side held layer 0's blocks before the last layer was computed
+    // (two layers of compute give the in-process acknowledgements ample time).
+    EXPECT_GT(r.layer0_acked_early, 0u) << codec;
   }
 }
 

@@ -1,0 +1,118 @@
+#include "cluster/node_process.h"
+
+#include <pthread.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <iostream>
+#include <mutex>
+#include <random>
+
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+
+namespace strata::cluster {
+namespace {
+
+std::mutex g_log_mu;
+std::string g_process = "strata";  // guarded by g_log_mu
+std::string g_node;                // guarded by g_log_mu
+
+}  // namespace
+
+void SetLogIdentity(std::string process, std::string node_id) {
+  std::lock_guard<std::mutex> lock(g_log_mu);
+  g_process = std::move(process);
+  g_node = std::move(node_id);
+}
+
+void Log(absl::string_view request_id, absl::string_view message) {
+  const std::string time =
+      absl::FormatTime("%Y-%m-%dT%H:%M:%E3SZ", absl::Now(), absl::UTCTimeZone());
+  std::lock_guard<std::mutex> lock(g_log_mu);
+  std::string line = absl::StrCat(time, " ", g_process, g_node.empty() ? "" : " ", g_node);
+  if (!request_id.empty()) absl::StrAppend(&line, " [", request_id, "]");
+  absl::StrAppend(&line, " ", message, "\n");
+  std::cerr << line << std::flush;
+}
+
+void ConfigureFlagsUsage() {
+  absl::FlagsUsageConfig config;
+  auto ours = [](absl::string_view file) {
+    return absl::EndsWith(file, "_main.cc") || absl::StrContains(file, "/cluster/");
+  };
+  config.contains_help_flags = ours;
+  config.contains_helpshort_flags = ours;
+  absl::SetFlagsUsageConfig(config);
+}
+
+void BlockTerminationSignals() {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+}
+
+int WaitForTermination() {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGINT);
+  int sig = 0;
+  while (sigwait(&set, &sig) != 0) {
+  }
+  return sig;
+}
+
+absl::StatusOr<std::unique_ptr<prometheus::Exposer>> StartMetrics(
+    const std::string& address, const std::shared_ptr<prometheus::Registry>& registry) {
+  if (absl::Status s = ValidateHostPort(address, "metrics address"); !s.ok()) return s;
+  try {
+    auto exposer = std::make_unique<prometheus::Exposer>(address, /*num_threads=*/1);
+    exposer->RegisterCollectable(registry);
+    return exposer;
+  } catch (const std::exception& e) {
+    // civetweb (under prometheus-cpp) reports a port it cannot bind by throwing.
+    return absl::UnavailableError(
+        absl::StrCat("cannot serve metrics on ", address, ": ", e.what()));
+  }
+}
+
+absl::StatusOr<ServedModel> LoadServedModel(const std::string& model_dir,
+                                            const std::string& calibration_path) {
+  ServedModel m;
+  m.name = std::filesystem::path(model_dir).lexically_normal().filename().string();
+  if (m.name.empty()) m.name = std::filesystem::path(model_dir).parent_path().filename().string();
+  absl::StatusOr<std::unique_ptr<model::LlamaModel>> model = model::LlamaModel::Load(model_dir);
+  if (!model.ok()) return model.status();
+  m.model = *std::move(model);
+  absl::StatusOr<std::unique_ptr<model::Tokenizer>> tok = model::Tokenizer::Load(model_dir);
+  if (!tok.ok()) return tok.status();
+  m.tokenizer = *std::move(tok);
+  if (!calibration_path.empty()) {
+    absl::StatusOr<kernels::Calibration> c = kernels::Calibration::Load(calibration_path);
+    if (!c.ok()) return c.status();
+    m.calibration = std::make_shared<kernels::Calibration>(*std::move(c));
+  }
+  return m;
+}
+
+prometheus::Histogram::BucketBoundaries LatencyBuckets() {
+  prometheus::Histogram::BucketBoundaries b;
+  for (double s = 1e-4; s < 120; s *= 2) b.push_back(s);
+  return b;
+}
+
+uint64_t NewIncarnation() {
+  std::random_device rd;
+  uint64_t v = 0;
+  while (v == 0) v = (uint64_t{rd()} << 32) ^ rd() ^ static_cast<uint64_t>(getpid());
+  return v;
+}
+
+}  // namespace strata::cluster

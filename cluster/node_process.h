@@ -1,0 +1,58 @@
+// What every Strata serving process (strata-prefill, strata-decode, strata-router) does the same
+// way: log lines that carry request ids, a Prometheus /metrics endpoint (prometheus-cpp), the
+// model a cluster serves, and shutdown on SIGTERM / SIGINT.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include "absl/strings/string_view.h"
+
+#include "absl/status/statusor.h"
+#include "cluster/cluster_file.h"
+#include "kernels/calibration.h"
+#include "model/llama.h"
+#include "model/tokenizer.h"
+#include "prometheus/exposer.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+
+namespace strata::cluster {
+
+// One log line to stderr: "2026-11-25T10:00:00.123Z strata-decode decode-0 [req-id] message".
+// `request_id` may be empty. Thread-safe (one write per line).
+void Log(absl::string_view request_id, absl::string_view message);
+// Sets the process name and node id Log prefixes every line with.
+void SetLogIdentity(std::string process, std::string node_id);
+
+// Makes --help list the flags defined in the binary's *_main.cc (absl matches the program's
+// name otherwise, and strata-prefill's flags live in prefill_main.cc). Call before parsing.
+void ConfigureFlagsUsage();
+
+// Blocks SIGTERM and SIGINT in the calling thread and every thread it starts later: call it
+// first in main, before any thread exists. Then WaitForTermination() returns the signal.
+void BlockTerminationSignals();
+int WaitForTermination();
+
+// Serves `registry` at http://`address`/metrics. kInvalidArgument for a bad address,
+// kUnavailable when the port cannot be bound.
+absl::StatusOr<std::unique_ptr<prometheus::Exposer>> StartMetrics(
+    const std::string& address, const std::shared_ptr<prometheus::Registry>& registry);
+
+// What a node serves, as the cluster file names it.
+struct ServedModel {
+  std::string name;  // the model folder's name
+  std::unique_ptr<model::LlamaModel> model;
+  std::unique_ptr<model::Tokenizer> tokenizer;
+  std::shared_ptr<const kernels::Calibration> calibration;  // null when the spec names none
+};
+absl::StatusOr<ServedModel> LoadServedModel(const std::string& model_dir,
+                                            const std::string& calibration_path);
+
+// Exponential histogram buckets in seconds, 100 us .. ~100 s (for TTFT, inter-token, prefill).
+prometheus::Histogram::BucketBoundaries LatencyBuckets();
+
+// A random nonzero number identifying this process's life (NodeLoad.incarnation).
+uint64_t NewIncarnation();
+
+}  // namespace strata::cluster

@@ -1,0 +1,181 @@
+// strata-decode: a decode node. Reads its settings from the cluster file (its entry by id, and
+// what the cluster serves: model, codec, chunk size, store); flags override.
+//   strata-decode --cluster cluster.json --node decode-0
+#include <iostream>
+#include <string>
+#include <thread>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_cat.h"
+#include "cluster/cluster_file.h"
+#include "cluster/node_process.h"
+#include "common/byte_size.h"
+#include "decode_node/decode_engine.h"
+#include "decode_node/decode_service.h"
+#include "kernels/codec.h"
+#include "kvstore/store_client.h"
+#include "transport/ucx/ucx_transport.h"
+
+ABSL_FLAG(std::string, cluster, "", "the cluster file (required)");
+ABSL_FLAG(std::string, node, "", "this node's id in the cluster file (required)");
+ABSL_FLAG(std::string, listen, "", "gRPC address (default: the node's grpc in the file)");
+ABSL_FLAG(std::string, transport, "",
+          "block transport (UCX) address (default: the node's transport in the file)");
+ABSL_FLAG(std::string, metrics, "", "Prometheus /metrics address (default: the file's; off: none)");
+ABSL_FLAG(int, max_batch, 32, "sequences stepped together");
+ABSL_FLAG(std::string, kv_budget, "1G", "KV bytes (compressed) of running sequences");
+ABSL_FLAG(int, max_waiting, 4096, "registered requests not yet running; more: refused (429)");
+ABSL_FLAG(int, kv_timeout_ms, 60000, "registration to the end of the KV transfer");
+ABSL_FLAG(bool, put_to_store, true, "Put generated chunks (and preempted sequences) in the store");
+ABSL_FLAG(std::string, ucx_tls, "", "UCX transports (UCX_TLS), e.g. tcp; empty: UCX's choice");
+
+namespace {
+
+int Fail(const std::string& what, const absl::Status& s, int code = 1) {
+  std::cerr << "strata-decode: " << what << ": " << s << "\n";
+  return code;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  strata::cluster::BlockTerminationSignals();
+  strata::cluster::ConfigureFlagsUsage();
+  absl::SetProgramUsageMessage(
+      "a Strata decode node.\n  strata-decode --cluster cluster.json --node decode-0");
+  absl::ParseCommandLine(argc, argv);
+  namespace cl = strata::cluster;
+  if (absl::GetFlag(FLAGS_cluster).empty() || absl::GetFlag(FLAGS_node).empty()) {
+    std::cerr << "strata-decode: --cluster and --node are required (see --help)\n";
+    return 2;
+  }
+  absl::StatusOr<cl::ClusterSpec> spec = cl::LoadClusterFile(absl::GetFlag(FLAGS_cluster));
+  if (!spec.ok()) return Fail("cluster file", spec.status(), 2);
+  const cl::NodeSpec* self = spec->Find(absl::GetFlag(FLAGS_node));
+  if (self == nullptr || self->role != cl::Role::kDecode) {
+    std::cerr << "strata-decode: --node: '" << absl::GetFlag(FLAGS_node)
+              << "' is not a decode node of " << spec->path << "\n";
+    return 2;
+  }
+  uint64_t kv_budget = 0;
+  if (!strata::ParseByteSize(absl::GetFlag(FLAGS_kv_budget), &kv_budget) || kv_budget == 0) {
+    std::cerr << "strata-decode: --kv_budget: '" << absl::GetFlag(FLAGS_kv_budget)
+              << "' is not a byte count (e.g. 512M, 8G)\n";
+    return 2;
+  }
+  if (absl::GetFlag(FLAGS_max_batch) < 1 || absl::GetFlag(FLAGS_max_waiting) < 1 ||
+      absl::GetFlag(FLAGS_kv_timeout_ms) < 1) {
+    std::cerr << "strata-decode: --max_batch, --max_waiting and --kv_timeout_ms must be >= 1\n";
+    return 2;
+  }
+  const std::string listen =
+      absl::GetFlag(FLAGS_listen).empty() ? self->grpc : absl::GetFlag(FLAGS_listen);
+  const std::string transport_address =
+      absl::GetFlag(FLAGS_transport).empty() ? self->transport : absl::GetFlag(FLAGS_transport);
+  if (absl::Status s = cl::ValidateHostPort(transport_address, "--transport"); !s.ok()) {
+    return Fail("flags", s, 2);
+  }
+  std::string metrics_address = absl::GetFlag(FLAGS_metrics).empty() ? self->metrics
+                                                                      : absl::GetFlag(FLAGS_metrics);
+  if (metrics_address == "off") metrics_address.clear();
+  cl::SetLogIdentity("strata-decode", self->id);
+
+  absl::StatusOr<cl::ServedModel> served = cl::LoadServedModel(spec->model, spec->calibration);
+  if (!served.ok()) return Fail("model", served.status());
+
+  std::unique_ptr<strata::kvstore::StoreClient> store_client;
+  std::unique_ptr<strata::kvstore::StoreClientBlockSource> store;
+  if (!spec->store.empty()) {
+    absl::StatusOr<std::unique_ptr<strata::kvstore::StoreClient>> c =
+        strata::kvstore::StoreClient::Connect(spec->store, absl::Seconds(5));
+    if (!c.ok()) return Fail("store", c.status());
+    store_client = *std::move(c);
+    store = std::make_unique<strata::kvstore::StoreClientBlockSource>(store_client.get());
+  }
+
+  strata::transport::UcxTransportOptions to;
+  const size_t colon = transport_address.rfind(':');
+  to.listen_host = transport_address.substr(0, colon);
+  uint32_t tport = 0;
+  (void)absl::SimpleAtoi(transport_address.substr(colon + 1), &tport);
+  to.listen_port = static_cast<uint16_t>(tport);
+  to.tls = absl::GetFlag(FLAGS_ucx_tls);
+  absl::StatusOr<std::unique_ptr<strata::transport::Transport>> transport =
+      strata::transport::CreateUcxTransport(to);
+  if (!transport.ok()) return Fail("UCX transport", transport.status());
+
+  strata::decode::DecodeEngineOptions eo;
+  eo.codec = spec->codec;
+  eo.chunk_tokens = spec->chunk_tokens;
+  eo.calibration = served->calibration;
+  eo.max_batch = static_cast<uint32_t>(absl::GetFlag(FLAGS_max_batch));
+  eo.kv_budget_bytes = kv_budget;
+  eo.max_waiting = static_cast<uint32_t>(absl::GetFlag(FLAGS_max_waiting));
+  eo.kv_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_kv_timeout_ms));
+  eo.put_to_store = absl::GetFlag(FLAGS_put_to_store);
+  absl::StatusOr<std::unique_ptr<strata::decode::DecodeEngine>> engine =
+      strata::decode::DecodeEngine::Create(eo, served->model.get(), served->tokenizer.get(),
+                                           transport->get(), store.get());
+  if (!engine.ok()) return Fail("engine", engine.status(), 2);
+
+  // The router reserves KV by this estimate: the codec's exact block size per token.
+  const strata::model::ModelConfig& config = served->model->config();
+  double bits = 16;
+  if (absl::StatusOr<std::unique_ptr<strata::kernels::Codec>> codec =
+          strata::kernels::Codec::Create(spec->codec, served->calibration);
+      codec.ok()) {
+    if (absl::StatusOr<double> b =
+            (*codec)->BitsPerElement(spec->chunk_tokens, config.num_kv_heads, config.head_dim);
+        b.ok()) {
+      bits = *b;
+    }
+  }
+  const double kv_bytes_per_token =
+      bits / 8.0 * 2.0 * config.num_layers * config.num_kv_heads * config.head_dim;
+
+  auto registry = std::make_shared<prometheus::Registry>();
+  strata::decode::DecodeService service(
+      engine->get(),
+      {.node_id = self->id,
+       .model_name = served->name,
+       .incarnation = cl::NewIncarnation(),
+       .kv_bytes_per_token = kv_bytes_per_token},
+      registry.get());
+  int port = 0;
+  absl::StatusOr<std::unique_ptr<grpc::Server>> server =
+      strata::decode::StartDecodeServer(&service, listen, &port);
+  if (!server.ok()) return Fail("gRPC", server.status());
+  std::unique_ptr<prometheus::Exposer> exposer;
+  if (!metrics_address.empty()) {
+    absl::StatusOr<std::unique_ptr<prometheus::Exposer>> e =
+        cl::StartMetrics(metrics_address, registry);
+    if (!e.ok()) return Fail("metrics", e.status());
+    exposer = *std::move(e);
+  }
+  std::atomic<bool> stop{false};
+  std::thread refresher([&] {
+    while (!stop.load()) {
+      service.Refresh();
+      std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    }
+  });
+  cl::Log("", absl::StrCat("serving ", served->name, " (codec ", spec->codec, ", ",
+                           absl::StrFormat("%.0f", kv_bytes_per_token), " KV bytes/token) on port ",
+                           port, "; blocks arrive at ", (*transport)->address(), "; store ",
+                           spec->store.empty() ? "none" : spec->store, "; metrics ",
+                           metrics_address.empty() ? "off" : metrics_address));
+  std::cout << "strata-decode: serving on port " << port << std::endl;
+  const int sig = cl::WaitForTermination();
+  cl::Log("", absl::StrCat("signal ", sig, ": stopping"));
+  service.Stop();  // open streams end with UNAVAILABLE: their clients learn at once
+  (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  stop = true;
+  refresher.join();
+  engine->reset();
+  std::cout << "strata-decode: stopped" << std::endl;
+  return 0;
+}

@@ -1,0 +1,133 @@
+// strata-prefill: a prefill node. Reads its settings from the cluster file (its entry by id, and
+// what the cluster serves: model, codec, chunk size, store); flags override.
+//   strata-prefill --cluster cluster.json --node prefill-0
+#include <iostream>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "cluster/cluster_file.h"
+#include "cluster/node_process.h"
+#include "kvstore/store_client.h"
+#include "prefill_node/prefill_engine.h"
+#include "prefill_node/prefill_service.h"
+#include "transport/ucx/ucx_transport.h"
+
+ABSL_FLAG(std::string, cluster, "", "the cluster file (required)");
+ABSL_FLAG(std::string, node, "", "this node's id in the cluster file (required)");
+ABSL_FLAG(std::string, listen, "", "gRPC address (default: the node's grpc in the file)");
+ABSL_FLAG(std::string, metrics, "", "Prometheus /metrics address (default: the file's; off: none)");
+ABSL_FLAG(int, max_concurrent, 1, "prompts computed at once");
+ABSL_FLAG(int64_t, max_queued_tokens, 1 << 20, "prompt tokens waiting or computing; more: 429");
+ABSL_FLAG(int, ship_timeout_ms, 30000, "per block, send to acknowledgement");
+ABSL_FLAG(bool, put_to_store, true, "Put newly computed chunks in the store");
+ABSL_FLAG(std::string, ucx_tls, "", "UCX transports (UCX_TLS), e.g. tcp; empty: UCX's choice");
+
+namespace {
+
+int Fail(const std::string& what, const absl::Status& s, int code = 1) {
+  std::cerr << "strata-prefill: " << what << ": " << s << "\n";
+  return code;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  strata::cluster::BlockTerminationSignals();
+  strata::cluster::ConfigureFlagsUsage();
+  absl::SetProgramUsageMessage(
+      "a Strata prefill node.\n  strata-prefill --cluster cluster.json --node prefill-0");
+  absl::ParseCommandLine(argc, argv);
+  namespace cl = strata::cluster;
+  if (absl::GetFlag(FLAGS_cluster).empty() || absl::GetFlag(FLAGS_node).empty()) {
+    std::cerr << "strata-prefill: --cluster and --node are required (see --help)\n";
+    return 2;
+  }
+  absl::StatusOr<cl::ClusterSpec> spec = cl::LoadClusterFile(absl::GetFlag(FLAGS_cluster));
+  if (!spec.ok()) return Fail("cluster file", spec.status(), 2);
+  const cl::NodeSpec* self = spec->Find(absl::GetFlag(FLAGS_node));
+  if (self == nullptr || self->role != cl::Role::kPrefill) {
+    std::cerr << "strata-prefill: --node: '" << absl::GetFlag(FLAGS_node)
+              << "' is not a prefill node of " << spec->path << "\n";
+    return 2;
+  }
+  if (absl::GetFlag(FLAGS_max_concurrent) < 1 || absl::GetFlag(FLAGS_max_queued_tokens) < 1 ||
+      absl::GetFlag(FLAGS_ship_timeout_ms) < 1) {
+    std::cerr << "strata-prefill: --max_concurrent, --max_queued_tokens and --ship_timeout_ms "
+                 "must be >= 1\n";
+    return 2;
+  }
+  const std::string listen =
+      absl::GetFlag(FLAGS_listen).empty() ? self->grpc : absl::GetFlag(FLAGS_listen);
+  std::string metrics_address = absl::GetFlag(FLAGS_metrics).empty() ? self->metrics
+                                                                      : absl::GetFlag(FLAGS_metrics);
+  if (metrics_address == "off") metrics_address.clear();
+  cl::SetLogIdentity("strata-prefill", self->id);
+
+  absl::StatusOr<cl::ServedModel> served = cl::LoadServedModel(spec->model, spec->calibration);
+  if (!served.ok()) return Fail("model", served.status());
+
+  std::unique_ptr<strata::kvstore::StoreClient> store_client;
+  std::unique_ptr<strata::kvstore::StoreClientBlockSource> store;
+  if (!spec->store.empty()) {
+    // The store may start after this node: the client reconnects on its own, and a store that is
+    // down is only a miss.
+    absl::StatusOr<std::unique_ptr<strata::kvstore::StoreClient>> c =
+        strata::kvstore::StoreClient::Connect(spec->store, absl::Seconds(5));
+    if (!c.ok()) return Fail("store", c.status());
+    store_client = *std::move(c);
+    store = std::make_unique<strata::kvstore::StoreClientBlockSource>(store_client.get());
+  }
+
+  strata::transport::UcxTransportOptions to;
+  to.listen_host = "";  // a prefill node only connects to decode nodes
+  to.tls = absl::GetFlag(FLAGS_ucx_tls);
+  absl::StatusOr<std::unique_ptr<strata::transport::Transport>> transport =
+      strata::transport::CreateUcxTransport(to);
+  if (!transport.ok()) return Fail("UCX transport", transport.status());
+
+  strata::prefill::PrefillEngineOptions eo;
+  eo.codec = spec->codec;
+  eo.chunk_tokens = spec->chunk_tokens;
+  eo.calibration = served->calibration;
+  eo.max_concurrent = absl::GetFlag(FLAGS_max_concurrent);
+  eo.max_queued_tokens = static_cast<uint64_t>(absl::GetFlag(FLAGS_max_queued_tokens));
+  eo.ship_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_ship_timeout_ms));
+  eo.put_to_store = absl::GetFlag(FLAGS_put_to_store);
+  absl::StatusOr<std::unique_ptr<strata::prefill::PrefillEngine>> engine =
+      strata::prefill::PrefillEngine::Create(eo, served->model.get(), transport->get(),
+                                             store.get());
+  if (!engine.ok()) return Fail("engine", engine.status(), 2);
+
+  auto registry = std::make_shared<prometheus::Registry>();
+  strata::prefill::PrefillService service(
+      engine->get(),
+      {.node_id = self->id, .model_name = served->name, .incarnation = cl::NewIncarnation()},
+      registry.get());
+  int port = 0;
+  absl::StatusOr<std::unique_ptr<grpc::Server>> server =
+      strata::prefill::StartPrefillServer(&service, listen, &port);
+  if (!server.ok()) return Fail("gRPC", server.status());
+  std::unique_ptr<prometheus::Exposer> exposer;
+  if (!metrics_address.empty()) {
+    absl::StatusOr<std::unique_ptr<prometheus::Exposer>> e =
+        cl::StartMetrics(metrics_address, registry);
+    if (!e.ok()) return Fail("metrics", e.status());
+    exposer = *std::move(e);
+  }
+  cl::Log("", absl::StrCat("serving ", served->name, " (codec ", spec->codec, ", chunk ",
+                           spec->chunk_tokens, ") on port ", port, "; store ",
+                           spec->store.empty() ? "none" : spec->store, "; metrics ",
+                           metrics_address.empty() ? "off" : metrics_address));
+  std::cout << "strata-prefill: serving on port " << port << std::endl;
+  const int sig = cl::WaitForTermination();
+  cl::Log("", absl::StrCat("signal ", sig, ": stopping"));
+  // Requests under way get a few seconds to finish; the rest are cancelled (their decode nodes
+  // are told to drop them by the engine's abort shipment).
+  (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  engine->reset();
+  std::cout << "strata-prefill: stopped" << std::endl;
+  return 0;
+}

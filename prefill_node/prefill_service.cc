@@ -1,0 +1,201 @@
+#include "prefill_node/prefill_service.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "cluster/node_process.h"
+#include "grpcpp/server_builder.h"
+#include "kvstore/grpc_status.h"
+
+namespace strata::prefill {
+namespace {
+
+const char* ResultLabel(absl::StatusCode code) {
+  switch (code) {
+    case absl::StatusCode::kOk:
+      return "ok";
+    case absl::StatusCode::kInvalidArgument:
+    case absl::StatusCode::kAlreadyExists:
+      return "invalid";
+    case absl::StatusCode::kResourceExhausted:
+      return "exhausted";
+    case absl::StatusCode::kCancelled:
+      return "cancelled";
+    default:
+      return "error";
+  }
+}
+
+prometheus::Histogram& PhaseHistogram(prometheus::Family<prometheus::Histogram>& family,
+                                      const char* phase) {
+  return family.Add({{"phase", phase}}, cluster::LatencyBuckets());
+}
+
+}  // namespace
+
+PrefillService::PrefillService(PrefillEngine* engine, PrefillServiceOptions options,
+                               prometheus::Registry* registry)
+    : engine_(engine),
+      options_(std::move(options)),
+      requests_(prometheus::BuildCounter()
+                    .Name("strata_prefill_requests_total")
+                    .Help("Prefill requests by result")
+                    .Register(*registry)),
+      prompt_tokens_(prometheus::BuildCounter()
+                         .Name("strata_prefill_prompt_tokens_total")
+                         .Help("Prompt tokens of finished prefills")
+                         .Register(*registry)
+                         .Add({})),
+      cached_tokens_(prometheus::BuildCounter()
+                         .Name("strata_prefill_cached_tokens_total")
+                         .Help("Prompt tokens adopted from the store (prefix hits)")
+                         .Register(*registry)
+                         .Add({})),
+      computed_tokens_(prometheus::BuildCounter()
+                           .Name("strata_prefill_computed_tokens_total")
+                           .Help("Prompt tokens the model computed")
+                           .Register(*registry)
+                           .Add({})),
+      bytes_shipped_(prometheus::BuildCounter()
+                         .Name("strata_prefill_bytes_shipped_total")
+                         .Help("Bytes sent to decode nodes, shipment headers included")
+                         .Register(*registry)
+                         .Add({{"codec", engine->options().codec}})),
+      block_bytes_(prometheus::BuildCounter()
+                       .Name("strata_prefill_block_bytes_total")
+                       .Help("Compressed block bytes sent to decode nodes")
+                       .Register(*registry)
+                       .Add({{"codec", engine->options().codec}})),
+      fp16_bytes_(prometheus::BuildCounter()
+                      .Name("strata_prefill_fp16_bytes_total")
+                      .Help("What the shipped chunks' K and V would be at fp16")
+                      .Register(*registry)
+                      .Add({{"codec", engine->options().codec}})),
+      blocks_stored_(prometheus::BuildCounter()
+                         .Name("strata_prefill_blocks_stored_total")
+                         .Help("New blocks Put in the store")
+                         .Register(*registry)
+                         .Add({})),
+      streamed_early_(prometheus::BuildCounter()
+                          .Name("strata_prefill_streamed_early_total")
+                          .Help("Requests whose decode node acknowledged layer-0 blocks before "
+                                "the last layer was computed (layer streaming, observed)")
+                          .Register(*registry)
+                          .Add({})),
+      queue_seconds_(PhaseHistogram(prometheus::BuildHistogram()
+                                        .Name("strata_prefill_seconds")
+                                        .Help("Prefill time by phase")
+                                        .Register(*registry),
+                                    "queue")),
+      compute_seconds_(PhaseHistogram(
+          prometheus::BuildHistogram().Name("strata_prefill_seconds").Register(*registry),
+          "compute")),
+      total_seconds_(PhaseHistogram(
+          prometheus::BuildHistogram().Name("strata_prefill_seconds").Register(*registry),
+          "total")),
+      queued_tokens_(prometheus::BuildGauge()
+                         .Name("strata_prefill_queued_tokens")
+                         .Help("Prompt tokens waiting or computing")
+                         .Register(*registry)
+                         .Add({})),
+      active_requests_(prometheus::BuildGauge()
+                           .Name("strata_prefill_active_requests")
+                           .Help("Requests waiting or computing")
+                           .Register(*registry)
+                           .Add({})) {}
+
+void PrefillService::UpdateGauges() {
+  const PrefillLoad load = engine_->load();
+  queued_tokens_.Set(static_cast<double>(load.queued_tokens));
+  active_requests_.Set(load.active);
+}
+
+grpc::Status PrefillService::Prefill(grpc::ServerContext* context,
+                                     const strata::v1::PrefillRequest* request,
+                                     strata::v1::PrefillResponse* response) {
+  PrefillRequest r;
+  r.request_id = request->request_id();
+  r.tokens.assign(request->tokens().begin(), request->tokens().end());
+  r.cache_salt = request->cache_salt();
+  r.decode_address = request->decode_address();
+  r.sampling.temperature = request->sampling().temperature();
+  r.sampling.top_k = request->sampling().top_k();
+  r.sampling.top_p = request->sampling().top_p() == 0.0f ? 1.0f : request->sampling().top_p();
+  r.sampling.seed = request->sampling().seed();
+  if (absl::Status s = r.sampling.Validate(); !s.ok()) {
+    requests_.Add({{"result", "invalid"}}).Increment();
+    return kvstore::ToGrpc(s);
+  }
+  UpdateGauges();
+  absl::StatusOr<PrefillResult> result =
+      engine_->Prefill(r, [context] { return context->IsCancelled(); });
+  UpdateGauges();
+  requests_.Add({{"result", ResultLabel(result.status().code())}}).Increment();
+  if (!result.ok()) {
+    cluster::Log(r.request_id, absl::StrCat("prefill failed: ", result.status().ToString()));
+    return kvstore::ToGrpc(result.status());
+  }
+  prompt_tokens_.Increment(result->prompt_tokens);
+  cached_tokens_.Increment(result->cached_tokens);
+  computed_tokens_.Increment(result->computed_tokens);
+  bytes_shipped_.Increment(static_cast<double>(result->bytes_shipped));
+  block_bytes_.Increment(static_cast<double>(result->block_bytes));
+  fp16_bytes_.Increment(static_cast<double>(result->fp16_bytes));
+  blocks_stored_.Increment(result->blocks_stored);
+  if (result->layer0_acked_early > 0) streamed_early_.Increment();
+  queue_seconds_.Observe(result->queue_seconds);
+  compute_seconds_.Observe(result->compute_seconds);
+  total_seconds_.Observe(result->total_seconds);
+  cluster::Log(r.request_id,
+               absl::StrCat("prefilled ", result->prompt_tokens, " tokens (", result->cached_tokens,
+                            " cached) in ", absl::StrFormat("%.1f", result->total_seconds * 1e3),
+                            " ms; shipped ", result->bytes_shipped, " bytes to ", r.decode_address));
+  response->set_first_token(result->first_token);
+  response->set_prompt_tokens(result->prompt_tokens);
+  response->set_cached_tokens(result->cached_tokens);
+  response->set_computed_tokens(result->computed_tokens);
+  response->set_blocks_shipped(result->blocks_shipped);
+  response->set_bytes_shipped(result->bytes_shipped);
+  response->set_block_bytes(result->block_bytes);
+  response->set_fp16_bytes(result->fp16_bytes);
+  response->set_blocks_stored(result->blocks_stored);
+  response->set_queue_seconds(result->queue_seconds);
+  response->set_compute_seconds(result->compute_seconds);
+  response->set_total_seconds(result->total_seconds);
+  response->set_node_id(options_.node_id);
+  response->set_layer0_acked_early(result->layer0_acked_early);
+  return grpc::Status::OK;
+}
+
+grpc::Status PrefillService::Load(grpc::ServerContext*, const strata::v1::LoadRequest*,
+                                  strata::v1::NodeLoad* response) {
+  const PrefillLoad load = engine_->load();
+  const model::ModelConfig& config = engine_->model().config();
+  response->set_node_id(options_.node_id);
+  response->set_role("prefill");
+  response->set_model(options_.model_name);
+  response->set_codec(engine_->options().codec);
+  response->set_chunk_tokens(engine_->options().chunk_tokens);
+  response->set_context_tokens(config.max_position_embeddings);
+  response->set_queued_prefill_tokens(load.queued_tokens);
+  response->set_active_requests(load.active);
+  response->set_incarnation(options_.incarnation);
+  return grpc::Status::OK;
+}
+
+absl::StatusOr<std::unique_ptr<grpc::Server>> StartPrefillServer(PrefillService* service,
+                                                                 const std::string& address,
+                                                                 int* port) {
+  grpc::ServerBuilder b;
+  b.AddListeningPort(address, grpc::InsecureServerCredentials(), port);
+  b.RegisterService(service);
+  b.SetMaxReceiveMessageSize(64 << 20);  // a prompt of a few million tokens at most
+  std::unique_ptr<grpc::Server> server = b.BuildAndStart();
+  if (server == nullptr || *port == 0) {
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", address));
+  }
+  return server;
+}
+
+}  // namespace strata::prefill

@@ -1,0 +1,81 @@
+// The PrefillNode gRPC service (proto/serving.proto): a thin adapter over PrefillEngine. It
+// converts messages, turns the caller's cancellation (ServerContext) into the engine's
+// `cancelled`, maps Status codes one to one (kvstore/grpc_status.h), and keeps the node's
+// Prometheus metrics.
+//
+// Metrics (registry given at construction):
+//   strata_prefill_requests_total{result="ok|invalid|exhausted|cancelled|error"}
+//   strata_prefill_prompt_tokens_total, strata_prefill_cached_tokens_total (prefix hits),
+//   strata_prefill_computed_tokens_total
+//   strata_prefill_bytes_shipped_total{codec}, strata_prefill_block_bytes_total{codec},
+//   strata_prefill_fp16_bytes_total{codec} (the same chunks at fp16: the compression ratio)
+//   strata_prefill_blocks_stored_total
+//   strata_prefill_streamed_early_total (requests whose decode node held layer-0 blocks before the
+//   last layer was computed: layer streaming, observed)
+//   strata_prefill_seconds{phase="queue|compute|total"} histograms
+//   strata_prefill_queued_tokens, strata_prefill_active_requests (gauges)
+//
+// Thread-safe (gRPC calls it from its threads).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "grpcpp/server.h"
+#include "prefill_node/prefill_engine.h"
+#include "prometheus/counter.h"
+#include "prometheus/family.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+#include "proto/serving.grpc.pb.h"
+
+namespace strata::prefill {
+
+struct PrefillServiceOptions {
+  std::string node_id = "";
+  std::string model_name = "";
+  uint64_t incarnation = 0;
+};
+
+class PrefillService final : public strata::v1::PrefillNode::Service {
+ public:
+  // `engine` and `registry` must outlive the service.
+  PrefillService(PrefillEngine* engine, PrefillServiceOptions options,
+                 prometheus::Registry* registry);
+
+  grpc::Status Prefill(grpc::ServerContext* context, const strata::v1::PrefillRequest* request,
+                       strata::v1::PrefillResponse* response) override;
+  grpc::Status Load(grpc::ServerContext* context, const strata::v1::LoadRequest* request,
+                    strata::v1::NodeLoad* response) override;
+
+ private:
+  void UpdateGauges();
+
+  PrefillEngine* const engine_;
+  const PrefillServiceOptions options_;
+  prometheus::Family<prometheus::Counter>& requests_;
+  prometheus::Counter& prompt_tokens_;
+  prometheus::Counter& cached_tokens_;
+  prometheus::Counter& computed_tokens_;
+  prometheus::Counter& bytes_shipped_;
+  prometheus::Counter& block_bytes_;
+  prometheus::Counter& fp16_bytes_;
+  prometheus::Counter& blocks_stored_;
+  prometheus::Counter& streamed_early_;
+  prometheus::Histogram& queue_seconds_;
+  prometheus::Histogram& compute_seconds_;
+  prometheus::Histogram& total_seconds_;
+  prometheus::Gauge& queued_tokens_;
+  prometheus::Gauge& active_requests_;
+};
+
+// Builds and starts a gRPC server for `service` on `address` ("host:port", port 0: any); the
+// port taken is written to *port. kUnavailable when it cannot listen.
+absl::StatusOr<std::unique_ptr<grpc::Server>> StartPrefillServer(PrefillService* service,
+                                                                 const std::string& address,
+                                                                 int* port);
+
+}  // namespace strata::prefill
