@@ -1,0 +1,776 @@
+#include "router/cluster_backend.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <utility>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "cluster/node_process.h"
+#include "common/status_macros.h"
+#include "grpcpp/support/client_callback.h"
+#include "kvstore/grpc_status.h"
+#include "model/llama.h"
+#include "prometheus/text_serializer.h"
+#include "router/chat_template.h"
+#include "router/openai_api.h"
+
+namespace strata::router {
+namespace {
+
+std::string OutcomeLabel(const absl::Status& s) {
+  return s.ok() ? "ok" : absl::AsciiStrToLower(absl::StatusCodeToString(s.code()));
+}
+
+std::chrono::system_clock::time_point Deadline(absl::Duration d) {
+  return absl::ToChronoTime(absl::Now() + d);
+}
+
+std::string Millis(absl::Duration d) {
+  return absl::StrFormat("%.1f ms", absl::ToDoubleMilliseconds(d));
+}
+
+absl::Status Positive(absl::Duration d, const char* name) {
+  if (d > absl::ZeroDuration()) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("cluster backend: ", name, " must be positive, got ", absl::FormatDuration(d)));
+}
+
+}  // namespace
+
+absl::Status ClusterBackendOptions::Validate() const {
+  if (spec.model.empty()) return absl::InvalidArgumentError("cluster backend: spec.model is empty");
+  if (spec.nodes.empty() && membership == nullptr) {
+    return absl::InvalidArgumentError("cluster backend: the cluster has no nodes");
+  }
+  if (max_in_flight < 1) {
+    return absl::InvalidArgumentError("cluster backend: max_in_flight must be >= 1");
+  }
+  STRATA_RETURN_IF_ERROR(Positive(load_poll_interval, "load_poll_interval"));
+  STRATA_RETURN_IF_ERROR(Positive(load_timeout, "load_timeout"));
+  STRATA_RETURN_IF_ERROR(Positive(prefill_timeout, "prefill_timeout"));
+  STRATA_RETURN_IF_ERROR(Positive(generate_timeout, "generate_timeout"));
+  STRATA_RETURN_IF_ERROR(Positive(store_connect_timeout, "store_connect_timeout"));
+  STRATA_RETURN_IF_ERROR(Positive(store_retry_interval, "store_retry_interval"));
+  PrefixKeyOptions k = keys;
+  k.chunk_tokens = spec.chunk_tokens;
+  k.cache_salt.clear();
+  if (absl::Status s = k.Validate(); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("cluster backend: keys: ", s.message()));
+  }
+  STRATA_RETURN_IF_ERROR(routing.Validate());
+  return index.Validate();
+}
+
+// One request's state. Owned by its gRPC calls (the Generate reactor and the Prefill callback
+// hold it), so it is freed when the last call has ended, on whichever thread that is; the Handle
+// only watches it (weak_ptr). Its destructor tells the backend (RequestGone), which waits for
+// every request to be gone before it goes itself.
+struct ClusterBackend::Request {
+  explicit Request(ClusterBackend* b) : backend(b) {}
+  // The contexts go first (each drops its call), then the node connections are handed to the
+  // backend: a channel must not be destroyed on a gRPC callback thread, which this may be (it
+  // would shut down the callback queue the thread serves).
+  ~Request() {
+    generate_ctx.reset();
+    prefill_ctx.reset();
+    backend->RequestGone(this, std::move(prefill_node), std::move(decode_node));
+  }
+
+  ClusterBackend* const backend;
+  std::string id;
+  std::shared_ptr<const NodeConnection> prefill_node, decode_node;
+  std::unique_ptr<grpc::ClientContext> generate_ctx = std::make_unique<grpc::ClientContext>();
+  std::unique_ptr<grpc::ClientContext> prefill_ctx = std::make_unique<grpc::ClientContext>();
+  strata::v1::GenerateRequest generate_req;
+  strata::v1::PrefillRequest prefill_req;
+  strata::v1::PrefillResponse prefill_resp;  // read only after the Prefill callback
+  absl::Time arrival, routed_at;
+  uint32_t prompt_tokens = 0;
+  std::atomic<bool> cancelled{false};  // the handle's Cancel (or the backend's destructor)
+  std::atomic<bool> ended{false};      // set under mu by End
+
+  // Serializes the stream calls (Token from the reactor, Finish / Fail from whichever call ends
+  // the request); guards every member below. Never held while calling into gRPC.
+  std::mutex mu;
+  std::shared_ptr<CompletionStream> stream;  // dropped by End
+  bool registered = false;
+  bool prefill_started = false;
+  bool prefill_done = false;
+  bool finished = false;        // `finished` arrived
+  absl::Status generate_error;  // a Generate error held until the Prefill answers
+  std::string prefill_summary;  // for the end log line
+  uint32_t completion_tokens = 0;
+  absl::Time first_token_at = absl::InfinitePast();
+  absl::Time last_token_at = absl::InfinitePast();
+  FinishReason reason = FinishReason::kStop;
+  Usage usage;
+};
+
+// Watches the request without owning it: once its calls have ended the request is gone and
+// Cancel (or the destructor) does nothing, even after the backend itself is gone.
+class ClusterBackend::Handle final : public RequestHandle {
+ public:
+  explicit Handle(std::weak_ptr<Request> r) : r_(std::move(r)) {}
+  ~Handle() override { Cancel(); }
+  // Takes no lock of the request: TryCancel is thread-safe (also before the call starts: it
+  // then starts cancelled), and what it sets off ends the request through the calls' callbacks.
+  void Cancel() override {
+    std::shared_ptr<Request> r = r_.lock();
+    if (r == nullptr || r->ended.load() || r->cancelled.exchange(true)) return;
+    r->generate_ctx->TryCancel();
+    r->prefill_ctx->TryCancel();
+  }
+
+ private:
+  std::weak_ptr<Request> r_;
+};
+
+// DecodeNode.Generate as a callback reactor: owns a reference to the request until OnDone, where
+// it deletes itself.
+class ClusterBackend::GenerateReactor final
+    : public grpc::ClientReadReactor<strata::v1::GenerateEvent> {
+ public:
+  explicit GenerateReactor(std::shared_ptr<Request> r) : r_(std::move(r)) {}
+
+  // Nothing may touch `this` after StartCall: OnDone (and the delete) may already have run.
+  void Begin() {
+    r_->decode_node->decode->async()->Generate(r_->generate_ctx.get(), &r_->generate_req, this);
+    StartRead(&event_);
+    StartCall();
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) return;  // the stream ended: OnDone follows
+    ClusterBackend* b = r_->backend;
+    switch (event_.event_case()) {
+      case strata::v1::GenerateEvent::kRegistered:
+        b->OnRegistered(r_, event_.registered());
+        break;
+      case strata::v1::GenerateEvent::kToken:
+        b->OnToken(r_, event_.token());
+        break;
+      case strata::v1::GenerateEvent::kFinished:
+        b->OnFinished(r_, event_.finished());
+        break;
+      default:
+        b->End(r_, absl::InternalError(
+                       absl::StrCat(r_->decode_node->description, ": an empty GenerateEvent")));
+        break;
+    }
+    StartRead(&event_);
+  }
+
+  void OnDone(const grpc::Status& status) override {
+    std::shared_ptr<Request> r = std::move(r_);
+    r->backend->OnGenerateDone(r, status);
+    delete this;
+    // `r` may be the last reference: the request goes here.
+  }
+
+ private:
+  std::shared_ptr<Request> r_;
+  strata::v1::GenerateEvent event_;
+};
+
+ClusterBackend::ClusterBackend(ClusterBackendOptions options)
+    : options_(std::move(options)),
+      registry_(std::make_shared<prometheus::Registry>()),
+      seed_rng_(std::random_device{}()) {}
+
+absl::StatusOr<std::unique_ptr<ClusterBackend>> ClusterBackend::Create(
+    ClusterBackendOptions options) {
+  STRATA_RETURN_IF_ERROR(options.Validate());
+  std::unique_ptr<ClusterBackend> b(new ClusterBackend(std::move(options)));
+  STRATA_RETURN_IF_ERROR(b->Init());
+  b->poller_ = std::thread([p = b.get()] { p->PollLoop(); });
+  return b;
+}
+
+absl::Status ClusterBackend::Init() {
+  const cluster::ClusterSpec& spec = options_.spec;
+  // The weights are read for the fingerprint that names the model's blocks (LlamaModel covers
+  // the checkpoint in it) and released at the end of this function.
+  STRATA_ASSIGN_OR_RETURN(cluster::ServedModel served,
+                          cluster::LoadServedModel(spec.model, spec.calibration));
+  model_name_ = options_.model_name.empty() ? served.name : options_.model_name;
+  config_ = served.model->config();
+  context_tokens_ = config_.max_position_embeddings;
+  if (config_.sliding_window > 0)
+    context_tokens_ = std::min(context_tokens_, config_.sliding_window);
+  tokenizer_ = std::move(served.tokenizer);
+  const std::filesystem::path tokenizer_config =
+      std::filesystem::path(spec.model) / "tokenizer_config.json";
+  if (std::filesystem::exists(tokenizer_config)) {
+    std::ifstream in(tokenizer_config);
+    std::stringstream text;
+    text << in.rdbuf();
+    absl::StatusOr<std::string> t = ChatTemplateFromTokenizerConfig(text.str());
+    if (!t.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(tokenizer_config.string(), ": ", t.status().message()));
+    }
+    chat_template_ = *std::move(t);
+  }
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<model::SequenceKvCache> cache,
+                          served.model->NewCache({.codec = spec.codec,
+                                                  .chunk_tokens = spec.chunk_tokens,
+                                                  .calibration = served.calibration}));
+  for (uint32_t l = 0; l < config_.num_layers; ++l) {
+    layer_names_.push_back(cache->NameOf(l, BlockHash{}));
+  }
+  PrefixKeyOptions keys = options_.keys;
+  keys.chunk_tokens = spec.chunk_tokens;
+  keys.cache_salt.clear();
+  STRATA_ASSIGN_OR_RETURN(PrefixHasher hasher, PrefixHasher::Create(keys));
+  hasher_ = std::make_unique<PrefixHasher>(std::move(hasher));
+  STRATA_ASSIGN_OR_RETURN(index_, PrefixIndex::Create(options_.index));
+  STRATA_ASSIGN_OR_RETURN(policy_, RoutingPolicy::Create(options_.routing));
+  created_ = absl::ToUnixSeconds(absl::Now());
+
+  prometheus::Registry& reg = *registry_;
+  requests_total_ = &prometheus::BuildCounter()
+                         .Name("strata_router_requests_total")
+                         .Help("Requests by outcome: ok, cancelled, or the error code")
+                         .Register(reg);
+  routed_total_ = &prometheus::BuildCounter()
+                       .Name("strata_router_routed_total")
+                       .Help("Requests routed, by prefill and decode node")
+                       .Register(reg);
+  ttft_ = &prometheus::BuildHistogram()
+               .Name("strata_router_ttft_seconds")
+               .Help("Time from a request's arrival to its first token")
+               .Register(reg)
+               .Add({}, cluster::LatencyBuckets());
+  inter_token_ = &prometheus::BuildHistogram()
+                      .Name("strata_router_inter_token_seconds")
+                      .Help("Time between consecutive tokens of a request")
+                      .Register(reg)
+                      .Add({}, cluster::LatencyBuckets());
+  prompt_tokens_ = &prometheus::BuildCounter()
+                        .Name("strata_router_prompt_tokens_total")
+                        .Help("Prompt tokens of routed requests")
+                        .Register(reg)
+                        .Add({});
+  cached_tokens_ = &prometheus::BuildCounter()
+                        .Name("strata_router_cached_tokens_total")
+                        .Help("Prompt tokens served from cache, as the decode nodes report")
+                        .Register(reg)
+                        .Add({});
+  completion_tokens_ = &prometheus::BuildCounter()
+                            .Name("strata_router_completion_tokens_total")
+                            .Help("Tokens streamed to clients")
+                            .Register(reg)
+                            .Add({});
+  in_flight_gauge_ = &prometheus::BuildGauge()
+                          .Name("strata_router_in_flight")
+                          .Help("Requests in flight")
+                          .Register(reg)
+                          .Add({});
+  store_connected_ = &prometheus::BuildGauge()
+                          .Name("strata_router_store_connected")
+                          .Help("1 while the store's block events stream in")
+                          .Register(reg)
+                          .Add({});
+
+  std::shared_ptr<const cluster::Membership> membership =
+      options_.membership != nullptr ? options_.membership
+                                     : std::make_shared<cluster::StaticMembership>(spec);
+  NodePoolOptions po;
+  po.load_timeout = options_.load_timeout;
+  po.model_name = served.name;  // nodes report the folder's name, whatever clients call it
+  po.chunk_tokens = spec.chunk_tokens;
+  po.prefill_reads_store = !spec.store.empty();
+  STRATA_RETURN_IF_ERROR(po.Validate());
+  pool_ = std::make_unique<NodePool>(po, std::move(membership), registry_.get());
+  if (!spec.store.empty()) {
+    store_feed_ = std::make_unique<StoreFeed>(index_.get(), "store", layer_names_);
+    STRATA_RETURN_IF_ERROR(store_feed_->status());
+  }
+  cluster::Log("", absl::StrCat("serving ", model_name_, " (context ", context_tokens_,
+                                " tokens, codec ", spec.codec, ", chunk ", spec.chunk_tokens,
+                                " tokens) through ", pool_->Status().size(), " nodes",
+                                spec.store.empty() ? "" : ", store " + spec.store));
+  return absl::OkStatus();
+}
+
+ClusterBackend::~ClusterBackend() {
+  {
+    std::lock_guard<std::mutex> lock(poll_mu_);
+    stop_ = true;
+  }
+  poll_cv_.notify_all();
+  if (poller_.joinable()) poller_.join();
+  store_watch_.reset();
+  store_client_.reset();
+  // Cancel what is left (the HTTP server was stopped first, so nothing new arrives) without
+  // holding calls_mu_: a cancellation may run the calls' callbacks on this thread.
+  std::vector<std::shared_ptr<Request>> live;
+  {
+    std::lock_guard<std::mutex> lock(calls_mu_);
+    for (const auto& [ptr, weak] : live_) {
+      if (std::shared_ptr<Request> r = weak.lock()) live.push_back(std::move(r));
+    }
+  }
+  for (const std::shared_ptr<Request>& r : live) {
+    r->cancelled.store(true);
+    r->generate_ctx->TryCancel();
+    r->prefill_ctx->TryCancel();
+  }
+  live.clear();
+  std::unique_lock<std::mutex> lock(calls_mu_);
+  calls_cv_.wait(lock, [this] { return live_.empty(); });
+  retired_.clear();
+}
+
+void ClusterBackend::PollLoop() {
+  std::unique_lock<std::mutex> lock(poll_mu_);
+  while (!stop_) {
+    lock.unlock();
+    pool_->PollOnce();
+    MaybeConnectStore();
+    std::vector<std::shared_ptr<const NodeConnection>> retired;
+    {
+      std::lock_guard<std::mutex> calls_lock(calls_mu_);
+      retired.swap(retired_);
+    }
+    retired.clear();
+    index_->Sweep(absl::Now());
+    lock.lock();
+    poll_cv_.wait_for(lock, absl::ToChronoMilliseconds(options_.load_poll_interval),
+                      [this] { return stop_; });
+  }
+}
+
+void ClusterBackend::MaybeConnectStore() {
+  if (store_feed_ == nullptr) return;
+  auto watch = [this] {
+    StoreFeed* feed = store_feed_.get();
+    store_watch_ =
+        store_client_->Watch(0, [feed](const kvstore::WatchUpdate& u) { feed->OnUpdate(u); });
+  };
+  if (store_watch_ != nullptr && store_feed_->resync_needed()) {
+    store_watch_.reset();  // joins the watch thread: no update is delivered meanwhile
+    store_feed_->ClearResync();
+    watch();
+  }
+  store_connected_->Set(store_feed_->connected() ? 1 : 0);
+  if (store_client_ != nullptr || absl::Now() < next_store_attempt_) return;
+  absl::StatusOr<std::unique_ptr<kvstore::StoreClient>> c =
+      kvstore::StoreClient::Connect(options_.spec.store, options_.store_connect_timeout);
+  if (!c.ok()) {
+    next_store_attempt_ = absl::Now() + options_.store_retry_interval;
+    if (!store_down_logged_) {
+      store_down_logged_ = true;
+      cluster::Log("", absl::StrCat(c.status().message(), "; retrying every ",
+                                    absl::FormatDuration(options_.store_retry_interval),
+                                    " (routing ignores the store meanwhile)"));
+    }
+    return;
+  }
+  store_client_ = *std::move(c);
+  cluster::Log("", absl::StrCat("store ", options_.spec.store, " connected; watching its blocks"));
+  watch();
+}
+
+std::vector<ModelCard> ClusterBackend::Models() const {
+  ModelCard card;
+  card.id = model_name_;
+  card.created = created_;
+  card.max_model_len = context_tokens_;
+  return {card};
+}
+
+std::string ClusterBackend::ChatTemplateText(const std::string& model) const {
+  return model == model_name_ ? chat_template_ : "";
+}
+
+absl::StatusOr<std::vector<BlockHash>> ClusterBackend::ChunkKeys(
+    const std::vector<uint32_t>& tokens, const std::string& cache_salt) const {
+  if (cache_salt.empty()) return hasher_->ChunkKeys(tokens);
+  PrefixKeyOptions k = hasher_->options();
+  k.cache_salt = cache_salt;
+  absl::StatusOr<PrefixHasher> h = PrefixHasher::Create(k);
+  if (!h.ok()) return FieldError("cache_salt", h.status().message());
+  return h->ChunkKeys(tokens);
+}
+
+absl::StatusOr<std::vector<uint32_t>> ClusterBackend::Tokenize(
+    const CompletionRequest& request) const {
+  const char* field = request.chat ? "messages" : "prompt";
+  std::vector<uint32_t> tokens;
+  if (!request.chat && request.prompt_text.empty() && !request.prompt_tokens.empty()) {
+    tokens = request.prompt_tokens;
+    for (size_t i = 0; i < tokens.size(); ++i) {
+      if (tokens[i] >= config_.vocab_size) {
+        return FieldError("prompt", absl::StrCat("prompt[", i, "] = ", tokens[i],
+                                                 " is not a token of this model (vocabulary "
+                                                 "size ",
+                                                 config_.vocab_size, ")"));
+      }
+    }
+  } else {
+    // Chat: the rendered prompt carries the template's BOS text already (parsed as a special
+    // token here). Completions: as vLLM with add_special_tokens, the model's BOS goes first.
+    tokens = tokenizer_->Encode(request.prompt_text, /*parse_special=*/true);
+    const int64_t bos = config_.bos_token_id;
+    if (!request.chat && bos >= 0 && (tokens.empty() || tokens[0] != static_cast<uint32_t>(bos))) {
+      tokens.insert(tokens.begin(), static_cast<uint32_t>(bos));
+    }
+  }
+  if (tokens.empty()) return FieldError(field, absl::StrCat(field, " has no tokens"));
+  return tokens;
+}
+
+absl::Status ClusterBackend::CheckContext(const CompletionRequest& request, size_t prompt_tokens,
+                                          uint32_t* max_tokens) const {
+  const char* field = request.chat ? "messages" : "prompt";
+  const uint64_t context = context_tokens_;
+  if (prompt_tokens >= context) {
+    return FieldError(field, absl::StrCat("This model's maximum context length is ", context,
+                                          " tokens. However, your ", field, " has ", prompt_tokens,
+                                          " tokens, which leaves none for the "
+                                          "completion. Please reduce the length of the ",
+                                          field, "."));
+  }
+  if (*max_tokens == 0) {  // unset (chat): the rest of the context
+    *max_tokens = static_cast<uint32_t>(context - prompt_tokens);
+    return absl::OkStatus();
+  }
+  if (prompt_tokens + *max_tokens > context) {
+    return FieldError("max_tokens",
+                      absl::StrCat("This model's maximum context length is ", context,
+                                   " tokens. However, you requested ", prompt_tokens + *max_tokens,
+                                   " tokens (", prompt_tokens, " in the ", field, ", ", *max_tokens,
+                                   " in the completion). Please reduce the length of the ", field,
+                                   " or completion."));
+  }
+  return absl::OkStatus();
+}
+
+void ClusterBackend::CountOutcome(const absl::Status& status) {
+  requests_total_->Add({{"status", OutcomeLabel(status)}}).Increment();
+}
+
+absl::StatusOr<std::unique_ptr<RequestHandle>> ClusterBackend::Start(
+    CompletionRequest request, std::shared_ptr<CompletionStream> stream) {
+  const absl::Time now = absl::Now();
+  auto refuse = [&](absl::Status s) {
+    CountOutcome(s);
+    cluster::Log(request.request_id, absl::StrCat("refused: ", s.ToString()));
+    return s;
+  };
+  if (request.model != model_name_) {
+    return refuse(absl::NotFoundError(absl::StrCat("The model '", request.model,
+                                                   "' does not exist (this router serves '",
+                                                   model_name_, "')")));
+  }
+  absl::StatusOr<std::vector<uint32_t>> tokens = Tokenize(request);
+  if (!tokens.ok()) return refuse(tokens.status());
+  uint32_t max_tokens = request.sampling.max_tokens;
+  if (absl::Status s = CheckContext(request, tokens->size(), &max_tokens); !s.ok()) {
+    return refuse(s);
+  }
+  absl::StatusOr<std::vector<BlockHash>> chain = ChunkKeys(*tokens, request.cache_salt);
+  if (!chain.ok()) return refuse(chain.status());
+
+  // Admission: a slot in flight, or 429.
+  size_t n = in_flight_.load();
+  do {
+    if (n >= options_.max_in_flight) {
+      return refuse(absl::ResourceExhaustedError(absl::StrCat(
+          "the router has ", n, " requests in flight, its limit (max_in_flight); retry later")));
+    }
+  } while (!in_flight_.compare_exchange_weak(n, n + 1));
+  auto release = [&](absl::Status s) {
+    in_flight_.fetch_sub(1);
+    return refuse(std::move(s));
+  };
+
+  const OverlapResult overlap = index_->Overlap(*chain, now);
+  std::vector<NodeLoad> nodes = pool_->Loads();
+  tracker_.Overlay(absl::MakeSpan(nodes));
+  RouteRequest route;
+  route.prompt_tokens = tokens->size();
+  route.chunk_tokens = options_.spec.chunk_tokens;
+  route.decode_kv_bytes = static_cast<uint64_t>(
+      std::ceil(static_cast<double>(tokens->size() + max_tokens) * pool_->DecodeKvBytesPerToken()));
+  absl::StatusOr<RouteDecision> d = policy_->Route(route, overlap, nodes);
+  if (!d.ok()) return release(d.status());
+  std::shared_ptr<const NodeConnection> prefill = pool_->Connection(d->prefill_id);
+  std::shared_ptr<const NodeConnection> decode = pool_->Connection(d->decode_id);
+  if (prefill == nullptr || prefill->prefill == nullptr || decode == nullptr ||
+      decode->decode == nullptr) {
+    return release(absl::UnavailableError(
+        absl::StrCat("nodes ", d->prefill_id, " / ", d->decode_id, " left the cluster")));
+  }
+  if (absl::Status s = tracker_.Add(request.request_id, *d, now); !s.ok()) return release(s);
+
+  auto r = std::make_shared<Request>(this);
+  {
+    std::lock_guard<std::mutex> lock(calls_mu_);
+    live_[r.get()] = r;
+  }
+  r->id = request.request_id;
+  r->stream = std::move(stream);
+  r->prefill_node = std::move(prefill);
+  r->decode_node = std::move(decode);
+  r->arrival = request.arrival == absl::Time() ? now : request.arrival;
+  r->routed_at = now;
+  r->prompt_tokens = static_cast<uint32_t>(tokens->size());
+  strata::v1::GenerateRequest& g = r->generate_req;
+  g.set_request_id(request.request_id);
+  g.mutable_prompt()->Assign(tokens->begin(), tokens->end());
+  g.set_cache_salt(request.cache_salt);
+  strata::v1::Sampling* sampling = g.mutable_sampling();
+  sampling->set_temperature(request.sampling.temperature);
+  sampling->set_top_k(request.sampling.top_k);
+  sampling->set_top_p(request.sampling.top_p);
+  if (request.sampling.seed.has_value()) {
+    sampling->set_seed(*request.sampling.seed);
+  } else {
+    // The prefill node samples the first token and the decode node the rest: one seed for both.
+    std::lock_guard<std::mutex> lock(seed_mu_);
+    sampling->set_seed(seed_rng_());
+  }
+  g.set_max_tokens(max_tokens);
+  for (const std::string& s : request.sampling.stop) g.add_stop(s);
+  r->generate_ctx->set_deadline(Deadline(options_.generate_timeout));
+
+  in_flight_gauge_->Increment();
+  prompt_tokens_->Increment(static_cast<double>(tokens->size()));
+  routed_total_->Add({{"prefill", d->prefill_id}, {"decode", d->decode_id}}).Increment();
+  cluster::Log(r->id, absl::StrCat("routed ", tokens->size(), " prompt tokens (max_tokens ",
+                                   max_tokens, "): ", d->Explain()));
+
+  std::weak_ptr<Request> watch = r;
+  (new GenerateReactor(std::move(r)))->Begin();  // the reactor owns the request now
+  return std::make_unique<Handle>(std::move(watch));
+}
+
+void ClusterBackend::OnRegistered(const std::shared_ptr<Request>& r,
+                                  const strata::v1::Registered& registered) {
+  bool duplicate = false;
+  {
+    std::lock_guard<std::mutex> lock(r->mu);
+    if (r->ended.load() || r->cancelled.load()) return;  // the Generate call ends the request
+    if (r->registered) {
+      duplicate = true;
+    } else {
+      r->registered = true;
+      r->prefill_started = true;
+    }
+  }
+  if (duplicate) {
+    End(r, absl::InternalError(
+               absl::StrCat(r->decode_node->description, ": a second `registered` message")));
+    return;
+  }
+  strata::v1::PrefillRequest& p = r->prefill_req;
+  p.set_request_id(r->id);
+  *p.mutable_tokens() = r->generate_req.prompt();
+  p.set_cache_salt(r->generate_req.cache_salt());
+  p.set_decode_address(registered.transport_address());
+  *p.mutable_sampling() = r->generate_req.sampling();
+  r->prefill_ctx->set_deadline(Deadline(options_.prefill_timeout));
+  r->prefill_node->prefill->async()->Prefill(
+      r->prefill_ctx.get(), &r->prefill_req, &r->prefill_resp,
+      [this, r](grpc::Status status) { OnPrefillDone(r, status); });
+}
+
+void ClusterBackend::OnToken(const std::shared_ptr<Request>& r,
+                             const strata::v1::TokenEvent& token) {
+  const absl::Time now = absl::Now();
+  bool registered = false, first = false;
+  absl::Duration gap;
+  {
+    std::lock_guard<std::mutex> lock(r->mu);
+    if (r->ended.load()) return;
+    registered = r->registered;
+    if (registered) {
+      first = r->completion_tokens == 0;
+      gap = now - r->last_token_at;
+      ++r->completion_tokens;
+      if (first) r->first_token_at = now;
+      r->last_token_at = now;
+      if (!r->cancelled.load()) r->stream->Token(token.text(), token.token());
+    }
+  }
+  if (!registered) {
+    End(r, absl::InternalError(
+               absl::StrCat(r->decode_node->description, ": a token before `registered`")));
+    return;
+  }
+  completion_tokens_->Increment();
+  if (first) {
+    tracker_.MarkPrefillDone(r->id);
+    ttft_->Observe(absl::ToDoubleSeconds(now - r->arrival));
+  } else {
+    inter_token_->Observe(absl::ToDoubleSeconds(gap));
+  }
+}
+
+void ClusterBackend::OnFinished(const std::shared_ptr<Request>& r,
+                                const strata::v1::Finished& finished) {
+  {
+    std::lock_guard<std::mutex> lock(r->mu);
+    if (r->ended.load()) return;
+    r->finished = true;
+    r->reason = finished.reason() == strata::v1::FINISH_LENGTH ? FinishReason::kLength
+                                                               : FinishReason::kStop;
+    r->usage.prompt_tokens =
+        finished.prompt_tokens() != 0 ? finished.prompt_tokens() : r->prompt_tokens;
+    r->usage.completion_tokens =
+        finished.completion_tokens() != 0 ? finished.completion_tokens() : r->completion_tokens;
+    r->usage.cached_tokens = finished.cached_tokens();
+  }
+  End(r, absl::OkStatus());
+}
+
+void ClusterBackend::OnGenerateDone(const std::shared_ptr<Request>& r, const grpc::Status& status) {
+  if (status.ok()) {
+    bool finished;
+    {
+      std::lock_guard<std::mutex> lock(r->mu);
+      finished = r->finished;
+    }
+    if (!finished) {
+      End(r, absl::InternalError(absl::StrCat(r->decode_node->description,
+                                              ": the stream ended without `finished`")));
+    }
+    return;
+  }
+  if (r->cancelled.load()) {
+    End(r, absl::CancelledError("cancelled by the client"));
+    return;
+  }
+  absl::Status error = kvstore::FromGrpc(status, r->decode_node->description);
+  {
+    std::lock_guard<std::mutex> lock(r->mu);
+    if (r->ended.load()) return;
+    // The decode node drops a request whose prefill failed (the prefill node tells it to); the
+    // Prefill's own error, due any moment, is the one worth reporting. A decode node that is
+    // gone or too slow is its own story.
+    if (r->prefill_started && !r->prefill_done && error.code() != absl::StatusCode::kUnavailable &&
+        error.code() != absl::StatusCode::kDeadlineExceeded) {
+      r->generate_error = error;
+      return;
+    }
+  }
+  End(r, error);
+}
+
+void ClusterBackend::OnPrefillDone(const std::shared_ptr<Request>& r, const grpc::Status& status) {
+  absl::Status held;
+  {
+    std::lock_guard<std::mutex> lock(r->mu);
+    r->prefill_done = true;
+    held = r->generate_error;
+    if (status.ok()) {
+      const strata::v1::PrefillResponse& p = r->prefill_resp;
+      r->prefill_summary = absl::StrFormat(
+          "prefill %u cached + %u computed tokens in %.1f ms (queue %.1f ms), %u blocks / %u "
+          "bytes shipped",
+          p.cached_tokens(), p.computed_tokens(), p.total_seconds() * 1e3, p.queue_seconds() * 1e3,
+          p.blocks_shipped(), p.bytes_shipped());
+    }
+  }
+  if (status.ok()) {
+    if (!held.ok()) End(r, held);  // the decode node failed on its own
+    return;
+  }
+  if (r->cancelled.load()) {
+    End(r, absl::CancelledError("cancelled by the client"));
+    return;
+  }
+  End(r, kvstore::FromGrpc(status, r->prefill_node->description));
+}
+
+void ClusterBackend::End(const std::shared_ptr<Request>& r, const absl::Status& status) {
+  absl::Status outcome = status;
+  uint32_t completion = 0;
+  absl::Time first_token;
+  Usage usage;
+  std::string prefill_summary;
+  {
+    std::lock_guard<std::mutex> lock(r->mu);
+    if (r->ended.load()) return;
+    r->ended.store(true);
+    std::shared_ptr<CompletionStream> stream = std::move(r->stream);
+    const bool cancelled = r->cancelled.load();
+    if (cancelled && !outcome.ok()) outcome = absl::CancelledError("cancelled by the client");
+    if (!cancelled) {
+      if (outcome.ok()) {
+        stream->Finish(r->reason, r->usage);
+      } else {
+        stream->Fail(outcome);
+      }
+    }
+    completion = r->completion_tokens;
+    first_token = r->first_token_at;
+    usage = r->usage;
+    prefill_summary = r->prefill_summary;
+  }
+  if (!outcome.ok()) {
+    // Both nodes free the request. Outside r->mu: a cancellation may run callbacks inline.
+    r->generate_ctx->TryCancel();
+    r->prefill_ctx->TryCancel();
+  }
+  tracker_.Complete(r->id);
+  in_flight_.fetch_sub(1);
+  in_flight_gauge_->Decrement();
+  CountOutcome(outcome);
+  if (outcome.ok()) cached_tokens_->Increment(usage.cached_tokens);
+  const absl::Time now = absl::Now();
+  std::string line = outcome.ok() ? "finished" : absl::StrCat("failed: ", outcome.ToString());
+  absl::StrAppend(&line, "; ", r->prompt_tokens, " prompt tokens");
+  if (outcome.ok()) absl::StrAppend(&line, " (", usage.cached_tokens, " cached)");
+  absl::StrAppend(&line, ", ", completion, " generated");
+  if (first_token != absl::InfinitePast()) {
+    absl::StrAppend(&line, ", TTFT ", Millis(first_token - r->arrival));
+  }
+  absl::StrAppend(&line, ", ", Millis(now - r->arrival), " total; prefill ",
+                  r->prefill_node->spec.id, ", decode ", r->decode_node->spec.id);
+  if (!prefill_summary.empty()) absl::StrAppend(&line, "; ", prefill_summary);
+  cluster::Log(r->id, line);
+}
+
+void ClusterBackend::RequestGone(Request* r, std::shared_ptr<const NodeConnection> prefill,
+                                 std::shared_ptr<const NodeConnection> decode) {
+  std::lock_guard<std::mutex> lock(calls_mu_);
+  live_.erase(r);
+  retired_.push_back(std::move(prefill));
+  retired_.push_back(std::move(decode));
+  calls_cv_.notify_all();  // the last use of the backend by this request
+}
+
+bool ClusterBackend::Healthy(std::string* detail) const {
+  int prefill = 0, decode = 0;
+  std::vector<std::string> unhealthy;
+  for (const NodeStatus& s : pool_->Status()) {
+    if (s.healthy) {
+      ++(s.spec.role == cluster::Role::kPrefill ? prefill : decode);
+    } else {
+      unhealthy.push_back(absl::StrCat(s.spec.id, " (", s.problem, ")"));
+    }
+  }
+  std::vector<std::string> parts;
+  if (prefill == 0) parts.push_back("no healthy prefill node");
+  if (decode == 0) parts.push_back("no healthy decode node");
+  if (!unhealthy.empty()) parts.push_back("unhealthy: " + absl::StrJoin(unhealthy, ", "));
+  if (detail != nullptr) *detail = absl::StrJoin(parts, "; ");
+  return prefill > 0 && decode > 0;
+}
+
+std::string ClusterBackend::RenderMetrics() const {
+  return prometheus::TextSerializer().Serialize(registry_->Collect());
+}
+
+}  // namespace strata::router

@@ -1,0 +1,237 @@
+// ClusterBackend: the router's Backend (backend.h) — it serves OpenAI requests through the
+// cluster's prefill and decode nodes over gRPC (proto/serving.proto).
+//
+//   ClusterBackendOptions o;
+//   o.spec = *cluster::LoadClusterFile("cluster.json");
+//   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<ClusterBackend> backend, ClusterBackend::Create(o));
+//   STRATA_ASSIGN_OR_RETURN(auto server, HttpServer::Start(http_options, backend.get()));
+//
+// One request (Start):
+//   1. Tokenize: a chat prompt (it already holds the template's BOS text) with special tokens
+//      parsed and no BOS added; a completions string with special tokens parsed and the model's
+//      BOS prepended unless it starts with it; token ids as given. Checked against the
+//      vocabulary and the context (the model's max_position_embeddings, or its sliding window
+//      when smaller); chat's max_tokens 0 means the rest of the context.
+//   2. Route: the prompt's chunk keys (with the request's cache salt, keyed exactly as the
+//      prefill engine keys them) give the PrefixIndex overlap; RoutingPolicy::Route picks the
+//      nodes from the latest Load reports plus the LoadTracker's account of what was routed since.
+//   3. Dispatch with gRPC's callback API (no thread per request): DecodeNode.Generate opens the
+//      token stream; on its first message (`registered`) PrefillNode.Prefill is called with the
+//      decode node's transport address. Tokens go to the stream as they arrive; `finished`
+//      ends it with the usage (cached_tokens as the decode node reports it).
+//   Failures: a Prefill error cancels the Generate call and fails the request with the prefill
+//   node's error; a Generate stream that ends in an error fails it with the decode node's (when
+//   the decode node reports anything but UNAVAILABLE / DEADLINE_EXCEEDED while the Prefill is
+//   still out, the Prefill's answer is awaited first: the decode node most likely dropped the
+//   request because the prefill failed, and that is the error worth reporting). Messages name
+//   the node ("prefill node prefill-0 (127.0.0.1:7101): RESOURCE_EXHAUSTED: ...").
+//
+// Start's errors: NOT_FOUND (another model), INVALID_ARGUMENT naming the field ("prompt",
+// "messages", "max_tokens"), RESOURCE_EXHAUSTED (max_in_flight requests already in flight, or no
+// node can take the request: the routing policy's answer), UNAVAILABLE (no healthy prefill or
+// decode node).
+//
+// Background: a poller thread calls Load on every node each load_poll_interval (NodePool: a node
+// that fails is not routed to until it answers again) and sweeps the index. When the cluster has a
+// store, its Watch stream feeds the index (StoreFeed) as the holder "store"; a store that is down
+// at start is retried every store_retry_interval, and the watch reconnects on its own after.
+//
+// Metrics (RenderMetrics, Prometheus text): strata_router_requests_total{status} (every request
+// Start saw, by outcome: "ok", "cancelled", or the error code in lower case),
+// strata_router_ttft_seconds and strata_router_inter_token_seconds (histograms; TTFT from the
+// request's arrival), strata_router_prompt_tokens_total (of routed requests),
+// strata_router_completion_tokens_total (tokens streamed), strata_router_cached_tokens_total (as
+// the decode nodes report them at the end), strata_router_in_flight,
+// strata_router_routed_total{prefill,decode}, strata_router_node_healthy{node,role},
+// strata_router_store_connected.
+//
+// Logs (cluster::Log, with the request id): one line at routing (RouteDecision::Explain) and one
+// at the end (status, tokens, TTFT).
+//
+// Thread safety: as backend.h requires. Destroying the backend stops the poller and the store
+// watch, cancels every request still in flight and waits for their gRPC calls to end. The HTTP
+// server in front must be stopped first; a RequestHandle may outlive the backend (it is then
+// inert).
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "cluster/cluster_file.h"
+#include "common/prefix_key.h"
+#include "grpcpp/support/status.h"
+#include "kvstore/store_client.h"
+#include "model/config.h"
+#include "model/tokenizer.h"
+#include "prometheus/counter.h"
+#include "prometheus/family.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+#include "router/backend.h"
+#include "router/node_pool.h"
+#include "router/prefix_index.h"
+#include "router/routing_policy.h"
+#include "router/store_feed.h"
+
+namespace strata::router {
+
+struct ClusterBackendOptions {
+  // The cluster: model folder, codec, chunk size, calibration, store, nodes
+  // (cluster::LoadClusterFile). spec.model must name a model folder (config.json,
+  // tokenizer.json, weights: the weights are read once, for the fingerprint that names the
+  // model's blocks in the store, then released).
+  cluster::ClusterSpec spec = {};
+  // Who is in the cluster; null: the spec's nodes, fixed (cluster::StaticMembership).
+  std::shared_ptr<const cluster::Membership> membership = nullptr;
+  // The model name clients ask for ("model"); "" = the model folder's name (as the nodes report).
+  std::string model_name = "";
+  // Requests in flight at most (Start to Finish / Fail / cancellation); over it Start answers
+  // RESOURCE_EXHAUSTED (HTTP 429). >= 1.
+  uint32_t max_in_flight = 1024;
+  // How often every node's Load is polled, and how long one poll may take.
+  absl::Duration load_poll_interval = absl::Milliseconds(100);
+  absl::Duration load_timeout = absl::Seconds(1);
+  // Deadline of a Prefill call (queueing, compute and shipping), and of a whole Generate stream.
+  absl::Duration prefill_timeout = absl::Seconds(300);
+  absl::Duration generate_timeout = absl::Minutes(30);
+  // Store: how long one connection attempt waits, and how often a store that is down is retried.
+  absl::Duration store_connect_timeout = absl::Milliseconds(250);
+  absl::Duration store_retry_interval = absl::Seconds(1);
+  // How prefix keys are computed (algorithm, hash block size, seed): must be what the prefill
+  // nodes use (PrefillEngineOptions::keys). chunk_tokens comes from the spec and the cache salt
+  // from each request; the values here are ignored.
+  PrefixKeyOptions keys = {};
+  RoutingOptions routing = {};
+  PrefixIndexOptions index = {};
+
+  // INVALID_ARGUMENT naming the field.
+  absl::Status Validate() const;
+};
+
+class ClusterBackend final : public Backend {
+ public:
+  // Validates the options, reads the model folder (tokenizer, config, chat template, block
+  // names), connects to nothing yet and starts the poller (the first poll runs at once). Errors:
+  // INVALID_ARGUMENT (options), NOT_FOUND / INVALID_ARGUMENT from reading the model.
+  static absl::StatusOr<std::unique_ptr<ClusterBackend>> Create(ClusterBackendOptions options);
+  ~ClusterBackend() override;
+  ClusterBackend(const ClusterBackend&) = delete;
+  ClusterBackend& operator=(const ClusterBackend&) = delete;
+
+  // Backend.
+  std::vector<ModelCard> Models() const override;
+  std::string ChatTemplateText(const std::string& model) const override;
+  absl::StatusOr<std::unique_ptr<RequestHandle>> Start(
+      CompletionRequest request, std::shared_ptr<CompletionStream> stream) override;
+  // True when at least one prefill and one decode node are healthy; *detail names the unhealthy
+  // nodes and why (also when true, if any are).
+  bool Healthy(std::string* detail) const override;
+  std::string RenderMetrics() const override;
+
+  // For tests and status pages.
+  const std::string& model_name() const { return model_name_; }
+  uint32_t context_tokens() const { return context_tokens_; }
+  size_t in_flight() const { return in_flight_.load(); }
+  std::vector<NodeStatus> Nodes() const { return pool_->Status(); }
+  const PrefixIndex& prefix_index() const { return *index_; }
+  // The prompt's chunk keys as the prefill nodes compute them.
+  absl::StatusOr<std::vector<BlockHash>> ChunkKeys(const std::vector<uint32_t>& tokens,
+                                                   const std::string& cache_salt) const;
+  // Null when the cluster has no store.
+  const StoreFeed* store_feed() const { return store_feed_.get(); }
+
+ private:
+  struct Request;
+  class Handle;
+  class GenerateReactor;
+
+  explicit ClusterBackend(ClusterBackendOptions options);
+  absl::Status Init();
+  void PollLoop();
+  void MaybeConnectStore();
+
+  // Tokenization and the context check: the prompt tokens; *max_tokens resolved.
+  absl::StatusOr<std::vector<uint32_t>> Tokenize(const CompletionRequest& request) const;
+  absl::Status CheckContext(const CompletionRequest& request, size_t prompt_tokens,
+                            uint32_t* max_tokens) const;
+
+  // Request lifecycle (see cluster_backend.cc).
+  void OnRegistered(const std::shared_ptr<Request>& r, const strata::v1::Registered& registered);
+  void OnToken(const std::shared_ptr<Request>& r, const strata::v1::TokenEvent& token);
+  void OnFinished(const std::shared_ptr<Request>& r, const strata::v1::Finished& finished);
+  void OnGenerateDone(const std::shared_ptr<Request>& r, const grpc::Status& status);
+  void OnPrefillDone(const std::shared_ptr<Request>& r, const grpc::Status& status);
+  // Ends the request once: the stream's Finish (status OK) or Fail (unless cancelled), the
+  // tracker, metrics and the end log line.
+  void End(const std::shared_ptr<Request>& r, const absl::Status& status);
+  // From ~Request: forgets it and keeps its node connections for the poller to drop.
+  void RequestGone(Request* r, std::shared_ptr<const NodeConnection> prefill,
+                   std::shared_ptr<const NodeConnection> decode);
+  void CountOutcome(const absl::Status& status);
+
+  const ClusterBackendOptions options_;
+  std::string model_name_;
+  model::ModelConfig config_;
+  uint32_t context_tokens_ = 0;
+  std::unique_ptr<model::Tokenizer> tokenizer_;
+  std::string chat_template_;
+  std::vector<BlockName> layer_names_;    // per layer: this model's block namespace in the store
+  int64_t created_ = 0;                   // Unix seconds, for ModelCard
+  std::unique_ptr<PrefixHasher> hasher_;  // no cache salt; salted requests make their own
+
+  std::shared_ptr<prometheus::Registry> registry_;
+  prometheus::Family<prometheus::Counter>* requests_total_ = nullptr;
+  prometheus::Family<prometheus::Counter>* routed_total_ = nullptr;
+  prometheus::Histogram* ttft_ = nullptr;
+  prometheus::Histogram* inter_token_ = nullptr;
+  prometheus::Counter* prompt_tokens_ = nullptr;
+  prometheus::Counter* cached_tokens_ = nullptr;
+  prometheus::Counter* completion_tokens_ = nullptr;
+  prometheus::Gauge* in_flight_gauge_ = nullptr;
+  prometheus::Gauge* store_connected_ = nullptr;
+
+  std::unique_ptr<PrefixIndex> index_;
+  std::unique_ptr<RoutingPolicy> policy_;
+  LoadTracker tracker_;
+  std::unique_ptr<NodePool> pool_;
+  std::unique_ptr<StoreFeed> store_feed_;
+  std::atomic<size_t> in_flight_{0};
+
+  mutable std::mutex seed_mu_;  // guards seed_rng_
+  std::mt19937_64 seed_rng_;    // seeds of requests that name none
+
+  // Store connection: the poller thread's alone.
+  std::unique_ptr<kvstore::StoreClient> store_client_;
+  std::unique_ptr<kvstore::StoreWatch> store_watch_;
+  absl::Time next_store_attempt_ = absl::InfinitePast();
+  bool store_down_logged_ = false;
+
+  // Poller thread.
+  std::mutex poll_mu_;  // guards stop_
+  std::condition_variable poll_cv_;
+  bool stop_ = false;
+  std::thread poller_;
+
+  // Requests alive (their gRPC calls own them), for the destructor, which cancels them and waits
+  // for them all to be gone.
+  std::mutex calls_mu_;  // guards the members below
+  std::condition_variable calls_cv_;
+  absl::flat_hash_map<Request*, std::weak_ptr<Request>> live_;
+  // Node connections of requests that are gone, dropped by the poller thread (never on a gRPC
+  // callback thread: see ~Request).
+  std::vector<std::shared_ptr<const NodeConnection>> retired_;
+};
+
+}  // namespace strata::router

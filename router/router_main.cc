@@ -1,0 +1,105 @@
+// strata-router: the OpenAI-compatible HTTP front of a Strata cluster. Reads the cluster file
+// (model, nodes, store, the router's HTTP address); flags override.
+//   strata-router --cluster cluster.json [--listen 0.0.0.0:8000]
+#include <iostream>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "cluster/cluster_file.h"
+#include "cluster/node_process.h"
+#include "router/cluster_backend.h"
+#include "router/http_server.h"
+
+ABSL_FLAG(std::string, cluster, "", "the cluster file (required)");
+ABSL_FLAG(std::string, listen, "", "HTTP address HOST:PORT (default: the file's router.http)");
+ABSL_FLAG(int, max_in_flight, 1024, "requests in flight at most; more are answered 429");
+ABSL_FLAG(int, http_threads, 4, "HTTP I/O threads");
+ABSL_FLAG(int, poll_ms, 100, "how often every node's load is polled, in milliseconds");
+
+namespace {
+
+int Fail(const std::string& what, const absl::Status& s, int code = 1) {
+  std::cerr << "strata-router: " << what << ": " << s << "\n";
+  return code;
+}
+
+// "HOST:PORT" or "[V6]:PORT" (already validated) into host and port.
+void SplitHostPort(const std::string& address, std::string* host, uint16_t* port) {
+  const size_t colon = address.rfind(':');
+  *host = address.substr(0, colon);
+  if (absl::StartsWith(*host, "[") && absl::EndsWith(*host, "]")) {
+    *host = host->substr(1, host->size() - 2);
+  }
+  uint32_t p = 0;
+  (void)absl::SimpleAtoi(address.substr(colon + 1), &p);
+  *port = static_cast<uint16_t>(p);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  strata::cluster::BlockTerminationSignals();
+  strata::cluster::ConfigureFlagsUsage();
+  absl::SetProgramUsageMessage(
+      "the Strata router: OpenAI-compatible HTTP in front of a cluster's prefill and decode "
+      "nodes.\n  strata-router --cluster cluster.json [--listen 0.0.0.0:8000]");
+  absl::ParseCommandLine(argc, argv);
+  namespace cl = strata::cluster;
+  namespace rt = strata::router;
+  if (absl::GetFlag(FLAGS_cluster).empty()) {
+    std::cerr << "strata-router: --cluster is required (see --help)\n";
+    return 2;
+  }
+  if (absl::GetFlag(FLAGS_max_in_flight) < 1) {
+    std::cerr << "strata-router: --max_in_flight must be >= 1, got "
+              << absl::GetFlag(FLAGS_max_in_flight) << "\n";
+    return 2;
+  }
+  if (absl::GetFlag(FLAGS_http_threads) < 1 || absl::GetFlag(FLAGS_http_threads) > 256) {
+    std::cerr << "strata-router: --http_threads must be in [1, 256], got "
+              << absl::GetFlag(FLAGS_http_threads) << "\n";
+    return 2;
+  }
+  if (absl::GetFlag(FLAGS_poll_ms) < 1) {
+    std::cerr << "strata-router: --poll_ms must be >= 1, got " << absl::GetFlag(FLAGS_poll_ms)
+              << "\n";
+    return 2;
+  }
+  absl::StatusOr<cl::ClusterSpec> spec = cl::LoadClusterFile(absl::GetFlag(FLAGS_cluster));
+  if (!spec.ok()) return Fail("cluster file", spec.status(), 2);
+  const std::string listen =
+      absl::GetFlag(FLAGS_listen).empty() ? spec->router_http : absl::GetFlag(FLAGS_listen);
+  if (absl::Status s = cl::ValidateHostPort(listen, "--listen"); !s.ok()) {
+    return Fail("flags", s, 2);
+  }
+  cl::SetLogIdentity("strata-router", "");
+
+  rt::ClusterBackendOptions o;
+  o.spec = *spec;
+  o.max_in_flight = static_cast<uint32_t>(absl::GetFlag(FLAGS_max_in_flight));
+  o.load_poll_interval = absl::Milliseconds(absl::GetFlag(FLAGS_poll_ms));
+  absl::StatusOr<std::unique_ptr<rt::ClusterBackend>> backend = rt::ClusterBackend::Create(o);
+  if (!backend.ok()) return Fail("backend", backend.status());
+
+  rt::HttpServerOptions h;
+  SplitHostPort(listen, &h.host, &h.port);
+  h.threads = absl::GetFlag(FLAGS_http_threads);
+  absl::StatusOr<std::unique_ptr<rt::HttpServer>> server = rt::HttpServer::Start(h, backend->get());
+  if (!server.ok()) return Fail("HTTP", server.status());
+  const std::string shown = absl::StrContains(h.host, ':') ? "[" + h.host + "]" : h.host;
+  std::cout << "strata-router: serving on http://" << shown << ":" << (*server)->port()
+            << std::endl;
+
+  const int signal = cl::WaitForTermination();
+  cl::Log("", absl::StrCat("signal ", signal, ": stopping"));
+  (*server)->Stop();  // cancels the open streams
+  server->reset();
+  backend->reset();  // waits for the cancelled calls to end
+  std::cout << "strata-router: stopped" << std::endl;
+  return 0;
+}
