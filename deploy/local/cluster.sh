@@ -1,0 +1,162 @@
+#!/usr/bin/env bash
+# Starts and stops a Strata cluster on this machine as separate processes on loopback: one
+# strata-store (RAM + a disk tier), prefill and decode nodes, and strata-router in front, all
+# reading one cluster file that this script writes.
+#
+#   deploy/local/cluster.sh up   [--dir DIR] [--codec SPEC] [--chunk N] [--prefill N] [--decode N]
+#                                [--port-base P] [--http-port P] [--model DIR] [--calibration F]
+#                                [--kv-budget BYTES] [--max-batch N]
+#   deploy/local/cluster.sh down   [--dir DIR]
+#   deploy/local/cluster.sh status [--dir DIR]
+#
+# `up` returns once the router answers /health (every node reachable), printing the HTTP address;
+# then use it with curl or any OpenAI client:
+#   curl -N localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \
+#     -d '{"model":"strata-tiny","messages":[{"role":"user","content":"Hi"}],"stream":true}'
+# Logs: DIR/logs/*.log; cluster file: DIR/cluster.json; pids: DIR/pids. Binaries come from
+# build/ (STRATA_BUILD_DIR overrides); scripts/build.sh builds them.
+set -euo pipefail
+root="$(cd "$(dirname "$0")/../.." && pwd)"
+bin="${STRATA_BUILD_DIR:-$root/build}"
+
+cmd="${1:-}"
+[ -n "$cmd" ] && shift
+dir="${STRATA_CLUSTER_DIR:-/tmp/strata-cluster}"
+codec="kivi:k4v4:g32"
+chunk=64
+n_prefill=2
+n_decode=2
+port_base=7700
+http_port=8000
+model="$root/models/strata-tiny"
+calibration=""
+kv_budget="256M"
+max_batch=32
+extra_router=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dir) dir="$2"; shift ;;
+    --codec) codec="$2"; shift ;;
+    --chunk) chunk="$2"; shift ;;
+    --prefill) n_prefill="$2"; shift ;;
+    --decode) n_decode="$2"; shift ;;
+    --port-base) port_base="$2"; shift ;;
+    --http-port) http_port="$2"; shift ;;
+    --model) model="$2"; shift ;;
+    --calibration) calibration="$2"; shift ;;
+    --kv-budget) kv_budget="$2"; shift ;;
+    --max-batch) max_batch="$2"; shift ;;
+    --router-flag) extra_router+=("$2"); shift ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    *) echo "cluster.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+  esac
+  shift
+done
+
+stop_all() {
+  [ -f "$dir/pids" ] || return 0
+  local pids
+  pids="$(awk '{print $2}' "$dir/pids")"
+  # Router first (clients get their errors), then nodes, then the store.
+  for pid in $(tac "$dir/pids" | awk '{print $2}'); do kill -TERM "$pid" 2>/dev/null || true; done
+  for _ in $(seq 100); do
+    local alive=0
+    for pid in $pids; do kill -0 "$pid" 2>/dev/null && alive=1; done
+    [ "$alive" = 0 ] && break
+    sleep 0.1
+  done
+  for pid in $pids; do kill -KILL "$pid" 2>/dev/null || true; done
+  rm -f "$dir/pids"
+}
+
+wait_for() {  # wait_for NAME PID: until its log says "serving on"
+  local name="$1" pid="$2"
+  for _ in $(seq 300); do
+    if ! kill -0 "$pid" 2>/dev/null; then
+      echo "cluster.sh: $name exited; its log ($dir/logs/$name.log) ends:" >&2
+      tail -n 20 "$dir/logs/$name.log" >&2
+      return 1
+    fi
+    if grep -q "serving on" "$dir/logs/$name.log" 2>/dev/null; then return 0; fi
+    sleep 0.1
+  done
+  echo "cluster.sh: $name did not start within 30 s ($dir/logs/$name.log)" >&2
+  return 1
+}
+
+case "$cmd" in
+  up)
+    for b in kvstore/strata-store prefill_node/strata-prefill decode_node/strata-decode router/strata-router; do
+      [ -x "$bin/$b" ] || { echo "cluster.sh: $bin/$b is missing: run scripts/build.sh first" >&2; exit 1; }
+    done
+    if [ -f "$dir/pids" ]; then stop_all; fi
+    mkdir -p "$dir/logs"
+    rm -rf "$dir/store"
+    store_port=$port_base
+    {
+      echo "{"
+      echo "  \"model\": \"$model\","
+      echo "  \"codec\": \"$codec\","
+      echo "  \"chunk_tokens\": $chunk,"
+      echo "  \"calibration\": \"$calibration\","
+      echo "  \"store\": \"127.0.0.1:$store_port\","
+      echo "  \"nodes\": ["
+      sep=""
+      for i in $(seq 0 $((n_prefill - 1))); do
+        printf '%s    {"id": "prefill-%d", "role": "prefill", "grpc": "127.0.0.1:%d", "metrics": "127.0.0.1:%d"}' \
+          "$sep" "$i" $((port_base + 10 + i)) $((port_base + 20 + i))
+        sep=$',\n'
+      done
+      for i in $(seq 0 $((n_decode - 1))); do
+        printf '%s    {"id": "decode-%d", "role": "decode", "grpc": "127.0.0.1:%d", "transport": "127.0.0.1:%d", "metrics": "127.0.0.1:%d"}' \
+          "$sep" "$i" $((port_base + 30 + i)) $((port_base + 40 + i)) $((port_base + 50 + i))
+      done
+      echo ""
+      echo "  ],"
+      echo "  \"router\": {\"http\": \"127.0.0.1:$http_port\"}"
+      echo "}"
+    } >"$dir/cluster.json"
+    : >"$dir/pids"
+    start() {  # start NAME CMD...
+      local name="$1"; shift
+      "$@" >"$dir/logs/$name.log" 2>&1 &
+      echo "$name $!" >>"$dir/pids"
+      wait_for "$name" "$!" || { stop_all; exit 1; }
+    }
+    start store "$bin/kvstore/strata-store" --listen "127.0.0.1:$store_port" --ram_bytes 512M \
+      --disk_path "$dir/store" --disk_bytes 4G --metrics_port $((port_base + 1))
+    for i in $(seq 0 $((n_prefill - 1))); do
+      start "prefill-$i" "$bin/prefill_node/strata-prefill" --cluster "$dir/cluster.json" --node "prefill-$i"
+    done
+    for i in $(seq 0 $((n_decode - 1))); do
+      start "decode-$i" "$bin/decode_node/strata-decode" --cluster "$dir/cluster.json" --node "decode-$i" \
+        --kv_budget "$kv_budget" --max_batch "$max_batch"
+    done
+    start router "$bin/router/strata-router" --cluster "$dir/cluster.json" "${extra_router[@]}"
+    for _ in $(seq 100); do
+      if curl -sf "http://127.0.0.1:$http_port/health" >/dev/null; then
+        echo "cluster.sh: up: http://127.0.0.1:$http_port (codec $codec, $n_prefill prefill, $n_decode decode; $dir)"
+        exit 0
+      fi
+      sleep 0.1
+    done
+    echo "cluster.sh: the router is not healthy after 10 s:" >&2
+    curl -s "http://127.0.0.1:$http_port/health" >&2 || true
+    stop_all
+    exit 1
+    ;;
+  down)
+    stop_all
+    echo "cluster.sh: down"
+    ;;
+  status)
+    [ -f "$dir/pids" ] || { echo "cluster.sh: no cluster in $dir"; exit 1; }
+    while read -r name pid; do
+      if kill -0 "$pid" 2>/dev/null; then echo "$name $pid running"; else echo "$name $pid exited"; fi
+    done <"$dir/pids"
+    ;;
+  *)
+    echo "usage: cluster.sh up|down|status [flags] (see --help)" >&2
+    exit 2
+    ;;
+esac

@@ -1,0 +1,548 @@
+#!/usr/bin/python3
+"""End-to-end tests of a Strata cluster: real processes (strata-store, strata-prefill,
+strata-decode, strata-router) on loopback, started by deploy/local/cluster.sh, driven through the
+OpenAI-compatible HTTP API with real HTTP clients.
+
+  tests/e2e/cluster_e2e_test.py --build build [unittest args, e.g. -k Reuse]
+Standard library only (Debian's /usr/bin/python3).
+"""
+import argparse
+import concurrent.futures
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+import urllib.error
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BUILD = os.path.join(ROOT, "build")
+MODEL = os.path.join(ROOT, "models", "strata-tiny")
+CHUNK = 32
+
+PROMPTS = [
+    "The lighthouse keeper wrote in his log that the storm",
+    "Once upon a time, in a village by the sea, there lived",
+    "The old map showed a path from the church to the quarry, and",
+    "In the morning the fishing boats left the harbour while",
+]
+LONG = (" The library keeps maps of the coast, the logs of the fishing boats since the old "
+        "harbour was built, letters between the lighthouse keepers, and a shelf of books about "
+        "the weather. Visitors ask about tides, storms, shipwrecks and the families who lived on "
+        "the cliffs.")
+
+
+def free_port_base():
+    """A base port with 60 free ports above it (cluster.sh uses base .. base+59)."""
+    for _ in range(50):
+        base = random.randrange(20000, 60000, 100)
+        ok = True
+        for p in (base, base + 1, base + 10, base + 11, base + 20, base + 21, base + 30,
+                  base + 31, base + 40, base + 41, base + 50, base + 51, base + 60):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", p))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    raise RuntimeError("no free ports")
+
+
+class Cluster:
+    """A cluster started by deploy/local/cluster.sh in a temporary folder."""
+
+    def __init__(self, codec, prefill=1, decode=1, calibration="", kv_budget="256M",
+                 max_batch=32):
+        self.dir = tempfile.mkdtemp(prefix="strata-e2e.")
+        self.codec = codec
+        self.calibration = calibration
+        self.port_base = free_port_base()
+        self.http_port = self.port_base + 60
+        args = [os.path.join(ROOT, "deploy/local/cluster.sh"), "up", "--dir", self.dir,
+                "--codec", codec, "--chunk", str(CHUNK), "--prefill", str(prefill),
+                "--decode", str(decode), "--port-base", str(self.port_base),
+                "--http-port", str(self.http_port), "--kv-budget", kv_budget,
+                "--max-batch", str(max_batch)]
+        if calibration:
+            args += ["--calibration", calibration]
+        env = dict(os.environ, STRATA_BUILD_DIR=BUILD)
+        r = subprocess.run(args, capture_output=True, text=True, env=env, timeout=120)
+        if r.returncode != 0:
+            raise RuntimeError("cluster up failed:\n" + r.stdout + r.stderr + self.logs())
+        with open(os.path.join(self.dir, "cluster.json")) as f:
+            self.spec = json.load(f)
+        self.base = "http://127.0.0.1:%d" % self.http_port
+
+    def pids(self):
+        out = {}
+        with open(os.path.join(self.dir, "pids")) as f:
+            for line in f:
+                name, pid = line.split()
+                out[name] = int(pid)
+        return out
+
+    def node(self, node_id):
+        return next(n for n in self.spec["nodes"] if n["id"] == node_id)
+
+    def logs(self):
+        text = ""
+        logdir = os.path.join(self.dir, "logs")
+        if os.path.isdir(logdir):
+            for name in sorted(os.listdir(logdir)):
+                with open(os.path.join(logdir, name), errors="replace") as f:
+                    lines = f.readlines()
+                text += "\n== %s (last 15 lines)\n%s" % (name, "".join(lines[-15:]))
+        return text
+
+    def down(self):
+        subprocess.run([os.path.join(ROOT, "deploy/local/cluster.sh"), "down", "--dir", self.dir],
+                       capture_output=True, timeout=60)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def http_json(url, body=None, timeout=60, method=None):
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.load(r), dict(r.headers)
+    except urllib.error.HTTPError as e:
+        return e.code, json.load(e), dict(e.headers)
+
+
+def complete(cluster, prompt, max_tokens=16, stream=False, salt=None, timeout=120, **extra):
+    """A /v1/completions request; returns (text, usage, events). Raises on an error event."""
+    body = {"model": "strata-tiny", "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    if salt is not None:
+        body["cache_salt"] = salt
+    body.update(extra)
+    if not stream:
+        status, resp, _ = http_json(cluster.base + "/v1/completions", body, timeout)
+        if status != 200:
+            raise RuntimeError("HTTP %d: %s" % (status, resp))
+        return resp["choices"][0]["text"], resp["usage"], None
+    req = urllib.request.Request(cluster.base + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    text, usage, events = "", None, []
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            events.append(data)
+            if data == "[DONE]":
+                break
+            event = json.loads(data)
+            if "error" in event:
+                raise RuntimeError("stream error: %s" % event["error"])
+            for c in event.get("choices", []):
+                text += c.get("text", "")
+            if event.get("usage"):
+                usage = event["usage"]
+    return text, usage, events
+
+
+def solo(codec, prompt, max_tokens, calibration=""):
+    """Single-process `strata generate` with the same codec and chunk size (greedy)."""
+    args = [os.path.join(BUILD, "tools/strata"), "generate", "--model", MODEL, "--codec", codec,
+            "--kv_chunk_tokens", str(CHUNK), "--max_tokens", str(max_tokens), "--prompt", prompt]
+    if calibration:
+        args += ["--calibration", calibration]
+    out = subprocess.run(args, check=True, capture_output=True, text=True, timeout=120).stdout
+    assert out.startswith(prompt)
+    out = out[len(prompt):]
+    return out[:-1] if out.endswith("\n") else out
+
+
+def scrape(address):
+    with urllib.request.urlopen("http://%s/metrics" % address, timeout=5) as r:
+        text = r.read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            values[key] = float(value)
+    return values
+
+
+def metric(values, name, label=""):
+    return sum(v for k, v in values.items()
+               if (k == name or k.startswith(name + "{")) and label in k)
+
+
+_calibrations = {}
+
+
+def calibration_for(codec):
+    """A calibration made here, on the bundled model's calibration text (seconds)."""
+    if codec not in _calibrations:
+        path = os.path.join(tempfile.mkdtemp(prefix="strata-calib."), "calib.json")
+        subprocess.run([os.path.join(BUILD, "tools/strata"), "calibrate", "--model", MODEL,
+                        "--codec", codec, "--kv_chunk_tokens", str(CHUNK), "--text",
+                        os.path.join(MODEL, "calibration.txt"), "--context", "256",
+                        "--windows", "1", "--out", path],
+                       check=True, capture_output=True, timeout=600)
+        _calibrations[codec] = path
+    return _calibrations[codec]
+
+
+class CodecTest(unittest.TestCase):
+    """Greedy output through the cluster equals single-process generation, token for token
+    (compared as text), streaming and not, for every codec family."""
+
+    def check_codec(self, codec, needs_calibration=False):
+        calibration = calibration_for(codec) if needs_calibration else ""
+        cluster = Cluster(codec, calibration=calibration)
+        try:
+            for i, prompt in enumerate(PROMPTS[:2]):
+                prompt = prompt + LONG  # several chunks: blocks, not only the window
+                expected = solo(codec, prompt, 20, calibration)
+                text, usage, _ = complete(cluster, prompt, 20, stream=(i % 2 == 0))
+                self.assertEqual(text, expected, "codec %s prompt %d" % (codec, i))
+                self.assertEqual(usage["completion_tokens"] <= 20, True)
+        except Exception:
+            print(cluster.logs())
+            raise
+        finally:
+            cluster.down()
+
+    def test_fp16(self):
+        self.check_codec("fp16")
+
+    def test_kivi(self):
+        self.check_codec("kivi:k2v2:g32")
+
+    def test_gear(self):
+        self.check_codec("gear:k2v2:g32:r4:s2")
+
+    def test_zipcache(self):
+        self.check_codec("zipcache:k2v2:h4:s10")
+
+    def test_skvq_calibrated(self):
+        self.check_codec("skvq:k2v2:g16", needs_calibration=True)
+
+    def test_strata_mix_calibrated(self):
+        self.check_codec("strata:b3", needs_calibration=True)
+
+
+class ClusterTest(unittest.TestCase):
+    """One 2-prefill, 2-decode cluster for the reuse, batching, fault and API tests."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.codec = "kivi:k4v4:g32"
+        cls.cluster = Cluster(cls.codec, prefill=2, decode=2)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.cluster.down()
+
+    def run(self, result=None):
+        failures = len(result.failures) + len(result.errors) if result else 0
+        out = super().run(result)
+        if result and len(result.failures) + len(result.errors) > failures:
+            print(self.cluster.logs())
+        return out
+
+    def test_second_turn_hits_the_first_turns_prefix_and_salts_never_share(self):
+        c = self.cluster
+        first = "Turn one." + LONG * 2
+        text, usage, _ = complete(c, first, 12, salt="tenant-a")
+        self.assertEqual(usage["prompt_tokens_details"]["cached_tokens"], 0)
+        time.sleep(0.5)  # the Puts land after the reply
+        second = first + text + " And then?"
+        _, usage2, _ = complete(c, second, 12, salt="tenant-a")
+        cached = usage2["prompt_tokens_details"]["cached_tokens"]
+        self.assertGreater(cached, 0)
+        self.assertEqual(cached % CHUNK, 0)
+        self.assertLess(cached, usage2["prompt_tokens"])
+        # Another tenant's salt: the same text finds nothing.
+        _, usage3, _ = complete(c, second, 12, salt="tenant-b")
+        self.assertEqual(usage3["prompt_tokens_details"]["cached_tokens"], 0)
+
+    def test_prefix_stored_by_one_prefill_node_is_reused_by_the_other(self):
+        # Two routers over the same nodes, each seeing one prefill node: the second request must
+        # go to the other node and still hit what the first stored.
+        c = self.cluster
+        routers = []
+        try:
+            for keep in ("prefill-0", "prefill-1"):
+                spec = json.loads(json.dumps(c.spec))
+                spec["nodes"] = [n for n in spec["nodes"]
+                                 if n["role"] == "decode" or n["id"] == keep]
+                port = free_port_base()
+                spec["router"]["http"] = "127.0.0.1:%d" % port
+                path = os.path.join(c.dir, "only-%s.json" % keep)
+                with open(path, "w") as f:
+                    json.dump(spec, f)
+                with open(os.path.join(c.dir, "logs", "router-%s.log" % keep), "w") as log:
+                    p = subprocess.Popen([os.path.join(BUILD, "router/strata-router"),
+                                          "--cluster", path], stdout=log,
+                                         stderr=subprocess.STDOUT)
+                routers.append((p, "http://127.0.0.1:%d" % port))
+            for p, base in routers:
+                wait_healthy(base)
+            prompt = "Shared prefix across nodes." + LONG * 2
+            first = CompleteAt(routers[0][1], prompt, 8)
+            before = scrape(c.node("prefill-1")["metrics"])
+            time.sleep(0.5)
+            second = CompleteAt(routers[1][1], prompt + " More.", 8)
+            after = scrape(c.node("prefill-1")["metrics"])
+            self.assertEqual(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0)
+            self.assertGreater(second["usage"]["prompt_tokens_details"]["cached_tokens"], 0)
+            self.assertGreater(metric(after, "strata_prefill_cached_tokens_total"),
+                               metric(before, "strata_prefill_cached_tokens_total"))
+        finally:
+            for p, _ in routers:
+                p.terminate()
+                p.wait(timeout=30)
+
+    def test_32_concurrent_streams_each_equal_their_solo_output(self):
+        c = self.cluster
+        prompts = ["%s (%d)%s" % (PROMPTS[i % len(PROMPTS)], i, LONG if i % 3 == 0 else "")
+                   for i in range(32)]
+        alone = [complete(c, p, 12, salt="batch")[0] for p in prompts]
+        with concurrent.futures.ThreadPoolExecutor(32) as pool:
+            together = list(pool.map(lambda p: complete(c, p, 12, stream=True, salt="batch")[0],
+                                     prompts))
+        self.assertEqual(together, alone)
+        # The decode nodes batched: some step ran more than one sequence.
+        batched = sum(metric(scrape(c.node(d)["metrics"]), "strata_decode_batch_size_sum")
+                      for d in ("decode-0", "decode-1"))
+        steps = sum(metric(scrape(c.node(d)["metrics"]), "strata_decode_batch_size_count")
+                    for d in ("decode-0", "decode-1"))
+        self.assertGreater(batched / max(steps, 1), 1.0)
+
+    def test_streams_end_with_done_and_usage(self):
+        text, usage, events = complete(self.cluster, PROMPTS[0], 8, stream=True)
+        self.assertEqual(events[-1], "[DONE]")
+        self.assertEqual(usage["completion_tokens"], 8)
+        self.assertGreater(usage["prompt_tokens"], 0)
+        self.assertEqual(text, complete(self.cluster, PROMPTS[0], 8)[0])
+
+    def test_layers_stream_to_the_decode_node_while_later_layers_compute(self):
+        # Observed, not assumed: the prefill node counts requests whose decode node acknowledged
+        # (held) layer-0 blocks before the last layer was computed.
+        c = self.cluster
+        def early():
+            return sum(metric(scrape(c.node(p)["metrics"]), "strata_prefill_streamed_early_total")
+                       for p in ("prefill-0", "prefill-1"))
+        before = early()
+        for i in range(3):
+            complete(c, "Streaming %d." % i + LONG * 12, 2, salt="stream-%d" % i)
+        self.assertGreater(early(), before)
+
+    def test_bad_requests_get_openai_errors(self):
+        base = self.cluster.base + "/v1/completions"
+        cases = [
+            ({"model": "nope", "prompt": "x"}, 404, "model"),
+            ({"model": "strata-tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+            ({"model": "strata-tiny", "prompt": "x", "max_tokens": 4000}, 400, "max_tokens"),
+            ({"model": "strata-tiny", "prompt": "word " * 3000, "max_tokens": 4}, 400, "prompt"),
+            ({"model": "strata-tiny", "prompt": 7}, 400, "prompt"),
+        ]
+        for body, code, field in cases:
+            status, resp, _ = http_json(base, body)
+            self.assertEqual(status, code, body)
+            self.assertIn("error", resp)
+            self.assertIn(field, json.dumps(resp["error"]), body)
+        req = urllib.request.Request(base, data=b"{not json", method="POST",
+                                     headers={"Content-Type": "application/json"})
+        with self.assertRaises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=10)
+        self.assertEqual(e.exception.code, 400)
+
+    def test_curl_streams(self):
+        if shutil.which("curl") is None:
+            self.skipTest("curl is not installed (scripts/setup.sh installs it)")
+        body = json.dumps({"model": "strata-tiny", "prompt": PROMPTS[1], "max_tokens": 6,
+                           "stream": True, "temperature": 0})
+        out = subprocess.run(["curl", "-sN", "-H", "Content-Type: application/json", "-d", body,
+                              self.cluster.base + "/v1/completions"], capture_output=True,
+                             text=True, timeout=60).stdout
+        self.assertTrue(out.rstrip().endswith("data: [DONE]"), out)
+        self.assertIn('"text"', out)
+
+
+def openai_node_client():
+    """A folder with the `openai` npm package installed (build/e2e-node), or None and why."""
+    if shutil.which("node") is None or shutil.which("npm") is None:
+        return None, "Node.js/npm are not installed"
+    prefix = os.path.join(BUILD, "e2e-node")
+    if not os.path.isdir(os.path.join(prefix, "node_modules", "openai")):
+        os.makedirs(prefix, exist_ok=True)
+        r = subprocess.run(["npm", "install", "--prefix", prefix, "--no-audit", "--no-fund",
+                            "openai@4"], capture_output=True, text=True, timeout=300)
+        if r.returncode != 0:
+            return None, "npm could not install the openai package: " + r.stderr[-300:]
+    return prefix, ""
+
+
+class OpenAIClientTest(unittest.TestCase):
+    def test_official_openai_node_client(self):
+        prefix, why = openai_node_client()
+        if prefix is None:
+            self.skipTest(why)
+        c = Cluster("kivi:k4v4:g32")
+        try:
+            script = os.path.join(prefix, "openai_client_test.mjs")
+            shutil.copy(os.path.join(ROOT, "tests/e2e/openai_client_test.mjs"), script)
+            r = subprocess.run(["node", script, c.base], capture_output=True, text=True,
+                               timeout=120)
+            self.assertEqual(r.returncode, 0, r.stdout + r.stderr + c.logs())
+            self.assertIn("openai client: ok", r.stdout)
+        finally:
+            c.down()
+
+
+class FaultTest(unittest.TestCase):
+    """kill -9 of a decode node mid-stream and of the store, each on a fresh cluster."""
+
+    def test_decode_node_killed_mid_stream_gives_an_error_and_is_avoided(self):
+        c = Cluster("kivi:k4v4:g32", prefill=1, decode=2)
+        try:
+            body = json.dumps({"model": "strata-tiny", "prompt": PROMPTS[2] + LONG,
+                               "max_tokens": 1500, "temperature": 1.0, "seed": 3,
+                               "stream": True}).encode()
+            req = urllib.request.Request(c.base + "/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+            t0 = time.monotonic()
+            got_error = False
+            tokens = 0
+            with urllib.request.urlopen(req, timeout=30) as r:
+                for raw in r:
+                    line = raw.decode().strip()
+                    if not line.startswith("data: "):
+                        continue
+                    if line == "data: [DONE]":
+                        break
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        got_error = True
+                        break
+                    tokens += 1
+                    if tokens == 3:
+                        victim = routed_decode(c, event["id"])
+                        os.kill(c.pids()[victim], signal.SIGKILL)
+                        killed_at = time.monotonic()
+            self.assertTrue(got_error, "the stream ended without an error event")
+            self.assertLess(time.monotonic() - killed_at, 10)
+            self.assertLess(time.monotonic() - t0, 30)
+            # The router stops choosing the dead node: every later request succeeds.
+            time.sleep(1.5)
+            for p in PROMPTS:
+                text, _, _ = complete(c, p, 4)
+                self.assertIsInstance(text, str)
+        except Exception:
+            print(c.logs())
+            raise
+        finally:
+            c.down()
+
+    def test_store_killed_means_misses_not_failures_and_a_restart_keeps_the_disk_tier(self):
+        c = Cluster("kivi:k4v4:g32", prefill=1, decode=1)
+        try:
+            prompt = "Store restarts." + LONG * 2
+            text, _, _ = complete(c, prompt, 8)
+            time.sleep(0.5)
+            # A clean restart: the next turn still hits (the disk tier kept the blocks).
+            store_pid = c.pids()["store"]
+            os.kill(store_pid, signal.SIGTERM)
+            wait_exit(store_pid)
+            store = restart_store(c)
+            time.sleep(1.5)  # clients reconnect within their backoff (1 s)
+            _, usage, _ = complete(c, prompt + text + " Next.", 8)
+            self.assertGreater(usage["prompt_tokens_details"]["cached_tokens"], 0)
+            # kill -9: requests recompute (a miss) and succeed.
+            store.kill()
+            store.wait()
+            _, usage, _ = complete(c, prompt + " Without the store.", 8)
+            self.assertEqual(usage["prompt_tokens_details"]["cached_tokens"], 0)
+        except Exception:
+            print(c.logs())
+            raise
+        finally:
+            c.down()
+
+
+def routed_decode(c, request_id):
+    """The decode node the router chose for `request_id` (from its routing log line)."""
+    with open(os.path.join(c.dir, "logs", "router.log")) as f:
+        for line in f:
+            if "[%s] routed" % request_id in line:
+                return re.search(r"decode=(\S+)", line).group(1)
+    raise RuntimeError("no routing line for " + request_id)
+
+
+def restart_store(c):
+    store_port = int(c.spec["store"].rsplit(":", 1)[1])
+    with open(os.path.join(c.dir, "logs", "store-restarted.log"), "w") as log:
+        p = subprocess.Popen([os.path.join(BUILD, "kvstore/strata-store"), "--listen",
+                              c.spec["store"], "--ram_bytes", "512M", "--disk_path",
+                              os.path.join(c.dir, "store"), "--disk_bytes", "4G",
+                              "--metrics_port", str(store_port + 1)], stdout=log,
+                             stderr=subprocess.STDOUT)
+    with open(os.path.join(c.dir, "pids"), "a") as f:
+        f.write("store-restarted %d\n" % p.pid)
+    for _ in range(100):
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", store_port)) == 0:
+                return p
+        time.sleep(0.1)
+    raise RuntimeError("the store did not restart")
+
+
+def wait_exit(pid, timeout=20):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    raise RuntimeError("pid %d did not exit" % pid)
+
+
+def wait_healthy(base, timeout=20):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError("%s is not healthy" % base)
+
+
+def CompleteAt(base, prompt, max_tokens):  # noqa: N802 - reads as a request
+    status, resp, _ = http_json(base + "/v1/completions",
+                                {"model": "strata-tiny", "prompt": prompt,
+                                 "max_tokens": max_tokens, "temperature": 0})
+    if status != 200:
+        raise RuntimeError("HTTP %d: %s" % (status, resp))
+    return resp
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--build", default=BUILD)
+    args, rest = ap.parse_known_args()
+    BUILD = os.path.abspath(args.build)
+    unittest.main(argv=[sys.argv[0]] + rest, verbosity=2)
