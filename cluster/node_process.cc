@@ -14,6 +14,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "grpcpp/security/server_credentials.h"
+#include "grpcpp/server_builder.h"
 
 namespace strata::cluster {
 namespace {
@@ -106,6 +108,72 @@ prometheus::Histogram::BucketBoundaries LatencyBuckets() {
   prometheus::Histogram::BucketBoundaries b;
   for (double s = 1e-4; s < 120; s *= 2) b.push_back(s);
   return b;
+}
+
+absl::StatusOr<NodeSpec> FindNode(const ClusterSpec& spec, const std::string& id, Role role) {
+  const NodeSpec* node = spec.Find(id);
+  if (node == nullptr || node->role != role) {
+    return absl::InvalidArgumentError(absl::StrCat("--node: '", id, "' is not a ", RoleName(role),
+                                                   " node of ", spec.path));
+  }
+  return *node;
+}
+
+absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(grpc::Service* service,
+                                                             const std::string& address,
+                                                             int* port) {
+  grpc::ServerBuilder b;
+  b.AddListeningPort(address, grpc::InsecureServerCredentials(), port);
+  b.RegisterService(service);
+  b.SetMaxReceiveMessageSize(64 << 20);  // a prompt of a few million tokens at most
+  std::unique_ptr<grpc::Server> server = b.BuildAndStart();
+  if (server == nullptr || *port == 0) {
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", address));
+  }
+  return server;
+}
+
+model::SamplingOptions SamplingFromProto(const strata::v1::Sampling& sampling) {
+  model::SamplingOptions o;
+  o.temperature = sampling.temperature();
+  o.top_k = sampling.top_k();
+  o.top_p = sampling.top_p() == 0.0f ? 1.0f : sampling.top_p();
+  o.seed = sampling.seed();
+  return o;
+}
+
+const char* ResultLabel(absl::StatusCode code) {
+  switch (code) {
+    case absl::StatusCode::kOk:
+      return "ok";
+    case absl::StatusCode::kInvalidArgument:
+    case absl::StatusCode::kAlreadyExists:
+      return "invalid";
+    case absl::StatusCode::kResourceExhausted:
+      return "exhausted";
+    case absl::StatusCode::kCancelled:
+      return "cancelled";
+    default:
+      return "error";
+  }
+}
+
+prometheus::Counter& AddCounter(prometheus::Registry* registry, const std::string& name,
+                                const std::string& help, const prometheus::Labels& labels) {
+  return prometheus::BuildCounter().Name(name).Help(help).Register(*registry).Add(labels);
+}
+
+prometheus::Gauge& AddGauge(prometheus::Registry* registry, const std::string& name,
+                            const std::string& help) {
+  return prometheus::BuildGauge().Name(name).Help(help).Register(*registry).Add({});
+}
+
+prometheus::Histogram& AddHistogram(prometheus::Registry* registry, const std::string& name,
+                                    const std::string& help,
+                                    prometheus::Histogram::BucketBoundaries buckets,
+                                    const prometheus::Labels& labels) {
+  return prometheus::BuildHistogram().Name(name).Help(help).Register(*registry).Add(labels,
+                                                                                    buckets);
 }
 
 uint64_t NewIncarnation() {

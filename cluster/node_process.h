@@ -9,13 +9,19 @@
 #include "absl/strings/string_view.h"
 
 #include "absl/status/statusor.h"
+#include "grpcpp/server.h"
+#include "grpcpp/impl/service_type.h"
 #include "cluster/cluster_file.h"
 #include "kernels/calibration.h"
 #include "model/llama.h"
+#include "model/sampler.h"
 #include "model/tokenizer.h"
+#include "prometheus/counter.h"
+#include "prometheus/gauge.h"
 #include "prometheus/exposer.h"
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
+#include "proto/serving.pb.h"
 
 namespace strata::cluster {
 
@@ -51,6 +57,32 @@ absl::StatusOr<ServedModel> LoadServedModel(const std::string& model_dir,
 
 // Exponential histogram buckets in seconds, 100 us .. ~100 s (for TTFT, inter-token, prefill).
 prometheus::Histogram::BucketBoundaries LatencyBuckets();
+
+// This process's entry in the cluster file: kInvalidArgument naming --node when `id` is not a
+// node of `role` there.
+absl::StatusOr<NodeSpec> FindNode(const ClusterSpec& spec, const std::string& id, Role role);
+
+// Builds and starts a gRPC server for `service` on `address` ("host:port", port 0: any); *port
+// gets the port taken. kUnavailable when it cannot listen.
+absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(grpc::Service* service,
+                                                             const std::string& address,
+                                                             int* port);
+
+// The sampling options of a serving request (top_p 0, proto3's unset, reads as 1).
+model::SamplingOptions SamplingFromProto(const strata::v1::Sampling& sampling);
+
+// The `result` label of a request counter: ok, invalid, exhausted, cancelled or error.
+const char* ResultLabel(absl::StatusCode code);
+
+// One metric of a node's registry: a family registered under `name` and its series `labels`.
+prometheus::Counter& AddCounter(prometheus::Registry* registry, const std::string& name,
+                                const std::string& help, const prometheus::Labels& labels = {});
+prometheus::Gauge& AddGauge(prometheus::Registry* registry, const std::string& name,
+                            const std::string& help);
+prometheus::Histogram& AddHistogram(prometheus::Registry* registry, const std::string& name,
+                                    const std::string& help,
+                                    prometheus::Histogram::BucketBoundaries buckets,
+                                    const prometheus::Labels& labels = {});
 
 // A random nonzero number identifying this process's life (NodeLoad.incarnation).
 uint64_t NewIncarnation();

@@ -55,12 +55,10 @@ int main(int argc, char** argv) {
   }
   absl::StatusOr<cl::ClusterSpec> spec = cl::LoadClusterFile(absl::GetFlag(FLAGS_cluster));
   if (!spec.ok()) return Fail("cluster file", spec.status(), 2);
-  const cl::NodeSpec* self = spec->Find(absl::GetFlag(FLAGS_node));
-  if (self == nullptr || self->role != cl::Role::kDecode) {
-    std::cerr << "strata-decode: --node: '" << absl::GetFlag(FLAGS_node)
-              << "' is not a decode node of " << spec->path << "\n";
-    return 2;
-  }
+  absl::StatusOr<cl::NodeSpec> node =
+      cl::FindNode(*spec, absl::GetFlag(FLAGS_node), cl::Role::kDecode);
+  if (!node.ok()) return Fail("flags", node.status(), 2);
+  const cl::NodeSpec* self = &*node;
   uint64_t kv_budget = 0;
   if (!strata::ParseByteSize(absl::GetFlag(FLAGS_kv_budget), &kv_budget) || kv_budget == 0) {
     std::cerr << "strata-decode: --kv_budget: '" << absl::GetFlag(FLAGS_kv_budget)
@@ -147,7 +145,7 @@ int main(int argc, char** argv) {
       registry.get());
   int port = 0;
   absl::StatusOr<std::unique_ptr<grpc::Server>> server =
-      strata::decode::StartDecodeServer(&service, listen, &port);
+      cl::StartGrpcServer(&service, listen, &port);
   if (!server.ok()) return Fail("gRPC", server.status());
   std::unique_ptr<prometheus::Exposer> exposer;
   if (!metrics_address.empty()) {

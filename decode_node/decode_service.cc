@@ -9,29 +9,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "cluster/node_process.h"
-#include "grpcpp/server_builder.h"
 #include "kvstore/grpc_status.h"
 
 namespace strata::decode {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-const char* ResultLabel(absl::StatusCode code) {
-  switch (code) {
-    case absl::StatusCode::kOk:
-      return "ok";
-    case absl::StatusCode::kInvalidArgument:
-    case absl::StatusCode::kAlreadyExists:
-      return "invalid";
-    case absl::StatusCode::kResourceExhausted:
-      return "exhausted";
-    case absl::StatusCode::kCancelled:
-      return "cancelled";
-    default:
-      return "error";
-  }
-}
 
 // The engine's sink for one request: queues events for the gRPC thread that writes them. Called
 // from the engine's scheduler thread; never blocks beyond a short lock.
@@ -102,17 +85,9 @@ class QueueSink final : public TokenSink {
   absl::Status status_;                           // guarded by mu_
 };
 
-prometheus::Counter& Counter(prometheus::Registry* r, const char* name, const char* help,
-                             const prometheus::Labels& labels = {}) {
-  return prometheus::BuildCounter().Name(name).Help(help).Register(*r).Add(labels);
-}
-prometheus::Gauge& Gauge(prometheus::Registry* r, const char* name, const char* help) {
-  return prometheus::BuildGauge().Name(name).Help(help).Register(*r).Add({});
-}
-prometheus::Histogram& Histogram(prometheus::Registry* r, const char* name, const char* help,
-                                 prometheus::Histogram::BucketBoundaries buckets) {
-  return prometheus::BuildHistogram().Name(name).Help(help).Register(*r).Add({}, buckets);
-}
+using cluster::AddCounter;
+using cluster::AddGauge;
+using cluster::AddHistogram;
 
 }  // namespace
 
@@ -124,32 +99,32 @@ DecodeService::DecodeService(DecodeEngine* engine, DecodeServiceOptions options,
                     .Name("strata_decode_requests_total")
                     .Help("Generate requests by result")
                     .Register(*registry)),
-      tokens_(Counter(registry, "strata_decode_tokens_total", "Tokens generated")),
-      cached_tokens_(Counter(registry, "strata_decode_cached_tokens_total",
+      tokens_(AddCounter(registry, "strata_decode_tokens_total", "Tokens generated")),
+      cached_tokens_(AddCounter(registry, "strata_decode_cached_tokens_total",
                              "Prompt tokens of finished requests adopted from the store")),
-      first_token_seconds_(Histogram(registry, "strata_decode_first_token_seconds",
+      first_token_seconds_(AddHistogram(registry, "strata_decode_first_token_seconds",
                                      "Registration to first token (KV transfer, admission)",
                                      cluster::LatencyBuckets())),
-      inter_token_seconds_(Histogram(registry, "strata_decode_inter_token_seconds",
+      inter_token_seconds_(AddHistogram(registry, "strata_decode_inter_token_seconds",
                                      "Time between a sequence's tokens",
                                      cluster::LatencyBuckets())),
-      batch_size_(Histogram(registry, "strata_decode_batch_size",
+      batch_size_(AddHistogram(registry, "strata_decode_batch_size",
                             "Mean sequences per step over each refresh interval",
                             {1, 2, 4, 8, 16, 32, 64, 128, 256})),
-      running_(Gauge(registry, "strata_decode_running", "Sequences in the running batch")),
-      waiting_(Gauge(registry, "strata_decode_waiting", "Registered sequences not yet running")),
-      kv_in_use_(Gauge(registry, "strata_decode_kv_bytes_in_use",
+      running_(AddGauge(registry, "strata_decode_running", "Sequences in the running batch")),
+      waiting_(AddGauge(registry, "strata_decode_waiting", "Registered sequences not yet running")),
+      kv_in_use_(AddGauge(registry, "strata_decode_kv_bytes_in_use",
                        "KV bytes of running sequences (compressed blocks + windows)")),
-      kv_arrived_(Gauge(registry, "strata_decode_kv_bytes_arrived",
+      kv_arrived_(AddGauge(registry, "strata_decode_kv_bytes_arrived",
                         "KV bytes held for sequences waiting to run")),
-      preemptions_(Counter(registry, "strata_decode_preemptions_total",
+      preemptions_(AddCounter(registry, "strata_decode_preemptions_total",
                            "Sequences preempted to the store")),
-      resumed_(Counter(registry, "strata_decode_resumed_total",
+      resumed_(AddCounter(registry, "strata_decode_resumed_total",
                        "Preempted sequences resumed from the store")),
-      bytes_received_(Counter(registry, "strata_decode_bytes_received_total",
+      bytes_received_(AddCounter(registry, "strata_decode_bytes_received_total",
                               "Block bytes received from prefill nodes",
                               {{"codec", engine->options().codec}})),
-      blocks_stored_(Counter(registry, "strata_decode_blocks_stored_total",
+      blocks_stored_(AddCounter(registry, "strata_decode_blocks_stored_total",
                              "Blocks of generated text Put in the store")) {}
 
 void DecodeService::Refresh() {
@@ -179,10 +154,7 @@ grpc::Status DecodeService::Generate(grpc::ServerContext* context,
   r.request_id = request->request_id();
   r.prompt.assign(request->prompt().begin(), request->prompt().end());
   r.cache_salt = request->cache_salt();
-  r.sampling.temperature = request->sampling().temperature();
-  r.sampling.top_k = request->sampling().top_k();
-  r.sampling.top_p = request->sampling().top_p() == 0.0f ? 1.0f : request->sampling().top_p();
-  r.sampling.seed = request->sampling().seed();
+  r.sampling = cluster::SamplingFromProto(request->sampling());
   r.max_tokens = request->max_tokens();
   r.stop.assign(request->stop().begin(), request->stop().end());
   r.ignore_eos = request->ignore_eos();
@@ -191,7 +163,7 @@ grpc::Status DecodeService::Generate(grpc::ServerContext* context,
   }
   auto sink = std::make_shared<QueueSink>(&first_token_seconds_, &inter_token_seconds_);
   if (absl::Status s = engine_->Start(r, sink); !s.ok()) {
-    requests_.Add({{"result", ResultLabel(s.code())}}).Increment();
+    requests_.Add({{"result", cluster::ResultLabel(s.code())}}).Increment();
     cluster::Log(r.request_id, absl::StrCat("refused: ", s.ToString()));
     return kvstore::ToGrpc(s);
   }
@@ -227,7 +199,7 @@ grpc::Status DecodeService::Generate(grpc::ServerContext* context,
       return grpc::Status(grpc::StatusCode::UNAVAILABLE, "decode node is shutting down");
     }
   }
-  requests_.Add({{"result", ResultLabel(outcome.code())}}).Increment();
+  requests_.Add({{"result", cluster::ResultLabel(outcome.code())}}).Increment();
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
   if (!outcome.ok()) {
     cluster::Log(r.request_id, absl::StrCat("failed: ", outcome.ToString()));
@@ -259,20 +231,6 @@ grpc::Status DecodeService::Load(grpc::ServerContext*, const strata::v1::LoadReq
   response->set_kv_bytes_per_token(options_.kv_bytes_per_token);
   response->set_incarnation(options_.incarnation);
   return grpc::Status::OK;
-}
-
-absl::StatusOr<std::unique_ptr<grpc::Server>> StartDecodeServer(DecodeService* service,
-                                                                const std::string& address,
-                                                                int* port) {
-  grpc::ServerBuilder b;
-  b.AddListeningPort(address, grpc::InsecureServerCredentials(), port);
-  b.RegisterService(service);
-  b.SetMaxReceiveMessageSize(64 << 20);
-  std::unique_ptr<grpc::Server> server = b.BuildAndStart();
-  if (server == nullptr || *port == 0) {
-    return absl::UnavailableError(absl::StrCat("cannot listen on ", address));
-  }
-  return server;
 }
 
 }  // namespace strata::decode

@@ -84,9 +84,4 @@ class DecodeService final : public strata::v1::DecodeNode::Service {
   DecodeStats last_ = {};  // guarded by refresh_mu_: what the counters already hold
 };
 
-// Builds and starts a gRPC server for `service` on `address` (port 0: any); *port gets the port.
-absl::StatusOr<std::unique_ptr<grpc::Server>> StartDecodeServer(DecodeService* service,
-                                                                const std::string& address,
-                                                                int* port);
-
 }  // namespace strata::decode

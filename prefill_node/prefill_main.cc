@@ -47,12 +47,10 @@ int main(int argc, char** argv) {
   }
   absl::StatusOr<cl::ClusterSpec> spec = cl::LoadClusterFile(absl::GetFlag(FLAGS_cluster));
   if (!spec.ok()) return Fail("cluster file", spec.status(), 2);
-  const cl::NodeSpec* self = spec->Find(absl::GetFlag(FLAGS_node));
-  if (self == nullptr || self->role != cl::Role::kPrefill) {
-    std::cerr << "strata-prefill: --node: '" << absl::GetFlag(FLAGS_node)
-              << "' is not a prefill node of " << spec->path << "\n";
-    return 2;
-  }
+  absl::StatusOr<cl::NodeSpec> node =
+      cl::FindNode(*spec, absl::GetFlag(FLAGS_node), cl::Role::kPrefill);
+  if (!node.ok()) return Fail("flags", node.status(), 2);
+  const cl::NodeSpec* self = &*node;
   if (absl::GetFlag(FLAGS_max_concurrent) < 1 || absl::GetFlag(FLAGS_max_queued_tokens) < 1 ||
       absl::GetFlag(FLAGS_ship_timeout_ms) < 1) {
     std::cerr << "strata-prefill: --max_concurrent, --max_queued_tokens and --ship_timeout_ms "
@@ -108,7 +106,7 @@ int main(int argc, char** argv) {
       registry.get());
   int port = 0;
   absl::StatusOr<std::unique_ptr<grpc::Server>> server =
-      strata::prefill::StartPrefillServer(&service, listen, &port);
+      cl::StartGrpcServer(&service, listen, &port);
   if (!server.ok()) return Fail("gRPC", server.status());
   std::unique_ptr<prometheus::Exposer> exposer;
   if (!metrics_address.empty()) {

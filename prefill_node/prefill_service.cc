@@ -5,31 +5,17 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "cluster/node_process.h"
-#include "grpcpp/server_builder.h"
 #include "kvstore/grpc_status.h"
 
 namespace strata::prefill {
 namespace {
 
-const char* ResultLabel(absl::StatusCode code) {
-  switch (code) {
-    case absl::StatusCode::kOk:
-      return "ok";
-    case absl::StatusCode::kInvalidArgument:
-    case absl::StatusCode::kAlreadyExists:
-      return "invalid";
-    case absl::StatusCode::kResourceExhausted:
-      return "exhausted";
-    case absl::StatusCode::kCancelled:
-      return "cancelled";
-    default:
-      return "error";
-  }
-}
+using cluster::AddCounter;
+using cluster::AddGauge;
 
-prometheus::Histogram& PhaseHistogram(prometheus::Family<prometheus::Histogram>& family,
-                                      const char* phase) {
-  return family.Add({{"phase", phase}}, cluster::LatencyBuckets());
+prometheus::Histogram& PhaseHistogram(prometheus::Registry* registry, const char* phase) {
+  return cluster::AddHistogram(registry, "strata_prefill_seconds", "Prefill time by phase",
+                               cluster::LatencyBuckets(), {{"phase", phase}});
 }
 
 }  // namespace
@@ -42,68 +28,33 @@ PrefillService::PrefillService(PrefillEngine* engine, PrefillServiceOptions opti
                     .Name("strata_prefill_requests_total")
                     .Help("Prefill requests by result")
                     .Register(*registry)),
-      prompt_tokens_(prometheus::BuildCounter()
-                         .Name("strata_prefill_prompt_tokens_total")
-                         .Help("Prompt tokens of finished prefills")
-                         .Register(*registry)
-                         .Add({})),
-      cached_tokens_(prometheus::BuildCounter()
-                         .Name("strata_prefill_cached_tokens_total")
-                         .Help("Prompt tokens adopted from the store (prefix hits)")
-                         .Register(*registry)
-                         .Add({})),
-      computed_tokens_(prometheus::BuildCounter()
-                           .Name("strata_prefill_computed_tokens_total")
-                           .Help("Prompt tokens the model computed")
-                           .Register(*registry)
-                           .Add({})),
-      bytes_shipped_(prometheus::BuildCounter()
-                         .Name("strata_prefill_bytes_shipped_total")
-                         .Help("Bytes sent to decode nodes, shipment headers included")
-                         .Register(*registry)
-                         .Add({{"codec", engine->options().codec}})),
-      block_bytes_(prometheus::BuildCounter()
-                       .Name("strata_prefill_block_bytes_total")
-                       .Help("Compressed block bytes sent to decode nodes")
-                       .Register(*registry)
-                       .Add({{"codec", engine->options().codec}})),
-      fp16_bytes_(prometheus::BuildCounter()
-                      .Name("strata_prefill_fp16_bytes_total")
-                      .Help("What the shipped chunks' K and V would be at fp16")
-                      .Register(*registry)
-                      .Add({{"codec", engine->options().codec}})),
-      blocks_stored_(prometheus::BuildCounter()
-                         .Name("strata_prefill_blocks_stored_total")
-                         .Help("New blocks Put in the store")
-                         .Register(*registry)
-                         .Add({})),
-      streamed_early_(prometheus::BuildCounter()
-                          .Name("strata_prefill_streamed_early_total")
-                          .Help("Requests whose decode node acknowledged layer-0 blocks before "
-                                "the last layer was computed (layer streaming, observed)")
-                          .Register(*registry)
-                          .Add({})),
-      queue_seconds_(PhaseHistogram(prometheus::BuildHistogram()
-                                        .Name("strata_prefill_seconds")
-                                        .Help("Prefill time by phase")
-                                        .Register(*registry),
-                                    "queue")),
-      compute_seconds_(PhaseHistogram(
-          prometheus::BuildHistogram().Name("strata_prefill_seconds").Register(*registry),
-          "compute")),
-      total_seconds_(PhaseHistogram(
-          prometheus::BuildHistogram().Name("strata_prefill_seconds").Register(*registry),
-          "total")),
-      queued_tokens_(prometheus::BuildGauge()
-                         .Name("strata_prefill_queued_tokens")
-                         .Help("Prompt tokens waiting or computing")
-                         .Register(*registry)
-                         .Add({})),
-      active_requests_(prometheus::BuildGauge()
-                           .Name("strata_prefill_active_requests")
-                           .Help("Requests waiting or computing")
-                           .Register(*registry)
-                           .Add({})) {}
+      prompt_tokens_(AddCounter(registry, "strata_prefill_prompt_tokens_total",
+                                "Prompt tokens of finished prefills")),
+      cached_tokens_(AddCounter(registry, "strata_prefill_cached_tokens_total",
+                                "Prompt tokens adopted from the store (prefix hits)")),
+      computed_tokens_(AddCounter(registry, "strata_prefill_computed_tokens_total",
+                                  "Prompt tokens the model computed")),
+      bytes_shipped_(AddCounter(registry, "strata_prefill_bytes_shipped_total",
+                                "Bytes sent to decode nodes, shipment headers included",
+                                {{"codec", engine->options().codec}})),
+      block_bytes_(AddCounter(registry, "strata_prefill_block_bytes_total",
+                              "Compressed block bytes sent to decode nodes",
+                              {{"codec", engine->options().codec}})),
+      fp16_bytes_(AddCounter(registry, "strata_prefill_fp16_bytes_total",
+                             "What the shipped chunks' K and V would be at fp16",
+                             {{"codec", engine->options().codec}})),
+      blocks_stored_(AddCounter(registry, "strata_prefill_blocks_stored_total",
+                                "New blocks Put in the store")),
+      streamed_early_(AddCounter(registry, "strata_prefill_streamed_early_total",
+                                 "Requests whose decode node acknowledged layer-0 blocks before "
+                                 "the last layer was computed (layer streaming, observed)")),
+      queue_seconds_(PhaseHistogram(registry, "queue")),
+      compute_seconds_(PhaseHistogram(registry, "compute")),
+      total_seconds_(PhaseHistogram(registry, "total")),
+      queued_tokens_(AddGauge(registry, "strata_prefill_queued_tokens",
+                              "Prompt tokens waiting or computing")),
+      active_requests_(AddGauge(registry, "strata_prefill_active_requests",
+                                "Requests waiting or computing")) {}
 
 void PrefillService::UpdateGauges() {
   const PrefillLoad load = engine_->load();
@@ -119,10 +70,7 @@ grpc::Status PrefillService::Prefill(grpc::ServerContext* context,
   r.tokens.assign(request->tokens().begin(), request->tokens().end());
   r.cache_salt = request->cache_salt();
   r.decode_address = request->decode_address();
-  r.sampling.temperature = request->sampling().temperature();
-  r.sampling.top_k = request->sampling().top_k();
-  r.sampling.top_p = request->sampling().top_p() == 0.0f ? 1.0f : request->sampling().top_p();
-  r.sampling.seed = request->sampling().seed();
+  r.sampling = cluster::SamplingFromProto(request->sampling());
   if (absl::Status s = r.sampling.Validate(); !s.ok()) {
     requests_.Add({{"result", "invalid"}}).Increment();
     return kvstore::ToGrpc(s);
@@ -131,7 +79,7 @@ grpc::Status PrefillService::Prefill(grpc::ServerContext* context,
   absl::StatusOr<PrefillResult> result =
       engine_->Prefill(r, [context] { return context->IsCancelled(); });
   UpdateGauges();
-  requests_.Add({{"result", ResultLabel(result.status().code())}}).Increment();
+  requests_.Add({{"result", cluster::ResultLabel(result.status().code())}}).Increment();
   if (!result.ok()) {
     cluster::Log(r.request_id, absl::StrCat("prefill failed: ", result.status().ToString()));
     return kvstore::ToGrpc(result.status());
@@ -182,20 +130,6 @@ grpc::Status PrefillService::Load(grpc::ServerContext*, const strata::v1::LoadRe
   response->set_active_requests(load.active);
   response->set_incarnation(options_.incarnation);
   return grpc::Status::OK;
-}
-
-absl::StatusOr<std::unique_ptr<grpc::Server>> StartPrefillServer(PrefillService* service,
-                                                                 const std::string& address,
-                                                                 int* port) {
-  grpc::ServerBuilder b;
-  b.AddListeningPort(address, grpc::InsecureServerCredentials(), port);
-  b.RegisterService(service);
-  b.SetMaxReceiveMessageSize(64 << 20);  // a prompt of a few million tokens at most
-  std::unique_ptr<grpc::Server> server = b.BuildAndStart();
-  if (server == nullptr || *port == 0) {
-    return absl::UnavailableError(absl::StrCat("cannot listen on ", address));
-  }
-  return server;
 }
 
 }  // namespace strata::prefill

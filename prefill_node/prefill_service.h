@@ -22,8 +22,6 @@
 #include <memory>
 #include <string>
 
-#include "absl/status/statusor.h"
-#include "grpcpp/server.h"
 #include "prefill_node/prefill_engine.h"
 #include "prometheus/counter.h"
 #include "prometheus/family.h"
@@ -71,11 +69,5 @@ class PrefillService final : public strata::v1::PrefillNode::Service {
   prometheus::Gauge& queued_tokens_;
   prometheus::Gauge& active_requests_;
 };
-
-// Builds and starts a gRPC server for `service` on `address` ("host:port", port 0: any); the
-// port taken is written to *port. kUnavailable when it cannot listen.
-absl::StatusOr<std::unique_ptr<grpc::Server>> StartPrefillServer(PrefillService* service,
-                                                                 const std::string& address,
-                                                                 int* port);
 
 }  // namespace strata::prefill
