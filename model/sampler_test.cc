@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/utf8.h"
 #include "gtest/gtest.h"
 #include "model/text_stream.h"
 #include "model/tokenizer.h"
@@ -100,6 +101,44 @@ TEST_F(TextStreamTest, NeverEmitsHalfACharacter) {
     out += piece;
   }
   EXPECT_EQ(out + s.Finish(), "✓✓✓ é");
+}
+
+// The id of the token that decodes to exactly `bytes`.
+uint32_t IdOf(const Tokenizer& tok, const std::string& bytes) {
+  for (uint32_t id = 0; id < tok.vocab_size(); ++id) {
+    absl::StatusOr<std::string> d = tok.Decode({id});
+    if (d.ok() && *d == bytes) return id;
+  }
+  ADD_FAILURE() << "no token decodes to the " << bytes.size() << " bytes asked for";
+  return 0;
+}
+
+// A byte-level model can emit any byte: bytes that form no character reach the client as U+FFFD
+// (once per maximal ill-formed subpart), never as ill-formed UTF-8 (which a protobuf string field
+// refuses and a JSON encoder must not send); an unfinished character at the end too.
+TEST_F(TextStreamTest, ShowsBytesThatFormNoCharacterAsReplacementCharacters) {
+  const uint32_t a = IdOf(*tok_, "a"), lone = IdOf(*tok_, "\x80"), lead = IdOf(*tok_, "\xe6"),
+                 cont = IdOf(*tok_, "\x97");
+  TextStream s(tok_.get(), {});
+  std::string out;
+  for (uint32_t id : {a, lone, a, lead, cont, a, lead, cont}) {
+    const std::string piece = (*s.Add(id)).text;
+    EXPECT_TRUE(IsValidUtf8(piece)) << "a piece of ill-formed UTF-8";
+    out += piece;
+  }
+  EXPECT_EQ(out, "a\uFFFDa\uFFFDa");  // the last character is still unfinished
+  EXPECT_EQ(s.Finish(), "\uFFFD");
+  // A stop string is matched in the text as shown.
+  TextStream t(tok_.get(), {"a\uFFFDb"});
+  std::string shown;
+  bool stopped = false;
+  for (uint32_t id : {a, a, lone, IdOf(*tok_, "b"), a}) {
+    TextStream::Piece p = *t.Add(id);
+    shown += p.text;
+    stopped = stopped || p.stopped;
+  }
+  EXPECT_TRUE(stopped);
+  EXPECT_EQ(shown, "a");
 }
 
 }  // namespace

@@ -43,6 +43,7 @@ struct SamplingParams {
   // Otherwise in [1, kMaxTokensCap] (openai_api.h); the backend checks it against the context.
   uint32_t max_tokens = 16;
   std::vector<std::string> stop;  // up to 4 non-empty stop strings, valid UTF-8
+  bool ignore_eos = false;  // vLLM extension "ignore_eos": generate max_tokens (benchmarks)
 };
 
 struct CompletionRequest {

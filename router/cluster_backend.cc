@@ -541,6 +541,7 @@ absl::StatusOr<std::unique_ptr<RequestHandle>> ClusterBackend::Start(
     sampling->set_seed(seed_rng_());
   }
   g.set_max_tokens(max_tokens);
+  g.set_ignore_eos(request.sampling.ignore_eos);
   for (const std::string& s : request.sampling.stop) g.add_stop(s);
   r->generate_ctx->set_deadline(Deadline(options_.generate_timeout));
 

@@ -340,6 +340,7 @@ absl::Status ParseSampling(const json& body, Endpoint endpoint, SamplingParams* 
   if (integer.has_value()) sampling->seed = static_cast<uint64_t>(*integer);
   STRATA_RETURN_IF_ERROR(ParseMaxTokens(body, endpoint, sampling));
   STRATA_RETURN_IF_ERROR(ParseStop(body, sampling));
+  STRATA_RETURN_IF_ERROR(GetBool(body, "ignore_eos", &sampling->ignore_eos));
   for (const char* key : {"n", "best_of"}) {
     if (endpoint == Endpoint::kChatCompletions && absl::string_view(key) == "best_of") continue;
     integer.reset();

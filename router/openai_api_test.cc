@@ -45,7 +45,7 @@ void ExpectFieldError(const absl::StatusOr<CompletionRequest>& r, const std::str
 TEST(OpenAiApiTest, ParsesACompletionRequest) {
   absl::StatusOr<CompletionRequest> r =
       Completion(R"({"model":"m","prompt":"Hello","max_tokens":32,"temperature":0.5,"top_p":0.9,)"
-                 R"("top_k":40,"seed":-1,"stop":["\n","END"],"stream":true,)"
+                 R"("top_k":40,"seed":-1,"stop":["\n","END"],"stream":true,"ignore_eos":true,)"
                  R"("stream_options":{"include_usage":true},"cache_salt":"tenant-a","user":"u",)"
                  R"("n":1,"presence_penalty":0,"logprobs":null,"some_future_field":{"x":[1,2]}})");
   ASSERT_TRUE(r.ok()) << r.status();
@@ -59,6 +59,7 @@ TEST(OpenAiApiTest, ParsesACompletionRequest) {
   EXPECT_EQ(r->sampling.top_k, 40u);
   EXPECT_EQ(r->sampling.seed, ~uint64_t{0});
   EXPECT_EQ(r->sampling.stop, (std::vector<std::string>{"\n", "END"}));
+  EXPECT_TRUE(r->sampling.ignore_eos);
   EXPECT_TRUE(r->stream);
   EXPECT_TRUE(r->include_usage);
   EXPECT_EQ(r->cache_salt, "tenant-a");
@@ -72,6 +73,7 @@ TEST(OpenAiApiTest, Defaults) {
   EXPECT_EQ(r->sampling.top_p, 1.0f);
   EXPECT_EQ(r->sampling.top_k, 0u);
   EXPECT_FALSE(r->sampling.seed.has_value());
+  EXPECT_FALSE(r->sampling.ignore_eos);
   EXPECT_FALSE(r->stream);
   absl::StatusOr<CompletionRequest> c =
       Chat(R"({"model":"m","messages":[{"role":"user","content":"x"}]})");
@@ -124,6 +126,8 @@ TEST(OpenAiApiTest, RefusesOutOfRangeAndMistypedFields) {
   ExpectFieldError(Completion(p + R"("top_p":1.01})"), "top_p", "(0, 1]");
   ExpectFieldError(Completion(p + R"("top_k":-2})"), "top_k", "top_k must be >= 0");
   ExpectFieldError(Completion(p + R"("top_k":1.5})"), "top_k", "must be an integer");
+  ExpectFieldError(Completion(p + R"("ignore_eos":1})"), "ignore_eos",
+                   "ignore_eos must be a boolean, got number");
   ExpectFieldError(Completion(p + R"("max_tokens":0})"), "max_tokens",
                    "max_tokens must be >= 1, got 0");
   ExpectFieldError(Completion(p + R"("max_tokens":2000000})"), "max_tokens", "must be <=");

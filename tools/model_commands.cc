@@ -25,6 +25,7 @@
 #include "model/sampler.h"
 #include "nlohmann/json.hpp"
 #include "model/safetensors.h"
+#include "model/text_stream.h"
 #include "model/tokenizer.h"
 
 namespace strata::tools {
@@ -156,6 +157,9 @@ absl::Status RunGenerate(const GenerateOptions& o, std::ostream& out, std::ostre
                                 .seed = o.seed});
   STRATA_RETURN_IF_ERROR(sampler.options().Validate());
   std::vector<uint32_t> generated;
+  // What a client of the HTTP API sees: well-formed UTF-8, a character split across tokens
+  // printed once whole, bytes that form none shown as U+FFFD.
+  model::TextStream text(l.tokenizer.get(), {});
   out << o.prompt;
   const auto t1 = std::chrono::steady_clock::now();
   for (uint32_t i = 0; i < o.max_tokens; ++i) {
@@ -163,12 +167,12 @@ absl::Status RunGenerate(const GenerateOptions& o, std::ostream& out, std::ostre
         absl::MakeConstSpan(logits).subspan(logits.size() - c.vocab_size), i);
     if (c.eos_token_id >= 0 && next == c.eos_token_id) break;
     generated.push_back(next);
-    STRATA_ASSIGN_OR_RETURN(std::string piece, l.tokenizer->Decode({next}));
-    out << piece << std::flush;
+    STRATA_ASSIGN_OR_RETURN(model::TextStream::Piece piece, text.Add(next));
+    out << piece.text << std::flush;
     if (i + 1 == o.max_tokens) break;  // the last token's logits are never used
     STRATA_ASSIGN_OR_RETURN(logits, l.model->Step({&next, 1}, cache.get()));
   }
-  out << "\n";
+  out << text.Finish() << "\n";
   const double decode_s = Seconds(t1);
   info << absl::StrFormat(
       "[%d prompt tokens in %.3f s (%.1f tok/s), %d generated in %.3f s (%.1f tok/s); KV cache %s: "

@@ -328,6 +328,32 @@ class ClusterTest(unittest.TestCase):
                     for d in ("decode-0", "decode-1"))
         self.assertGreater(batched / max(steps, 1), 1.0)
 
+    def test_sampled_long_streams_all_finish_with_well_formed_text(self):
+        # Sampling at temperature 1 makes the byte-level model emit bytes that form no UTF-8
+        # character. They once reached the gRPC stream as an ill-formed protobuf string, which the
+        # router could not parse: the stream stalled. Every stream must finish, with exactly
+        # max_tokens tokens (ignore_eos), the same text as the same seed unstreamed, and any
+        # ill-formed bytes shown as U+FFFD.
+        c = self.cluster
+
+        def one(i):
+            extra = {"temperature": 1.0, "seed": 100 + i, "ignore_eos": True}
+            prompt = "%s (%d)" % (PROMPTS[i % len(PROMPTS)], i)
+            streamed, usage, events = complete(c, prompt, 128, stream=True, salt="sampled-%d" % i,
+                                               timeout=60, **extra)
+            unstreamed = complete(c, prompt, 128, salt="sampled-%d" % i, timeout=60, **extra)[0]
+            return streamed, usage, events, unstreamed
+
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            results = list(pool.map(one, range(16)))
+        replaced = 0
+        for streamed, usage, events, unstreamed in results:
+            self.assertEqual(events[-1], "[DONE]")
+            self.assertEqual(usage["completion_tokens"], 128)
+            self.assertEqual(streamed, unstreamed)
+            replaced += streamed.count("\ufffd")
+        self.assertGreater(replaced, 0, "no stream exercised ill-formed bytes; pick other seeds")
+
     def test_streams_end_with_done_and_usage(self):
         text, usage, events = complete(self.cluster, PROMPTS[0], 8, stream=True)
         self.assertEqual(events[-1], "[DONE]")
