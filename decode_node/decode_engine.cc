@@ -200,8 +200,11 @@ absl::Status DecodeEngine::Consume(transport::ReceivedBlock b) {
   s.arrived_bytes += b.bytes.size();
   load_.kv_bytes_arrived += b.bytes.size();
   stats_.bytes_received += b.bytes.size();
+  // An aborted request is complete at once, also when its end shipment came first (a block that
+  // failed on its way is reported after the end was sent).
   bool complete = !s.aborted.ok();
-  if (s.end.has_value() && s.windows.size() == L && s.blocks.size() >= s.end->chunks) {
+  if (!complete && s.end.has_value() && s.windows.size() == L &&
+      s.blocks.size() >= s.end->chunks) {
     complete = true;
     for (const SharedBytes& w : s.windows) complete &= static_cast<bool>(w);
     for (uint32_t k = 0; k < s.end->chunks && complete; ++k) {

@@ -3,6 +3,7 @@
 // same codec (LlamaModel::Prefill then Step, as `strata generate` runs), prefixes are reused from
 // the store, layers stream, sequences batch, and cancellation and bad shipments are handled.
 #include <condition_variable>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -15,6 +16,7 @@
 #include "model/tokenizer.h"
 #include "prefill_node/prefill_engine.h"
 #include "transport/inproc/inproc_transport.h"
+#include "transport/testing/fault_injecting_transport.h"
 #include "transport/shipment.h"
 
 namespace strata {
@@ -85,19 +87,29 @@ class ServingEngineTest : public ::testing::Test {
     delete tokenizer_;
   }
 
-  void Build(const std::string& codec, uint32_t max_batch = 32, uint64_t budget = 1ull << 30) {
+  // `corrupt`: when set, the decode engine receives through a FaultInjectingTransport that damages
+  // the payload of block messages n for which corrupt(n) holds (n counts from 1).
+  void Build(const std::string& codec, uint32_t max_batch = 32, uint64_t budget = 1ull << 30,
+             std::function<bool(int)> corrupt = nullptr) {
     codec_ = codec;
     decode_.reset();  // engines before the transports and the store they use
     prefill_.reset();
+    faulty_.reset();
     store_ = *kvstore::BlockStore::Open({.ram_bytes = 256 << 20});
     source_ = std::make_unique<kvstore::EmbeddedBlockSource>(store_.get());
     pt_ = *transport::CreateInprocTransport({});
     dt_ = *transport::CreateInprocTransport({});
+    transport::Transport* receiving = dt_.get();
+    if (corrupt) {
+      faulty_ = std::make_unique<transport::FaultInjectingTransport>(dt_.get());
+      faulty_->corrupt = std::move(corrupt);
+      receiving = faulty_.get();
+    }
     prefill_ = *prefill::PrefillEngine::Create({.codec = codec, .chunk_tokens = kChunk},
                                                model_, pt_.get(), source_.get());
     decode_ = *decode::DecodeEngine::Create(
         {.codec = codec, .chunk_tokens = kChunk, .max_batch = max_batch, .kv_budget_bytes = budget},
-        model_, tokenizer_, dt_.get(), source_.get());
+        model_, tokenizer_, receiving, source_.get());
   }
 
   std::vector<uint32_t> Prompt(const std::string& text) {
@@ -142,6 +154,7 @@ class ServingEngineTest : public ::testing::Test {
   std::unique_ptr<kvstore::BlockStore> store_;
   std::unique_ptr<kvstore::EmbeddedBlockSource> source_;
   std::unique_ptr<transport::Transport> pt_, dt_;
+  std::unique_ptr<transport::FaultInjectingTransport> faulty_;  // wraps dt_ when set
   std::unique_ptr<prefill::PrefillEngine> prefill_;
   std::unique_ptr<decode::DecodeEngine> decode_;
 };
@@ -171,6 +184,43 @@ TEST_F(ServingEngineTest, GreedyOutputEqualsSingleProcessForEveryCodecFamily) {
     // (two layers of compute give the in-process acknowledgements ample time).
     EXPECT_GT(r.layer0_acked_early, 0u) << codec;
   }
+}
+
+// Blocks damaged on their way to the decode node are refused there (their CRC-32C), never
+// adopted, and sent again by the prefill node: the request succeeds with the output of an
+// undamaged run. A block damaged on every attempt fails the request with DATA_LOSS, never a hang.
+TEST_F(ServingEngineTest, BlocksDamagedInTransitAreRefusedAndSentAgain) {
+  Build("kivi:k2v2:g32", 32, 1ull << 30, [](int n) { return n == 2 || n == 5 || n == 9; });
+  const std::vector<uint32_t> prompt = Prompt(absl::StrCat(kText, " ", kText));
+  prefill::PrefillResult r;
+  auto sink = Serve("damaged", prompt, 16, &r);
+  ASSERT_TRUE(sink->Wait());
+  ASSERT_TRUE(sink->status().ok()) << sink->status();
+  EXPECT_EQ(sink->tokens(), Solo(prompt, 16));
+  EXPECT_EQ(r.blocks_shipped, (prompt.size() / kChunk) * model_->config().num_layers);
+  EXPECT_EQ(decode_->receiver().stats().checksum_failures, 3u);
+  EXPECT_EQ(prefill_->sender().stats().retries, 3u);
+
+  // One block damaged on every attempt (BlockSenderOptions::max_attempts is 3): the prefill fails
+  // with DATA_LOSS and tells the decode node, which fails the request at once (also when the
+  // request's end shipment arrived before the abort, as here: the block fails last).
+  Build("kivi:k2v2:g32", 32, 1ull << 30, [](int) { return false; });
+  faulty_->corrupt_block = [](absl::string_view bytes) {
+    absl::StatusOr<transport::ShipmentId> id = transport::ShipmentId::Decode(std::string(bytes));
+    return id.ok() && id->kind == transport::ShipmentKind::kBlock && id->layer == 1 &&
+           id->chunk == 1;
+  };
+  auto failed = std::make_shared<CollectingSink>();
+  ASSERT_TRUE(decode_->Start({.request_id = "hopeless", .prompt = prompt, .max_tokens = 4}, failed)
+                  .ok());
+  absl::StatusOr<prefill::PrefillResult> p = prefill_->Prefill(
+      {.request_id = "hopeless", .tokens = prompt, .decode_address = dt_->address()});
+  ASSERT_FALSE(p.ok());
+  EXPECT_EQ(p.status().code(), absl::StatusCode::kDataLoss) << p.status();
+  ASSERT_TRUE(failed->Wait(absl::Seconds(10)));  // not the decode node's KV timeout
+  EXPECT_EQ(failed->status().code(), absl::StatusCode::kAborted) << failed->status();
+  EXPECT_EQ(decode_->load().waiting, 0u);
+  EXPECT_EQ(failed->tokens().size(), 0u);
 }
 
 TEST_F(ServingEngineTest, ASecondTurnAdoptsTheFirstTurnsPrefixAndMatchesRecomputing) {
