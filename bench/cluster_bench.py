@@ -7,8 +7,10 @@ bench/results/cluster_bench-DATE-COMMIT.{txt,json} with the machine, date and co
      reuse) and warm (the same prefix again, a new suffix), medians of --repeats.
   2. Decode throughput through the cluster at 1 and 32 concurrent streams against single-process
      `strata generate` with the same codec, measured in the same run.
-  3. Per-token latency: the gaps between streamed tokens as the client sees them (router +
-     decode node) against the decode node's own inter-token histogram (median of each).
+  3. The router's added latency per token: its strata_router_token_relay_seconds histogram (from
+     a token's arrival from the decode node to the end of the socket write that carries it to the
+     client), p50 and p99 interpolated within buckets, at 1 and 32 streams; and the client-side
+     gap between tokens next to the decode node's own inter-token histogram.
   4. Bytes on the wire per request against the prompt's KV at fp16, per codec, at a 1,920-token
      prompt (blocks, the full-precision window of the partial last chunk, and every header).
 
@@ -62,13 +64,14 @@ def prompt_of(build, tokens, seed):
     return best
 
 
-def stream(base, prompt, max_tokens, salt, temperature=0.0, ignore_seed=None):
-    """One streamed completion: (ttft, gaps between tokens, usage)."""
+def stream(base, prompt, max_tokens, salt, temperature=0.0, seed=None):
+    """One streamed completion of exactly max_tokens tokens (ignore_eos): (ttft, gaps between
+    tokens, usage, seconds from the first token to the last)."""
     body = {"model": "strata-tiny", "prompt": prompt, "max_tokens": max_tokens,
-            "temperature": temperature, "stream": True, "cache_salt": salt,
+            "temperature": temperature, "stream": True, "cache_salt": salt, "ignore_eos": True,
             "stream_options": {"include_usage": True}}
-    if ignore_seed is not None:
-        body["seed"] = ignore_seed
+    if seed is not None:
+        body["seed"] = seed
     req = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     t0 = time.monotonic()
@@ -93,14 +96,16 @@ def stream(base, prompt, max_tokens, salt, temperature=0.0, ignore_seed=None):
 def solo_tok_per_s(build, codec, prompt, n):
     out = subprocess.run([os.path.join(build, "tools/strata"), "generate", "--model", e2e.MODEL,
                           "--codec", codec, "--kv_chunk_tokens", str(e2e.CHUNK), "--max_tokens",
-                          str(n), "--temperature", "1.0", "--prompt", prompt],
+                          str(n), "--temperature", "1.0", "--seed", "3", "--prompt", prompt],
                          capture_output=True, text=True, check=True).stderr
     # "[... N generated in S s (T tok/s); ..."
     part = out.split(" generated in ", 1)[1]
     return float(part.split("(", 1)[1].split(" tok/s", 1)[0])
 
 
-def histogram_median(values, name):
+def histogram_quantile(values, name, q):
+    """The q-quantile of a Prometheus histogram (cumulative buckets), interpolated linearly
+    within its bucket as PromQL's histogram_quantile does."""
     buckets = []
     for k, v in values.items():
         if k.startswith(name + "_bucket{"):
@@ -108,10 +113,20 @@ def histogram_median(values, name):
             buckets.append((float("inf") if le == "+Inf" else float(le), v))
     buckets.sort()
     total = buckets[-1][1] if buckets else 0
+    if total <= 0:
+        return float("nan")
+    rank, lo, below = q * total, 0.0, 0.0
     for le, count in buckets:
-        if count >= total / 2:
-            return le
+        if count >= rank:
+            if le == float("inf"):
+                return lo
+            return lo + (le - lo) * (rank - below) / max(count - below, 1e-12)
+        lo, below = le, count
     return float("nan")
+
+
+def delta(after, before):
+    return {k: after.get(k, 0) - before.get(k, 0) for k in after}
 
 
 def main():
@@ -194,25 +209,39 @@ def main():
                                 "cluster_32_aggregate_tok_s": tokens32 / wall,
                                 "cluster_32_per_stream_tok_s": per_stream32}
 
-        # 3. Per-token latency: client-side gaps vs the decode node's own.
+        # 3. The router's added latency per token, and client vs decode-node gaps.
         decode_metrics = c.node("decode-0")["metrics"]
-        before = e2e.scrape(decode_metrics)
+        router_metrics = c.base.replace("http://", "")
+        relay = "strata_router_token_relay_seconds"
+        before_d, before_r = e2e.scrape(decode_metrics), e2e.scrape(router_metrics)
         gaps = []
         for r in range(3):
             _, g, _, _ = e2e_stream(c, prompt, "lat-%d" % r, n, 1.0)
             gaps += g
-        after = e2e.scrape(decode_metrics)
-        delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-        node_p50 = histogram_median(delta, "strata_decode_inter_token_seconds")
+        d_dec = delta(e2e.scrape(decode_metrics), before_d)
+        d_rt1 = delta(e2e.scrape(router_metrics), before_r)
+        node_p50 = histogram_quantile(d_dec, "strata_decode_inter_token_seconds", 0.5)
         client_p50 = statistics.median(gaps)
-        lines.append("3. Per-token latency, 1 stream (ms)")
-        lines.append("   client-side gap p50 (decode + router + HTTP):  %8.3f" % (client_p50 * 1e3))
-        lines.append("   decode node's inter-token p50 bucket bound:    %8.3f" % (node_p50 * 1e3))
-        lines.append("   (the router's added latency is within their difference; the node's "
-                     "figure is a histogram bucket's upper bound)")
+        before_r = e2e.scrape(router_metrics)
+        with concurrent.futures.ThreadPoolExecutor(32) as pool:
+            list(pool.map(lambda i: e2e_stream(c, prompt + " %d" % i, "lat32-%d" % i, n, 1.0),
+                          range(32)))
+        d_rt32 = delta(e2e.scrape(router_metrics), before_r)
+        lines.append("3. Router's added latency per token (ms): arrival from the decode node to the "
+                     "end of the socket write")
+        report["latency"] = {}
+        for label, d in (("1 stream", d_rt1), ("32 streams", d_rt32)):
+            p50 = histogram_quantile(d, relay, 0.5) * 1e3
+            p99 = histogram_quantile(d, relay, 0.99) * 1e3
+            count = e2e.metric(d, relay + "_count")
+            lines.append("   %-10s  p50 %7.3f   p99 %7.3f   (%d tokens)" % (label, p50, p99, count))
+            report["latency"][label] = {"relay_p50_ms": p50, "relay_p99_ms": p99,
+                                        "tokens": count}
+        lines.append("   1 stream: client-side gap between tokens p50 %.3f ms; the decode node's "
+                     "inter-token p50 %.3f ms" % (client_p50 * 1e3, node_p50 * 1e3))
         lines.append("")
-        report["latency"] = {"client_gap_p50_ms": client_p50 * 1e3,
-                             "decode_inter_token_p50_bucket_ms": node_p50 * 1e3}
+        report["latency"]["client_gap_p50_ms"] = client_p50 * 1e3
+        report["latency"]["decode_inter_token_p50_ms"] = node_p50 * 1e3
     finally:
         c.down()
 
@@ -250,7 +279,7 @@ def main():
 
 
 def e2e_stream(c, prompt, salt, max_tokens=2, temperature=0.0):
-    return stream(c.base, prompt, max_tokens, salt, temperature, ignore_seed=1)
+    return stream(c.base, prompt, max_tokens, salt, temperature, seed=3)
 
 
 if __name__ == "__main__":

@@ -254,6 +254,14 @@ absl::Status ClusterBackend::Init() {
                       .Help("Time between consecutive tokens of a request")
                       .Register(reg)
                       .Add({}, cluster::LatencyBuckets());
+  token_relay_ = &prometheus::BuildHistogram()
+                      .Name("strata_router_token_relay_seconds")
+                      .Help("Per streamed token, from its arrival from the decode node to the end "
+                            "of the socket write to the client: the router's added latency")
+                      .Register(reg)
+                      .Add({}, prometheus::Histogram::BucketBoundaries{
+                                   25e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3,
+                                   10e-3, 50e-3, 0.25, 1});
   prompt_tokens_ = &prometheus::BuildCounter()
                         .Name("strata_router_prompt_tokens_total")
                         .Help("Prompt tokens of routed requests")
@@ -750,6 +758,10 @@ void ClusterBackend::RequestGone(Request* r, std::shared_ptr<const NodeConnectio
   retired_.push_back(std::move(prefill));
   retired_.push_back(std::move(decode));
   calls_cv_.notify_all();  // the last use of the backend by this request
+}
+
+void ClusterBackend::RecordTokenWritten(absl::Duration since_arrival) {
+  token_relay_->Observe(absl::ToDoubleSeconds(since_arrival));
 }
 
 bool ClusterBackend::Healthy(std::string* detail) const {

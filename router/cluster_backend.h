@@ -140,6 +140,10 @@ class ClusterBackend final : public Backend {
   bool Healthy(std::string* detail) const override;
   std::string RenderMetrics() const override;
 
+  // The HTTP side's report of one streamed token: from its arrival (the Token call) to the end of
+  // the socket write that carried it (HttpServerOptions::on_token_written). Thread-safe.
+  void RecordTokenWritten(absl::Duration since_arrival);
+
   // For tests and status pages.
   const std::string& model_name() const { return model_name_; }
   uint32_t context_tokens() const { return context_tokens_; }
@@ -196,6 +200,7 @@ class ClusterBackend final : public Backend {
   prometheus::Family<prometheus::Counter>* routed_total_ = nullptr;
   prometheus::Histogram* ttft_ = nullptr;
   prometheus::Histogram* inter_token_ = nullptr;
+  prometheus::Histogram* token_relay_ = nullptr;
   prometheus::Counter* prompt_tokens_ = nullptr;
   prometheus::Counter* cached_tokens_ = nullptr;
   prometheus::Counter* completion_tokens_ = nullptr;

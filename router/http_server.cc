@@ -89,7 +89,9 @@ class ConnectionStream final : public CompletionStream {
 
  private:
   enum class Kind { kData, kEnd, kFail };
-  void Forward(Kind kind, std::string data, int http_status = 200);
+  // `received`: when the backend handed over the token (kData only).
+  void Forward(Kind kind, std::string data, int http_status = 200,
+               absl::Time received = absl::InfinitePast());
 
   const std::weak_ptr<Connection> connection_;
   const uint64_t seq_;
@@ -122,7 +124,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void Post(F&& f) {
     net::post(socket_.get_executor(), std::forward<F>(f));
   }
-  void OnStreamEvent(uint64_t seq, bool end, bool ok, std::string data);
+  void OnStreamEvent(uint64_t seq, bool end, bool ok, std::string data, absl::Time received);
   void OnResponseEvent(uint64_t seq, int http_status, std::string body);
 
  private:
@@ -140,7 +142,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void OnResponseWritten(error_code ec, bool close);
 
   void StartStream(const ResponseContext& ctx);
-  void EnqueueStream(std::string data);
+  void EnqueueStream(std::string data, absl::Time received);
   void WriteStream();
   void OnStreamWritten(error_code ec, bool last);
 
@@ -185,6 +187,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
   bool close_after_stream_ = false;
   std::string pending_;    // stream bytes not yet handed to a write
   std::string write_buf_;  // stream bytes of the write in flight
+  // When the backend handed over each token event in pending_ / in the write in flight (for
+  // HttpServerOptions::on_token_written).
+  std::vector<absl::Time> pending_received_, write_received_;
   std::optional<http::response<http::empty_body>> stream_header_;
   std::optional<http::response_serializer<http::empty_body>> stream_serializer_;
   std::array<char, 4096> drain_{};  // lingering close
@@ -300,9 +305,11 @@ class ServerImpl final : public HttpServer {
 
 void ConnectionStream::Token(std::string_view text, uint32_t /*token_id*/) {
   if (streaming_) {
-    if (!text.empty())
-      Forward(Kind::kData,
-              RenderStreamTextEvent(ctx_, absl::string_view(text.data(), text.size())));
+    const absl::Time received = absl::Now();
+    if (!text.empty()) {
+      Forward(Kind::kData, RenderStreamTextEvent(ctx_, absl::string_view(text.data(), text.size())),
+              200, received);
+    }
     return;
   }
   absl::MutexLock lock(&mu_);
@@ -335,7 +342,7 @@ void ConnectionStream::Fail(const absl::Status& status) {
   }
 }
 
-void ConnectionStream::Forward(Kind kind, std::string data, int http_status) {
+void ConnectionStream::Forward(Kind kind, std::string data, int http_status, absl::Time received) {
   absl::MutexLock lock(&mu_);
   if (closed_) return;
   // The strong reference lives only inside the lock: the backend thread must never be the one
@@ -344,8 +351,8 @@ void ConnectionStream::Forward(Kind kind, std::string data, int http_status) {
   if (c == nullptr) return;
   Connection* raw = c.get();
   if (streaming_) {
-    raw->Post([c = std::move(c), seq = seq_, kind, data = std::move(data)]() mutable {
-      c->OnStreamEvent(seq, kind != Kind::kData, kind == Kind::kEnd, std::move(data));
+    raw->Post([c = std::move(c), seq = seq_, kind, data = std::move(data), received]() mutable {
+      c->OnStreamEvent(seq, kind != Kind::kData, kind == Kind::kEnd, std::move(data), received);
     });
   } else {
     raw->Post([c = std::move(c), seq = seq_, http_status, data = std::move(data)]() mutable {
@@ -631,10 +638,11 @@ void Connection::StartStream(const ResponseContext& ctx) {
                            });
 }
 
-void Connection::OnStreamEvent(uint64_t seq, bool end, bool ok, std::string data) {
+void Connection::OnStreamEvent(uint64_t seq, bool end, bool ok, std::string data,
+                               absl::Time received) {
   if (closing_ || seq != seq_ || !in_flight_ || !streaming_ || stream_end_) return;
   if (!end) {
-    EnqueueStream(std::move(data));
+    EnqueueStream(std::move(data), received);
     return;
   }
   backend_done_ = true;
@@ -651,13 +659,14 @@ void Connection::OnResponseEvent(uint64_t seq, int http_status, std::string body
   SendResponse(http_status, "application/json", std::move(body));
 }
 
-void Connection::EnqueueStream(std::string data) {
+void Connection::EnqueueStream(std::string data, absl::Time received) {
   if (pending_.size() + data.size() > server_->options().max_pending_stream_bytes) {
     ClientGone();  // reads slower than we produce: give the capacity to someone else
     Close();
     return;
   }
   pending_ += data;
+  if (server_->options().on_token_written) pending_received_.push_back(received);
   WriteStream();
 }
 
@@ -666,6 +675,8 @@ void Connection::WriteStream() {
   if (!pending_.empty()) {
     write_buf_.clear();
     write_buf_.swap(pending_);
+    write_received_.clear();
+    write_received_.swap(pending_received_);
     writing_ = true;
     ArmTimer(server_->options().write_timeout);
     net::async_write(socket_, http::make_chunk(net::buffer(write_buf_)),
@@ -693,6 +704,11 @@ void Connection::OnStreamWritten(error_code ec, bool last) {
     ClientGone();
     Close();
     return;
+  }
+  if (!write_received_.empty()) {
+    const absl::Time now = absl::Now();
+    for (absl::Time t : write_received_) server_->options().on_token_written(now - t);
+    write_received_.clear();
   }
   if (!last) {
     WriteStream();
@@ -725,6 +741,8 @@ void Connection::RequestDone() {
   stream_header_.reset();
   pending_.clear();
   write_buf_.clear();
+  pending_received_.clear();
+  write_received_.clear();
   self_.reset();  // every caller runs in a handler that holds its own reference
 }
 

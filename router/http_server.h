@@ -28,6 +28,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -52,6 +53,10 @@ struct HttpServerOptions {
   // Stream bytes queued for a client that does not read; more closes it and cancels the request.
   size_t max_pending_stream_bytes = size_t{8} << 20;
   bool log_requests = true;  // one line per request on stderr
+  // When set, called on an I/O thread once per streamed token event with the time from the
+  // backend's CompletionStream::Token call to the end of the socket write that carried it to the
+  // client: what the HTTP side adds to each token (the router's `token_relay` histogram).
+  std::function<void(absl::Duration)> on_token_written;
 
   absl::Status Validate() const;
 };

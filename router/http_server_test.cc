@@ -272,6 +272,38 @@ TEST_F(HttpServerTest, StreamingCompletionSendsEventsInOrderThenDone) {
   EXPECT_EQ(json::parse(events[0])["id"].get<std::string>(), std::string(res["X-Request-Id"]));
 }
 
+// Each streamed token is reported once, after the write that carried it, with the time since the
+// backend handed it over; a non-streamed request reports none.
+TEST_F(HttpServerTest, ReportsEachStreamedTokensRelayTime) {
+  server_->Stop();
+  absl::Mutex mu;
+  std::vector<absl::Duration> seen;
+  HttpServerOptions options;
+  options.on_token_written = [&](absl::Duration d) {
+    absl::MutexLock lock(&mu);
+    seen.push_back(d);
+  };
+  StartServer(options);
+  Client client(port());
+  const absl::Time before = absl::Now();
+  auto res = client.Call(http::verb::post, "/v1/completions",
+                         R"({"model":"tiny","prompt":"Hi","stream":true})");
+  const absl::Duration elapsed = absl::Now() - before;
+  ASSERT_EQ(res.result_int(), 200) << res.body();
+  {
+    absl::MutexLock lock(&mu);
+    ASSERT_EQ(seen.size(), 2u);  // "Hello" and " world"
+    for (absl::Duration d : seen) {
+      EXPECT_GE(d, absl::ZeroDuration());
+      EXPECT_LE(d, elapsed);
+    }
+  }
+  ASSERT_EQ(client.Call(http::verb::post, "/v1/completions",
+                        R"({"model":"tiny","prompt":"Hi"})").result_int(), 200);
+  absl::MutexLock lock(&mu);
+  EXPECT_EQ(seen.size(), 2u);
+}
+
 TEST_F(HttpServerTest, ChatStreamWithUsageChunk) {
   Client client(port());
   auto res =

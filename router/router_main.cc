@@ -89,6 +89,7 @@ int main(int argc, char** argv) {
   rt::HttpServerOptions h;
   SplitHostPort(listen, &h.host, &h.port);
   h.threads = absl::GetFlag(FLAGS_http_threads);
+  h.on_token_written = [b = backend->get()](absl::Duration d) { b->RecordTokenWritten(d); };
   absl::StatusOr<std::unique_ptr<rt::HttpServer>> server = rt::HttpServer::Start(h, backend->get());
   if (!server.ok()) return Fail("HTTP", server.status());
   const std::string shown = absl::StrContains(h.host, ':') ? "[" + h.host + "]" : h.host;
