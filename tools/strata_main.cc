@@ -57,6 +57,11 @@ ABSL_FLAG(std::string, disk_size, "4T", "replay: disk tier of the runs with a di
 ABSL_FLAG(uint32_t, model_layers, 32, "replay: layers of the model whose KV is stored");
 ABSL_FLAG(uint32_t, model_kv_heads, 8, "replay: KV heads");
 ABSL_FLAG(uint32_t, model_head_dim, 128, "replay: head dimension");
+ABSL_FLAG(uint32_t, trace_block_tokens, 512,
+          "replay: tokens per hash id of the trace (Mooncake's: 512; a trace scaled down to a "
+          "small model's context has fewer)");
+ABSL_FLAG(std::vector<std::string>, policies, {},
+          "replay: RAM eviction policies to compare (default lru,s3fifo)");
 ABSL_FLAG(std::string, calibration, "",
           "generate/ppl: calibration file for codecs that need one (strata calibrate)");
 ABSL_FLAG(std::string, calib_text, "",
@@ -195,6 +200,12 @@ int main(int argc, char** argv) {
     o.kv_heads = absl::GetFlag(FLAGS_model_kv_heads);
     o.head_dim = absl::GetFlag(FLAGS_model_head_dim);
     o.json_out = absl::GetFlag(FLAGS_json);
+    o.block_tokens = absl::GetFlag(FLAGS_trace_block_tokens);
+    if (o.block_tokens == 0) {
+      std::cerr << "strata: --trace_block_tokens must be >= 1\n";
+      return 2;
+    }
+    if (!absl::GetFlag(FLAGS_policies).empty()) o.policies = absl::GetFlag(FLAGS_policies);
     for (const std::string& r : absl::GetFlag(FLAGS_ram_sizes)) {
       uint64_t b = 0;
       if (!strata::ParseByteSize(r, &b)) {

@@ -5,7 +5,8 @@
 #
 #   deploy/local/cluster.sh up   [--dir DIR] [--codec SPEC] [--chunk N] [--prefill N] [--decode N]
 #                                [--port-base P] [--http-port P] [--model DIR] [--calibration F]
-#                                [--kv-budget BYTES] [--max-batch N]
+#                                [--kv-budget BYTES] [--max-batch N] [--store-ram BYTES]
+#                                [--store-disk BYTES (0: no disk tier)] [--router-flag F]...
 #   deploy/local/cluster.sh down   [--dir DIR]
 #   deploy/local/cluster.sh status [--dir DIR]
 #
@@ -32,6 +33,8 @@ model="$root/models/strata-tiny"
 calibration=""
 kv_budget="256M"
 max_batch=32
+store_ram="512M"
+store_disk="4G"
 extra_router=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -46,8 +49,10 @@ while [ $# -gt 0 ]; do
     --calibration) calibration="$2"; shift ;;
     --kv-budget) kv_budget="$2"; shift ;;
     --max-batch) max_batch="$2"; shift ;;
+    --store-ram) store_ram="$2"; shift ;;
+    --store-disk) store_disk="$2"; shift ;;
     --router-flag) extra_router+=("$2"); shift ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
     *) echo "cluster.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -123,8 +128,12 @@ case "$cmd" in
       echo "$name $!" >>"$dir/pids"
       wait_for "$name" "$!" || { stop_all; exit 1; }
     }
-    start store "$bin/kvstore/strata-store" --listen "127.0.0.1:$store_port" --ram_bytes 512M \
-      --disk_path "$dir/store" --disk_bytes 4G --metrics_port $((port_base + 1))
+    store_tiers=(--ram_bytes "$store_ram")
+    if [ "$store_disk" != "0" ]; then
+      store_tiers+=(--disk_path "$dir/store" --disk_bytes "$store_disk")
+    fi
+    start store "$bin/kvstore/strata-store" --listen "127.0.0.1:$store_port" "${store_tiers[@]}" \
+      --metrics_port $((port_base + 1))
     for i in $(seq 0 $((n_prefill - 1))); do
       start "prefill-$i" "$bin/prefill_node/strata-prefill" --cluster "$dir/cluster.json" --node "prefill-$i"
     done

@@ -62,19 +62,20 @@ class Cluster:
     """A cluster started by deploy/local/cluster.sh in a temporary folder."""
 
     def __init__(self, codec, prefill=1, decode=1, calibration="", kv_budget="256M",
-                 max_batch=32):
+                 max_batch=32, chunk=None, extra=()):
         self.dir = tempfile.mkdtemp(prefix="strata-e2e.")
         self.codec = codec
         self.calibration = calibration
         self.port_base = free_port_base()
         self.http_port = self.port_base + 60
         args = [os.path.join(ROOT, "deploy/local/cluster.sh"), "up", "--dir", self.dir,
-                "--codec", codec, "--chunk", str(CHUNK), "--prefill", str(prefill),
+                "--codec", codec, "--chunk", str(chunk or CHUNK), "--prefill", str(prefill),
                 "--decode", str(decode), "--port-base", str(self.port_base),
                 "--http-port", str(self.http_port), "--kv-budget", kv_budget,
                 "--max-batch", str(max_batch)]
         if calibration:
             args += ["--calibration", calibration]
+        args += list(extra)
         env = dict(os.environ, STRATA_BUILD_DIR=BUILD)
         r = subprocess.run(args, capture_output=True, text=True, env=env, timeout=120)
         if r.returncode != 0:

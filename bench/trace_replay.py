@@ -1,0 +1,262 @@
+#!/usr/bin/python3
+"""A Mooncake trace replayed against a live Strata cluster (deploy/local/cluster.sh), next to
+`strata replay`'s model of the same trace and store size; results go to
+bench/results/trace_replay-DATE-COMMIT.{txt,json} with the machine, date and commit.
+
+Scaling to the bundled model (context 2,048 tokens) and this machine: each of the trace's
+512-token hash blocks becomes --block_tokens tokens (the cluster's chunk size: one block per
+chunk), prompts keep at most as many whole blocks as fit the context, input and output lengths
+scale by the same factor (outputs capped by --max_output, generated to the end: ignore_eos), and
+arrival times are divided by --speedup. Each hash id maps to a fixed block of token ids, so equal
+ids are equal prefixes and the cluster's chunk keys reuse exactly what the trace reuses. The
+scaled trace is written next to the results: it is what `strata replay` models, with the same
+chunk size, the model's KV shape, the cluster's codec and the store's RAM size (no disk tier in
+either), policy s3fifo (the store's).
+
+What may separate the two: the cluster serves requests concurrently (a request that arrives while
+an earlier one with its prefix is still in prefill misses, as in any serving system), its decode
+nodes also store the chunks of generated text (more bytes competing for the RAM tier), and its
+block sizes are the real ones, headers included.
+
+  bench/trace_replay.py [--trace F] [--requests 500] [--store_ram 512M,16M] [--speedup 2]
+Standard library only (Debian's /usr/bin/python3). Needs the built binaries.
+"""
+import argparse
+import concurrent.futures
+import datetime
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests", "e2e"))
+import cluster_e2e_test as e2e  # noqa: E402  (the e2e tests' Cluster and metric helpers)
+
+TRACE = os.path.join(ROOT, "..", "shared", "data", "traces", "mooncake_conversation_trace.jsonl")
+MOONCAKE_BLOCK = 512
+
+
+def scale_trace(path, n, block, context, max_output):
+    """The first n requests, scaled (see the module doc)."""
+    out = []
+    with open(path) as f:
+        for line in f:
+            if len(out) == n:
+                break
+            r = json.loads(line)
+            output = max(1, min(max_output, round(r["output_length"] * block / MOONCAKE_BLOCK)))
+            fits = (context - output) // block  # whole blocks that fit with the output
+            ids = r["hash_ids"][:fits]
+            tokens = round(r["input_length"] * block / MOONCAKE_BLOCK)
+            tokens = max((len(ids) - 1) * block + 1, min(tokens, len(ids) * block))
+            out.append({"timestamp": r["timestamp"], "input_length": tokens,
+                        "output_length": output, "hash_ids": ids})
+    return out
+
+
+def block_tokens(hash_id, block, vocab_limit):
+    rng = random.Random(hash_id * 1000003 + 7)
+    return [rng.randrange(vocab_limit) for _ in range(block)]
+
+
+def prompt_of(r, block, vocab_limit):
+    tokens = []
+    for h in r["hash_ids"]:
+        tokens += block_tokens(h, block, vocab_limit)
+    return tokens[:r["input_length"]]
+
+
+def send(base, prompt, max_tokens, timeout):
+    """One streamed completion: dict with ttft, total, usage or error."""
+    body = {"model": "strata-tiny", "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    req = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    t0 = time.monotonic()
+    first, usage = None, None
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            for raw in resp:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    return {"error": str(event["error"].get("message", event["error"]))}
+                if first is None and event.get("choices"):
+                    first = time.monotonic()
+                if event.get("usage"):
+                    usage = event["usage"]
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        return {"error": str(e)}
+    if usage is None:
+        return {"error": "no usage (stream ended early)"}
+    end = time.monotonic()
+    return {"ttft": (first or end) - t0, "total": end - t0, "usage": usage}
+
+
+def pct(values, p):
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))]
+
+
+def model_hit_rate(build, scaled_path, block, cfg, codec, ram):
+    out = subprocess.run(
+        [os.path.join(build, "tools/strata"), "replay", "--trace", scaled_path,
+         "--trace_block_tokens", str(block), "--model_layers", str(cfg["num_hidden_layers"]),
+         "--model_kv_heads", str(cfg["num_key_value_heads"]),
+         "--model_head_dim", str(cfg["head_dim"]), "--codecs", codec, "--ram_sizes", ram,
+         "--disk_size", "0", "--policies", "s3fifo"],
+        capture_output=True, text=True, check=True).stdout
+    # "codec bits chunkMB RAM disk policy | chunk% token% ..."
+    row = [line for line in out.splitlines() if line.startswith(codec + " ")][-1]
+    right = row.split("|", 1)[1].split()
+    return float(right[1].rstrip("%")) / 100, out
+
+
+def replay_once(args, scaled, vocab_limit, ram):
+    c = e2e.Cluster(args.codec, prefill=args.prefill, decode=args.decode, chunk=args.block_tokens,
+                    extra=["--store-ram", ram, "--store-disk", "0",
+                           "--router-flag", "--max_in_flight=1024"])
+    results = [None] * len(scaled)
+    try:
+        t_start = time.monotonic()
+        t0_trace = scaled[0]["timestamp"]
+        sem = threading.Semaphore(args.concurrency)
+
+        def run(i):
+            try:
+                results[i] = send(c.base, prompt_of(scaled[i], args.block_tokens, vocab_limit),
+                                  scaled[i]["output_length"], args.timeout)
+            finally:
+                sem.release()
+
+        with concurrent.futures.ThreadPoolExecutor(args.concurrency) as pool:
+            for i, r in enumerate(scaled):
+                due = t_start + (r["timestamp"] - t0_trace) / 1000 / args.speedup
+                delay = due - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+                sem.acquire()
+                pool.submit(run, i)
+        wall = time.monotonic() - t_start
+        store = e2e.scrape(c.spec["store_metrics"]) if "store_metrics" in c.spec else {}
+    finally:
+        c.down()
+    return results, wall, store
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--build", default=os.path.join(ROOT, "build"))
+    ap.add_argument("--trace", default=TRACE)
+    ap.add_argument("--requests", type=int, default=500)
+    ap.add_argument("--block_tokens", type=int, default=32)
+    ap.add_argument("--max_output", type=int, default=64)
+    ap.add_argument("--speedup", type=float, default=2.0)
+    ap.add_argument("--concurrency", type=int, default=64, help="most requests in flight")
+    ap.add_argument("--store_ram", default="512M,16M", help="RAM tier sizes, one run each")
+    ap.add_argument("--codec", default="kivi:k4v4:g32")
+    ap.add_argument("--prefill", type=int, default=2)
+    ap.add_argument("--decode", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    args = ap.parse_args()
+    e2e.BUILD = os.path.abspath(args.build)
+    cfg = json.load(open(os.path.join(e2e.MODEL, "config.json")))
+    context = cfg["max_position_embeddings"]
+    vocab_limit = min(t for t in (cfg.get("bos_token_id"), cfg.get("eos_token_id"),
+                                  cfg["vocab_size"]) if t is not None)
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                            capture_output=True, text=True).stdout.strip() or "unknown"
+    if subprocess.run(["git", "diff", "--quiet"], cwd=ROOT).returncode != 0:
+        commit += "-dirty"
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                if line.startswith("model name")), platform.processor())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    stem = os.path.join(args.out, "trace_replay-%s-%s" % (now.strftime("%Y-%m-%d"), commit))
+    os.makedirs(args.out, exist_ok=True)
+
+    scaled = scale_trace(args.trace, args.requests, args.block_tokens, context, args.max_output)
+    scaled_path = stem + ".scaled.jsonl"
+    with open(scaled_path, "w") as f:
+        for r in scaled:
+            f.write(json.dumps(r) + "\n")
+    span = (scaled[-1]["timestamp"] - scaled[0]["timestamp"]) / 1000
+    report = {"commit": commit, "date": now.strftime("%Y-%m-%dT%H:%M:%SZ"),
+              "machine": "%s / %s / %d cores" % (platform.node(), cpu, os.cpu_count()),
+              "trace": os.path.basename(args.trace), "requests": len(scaled),
+              "block_tokens": args.block_tokens, "max_output": args.max_output,
+              "speedup": args.speedup, "codec": args.codec, "prefill": args.prefill,
+              "decode": args.decode, "scaled_trace": os.path.basename(scaled_path), "runs": []}
+    lines = [
+        "trace_replay  commit %s  %s  %s" % (commit, report["date"], report["machine"]),
+        "trace %s: first %d requests (%.0f s of arrivals, replayed %.1fx faster); 512-token "
+        "hash blocks -> %d tokens; prompts %d tokens mean, outputs %d mean (ignore_eos)" % (
+            report["trace"], len(scaled), span, args.speedup, args.block_tokens,
+            statistics.mean(r["input_length"] for r in scaled),
+            statistics.mean(r["output_length"] for r in scaled)),
+        "cluster: store (RAM tier only) + %d prefill + %d decode + router on loopback, codec %s, "
+        "%d-token chunks, bundled model; scaled trace: %s" % (
+            args.prefill, args.decode, args.codec, args.block_tokens,
+            os.path.relpath(scaled_path, ROOT)),
+        "",
+        "%-6s | %7s %8s %6s | %9s %9s | %8s %8s %8s | %8s %8s | %7s %7s" % (
+            "RAM", "sent", "errors", "wall s", "token hit", "model hit", "TTFT p50", "p90",
+            "p99", "E2E p50", "p99", "req/s", "out t/s"),
+    ]
+    for ram in args.store_ram.split(","):
+        model_hit, model_out = model_hit_rate(args.build, scaled_path, args.block_tokens, cfg,
+                                              args.codec, ram)
+        results, wall, _ = replay_once(args, scaled, vocab_limit, ram)
+        ok = [r for r in results if r and "error" not in r]
+        errors = [r["error"] for r in results if not r or "error" in r]
+        prompt = sum(r["usage"]["prompt_tokens"] for r in ok)
+        cached = sum(r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in ok)
+        out_tokens = sum(r["usage"]["completion_tokens"] for r in ok)
+        ttft = [r["ttft"] * 1e3 for r in ok]
+        total = [r["total"] * 1e3 for r in ok]
+        hit = cached / prompt if prompt else 0.0
+        lines.append("%-6s | %7d %8d %6.1f | %8.2f%% %8.2f%% | %8.1f %8.1f %8.1f | %8.1f %8.1f |"
+                     " %7.2f %7.1f" % (ram, len(results), len(errors), wall, 100 * hit,
+                                       100 * model_hit, pct(ttft, 50), pct(ttft, 90),
+                                       pct(ttft, 99), pct(total, 50), pct(total, 99),
+                                       len(ok) / wall, out_tokens / wall))
+        report["runs"].append({
+            "store_ram": ram, "sent": len(results), "errors": len(errors),
+            "error_samples": errors[:5], "wall_s": wall, "prompt_tokens": prompt,
+            "cached_tokens": cached, "token_hit_rate": hit, "model_token_hit_rate": model_hit,
+            "completion_tokens": out_tokens,
+            "ttft_ms": {p: pct(ttft, p) for p in (50, 90, 99)},
+            "e2e_ms": {p: pct(total, p) for p in (50, 90, 99)},
+            "requests_per_s": len(ok) / wall, "output_tokens_per_s": out_tokens / wall,
+            "model_output": model_out})
+        print(lines[-1], flush=True)
+        for e in errors[:5]:
+            print("  error:", e)
+    lines += ["", "token hit: cached prompt tokens / prompt tokens over the run, from each "
+              "response's usage; model hit: `strata replay` on the scaled trace, same chunk, "
+              "codec and RAM size, s3fifo, no disk. TTFT and E2E: ms as the client saw them."]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    with open(stem + ".txt", "w") as f:
+        f.write(text)
+    with open(stem + ".json", "w") as f:
+        json.dump(report, f, indent=1)
+    print("wrote %s.{txt,json,scaled.jsonl}" % stem)
+
+
+if __name__ == "__main__":
+    main()
