@@ -1,5 +1,5 @@
 // strata-store: the KV store as a service.
-//   strata-store --listen 0.0.0.0:7070 --ram-bytes 8G --disk-path /nvme/strata --disk-bytes 1T
+//   strata-store --listen 0.0.0.0:7070 --ram_bytes 8G --disk_path /nvme/strata --disk_bytes 1T
 #include <csignal>
 #include <iostream>
 #include <string>
@@ -7,6 +7,8 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/byte_size.h"
@@ -30,7 +32,16 @@ volatile std::sig_atomic_t g_stop = 0;
 }  // namespace
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage("strata-store --listen ADDR --ram-bytes N [--disk-path DIR --disk-bytes N]");
+  absl::SetProgramUsageMessage(
+      "the Strata KV block store as a gRPC service\n"
+      "  strata-store --listen ADDR --ram_bytes N [--disk_path DIR --disk_bytes N]");
+  // --help lists this file's flags (Abseil's default looks for a file named after the binary).
+  absl::FlagsUsageConfig usage;
+  usage.contains_help_flags = [](absl::string_view file) {
+    return absl::EndsWith(file, "store_main.cc");
+  };
+  usage.contains_helpshort_flags = usage.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage);
   absl::ParseCommandLine(argc, argv);
   strata::kvstore::StoreOptions o;
   o.disk_path = absl::GetFlag(FLAGS_disk_path);

@@ -186,7 +186,7 @@ absl::StatusOr<RouteDecision> RoutingPolicy::Route(const RouteRequest& request,
 
   // ---- decode ----
   std::vector<double> loads;
-  std::vector<size_t> decode_fit;
+  std::vector<size_t> decode_fit, decode_not_full;  // indices into d.decode_candidates
   bool any_healthy_decode = false;
   for (const NodeLoad& node : nodes) {
     if (node.role != NodeRole::kDecode) continue;
@@ -211,10 +211,11 @@ absl::StatusOr<RouteDecision> RoutingPolicy::Route(const RouteRequest& request,
       c.skipped = "no kv capacity reported";
     } else if (kv_after > node.kv_bytes_capacity) {
       c.skipped = absl::StrCat("kv ", kv_after, " > ", node.kv_bytes_capacity);
-    } else if (node.max_batch > 0 && node.active_requests >= node.max_batch) {
-      c.skipped = absl::StrCat("batch full ", node.active_requests, "/", node.max_batch);
     } else {
       decode_fit.push_back(d.decode_candidates.size() - 1);
+      if (node.max_batch == 0 || node.active_requests < node.max_batch) {
+        decode_not_full.push_back(d.decode_candidates.size() - 1);
+      }
     }
   }
 
@@ -259,7 +260,22 @@ absl::StatusOr<RouteDecision> RoutingPolicy::Route(const RouteRequest& request,
   d.uncached_tokens = chosen.uncached_tokens;
   d.prefill_cost = chosen.cost;
 
-  const size_t q = Pick(loads, decode_fit, /*temperature=*/0);
+  // A full batch is no refusal: the decode node queues the sequence (up to its own limit, past
+  // which it answers RESOURCE_EXHAUSTED) and runs it as others finish. Such nodes are passed over
+  // while another has room in its batch.
+  if (!decode_not_full.empty()) {
+    for (size_t i : decode_fit) {
+      if (std::find(decode_not_full.begin(), decode_not_full.end(), i) == decode_not_full.end()) {
+        const NodeLoad& node = *std::find_if(nodes.begin(), nodes.end(), [&](const NodeLoad& n) {
+          return n.role == NodeRole::kDecode && n.id == d.decode_candidates[i].id;
+        });
+        d.decode_candidates[i].skipped =
+            absl::StrCat("batch full ", node.active_requests, "/", node.max_batch);
+      }
+    }
+  }
+  const size_t q = Pick(loads, decode_not_full.empty() ? decode_fit : decode_not_full,
+                        /*temperature=*/0);
   d.decode_id = d.decode_candidates[q].id;
   d.decode_load = d.decode_candidates[q].load;
   return d;

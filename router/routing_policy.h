@@ -22,9 +22,12 @@
 // nodes over busy_prefill_tokens are passed over unless every remaining node is over it.
 //
 // Decode pick: by load only (Dynamo routes the decode leg with no overlap credit; its prefix is
-// pushed to it by the prefill node anyway). A decode node can take the request when healthy,
-// below max_batch, and kv_bytes_in_use + kv_bytes_reserved + the request's decode_kv_bytes fit in
-// kv_bytes_capacity. Among those the least loaded wins, load = the tighter of its KV fraction
+// pushed to it by the prefill node anyway). A decode node can take the request when healthy and
+// kv_bytes_in_use + kv_bytes_reserved + the request's decode_kv_bytes fit in kv_bytes_capacity.
+// Nodes whose batch is full (active_requests >= max_batch) are passed over while another has room;
+// when none has, the request still goes to one (it waits there for a place in the batch: a full
+// batch is continuous batching's normal state, not a reason for a 429). Among those the least
+// loaded wins, load = the tighter of its KV fraction
 // after the reservation and its batch fraction; ties at random. Least-loaded rather than power
 // of two choices: this router accounts for its own decisions at once (LoadTracker), so it does
 // not herd onto one node between reports (Dynamo #589), and the argmin packs better; power of

@@ -535,6 +535,12 @@ TEST(RoutingPolicyTest, DecodePickFiltersNodesThatCannotFitAndTakesTheLeastLoade
   // Sequences count too: a node with free KV but a nearly full batch loses.
   nodes[3].active_requests = 60;  // 61/64
   EXPECT_EQ(policy->Route(Request(4, 20), overlap, nodes)->decode_id, "busy");
+  // Every batch full: still routed (the node queues it), to the least loaded, never a 429.
+  nodes[3].active_requests = 65;
+  nodes[4].active_requests = 70;
+  d = policy->Route(Request(4, 20), overlap, nodes);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->decode_id, "full");  // (64 + 1) / 64 against 66/64 and 71/64
 }
 
 TEST(RoutingPolicyTest, TiesAreBrokenAtRandomReproduciblyBySeed) {
