@@ -256,9 +256,17 @@ def main():
             m = c.node("prefill-0")["metrics"]
             before = e2e.scrape(m)
             _, _, u, _ = e2e_stream(c, prompt, "wire", 2)
-            after = e2e.scrape(m)
-            shipped = e2e.metric(after, "strata_prefill_bytes_shipped_total") - \
-                e2e.metric(before, "strata_prefill_bytes_shipped_total")
+            # The prefill node counts its request when its Prefill call returns, which may be
+            # just after the client's stream ended.
+            shipped = 0
+            for _ in range(50):
+                shipped = e2e.metric(e2e.scrape(m), "strata_prefill_bytes_shipped_total") - \
+                    e2e.metric(before, "strata_prefill_bytes_shipped_total")
+                if shipped > 0:
+                    break
+                time.sleep(0.1)
+            if shipped <= 0:
+                raise RuntimeError("%s: the prefill node counted no bytes shipped" % codec)
             cfg = json.load(open(os.path.join(e2e.MODEL, "config.json")))
             fp16 = u["prompt_tokens"] * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * \
                 cfg["head_dim"] * 2 * 2
