@@ -8,9 +8,13 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "cluster/cluster_file.h"
 #include "cluster/node_process.h"
 #include "common/byte_size.h"
@@ -32,6 +36,9 @@ ABSL_FLAG(int, max_waiting, 4096, "registered requests not yet running; more: re
 ABSL_FLAG(int, kv_timeout_ms, 60000, "registration to the end of the KV transfer");
 ABSL_FLAG(bool, put_to_store, true, "Put generated chunks (and preempted sequences) in the store");
 ABSL_FLAG(std::string, ucx_tls, "", "UCX transports (UCX_TLS), e.g. tcp; empty: UCX's choice");
+ABSL_FLAG(int, listen_wait_s, 90,
+          "when the transport's port is still held by a previous run's connections (TIME_WAIT), "
+          "retry this long before giving up");
 
 namespace {
 
@@ -70,6 +77,10 @@ int main(int argc, char** argv) {
     std::cerr << "strata-decode: --max_batch, --max_waiting and --kv_timeout_ms must be >= 1\n";
     return 2;
   }
+  if (absl::GetFlag(FLAGS_listen_wait_s) < 0) {
+    std::cerr << "strata-decode: --listen_wait_s must be >= 0\n";
+    return 2;
+  }
   const std::string listen =
       absl::GetFlag(FLAGS_listen).empty() ? self->grpc : absl::GetFlag(FLAGS_listen);
   const std::string transport_address =
@@ -102,8 +113,23 @@ int main(int argc, char** argv) {
   (void)absl::SimpleAtoi(transport_address.substr(colon + 1), &tport);
   to.listen_port = static_cast<uint16_t>(tport);
   to.tls = absl::GetFlag(FLAGS_ucx_tls);
+  // A decode node restarted on its fixed port finds it held by the connections of its previous
+  // run (TIME_WAIT; UCX's listener sets no SO_REUSEADDR): wait for them, bounded. Port 0 in the
+  // cluster file avoids this (the node announces its address with every request).
   absl::StatusOr<std::unique_ptr<strata::transport::Transport>> transport =
       strata::transport::CreateUcxTransport(to);
+  const absl::Time give_up = absl::Now() + absl::Seconds(absl::GetFlag(FLAGS_listen_wait_s));
+  for (bool logged = false; !transport.ok() && absl::IsUnavailable(transport.status()) &&
+                            absl::StrContains(transport.status().message(), "port is in use") &&
+                            absl::Now() < give_up;) {
+    if (!logged) {
+      cl::Log("", absl::StrCat(transport.status().message(), "; retrying for up to ",
+                               absl::GetFlag(FLAGS_listen_wait_s), " s"));
+      logged = true;
+    }
+    absl::SleepFor(absl::Seconds(1));
+    transport = strata::transport::CreateUcxTransport(to);
+  }
   if (!transport.ok()) return Fail("UCX transport", transport.status());
 
   strata::decode::DecodeEngineOptions eo;

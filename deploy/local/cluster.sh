@@ -9,6 +9,8 @@
 #                                [--store-disk BYTES (0: no disk tier)] [--router-flag F]...
 #   deploy/local/cluster.sh down   [--dir DIR]
 #   deploy/local/cluster.sh status [--dir DIR]
+#   deploy/local/cluster.sh restart NAME [--dir DIR]   (NAME: store, prefill-0, decode-1, router...;
+#                                  stops it if it runs, starts it again with the same flags)
 #
 # `up` returns once the router answers /health (every node reachable), printing the HTTP address;
 # then use it with curl or any OpenAI client:
@@ -22,6 +24,8 @@ bin="${STRATA_BUILD_DIR:-$root/build}"
 
 cmd="${1:-}"
 [ -n "$cmd" ] && shift
+target=""
+if [ "$cmd" = restart ] && [ $# -gt 0 ] && [ "${1#--}" = "$1" ]; then target="$1"; shift; fi
 dir="${STRATA_CLUSTER_DIR:-/tmp/strata-cluster}"
 codec="kivi:k4v4:g32"
 chunk=64
@@ -52,7 +56,7 @@ while [ $# -gt 0 ]; do
     --store-ram) store_ram="$2"; shift ;;
     --store-disk) store_disk="$2"; shift ;;
     --router-flag) extra_router+=("$2"); shift ;;
-    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
     *) echo "cluster.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -113,8 +117,10 @@ case "$cmd" in
         sep=$',\n'
       done
       for i in $(seq 0 $((n_decode - 1))); do
-        printf '%s    {"id": "decode-%d", "role": "decode", "grpc": "127.0.0.1:%d", "transport": "127.0.0.1:%d", "metrics": "127.0.0.1:%d"}' \
-          "$sep" "$i" $((port_base + 30 + i)) $((port_base + 40 + i)) $((port_base + 50 + i))
+        # The UCX transport on any free port: the node announces its address with every request,
+        # and a restarted node never waits for its old connections' TIME_WAIT.
+        printf '%s    {"id": "decode-%d", "role": "decode", "grpc": "127.0.0.1:%d", "transport": "127.0.0.1:0", "metrics": "127.0.0.1:%d"}' \
+          "$sep" "$i" $((port_base + 30 + i)) $((port_base + 50 + i))
       done
       echo ""
       echo "  ],"
@@ -124,6 +130,7 @@ case "$cmd" in
     : >"$dir/pids"
     start() {  # start NAME CMD...
       local name="$1"; shift
+      printf '%q ' "$@" >"$dir/cmd.$name"  # for `restart`
       "$@" >"$dir/logs/$name.log" 2>&1 &
       echo "$name $!" >>"$dir/pids"
       wait_for "$name" "$!" || { stop_all; exit 1; }
@@ -158,6 +165,22 @@ case "$cmd" in
     stop_all
     echo "cluster.sh: down"
     ;;
+  restart)
+    [ -n "$target" ] || { echo "usage: cluster.sh restart NAME [--dir DIR]" >&2; exit 2; }
+    [ -f "$dir/cmd.$target" ] || { echo "cluster.sh: no process $target in $dir" >&2; exit 1; }
+    old_pid="$(awk -v n="$target" '$1 == n {print $2}' "$dir/pids")"
+    if [ -n "$old_pid" ] && kill -0 "$old_pid" 2>/dev/null; then
+      kill -TERM "$old_pid" 2>/dev/null || true
+      for _ in $(seq 100); do kill -0 "$old_pid" 2>/dev/null || break; sleep 0.1; done
+      kill -KILL "$old_pid" 2>/dev/null || true
+    fi
+    eval "$(cat "$dir/cmd.$target")" >"$dir/logs/$target.log" 2>&1 &
+    new_pid=$!
+    awk -v n="$target" -v p="$new_pid" '$1 == n {$2 = p} {print}' "$dir/pids" >"$dir/pids.new"
+    mv "$dir/pids.new" "$dir/pids"
+    wait_for "$target" "$new_pid" || exit 1
+    echo "cluster.sh: $target restarted (pid $new_pid)"
+    ;;
   status)
     [ -f "$dir/pids" ] || { echo "cluster.sh: no cluster in $dir"; exit 1; }
     while read -r name pid; do
@@ -165,7 +188,7 @@ case "$cmd" in
     done <"$dir/pids"
     ;;
   *)
-    echo "usage: cluster.sh up|down|status [flags] (see --help)" >&2
+    echo "usage: cluster.sh up|down|status|restart NAME [flags] (see --help)" >&2
     exit 2
     ;;
 esac

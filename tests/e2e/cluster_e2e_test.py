@@ -475,6 +475,19 @@ class FaultTest(unittest.TestCase):
             for p in PROMPTS:
                 text, _, _ = complete(c, p, 4)
                 self.assertIsInstance(text, str)
+            # Restarted (cluster.sh restart: same flags; its UCX transport on a fresh port), it
+            # is back in routing within the poll interval and serves requests.
+            env = dict(os.environ, STRATA_BUILD_DIR=BUILD)
+            r = subprocess.run([os.path.join(ROOT, "deploy/local/cluster.sh"), "restart", victim,
+                                "--dir", c.dir], capture_output=True, text=True, env=env,
+                               timeout=60)
+            self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+            time.sleep(1.5)
+            served_by = set()
+            for i in range(12):
+                _, _, events = complete(c, "%s (%d)" % (PROMPTS[i % 4], i), 4, stream=True)
+                served_by.add(routed_decode(c, json.loads(events[0])["id"]))
+            self.assertIn(victim, served_by)
         except Exception:
             print(c.logs())
             raise

@@ -371,6 +371,12 @@ class Engine : public std::enable_shared_from_this<Engine> {
     ucs_status_t st = ucp_listener_create(worker_, &lp, &listener_);
     freeaddrinfo(res);
     if (st != UCS_OK) {
+      if (st == UCS_ERR_BUSY) {  // bind: EADDRINUSE (UCX sets no SO_REUSEADDR on listeners)
+        return absl::UnavailableError(absl::StrCat(
+            "listen on ", options_.listen_host, ":", port,
+            ": the port is in use (another process listens there, or the connections of a "
+            "previous one are in TIME_WAIT for up to a minute)"));
+      }
       return FromUcs(st, absl::StrCat("listen on ", options_.listen_host, ":", port));
     }
     ucp_listener_attr_t attr{};
