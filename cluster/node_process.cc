@@ -104,6 +104,17 @@ absl::StatusOr<ServedModel> LoadServedModel(const std::string& model_dir,
   return m;
 }
 
+absl::StatusOr<StoreConnection> ConnectStore(const ClusterSpec& spec) {
+  StoreConnection c;
+  if (spec.store.empty()) return c;
+  absl::StatusOr<std::unique_ptr<kvstore::StoreClient>> client =
+      kvstore::StoreClient::Connect(spec.store, absl::Seconds(5));
+  if (!client.ok()) return client.status();
+  c.client = *std::move(client);
+  c.source = std::make_unique<kvstore::StoreClientBlockSource>(c.client.get());
+  return c;
+}
+
 prometheus::Histogram::BucketBoundaries LatencyBuckets() {
   prometheus::Histogram::BucketBoundaries b;
   for (double s = 1e-4; s < 120; s *= 2) b.push_back(s);

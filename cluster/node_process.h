@@ -13,6 +13,7 @@
 #include "grpcpp/impl/service_type.h"
 #include "cluster/cluster_file.h"
 #include "kernels/calibration.h"
+#include "kvstore/store_client.h"
 #include "model/llama.h"
 #include "model/sampler.h"
 #include "model/tokenizer.h"
@@ -54,6 +55,15 @@ struct ServedModel {
 };
 absl::StatusOr<ServedModel> LoadServedModel(const std::string& model_dir,
                                             const std::string& calibration_path);
+
+// The store the cluster file names, as the engines' BlockSource; both members null when it
+// names none. The store may start after the node: the client reconnects on its own, and a store
+// that is down is only a miss.
+struct StoreConnection {
+  std::unique_ptr<kvstore::StoreClient> client;
+  std::unique_ptr<kvstore::StoreClientBlockSource> source;  // over `client`
+};
+absl::StatusOr<StoreConnection> ConnectStore(const ClusterSpec& spec);
 
 // Exponential histogram buckets in seconds, 100 us .. ~100 s (for TTFT, inter-token, prefill).
 prometheus::Histogram::BucketBoundaries LatencyBuckets();

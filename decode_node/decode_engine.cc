@@ -297,6 +297,20 @@ absl::StatusOr<std::vector<BlockHash>> DecodeEngine::ChunkKeys(const Sequence& s
   return hasher.ChunkKeys(absl::MakeConstSpan(all).first(std::min(tokens, all.size())));
 }
 
+std::vector<kvstore::PutItem> DecodeEngine::PutItems(const Sequence& s,
+                                                     const std::vector<BlockHash>& keys,
+                                                     uint32_t from, uint32_t to) const {
+  std::vector<kvstore::PutItem> items;
+  for (uint32_t k = from; k < to; ++k) {
+    for (uint32_t l = 0; l < s.cache->layers(); ++l) {
+      items.push_back({.name = s.cache->NameOf(l, keys[k]),
+                       .parent = k > 0 ? std::optional<BlockHash>(keys[k - 1]) : std::nullopt,
+                       .block = s.cache->layer_blocks(l)[k]});
+    }
+  }
+  return items;
+}
+
 void DecodeEngine::PutGenerated(Sequence& s) {
   if (store_ == nullptr || !options_.put_to_store || s.cache == nullptr) return;
   const uint32_t chunks = static_cast<uint32_t>(s.cache->blocks_per_layer());
@@ -306,13 +320,13 @@ void DecodeEngine::PutGenerated(Sequence& s) {
   if (!chunk_keys.ok()) return;
   const std::vector<BlockHash>& keys = *chunk_keys;
   auto put_from = [&](uint32_t from) -> absl::Status {
-    for (uint32_t k = from; k < chunks && k < keys.size(); ++k) {
-      for (uint32_t l = 0; l < s.cache->layers(); ++l) {
-        STRATA_RETURN_IF_ERROR(store_->Put(s.cache->NameOf(l, keys[k]), k > 0 ? &keys[k - 1] : nullptr,
-                                           s.cache->layer_blocks(l)[k]));
-        std::lock_guard<std::mutex> lock(mu_);
-        ++stats_.blocks_stored;
-      }
+    const uint32_t to = std::min<uint32_t>(chunks, static_cast<uint32_t>(keys.size()));
+    STRATA_ASSIGN_OR_RETURN(std::vector<absl::Status> put,
+                            store_->PutMany(PutItems(s, keys, from, to)));
+    for (const absl::Status& st : put) {
+      STRATA_RETURN_IF_ERROR(st);
+      std::lock_guard<std::mutex> lock(mu_);
+      ++stats_.blocks_stored;
     }
     return absl::OkStatus();
   };
@@ -329,12 +343,9 @@ void DecodeEngine::PutGenerated(Sequence& s) {
 absl::Status DecodeEngine::Preempt(Sequence& s) {
   const uint32_t chunks = static_cast<uint32_t>(s.cache->blocks_per_layer());
   STRATA_ASSIGN_OR_RETURN(const std::vector<BlockHash> keys, ChunkKeys(s, s.cache->tokens()));
-  for (uint32_t k = 0; k < chunks; ++k) {
-    for (uint32_t l = 0; l < s.cache->layers(); ++l) {
-      STRATA_RETURN_IF_ERROR(store_->Put(s.cache->NameOf(l, keys[k]), k > 0 ? &keys[k - 1] : nullptr,
-                                         s.cache->layer_blocks(l)[k]));
-    }
-  }
+  STRATA_ASSIGN_OR_RETURN(std::vector<absl::Status> put,
+                          store_->PutMany(PutItems(s, keys, 0, chunks)));
+  for (const absl::Status& st : put) STRATA_RETURN_IF_ERROR(st);
   s.saved_windows.clear();
   for (uint32_t l = 0; l < s.cache->layers(); ++l) s.saved_windows.push_back(s.cache->ExportWindow(l));
   s.saved_bytes = KvBytes(s);

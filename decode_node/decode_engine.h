@@ -139,6 +139,9 @@ class DecodeEngine {
   // Emits `token` for `s`; true when the sequence is done (finished now).
   bool Emit(Sequence& s, uint32_t token);
   void PutGenerated(Sequence& s);
+  // The blocks of chunks [from, to) of every layer, parents first, for one PutMany.
+  std::vector<kvstore::PutItem> PutItems(const Sequence& s, const std::vector<BlockHash>& keys,
+                                         uint32_t from, uint32_t to) const;
   // The prefix keys of the full chunks among the first `tokens` of s's prompt and output.
   absl::StatusOr<std::vector<BlockHash>> ChunkKeys(const Sequence& s, size_t tokens) const;
   uint64_t KvBytes(const Sequence& s) const;

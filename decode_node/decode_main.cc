@@ -96,15 +96,8 @@ int main(int argc, char** argv) {
   absl::StatusOr<cl::ServedModel> served = cl::LoadServedModel(spec->model, spec->calibration);
   if (!served.ok()) return Fail("model", served.status());
 
-  std::unique_ptr<strata::kvstore::StoreClient> store_client;
-  std::unique_ptr<strata::kvstore::StoreClientBlockSource> store;
-  if (!spec->store.empty()) {
-    absl::StatusOr<std::unique_ptr<strata::kvstore::StoreClient>> c =
-        strata::kvstore::StoreClient::Connect(spec->store, absl::Seconds(5));
-    if (!c.ok()) return Fail("store", c.status());
-    store_client = *std::move(c);
-    store = std::make_unique<strata::kvstore::StoreClientBlockSource>(store_client.get());
-  }
+  absl::StatusOr<cl::StoreConnection> store = cl::ConnectStore(*spec);
+  if (!store.ok()) return Fail("store", store.status());
 
   strata::transport::UcxTransportOptions to;
   const size_t colon = transport_address.rfind(':');
@@ -143,7 +136,7 @@ int main(int argc, char** argv) {
   eo.put_to_store = absl::GetFlag(FLAGS_put_to_store);
   absl::StatusOr<std::unique_ptr<strata::decode::DecodeEngine>> engine =
       strata::decode::DecodeEngine::Create(eo, served->model.get(), served->tokenizer.get(),
-                                           transport->get(), store.get());
+                                           transport->get(), store->source.get());
   if (!engine.ok()) return Fail("engine", engine.status(), 2);
 
   // The router reserves KV by this estimate: the codec's exact block size per token.

@@ -8,7 +8,9 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
@@ -17,6 +19,13 @@
 #include "kvstore/block_store.h"
 
 namespace strata::kvstore {
+
+// One block of a batched Put.
+struct PutItem {
+  BlockName name;
+  std::optional<BlockHash> parent;  // chunk > 0
+  SharedBytes block;
+};
 
 class BlockSource {
  public:
@@ -29,6 +38,17 @@ class BlockSource {
   // The block's bytes; kNotFound on a miss.
   virtual absl::StatusOr<SharedBytes> Get(const BlockName& name) = 0;
   virtual absl::Status Put(const BlockName& name, const BlockHash* parent, SharedBytes block) = 0;
+  // Puts in order (parents before their children), one status per item (what Put would have
+  // returned); the call's own failure (a broken stream) is the returned status. Default: Put
+  // each; a remote store sends them over one stream.
+  virtual absl::StatusOr<std::vector<absl::Status>> PutMany(absl::Span<const PutItem> items) {
+    std::vector<absl::Status> out;
+    out.reserve(items.size());
+    for (const PutItem& item : items) {
+      out.push_back(Put(item.name, item.parent.has_value() ? &*item.parent : nullptr, item.block));
+    }
+    return out;
+  }
   // True when Get's bytes were checksum-verified in this process (an embedded store keeps only
   // verified blocks); false when they crossed a network (the caller verifies once, on use).
   virtual bool verified_on_get() const = 0;

@@ -121,11 +121,7 @@ class StoreClient {
   absl::Status Put(const BlockName& name, const BlockHash* parent, const SharedBytes& block) {
     return Put(name, parent, block.span());
   }
-  struct PutItem {
-    BlockName name;
-    std::optional<BlockHash> parent;
-    SharedBytes block;
-  };
+  using PutItem = kvstore::PutItem;
   // Many Puts over one stream, in order: one status per item (what Put would have returned).
   // The call's own failure (the stream broke, the deadline) is the returned status.
   absl::StatusOr<std::vector<absl::Status>> PutMany(absl::Span<const PutItem> items);
@@ -170,6 +166,9 @@ class StoreClientBlockSource final : public BlockSource {
   absl::StatusOr<SharedBytes> Get(const BlockName& name) override { return client_->Get(name); }
   absl::Status Put(const BlockName& name, const BlockHash* parent, SharedBytes block) override {
     return client_->Put(name, parent, block);
+  }
+  absl::StatusOr<std::vector<absl::Status>> PutMany(absl::Span<const PutItem> items) override {
+    return client_->PutMany(items);
   }
   bool verified_on_get() const override { return false; }
   std::string Describe() const override { return "store " + client_->address(); }

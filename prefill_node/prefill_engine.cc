@@ -313,18 +313,29 @@ absl::StatusOr<PrefillResult> PrefillEngine::Run(const PrefillRequest& r,
   if (store_ != nullptr && options_.put_to_store) {
     std::sort(computed.begin(), computed.end(),
               [](auto a, auto b) { return a.second != b.second ? a.second < b.second : a.first < b.first; });
+    std::vector<kvstore::PutItem> items;
+    items.reserve(computed.size());
     for (const auto& [layer, chunk] : computed) {
-      const BlockHash* parent = chunk > 0 ? &keys[chunk - 1] : nullptr;
-      absl::Status s = store_->Put(cache->NameOf(layer, keys[chunk]), parent,
-                                   cache->layer_blocks(layer)[chunk]);
-      if (s.ok()) {
+      items.push_back({.name = cache->NameOf(layer, keys[chunk]),
+                       .parent = chunk > 0 ? std::optional<BlockHash>(keys[chunk - 1]) : std::nullopt,
+                       .block = cache->layer_blocks(layer)[chunk]});
+    }
+    // One call for all of them (one stream to a remote store, not a round trip per block).
+    absl::StatusOr<std::vector<absl::Status>> put = store_->PutMany(items);
+    absl::Status failed = put.status();
+    if (put.ok()) {
+      for (const absl::Status& st : *put) {
+        if (!st.ok()) {
+          failed = st;  // the first failure; later chunks of its chain are orphans
+          break;
+        }
         ++res.blocks_stored;
-      } else {
-        std::lock_guard<std::mutex> lock(mu_);
-        ++stats_.store_put_errors;
-        std::cerr << "prefill: request " << r.request_id << ": store Put failed: " << s << "\n";
-        break;  // later chunks would be orphans
       }
+    }
+    if (!failed.ok()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++stats_.store_put_errors;
+      std::cerr << "prefill: request " << r.request_id << ": store Put failed: " << failed << "\n";
     }
   }
   return res;

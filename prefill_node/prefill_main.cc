@@ -67,17 +67,8 @@ int main(int argc, char** argv) {
   absl::StatusOr<cl::ServedModel> served = cl::LoadServedModel(spec->model, spec->calibration);
   if (!served.ok()) return Fail("model", served.status());
 
-  std::unique_ptr<strata::kvstore::StoreClient> store_client;
-  std::unique_ptr<strata::kvstore::StoreClientBlockSource> store;
-  if (!spec->store.empty()) {
-    // The store may start after this node: the client reconnects on its own, and a store that is
-    // down is only a miss.
-    absl::StatusOr<std::unique_ptr<strata::kvstore::StoreClient>> c =
-        strata::kvstore::StoreClient::Connect(spec->store, absl::Seconds(5));
-    if (!c.ok()) return Fail("store", c.status());
-    store_client = *std::move(c);
-    store = std::make_unique<strata::kvstore::StoreClientBlockSource>(store_client.get());
-  }
+  absl::StatusOr<cl::StoreConnection> store = cl::ConnectStore(*spec);
+  if (!store.ok()) return Fail("store", store.status());
 
   strata::transport::UcxTransportOptions to;
   to.listen_host = "";  // a prefill node only connects to decode nodes
@@ -96,7 +87,7 @@ int main(int argc, char** argv) {
   eo.put_to_store = absl::GetFlag(FLAGS_put_to_store);
   absl::StatusOr<std::unique_ptr<strata::prefill::PrefillEngine>> engine =
       strata::prefill::PrefillEngine::Create(eo, served->model.get(), transport->get(),
-                                             store.get());
+                                             store->source.get());
   if (!engine.ok()) return Fail("engine", engine.status(), 2);
 
   auto registry = std::make_shared<prometheus::Registry>();
