@@ -1,5 +1,6 @@
 #include "common/block_writer.h"
 
+#include <cstdint>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -115,10 +116,37 @@ absl::StatusOr<BlockBuilder> BlockBuilder::Create(const BlockHeader& header,
   return BlockBuilder(std::move(layout), std::move(buffer));
 }
 
+absl::StatusOr<BlockBuilder> BlockBuilder::CreateIn(const BlockHeader& header,
+                                                    absl::Span<const SectionDesc> sections,
+                                                    const BlockAllocator& allocate) {
+  STRATA_ASSIGN_OR_RETURN(BlockLayout layout, BlockLayout::Plan(header, sections));
+  const size_t size = layout.total_bytes();
+  STRATA_ASSIGN_OR_RETURN(absl::Span<uint8_t> bytes, allocate(size));
+  if (bytes.size() < size) {
+    return absl::InvalidArgumentError(absl::StrCat("block builder: the caller's memory holds ",
+                                                   bytes.size(), " bytes; the block needs ",
+                                                   size));
+  }
+  if (reinterpret_cast<uintptr_t>(bytes.data()) % AlignedBuffer::kAlignment != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("block builder: the caller's memory is not ",
+                                                   AlignedBuffer::kAlignment,
+                                                   "-byte aligned"));
+  }
+  bytes = bytes.first(size);
+  std::memset(bytes.data(), 0, size);  // padding and unused bytes are zero, as in Create
+  return BlockBuilder(std::move(layout), bytes);
+}
+
 AlignedBuffer BlockBuilder::Finish() && {
-  layout_.WriteHeader(buffer_.span());
-  SealBlock(buffer_.span());
+  layout_.WriteHeader(bytes_);
+  SealBlock(bytes_);
   return std::move(buffer_);
+}
+
+size_t BlockBuilder::Seal() && {
+  layout_.WriteHeader(bytes_);
+  SealBlock(bytes_);
+  return bytes_.size();
 }
 
 }  // namespace strata

@@ -19,6 +19,8 @@
 // reader checks. Thread-compatible.
 #pragma once
 
+#include <functional>
+
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -78,31 +80,49 @@ class BlockLayout {
 // larger than the block (a receive buffer).
 void SealBlock(absl::Span<uint8_t> block);
 
-// Plans a layout and owns a zeroed, 64-byte-aligned buffer for it.
+// Where a block is built in memory the caller owns (a transport's registered buffer, a slot of a
+// ring): given the block's exact size, returns at least that many bytes, 64-byte aligned (the
+// readers' alignment of sections holds only from an aligned start), or an error.
+using BlockAllocator = std::function<absl::StatusOr<absl::Span<uint8_t>>(size_t bytes)>;
+
+// Plans a layout and fills a zeroed, 64-byte-aligned buffer for it: its own, or the caller's
+// (CreateIn). Payload sections are the caller's to write (section()); Finish or Seal writes the
+// header and checksum last.
 class BlockBuilder {
  public:
   static absl::StatusOr<BlockBuilder> Create(const BlockHeader& header,
                                              absl::Span<const SectionDesc> sections);
+  // Builds in memory from `allocate` (asked once, for the block's exact size; zeroed here).
+  // kInvalidArgument when it returns fewer bytes or an unaligned start; its own error as is.
+  static absl::StatusOr<BlockBuilder> CreateIn(const BlockHeader& header,
+                                               absl::Span<const SectionDesc> sections,
+                                               const BlockAllocator& allocate);
 
   const BlockLayout& layout() const { return layout_; }
   // The bytes of section i, to be filled by the caller.
   absl::Span<uint8_t> section(int i) {
     const SectionEntry& e = layout_.section(i);
-    return buffer_.span().subspan(e.offset, e.length);
+    return bytes_.subspan(e.offset, e.length);
   }
   template <typename T>
   T* section_as(int i) {
-    return reinterpret_cast<T*>(buffer_.data() + layout_.section(i).offset);
+    return reinterpret_cast<T*>(bytes_.data() + layout_.section(i).offset);
   }
 
-  // Writes the header and seals the block; the builder is consumed.
+  // Writes the header and seals the block; the builder is consumed. For a builder from Create.
   AlignedBuffer Finish() &&;
+  // Writes the header and seals the block in place; returns its size (the builder is consumed).
+  // For a builder from CreateIn (from Create, the bytes go with the builder: use Finish).
+  size_t Seal() &&;
 
  private:
   BlockBuilder(BlockLayout layout, AlignedBuffer buffer)
-      : layout_(std::move(layout)), buffer_(std::move(buffer)) {}
+      : layout_(std::move(layout)), buffer_(std::move(buffer)), bytes_(buffer_.span()) {}
+  BlockBuilder(BlockLayout layout, absl::Span<uint8_t> bytes)
+      : layout_(std::move(layout)), bytes_(bytes) {}
   BlockLayout layout_;
-  AlignedBuffer buffer_;
+  AlignedBuffer buffer_;       // empty when the caller owns the bytes
+  absl::Span<uint8_t> bytes_;  // the block: buffer_'s, or the caller's
 };
 
 }  // namespace strata

@@ -617,13 +617,26 @@ std::string Codec::LayerSpec(uint32_t layer) const {
 }
 
 absl::StatusOr<AlignedBuffer> Codec::Encode(const KvChunkView& c, const BlockContext& ctx) const {
+  STRATA_ASSIGN_OR_RETURN(BlockBuilder b, Build(c, ctx, nullptr));
+  return std::move(b).Finish();
+}
+
+absl::StatusOr<size_t> Codec::EncodeInto(const KvChunkView& c, const BlockContext& ctx,
+                                         const BlockAllocator& allocate) const {
+  if (!allocate) return absl::InvalidArgumentError("codec: EncodeInto without an allocator");
+  STRATA_ASSIGN_OR_RETURN(BlockBuilder b, Build(c, ctx, &allocate));
+  return std::move(b).Seal();
+}
+
+absl::StatusOr<BlockBuilder> Codec::Build(const KvChunkView& c, const BlockContext& ctx,
+                                          const BlockAllocator* allocate) const {
   if (!layer_codecs_.empty()) {
     if (ctx.layer >= layer_codecs_.size()) {
       return absl::InvalidArgumentError(absl::StrCat("codec ", spec_.ToString(), ": layer ",
                                                      ctx.layer, " beyond the calibration's ",
                                                      layer_codecs_.size()));
     }
-    return layer_codecs_[ctx.layer]->Encode(c, ctx);
+    return layer_codecs_[ctx.layer]->Build(c, ctx, allocate);
   }
   const CodecSpec& s = spec_;
   if (s.id == CodecId::kStrata) {
@@ -668,7 +681,10 @@ absl::StatusOr<AlignedBuffer> Codec::Encode(const KvChunkView& c, const BlockCon
   h.head_dim = c.head_dim;
   h.model_fingerprint = ctx.model_fingerprint;
   h.calibration_fingerprint = calibration_ != nullptr ? calibration_->fingerprint() : 0;
-  STRATA_ASSIGN_OR_RETURN(BlockBuilder b, BlockBuilder::Create(h, layout.sections));
+  STRATA_ASSIGN_OR_RETURN(BlockBuilder b,
+                          allocate != nullptr
+                              ? BlockBuilder::CreateIn(h, layout.sections, *allocate)
+                              : BlockBuilder::Create(h, layout.sections));
   if (layout.has_map) std::memcpy(b.section(0).data(), map.data(), map.size());
   std::vector<float> pk, pv;  // one part's tokens, gathered
   for (size_t p = 0; p < part_specs.size(); ++p) {
@@ -711,7 +727,7 @@ absl::StatusOr<AlignedBuffer> Codec::Encode(const KvChunkView& c, const BlockCon
         break;
     }
   }
-  return std::move(b).Finish();
+  return b;
 }
 
 absl::StatusOr<double> Codec::BitsPerElement(uint32_t tokens, uint32_t kv_heads,

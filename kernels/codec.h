@@ -19,6 +19,7 @@
 #include "absl/status/statusor.h"
 #include "common/aligned_buffer.h"
 #include "common/block_format.h"
+#include "common/block_writer.h"
 #include "kernels/calibration.h"
 #include "kernels/codec_spec.h"
 
@@ -63,6 +64,11 @@ class Codec {
   bool wants_queries() const { return spec_.id == CodecId::kZipCache; }
 
   absl::StatusOr<AlignedBuffer> Encode(const KvChunkView& chunk, const BlockContext& context) const;
+  // Encode into memory the caller owns (a transport's registered buffer): `allocate` is asked
+  // once for the block's exact size (BlockAllocator: 64-byte aligned). Returns the block's size;
+  // its bytes equal Encode's.
+  absl::StatusOr<size_t> EncodeInto(const KvChunkView& chunk, const BlockContext& context,
+                                    const BlockAllocator& allocate) const;
 
   // The exact size of a block of this shape, in bits per element of K and V, everything
   // counted (header, table, scales, zero points, factors, outliers, padding), for a chunk other
@@ -71,6 +77,11 @@ class Codec {
                                         uint32_t chunk_index = 1) const;
 
  private:
+  // Encode and EncodeInto: the block built and filled (sealed by the caller); in the caller's
+  // memory when `allocate` is given.
+  absl::StatusOr<BlockBuilder> Build(const KvChunkView& chunk, const BlockContext& context,
+                                     const BlockAllocator* allocate) const;
+
   CodecSpec spec_;
   std::shared_ptr<const Calibration> calibration_;
   std::vector<std::unique_ptr<Codec>> layer_codecs_;  // per layer, when the calibration chose

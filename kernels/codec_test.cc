@@ -1,6 +1,7 @@
 #include "kernels/codec.h"
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <map>
 #include <random>
@@ -229,6 +230,46 @@ TEST(CodecTest, EncodingIsDeterministic) {
   const AlignedBuffer a = *codec->Encode(View(kv), {}), b = *codec->Encode(View(kv), {});
   ASSERT_EQ(a.size(), b.size());
   EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size()), 0);
+}
+
+// Encoding into the caller's memory (a transport's registered buffer) gives Encode's bytes, for
+// every codec; the allocator is asked once, for the exact size; short or unaligned memory and the
+// allocator's own error are refused.
+TEST(CodecTest, EncodeIntoCallerMemoryEqualsEncode) {
+  const SyntheticKv kv = MakeSyntheticKv(64, 2, 64, 11);
+  AlignedBuffer arena(1 << 20);
+  for (const char* spec : kAllCodecs) {
+    auto codec = *Codec::Create(spec);
+    const AlignedBuffer want = *codec->Encode(View(kv), {.layer = 1, .chunk_index = 2});
+    std::memset(arena.data(), 0xAB, arena.size());  // what was there before: overwritten
+    int asked = 0;
+    absl::StatusOr<size_t> n = codec->EncodeInto(
+        View(kv), {.layer = 1, .chunk_index = 2},
+        [&](size_t bytes) -> absl::StatusOr<absl::Span<uint8_t>> {
+          ++asked;
+          EXPECT_EQ(bytes, want.size()) << spec;
+          return arena.span().subspan(128, bytes + 64);  // more than asked, aligned
+        });
+    ASSERT_TRUE(n.ok()) << spec << ": " << n.status();
+    EXPECT_EQ(asked, 1) << spec;
+    ASSERT_EQ(*n, want.size()) << spec;
+    EXPECT_EQ(std::memcmp(arena.data() + 128, want.data(), want.size()), 0) << spec;
+    EXPECT_EQ(arena.data()[128 + want.size()], 0xAB) << spec << ": wrote past the block";
+  }
+  auto codec = *Codec::Create("kivi:k2v2:g32");
+  const size_t size = codec->Encode(View(kv), {})->size();
+  EXPECT_EQ(codec->EncodeInto(View(kv), {}, [&](size_t) -> absl::StatusOr<absl::Span<uint8_t>> {
+                               return arena.span().subspan(0, size - 1);
+                             }).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(codec->EncodeInto(View(kv), {}, [&](size_t n) -> absl::StatusOr<absl::Span<uint8_t>> {
+                               return arena.span().subspan(8, n);
+                             }).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(codec->EncodeInto(View(kv), {}, [](size_t) -> absl::StatusOr<absl::Span<uint8_t>> {
+                               return absl::ResourceExhaustedError("ring full");
+                             }).status().code(),
+            absl::StatusCode::kResourceExhausted);
 }
 
 TEST(CodecTest, BadInputIsRejectedWithItsPosition) {
