@@ -1,7 +1,9 @@
 #!/usr/bin/python3
-"""Sends N concurrent streamed completions of T tokens to a running cluster's router and counts
-how many completed, ended early (EOS) or stalled past the timeout: the reproduction of the open
-stall of issue 21 (a few of 16-32 concurrent 128-token streams stop receiving tokens).
+"""Sends N concurrent sampled, streamed completions of T tokens to a running cluster's router and
+counts how many completed, ended early (EOS), stalled past the timeout or failed: a quick load
+check by hand. (It reproduced issue 21's stall: bytes that form no UTF-8 character, sent in a
+protobuf string, failed to parse at the router and stalled their stream; the e2e suite's
+test_sampled_long_streams_all_finish_with_well_formed_text guards it now.)
 
   tests/e2e/concurrent_streams.py --base http://127.0.0.1:8000 --streams 16 --tokens 128
 Exit status 1 when any stream stalled or failed.
