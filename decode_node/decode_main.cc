@@ -1,10 +1,13 @@
 // strata-decode: a decode node. Reads its settings from the cluster file (its entry by id, and
 // what the cluster serves: model, codec, chunk size, store); flags override.
 //   strata-decode --cluster cluster.json --node decode-0
+#include <cstdlib>
 #include <iostream>
+#include <mutex>
 #include <string>
 #include <thread>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
@@ -22,6 +25,7 @@
 #include "decode_node/decode_service.h"
 #include "kernels/codec.h"
 #include "kvstore/store_client.h"
+#include "transport/testing/fault_injecting_transport.h"
 #include "transport/ucx/ucx_transport.h"
 
 ABSL_FLAG(std::string, cluster, "", "the cluster file (required)");
@@ -124,6 +128,29 @@ int main(int argc, char** argv) {
     transport = strata::transport::CreateUcxTransport(to);
   }
   if (!transport.ok()) return Fail("UCX transport", transport.status());
+  // Failpoint, for fault tests only: STRATA_FAILPOINT_DAMAGE_RECEIVED_BLOCKS=N flips a byte of
+  // the first copy of every Nth distinct block that arrives, after the network (as a bad link or
+  // DMA would); the copy sent again arrives intact.
+  std::unique_ptr<strata::transport::FaultInjectingTransport> damaging;
+  strata::transport::Transport* receiving = transport->get();
+  if (const char* every = std::getenv("STRATA_FAILPOINT_DAMAGE_RECEIVED_BLOCKS"); every != nullptr) {
+    int n = 0;
+    if (!absl::SimpleAtoi(every, &n) || n < 1) {
+      std::cerr << "strata-decode: STRATA_FAILPOINT_DAMAGE_RECEIVED_BLOCKS must be >= 1, got '"
+                << every << "'\n";
+      return 2;
+    }
+    damaging = std::make_unique<strata::transport::FaultInjectingTransport>(transport->get());
+    damaging->corrupt_block = [n, mu = std::make_shared<std::mutex>(),
+                               seen = std::make_shared<absl::flat_hash_set<std::string>>()](
+                                  absl::string_view id) {
+      std::lock_guard<std::mutex> lock(*mu);
+      return seen->insert(std::string(id)).second && seen->size() % n == 0;
+    };
+    receiving = damaging.get();
+    cl::Log("", absl::StrCat("FAILPOINT: damaging every ", n,
+                             "th block that arrives (STRATA_FAILPOINT_DAMAGE_RECEIVED_BLOCKS)"));
+  }
 
   strata::decode::DecodeEngineOptions eo;
   eo.codec = spec->codec;
@@ -136,7 +163,7 @@ int main(int argc, char** argv) {
   eo.put_to_store = absl::GetFlag(FLAGS_put_to_store);
   absl::StatusOr<std::unique_ptr<strata::decode::DecodeEngine>> engine =
       strata::decode::DecodeEngine::Create(eo, served->model.get(), served->tokenizer.get(),
-                                           transport->get(), store->source.get());
+                                           receiving, store->source.get());
   if (!engine.ok()) return Fail("engine", engine.status(), 2);
 
   // The router reserves KV by this estimate: the codec's exact block size per token.

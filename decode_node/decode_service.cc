@@ -125,7 +125,10 @@ DecodeService::DecodeService(DecodeEngine* engine, DecodeServiceOptions options,
                               "Block bytes received from prefill nodes",
                               {{"codec", engine->options().codec}})),
       blocks_stored_(AddCounter(registry, "strata_decode_blocks_stored_total",
-                             "Blocks of generated text Put in the store")) {}
+                             "Blocks of generated text Put in the store")),
+      blocks_damaged_(AddCounter(registry, "strata_decode_blocks_damaged_total",
+                                 "Blocks refused because their bytes arrived damaged (CRC-32C); "
+                                 "the prefill node sends them again")) {}
 
 void DecodeService::Refresh() {
   const DecodeLoad load = engine_->load();
@@ -144,6 +147,9 @@ void DecodeService::Refresh() {
   resumed_.Increment(static_cast<double>(now.resumed - last_.resumed));
   bytes_received_.Increment(static_cast<double>(now.bytes_received - last_.bytes_received));
   blocks_stored_.Increment(static_cast<double>(now.blocks_stored - last_.blocks_stored));
+  const uint64_t damaged = engine_->receiver().stats().checksum_failures;
+  blocks_damaged_.Increment(static_cast<double>(damaged - last_damaged_));
+  last_damaged_ = damaged;
   last_ = now;
 }
 

@@ -15,6 +15,7 @@
 //   strata_decode_kv_bytes_arrived (gauges)
 //   strata_decode_preemptions_total, strata_decode_resumed_total,
 //   strata_decode_bytes_received_total{codec}, strata_decode_blocks_stored_total
+//   strata_decode_blocks_damaged_total (blocks refused because their bytes arrived damaged)
 //
 // Thread-safe. Each open Generate holds one gRPC server thread while it streams.
 #pragma once
@@ -80,8 +81,10 @@ class DecodeService final : public strata::v1::DecodeNode::Service {
   prometheus::Counter& resumed_;
   prometheus::Counter& bytes_received_;
   prometheus::Counter& blocks_stored_;
+  prometheus::Counter& blocks_damaged_;
   std::mutex refresh_mu_;
   DecodeStats last_ = {};  // guarded by refresh_mu_: what the counters already hold
+  uint64_t last_damaged_ = 0;  // guarded by refresh_mu_: the receiver's checksum failures counted
 };
 
 }  // namespace strata::decode

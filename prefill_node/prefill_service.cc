@@ -1,5 +1,7 @@
 #include "prefill_node/prefill_service.h"
 
+#include <algorithm>
+
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -48,6 +50,9 @@ PrefillService::PrefillService(PrefillEngine* engine, PrefillServiceOptions opti
       streamed_early_(AddCounter(registry, "strata_prefill_streamed_early_total",
                                  "Requests whose decode node acknowledged layer-0 blocks before "
                                  "the last layer was computed (layer streaming, observed)")),
+      resends_(AddCounter(registry, "strata_prefill_block_resends_total",
+                          "Blocks sent again because the decode node refused them damaged "
+                          "(CRC-32C) or for want of room")),
       queue_seconds_(PhaseHistogram(registry, "queue")),
       compute_seconds_(PhaseHistogram(registry, "compute")),
       total_seconds_(PhaseHistogram(registry, "total")),
@@ -57,6 +62,12 @@ PrefillService::PrefillService(PrefillEngine* engine, PrefillServiceOptions opti
                                 "Requests waiting or computing")) {}
 
 void PrefillService::UpdateGauges() {
+  {
+    std::lock_guard<std::mutex> lock(resends_mu_);
+    const uint64_t retries = engine_->sender().stats().retries;
+    if (retries > resends_seen_) resends_.Increment(static_cast<double>(retries - resends_seen_));
+    resends_seen_ = std::max(resends_seen_, retries);
+  }
   const PrefillLoad load = engine_->load();
   queued_tokens_.Set(static_cast<double>(load.queued_tokens));
   active_requests_.Set(load.active);

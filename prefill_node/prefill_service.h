@@ -12,11 +12,14 @@
 //   strata_prefill_blocks_stored_total
 //   strata_prefill_streamed_early_total (requests whose decode node held layer-0 blocks before the
 //   last layer was computed: layer streaming, observed)
+//   strata_prefill_block_resends_total (blocks sent again: the decode node refused them damaged)
 //   strata_prefill_seconds{phase="queue|compute|total"} histograms
 //   strata_prefill_queued_tokens, strata_prefill_active_requests (gauges)
 //
 // Thread-safe (gRPC calls it from its threads).
 #pragma once
+
+#include <mutex>
 
 #include <cstdint>
 #include <memory>
@@ -63,6 +66,9 @@ class PrefillService final : public strata::v1::PrefillNode::Service {
   prometheus::Counter& fp16_bytes_;
   prometheus::Counter& blocks_stored_;
   prometheus::Counter& streamed_early_;
+  prometheus::Counter& resends_;
+  std::mutex resends_mu_;
+  uint64_t resends_seen_ = 0;  // the sender's retries already counted; guarded by resends_mu_
   prometheus::Histogram& queue_seconds_;
   prometheus::Histogram& compute_seconds_;
   prometheus::Histogram& total_seconds_;

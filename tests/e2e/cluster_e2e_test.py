@@ -62,7 +62,7 @@ class Cluster:
     """A cluster started by deploy/local/cluster.sh in a temporary folder."""
 
     def __init__(self, codec, prefill=1, decode=1, calibration="", kv_budget="256M",
-                 max_batch=32, chunk=None, extra=()):
+                 max_batch=32, chunk=None, extra=(), env=None):
         self.dir = tempfile.mkdtemp(prefix="strata-e2e.")
         self.codec = codec
         self.calibration = calibration
@@ -76,7 +76,7 @@ class Cluster:
         if calibration:
             args += ["--calibration", calibration]
         args += list(extra)
-        env = dict(os.environ, STRATA_BUILD_DIR=BUILD)
+        env = dict(os.environ, STRATA_BUILD_DIR=BUILD, **(env or {}))
         r = subprocess.run(args, capture_output=True, text=True, env=env, timeout=120)
         if r.returncode != 0:
             raise RuntimeError("cluster up failed:\n" + r.stdout + r.stderr + self.logs())
@@ -488,6 +488,33 @@ class FaultTest(unittest.TestCase):
                 _, _, events = complete(c, "%s (%d)" % (PROMPTS[i % 4], i), 4, stream=True)
                 served_by.add(routed_decode(c, json.loads(events[0])["id"]))
             self.assertIn(victim, served_by)
+        except Exception:
+            print(c.logs())
+            raise
+        finally:
+            c.down()
+
+    def test_blocks_damaged_in_transit_are_refused_and_sent_again(self):
+        # The decode node's failpoint flips a byte of the first copy of every 5th block after UCX
+        # delivered it: the receiver refuses it (CRC-32C), the prefill node sends it again, and
+        # the output is the undamaged one.
+        c = Cluster("kivi:k4v4:g32", prefill=1, decode=1,
+                    env={"STRATA_FAILPOINT_DAMAGE_RECEIVED_BLOCKS": "5"})
+        try:
+            prompt = PROMPTS[1] + LONG * 2
+            text, _, _ = complete(c, prompt, 12, salt="damaged")
+            self.assertEqual(text, solo("kivi:k4v4:g32", prompt, 12))
+            damaged = resends = 0
+            for _ in range(30):  # the decode node refreshes its counters every 0.5 s
+                damaged = metric(scrape(c.node("decode-0")["metrics"]),
+                                 "strata_decode_blocks_damaged_total")
+                resends = metric(scrape(c.node("prefill-0")["metrics"]),
+                                 "strata_prefill_block_resends_total")
+                if damaged > 0:
+                    break
+                time.sleep(0.1)
+            self.assertGreater(damaged, 0)
+            self.assertGreaterEqual(resends, damaged)
         except Exception:
             print(c.logs())
             raise
