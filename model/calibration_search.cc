@@ -1,0 +1,280 @@
+#include "model/calibration_search.h"
+
+#include <algorithm>
+#include <cmath>
+#include <iterator>
+#include <limits>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/string_view.h"
+#include "common/block_format.h"
+#include "common/sha256.h"
+#include "common/status_macros.h"
+#include "kernels/codec.h"
+#include "kernels/codec_spec.h"
+#include "model/config.h"
+#include "model/kv_cache.h"
+#include "model/kv_evaluation.h"
+
+namespace strata::model {
+namespace {
+
+// Forward passes over the calibration windows, K/V/q of each layer concatenated.
+absl::StatusOr<std::vector<LayerKv>> RunWindows(const LlamaModel& model,
+                                                const std::vector<uint32_t>& ids,
+                                                uint32_t context, uint32_t windows) {
+  std::vector<LayerKv> all;
+  for (uint32_t w = 0; w < windows && size_t{w + 1} * context <= ids.size(); ++w) {
+    std::vector<LayerKv> kv;
+    const std::vector<uint32_t> window(ids.begin() + size_t{w} * context,
+                                       ids.begin() + size_t{w + 1} * context);
+    STRATA_RETURN_IF_ERROR(model.Forward(window, &kv).status());
+    if (all.empty()) {
+      all = std::move(kv);
+      continue;
+    }
+    for (size_t i = 0; i < kv.size(); ++i) {
+      all[i].k.insert(all[i].k.end(), kv[i].k.begin(), kv[i].k.end());
+      all[i].v.insert(all[i].v.end(), kv[i].v.begin(), kv[i].v.end());
+      all[i].q.insert(all[i].q.end(), kv[i].q.begin(), kv[i].q.end());
+    }
+  }
+  if (all.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("calibrate: the text has ", ids.size(),
+                                                   " tokens, less than one window of ", context));
+  }
+  return all;
+}
+
+// SKVQ's part of a calibration: channel orders and clip ratios, for `skvq_spec`.
+absl::Status CalibrateSkvq(const LlamaModel& model, const std::string& skvq_spec,
+                           const std::vector<LayerKv>& kv, uint32_t tokens,
+                           const CalibrationSearchOptions& o, kernels::Calibration& cal) {
+  const ModelConfig& c = model.config();
+  const std::string codec = cal.codec;
+  cal.codec = skvq_spec;
+  // Channel order: by range over every calibration token.
+  for (uint32_t li = 0; li < c.num_layers; ++li) {
+    for (uint32_t h = 0; h < c.num_kv_heads; ++h) {
+      for (const auto& [x, perm] : {std::pair{&kv[li].k, &cal.layers[li].k_perm},
+                                    std::pair{&kv[li].v, &cal.layers[li].v_perm}}) {
+        const std::vector<uint16_t> p =
+            kernels::ChannelOrderByRange(x->data(), tokens, c.num_kv_heads, c.head_dim, h);
+        perm->insert(perm->end(), p.begin(), p.end());
+      }
+    }
+  }
+  // Clip ratios: per layer, K's then V's, each the grid value with the least attention-output
+  // error on the first calibration window (the other tensor's ratio held at its current value).
+  std::vector<LayerKv> first(kv.size());
+  const size_t row = size_t{c.num_kv_heads} * c.head_dim, qrow = size_t{c.num_heads} * c.head_dim;
+  for (size_t i = 0; i < kv.size(); ++i) {
+    first[i].k.assign(kv[i].k.begin(), kv[i].k.begin() + o.context * row);
+    first[i].v.assign(kv[i].v.begin(), kv[i].v.begin() + o.context * row);
+    first[i].q.assign(kv[i].q.begin(), kv[i].q.begin() + o.context * qrow);
+  }
+  const float grid[] = {1.0f, 0.95f, 0.9f, 0.85f, 0.8f, 0.75f, 0.7f, 0.65f, 0.6f, 0.55f, 0.5f};
+  for (uint32_t li = 0; li < c.num_layers; ++li) {
+    for (float kernels::LayerCalibration::*field :
+         {&kernels::LayerCalibration::k_clip, &kernels::LayerCalibration::v_clip}) {
+      double best = INFINITY;
+      float best_clip = 1.0f;
+      for (float clip : grid) {
+        auto trial = std::make_shared<kernels::Calibration>(cal);
+        trial->layers[li].*field = clip;
+        STRATA_ASSIGN_OR_RETURN(auto codec, kernels::Codec::Create(skvq_spec, trial));
+        STRATA_ASSIGN_OR_RETURN(LayerErrors e,
+                                MeasureLayerErrors(c, first, o.context, *codec, o.chunk_tokens,
+                                                   o.error_queries, static_cast<int>(li)));
+        if (e.attn[0] < best) {
+          best = e.attn[0];
+          best_clip = clip;
+        }
+      }
+      cal.layers[li].*field = best_clip;
+    }
+  }
+  cal.codec = codec;
+  return absl::OkStatus();
+}
+
+// The Strata mix's menu: every method, at several sizes, each with fp16 sinks.
+constexpr char kStrataSkvq[] = "skvq:k2v2:g32";
+const char* const kStrataMenu[] = {
+    "kivi:k2v2:g64:sink4",     "kivi:k2v2:g32:sink4",        "kivi:k3v3:g32:sink4",
+    "kivi:k4v4:g32:sink4",     "kivi:k4v2:g32:sink4",        "kivi:k2v4:g32:sink4",
+    "kivi:k8v8:g32:sink4",     "kcvt:k2v2:sink4",            "kcvt:k4v4:sink4",
+    "gear:k2v2:kcvt:r2:s1:sink4", "gear:k2v2:g64:r2:s1:sink4", "gear:k3v3:kcvt:r2:s1:sink4",
+    "gear:k4v4:kcvt:r2:s1:sink4", "zipcache:k2v2:h4:s10:sink4", "zipcache:k2v2:h8:s10:sink4",
+    "zipcache:k3v3:h8:s10:sink4", "skvq:k2v2:g32:sink4",     "skvq:k3v3:g32:sink4",
+    "skvq:k4v4:g32:sink4",     "tada:k2v2:g32:sink4",        "tada:k4v4:g32:sink4",
+    "kcvt:k2v2:m8:sink4",      "kivi:k2v2:g64:m8:sink4",     "kivi:k2v2:g32:m8:sink4",
+    "kivi:k3v3:g64:m8:sink4",  "skvq:k2v2:g32:m8:sink4",     "skvq:k3v3:g32:m8:sink4",
+    "gear:k2v2:kcvt:r2:s1:m8:sink4", "zipcache:k2v2:h4:s10:m8:sink4", "skvq:k2v2:g64:sink4",
+    "skvq:k2v2:g64:m8:sink4",  "kcvt:k2v2:m8",               "kcvt:k2v2",
+    "skvq:k2v2:g64:m8",        "skvq:k2v2:g64",              "kivi:k2v2:g64:m8",
+    "zipcache:k2v2:h4:s10:m8", "fp16"};
+
+// Per-layer codecs for a budget (TaDA's precision search; the Strata mix): the loss increase of
+// each candidate with only that layer compressed (log perplexity on the calibration text, the
+// other layers at fp16), then the choice per layer that minimizes the summed increase with the
+// average bits per element within the budget (a multiple-choice knapsack, exact by dynamic
+// programming over 1/64-bit steps).
+absl::Status SearchLayers(const LlamaModel& model, const std::vector<uint32_t>& ids,
+                          const kernels::CodecSpec& spec, const CalibrationSearchOptions& o,
+                          kernels::Calibration& cal) {
+  const ModelConfig& c = model.config();
+  const uint32_t L = c.num_layers;
+  std::vector<std::string> candidates;
+  double budget = spec.budget_bits;
+  if (spec.id == CodecId::kTada) {
+    for (int bits : {2, 4, 8}) {
+      kernels::CodecSpec t = spec;
+      t.k_bits = t.v_bits = bits;
+      candidates.push_back(t.ToString());
+    }
+    budget =
+        kernels::Codec(spec).BitsPerElement(o.chunk_tokens, c.num_kv_heads, c.head_dim).value();
+  } else {
+    candidates.assign(std::begin(kStrataMenu), std::end(kStrataMenu));
+  }
+  // Each candidate's size as eval measures it: the blocks of one full window, chunk 0's sinks
+  // included.
+  const uint32_t chunks = std::max<uint32_t>(1, o.context / o.chunk_tokens);
+  std::vector<double> bits;
+  for (const std::string& cs : candidates) {
+    const kernels::Codec codec(*kernels::CodecSpec::Parse(cs));
+    const double first =
+        codec.BitsPerElement(o.chunk_tokens, c.num_kv_heads, c.head_dim, 0).value();
+    const double rest =
+        codec.BitsPerElement(o.chunk_tokens, c.num_kv_heads, c.head_dim, 1).value();
+    bits.push_back((first + (chunks - 1) * rest) / chunks);
+  }
+  KvCacheOptions mo{.codec = cal.codec,
+                    .chunk_tokens = o.chunk_tokens,
+                    .window_tokens = o.window_tokens};
+  // The loss is the mean KL divergence of the next-token distribution from the fp16 model's on
+  // the calibration text: fidelity, which (unlike perplexity) no codec can improve by accident.
+  const size_t kl_tokens = size_t{o.context} * o.windows;
+  std::vector<float> reference;
+  auto loss = [&](const kernels::Calibration& trial) -> absl::StatusOr<double> {
+    mo.calibration = std::make_shared<kernels::Calibration>(trial);
+    STRATA_ASSIGN_OR_RETURN(
+        PerplexityResult r,
+        Perplexity(model, ids, mo, o.context, o.windows, kl_tokens,
+                   reference.empty() ? &reference : nullptr,
+                   reference.empty() ? nullptr : &reference));
+    return r.kl;
+  };
+  // delta[l][i]: loss increase with layer l alone at candidate i. It does not depend on the
+  // budget, so one process searching several budgets (strata eval) measures it once.
+  static std::mutex cache_mu;
+  static std::map<std::string, std::vector<std::vector<double>>> cache;
+  const std::string cache_key = absl::StrCat(
+      model.fingerprint(), "/",
+      Fingerprint64(absl::string_view(reinterpret_cast<const char*>(ids.data()), ids.size() * 4)),
+      "/", o.context, "/", o.windows, "/", o.chunk_tokens, "/", o.window_tokens, "/",
+      cal.fingerprint(), "/", absl::StrJoin(candidates, ","));
+  std::vector<std::vector<double>> delta;
+  {
+    std::lock_guard<std::mutex> lock(cache_mu);
+    if (auto it = cache.find(cache_key); it != cache.end()) delta = it->second;
+  }
+  if (delta.empty()) {
+    kernels::Calibration trial = cal;
+    for (auto& layer : trial.layers) layer.spec = "fp16";
+    STRATA_ASSIGN_OR_RETURN(const double base, loss(trial));  // records the reference; 0
+    delta.assign(L, std::vector<double>(candidates.size()));
+    for (uint32_t li = 0; li < L; ++li) {
+      for (size_t i = 0; i < candidates.size(); ++i) {
+        trial.layers[li].spec = candidates[i];
+        STRATA_ASSIGN_OR_RETURN(const double x, loss(trial));
+        delta[li][i] = x - base;
+      }
+      trial.layers[li].spec = "fp16";
+    }
+    std::lock_guard<std::mutex> lock(cache_mu);
+    cache[cache_key] = delta;
+  }
+  constexpr int kSteps = 64;  // cost units per bit
+  std::vector<int> cost(candidates.size());
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    cost[i] = static_cast<int>(std::ceil(bits[i] * kSteps - 1e-9));
+  }
+  const int cap = static_cast<int>(std::floor(budget * L * kSteps + 1e-9));
+  const double inf = std::numeric_limits<double>::infinity();
+  // best[li + 1][w]: least summed increase of layers 0..li at total cost exactly w.
+  std::vector<std::vector<double>> best(L + 1, std::vector<double>(cap + 1, inf));
+  std::vector<std::vector<int>> pick(L + 1, std::vector<int>(cap + 1, -1));
+  best[0][0] = 0;
+  for (uint32_t li = 0; li < L; ++li) {
+    for (int w = 0; w <= cap; ++w) {
+      if (best[li][w] == inf) continue;
+      for (size_t i = 0; i < candidates.size(); ++i) {
+        const int nw = w + cost[i];
+        if (nw > cap) continue;
+        const double v = best[li][w] + delta[li][i];
+        if (v < best[li + 1][nw]) {
+          best[li + 1][nw] = v;
+          pick[li + 1][nw] = static_cast<int>(i);
+        }
+      }
+    }
+  }
+  int w_best = -1;
+  for (int w = 0; w <= cap; ++w) {
+    if (best[L][w] < inf && (w_best < 0 || best[L][w] < best[L][w_best])) w_best = w;
+  }
+  if (w_best < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("calibrate: no per-layer choice of ",
+                                                   spec.ToString(), " fits ", budget,
+                                                   " bits per element"));
+  }
+  for (int li = static_cast<int>(L); li > 0; --li) {
+    const int i = pick[li][w_best];
+    cal.layers[li - 1].spec = candidates[i];
+    w_best -= cost[i];
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<kernels::Calibration> SearchCalibration(const LlamaModel& model,
+                                                       const std::vector<uint32_t>& ids,
+                                                       const std::string& spec_text,
+                                                       const CalibrationSearchOptions& o) {
+  STRATA_ASSIGN_OR_RETURN(kernels::CodecSpec spec, kernels::CodecSpec::Parse(spec_text));
+  const ModelConfig& c = model.config();
+  kernels::Calibration cal;
+  kernels::CodecSpec main = spec;
+  main.sink_tokens = 0;
+  cal.codec = main.ToString();
+  cal.model_fingerprint = model.fingerprint();
+  cal.kv_heads = c.num_kv_heads;
+  cal.head_dim = c.head_dim;
+  if (!spec.needs_calibration() && !spec.searches_layers()) return cal;
+  STRATA_ASSIGN_OR_RETURN(std::vector<LayerKv> kv, RunWindows(model, ids, o.context, o.windows));
+  const uint32_t tokens =
+      static_cast<uint32_t>(kv[0].k.size() / (size_t{c.num_kv_heads} * c.head_dim));
+  cal.source = absl::StrCat(o.source, ", ", tokens, " tokens");
+  cal.layers.resize(c.num_layers);
+  if (spec.id == CodecId::kSkvq) {
+    STRATA_RETURN_IF_ERROR(CalibrateSkvq(model, cal.codec, kv, tokens, o, cal));
+  } else if (spec.id == CodecId::kStrata) {  // SKVQ is on the menu
+    STRATA_RETURN_IF_ERROR(CalibrateSkvq(model, kStrataSkvq, kv, tokens, o, cal));
+  }
+  if (spec.searches_layers()) {
+    STRATA_RETURN_IF_ERROR(SearchLayers(model, ids, spec, o, cal));
+  }
+  return cal;
+}
+
+}  // namespace strata::model

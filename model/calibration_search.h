@@ -1,0 +1,42 @@
+// The calibration search: what a codec needs from a model's KV, learned on calibration text (as
+// token ids) — SKVQ's channel orders (by range) and clip ratios (by attention-output error), and
+// the per-layer codec choices for a budget (TaDA's precision search, the Strata mix). `strata
+// calibrate` writes the result to a file; a serving node may run it itself.
+//
+// Thread-safe: the model is only read; the per-layer loss increases the layer search measures
+// are kept in a process-wide cache (guarded by a mutex) keyed by everything they depend on, so
+// searching several budgets on the same text measures them once.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kernels/calibration.h"
+#include "model/llama.h"
+
+namespace strata::model {
+
+struct CalibrationSearchOptions {
+  uint32_t chunk_tokens = 256;   // tokens per compressed block, as the cache will use
+  uint32_t window_tokens = 0;    // full-precision window, as the cache will use (layer search)
+  uint32_t context = 1024;       // tokens per forward window
+  uint32_t windows = 2;          // windows of calibration text
+  uint32_t error_queries = 64;   // queries whose attention output the clip search minimizes
+  std::string source;            // recorded in the calibration (with the token count)
+};
+
+// What `codec_spec` needs from `model`'s KV on the token ids `ids` (BOS included): SKVQ's
+// channel orders and clip ratios; per-layer codec choices for a budget (TaDA, the Strata mix). A
+// codec that needs nothing gets an empty calibration for the model (codec, fingerprint and
+// shape, no layers).
+// Errors: kInvalidArgument for a bad spec, text shorter than one window of `context` tokens, a
+// window with no full chunk before the error queries, or a budget no per-layer choice fits; the
+// model's and codecs' errors otherwise.
+absl::StatusOr<kernels::Calibration> SearchCalibration(const LlamaModel& model,
+                                                       const std::vector<uint32_t>& ids,
+                                                       const std::string& codec_spec,
+                                                       const CalibrationSearchOptions& options);
+
+}  // namespace strata::model

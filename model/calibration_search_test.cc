@@ -1,0 +1,178 @@
+#include "model/calibration_search.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <random>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "kernels/calibration.h"
+#include "kernels/codec.h"
+#include "kernels/codec_spec.h"
+#include "model/kv_cache.h"
+#include "model/kv_evaluation.h"
+#include "model/llama.h"
+
+namespace strata::model {
+namespace {
+
+std::unique_ptr<LlamaModel> TinyModel() {
+  absl::StatusOr<std::unique_ptr<LlamaModel>> model =
+      LlamaModel::Load(absl::StrCat(STRATA_SOURCE_DIR, "/tests/data/tiny-llama"));
+  EXPECT_TRUE(model.ok()) << model.status();
+  return model.ok() ? *std::move(model) : nullptr;
+}
+
+// BOS, then `n` fixed pseudo-random ordinary tokens.
+std::vector<uint32_t> Tokens(const LlamaModel& model, size_t n) {
+  std::mt19937 rng(7);
+  std::vector<uint32_t> ids = {static_cast<uint32_t>(model.config().bos_token_id)};
+  for (size_t i = 0; i < n; ++i) ids.push_back(rng() % 500);
+  return ids;
+}
+
+CalibrationSearchOptions SmallOptions() {
+  return {.chunk_tokens = 32, .window_tokens = 0, .context = 128, .windows = 1,
+          .error_queries = 16, .source = "random"};
+}
+
+TEST(CalibrationSearchTest, CodecThatNeedsNothingGetsAnEmptyCalibration) {
+  std::unique_ptr<LlamaModel> model = TinyModel();
+  ASSERT_NE(model, nullptr);
+  absl::StatusOr<kernels::Calibration> cal =
+      SearchCalibration(*model, Tokens(*model, 10), "kivi:k2v2:g32:sink4", SmallOptions());
+  ASSERT_TRUE(cal.ok()) << cal.status();
+  EXPECT_EQ(cal->codec, "kivi:k2v2:g32");  // the sinks are not part of the calibrated codec
+  EXPECT_EQ(cal->model_fingerprint, model->fingerprint());
+  EXPECT_EQ(cal->kv_heads, model->config().num_kv_heads);
+  EXPECT_EQ(cal->head_dim, model->config().head_dim);
+  EXPECT_TRUE(cal->layers.empty());
+  EXPECT_TRUE(cal->source.empty());
+}
+
+TEST(CalibrationSearchTest, SkvqLearnsChannelOrdersAndClipRatios) {
+  std::unique_ptr<LlamaModel> model = TinyModel();
+  ASSERT_NE(model, nullptr);
+  const ModelConfig& c = model->config();
+  absl::StatusOr<kernels::Calibration> cal =
+      SearchCalibration(*model, Tokens(*model, 200), "skvq:k2v2:g32", SmallOptions());
+  ASSERT_TRUE(cal.ok()) << cal.status();
+  EXPECT_EQ(cal->source, "random, 128 tokens");
+  ASSERT_EQ(cal->layers.size(), c.num_layers);
+  for (const kernels::LayerCalibration& layer : cal->layers) {
+    for (const std::vector<uint16_t>* perm : {&layer.k_perm, &layer.v_perm}) {
+      ASSERT_EQ(perm->size(), size_t{c.num_kv_heads} * c.head_dim);
+      for (uint32_t h = 0; h < c.num_kv_heads; ++h) {  // each head's a permutation of its own
+        std::vector<uint16_t> head(perm->begin() + h * c.head_dim,
+                                   perm->begin() + (h + 1) * c.head_dim);
+        std::sort(head.begin(), head.end());
+        for (uint32_t i = 0; i < c.head_dim; ++i) EXPECT_EQ(head[i], i);
+      }
+    }
+    EXPECT_GE(layer.k_clip, 0.5f);
+    EXPECT_LE(layer.k_clip, 1.0f);
+    EXPECT_GE(layer.v_clip, 0.5f);
+    EXPECT_LE(layer.v_clip, 1.0f);
+  }
+  // What it made is a calibration the codec accepts.
+  EXPECT_TRUE(
+      kernels::Codec::Create("skvq:k2v2:g32", std::make_shared<kernels::Calibration>(*cal)).ok());
+}
+
+TEST(CalibrationSearchTest, StrataMixChoosesMenuCodecsWithinTheBudget) {
+  std::unique_ptr<LlamaModel> model = TinyModel();
+  ASSERT_NE(model, nullptr);
+  const std::vector<uint32_t> ids = Tokens(*model, 200);
+  absl::StatusOr<kernels::Calibration> cal =
+      SearchCalibration(*model, ids, "strata:b4", SmallOptions());
+  ASSERT_TRUE(cal.ok()) << cal.status();
+  const ModelConfig& c = model->config();
+  ASSERT_EQ(cal->layers.size(), c.num_layers);
+  // The average size over layers, each as a full window of 4 chunks (chunk 0 with its sinks).
+  double bits = 0;
+  for (const kernels::LayerCalibration& layer : cal->layers) {
+    absl::StatusOr<kernels::CodecSpec> spec = kernels::CodecSpec::Parse(layer.spec);
+    ASSERT_TRUE(spec.ok()) << layer.spec;
+    const kernels::Codec codec(*spec);
+    bits += (*codec.BitsPerElement(32, c.num_kv_heads, c.head_dim, 0) +
+             3 * *codec.BitsPerElement(32, c.num_kv_heads, c.head_dim, 1)) /
+            4;
+  }
+  EXPECT_LE(bits / c.num_layers, 4.0);
+  // A budget below every menu entry: said so, not a choice over budget.
+  EXPECT_EQ(SearchCalibration(*model, ids, "strata:b1.5", SmallOptions()).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(CalibrationSearchTest, ShortTextOrBadSpecIsInvalidArgument) {
+  std::unique_ptr<LlamaModel> model = TinyModel();
+  ASSERT_NE(model, nullptr);
+  const CalibrationSearchOptions o = SmallOptions();
+  EXPECT_EQ(SearchCalibration(*model, Tokens(*model, 50), "skvq:k2v2:g32", o).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(SearchCalibration(*model, Tokens(*model, 200), "skvq:k9", o).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(KvEvaluationTest, KlToItsOwnReferenceIsZeroAndGrowsWithCompression) {
+  std::unique_ptr<LlamaModel> model = TinyModel();
+  ASSERT_NE(model, nullptr);
+  const std::vector<uint32_t> ids = Tokens(*model, 256);
+  const KvCacheOptions fp16{.codec = "fp16", .chunk_tokens = 32};
+  std::vector<float> reference;
+  absl::StatusOr<PerplexityResult> base = Perplexity(*model, ids, fp16, 128, 0, 256, &reference);
+  ASSERT_TRUE(base.ok()) << base.status();
+  EXPECT_EQ(base->windows, 2u);  // the 257th token starts no window: nothing after it to score
+  EXPECT_EQ(base->scored, 254u);  // each window predicts its own tokens after the first
+  EXPECT_EQ(reference.size(), 254u * model->config().vocab_size);
+  absl::StatusOr<PerplexityResult> same =
+      Perplexity(*model, ids, fp16, 128, 0, 256, nullptr, &reference);
+  ASSERT_TRUE(same.ok()) << same.status();
+  EXPECT_NEAR(same->kl, 0, 1e-9);
+  EXPECT_DOUBLE_EQ(same->ppl, base->ppl);
+  KvCacheOptions kivi = fp16;
+  kivi.codec = "kivi:k2v2:g32";
+  absl::StatusOr<PerplexityResult> coarse =
+      Perplexity(*model, ids, kivi, 128, 0, 256, nullptr, &reference);
+  ASSERT_TRUE(coarse.ok()) << coarse.status();
+  EXPECT_GT(coarse->kl, 0);
+  EXPECT_LT(coarse->bits(), base->bits());
+}
+
+TEST(KvEvaluationTest, LayerErrorsAreSmallForFp16AndLargerFor2Bits) {
+  std::unique_ptr<LlamaModel> model = TinyModel();
+  ASSERT_NE(model, nullptr);
+  const ModelConfig& c = model->config();
+  const std::vector<uint32_t> ids = Tokens(*model, 127);
+  std::vector<LayerKv> kv;
+  ASSERT_TRUE(model->Forward(ids, &kv).ok());
+  absl::StatusOr<std::unique_ptr<kernels::Codec>> fp16 = kernels::Codec::Create("fp16");
+  absl::StatusOr<std::unique_ptr<kernels::Codec>> kivi = kernels::Codec::Create("kivi:k2v2:g32");
+  ASSERT_TRUE(fp16.ok() && kivi.ok());
+  absl::StatusOr<LayerErrors> exact = MeasureLayerErrors(c, kv, 128, **fp16, 32, 16);
+  absl::StatusOr<LayerErrors> coarse = MeasureLayerErrors(c, kv, 128, **kivi, 32, 16);
+  ASSERT_TRUE(exact.ok()) << exact.status();
+  ASSERT_TRUE(coarse.ok()) << coarse.status();
+  ASSERT_EQ(exact->k.size(), c.num_layers);
+  ASSERT_EQ(coarse->attn.size(), c.num_layers);
+  for (uint32_t li = 0; li < c.num_layers; ++li) {
+    EXPECT_LT(exact->k[li], 1e-3);
+    EXPECT_LT(exact->attn[li], 1e-3);
+    EXPECT_GT(coarse->k[li], exact->k[li]);
+    EXPECT_GT(coarse->v[li], exact->v[li]);
+  }
+  absl::StatusOr<LayerErrors> one = MeasureLayerErrors(c, kv, 128, **kivi, 32, 16, 1);
+  ASSERT_TRUE(one.ok()) << one.status();
+  ASSERT_EQ(one->attn.size(), 1u);
+  EXPECT_DOUBLE_EQ(one->attn[0], coarse->attn[1]);
+  // No full chunk before the queries.
+  EXPECT_EQ(MeasureLayerErrors(c, kv, 128, **kivi, 128, 16).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace strata::model

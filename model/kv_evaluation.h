@@ -1,0 +1,67 @@
+// Measuring what a KV codec does to a model, on token ids: perplexity (and KL divergence from a
+// recorded reference) with the cache compressed as in serving, and per-layer relative errors of
+// K, V and the attention output. `strata ppl` and `strata eval` report these; the calibration
+// search (calibration_search.h) minimizes them.
+//
+// Thread-compatible: the model is only read (LlamaModel is immutable once loaded); every call
+// makes its own caches.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kernels/codec.h"
+#include "model/config.h"
+#include "model/kv_cache.h"
+#include "model/llama.h"
+
+namespace strata::model {
+
+struct PerplexityResult {
+  double ppl = 0;
+  size_t scored = 0, windows = 0;  // tokens predicted, windows run
+  size_t block_bytes = 0, block_elements = 0;  // every block made, and the K+V elements in them
+  double seconds = 0;
+  double kl = 0;  // mean KL(reference || this) over the tokens the reference covers, nats
+  double bits() const { return block_elements > 0 ? 8.0 * block_bytes / block_elements : 0; }
+};
+
+// Perplexity of `ids` with the KV cache compressed as in serving (`cache`: codec, chunk, window,
+// calibration): each window of `context` tokens prefilled chunk by chunk, each chunk attending
+// over the compressed earlier chunks (+ the full-precision window); at most `max_windows`
+// windows (0: the whole text).
+// Optional: `record` gets the log-probabilities of the first `kl_tokens` scored positions
+// ([kl_tokens, vocab]); with `reference` (as recorded by another run on the same text) the mean
+// KL divergence from it is computed over those positions: fidelity to the reference, which
+// unlike perplexity cannot improve by accident.
+// Errors: kInvalidArgument for fewer than 2 ids or a context below 2; the cache's and the
+// model's errors otherwise.
+absl::StatusOr<PerplexityResult> Perplexity(const LlamaModel& model,
+                                            const std::vector<uint32_t>& ids,
+                                            const KvCacheOptions& cache, uint32_t context,
+                                            uint32_t max_windows, size_t kl_tokens = 0,
+                                            std::vector<float>* record = nullptr,
+                                            const std::vector<float>* reference = nullptr);
+
+// Per layer, relative (L2) errors of one codec on a window's full-precision K/V/q.
+struct LayerErrors {
+  std::vector<double> k, v, attn;  // [layers measured]
+  double encode_seconds = 0;
+  size_t encoded_bytes_in = 0;  // fp16 bytes of the K and V encoded
+};
+
+// Encodes the window's K/V (`kv`, as LlamaModel::Forward returns it for `tokens` tokens) chunk by
+// chunk with the codec, as a prefill node would (with each chunk's queries), and compares per
+// layer: K and V decoded against the originals, and the attention output of the window's last
+// `queries` queries over blocks + full-precision rest against attention over the original K/V.
+// `only_layer` >= 0 measures that layer alone (the vectors then hold one entry).
+// Errors: kInvalidArgument when the tokens before the queries hold no full chunk; the codec's
+// errors otherwise.
+absl::StatusOr<LayerErrors> MeasureLayerErrors(const ModelConfig& config,
+                                               const std::vector<LayerKv>& kv, uint32_t tokens,
+                                               const kernels::Codec& codec, uint32_t chunk,
+                                               uint32_t queries, int only_layer = -1);
+
+}  // namespace strata::model
