@@ -133,9 +133,16 @@ absl::StatusOr<NodeSpec> FindNode(const ClusterSpec& spec, const std::string& id
 absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(grpc::Service* service,
                                                              const std::string& address,
                                                              int* port) {
+  return StartGrpcServer(std::vector<grpc::Service*>{service}, address, port);
+}
+
+absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(
+    const std::vector<grpc::Service*>& services, const std::string& address, int* port) {
   grpc::ServerBuilder b;
   b.AddListeningPort(address, grpc::InsecureServerCredentials(), port);
-  b.RegisterService(service);
+  for (grpc::Service* service : services) {
+    if (service != nullptr) b.RegisterService(service);
+  }
   b.SetMaxReceiveMessageSize(64 << 20);  // a prompt of a few million tokens at most
   std::unique_ptr<grpc::Server> server = b.BuildAndStart();
   if (server == nullptr || *port == 0) {

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 #include "absl/strings/string_view.h"
 
 #include "absl/status/statusor.h"
@@ -77,6 +78,9 @@ absl::StatusOr<NodeSpec> FindNode(const ClusterSpec& spec, const std::string& id
 absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(grpc::Service* service,
                                                              const std::string& address,
                                                              int* port);
+// The same with several services on one port (null entries skipped).
+absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(
+    const std::vector<grpc::Service*>& services, const std::string& address, int* port);
 
 // The sampling options of a serving request (top_p 0, proto3's unset, reads as 1).
 model::SamplingOptions SamplingFromProto(const strata::v1::Sampling& sampling);

@@ -6,6 +6,7 @@
 // Thread-safe: every implementation may be called from several threads.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -76,6 +77,36 @@ class EmbeddedBlockSource final : public BlockSource {
 
  private:
   BlockStore* store_;
+};
+
+// A node's own RAM tier in front of the shared store: what the node computed (or Puts) it keeps
+// locally as well, and it reads its own blocks before asking the store. Lookup is the longer of
+// the two prefixes (each chunk of it is in one or the other); Get tries the local tier first;
+// Put and PutMany go to both (the shared store's answers are returned; the local tier's failures
+// are only counted: it is a cache). A local hit is not a store hit, so a node sees its own
+// recent prefixes while the store is down. Both must outlive it; `remote` may be null.
+class TieredBlockSource final : public BlockSource {
+ public:
+  TieredBlockSource(BlockStore* local, BlockSource* remote) : local_(local), remote_(remote) {}
+  absl::StatusOr<uint32_t> Lookup(const BlockName& prefix, absl::Span<const BlockHash> chain,
+                                  absl::Span<const uint64_t> layer_codec_fingerprints) override;
+  absl::StatusOr<SharedBytes> Get(const BlockName& name) override;
+  absl::Status Put(const BlockName& name, const BlockHash* parent, SharedBytes block) override;
+  absl::StatusOr<std::vector<absl::Status>> PutMany(absl::Span<const PutItem> items) override;
+  // Local blocks were verified when stored; the store's cross a network: the caller verifies.
+  bool verified_on_get() const override { return remote_ == nullptr; }
+  std::string Describe() const override;
+
+  struct Stats {
+    uint64_t local_hits = 0, remote_hits = 0;  // Get
+    uint64_t local_put_errors = 0;
+  };
+  Stats stats() const;
+
+ private:
+  BlockStore* const local_;
+  BlockSource* const remote_;
+  std::atomic<uint64_t> local_hits_{0}, remote_hits_{0}, local_put_errors_{0};
 };
 
 }  // namespace strata::kvstore

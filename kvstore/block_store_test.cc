@@ -23,6 +23,7 @@
 #include "gtest/gtest.h"
 #include "kernels/calibration.h"
 #include "kernels/codec.h"
+#include "kvstore/block_source.h"
 #include "rocksdb/db.h"
 
 namespace strata::kvstore {
@@ -743,6 +744,61 @@ TEST(BlockStoreTest, EventsWithADiskTier) {
   const StoreSnapshot snap = s->Snapshot();
   EXPECT_EQ(snap.event_id, 0u);
   EXPECT_EQ(snap.blocks.size(), 2u);
+}
+
+}  // namespace
+}  // namespace strata::kvstore
+
+namespace strata::kvstore {
+namespace {
+
+// A node's RAM tier in front of the shared store: Lookup is the longer prefix of the two, Get
+// reads the local tier first, Puts reach both (the shared store's answers count), and with the
+// shared store gone the node still finds what it holds.
+TEST(TieredBlockSourceTest, LocalTierFirstSharedStoreBehindIt) {
+  auto local = *BlockStore::Open({.ram_bytes = 64 << 20});
+  auto shared = *BlockStore::Open({.ram_bytes = 64 << 20});
+  EmbeddedBlockSource remote(shared.get());
+  TieredBlockSource tiered(local.get(), &remote);
+  std::vector<AlignedBuffer> blocks;
+  std::vector<BlockHash> chain;
+  for (uint32_t c = 0; c < 4; ++c) {
+    blocks.push_back(MakeBlock(0, c, 70 + c));
+    chain.push_back(Key(700 + c));
+  }
+  const BlockName prefix = Name(blocks[0], chain[0]);
+  const uint64_t fp[] = {prefix.codec_fingerprint};
+  // Chunks 0-2 in the shared store only (another node computed them).
+  for (uint32_t c = 0; c < 3; ++c) {
+    ASSERT_TRUE(shared->Put(Name(blocks[c], chain[c]), c > 0 ? &chain[c - 1] : nullptr,
+                            blocks[c].span()).ok());
+  }
+  EXPECT_EQ(*tiered.Lookup(prefix, chain, fp), 3u);
+  ASSERT_TRUE(tiered.Get(Name(blocks[1], chain[1])).ok());
+  EXPECT_EQ(tiered.stats().remote_hits, 1u);
+  // This node computes all 4: both tiers get them (the shared store's answers returned).
+  std::vector<PutItem> items;
+  for (uint32_t c = 0; c < 4; ++c) {
+    items.push_back({.name = Name(blocks[c], chain[c]),
+                     .parent = c > 0 ? std::optional<BlockHash>(chain[c - 1]) : std::nullopt,
+                     .block = SharedBytes::FromBuffer(MakeBlock(0, c, 70 + c))});
+  }
+  absl::StatusOr<std::vector<absl::Status>> put = tiered.PutMany(items);
+  ASSERT_TRUE(put.ok()) << put.status();
+  for (const absl::Status& st : *put) EXPECT_TRUE(st.ok()) << st;
+  EXPECT_EQ(local->Lookup(prefix, chain, fp).chunks, 4u);
+  EXPECT_EQ(shared->Lookup(prefix, chain, fp).chunks, 4u);
+  absl::StatusOr<SharedBytes> got = tiered.Get(Name(blocks[3], chain[3]));
+  ASSERT_TRUE(got.ok());
+  EXPECT_EQ(tiered.stats().local_hits, 1u);
+  EXPECT_EQ(std::memcmp(got->data(), blocks[3].data(), blocks[3].size()), 0);
+  EXPECT_FALSE(tiered.verified_on_get());  // the shared store's bytes are verified on use
+  // Without a shared store (or with it gone), the local tier answers alone.
+  TieredBlockSource alone(local.get(), nullptr);
+  EXPECT_EQ(*alone.Lookup(prefix, chain, fp), 4u);
+  EXPECT_TRUE(alone.verified_on_get());
+  EXPECT_EQ(alone.Get(Name(MakeBlock(0, 9, 1), Key(799))).status().code(),
+            absl::StatusCode::kNotFound);
 }
 
 }  // namespace

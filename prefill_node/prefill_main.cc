@@ -10,7 +10,11 @@
 #include "absl/strings/str_cat.h"
 #include "cluster/cluster_file.h"
 #include "cluster/node_process.h"
+#include "common/byte_size.h"
+#include "kvstore/block_source.h"
+#include "kvstore/block_store.h"
 #include "kvstore/store_client.h"
+#include "kvstore/store_service.h"
 #include "prefill_node/prefill_engine.h"
 #include "prefill_node/prefill_service.h"
 #include "transport/ucx/ucx_transport.h"
@@ -23,6 +27,9 @@ ABSL_FLAG(int, max_concurrent, 1, "prompts computed at once");
 ABSL_FLAG(int64_t, max_queued_tokens, 1 << 20, "prompt tokens waiting or computing; more: 429");
 ABSL_FLAG(int, ship_timeout_ms, 30000, "per block, send to acknowledgement");
 ABSL_FLAG(bool, put_to_store, true, "Put newly computed chunks in the store");
+ABSL_FLAG(std::string, local_ram_bytes, "0",
+          "the node's own RAM tier of blocks, in front of the shared store (0: none); the router "
+          "sends a prompt to the node that holds its prefix");
 ABSL_FLAG(std::string, ucx_tls, "", "UCX transports (UCX_TLS), e.g. tcp; empty: UCX's choice");
 
 namespace {
@@ -69,6 +76,27 @@ int main(int argc, char** argv) {
 
   absl::StatusOr<cl::StoreConnection> store = cl::ConnectStore(*spec);
   if (!store.ok()) return Fail("store", store.status());
+  // The node's own RAM tier in front of the shared store, served (Store service) on the node's
+  // gRPC port so that the router's prefix index knows what this node holds.
+  uint64_t local_bytes = 0;
+  if (!strata::ParseByteSize(absl::GetFlag(FLAGS_local_ram_bytes), &local_bytes)) {
+    std::cerr << "strata-prefill: --local_ram_bytes: '" << absl::GetFlag(FLAGS_local_ram_bytes)
+              << "' is not a byte count (e.g. 0, 512M, 8G)\n";
+    return 2;
+  }
+  std::unique_ptr<strata::kvstore::BlockStore> local;
+  std::unique_ptr<strata::kvstore::TieredBlockSource> tiered;
+  std::unique_ptr<strata::kvstore::StoreService> local_service;
+  strata::kvstore::BlockSource* blocks = store->source.get();
+  if (local_bytes > 0) {
+    absl::StatusOr<std::unique_ptr<strata::kvstore::BlockStore>> l =
+        strata::kvstore::BlockStore::Open({.ram_bytes = local_bytes});
+    if (!l.ok()) return Fail("local tier", l.status(), 2);
+    local = *std::move(l);
+    tiered = std::make_unique<strata::kvstore::TieredBlockSource>(local.get(), blocks);
+    local_service = std::make_unique<strata::kvstore::StoreService>(local.get(), size_t{64} << 20);
+    blocks = tiered.get();
+  }
 
   strata::transport::UcxTransportOptions to;
   to.listen_host = "";  // a prefill node only connects to decode nodes
@@ -86,18 +114,20 @@ int main(int argc, char** argv) {
   eo.ship_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_ship_timeout_ms));
   eo.put_to_store = absl::GetFlag(FLAGS_put_to_store);
   absl::StatusOr<std::unique_ptr<strata::prefill::PrefillEngine>> engine =
-      strata::prefill::PrefillEngine::Create(eo, served->model.get(), transport->get(),
-                                             store->source.get());
+      strata::prefill::PrefillEngine::Create(eo, served->model.get(), transport->get(), blocks);
   if (!engine.ok()) return Fail("engine", engine.status(), 2);
 
   auto registry = std::make_shared<prometheus::Registry>();
   strata::prefill::PrefillService service(
       engine->get(),
-      {.node_id = self->id, .model_name = served->name, .incarnation = cl::NewIncarnation()},
+      {.node_id = self->id,
+       .model_name = served->name,
+       .incarnation = cl::NewIncarnation(),
+       .local_tier_bytes = local_bytes},
       registry.get());
   int port = 0;
   absl::StatusOr<std::unique_ptr<grpc::Server>> server =
-      cl::StartGrpcServer(&service, listen, &port);
+      cl::StartGrpcServer({&service, local_service.get()}, listen, &port);
   if (!server.ok()) return Fail("gRPC", server.status());
   std::unique_ptr<prometheus::Exposer> exposer;
   if (!metrics_address.empty()) {
@@ -108,7 +138,9 @@ int main(int argc, char** argv) {
   }
   cl::Log("", absl::StrCat("serving ", served->name, " (codec ", spec->codec, ", chunk ",
                            spec->chunk_tokens, ") on port ", port, "; store ",
-                           spec->store.empty() ? "none" : spec->store, "; metrics ",
+                           spec->store.empty() ? "none" : spec->store, "; local tier ",
+                           local_bytes > 0 ? absl::StrCat(local_bytes >> 20, " MiB") : "none",
+                           "; metrics ",
                            metrics_address.empty() ? "off" : metrics_address));
   std::cout << "strata-prefill: serving on port " << port << std::endl;
   const int sig = cl::WaitForTermination();

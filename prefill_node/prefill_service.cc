@@ -140,6 +140,7 @@ grpc::Status PrefillService::Load(grpc::ServerContext*, const strata::v1::LoadRe
   response->set_queued_prefill_tokens(load.queued_tokens);
   response->set_active_requests(load.active);
   response->set_incarnation(options_.incarnation);
+  response->set_local_tier_bytes(options_.local_tier_bytes);
   return grpc::Status::OK;
 }
 

@@ -39,6 +39,7 @@ struct PrefillServiceOptions {
   std::string node_id = "";
   std::string model_name = "";
   uint64_t incarnation = 0;
+  uint64_t local_tier_bytes = 0;  // the node's own RAM tier (0: none); reported by Load
 };
 
 class PrefillService final : public strata::v1::PrefillNode::Service {

@@ -318,6 +318,7 @@ ClusterBackend::~ClusterBackend() {
   if (poller_.joinable()) poller_.join();
   store_watch_.reset();
   store_client_.reset();
+  node_feeds_.clear();
   // Cancel what is left (the HTTP server was stopped first, so nothing new arrives) without
   // holding calls_mu_: a cancellation may run the calls' callbacks on this thread.
   std::vector<std::shared_ptr<Request>> live;
@@ -344,6 +345,7 @@ void ClusterBackend::PollLoop() {
     lock.unlock();
     pool_->PollOnce();
     MaybeConnectStore();
+    MaybeWatchNodeTiers();
     std::vector<std::shared_ptr<const NodeConnection>> retired;
     {
       std::lock_guard<std::mutex> calls_lock(calls_mu_);
@@ -386,6 +388,38 @@ void ClusterBackend::MaybeConnectStore() {
   store_client_ = *std::move(c);
   cluster::Log("", absl::StrCat("store ", options_.spec.store, " connected; watching its blocks"));
   watch();
+}
+
+void ClusterBackend::MaybeWatchNodeTiers() {
+  for (const NodeStatus& s : pool_->Status()) {
+    if (s.spec.role != cluster::Role::kPrefill || !s.healthy ||
+        s.report.local_tier_bytes() == 0) {
+      continue;
+    }
+    NodeFeed& f = node_feeds_[s.spec.id];
+    if (f.feed == nullptr) {
+      f.feed = std::make_unique<StoreFeed>(index_.get(), s.spec.id, layer_names_, HolderKind::kNode);
+      if (!f.feed->status().ok()) {
+        cluster::Log("", absl::StrCat("prefill node ", s.spec.id, ": ", f.feed->status().ToString()));
+      }
+    }
+    if (f.client == nullptr) {
+      absl::StatusOr<std::unique_ptr<kvstore::StoreClient>> c =
+          kvstore::StoreClient::Connect(s.spec.grpc, options_.store_connect_timeout);
+      if (!c.ok()) continue;  // the next poll tries again
+      f.client = *std::move(c);
+      StoreFeed* feed = f.feed.get();
+      f.watch = f.client->Watch(0, [feed](const kvstore::WatchUpdate& u) { feed->OnUpdate(u); });
+      cluster::Log("", absl::StrCat("prefill node ", s.spec.id, " has its own tier of ",
+                                    s.report.local_tier_bytes() >> 20,
+                                    " MiB; watching its blocks"));
+    } else if (f.feed->resync_needed()) {
+      f.watch.reset();
+      f.feed->ClearResync();
+      StoreFeed* feed = f.feed.get();
+      f.watch = f.client->Watch(0, [feed](const kvstore::WatchUpdate& u) { feed->OnUpdate(u); });
+    }
+  }
 }
 
 std::vector<ModelCard> ClusterBackend::Models() const {

@@ -57,6 +57,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <random>
@@ -165,6 +166,7 @@ class ClusterBackend final : public Backend {
   absl::Status Init();
   void PollLoop();
   void MaybeConnectStore();
+  void MaybeWatchNodeTiers();
 
   // Tokenization and the context check: the prompt tokens; *max_tokens resolved.
   absl::StatusOr<std::vector<uint32_t>> Tokenize(const CompletionRequest& request) const;
@@ -220,6 +222,14 @@ class ClusterBackend final : public Backend {
   // Store connection: the poller thread's alone.
   std::unique_ptr<kvstore::StoreClient> store_client_;
   std::unique_ptr<kvstore::StoreWatch> store_watch_;
+  // Prefill nodes with their own RAM tier (NodeLoad.local_tier_bytes): the watch of each feeds
+  // the index as a kNode holder named by the node's id. Poller thread only.
+  struct NodeFeed {
+    std::unique_ptr<StoreFeed> feed;
+    std::unique_ptr<kvstore::StoreClient> client;
+    std::unique_ptr<kvstore::StoreWatch> watch;  // declared last: stopped first
+  };
+  std::map<std::string, NodeFeed> node_feeds_;
   absl::Time next_store_attempt_ = absl::InfinitePast();
   bool store_down_logged_ = false;
 

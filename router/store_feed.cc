@@ -15,9 +15,10 @@ size_t StoreFeed::KeyHash::operator()(const BlockHash& key) const {
   return absl::Hash<uint64_t>{}(v);
 }
 
-StoreFeed::StoreFeed(PrefixIndex* index, std::string holder_id, std::vector<BlockName> layer_names)
+StoreFeed::StoreFeed(PrefixIndex* index, std::string holder_id, std::vector<BlockName> layer_names,
+                     HolderKind kind)
     : index_(index), holder_id_(std::move(holder_id)), layer_names_(std::move(layer_names)) {
-  status_ = index_->RegisterHolder({.id = holder_id_, .kind = HolderKind::kStore}, 0);
+  status_ = index_->RegisterHolder({.id = holder_id_, .kind = kind}, 0);
 }
 
 bool StoreFeed::Ours(const BlockName& name) const {

@@ -1,5 +1,6 @@
-// StoreFeed: turns the block store's Watch stream (kvstore/store_client.h) into PrefixIndex
-// events for the holder that stands for the shared store (HolderKind::kStore).
+// StoreFeed: turns a block store's Watch stream (kvstore/store_client.h) into PrefixIndex
+// events for the holder that stands for it: the shared store (HolderKind::kStore), or a prefill
+// node's own RAM tier (HolderKind::kNode, the holder id being the node's id).
 //
 //   StoreFeed feed(&index, "store", layer_names);
 //   auto watch = client->Watch(0, [&](const kvstore::WatchUpdate& u) { feed.OnUpdate(u); });
@@ -54,7 +55,8 @@ class StoreFeed {
   // `index` must outlive the feed. `layer_names[l]` is the name of this model's layer-l blocks
   // (its key is ignored): model, codec and calibration fingerprints. Registers `holder_id` as a
   // kStore holder at incarnation 0 (an error from RegisterHolder is returned by status()).
-  StoreFeed(PrefixIndex* index, std::string holder_id, std::vector<BlockName> layer_names);
+  StoreFeed(PrefixIndex* index, std::string holder_id, std::vector<BlockName> layer_names,
+            HolderKind kind = HolderKind::kStore);
   StoreFeed(const StoreFeed&) = delete;
   StoreFeed& operator=(const StoreFeed&) = delete;
 

@@ -7,6 +7,7 @@
 #                                [--port-base P] [--http-port P] [--model DIR] [--calibration F]
 #                                [--kv-budget BYTES] [--max-batch N] [--store-ram BYTES]
 #                                [--store-disk BYTES (0: no disk tier)] [--router-flag F]...
+#                                [--prefill-local-ram BYTES (each prefill node's own tier; 0: none)]
 #   deploy/local/cluster.sh down   [--dir DIR]
 #   deploy/local/cluster.sh status [--dir DIR]
 #   deploy/local/cluster.sh restart NAME [--dir DIR]   (NAME: store, prefill-0, decode-1, router...;
@@ -39,6 +40,7 @@ kv_budget="256M"
 max_batch=32
 store_ram="512M"
 store_disk="4G"
+prefill_local="0"
 extra_router=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -55,8 +57,9 @@ while [ $# -gt 0 ]; do
     --max-batch) max_batch="$2"; shift ;;
     --store-ram) store_ram="$2"; shift ;;
     --store-disk) store_disk="$2"; shift ;;
+    --prefill-local-ram) prefill_local="$2"; shift ;;
     --router-flag) extra_router+=("$2"); shift ;;
-    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
     *) echo "cluster.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -142,7 +145,8 @@ case "$cmd" in
     start store "$bin/kvstore/strata-store" --listen "127.0.0.1:$store_port" "${store_tiers[@]}" \
       --metrics_port $((port_base + 1))
     for i in $(seq 0 $((n_prefill - 1))); do
-      start "prefill-$i" "$bin/prefill_node/strata-prefill" --cluster "$dir/cluster.json" --node "prefill-$i"
+      start "prefill-$i" "$bin/prefill_node/strata-prefill" --cluster "$dir/cluster.json" --node "prefill-$i" \
+        --local_ram_bytes "$prefill_local"
     done
     for i in $(seq 0 $((n_decode - 1))); do
       start "decode-$i" "$bin/decode_node/strata-decode" --cluster "$dir/cluster.json" --node "decode-$i" \

@@ -521,6 +521,32 @@ class FaultTest(unittest.TestCase):
         finally:
             c.down()
 
+    def test_prefill_nodes_own_tiers_serve_their_prefixes_with_the_store_gone(self):
+        # Each prefill node keeps its own RAM tier in front of the store and serves it (Store
+        # service) on its gRPC port; the router watches it and sends a prompt to the node that
+        # holds its prefix. With the store killed, the second turn still hits, on that node.
+        c = Cluster("kivi:k4v4:g32", prefill=2, decode=1, extra=["--prefill-local-ram", "64M"])
+        try:
+            for _ in range(50):
+                with open(os.path.join(c.dir, "logs", "router.log")) as f:
+                    if f.read().count("has its own tier") == 2:
+                        break
+                time.sleep(0.1)
+            prompt = "Own tiers." + LONG * 2
+            text, _, events = complete(c, prompt, 8, stream=True, salt="own-tier")
+            first = routed_decode(c, json.loads(events[0])["id"], "prefill")
+            time.sleep(1.0)  # the node's block events reach the router
+            os.kill(c.pids()["store"], signal.SIGKILL)
+            _, usage, events = complete(c, prompt + text + " Next.", 8, stream=True,
+                                        salt="own-tier")
+            self.assertGreater(usage["prompt_tokens_details"]["cached_tokens"], 0)
+            self.assertEqual(routed_decode(c, json.loads(events[0])["id"], "prefill"), first)
+        except Exception:
+            print(c.logs())
+            raise
+        finally:
+            c.down()
+
     def test_store_killed_means_misses_not_failures_and_a_restart_keeps_the_disk_tier(self):
         c = Cluster("kivi:k4v4:g32", prefill=1, decode=1)
         try:
@@ -547,12 +573,12 @@ class FaultTest(unittest.TestCase):
             c.down()
 
 
-def routed_decode(c, request_id):
-    """The decode node the router chose for `request_id` (from its routing log line)."""
+def routed_decode(c, request_id, role="decode"):
+    """The decode (or prefill) node the router chose for `request_id` (its routing log line)."""
     with open(os.path.join(c.dir, "logs", "router.log")) as f:
         for line in f:
             if "[%s] routed" % request_id in line:
-                return re.search(r"decode=(\S+)", line).group(1)
+                return re.search(r"%s=([^\s,;)]+)" % role, line).group(1)
     raise RuntimeError("no routing line for " + request_id)
 
 
