@@ -132,14 +132,15 @@ TEST(KvEvaluationTest, KlToItsOwnReferenceIsZeroAndGrowsWithCompression) {
   absl::StatusOr<PerplexityResult> same =
       Perplexity(*model, ids, fp16, 128, 0, 256, nullptr, &reference);
   ASSERT_TRUE(same.ok()) << same.status();
-  EXPECT_NEAR(same->kl, 0, 1e-9);
+  // The reference is recorded in float: its rounding leaves KL within ~1e-9 of 0, either side.
+  EXPECT_NEAR(same->kl, 0, 1e-6);
   EXPECT_DOUBLE_EQ(same->ppl, base->ppl);
   KvCacheOptions kivi = fp16;
   kivi.codec = "kivi:k2v2:g32";
   absl::StatusOr<PerplexityResult> coarse =
       Perplexity(*model, ids, kivi, 128, 0, 256, nullptr, &reference);
   ASSERT_TRUE(coarse.ok()) << coarse.status();
-  EXPECT_GT(coarse->kl, 0);
+  EXPECT_GT(coarse->kl, 1e-5);
   EXPECT_LT(coarse->bits(), base->bits());
 }
 
