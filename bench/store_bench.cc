@@ -141,7 +141,8 @@ int Main(int argc, char** argv) {
   for (size_t block_target : {size_t{256} << 10, size_t{2} << 20}) {
     const uint32_t n = static_cast<uint32_t>((size_t{mib} << 20) / block_target);
     std::vector<AlignedBuffer> blocks;
-    for (uint32_t i = 0; i < std::min<uint32_t>(n, 64); ++i) blocks.push_back(MakeBlock(block_target, i));
+    // Each name is a chain of its own (Put without a parent): every block is a first chunk.
+    for (uint32_t i = 0; i < std::min<uint32_t>(n, 64); ++i) blocks.push_back(MakeBlock(block_target, 0));
     const size_t block = blocks[0].size();
     auto src = [&](uint32_t i) -> const AlignedBuffer& { return blocks[i % blocks.size()]; };
     std::vector<BlockName> names(n);

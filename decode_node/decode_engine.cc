@@ -324,6 +324,7 @@ void DecodeEngine::PutGenerated(Sequence& s) {
     STRATA_ASSIGN_OR_RETURN(std::vector<absl::Status> put,
                             store_->PutMany(PutItems(s, keys, from, to)));
     for (const absl::Status& st : put) {
+      if (absl::IsAlreadyExists(st)) continue;  // another writer's block holds the name
       STRATA_RETURN_IF_ERROR(st);
       std::lock_guard<std::mutex> lock(mu_);
       ++stats_.blocks_stored;
@@ -345,7 +346,10 @@ absl::Status DecodeEngine::Preempt(Sequence& s) {
   STRATA_ASSIGN_OR_RETURN(const std::vector<BlockHash> keys, ChunkKeys(s, s.cache->tokens()));
   STRATA_ASSIGN_OR_RETURN(std::vector<absl::Status> put,
                           store_->PutMany(PutItems(s, keys, 0, chunks)));
-  for (const absl::Status& st : put) STRATA_RETURN_IF_ERROR(st);
+  // A name another writer's block already holds serves the resume as well (first writer wins).
+  for (const absl::Status& st : put) {
+    if (!absl::IsAlreadyExists(st)) STRATA_RETURN_IF_ERROR(st);
+  }
   s.saved_windows.clear();
   for (uint32_t l = 0; l < s.cache->layers(); ++l) s.saved_windows.push_back(s.cache->ExportWindow(l));
   s.saved_bytes = KvBytes(s);

@@ -51,8 +51,13 @@ class BlockLog {
   // space around the live extents (left by a crash between an append and its index entry, or
   // between an index delete and its punch) is punched out. New files are numbered past every
   // file named, so that a record naming a lost file can never name a new one. Extents lying past
-  // a file's end are left to fail when read.
-  void Recover(absl::Span<const Extent> live);
+  // a file's end are left to fail when read. Returns the whole, verified blocks found in the
+  // space given back: blocks the index does not name (lost index records, or a crash between a
+  // block's append and its record; a freed block's space is punched, so it is not counted).
+  struct Unindexed {
+    uint64_t blocks = 0, bytes = 0;
+  };
+  Unindexed Recover(absl::Span<const Extent> live);
 
   // Writes `bytes` at the end of the current file (a new file when it would pass file_bytes).
   // Thread-safe; appends proceed in parallel.

@@ -2,6 +2,7 @@
 
 #include <cstring>
 #include <filesystem>
+#include <iostream>
 #include <random>
 #include <utility>
 
@@ -164,6 +165,11 @@ BlockStore::~BlockStore() {
 absl::Status BlockStore::OpenDisk() {
   rocksdb::Options o;
   o.create_if_missing = true;
+  // Stop replaying the WAL at its first damaged record (never skip one and replay later ones:
+  // the index would hold a child without its parent), and check what is read; what that drops
+  // is counted by the block log's Recover (index_lost_blocks).
+  o.wal_recovery_mode = rocksdb::WALRecoveryMode::kPointInTimeRecovery;
+  o.paranoid_checks = true;
   o.compression = rocksdb::kNoCompression;
   // Index records only (tens of bytes). The blob settings serve the blocks of stores written
   // before the block log, which RocksDB kept in blob files: read, deleted, garbage-collected.
@@ -213,7 +219,15 @@ absl::Status BlockStore::OpenDisk() {
     if (!HasChildrenLocked(key)) disk_policy_->Insert(e.id, e.bytes);
   }
   STRATA_RETURN_IF_ERROR(FromRocks(it->status(), "scan"));
-  log_->Recover(named);  // space nothing names goes back
+  // Space nothing names goes back; whole blocks found in it are what the index lost.
+  const BlockLog::Unindexed lost = log_->Recover(named);
+  if (lost.blocks > 0) {
+    stats_.index_lost_blocks += lost.blocks;
+    std::cerr << "store: " << options_.disk_path << ": " << lost.blocks << " blocks ("
+              << lost.bytes << " bytes) in the block log have no index record: a damaged or "
+              << "truncated write-ahead log, or a crash between a block's write and its record. "
+              << "They are dropped and their space reclaimed (strata_store_index_lost_blocks_total)\n";
+  }
   for (const std::string& k : bad) {
     DeleteDisk(k, Extent{});
     ++stats_.corruptions;
@@ -299,6 +313,17 @@ absl::Status BlockStore::PutBytes(const BlockName& name, const BlockHash* parent
         "/", absl::Hex(h.codec_fingerprint), "/", absl::Hex(h.calibration_fingerprint),
         ") does not match its name ", name.ToString()));
   }
+  // A chain's first chunk has no parent, and every later chunk has one.
+  if ((h.chunk_index > 0) != (parent != nullptr)) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++stats_.refused_puts;
+    return absl::InvalidArgumentError(absl::StrCat(
+        "store: ", name.ToString(), " is the block of chunk ", h.chunk_index,
+        h.chunk_index > 0 ? " but comes without its parent's key (every chunk after the first has "
+                            "one)"
+                          : " (a chain's first) but comes with a parent key"));
+  }
+  const uint32_t crc = LoadLE<uint32_t>(block.data() + 4);  // the block format's checksum field
   const std::string key = name.Encode();
   std::string parent_key;
   if (parent != nullptr) {
@@ -311,6 +336,13 @@ absl::Status BlockStore::PutBytes(const BlockName& name, const BlockHash* parent
     std::lock_guard<std::mutex> lock(mu_);
     ++stats_.puts;
     if (auto it = entries_.find(key); it != entries_.end()) {
+      if (it->second.bytes != block.size() ||
+          (it->second.crc32c != 0 && it->second.crc32c != crc)) {
+        ++stats_.put_conflicts;
+        return absl::AlreadyExistsError(absl::StrCat(
+            "store: ", name.ToString(), " holds another block already (", it->second.bytes,
+            " bytes); the first writer's stays"));
+      }
       ++stats_.duplicate_puts;
       if (it->second.ram) ram_policy_->Access(it->second.id);
       return absl::OkStatus();
@@ -338,10 +370,18 @@ absl::Status BlockStore::PutBytes(const BlockName& name, const BlockHash* parent
     if (entries_.contains(key) || (!parent_key.empty() && !entries_.contains(parent_key))) {
       // Raced with another Put of the same block, or the parent left meanwhile.
       if (through) log_->Free(where);
-      return entries_.contains(key) ? absl::OkStatus()
-                                    : absl::FailedPreconditionError(absl::StrCat(
-                                          "store: the parent of ", name.ToString(),
-                                          " was evicted during the Put"));
+      if (auto it = entries_.find(key); it != entries_.end()) {
+        if (it->second.bytes != block.size() ||
+            (it->second.crc32c != 0 && it->second.crc32c != crc)) {
+          ++stats_.put_conflicts;
+          return absl::AlreadyExistsError(absl::StrCat(
+              "store: ", name.ToString(), " holds another block already; the first writer's "
+              "stays"));
+        }
+        return absl::OkStatus();
+      }
+      return absl::FailedPreconditionError(absl::StrCat(
+          "store: the parent of ", name.ToString(), " was evicted during the Put"));
     }
     if (through) {
       STRATA_RETURN_IF_ERROR(IndexDiskLocked(key, parent_key, where));
@@ -350,6 +390,7 @@ absl::Status BlockStore::PutBytes(const BlockName& name, const BlockHash* parent
     fresh.parent = parent_key;
     fresh.id = next_id_++;
     fresh.bytes = block.size();
+    fresh.crc32c = crc;
     if (!parent_key.empty()) AddChildLocked(parent_key, key);
     if (through) {
       AddDiskLocked(key, entries_[key], where);

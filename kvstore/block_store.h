@@ -12,9 +12,16 @@
 // Semantics:
 // - Put is idempotent; a block whose checksum or structure fails is refused (kDataLoss), and so
 //   is a block whose header disagrees with its name (layer, fingerprints: kInvalidArgument).
-// - A block's parent is the previous chunk's block of the same layer (nullptr for chunk 0). A
-//   block whose parent is in no tier is refused (kFailedPrecondition), and when a block leaves
-//   every tier its descendants are dropped too: a chunk is only useful after its whole prefix.
+//   Another block under a name already stored (different bytes: two writers whose KV differed in
+//   rounding) is refused with kAlreadyExists and counted (put_conflicts): the first writer's
+//   bytes stay, and serving callers take that as stored.
+// - A block's parent is the previous chunk's block of the same layer: nullptr exactly for chunk
+//   0 (the block header's chunk_index; anything else is kInvalidArgument). A block whose parent
+//   is in no tier is refused (kFailedPrecondition), and when a block leaves every tier its
+//   descendants are dropped too: a chunk is only useful after its whole prefix.
+// - At Open, blocks in the block log that no index record names (RocksDB's WAL damaged or cut
+//   short: replay stops at the first bad record) are counted (index_lost_blocks) and logged,
+//   never silently dropped; their space is reclaimed.
 // - Codecs may differ per layer (TaDA's per-layer bits, the Strata mix): each layer's blocks
 //   carry (and are named by) that layer's own codec fingerprint, so Lookup takes one codec
 //   fingerprint per layer.
@@ -99,6 +106,13 @@ struct StoreStats {
   uint64_t ram_hits = 0, disk_hits = 0, misses = 0;
   uint64_t ram_evictions = 0, disk_evictions = 0, spills = 0, promotions = 0;
   uint64_t orphans_dropped = 0, corruptions = 0, deletes = 0;
+  // Put of another block under a name already stored: refused (ALREADY_EXISTS); the first
+  // writer's bytes stay.
+  uint64_t put_conflicts = 0;
+  // Found at Open: blocks in the block log that no index record names (a damaged or truncated
+  // RocksDB write-ahead log, or a crash between a block's append and its index record). Their
+  // space is reclaimed; the index cannot name them again (the log keeps bytes, not names).
+  uint64_t index_lost_blocks = 0;
   uint64_t ram_blocks = 0, ram_bytes = 0, disk_blocks = 0, disk_bytes = 0;
   uint64_t spill_queue_bytes = 0;
   uint64_t pool_idle_bytes = 0;  // freed block buffers kept for reuse (not counted in ram_bytes)
@@ -212,6 +226,7 @@ class BlockStore {
     Extent where;  // its bytes in the block log, while on_disk (file 0: in RocksDB, an old store)
     Held spilling;  // queued for write-back (still servable)
     bool announced = false;  // a kStored event (or the snapshot at Open) made it known
+    uint32_t crc32c = 0;     // the block's checksum (its header); 0: not known (loaded at Open)
   };
   explicit BlockStore(const StoreOptions& o);
   absl::Status OpenDisk();

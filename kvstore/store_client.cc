@@ -250,6 +250,8 @@ absl::StatusOr<StoreStats> StoreClient::Stats() {
       {"orphans_dropped", &StoreStats::orphans_dropped},
       {"corruptions", &StoreStats::corruptions},
       {"deletes", &StoreStats::deletes},
+      {"put_conflicts", &StoreStats::put_conflicts},
+      {"index_lost_blocks", &StoreStats::index_lost_blocks},
       {"ram_blocks", &StoreStats::ram_blocks},
       {"ram_bytes", &StoreStats::ram_bytes},
       {"disk_blocks", &StoreStats::disk_blocks},

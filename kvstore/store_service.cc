@@ -68,7 +68,8 @@ std::string StoreService::RenderMetrics() const {
       {"ram_hits", s.ram_hits}, {"disk_hits", s.disk_hits}, {"misses", s.misses},
       {"ram_evictions", s.ram_evictions}, {"disk_evictions", s.disk_evictions},
       {"spills", s.spills}, {"promotions", s.promotions}, {"orphans_dropped", s.orphans_dropped},
-      {"corruptions", s.corruptions}, {"deletes", s.deletes}};
+      {"corruptions", s.corruptions}, {"deletes", s.deletes}, {"put_conflicts", s.put_conflicts},
+      {"index_lost_blocks", s.index_lost_blocks}};
   for (const auto& [name, v] : counters) {
     RenderMetric(absl::StrCat("strata_store_", name, "_total"), "counter",
                  absl::StrCat("store ", name), static_cast<double>(v), &out);
@@ -225,6 +226,8 @@ grpc::Status StoreService::Stats(grpc::ServerContext*, const strata::v1::StatsRe
   m["orphans_dropped"] = s.orphans_dropped;
   m["corruptions"] = s.corruptions;
   m["deletes"] = s.deletes;
+  m["put_conflicts"] = s.put_conflicts;
+  m["index_lost_blocks"] = s.index_lost_blocks;
   m["ram_blocks"] = s.ram_blocks;
   m["ram_bytes"] = s.ram_bytes;
   m["disk_blocks"] = s.disk_blocks;

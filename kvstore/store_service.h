@@ -3,7 +3,9 @@
 // size, keys that are not 32 bytes, oversized blocks, corrupt blocks, empty chains and
 // layer_codec_fingerprints that disagree with `layers` get INVALID_ARGUMENT with a message that
 // says which field; misses are NOT_FOUND; a block whose parent is not stored is
-// FAILED_PRECONDITION. PutStream answers each block with what Put would have (in order), and
+// FAILED_PRECONDITION; another block under a name already stored is ALREADY_EXISTS (the first
+// writer's stays); a chunk's block without its parent key, or a first chunk's with one, is
+// INVALID_ARGUMENT. PutStream answers each block with what Put would have (in order), and
 // fails as a whole only when the stream breaks. Watch streams the store's block events (a
 // snapshot first when the client has none or fell behind, see BlockEvent in store.proto) until
 // the client cancels (CANCELLED) or Stop() (UNAVAILABLE).

@@ -325,6 +325,7 @@ absl::StatusOr<PrefillResult> PrefillEngine::Run(const PrefillRequest& r,
     absl::Status failed = put.status();
     if (put.ok()) {
       for (const absl::Status& st : *put) {
+        if (absl::IsAlreadyExists(st)) continue;  // another writer's block holds the name
         if (!st.ok()) {
           failed = st;  // the first failure; later chunks of its chain are orphans
           break;
