@@ -44,31 +44,73 @@ void Punch(int fd, uint64_t from, uint64_t to) {
             static_cast<off_t>(to - from));
 }
 
-// Whole, verified blocks lying in [from, to) of `fd` at kAlign boundaries (where Append puts
-// them): what an index that names none of them has lost. Reads only such candidates.
-void CountBlocks(int fd, uint64_t from, uint64_t to, BlockLog::Unindexed* out) {
+// A tag record before a block: "SKVT", the tag's length, its CRC-32C, 4 zero bytes, the tag;
+// the block starts at the next 64-byte boundary (so an extent's record starts on the kAlign
+// boundary at or below the block).
+constexpr uint32_t kTagMagic = 0x54564b53u;  // bytes "SKVT"
+constexpr uint64_t kTagHead = 16;
+
+uint64_t TagBytes(size_t tag) { return tag == 0 ? 0 : (kTagHead + tag + 63) / 64 * 64; }
+
+uint64_t RoundDown(uint64_t n) { return n / BlockLog::kAlign * BlockLog::kAlign; }
+
+bool ReadAll(int fd, uint64_t at, void* out, uint64_t n) {
+  auto* p = static_cast<uint8_t*>(out);
+  for (uint64_t done = 0; done < n;) {
+    const ssize_t r = pread(fd, p + done, n - done, static_cast<off_t>(at + done));
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return false;
+    done += static_cast<uint64_t>(r);
+  }
+  return true;
+}
+
+// The whole, verified block at `at` (no further than `to`): its size, or 0.
+uint64_t VerifiedBlockAt(int fd, uint64_t at, uint64_t to, std::vector<uint8_t>* buf) {
+  uint8_t head[16];
+  if (at + 16 > to || !ReadAll(fd, at, head, sizeof(head)) || LoadLE<uint32_t>(head) != kBlockMagic) {
+    return 0;
+  }
+  const uint64_t total = LoadLE<uint32_t>(head + 12);
+  if (total < 16 || at + total > to) return 0;
+  buf->resize(total);
+  if (!ReadAll(fd, at, buf->data(), total) ||
+      Crc32c(buf->data() + 8, total - 8) != LoadLE<uint32_t>(buf->data() + 4)) {
+    return 0;
+  }
+  return total;
+}
+
+// Blocks (tagged or not) lying in [from, to) of file `n` at kAlign boundaries.
+void ScanRecords(uint32_t n, int fd, uint64_t from, uint64_t to,
+                 std::vector<BlockLog::Record>* out) {
   std::vector<uint8_t> buf;
   for (uint64_t at = RoundUp(from); at + 16 <= to;) {
-    uint8_t head[16];
-    if (pread(fd, head, sizeof(head), static_cast<off_t>(at)) != sizeof(head) ||
-        LoadLE<uint32_t>(head) != kBlockMagic) {
+    uint8_t head[kTagHead];
+    if (!ReadAll(fd, at, head, sizeof(head))) break;
+    std::string tag;
+    uint64_t block_at = at;
+    if (LoadLE<uint32_t>(head) == kTagMagic) {
+      const uint32_t len = LoadLE<uint32_t>(head + 4);
+      if (len == 0 || len > BlockLog::kMaxTag || at + TagBytes(len) > to) {
+        at += BlockLog::kAlign;
+        continue;
+      }
+      tag.resize(len);
+      if (!ReadAll(fd, at + kTagHead, tag.data(), len) ||
+          Crc32c(tag.data(), len) != LoadLE<uint32_t>(head + 8)) {
+        at += BlockLog::kAlign;
+        continue;
+      }
+      block_at = at + TagBytes(len);
+    }
+    const uint64_t size = VerifiedBlockAt(fd, block_at, to, &buf);
+    if (size == 0) {
       at += BlockLog::kAlign;
       continue;
     }
-    const uint64_t total = LoadLE<uint32_t>(head + 12);
-    if (total < 16 || at + total > to) {
-      at += BlockLog::kAlign;
-      continue;
-    }
-    buf.resize(total);
-    if (pread(fd, buf.data(), total, static_cast<off_t>(at)) != static_cast<ssize_t>(total) ||
-        Crc32c(buf.data() + 8, total - 8) != LoadLE<uint32_t>(buf.data() + 4)) {
-      at += BlockLog::kAlign;
-      continue;
-    }
-    ++out->blocks;
-    out->bytes += total;
-    at = RoundUp(at + total);
+    out->push_back({.where = {.file = n, .offset = block_at, .size = size}, .tag = std::move(tag)});
+    at = RoundUp(block_at + size);
   }
 }
 
@@ -111,49 +153,77 @@ std::string BlockLog::PathOf(uint32_t n) const {
   return (std::filesystem::path(dir_) / absl::StrCat(n, ".log")).string();
 }
 
-BlockLog::Unindexed BlockLog::Recover(absl::Span<const Extent> live) {
-  std::map<uint32_t, std::vector<std::pair<uint64_t, uint64_t>>> by_file;  // [offset, end)
-  for (const Extent& e : live) by_file[e.file].emplace_back(e.offset, e.offset + e.size);
-  Unindexed lost;
+std::vector<BlockLog::Record> BlockLog::FindUnindexed(absl::Span<const Extent> live) const {
+  std::map<uint32_t, std::vector<std::pair<uint64_t, uint64_t>>> by_file;  // [record, end)
+  for (const Extent& e : live) by_file[e.file].emplace_back(RoundDown(e.offset), e.offset + e.size);
+  std::vector<Record> found;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& [n, f] : files_) {
+    struct stat st {};
+    const uint64_t size = fstat(f->fd, &st) == 0 ? static_cast<uint64_t>(st.st_size) : 0;
+    std::vector<std::pair<uint64_t, uint64_t>> xs;
+    if (auto it = by_file.find(n); it != by_file.end()) xs = it->second;
+    std::sort(xs.begin(), xs.end());
+    uint64_t at = 0;
+    for (const auto& [from, to] : xs) {
+      if (from > at) ScanRecords(n, f->fd, at, from, &found);
+      at = std::max(at, RoundUp(to));
+    }
+    if (size > at) ScanRecords(n, f->fd, at, size, &found);
+  }
+  return found;
+}
+
+void BlockLog::Recover(absl::Span<const Extent> live) {
+  std::map<uint32_t, std::vector<std::pair<uint64_t, uint64_t>>> by_file;  // [record, end)
+  std::map<uint32_t, uint64_t> live_bytes;  // block bytes only, as Append and Free count them
+  for (const Extent& e : live) {
+    by_file[e.file].emplace_back(RoundDown(e.offset), e.offset + e.size);
+    live_bytes[e.file] += e.size;
+  }
   std::lock_guard<std::mutex> lock(mu_);
   if (!by_file.empty()) next_file_ = std::max(next_file_, by_file.rbegin()->first + 1);
   std::vector<uint32_t> dead;
   for (auto& [n, f] : files_) {
-    struct stat st {};
-    const uint64_t size = fstat(f->fd, &st) == 0 ? static_cast<uint64_t>(st.st_size) : 0;
     auto it = by_file.find(n);
     if (it == by_file.end()) {
-      CountBlocks(f->fd, 0, size, &lost);
       dead.push_back(n);
       continue;
     }
     std::vector<std::pair<uint64_t, uint64_t>>& xs = it->second;
     std::sort(xs.begin(), xs.end());
+    struct stat st {};
+    const uint64_t size = fstat(f->fd, &st) == 0 ? static_cast<uint64_t>(st.st_size) : 0;
     uint64_t at = 0;
-    f->live = 0;
+    f->live = live_bytes[n];
     for (const auto& [from, to] : xs) {
-      if (from >= at) {
-        CountBlocks(f->fd, at, from, &lost);
-        Punch(f->fd, at, from);
-      }
+      if (from >= at) Punch(f->fd, at, from);
       at = std::max(at, RoundUp(to));
-      f->live += to - from;
     }
-    if (size > at) {
-      CountBlocks(f->fd, at, size, &lost);
-      Punch(f->fd, at, size);
-    }
+    if (size > at) Punch(f->fd, at, size);
   }
   for (uint32_t n : dead) DeleteLocked(n);
-  return lost;
 }
 
-absl::StatusOr<Extent> BlockLog::Append(absl::Span<const uint8_t> bytes) {
+absl::StatusOr<Extent> BlockLog::Append(absl::Span<const uint8_t> bytes, absl::string_view tag) {
+  if (tag.size() > kMaxTag) {
+    return absl::InvalidArgumentError(absl::StrCat("store: a block log tag of ", tag.size(),
+                                                   " bytes (at most ", kMaxTag, ")"));
+  }
+  const uint64_t head = TagBytes(tag.size());
+  std::vector<uint8_t> record(head, 0);
+  if (head > 0) {
+    StoreLE<uint32_t>(record.data(), kTagMagic);
+    StoreLE<uint32_t>(record.data() + 4, static_cast<uint32_t>(tag.size()));
+    StoreLE<uint32_t>(record.data() + 8, Crc32c(tag.data(), tag.size()));
+    std::memcpy(record.data() + kTagHead, tag.data(), tag.size());
+  }
   std::shared_ptr<File> f;
   Extent e{.size = bytes.size()};
+  uint64_t start = 0;  // where the record (tag, then block) begins
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (active_ == 0 || (active_end_ > 0 && active_end_ + bytes.size() > file_bytes_)) {
+    if (active_ == 0 || (active_end_ > 0 && active_end_ + head + bytes.size() > file_bytes_)) {
       const uint32_t old = active_;
       auto nf = std::make_shared<File>();
       nf->number = next_file_;
@@ -168,9 +238,20 @@ absl::StatusOr<Extent> BlockLog::Append(absl::Span<const uint8_t> bytes) {
     }
     f = files_.at(active_);
     e.file = active_;
-    e.offset = active_end_;
-    active_end_ = RoundUp(active_end_ + bytes.size());
+    start = active_end_;
+    e.offset = start + head;
+    active_end_ = RoundUp(e.offset + bytes.size());
     f->live += bytes.size();
+  }
+  for (uint64_t done = 0; done < head;) {
+    const ssize_t n = pwrite(f->fd, record.data() + done, head - done, static_cast<off_t>(start + done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const absl::Status s = absl::UnavailableError(Errno("write", f->path));
+      Free(e);
+      return s;
+    }
+    done += static_cast<uint64_t>(n);
   }
   for (uint64_t done = 0; done < bytes.size();) {
     const ssize_t n = pwrite(f->fd, bytes.data() + done, bytes.size() - done,
@@ -240,7 +321,7 @@ void BlockLog::Free(const Extent& e) {
       return;
     }
   }
-  Punch(f->fd, e.offset, RoundUp(e.offset + e.size));
+  Punch(f->fd, RoundDown(e.offset), RoundUp(e.offset + e.size));  // its tag too
 }
 
 absl::Status BlockLog::Sync() {

@@ -21,9 +21,11 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 
 namespace strata::kvstore {
@@ -47,21 +49,30 @@ class BlockLog {
   BlockLog(const BlockLog&) = delete;
   BlockLog& operator=(const BlockLog&) = delete;
 
+  // A block found in the log that the index given to FindUnindexed does not name.
+  struct Record {
+    Extent where;     // the block's bytes (verified: magic, size, CRC-32C)
+    std::string tag;  // what Append was given with it ("" for a block written without one)
+  };
+  // After Open and before Recover: the whole, verified blocks lying outside `live` (the extents
+  // the index holds): what the index lost (a damaged or cut-short RocksDB WAL; a crash between a
+  // block's append and its index record), or, for a store rebuilding its index, everything. A
+  // block whose tag names it can be indexed again (its extent then passed to Recover as live).
+  std::vector<Record> FindUnindexed(absl::Span<const Extent> live) const;
+
   // Once, after Open, with every extent the index holds: files holding none are deleted, and the
   // space around the live extents (left by a crash between an append and its index entry, or
   // between an index delete and its punch) is punched out. New files are numbered past every
   // file named, so that a record naming a lost file can never name a new one. Extents lying past
-  // a file's end are left to fail when read. Returns the whole, verified blocks found in the
-  // space given back: blocks the index does not name (lost index records, or a crash between a
-  // block's append and its record; a freed block's space is punched, so it is not counted).
-  struct Unindexed {
-    uint64_t blocks = 0, bytes = 0;
-  };
-  Unindexed Recover(absl::Span<const Extent> live);
+  // a file's end are left to fail when read.
+  void Recover(absl::Span<const Extent> live);
 
-  // Writes `bytes` at the end of the current file (a new file when it would pass file_bytes).
-  // Thread-safe; appends proceed in parallel.
-  absl::StatusOr<Extent> Append(absl::Span<const uint8_t> bytes);
+  // Writes `bytes` at the end of the current file (a new file when it would pass file_bytes),
+  // after `tag` (at most kMaxTag bytes; the store's is the block's name and parent: what an index
+  // rebuilt from the log needs). The extent is the block's alone. Thread-safe; appends proceed
+  // in parallel.
+  static constexpr size_t kMaxTag = 1024;
+  absl::StatusOr<Extent> Append(absl::Span<const uint8_t> bytes, absl::string_view tag = {});
   // Reads `e` into `out` (out.size() == e.size). DATA_LOSS when the file is gone or ends early.
   absl::Status Read(const Extent& e, absl::Span<uint8_t> out) const;
   bool Has(uint32_t file) const;

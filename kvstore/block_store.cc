@@ -59,8 +59,8 @@ bool DecodeMeta(absl::string_view v, std::string* parent, uint64_t* size, Extent
     where->file = LoadLE<uint32_t>(p + 8);
     where->offset = LoadLE<uint64_t>(p + 12);
     where->size = *size;
-    if (where->file == 0 || where->file > BlockLog::kMaxFile ||
-        where->offset % BlockLog::kAlign != 0) {
+    // A block starts 64-byte aligned: on a kAlign boundary, or after its log tag there.
+    if (where->file == 0 || where->file > BlockLog::kMaxFile || where->offset % 64 != 0) {
       return false;
     }
   }
@@ -69,6 +69,10 @@ bool DecodeMeta(absl::string_view v, std::string* parent, uint64_t* size, Extent
 
 // Whether a block's header is that of the block `name` stands for (its key aside, which the
 // header does not carry).
+// What the block log keeps before a block: its encoded name and its parent's (none for a first
+// chunk), so that an index lost or damaged can be rebuilt from the log alone.
+std::string LogTag(const std::string& key, const std::string& parent) { return key + parent; }
+
 bool HeaderMatches(const BlockHeader& h, const BlockName& name) {
   return h.layer == name.layer && h.model_fingerprint == name.model_fingerprint &&
          h.codec_fingerprint == name.codec_fingerprint &&
@@ -147,7 +151,7 @@ BlockStore::~BlockStore() {
       auto it = entries_.find(key);
       if (it == entries_.end() || it->second.on_disk) continue;
       if (disk_used_ + bytes->size() > options_.disk_bytes) break;
-      absl::StatusOr<Extent> where = log_->Append(bytes->span());
+      absl::StatusOr<Extent> where = log_->Append(bytes->span(), LogTag(key, it->second.parent));
       if (!where.ok() || !IndexDiskLocked(key, it->second.parent, *where).ok()) break;
       AddDiskLocked(key, it->second, *where);
     }
@@ -167,7 +171,7 @@ absl::Status BlockStore::OpenDisk() {
   o.create_if_missing = true;
   // Stop replaying the WAL at its first damaged record (never skip one and replay later ones:
   // the index would hold a child without its parent), and check what is read; what that drops
-  // is counted by the block log's Recover (index_lost_blocks).
+  // is indexed again from the block log's records (ReindexLocked) or counted.
   o.wal_recovery_mode = rocksdb::WALRecoveryMode::kPointInTimeRecovery;
   o.paranoid_checks = true;
   o.compression = rocksdb::kNoCompression;
@@ -179,8 +183,31 @@ absl::Status BlockStore::OpenDisk() {
   o.enable_blob_garbage_collection = true;
   o.write_buffer_size = size_t{16} << 20;
   rocksdb::DB* db = nullptr;
-  STRATA_RETURN_IF_ERROR(FromRocks(rocksdb::DB::Open(o, options_.disk_path, &db),
-                                   absl::StrCat("open ", options_.disk_path)));
+  rocksdb::Status opened = rocksdb::DB::Open(o, options_.disk_path, &db);
+  if (!opened.ok() && options_.repair) {
+    // The index cannot be opened: set its files aside and rebuild it from the block log, whose
+    // records carry each block's name and parent.
+    const std::string aside = absl::StrCat(options_.disk_path, "/damaged-index-",
+                                           absl::ToUnixSeconds(absl::Now()));
+    std::error_code ec;
+    std::filesystem::create_directories(aside, ec);
+    for (const auto& entry : std::filesystem::directory_iterator(options_.disk_path, ec)) {
+      const std::string name = entry.path().filename().string();
+      if (name == "blocks" || name.rfind("damaged-index-", 0) == 0) continue;
+      std::filesystem::rename(entry.path(), std::filesystem::path(aside) / name, ec);
+    }
+    std::cerr << "store: " << options_.disk_path << ": the index would not open ("
+              << opened.ToString() << "); its files are in " << aside
+              << "; rebuilding it from the block log\n";
+    repaired_ = true;
+    opened = rocksdb::DB::Open(o, options_.disk_path, &db);
+  }
+  if (!opened.ok()) {
+    absl::Status s = FromRocks(opened, absl::StrCat("open ", options_.disk_path));
+    return absl::Status(s.code(), absl::StrCat(s.message(),
+                                              "; to rebuild the index from the block log (every "
+                                              "block whose bytes verify), start with --repair"));
+  }
   db_.reset(db);
   absl::StatusOr<std::unique_ptr<BlockLog>> log =
       BlockLog::Open((std::filesystem::path(options_.disk_path) / "blocks").string());
@@ -215,19 +242,15 @@ absl::Status BlockStore::OpenDisk() {
     disk_used_ += e.bytes;
     if (!parent.empty()) children_[parent].insert(key);
   }
+  STRATA_RETURN_IF_ERROR(FromRocks(it->status(), "scan"));
+  // Blocks the log holds that the index does not name (a damaged or cut-short write-ahead log, a
+  // crash between a block's append and its record, or a rebuilt index): indexed again when their
+  // record names them and their parent is there, parents first; counted as lost otherwise.
+  ReindexLocked(log_->FindUnindexed(named), &named);
   for (const auto& [key, e] : entries_) {  // the disk policy holds leaves only
     if (!HasChildrenLocked(key)) disk_policy_->Insert(e.id, e.bytes);
   }
-  STRATA_RETURN_IF_ERROR(FromRocks(it->status(), "scan"));
-  // Space nothing names goes back; whole blocks found in it are what the index lost.
-  const BlockLog::Unindexed lost = log_->Recover(named);
-  if (lost.blocks > 0) {
-    stats_.index_lost_blocks += lost.blocks;
-    std::cerr << "store: " << options_.disk_path << ": " << lost.blocks << " blocks ("
-              << lost.bytes << " bytes) in the block log have no index record: a damaged or "
-              << "truncated write-ahead log, or a crash between a block's write and its record. "
-              << "They are dropped and their space reclaimed (strata_store_index_lost_blocks_total)\n";
-  }
+  log_->Recover(named);  // space nothing names goes back
   for (const std::string& k : bad) {
     DeleteDisk(k, Extent{});
     ++stats_.corruptions;
@@ -244,6 +267,73 @@ absl::Status BlockStore::OpenDisk() {
   // What survived is the first snapshot's; only what happens from here on is an event.
   for (auto& [key, e] : entries_) e.announced = true;
   return absl::OkStatus();
+}
+
+void BlockStore::ReindexLocked(std::vector<BlockLog::Record> found, std::vector<Extent>* named) {
+  struct Candidate {
+    std::string key, parent;
+    Extent where;
+  };
+  std::vector<Candidate> candidates;
+  uint64_t lost = 0, lost_bytes = 0;
+  std::vector<uint8_t> bytes;
+  for (BlockLog::Record& r : found) {
+    const size_t n = BlockName::kEncodedBytes;
+    bool ok = r.tag.size() == n || r.tag.size() == 2 * n;
+    absl::StatusOr<BlockName> name = BlockName::Decode(absl::string_view(r.tag).substr(0, n));
+    ok = ok && name.ok() && r.where.size <= options_.max_block_bytes;
+    if (ok) {  // the block is the one its record names (FindUnindexed verified its checksum)
+      bytes.resize(r.where.size);
+      absl::StatusOr<BlockView> view = absl::InternalError("unread");
+      if (log_->Read(r.where, absl::MakeSpan(bytes)).ok()) view = BlockView::Parse(bytes);
+      ok = view.ok() && HeaderMatches(view->header(), *name) &&
+           (view->header().chunk_index > 0) == (r.tag.size() == 2 * n);
+    }
+    if (ok && entries_.contains(r.tag.substr(0, n))) continue;  // an older copy: space only
+    if (!ok) {
+      ++lost;
+      lost_bytes += r.where.size;
+      continue;
+    }
+    candidates.push_back({r.tag.substr(0, n), r.tag.substr(n), r.where});
+  }
+  uint64_t recovered = 0;
+  for (bool progress = true; progress;) {  // parents first
+    progress = false;
+    for (Candidate& c : candidates) {
+      if (c.key.empty() || entries_.contains(c.key)) continue;
+      if (!c.parent.empty() && !entries_.contains(c.parent)) continue;
+      if (!IndexDiskLocked(c.key, c.parent, c.where).ok()) continue;
+      Entry& e = entries_[c.key];
+      e.parent = c.parent;
+      e.id = next_id_++;
+      e.bytes = c.where.size;
+      e.on_disk = true;
+      e.where = c.where;
+      disk_ids_[e.id] = c.key;
+      disk_used_ += e.bytes;
+      if (!c.parent.empty()) children_[c.parent].insert(c.key);
+      named->push_back(c.where);
+      ++recovered;
+      c.key.clear();
+      progress = true;
+    }
+  }
+  for (const Candidate& c : candidates) {
+    if (c.key.empty()) continue;
+    ++lost;  // its parent is nowhere: an orphan
+    lost_bytes += c.where.size;
+  }
+  stats_.index_recovered_blocks += recovered;
+  stats_.index_lost_blocks += lost;
+  if (recovered > 0 || lost > 0) {
+    std::cerr << "store: " << options_.disk_path << ": " << recovered + lost
+              << " blocks in the block log had no index record (" << (repaired_ ? "a rebuilt index" :
+              "a damaged or cut-short write-ahead log, or a crash between a block's write and its "
+              "record") << "): " << recovered << " indexed again from their log records, " << lost
+              << " (" << lost_bytes << " bytes) dropped (no name in the log, or no parent); "
+              << "strata_store_index_recovered_blocks_total, strata_store_index_lost_blocks_total\n";
+  }
 }
 
 absl::Status BlockStore::IndexDiskLocked(const std::string& key, const std::string& parent,
@@ -360,7 +450,7 @@ absl::Status BlockStore::PutBytes(const BlockName& name, const BlockHash* parent
   }
   Extent where;  // the bytes go to the log now, the index record only once this Put wins (below)
   if (through) {
-    absl::StatusOr<Extent> written = log_->Append(block);
+    absl::StatusOr<Extent> written = log_->Append(block, LogTag(key, parent_key));
     if (!written.ok()) return written.status();
     where = *written;
   }
@@ -413,11 +503,14 @@ absl::Status BlockStore::PutBytes(const BlockName& name, const BlockHash* parent
     }
   }
   for (auto& [k, b] : write_through) {  // the write-back queue was full: write it ourselves
+    std::string tag;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (!entries_.contains(k)) continue;
+      auto it = entries_.find(k);
+      if (it == entries_.end()) continue;
+      tag = LogTag(k, it->second.parent);
     }
-    const absl::StatusOr<Extent> s = log_->Append(b->span());
+    const absl::StatusOr<Extent> s = log_->Append(b->span(), tag);
     std::lock_guard<std::mutex> lock(mu_);
     FinishWriteBackLocked(k, b, s);
   }
@@ -590,9 +683,10 @@ void BlockStore::SpillLoop() {
     spill_busy_ = true;
     auto it = entries_.find(key);
     const bool live = it != entries_.end() && it->second.spilling == bytes;
+    const std::string tag = live ? LogTag(key, it->second.parent) : "";
     lock.unlock();
     const absl::StatusOr<Extent> s =
-        live ? log_->Append(bytes->span()) : absl::StatusOr<Extent>(Extent{});
+        live ? log_->Append(bytes->span(), tag) : absl::StatusOr<Extent>(Extent{});
     lock.lock();
     spill_queued_bytes_ -= bytes->size();
     spill_busy_ = false;

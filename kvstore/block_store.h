@@ -99,6 +99,9 @@ struct StoreOptions {
   size_t max_block_bytes = size_t{64} << 20;     // larger Puts are refused
   bool durable_puts = true;                      // write through to disk before Put returns
   size_t event_ring = 65536;                     // events kept for ReadEvents (>= 1)
+  // When the index (RocksDB) cannot be opened: set its files aside (disk_path/damaged-index-T/)
+  // and rebuild it from the block log. Without it, Open fails and says so.
+  bool repair = false;
 };
 
 struct StoreStats {
@@ -109,9 +112,12 @@ struct StoreStats {
   // Put of another block under a name already stored: refused (ALREADY_EXISTS); the first
   // writer's bytes stay.
   uint64_t put_conflicts = 0;
-  // Found at Open: blocks in the block log that no index record names (a damaged or truncated
-  // RocksDB write-ahead log, or a crash between a block's append and its index record). Their
-  // space is reclaimed; the index cannot name them again (the log keeps bytes, not names).
+  // Found at Open: blocks in the block log that no index record names (a damaged or cut-short
+  // RocksDB write-ahead log, a crash between a block's append and its index record, or an index
+  // rebuilt by `repair`). Those whose log record names them (and whose parent is there) are
+  // indexed again; the others (written before blocks carried names, or orphans) are lost, their
+  // space reclaimed.
+  uint64_t index_recovered_blocks = 0;
   uint64_t index_lost_blocks = 0;
   uint64_t ram_blocks = 0, ram_bytes = 0, disk_blocks = 0, disk_bytes = 0;
   uint64_t spill_queue_bytes = 0;
@@ -248,6 +254,9 @@ class BlockStore {
   // racing Put of the same block, a block deleted or superseded meanwhile: their bytes are just
   // freed). So the index always names the entry's own copy, and a crash between the steps leaves
   // only log space, which the next open gives back. On failure the bytes are freed.
+  // Indexes again the blocks FindUnindexed found that their log records name (parents first),
+  // adding their extents to *named; counts and logs the rest. At Open.
+  void ReindexLocked(std::vector<BlockLog::Record> found, std::vector<Extent>* named);
   absl::Status IndexDiskLocked(const std::string& key, const std::string& parent,
                                const Extent& where);
   // Unindexes `key` and frees its bytes. Holds mu_.
@@ -266,6 +275,7 @@ class BlockStore {
   std::shared_ptr<BufferPool<AlignedBuffer>> pool_;
   std::unique_ptr<rocksdb::DB> db_;  // the disk tier's index (and blocks of older stores)
   std::unique_ptr<BlockLog> log_;    // the disk tier's blocks
+  bool repaired_ = false;            // this Open rebuilt the index (StoreOptions::repair)
   mutable std::mutex mu_;
   std::mutex disk_write_mu_;  // after mu_ when both are held
   std::condition_variable spill_cv_, spill_done_cv_;

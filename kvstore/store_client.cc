@@ -252,6 +252,7 @@ absl::StatusOr<StoreStats> StoreClient::Stats() {
       {"deletes", &StoreStats::deletes},
       {"put_conflicts", &StoreStats::put_conflicts},
       {"index_lost_blocks", &StoreStats::index_lost_blocks},
+      {"index_recovered_blocks", &StoreStats::index_recovered_blocks},
       {"ram_blocks", &StoreStats::ram_blocks},
       {"ram_bytes", &StoreStats::ram_bytes},
       {"disk_blocks", &StoreStats::disk_blocks},

@@ -22,6 +22,9 @@ ABSL_FLAG(std::string, disk_bytes, "0", "disk tier capacity");
 ABSL_FLAG(std::string, policy, "s3fifo", "RAM eviction policy: lru or s3fifo");
 ABSL_FLAG(std::string, max_block_bytes, "64M", "largest block accepted");
 ABSL_FLAG(bool, durable_puts, true, "write blocks through to disk before Put returns");
+ABSL_FLAG(bool, repair, false,
+          "when the disk tier's index will not open, set it aside and rebuild it from the block "
+          "log (every block whose bytes verify and whose log record names it)");
 ABSL_FLAG(int, metrics_port, 9464, "Prometheus metrics at http://HOST:PORT/metrics (-1: off)");
 ABSL_FLAG(std::string, metrics_host, "127.0.0.1", "address the metrics endpoint listens on");
 
@@ -46,6 +49,7 @@ int main(int argc, char** argv) {
   strata::kvstore::StoreOptions o;
   o.disk_path = absl::GetFlag(FLAGS_disk_path);
   o.durable_puts = absl::GetFlag(FLAGS_durable_puts);
+  o.repair = absl::GetFlag(FLAGS_repair);
   for (const auto& [flag, dst] : {std::pair{absl::GetFlag(FLAGS_ram_bytes), &o.ram_bytes},
                                   std::pair{absl::GetFlag(FLAGS_disk_bytes), &o.disk_bytes},
                                   std::pair{absl::GetFlag(FLAGS_max_block_bytes), &o.max_block_bytes}}) {

@@ -69,7 +69,8 @@ std::string StoreService::RenderMetrics() const {
       {"ram_evictions", s.ram_evictions}, {"disk_evictions", s.disk_evictions},
       {"spills", s.spills}, {"promotions", s.promotions}, {"orphans_dropped", s.orphans_dropped},
       {"corruptions", s.corruptions}, {"deletes", s.deletes}, {"put_conflicts", s.put_conflicts},
-      {"index_lost_blocks", s.index_lost_blocks}};
+      {"index_lost_blocks", s.index_lost_blocks},
+      {"index_recovered_blocks", s.index_recovered_blocks}};
   for (const auto& [name, v] : counters) {
     RenderMetric(absl::StrCat("strata_store_", name, "_total"), "counter",
                  absl::StrCat("store ", name), static_cast<double>(v), &out);
@@ -228,6 +229,7 @@ grpc::Status StoreService::Stats(grpc::ServerContext*, const strata::v1::StatsRe
   m["deletes"] = s.deletes;
   m["put_conflicts"] = s.put_conflicts;
   m["index_lost_blocks"] = s.index_lost_blocks;
+  m["index_recovered_blocks"] = s.index_recovered_blocks;
   m["ram_blocks"] = s.ram_blocks;
   m["ram_bytes"] = s.ram_bytes;
   m["disk_blocks"] = s.disk_blocks;
