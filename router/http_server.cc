@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
@@ -146,6 +147,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void WriteStream();
   void OnStreamWritten(error_code ec, bool last);
 
+  // With API keys: the tenant of the request's key; false (and a 401 sent) when it has none.
+  bool Authenticate(const Request& request);
+
   void RequestDone();
   void ClientGone();
   void LingerClose();
@@ -185,6 +189,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   bool streaming_ = false;
   bool stream_end_ = false;
   bool close_after_stream_ = false;
+  std::string tenant_;         // the request's tenant ("" without API keys)
+  bool tenant_slot_ = false;   // holds one of its tenant's in-flight places
   std::string pending_;    // stream bytes not yet handed to a write
   std::string write_buf_;  // stream bytes of the write in flight
   // When the backend handed over each token event in pending_ / in the write in flight (for
@@ -250,6 +256,21 @@ class ServerImpl final : public HttpServer {
   }
 
   const HttpServerOptions& options() const { return options_; }
+  // A place among the tenant's completions in flight; false when it holds its limit.
+  bool AcquireTenant(const std::string& tenant) {
+    absl::MutexLock lock(&tenants_mu_);
+    size_t& n = tenants_in_flight_[tenant];
+    if (options_.max_in_flight_per_tenant > 0 && n >= options_.max_in_flight_per_tenant) {
+      return false;
+    }
+    ++n;
+    return true;
+  }
+  void ReleaseTenant(const std::string& tenant) {
+    absl::MutexLock lock(&tenants_mu_);
+    auto it = tenants_in_flight_.find(tenant);
+    if (it != tenants_in_flight_.end() && --it->second == 0) tenants_in_flight_.erase(it);
+  }
   Backend* backend() const { return backend_; }
 
   void Unregister(Connection* c) {
@@ -299,6 +320,8 @@ class ServerImpl final : public HttpServer {
   std::vector<std::thread> threads_;
   absl::Mutex stop_mu_;
   bool stopped_ ABSL_GUARDED_BY(stop_mu_) = false;
+  absl::Mutex tenants_mu_;
+  absl::flat_hash_map<std::string, size_t> tenants_in_flight_ ABSL_GUARDED_BY(tenants_mu_);
 };
 
 // ---- ConnectionStream ------------------------------------------------------------------------
@@ -465,6 +488,7 @@ void Connection::HandleRequest(Request request) {
   if (target == "/v1/chat/completions") endpoint = Endpoint::kChatCompletions;
   if (endpoint.has_value()) {
     request_id_ = NewId(*endpoint == Endpoint::kChatCompletions ? "chatcmpl-" : "cmpl-");
+    if (!Authenticate(request)) return;
     if (!post) {
       SendError({405,
                  absl::StrCat("method ", Sv(request.method_string()), " is not allowed on ", target,
@@ -486,6 +510,7 @@ void Connection::HandleRequest(Request request) {
       return;
     }
     if (target == "/v1/models") {
+      if (!Authenticate(request)) return;
       SendResponse(200, "application/json", RenderModelList(backend->Models()));
     } else if (target == "/health") {
       std::string detail;
@@ -533,6 +558,16 @@ void Connection::HandleCompletion(const Request& http_request, Endpoint endpoint
     return;
   }
   CompletionRequest request = *std::move(parsed);
+  if (server_->options().api_keys != nullptr) {
+    if (!server_->AcquireTenant(tenant_)) {
+      SendError(ToApiError(absl::ResourceExhaustedError(absl::StrCat(
+          "tenant ", tenant_, " has ", server_->options().max_in_flight_per_tenant,
+          " requests in flight, its limit; retry when one has finished"))));
+      return;
+    }
+    tenant_slot_ = true;
+    request.cache_salt = TenantSalt(tenant_, request.cache_salt);
+  }
   request.request_id = request_id_;
   request.arrival = start_;
   ResponseContext ctx;
@@ -724,6 +759,26 @@ void Connection::OnStreamWritten(error_code ec, bool last) {
   NextRequest();
 }
 
+bool Connection::Authenticate(const Request& request) {
+  tenant_.clear();
+  const std::shared_ptr<const ApiKeys>& keys = server_->options().api_keys;
+  if (keys == nullptr) return true;
+  auto header = request.find(http::field::authorization);
+  const absl::string_view key =
+      header == request.end() ? absl::string_view() : BearerKey(Sv(header->value()));
+  std::optional<std::string> tenant = keys->TenantOf(key);
+  if (!tenant.has_value()) {
+    SendError({401,
+               key.empty() ? "You didn't provide an API key: send it as 'Authorization: Bearer "
+                             "KEY'"
+                           : "Incorrect API key provided",
+               "invalid_request_error", std::nullopt, "invalid_api_key"});
+    return false;
+  }
+  tenant_ = *std::move(tenant);
+  return true;
+}
+
 void Connection::RequestDone() {
   if (!in_flight_) return;
   if (server_->options().log_requests) {
@@ -731,6 +786,10 @@ void Connection::RequestDone() {
                             absl::ToDoubleMilliseconds(absl::Now() - start_)));
   }
   in_flight_ = false;
+  if (tenant_slot_) {
+    server_->ReleaseTenant(tenant_);
+    tenant_slot_ = false;
+  }
   if (stream_ != nullptr) stream_->Close();
   stream_.reset();
   handle_.reset();  // finished: destroying the handle cancels nothing

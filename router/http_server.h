@@ -35,6 +35,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "router/api_keys.h"
 #include "router/backend.h"
 
 namespace strata::router {
@@ -57,6 +58,12 @@ struct HttpServerOptions {
   // backend's CompletionStream::Token call to the end of the socket write that carried it to the
   // client: what the HTTP side adds to each token (the router's `token_relay` histogram).
   std::function<void(absl::Duration)> on_token_written;
+  // When set, /v1/* requests must carry `Authorization: Bearer KEY` with a listed key (401
+  // otherwise); the key's tenant goes first in the request's cache salt (api_keys.h). /health
+  // and /metrics stay open (probes, scrapers).
+  std::shared_ptr<const ApiKeys> api_keys;
+  // With api_keys: completions in flight per tenant at most (more: 429); 0 = no limit.
+  size_t max_in_flight_per_tenant = 0;
 
   absl::Status Validate() const;
 };

@@ -422,6 +422,77 @@ TEST_F(HttpServerTest, OverloadedBackendIs429WithRetryAfter) {
   EXPECT_TRUE(unavailable[http::field::retry_after].empty());
 }
 
+// With API keys: /v1/* needs a listed key (401 otherwise, OpenAI's error shape), the key's
+// tenant goes first in the cache salt, probes stay open, and a tenant holding its limit of
+// requests in flight gets 429 while another tenant is served.
+TEST_F(HttpServerTest, ApiKeysGateTheApiAndSaltEachTenantsPrefixes) {
+  server_->Stop();
+  HttpServerOptions options;
+  options.api_keys = std::make_shared<const ApiKeys>(*ApiKeys::Parse(
+      "sk-team-a-0123456789abcdef team-a\nsk-team-b-0123456789abcdef team-b\n", "test"));
+  options.max_in_flight_per_tenant = 1;
+  StartServer(options);
+  const std::string body = R"({"model":"tiny","prompt":"Hi","cache_salt":"mine"})";
+  auto call = [&](const std::string& target, const std::string& key, const std::string& b,
+                  http::verb verb = http::verb::post) {
+    Client client(port());
+    http::request<http::string_body> req{verb, target, 11};
+    req.set(http::field::host, "127.0.0.1");
+    req.set(http::field::content_type, "application/json");
+    if (!key.empty()) req.set(http::field::authorization, "Bearer " + key);
+    req.body() = b;
+    req.prepare_payload();
+    http::write(client.socket(), req);
+    return client.Read();
+  };
+  auto missing = call("/v1/completions", "", body);
+  EXPECT_EQ(missing.result_int(), 401);
+  EXPECT_EQ(json::parse(missing.body())["error"]["code"], "invalid_api_key");
+  EXPECT_THAT(json::parse(missing.body())["error"]["message"].get<std::string>(),
+              HasSubstr("didn't provide an API key"));
+  auto wrong = call("/v1/completions", "sk-team-c-0123456789abcdef", body);
+  EXPECT_EQ(wrong.result_int(), 401);
+  EXPECT_EQ(call("/v1/models", "", "", http::verb::get).result_int(), 401);
+  EXPECT_EQ(call("/v1/models", "sk-team-b-0123456789abcdef", "", http::verb::get).result_int(),
+            200);
+  EXPECT_EQ(call("/health", "", "", http::verb::get).result_int(), 200);
+  EXPECT_TRUE(backend_.requests().empty());  // nothing reached the backend unauthenticated
+  ASSERT_EQ(call("/v1/completions", "sk-team-a-0123456789abcdef", body).result_int(), 200);
+  ASSERT_EQ(call("/v1/completions", "sk-team-b-0123456789abcdef", body).result_int(), 200);
+  std::vector<CompletionRequest> seen = backend_.requests();
+  ASSERT_EQ(seen.size(), 2u);
+  EXPECT_EQ(seen[0].cache_salt, TenantSalt("team-a", "mine"));
+  EXPECT_EQ(seen[1].cache_salt, TenantSalt("team-b", "mine"));
+
+  // One request in flight per tenant: team-a's second waits its turn (429), team-b goes on.
+  backend_.set_mode(FakeBackend::Mode::kHold);
+  const std::string stream = R"({"model":"tiny","prompt":"Hi","stream":true})";
+  Client held(port());
+  {
+    http::request<http::string_body> req{http::verb::post, "/v1/completions", 11};
+    req.set(http::field::host, "127.0.0.1");
+    req.set(http::field::authorization, "Bearer sk-team-a-0123456789abcdef");
+    req.body() = stream;
+    req.prepare_payload();
+    http::write(held.socket(), req);
+  }
+  for (int i = 0; i < 200 && backend_.held() < 1; ++i) absl::SleepFor(absl::Milliseconds(10));
+  ASSERT_EQ(backend_.held(), 1u);
+  auto limited = call("/v1/completions", "sk-team-a-0123456789abcdef", body);
+  EXPECT_EQ(limited.result_int(), 429);
+  EXPECT_THAT(json::parse(limited.body())["error"]["message"].get<std::string>(),
+              HasSubstr("tenant team-a"));
+  backend_.set_mode(FakeBackend::Mode::kScript);
+  EXPECT_EQ(call("/v1/completions", "sk-team-b-0123456789abcdef", body).result_int(), 200);
+  backend_.FinishHeld();
+  EXPECT_THAT(held.ReadUntil("[DONE]"), HasSubstr("[DONE]"));
+  for (int i = 0; i < 100; ++i) {  // its place comes back once the response is written
+    if (call("/v1/completions", "sk-team-a-0123456789abcdef", body).result_int() == 200) return;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  ADD_FAILURE() << "team-a never got its place back";
+}
+
 TEST_F(HttpServerTest, ClientDisconnectMidStreamCancels) {
   backend_.set_mode(FakeBackend::Mode::kHold);
   {

@@ -20,6 +20,12 @@ ABSL_FLAG(std::string, listen, "", "HTTP address HOST:PORT (default: the file's 
 ABSL_FLAG(int, max_in_flight, 1024, "requests in flight at most; more are answered 429");
 ABSL_FLAG(int, http_threads, 4, "HTTP I/O threads");
 ABSL_FLAG(int, poll_ms, 100, "how often every node's load is polled, in milliseconds");
+ABSL_FLAG(std::string, api_keys, "",
+          "file of 'KEY TENANT' lines: /v1/* then needs 'Authorization: Bearer KEY' (401 "
+          "otherwise), and each tenant's prefixes are its own (empty: no keys, open)");
+ABSL_FLAG(int, max_in_flight_per_tenant, 0,
+          "with --api_keys: requests in flight per tenant at most; more are answered 429 (0: no "
+          "limit)");
 
 namespace {
 
@@ -90,6 +96,18 @@ int main(int argc, char** argv) {
   SplitHostPort(listen, &h.host, &h.port);
   h.threads = absl::GetFlag(FLAGS_http_threads);
   h.on_token_written = [b = backend->get()](absl::Duration d) { b->RecordTokenWritten(d); };
+  if (!absl::GetFlag(FLAGS_api_keys).empty()) {
+    absl::StatusOr<rt::ApiKeys> keys = rt::ApiKeys::Load(absl::GetFlag(FLAGS_api_keys));
+    if (!keys.ok()) return Fail("--api_keys", keys.status(), 2);
+    h.api_keys = std::make_shared<const rt::ApiKeys>(*std::move(keys));
+    cl::Log("", absl::StrCat("API keys: ", h.api_keys->size(), " keys from ",
+                             absl::GetFlag(FLAGS_api_keys), "; /v1/* needs one"));
+  }
+  if (absl::GetFlag(FLAGS_max_in_flight_per_tenant) < 0) {
+    std::cerr << "strata-router: --max_in_flight_per_tenant must be >= 0\n";
+    return 2;
+  }
+  h.max_in_flight_per_tenant = static_cast<size_t>(absl::GetFlag(FLAGS_max_in_flight_per_tenant));
   absl::StatusOr<std::unique_ptr<rt::HttpServer>> server = rt::HttpServer::Start(h, backend->get());
   if (!server.ok()) return Fail("HTTP", server.status());
   const std::string shown = absl::StrContains(h.host, ':') ? "[" + h.host + "]" : h.host;

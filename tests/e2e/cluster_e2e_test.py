@@ -420,6 +420,49 @@ def openai_node_client():
     return prefix, ""
 
 
+class TenantTest(unittest.TestCase):
+    def test_api_keys_gate_the_api_and_tenants_never_share_a_prefix(self):
+        keys = os.path.join(tempfile.mkdtemp(prefix="strata-keys."), "keys.txt")
+        with open(keys, "w") as f:
+            f.write("sk-team-a-0123456789abcdef team-a\nsk-team-b-0123456789abcdef team-b\n")
+        c = Cluster("kivi:k4v4:g32", extra=["--router-flag", "--api_keys=" + keys])
+        try:
+            def ask(key, prompt):
+                body = {"model": "strata-tiny", "prompt": prompt, "max_tokens": 4,
+                        "temperature": 0}
+                headers = {"Content-Type": "application/json"}
+                if key:
+                    headers["Authorization"] = "Bearer " + key
+                req = urllib.request.Request(c.base + "/v1/completions",
+                                             data=json.dumps(body).encode(), headers=headers)
+                try:
+                    with urllib.request.urlopen(req, timeout=60) as r:
+                        return r.status, json.load(r)
+                except urllib.error.HTTPError as e:
+                    return e.code, json.load(e)
+
+            status, err = ask("", PROMPTS[0])
+            self.assertEqual(status, 401)
+            self.assertEqual(err["error"]["code"], "invalid_api_key")
+            self.assertEqual(ask("sk-team-z-0123456789abcdef", PROMPTS[0])[0], 401)
+            prompt = "Tenants." + LONG * 2
+            a1 = ask("sk-team-a-0123456789abcdef", prompt)[1]
+            time.sleep(0.5)  # its blocks reach the store and the router's index
+            a2 = ask("sk-team-a-0123456789abcdef", prompt + " More.")[1]
+            b1 = ask("sk-team-b-0123456789abcdef", prompt + " More.")[1]
+            self.assertEqual(a1["usage"]["prompt_tokens_details"]["cached_tokens"], 0)
+            self.assertGreater(a2["usage"]["prompt_tokens_details"]["cached_tokens"], 0)
+            # The same text from another tenant: nothing of team-a's is found.
+            self.assertEqual(b1["usage"]["prompt_tokens_details"]["cached_tokens"], 0)
+            self.assertEqual(b1["choices"][0]["text"], a2["choices"][0]["text"])
+        except Exception:
+            print(c.logs())
+            raise
+        finally:
+            c.down()
+            shutil.rmtree(os.path.dirname(keys), ignore_errors=True)
+
+
 class OpenAIClientTest(unittest.TestCase):
     def test_official_openai_node_client(self):
         prefix, why = openai_node_client()
