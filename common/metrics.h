@@ -1,17 +1,13 @@
-// Prometheus text exposition (format 0.0.4) for Strata's services: latency histograms with
-// fixed exponential buckets (lock-free to record), and a tiny HTTP server that answers
-// `GET /metrics` with whatever the service renders.
+// Prometheus text exposition (format 0.0.4) for the block transport's RenderMetrics: latency
+// histograms with fixed exponential buckets (lock-free to record) and counter/gauge lines. The
+// services serve their metrics with prometheus-cpp (an Exposer), not with code of ours; the
+// transport keeps this so that it builds without it (the GPU bundle).
 #pragma once
 
 #include <array>
 #include <atomic>
 #include <cstdint>
-#include <functional>
-#include <memory>
 #include <string>
-#include <thread>
-
-#include "absl/status/statusor.h"
 
 namespace strata {
 
@@ -34,24 +30,5 @@ class LatencyHistogram {
 // Appends a counter or gauge line with its HELP/TYPE header.
 void RenderMetric(const std::string& name, const std::string& type, const std::string& help,
                   double value, std::string* out);
-
-// Serves GET /metrics (and 404 for anything else) on 127.0.0.1 or 0.0.0.0 port `port` (0: any)
-// from a background thread; render() is called per request. Stops on destruction.
-class MetricsServer {
- public:
-  static absl::StatusOr<std::unique_ptr<MetricsServer>> Start(const std::string& host, int port,
-                                                              std::function<std::string()> render);
-  ~MetricsServer();
-  int port() const { return port_; }
-
- private:
-  MetricsServer() = default;
-  void Loop();
-  int fd_ = -1;
-  int port_ = 0;
-  std::atomic<bool> stop_{false};
-  std::function<std::string()> render_;
-  std::thread thread_;
-};
 
 }  // namespace strata

@@ -2,7 +2,9 @@
 //   strata-store --listen 0.0.0.0:7070 --ram_bytes 8G --disk_path /nvme/strata --disk_bytes 1T
 #include <csignal>
 #include <iostream>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -14,6 +16,7 @@
 #include "common/byte_size.h"
 #include "kvstore/block_store.h"
 #include "kvstore/store_service.h"
+#include "prometheus/exposer.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:7070", "address to serve gRPC on (port 0: any)");
 ABSL_FLAG(std::string, ram_bytes, "1G", "RAM tier capacity (suffixes K, M, G, T: powers of 1024)");
@@ -80,17 +83,20 @@ int main(int argc, char** argv) {
     std::cerr << server.status() << "\n";
     return 1;
   }
-  std::unique_ptr<strata::MetricsServer> metrics;
+  std::unique_ptr<prometheus::Exposer> metrics;
   if (absl::GetFlag(FLAGS_metrics_port) >= 0) {
-    auto m = strata::MetricsServer::Start(absl::GetFlag(FLAGS_metrics_host),
-                                          absl::GetFlag(FLAGS_metrics_port),
-                                          [&service] { return service.RenderMetrics(); });
-    if (!m.ok()) {
-      std::cerr << "strata-store: " << m.status() << "\n";
+    const std::string address =
+        absl::StrCat(absl::GetFlag(FLAGS_metrics_host), ":", absl::GetFlag(FLAGS_metrics_port));
+    try {
+      metrics = std::make_unique<prometheus::Exposer>(address);
+    } catch (const std::exception& e) {
+      std::cerr << "strata-store: metrics on " << address << ": " << e.what() << "\n";
       return 1;
     }
-    metrics = *std::move(m);
-    std::cout << "strata-store: metrics on port " << metrics->port() << std::endl;
+    metrics->RegisterCollectable(service.metrics());
+    const std::vector<int> ports = metrics->GetListeningPorts();
+    std::cout << "strata-store: metrics on port " << (ports.empty() ? -1 : ports.front())
+              << std::endl;
   }
   std::cout << "strata-store: serving on port " << port << " (RAM " << o.ram_bytes
             << " bytes, disk " << (o.disk_path.empty() ? "none" : o.disk_path) << ")"

@@ -6,6 +6,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "grpcpp/server_builder.h"
+#include "prometheus/family.h"
+#include "prometheus/metric_family.h"
+#include "prometheus/registry.h"
+#include "prometheus/text_serializer.h"
 
 namespace strata::kvstore {
 namespace {
@@ -48,46 +52,93 @@ namespace {
 // Records the time from construction to destruction into a histogram.
 class Timer {
  public:
-  explicit Timer(LatencyHistogram& h) : h_(h), t0_(std::chrono::steady_clock::now()) {}
+  explicit Timer(prometheus::Histogram* h) : h_(h), t0_(std::chrono::steady_clock::now()) {}
   ~Timer() {
-    h_.Record(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count());
+    h_->Observe(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count());
   }
 
  private:
-  LatencyHistogram& h_;
+  prometheus::Histogram* h_;
   std::chrono::steady_clock::time_point t0_;
 };
 
+prometheus::MetricFamily Family(const std::string& name, const std::string& help,
+                                prometheus::MetricType type, double value) {
+  prometheus::MetricFamily f;
+  f.name = name;
+  f.help = help;
+  f.type = type;
+  prometheus::ClientMetric m;
+  if (type == prometheus::MetricType::Counter) {
+    m.counter.value = value;
+  } else {
+    m.gauge.value = value;
+  }
+  f.metric.push_back(std::move(m));
+  return f;
+}
+
 }  // namespace
 
+// The store's counters and gauges, read at each scrape, and the RPC latency histograms.
+class StoreService::Metrics final : public prometheus::Collectable {
+ public:
+  explicit Metrics(BlockStore* store) : store_(store) {
+    prometheus::Family<prometheus::Histogram>& rpc = prometheus::BuildHistogram()
+                                                         .Name("strata_store_rpc_seconds")
+                                                         .Help("Store RPC latency")
+                                                         .Register(registry_);
+    prometheus::Histogram::BucketBoundaries b;
+    for (double s = 25e-6; s < 4; s *= 2) b.push_back(s);
+    for (const char* op : {"lookup", "put", "get", "delete"}) {
+      latency.push_back(&rpc.Add({{"rpc", op}}, b));
+    }
+  }
+
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    const StoreStats s = store_->Stats();
+    std::vector<prometheus::MetricFamily> out = registry_.Collect();
+    const std::pair<const char*, uint64_t> counters[] = {
+        {"puts", s.puts}, {"duplicate_puts", s.duplicate_puts}, {"refused_puts", s.refused_puts},
+        {"ram_hits", s.ram_hits}, {"disk_hits", s.disk_hits}, {"misses", s.misses},
+        {"ram_evictions", s.ram_evictions}, {"disk_evictions", s.disk_evictions},
+        {"spills", s.spills}, {"promotions", s.promotions},
+        {"orphans_dropped", s.orphans_dropped}, {"corruptions", s.corruptions},
+        {"deletes", s.deletes}, {"put_conflicts", s.put_conflicts},
+        {"index_lost_blocks", s.index_lost_blocks},
+        {"index_recovered_blocks", s.index_recovered_blocks}};
+    for (const auto& [name, v] : counters) {
+      out.push_back(Family(absl::StrCat("strata_store_", name, "_total"),
+                           absl::StrCat("store ", name), prometheus::MetricType::Counter,
+                           static_cast<double>(v)));
+    }
+    const std::pair<const char*, uint64_t> gauges[] = {
+        {"ram_blocks", s.ram_blocks}, {"ram_bytes", s.ram_bytes},
+        {"disk_blocks", s.disk_blocks}, {"disk_bytes", s.disk_bytes},
+        {"spill_queue_bytes", s.spill_queue_bytes}};
+    for (const auto& [name, v] : gauges) {
+      out.push_back(Family(absl::StrCat("strata_store_", name), absl::StrCat("store ", name),
+                           prometheus::MetricType::Gauge, static_cast<double>(v)));
+    }
+    return out;
+  }
+
+  std::vector<prometheus::Histogram*> latency;  // by Op
+
+ private:
+  BlockStore* const store_;
+  prometheus::Registry registry_;
+};
+
+StoreService::StoreService(BlockStore* store, size_t max_block_bytes)
+    : metrics_(std::make_shared<Metrics>(store)), store_(store), max_block_bytes_(max_block_bytes) {
+  for (int i = 0; i < kOps; ++i) latency_[i] = metrics_->latency[i];
+}
+
+std::shared_ptr<prometheus::Collectable> StoreService::metrics() const { return metrics_; }
+
 std::string StoreService::RenderMetrics() const {
-  const StoreStats s = store_->Stats();
-  std::string out;
-  const std::pair<const char*, uint64_t> counters[] = {
-      {"puts", s.puts}, {"duplicate_puts", s.duplicate_puts}, {"refused_puts", s.refused_puts},
-      {"ram_hits", s.ram_hits}, {"disk_hits", s.disk_hits}, {"misses", s.misses},
-      {"ram_evictions", s.ram_evictions}, {"disk_evictions", s.disk_evictions},
-      {"spills", s.spills}, {"promotions", s.promotions}, {"orphans_dropped", s.orphans_dropped},
-      {"corruptions", s.corruptions}, {"deletes", s.deletes}, {"put_conflicts", s.put_conflicts},
-      {"index_lost_blocks", s.index_lost_blocks},
-      {"index_recovered_blocks", s.index_recovered_blocks}};
-  for (const auto& [name, v] : counters) {
-    RenderMetric(absl::StrCat("strata_store_", name, "_total"), "counter",
-                 absl::StrCat("store ", name), static_cast<double>(v), &out);
-  }
-  const std::pair<const char*, uint64_t> gauges[] = {
-      {"ram_blocks", s.ram_blocks}, {"ram_bytes", s.ram_bytes}, {"disk_blocks", s.disk_blocks},
-      {"disk_bytes", s.disk_bytes}, {"spill_queue_bytes", s.spill_queue_bytes}};
-  for (const auto& [name, v] : gauges) {
-    RenderMetric(absl::StrCat("strata_store_", name), "gauge", absl::StrCat("store ", name),
-                 static_cast<double>(v), &out);
-  }
-  const char* ops[kOps] = {"lookup", "put", "get", "delete"};
-  for (int i = 0; i < kOps; ++i) {
-    latency_[i].Render("strata_store_rpc_seconds", absl::StrCat("rpc=\"", ops[i], "\""), i == 0,
-                       "store RPC latency", &out);
-  }
-  return out;
+  return prometheus::TextSerializer().Serialize(metrics_->Collect());
 }
 
 grpc::Status StoreService::Lookup(grpc::ServerContext*, const strata::v1::LookupRequest* req,

@@ -20,18 +20,18 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
-#include "common/metrics.h"
 #include "grpcpp/server.h"
 #include "kvstore/block_store.h"
 #include "kvstore/grpc_status.h"
+#include "prometheus/collectable.h"
+#include "prometheus/histogram.h"
 #include "proto/store.grpc.pb.h"
 
 namespace strata::kvstore {
 
 class StoreService final : public strata::v1::Store::Service {
  public:
-  explicit StoreService(BlockStore* store, size_t max_block_bytes)
-      : store_(store), max_block_bytes_(max_block_bytes) {}
+  StoreService(BlockStore* store, size_t max_block_bytes);
 
   grpc::Status Lookup(grpc::ServerContext*, const strata::v1::LookupRequest* req,
                       strata::v1::LookupResponse* resp) override;
@@ -52,7 +52,11 @@ class StoreService final : public strata::v1::Store::Service {
   // server shutdown does not wait on them. Irreversible.
   void Stop() { stopping_.store(true); }
 
-  // Prometheus text: the store's counters and gauges, and per-RPC latency histograms.
+  // The service's metrics (prometheus-cpp): the store's counters and gauges, read from
+  // BlockStore::Stats at each scrape, and per-RPC latency histograms. Register it with an
+  // Exposer (strata-store does); it must outlive its registration there.
+  std::shared_ptr<prometheus::Collectable> metrics() const;
+  // The same as Prometheus text (tests).
   std::string RenderMetrics() const;
 
   // How often a Watch stream with nothing to send checks for cancellation and Stop().
@@ -61,7 +65,9 @@ class StoreService final : public strata::v1::Store::Service {
  private:
   enum Op { kLookup, kPut, kGet, kDelete, kOps };
   absl::Status PutOne(const strata::v1::PutRequest& req);
-  LatencyHistogram latency_[kOps];
+  class Metrics;
+  std::shared_ptr<Metrics> metrics_;
+  prometheus::Histogram* latency_[kOps] = {};
   BlockStore* store_;
   size_t max_block_bytes_;
   std::atomic<bool> stopping_{false};
