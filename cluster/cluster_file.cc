@@ -43,7 +43,9 @@ std::string Resolve(const std::string& base_dir, const std::string& p) {
   return (std::filesystem::path(base_dir) / p).lexically_normal().string();
 }
 
-bool ValidId(const std::string& id) {
+}  // namespace
+
+bool ValidNodeId(const std::string& id) {
   if (id.empty() || id.size() > 64) return false;
   for (char c : id) {
     if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-')) {
@@ -52,8 +54,6 @@ bool ValidId(const std::string& id) {
   }
   return true;
 }
-
-}  // namespace
 
 const char* RoleName(Role role) { return role == Role::kPrefill ? "prefill" : "decode"; }
 
@@ -144,7 +144,7 @@ absl::StatusOr<ClusterSpec> ParseClusterFile(const std::string& text, const std:
           std::pair{"transport", &node.transport}, std::pair{"metrics", &node.metrics}}) {
       if (absl::Status s = GetString(n, key, path, where, dst); !s.ok()) return s;
     }
-    if (!ValidId(node.id)) {
+    if (!ValidNodeId(node.id)) {
       return Bad(path, where + "id", "must be 1..64 characters of [A-Za-z0-9._-]");
     }
     if (!ids.insert(node.id).second) return Bad(path, where + "id", "'" + node.id + "' repeats");

@@ -34,6 +34,8 @@ namespace strata::cluster {
 
 enum class Role { kPrefill, kDecode };
 const char* RoleName(Role role);
+// 1..64 characters of [A-Za-z0-9._-].
+bool ValidNodeId(const std::string& id);
 
 struct NodeSpec {
   std::string id = "";         // [A-Za-z0-9._-], 1..64 chars, unique

@@ -115,6 +115,20 @@ absl::StatusOr<StoreConnection> ConnectStore(const ClusterSpec& spec) {
   return c;
 }
 
+absl::StatusOr<std::unique_ptr<EtcdRegistration>> RegisterWithEtcd(const std::string& etcd,
+                                                                   const std::string& prefix,
+                                                                   const NodeSpec& self,
+                                                                   absl::Duration ttl) {
+  if (etcd.empty()) return nullptr;
+  absl::StatusOr<std::unique_ptr<EtcdRegistration>> r =
+      EtcdRegistration::Start(NewHttpEtcdClient(etcd), prefix, self, ttl);
+  if (r.ok()) {
+    Log("", absl::StrCat("registered in etcd ", etcd, " as ", prefix, "nodes/", self.id,
+                         " (lease ", absl::FormatDuration(ttl), ")"));
+  }
+  return r;
+}
+
 prometheus::Histogram::BucketBoundaries LatencyBuckets() {
   prometheus::Histogram::BucketBoundaries b;
   for (double s = 1e-4; s < 120; s *= 2) b.push_back(s);

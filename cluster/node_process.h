@@ -13,6 +13,7 @@
 #include "grpcpp/server.h"
 #include "grpcpp/impl/service_type.h"
 #include "cluster/cluster_file.h"
+#include "cluster/etcd_membership.h"
 #include "kernels/calibration.h"
 #include "kvstore/store_client.h"
 #include "model/llama.h"
@@ -65,6 +66,14 @@ struct StoreConnection {
   std::unique_ptr<kvstore::StoreClientBlockSource> source;  // over `client`
 };
 absl::StatusOr<StoreConnection> ConnectStore(const ClusterSpec& spec);
+
+// With `etcd` (host:port of its client URL) set, registers `self` under `prefix` with a lease of
+// `ttl` renewed at half of it, and logs it; destroying the result deregisters. Null when `etcd`
+// is empty (the cluster file is the membership).
+absl::StatusOr<std::unique_ptr<EtcdRegistration>> RegisterWithEtcd(const std::string& etcd,
+                                                                   const std::string& prefix,
+                                                                   const NodeSpec& self,
+                                                                   absl::Duration ttl);
 
 // Exponential histogram buckets in seconds, 100 us .. ~100 s (for TTFT, inter-token, prefill).
 prometheus::Histogram::BucketBoundaries LatencyBuckets();

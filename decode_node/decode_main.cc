@@ -2,6 +2,7 @@
 // what the cluster serves: model, codec, chunk size, store); flags override.
 //   strata-decode --cluster cluster.json --node decode-0
 #include <cstdlib>
+#include <algorithm>
 #include <iostream>
 #include <mutex>
 #include <string>
@@ -39,6 +40,11 @@ ABSL_FLAG(std::string, kv_budget, "1G", "KV bytes (compressed) of running sequen
 ABSL_FLAG(int, max_waiting, 4096, "registered requests not yet running; more: refused (429)");
 ABSL_FLAG(int, kv_timeout_ms, 60000, "registration to the end of the KV transfer");
 ABSL_FLAG(bool, put_to_store, true, "Put generated chunks (and preempted sequences) in the store");
+ABSL_FLAG(std::string, etcd, "",
+          "etcd's client address (host:port): register there under a lease, for routers that "
+          "follow etcd (empty: the cluster file is the membership)");
+ABSL_FLAG(std::string, etcd_prefix, "/strata/", "the cluster's key prefix in etcd");
+ABSL_FLAG(int, etcd_ttl_s, 6, "the registration lease, in seconds (renewed at half of it)");
 ABSL_FLAG(std::string, ucx_tls, "", "UCX transports (UCX_TLS), e.g. tcp; empty: UCX's choice");
 ABSL_FLAG(int, listen_wait_s, 90,
           "when the transport's port is still held by a previous run's connections (TIME_WAIT), "
@@ -212,9 +218,20 @@ int main(int argc, char** argv) {
                            port, "; blocks arrive at ", (*transport)->address(), "; store ",
                            spec->store.empty() ? "none" : spec->store, "; metrics ",
                            metrics_address.empty() ? "off" : metrics_address));
+  // Registered once serving (a router that follows etcd then finds a node that answers), and
+  // deregistered first when stopping (routers stop choosing it before it goes).
+  cl::NodeSpec announce = *self;
+  announce.grpc = absl::StrCat(listen.substr(0, listen.rfind(':')), ":", port);
+  announce.metrics = metrics_address;
+  announce.transport = (*transport)->address();
+  absl::StatusOr<std::unique_ptr<cl::EtcdRegistration>> registration =
+      cl::RegisterWithEtcd(absl::GetFlag(FLAGS_etcd), absl::GetFlag(FLAGS_etcd_prefix), announce,
+                           absl::Seconds(std::max(1, absl::GetFlag(FLAGS_etcd_ttl_s))));
+  if (!registration.ok()) return Fail("etcd", registration.status());
   std::cout << "strata-decode: serving on port " << port << std::endl;
   const int sig = cl::WaitForTermination();
   cl::Log("", absl::StrCat("signal ", sig, ": stopping"));
+  registration->reset();
   service.Stop();  // open streams end with UNAVAILABLE: their clients learn at once
   (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   stop = true;

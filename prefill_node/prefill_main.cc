@@ -1,6 +1,7 @@
 // strata-prefill: a prefill node. Reads its settings from the cluster file (its entry by id, and
 // what the cluster serves: model, codec, chunk size, store); flags override.
 //   strata-prefill --cluster cluster.json --node prefill-0
+#include <algorithm>
 #include <iostream>
 #include <string>
 
@@ -30,6 +31,11 @@ ABSL_FLAG(bool, put_to_store, true, "Put newly computed chunks in the store");
 ABSL_FLAG(std::string, local_ram_bytes, "0",
           "the node's own RAM tier of blocks, in front of the shared store (0: none); the router "
           "sends a prompt to the node that holds its prefix");
+ABSL_FLAG(std::string, etcd, "",
+          "etcd's client address (host:port): register there under a lease, for routers that "
+          "follow etcd (empty: the cluster file is the membership)");
+ABSL_FLAG(std::string, etcd_prefix, "/strata/", "the cluster's key prefix in etcd");
+ABSL_FLAG(int, etcd_ttl_s, 6, "the registration lease, in seconds (renewed at half of it)");
 ABSL_FLAG(std::string, ucx_tls, "", "UCX transports (UCX_TLS), e.g. tcp; empty: UCX's choice");
 
 namespace {
@@ -142,9 +148,19 @@ int main(int argc, char** argv) {
                            local_bytes > 0 ? absl::StrCat(local_bytes >> 20, " MiB") : "none",
                            "; metrics ",
                            metrics_address.empty() ? "off" : metrics_address));
+  // Registered once serving (a router that follows etcd then finds a node that answers), and
+  // deregistered first when stopping (routers stop choosing it before it goes).
+  cl::NodeSpec announce = *self;
+  announce.grpc = absl::StrCat(listen.substr(0, listen.rfind(':')), ":", port);
+  announce.metrics = metrics_address;
+  absl::StatusOr<std::unique_ptr<cl::EtcdRegistration>> registration =
+      cl::RegisterWithEtcd(absl::GetFlag(FLAGS_etcd), absl::GetFlag(FLAGS_etcd_prefix), announce,
+                           absl::Seconds(std::max(1, absl::GetFlag(FLAGS_etcd_ttl_s))));
+  if (!registration.ok()) return Fail("etcd", registration.status());
   std::cout << "strata-prefill: serving on port " << port << std::endl;
   const int sig = cl::WaitForTermination();
   cl::Log("", absl::StrCat("signal ", sig, ": stopping"));
+  registration->reset();
   // Requests under way get a few seconds to finish; the rest are cancelled (their decode nodes
   // are told to drop them by the engine's abort shipment).
   (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));

@@ -11,6 +11,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "cluster/cluster_file.h"
+#include "cluster/etcd_membership.h"
 #include "cluster/node_process.h"
 #include "router/cluster_backend.h"
 #include "router/http_server.h"
@@ -20,6 +21,10 @@ ABSL_FLAG(std::string, listen, "", "HTTP address HOST:PORT (default: the file's 
 ABSL_FLAG(int, max_in_flight, 1024, "requests in flight at most; more are answered 429");
 ABSL_FLAG(int, http_threads, 4, "HTTP I/O threads");
 ABSL_FLAG(int, poll_ms, 100, "how often every node's load is polled, in milliseconds");
+ABSL_FLAG(std::string, etcd, "",
+          "etcd's client address (host:port): the nodes are those registered there under "
+          "--etcd_prefix, followed as they come and go (empty: the cluster file's nodes)");
+ABSL_FLAG(std::string, etcd_prefix, "/strata/", "the cluster's key prefix in etcd");
 ABSL_FLAG(std::string, api_keys, "",
           "file of 'KEY TENANT' lines: /v1/* then needs 'Authorization: Bearer KEY' (401 "
           "otherwise), and each tenant's prefixes are its own (empty: no keys, open)");
@@ -89,6 +94,14 @@ int main(int argc, char** argv) {
   o.spec = *spec;
   o.max_in_flight = static_cast<uint32_t>(absl::GetFlag(FLAGS_max_in_flight));
   o.load_poll_interval = absl::Milliseconds(absl::GetFlag(FLAGS_poll_ms));
+  if (!absl::GetFlag(FLAGS_etcd).empty()) {
+    absl::StatusOr<std::unique_ptr<cl::EtcdMembership>> m = cl::EtcdMembership::Start(
+        cl::NewHttpEtcdClient(absl::GetFlag(FLAGS_etcd)), absl::GetFlag(FLAGS_etcd_prefix));
+    if (!m.ok()) return Fail("etcd", m.status());
+    cl::Log("", absl::StrCat("membership: ", (*m)->Describe(), " at ", absl::GetFlag(FLAGS_etcd),
+                             ", ", (*m)->Nodes().size(), " nodes now"));
+    o.membership = std::shared_ptr<const cl::Membership>(*std::move(m));
+  }
   absl::StatusOr<std::unique_ptr<rt::ClusterBackend>> backend = rt::ClusterBackend::Create(o);
   if (!backend.ok()) return Fail("backend", backend.status());
 

@@ -14,6 +14,8 @@ packages=(
   libabsl-dev libssl-dev nlohmann-json3-dev libopenblas-dev libre2-dev libboost-dev
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   librocksdb-dev prometheus-cpp-dev curl
+  # membership (etcd v3; its JSON gateway) for the cluster tests
+  etcd-server
   libucx-dev ucx-utils
   libgtest-dev libgmock-dev libbenchmark-dev
   # test oracles (run with Debian's /usr/bin/python3)

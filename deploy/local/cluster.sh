@@ -8,6 +8,8 @@
 #                                [--kv-budget BYTES] [--max-batch N] [--store-ram BYTES]
 #                                [--store-disk BYTES (0: no disk tier)] [--router-flag F]...
 #                                [--prefill-local-ram BYTES (each prefill node's own tier; 0: none)]
+#                                [--etcd HOST:PORT [--etcd-ttl S]] (membership in a running etcd:
+#                                nodes register there, the router follows it)
 #   deploy/local/cluster.sh down   [--dir DIR]
 #   deploy/local/cluster.sh status [--dir DIR]
 #   deploy/local/cluster.sh restart NAME [--dir DIR]   (NAME: store, prefill-0, decode-1, router...;
@@ -41,6 +43,8 @@ max_batch=32
 store_ram="512M"
 store_disk="4G"
 prefill_local="0"
+etcd=""
+etcd_ttl=6
 extra_router=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -58,8 +62,10 @@ while [ $# -gt 0 ]; do
     --store-ram) store_ram="$2"; shift ;;
     --store-disk) store_disk="$2"; shift ;;
     --prefill-local-ram) prefill_local="$2"; shift ;;
+    --etcd) etcd="$2"; shift ;;
+    --etcd-ttl) etcd_ttl="$2"; shift ;;
     --router-flag) extra_router+=("$2"); shift ;;
-    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
     *) echo "cluster.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -142,15 +148,20 @@ case "$cmd" in
     if [ "$store_disk" != "0" ]; then
       store_tiers+=(--disk_path "$dir/store" --disk_bytes "$store_disk")
     fi
+    node_etcd=()
+    if [ -n "$etcd" ]; then
+      node_etcd=(--etcd "$etcd" --etcd_prefix "/strata/$(basename "$dir")/" --etcd_ttl_s "$etcd_ttl")
+      extra_router+=(--etcd "$etcd" --etcd_prefix "/strata/$(basename "$dir")/")
+    fi
     start store "$bin/kvstore/strata-store" --listen "127.0.0.1:$store_port" "${store_tiers[@]}" \
       --metrics_port $((port_base + 1))
     for i in $(seq 0 $((n_prefill - 1))); do
       start "prefill-$i" "$bin/prefill_node/strata-prefill" --cluster "$dir/cluster.json" --node "prefill-$i" \
-        --local_ram_bytes "$prefill_local"
+        --local_ram_bytes "$prefill_local" "${node_etcd[@]}"
     done
     for i in $(seq 0 $((n_decode - 1))); do
       start "decode-$i" "$bin/decode_node/strata-decode" --cluster "$dir/cluster.json" --node "decode-$i" \
-        --kv_budget "$kv_budget" --max_batch "$max_batch"
+        --kv_budget "$kv_budget" --max_batch "$max_batch" "${node_etcd[@]}"
     done
     start router "$bin/router/strata-router" --cluster "$dir/cluster.json" "${extra_router[@]}"
     for _ in $(seq 100); do

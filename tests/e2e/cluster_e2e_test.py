@@ -463,6 +463,95 @@ class TenantTest(unittest.TestCase):
             shutil.rmtree(os.path.dirname(keys), ignore_errors=True)
 
 
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Etcd:
+    """A throwaway etcd (Debian's etcd-server) on free loopback ports."""
+
+    def __init__(self):
+        self.dir = tempfile.mkdtemp(prefix="strata-etcd.")
+        self.port = free_port()
+        peer = "http://127.0.0.1:%d" % free_port()
+        client = "http://127.0.0.1:%d" % self.port
+        self.proc = subprocess.Popen(
+            ["etcd", "--data-dir", self.dir, "--listen-client-urls", client,
+             "--advertise-client-urls", client, "--listen-peer-urls", peer,
+             "--initial-advertise-peer-urls", peer, "--initial-cluster", "default=" + peer,
+             "--heartbeat-interval", "10", "--election-timeout", "100", "--log-level", "error"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for _ in range(100):
+            if self.keys("/") is not None:
+                return
+            time.sleep(0.1)
+        raise RuntimeError("etcd did not start")
+
+    def keys(self, prefix):
+        """The keys under `prefix` (its JSON gateway), or None when etcd does not answer."""
+        import base64
+        end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
+        body = {"key": base64.b64encode(prefix.encode()).decode(),
+                "range_end": base64.b64encode(end.encode()).decode(), "keys_only": True}
+        try:
+            status, r, _ = http_json("http://127.0.0.1:%d/v3/kv/range" % self.port, body, 2)
+        except OSError:
+            return None
+        return sorted(base64.b64decode(kv["key"]).decode() for kv in r.get("kvs", []))
+
+    def down(self):
+        self.proc.kill()
+        self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@unittest.skipIf(shutil.which("etcd") is None, "skipped: no etcd (scripts/setup.sh installs it)")
+class MembershipTest(unittest.TestCase):
+    def test_nodes_register_in_etcd_and_the_router_follows_them(self):
+        etcd = Etcd()
+        c = None
+        try:
+            c = Cluster("kivi:k4v4:g32", prefill=1, decode=2,
+                        extra=["--etcd", "127.0.0.1:%d" % etcd.port, "--etcd-ttl", "2"])
+            prefix = "/strata/%s/nodes/" % os.path.basename(c.dir)
+            self.assertEqual(etcd.keys(prefix), [prefix + n for n in
+                                                 ("decode-0", "decode-1", "prefill-0")])
+            self.assertIsInstance(complete(c, PROMPTS[0], 4)[0], str)
+            # kill -9: no deregistration; the lease (2 s, renewed at 1 s) expires.
+            os.kill(c.pids()["decode-0"], signal.SIGKILL)
+            t0 = time.monotonic()
+            while etcd.keys(prefix) != [prefix + "decode-1", prefix + "prefill-0"]:
+                self.assertLess(time.monotonic() - t0, 8, "decode-0's registration outlived it")
+                time.sleep(0.1)
+            time.sleep(0.5)  # the router's membership and pool catch up
+            for p in PROMPTS:
+                _, _, events = complete(c, p, 4, stream=True)
+                self.assertEqual(routed_decode(c, json.loads(events[0])["id"]), "decode-1")
+            # Back: it registers again, and the router routes to it.
+            env = dict(os.environ, STRATA_BUILD_DIR=BUILD)
+            r = subprocess.run([os.path.join(ROOT, "deploy/local/cluster.sh"), "restart",
+                                "decode-0", "--dir", c.dir], capture_output=True, text=True,
+                               env=env, timeout=60)
+            self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+            self.assertIn(prefix + "decode-0", etcd.keys(prefix))
+            time.sleep(1.0)
+            served_by = set()
+            for i in range(12):
+                _, _, events = complete(c, "%s (%d)" % (PROMPTS[i % 4], i), 4, stream=True)
+                served_by.add(routed_decode(c, json.loads(events[0])["id"]))
+            self.assertIn("decode-0", served_by)
+        except Exception:
+            if c is not None:
+                print(c.logs())
+            raise
+        finally:
+            if c is not None:
+                c.down()
+            etcd.down()
+
+
 class OpenAIClientTest(unittest.TestCase):
     def test_official_openai_node_client(self):
         prefix, why = openai_node_client()

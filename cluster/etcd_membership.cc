@@ -1,0 +1,212 @@
+#include "cluster/etcd_membership.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "cluster/node_process.h"
+#include "nlohmann/json.hpp"
+
+namespace strata::cluster {
+namespace {
+
+using nlohmann::json;
+
+std::string NodesPrefix(const std::string& prefix) { return prefix + "nodes/"; }
+
+}  // namespace
+
+std::string NodeToJson(const NodeSpec& node) {
+  return json{{"id", node.id},
+              {"role", RoleName(node.role)},
+              {"grpc", node.grpc},
+              {"transport", node.transport},
+              {"metrics", node.metrics}}
+      .dump();
+}
+
+absl::StatusOr<NodeSpec> NodeFromJson(const std::string& text) {
+  const json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object()) return absl::InvalidArgumentError("node registration: not a JSON object");
+  auto str = [&](const char* field) -> std::string {
+    auto it = j.find(field);
+    return it != j.end() && it->is_string() ? it->get<std::string>() : "";
+  };
+  NodeSpec n;
+  n.id = str("id");
+  if (!ValidNodeId(n.id)) {
+    return absl::InvalidArgumentError("node registration: id must be 1..64 characters of [A-Za-z0-9._-]");
+  }
+  const std::string role = str("role");
+  if (role != "prefill" && role != "decode") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("node registration ", n.id, ": role must be prefill or decode, got '", role, "'"));
+  }
+  n.role = role == "prefill" ? Role::kPrefill : Role::kDecode;
+  n.grpc = str("grpc");
+  n.transport = str("transport");
+  n.metrics = str("metrics");
+  if (absl::Status s = ValidateHostPort(n.grpc, absl::StrCat("node registration ", n.id, ": grpc"));
+      !s.ok()) {
+    return s;
+  }
+  return n;
+}
+
+// ---- EtcdMembership ----------------------------------------------------------------------------
+
+absl::StatusOr<std::unique_ptr<EtcdMembership>> EtcdMembership::Start(
+    std::unique_ptr<EtcdClient> client, std::string prefix) {
+  std::unique_ptr<EtcdMembership> m(new EtcdMembership(std::move(client), std::move(prefix)));
+  if (absl::Status s = m->Read(); !s.ok()) return s;
+  m->thread_ = std::thread([p = m.get()] { p->Loop(); });
+  return m;
+}
+
+EtcdMembership::~EtcdMembership() {
+  stop_.store(true);
+  if (thread_.joinable()) thread_.join();
+}
+
+std::vector<NodeSpec> EtcdMembership::Nodes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<NodeSpec> out;
+  for (const auto& [key, node] : nodes_) out.push_back(node);
+  return out;
+}
+
+std::string EtcdMembership::Describe() const {
+  return absl::StrCat("etcd ", NodesPrefix(prefix_), "*");
+}
+
+absl::Status EtcdMembership::Read() {
+  absl::StatusOr<EtcdRange> range = client_->RangePrefix(NodesPrefix(prefix_));
+  if (!range.ok()) return range.status();
+  std::map<std::string, NodeSpec> nodes;
+  for (const EtcdKeyValue& kv : range->kvs) {
+    absl::StatusOr<NodeSpec> n = NodeFromJson(kv.value);
+    if (!n.ok()) {
+      Log("", absl::StrCat("membership: ", kv.key, ": ", n.status().message(), "; ignored"));
+      continue;
+    }
+    nodes[kv.key] = *std::move(n);
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    nodes_ = std::move(nodes);
+  }
+  revision_ = range->revision;
+  return absl::OkStatus();
+}
+
+void EtcdMembership::Apply(const EtcdKeyValue& kv, bool deleted) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (deleted) {
+    nodes_.erase(kv.key);
+    return;
+  }
+  absl::StatusOr<NodeSpec> n = NodeFromJson(kv.value);
+  if (!n.ok()) {
+    Log("", absl::StrCat("membership: ", kv.key, ": ", n.status().message(), "; ignored"));
+    nodes_.erase(kv.key);
+    return;
+  }
+  nodes_[kv.key] = *std::move(n);
+}
+
+void EtcdMembership::Loop() {
+  bool need_read = false;
+  bool down_logged = false;
+  while (!stop_.load()) {
+    if (need_read) {
+      if (absl::Status s = Read(); !s.ok()) {
+        connected_.store(false);
+        if (!down_logged) {
+          Log("", absl::StrCat("membership: ", s.message(),
+                               "; keeping the membership known and retrying"));
+          down_logged = true;
+        }
+        for (int i = 0; i < 5 && !stop_.load(); ++i) absl::SleepFor(absl::Milliseconds(100));
+        continue;
+      }
+      need_read = false;
+    }
+    connected_.store(true);
+    absl::Status s = client_->Watch(
+        NodesPrefix(prefix_), revision_ + 1,
+        [this](int64_t revision, const std::vector<EtcdEvent>& events) {
+          for (const EtcdEvent& e : events) Apply(e.kv, e.deleted);
+          if (revision > revision_) revision_ = revision;
+        },
+        stop_);
+    if (stop_.load()) break;
+    connected_.store(false);
+    // Resumed from the last revision seen; after a compaction, or to be sure after a long break,
+    // read the whole prefix again.
+    need_read = absl::IsFailedPrecondition(s) || absl::IsUnavailable(s);
+    if (!down_logged) {
+      Log("", absl::StrCat("membership: watch ended: ", s.message(), "; resuming"));
+      down_logged = true;
+    }
+    for (int i = 0; i < 2 && !stop_.load(); ++i) absl::SleepFor(absl::Milliseconds(100));
+    if (!need_read) continue;
+    if (absl::Status r = Read(); r.ok()) {
+      need_read = false;
+      down_logged = false;
+      Log("", "membership: etcd is back; membership read again");
+    }
+  }
+}
+
+// ---- EtcdRegistration --------------------------------------------------------------------------
+
+absl::StatusOr<std::unique_ptr<EtcdRegistration>> EtcdRegistration::Start(
+    std::unique_ptr<EtcdClient> client, std::string prefix, NodeSpec self, absl::Duration ttl) {
+  if (ttl < absl::Seconds(1)) return absl::InvalidArgumentError("registration TTL must be >= 1 s");
+  std::unique_ptr<EtcdRegistration> r(new EtcdRegistration(
+      std::move(client), NodesPrefix(prefix) + self.id, NodeToJson(self), ttl));
+  if (absl::Status s = r->Register(); !s.ok()) return s;
+  r->thread_ = std::thread([p = r.get()] { p->Loop(); });
+  return r;
+}
+
+EtcdRegistration::~EtcdRegistration() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+  if (const int64_t lease = lease_.load(); lease != 0) client_->Revoke(lease).IgnoreError();
+}
+
+absl::Status EtcdRegistration::Register() {
+  absl::StatusOr<int64_t> lease = client_->Grant(ttl_);
+  if (!lease.ok()) return lease.status();
+  if (absl::Status s = client_->Put(key_, value_, *lease); !s.ok()) {
+    client_->Revoke(*lease).IgnoreError();
+    return s;
+  }
+  lease_.store(*lease);
+  return absl::OkStatus();
+}
+
+void EtcdRegistration::Loop() {
+  bool down_logged = false;
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!cv_.wait_for(lock, absl::ToChronoMilliseconds(ttl_ / 2), [this] { return stop_; })) {
+    lock.unlock();
+    absl::StatusOr<absl::Duration> left = client_->KeepAlive(lease_.load());
+    absl::Status s = left.status();
+    if (absl::IsNotFound(s)) s = Register();  // expired while etcd was away: register again
+    if (!s.ok() && !down_logged) {
+      Log("", absl::StrCat("registration ", key_, ": ", s.message(), "; retrying"));
+      down_logged = true;
+    } else if (s.ok() && down_logged) {
+      Log("", absl::StrCat("registration ", key_, ": renewed again"));
+      down_logged = false;
+    }
+    lock.lock();
+  }
+}
+
+}  // namespace strata::cluster

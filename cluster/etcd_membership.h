@@ -1,0 +1,91 @@
+// Membership in etcd: nodes register themselves under a lease (EtcdRegistration), and routers
+// follow the registrations (EtcdMembership).
+//
+//   <prefix>nodes/<id>  ->  {"id":..,"role":"prefill"|"decode","grpc":..,"transport":..,"metrics":..}
+//
+// A node's key lives on a lease of `ttl` (a few seconds) renewed at half of it: a node that dies
+// (or is cut off) leaves the membership within the TTL, and one that stops cleanly revokes its
+// lease at once. The router reads the prefix, then watches it from the next revision; a broken
+// watch is resumed from the last revision seen (a fresh read when that revision was compacted),
+// and while etcd is unreachable the router keeps the membership it has.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "cluster/cluster_file.h"
+#include "cluster/etcd_client.h"
+
+namespace strata::cluster {
+
+// A node's registration as JSON, and back (errors name the field).
+std::string NodeToJson(const NodeSpec& node);
+absl::StatusOr<NodeSpec> NodeFromJson(const std::string& text);
+
+class EtcdMembership final : public Membership {
+ public:
+  // Reads the registrations under `prefix` (UNAVAILABLE when etcd cannot be reached), then
+  // follows them from a thread of its own.
+  static absl::StatusOr<std::unique_ptr<EtcdMembership>> Start(std::unique_ptr<EtcdClient> client,
+                                                               std::string prefix);
+  ~EtcdMembership() override;
+
+  std::vector<NodeSpec> Nodes() const override;
+  std::string Describe() const override;
+  // Whether the watch is live now (false while etcd is unreachable).
+  bool connected() const { return connected_.load(); }
+
+ private:
+  EtcdMembership(std::unique_ptr<EtcdClient> client, std::string prefix)
+      : client_(std::move(client)), prefix_(std::move(prefix)) {}
+  absl::Status Read();  // the whole prefix, replacing what is known
+  void Apply(const EtcdKeyValue& kv, bool deleted);
+  void Loop();
+
+  const std::unique_ptr<EtcdClient> client_;
+  const std::string prefix_;
+  mutable std::mutex mu_;
+  std::map<std::string, NodeSpec> nodes_;  // by key; guarded by mu_
+  int64_t revision_ = 0;                   // the last revision applied; watch thread only
+  std::atomic<bool> connected_{false};
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+class EtcdRegistration {
+ public:
+  // Grants a lease of `ttl`, puts `self` under it, and renews it every ttl / 2 from a thread of
+  // its own (a lease that expired meanwhile, etcd having been away, is granted and put again).
+  static absl::StatusOr<std::unique_ptr<EtcdRegistration>> Start(std::unique_ptr<EtcdClient> client,
+                                                                 std::string prefix, NodeSpec self,
+                                                                 absl::Duration ttl);
+  // Deregisters: revokes the lease (the key goes with it).
+  ~EtcdRegistration();
+  int64_t lease() const { return lease_.load(); }
+
+ private:
+  EtcdRegistration(std::unique_ptr<EtcdClient> client, std::string key, std::string value,
+                   absl::Duration ttl)
+      : client_(std::move(client)), key_(std::move(key)), value_(std::move(value)), ttl_(ttl) {}
+  absl::Status Register();
+  void Loop();
+
+  const std::unique_ptr<EtcdClient> client_;
+  const std::string key_, value_;
+  const absl::Duration ttl_;
+  std::atomic<int64_t> lease_{0};
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;  // guarded by mu_
+  std::thread thread_;
+};
+
+}  // namespace strata::cluster

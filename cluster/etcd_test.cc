@@ -1,0 +1,238 @@
+// EtcdClient, EtcdMembership and EtcdRegistration against a real, throwaway etcd (Debian's
+// etcd-server; scripts/setup.sh installs it) on free loopback ports. Skipped, saying so, when no
+// etcd binary is installed.
+#include <signal.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <netinet/in.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <filesystem>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "cluster/etcd_client.h"
+#include "cluster/etcd_membership.h"
+#include "gtest/gtest.h"
+
+extern char** environ;
+
+namespace strata::cluster {
+namespace {
+
+constexpr char kEtcd[] = "/usr/bin/etcd";
+
+int FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  socklen_t len = sizeof(a);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+// One etcd process; Stop and Start again on the same data and ports (a restart).
+class Etcd {
+ public:
+  Etcd() : client_port_(FreePort()), peer_port_(FreePort()) {
+    dir_ = absl::StrCat(testing::TempDir(), "/etcd-", getpid(), "-", client_port_);
+    std::filesystem::remove_all(dir_);
+  }
+  ~Etcd() {
+    Stop();
+    std::filesystem::remove_all(dir_);
+  }
+  std::string endpoint() const { return absl::StrCat("127.0.0.1:", client_port_); }
+
+  bool Start() {
+    const std::string client = absl::StrCat("http://127.0.0.1:", client_port_);
+    const std::string peer = absl::StrCat("http://127.0.0.1:", peer_port_);
+    std::vector<std::string> args = {kEtcd, "--data-dir", dir_, "--listen-client-urls", client,
+                                     "--advertise-client-urls", client, "--listen-peer-urls", peer,
+                                     "--initial-advertise-peer-urls", peer, "--initial-cluster",
+                                     "default=" + peer, "--heartbeat-interval", "10",
+                                     "--election-timeout", "100", "--log-level", "error"};
+    std::vector<char*> argv;
+    for (std::string& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    if (posix_spawn(&pid_, kEtcd, nullptr, nullptr, argv.data(), environ) != 0) return false;
+    auto c = NewHttpEtcdClient(endpoint(), absl::Milliseconds(500));
+    for (int i = 0; i < 200; ++i) {  // ready in ~0.1 s; 10 s at most
+      if (c->Put("/ready", "1", 0).ok()) return true;
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+    return false;
+  }
+  void Stop() {
+    if (pid_ <= 0) return;
+    kill(pid_, SIGKILL);
+    waitpid(pid_, nullptr, 0);
+    pid_ = -1;
+  }
+
+ private:
+  int client_port_, peer_port_;
+  std::string dir_;
+  pid_t pid_ = -1;
+};
+
+class EtcdTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (access(kEtcd, X_OK) != 0) GTEST_SKIP() << "skipped: no etcd at " << kEtcd;
+    ASSERT_TRUE(etcd_.Start()) << "etcd did not start";
+  }
+  std::unique_ptr<EtcdClient> Client() { return NewHttpEtcdClient(etcd_.endpoint()); }
+
+  Etcd etcd_;
+};
+
+NodeSpec Node(const std::string& id, Role role, int port) {
+  NodeSpec n;
+  n.id = id;
+  n.role = role;
+  n.grpc = absl::StrCat("127.0.0.1:", port);
+  n.transport = role == Role::kDecode ? "127.0.0.1:0" : "";
+  return n;
+}
+
+// Waits (bounded) until the membership's node ids are `want`.
+bool Eventually(const EtcdMembership& m, const std::vector<std::string>& want,
+                absl::Duration limit = absl::Seconds(10)) {
+  const absl::Time until = absl::Now() + limit;
+  while (absl::Now() < until) {
+    std::vector<std::string> ids;
+    for (const NodeSpec& n : m.Nodes()) ids.push_back(n.id);
+    if (ids == want) return true;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return false;
+}
+
+TEST_F(EtcdTest, KeyValuesLeasesAndAWatch) {
+  auto c = Client();
+  ASSERT_TRUE(c->Put("/t/a", "1", 0).ok());
+  ASSERT_TRUE(c->Put("/t/b", std::string("\0\xff", 2), 0).ok());  // any bytes
+  ASSERT_TRUE(c->Put("/u/c", "3", 0).ok());
+  absl::StatusOr<EtcdRange> r = c->RangePrefix("/t/");
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(r->kvs.size(), 2u);
+  EXPECT_EQ(r->kvs[1].value, std::string("\0\xff", 2));
+  EXPECT_GT(r->revision, 0);
+  absl::StatusOr<int64_t> lease = c->Grant(absl::Seconds(1));
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  ASSERT_TRUE(c->Put("/t/leased", "x", *lease).ok());
+  absl::StatusOr<absl::Duration> ttl = c->KeepAlive(*lease);
+  ASSERT_TRUE(ttl.ok()) << ttl.status();
+  EXPECT_GE(*ttl, absl::Seconds(1));
+  // A watch from the range's revision sees what follows, in order, a lease's expiry included.
+  std::atomic<bool> stop{false};
+  std::vector<std::string> seen;
+  std::mutex mu;
+  std::thread watcher([&] {
+    c->Watch("/t/", r->revision + 1,
+             [&](int64_t, const std::vector<EtcdEvent>& events) {
+               std::lock_guard<std::mutex> lock(mu);
+               for (const EtcdEvent& e : events) {
+                 seen.push_back(absl::StrCat(e.deleted ? "-" : "+", e.kv.key));
+               }
+             },
+             stop)
+        .IgnoreError();
+  });
+  ASSERT_TRUE(c->Delete("/t/a").ok());
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  while (absl::Now() < until) {  // the lease (1 s, no more renewals) expires
+    std::lock_guard<std::mutex> lock(mu);
+    if (seen.size() >= 3) break;
+  }
+  stop.store(true);
+  watcher.join();
+  EXPECT_EQ(seen, (std::vector<std::string>{"+/t/leased", "-/t/a", "-/t/leased"}));
+  EXPECT_EQ(c->KeepAlive(*lease).status().code(), absl::StatusCode::kNotFound);
+}
+
+// Nodes register under leases; the membership follows: a node that stops deregisters at once,
+// one that dies leaves within its TTL.
+TEST_F(EtcdTest, MembershipFollowsRegistrationsAndLeases) {
+  absl::StatusOr<std::unique_ptr<EtcdMembership>> m = EtcdMembership::Start(Client(), "/strata/x/");
+  ASSERT_TRUE(m.ok()) << m.status();
+  auto p0 = EtcdRegistration::Start(Client(), "/strata/x/", Node("prefill-0", Role::kPrefill, 7010),
+                                    absl::Seconds(2));
+  ASSERT_TRUE(p0.ok()) << p0.status();
+  auto d0 = EtcdRegistration::Start(Client(), "/strata/x/", Node("decode-0", Role::kDecode, 7030),
+                                    absl::Seconds(2));
+  ASSERT_TRUE(d0.ok()) << d0.status();
+  ASSERT_TRUE(Eventually(**m, {"decode-0", "prefill-0"}));
+  const std::vector<NodeSpec> nodes = (*m)->Nodes();
+  EXPECT_EQ(nodes[0].role, Role::kDecode);
+  EXPECT_EQ(nodes[1].grpc, "127.0.0.1:7010");
+  // Renewed at half its TTL, the registration outlives it.
+  absl::SleepFor(absl::Seconds(3));
+  ASSERT_TRUE(Eventually(**m, {"decode-0", "prefill-0"}, absl::Milliseconds(10)));
+  d0->reset();  // a clean stop: revoked at once
+  ASSERT_TRUE(Eventually(**m, {"prefill-0"}, absl::Seconds(1)));
+  // A node that dies: its lease is no longer renewed and expires.
+  auto c = Client();
+  absl::StatusOr<int64_t> lease = c->Grant(absl::Seconds(1));
+  ASSERT_TRUE(lease.ok());
+  ASSERT_TRUE(c->Put("/strata/x/nodes/decode-9", NodeToJson(Node("decode-9", Role::kDecode, 7039)),
+                     *lease)
+                  .ok());
+  ASSERT_TRUE(Eventually(**m, {"decode-9", "prefill-0"}, absl::Seconds(2)));
+  ASSERT_TRUE(Eventually(**m, {"prefill-0"}, absl::Seconds(5)));
+  // A registration that is not a node is ignored, with a log line.
+  ASSERT_TRUE(c->Put("/strata/x/nodes/junk", "{not json", 0).ok());
+  absl::SleepFor(absl::Milliseconds(300));
+  EXPECT_TRUE(Eventually(**m, {"prefill-0"}, absl::Milliseconds(10)));
+}
+
+// etcd lost: the membership stays as it was; back: the watch resumes, and a registration whose
+// lease expired meanwhile is made again.
+TEST_F(EtcdTest, EtcdLostAndBack) {
+  absl::StatusOr<std::unique_ptr<EtcdMembership>> m = EtcdMembership::Start(Client(), "/s/");
+  ASSERT_TRUE(m.ok()) << m.status();
+  auto p0 = EtcdRegistration::Start(Client(), "/s/", Node("prefill-0", Role::kPrefill, 7010),
+                                    absl::Seconds(1));
+  ASSERT_TRUE(p0.ok()) << p0.status();
+  ASSERT_TRUE(Eventually(**m, {"prefill-0"}));
+  etcd_.Stop();
+  absl::SleepFor(absl::Seconds(2));
+  EXPECT_FALSE((*m)->connected());
+  EXPECT_TRUE(Eventually(**m, {"prefill-0"}, absl::Milliseconds(10)));  // kept while etcd is away
+  ASSERT_TRUE(etcd_.Start());
+  auto d1 = EtcdRegistration::Start(Client(), "/s/", Node("decode-1", Role::kDecode, 7031),
+                                    absl::Seconds(2));
+  ASSERT_TRUE(d1.ok()) << d1.status();
+  EXPECT_TRUE(Eventually(**m, {"decode-1", "prefill-0"}, absl::Seconds(10)));
+  const absl::Time until = absl::Now() + absl::Seconds(5);
+  while (!(*m)->connected() && absl::Now() < until) absl::SleepFor(absl::Milliseconds(20));
+  EXPECT_TRUE((*m)->connected());
+}
+
+TEST(NodeJsonTest, RoundTripsAndRefusesBadRegistrations) {
+  NodeSpec n = Node("decode-3", Role::kDecode, 7033);
+  n.metrics = "127.0.0.1:7053";
+  absl::StatusOr<NodeSpec> back = NodeFromJson(NodeToJson(n));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->id, n.id);
+  EXPECT_EQ(back->role, n.role);
+  EXPECT_EQ(back->grpc, n.grpc);
+  EXPECT_EQ(back->transport, n.transport);
+  EXPECT_EQ(back->metrics, n.metrics);
+  EXPECT_FALSE(NodeFromJson("[1]").ok());
+  EXPECT_FALSE(NodeFromJson(R"({"id":"a b","role":"decode","grpc":"h:1"})").ok());
+  EXPECT_FALSE(NodeFromJson(R"({"id":"a","role":"cook","grpc":"h:1"})").ok());
+  EXPECT_FALSE(NodeFromJson(R"({"id":"a","role":"decode","grpc":"nohost"})").ok());
+}
+
+}  // namespace
+}  // namespace strata::cluster
