@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/status_macros.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
 
@@ -142,6 +143,31 @@ absl::StatusOr<NodeSpec> FindNode(const ClusterSpec& spec, const std::string& id
                                                    " node of ", spec.path));
   }
   return *node;
+}
+
+absl::StatusOr<NodeSpec> SelfNode(const ClusterSpec& spec, const std::string& id, Role role,
+                                  bool etcd, const std::string& listen,
+                                  const std::string& transport) {
+  absl::StatusOr<NodeSpec> listed = FindNode(spec, id, role);
+  if (listed.ok() || !etcd || spec.Find(id) != nullptr) return listed;
+  if (!ValidNodeId(id)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--node: '", id, "' must be 1..64 characters of [A-Za-z0-9._-]"));
+  }
+  if (listen.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--node: '", id, "' is not in ", spec.path,
+        "; to join through etcd alone, give its gRPC address with --listen HOST:PORT"));
+  }
+  STRATA_RETURN_IF_ERROR(ValidateHostPort(listen, "--listen"));
+  NodeSpec n;
+  n.id = id;
+  n.role = role;
+  n.grpc = listen;
+  if (role == Role::kDecode) {
+    n.transport = transport.empty() ? listen.substr(0, listen.rfind(':')) + ":0" : transport;
+  }
+  return n;
 }
 
 absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(grpc::Service* service,

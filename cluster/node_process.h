@@ -81,6 +81,12 @@ prometheus::Histogram::BucketBoundaries LatencyBuckets();
 // This process's entry in the cluster file: kInvalidArgument naming --node when `id` is not a
 // node of `role` there.
 absl::StatusOr<NodeSpec> FindNode(const ClusterSpec& spec, const std::string& id, Role role);
+// This node's entry: the cluster file's (FindNode). With etcd (`etcd` true), a node the file
+// does not list joins from its flags: `listen` (required then) is its gRPC address, and a decode
+// node's transport is `transport`, or the listen host on any port.
+absl::StatusOr<NodeSpec> SelfNode(const ClusterSpec& spec, const std::string& id, Role role,
+                                  bool etcd, const std::string& listen,
+                                  const std::string& transport);
 
 // Builds and starts a gRPC server for `service` on `address` ("host:port", port 0: any); *port
 // gets the port taken. kUnavailable when it cannot listen.

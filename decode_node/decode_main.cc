@@ -73,7 +73,9 @@ int main(int argc, char** argv) {
   absl::StatusOr<cl::ClusterSpec> spec = cl::LoadClusterFile(absl::GetFlag(FLAGS_cluster));
   if (!spec.ok()) return Fail("cluster file", spec.status(), 2);
   absl::StatusOr<cl::NodeSpec> node =
-      cl::FindNode(*spec, absl::GetFlag(FLAGS_node), cl::Role::kDecode);
+      cl::SelfNode(*spec, absl::GetFlag(FLAGS_node), cl::Role::kDecode,
+                   !absl::GetFlag(FLAGS_etcd).empty(), absl::GetFlag(FLAGS_listen),
+                   absl::GetFlag(FLAGS_transport));
   if (!node.ok()) return Fail("flags", node.status(), 2);
   const cl::NodeSpec* self = &*node;
   uint64_t kv_budget = 0;

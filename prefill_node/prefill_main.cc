@@ -61,7 +61,8 @@ int main(int argc, char** argv) {
   absl::StatusOr<cl::ClusterSpec> spec = cl::LoadClusterFile(absl::GetFlag(FLAGS_cluster));
   if (!spec.ok()) return Fail("cluster file", spec.status(), 2);
   absl::StatusOr<cl::NodeSpec> node =
-      cl::FindNode(*spec, absl::GetFlag(FLAGS_node), cl::Role::kPrefill);
+      cl::SelfNode(*spec, absl::GetFlag(FLAGS_node), cl::Role::kPrefill,
+                   !absl::GetFlag(FLAGS_etcd).empty(), absl::GetFlag(FLAGS_listen), "");
   if (!node.ok()) return Fail("flags", node.status(), 2);
   const cl::NodeSpec* self = &*node;
   if (absl::GetFlag(FLAGS_max_concurrent) < 1 || absl::GetFlag(FLAGS_max_queued_tokens) < 1 ||

@@ -150,6 +150,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // With API keys: the tenant of the request's key; false (and a 401 sent) when it has none.
   bool Authenticate(const Request& request);
 
+  // Gives the request's place among its tenant's back: once the backend is done, before the last
+  // bytes are written (a client that has its answer may send the next request at once).
+  void ReleaseTenantSlot();
   void RequestDone();
   void ClientGone();
   void LingerClose();
@@ -611,6 +614,7 @@ void Connection::NextRequest() {
 
 void Connection::SendResponse(int status, absl::string_view content_type, std::string body,
                               bool close) {
+  ReleaseTenantSlot();
   status_ = status;
   auto response =
       std::make_shared<http::response<http::string_body>>(static_cast<http::status>(status), 11);
@@ -682,6 +686,7 @@ void Connection::OnStreamEvent(uint64_t seq, bool end, bool ok, std::string data
   }
   backend_done_ = true;
   stream_end_ = true;
+  ReleaseTenantSlot();
   close_after_stream_ = !ok;
   if (!ok) status_ = 500;  // logged only: the client already has its 200
   pending_ += data;
@@ -759,6 +764,12 @@ void Connection::OnStreamWritten(error_code ec, bool last) {
   NextRequest();
 }
 
+void Connection::ReleaseTenantSlot() {
+  if (!tenant_slot_) return;
+  server_->ReleaseTenant(tenant_);
+  tenant_slot_ = false;
+}
+
 bool Connection::Authenticate(const Request& request) {
   tenant_.clear();
   const std::shared_ptr<const ApiKeys>& keys = server_->options().api_keys;
@@ -786,10 +797,7 @@ void Connection::RequestDone() {
                             absl::ToDoubleMilliseconds(absl::Now() - start_)));
   }
   in_flight_ = false;
-  if (tenant_slot_) {
-    server_->ReleaseTenant(tenant_);
-    tenant_slot_ = false;
-  }
+  ReleaseTenantSlot();
   if (stream_ != nullptr) stream_->Close();
   stream_.reset();
   handle_.reset();  // finished: destroying the handle cancels nothing

@@ -542,6 +542,33 @@ class MembershipTest(unittest.TestCase):
                 _, _, events = complete(c, "%s (%d)" % (PROMPTS[i % 4], i), 4, stream=True)
                 served_by.add(routed_decode(c, json.loads(events[0])["id"]))
             self.assertIn("decode-0", served_by)
+            # A decode node the cluster file does not list joins through etcd alone.
+            port = free_port()
+            with open(os.path.join(c.dir, "logs", "decode-9.log"), "w") as log:
+                extra = subprocess.Popen(
+                    [os.path.join(BUILD, "decode_node/strata-decode"), "--cluster",
+                     os.path.join(c.dir, "cluster.json"), "--node", "decode-9", "--listen",
+                     "127.0.0.1:%d" % port, "--metrics", "off", "--etcd",
+                     "127.0.0.1:%d" % etcd.port, "--etcd_prefix", prefix[:-len("nodes/")],
+                     "--etcd_ttl_s", "2"], stdout=log, stderr=subprocess.STDOUT)
+            try:
+                t0 = time.monotonic()
+                while prefix + "decode-9" not in (etcd.keys(prefix) or []):
+                    self.assertLess(time.monotonic() - t0, 30, "decode-9 never registered")
+                    time.sleep(0.1)
+                time.sleep(1.0)
+                served_by = set()
+                for i in range(16):
+                    _, _, events = complete(c, "%s [%d]" % (PROMPTS[i % 4], i), 4, stream=True)
+                    served_by.add(routed_decode(c, json.loads(events[0])["id"]))
+                self.assertIn("decode-9", served_by)
+            finally:
+                extra.terminate()
+                extra.wait(timeout=30)
+            t0 = time.monotonic()  # a clean stop deregisters at once
+            while prefix + "decode-9" in (etcd.keys(prefix) or []):
+                self.assertLess(time.monotonic() - t0, 2, "decode-9 did not deregister")
+                time.sleep(0.05)
         except Exception:
             if c is not None:
                 print(c.logs())
