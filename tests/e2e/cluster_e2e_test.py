@@ -355,6 +355,31 @@ class ClusterTest(unittest.TestCase):
             replaced += streamed.count("\ufffd")
         self.assertGreater(replaced, 0, "no stream exercised ill-formed bytes; pick other seeds")
 
+    def test_the_dashboard_uses_only_metrics_the_processes_export(self):
+        # deploy/monitoring/grafana-strata.json against what the router, a prefill node, a decode
+        # node and the store serve on /metrics (metric families, from their TYPE lines).
+        c = self.cluster
+        complete(c, PROMPTS[0], 4)
+        store_metrics = "127.0.0.1:%d" % (c.port_base + 1)
+        exported = set()
+        for address in (c.base.replace("http://", ""), c.node("prefill-0")["metrics"],
+                        c.node("decode-0")["metrics"], store_metrics):
+            with urllib.request.urlopen("http://%s/metrics" % address, timeout=5) as r:
+                for line in r.read().decode().splitlines():
+                    if line.startswith("# TYPE "):
+                        exported.add(line.split()[2])
+        with open(os.path.join(ROOT, "deploy/monitoring/grafana-strata.json")) as f:
+            dashboard = json.load(f)
+        used = set()
+        for panel in dashboard["panels"]:
+            for target in panel["targets"]:
+                used.update(re.findall(r"strata_[a-z0-9_]+", target["expr"]))
+        self.assertGreater(len(used), 20)
+        missing = sorted(u for u in used
+                         if u not in exported and re.sub(r"_(bucket|sum|count)$", "", u)
+                         not in exported)
+        self.assertEqual(missing, [], "the dashboard uses metrics nobody exports")
+
     def test_streams_end_with_done_and_usage(self):
         text, usage, events = complete(self.cluster, PROMPTS[0], 8, stream=True)
         self.assertEqual(events[-1], "[DONE]")
