@@ -189,7 +189,8 @@ case "$cmd" in
       for _ in $(seq 100); do kill -0 "$old_pid" 2>/dev/null || break; sleep 0.1; done
       kill -KILL "$old_pid" 2>/dev/null || true
     fi
-    eval "$(cat "$dir/cmd.$target")" >"$dir/logs/$target.log" 2>&1 &
+    # exec: the background subshell becomes the process, so that $! (and `down`) name it.
+    eval "exec $(cat "$dir/cmd.$target")" >"$dir/logs/$target.log" 2>&1 &
     new_pid=$!
     awk -v n="$target" -v p="$new_pid" '$1 == n {$2 = p} {print}' "$dir/pids" >"$dir/pids.new"
     mv "$dir/pids.new" "$dir/pids"
