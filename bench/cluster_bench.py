@@ -129,6 +129,19 @@ def delta(after, before):
     return {k: after.get(k, 0) - before.get(k, 0) for k in after}
 
 
+def run_info():
+    """(commit, "-dirty" when the tree differs; UTC now; "host / CPU / N cores") for a results
+    file's name and header."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                            capture_output=True, text=True).stdout.strip() or "unknown"
+    if subprocess.run(["git", "diff", "--quiet"], cwd=ROOT).returncode != 0:
+        commit += "-dirty"
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                if line.startswith("model name")), platform.processor())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return commit, now, "%s / %s / %d cores" % (platform.node(), cpu, os.cpu_count())
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--build", default=os.path.join(ROOT, "build"))
@@ -138,15 +151,8 @@ def main():
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     args = ap.parse_args()
     e2e.BUILD = os.path.abspath(args.build)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                            capture_output=True, text=True).stdout.strip() or "unknown"
-    if subprocess.run(["git", "diff", "--quiet"], cwd=ROOT).returncode != 0:
-        commit += "-dirty"
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                if line.startswith("model name")), platform.processor())
-    now = datetime.datetime.now(datetime.timezone.utc)
-    report = {"commit": commit, "date": now.strftime("%Y-%m-%dT%H:%M:%SZ"),
-              "machine": "%s / %s / %d cores" % (platform.node(), cpu, os.cpu_count()),
+    commit, now, machine = run_info()
+    report = {"commit": commit, "date": now.strftime("%Y-%m-%dT%H:%M:%SZ"), "machine": machine,
               "codec": args.codec, "chunk_tokens": e2e.CHUNK, "model": "strata-tiny"}
     lines = ["cluster_bench  commit %s  %s  %s" % (commit, report["date"], report["machine"]),
              "cluster: store + 1 prefill + 1 decode + router on loopback (UCX), codec %s, "

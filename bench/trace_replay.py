@@ -23,10 +23,8 @@ Standard library only (Debian's /usr/bin/python3). Needs the built binaries.
 """
 import argparse
 import concurrent.futures
-import datetime
 import json
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -39,6 +37,7 @@ import urllib.request
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests", "e2e"))
 import cluster_e2e_test as e2e  # noqa: E402  (the e2e tests' Cluster and metric helpers)
+from cluster_bench import run_info  # noqa: E402  (commit, date and machine of a results file)
 
 TRACE = os.path.join(ROOT, "..", "shared", "data", "traces", "mooncake_conversation_trace.jsonl")
 MOONCAKE_BLOCK = 512
@@ -179,13 +178,7 @@ def main():
     vocab_limit = min(t for t in (cfg.get("bos_token_id"), cfg.get("eos_token_id"),
                                   cfg["vocab_size"]) if t is not None)
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                            capture_output=True, text=True).stdout.strip() or "unknown"
-    if subprocess.run(["git", "diff", "--quiet"], cwd=ROOT).returncode != 0:
-        commit += "-dirty"
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                if line.startswith("model name")), platform.processor())
-    now = datetime.datetime.now(datetime.timezone.utc)
+    commit, now, machine = run_info()
     stem = os.path.join(args.out, "trace_replay-%s-%s" % (now.strftime("%Y-%m-%d"), commit))
     os.makedirs(args.out, exist_ok=True)
 
@@ -196,7 +189,7 @@ def main():
             f.write(json.dumps(r) + "\n")
     span = (scaled[-1]["timestamp"] - scaled[0]["timestamp"]) / 1000
     report = {"commit": commit, "date": now.strftime("%Y-%m-%dT%H:%M:%SZ"),
-              "machine": "%s / %s / %d cores" % (platform.node(), cpu, os.cpu_count()),
+              "machine": machine,
               "trace": os.path.basename(args.trace), "requests": len(scaled),
               "block_tokens": args.block_tokens, "max_output": args.max_output,
               "speedup": args.speedup, "codec": args.codec, "prefill": args.prefill,
