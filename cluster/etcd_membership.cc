@@ -114,21 +114,20 @@ void EtcdMembership::Apply(const EtcdKeyValue& kv, bool deleted) {
 }
 
 void EtcdMembership::Loop() {
-  bool need_read = false;
-  bool down_logged = false;
+  bool need_read = false;    // the whole prefix again, before the next watch
+  bool down_logged = false;  // one line when the watch breaks, one when etcd is back
   while (!stop_.load()) {
     if (need_read) {
       if (absl::Status s = Read(); !s.ok()) {
         connected_.store(false);
-        if (!down_logged) {
-          Log("", absl::StrCat("membership: ", s.message(),
-                               "; keeping the membership known and retrying"));
-          down_logged = true;
-        }
         for (int i = 0; i < 5 && !stop_.load(); ++i) absl::SleepFor(absl::Milliseconds(100));
-        continue;
+        continue;  // the membership known is kept meanwhile
       }
       need_read = false;
+      if (down_logged) {
+        Log("", "membership: etcd is back; membership read again");
+        down_logged = false;
+      }
     }
     connected_.store(true);
     absl::Status s = client_->Watch(
@@ -140,20 +139,15 @@ void EtcdMembership::Loop() {
         stop_);
     if (stop_.load()) break;
     connected_.store(false);
-    // Resumed from the last revision seen; after a compaction, or to be sure after a long break,
-    // read the whole prefix again.
-    need_read = absl::IsFailedPrecondition(s) || absl::IsUnavailable(s);
     if (!down_logged) {
-      Log("", absl::StrCat("membership: watch ended: ", s.message(), "; resuming"));
+      Log("", absl::StrCat("membership: watch ended: ", s.message(),
+                           "; keeping the membership known and resuming"));
       down_logged = true;
     }
+    // After a compaction, or a break (events may have been missed), read the whole prefix again
+    // and watch from there; otherwise resume from the last revision seen.
+    need_read = absl::IsFailedPrecondition(s) || absl::IsUnavailable(s);
     for (int i = 0; i < 2 && !stop_.load(); ++i) absl::SleepFor(absl::Milliseconds(100));
-    if (!need_read) continue;
-    if (absl::Status r = Read(); r.ok()) {
-      need_read = false;
-      down_logged = false;
-      Log("", "membership: etcd is back; membership read again");
-    }
   }
 }
 

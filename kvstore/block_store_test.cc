@@ -391,32 +391,47 @@ TEST(BlockStoreChild, DISABLED_Writer) {  // not a test of its own: see below
   }
 }
 
-// kill -9 while a child process writes: every Put the child saw return is there after reopen.
-TEST(BlockStoreTest, KillDuringWritesLosesOnlyUnreturnedPuts) {
-  const std::string dir = TempDir("kill");
+// Runs BlockStoreChild.DISABLED_Writer on `dir` in a fresh child process (exec of this binary)
+// until it reports `blocks` Puts returned (or `limit` passed), then kill -9s it: its exit status
+// and how many Puts it saw return.
+struct WriterKilled {
+  int status = 0;
+  uint32_t returned = 0;
+};
+WriterKilled KillWriterAfter(const std::string& dir, uint32_t blocks, absl::Duration limit) {
   const std::string progress = dir + ".progress";
   std::filesystem::remove(progress);
   const std::string self = std::filesystem::read_symlink("/proc/self/exe");
   const pid_t pid = fork();
-  ASSERT_GE(pid, 0);
   if (pid == 0) {
     setenv("STRATA_STORE_CHILD_DIR", dir.c_str(), 1);
     execl(self.c_str(), self.c_str(), "--gtest_filter=BlockStoreChild.DISABLED_Writer",
           "--gtest_also_run_disabled_tests", nullptr);
     _exit(4);
   }
-  for (int i = 0; i < 1000; ++i) {  // let it write at least 20 blocks (10 s at most)
+  WriterKilled w;
+  if (pid < 0) {
+    ADD_FAILURE() << "fork failed";
+    return w;
+  }
+  for (const absl::Time until = absl::Now() + limit; absl::Now() < until;) {
     usleep(10000);
     std::ifstream f(progress);
     uint32_t n = 0;
-    if (f >> n && n >= 20) break;
+    if (f >> n && n >= blocks) break;
   }
   kill(pid, SIGKILL);
-  int status = 0;
-  waitpid(pid, &status, 0);
-  ASSERT_TRUE(WIFSIGNALED(status)) << "the writer stopped by itself: " << status;
-  uint32_t returned = 0;
-  std::ifstream(progress) >> returned;
+  waitpid(pid, &w.status, 0);
+  std::ifstream(progress) >> w.returned;
+  return w;
+}
+
+// kill -9 while a child process writes: every Put the child saw return is there after reopen.
+TEST(BlockStoreTest, KillDuringWritesLosesOnlyUnreturnedPuts) {
+  const std::string dir = TempDir("kill");
+  const WriterKilled w = KillWriterAfter(dir, 20, absl::Seconds(10));
+  ASSERT_TRUE(WIFSIGNALED(w.status)) << "the writer stopped by itself: " << w.status;
+  const uint32_t returned = w.returned;
   ASSERT_GT(returned, 0u);
   auto s = *BlockStore::Open({.ram_bytes = 1 << 20, .disk_path = dir, .disk_bytes = 1ull << 32});
   const BlockName prefix = Name(MakeBlock(0, 0, 0), Key(0));
@@ -465,28 +480,7 @@ TEST(BlockStoreTest, PutRefusesChainMistakesAndKeepsTheFirstWritersBlock) {
 // what the WAL lost is indexed again from them, and what cannot be is counted, never silent.
 TEST(BlockStoreTest, ADamagedWriteAheadLogLosesNoBlockTheLogCanName) {
   const std::string dir = TempDir("wal");
-  const std::string progress = dir + ".progress";
-  std::filesystem::remove(progress);
-  const std::string self = std::filesystem::read_symlink("/proc/self/exe");
-  const pid_t pid = fork();
-  ASSERT_GE(pid, 0);
-  if (pid == 0) {
-    setenv("STRATA_STORE_CHILD_DIR", dir.c_str(), 1);
-    execl(self.c_str(), self.c_str(), "--gtest_filter=BlockStoreChild.DISABLED_Writer",
-          "--gtest_also_run_disabled_tests", nullptr);
-    _exit(4);
-  }
-  for (int i = 0; i < 3000; ++i) {  // at least 300 blocks (30 s at most)
-    usleep(10000);
-    std::ifstream f(progress);
-    uint32_t n = 0;
-    if (f >> n && n >= 300) break;
-  }
-  kill(pid, SIGKILL);
-  int status = 0;
-  waitpid(pid, &status, 0);
-  uint32_t returned = 0;
-  std::ifstream(progress) >> returned;
+  const uint32_t returned = KillWriterAfter(dir, 300, absl::Seconds(30)).returned;
   ASSERT_GE(returned, 300u);
   // The WAL (RocksDB's *.log in the store's folder; the block log is in blocks/): one byte in
   // its middle flipped.
