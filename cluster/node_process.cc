@@ -105,14 +105,22 @@ absl::StatusOr<ServedModel> LoadServedModel(const std::string& model_dir,
   return m;
 }
 
-absl::StatusOr<StoreConnection> ConnectStore(const ClusterSpec& spec) {
+absl::StatusOr<StoreConnection> ConnectStore(const ClusterSpec& spec, uint64_t local_ram_bytes) {
   StoreConnection c;
-  if (spec.store.empty()) return c;
-  absl::StatusOr<std::unique_ptr<kvstore::StoreClient>> client =
-      kvstore::StoreClient::Connect(spec.store, absl::Seconds(5));
-  if (!client.ok()) return client.status();
-  c.client = *std::move(client);
-  c.source = std::make_unique<kvstore::StoreClientBlockSource>(c.client.get());
+  if (!spec.store.empty()) {
+    absl::StatusOr<std::unique_ptr<kvstore::StoreClient>> client =
+        kvstore::StoreClient::Connect(spec.store, absl::Seconds(5));
+    if (!client.ok()) return client.status();
+    c.client = *std::move(client);
+    c.source = std::make_unique<kvstore::StoreClientBlockSource>(c.client.get());
+  }
+  if (local_ram_bytes > 0) {
+    absl::StatusOr<std::unique_ptr<kvstore::BlockStore>> local =
+        kvstore::BlockStore::Open({.ram_bytes = local_ram_bytes});
+    if (!local.ok()) return local.status();
+    c.local = *std::move(local);
+    c.tiered = std::make_unique<kvstore::TieredBlockSource>(c.local.get(), c.source.get());
+  }
   return c;
 }
 

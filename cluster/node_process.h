@@ -58,14 +58,20 @@ struct ServedModel {
 absl::StatusOr<ServedModel> LoadServedModel(const std::string& model_dir,
                                             const std::string& calibration_path);
 
-// The store the cluster file names, as the engines' BlockSource; both members null when it
-// names none. The store may start after the node: the client reconnects on its own, and a store
+// The store the cluster file names, and with `local_ram_bytes` > 0 the node's own RAM tier in
+// front of it (kvstore::TieredBlockSource); blocks() is what the engines take (null with
+// neither). The store may start after the node: the client reconnects on its own, and a store
 // that is down is only a miss.
 struct StoreConnection {
-  std::unique_ptr<kvstore::StoreClient> client;
+  std::unique_ptr<kvstore::StoreClient> client;             // null when the file names no store
   std::unique_ptr<kvstore::StoreClientBlockSource> source;  // over `client`
+  std::unique_ptr<kvstore::BlockStore> local;               // the node's own tier, or null
+  std::unique_ptr<kvstore::TieredBlockSource> tiered;       // `local` in front of `source`
+  kvstore::BlockSource* blocks() const {
+    return tiered != nullptr ? static_cast<kvstore::BlockSource*>(tiered.get()) : source.get();
+  }
 };
-absl::StatusOr<StoreConnection> ConnectStore(const ClusterSpec& spec);
+absl::StatusOr<StoreConnection> ConnectStore(const ClusterSpec& spec, uint64_t local_ram_bytes = 0);
 
 // With `etcd` (host:port of its client URL) set, registers `self` under `prefix` with a lease of
 // `ttl` renewed at half of it, and logs it; destroying the result deregisters. Null when `etcd`

@@ -40,6 +40,9 @@ ABSL_FLAG(std::string, kv_budget, "1G", "KV bytes (compressed) of running sequen
 ABSL_FLAG(int, max_waiting, 4096, "registered requests not yet running; more: refused (429)");
 ABSL_FLAG(int, kv_timeout_ms, 60000, "registration to the end of the KV transfer");
 ABSL_FLAG(bool, put_to_store, true, "Put generated chunks (and preempted sequences) in the store");
+ABSL_FLAG(std::string, local_ram_bytes, "0",
+          "the node's own RAM tier of blocks, in front of the shared store (0: none): a preempted "
+          "sequence resumes from it, also while the store is away");
 ABSL_FLAG(std::string, etcd, "",
           "etcd's client address (host:port): register there under a lease, for routers that "
           "follow etcd (empty: the cluster file is the membership)");
@@ -108,7 +111,13 @@ int main(int argc, char** argv) {
   absl::StatusOr<cl::ServedModel> served = cl::LoadServedModel(spec->model, spec->calibration);
   if (!served.ok()) return Fail("model", served.status());
 
-  absl::StatusOr<cl::StoreConnection> store = cl::ConnectStore(*spec);
+  uint64_t local_bytes = 0;
+  if (!strata::ParseByteSize(absl::GetFlag(FLAGS_local_ram_bytes), &local_bytes)) {
+    std::cerr << "strata-decode: --local_ram_bytes: '" << absl::GetFlag(FLAGS_local_ram_bytes)
+              << "' is not a byte count (e.g. 0, 512M, 8G)\n";
+    return 2;
+  }
+  absl::StatusOr<cl::StoreConnection> store = cl::ConnectStore(*spec, local_bytes);
   if (!store.ok()) return Fail("store", store.status());
 
   strata::transport::UcxTransportOptions to;
@@ -171,7 +180,7 @@ int main(int argc, char** argv) {
   eo.put_to_store = absl::GetFlag(FLAGS_put_to_store);
   absl::StatusOr<std::unique_ptr<strata::decode::DecodeEngine>> engine =
       strata::decode::DecodeEngine::Create(eo, served->model.get(), served->tokenizer.get(),
-                                           receiving, store->source.get());
+                                           receiving, store->blocks());
   if (!engine.ok()) return Fail("engine", engine.status(), 2);
 
   // The router reserves KV by this estimate: the codec's exact block size per token.

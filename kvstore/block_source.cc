@@ -30,22 +30,34 @@ absl::StatusOr<SharedBytes> TieredBlockSource::Get(const BlockName& name) {
 
 absl::Status TieredBlockSource::Put(const BlockName& name, const BlockHash* parent,
                                     SharedBytes block) {
-  if (!local_->Put(name, parent, block).ok()) local_put_errors_.fetch_add(1);
-  return remote_ != nullptr ? remote_->Put(name, parent, std::move(block)) : absl::OkStatus();
+  absl::Status local = local_->Put(name, parent, block);
+  if (!local.ok()) local_put_errors_.fetch_add(1);
+  if (remote_ == nullptr) return local;
+  absl::Status remote = remote_->Put(name, parent, std::move(block));
+  if (!remote.ok() && local.ok()) remote_put_errors_.fetch_add(1);
+  return local.ok() ? local : remote;
 }
 
 absl::StatusOr<std::vector<absl::Status>> TieredBlockSource::PutMany(
     absl::Span<const PutItem> items) {
-  std::vector<absl::Status> local;
-  local.reserve(items.size());
+  std::vector<absl::Status> out;
+  out.reserve(items.size());
   for (const PutItem& item : items) {
     absl::Status s =
         local_->Put(item.name, item.parent.has_value() ? &*item.parent : nullptr, item.block);
     if (!s.ok()) local_put_errors_.fetch_add(1);
-    local.push_back(std::move(s));
+    out.push_back(std::move(s));
   }
-  if (remote_ == nullptr) return local;
-  return remote_->PutMany(items);
+  if (remote_ == nullptr) return out;
+  // A block this node holds is stored for its purposes (a preempted sequence resumes from it)
+  // whatever the shared store answered; the store's failures are counted.
+  absl::StatusOr<std::vector<absl::Status>> remote = remote_->PutMany(items);
+  for (size_t i = 0; i < out.size(); ++i) {
+    const absl::Status r = remote.ok() && i < remote->size() ? (*remote)[i] : remote.status();
+    if (!r.ok() && out[i].ok()) remote_put_errors_.fetch_add(1);
+    if (!out[i].ok()) out[i] = r;
+  }
+  return out;
 }
 
 std::string TieredBlockSource::Describe() const {
@@ -55,7 +67,8 @@ std::string TieredBlockSource::Describe() const {
 TieredBlockSource::Stats TieredBlockSource::stats() const {
   return {.local_hits = local_hits_.load(),
           .remote_hits = remote_hits_.load(),
-          .local_put_errors = local_put_errors_.load()};
+          .local_put_errors = local_put_errors_.load(),
+          .remote_put_errors = remote_put_errors_.load()};
 }
 
 }  // namespace strata::kvstore

@@ -82,9 +82,9 @@ class EmbeddedBlockSource final : public BlockSource {
 // A node's own RAM tier in front of the shared store: what the node computed (or Puts) it keeps
 // locally as well, and it reads its own blocks before asking the store. Lookup is the longer of
 // the two prefixes (each chunk of it is in one or the other); Get tries the local tier first;
-// Put and PutMany go to both (the shared store's answers are returned; the local tier's failures
-// are only counted: it is a cache). A local hit is not a store hit, so a node sees its own
-// recent prefixes while the store is down. Both must outlive it; `remote` may be null.
+// Put and PutMany go to both, and a block is stored (OK) when either tier took it: the node can
+// read it back (a preempted sequence resumes from it, also while the store is away). Each tier's
+// failures are counted. Both must outlive it; `remote` may be null.
 class TieredBlockSource final : public BlockSource {
  public:
   TieredBlockSource(BlockStore* local, BlockSource* remote) : local_(local), remote_(remote) {}
@@ -100,13 +100,15 @@ class TieredBlockSource final : public BlockSource {
   struct Stats {
     uint64_t local_hits = 0, remote_hits = 0;  // Get
     uint64_t local_put_errors = 0;
+    uint64_t remote_put_errors = 0;  // the shared store refused (or was away) but the node holds it
   };
   Stats stats() const;
 
  private:
   BlockStore* const local_;
   BlockSource* const remote_;
-  std::atomic<uint64_t> local_hits_{0}, remote_hits_{0}, local_put_errors_{0};
+  std::atomic<uint64_t> local_hits_{0}, remote_hits_{0}, local_put_errors_{0},
+      remote_put_errors_{0};
 };
 
 }  // namespace strata::kvstore

@@ -81,29 +81,22 @@ int main(int argc, char** argv) {
   absl::StatusOr<cl::ServedModel> served = cl::LoadServedModel(spec->model, spec->calibration);
   if (!served.ok()) return Fail("model", served.status());
 
-  absl::StatusOr<cl::StoreConnection> store = cl::ConnectStore(*spec);
-  if (!store.ok()) return Fail("store", store.status());
-  // The node's own RAM tier in front of the shared store, served (Store service) on the node's
-  // gRPC port so that the router's prefix index knows what this node holds.
+  // The node's own RAM tier (when asked for) in front of the shared store, served (Store service)
+  // on the node's gRPC port so that the router's prefix index knows what this node holds.
   uint64_t local_bytes = 0;
   if (!strata::ParseByteSize(absl::GetFlag(FLAGS_local_ram_bytes), &local_bytes)) {
     std::cerr << "strata-prefill: --local_ram_bytes: '" << absl::GetFlag(FLAGS_local_ram_bytes)
               << "' is not a byte count (e.g. 0, 512M, 8G)\n";
     return 2;
   }
-  std::unique_ptr<strata::kvstore::BlockStore> local;
-  std::unique_ptr<strata::kvstore::TieredBlockSource> tiered;
+  absl::StatusOr<cl::StoreConnection> store = cl::ConnectStore(*spec, local_bytes);
+  if (!store.ok()) return Fail("store", store.status());
   std::unique_ptr<strata::kvstore::StoreService> local_service;
-  strata::kvstore::BlockSource* blocks = store->source.get();
-  if (local_bytes > 0) {
-    absl::StatusOr<std::unique_ptr<strata::kvstore::BlockStore>> l =
-        strata::kvstore::BlockStore::Open({.ram_bytes = local_bytes});
-    if (!l.ok()) return Fail("local tier", l.status(), 2);
-    local = *std::move(l);
-    tiered = std::make_unique<strata::kvstore::TieredBlockSource>(local.get(), blocks);
-    local_service = std::make_unique<strata::kvstore::StoreService>(local.get(), size_t{64} << 20);
-    blocks = tiered.get();
+  if (store->local != nullptr) {
+    local_service =
+        std::make_unique<strata::kvstore::StoreService>(store->local.get(), size_t{64} << 20);
   }
+  strata::kvstore::BlockSource* blocks = store->blocks();
 
   strata::transport::UcxTransportOptions to;
   to.listen_host = "";  // a prefill node only connects to decode nodes

@@ -7,7 +7,8 @@
 #                                [--port-base P] [--http-port P] [--model DIR] [--calibration F]
 #                                [--kv-budget BYTES] [--max-batch N] [--store-ram BYTES]
 #                                [--store-disk BYTES (0: no disk tier)] [--router-flag F]...
-#                                [--prefill-local-ram BYTES (each prefill node's own tier; 0: none)]
+#                                [--prefill-local-ram BYTES] [--decode-local-ram BYTES] (each
+#                                node's own RAM tier in front of the store; 0: none)
 #                                [--etcd HOST:PORT [--etcd-ttl S]] (membership in a running etcd:
 #                                nodes register there, the router follows it)
 #   deploy/local/cluster.sh down   [--dir DIR]
@@ -43,6 +44,7 @@ max_batch=32
 store_ram="512M"
 store_disk="4G"
 prefill_local="0"
+decode_local="0"
 etcd=""
 etcd_ttl=6
 extra_router=()
@@ -62,10 +64,11 @@ while [ $# -gt 0 ]; do
     --store-ram) store_ram="$2"; shift ;;
     --store-disk) store_disk="$2"; shift ;;
     --prefill-local-ram) prefill_local="$2"; shift ;;
+    --decode-local-ram) decode_local="$2"; shift ;;
     --etcd) etcd="$2"; shift ;;
     --etcd-ttl) etcd_ttl="$2"; shift ;;
     --router-flag) extra_router+=("$2"); shift ;;
-    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
     *) echo "cluster.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -161,7 +164,8 @@ case "$cmd" in
     done
     for i in $(seq 0 $((n_decode - 1))); do
       start "decode-$i" "$bin/decode_node/strata-decode" --cluster "$dir/cluster.json" --node "decode-$i" \
-        --kv_budget "$kv_budget" --max_batch "$max_batch" "${node_etcd[@]}"
+        --kv_budget "$kv_budget" --max_batch "$max_batch" --local_ram_bytes "$decode_local" \
+        "${node_etcd[@]}"
     done
     start router "$bin/router/strata-router" --cluster "$dir/cluster.json" "${extra_router[@]}"
     for _ in $(seq 100); do

@@ -731,6 +731,31 @@ class FaultTest(unittest.TestCase):
         finally:
             c.down()
 
+    def test_a_decode_nodes_own_tier_resumes_preempted_sequences_with_the_store_gone(self):
+        # A KV budget the router fills with two sequences by its estimate, which their full-
+        # precision windows outgrow as they generate: one is preempted and resumed. With the store
+        # killed, only the decode node's own tier can hold it meanwhile; outputs equal
+        # strata generate's.
+        c = Cluster("kivi:k4v4:g32", prefill=1, decode=1, kv_budget="200K",
+                    extra=["--decode-local-ram", "64M"])
+        try:
+            os.kill(c.pids()["store"], signal.SIGKILL)
+            prompts = ["%s (%d)%s" % (PROMPTS[i], i, LONG) for i in range(2)]
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                texts = list(pool.map(lambda p: complete(c, p, 60, stream=True)[0], prompts))
+            for p, t in zip(prompts, texts):
+                self.assertEqual(t, solo("kivi:k4v4:g32", p, 60))
+            time.sleep(0.6)  # the node refreshes its counters every 0.5 s
+            m = scrape(c.node("decode-0")["metrics"])
+            self.assertGreater(metric(m, "strata_decode_preemptions_total"), 0)
+            self.assertEqual(metric(m, "strata_decode_resumed_total"),
+                             metric(m, "strata_decode_preemptions_total"))
+        except Exception:
+            print(c.logs())
+            raise
+        finally:
+            c.down()
+
     def test_store_killed_means_misses_not_failures_and_a_restart_keeps_the_disk_tier(self):
         c = Cluster("kivi:k4v4:g32", prefill=1, decode=1)
         try:
