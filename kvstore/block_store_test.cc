@@ -926,6 +926,14 @@ TEST(TieredBlockSourceTest, LocalTierFirstSharedStoreBehindIt) {
   EXPECT_EQ(tiered.stats().local_hits, 1u);
   EXPECT_EQ(std::memcmp(got->data(), blocks[3].data(), blocks[3].size()), 0);
   EXPECT_FALSE(tiered.verified_on_get());  // the shared store's bytes are verified on use
+  // A block the shared store refuses (its parent is only in this node's tier) is still stored
+  // for the node: it reads it back; the store's refusal is counted.
+  const AlignedBuffer n0 = MakeBlock(0, 0, 90), n1 = MakeBlock(0, 1, 91);
+  const BlockHash k90 = Key(790);
+  ASSERT_TRUE(local->Put(Name(n0, k90), nullptr, n0.span()).ok());
+  EXPECT_TRUE(tiered.Put(Name(n1, Key(791)), &k90, SharedBytes::FromBuffer(MakeBlock(0, 1, 91))).ok());
+  EXPECT_EQ(tiered.stats().remote_put_errors, 1u);
+  EXPECT_TRUE(tiered.Get(Name(n1, Key(791))).ok());
   // Without a shared store (or with it gone), the local tier answers alone.
   TieredBlockSource alone(local.get(), nullptr);
   EXPECT_EQ(*alone.Lookup(prefix, chain, fp), 4u);
