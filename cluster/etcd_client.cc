@@ -18,6 +18,7 @@ namespace strata::cluster {
 namespace {
 
 namespace beast = boost::beast;
+constexpr size_t kMaxWatchLine = size_t{64} << 20;
 namespace http = beast::http;
 namespace net = boost::asio;
 using tcp = net::ip::tcp;
@@ -70,6 +71,16 @@ EtcdKeyValue KeyValueOf(const json& kv) {
   return out;
 }
 
+EtcdRange RangeOf(const json& r) {
+  EtcdRange out;
+  out.revision = Int(Field(Field(r, "header"), "revision"));
+  const json& kvs = Field(r, "kvs");
+  if (kvs.is_array()) {
+    for (const json& kv : kvs) out.kvs.push_back(KeyValueOf(kv));
+  }
+  return out;
+}
+
 class HttpEtcdClient final : public EtcdClient {
  public:
   HttpEtcdClient(std::string endpoint, absl::Duration timeout)
@@ -89,13 +100,7 @@ class HttpEtcdClient final : public EtcdClient {
     absl::StatusOr<json> r =
         Call("/v3/kv/range", {{"key", B64(prefix)}, {"range_end", B64(PrefixEnd(prefix))}});
     if (!r.ok()) return r.status();
-    EtcdRange out;
-    out.revision = Int(Field(Field(*r, "header"), "revision"));
-    const json& kvs = Field(*r, "kvs");
-    if (kvs.is_array()) {
-      for (const json& kv : kvs) out.kvs.push_back(KeyValueOf(kv));
-    }
-    return out;
+    return RangeOf(*r);
   }
 
   absl::Status Delete(const std::string& key) override {
@@ -167,6 +172,9 @@ class HttpEtcdClient final : public EtcdClient {
       std::string& body = parser.get().body();
       pending += body;
       body.clear();
+      if (pending.size() > kMaxWatchLine && pending.find('\n') == std::string::npos) {
+        return Unavailable("watch", "a line of over 64 MiB");
+      }
       for (size_t nl; (nl = pending.find('\n')) != std::string::npos;) {
         const std::string line = pending.substr(0, nl);
         pending.erase(0, nl + 1);
@@ -186,28 +194,9 @@ class HttpEtcdClient final : public EtcdClient {
   absl::Status OnWatchLine(const std::string& line,
                            const std::function<void(int64_t, const std::vector<EtcdEvent>&)>& on) {
     if (line.empty()) return absl::OkStatus();
-    const json j = json::parse(line, nullptr, /*allow_exceptions=*/false);
-    if (j.is_discarded()) return Unavailable("watch", "a line that is not JSON");
-    if (const json& err = Field(j, "error"); !err.is_null()) {
-      return Unavailable("watch", err.dump());
-    }
-    const json& result = Field(j, "result");
-    if (Field(result, "canceled").is_boolean() && Field(result, "canceled").get<bool>()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("etcd ", endpoint_, ": watch canceled (compact revision ",
-                       Int(Field(result, "compact_revision")), ")"));
-    }
-    const int64_t revision = Int(Field(Field(result, "header"), "revision"));
-    std::vector<EtcdEvent> events;
-    if (const json& evs = Field(result, "events"); evs.is_array()) {
-      for (const json& e : evs) {
-        EtcdEvent ev;
-        ev.deleted = Field(e, "type").is_string() && Field(e, "type").get<std::string>() == "DELETE";
-        ev.kv = KeyValueOf(Field(e, "kv"));
-        events.push_back(std::move(ev));
-      }
-    }
-    on(revision, events);
+    absl::StatusOr<EtcdWatchBatch> batch = ParseEtcdWatchLine(line, endpoint_);
+    if (!batch.ok()) return batch.status();
+    on(batch->revision, batch->events);
     return absl::OkStatus();
   }
 
@@ -256,12 +245,13 @@ class HttpEtcdClient final : public EtcdClient {
     const int status = parser.get().result_int();
     std::string text = parser.get().body();
     if (const size_t nl = text.find('\n'); nl != std::string::npos) text.resize(nl);
+    if (absl::Status s = EtcdAnswerStatus(status, text, absl::StrCat("etcd ", endpoint_, path));
+        !s.ok()) {
+      return s;
+    }
     json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
-    if (status >= 500) return Unavailable(path.c_str(), absl::StrCat("HTTP ", status, " ", text));
-    if (status >= 400 || j.is_discarded()) {
-      const int code = Field(j, "code").is_number_integer() ? Field(j, "code").get<int>() : 3;
-      return absl::Status(static_cast<absl::StatusCode>(code),
-                          absl::StrCat("etcd ", endpoint_, path, ": HTTP ", status, " ", text));
+    if (j.is_discarded()) {
+      return Unavailable(path.c_str(), absl::StrCat("an answer that is not JSON: ", text.substr(0, 200)));
     }
     return j;
   }
@@ -272,6 +262,56 @@ class HttpEtcdClient final : public EtcdClient {
 };
 
 }  // namespace
+
+absl::StatusOr<EtcdWatchBatch> ParseEtcdWatchLine(const std::string& line,
+                                                  const std::string& endpoint) {
+  const json j = json::parse(line, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) {
+    return absl::UnavailableError(absl::StrCat("etcd ", endpoint, ": watch: a line that is not JSON"));
+  }
+  if (const json& err = Field(j, "error"); !err.is_null()) {
+    return absl::UnavailableError(absl::StrCat("etcd ", endpoint, ": watch: ", err.dump()));
+  }
+  const json& result = Field(j, "result");
+  if (Field(result, "canceled").is_boolean() && Field(result, "canceled").get<bool>()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("etcd ", endpoint, ": watch canceled (compact revision ",
+                     Int(Field(result, "compact_revision")), ")"));
+  }
+  EtcdWatchBatch batch;
+  batch.revision = Int(Field(Field(result, "header"), "revision"));
+  if (const json& evs = Field(result, "events"); evs.is_array()) {
+    for (const json& e : evs) {
+      EtcdEvent ev;
+      ev.deleted = Field(e, "type").is_string() && Field(e, "type").get<std::string>() == "DELETE";
+      ev.kv = KeyValueOf(Field(e, "kv"));
+      batch.events.push_back(std::move(ev));
+    }
+  }
+  return batch;
+}
+
+absl::StatusOr<EtcdRange> ParseEtcdRange(const std::string& body, const std::string& endpoint) {
+  const json j = json::parse(body, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) {
+    return absl::UnavailableError(absl::StrCat("etcd ", endpoint, ": range: an answer that is not JSON"));
+  }
+  return RangeOf(j);
+}
+
+absl::Status EtcdAnswerStatus(int http_status, const std::string& body, const std::string& where) {
+  if (http_status < 400) return absl::OkStatus();
+  const std::string shown = body.substr(0, 200);
+  if (http_status >= 500) return absl::UnavailableError(absl::StrCat(where, ": HTTP ", http_status, " ", shown));
+  const json j = json::parse(body, nullptr, /*allow_exceptions=*/false);
+  const json& c = Field(j, "code");
+  int code = c.is_number_integer() ? c.get<int>() : static_cast<int>(absl::StatusCode::kUnknown);
+  if (code <= 0 || code > static_cast<int>(absl::StatusCode::kUnauthenticated)) {
+    code = static_cast<int>(absl::StatusCode::kUnknown);
+  }
+  return absl::Status(static_cast<absl::StatusCode>(code),
+                      absl::StrCat(where, ": HTTP ", http_status, " ", shown));
+}
 
 std::unique_ptr<EtcdClient> NewHttpEtcdClient(const std::string& endpoint, absl::Duration timeout) {
   return std::make_unique<HttpEtcdClient>(endpoint, timeout);

@@ -60,6 +60,25 @@ class EtcdClient {
                              const std::atomic<bool>& stop) = 0;
 };
 
+// One line of a watch stream: the batch's revision and its events.
+struct EtcdWatchBatch {
+  int64_t revision = 0;
+  std::vector<EtcdEvent> events;
+};
+
+// The gateway's answers, parsed (exposed for the tests and tests/fuzz/etcd_answer_fuzz.cc; any
+// bytes give a value or an error, never a crash). `endpoint` only names etcd in messages.
+// A watch line: UNAVAILABLE for one that is not JSON or carries an error, FAILED_PRECONDITION for
+// a cancelled watch (a compacted revision).
+absl::StatusOr<EtcdWatchBatch> ParseEtcdWatchLine(const std::string& line,
+                                                  const std::string& endpoint);
+// A /v3/kv/range answer's body (fields missing read as empty / zero).
+absl::StatusOr<EtcdRange> ParseEtcdRange(const std::string& body, const std::string& endpoint);
+// The status of an answer with HTTP status `http_status` (its first line `body`): OK below 400,
+// UNAVAILABLE for 5xx, else the gateway's gRPC code (UNKNOWN when it names none or an invalid
+// one), never OK.
+absl::Status EtcdAnswerStatus(int http_status, const std::string& body, const std::string& where);
+
 // `endpoint` is host:port of etcd's client URL (http).
 std::unique_ptr<EtcdClient> NewHttpEtcdClient(const std::string& endpoint,
                                               absl::Duration timeout = absl::Seconds(5));

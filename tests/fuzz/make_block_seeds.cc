@@ -5,7 +5,11 @@
 #include <string>
 #include <vector>
 
+#include <filesystem>
+
+#include "common/block_reader.h"
 #include "common/block_writer.h"
+#include "kvstore/block_store.h"
 #include "kernels/codec.h"
 #include "kernels/synthetic_kv.h"
 
@@ -127,6 +131,58 @@ int main(int argc, char** argv) {
     FILE* f = std::fopen((std::string(argv[1]) + "/" + name).c_str(), "wb");
     if (f == nullptr || std::fwrite(text.data(), 1, text.size(), f) != text.size()) return 1;
     std::fclose(f);
+  }
+  // What etcd gives the cluster: a node's registration, a watch line, a range answer.
+  for (const auto& [name, text] : {
+           std::pair{"etcd-node.json",
+                     R"({"id":"decode-0","role":"decode","grpc":"10.0.0.2:7100",)"
+                     R"("transport":"10.0.0.2:7200","metrics":"10.0.0.2:9100"})"},
+           std::pair{"etcd-watch.json",
+                     R"({"result":{"header":{"revision":"42"},"events":[{"type":"DELETE",)"
+                     R"("kv":{"key":"L3N0cmF0YS9ub2Rlcy9h","mod_revision":"41"}},{"kv":{"key":)"
+                     R"("L3N0cmF0YS9ub2Rlcy9i","value":"e30=","lease":"7"}}]}})"},
+           std::pair{"etcd-range.json",
+                     R"({"header":{"revision":"9"},"kvs":[{"key":"YQ==","value":"Yg==",)"
+                     R"("mod_revision":"3"}],"count":"1"})"}}) {
+    const std::string t = text;
+    FILE* f = std::fopen((std::string(argv[1]) + "/" + name).c_str(), "wb");
+    if (f == nullptr || std::fwrite(t.data(), 1, t.size(), f) != t.size()) return 1;
+    std::fclose(f);
+  }
+  // A block log as a store writes it (two chunks of one prefix, tagged), for the store's
+  // recovery fuzzer.
+  {
+    namespace fs = std::filesystem;
+    const fs::path dir = fs::path(argv[1]) / "store-tmp";
+    fs::remove_all(dir);
+    kvstore::StoreOptions o;
+    o.ram_bytes = size_t{1} << 20;
+    o.disk_path = dir.string();
+    o.disk_bytes = size_t{1} << 26;
+    {
+      absl::StatusOr<std::unique_ptr<kvstore::BlockStore>> store = kvstore::BlockStore::Open(o);
+      if (!store.ok()) return 1;
+      auto codec = kernels::Codec::Create("kivi:k2v2:g8");
+      const kernels::SyntheticKv kv = kernels::MakeSyntheticKv(8, 1, 8, 5);
+      BlockHash parent{};
+      for (uint32_t chunk = 0; chunk < 2; ++chunk) {
+        absl::StatusOr<AlignedBuffer> b = (*codec)->Encode(
+            {kv.k.data(), kv.v.data(), SourceDType::kFloat32, 8, 1, 8},
+            {.layer = 0, .chunk_index = chunk, .model_fingerprint = 0x77});
+        if (!b.ok()) return 1;
+        const BlockHeader h = BlockView::Parse(b->span())->header();
+        BlockHash key{};
+        key[0] = static_cast<uint8_t>(chunk + 1);
+        const BlockName name{h.model_fingerprint, h.codec_fingerprint,
+                                      h.calibration_fingerprint, key, h.layer};
+        if (!(*store)->Put(name, chunk == 0 ? nullptr : &parent, b->span()).ok()) return 1;
+        parent = key;
+      }
+      (*store)->Flush();
+    }
+    fs::copy_file(dir / "blocks" / "1.log", fs::path(argv[1]) / "store-block-log.bin",
+                  fs::copy_options::overwrite_existing);
+    fs::remove_all(dir);
   }
   return 0;
 }
