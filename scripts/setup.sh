@@ -16,11 +16,19 @@ packages=(
   librocksdb-dev prometheus-cpp-dev curl
   # membership (etcd v3; its JSON gateway) for the cluster tests
   etcd-server
+  # separate hosts on one machine (deploy/netns: namespaces, veth, tc; packet loss by nftables
+  # where the kernel has no netem)
+  iproute2 nftables
   libucx-dev ucx-utils
   libgtest-dev libgmock-dev libbenchmark-dev
   # test oracles (run with Debian's /usr/bin/python3)
   python3 python3-cbor2 python3-regex
 )
+# deploy/k8s checks (scripts/validate_k8s.sh): `kubectl kustomize`, and Node.js with npm for the
+# schema checks. Only when none is installed: another kubectl (the Google Cloud SDK's `kubectl`
+# package) or Node.js (NodeSource's, which carries npm) owns the same files, and serves as well.
+if ! command -v kubectl >/dev/null 2>&1; then packages+=(kubernetes-client); fi
+if ! command -v npm >/dev/null 2>&1; then packages+=(nodejs npm); fi
 
 missing=()
 for p in "${packages[@]}"; do
