@@ -17,6 +17,7 @@
 #include "common/status_macros.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
+#include "kvstore/grpc_keepalive.h"
 
 namespace strata::cluster {
 namespace {
@@ -72,6 +73,16 @@ int WaitForTermination() {
   return sig;
 }
 
+int WaitForTerminationFor(absl::Duration timeout) {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGINT);
+  const timespec ts = absl::ToTimespec(timeout);
+  const int sig = sigtimedwait(&set, nullptr, &ts);
+  return sig > 0 ? sig : 0;
+}
+
 absl::StatusOr<std::unique_ptr<prometheus::Exposer>> StartMetrics(
     const std::string& address, const std::shared_ptr<prometheus::Registry>& registry) {
   if (absl::Status s = ValidateHostPort(address, "metrics address"); !s.ok()) return s;
@@ -105,11 +116,14 @@ absl::StatusOr<ServedModel> LoadServedModel(const std::string& model_dir,
   return m;
 }
 
-absl::StatusOr<StoreConnection> ConnectStore(const ClusterSpec& spec, uint64_t local_ram_bytes) {
+absl::StatusOr<StoreConnection> ConnectStore(
+    const ClusterSpec& spec, std::shared_ptr<const kvstore::GrpcSecurity> security,
+    uint64_t local_ram_bytes) {
   StoreConnection c;
   if (!spec.store.empty()) {
     absl::StatusOr<std::unique_ptr<kvstore::StoreClient>> client =
-        kvstore::StoreClient::Connect(spec.store, absl::Seconds(5));
+        kvstore::StoreClient::Connect(spec.store, absl::Seconds(5),
+                                      {.security = std::move(security)});
     if (!client.ok()) return client.status();
     c.client = *std::move(client);
     c.source = std::make_unique<kvstore::StoreClientBlockSource>(c.client.get());
@@ -178,16 +192,27 @@ absl::StatusOr<NodeSpec> SelfNode(const ClusterSpec& spec, const std::string& id
   return n;
 }
 
-absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(grpc::Service* service,
-                                                             const std::string& address,
-                                                             int* port) {
-  return StartGrpcServer(std::vector<grpc::Service*>{service}, address, port);
+absl::StatusOr<std::shared_ptr<const kvstore::GrpcSecurity>> LoadGrpcSecurity(
+    const kvstore::GrpcSecurityOptions& options) {
+  absl::StatusOr<std::shared_ptr<const kvstore::GrpcSecurity>> s =
+      kvstore::GrpcSecurity::Load(options);
+  if (s.ok()) Log("", (*s)->insecure() ? (*s)->Describe() : "security: " + (*s)->Describe());
+  return s;
 }
 
 absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(
-    const std::vector<grpc::Service*>& services, const std::string& address, int* port) {
+    grpc::Service* service, const std::string& address, const kvstore::GrpcSecurity& security,
+    int* port) {
+  return StartGrpcServer(std::vector<grpc::Service*>{service}, address, security, port);
+}
+
+absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(
+    const std::vector<grpc::Service*>& services, const std::string& address,
+    const kvstore::GrpcSecurity& security, int* port) {
+  if (security.insecure()) Log("", absl::StrCat(security.Describe(), " (gRPC on ", address, ")"));
   grpc::ServerBuilder b;
-  b.AddListeningPort(address, grpc::InsecureServerCredentials(), port);
+  kvstore::AcceptClientKeepalive(&b);
+  b.AddListeningPort(address, security.ServerCredentials(), port);
   for (grpc::Service* service : services) {
     if (service != nullptr) b.RegisterService(service);
   }

@@ -10,11 +10,13 @@
 #include "absl/strings/string_view.h"
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "grpcpp/server.h"
 #include "grpcpp/impl/service_type.h"
 #include "cluster/cluster_file.h"
 #include "cluster/etcd_membership.h"
 #include "kernels/calibration.h"
+#include "kvstore/grpc_security.h"
 #include "kvstore/store_client.h"
 #include "model/llama.h"
 #include "model/sampler.h"
@@ -42,6 +44,8 @@ void ConfigureFlagsUsage();
 // first in main, before any thread exists. Then WaitForTermination() returns the signal.
 void BlockTerminationSignals();
 int WaitForTermination();
+// The same for at most `timeout`: the signal, or 0.
+int WaitForTerminationFor(absl::Duration timeout);
 
 // Serves `registry` at http://`address`/metrics. kInvalidArgument for a bad address,
 // kUnavailable when the port cannot be bound.
@@ -71,7 +75,13 @@ struct StoreConnection {
     return tiered != nullptr ? static_cast<kvstore::BlockSource*>(tiered.get()) : source.get();
   }
 };
-absl::StatusOr<StoreConnection> ConnectStore(const ClusterSpec& spec, uint64_t local_ram_bytes = 0);
+absl::StatusOr<StoreConnection> ConnectStore(
+    const ClusterSpec& spec, std::shared_ptr<const kvstore::GrpcSecurity> security,
+    uint64_t local_ram_bytes = 0);
+
+// GrpcSecurity::Load, and one log line saying what it is (with --insecure, the warning).
+absl::StatusOr<std::shared_ptr<const kvstore::GrpcSecurity>> LoadGrpcSecurity(
+    const kvstore::GrpcSecurityOptions& options);
 
 // With `etcd` (host:port of its client URL) set, registers `self` under `prefix` with a lease of
 // `ttl` renewed at half of it, and logs it; destroying the result deregisters. Null when `etcd`
@@ -94,14 +104,17 @@ absl::StatusOr<NodeSpec> SelfNode(const ClusterSpec& spec, const std::string& id
                                   bool etcd, const std::string& listen,
                                   const std::string& transport);
 
-// Builds and starts a gRPC server for `service` on `address` ("host:port", port 0: any); *port
-// gets the port taken. kUnavailable when it cannot listen.
-absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(grpc::Service* service,
-                                                             const std::string& address,
-                                                             int* port);
+// Builds and starts a gRPC server for `service` on `address` ("host:port", port 0: any), secured
+// by `security` (mutual TLS and the cluster token on every call, or with --insecure plaintext:
+// then the warning is logged for this port); *port gets the port taken. kUnavailable when it
+// cannot listen.
+absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(
+    grpc::Service* service, const std::string& address, const kvstore::GrpcSecurity& security,
+    int* port);
 // The same with several services on one port (null entries skipped).
 absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(
-    const std::vector<grpc::Service*>& services, const std::string& address, int* port);
+    const std::vector<grpc::Service*>& services, const std::string& address,
+    const kvstore::GrpcSecurity& security, int* port);
 
 // The sampling options of a serving request (top_p 0, proto3's unset, reads as 1).
 model::SamplingOptions SamplingFromProto(const strata::v1::Sampling& sampling);

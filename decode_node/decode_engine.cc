@@ -103,6 +103,9 @@ absl::Status DecodeEngine::Start(DecodeRequest request, std::shared_ptr<TokenSin
   if (request.prompt.empty()) return absl::InvalidArgumentError("decode: empty prompt");
   if (request.max_tokens < 1) return absl::InvalidArgumentError("decode: max_tokens must be >= 1");
   if (sink == nullptr) return absl::InvalidArgumentError("decode: no sink");
+  if (draining_.load()) {
+    return absl::UnavailableError("decode: the node is draining (leaving the cluster)");
+  }
   auto s = std::make_shared<Sequence>();
   s->req = std::move(request);
   s->sink = std::move(sink);
@@ -121,6 +124,82 @@ absl::Status DecodeEngine::Start(DecodeRequest request, std::shared_ptr<TokenSin
   ++stats_.requests;
   by_id_[s->req.request_id] = s;
   return absl::OkStatus();
+}
+
+uint64_t DecodeEngine::Drain(absl::Time deadline) {
+  draining_.store(true);
+  uint64_t before;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    before = stats_.handed_off;
+  }
+  while (absl::Now() < deadline) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (by_id_.empty()) return 0;
+    }
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    hand_off_ = true;
+  }
+  cv_.notify_all();
+  for (;;) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!hand_off_ || stop_) return stats_.handed_off - before;
+    }
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+}
+
+void DecodeEngine::HandOffAll() {
+  std::vector<std::shared_ptr<Sequence>> all;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [id, s] : by_id_) all.push_back(s);
+    by_id_.clear();
+    ready_.clear();
+    running_.clear();
+    load_ = DecodeLoad{};
+  }
+  uint64_t handed = 0, failed = 0;
+  for (auto& s : all) {
+    if (s->cancelled) continue;
+    if (s->generated.empty() || s->text == nullptr) {  // nothing streamed: routed again instead
+      s->sink->Fail(absl::UnavailableError(absl::StrCat(
+          "decode: request ", s->req.request_id, ": the node is draining (leaving the cluster)")));
+      ++failed;
+      continue;
+    }
+    // Its full chunks to the store (a preempted sequence's are there), so that the node that
+    // continues it adopts them instead of computing them again.
+    if (store_ != nullptr && options_.put_to_store && !s->preempted && s->cache != nullptr) {
+      const uint32_t chunks = static_cast<uint32_t>(s->cache->blocks_per_layer());
+      absl::StatusOr<std::vector<BlockHash>> keys = ChunkKeys(*s, s->cache->tokens());
+      absl::Status st = keys.status();
+      if (keys.ok()) {
+        absl::StatusOr<std::vector<absl::Status>> put = store_->PutMany(PutItems(*s, *keys, 0, chunks));
+        st = put.status();
+        if (put.ok()) {
+          for (const absl::Status& one : *put) {
+            if (!one.ok() && !absl::IsAlreadyExists(one)) st = one;
+          }
+        }
+      }
+      if (!st.ok()) {  // the continuation computes them again: slower, not wrong
+        std::cerr << "decode: request " << s->req.request_id << ": hand-off Put failed: " << st
+                  << "\n";
+      }
+    }
+    s->sink->HandOff(static_cast<uint32_t>(s->generated.size()), s->text->Finish());
+    ++handed;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_.handed_off += handed;
+  stats_.failed += failed;
+  hand_off_ = false;
 }
 
 void DecodeEngine::Cancel(const std::string& request_id) {
@@ -392,9 +471,14 @@ void DecodeEngine::Loop() {
       std::unique_lock<std::mutex> lock(mu_);
       if (running_.empty()) {
         cv_.wait_for(lock, std::chrono::milliseconds(50),
-                     [&] { return stop_ || !ready_.empty(); });
+                     [&] { return stop_ || !ready_.empty() || hand_off_; });
       }
       if (stop_) return;
+      if (hand_off_) {
+        lock.unlock();
+        HandOffAll();
+        continue;
+      }
       const absl::Time now = absl::Now();
       for (auto it = by_id_.begin(); it != by_id_.end();) {
         Sequence& s = *it->second;

@@ -79,6 +79,14 @@ class TokenSink {
   virtual void Token(uint32_t token, const std::string& text) = 0;
   virtual void Finish(FinishReason reason, const DecodeUsage& usage) = 0;
   virtual void Fail(const absl::Status& status) = 0;
+  // Instead of Finish / Fail, from a draining engine (Drain): the sequence's full chunks are in
+  // the store and another node may continue it from its prompt and the tokens streamed so far;
+  // `text` is what the sequence held back (an unfinished stop string). The default fails.
+  virtual void HandOff(uint32_t completion_tokens, const std::string& text) {
+    (void)completion_tokens;
+    (void)text;
+    Fail(absl::UnavailableError("decode: the node is draining"));
+  }
 };
 
 struct DecodeLoad {
@@ -89,6 +97,7 @@ struct DecodeLoad {
 
 struct DecodeStats {
   uint64_t requests = 0, finished = 0, failed = 0, cancelled = 0, preemptions = 0, resumed = 0;
+  uint64_t handed_off = 0;  // sequences handed off by Drain
   uint64_t tokens = 0, steps = 0, batched_sequences = 0;  // batched_sequences / steps = batch size
   uint64_t blocks_received = 0, bytes_received = 0;
   uint64_t blocks_stored = 0, store_put_errors = 0;
@@ -109,6 +118,13 @@ class DecodeEngine {
   // Registers a request; its KV is then expected. kInvalidArgument (bad request),
   // kAlreadyExists (the id is registered), kResourceExhausted (too many waiting).
   absl::Status Start(DecodeRequest request, std::shared_ptr<TokenSink> sink);
+  // Leaving the cluster: refuses new requests (UNAVAILABLE), lets what is registered finish until
+  // `deadline`, then hands off what still runs (its full chunks Put in the store, the sink's
+  // HandOff; a sequence that has generated nothing fails with UNAVAILABLE instead, to be routed
+  // again). Returns once no request is left: how many were handed off.
+  uint64_t Drain(absl::Time deadline);
+  bool draining() const { return draining_.load(); }
+
   // Drops a request wherever it is (waiting for KV, waiting for room, running): its KV is freed
   // and its sink gets no further call. Unknown ids are ignored.
   void Cancel(const std::string& request_id);
@@ -139,6 +155,9 @@ class DecodeEngine {
   // Emits `token` for `s`; true when the sequence is done (finished now).
   bool Emit(Sequence& s, uint32_t token);
   void PutGenerated(Sequence& s);
+  // The scheduler's part of Drain: every registered sequence handed off (or failed), the engine
+  // left empty.
+  void HandOffAll();
   // The blocks of chunks [from, to) of every layer, parents first, for one PutMany.
   std::vector<kvstore::PutItem> PutItems(const Sequence& s, const std::vector<BlockHash>& keys,
                                          uint32_t from, uint32_t to) const;
@@ -156,6 +175,8 @@ class DecodeEngine {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   bool stop_ = false;
+  bool hand_off_ = false;  // Drain's deadline passed: the scheduler hands off what is left
+  std::atomic<bool> draining_{false};
   absl::flat_hash_map<std::string, std::shared_ptr<Sequence>> by_id_;  // every registered one
   std::deque<std::shared_ptr<Sequence>> ready_;  // KV arrived (or preempted), waiting for room
   std::vector<std::shared_ptr<Sequence>> running_;  // only the scheduler thread changes it

@@ -48,10 +48,27 @@ ABSL_FLAG(std::string, etcd, "",
           "follow etcd (empty: the cluster file is the membership)");
 ABSL_FLAG(std::string, etcd_prefix, "/strata/", "the cluster's key prefix in etcd");
 ABSL_FLAG(int, etcd_ttl_s, 6, "the registration lease, in seconds (renewed at half of it)");
+ABSL_FLAG(int, drain_timeout_s, 30,
+          "on SIGTERM / SIGINT, leave the cluster (deregister, take nothing new) and let running "
+          "sequences finish for up to this long; then hand the rest off (their KV to the store, "
+          "the router continues them on another node). A second signal hands off at once");
 ABSL_FLAG(std::string, ucx_tls, "", "UCX transports (UCX_TLS), e.g. tcp; empty: UCX's choice");
 ABSL_FLAG(int, listen_wait_s, 90,
           "when the transport's port is still held by a previous run's connections (TIME_WAIT), "
           "retry this long before giving up");
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM certificate this process presents to its gRPC peers, as server and as client "
+          "(mutual TLS; scripts/make_certs.sh makes node.crt)");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(std::string, tls_ca, "",
+          "PEM CA certificate: peers must present a certificate it signed, and servers are "
+          "verified against it");
+ABSL_FLAG(std::string, cluster_token_file, "",
+          "file holding the cluster token: sent on every gRPC call, required of every call "
+          "served (UNAUTHENTICATED otherwise)");
+ABSL_FLAG(bool, insecure, false,
+          "plaintext gRPC without a cluster token, instead of the four TLS flags (logged as a "
+          "warning)");
 
 namespace {
 
@@ -107,6 +124,13 @@ int main(int argc, char** argv) {
                                                                       : absl::GetFlag(FLAGS_metrics);
   if (metrics_address == "off") metrics_address.clear();
   cl::SetLogIdentity("strata-decode", self->id);
+  absl::StatusOr<std::shared_ptr<const strata::kvstore::GrpcSecurity>> security =
+      cl::LoadGrpcSecurity({.tls_cert = absl::GetFlag(FLAGS_tls_cert),
+                            .tls_key = absl::GetFlag(FLAGS_tls_key),
+                            .tls_ca = absl::GetFlag(FLAGS_tls_ca),
+                            .cluster_token_file = absl::GetFlag(FLAGS_cluster_token_file),
+                            .insecure = absl::GetFlag(FLAGS_insecure)});
+  if (!security.ok()) return Fail("flags", security.status(), 2);
 
   absl::StatusOr<cl::ServedModel> served = cl::LoadServedModel(spec->model, spec->calibration);
   if (!served.ok()) return Fail("model", served.status());
@@ -117,7 +141,7 @@ int main(int argc, char** argv) {
               << "' is not a byte count (e.g. 0, 512M, 8G)\n";
     return 2;
   }
-  absl::StatusOr<cl::StoreConnection> store = cl::ConnectStore(*spec, local_bytes);
+  absl::StatusOr<cl::StoreConnection> store = cl::ConnectStore(*spec, *security, local_bytes);
   if (!store.ok()) return Fail("store", store.status());
 
   strata::transport::UcxTransportOptions to;
@@ -208,7 +232,7 @@ int main(int argc, char** argv) {
       registry.get());
   int port = 0;
   absl::StatusOr<std::unique_ptr<grpc::Server>> server =
-      cl::StartGrpcServer(&service, listen, &port);
+      cl::StartGrpcServer(&service, listen, **security, &port);
   if (!server.ok()) return Fail("gRPC", server.status());
   std::unique_ptr<prometheus::Exposer> exposer;
   if (!metrics_address.empty()) {
@@ -228,7 +252,9 @@ int main(int argc, char** argv) {
                            absl::StrFormat("%.0f", kv_bytes_per_token), " KV bytes/token) on port ",
                            port, "; blocks arrive at ", (*transport)->address(), "; store ",
                            spec->store.empty() ? "none" : spec->store, "; metrics ",
-                           metrics_address.empty() ? "off" : metrics_address));
+                           metrics_address.empty() ? "off" : metrics_address, "; ",
+                           (*security)->insecure() ? "INSECURE (--insecure)"
+                                                   : (*security)->Describe()));
   // Registered once serving (a router that follows etcd then finds a node that answers), and
   // deregistered first when stopping (routers stop choosing it before it goes).
   cl::NodeSpec announce = *self;
@@ -241,8 +267,30 @@ int main(int argc, char** argv) {
   if (!registration.ok()) return Fail("etcd", registration.status());
   std::cout << "strata-decode: serving on port " << port << std::endl;
   const int sig = cl::WaitForTermination();
-  cl::Log("", absl::StrCat("signal ", sig, ": stopping"));
+  // Drain: deregistered (routers following etcd drop it), reported `draining` to the routers that
+  // poll it, new requests refused (routed elsewhere); running sequences finish, or are handed
+  // off at the deadline.
+  const absl::Duration drain = absl::Seconds(std::max(0, absl::GetFlag(FLAGS_drain_timeout_s)));
+  cl::Log("", absl::StrCat("signal ", sig, ": draining for up to ", absl::FormatDuration(drain),
+                           " (a second signal hands off at once)"));
   registration->reset();
+  std::atomic<bool> drained{false};
+  uint64_t handed_off = 0;
+  std::thread drainer([&] {
+    handed_off = (*engine)->Drain(absl::Now() + drain);
+    drained = true;
+  });
+  while (!drained.load()) {
+    if (cl::WaitForTerminationFor(absl::Milliseconds(100)) != 0) {
+      cl::Log("", "second signal: handing off now");
+      (*engine)->Drain(absl::Now());
+    }
+  }
+  drainer.join();
+  cl::Log("", absl::StrCat("drained: ", (*engine)->stats().handed_off,
+                           " sequences handed off to other nodes (", handed_off,
+                           " at the deadline); stopping"));
+  service.Refresh();
   service.Stop();  // open streams end with UNAVAILABLE: their clients learn at once
   (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   stop = true;

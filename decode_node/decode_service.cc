@@ -49,6 +49,12 @@ class QueueSink final : public TokenSink {
     Push(std::move(e), true, absl::OkStatus());
   }
   void Fail(const absl::Status& status) override { Push(std::nullopt, true, status); }
+  void HandOff(uint32_t completion_tokens, const std::string& text) override {
+    strata::v1::GenerateEvent e;
+    e.mutable_handed_off()->set_completion_tokens(completion_tokens);
+    e.mutable_handed_off()->set_text(text);
+    Push(std::move(e), true, absl::OkStatus());
+  }
 
   // Waits up to `timeout` for events; moves them into *out. Returns true once the request ended
   // (then *status is its outcome) and every event was handed out.
@@ -187,12 +193,17 @@ grpc::Status DecodeService::Generate(grpc::ServerContext* context,
   std::deque<strata::v1::GenerateEvent> events;
   absl::Status outcome;
   uint32_t completion = 0, cached = 0;
+  bool handed_off = false;
   for (;;) {
     const bool done = sink->Take(std::chrono::milliseconds(50), &events, &outcome);
     for (strata::v1::GenerateEvent& e : events) {
       if (e.has_finished()) {
         completion = e.finished().completion_tokens();
         cached = e.finished().cached_tokens();
+      }
+      if (e.has_handed_off()) {
+        completion = e.handed_off().completion_tokens();
+        handed_off = true;
       }
       if (!writer->Write(e)) return cancel("the caller went away");
     }
@@ -205,7 +216,8 @@ grpc::Status DecodeService::Generate(grpc::ServerContext* context,
       return grpc::Status(grpc::StatusCode::UNAVAILABLE, "decode node is shutting down");
     }
   }
-  requests_.Add({{"result", cluster::ResultLabel(outcome.code())}}).Increment();
+  requests_.Add({{"result", handed_off ? "handed_off" : cluster::ResultLabel(outcome.code())}})
+      .Increment();
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
   if (!outcome.ok()) {
     cluster::Log(r.request_id, absl::StrCat("failed: ", outcome.ToString()));
@@ -213,6 +225,11 @@ grpc::Status DecodeService::Generate(grpc::ServerContext* context,
   }
   tokens_.Increment(completion);
   cached_tokens_.Increment(cached);
+  if (handed_off) {
+    cluster::Log(r.request_id, absl::StrFormat("handed off after %u tokens (draining) in %.1f ms",
+                                               completion, seconds * 1e3));
+    return grpc::Status::OK;
+  }
   cluster::Log(r.request_id, absl::StrFormat("generated %u tokens (%u prompt tokens cached) in "
                                              "%.1f ms",
                                              completion, cached, seconds * 1e3));
@@ -236,6 +253,7 @@ grpc::Status DecodeService::Load(grpc::ServerContext*, const strata::v1::LoadReq
   response->set_max_batch(engine_->options().max_batch);
   response->set_kv_bytes_per_token(options_.kv_bytes_per_token);
   response->set_incarnation(options_.incarnation);
+  response->set_draining(engine_->draining());
   return grpc::Status::OK;
 }
 

@@ -5,7 +5,7 @@
 // context cancelled, or a write fails) cancels the request in the engine, which frees its KV.
 //
 // Metrics (registry given at construction):
-//   strata_decode_requests_total{result="ok|invalid|exhausted|cancelled|error"}
+//   strata_decode_requests_total{result="ok|invalid|exhausted|cancelled|error|handed_off"}
 //   strata_decode_tokens_total (generated), strata_decode_cached_tokens_total (prompt tokens the
 //   prefill node adopted from the store: prefix hits)
 //   strata_decode_first_token_seconds (registration to first token: KV transfer and admission)

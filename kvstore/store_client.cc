@@ -12,6 +12,7 @@
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/channel_arguments.h"
 #include "kvstore/grpc_status.h"
+#include "kvstore/grpc_keepalive.h"
 
 namespace strata::kvstore {
 namespace {
@@ -69,6 +70,7 @@ absl::StatusOr<std::unique_ptr<StoreClient>> StoreClient::Connect(const std::str
                                                                   StoreClientOptions options) {
   STRATA_RETURN_IF_ERROR(options.Validate());
   grpc::ChannelArguments args;
+  SetClientKeepalive(&args);
   const int limit =
       static_cast<int>(std::min<size_t>(options.max_block_bytes + (size_t{1} << 20), INT32_MAX));
   args.SetMaxReceiveMessageSize(limit);
@@ -79,7 +81,9 @@ absl::StatusOr<std::unique_ptr<StoreClient>> StoreClient::Connect(const std::str
   args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, Millis(options.min_reconnect_backoff));
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, Millis(options.max_reconnect_backoff));
   std::shared_ptr<grpc::Channel> channel =
-      grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+      options.security != nullptr
+          ? options.security->CreateChannel(address, args)
+          : grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
   if (!channel->WaitForConnected(absl::ToChronoTime(absl::Now() + timeout))) {
     return absl::UnavailableError(absl::StrCat(
         "store ", address, ": UNAVAILABLE: not reachable within ", absl::FormatDuration(timeout)));

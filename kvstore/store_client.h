@@ -8,7 +8,9 @@
 //
 // Errors are the service's codes (store_service.h) with messages "store ADDR: CODE: message".
 // Every call has a deadline (StoreClientOptions::timeout: DEADLINE_EXCEEDED past it) and fails
-// fast with UNAVAILABLE when the store cannot be reached; the channel reconnects on its own
+// fast with UNAVAILABLE when the store cannot be reached (also when the TLS handshake fails: a
+// certificate the other side does not accept); a store that refuses the cluster token answers
+// UNAUTHENTICATED. The channel reconnects on its own
 // (within max_reconnect_backoff) when the store comes back. Thread-safe: calls may run from
 // many threads at once over the one channel.
 #pragma once
@@ -33,6 +35,7 @@
 #include "grpcpp/client_context.h"
 #include "kvstore/block_source.h"
 #include "kvstore/block_store.h"
+#include "kvstore/grpc_security.h"
 #include "proto/store.grpc.pb.h"
 
 namespace strata::kvstore {
@@ -49,6 +52,8 @@ struct StoreClientOptions {
   absl::Duration max_reconnect_backoff = absl::Seconds(1);
   // A Watch whose stream broke retries after this (doubling up to 8x).
   absl::Duration watch_retry = absl::Milliseconds(200);
+  // TLS and the cluster token (grpc_security.h); null: insecure (plaintext, no token).
+  std::shared_ptr<const GrpcSecurity> security = nullptr;
 
   absl::Status Validate() const;
 };

@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/byte_size.h"
 #include "kvstore/block_store.h"
+#include "kvstore/grpc_security.h"
 #include "kvstore/store_service.h"
 #include "prometheus/exposer.h"
 
@@ -30,6 +31,15 @@ ABSL_FLAG(bool, repair, false,
           "log (every block whose bytes verify and whose log record names it)");
 ABSL_FLAG(int, metrics_port, 9464, "Prometheus metrics at http://HOST:PORT/metrics (-1: off)");
 ABSL_FLAG(std::string, metrics_host, "127.0.0.1", "address the metrics endpoint listens on");
+ABSL_FLAG(std::string, tls_cert, "", "PEM certificate this store presents (mutual TLS; see --tls_ca)");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(std::string, tls_ca, "",
+          "PEM CA certificate: clients must present a certificate it signed");
+ABSL_FLAG(std::string, cluster_token_file, "",
+          "file holding the cluster token every call must carry (UNAUTHENTICATED otherwise)");
+ABSL_FLAG(bool, insecure, false,
+          "serve plaintext gRPC without a token (instead of the four TLS flags); logged as a "
+          "warning");
 
 namespace {
 
@@ -49,6 +59,20 @@ int main(int argc, char** argv) {
   usage.contains_helpshort_flags = usage.contains_help_flags;
   absl::SetFlagsUsageConfig(usage);
   absl::ParseCommandLine(argc, argv);
+  absl::StatusOr<std::shared_ptr<const strata::kvstore::GrpcSecurity>> security =
+      strata::kvstore::GrpcSecurity::Load({.tls_cert = absl::GetFlag(FLAGS_tls_cert),
+                                           .tls_key = absl::GetFlag(FLAGS_tls_key),
+                                           .tls_ca = absl::GetFlag(FLAGS_tls_ca),
+                                           .cluster_token_file =
+                                               absl::GetFlag(FLAGS_cluster_token_file),
+                                           .insecure = absl::GetFlag(FLAGS_insecure)});
+  if (!security.ok()) {
+    std::cerr << "strata-store: " << security.status().message() << "\n";
+    return 2;
+  }
+  if ((*security)->insecure()) {
+    std::cerr << "strata-store: " << strata::kvstore::kInsecureWarning << std::endl;
+  }
   strata::kvstore::StoreOptions o;
   o.disk_path = absl::GetFlag(FLAGS_disk_path);
   o.durable_puts = absl::GetFlag(FLAGS_durable_puts);
@@ -78,7 +102,7 @@ int main(int argc, char** argv) {
   strata::kvstore::StoreService service(store->get(), o.max_block_bytes);
   int port = 0;
   auto server = strata::kvstore::StartStoreServer(&service, absl::GetFlag(FLAGS_listen),
-                                                  o.max_block_bytes, &port);
+                                                  o.max_block_bytes, &port, security->get());
   if (!server.ok()) {
     std::cerr << server.status() << "\n";
     return 1;
@@ -99,8 +123,8 @@ int main(int argc, char** argv) {
               << std::endl;
   }
   std::cout << "strata-store: serving on port " << port << " (RAM " << o.ram_bytes
-            << " bytes, disk " << (o.disk_path.empty() ? "none" : o.disk_path) << ")"
-            << std::endl;
+            << " bytes, disk " << (o.disk_path.empty() ? "none" : o.disk_path) << "; "
+            << (*security)->Describe() << ")" << std::endl;
   std::signal(SIGINT, [](int) { g_stop = 1; });
   std::signal(SIGTERM, [](int) { g_stop = 1; });
   while (!g_stop) pause();

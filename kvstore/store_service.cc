@@ -10,6 +10,7 @@
 #include "prometheus/metric_family.h"
 #include "prometheus/registry.h"
 #include "prometheus/text_serializer.h"
+#include "kvstore/grpc_keepalive.h"
 
 namespace strata::kvstore {
 namespace {
@@ -343,11 +344,15 @@ grpc::Status StoreService::Watch(grpc::ServerContext* ctx, const strata::v1::Wat
   return gone;
 }
 
-absl::StatusOr<std::unique_ptr<grpc::Server>> StartStoreServer(StoreService* service,
-                                                               const std::string& address,
-                                                               size_t max_block_bytes, int* port) {
+absl::StatusOr<std::unique_ptr<grpc::Server>> StartStoreServer(
+    StoreService* service, const std::string& address, size_t max_block_bytes, int* port,
+    const GrpcSecurity* security) {
   grpc::ServerBuilder b;
-  b.AddListeningPort(address, grpc::InsecureServerCredentials(), port);
+  AcceptClientKeepalive(&b);
+  b.AddListeningPort(address,
+                     security != nullptr ? security->ServerCredentials()
+                                         : grpc::InsecureServerCredentials(),
+                     port);
   b.RegisterService(service);
   const int limit = static_cast<int>(std::min<size_t>(max_block_bytes + (1 << 20), INT32_MAX));
   b.SetMaxReceiveMessageSize(limit);

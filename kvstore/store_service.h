@@ -22,6 +22,7 @@
 #include "absl/time/time.h"
 #include "grpcpp/server.h"
 #include "kvstore/block_store.h"
+#include "kvstore/grpc_security.h"
 #include "kvstore/grpc_status.h"
 #include "prometheus/collectable.h"
 #include "prometheus/histogram.h"
@@ -74,10 +75,12 @@ class StoreService final : public strata::v1::Store::Service {
 };
 
 // Starts a gRPC server for `service` on `address` ("host:port"; port 0 picks one). The bound
-// port is written to *port. Message size limits follow max_block_bytes.
-absl::StatusOr<std::unique_ptr<grpc::Server>> StartStoreServer(StoreService* service,
-                                                               const std::string& address,
-                                                               size_t max_block_bytes, int* port);
+// port is written to *port. Message size limits follow max_block_bytes. `security` (null:
+// insecure) secures the port: with TLS every call needs a client certificate from the CA and
+// the cluster token (UNAUTHENTICATED without), Puts and Gets as every other RPC.
+absl::StatusOr<std::unique_ptr<grpc::Server>> StartStoreServer(
+    StoreService* service, const std::string& address, size_t max_block_bytes, int* port,
+    const GrpcSecurity* security = nullptr);
 
 // Stops `service`'s Watch streams and shuts `server` down, cancelling calls still running after
 // `grace`. Returns once every handler has returned.

@@ -36,7 +36,23 @@ ABSL_FLAG(std::string, etcd, "",
           "follow etcd (empty: the cluster file is the membership)");
 ABSL_FLAG(std::string, etcd_prefix, "/strata/", "the cluster's key prefix in etcd");
 ABSL_FLAG(int, etcd_ttl_s, 6, "the registration lease, in seconds (renewed at half of it)");
+ABSL_FLAG(int, drain_timeout_s, 30,
+          "on SIGTERM / SIGINT, leave the cluster (deregister, take nothing new) and let the "
+          "requests under way finish for up to this long. A second signal stops at once");
 ABSL_FLAG(std::string, ucx_tls, "", "UCX transports (UCX_TLS), e.g. tcp; empty: UCX's choice");
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM certificate this process presents to its gRPC peers, as server and as client "
+          "(mutual TLS; scripts/make_certs.sh makes node.crt)");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(std::string, tls_ca, "",
+          "PEM CA certificate: peers must present a certificate it signed, and servers are "
+          "verified against it");
+ABSL_FLAG(std::string, cluster_token_file, "",
+          "file holding the cluster token: sent on every gRPC call, required of every call "
+          "served (UNAUTHENTICATED otherwise)");
+ABSL_FLAG(bool, insecure, false,
+          "plaintext gRPC without a cluster token, instead of the four TLS flags (logged as a "
+          "warning)");
 
 namespace {
 
@@ -77,6 +93,13 @@ int main(int argc, char** argv) {
                                                                       : absl::GetFlag(FLAGS_metrics);
   if (metrics_address == "off") metrics_address.clear();
   cl::SetLogIdentity("strata-prefill", self->id);
+  absl::StatusOr<std::shared_ptr<const strata::kvstore::GrpcSecurity>> security =
+      cl::LoadGrpcSecurity({.tls_cert = absl::GetFlag(FLAGS_tls_cert),
+                            .tls_key = absl::GetFlag(FLAGS_tls_key),
+                            .tls_ca = absl::GetFlag(FLAGS_tls_ca),
+                            .cluster_token_file = absl::GetFlag(FLAGS_cluster_token_file),
+                            .insecure = absl::GetFlag(FLAGS_insecure)});
+  if (!security.ok()) return Fail("flags", security.status(), 2);
 
   absl::StatusOr<cl::ServedModel> served = cl::LoadServedModel(spec->model, spec->calibration);
   if (!served.ok()) return Fail("model", served.status());
@@ -89,7 +112,7 @@ int main(int argc, char** argv) {
               << "' is not a byte count (e.g. 0, 512M, 8G)\n";
     return 2;
   }
-  absl::StatusOr<cl::StoreConnection> store = cl::ConnectStore(*spec, local_bytes);
+  absl::StatusOr<cl::StoreConnection> store = cl::ConnectStore(*spec, *security, local_bytes);
   if (!store.ok()) return Fail("store", store.status());
   std::unique_ptr<strata::kvstore::StoreService> local_service;
   if (store->local != nullptr) {
@@ -127,7 +150,7 @@ int main(int argc, char** argv) {
       registry.get());
   int port = 0;
   absl::StatusOr<std::unique_ptr<grpc::Server>> server =
-      cl::StartGrpcServer({&service, local_service.get()}, listen, &port);
+      cl::StartGrpcServer({&service, local_service.get()}, listen, **security, &port);
   if (!server.ok()) return Fail("gRPC", server.status());
   std::unique_ptr<prometheus::Exposer> exposer;
   if (!metrics_address.empty()) {
@@ -141,7 +164,9 @@ int main(int argc, char** argv) {
                            spec->store.empty() ? "none" : spec->store, "; local tier ",
                            local_bytes > 0 ? absl::StrCat(local_bytes >> 20, " MiB") : "none",
                            "; metrics ",
-                           metrics_address.empty() ? "off" : metrics_address));
+                           metrics_address.empty() ? "off" : metrics_address, "; ",
+                           (*security)->insecure() ? "INSECURE (--insecure)"
+                                                   : (*security)->Describe()));
   // Registered once serving (a router that follows etcd then finds a node that answers), and
   // deregistered first when stopping (routers stop choosing it before it goes).
   cl::NodeSpec announce = *self;
@@ -153,8 +178,16 @@ int main(int argc, char** argv) {
   if (!registration.ok()) return Fail("etcd", registration.status());
   std::cout << "strata-prefill: serving on port " << port << std::endl;
   const int sig = cl::WaitForTermination();
-  cl::Log("", absl::StrCat("signal ", sig, ": stopping"));
+  const absl::Duration drain = absl::Seconds(std::max(0, absl::GetFlag(FLAGS_drain_timeout_s)));
+  cl::Log("", absl::StrCat("signal ", sig, ": draining for up to ", absl::FormatDuration(drain),
+                           " (a second signal stops at once)"));
   registration->reset();
+  service.StartDraining();
+  for (const absl::Time deadline = absl::Now() + drain;
+       service.active() > 0 && absl::Now() < deadline;) {
+    if (cl::WaitForTerminationFor(absl::Milliseconds(50)) != 0) break;
+  }
+  cl::Log("", absl::StrCat("drained (", service.active(), " requests left); stopping"));
   // Requests under way get a few seconds to finish; the rest are cancelled (their decode nodes
   // are told to drop them by the engine's abort shipment).
   (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));

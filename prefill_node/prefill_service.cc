@@ -82,6 +82,11 @@ grpc::Status PrefillService::Prefill(grpc::ServerContext* context,
   r.cache_salt = request->cache_salt();
   r.decode_address = request->decode_address();
   r.sampling = cluster::SamplingFromProto(request->sampling());
+  if (draining_.load()) {
+    requests_.Add({{"result", "error"}}).Increment();
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                        "prefill node is draining (leaving the cluster)");
+  }
   if (absl::Status s = r.sampling.Validate(); !s.ok()) {
     requests_.Add({{"result", "invalid"}}).Increment();
     return kvstore::ToGrpc(s);
@@ -141,7 +146,9 @@ grpc::Status PrefillService::Load(grpc::ServerContext*, const strata::v1::LoadRe
   response->set_active_requests(load.active);
   response->set_incarnation(options_.incarnation);
   response->set_local_tier_bytes(options_.local_tier_bytes);
+  response->set_draining(draining_.load());
   return grpc::Status::OK;
 }
+
 
 }  // namespace strata::prefill

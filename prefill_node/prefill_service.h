@@ -19,6 +19,7 @@
 // Thread-safe (gRPC calls it from its threads).
 #pragma once
 
+#include <atomic>
 #include <mutex>
 
 #include <cstdint>
@@ -53,8 +54,15 @@ class PrefillService final : public strata::v1::PrefillNode::Service {
   grpc::Status Load(grpc::ServerContext* context, const strata::v1::LoadRequest* request,
                     strata::v1::NodeLoad* response) override;
 
+  // Leaving the cluster: Load reports `draining` (routers send nothing new) and new Prefill calls
+  // get UNAVAILABLE (routed again elsewhere); what runs goes on.
+  void StartDraining() { draining_.store(true); }
+  // Requests being prefilled or queued.
+  uint32_t active() const { return engine_->load().active; }
+
  private:
   void UpdateGauges();
+  std::atomic<bool> draining_{false};
 
   PrefillEngine* const engine_;
   const PrefillServiceOptions options_;

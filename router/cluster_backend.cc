@@ -86,6 +86,15 @@ struct ClusterBackend::Request {
 
   ClusterBackend* const backend;
   std::string id;
+  std::shared_ptr<HandleCell> cell;  // shared with the client's Handle and a retry's Request
+  CompletionRequest request;         // as Start resolved it (the seed set): a retry's input
+  std::vector<BlockHash> chain;      // the prompt's chunk keys
+  uint32_t max_tokens = 0;
+  int attempt = 0;  // 0, or 1 for the retry after a node was lost before the first token
+  int hop = 0;      // hand-offs from draining decode nodes so far
+  std::string node_request_id;     // the id the nodes see ("" = id): each attempt its own
+  uint32_t client_prompt_tokens = 0;  // the client's prompt (a continuation's prompt is longer)
+  bool continued = false;             // continues a handed-off attempt (counts go on)
   std::shared_ptr<const NodeConnection> prefill_node, decode_node;
   std::unique_ptr<grpc::ClientContext> generate_ctx = std::make_unique<grpc::ClientContext>();
   std::unique_ptr<grpc::ClientContext> prefill_ctx = std::make_unique<grpc::ClientContext>();
@@ -108,29 +117,51 @@ struct ClusterBackend::Request {
   absl::Status generate_error;  // a Generate error held until the Prefill answers
   std::string prefill_summary;  // for the end log line
   uint32_t completion_tokens = 0;
+  std::vector<uint32_t> generated;  // the tokens streamed (a hand-off continues after them)
   absl::Time first_token_at = absl::InfinitePast();
   absl::Time last_token_at = absl::InfinitePast();
   FinishReason reason = FinishReason::kStop;
   Usage usage;
 };
 
+// What the client's Handle sees of its request: the attempt under way (a retry replaces it).
+struct ClusterBackend::HandleCell {
+  std::mutex mu;
+  std::weak_ptr<Request> current;
+  bool cancelled = false;  // once set, no retry starts
+};
+
+namespace {
+
+// Takes no lock of the request: TryCancel is thread-safe (also before the call starts: it then
+// starts cancelled), and what it sets off ends the request through the calls' callbacks.
+template <typename R>
+void CancelCalls(R& r) {
+  if (r.ended.load() || r.cancelled.exchange(true)) return;
+  r.generate_ctx->TryCancel();
+  r.prefill_ctx->TryCancel();
+}
+
+}  // namespace
+
 // Watches the request without owning it: once its calls have ended the request is gone and
 // Cancel (or the destructor) does nothing, even after the backend itself is gone.
 class ClusterBackend::Handle final : public RequestHandle {
  public:
-  explicit Handle(std::weak_ptr<Request> r) : r_(std::move(r)) {}
+  explicit Handle(std::shared_ptr<HandleCell> cell) : cell_(std::move(cell)) {}
   ~Handle() override { Cancel(); }
-  // Takes no lock of the request: TryCancel is thread-safe (also before the call starts: it
-  // then starts cancelled), and what it sets off ends the request through the calls' callbacks.
   void Cancel() override {
-    std::shared_ptr<Request> r = r_.lock();
-    if (r == nullptr || r->ended.load() || r->cancelled.exchange(true)) return;
-    r->generate_ctx->TryCancel();
-    r->prefill_ctx->TryCancel();
+    std::shared_ptr<Request> r;
+    {
+      std::lock_guard<std::mutex> lock(cell_->mu);
+      cell_->cancelled = true;
+      r = cell_->current.lock();
+    }
+    if (r != nullptr) CancelCalls(*r);
   }
 
  private:
-  std::weak_ptr<Request> r_;
+  std::shared_ptr<HandleCell> cell_;
 };
 
 // DecodeNode.Generate as a callback reactor: owns a reference to the request until OnDone, where
@@ -159,6 +190,9 @@ class ClusterBackend::GenerateReactor final
         break;
       case strata::v1::GenerateEvent::kFinished:
         b->OnFinished(r_, event_.finished());
+        break;
+      case strata::v1::GenerateEvent::kHandedOff:
+        b->OnHandedOff(r_, event_.handed_off());
         break;
       default:
         b->End(r_, absl::InternalError(
@@ -282,6 +316,17 @@ absl::Status ClusterBackend::Init() {
                           .Help("Requests in flight")
                           .Register(reg)
                           .Add({});
+  handoffs_ = &prometheus::BuildCounter()
+                   .Name("strata_router_handoffs_total")
+                   .Help("Requests continued on another decode node after theirs was drained")
+                   .Register(reg)
+                   .Add({});
+  retries_ = &prometheus::BuildCounter()
+                  .Name("strata_router_retries_total")
+                  .Help("Requests routed again, once, after their prefill or decode node was lost "
+                        "before the first token")
+                  .Register(reg)
+                  .Add({});
   store_connected_ = &prometheus::BuildGauge()
                           .Name("strata_router_store_connected")
                           .Help("1 while the store's block events stream in")
@@ -296,6 +341,7 @@ absl::Status ClusterBackend::Init() {
   po.model_name = served.name;  // nodes report the folder's name, whatever clients call it
   po.chunk_tokens = spec.chunk_tokens;
   po.prefill_reads_store = !spec.store.empty();
+  po.security = options_.security;
   STRATA_RETURN_IF_ERROR(po.Validate());
   pool_ = std::make_unique<NodePool>(po, std::move(membership), registry_.get());
   if (!spec.store.empty()) {
@@ -374,7 +420,8 @@ void ClusterBackend::MaybeConnectStore() {
   store_connected_->Set(store_feed_->connected() ? 1 : 0);
   if (store_client_ != nullptr || absl::Now() < next_store_attempt_) return;
   absl::StatusOr<std::unique_ptr<kvstore::StoreClient>> c =
-      kvstore::StoreClient::Connect(options_.spec.store, options_.store_connect_timeout);
+      kvstore::StoreClient::Connect(options_.spec.store, options_.store_connect_timeout,
+                                    {.security = options_.security});
   if (!c.ok()) {
     next_store_attempt_ = absl::Now() + options_.store_retry_interval;
     if (!store_down_logged_) {
@@ -405,7 +452,8 @@ void ClusterBackend::MaybeWatchNodeTiers() {
     }
     if (f.client == nullptr) {
       absl::StatusOr<std::unique_ptr<kvstore::StoreClient>> c =
-          kvstore::StoreClient::Connect(s.spec.grpc, options_.store_connect_timeout);
+          kvstore::StoreClient::Connect(s.spec.grpc, options_.store_connect_timeout,
+                                        {.security = options_.security});
       if (!c.ok()) continue;  // the next poll tries again
       f.client = *std::move(c);
       StoreFeed* feed = f.feed.get();
@@ -536,25 +584,12 @@ absl::StatusOr<std::unique_ptr<RequestHandle>> ClusterBackend::Start(
     return refuse(std::move(s));
   };
 
-  const OverlapResult overlap = index_->Overlap(*chain, now);
-  std::vector<NodeLoad> nodes = pool_->Loads();
-  tracker_.Overlay(absl::MakeSpan(nodes));
-  RouteRequest route;
-  route.prompt_tokens = tokens->size();
-  route.chunk_tokens = options_.spec.chunk_tokens;
-  route.decode_kv_bytes = static_cast<uint64_t>(
-      std::ceil(static_cast<double>(tokens->size() + max_tokens) * pool_->DecodeKvBytesPerToken()));
-  absl::StatusOr<RouteDecision> d = policy_->Route(route, overlap, nodes);
-  if (!d.ok()) return release(d.status());
-  std::shared_ptr<const NodeConnection> prefill = pool_->Connection(d->prefill_id);
-  std::shared_ptr<const NodeConnection> decode = pool_->Connection(d->decode_id);
-  if (prefill == nullptr || prefill->prefill == nullptr || decode == nullptr ||
-      decode->decode == nullptr) {
-    return release(absl::UnavailableError(
-        absl::StrCat("nodes ", d->prefill_id, " / ", d->decode_id, " left the cluster")));
+  if (!request.sampling.seed.has_value()) {
+    // The prefill node samples the first token and the decode node the rest: one seed for both
+    // (and for a retry).
+    std::lock_guard<std::mutex> lock(seed_mu_);
+    request.sampling.seed = seed_rng_();
   }
-  if (absl::Status s = tracker_.Add(request.request_id, *d, now); !s.ok()) return release(s);
-
   auto r = std::make_shared<Request>(this);
   {
     std::lock_guard<std::mutex> lock(calls_mu_);
@@ -562,40 +597,211 @@ absl::StatusOr<std::unique_ptr<RequestHandle>> ClusterBackend::Start(
   }
   r->id = request.request_id;
   r->stream = std::move(stream);
+  r->arrival = request.arrival == absl::Time() ? now : request.arrival;
+  r->prompt_tokens = static_cast<uint32_t>(tokens->size());
+  r->client_prompt_tokens = r->prompt_tokens;
+  r->chain = *std::move(chain);
+  r->max_tokens = max_tokens;
+  r->request = std::move(request);
+  r->request.prompt_tokens = *std::move(tokens);
+  r->cell = std::make_shared<HandleCell>();
+  r->cell->current = r;
+  in_flight_gauge_->Increment();
+  if (absl::Status s = Launch(r, ""); !s.ok()) {
+    r->ended.store(true);
+    in_flight_gauge_->Decrement();
+    return release(s);
+  }
+  prompt_tokens_->Increment(static_cast<double>(r->prompt_tokens));
+  return std::make_unique<Handle>(r->cell);
+}
+
+absl::Status ClusterBackend::Launch(const std::shared_ptr<Request>& r, const std::string& avoid) {
+  const absl::Time now = absl::Now();
+  const OverlapResult overlap = index_->Overlap(r->chain, now);
+  std::vector<NodeLoad> nodes = pool_->Loads();
+  tracker_.Overlay(absl::MakeSpan(nodes));
+  for (NodeLoad& n : nodes) {
+    if (n.id == avoid) n.healthy = false;
+  }
+  RouteRequest route;
+  route.prompt_tokens = r->prompt_tokens;
+  route.chunk_tokens = options_.spec.chunk_tokens;
+  route.decode_kv_bytes = static_cast<uint64_t>(std::ceil(
+      static_cast<double>(r->prompt_tokens + r->max_tokens) * pool_->DecodeKvBytesPerToken()));
+  STRATA_ASSIGN_OR_RETURN(RouteDecision d, policy_->Route(route, overlap, nodes));
+  std::shared_ptr<const NodeConnection> prefill = pool_->Connection(d.prefill_id);
+  std::shared_ptr<const NodeConnection> decode = pool_->Connection(d.decode_id);
+  if (prefill == nullptr || prefill->prefill == nullptr || decode == nullptr ||
+      decode->decode == nullptr) {
+    return absl::UnavailableError(
+        absl::StrCat("nodes ", d.prefill_id, " / ", d.decode_id, " left the cluster"));
+  }
+  STRATA_RETURN_IF_ERROR(tracker_.Add(r->id, d, now));
   r->prefill_node = std::move(prefill);
   r->decode_node = std::move(decode);
-  r->arrival = request.arrival == absl::Time() ? now : request.arrival;
   r->routed_at = now;
-  r->prompt_tokens = static_cast<uint32_t>(tokens->size());
+  const CompletionRequest& request = r->request;
   strata::v1::GenerateRequest& g = r->generate_req;
-  g.set_request_id(request.request_id);
-  g.mutable_prompt()->Assign(tokens->begin(), tokens->end());
+  // The nodes see a retry under an id of its own: the first attempt may still be ending there.
+  g.set_request_id(r->node_request_id.empty() ? r->id : r->node_request_id);
+  g.mutable_prompt()->Assign(request.prompt_tokens.begin(), request.prompt_tokens.end());
   g.set_cache_salt(request.cache_salt);
   strata::v1::Sampling* sampling = g.mutable_sampling();
   sampling->set_temperature(request.sampling.temperature);
   sampling->set_top_k(request.sampling.top_k);
   sampling->set_top_p(request.sampling.top_p);
-  if (request.sampling.seed.has_value()) {
-    sampling->set_seed(*request.sampling.seed);
-  } else {
-    // The prefill node samples the first token and the decode node the rest: one seed for both.
-    std::lock_guard<std::mutex> lock(seed_mu_);
-    sampling->set_seed(seed_rng_());
-  }
-  g.set_max_tokens(max_tokens);
+  sampling->set_seed(request.sampling.seed.value_or(0));
+  g.set_max_tokens(r->max_tokens);
   g.set_ignore_eos(request.sampling.ignore_eos);
-  for (const std::string& s : request.sampling.stop) g.add_stop(s);
+  for (const std::string& stop : request.sampling.stop) g.add_stop(stop);
   r->generate_ctx->set_deadline(Deadline(options_.generate_timeout));
 
-  in_flight_gauge_->Increment();
-  prompt_tokens_->Increment(static_cast<double>(tokens->size()));
-  routed_total_->Add({{"prefill", d->prefill_id}, {"decode", d->decode_id}}).Increment();
-  cluster::Log(r->id, absl::StrCat("routed ", tokens->size(), " prompt tokens (max_tokens ",
-                                   max_tokens, "): ", d->Explain()));
+  routed_total_->Add({{"prefill", d.prefill_id}, {"decode", d.decode_id}}).Increment();
+  cluster::Log(r->id, absl::StrCat(r->node_request_id.empty()
+                                       ? "routed "
+                                       : absl::StrCat(r->node_request_id, ": routed "),
+                                   r->prompt_tokens, " prompt tokens (max_tokens ", r->max_tokens,
+                                   "): ", d.Explain()));
+  (new GenerateReactor(r))->Begin();  // the reactor holds the request now
+  return absl::OkStatus();
+}
 
-  std::weak_ptr<Request> watch = r;
-  (new GenerateReactor(std::move(r)))->Begin();  // the reactor owns the request now
-  return std::make_unique<Handle>(std::move(watch));
+bool ClusterBackend::MaybeRetry(const std::shared_ptr<Request>& r, const absl::Status& error,
+                                const std::string& lost) {
+  if (r->attempt > 0 || r->cancelled.load() ||
+      (error.code() != absl::StatusCode::kUnavailable &&
+       error.code() != absl::StatusCode::kDeadlineExceeded)) {
+    return false;
+  }
+  std::shared_ptr<CompletionStream> stream;
+  {
+    std::lock_guard<std::mutex> lock(r->mu);
+    if (r->ended.load() || r->completion_tokens > 0) return false;  // the client saw tokens
+    r->ended.store(true);
+    stream = std::move(r->stream);
+  }
+  retries_->Increment();
+  cluster::Log(r->id, absl::StrCat("lost ", lost, " before the first token (", error.ToString(),
+                                   "): retrying once on other nodes"));
+  auto next = NextAttempt(r, std::move(stream));
+  next->attempt = r->attempt + 1;
+  next->node_request_id = absl::StrCat(r->id, "-retry", next->attempt);
+  StartNext(r, next, lost, error, "the retry on other nodes failed");
+  return true;
+}
+
+void ClusterBackend::OnHandedOff(const std::shared_ptr<Request>& r,
+                                 const strata::v1::HandedOff& handed_off) {
+  std::shared_ptr<CompletionStream> stream;
+  std::vector<uint32_t> generated;
+  uint32_t completion = 0;
+  {
+    std::lock_guard<std::mutex> lock(r->mu);
+    if (r->ended.load()) return;
+    if (!handed_off.text().empty() && !r->generated.empty() && !r->cancelled.load()) {
+      r->stream->Token(handed_off.text(), r->generated.back());
+    }
+    r->ended.store(true);
+    stream = std::move(r->stream);
+    generated = r->generated;
+    completion = r->completion_tokens;
+  }
+  handoffs_->Increment();
+  const std::string& from = r->decode_node->spec.id;
+  const uint32_t left = r->max_tokens > static_cast<uint32_t>(generated.size())
+                            ? r->max_tokens - static_cast<uint32_t>(generated.size())
+                            : 0;
+  if (left == 0 || generated.empty() || r->cancelled.load()) {
+    // Nothing to continue (or nobody to continue for): the request ends here.
+    r->generate_ctx->TryCancel();
+    r->prefill_ctx->TryCancel();
+    tracker_.Complete(r->id);
+    in_flight_.fetch_sub(1);
+    in_flight_gauge_->Decrement();
+    const absl::Status outcome = r->cancelled.load()
+                                     ? absl::CancelledError("cancelled by the client")
+                                     : absl::OkStatus();
+    if (outcome.ok()) {
+      stream->Finish(FinishReason::kLength, Usage{.prompt_tokens = r->client_prompt_tokens,
+                                                  .completion_tokens = completion});
+    }
+    CountOutcome(outcome);
+    cluster::Log(r->id, absl::StrCat(from, " handed the request off with nothing left to do"));
+    return;
+  }
+  cluster::Log(r->id, absl::StrCat(from, " is draining and handed the request off after ",
+                                   generated.size(), " tokens: continuing on another node"));
+  auto next = NextAttempt(r, std::move(stream));
+  next->attempt = r->attempt;  // a hand-off is no failure: the retry stays available
+  next->hop = r->hop + 1;
+  next->node_request_id = absl::StrCat(r->id, "-resume", next->hop);
+  next->request.prompt_tokens.insert(next->request.prompt_tokens.end(), generated.begin(),
+                                     generated.end());
+  next->prompt_tokens = static_cast<uint32_t>(next->request.prompt_tokens.size());
+  next->max_tokens = left;
+  next->generated = generated;
+  next->completion_tokens = completion;
+  next->first_token_at = r->first_token_at;
+  next->last_token_at = r->last_token_at;
+  next->continued = true;
+  // For routing by overlap only (the prefill node keys the prompt itself).
+  absl::StatusOr<std::vector<BlockHash>> chain =
+      ChunkKeys(next->request.prompt_tokens, next->request.cache_salt);
+  next->chain = chain.ok() ? *std::move(chain) : std::vector<BlockHash>{};
+  StartNext(r, next, from,
+            absl::UnavailableError(absl::StrCat(from, " is draining and handed the request off")),
+            "it could not continue on another node");
+}
+
+std::shared_ptr<ClusterBackend::Request> ClusterBackend::NextAttempt(
+    const std::shared_ptr<Request>& r, std::shared_ptr<CompletionStream> stream) {
+  auto next = std::make_shared<Request>(this);
+  {
+    std::lock_guard<std::mutex> lock(calls_mu_);
+    live_[next.get()] = next;
+  }
+  next->id = r->id;
+  next->cell = r->cell;
+  next->request = r->request;
+  next->chain = r->chain;
+  next->max_tokens = r->max_tokens;
+  next->attempt = r->attempt;
+  next->hop = r->hop;
+  next->arrival = r->arrival;
+  next->prompt_tokens = r->prompt_tokens;
+  next->client_prompt_tokens = r->client_prompt_tokens;
+  next->stream = std::move(stream);
+  return next;
+}
+
+void ClusterBackend::StartNext(const std::shared_ptr<Request>& r,
+                               const std::shared_ptr<Request>& next, const std::string& avoid,
+                               const absl::Status& error, const std::string& failed_how) {
+  // The first attempt is over on both nodes (the decode node frees its sequence).
+  r->generate_ctx->TryCancel();
+  r->prefill_ctx->TryCancel();
+  tracker_.Complete(r->id);
+  bool cancelled = false;
+  {
+    std::lock_guard<std::mutex> lock(next->cell->mu);
+    cancelled = next->cell->cancelled;
+    if (!cancelled) next->cell->current = next;
+  }
+  absl::Status launched =
+      cancelled ? absl::CancelledError("cancelled by the client") : Launch(next, avoid);
+  if (launched.ok()) return;
+  next->ended.store(true);
+  const absl::Status outcome =
+      cancelled ? launched
+                : absl::Status(error.code(), absl::StrCat(error.message(), "; ", failed_how, ": ",
+                                                          launched.message()));
+  if (!cancelled) next->stream->Fail(outcome);
+  next->stream.reset();
+  in_flight_.fetch_sub(1);
+  in_flight_gauge_->Decrement();
+  CountOutcome(outcome);
+  cluster::Log(r->id, absl::StrCat("failed: ", outcome.ToString()));
 }
 
 void ClusterBackend::OnRegistered(const std::shared_ptr<Request>& r,
@@ -617,7 +823,7 @@ void ClusterBackend::OnRegistered(const std::shared_ptr<Request>& r,
     return;
   }
   strata::v1::PrefillRequest& p = r->prefill_req;
-  p.set_request_id(r->id);
+  p.set_request_id(r->generate_req.request_id());
   *p.mutable_tokens() = r->generate_req.prompt();
   p.set_cache_salt(r->generate_req.cache_salt());
   p.set_decode_address(registered.transport_address());
@@ -641,6 +847,7 @@ void ClusterBackend::OnToken(const std::shared_ptr<Request>& r,
       first = r->completion_tokens == 0;
       gap = now - r->last_token_at;
       ++r->completion_tokens;
+      r->generated.push_back(token.token());
       if (first) r->first_token_at = now;
       r->last_token_at = now;
       if (!r->cancelled.load()) r->stream->Token(token.text(), token.token());
@@ -673,6 +880,11 @@ void ClusterBackend::OnFinished(const std::shared_ptr<Request>& r,
     r->usage.completion_tokens =
         finished.completion_tokens() != 0 ? finished.completion_tokens() : r->completion_tokens;
     r->usage.cached_tokens = finished.cached_tokens();
+    if (r->continued) {  // the client's counts, across the hand-offs
+      r->usage.prompt_tokens = r->client_prompt_tokens;
+      r->usage.completion_tokens = r->completion_tokens;
+      r->usage.cached_tokens = std::min(r->usage.cached_tokens, r->client_prompt_tokens);
+    }
   }
   End(r, absl::OkStatus());
 }
@@ -707,6 +919,7 @@ void ClusterBackend::OnGenerateDone(const std::shared_ptr<Request>& r, const grp
       return;
     }
   }
+  if (MaybeRetry(r, error, r->decode_node->spec.id)) return;
   End(r, error);
 }
 
@@ -733,7 +946,9 @@ void ClusterBackend::OnPrefillDone(const std::shared_ptr<Request>& r, const grpc
     End(r, absl::CancelledError("cancelled by the client"));
     return;
   }
-  End(r, kvstore::FromGrpc(status, r->prefill_node->description));
+  const absl::Status error = kvstore::FromGrpc(status, r->prefill_node->description);
+  if (MaybeRetry(r, error, r->prefill_node->spec.id)) return;
+  End(r, error);
 }
 
 void ClusterBackend::End(const std::shared_ptr<Request>& r, const absl::Status& status) {

@@ -116,6 +116,9 @@ struct ClusterBackendOptions {
   PrefixKeyOptions keys = {};
   RoutingOptions routing = {};
   PrefixIndexOptions index = {};
+  // TLS and the cluster token of every gRPC call to the nodes and the store
+  // (kvstore/grpc_security.h); null: insecure (plaintext, no token).
+  std::shared_ptr<const kvstore::GrpcSecurity> security = nullptr;
 
   // INVALID_ARGUMENT naming the field.
   absl::Status Validate() const;
@@ -159,6 +162,7 @@ class ClusterBackend final : public Backend {
 
  private:
   struct Request;
+  struct HandleCell;
   class Handle;
   class GenerateReactor;
 
@@ -174,6 +178,24 @@ class ClusterBackend final : public Backend {
                             uint32_t* max_tokens) const;
 
   // Request lifecycle (see cluster_backend.cc).
+  // Routes `r` (never to node `avoid`) and starts its Generate call; the tracker holds it then.
+  absl::Status Launch(const std::shared_ptr<Request>& r, const std::string& avoid);
+  // After `lost` failed `r` with UNAVAILABLE or DEADLINE_EXCEEDED before any token reached the
+  // client, on the first attempt: ends it quietly and routes the request once more, elsewhere
+  // (failing the stream if that cannot start). False when it does not apply.
+  bool MaybeRetry(const std::shared_ptr<Request>& r, const absl::Status& error,
+                  const std::string& lost);
+  // The decode node is draining and handed `r` off: continues it on another decode node, its
+  // prompt followed by the tokens streamed so far (their KV from the store), the same stream.
+  void OnHandedOff(const std::shared_ptr<Request>& r, const strata::v1::HandedOff& handed_off);
+  // A new attempt of `r`'s request, for `stream`: registered, copied from `r`.
+  std::shared_ptr<Request> NextAttempt(const std::shared_ptr<Request>& r,
+                                       std::shared_ptr<CompletionStream> stream);
+  // Ends `r` on its nodes and launches `next` (never to `avoid`); if it cannot start, fails the
+  // stream with `error` and "`failed_how`: why".
+  void StartNext(const std::shared_ptr<Request>& r, const std::shared_ptr<Request>& next,
+                 const std::string& avoid, const absl::Status& error,
+                 const std::string& failed_how);
   void OnRegistered(const std::shared_ptr<Request>& r, const strata::v1::Registered& registered);
   void OnToken(const std::shared_ptr<Request>& r, const strata::v1::TokenEvent& token);
   void OnFinished(const std::shared_ptr<Request>& r, const strata::v1::Finished& finished);
@@ -208,6 +230,8 @@ class ClusterBackend final : public Backend {
   prometheus::Counter* completion_tokens_ = nullptr;
   prometheus::Gauge* in_flight_gauge_ = nullptr;
   prometheus::Gauge* store_connected_ = nullptr;
+  prometheus::Counter* retries_ = nullptr;
+  prometheus::Counter* handoffs_ = nullptr;
 
   std::unique_ptr<PrefixIndex> index_;
   std::unique_ptr<RoutingPolicy> policy_;

@@ -116,6 +116,9 @@ struct FakeState {
   std::condition_variable cv;
   Decode decode = Decode::kGenerate;
   bool prefill_fails = false;
+  grpc::StatusCode prefill_error = grpc::StatusCode::RESOURCE_EXHAUSTED;
+  std::string prefill_id = "prefill-0";  // what the prefill service's Load reports
+  uint64_t prefill_queued_tokens = 0;
   std::vector<strata::v1::GenerateRequest> generates;
   std::vector<strata::v1::PrefillRequest> prefills;
   int decode_cancelled = 0;
@@ -214,7 +217,9 @@ class FakePrefill final : public strata::v1::PrefillNode::Service {
     s_->prefills.push_back(*req);
     s_->cv.notify_all();
     if (s_->prefill_fails) {
-      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "prefill queue full");
+      return grpc::Status(s_->prefill_error, s_->prefill_error == grpc::StatusCode::UNAVAILABLE
+                                                 ? "the prefill host is gone"
+                                                 : "prefill queue full");
     }
     resp->set_first_token(72);
     resp->set_prompt_tokens(req->tokens_size());
@@ -225,7 +230,9 @@ class FakePrefill final : public strata::v1::PrefillNode::Service {
 
   grpc::Status Load(grpc::ServerContext*, const strata::v1::LoadRequest*,
                     strata::v1::NodeLoad* resp) override {
-    *resp = FakeLoad("prefill-0", "prefill");
+    std::lock_guard<std::mutex> lock(s_->mu);
+    *resp = FakeLoad(s_->prefill_id.c_str(), "prefill");
+    resp->set_queued_prefill_tokens(s_->prefill_queued_tokens);
     return grpc::Status::OK;
   }
 
@@ -553,6 +560,69 @@ TEST_F(FakeClusterTest, PrefillErrorFailsTheRequestAndCancelsTheDecode) {
               HasSubstr("strata_router_requests_total{status=\"resource_exhausted\"} 1"));
 }
 
+TEST(ClusterBackendRetryTest, PrefillNodeLostBeforeTheFirstTokenIsRetriedOnceElsewhere) {
+  // prefill-0 (preferred: idle) answers UNAVAILABLE, as a lost host does; prefill-1 (busy) and
+  // decode-0 work. The request is routed again, once, avoiding prefill-0, and succeeds; the
+  // decode node's first attempt is cancelled.
+  FakeNodes lost, good;
+  {
+    std::lock_guard<std::mutex> lock(lost.state.mu);
+    lost.state.prefill_fails = true;
+    lost.state.prefill_error = grpc::StatusCode::UNAVAILABLE;
+  }
+  {
+    std::lock_guard<std::mutex> lock(good.state.mu);
+    good.state.prefill_id = "prefill-1";
+    good.state.prefill_queued_tokens = 100000;
+  }
+  cluster::ClusterSpec spec = Spec(good.address());
+  spec.nodes = {{.id = "prefill-0", .role = cluster::Role::kPrefill, .grpc = lost.address()},
+                {.id = "prefill-1", .role = cluster::Role::kPrefill, .grpc = good.address()},
+                {.id = "decode-0",
+                 .role = cluster::Role::kDecode,
+                 .grpc = good.address(),
+                 .transport = "127.0.0.1:7301"}};
+  std::unique_ptr<ClusterBackend> backend = MakeBackend(spec);
+  ASSERT_NE(backend, nullptr);
+  ASSERT_TRUE(WaitFor([&] {
+    int healthy = 0;
+    for (const NodeStatus& n : backend->Nodes()) healthy += n.healthy ? 1 : 0;
+    return healthy == 3;
+  }));
+  auto stream = std::make_shared<RecordingStream>();
+  CompletionRequest r = Completion("Hello there", 5);
+  const std::string id = r.request_id;
+  absl::StatusOr<std::unique_ptr<RequestHandle>> h = backend->Start(r, stream);
+  ASSERT_TRUE(h.ok()) << h.status();
+  ASSERT_TRUE(stream->WaitEnded());
+  EXPECT_TRUE(stream->failure().ok()) << stream->failure();
+  EXPECT_EQ(stream->text(), "Hello world");
+  EXPECT_EQ(stream->ends(), 1);
+  {
+    std::lock_guard<std::mutex> lock(lost.state.mu);
+    ASSERT_EQ(lost.state.prefills.size(), 1u);
+    EXPECT_EQ(lost.state.prefills[0].request_id(), id);
+  }
+  {
+    std::lock_guard<std::mutex> lock(good.state.mu);
+    ASSERT_EQ(good.state.generates.size(), 2u);
+    EXPECT_EQ(good.state.generates[0].request_id(), id);
+    EXPECT_EQ(good.state.generates[1].request_id(), id + "-retry1");
+    // One seed for both attempts: the retry samples what the first would have.
+    EXPECT_EQ(good.state.generates[0].sampling().seed(), good.state.generates[1].sampling().seed());
+    ASSERT_EQ(good.state.prefills.size(), 1u);
+    EXPECT_EQ(good.state.prefills[0].request_id(), id + "-retry1");
+  }
+  ASSERT_TRUE(WaitFor([&] {
+    std::lock_guard<std::mutex> lock(good.state.mu);
+    return good.state.decode_cancelled == 1;  // the first attempt's partial sequence
+  }));
+  ASSERT_TRUE(WaitFor([&] { return backend->in_flight() == 0; }));
+  const std::string metrics = backend->RenderMetrics();
+  EXPECT_THAT(metrics, HasSubstr("strata_router_retries_total 1"));
+  EXPECT_THAT(metrics, HasSubstr("strata_router_requests_total{status=\"ok\"} 1"));
+}
+
 TEST_F(FakeClusterTest, DecodeNodeDeathFailsTheRequest) {
   {
     std::lock_guard<std::mutex> lock(state().mu);
@@ -564,8 +634,13 @@ TEST_F(FakeClusterTest, DecodeNodeDeathFailsTheRequest) {
   ASSERT_TRUE(stream->WaitEnded());
   EXPECT_EQ(stream->failure().code(), absl::StatusCode::kUnavailable) << stream->failure();
   EXPECT_THAT(stream->failure().message(), HasSubstr("decode node decode-0"));
+  // Lost before the first token: retried once, and with no other decode node that fails too.
+  EXPECT_THAT(stream->failure().message(), HasSubstr("the retry on other nodes failed"));
   ASSERT_TRUE(WaitFor([&] { return backend_->in_flight() == 0; }));
   EXPECT_EQ(stream->ends(), 1);
+  EXPECT_THAT(backend_->RenderMetrics(), HasSubstr("strata_router_retries_total 1"));
+  EXPECT_THAT(backend_->RenderMetrics(),
+              HasSubstr("strata_router_requests_total{status=\"unavailable\"} 1"));
 }
 
 TEST_F(FakeClusterTest, CancelReachesTheNodes) {

@@ -20,6 +20,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "boost/asio.hpp"
+#include "boost/asio/ssl.hpp"
 #include "boost/beast/core.hpp"
 #include "boost/beast/http.hpp"
 #include "router/chat_template.h"
@@ -109,12 +110,15 @@ class ServerImpl;
 // executor), except in ServerImpl::Stop after the I/O threads were joined.
 class Connection : public std::enable_shared_from_this<Connection> {
  public:
-  Connection(ServerImpl* server, tcp::socket socket)
-      : server_(server), socket_(std::move(socket)), timer_(socket_.get_executor()) {}
+  // `tls` (null: plain HTTP) is the server's, and outlives the connection.
+  Connection(ServerImpl* server, tcp::socket socket, net::ssl::context* tls)
+      : server_(server), socket_(std::move(socket)), timer_(socket_.get_executor()) {
+    if (tls != nullptr) tls_.emplace(socket_, *tls);
+  }
   ~Connection();
 
   void Start() {
-    net::dispatch(socket_.get_executor(), [self = shared_from_this()] { self->DoRead(); });
+    net::dispatch(socket_.get_executor(), [self = shared_from_this()] { self->Handshake(); });
   }
 
   // Server stopping; runs with no I/O thread left.
@@ -131,6 +135,18 @@ class Connection : public std::enable_shared_from_this<Connection> {
  private:
   using Request = http::request<http::string_body>;
 
+  // Runs `f` on the stream requests and responses travel: the TLS stream, or the socket.
+  template <typename F>
+  void WithStream(F&& f) {
+    if (tls_.has_value()) {
+      f(*tls_);
+    } else {
+      f(socket_);
+    }
+  }
+  // HTTPS: the TLS handshake (within idle_timeout; a failed one, e.g. plain HTTP sent to an HTTPS
+  // port, closes the connection), then DoRead. Plain HTTP: DoRead.
+  void Handshake();
   void DoRead();
   void OnRead(error_code ec);
   void HandleRequest(Request request);
@@ -164,6 +180,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
 
   ServerImpl* const server_;
   tcp::socket socket_;  // its executor is this connection's strand
+  // HTTPS: TLS over socket_ (which LingerClose, Drain and Close still use directly: once the
+  // response is out, what is left is discarded or cut at the TCP level).
+  std::optional<net::ssl::stream<tcp::socket&>> tls_;
   net::steady_timer timer_;
   uint64_t timer_gen_ = 0;  // a fired wait of an older generation is stale
   beast::flat_buffer buffer_;
@@ -212,6 +231,23 @@ class ServerImpl final : public HttpServer {
 
   absl::Status Listen() {
     error_code ec;
+    if (!options_.tls_cert_file.empty()) {
+      tls_.emplace(net::ssl::context::tls_server);
+      tls_->set_options(net::ssl::context::default_workarounds | net::ssl::context::no_sslv2 |
+                            net::ssl::context::no_sslv3 | net::ssl::context::no_tlsv1 |
+                            net::ssl::context::no_tlsv1_1,
+                        ec);
+      if (!ec) tls_->use_certificate_chain_file(options_.tls_cert_file, ec);
+      if (ec) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "TLS certificate ", options_.tls_cert_file, ": ", ec.message()));
+      }
+      tls_->use_private_key_file(options_.tls_key_file, net::ssl::context::pem, ec);
+      if (ec) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("TLS key ", options_.tls_key_file, ": ", ec.message()));
+      }
+    }
     const net::ip::address address = net::ip::make_address(options_.host, ec);
     if (ec) return absl::InvalidArgumentError(absl::StrCat("bad host '", options_.host, "'"));
     const tcp::endpoint endpoint(address, options_.port);
@@ -295,7 +331,8 @@ class ServerImpl final : public HttpServer {
       {
         absl::MutexLock lock(&mu_);
         if (connections_.size() < options_.max_connections) {
-          connection = std::make_shared<Connection>(this, std::move(socket));
+          connection = std::make_shared<Connection>(this, std::move(socket),
+                                                    tls_.has_value() ? &*tls_ : nullptr);
           connections_.emplace(connection.get(), connection);
         }
       }
@@ -311,6 +348,7 @@ class ServerImpl final : public HttpServer {
 
   const HttpServerOptions options_;
   Backend* const backend_;
+  std::optional<net::ssl::context> tls_;  // HTTPS; set in Listen, read-only after
   absl::Mutex mu_;
   // Open connections (for max_connections and Stop). Declared before ioc_: connections still
   // owned by handlers are destroyed with ioc_ and unregister themselves here.
@@ -406,6 +444,23 @@ void Connection::DisarmTimer() {
   timer_.cancel();
 }
 
+void Connection::Handshake() {
+  if (!tls_.has_value()) {
+    DoRead();
+    return;
+  }
+  ArmTimer(server_->options().idle_timeout);
+  tls_->async_handshake(net::ssl::stream_base::server,
+                        [self = shared_from_this()](error_code ec) {
+                          if (self->closing_) return;
+                          if (ec) {
+                            self->Close();
+                            return;
+                          }
+                          self->DoRead();
+                        });
+}
+
 void Connection::DoRead() {
   if (closing_ || reading_) return;
   reading_ = true;
@@ -413,8 +468,10 @@ void Connection::DoRead() {
   parser_->body_limit(server_->options().max_body_bytes);
   parser_->header_limit(kHeaderLimit);
   if (!in_flight_) ArmTimer(server_->options().idle_timeout);
-  http::async_read(socket_, buffer_, *parser_,
-                   [self = shared_from_this()](error_code ec, size_t) { self->OnRead(ec); });
+  WithStream([&](auto& stream) {
+    http::async_read(stream, buffer_, *parser_,
+                     [self = shared_from_this()](error_code ec, size_t) { self->OnRead(ec); });
+  });
 }
 
 void Connection::OnRead(error_code ec) {
@@ -449,7 +506,8 @@ void Connection::OnRead(error_code ec) {
     }
     if (ec == http::error::end_of_stream || ec == net::error::eof ||
         ec == net::error::operation_aborted || ec == net::error::connection_reset ||
-        ec == http::error::partial_message) {
+        ec == http::error::partial_message ||
+        ec == net::ssl::error::stream_truncated) {  // HTTPS: closed without close_notify
       Close();
       return;
     }
@@ -628,10 +686,12 @@ void Connection::SendResponse(int status, absl::string_view content_type, std::s
   response->prepare_payload();
   writing_ = true;
   ArmTimer(server_->options().write_timeout);
-  http::async_write(socket_, *response,
-                    [self = shared_from_this(), response, close](error_code ec, size_t) {
-                      self->OnResponseWritten(ec, close || !response->keep_alive());
-                    });
+  WithStream([&](auto& stream) {
+    http::async_write(stream, *response,
+                      [self = shared_from_this(), response, close](error_code ec, size_t) {
+                        self->OnResponseWritten(ec, close || !response->keep_alive());
+                      });
+  });
 }
 
 void Connection::SendError(const ApiError& error, bool close) {
@@ -671,10 +731,12 @@ void Connection::StartStream(const ResponseContext& ctx) {
   if (ctx.chat) pending_ = RenderStreamRoleEvent(ctx);  // OpenAI's first chunk: the role
   writing_ = true;
   ArmTimer(server_->options().write_timeout);
-  http::async_write_header(socket_, *stream_serializer_,
-                           [self = shared_from_this()](error_code ec, size_t) {
-                             self->OnStreamWritten(ec, /*last=*/false);
-                           });
+  WithStream([&](auto& stream) {
+    http::async_write_header(stream, *stream_serializer_,
+                             [self = shared_from_this()](error_code ec, size_t) {
+                               self->OnStreamWritten(ec, /*last=*/false);
+                             });
+  });
 }
 
 void Connection::OnStreamEvent(uint64_t seq, bool end, bool ok, std::string data,
@@ -719,19 +781,23 @@ void Connection::WriteStream() {
     write_received_.swap(pending_received_);
     writing_ = true;
     ArmTimer(server_->options().write_timeout);
-    net::async_write(socket_, http::make_chunk(net::buffer(write_buf_)),
-                     [self = shared_from_this()](error_code ec, size_t) {
-                       self->OnStreamWritten(ec, /*last=*/false);
-                     });
+    WithStream([&](auto& stream) {
+      net::async_write(stream, http::make_chunk(net::buffer(write_buf_)),
+                       [self = shared_from_this()](error_code ec, size_t) {
+                         self->OnStreamWritten(ec, /*last=*/false);
+                       });
+    });
     return;
   }
   if (stream_end_) {
     writing_ = true;
     ArmTimer(server_->options().write_timeout);
-    net::async_write(socket_, http::make_chunk_last(),
-                     [self = shared_from_this()](error_code ec, size_t) {
-                       self->OnStreamWritten(ec, /*last=*/true);
-                     });
+    WithStream([&](auto& stream) {
+      net::async_write(stream, http::make_chunk_last(),
+                       [self = shared_from_this()](error_code ec, size_t) {
+                         self->OnStreamWritten(ec, /*last=*/true);
+                       });
+    });
     return;
   }
   DisarmTimer();  // waiting for the backend: no deadline
@@ -871,6 +937,9 @@ absl::Status HttpServerOptions::Validate() const {
   }
   if (max_pending_stream_bytes < 1) {
     return absl::InvalidArgumentError("max_pending_stream_bytes must be >= 1");
+  }
+  if (tls_cert_file.empty() != tls_key_file.empty()) {
+    return absl::InvalidArgumentError("HTTPS needs both tls_cert_file and tls_key_file");
   }
   return absl::OkStatus();
 }

@@ -64,6 +64,10 @@ struct HttpServerOptions {
   std::shared_ptr<const ApiKeys> api_keys;
   // With api_keys: completions in flight per tenant at most (more: 429); 0 = no limit.
   size_t max_in_flight_per_tenant = 0;
+  // HTTPS when both are set (PEM certificate chain and private key; TLS 1.2 and later): a
+  // connection that fails the handshake (plain HTTP included) is closed. Both empty: plain HTTP.
+  std::string tls_cert_file = "";
+  std::string tls_key_file = "";
 
   absl::Status Validate() const;
 };
@@ -71,7 +75,7 @@ struct HttpServerOptions {
 class HttpServer {
  public:
   // Binds, listens and starts the I/O threads. INVALID_ARGUMENT for bad options (or a null
-  // backend), UNAVAILABLE when the address cannot be bound. `backend` is not owned.
+  // backend, or TLS files that do not load), UNAVAILABLE when the address cannot be bound. `backend` is not owned.
   static absl::StatusOr<std::unique_ptr<HttpServer>> Start(const HttpServerOptions& options,
                                                            Backend* backend);
   virtual ~HttpServer() = default;

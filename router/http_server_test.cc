@@ -7,6 +7,8 @@
 #include <sys/time.h>
 
 #include <chrono>
+#include <cstdlib>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
@@ -17,6 +19,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "boost/asio.hpp"
+#include "boost/asio/ssl.hpp"
 #include "boost/beast/core.hpp"
 #include "boost/beast/http.hpp"
 #include "gmock/gmock.h"
@@ -580,6 +583,57 @@ TEST_F(HttpServerTest, StopCancelsOpenRequests) {
   server_->Stop();
   EXPECT_EQ(backend_.cancels(), 1);
   backend_.FinishHeld();  // after Stop: ignored, must not crash
+}
+
+TEST_F(HttpServerTest, HttpsServesTlsClientsAndCutsPlainHttp) {
+  // A self-signed certificate for 127.0.0.1, made by openssl as an operator would.
+  const std::filesystem::path dir = std::filesystem::path(::testing::TempDir()) /
+                                    ("strata-https-" + std::to_string(getpid()));
+  std::filesystem::create_directories(dir);
+  const std::string cert = (dir / "c.crt").string(), key = (dir / "c.key").string();
+  const std::string cmd = absl::StrCat(
+      "openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 1 -subj "
+      "/CN=127.0.0.1 -addext subjectAltName=IP:127.0.0.1 -keyout ",
+      key, " -out ", cert, " 2>/dev/null");
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  HttpServerOptions https;
+  https.tls_cert_file = cert;
+  https.tls_key_file = key;
+  server_.reset();
+  StartServer(https);
+
+  net::io_context ioc;
+  net::ssl::context ctx(net::ssl::context::tls_client);
+  ctx.load_verify_file(cert);
+  ctx.set_verify_mode(net::ssl::verify_peer);
+  ctx.set_verify_callback(net::ssl::host_name_verification("127.0.0.1"));
+  net::ssl::stream<tcp::socket> tls(ioc, ctx);
+  tls.next_layer().connect(tcp::endpoint(net::ip::make_address("127.0.0.1"), port()));
+  tls.handshake(net::ssl::stream_base::client);
+  http::request<http::string_body> req{http::verb::get, "/health", 11};
+  req.set(http::field::host, "127.0.0.1");
+  http::write(tls, req);
+  beast::flat_buffer buffer;
+  http::response<http::string_body> health;
+  http::read(tls, buffer, health);
+  EXPECT_EQ(health.result_int(), 200);
+  EXPECT_EQ(json::parse(health.body())["status"], "ok");
+
+  // Plain HTTP to the HTTPS port: no answer, the connection is closed.
+  Client plain(port());
+  EXPECT_ANY_THROW(plain.Call(http::verb::get, "/health"));
+
+  // One file without the other, and a file that is not a certificate.
+  HttpServerOptions half;
+  half.tls_cert_file = cert;
+  EXPECT_EQ(HttpServer::Start(half, &backend_).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  HttpServerOptions not_a_cert;
+  not_a_cert.tls_cert_file = key;
+  not_a_cert.tls_key_file = key;
+  EXPECT_EQ(HttpServer::Start(not_a_cert, &backend_).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

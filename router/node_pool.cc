@@ -11,6 +11,7 @@
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "kvstore/grpc_status.h"
+#include "kvstore/grpc_keepalive.h"
 
 namespace strata::router {
 namespace {
@@ -65,12 +66,15 @@ std::shared_ptr<const NodeConnection> NodePool::Connect(const cluster::NodeSpec&
   c->description =
       absl::StrCat(cluster::RoleName(spec.role), " node ", spec.id, " (", spec.grpc, ")");
   grpc::ChannelArguments args;
+  kvstore::SetClientKeepalive(&args);
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, Millis(options_.max_reconnect_backoff));
   // Prompts travel in one message: allow what the nodes accept (64 MiB).
   args.SetMaxSendMessageSize(64 << 20);
-  c->channel = grpc::CreateCustomChannel(spec.grpc, grpc::InsecureChannelCredentials(), args);
+  c->channel = options_.security != nullptr
+                   ? options_.security->CreateChannel(spec.grpc, args)
+                   : grpc::CreateCustomChannel(spec.grpc, grpc::InsecureChannelCredentials(), args);
   if (spec.role == cluster::Role::kPrefill) {
     c->prefill = strata::v1::PrefillNode::NewStub(c->channel);
   } else {
@@ -198,6 +202,8 @@ void NodePool::Record(const std::string& id, const Probe& probe) {
       problem = std::string(kvstore::FromGrpc(probe.status, "Load").message());
     } else {
       problem = Contradiction(c.spec, probe.response);
+      // Leaving the cluster: nothing new goes there (what it runs finishes or is handed off).
+      if (problem.empty() && probe.response.draining()) problem = "draining (leaving the cluster)";
     }
     const bool first = s.reported_at == absl::InfinitePast() && s.problem == "never answered";
     if (problem.empty()) {

@@ -31,6 +31,7 @@
 #include "absl/time/time.h"
 #include "cluster/cluster_file.h"
 #include "grpcpp/channel.h"
+#include "kvstore/grpc_security.h"
 #include "prometheus/family.h"
 #include "prometheus/gauge.h"
 #include "prometheus/registry.h"
@@ -51,6 +52,8 @@ struct NodePoolOptions {
   uint32_t chunk_tokens = 0;
   // NodeLoad::reads_store of every prefill node (the cluster has a store).
   bool prefill_reads_store = false;
+  // TLS and the cluster token of the nodes' channels; null: insecure (plaintext, no token).
+  std::shared_ptr<const kvstore::GrpcSecurity> security = nullptr;
 
   absl::Status Validate() const;
 };

@@ -31,6 +31,21 @@ ABSL_FLAG(std::string, api_keys, "",
 ABSL_FLAG(int, max_in_flight_per_tenant, 0,
           "with --api_keys: requests in flight per tenant at most; more are answered 429 (0: no "
           "limit)");
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM certificate the router presents to the nodes and the store (mutual TLS; "
+          "scripts/make_certs.sh makes node.crt)");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(std::string, tls_ca, "",
+          "PEM CA certificate the nodes' and the store's certificates are verified against");
+ABSL_FLAG(std::string, cluster_token_file, "",
+          "file holding the cluster token, sent on every gRPC call to the nodes and the store");
+ABSL_FLAG(std::string, http_tls_cert, "",
+          "PEM certificate (chain) of the HTTPS endpoint (scripts/make_certs.sh makes "
+          "router-http.crt)");
+ABSL_FLAG(std::string, http_tls_key, "", "PEM private key of --http_tls_cert");
+ABSL_FLAG(bool, insecure, false,
+          "plaintext gRPC without a cluster token and plain HTTP, instead of the TLS flags "
+          "(logged as a warning)");
 
 namespace {
 
@@ -89,11 +104,31 @@ int main(int argc, char** argv) {
     return Fail("flags", s, 2);
   }
   cl::SetLogIdentity("strata-router", "");
+  absl::StatusOr<std::shared_ptr<const strata::kvstore::GrpcSecurity>> security =
+      cl::LoadGrpcSecurity({.tls_cert = absl::GetFlag(FLAGS_tls_cert),
+                            .tls_key = absl::GetFlag(FLAGS_tls_key),
+                            .tls_ca = absl::GetFlag(FLAGS_tls_ca),
+                            .cluster_token_file = absl::GetFlag(FLAGS_cluster_token_file),
+                            .insecure = absl::GetFlag(FLAGS_insecure)});
+  if (!security.ok()) return Fail("flags", security.status(), 2);
+  const bool https =
+      !absl::GetFlag(FLAGS_http_tls_cert).empty() || !absl::GetFlag(FLAGS_http_tls_key).empty();
+  if (absl::GetFlag(FLAGS_insecure) && https) {
+    std::cerr << "strata-router: --insecure excludes --http_tls_cert and --http_tls_key\n";
+    return 2;
+  }
+  if (!absl::GetFlag(FLAGS_insecure) &&
+      (absl::GetFlag(FLAGS_http_tls_cert).empty() || absl::GetFlag(FLAGS_http_tls_key).empty())) {
+    std::cerr << "strata-router: HTTPS needs --http_tls_cert and --http_tls_key (or --insecure "
+                 "for plain HTTP)\n";
+    return 2;
+  }
 
   rt::ClusterBackendOptions o;
   o.spec = *spec;
   o.max_in_flight = static_cast<uint32_t>(absl::GetFlag(FLAGS_max_in_flight));
   o.load_poll_interval = absl::Milliseconds(absl::GetFlag(FLAGS_poll_ms));
+  o.security = *security;
   if (!absl::GetFlag(FLAGS_etcd).empty()) {
     absl::StatusOr<std::unique_ptr<cl::EtcdMembership>> m = cl::EtcdMembership::Start(
         cl::NewHttpEtcdClient(absl::GetFlag(FLAGS_etcd)), absl::GetFlag(FLAGS_etcd_prefix));
@@ -108,6 +143,8 @@ int main(int argc, char** argv) {
   rt::HttpServerOptions h;
   SplitHostPort(listen, &h.host, &h.port);
   h.threads = absl::GetFlag(FLAGS_http_threads);
+  h.tls_cert_file = absl::GetFlag(FLAGS_http_tls_cert);
+  h.tls_key_file = absl::GetFlag(FLAGS_http_tls_key);
   h.on_token_written = [b = backend->get()](absl::Duration d) { b->RecordTokenWritten(d); };
   if (!absl::GetFlag(FLAGS_api_keys).empty()) {
     absl::StatusOr<rt::ApiKeys> keys = rt::ApiKeys::Load(absl::GetFlag(FLAGS_api_keys));
@@ -124,7 +161,10 @@ int main(int argc, char** argv) {
   absl::StatusOr<std::unique_ptr<rt::HttpServer>> server = rt::HttpServer::Start(h, backend->get());
   if (!server.ok()) return Fail("HTTP", server.status());
   const std::string shown = absl::StrContains(h.host, ':') ? "[" + h.host + "]" : h.host;
-  std::cout << "strata-router: serving on http://" << shown << ":" << (*server)->port()
+  if (!https) cl::Log("", "WARNING: --insecure: the HTTP API is plain HTTP (no TLS)");
+  std::cout << "strata-router: serving on " << (https ? "https://" : "http://") << shown << ":"
+            << (*server)->port()
+            << ((*security)->insecure() ? " (INSECURE: --insecure, plaintext gRPC and HTTP)" : "")
             << std::endl;
 
   const int signal = cl::WaitForTermination();

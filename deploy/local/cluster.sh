@@ -7,14 +7,28 @@
 #                                [--port-base P] [--http-port P] [--model DIR] [--calibration F]
 #                                [--kv-budget BYTES] [--max-batch N] [--store-ram BYTES]
 #                                [--store-disk BYTES (0: no disk tier)] [--router-flag F]...
+#                                [--node-flag F]... (passed to every prefill and decode node)
 #                                [--prefill-local-ram BYTES] [--decode-local-ram BYTES] (each
 #                                node's own RAM tier in front of the store; 0: none)
 #                                [--etcd HOST:PORT [--etcd-ttl S]] (membership in a running etcd:
 #                                nodes register there, the router follows it)
+#                                [--netns HUB] (every process on a host of its own: a network
+#                                namespace HUB-PORTBASE-NAME with address 10.77.B.N on HUB's
+#                                bridge, made by deploy/netns/hosts.sh; clients run in HUB:
+#                                `ip netns exec HUB curl ...`. Needs root.)
+#                                [--tls DIR] (mutual TLS between every process and the cluster
+#                                token, HTTPS at the router, with the files of
+#                                scripts/make_certs.sh in DIR, made there when DIR has no ca.crt;
+#                                without --tls every process runs with --insecure)
 #   deploy/local/cluster.sh down   [--dir DIR]
 #   deploy/local/cluster.sh status [--dir DIR]
 #   deploy/local/cluster.sh restart NAME [--dir DIR]   (NAME: store, prefill-0, decode-1, router...;
 #                                  stops it if it runs, starts it again with the same flags)
+#   deploy/local/cluster.sh drain NAME [--dir DIR]     (a prefill or decode node leaves: SIGTERM,
+#                                  then waits for it to exit. It deregisters, takes nothing new,
+#                                  lets its requests finish for up to --drain_timeout_s (30 s;
+#                                  `up --node-flag --drain_timeout_s=5` sets it) and hands the
+#                                  rest off to other nodes through the store)
 #
 # `up` returns once the router answers /health (every node reachable), printing the HTTP address;
 # then use it with curl or any OpenAI client:
@@ -29,7 +43,7 @@ bin="${STRATA_BUILD_DIR:-$root/build}"
 cmd="${1:-}"
 [ -n "$cmd" ] && shift
 target=""
-if [ "$cmd" = restart ] && [ $# -gt 0 ] && [ "${1#--}" = "$1" ]; then target="$1"; shift; fi
+if { [ "$cmd" = restart ] || [ "$cmd" = drain ]; } && [ $# -gt 0 ] && [ "${1#--}" = "$1" ]; then target="$1"; shift; fi
 dir="${STRATA_CLUSTER_DIR:-/tmp/strata-cluster}"
 codec="kivi:k4v4:g32"
 chunk=64
@@ -47,7 +61,10 @@ prefill_local="0"
 decode_local="0"
 etcd=""
 etcd_ttl=6
+netns=""
+tls=""
 extra_router=()
+extra_node=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --dir) dir="$2"; shift ;;
@@ -67,8 +84,11 @@ while [ $# -gt 0 ]; do
     --decode-local-ram) decode_local="$2"; shift ;;
     --etcd) etcd="$2"; shift ;;
     --etcd-ttl) etcd_ttl="$2"; shift ;;
+    --netns) netns="$2"; shift ;;
+    --tls) tls="$2"; shift ;;
     --router-flag) extra_router+=("$2"); shift ;;
-    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
+    --node-flag) extra_node+=("$2"); shift ;;
+    -h|--help) sed -n '2,38p' "$0"; exit 0 ;;
     *) echo "cluster.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -88,7 +108,31 @@ stop_all() {
   done
   for pid in $pids; do kill -KILL "$pid" 2>/dev/null || true; done
   rm -f "$dir/pids"
+  if [ -f "$dir/netns" ]; then  # the hosts, once nothing runs in them; the hub when unused
+    read -r hub own_hub hosts <"$dir/netns"
+    # shellcheck disable=SC2086
+    "$root/deploy/netns/hosts.sh" del $hosts || true
+    if [ "$own_hub" = 1 ]; then "$root/deploy/netns/hosts.sh" gc "$hub" || true; fi
+    rm -f "$dir/netns"
+  fi
 }
+
+# Where NAME (store, prefill-I, decode-I, router) runs: 127.0.0.1, or with --netns its own host's
+# address (10.77.B.N, B from the port base so that clusters on one hub differ).
+host_of() {
+  if [ -z "$netns" ]; then echo 127.0.0.1; return; fi
+  local n
+  case "$1" in
+    store) n=2 ;;
+    router) n=3 ;;
+    prefill-*) n=$((10 + ${1#prefill-})) ;;
+    decode-*) n=$((100 + ${1#decode-})) ;;
+  esac
+  echo "10.77.$(( (port_base / 100) % 250 + 1 )).$n"
+}
+ns_of() { echo "$netns-$port_base-$1"; }
+# Runs CMD in the namespace clients use (the hub), or here.
+client() { if [ -n "$netns" ]; then ip netns exec "$netns" "$@"; else "$@"; fi; }
 
 wait_for() {  # wait_for NAME PID: until its log says "serving on"
   local name="$1" pid="$2"
@@ -114,34 +158,52 @@ case "$cmd" in
     mkdir -p "$dir/logs"
     rm -rf "$dir/store"
     store_port=$port_base
+    names=(store router)
+    for i in $(seq 0 $((n_prefill - 1))); do names+=("prefill-$i"); done
+    for i in $(seq 0 $((n_decode - 1))); do names+=("decode-$i"); done
+    if [ -n "$netns" ]; then
+      "$root/deploy/netns/hosts.sh" check
+      own_hub=0  # a hub made here goes with the cluster; one made before (tests run in it) stays
+      ip netns list | awk '{print $1}' | grep -qx "$netns" || own_hub=1
+      "$root/deploy/netns/hosts.sh" hub "$netns"
+      hosts=""
+      for name in "${names[@]}"; do
+        "$root/deploy/netns/hosts.sh" add "$netns" "$(ns_of "$name")" "$(host_of "$name")"
+        hosts="$hosts $(ns_of "$name")"
+      done
+      echo "$netns $own_hub$hosts" >"$dir/netns"
+    fi
     {
       echo "{"
       echo "  \"model\": \"$model\","
       echo "  \"codec\": \"$codec\","
       echo "  \"chunk_tokens\": $chunk,"
       echo "  \"calibration\": \"$calibration\","
-      echo "  \"store\": \"127.0.0.1:$store_port\","
+      echo "  \"store\": \"$(host_of store):$store_port\","
       echo "  \"nodes\": ["
       sep=""
       for i in $(seq 0 $((n_prefill - 1))); do
-        printf '%s    {"id": "prefill-%d", "role": "prefill", "grpc": "127.0.0.1:%d", "metrics": "127.0.0.1:%d"}' \
-          "$sep" "$i" $((port_base + 10 + i)) $((port_base + 20 + i))
+        h="$(host_of "prefill-$i")"
+        printf '%s    {"id": "prefill-%d", "role": "prefill", "grpc": "%s:%d", "metrics": "%s:%d"}' \
+          "$sep" "$i" "$h" $((port_base + 10 + i)) "$h" $((port_base + 20 + i))
         sep=$',\n'
       done
       for i in $(seq 0 $((n_decode - 1))); do
         # The UCX transport on any free port: the node announces its address with every request,
         # and a restarted node never waits for its old connections' TIME_WAIT.
-        printf '%s    {"id": "decode-%d", "role": "decode", "grpc": "127.0.0.1:%d", "transport": "127.0.0.1:0", "metrics": "127.0.0.1:%d"}' \
-          "$sep" "$i" $((port_base + 30 + i)) $((port_base + 50 + i))
+        h="$(host_of "decode-$i")"
+        printf '%s    {"id": "decode-%d", "role": "decode", "grpc": "%s:%d", "transport": "%s:0", "metrics": "%s:%d"}' \
+          "$sep" "$i" "$h" $((port_base + 30 + i)) "$h" "$h" $((port_base + 50 + i))
       done
       echo ""
       echo "  ],"
-      echo "  \"router\": {\"http\": \"127.0.0.1:$http_port\"}"
+      echo "  \"router\": {\"http\": \"$(host_of router):$http_port\"}"
       echo "}"
     } >"$dir/cluster.json"
     : >"$dir/pids"
     start() {  # start NAME CMD...
       local name="$1"; shift
+      if [ -n "$netns" ]; then set -- ip netns exec "$(ns_of "$name")" "$@"; fi
       printf '%q ' "$@" >"$dir/cmd.$name"  # for `restart`
       "$@" >"$dir/logs/$name.log" 2>&1 &
       echo "$name $!" >>"$dir/pids"
@@ -152,31 +214,65 @@ case "$cmd" in
       store_tiers+=(--disk_path "$dir/store" --disk_bytes "$store_disk")
     fi
     node_etcd=()
+    # Separate hosts share no memory: UCX over TCP, blocks crossing the veth links (on one host
+    # UCX would pick shared memory even across namespaces).
+    node_net=()
+    if [ -n "$netns" ]; then node_net=(--ucx_tls tcp); fi
     if [ -n "$etcd" ]; then
       node_etcd=(--etcd "$etcd" --etcd_prefix "/strata/$(basename "$dir")/" --etcd_ttl_s "$etcd_ttl")
       extra_router+=(--etcd "$etcd" --etcd_prefix "/strata/$(basename "$dir")/")
     fi
-    start store "$bin/kvstore/strata-store" --listen "127.0.0.1:$store_port" "${store_tiers[@]}" \
-      --metrics_port $((port_base + 1))
+    # Transport security (docs/deploy.md, "Security"): mutual TLS and the cluster token, or
+    # --insecure, which every process then logs as a warning.
+    if [ -n "$tls" ]; then
+      mkdir -p "$tls"
+      tls="$(cd "$tls" && pwd)"
+      if [ ! -f "$tls/ca.crt" ]; then
+        sans=()
+        for name in store router $(seq -f 'prefill-%g' 0 $((n_prefill - 1))) \
+                    $(seq -f 'decode-%g' 0 $((n_decode - 1))); do
+          sans+=(--san "$(host_of "$name")")
+        done
+        "$root/scripts/make_certs.sh" "$tls" "${sans[@]}" >/dev/null
+      fi
+      sec=(--tls_cert "$tls/node.crt" --tls_key "$tls/node.key" --tls_ca "$tls/ca.crt"
+           --cluster_token_file "$tls/cluster.token")
+      router_sec=("${sec[@]}" --http_tls_cert "$tls/router-http.crt"
+                  --http_tls_key "$tls/router-http.key")
+      scheme=https
+      curl_tls=(--cacert "$tls/ca.crt")
+    else
+      sec=(--insecure)
+      router_sec=(--insecure)
+      scheme=http
+      curl_tls=()
+    fi
+    start store "$bin/kvstore/strata-store" --listen "$(host_of store):$store_port" "${store_tiers[@]}" \
+      --metrics_host "$(host_of store)" --metrics_port $((port_base + 1)) "${sec[@]}"
     for i in $(seq 0 $((n_prefill - 1))); do
       start "prefill-$i" "$bin/prefill_node/strata-prefill" --cluster "$dir/cluster.json" --node "prefill-$i" \
-        --local_ram_bytes "$prefill_local" "${node_etcd[@]}"
+        --local_ram_bytes "$prefill_local" "${node_etcd[@]}" "${node_net[@]}" "${sec[@]}" \
+        "${extra_node[@]}"
     done
     for i in $(seq 0 $((n_decode - 1))); do
       start "decode-$i" "$bin/decode_node/strata-decode" --cluster "$dir/cluster.json" --node "decode-$i" \
         --kv_budget "$kv_budget" --max_batch "$max_batch" --local_ram_bytes "$decode_local" \
-        "${node_etcd[@]}"
+        "${node_etcd[@]}" "${node_net[@]}" "${sec[@]}" "${extra_node[@]}"
     done
-    start router "$bin/router/strata-router" --cluster "$dir/cluster.json" "${extra_router[@]}"
+    start router "$bin/router/strata-router" --cluster "$dir/cluster.json" "${extra_router[@]}" \
+      "${router_sec[@]}"
+    router_url="$scheme://$(host_of router):$http_port"
     for _ in $(seq 100); do
-      if curl -sf "http://127.0.0.1:$http_port/health" >/dev/null; then
-        echo "cluster.sh: up: http://127.0.0.1:$http_port (codec $codec, $n_prefill prefill, $n_decode decode; $dir)"
+      if client curl -sf "${curl_tls[@]}" "$router_url/health" >/dev/null; then
+        where=""
+        [ -n "$netns" ] && where=" (from namespace $netns: ip netns exec $netns curl ...)"
+        echo "cluster.sh: up: $router_url$where (codec $codec, $n_prefill prefill, $n_decode decode; $dir)"
         exit 0
       fi
       sleep 0.1
     done
     echo "cluster.sh: the router is not healthy after 10 s:" >&2
-    curl -s "http://127.0.0.1:$http_port/health" >&2 || true
+    client curl -s "${curl_tls[@]}" "$router_url/health" >&2 || true
     stop_all
     exit 1
     ;;
@@ -201,6 +297,16 @@ case "$cmd" in
     wait_for "$target" "$new_pid" || exit 1
     echo "cluster.sh: $target restarted (pid $new_pid)"
     ;;
+  drain)
+    [ -n "$target" ] || { echo "usage: cluster.sh drain NAME [--dir DIR]" >&2; exit 2; }
+    pid="$(awk -v n="$target" '$1 == n {print $2}' "$dir/pids" 2>/dev/null)"
+    { [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; } || { echo "cluster.sh: $target is not running" >&2; exit 1; }
+    kill -TERM "$pid"
+    for _ in $(seq 1200); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    if kill -0 "$pid" 2>/dev/null; then echo "cluster.sh: $target still runs after 120 s" >&2; exit 1; fi
+    grep -E "draining|drained|handed" "$dir/logs/$target.log" | tail -n 3 || true
+    echo "cluster.sh: $target drained and exited"
+    ;;
   status)
     [ -f "$dir/pids" ] || { echo "cluster.sh: no cluster in $dir"; exit 1; }
     while read -r name pid; do
@@ -208,7 +314,7 @@ case "$cmd" in
     done <"$dir/pids"
     ;;
   *)
-    echo "usage: cluster.sh up|down|status|restart NAME [flags] (see --help)" >&2
+    echo "usage: cluster.sh up|down|status|restart NAME|drain NAME [flags] (see --help)" >&2
     exit 2
     ;;
 esac

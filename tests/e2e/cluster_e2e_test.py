@@ -3,7 +3,10 @@
 strata-decode, strata-router) on loopback, started by deploy/local/cluster.sh, driven through the
 OpenAI-compatible HTTP API with real HTTP clients.
 
-  tests/e2e/cluster_e2e_test.py --build build [unittest args, e.g. -k Reuse]
+  tests/e2e/cluster_e2e_test.py --build build [--netns HUB] [unittest args, e.g. -k Reuse]
+With --netns (root), every process of a cluster runs on a host of its own (a network namespace,
+deploy/netns/hosts.sh) and the tests run in the hub namespace HUB: blocks, gRPC and HTTP cross
+veth links instead of loopback.
 Standard library only (Debian's /usr/bin/python3).
 """
 import argparse
@@ -15,9 +18,11 @@ import re
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import unittest
 import urllib.error
@@ -27,6 +32,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 BUILD = os.path.join(ROOT, "build")
 MODEL = os.path.join(ROOT, "models", "strata-tiny")
 CHUNK = 32
+NETNS = ""           # --netns: the hub namespace the tests run in ("" on loopback)
+HERE = "127.0.0.1"   # the address processes the tests start themselves listen on
 
 PROMPTS = [
     "The lighthouse keeper wrote in his log that the storm",
@@ -62,8 +69,11 @@ class Cluster:
     """A cluster started by deploy/local/cluster.sh in a temporary folder."""
 
     def __init__(self, codec, prefill=1, decode=1, calibration="", kv_budget="256M",
-                 max_batch=32, chunk=None, extra=(), env=None):
+                 max_batch=32, chunk=None, extra=(), env=None, tls=False):
+        """tls: mutual TLS and the cluster token (cluster.sh --tls, certificates in DIR/certs),
+        HTTPS at the router (`base`, verified against `ca`); else every process is --insecure."""
         self.dir = tempfile.mkdtemp(prefix="strata-e2e.")
+        self.ca = os.path.join(self.dir, "certs", "ca.crt") if tls else None
         self.codec = codec
         self.calibration = calibration
         self.port_base = free_port_base()
@@ -75,6 +85,10 @@ class Cluster:
                 "--max-batch", str(max_batch)]
         if calibration:
             args += ["--calibration", calibration]
+        if NETNS:
+            args += ["--netns", NETNS]
+        if tls:
+            args += ["--tls", os.path.join(self.dir, "certs")]
         args += list(extra)
         env = dict(os.environ, STRATA_BUILD_DIR=BUILD, **(env or {}))
         r = subprocess.run(args, capture_output=True, text=True, env=env, timeout=120)
@@ -82,7 +96,7 @@ class Cluster:
             raise RuntimeError("cluster up failed:\n" + r.stdout + r.stderr + self.logs())
         with open(os.path.join(self.dir, "cluster.json")) as f:
             self.spec = json.load(f)
-        self.base = "http://127.0.0.1:%d" % self.http_port
+        self.base = "%s://%s" % ("https" if tls else "http", self.spec["router"]["http"])
 
     def pids(self):
         out = {}
@@ -91,6 +105,16 @@ class Cluster:
                 name, pid = line.split()
                 out[name] = int(pid)
         return out
+
+    def store_metrics(self):
+        host, port = self.spec["store"].rsplit(":", 1)
+        return "%s:%d" % (host, int(port) + 1)
+
+    def on_host(self, name, argv):
+        """`argv` as it runs on the host of process `name` (store, router, decode-0, ...)."""
+        if not NETNS:
+            return list(argv)
+        return ["ip", "netns", "exec", "%s-%d-%s" % (NETNS, self.port_base, name)] + list(argv)
 
     def node(self, node_id):
         return next(n for n in self.spec["nodes"] if n["id"] == node_id)
@@ -293,7 +317,7 @@ class ClusterTest(unittest.TestCase):
                     json.dump(spec, f)
                 with open(os.path.join(c.dir, "logs", "router-%s.log" % keep), "w") as log:
                     p = subprocess.Popen([os.path.join(BUILD, "router/strata-router"),
-                                          "--cluster", path], stdout=log,
+                                          "--cluster", path, "--insecure"], stdout=log,
                                          stderr=subprocess.STDOUT)
                 routers.append((p, "http://127.0.0.1:%d" % port))
             for p, base in routers:
@@ -303,9 +327,14 @@ class ClusterTest(unittest.TestCase):
             before = scrape(c.node("prefill-1")["metrics"])
             time.sleep(0.5)
             second = CompleteAt(routers[1][1], prompt + " More.", 8)
-            after = scrape(c.node("prefill-1")["metrics"])
             self.assertEqual(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0)
             self.assertGreater(second["usage"]["prompt_tokens_details"]["cached_tokens"], 0)
+            for _ in range(30):  # the node counts the request once its stream has ended
+                after = scrape(c.node("prefill-1")["metrics"])
+                if metric(after, "strata_prefill_cached_tokens_total") > \
+                        metric(before, "strata_prefill_cached_tokens_total"):
+                    break
+                time.sleep(0.1)
             self.assertGreater(metric(after, "strata_prefill_cached_tokens_total"),
                                metric(before, "strata_prefill_cached_tokens_total"))
         finally:
@@ -360,7 +389,7 @@ class ClusterTest(unittest.TestCase):
         # node and the store serve on /metrics (metric families, from their TYPE lines).
         c = self.cluster
         complete(c, PROMPTS[0], 4)
-        store_metrics = "127.0.0.1:%d" % (c.port_base + 1)
+        store_metrics = c.store_metrics()
         exported = set()
         for address in (c.base.replace("http://", ""), c.node("prefill-0")["metrics"],
                         c.node("decode-0")["metrics"], store_metrics):
@@ -488,6 +517,26 @@ class TenantTest(unittest.TestCase):
             shutil.rmtree(os.path.dirname(keys), ignore_errors=True)
 
 
+HUB_ADDRESS = "10.77.0.1"  # deploy/netns/hosts.sh's hub
+
+
+def enter_hub(hub):
+    """Runs this script again inside namespace `hub` (made if missing), unless it is there."""
+    if os.environ.get("STRATA_E2E_IN_HUB") == hub:
+        return
+    check = subprocess.run([os.path.join(ROOT, "deploy/netns/hosts.sh"), "check"],
+                           capture_output=True, text=True)
+    if check.returncode != 0:
+        # CTest reads this line (SKIP_REGULAR_EXPRESSION): the suite needs root and namespaces.
+        print("skipped, no network namespaces: " + check.stderr.strip())
+        sys.exit(0)
+    subprocess.run([os.path.join(ROOT, "deploy/netns/hosts.sh"), "hub", hub], check=True)
+    env = dict(os.environ, STRATA_E2E_IN_HUB=hub)
+    r = subprocess.run(["ip", "netns", "exec", hub, sys.executable] + sys.argv, env=env)
+    subprocess.run([os.path.join(ROOT, "deploy/netns/hosts.sh"), "gc", hub])
+    sys.exit(r.returncode)
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -501,7 +550,8 @@ class Etcd:
         self.dir = tempfile.mkdtemp(prefix="strata-etcd.")
         self.port = free_port()
         peer = "http://127.0.0.1:%d" % free_port()
-        client = "http://127.0.0.1:%d" % self.port
+        client = "http://%s:%d" % (HERE, self.port)
+        self.address = "%s:%d" % (HERE, self.port)
         self.proc = subprocess.Popen(
             ["etcd", "--data-dir", self.dir, "--listen-client-urls", client,
              "--advertise-client-urls", client, "--listen-peer-urls", peer,
@@ -521,7 +571,7 @@ class Etcd:
         body = {"key": base64.b64encode(prefix.encode()).decode(),
                 "range_end": base64.b64encode(end.encode()).decode(), "keys_only": True}
         try:
-            status, r, _ = http_json("http://127.0.0.1:%d/v3/kv/range" % self.port, body, 2)
+            status, r, _ = http_json("http://%s/v3/kv/range" % self.address, body, 2)
         except OSError:
             return None
         return sorted(base64.b64decode(kv["key"]).decode() for kv in r.get("kvs", []))
@@ -539,7 +589,7 @@ class MembershipTest(unittest.TestCase):
         c = None
         try:
             c = Cluster("kivi:k4v4:g32", prefill=1, decode=2,
-                        extra=["--etcd", "127.0.0.1:%d" % etcd.port, "--etcd-ttl", "2"])
+                        extra=["--etcd", etcd.address, "--etcd-ttl", "2"])
             prefix = "/strata/%s/nodes/" % os.path.basename(c.dir)
             self.assertEqual(etcd.keys(prefix), [prefix + n for n in
                                                  ("decode-0", "decode-1", "prefill-0")])
@@ -573,9 +623,9 @@ class MembershipTest(unittest.TestCase):
                 extra = subprocess.Popen(
                     [os.path.join(BUILD, "decode_node/strata-decode"), "--cluster",
                      os.path.join(c.dir, "cluster.json"), "--node", "decode-9", "--listen",
-                     "127.0.0.1:%d" % port, "--metrics", "off", "--etcd",
-                     "127.0.0.1:%d" % etcd.port, "--etcd_prefix", prefix[:-len("nodes/")],
-                     "--etcd_ttl_s", "2"], stdout=log, stderr=subprocess.STDOUT)
+                     "%s:%d" % (HERE, port), "--metrics", "off", "--etcd",
+                     etcd.address, "--etcd_prefix", prefix[:-len("nodes/")],
+                     "--etcd_ttl_s", "2", "--insecure"], stdout=log, stderr=subprocess.STDOUT)
             try:
                 t0 = time.monotonic()
                 while prefix + "decode-9" not in (etcd.keys(prefix) or []):
@@ -602,6 +652,71 @@ class MembershipTest(unittest.TestCase):
             if c is not None:
                 c.down()
             etcd.down()
+
+
+class DrainTest(unittest.TestCase):
+    def test_a_drained_decode_node_hands_its_streams_off_and_leaves(self):
+        # decode-0 is told to leave (cluster.sh drain: SIGTERM) while it streams four long
+        # greedy sequences; with a 1 s drain timeout they are still running then, so it Puts their
+        # chunks in the store and hands them off; the router continues each on decode-1 from the
+        # store. Clients see one unbroken stream each, of every token they asked for.
+        c = Cluster("kivi:k4v4:g32", prefill=1, decode=2,
+                    extra=["--node-flag", "--drain_timeout_s=1"])
+        try:
+            n = 600
+            prompts = ["%s (%d)%s" % (PROMPTS[i % 4], i, LONG) for i in range(4)]
+            out = {}
+
+            def one(i):
+                out[i] = complete(c, prompts[i], n, stream=True, ignore_eos=True, timeout=300)
+            threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+            for t in threads:
+                t.start()
+            for _ in range(100):  # until decode-0 runs some of them
+                if metric(scrape(c.node("decode-0")["metrics"]), "strata_decode_running") > 0:
+                    break
+                time.sleep(0.1)
+            env = dict(os.environ, STRATA_BUILD_DIR=BUILD)
+            r = subprocess.run([os.path.join(ROOT, "deploy/local/cluster.sh"), "drain",
+                                "decode-0", "--dir", c.dir], capture_output=True, text=True,
+                               env=env, timeout=150)
+            self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+            # Meanwhile and after, new requests go to decode-1.
+            _, _, events = complete(c, PROMPTS[0] + " After the drain.", 4, stream=True)
+            self.assertEqual(routed_decode(c, json.loads(events[0])["id"]), "decode-1")
+            for t in threads:
+                t.join(timeout=300)
+            for i in range(len(prompts)):
+                text, usage, events = out[i]
+                self.assertEqual(events[-1], "[DONE]")
+                self.assertEqual(usage["completion_tokens"], n)
+                self.assertGreater(len(text), 0)
+            m = scrape(c.base.replace("http://", ""))
+            self.assertGreater(metric(m, "strata_router_handoffs_total"), 0)
+            with open(os.path.join(c.dir, "logs", "router.log")) as f:
+                log = f.read()
+            self.assertIn("is draining and handed the request off", log)
+            resumed = re.findall(r"-resume1: routed .*?decode=(\S+) .*?cached=(\d+)", log)
+            self.assertTrue(resumed, "no continuation was routed")
+            for decode, cached in resumed:
+                self.assertEqual(decode, "decode-1")
+                self.assertGreater(int(cached), 0, "the continuation found none of its KV stored")
+            with open(os.path.join(c.dir, "logs", "decode-0.log")) as f:
+                self.assertIn("handed off", f.read())
+            self.assertNotIn(c.pids()["decode-0"], running_pids())
+            outputs = [(prompts[i], out[i][0]) for i in range(len(prompts))]
+            # Greedy decoding continued from the store gives what one node would have given.
+            for p, text in outputs:
+                self.assertEqual(text, solo("kivi:k4v4:g32", p, n))
+        except Exception:
+            print(c.logs())
+            raise
+        finally:
+            c.down()
+
+
+def running_pids():
+    return {int(d) for d in os.listdir("/proc") if d.isdigit()}
 
 
 class OpenAIClientTest(unittest.TestCase):
@@ -782,6 +897,107 @@ class FaultTest(unittest.TestCase):
             c.down()
 
 
+def https_json(url, body, context, timeout=60):
+    """(status, parsed JSON) of a request over HTTPS verified by `context` (GET without body)."""
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout, context=context) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as e:
+        return e.code, json.load(e)
+
+
+class TlsTest(unittest.TestCase):
+    """Mutual TLS between every process and the cluster token on every gRPC call (cluster.sh
+    --tls: certificates by scripts/make_certs.sh), HTTPS at the router."""
+
+    def test_https_chat_over_mutual_tls_and_what_the_cluster_refuses(self):
+        c = Cluster("kivi:k4v4:g32", tls=True)
+        try:
+            certs = os.path.dirname(c.ca)
+            ctx = ssl.create_default_context(cafile=c.ca)
+            self.assertTrue(c.base.startswith("https://"), c.base)
+            for name in ("store", "prefill-0", "decode-0", "router"):
+                with open(os.path.join(c.dir, "logs", name + ".log")) as f:
+                    log = f.read()
+                self.assertIn("mutual TLS", log, name)
+                self.assertNotIn("--insecure", log, name)
+            # A chat completion over HTTPS; the same conversation again finds its prefix in the
+            # store: the prefill node's Lookup, Put and Get crossed mutual TLS with the token.
+            messages = [{"role": "user", "content": PROMPTS[0] + LONG * 2}]
+            body = {"model": "strata-tiny", "messages": messages, "max_tokens": 6,
+                    "temperature": 0}
+            status, first = https_json(c.base + "/v1/chat/completions", body, ctx)
+            self.assertEqual(status, 200, first)
+            self.assertTrue(first["choices"][0]["message"]["content"])
+            time.sleep(0.5)  # the Puts land after the reply
+            status, second = https_json(c.base + "/v1/chat/completions", body, ctx)
+            self.assertEqual(status, 200, second)
+            self.assertGreater(second["usage"]["prompt_tokens_details"]["cached_tokens"], 0)
+            stored = scrape(c.store_metrics())
+            self.assertGreater(metric(stored, "strata_store_puts_total"), 0)
+            # Plain HTTP to the HTTPS port: the handshake fails and the connection is closed.
+            with self.assertRaises((urllib.error.URLError, ConnectionError, OSError)) as plain:
+                urllib.request.urlopen(c.base.replace("https://", "http://") + "/health",
+                                       timeout=10).read()
+            self.assertNotIsInstance(plain.exception, urllib.error.HTTPError)
+            # A client that does not trust the cluster's CA refuses the router's certificate.
+            with self.assertRaises(urllib.error.URLError) as untrusted:
+                urllib.request.urlopen(c.base + "/health", timeout=10,
+                                       context=ssl.create_default_context())
+            self.assertIsInstance(untrusted.exception.reason, ssl.SSLCertVerificationError)
+            # A second router with the cluster's certificate but another token: every gRPC call
+            # it makes is refused (UNAUTHENTICATED), so it never finds a healthy node.
+            wrong = os.path.join(c.dir, "wrong.token")
+            with open(wrong, "w") as f:
+                f.write("0123456789abcdef" * 4 + "\n")
+            port = free_port()
+            with open(os.path.join(c.dir, "logs", "router-wrong-token.log"), "w") as log:
+                p = subprocess.Popen(
+                    [os.path.join(BUILD, "router/strata-router"), "--cluster",
+                     os.path.join(c.dir, "cluster.json"), "--listen", "%s:%d" % (HERE, port),
+                     "--tls_cert", os.path.join(certs, "node.crt"),
+                     "--tls_key", os.path.join(certs, "node.key"), "--tls_ca", c.ca,
+                     "--cluster_token_file", wrong,
+                     "--http_tls_cert", os.path.join(certs, "router-http.crt"),
+                     "--http_tls_key", os.path.join(certs, "router-http.key")],
+                    stdout=log, stderr=subprocess.STDOUT)
+            try:
+                # (its address need not be in the certificate's SANs: only the CA is checked)
+                probe = ssl.create_default_context(cafile=c.ca)
+                probe.check_hostname = False
+                detail = ""
+                end = time.monotonic() + 20
+                while "wrong cluster token" not in detail and time.monotonic() < end:
+                    time.sleep(0.2)
+                    try:
+                        status, health = https_json("https://%s:%d/health" % (HERE, port), None,
+                                                    probe, timeout=2)
+                        detail = json.dumps(health)
+                    except (OSError, ValueError):
+                        continue
+                self.assertNotEqual(status, 200)
+                self.assertIn("UNAUTHENTICATED", detail)
+                self.assertIn("wrong cluster token", detail)
+                self.assertNotIn("0123456789abcdef", detail)
+            finally:
+                p.terminate()
+                p.wait(timeout=20)
+            # Without a choice of security a process refuses to start, naming both options.
+            r = subprocess.run([os.path.join(BUILD, "kvstore/strata-store"), "--listen",
+                                "127.0.0.1:0", "--metrics_port", "-1"],
+                               capture_output=True, text=True, timeout=30)
+            self.assertEqual(r.returncode, 2, r.stderr)
+            self.assertIn("--insecure", r.stderr)
+            self.assertIn("--tls_cert", r.stderr)
+        except Exception:
+            print(c.logs())
+            raise
+        finally:
+            c.down()
+
+
 def routed_decode(c, request_id, role="decode"):
     """The decode (or prefill) node the router chose for `request_id` (its routing log line)."""
     with open(os.path.join(c.dir, "logs", "router.log")) as f:
@@ -792,18 +1008,20 @@ def routed_decode(c, request_id, role="decode"):
 
 
 def restart_store(c):
-    store_port = int(c.spec["store"].rsplit(":", 1)[1])
+    store_host, store_port = c.spec["store"].rsplit(":", 1)
+    store_port = int(store_port)
     with open(os.path.join(c.dir, "logs", "store-restarted.log"), "w") as log:
-        p = subprocess.Popen([os.path.join(BUILD, "kvstore/strata-store"), "--listen",
-                              c.spec["store"], "--ram_bytes", "512M", "--disk_path",
-                              os.path.join(c.dir, "store"), "--disk_bytes", "4G",
-                              "--metrics_port", str(store_port + 1)], stdout=log,
-                             stderr=subprocess.STDOUT)
+        p = subprocess.Popen(c.on_host("store", [
+            os.path.join(BUILD, "kvstore/strata-store"), "--listen", c.spec["store"],
+            "--ram_bytes", "512M", "--disk_path", os.path.join(c.dir, "store"), "--disk_bytes",
+            "4G", "--metrics_host", store_host, "--metrics_port", str(store_port + 1),
+            "--insecure"]),
+            stdout=log, stderr=subprocess.STDOUT)
     with open(os.path.join(c.dir, "pids"), "a") as f:
         f.write("store-restarted %d\n" % p.pid)
     for _ in range(100):
         with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", store_port)) == 0:
+            if s.connect_ex((store_host, store_port)) == 0:
                 return p
         time.sleep(0.1)
     raise RuntimeError("the store did not restart")
@@ -845,6 +1063,10 @@ def CompleteAt(base, prompt, max_tokens):  # noqa: N802 - reads as a request
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--build", default=BUILD)
+    ap.add_argument("--netns", default="", help="run every process on a host of its own")
     args, rest = ap.parse_known_args()
     BUILD = os.path.abspath(args.build)
+    if args.netns:
+        enter_hub(args.netns)  # re-executes this script in the hub, or exits 0 with a skip
+        NETNS, HERE = args.netns, HUB_ADDRESS
     unittest.main(argv=[sys.argv[0]] + rest, verbosity=2)

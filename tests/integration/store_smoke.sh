@@ -6,7 +6,7 @@ bin="$1"
 dir="$(mktemp -d)"
 trap 'kill "$pid" 2>/dev/null || true; rm -rf "$dir"' EXIT
 "$bin" --listen 127.0.0.1:0 --ram_bytes 64M --disk_path "$dir/db" --disk_bytes 1G \
-  --metrics_port 0 >"$dir/out" 2>&1 &
+  --metrics_port 0 --insecure >"$dir/out" 2>&1 &
 pid=$!
 for _ in $(seq 100); do grep -q "serving on port" "$dir/out" && break; sleep 0.1; done
 grep -q "serving on port" "$dir/out" || { cat "$dir/out"; exit 1; }
