@@ -55,8 +55,9 @@ absl::StatusOr<NodeSpec> NodeFromJson(const std::string& text) {
 // ---- EtcdMembership ----------------------------------------------------------------------------
 
 absl::StatusOr<std::unique_ptr<EtcdMembership>> EtcdMembership::Start(
-    std::unique_ptr<EtcdClient> client, std::string prefix) {
-  std::unique_ptr<EtcdMembership> m(new EtcdMembership(std::move(client), std::move(prefix)));
+    std::unique_ptr<EtcdClient> client, std::string prefix, absl::Duration removal_grace) {
+  std::unique_ptr<EtcdMembership> m(
+      new EtcdMembership(std::move(client), std::move(prefix), removal_grace));
   if (absl::Status s = m->Read(); !s.ok()) return s;
   m->thread_ = std::thread([p = m.get()] { p->Loop(); });
   return m;
@@ -69,9 +70,29 @@ EtcdMembership::~EtcdMembership() {
 
 std::vector<NodeSpec> EtcdMembership::Nodes() const {
   std::lock_guard<std::mutex> lock(mu_);
+  const absl::Time now = absl::Now();
   std::vector<NodeSpec> out;
-  for (const auto& [key, node] : nodes_) out.push_back(node);
+  for (auto it = nodes_.begin(); it != nodes_.end();) {
+    if (it->second.gone_since != absl::InfiniteFuture() && it->second.gone_since + grace_ <= now) {
+      Log("", absl::StrCat("membership: ", it->first, " gone from etcd for ",
+                           absl::FormatDuration(grace_), "; removed"));
+      it = nodes_.erase(it);
+      continue;
+    }
+    out.push_back(it->second.node);
+    ++it;
+  }
   return out;
+}
+
+void EtcdMembership::RemoveLocked(const std::string& key, absl::Time now) {
+  auto it = nodes_.find(key);
+  if (it == nodes_.end()) return;
+  if (grace_ <= absl::ZeroDuration()) {
+    nodes_.erase(it);
+  } else if (it->second.gone_since == absl::InfiniteFuture()) {
+    it->second.gone_since = now;
+  }
 }
 
 std::string EtcdMembership::Describe() const {
@@ -92,7 +113,13 @@ absl::Status EtcdMembership::Read() {
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
-    nodes_ = std::move(nodes);
+    const absl::Time now = absl::Now();
+    std::vector<std::string> gone;
+    for (const auto& [key, e] : nodes_) {
+      if (!nodes.contains(key)) gone.push_back(key);
+    }
+    for (const std::string& key : gone) RemoveLocked(key, now);
+    for (auto& [key, node] : nodes) nodes_[key] = Entry{.node = std::move(node)};
   }
   revision_ = range->revision;
   return absl::OkStatus();
@@ -101,7 +128,7 @@ absl::Status EtcdMembership::Read() {
 void EtcdMembership::Apply(const EtcdKeyValue& kv, bool deleted) {
   std::lock_guard<std::mutex> lock(mu_);
   if (deleted) {
-    nodes_.erase(kv.key);
+    RemoveLocked(kv.key, absl::Now());
     return;
   }
   absl::StatusOr<NodeSpec> n = NodeFromJson(kv.value);
@@ -110,7 +137,7 @@ void EtcdMembership::Apply(const EtcdKeyValue& kv, bool deleted) {
     nodes_.erase(kv.key);
     return;
   }
-  nodes_[kv.key] = *std::move(n);
+  nodes_[kv.key] = Entry{.node = *std::move(n)};
 }
 
 void EtcdMembership::Loop() {

@@ -33,9 +33,15 @@ absl::StatusOr<NodeSpec> NodeFromJson(const std::string& text);
 class EtcdMembership final : public Membership {
  public:
   // Reads the registrations under `prefix` (UNAVAILABLE when etcd cannot be reached), then
-  // follows them from a thread of its own.
-  static absl::StatusOr<std::unique_ptr<EtcdMembership>> Start(std::unique_ptr<EtcdClient> client,
-                                                               std::string prefix);
+  // follows them from a thread of its own. A registration that disappears stays listed for
+  // `removal_grace` (0: leaves at once) and leaves unless it reappears meanwhile: when etcd was
+  // cut off from the nodes, every lease runs out in etcd and the nodes register again only once
+  // they reach it, which the watch may report as deletions first (a partition need not break the
+  // watch). Listed is not routed to: the router routes only to nodes that answer its load polls
+  // and are not draining, so a node that died is out of routing at once all the same.
+  static absl::StatusOr<std::unique_ptr<EtcdMembership>> Start(
+      std::unique_ptr<EtcdClient> client, std::string prefix,
+      absl::Duration removal_grace = absl::Seconds(10));
   ~EtcdMembership() override;
 
   std::vector<NodeSpec> Nodes() const override;
@@ -44,16 +50,23 @@ class EtcdMembership final : public Membership {
   bool connected() const { return connected_.load(); }
 
  private:
-  EtcdMembership(std::unique_ptr<EtcdClient> client, std::string prefix)
-      : client_(std::move(client)), prefix_(std::move(prefix)) {}
+  EtcdMembership(std::unique_ptr<EtcdClient> client, std::string prefix, absl::Duration grace)
+      : client_(std::move(client)), prefix_(std::move(prefix)), grace_(grace) {}
   absl::Status Read();  // the whole prefix, replacing what is known
   void Apply(const EtcdKeyValue& kv, bool deleted);
   void Loop();
+  // A registration gone: at once, or once the grace has passed. Under mu_.
+  void RemoveLocked(const std::string& key, absl::Time now);
 
+  struct Entry {
+    NodeSpec node;
+    absl::Time gone_since = absl::InfiniteFuture();  // still listed until gone_since + grace
+  };
   const std::unique_ptr<EtcdClient> client_;
   const std::string prefix_;
+  const absl::Duration grace_;
   mutable std::mutex mu_;
-  std::map<std::string, NodeSpec> nodes_;  // by key; guarded by mu_
+  mutable std::map<std::string, Entry> nodes_;  // by key; guarded by mu_
   int64_t revision_ = 0;                   // the last revision applied; watch thread only
   std::atomic<bool> connected_{false};
   std::atomic<bool> stop_{false};

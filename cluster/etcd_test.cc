@@ -163,7 +163,8 @@ TEST_F(EtcdTest, KeyValuesLeasesAndAWatch) {
 // Nodes register under leases; the membership follows: a node that stops deregisters at once,
 // one that dies leaves within its TTL.
 TEST_F(EtcdTest, MembershipFollowsRegistrationsAndLeases) {
-  absl::StatusOr<std::unique_ptr<EtcdMembership>> m = EtcdMembership::Start(Client(), "/strata/x/");
+  absl::StatusOr<std::unique_ptr<EtcdMembership>> m =
+      EtcdMembership::Start(Client(), "/strata/x/", absl::ZeroDuration());
   ASSERT_TRUE(m.ok()) << m.status();
   auto p0 = EtcdRegistration::Start(Client(), "/strata/x/", Node("prefill-0", Role::kPrefill, 7010),
                                     absl::Seconds(2));
@@ -193,6 +194,29 @@ TEST_F(EtcdTest, MembershipFollowsRegistrationsAndLeases) {
   ASSERT_TRUE(c->Put("/strata/x/nodes/junk", "{not json", 0).ok());
   absl::SleepFor(absl::Milliseconds(300));
   EXPECT_TRUE(Eventually(**m, {"prefill-0"}, absl::Milliseconds(10)));
+}
+
+// With a removal grace, a registration that leaves etcd stays listed that long, and one that comes
+// back meanwhile (a node registering again after its lease ran out) never leaves.
+TEST_F(EtcdTest, RemovalGraceKeepsANodeThatRegistersAgain) {
+  absl::StatusOr<std::unique_ptr<EtcdMembership>> m =
+      EtcdMembership::Start(Client(), "/g/", absl::Milliseconds(1500));
+  ASSERT_TRUE(m.ok()) << m.status();
+  auto c = Client();
+  const std::string a = NodeToJson(Node("decode-0", Role::kDecode, 7030));
+  const std::string b = NodeToJson(Node("decode-1", Role::kDecode, 7031));
+  ASSERT_TRUE(c->Put("/g/nodes/decode-0", a, 0).ok());
+  ASSERT_TRUE(c->Put("/g/nodes/decode-1", b, 0).ok());
+  ASSERT_TRUE(Eventually(**m, {"decode-0", "decode-1"}));
+  ASSERT_TRUE(c->Delete("/g/nodes/decode-0").ok());
+  ASSERT_TRUE(c->Delete("/g/nodes/decode-1").ok());
+  absl::SleepFor(absl::Milliseconds(500));
+  EXPECT_TRUE(Eventually(**m, {"decode-0", "decode-1"}, absl::Milliseconds(10)));
+  ASSERT_TRUE(c->Put("/g/nodes/decode-0", a, 0).ok());  // back within the grace
+  absl::SleepFor(absl::Milliseconds(1500));
+  EXPECT_TRUE(Eventually(**m, {"decode-0"}, absl::Seconds(2)));
+  absl::SleepFor(absl::Milliseconds(500));
+  EXPECT_TRUE(Eventually(**m, {"decode-0"}, absl::Milliseconds(10)));
 }
 
 // etcd lost: the membership stays as it was; back: the watch resumes, and a registration whose

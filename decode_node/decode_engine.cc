@@ -103,14 +103,15 @@ absl::Status DecodeEngine::Start(DecodeRequest request, std::shared_ptr<TokenSin
   if (request.prompt.empty()) return absl::InvalidArgumentError("decode: empty prompt");
   if (request.max_tokens < 1) return absl::InvalidArgumentError("decode: max_tokens must be >= 1");
   if (sink == nullptr) return absl::InvalidArgumentError("decode: no sink");
-  if (draining_.load()) {
-    return absl::UnavailableError("decode: the node is draining (leaving the cluster)");
-  }
   auto s = std::make_shared<Sequence>();
   s->req = std::move(request);
   s->sink = std::move(sink);
   s->deadline = absl::Now() + options_.kv_timeout;
   std::lock_guard<std::mutex> lock(mu_);
+  // Under mu_: Drain sees every sequence registered before it set the flag.
+  if (draining_.load()) {
+    return absl::UnavailableError("decode: the node is draining (leaving the cluster)");
+  }
   if (by_id_.contains(s->req.request_id)) {
     return absl::AlreadyExistsError(
         absl::StrCat("decode: request ", s->req.request_id, " is already registered"));
@@ -127,10 +128,10 @@ absl::Status DecodeEngine::Start(DecodeRequest request, std::shared_ptr<TokenSin
 }
 
 uint64_t DecodeEngine::Drain(absl::Time deadline) {
-  draining_.store(true);
   uint64_t before;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::lock_guard<std::mutex> lock(mu_);  // as Start reads it: no registration slips past
+    draining_.store(true);
     before = stats_.handed_off;
   }
   while (absl::Now() < deadline) {

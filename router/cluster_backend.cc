@@ -94,6 +94,8 @@ struct ClusterBackend::Request {
   int hop = 0;      // hand-offs from draining decode nodes so far
   std::string node_request_id;     // the id the nodes see ("" = id): each attempt its own
   uint32_t client_prompt_tokens = 0;  // the client's prompt (a continuation's prompt is longer)
+  uint32_t client_max_tokens = 0;     // the client's max_tokens (a continuation's is what is left)
+  uint32_t tokens_at_start = 0;       // tokens streamed before this attempt began
   bool continued = false;             // continues a handed-off attempt (counts go on)
   std::shared_ptr<const NodeConnection> prefill_node, decode_node;
   std::unique_ptr<grpc::ClientContext> generate_ctx = std::make_unique<grpc::ClientContext>();
@@ -375,6 +377,10 @@ ClusterBackend::~ClusterBackend() {
     }
   }
   for (const std::shared_ptr<Request>& r : live) {
+    {
+      std::lock_guard<std::mutex> cell_lock(r->cell->mu);  // no retry or hand-off starts now
+      r->cell->cancelled = true;
+    }
     r->cancelled.store(true);
     r->generate_ctx->TryCancel();
     r->prefill_ctx->TryCancel();
@@ -600,6 +606,7 @@ absl::StatusOr<std::unique_ptr<RequestHandle>> ClusterBackend::Start(
   r->arrival = request.arrival == absl::Time() ? now : request.arrival;
   r->prompt_tokens = static_cast<uint32_t>(tokens->size());
   r->client_prompt_tokens = r->prompt_tokens;
+  r->client_max_tokens = max_tokens;
   r->chain = *std::move(chain);
   r->max_tokens = max_tokens;
   r->request = std::move(request);
@@ -677,7 +684,8 @@ bool ClusterBackend::MaybeRetry(const std::shared_ptr<Request>& r, const absl::S
   std::shared_ptr<CompletionStream> stream;
   {
     std::lock_guard<std::mutex> lock(r->mu);
-    if (r->ended.load() || r->completion_tokens > 0) return false;  // the client saw tokens
+    // Not once this attempt streamed a token (a continuation's earlier tokens do not count).
+    if (r->ended.load() || r->completion_tokens > r->tokens_at_start) return false;
     r->ended.store(true);
     stream = std::move(r->stream);
   }
@@ -709,10 +717,19 @@ void ClusterBackend::OnHandedOff(const std::shared_ptr<Request>& r,
   }
   handoffs_->Increment();
   const std::string& from = r->decode_node->spec.id;
-  const uint32_t left = r->max_tokens > static_cast<uint32_t>(generated.size())
-                            ? r->max_tokens - static_cast<uint32_t>(generated.size())
+  const uint32_t left = r->client_max_tokens > static_cast<uint32_t>(generated.size())
+                            ? r->client_max_tokens - static_cast<uint32_t>(generated.size())
                             : 0;
-  if (left == 0 || generated.empty() || r->cancelled.load()) {
+  if (generated.empty() && !r->cancelled.load()) {  // nothing to continue from: routed again
+    auto next = NextAttempt(r, std::move(stream));
+    next->hop = r->hop + 1;
+    next->node_request_id = absl::StrCat(r->id, "-resume", next->hop);
+    StartNext(r, next, from,
+              absl::UnavailableError(absl::StrCat(from, " is draining and handed the request off")),
+              "it could not start on another node");
+    return;
+  }
+  if (left == 0 || r->cancelled.load()) {
     // Nothing to continue (or nobody to continue for): the request ends here.
     r->generate_ctx->TryCancel();
     r->prefill_ctx->TryCancel();
@@ -733,17 +750,14 @@ void ClusterBackend::OnHandedOff(const std::shared_ptr<Request>& r,
   cluster::Log(r->id, absl::StrCat(from, " is draining and handed the request off after ",
                                    generated.size(), " tokens: continuing on another node"));
   auto next = NextAttempt(r, std::move(stream));
-  next->attempt = r->attempt;  // a hand-off is no failure: the retry stays available
-  next->hop = r->hop + 1;
+  next->hop = r->hop + 1;  // a hand-off is no failure: the retry stays available
   next->node_request_id = absl::StrCat(r->id, "-resume", next->hop);
+  // The client's prompt, then every token streamed so far (however many hops they took).
+  next->request.prompt_tokens.resize(r->client_prompt_tokens);
   next->request.prompt_tokens.insert(next->request.prompt_tokens.end(), generated.begin(),
                                      generated.end());
   next->prompt_tokens = static_cast<uint32_t>(next->request.prompt_tokens.size());
   next->max_tokens = left;
-  next->generated = generated;
-  next->completion_tokens = completion;
-  next->first_token_at = r->first_token_at;
-  next->last_token_at = r->last_token_at;
   next->continued = true;
   // For routing by overlap only (the prefill node keys the prompt itself).
   absl::StatusOr<std::vector<BlockHash>> chain =
@@ -771,6 +785,16 @@ std::shared_ptr<ClusterBackend::Request> ClusterBackend::NextAttempt(
   next->arrival = r->arrival;
   next->prompt_tokens = r->prompt_tokens;
   next->client_prompt_tokens = r->client_prompt_tokens;
+  next->client_max_tokens = r->client_max_tokens;
+  next->continued = r->continued;
+  {
+    std::lock_guard<std::mutex> lock(r->mu);  // `r` has ended: nothing changes these any more
+    next->generated = r->generated;
+    next->completion_tokens = r->completion_tokens;
+    next->tokens_at_start = r->completion_tokens;
+    next->first_token_at = r->first_token_at;
+    next->last_token_at = r->last_token_at;
+  }
   next->stream = std::move(stream);
   return next;
 }
@@ -837,7 +861,7 @@ void ClusterBackend::OnRegistered(const std::shared_ptr<Request>& r,
 void ClusterBackend::OnToken(const std::shared_ptr<Request>& r,
                              const strata::v1::TokenEvent& token) {
   const absl::Time now = absl::Now();
-  bool registered = false, first = false;
+  bool registered = false, first = false, attempts_first = false;
   absl::Duration gap;
   {
     std::lock_guard<std::mutex> lock(r->mu);
@@ -845,6 +869,7 @@ void ClusterBackend::OnToken(const std::shared_ptr<Request>& r,
     registered = r->registered;
     if (registered) {
       first = r->completion_tokens == 0;
+      attempts_first = r->completion_tokens == r->tokens_at_start;
       gap = now - r->last_token_at;
       ++r->completion_tokens;
       r->generated.push_back(token.token());
@@ -859,8 +884,8 @@ void ClusterBackend::OnToken(const std::shared_ptr<Request>& r,
     return;
   }
   completion_tokens_->Increment();
+  if (attempts_first) tracker_.MarkPrefillDone(r->id);
   if (first) {
-    tracker_.MarkPrefillDone(r->id);
     ttft_->Observe(absl::ToDoubleSeconds(now - r->arrival));
   } else {
     inter_token_->Observe(absl::ToDoubleSeconds(gap));

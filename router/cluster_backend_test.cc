@@ -119,6 +119,7 @@ struct FakeState {
   grpc::StatusCode prefill_error = grpc::StatusCode::RESOURCE_EXHAUSTED;
   std::string prefill_id = "prefill-0";  // what the prefill service's Load reports
   uint64_t prefill_queued_tokens = 0;
+  int handoffs_left = 0;  // Generate calls that stream one token, then hand the request off
   std::vector<strata::v1::GenerateRequest> generates;
   std::vector<strata::v1::PrefillRequest> prefills;
   int decode_cancelled = 0;
@@ -150,7 +151,7 @@ strata::v1::NodeLoad FakeLoad(const char* id, const char* role) {
 
 class FakeDecode final : public strata::v1::DecodeNode::Service {
  public:
-  explicit FakeDecode(FakeState* s) : s_(s) {}
+  explicit FakeDecode(FakeState* s, std::string id = "decode-0") : s_(s), id_(std::move(id)) {}
 
   grpc::Status Generate(grpc::ServerContext* ctx, const strata::v1::GenerateRequest* req,
                         grpc::ServerWriter<strata::v1::GenerateEvent>* writer) override {
@@ -174,6 +175,25 @@ class FakeDecode final : public strata::v1::DecodeNode::Service {
         s_->cv.wait_for(lock, std::chrono::milliseconds(5));
       }
       prefill_fails = s_->prefill_fails;
+    }
+    bool hand_off = false;
+    {
+      std::lock_guard<std::mutex> lock(s_->mu);
+      if (s_->handoffs_left > 0 && !prefill_fails) {
+        --s_->handoffs_left;
+        hand_off = true;
+      }
+    }
+    if (hand_off) {  // as a draining node: one token, then the hand-off
+      strata::v1::GenerateEvent t;
+      t.mutable_token()->set_token(72);
+      t.mutable_token()->set_text("Hello");
+      writer->Write(t);
+      strata::v1::GenerateEvent h;
+      h.mutable_handed_off()->set_completion_tokens(1);
+      h.mutable_handed_off()->set_text("!");
+      writer->Write(h);
+      return grpc::Status::OK;
     }
     if (mode == FakeState::Decode::kHold || prefill_fails || ctx->IsCancelled()) {
       while (!ctx->IsCancelled()) absl::SleepFor(absl::Milliseconds(2));
@@ -199,12 +219,13 @@ class FakeDecode final : public strata::v1::DecodeNode::Service {
 
   grpc::Status Load(grpc::ServerContext*, const strata::v1::LoadRequest*,
                     strata::v1::NodeLoad* resp) override {
-    *resp = FakeLoad("decode-0", "decode");
+    *resp = FakeLoad(id_.c_str(), "decode");
     return grpc::Status::OK;
   }
 
  private:
   FakeState* s_;
+  const std::string id_;
 };
 
 class FakePrefill final : public strata::v1::PrefillNode::Service {
@@ -243,7 +264,12 @@ class FakePrefill final : public strata::v1::PrefillNode::Service {
 // Both fake nodes on one server (the services differ, so two node entries may share it).
 class FakeNodes {
  public:
-  FakeNodes() : decode_(&state), prefill_(&state) {
+  FakeNodes() : FakeNodes(nullptr, "decode-0") {}
+  // With `shared`, the services use that state (nodes on several servers seeing one another's
+  // requests); the decode service reports `decode_id`.
+  FakeNodes(FakeState* shared, std::string decode_id)
+      : decode_(shared != nullptr ? shared : &state, std::move(decode_id)),
+        prefill_(shared != nullptr ? shared : &state) {
     grpc::ServerBuilder b;
     b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
     b.RegisterService(&decode_);
@@ -620,6 +646,70 @@ TEST(ClusterBackendRetryTest, PrefillNodeLostBeforeTheFirstTokenIsRetriedOnceEls
   ASSERT_TRUE(WaitFor([&] { return backend->in_flight() == 0; }));
   const std::string metrics = backend->RenderMetrics();
   EXPECT_THAT(metrics, HasSubstr("strata_router_retries_total 1"));
+  EXPECT_THAT(metrics, HasSubstr("strata_router_requests_total{status=\"ok\"} 1"));
+}
+
+TEST(ClusterBackendHandOffTest, HandedOffRequestsContinueElsewhereWithTheStreamedTokens) {
+  // Two decode nodes; the first two Generate calls stream one token each and hand the request
+  // off (as draining nodes do). Each continuation avoids the node that handed off, carries the
+  // client's prompt followed by every token streamed so far, and what is left of max_tokens; the
+  // client sees one stream and its own counts.
+  FakeState shared;
+  FakeNodes a(&shared, "decode-0"), b(&shared, "decode-1");
+  {
+    std::lock_guard<std::mutex> lock(shared.mu);
+    shared.handoffs_left = 2;
+  }
+  cluster::ClusterSpec spec = Spec(a.address());
+  spec.nodes = {{.id = "prefill-0", .role = cluster::Role::kPrefill, .grpc = a.address()},
+                {.id = "decode-0",
+                 .role = cluster::Role::kDecode,
+                 .grpc = a.address(),
+                 .transport = "127.0.0.1:7301"},
+                {.id = "decode-1",
+                 .role = cluster::Role::kDecode,
+                 .grpc = b.address(),
+                 .transport = "127.0.0.1:7302"}};
+  std::unique_ptr<ClusterBackend> backend = MakeBackend(spec);
+  ASSERT_NE(backend, nullptr);
+  ASSERT_TRUE(WaitFor([&] {
+    int healthy = 0;
+    for (const NodeStatus& n : backend->Nodes()) healthy += n.healthy ? 1 : 0;
+    return healthy == 3;
+  }));
+  auto stream = std::make_shared<RecordingStream>();
+  CompletionRequest r = Completion("Hello there", 8);
+  const std::string id = r.request_id;
+  absl::StatusOr<std::unique_ptr<RequestHandle>> h = backend->Start(r, stream);
+  ASSERT_TRUE(h.ok()) << h.status();
+  ASSERT_TRUE(stream->WaitEnded());
+  ASSERT_TRUE(stream->failure().ok()) << stream->failure();
+  EXPECT_EQ(stream->text(), "Hello!Hello!Hello world");
+  // Each hand-off's held-back text ("!") comes as a text-only call with the last token's id.
+  EXPECT_EQ(stream->tokens(), (std::vector<uint32_t>{72, 72, 72, 72, 72, 73}));
+  EXPECT_EQ(stream->ends(), 1);
+  std::vector<strata::v1::GenerateRequest> g;
+  {
+    std::lock_guard<std::mutex> lock(shared.mu);
+    g = shared.generates;
+  }
+  ASSERT_EQ(g.size(), 3u);
+  EXPECT_EQ(g[0].request_id(), id);
+  EXPECT_EQ(g[1].request_id(), id + "-resume1");
+  EXPECT_EQ(g[2].request_id(), id + "-resume2");
+  std::vector<uint32_t> prompt(g[0].prompt().begin(), g[0].prompt().end());
+  for (int hop = 1; hop <= 2; ++hop) {
+    prompt.push_back(72);  // the token the previous node streamed
+    EXPECT_EQ(std::vector<uint32_t>(g[hop].prompt().begin(), g[hop].prompt().end()), prompt)
+        << "hop " << hop;
+    EXPECT_EQ(g[hop].max_tokens(), 8u - hop);
+    EXPECT_EQ(g[hop].sampling().seed(), g[0].sampling().seed());
+  }
+  EXPECT_EQ(stream->usage().prompt_tokens, static_cast<uint32_t>(g[0].prompt_size()));
+  EXPECT_EQ(stream->usage().completion_tokens, 4u);
+  ASSERT_TRUE(WaitFor([&] { return backend->in_flight() == 0; }));
+  const std::string metrics = backend->RenderMetrics();
+  EXPECT_THAT(metrics, HasSubstr("strata_router_handoffs_total 2"));
   EXPECT_THAT(metrics, HasSubstr("strata_router_requests_total{status=\"ok\"} 1"));
 }
 

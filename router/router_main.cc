@@ -25,6 +25,10 @@ ABSL_FLAG(std::string, etcd, "",
           "etcd's client address (host:port): the nodes are those registered there under "
           "--etcd_prefix, followed as they come and go (empty: the cluster file's nodes)");
 ABSL_FLAG(std::string, etcd_prefix, "/strata/", "the cluster's key prefix in etcd");
+ABSL_FLAG(int, etcd_removal_grace_s, 10,
+          "how long a node whose registration left etcd stays in the membership, for it to "
+          "register again (etcd cut off from the nodes expires every lease); a node that is down "
+          "fails the router's load polls and is not routed to meanwhile");
 ABSL_FLAG(std::string, api_keys, "",
           "file of 'KEY TENANT' lines: /v1/* then needs 'Authorization: Bearer KEY' (401 "
           "otherwise), and each tenant's prefixes are its own (empty: no keys, open)");
@@ -131,7 +135,8 @@ int main(int argc, char** argv) {
   o.security = *security;
   if (!absl::GetFlag(FLAGS_etcd).empty()) {
     absl::StatusOr<std::unique_ptr<cl::EtcdMembership>> m = cl::EtcdMembership::Start(
-        cl::NewHttpEtcdClient(absl::GetFlag(FLAGS_etcd)), absl::GetFlag(FLAGS_etcd_prefix));
+        cl::NewHttpEtcdClient(absl::GetFlag(FLAGS_etcd)), absl::GetFlag(FLAGS_etcd_prefix),
+        absl::Seconds(std::max(0, absl::GetFlag(FLAGS_etcd_removal_grace_s))));
     if (!m.ok()) return Fail("etcd", m.status());
     cl::Log("", absl::StrCat("membership: ", (*m)->Describe(), " at ", absl::GetFlag(FLAGS_etcd),
                              ", ", (*m)->Nodes().size(), " nodes now"));

@@ -159,6 +159,8 @@ def summarize(records, fault_at, healed_at, retried=0):
         "longest_request_s": round(max((r["end"] - r["start"] for r in records), default=0), 2),
         "recovered_s_after_fault": None if ok_from is None else round(max(0.0, ok_from - fault_at), 2),
         "fault_lasted_s": round(healed_at - fault_at, 2),
+        # What the clients that failed were told (distinct messages, at most three).
+        "errors": sorted({r["error"][:160] for r in records if r["outcome"] != "ok"})[:3],
     }
 
 
@@ -194,6 +196,10 @@ class NetnsFaultTest(unittest.TestCase):
             result = self._outcome.result
             if any(t is self for t, _ in result.failures + result.errors):
                 print(self.cluster.logs())
+                with open(os.path.join(self.cluster.dir, "logs", "router.log")) as f:
+                    print("== router.log: membership, health and refusals\n" + "".join(
+                        line for line in f if any(w in line for w in (
+                            "refused", "membership", "healthy", "joined", "left", "failed"))))
             self.cluster.down()
 
     def up(self, **kw):
@@ -259,7 +265,7 @@ class NetnsFaultTest(unittest.TestCase):
         with open(os.path.join(c.dir, "logs", "router.log")) as f:
             log = f.read()
         self.assertIn("before the first token", log)
-        self.assertIn("retry: routed", log)
+        self.assertIn("-retry1: routed", log)
         # The decode node freed the partial sequences of the first attempts.
         m = e2e.scrape(c.node("decode-0")["metrics"])
 
