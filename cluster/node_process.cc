@@ -122,8 +122,14 @@ absl::StatusOr<StoreConnection> ConnectStore(
   StoreConnection c;
   if (!spec.store.empty()) {
     absl::StatusOr<std::unique_ptr<kvstore::StoreClient>> client =
-        kvstore::StoreClient::Connect(spec.store, absl::Seconds(5),
-                                      {.security = std::move(security)});
+        kvstore::StoreClient::Connect(spec.store, absl::Seconds(5), {.security = security});
+    if (absl::IsUnavailable(client.status())) {
+      // Not up yet (or away): start without it; its calls are misses until it answers.
+      Log("", absl::StrCat(client.status().message(),
+                           "; starting without it (misses until it answers)"));
+      client = kvstore::StoreClient::Connect(spec.store, absl::ZeroDuration(),
+                                             {.security = std::move(security)});
+    }
     if (!client.ok()) return client.status();
     c.client = *std::move(client);
     c.source = std::make_unique<kvstore::StoreClientBlockSource>(c.client.get());

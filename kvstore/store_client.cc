@@ -84,7 +84,8 @@ absl::StatusOr<std::unique_ptr<StoreClient>> StoreClient::Connect(const std::str
       options.security != nullptr
           ? options.security->CreateChannel(address, args)
           : grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
-  if (!channel->WaitForConnected(absl::ToChronoTime(absl::Now() + timeout))) {
+  if (timeout > absl::ZeroDuration() &&
+      !channel->WaitForConnected(absl::ToChronoTime(absl::Now() + timeout))) {
     return absl::UnavailableError(absl::StrCat(
         "store ", address, ": UNAVAILABLE: not reachable within ", absl::FormatDuration(timeout)));
   }

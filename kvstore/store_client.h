@@ -108,7 +108,9 @@ class StoreWatch {
 class StoreClient {
  public:
   // Waits up to `timeout` for the store at `address` ("host:port") to accept a connection:
-  // UNAVAILABLE when it does not. The options are validated (INVALID_ARGUMENT).
+  // UNAVAILABLE when it does not. A zero `timeout` waits for nothing: the channel connects when
+  // the store answers, and calls until then fail with UNAVAILABLE. The options are validated
+  // (INVALID_ARGUMENT).
   static absl::StatusOr<std::unique_ptr<StoreClient>> Connect(const std::string& address,
                                                               absl::Duration timeout,
                                                               StoreClientOptions options = {});
