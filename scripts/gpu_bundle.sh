@@ -11,7 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-targets=(common_cuda_test nccl_transport_test nccl_bench)
+targets=(common_cuda_test kernels_cuda_test nccl_transport_test nccl_bench cuda_decode_bench)
 ./scripts/build.sh $(printf -- "--target %s " "${targets[@]}")
 
 out=build/gpu-bundle
@@ -48,6 +48,17 @@ results="${OUT:-$here/results}"
 mkdir -p "$results"
 echo "== nccl_bench"
 "$here/nccl_bench" --out "$results" --commit "${STRATA_COMMIT:-unknown}" || rc=1
+echo "== cuda_decode_bench"
+"$here/cuda_decode_bench" --out "$results" || rc=1
+# The kernels' memory checks (when the CUDA toolkit's compute-sanitizer is there).
+if command -v compute-sanitizer >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/compute-sanitizer ]; then
+  cs="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
+  echo "== compute-sanitizer memcheck: kernels_cuda_test"
+  "$cs" --tool memcheck --error-exitcode 1 "$here/kernels_cuda_test" \
+    --gtest_filter='PagedDecodeGpuTest.Fp16*:PagedDecodeGpuTest.Affine*' || rc=1
+else
+  echo "== compute-sanitizer: not on this machine; memcheck skipped"
+fi
 exit "$rc"
 EOF
 chmod +x "$out/run.sh"

@@ -1,0 +1,272 @@
+// GPU decode attention over paged KV (kernels/cuda/paged_decode.h): our fp16 kernel and the 4-bit
+// and 2-bit affine (KIVI-style) kernels, against the device-to-device copy bandwidth measured in
+// the same run. Shapes of an 8B model's attention: head dim 128, 32 query heads over 8 KV heads;
+// batch 1 / 16 / 64; context 4k / 32k / 128k (128k up to batch 16). Each time is the median of
+// runs timed with CUDA events, L2 flushed before each (a 256 MiB memset outside the timed region);
+// the bytes are those the kernel must read (every page of every sequence), so the bandwidth is an
+// effective one. Data is random (finite fp16 values, random codes), never zeros.
+//
+//   cuda_decode_bench [--out DIR] [--runs N] [--quick]
+// Prints a table; with --out, writes DIR/cuda_decode_bench-<device>-<date>-<commit>.{txt,json}
+// (commit from $STRATA_COMMIT). Exits 1 without a GPU, saying so.
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <ctime>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "kernels/cuda/paged_decode.h"
+
+namespace {
+
+using strata::kernels::cuda::PageFormat;
+using strata::kernels::cuda::PagedDecodeArgs;
+using strata::kernels::cuda::PagedKvLayout;
+
+#define CHECK_CUDA(expr)                                                                  \
+  do {                                                                                    \
+    const cudaError_t e_ = (expr);                                                        \
+    if (e_ != cudaSuccess) {                                                              \
+      std::fprintf(stderr, "cuda_decode_bench: %s: %s\n", #expr, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                       \
+    }                                                                                     \
+  } while (0)
+
+// Finite pseudo-random 16-bit values (sign 0, exponent below 15: every fp16 in [0, 2)).
+__global__ void FillKernel(uint16_t* p, size_t n, uint32_t seed) {
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    uint32_t x = static_cast<uint32_t>(i) * 2654435761u ^ seed;
+    x ^= x >> 13;
+    x *= 0x5bd1e995u;
+    x ^= x >> 15;
+    p[i] = static_cast<uint16_t>(x & 0x3bffu);
+  }
+}
+
+void Fill(void* p, size_t bytes, uint32_t seed) {
+  FillKernel<<<1024, 256>>>(static_cast<uint16_t*>(p), bytes / 2, seed);
+  CHECK_CUDA(cudaGetLastError());
+}
+
+struct Timer {
+  cudaEvent_t a, b;
+  Timer() {
+    CHECK_CUDA(cudaEventCreate(&a));
+    CHECK_CUDA(cudaEventCreate(&b));
+  }
+  ~Timer() {
+    cudaEventDestroy(a);
+    cudaEventDestroy(b);
+  }
+};
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+struct Row {
+  std::string kernel;
+  int batch = 0, context = 0;
+  double ms = 0, bytes = 0, gbps = 0, of_copy = 0, speedup = 0;
+  int splits = 0;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string out_dir;
+  int runs = 20;
+  bool quick = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--out" && i + 1 < argc) {
+      out_dir = argv[++i];
+    } else if (a == "--runs" && i + 1 < argc) {
+      runs = std::max(3, std::atoi(argv[++i]));
+    } else if (a == "--quick") {
+      quick = true;
+    } else {
+      std::fprintf(stderr, "usage: cuda_decode_bench [--out DIR] [--runs N] [--quick]\n");
+      return 2;
+    }
+  }
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    std::fprintf(stderr, "cuda_decode_bench: no GPU here: nothing to measure\n");
+    return 1;
+  }
+  cudaDeviceProp prop{};
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  int driver = 0;
+  CHECK_CUDA(cudaDriverGetVersion(&driver));
+  Timer timer;
+  void* flush = nullptr;
+  const size_t flush_bytes = size_t{256} << 20;
+  CHECK_CUDA(cudaMalloc(&flush, flush_bytes));
+
+  // The copy ceiling: a 1 GiB device-to-device copy, bytes read plus written.
+  double copy_gbps = 0;
+  {
+    const size_t n = size_t{1} << 30;
+    void *src = nullptr, *dst = nullptr;
+    CHECK_CUDA(cudaMalloc(&src, n));
+    CHECK_CUDA(cudaMalloc(&dst, n));
+    Fill(src, n, 7);
+    std::vector<double> t;
+    for (int r = 0; r < runs + 3; ++r) {
+      CHECK_CUDA(cudaEventRecord(timer.a));
+      CHECK_CUDA(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice));
+      CHECK_CUDA(cudaEventRecord(timer.b));
+      CHECK_CUDA(cudaEventSynchronize(timer.b));
+      float ms = 0;
+      CHECK_CUDA(cudaEventElapsedTime(&ms, timer.a, timer.b));
+      if (r >= 3) t.push_back(ms);
+    }
+    copy_gbps = 2.0 * n / (Median(t) * 1e-3) / 1e9;
+    cudaFree(src);
+    cudaFree(dst);
+  }
+
+  struct Kernel {
+    const char* name;
+    PageFormat format;
+    int bits;
+  };
+  const Kernel kernels[] = {{"fp16", PageFormat::kFp16, 16},
+                            {"affine k4v4 g32", PageFormat::kAffine, 4},
+                            {"affine k2v2 g32", PageFormat::kAffine, 2}};
+  std::vector<int> batches = {1, 16, 64}, contexts = {4096, 32768, 131072};
+  if (quick) {
+    batches = {16};
+    contexts = {32768};
+  }
+  std::vector<Row> rows;
+  for (int batch : batches) {
+    for (int context : contexts) {
+      if (context > 32768 && batch > 16) continue;  // 128k at batch 64: 32 GiB of fp16 KV
+      double fp16_ms = 0;
+      for (const Kernel& k : kernels) {
+        PagedKvLayout L;
+        L.format = k.format;
+        L.kv_heads = 8;
+        L.head_dim = 128;
+        L.page_tokens = 64;
+        L.key_bits = L.value_bits = k.format == PageFormat::kAffine ? k.bits : 4;
+        L.k_group = 32;
+        L.v_group = 32;
+        const int pages_per_seq = context / L.page_tokens;
+        const size_t pages = static_cast<size_t>(batch) * pages_per_seq;
+        const size_t pool_bytes = pages * L.PageBytes();
+        void *pool = nullptr, *q = nullptr, *o = nullptr, *work = nullptr, *table = nullptr,
+             *counts = nullptr;
+        CHECK_CUDA(cudaMalloc(&pool, pool_bytes));
+        Fill(pool, pool_bytes, 11);
+        std::vector<int32_t> t(pages), c(batch, pages_per_seq);
+        for (size_t i = 0; i < pages; ++i) t[i] = static_cast<int32_t>((i * 7919) % pages);  // scattered
+        CHECK_CUDA(cudaMalloc(&table, t.size() * 4));
+        CHECK_CUDA(cudaMemcpy(table, t.data(), t.size() * 4, cudaMemcpyHostToDevice));
+        CHECK_CUDA(cudaMalloc(&counts, c.size() * 4));
+        CHECK_CUDA(cudaMemcpy(counts, c.data(), c.size() * 4, cudaMemcpyHostToDevice));
+        const size_t qn = static_cast<size_t>(batch) * 32 * 128;
+        CHECK_CUDA(cudaMalloc(&q, qn * 4));
+        CHECK_CUDA(cudaMalloc(&o, qn * 4));
+        Fill(q, qn * 4, 13);  // finite floats (two fp16-ranged halves each)
+        PagedDecodeArgs a;
+        a.pages = static_cast<const uint8_t*>(pool);
+        a.block_table = static_cast<const int32_t*>(table);
+        a.max_pages = pages_per_seq;
+        a.page_counts = static_cast<const int32_t*>(counts);
+        a.q = static_cast<const float*>(q);
+        a.batch = batch;
+        a.q_heads = 32;
+        a.out = static_cast<float*>(o);
+        const int splits = strata::kernels::cuda::ChooseSplits(L, a, pages_per_seq);
+        CHECK_CUDA(cudaMalloc(&work, strata::kernels::cuda::WorkspaceBytes(batch, 32, 128, splits)));
+        a.workspace = work;
+        a.splits = splits;
+        std::vector<double> times;
+        for (int r = 0; r < runs + 3; ++r) {
+          CHECK_CUDA(cudaMemsetAsync(flush, r & 0xff, flush_bytes));
+          CHECK_CUDA(cudaEventRecord(timer.a));
+          const absl::Status s = strata::kernels::cuda::PagedDecode(L, a, pages_per_seq, nullptr);
+          if (!s.ok()) {
+            std::fprintf(stderr, "cuda_decode_bench: %s\n", std::string(s.message()).c_str());
+            return 1;
+          }
+          CHECK_CUDA(cudaEventRecord(timer.b));
+          CHECK_CUDA(cudaEventSynchronize(timer.b));
+          float ms = 0;
+          CHECK_CUDA(cudaEventElapsedTime(&ms, timer.a, timer.b));
+          if (r >= 3) times.push_back(ms);
+        }
+        Row row;
+        row.kernel = k.name;
+        row.batch = batch;
+        row.context = context;
+        row.ms = Median(times);
+        row.bytes = static_cast<double>(pool_bytes);
+        row.gbps = row.bytes / (row.ms * 1e-3) / 1e9;
+        row.of_copy = row.gbps / copy_gbps;
+        if (k.format == PageFormat::kFp16) fp16_ms = row.ms;
+        row.speedup = fp16_ms > 0 ? fp16_ms / row.ms : 0;
+        row.splits = splits;
+        rows.push_back(row);
+        for (void* p : {pool, q, o, work, table, counts}) cudaFree(p);
+      }
+    }
+  }
+
+  char date[16];
+  const std::time_t now = std::time(nullptr);
+  std::strftime(date, sizeof(date), "%Y-%m-%d", std::gmtime(&now));
+  const char* commit = std::getenv("STRATA_COMMIT");
+  std::ostringstream txt;
+  txt << "cuda_decode_bench: " << prop.name << " (" << prop.multiProcessorCount << " SMs, driver "
+      << driver / 1000 << "." << (driver % 1000) / 10 << "), " << date << ", commit "
+      << (commit != nullptr ? commit : "unknown") << "\n";
+  txt << "device-to-device copy: " << copy_gbps << " GB/s (read + write); median of " << runs
+      << " runs, L2 flushed before each\n";
+  txt << "head dim 128, 32 query heads over 8 KV heads, pages of 64 tokens\n\n";
+  char line[256];
+  std::snprintf(line, sizeof(line), "%-18s %6s %8s %10s %10s %9s %9s %9s %7s\n", "kernel", "batch",
+                "context", "time ms", "MB read", "GB/s", "of copy", "vs fp16", "splits");
+  txt << line;
+  for (const Row& r : rows) {
+    std::snprintf(line, sizeof(line), "%-18s %6d %8d %10.4f %10.1f %9.1f %8.1f%% %8.2fx %7d\n",
+                  r.kernel.c_str(), r.batch, r.context, r.ms, r.bytes / 1e6, r.gbps,
+                  100 * r.of_copy, r.speedup, r.splits);
+    txt << line;
+  }
+  std::fputs(txt.str().c_str(), stdout);
+  if (!out_dir.empty()) {
+    std::filesystem::create_directories(out_dir);
+    std::string device = prop.name;
+    std::replace(device.begin(), device.end(), ' ', '_');
+    const std::string base = out_dir + "/cuda_decode_bench-" + device + "-" + date + "-" +
+                             (commit != nullptr ? commit : "unknown");
+    std::ofstream(base + ".txt") << txt.str();
+    std::ofstream json(base + ".json");
+    json << "{\"device\": \"" << prop.name << "\", \"driver\": " << driver << ", \"date\": \"" << date
+         << "\", \"commit\": \"" << (commit != nullptr ? commit : "unknown")
+         << "\", \"copy_gbps\": " << copy_gbps << ", \"rows\": [";
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const Row& r = rows[i];
+      json << (i ? ", " : "") << "{\"kernel\": \"" << r.kernel << "\", \"batch\": " << r.batch
+           << ", \"context\": " << r.context << ", \"ms\": " << r.ms << ", \"bytes\": " << r.bytes
+           << ", \"gbps\": " << r.gbps << ", \"of_copy\": " << r.of_copy
+           << ", \"vs_fp16\": " << r.speedup << ", \"splits\": " << r.splits << "}";
+    }
+    json << "]}\n";
+  }
+  cudaFree(flush);
+  return 0;
+}

@@ -1,0 +1,402 @@
+#include "kernels/cuda/paged_decode.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+
+namespace strata::kernels::cuda {
+namespace {
+
+constexpr int kWarp = 32;
+constexpr int kThreadsPerToken = 8;  // a key row's dot product: 8 lanes, reduced by 3 shuffles
+constexpr int kTokensPerStep = kWarp / kThreadsPerToken;
+
+// ---- device helpers ---------------------------------------------------------------------------
+
+__device__ __forceinline__ float WarpMax(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+__device__ __forceinline__ float WarpSum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Copies `bytes` (a multiple of 16) from global to shared memory with 16-byte loads, all threads.
+__device__ __forceinline__ void Stage(uint8_t* dst, const uint8_t* src, size_t bytes) {
+  const uint4* s = reinterpret_cast<const uint4*>(src);
+  uint4* d = reinterpret_cast<uint4*>(dst);
+  const size_t n = bytes / 16;
+  for (size_t i = threadIdx.x; i < n; i += blockDim.x) d[i] = __ldg(s + i);
+}
+
+// What one warp (one query head) keeps across the pages of its split.
+template <int D>
+struct HeadState {
+  static constexpr int kPerLane = D / kWarp;        // value channels a lane accumulates
+  static constexpr int kKeyPerLane = D / kThreadsPerToken;  // key channels a lane multiplies
+  float q[kKeyPerLane];  // the lane's key channels of the query (scaled by the softmax scale)
+  float acc[kPerLane];
+  float zero_acc = 0;    // affine values: Σ p·zero of the lane's value group
+  float m = -INFINITY;
+  float l = 0;
+};
+
+// Online softmax over `n` scores in `sc` (already scaled): updates m, l and rescales the
+// accumulators; leaves p = exp(s - m) in `sc`.
+template <int D>
+__device__ __forceinline__ void Softmax(HeadState<D>& h, float* sc, int n) {
+  const int lane = threadIdx.x % kWarp;
+  float mx = -INFINITY;
+  for (int t = lane; t < n; t += kWarp) mx = fmaxf(mx, sc[t]);
+  mx = WarpMax(mx);
+  const float m_new = fmaxf(h.m, mx);
+  const float correction = h.m == -INFINITY ? 0.f : __expf(h.m - m_new);
+  float sum = 0;
+  for (int t = lane; t < n; t += kWarp) {
+    const float p = sc[t] == -INFINITY ? 0.f : __expf(sc[t] - m_new);
+    sc[t] = p;
+    sum += p;
+  }
+  sum = WarpSum(sum);
+  h.l = h.l * correction + sum;
+  for (int i = 0; i < HeadState<D>::kPerLane; ++i) h.acc[i] *= correction;
+  h.zero_acc *= correction;
+  h.m = m_new;
+  __syncwarp();
+}
+
+// fp16 rows in shared memory: K [n][D] then V [n][D] (row stride D halves).
+template <int D>
+__device__ void AttendFp16(HeadState<D>& h, const __half* k, const __half* v, int n, float* sc) {
+  const int lane = threadIdx.x % kWarp;
+  const int sub = lane % kThreadsPerToken;
+  const int slot = lane / kThreadsPerToken;
+  constexpr int kKey = HeadState<D>::kKeyPerLane;
+  for (int t0 = 0; t0 < n; t0 += kTokensPerStep) {
+    const int t = t0 + slot;
+    float dot = 0;
+    if (t < n) {  // the lane's kKey halves: 16-byte loads
+      const uint4* row = reinterpret_cast<const uint4*>(k + static_cast<size_t>(t) * D + sub * kKey);
+#pragma unroll
+      for (int i = 0; i < kKey / 8; ++i) {
+        const uint4 w = row[i];
+        const __half2* h2 = reinterpret_cast<const __half2*>(&w);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float2 f = __half22float2(h2[j]);
+          dot += h.q[8 * i + 2 * j] * f.x + h.q[8 * i + 2 * j + 1] * f.y;
+        }
+      }
+    }
+#pragma unroll
+    for (int o = kThreadsPerToken / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+    if (sub == 0 && t < n) sc[t] = dot;
+  }
+  __syncwarp();
+  Softmax<D>(h, sc, n);
+  constexpr int kPer = HeadState<D>::kPerLane;
+  for (int t = 0; t < n; ++t) {
+    const float p = sc[t];
+    const __half* row = v + static_cast<size_t>(t) * D + lane * kPer;
+#pragma unroll
+    for (int i = 0; i < kPer; i += 2) {
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(row + i));
+      h.acc[i] += p * f.x;
+      h.acc[i + 1] += p * f.y;
+    }
+  }
+  __syncwarp();
+}
+
+// `count` codes of `bits` bits starting at code `first` of a packed row (never straddles a word:
+// count * bits divides 32 and first is a multiple of count).
+template <int BITS>
+__device__ __forceinline__ uint32_t Codes(const uint8_t* row, int first, int count) {
+  const int bit = first * BITS;
+  const uint32_t word = reinterpret_cast<const uint32_t*>(row)[bit / 32];
+  const int width = count * BITS;
+  return width == 32 ? word : (word >> (bit % 32)) & ((1u << width) - 1u);
+}
+
+// One affine page of one KV head, staged in shared memory.
+template <int D, int KB, int VB>
+__device__ void AttendAffine(HeadState<D>& h, const uint8_t* page, const PagedKvLayout& L,
+                             float* sc) {
+  const int lane = threadIdx.x % kWarp;
+  const int sub = lane % kThreadsPerToken;
+  const int slot = lane / kThreadsPerToken;
+  const int n = L.page_tokens;
+  constexpr int kKey = HeadState<D>::kKeyPerLane;
+  constexpr int kKeyRow = D * KB / 8;
+  constexpr int kValueRow = D * VB / 8;
+  const uint8_t* key_codes = page + L.KeyCodes();
+  const __half* key_scales = reinterpret_cast<const __half*>(page + L.KeyScales());
+  const __half* key_zeros = reinterpret_cast<const __half*>(page + L.KeyZeros());
+  const uint8_t* value_codes = page + L.ValueCodes();
+  const __half* value_scales = reinterpret_cast<const __half*>(page + L.ValueScales());
+  const __half* value_zeros = reinterpret_cast<const __half*>(page + L.ValueZeros());
+
+  // Keys: per group, the scales folded into the query once (q'_c = q_c * scale_c) and the zeros
+  // into one bias per lane (Σ q_c * zero_c over the lane's channels).
+  float qs[kKey];
+  for (int g0 = 0; g0 < n; g0 += L.k_group) {
+    const int g = g0 / L.k_group;
+    float bias = 0;
+#pragma unroll
+    for (int i = 0; i < kKey; ++i) {
+      const int c = sub * kKey + i;
+      qs[i] = h.q[i] * __half2float(key_scales[g * D + c]);
+      bias += h.q[i] * __half2float(key_zeros[g * D + c]);
+    }
+    for (int t0 = g0; t0 < g0 + L.k_group; t0 += kTokensPerStep) {
+      const int t = t0 + slot;
+      const uint8_t* row = key_codes + static_cast<size_t>(t) * kKeyRow;
+      float dot = bias;
+      // The lane's kKey codes: kKey * KB bits (16 to 64) from bit `first`, in one or two words
+      // (a 64-bit code group starts on a word boundary).
+      const int first = sub * kKey * KB;
+      const uint32_t* words = reinterpret_cast<const uint32_t*>(row) + first / 32;
+      const uint64_t bits =
+          (kKey * KB > 32 ? (static_cast<uint64_t>(words[1]) << 32) : 0ull) | words[0];
+      const int shift = first % 32;
+#pragma unroll
+      for (int i = 0; i < kKey; ++i) {
+        const float code = static_cast<float>((bits >> (shift + i * KB)) & ((1u << KB) - 1u));
+        dot += qs[i] * code;
+      }
+#pragma unroll
+      for (int o = kThreadsPerToken / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+      if (sub == 0) sc[t] = dot;
+    }
+  }
+  __syncwarp();
+  Softmax<D>(h, sc, n);
+  // Values: Σ_t (p_t * scale_tg) * code_tc, and Σ_t p_t * zero_tg once per token and group.
+  constexpr int kPer = HeadState<D>::kPerLane;
+  const int c0 = lane * kPer;
+  const int groups = D / L.v_group;
+  const int g = c0 / L.v_group;
+  for (int t = 0; t < n; ++t) {
+    const float p = sc[t];
+    const float ps = p * __half2float(value_scales[t * groups + g]);
+    h.zero_acc += p * __half2float(value_zeros[t * groups + g]);
+    const uint32_t codes = Codes<VB>(value_codes + static_cast<size_t>(t) * kValueRow, c0, kPer);
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      h.acc[i] += ps * static_cast<float>((codes >> (i * VB)) & ((1u << VB) - 1u));
+    }
+  }
+  __syncwarp();
+}
+
+template <int D, PageFormat F, int KB, int VB>
+__global__ void DecodeKernel(PagedKvLayout L, PagedDecodeArgs a, int splits, float* part_acc,
+                             float* part_ml) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  const int split = blockIdx.x;
+  const int kvh = blockIdx.y;
+  const int seq = blockIdx.z;
+  const int warp = threadIdx.x / kWarp;
+  const int lane = threadIdx.x % kWarp;
+  const int group = a.q_heads / L.kv_heads;
+  const int qh = kvh * group + warp;
+  const int tile = L.page_tokens;
+  const size_t head_bytes = L.HeadBytes();
+  const size_t fp16_tile = Align16(static_cast<size_t>(tile) * D * sizeof(__half)) * 2;
+  const size_t stage_bytes = head_bytes > fp16_tile ? head_bytes : fp16_tile;
+  float* scores = reinterpret_cast<float*>(smem + stage_bytes) + warp * tile;
+
+  HeadState<D> h;
+  const float scale = a.scale != 0 ? a.scale : rsqrtf(static_cast<float>(D));
+  const float* q = a.q + (static_cast<size_t>(seq) * a.q_heads + qh) * D;
+  constexpr int kKey = HeadState<D>::kKeyPerLane;
+  const int sub = lane % kThreadsPerToken;
+#pragma unroll
+  for (int i = 0; i < kKey; ++i) h.q[i] = q[sub * kKey + i] * scale;
+#pragma unroll
+  for (int i = 0; i < HeadState<D>::kPerLane; ++i) h.acc[i] = 0;
+
+  const int pages = a.page_counts[seq];
+  const int per_split = (pages + splits - 1) / splits;
+  const int p0 = min(pages, split * per_split);
+  const int p1 = min(pages, p0 + per_split);
+  for (int p = p0; p < p1; ++p) {
+    const int64_t id = a.block_table[static_cast<size_t>(seq) * a.max_pages + p];
+    const uint8_t* src = a.pages + id * static_cast<int64_t>(L.PageBytes()) + kvh * head_bytes;
+    __syncthreads();  // the previous page is read
+    Stage(smem, src, head_bytes);
+    __syncthreads();
+    if (warp < group) {
+      if constexpr (F == PageFormat::kFp16) {
+        const __half* k = reinterpret_cast<const __half*>(smem);
+        AttendFp16<D>(h, k, k + static_cast<size_t>(tile) * D, tile, scores);
+      } else {
+        AttendAffine<D, KB, VB>(h, smem, L, scores);
+      }
+    }
+  }
+  // The window (full precision, newest tokens): the last split's.
+  const int window = a.window_lens != nullptr ? a.window_lens[seq] : 0;
+  if (split == splits - 1 && window > 0) {
+    const size_t base = (static_cast<size_t>(seq) * L.kv_heads + kvh) * a.max_window * D;
+    for (int w0 = 0; w0 < window; w0 += tile) {
+      const int n = min(tile, window - w0);
+      __syncthreads();
+      __half* k = reinterpret_cast<__half*>(smem);
+      __half* v = k + static_cast<size_t>(tile) * D;
+      for (int i = threadIdx.x; i < n * D / 8; i += blockDim.x) {
+        reinterpret_cast<uint4*>(k)[i] =
+            __ldg(reinterpret_cast<const uint4*>(a.window_k + base + static_cast<size_t>(w0) * D) + i);
+        reinterpret_cast<uint4*>(v)[i] =
+            __ldg(reinterpret_cast<const uint4*>(a.window_v + base + static_cast<size_t>(w0) * D) + i);
+      }
+      __syncthreads();
+      if (warp < group) AttendFp16<D>(h, k, v, n, scores);
+    }
+  }
+  if (warp >= group) return;
+  // The partial result of this split: unnormalized sums with their max and denominator.
+  constexpr int kPer = HeadState<D>::kPerLane;
+  const size_t row = (static_cast<size_t>(seq) * a.q_heads + qh) * splits + split;
+  float* acc = part_acc + row * D;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) acc[lane * kPer + i] = h.acc[i] + h.zero_acc;
+  if (lane == 0) {
+    part_ml[row * 2] = h.m;
+    part_ml[row * 2 + 1] = h.l;
+  }
+}
+
+// out[seq][h] = Σ_s acc_s e^(m_s - M) / Σ_s l_s e^(m_s - M): one block per (sequence, head).
+__global__ void MergeKernel(int head_dim, int splits, const float* part_acc, const float* part_ml,
+                            float* out) {
+  const size_t head = blockIdx.x;  // seq * q_heads + h
+  const float* ml = part_ml + head * splits * 2;
+  float m = -INFINITY;
+  for (int s = 0; s < splits; ++s) m = fmaxf(m, ml[s * 2]);
+  float l = 0;
+  for (int s = 0; s < splits; ++s) {
+    if (ml[s * 2] != -INFINITY) l += ml[s * 2 + 1] * __expf(ml[s * 2] - m);
+  }
+  for (int c = threadIdx.x; c < head_dim; c += blockDim.x) {
+    float sum = 0;
+    for (int s = 0; s < splits; ++s) {
+      if (ml[s * 2] != -INFINITY) {
+        sum += part_acc[(head * splits + s) * head_dim + c] * __expf(ml[s * 2] - m);
+      }
+    }
+    out[head * head_dim + c] = l > 0 ? sum / l : 0.f;
+  }
+}
+
+template <int D, PageFormat F, int KB, int VB>
+absl::Status Launch(const PagedKvLayout& L, const PagedDecodeArgs& a, int splits,
+                    cudaStream_t stream) {
+  const int group = a.q_heads / L.kv_heads;
+  const size_t fp16_tile = Align16(static_cast<size_t>(L.page_tokens) * D * sizeof(__half)) * 2;
+  const size_t stage = std::max(L.HeadBytes(), fp16_tile);
+  const size_t smem = stage + static_cast<size_t>(group) * L.page_tokens * sizeof(float);
+  auto kernel = DecodeKernel<D, F, KB, VB>;
+  if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(smem));
+      e != cudaSuccess) {
+    return absl::InternalError(absl::StrCat("paged decode: ", smem, " bytes of shared memory: ",
+                                            cudaGetErrorString(e)));
+  }
+  float* part_acc = static_cast<float*>(a.workspace);
+  float* part_ml = part_acc + static_cast<size_t>(a.batch) * a.q_heads * splits * D;
+  const dim3 grid(splits, L.kv_heads, a.batch);
+  kernel<<<grid, group * kWarp, smem, stream>>>(L, a, splits, part_acc, part_ml);
+  MergeKernel<<<a.batch * a.q_heads, std::min(D, 128), 0, stream>>>(D, splits, part_acc, part_ml,
+                                                                    a.out);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) {
+    return absl::InternalError(absl::StrCat("paged decode: launch: ", cudaGetErrorString(e)));
+  }
+  return absl::OkStatus();
+}
+
+template <int D>
+absl::Status LaunchFor(const PagedKvLayout& L, const PagedDecodeArgs& a, int splits,
+                       cudaStream_t stream) {
+  if (L.format == PageFormat::kFp16) return Launch<D, PageFormat::kFp16, 16, 16>(L, a, splits, stream);
+  const int bits = L.key_bits * 10 + L.value_bits;
+  switch (bits) {
+    case 22: return Launch<D, PageFormat::kAffine, 2, 2>(L, a, splits, stream);
+    case 24: return Launch<D, PageFormat::kAffine, 2, 4>(L, a, splits, stream);
+    case 42: return Launch<D, PageFormat::kAffine, 4, 2>(L, a, splits, stream);
+    case 44: return Launch<D, PageFormat::kAffine, 4, 4>(L, a, splits, stream);
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("paged decode: k", L.key_bits, "v",
+                                                     L.value_bits, " codes are not supported"));
+  }
+}
+
+}  // namespace
+
+absl::Status PagedKvLayout::Validate() const {
+  auto bad = [](auto... parts) { return absl::InvalidArgumentError(absl::StrCat("paged decode: ", parts...)); };
+  if (head_dim != 64 && head_dim != 128) return bad("head_dim must be 64 or 128, got ", head_dim);
+  if (kv_heads < 1) return bad("kv_heads must be >= 1, got ", kv_heads);
+  if (page_tokens < 8 || page_tokens > 128 || page_tokens % 8 != 0) {
+    return bad("page_tokens must be a multiple of 8 in [8, 128], got ", page_tokens);
+  }
+  if (format == PageFormat::kAffine) {
+    for (int b : {key_bits, value_bits}) {
+      if (b != 2 && b != 4) return bad("code bits must be 2 or 4, got ", b);
+    }
+    if (k_group < kTokensPerStep || page_tokens % k_group != 0 || k_group % kTokensPerStep != 0) {
+      return bad("k_group must divide page_tokens and be a multiple of ", kTokensPerStep, ", got ",
+                 k_group);
+    }
+    if (v_group < head_dim / kWarp || head_dim % v_group != 0) {
+      return bad("v_group must divide head_dim and be at least ", head_dim / kWarp, ", got ",
+                 v_group);
+    }
+  }
+  return absl::OkStatus();
+}
+
+
+size_t WorkspaceBytes(int batch, int q_heads, int head_dim, int splits) {
+  const size_t rows = static_cast<size_t>(batch) * q_heads * splits;
+  return rows * head_dim * sizeof(float) + rows * 2 * sizeof(float);
+}
+
+int ChooseSplits(const PagedKvLayout& layout, const PagedDecodeArgs& args, int max_pages_in_batch) {
+  if (args.splits > 0) return args.splits;
+  int device = 0, sms = 132;
+  if (cudaGetDevice(&device) == cudaSuccess) {
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  }
+  // Enough blocks for about two waves, each split at least 4 pages.
+  const int blocks = std::max(1, args.batch * layout.kv_heads);
+  int splits = std::max(1, (2 * sms + blocks - 1) / blocks);
+  splits = std::min(splits, std::max(1, max_pages_in_batch / 4));
+  return std::min(splits, 64);
+}
+
+absl::Status PagedDecode(const PagedKvLayout& layout, const PagedDecodeArgs& args,
+                         int max_pages_in_batch, cudaStream_t stream) {
+  if (absl::Status s = layout.Validate(); !s.ok()) return s;
+  if (args.batch < 1 || args.q_heads < layout.kv_heads || args.q_heads % layout.kv_heads != 0 ||
+      args.q_heads / layout.kv_heads > 8) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "paged decode: q_heads (", args.q_heads, ") must be 1..8 times kv_heads (",
+        layout.kv_heads, "), batch (", args.batch, ") >= 1"));
+  }
+  if (args.pages == nullptr || args.block_table == nullptr || args.page_counts == nullptr ||
+      args.q == nullptr || args.out == nullptr || args.workspace == nullptr) {
+    return absl::InvalidArgumentError("paged decode: a device pointer is null");
+  }
+  if (args.window_lens != nullptr &&
+      (args.window_k == nullptr || args.window_v == nullptr || args.max_window < 1)) {
+    return absl::InvalidArgumentError("paged decode: window_lens without window_k/v/max_window");
+  }
+  const int splits = ChooseSplits(layout, args, max_pages_in_batch);
+  return layout.head_dim == 64 ? LaunchFor<64>(layout, args, splits, stream)
+                               : LaunchFor<128>(layout, args, splits, stream);
+}
+
+}  // namespace strata::kernels::cuda

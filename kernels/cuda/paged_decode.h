@@ -1,0 +1,123 @@
+// Fused decode attention on the GPU over paged KV: one new query token per sequence, a batch of
+// sequences, each with a block table of pages. Two page formats share one kernel structure:
+//
+//   fp16   the baseline (what fp16 users get): per page and KV head, K then V as
+//          [page_tokens][head_dim] halves.
+//   affine KIVI-style codes of 2 or 4 bits, streamed as they are stored and dequantized in
+//          registers: K per channel over groups of `k_group` tokens (an fp16 scale and zero per
+//          channel and group), V per token over groups of `v_group` channels (an fp16 scale and
+//          zero per token and group). Per-channel key scales are folded into the query once per
+//          group (q'_c = q_c * scale_c, plus one bias Σ q_c * zero_c), value scales into the
+//          probabilities once per token and group: no per-element conversion with a scale.
+//
+// Each sequence may also have a full-precision window (its newest tokens, fp16, [window][head_dim]
+// per KV head), attended after its pages, as the CPU kernels do.
+//
+// GQA: one thread block per (sequence, KV head, split) stages each page's bytes in shared memory
+// once, with 16-byte loads, and one warp per query head of the group computes from it; splits
+// along the sequence (flash-decoding) are merged by their log-sum-exp in a second kernel.
+//
+// Device memory is the caller's: every pointer below is a device pointer. Launches go on `stream`
+// and report launch errors (cudaGetLastError) as absl::Status; they do not synchronize.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "absl/status/status.h"
+
+#ifdef __CUDACC__
+#define STRATA_HOST_DEVICE __host__ __device__
+#else
+#define STRATA_HOST_DEVICE
+#endif
+
+namespace strata::kernels::cuda {
+
+STRATA_HOST_DEVICE inline size_t Align16(size_t n) { return (n + 15) / 16 * 16; }
+
+enum class PageFormat { kFp16, kAffine };
+
+struct PagedKvLayout {
+  PageFormat format = PageFormat::kFp16;
+  int kv_heads = 8;
+  int head_dim = 128;     // 64 or 128
+  int page_tokens = 64;   // tokens per page: a multiple of k_group (affine) and of 8, at most 128
+  int key_bits = 4;       // affine: 2 or 4
+  int value_bits = 4;     // affine: 2 or 4
+  int k_group = 32;       // affine: tokens per key scale group (divides page_tokens)
+  int v_group = 32;       // affine: channels per value scale group (divides head_dim)
+
+  absl::Status Validate() const;
+  // Offsets inside one KV head's part of an affine page (bytes, each 16-byte aligned): key codes
+  // [page_tokens][head_dim * key_bits / 8], key scales [page_tokens / k_group][head_dim] half,
+  // key zeros (same), value codes [page_tokens][head_dim * value_bits / 8], value scales
+  // [page_tokens][head_dim / v_group] half, value zeros (same). An fp16 page: K then V, each
+  // [page_tokens][head_dim] half.
+  STRATA_HOST_DEVICE size_t KeyCodes() const { return 0; }
+  STRATA_HOST_DEVICE size_t KeyScales() const {
+    return Align16(static_cast<size_t>(page_tokens) * head_dim * key_bits / 8);
+  }
+  STRATA_HOST_DEVICE size_t KeyZeros() const { return KeyScales() + KeyMetaBytes(); }
+  STRATA_HOST_DEVICE size_t ValueCodes() const { return KeyZeros() + KeyMetaBytes(); }
+  STRATA_HOST_DEVICE size_t ValueScales() const {
+    return ValueCodes() + Align16(static_cast<size_t>(page_tokens) * head_dim * value_bits / 8);
+  }
+  STRATA_HOST_DEVICE size_t ValueZeros() const { return ValueScales() + ValueMetaBytes(); }
+  // Bytes of one KV head's part of a page, and of one page (all KV heads).
+  STRATA_HOST_DEVICE size_t HeadBytes() const {
+    if (format == PageFormat::kFp16) {
+      return 2 * Align16(static_cast<size_t>(page_tokens) * head_dim * 2);
+    }
+    return ValueZeros() + ValueMetaBytes();
+  }
+  STRATA_HOST_DEVICE size_t PageBytes() const {
+    return HeadBytes() * static_cast<size_t>(kv_heads);
+  }
+
+ private:
+  STRATA_HOST_DEVICE size_t KeyMetaBytes() const {
+    return Align16(static_cast<size_t>(page_tokens / k_group) * head_dim * 2);
+  }
+  STRATA_HOST_DEVICE size_t ValueMetaBytes() const {
+    return Align16(static_cast<size_t>(page_tokens) * (head_dim / v_group) * 2);
+  }
+};
+
+// Codes pack low bits first: code i of a row sits in byte i * bits / 8 at bit (i * bits) % 8.
+// A dequantized key is k = scale * code + zero (fp32 arithmetic on the fp16 scale and zero).
+
+struct PagedDecodeArgs {
+  const uint8_t* pages = nullptr;      // the page pool: page p at pages + p * PageBytes()
+  const int32_t* block_table = nullptr;  // [batch][max_pages]: page ids
+  int max_pages = 0;                     // block_table's row length
+  const int32_t* page_counts = nullptr;  // [batch]: full pages of each sequence
+  const __half* window_k = nullptr;      // [batch][kv_heads][max_window][head_dim], or null
+  const __half* window_v = nullptr;
+  const int32_t* window_lens = nullptr;  // [batch], or null (no window)
+  int max_window = 0;
+  const float* q = nullptr;              // [batch][q_heads][head_dim]
+  int batch = 0;
+  int q_heads = 32;                      // a multiple of kv_heads; q_heads / kv_heads <= 8
+  float scale = 0;                       // softmax scale; 0: 1 / sqrt(head_dim)
+  float* out = nullptr;                  // [batch][q_heads][head_dim]
+  // Flash-decoding: each sequence's pages split across up to `splits` blocks (0: chosen from the
+  // batch size and the device's multiprocessors). The merge needs `workspace` of
+  // WorkspaceBytes(batch, q_heads, head_dim, splits) bytes.
+  int splits = 0;
+  void* workspace = nullptr;
+};
+
+size_t WorkspaceBytes(int batch, int q_heads, int head_dim, int splits);
+// The split count PagedDecode uses for `args` (splits == 0) on the current device.
+int ChooseSplits(const PagedKvLayout& layout, const PagedDecodeArgs& args, int max_pages_in_batch);
+
+// Runs the decode attention. INVALID_ARGUMENT for an unsupported layout or arguments, INTERNAL
+// for a CUDA launch error.
+absl::Status PagedDecode(const PagedKvLayout& layout, const PagedDecodeArgs& args,
+                         int max_pages_in_batch, cudaStream_t stream);
+
+}  // namespace strata::kernels::cuda
