@@ -11,7 +11,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-targets=(common_cuda_test kernels_cuda_test nccl_transport_test nccl_bench cuda_decode_bench)
+targets=(common_cuda_test kernels_cuda_test kernels_cuda_pages_test nccl_transport_test nccl_bench
+         cuda_decode_bench)
 ./scripts/build.sh $(printf -- "--target %s " "${targets[@]}")
 
 out=build/gpu-bundle
