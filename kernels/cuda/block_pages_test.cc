@@ -17,6 +17,7 @@
 #include "common/half.h"
 #include "gtest/gtest.h"
 #include "kernels/codec.h"
+#include "kernels/cuda/compress.h"
 #include "kernels/decode_attention.h"
 #include "kernels/synthetic_kv.h"
 
@@ -224,6 +225,65 @@ TEST(BlockPagesGpuTest, GpuAttentionOverCodecBlocksEqualsTheCpuReference) {
       ref2 += want[i] * want[i];
     }
     EXPECT_LT(err2 / ref2, 1e-6);
+  }
+}
+
+// The GPU's KIVI compression writes, byte for byte, the page made from the CPU codec's block of
+// the same chunk (same arithmetic, same rounding), for several chunks at once into scattered
+// pages.
+TEST(BlockPagesGpuTest, GpuCompressionWritesTheCpuCodecsPagesByteForByte) {
+  std::string why;
+  if (!HaveGpu(&why)) GTEST_SKIP() << "skipped, no GPU: " << why;
+  constexpr int kChunks = 5;
+  for (const char* spec : {"kivi:k4v4:g32", "kivi:k2v2:g32", "kivi:k4v2:g16", "kivi:k2v4:g64"}) {
+    SCOPED_TRACE(spec);
+    std::vector<float> k, v;
+    std::vector<uint8_t> want;
+    PagedKvLayout L;
+    for (int c = 0; c < kChunks; ++c) {
+      const SyntheticKv kv = MakeSyntheticKv(kTokens, kHeads, kDim, 40 + c, c * kTokens);
+      k.insert(k.end(), kv.k.begin(), kv.k.end());
+      v.insert(v.end(), kv.v.begin(), kv.v.end());
+      std::unique_ptr<Block> b = Encode(spec, c, 40 + c);
+      absl::StatusOr<PagedKvLayout> l = PageLayoutFor(b->prepared.parts[0]);
+      ASSERT_TRUE(l.ok()) << l.status();
+      L = *l;
+      want.resize(static_cast<size_t>(kChunks) * L.PageBytes());
+      // Chunk c to page kChunks - 1 - c.
+      ASSERT_TRUE(PackPage(b->prepared.parts[0], L,
+                           want.data() + static_cast<size_t>(kChunks - 1 - c) * L.PageBytes())
+                      .ok());
+    }
+    std::vector<int32_t> ids(kChunks);
+    for (int c = 0; c < kChunks; ++c) ids[c] = kChunks - 1 - c;
+    void *d_k, *d_v, *d_pages, *d_ids;
+    ASSERT_EQ(cudaMalloc(&d_k, k.size() * 4), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&d_v, v.size() * 4), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&d_pages, want.size()), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&d_ids, ids.size() * 4), cudaSuccess);
+    cudaMemcpy(d_k, k.data(), k.size() * 4, cudaMemcpyHostToDevice);
+    cudaMemcpy(d_v, v.data(), v.size() * 4, cudaMemcpyHostToDevice);
+    cudaMemcpy(d_ids, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice);
+    cudaMemset(d_pages, 0, want.size());  // the padding between sections, as PackPage leaves it
+    CompressArgs a;
+    a.k = static_cast<const float*>(d_k);
+    a.v = static_cast<const float*>(d_v);
+    a.chunks = kChunks;
+    a.pages = static_cast<uint8_t*>(d_pages);
+    a.page_ids = static_cast<const int32_t*>(d_ids);
+    ASSERT_TRUE(CompressToPages(L, a, nullptr).ok());
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    std::vector<uint8_t> got(want.size());
+    cudaMemcpy(got.data(), d_pages, got.size(), cudaMemcpyDeviceToHost);
+    for (void* p : {d_k, d_v, d_pages, d_ids}) cudaFree(p);
+    size_t differ = 0, first = got.size();
+    for (size_t i = 0; i < got.size(); ++i) {
+      if (got[i] != want[i]) {
+        ++differ;
+        first = std::min(first, i);
+      }
+    }
+    EXPECT_EQ(differ, 0u) << "first at byte " << first << " of " << got.size();
   }
 }
 

@@ -1,0 +1,33 @@
+// KIVI compression on the GPU, straight into the affine pages paged_decode.h reads: K per channel
+// over groups of k_group tokens, V per token over groups of v_group channels, asymmetric, with
+// fp16 scale and zero point, codes rounded half up and packed low bits first. The arithmetic is
+// the CPU codec's (kernels/codec.cc QuantizeAffine: scale = fp16((max - min) / qmax), zero =
+// fp16(min), code = min(floor((x - zero) / scale + 0.5), qmax), no fused multiply-adds), so a page
+// compressed here is byte for byte the page PackPage makes from the CPU codec's block.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "kernels/cuda/paged_decode.h"
+
+namespace strata::kernels::cuda {
+
+struct CompressArgs {
+  // The chunks' K and V, fp32 [chunks][page_tokens][kv_heads][head_dim] (the model's layout).
+  const float* k = nullptr;
+  const float* v = nullptr;
+  int chunks = 0;
+  // Chunk i goes to page pages + page_ids[i] * PageBytes().
+  uint8_t* pages = nullptr;
+  const int32_t* page_ids = nullptr;
+};
+
+// INVALID_ARGUMENT for a layout that is not affine or arguments that do not fit it; INTERNAL for
+// a launch error. Asynchronous on `stream`.
+absl::Status CompressToPages(const PagedKvLayout& layout, const CompressArgs& args,
+                             cudaStream_t stream);
+
+}  // namespace strata::kernels::cuda
