@@ -28,6 +28,8 @@ for t in "${targets[@]}"; do
     while read -r lib; do cp -L "$lib" "$out/lib/"; done
 done
 
+cp bench/cuda_sdpa_bench.py "$out/"
+
 cat > "$out/run.sh" <<'EOF'
 #!/usr/bin/env bash
 # Runs every GPU test binary beside this script; exit status 1 if any failed.
@@ -51,6 +53,13 @@ echo "== nccl_bench"
 "$here/nccl_bench" --out "$results" --commit "${STRATA_COMMIT:-unknown}" || rc=1
 echo "== cuda_decode_bench"
 "$here/cuda_decode_bench" --out "$results" || rc=1
+# The reference: PyTorch's SDPA on fp16 KV at the same shapes, where PyTorch is there.
+if python3 -c 'import torch' 2>/dev/null; then
+  echo "== cuda_sdpa_bench"
+  python3 "$here/cuda_sdpa_bench.py" --out "$results" || rc=1
+else
+  echo "== cuda_sdpa_bench: no PyTorch on this machine; skipped"
+fi
 # The kernels' memory checks (when the CUDA toolkit's compute-sanitizer is there).
 if command -v compute-sanitizer >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/compute-sanitizer ]; then
   cs="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
