@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstring>
 #include <ctime>
+#include <filesystem>
 #include <fstream>
 #include <thread>
 
@@ -124,6 +125,14 @@ std::string ResultPath(const std::string& out_dir, const std::string& benchmark,
 }
 
 bool WriteResultFile(const std::string& path, const std::string& contents) {
+  // The folder (--out) may not exist yet: made, as `mkdir -p` would.
+  const std::filesystem::path parent = std::filesystem::path(path).parent_path();
+  std::error_code ec;
+  if (!parent.empty()) std::filesystem::create_directories(parent, ec);
+  if (ec) {
+    std::fprintf(stderr, "cannot create %s: %s\n", parent.c_str(), ec.message().c_str());
+    return false;
+  }
   std::ofstream f(path);
   f << contents;
   if (!f) {

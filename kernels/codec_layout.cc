@@ -22,8 +22,12 @@ ElemType CodeType(const CodecSpec& s, int bits) {
 }
 
 // Outliers per vector of `len` elements: top and bottom s/2 % each, rounded, at most len / 2.
+// Outliers per vector of `len`: s/2 % on each side, rounded, and at least one per side (a spec
+// that asks for outliers gets some: s1 on a 64-wide head is 0.32 per side, which used to round
+// to none and silently made GEAR's outliers disappear).
 uint32_t OutlierCount(double percent, uint32_t len) {
-  const uint32_t per_side = static_cast<uint32_t>(std::floor(len * percent / 200.0 + 0.5));
+  const uint32_t per_side =
+      std::max<uint32_t>(1, static_cast<uint32_t>(std::floor(len * percent / 200.0 + 0.5)));
   return 2 * std::min(per_side, len / 2);
 }
 

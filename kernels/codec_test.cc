@@ -10,6 +10,7 @@
 
 #include "common/block_reader.h"
 #include "common/block_writer.h"
+#include "kernels/codec_layout.h"
 #include "common/endian.h"
 #include "common/half.h"
 #include "gmock/gmock.h"
@@ -115,6 +116,30 @@ double Bound(const std::string& spec) {
                                                         {"kcvt:k4v4:m8", 0.35},
                                                         {"gear:k2v2:g32:r4:s2:m8:sink2", 0.5}};
   return kBounds.at(spec);
+}
+
+// A GEAR spec that asks for outliers gets at least one per side of every vector: s1 on a 64-wide
+// head (0.32 per side) and on a 64-token chunk's channels used to round to none.
+TEST(CodecLayoutTest, GearKeepsAtLeastOneOutlierPerSide) {
+  absl::StatusOr<CodecSpec> s = CodecSpec::Parse("gear:k2v2:g32:r2:s1");
+  ASSERT_TRUE(s.ok()) << s.status();
+  const CodecLayout small = MakeCodecLayout(*s, 64, 2, 64);
+  EXPECT_EQ(small.k.outliers, 2u);  // per channel over 64 tokens
+  EXPECT_EQ(small.v.outliers, 2u);  // per token over 64 channels
+  const CodecLayout large = MakeCodecLayout(*s, 1024, 2, 128);
+  EXPECT_EQ(large.k.outliers, 10u);  // 1024 * 1 % / 2 = 5.12 per side
+  EXPECT_EQ(large.v.outliers, 2u);   // 0.64 per side: rounded up to one
+  // And the block carries them: encoded, every V vector's two outliers are there.
+  auto codec = Codec::Create("gear:k2v2:g32:r2:s1");
+  ASSERT_TRUE(codec.ok());
+  const SyntheticKv kv = MakeSyntheticKv(64, 2, 64, 3);
+  absl::StatusOr<AlignedBuffer> b =
+      (*codec)->Encode({kv.k.data(), kv.v.data(), SourceDType::kFloat32, 64, 2, 64}, {});
+  ASSERT_TRUE(b.ok()) << b.status();
+  absl::StatusOr<PreparedBlock> p = PrepareBlock(*BlockView::Parse(b->span()));
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->parts[0].v.outliers_per_vector, 2u);
+  EXPECT_EQ(p->parts[0].k.outliers_per_vector, 2u);
 }
 
 TEST(CodecTest, EveryCodecRoundTripsWithinItsErrorBoundAtEveryShape) {

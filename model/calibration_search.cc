@@ -100,6 +100,7 @@ absl::Status CalibrateSkvq(const LlamaModel& model, const std::string& skvq_spec
       }
       cal.layers[li].*field = best_clip;
     }
+    if (o.progress) o.progress("SKVQ clip ratios", li + 1, c.num_layers);
   }
   cal.codec = codec;
   return absl::OkStatus();
@@ -199,6 +200,7 @@ absl::Status SearchLayers(const LlamaModel& model, const std::vector<uint32_t>& 
         delta[li][i] = x - base;
       }
       trial.layers[li].spec = "fp16";
+      if (o.progress) o.progress("layer choices", li + 1, L);
     }
     std::lock_guard<std::mutex> lock(cache_mu);
     cache[cache_key] = delta;

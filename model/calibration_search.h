@@ -9,10 +9,12 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "kernels/calibration.h"
 #include "model/llama.h"
 
@@ -25,6 +27,9 @@ struct CalibrationSearchOptions {
   uint32_t windows = 2;          // windows of calibration text
   uint32_t error_queries = 64;   // queries whose attention output the clip search minimizes
   std::string source;            // recorded in the calibration (with the token count)
+  // Called after each layer of each search stage ("SKVQ clip ratios", "layer choices"): the
+  // layers done and the stage's total, for a progress display. Optional.
+  std::function<void(absl::string_view stage, uint32_t done, uint32_t total)> progress = nullptr;
 };
 
 // What `codec_spec` needs from `model`'s KV on the token ids `ids` (BOS included): SKVQ's

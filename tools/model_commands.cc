@@ -29,6 +29,7 @@
 #include "model/text_stream.h"
 #include "model/tokenizer.h"
 #include "nlohmann/json.hpp"
+#include "tools/progress.h"
 
 namespace strata::tools {
 namespace {
@@ -139,16 +140,27 @@ absl::Status RunCalibrate(const CalibrateOptions& o, std::ostream& out) {
   STRATA_ASSIGN_OR_RETURN(Loaded l, Load(o));
   STRATA_ASSIGN_OR_RETURN(std::string text, ReadText(o.text_file));
   const std::vector<uint32_t> ids = WithBos(l.model->config(), l.tokenizer->Encode(text, false));
+  std::unique_ptr<Progress> bar;  // one per search stage
+  std::string stage;
   const model::CalibrationSearchOptions so{
       .chunk_tokens = o.chunk_tokens,
       .window_tokens = o.window_tokens,
       .context = o.context,
       .windows = o.windows,
       .error_queries = o.error_queries,
-      .source = o.source.empty() ? o.text_file : o.source};
+      .source = o.source.empty() ? o.text_file : o.source,
+      .progress = [&](absl::string_view s, uint32_t done, uint32_t total) {
+        if (bar == nullptr || s != stage) {
+          if (bar != nullptr) bar->Done();
+          stage = std::string(s);
+          bar = std::make_unique<Progress>(absl::StrCat("calibrate: ", s), total);
+        }
+        bar->Advance(1, absl::StrCat("layer ", done - 1));
+      }};
   const auto t0 = std::chrono::steady_clock::now();
   STRATA_ASSIGN_OR_RETURN(kernels::Calibration cal,
                           model::SearchCalibration(*l.model, ids, o.codec, so));
+  bar.reset();
   STRATA_RETURN_IF_ERROR(cal.Save(o.out_file));
   out << absl::StrFormat("wrote %s: calibration %016x of %s for %s (%d layers; %s); %.1f s\n",
                          o.out_file, cal.fingerprint(), cal.codec, o.model_dir, cal.layers.size(),
@@ -261,7 +273,10 @@ absl::Status RunEval(const EvalOptions& o, std::ostream& out) {
       o.continuations, o.generate_tokens, o.prompt_tokens, o.chunk_tokens, o.window_tokens);
   out << absl::StrFormat("%-32s %6s %9s %8s %8s %8s %8s %8s %8s %8s %7s %7s %8s\n", "codec",
                          "bits", "ppl", "d ppl %", "KL nats", "K err", "K worst", "V err",
-                         "V worst", "attn err", "greedy", "prefix", "enc MB/s");
+                         "V worst", "attn err", "greedy", "prefix", "enc MB/s")
+      << std::flush;
+  // Each codec's row is printed (and flushed) as it finishes; stderr shows how far it got.
+  Progress progress("eval", o.codecs.size());
   std::map<std::string, std::vector<std::string>> layer_choices;
   std::vector<uint32_t> calib_ids;
   if (!o.calib_text_file.empty()) {
@@ -287,8 +302,9 @@ absl::Status RunEval(const EvalOptions& o, std::ostream& out) {
       absl::StatusOr<kernels::Calibration> cal =
           model::SearchCalibration(*l.model, calib_ids, spec, co);
       if (!cal.ok()) {  // e.g. a budget no per-layer choice fits: say so, go on
-        out << absl::StrFormat("%-32s %s\n", spec, cal.status().ToString());
+        out << absl::StrFormat("%-32s %s\n", spec, cal.status().ToString()) << std::flush;
         report["codecs"].push_back({{"codec", spec}, {"error", cal.status().ToString()}});
+        progress.Advance(1, spec);
         continue;
       }
       mo.calibration = std::make_shared<kernels::Calibration>(*std::move(cal));
@@ -325,7 +341,9 @@ absl::Status RunEval(const EvalOptions& o, std::ostream& out) {
     out << absl::StrFormat(
         "%-32s %6.3f %9.3f %+8.2f %8.5f %8.4f %8.4f %8.4f %8.4f %8.4f %6.1f%% %7.1f %8.1f\n", spec,
         r.bits(), r.ppl, dppl, r.kl, Mean(e.k), Max(e.k), Mean(e.v), Max(e.v), Mean(e.attn),
-        100 * agreement, mean_prefix, mbps);
+        100 * agreement, mean_prefix, mbps)
+        << std::flush;
+    progress.Advance(1, spec);
     report["codecs"].push_back({{"codec", spec},
                                 {"bits_per_element", r.bits()},
                                 {"perplexity", r.ppl},

@@ -9,6 +9,7 @@
 #include "kernels/codec.h"
 #include "kvstore/replay.h"
 #include "nlohmann/json.hpp"
+#include "tools/progress.h"
 
 namespace strata::tools {
 
@@ -37,6 +38,8 @@ absl::Status RunReplay(const ReplayOptions& o, std::ostream& out) {
                          "codec", "bits", "chunk MB", "RAM", "disk", "policy", "chunk%",
                          "token%", "saved Mtok", "RAM GB rd", "disk GB rd", "disk GB wr",
                          "RAM evic", "orphans");
+  Progress progress("replay", o.codecs.size() * (o.disk_bytes != 0 ? 2 : 1) *
+                                 o.policies.size() * o.ram_bytes.size());
   for (const std::string& spec : o.codecs) {
     STRATA_ASSIGN_OR_RETURN(kernels::CodecSpec parsed, kernels::CodecSpec::Parse(spec));
     if (parsed.needs_calibration()) {
@@ -60,7 +63,9 @@ absl::Status RunReplay(const ReplayOptions& o, std::ostream& out) {
               spec, bits, chunk_bytes / 1e6, Gib(ram), disk ? Gib(disk) : "-", pol,
               100 * r.chunk_hit_rate(), 100 * r.token_hit_rate(), r.tokens_saved / 1e6,
               r.bytes_read_ram / 1e9, r.bytes_read_disk / 1e9, r.bytes_written_disk / 1e9,
-              r.ram_evictions, r.orphans_dropped);
+              r.ram_evictions, r.orphans_dropped)
+              << std::flush;
+          progress.Advance(1, absl::StrCat(spec, " ", Gib(ram), " ", pol));
           report["runs"].push_back({{"codec", spec},
                                     {"bits_per_element", bits},
                                     {"chunk_bytes", chunk_bytes},
