@@ -74,6 +74,28 @@ double Median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+// Median milliseconds of `runs` runs of `launch` (after 3 warm-up runs), timed with CUDA events;
+// with `flush`, L2 is flushed before each run (a memset of `flush_bytes`, outside the timed
+// region). `launch` returns a status: a failure ends the program, saying why.
+template <typename F>
+double MedianMs(const Timer& timer, int runs, void* flush, size_t flush_bytes, F launch) {
+  std::vector<double> times;
+  for (int r = 0; r < runs + 3; ++r) {
+    if (flush != nullptr) CHECK_CUDA(cudaMemsetAsync(flush, r & 0xff, flush_bytes));
+    CHECK_CUDA(cudaEventRecord(timer.a));
+    if (const absl::Status s = launch(); !s.ok()) {
+      std::fprintf(stderr, "cuda_decode_bench: %s\n", std::string(s.message()).c_str());
+      std::exit(1);
+    }
+    CHECK_CUDA(cudaEventRecord(timer.b));
+    CHECK_CUDA(cudaEventSynchronize(timer.b));
+    float ms = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, timer.a, timer.b));
+    if (r >= 3) times.push_back(ms);
+  }
+  return Median(times);
+}
+
 struct Row {
   std::string kernel;
   int batch = 0, context = 0;
@@ -122,17 +144,12 @@ int main(int argc, char** argv) {
     CHECK_CUDA(cudaMalloc(&src, n));
     CHECK_CUDA(cudaMalloc(&dst, n));
     Fill(src, n, 7);
-    std::vector<double> t;
-    for (int r = 0; r < runs + 3; ++r) {
-      CHECK_CUDA(cudaEventRecord(timer.a));
-      CHECK_CUDA(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice));
-      CHECK_CUDA(cudaEventRecord(timer.b));
-      CHECK_CUDA(cudaEventSynchronize(timer.b));
-      float ms = 0;
-      CHECK_CUDA(cudaEventElapsedTime(&ms, timer.a, timer.b));
-      if (r >= 3) t.push_back(ms);
-    }
-    copy_gbps = 2.0 * n / (Median(t) * 1e-3) / 1e9;
+    const double ms = MedianMs(timer, runs, nullptr, 0, [&] {
+      return cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice) == cudaSuccess
+                 ? absl::OkStatus()
+                 : absl::InternalError("the device-to-device copy failed");
+    });
+    copy_gbps = 2.0 * n / (ms * 1e-3) / 1e9;
     cudaFree(src);
     cudaFree(dst);
   }
@@ -194,26 +211,14 @@ int main(int argc, char** argv) {
         CHECK_CUDA(cudaMalloc(&work, strata::kernels::cuda::WorkspaceBytes(batch, 32, 128, splits)));
         a.workspace = work;
         a.splits = splits;
-        std::vector<double> times;
-        for (int r = 0; r < runs + 3; ++r) {
-          CHECK_CUDA(cudaMemsetAsync(flush, r & 0xff, flush_bytes));
-          CHECK_CUDA(cudaEventRecord(timer.a));
-          const absl::Status s = strata::kernels::cuda::PagedDecode(L, a, pages_per_seq, nullptr);
-          if (!s.ok()) {
-            std::fprintf(stderr, "cuda_decode_bench: %s\n", std::string(s.message()).c_str());
-            return 1;
-          }
-          CHECK_CUDA(cudaEventRecord(timer.b));
-          CHECK_CUDA(cudaEventSynchronize(timer.b));
-          float ms = 0;
-          CHECK_CUDA(cudaEventElapsedTime(&ms, timer.a, timer.b));
-          if (r >= 3) times.push_back(ms);
-        }
+        const double ms = MedianMs(timer, runs, flush, flush_bytes, [&] {
+          return strata::kernels::cuda::PagedDecode(L, a, pages_per_seq, nullptr);
+        });
         Row row;
         row.kernel = k.name;
         row.batch = batch;
         row.context = context;
-        row.ms = Median(times);
+        row.ms = ms;
         row.bytes = static_cast<double>(pool_bytes);
         row.gbps = row.bytes / (row.ms * 1e-3) / 1e9;
         row.of_copy = row.gbps / copy_gbps;
@@ -258,20 +263,11 @@ int main(int argc, char** argv) {
     a.chunks = chunks;
     a.pages = static_cast<uint8_t*>(pages);
     a.page_ids = static_cast<const int32_t*>(ids);
-    std::vector<double> times;
-    for (int r = 0; r < runs + 3; ++r) {
-      CHECK_CUDA(cudaMemsetAsync(flush, r & 0xff, flush_bytes));
-      CHECK_CUDA(cudaEventRecord(timer.a));
-      if (!strata::kernels::cuda::CompressToPages(L, a, nullptr).ok()) return 1;
-      CHECK_CUDA(cudaEventRecord(timer.b));
-      CHECK_CUDA(cudaEventSynchronize(timer.b));
-      float ms = 0;
-      CHECK_CUDA(cudaEventElapsedTime(&ms, timer.a, timer.b));
-      if (r >= 3) times.push_back(ms);
-    }
+    const double ms = MedianMs(timer, runs, flush, flush_bytes,
+                               [&] { return strata::kernels::cuda::CompressToPages(L, a, nullptr); });
     Compressed c;
     c.bits = bits;
-    c.ms = Median(times);
+    c.ms = ms;
     c.gbps = (2.0 * in_bytes + chunks * static_cast<double>(L.PageBytes())) / (c.ms * 1e-3) / 1e9;
     c.of_copy = c.gbps / copy_gbps;
     compressed.push_back(c);

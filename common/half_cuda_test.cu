@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "common/half.h"
+#include "common/testing/cuda_device.h"
 #include "gtest/gtest.h"
 
 namespace strata {
@@ -30,17 +31,6 @@ __global__ void NarrowKernel(const float* in, uint16_t* half_out, uint16_t* bf16
   bf16_out[i] = __bfloat16_as_ushort(__float2bfloat16_rn(in[i]));
 }
 
-bool HaveGpu(std::string* why) {
-  int n = 0;
-  const cudaError_t e = cudaGetDeviceCount(&n);
-  if (e != cudaSuccess) {
-    *why = cudaGetErrorString(e);
-    return false;
-  }
-  if (n == 0) *why = "no CUDA device";
-  return n > 0;
-}
-
 #define ASSERT_CUDA(expr) ASSERT_EQ((expr), cudaSuccess) << cudaGetErrorString(cudaGetLastError())
 
 template <typename T>
@@ -58,7 +48,7 @@ uint32_t Bits(float f) {
 
 TEST(HalfCudaTest, WideningMatchesTheGpuForAll65536Values) {
   std::string why;
-  if (!HaveGpu(&why)) GTEST_SKIP() << "skipped, no GPU: " << why;
+  if (!HaveCudaDevice(&why)) GTEST_SKIP() << "skipped, no GPU: " << why;
   constexpr int n = 65536;
   std::vector<uint16_t> in(n);
   for (int i = 0; i < n; ++i) in[i] = static_cast<uint16_t>(i);
@@ -88,7 +78,7 @@ TEST(HalfCudaTest, WideningMatchesTheGpuForAll65536Values) {
 
 TEST(HalfCudaTest, NarrowingMatchesTheGpuOnMidpointsAndRandomFloats) {
   std::string why;
-  if (!HaveGpu(&why)) GTEST_SKIP() << "skipped, no GPU: " << why;
+  if (!HaveCudaDevice(&why)) GTEST_SKIP() << "skipped, no GPU: " << why;
   std::vector<float> in;
   for (uint32_t h = 0; h < 0x7c00; ++h) {  // every half midpoint and its neighbours
     const double lo = HalfBitsToFloat(static_cast<uint16_t>(h));

@@ -20,6 +20,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "cluster/cluster_file.h"
+#include "cluster/node_flags.h"
 #include "cluster/node_process.h"
 #include "common/byte_size.h"
 #include "decode_node/decode_engine.h"
@@ -29,12 +30,8 @@
 #include "transport/testing/fault_injecting_transport.h"
 #include "transport/ucx/ucx_transport.h"
 
-ABSL_FLAG(std::string, cluster, "", "the cluster file (required)");
-ABSL_FLAG(std::string, node, "", "this node's id in the cluster file (required)");
-ABSL_FLAG(std::string, listen, "", "gRPC address (default: the node's grpc in the file)");
 ABSL_FLAG(std::string, transport, "",
           "block transport (UCX) address (default: the node's transport in the file)");
-ABSL_FLAG(std::string, metrics, "", "Prometheus /metrics address (default: the file's; off: none)");
 ABSL_FLAG(int, max_batch, 32, "sequences stepped together");
 ABSL_FLAG(std::string, kv_budget, "1G", "KV bytes (compressed) of running sequences");
 ABSL_FLAG(int, max_waiting, 4096, "registered requests not yet running; more: refused (429)");
@@ -43,32 +40,13 @@ ABSL_FLAG(bool, put_to_store, true, "Put generated chunks (and preempted sequenc
 ABSL_FLAG(std::string, local_ram_bytes, "0",
           "the node's own RAM tier of blocks, in front of the shared store (0: none): a preempted "
           "sequence resumes from it, also while the store is away");
-ABSL_FLAG(std::string, etcd, "",
-          "etcd's client address (host:port): register there under a lease, for routers that "
-          "follow etcd (empty: the cluster file is the membership)");
-ABSL_FLAG(std::string, etcd_prefix, "/strata/", "the cluster's key prefix in etcd");
-ABSL_FLAG(int, etcd_ttl_s, 6, "the registration lease, in seconds (renewed at half of it)");
 ABSL_FLAG(int, drain_timeout_s, 30,
           "on SIGTERM / SIGINT, leave the cluster (deregister, take nothing new) and let running "
           "sequences finish for up to this long; then hand the rest off (their KV to the store, "
           "the router continues them on another node). A second signal hands off at once");
-ABSL_FLAG(std::string, ucx_tls, "", "UCX transports (UCX_TLS), e.g. tcp; empty: UCX's choice");
 ABSL_FLAG(int, listen_wait_s, 90,
           "when the transport's port is still held by a previous run's connections (TIME_WAIT), "
           "retry this long before giving up");
-ABSL_FLAG(std::string, tls_cert, "",
-          "PEM certificate this process presents to its gRPC peers, as server and as client "
-          "(mutual TLS; scripts/make_certs.sh makes node.crt)");
-ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
-ABSL_FLAG(std::string, tls_ca, "",
-          "PEM CA certificate: peers must present a certificate it signed, and servers are "
-          "verified against it");
-ABSL_FLAG(std::string, cluster_token_file, "",
-          "file holding the cluster token: sent on every gRPC call, required of every call "
-          "served (UNAUTHENTICATED otherwise)");
-ABSL_FLAG(bool, insecure, false,
-          "plaintext gRPC without a cluster token, instead of the four TLS flags (logged as a "
-          "warning)");
 
 namespace {
 
@@ -125,11 +103,7 @@ int main(int argc, char** argv) {
   if (metrics_address == "off") metrics_address.clear();
   cl::SetLogIdentity("strata-decode", self->id);
   absl::StatusOr<std::shared_ptr<const strata::kvstore::GrpcSecurity>> security =
-      cl::LoadGrpcSecurity({.tls_cert = absl::GetFlag(FLAGS_tls_cert),
-                            .tls_key = absl::GetFlag(FLAGS_tls_key),
-                            .tls_ca = absl::GetFlag(FLAGS_tls_ca),
-                            .cluster_token_file = absl::GetFlag(FLAGS_cluster_token_file),
-                            .insecure = absl::GetFlag(FLAGS_insecure)});
+      cl::NodeSecurityFromFlags();
   if (!security.ok()) return Fail("flags", security.status(), 2);
 
   absl::StatusOr<cl::ServedModel> served = cl::LoadServedModel(spec->model, spec->calibration);

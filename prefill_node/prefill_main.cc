@@ -10,6 +10,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "cluster/cluster_file.h"
+#include "cluster/node_flags.h"
 #include "cluster/node_process.h"
 #include "common/byte_size.h"
 #include "kvstore/block_source.h"
@@ -20,10 +21,6 @@
 #include "prefill_node/prefill_service.h"
 #include "transport/ucx/ucx_transport.h"
 
-ABSL_FLAG(std::string, cluster, "", "the cluster file (required)");
-ABSL_FLAG(std::string, node, "", "this node's id in the cluster file (required)");
-ABSL_FLAG(std::string, listen, "", "gRPC address (default: the node's grpc in the file)");
-ABSL_FLAG(std::string, metrics, "", "Prometheus /metrics address (default: the file's; off: none)");
 ABSL_FLAG(int, max_concurrent, 1, "prompts computed at once");
 ABSL_FLAG(int64_t, max_queued_tokens, 1 << 20, "prompt tokens waiting or computing; more: 429");
 ABSL_FLAG(int, ship_timeout_ms, 30000, "per block, send to acknowledgement");
@@ -31,28 +28,9 @@ ABSL_FLAG(bool, put_to_store, true, "Put newly computed chunks in the store");
 ABSL_FLAG(std::string, local_ram_bytes, "0",
           "the node's own RAM tier of blocks, in front of the shared store (0: none); the router "
           "sends a prompt to the node that holds its prefix");
-ABSL_FLAG(std::string, etcd, "",
-          "etcd's client address (host:port): register there under a lease, for routers that "
-          "follow etcd (empty: the cluster file is the membership)");
-ABSL_FLAG(std::string, etcd_prefix, "/strata/", "the cluster's key prefix in etcd");
-ABSL_FLAG(int, etcd_ttl_s, 6, "the registration lease, in seconds (renewed at half of it)");
 ABSL_FLAG(int, drain_timeout_s, 30,
           "on SIGTERM / SIGINT, leave the cluster (deregister, take nothing new) and let the "
           "requests under way finish for up to this long. A second signal stops at once");
-ABSL_FLAG(std::string, ucx_tls, "", "UCX transports (UCX_TLS), e.g. tcp; empty: UCX's choice");
-ABSL_FLAG(std::string, tls_cert, "",
-          "PEM certificate this process presents to its gRPC peers, as server and as client "
-          "(mutual TLS; scripts/make_certs.sh makes node.crt)");
-ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
-ABSL_FLAG(std::string, tls_ca, "",
-          "PEM CA certificate: peers must present a certificate it signed, and servers are "
-          "verified against it");
-ABSL_FLAG(std::string, cluster_token_file, "",
-          "file holding the cluster token: sent on every gRPC call, required of every call "
-          "served (UNAUTHENTICATED otherwise)");
-ABSL_FLAG(bool, insecure, false,
-          "plaintext gRPC without a cluster token, instead of the four TLS flags (logged as a "
-          "warning)");
 
 namespace {
 
@@ -94,11 +72,7 @@ int main(int argc, char** argv) {
   if (metrics_address == "off") metrics_address.clear();
   cl::SetLogIdentity("strata-prefill", self->id);
   absl::StatusOr<std::shared_ptr<const strata::kvstore::GrpcSecurity>> security =
-      cl::LoadGrpcSecurity({.tls_cert = absl::GetFlag(FLAGS_tls_cert),
-                            .tls_key = absl::GetFlag(FLAGS_tls_key),
-                            .tls_ca = absl::GetFlag(FLAGS_tls_ca),
-                            .cluster_token_file = absl::GetFlag(FLAGS_cluster_token_file),
-                            .insecure = absl::GetFlag(FLAGS_insecure)});
+      cl::NodeSecurityFromFlags();
   if (!security.ok()) return Fail("flags", security.status(), 2);
 
   absl::StatusOr<cl::ServedModel> served = cl::LoadServedModel(spec->model, spec->calibration);

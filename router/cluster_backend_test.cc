@@ -6,6 +6,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <functional>
@@ -329,6 +330,15 @@ std::unique_ptr<ClusterBackend> MakeBackend(cluster::ClusterSpec spec,
   return b.ok() ? *std::move(b) : nullptr;
 }
 
+// Until every node of the cluster file answers the backend's load polls.
+bool WaitForEveryNodeHealthy(const ClusterBackend& backend) {
+  return WaitFor([&] {
+    const std::vector<NodeStatus> nodes = backend.Nodes();
+    return !nodes.empty() && std::all_of(nodes.begin(), nodes.end(),
+                                         [](const NodeStatus& n) { return n.healthy; });
+  });
+}
+
 CompletionRequest Completion(std::string text, uint32_t max_tokens = 16) {
   static std::atomic<int> next{0};
   CompletionRequest r;
@@ -610,11 +620,7 @@ TEST(ClusterBackendRetryTest, PrefillNodeLostBeforeTheFirstTokenIsRetriedOnceEls
                  .transport = "127.0.0.1:7301"}};
   std::unique_ptr<ClusterBackend> backend = MakeBackend(spec);
   ASSERT_NE(backend, nullptr);
-  ASSERT_TRUE(WaitFor([&] {
-    int healthy = 0;
-    for (const NodeStatus& n : backend->Nodes()) healthy += n.healthy ? 1 : 0;
-    return healthy == 3;
-  }));
+  ASSERT_TRUE(WaitForEveryNodeHealthy(*backend));
   auto stream = std::make_shared<RecordingStream>();
   CompletionRequest r = Completion("Hello there", 5);
   const std::string id = r.request_id;
@@ -672,11 +678,7 @@ TEST(ClusterBackendHandOffTest, HandedOffRequestsContinueElsewhereWithTheStreame
                  .transport = "127.0.0.1:7302"}};
   std::unique_ptr<ClusterBackend> backend = MakeBackend(spec);
   ASSERT_NE(backend, nullptr);
-  ASSERT_TRUE(WaitFor([&] {
-    int healthy = 0;
-    for (const NodeStatus& n : backend->Nodes()) healthy += n.healthy ? 1 : 0;
-    return healthy == 3;
-  }));
+  ASSERT_TRUE(WaitForEveryNodeHealthy(*backend));
   auto stream = std::make_shared<RecordingStream>();
   CompletionRequest r = Completion("Hello there", 8);
   const std::string id = r.request_id;

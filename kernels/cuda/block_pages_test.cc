@@ -15,6 +15,7 @@
 
 #include "common/block_reader.h"
 #include "common/half.h"
+#include "common/testing/cuda_device.h"
 #include "gtest/gtest.h"
 #include "kernels/codec.h"
 #include "kernels/cuda/compress.h"
@@ -118,22 +119,11 @@ TEST(BlockPagesTest, BlocksThePageFormatCannotHoldAreRefusedSayingWhy) {
             absl::StatusCode::kInvalidArgument);
 }
 
-bool HaveGpu(std::string* why) {
-  int n = 0;
-  const cudaError_t e = cudaGetDeviceCount(&n);
-  if (e != cudaSuccess) {
-    *why = cudaGetErrorString(e);
-    return false;
-  }
-  if (n == 0) *why = "no CUDA device";
-  return n > 0;
-}
-
 // The GPU over pages made from real blocks against the CPU's reference attention over the same
 // blocks (and an fp16 window), 8 query heads over 2 KV heads, one sequence per codec.
 TEST(BlockPagesGpuTest, GpuAttentionOverCodecBlocksEqualsTheCpuReference) {
   std::string why;
-  if (!HaveGpu(&why)) GTEST_SKIP() << "skipped, no GPU: " << why;
+  if (!HaveCudaDevice(&why)) GTEST_SKIP() << "skipped, no GPU: " << why;
   constexpr int kQHeads = 8, kChunks = 6, kWindow = 19;
   for (const char* spec : {"fp16", "kivi:k4v4:g32", "kivi:k2v2:g32"}) {
     SCOPED_TRACE(spec);
@@ -233,7 +223,7 @@ TEST(BlockPagesGpuTest, GpuAttentionOverCodecBlocksEqualsTheCpuReference) {
 // pages.
 TEST(BlockPagesGpuTest, GpuCompressionWritesTheCpuCodecsPagesByteForByte) {
   std::string why;
-  if (!HaveGpu(&why)) GTEST_SKIP() << "skipped, no GPU: " << why;
+  if (!HaveCudaDevice(&why)) GTEST_SKIP() << "skipped, no GPU: " << why;
   constexpr int kChunks = 5;
   for (const char* spec : {"kivi:k4v4:g32", "kivi:k2v2:g32", "kivi:k4v2:g16", "kivi:k2v4:g64"}) {
     SCOPED_TRACE(spec);

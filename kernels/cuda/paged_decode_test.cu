@@ -15,22 +15,12 @@
 #include <string>
 #include <vector>
 
+#include "common/testing/cuda_device.h"
 #include "gtest/gtest.h"
 #include "kernels/cuda/paged_decode.h"
 
 namespace strata::kernels::cuda {
 namespace {
-
-bool HaveGpu(std::string* why) {
-  int n = 0;
-  const cudaError_t e = cudaGetDeviceCount(&n);
-  if (e != cudaSuccess) {
-    *why = cudaGetErrorString(e);
-    return false;
-  }
-  if (n == 0) *why = "no CUDA device";
-  return n > 0;
-}
 
 #define ASSERT_CUDA(expr)                                          \
   do {                                                             \
@@ -265,7 +255,7 @@ class PagedDecodeGpuTest : public testing::Test {
  protected:
   void SetUp() override {
     std::string why;
-    if (!HaveGpu(&why)) GTEST_SKIP() << "skipped, no GPU: " << why;
+    if (!HaveCudaDevice(&why)) GTEST_SKIP() << "skipped, no GPU: " << why;
   }
   uint32_t Seed() { return std::random_device{}(); }
 };

@@ -1,0 +1,34 @@
+// The flags every serving node (strata-prefill, strata-decode) takes alike, defined once here
+// (cluster/node_flags.cc, listed by --help through ConfigureFlagsUsage) and read by both mains:
+// the cluster file and the node's entry, its addresses, etcd membership, UCX transports and
+// transport security. Flags whose meaning differs by role stay in each main.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "absl/flags/declare.h"
+#include "absl/status/statusor.h"
+#include "kvstore/grpc_security.h"
+
+ABSL_DECLARE_FLAG(std::string, cluster);
+ABSL_DECLARE_FLAG(std::string, node);
+ABSL_DECLARE_FLAG(std::string, listen);
+ABSL_DECLARE_FLAG(std::string, metrics);
+ABSL_DECLARE_FLAG(std::string, etcd);
+ABSL_DECLARE_FLAG(std::string, etcd_prefix);
+ABSL_DECLARE_FLAG(int, etcd_ttl_s);
+ABSL_DECLARE_FLAG(std::string, ucx_tls);
+ABSL_DECLARE_FLAG(std::string, tls_cert);
+ABSL_DECLARE_FLAG(std::string, tls_key);
+ABSL_DECLARE_FLAG(std::string, tls_ca);
+ABSL_DECLARE_FLAG(std::string, cluster_token_file);
+ABSL_DECLARE_FLAG(bool, insecure);
+
+namespace strata::cluster {
+
+// The node's gRPC security from --tls_cert, --tls_key, --tls_ca, --cluster_token_file and
+// --insecure (LoadGrpcSecurity: its errors, and its log line).
+absl::StatusOr<std::shared_ptr<const kvstore::GrpcSecurity>> NodeSecurityFromFlags();
+
+}  // namespace strata::cluster
