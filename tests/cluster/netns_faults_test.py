@@ -328,33 +328,44 @@ class NetnsFaultTest(unittest.TestCase):
                 t.join()
             return [out[i] for i in range(len(prompts))], time.monotonic() - t0
 
-        clean, clean_s = phase("clean")
-        applied = ""
-        for host in ("prefill-0", "decode-0"):
-            applied = subprocess.run([os.path.join(ROOT, "deploy/netns/hosts.sh"), "impair",
-                                      ns(c, host), "1", "20"], check=True, capture_output=True,
-                                     text=True).stdout.strip()
-        try:
-            lossy, lossy_s = phase("lossy")
-        finally:
-            for host in ("prefill-0", "decode-0"):
-                subprocess.run([os.path.join(ROOT, "deploy/netns/hosts.sh"), "heal", ns(c, host)])
-        for a, b in zip(clean, lossy):
-            self.assertEqual(a["outcome"], "ok", a)
-            self.assertEqual(b["outcome"], "ok", b)
-            self.assertEqual(a["text"], b["text"], "a transfer over the lossy link changed the output")
+        # Rounds of a clean phase then a lossy one (each with salts of its own: no cache hits).
+        # Another process loading the CPU only ever adds time, so each kind's best round is its
+        # own cost: the lossy one's must be the higher.
         ttft = lambda rs: p50([r["first_token"] - r["start"] for r in rs])  # noqa: E731
+        rounds, applied = [], ""
+        for i in range(3):
+            clean, clean_s = phase("clean-%d" % i)
+            for host in ("prefill-0", "decode-0"):
+                applied = subprocess.run([os.path.join(ROOT, "deploy/netns/hosts.sh"), "impair",
+                                          ns(c, host), "1", "20"], check=True,
+                                         capture_output=True, text=True).stdout.strip()
+            try:
+                lossy, lossy_s = phase("lossy-%d" % i)
+            finally:
+                for host in ("prefill-0", "decode-0"):
+                    subprocess.run([os.path.join(ROOT, "deploy/netns/hosts.sh"), "heal",
+                                    ns(c, host)])
+            for a, b in zip(clean, lossy):
+                self.assertEqual(a["outcome"], "ok", a)
+                self.assertEqual(b["outcome"], "ok", b)
+                self.assertEqual(a["text"], b["text"],
+                                 "a transfer over the lossy link changed the output")
+            rounds.append((clean, clean_s, lossy, lossy_s))
         decode = e2e.scrape(c.node("decode-0")["metrics"])
         self.assertEqual(e2e.metric(decode, "strata_decode_blocks_damaged_total"), 0)
+        best_clean = min(ttft(r[0]) for r in rounds)
+        best_lossy = min(ttft(r[2]) for r in rounds)
+        everyone = [x for r in rounds for x in r[0] + r[2]]
         RESULTS["lossy, slow links (1% loss; 20 ms delay or a 20 Mbit/s link)"] = {
-            "requests": 2 * len(prompts), "ok": sum(r["outcome"] == "ok" for r in clean + lossy),
-            "failed": sum(r["outcome"] != "ok" for r in clean + lossy), "hung": 0, "retried": 0,
-            "outputs_equal": all(a["text"] == b["text"] for a, b in zip(clean, lossy)),
-            "ttft_p50_clean_s": round(ttft(clean), 3), "ttft_p50_lossy_s": round(ttft(lossy), 3),
-            "wall_clean_s": round(clean_s, 2), "wall_lossy_s": round(lossy_s, 2),
-            "impairment": applied,
+            "requests": len(everyone), "ok": sum(r["outcome"] == "ok" for r in everyone),
+            "failed": sum(r["outcome"] != "ok" for r in everyone), "hung": 0, "retried": 0,
+            "outputs_equal": True,
+            "ttft_p50_clean_s": round(best_clean, 3), "ttft_p50_lossy_s": round(best_lossy, 3),
+            "wall_clean_s": round(min(r[1] for r in rounds), 2),
+            "wall_lossy_s": round(min(r[3] for r in rounds), 2),
+            "rounds": len(rounds), "impairment": applied,
         }
-        self.assertGreater(ttft(lossy), ttft(clean))  # slower, and nothing else
+        self.assertGreater(best_lossy, best_clean)  # slower, and nothing else
 
     def test_etcd_lost(self):
         hub = e2e.NETNS
