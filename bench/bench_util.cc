@@ -63,21 +63,29 @@ RunInfo CollectRunInfo(const std::string& commit) {
   return r;
 }
 
-double MeasureReadBandwidth() {
+double MeasureReadBandwidth(int threads) {
+  threads = std::max(threads, 1);
   std::vector<uint64_t> buf((512u << 20) / 8, 1);
-  volatile uint64_t sink = 0;
-  const double s = MedianSeconds(5, [&] {
-    uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0;
-    for (size_t i = 0; i < buf.size(); i += 4) {
-      a0 += buf[i];
-      a1 += buf[i + 1];
-      a2 += buf[i + 2];
-      a3 += buf[i + 3];
+  std::vector<uint64_t> sums(static_cast<size_t>(threads) * 8);  // a cache line per thread
+  const size_t per = buf.size() / threads / 8 * 8;
+  auto read = [&](int i) {
+    const uint64_t* p = buf.data() + per * i;
+    uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0, a4 = 0, a5 = 0, a6 = 0, a7 = 0;
+    for (size_t j = 0; j < per; j += 8) {
+      a0 += p[j], a1 += p[j + 1], a2 += p[j + 2], a3 += p[j + 3];
+      a4 += p[j + 4], a5 += p[j + 5], a6 += p[j + 6], a7 += p[j + 7];
     }
-    sink = a0 + a1 + a2 + a3;
+    sums[i * 8] = a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7;
+  };
+  const double s = MedianSeconds(5, [&] {
+    std::vector<std::thread> pool;
+    for (int i = 1; i < threads; ++i) pool.emplace_back(read, i);
+    read(0);
+    for (std::thread& t : pool) t.join();
   });
-  (void)sink;
-  return buf.size() * 8.0 / s;
+  volatile uint64_t sink = 0;
+  for (uint64_t x : sums) sink = sink + x;
+  return per * threads * 8.0 / s;
 }
 
 double MeasureCopyBandwidth() {

@@ -41,9 +41,10 @@ double MedianSeconds(int reps, F&& fn) {
   return t[t.size() / 2];
 }
 
-// Streaming read bandwidth (bytes/s) over a buffer far larger than the caches, and memcpy
-// bandwidth (bytes read + written per second), measured now.
-double MeasureReadBandwidth();
+// Streaming read bandwidth (bytes/s) over a buffer far larger than the caches, read by `threads`
+// threads at once (each its own slice; compare a kernel with the same thread count), and memcpy
+// bandwidth (bytes read + written per second, one thread), measured now.
+double MeasureReadBandwidth(int threads = 1);
 double MeasureCopyBandwidth();
 
 // Minimal JSON building: values are written as given (numbers) or quoted (strings).

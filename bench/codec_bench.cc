@@ -129,7 +129,7 @@ double RelErr(const float* a, const float* b, size_t n) {
 
 constexpr char kUsage[] =
     "usage: codec_bench [--commit SHA] [--out DIR (default bench/results)]\n"
-    "                   [--contexts 8192,32768] [--codecs a,b,...]\n";
+    "                   [--contexts 8192,32768] [--codecs a,b,...] [--tables 1,2,3]\n";
 
 int Main(int argc, char** argv) {
   // Keep freed memory in the heap: codecs allocate per-chunk scratch, and glibc's default of
@@ -139,6 +139,7 @@ int Main(int argc, char** argv) {
   mallopt(M_TRIM_THRESHOLD, 512 << 20);
   std::string commit = "unknown", out_dir = "bench/results", codec_list = kDefaultCodecs;
   std::vector<uint32_t> contexts = {8192, 32768};
+  bool table[4] = {false, true, true, true};
   int exit_code = 0;
   const auto flags = FlagPairs(argc, argv, kUsage, &exit_code);
   if (!flags) return exit_code;
@@ -149,7 +150,17 @@ int Main(int argc, char** argv) {
       out_dir = val;
     else if (flag == "--codecs")
       codec_list = val;
-    else if (flag == "--contexts") {
+    else if (flag == "--tables") {
+      table[1] = table[2] = table[3] = false;
+      for (absl::string_view s : absl::StrSplit(val, ',')) {
+        int t;
+        if (!absl::SimpleAtoi(s, &t) || t < 1 || t > 3) {
+          std::fprintf(stderr, "bad --tables entry '%s' (1, 2 or 3)\n", std::string(s).c_str());
+          return 2;
+        }
+        table[t] = true;
+      }
+    } else if (flag == "--contexts") {
       contexts.clear();
       for (absl::string_view s : absl::StrSplit(val, ',')) {
         uint32_t c;
@@ -168,9 +179,9 @@ int Main(int argc, char** argv) {
   ThreadPool pool(0), one(1);
   std::printf("codec_bench  %s  %s  commit %s\n", info.machine.c_str(), info.date.c_str(),
               info.commit.c_str());
-  std::printf("attention kernels: %s\n", kernels::DecodeAttentionUsesAvx2() ? "AVX2" : "portable");
-  const double read_bw = MeasureReadBandwidth(), copy_bw = MeasureCopyBandwidth();
-  std::printf("memory: streaming read %.1f GB/s, memcpy %.1f GB/s (read+write)\n\n", read_bw / 1e9,
+  std::printf("attention kernels: %s\n", kernels::DecodeAttentionPath());
+  const double read_bw = MeasureReadBandwidth(pool.size()), copy_bw = MeasureCopyBandwidth();
+  std::printf("memory: streaming read %.1f GB/s (%d threads), memcpy %.1f GB/s (read+write)\n\n", read_bw / 1e9, pool.size(),
               copy_bw / 1e9);
 
   std::vector<std::unique_ptr<Codec>> codecs;
@@ -191,6 +202,7 @@ int Main(int argc, char** argv) {
               32u, kChunk, kKvHeads, kDim);
   std::printf("%-24s %10s %12s %12s\n", "codec", "bits/elem", "1 thread", "all threads");
   for (const auto& c : codecs) {
+    if (!table[1]) break;
     const double bits = *c->BitsPerElement(kChunk, kKvHeads, kDim);
     const double t1 = MedianSeconds(1, [&] { Encode(*c, tput_chunks, one); });
     const double tn = MedianSeconds(1, [&] { Encode(*c, tput_chunks, pool); });
@@ -213,6 +225,7 @@ int Main(int argc, char** argv) {
   for (float& x : q) x = normal(rng);
   const kernels::DecodeAttentionParams params{kQHeads, kKvHeads, kDim};
   for (uint32_t ctx : contexts) {
+    if (!table[2]) break;
     const Chunks chunks = MakeChunks(ctx / kChunk, 21);
     std::printf(
         "\n2. decode attention, %u tokens, %u query heads over %u KV heads, head dim %u, "
@@ -291,6 +304,7 @@ int Main(int argc, char** argv) {
   std::printf("%-24s %9s %9s %10s %10s %12s\n", "codec", "bits", "nominal", "K rel err",
               "V rel err", "attn rel err");
   for (const auto& c : codecs) {
+    if (!table[3]) break;
     Encoded e = Encode(*c, err_chunks, pool);
     std::vector<float> k_dec(k_all.size()), v_dec(v_all.size());
     const size_t per = size_t{kChunk} * kKvHeads * kDim;
@@ -326,7 +340,7 @@ int Main(int argc, char** argv) {
       ResultJson("codec_bench", info)
           .Num("read_bandwidth_gbps", read_bw / 1e9)
           .Num("copy_bandwidth_gbps", copy_bw / 1e9)
-          .Str("attention_kernels", kernels::DecodeAttentionUsesAvx2() ? "avx2" : "portable")
+          .Str("attention_kernels", kernels::DecodeAttentionPath())
           .Raw("compression", JsonArray(j_compress))
           .Raw("attention", JsonArray(j_attention))
           .Raw("error", JsonArray(j_error))

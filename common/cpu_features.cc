@@ -5,6 +5,9 @@
 #endif
 
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <string_view>
 
 namespace strata {
 namespace {
@@ -32,8 +35,22 @@ CpuFeatures Detect() {
     f.avx512f = zmm_saved && ((b >> 16) & 1);
     f.avx512bw = f.avx512f && ((b >> 30) & 1);
     f.avx512vl = f.avx512f && ((b >> 31) & 1);
+    f.avx512vnni = f.avx512f && ((c >> 11) & 1);
   }
+  if (__get_cpuid_count(7, 1, &a, &b, &c, &d)) f.avx_vnni = f.avx2 && ((a >> 4) & 1);
 #endif
+  // STRATA_ISA caps what the kernels may use, to measure a slower path on a faster machine:
+  // "portable" (none of these), "avx2" (AVX2+FMA+F16C, no VNNI, no AVX-512).
+  if (const char* cap = std::getenv("STRATA_ISA"); cap != nullptr) {
+    const std::string_view v(cap);
+    if (v == "portable" || v == "avx2") {
+      f.avx512f = f.avx512bw = f.avx512vl = f.avx512vnni = f.avx_vnni = false;
+    }
+    if (v == "portable") f.avx = f.avx2 = f.fma = f.f16c = false;
+    if (v != "portable" && v != "avx2" && !v.empty()) {
+      std::fprintf(stderr, "STRATA_ISA=%s ignored (portable or avx2)\n", cap);
+    }
+  }
   return f;
 }
 

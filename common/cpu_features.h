@@ -14,7 +14,12 @@ struct CpuFeatures {
   bool avx512f = false;
   bool avx512bw = false;
   bool avx512vl = false;
+  bool avx512vnni = false;  // vpdpbusd on EVEX (with avx512vl: on 256-bit registers too)
+  bool avx_vnni = false;    // vpdpbusd on VEX (AVX-VNNI)
 };
+
+// The environment variable STRATA_ISA=avx2 (or =portable) hides the features above it, so that a
+// benchmark can measure the slower kernels on a machine that has more.
 
 // Detected on first use; thread-safe.
 const CpuFeatures& GetCpuFeatures();

@@ -232,6 +232,7 @@ absl::Status Run(const DecodeAttentionParams& p, absl::Span<const DecodeSequence
     HeadGroupState st;
     st.g = rows;
     st.d = D;
+    st.int8_query = o.int8_query;
     st.q.resize(size_t{rows} * D);
     std::vector<uint32_t> window_limit(rows);
     for (uint32_t r = 0; r < rows; ++r) {
@@ -570,6 +571,19 @@ void AddValueCorrections(const Segment& seg, HeadGroupState& st) {
 }  // namespace internal
 
 bool DecodeAttentionUsesAvx2() { return HaveAvx2(); }
+
+const char* DecodeAttentionPath() {
+  if (!HaveAvx2()) return "portable";
+  switch (internal::Int8ScoresIsa()) {
+    case internal::Int8Isa::kAvx512Vnni:
+      return "avx2+avx512-vnni";
+    case internal::Int8Isa::kAvxVnni:
+      return "avx2+avx-vnni";
+    case internal::Int8Isa::kAvx2:
+      break;
+  }
+  return "avx2+vpmaddubsw";
+}
 
 absl::Status DecodeAttention(const DecodeAttentionParams& params,
                              absl::Span<const DecodeSequence> batch,

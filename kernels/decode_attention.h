@@ -63,6 +63,11 @@ struct DecodeAttentionOptions {
   AttentionImpl impl = AttentionImpl::kAuto;  // kAvx2 fails with kUnimplemented without AVX2
   uint32_t tokens_per_split = 4096;           // flash-decoding part size, >= 1
   ThreadPool* pool = nullptr;                 // nullptr: ThreadPool::Default()
+  // AVX2 kernels: keys of the affine codecs at 2 and 4 bits with per-channel parameters (KIVI's
+  // and KCVT's K) take q.k in integers over an int8 query (per query head and token group, the
+  // key scales folded in). Each score then errs by at most s/2 * sum_d code_d, where
+  // s = max_d |q_d * scale_d| / 127; false keeps q in fp32 (exact to float rounding).
+  bool int8_query = true;
 };
 
 absl::Status DecodeAttentionRef(const DecodeAttentionParams& params,
@@ -74,5 +79,10 @@ absl::Status DecodeAttention(const DecodeAttentionParams& params,
 
 // True when DecodeAttention's kAuto picks the AVX2 kernels on this CPU.
 bool DecodeAttentionUsesAvx2();
+
+// The kernels kAuto runs on this CPU, for benchmarks to record: "portable", or "avx2" and the
+// integer dot product of the int8-query key scores ("avx2+vpmaddubsw", "avx2+avx-vnni",
+// "avx2+avx512-vnni"). STRATA_ISA=avx2 in the environment caps it at "avx2+vpmaddubsw".
+const char* DecodeAttentionPath();
 
 }  // namespace strata::kernels

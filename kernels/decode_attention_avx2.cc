@@ -12,6 +12,7 @@
 #include <cstring>
 #include <limits>
 
+#include "common/cpu_features.h"
 #include "common/half.h"
 #include "kernels/internal/attention_segment.h"
 
@@ -27,6 +28,13 @@ STRATA_AVX2_INLINE float Hsum(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+
+STRATA_AVX2_INLINE float Hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
 }
 
 // Eight consecutive codes starting at channel d (a multiple of 8), as floats.
@@ -185,29 +193,49 @@ STRATA_AVX2 void Accumulate(const Segment& seg, HeadGroupState& st) {
   const TensorOperands* v = seg.block ? &seg.block->v : nullptr;
   constexpr bool kAffine = kSrc > 0;
   const uint32_t groups = kAffine ? v->groups : 1;  // int8: one scale per token
-  // w[j][t][g]: the weight of token t's codes in channel group g (p, times the scale).
+  // w[j][g][t]: the weight of token t's codes in channel group g (p, times the scale).
   const float* w = st.scores.data();
   if constexpr (kAffine || kSrc == kSrcInt8) {
-    // Per-token scales (and zero points) of this head, widened once with F16C.
+    // Per-token scales (and zero points) of this head, widened once with F16C and transposed to
+    // [g][t], so that the weights and the zero-point sums below are vector loops over tokens.
     const size_t n = size_t{T} * groups;
-    st.work.resize(size_t{kG} * n + size_t{kG} * groups + 2 * n);
+    st.work.resize(size_t{kG} * n + size_t{kG} * groups + 3 * n);
     float* wt = st.work.data();
     float* zsum = wt + size_t{kG} * n;  // [G, groups]: sum_t p * zero point
     float* sc = zsum + size_t{kG} * groups;
     float* zp = sc + n;
-    HalfToFloat(reinterpret_cast<const Half*>(v->scales + size_t{seg.head} * n), sc, n);
-    if constexpr (kAffine) {
-      HalfToFloat(reinterpret_cast<const Half*>(v->zeros + size_t{seg.head} * n), zp, n);
-    }
-    for (size_t i = 0; i < size_t{kG} * groups; ++i) zsum[i] = 0;
+    float* tmp = zp + n;
+    const auto Widen = [&](const uint16_t* src, float* dst) STRATA_AVX2_LAMBDA {
+      if (groups == 1) {
+        HalfToFloat(reinterpret_cast<const Half*>(src), dst, n);
+        return;
+      }
+      HalfToFloat(reinterpret_cast<const Half*>(src), tmp, n);
+      for (uint32_t t = 0; t < T; ++t) {
+        for (uint32_t g = 0; g < groups; ++g) dst[size_t{g} * T + t] = tmp[size_t{t} * groups + g];
+      }
+    };
+    Widen(v->scales + size_t{seg.head} * n, sc);
+    if constexpr (kAffine) Widen(v->zeros + size_t{seg.head} * n, zp);
     for (uint32_t j = 0; j < kG; ++j) {
       const float* p = &st.scores[size_t{j} * T];
-      float* wj = wt + size_t{j} * n;
-      for (uint32_t t = 0; t < T; ++t) {
-        for (uint32_t g = 0; g < groups; ++g) {
-          wj[t * groups + g] = p[t] * sc[t * groups + g];
-          if constexpr (kAffine) zsum[j * groups + g] += p[t] * zp[t * groups + g];
+      for (uint32_t g = 0; g < groups; ++g) {
+        float* wjg = wt + (size_t{j} * groups + g) * T;
+        const float* scg = sc + size_t{g} * T;
+        const float* zpg = zp + size_t{g} * T;
+        __m256 z = _mm256_setzero_ps();
+        uint32_t t = 0;
+        for (; t + 8 <= T; t += 8) {
+          const __m256 pv = _mm256_loadu_ps(p + t);
+          _mm256_storeu_ps(wjg + t, _mm256_mul_ps(pv, _mm256_loadu_ps(scg + t)));
+          if constexpr (kAffine) z = _mm256_fmadd_ps(pv, _mm256_loadu_ps(zpg + t), z);
         }
+        float zs = Hsum(z);
+        for (; t < T; ++t) {
+          wjg[t] = p[t] * scg[t];
+          if constexpr (kAffine) zs += p[t] * zpg[t];
+        }
+        zsum[j * groups + g] = zs;
       }
     }
     w = wt;
@@ -224,6 +252,10 @@ STRATA_AVX2 void Accumulate(const Segment& seg, HeadGroupState& st) {
   constexpr uint32_t kC = kG >= 8 ? 1 : 2;
   const bool pairs_share_group = !kAffine || v->group_size % 16 == 0;
   const float* zsum = kAffine ? st.work.data() + size_t{kG} * T * groups : nullptr;
+  // Token t's weight for query head j in channel group g.
+  const auto W = [&](uint32_t j, uint32_t g, uint32_t t) -> const float* {
+    return &w[(size_t{j} * groups + g) * T + t];
+  };
   uint32_t d = 0;
   if (kC == 2 && pairs_share_group) {
     for (; d + 16 <= D; d += 16) {
@@ -237,7 +269,7 @@ STRATA_AVX2 void Accumulate(const Segment& seg, HeadGroupState& st) {
         const uint8_t* row = RowOf(seg, v, seg.v, t);
         const __m256 c0 = Load8<kSrc>(row, d), c1 = Load8<kSrc>(row, d + 8);
         for (uint32_t j = 0; j < kG; ++j) {
-          const __m256 wv = _mm256_broadcast_ss(&w[(size_t{j} * T + t) * groups + g]);
+          const __m256 wv = _mm256_broadcast_ss(W(j, g, t));
           acc[j][0] = _mm256_fmadd_ps(c0, wv, acc[j][0]);
           acc[j][1] = _mm256_fmadd_ps(c1, wv, acc[j][1]);
         }
@@ -261,7 +293,7 @@ STRATA_AVX2 void Accumulate(const Segment& seg, HeadGroupState& st) {
       const __m256 c = Load8<kSrc>(RowOf(seg, v, seg.v, t), d);
       for (uint32_t j = 0; j < kG; ++j) {
         acc[j] =
-            _mm256_fmadd_ps(c, _mm256_broadcast_ss(&w[(size_t{j} * T + t) * groups + g]), acc[j]);
+            _mm256_fmadd_ps(c, _mm256_broadcast_ss(W(j, g, t)), acc[j]);
       }
     }
     if constexpr (kAffine) {
@@ -360,13 +392,6 @@ STRATA_AVX2_INLINE __m256 Exp(__m256 x) {
   return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(n)), visible);
 }
 
-STRATA_AVX2_INLINE float Hmax(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  return _mm_cvtss_f32(m);
-}
-
 }  // namespace
 
 STRATA_AVX2 void SoftmaxAvx2(uint32_t T, HeadGroupState& st) {
@@ -405,7 +430,70 @@ STRATA_AVX2 void SoftmaxAvx2(uint32_t T, HeadGroupState& st) {
   }
 }
 
+namespace {
+
+// The integer-score kernels (internal/scores_int8.inc), once per instruction set.
+namespace int8_avx2 {
+#define STRATA_INT8_TARGET "avx2,fma,f16c"
+#define STRATA_INT8_VNNI 0
+#include "kernels/internal/scores_int8.inc"
+#undef STRATA_INT8_TARGET
+#undef STRATA_INT8_VNNI
+}  // namespace int8_avx2
+namespace int8_avx_vnni {
+#define STRATA_INT8_TARGET "avx2,fma,f16c,avxvnni"
+#define STRATA_INT8_VNNI 1
+#include "kernels/internal/scores_int8.inc"
+#undef STRATA_INT8_TARGET
+#undef STRATA_INT8_VNNI
+}  // namespace int8_avx_vnni
+namespace int8_avx512_vnni {
+#define STRATA_INT8_TARGET "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"
+#define STRATA_INT8_VNNI 2
+#include "kernels/internal/scores_int8.inc"
+#undef STRATA_INT8_TARGET
+#undef STRATA_INT8_VNNI
+}  // namespace int8_avx512_vnni
+
+using ScoreKernel = void (*)(const Segment&, HeadGroupState&);
+
+// The integer-score kernel for this segment's keys, or nullptr: affine codes at 2 or 4 bits with
+// per-channel parameters (KIVI's and KCVT's K), rows a multiple of 16 bytes, 1/2/4/8 heads.
+ScoreKernel Int8ScoresFor(const Segment& seg, const HeadGroupState& st) {
+  if (!st.int8_query || seg.block == nullptr) return nullptr;
+  const TensorOperands& k = seg.block->k;
+  if (k.kind != CodeKind::kAffine || k.token_groups || k.row_bytes % 16 != 0 ||
+      k.row_bytes * 8 != st.d * static_cast<uint32_t>(k.bits) || st.d % 32 != 0 ||
+      st.d > int8_avx2::kMaxInt8Dim ||
+      (k.bits != 2 && k.bits != 4)) {
+    return nullptr;
+  }
+  const Int8Isa isa = Int8ScoresIsa();
+  if (isa == Int8Isa::kAvx512Vnni) {
+    return k.bits == 4 ? int8_avx512_vnni::ScoresInt8For<4>(st.g)
+                       : int8_avx512_vnni::ScoresInt8For<2>(st.g);
+  }
+  if (isa == Int8Isa::kAvxVnni) {
+    return k.bits == 4 ? int8_avx_vnni::ScoresInt8For<4>(st.g)
+                       : int8_avx_vnni::ScoresInt8For<2>(st.g);
+  }
+  return k.bits == 4 ? int8_avx2::ScoresInt8For<4>(st.g) : int8_avx2::ScoresInt8For<2>(st.g);
+}
+
+}  // namespace
+
+Int8Isa Int8ScoresIsa() {
+  const CpuFeatures& f = GetCpuFeatures();
+  if (f.avx512vnni && f.avx512vl && f.avx512bw) return Int8Isa::kAvx512Vnni;
+  if (f.avx_vnni) return Int8Isa::kAvxVnni;
+  return Int8Isa::kAvx2;
+}
+
 void ScoresAvx2(const Segment& seg, HeadGroupState& st) {
+  if (const ScoreKernel f = Int8ScoresFor(seg, st); f != nullptr) {
+    f(seg, st);
+    return;
+  }
   if (st.d % 8 != 0 || (seg.block != nullptr && seg.block->k.token_groups) ||
       !Dispatch<ScoresOp>(SourceOf(seg, seg.block ? &seg.block->k : nullptr), seg, st)) {
     ScoresPortable(seg, st);

@@ -33,6 +33,7 @@ struct HeadGroupState {
   std::vector<float> acc;     // [G, D] unnormalized output
   std::vector<float> scores;  // [G, tokens of the current segment] scratch
   std::vector<float> work;    // scratch for the kernels
+  bool int8_query = false;    // DecodeAttentionOptions::int8_query (AVX2 kernels)
 };
 
 // Scores of every token of the segment for the G query heads, into state.scores ([G, T]).
@@ -53,6 +54,10 @@ void AccumulatePortable(const Segment& seg, HeadGroupState& st);
 // AVX2 versions; nullptr-equivalent fallbacks to the portable ones for layouts they do not
 // specialize. Defined in decode_attention_avx2.cc (compiled with -mavx2 -mfma -mf16c).
 void ScoresAvx2(const Segment& seg, HeadGroupState& st);
+
+// Which integer dot product the AVX2 kernels' int8-query scores use on this CPU.
+enum class Int8Isa { kAvx2, kAvxVnni, kAvx512Vnni };
+Int8Isa Int8ScoresIsa();
 void AccumulateAvx2(const Segment& seg, HeadGroupState& st);
 
 struct Kernels {
