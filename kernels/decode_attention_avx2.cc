@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #include "common/cpu_features.h"
 #include "common/half.h"
@@ -64,6 +65,112 @@ STRATA_AVX2_INLINE __m256 Unpack8(const uint8_t* row, uint32_t d) {
 
 STRATA_AVX2_INLINE __m256 LoadHalf8(const uint8_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// Dot product of n floats (any n).
+STRATA_AVX2_INLINE float Dot(const float* a, const float* b, uint32_t n) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  uint32_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+  }
+  for (; i + 8 <= n; i += 8) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+  }
+  float s = Hsum(_mm256_add_ps(acc0, acc1));
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// y[0, n) += x[0, n) * f.
+STRATA_AVX2_INLINE void Axpy(float f, const float* x, float* y, uint32_t n) {
+  const __m256 vf = _mm256_set1_ps(f);
+  uint32_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(_mm256_loadu_ps(x + i), vf, _mm256_loadu_ps(y + i)));
+  }
+  for (; i < n; ++i) y[i] += x[i] * f;
+}
+
+// fp16 [rows, R] to fp32 [R, rows] (a low-rank factor with rank-major rows, for vector loops).
+STRATA_AVX2_INLINE const float* WidenTransposed(const uint16_t* src, uint32_t rows, uint32_t R,
+                                                std::vector<float>& tmp, std::vector<float>& out) {
+  tmp.resize(size_t{rows} * R);
+  out.resize(size_t{rows} * R);
+  HalfToFloat(reinterpret_cast<const Half*>(src), tmp.data(), tmp.size());
+  for (uint32_t i = 0; i < rows; ++i) {
+    for (uint32_t r = 0; r < R; ++r) out[size_t{r} * rows + i] = tmp[size_t{i} * R + r];
+  }
+  return out.data();
+}
+
+// GEAR's corrections, as AddScoreCorrections / AddValueCorrections (the specification) with the
+// low-rank terms as vector loops: scores += A (B^T q) over tokens, acc += B (A^T p) over
+// channels. Outliers stay a short scalar list per vector.
+STRATA_AVX2 void AddScoreCorrectionsAvx2(const Segment& seg, HeadGroupState& st) {
+  const TensorOperands& k = seg.block->k;
+  const uint32_t G = st.g, D = st.d, T = seg.tokens, h = seg.head;
+  if (k.rank > 0) {
+    thread_local std::vector<float> tmp, at, bt, qb;
+    const uint32_t R = k.rank;
+    const float* a = WidenTransposed(k.lowrank_a + size_t{h} * T * R, T, R, tmp, at);  // [R, T]
+    const float* b = WidenTransposed(k.lowrank_b + size_t{h} * D * R, D, R, tmp, bt);  // [R, D]
+    qb.resize(R);
+    for (uint32_t j = 0; j < G; ++j) {
+      for (uint32_t r = 0; r < R; ++r) qb[r] = Dot(&st.q[size_t{j} * D], b + size_t{r} * D, D);
+      float* s = &st.scores[size_t{j} * T];
+      for (uint32_t r = 0; r < R; ++r) Axpy(qb[r], a + size_t{r} * T, s, T);
+    }
+  }
+  const uint32_t n = k.outliers_per_vector;
+  if (n > 0) {
+    thread_local std::vector<float> vals;
+    vals.resize(size_t{D} * n);
+    HalfToFloat(reinterpret_cast<const Half*>(k.outlier_values + size_t{h} * D * n), vals.data(),
+                vals.size());
+    for (uint32_t j = 0; j < G; ++j) {
+      const float* q = &st.q[size_t{j} * D];
+      float* s = &st.scores[size_t{j} * T];
+      for (uint32_t d = 0; d < D; ++d) {
+        for (uint32_t e = 0; e < n; ++e) {
+          s[k.OutlierIndex((size_t{h} * D + d) * n + e)] += q[d] * vals[d * n + e];
+        }
+      }
+    }
+  }
+}
+
+STRATA_AVX2 void AddValueCorrectionsAvx2(const Segment& seg, HeadGroupState& st) {
+  const TensorOperands& v = seg.block->v;
+  const uint32_t G = st.g, D = st.d, T = seg.tokens, h = seg.head;
+  if (v.rank > 0) {
+    thread_local std::vector<float> tmp, at, bt, pa;
+    const uint32_t R = v.rank;
+    const float* a = WidenTransposed(v.lowrank_a + size_t{h} * T * R, T, R, tmp, at);  // [R, T]
+    const float* b = WidenTransposed(v.lowrank_b + size_t{h} * D * R, D, R, tmp, bt);  // [R, D]
+    pa.resize(R);
+    for (uint32_t j = 0; j < G; ++j) {
+      for (uint32_t r = 0; r < R; ++r) pa[r] = Dot(&st.scores[size_t{j} * T], a + size_t{r} * T, T);
+      for (uint32_t r = 0; r < R; ++r) Axpy(pa[r], b + size_t{r} * D, &st.acc[size_t{j} * D], D);
+    }
+  }
+  const uint32_t n = v.outliers_per_vector;
+  if (n > 0) {
+    thread_local std::vector<float> vals;
+    vals.resize(size_t{T} * n);
+    HalfToFloat(reinterpret_cast<const Half*>(v.outlier_values + size_t{h} * T * n), vals.data(),
+                vals.size());
+    for (uint32_t j = 0; j < G; ++j) {
+      const float* p = &st.scores[size_t{j} * T];
+      float* acc = &st.acc[size_t{j} * D];
+      for (uint32_t t = 0; t < T; ++t) {
+        for (uint32_t e = 0; e < n; ++e) {
+          acc[v.OutlierIndex((size_t{h} * T + t) * n + e)] += p[t] * vals[t * n + e];
+        }
+      }
+    }
+  }
 }
 
 // Source of a segment's rows as a template parameter: full precision (fp32), fp16, int8, fp8
@@ -184,7 +291,7 @@ STRATA_AVX2 void Scores(const Segment& seg, HeadGroupState& st) {
       st.scores[size_t{j} * T + t] = Finish(Hsum(acc[j]), k, seg.head, T, t, bias[j]);
     }
   }
-  if (k != nullptr) AddScoreCorrections(seg, st);
+  if (k != nullptr) AddScoreCorrectionsAvx2(seg, st);
 }
 
 template <int kSrc, uint32_t kG>
@@ -302,7 +409,7 @@ STRATA_AVX2 void Accumulate(const Segment& seg, HeadGroupState& st) {
     }
     for (uint32_t j = 0; j < kG; ++j) _mm256_storeu_ps(&st.acc[j * D + d], acc[j]);
   }
-  if (v != nullptr) AddValueCorrections(seg, st);
+  if (v != nullptr) AddValueCorrectionsAvx2(seg, st);
 }
 
 // The source kind of a tensor for the templates, or 0 when not specialized.
