@@ -232,7 +232,7 @@ absl::Status Run(const DecodeAttentionParams& p, absl::Span<const DecodeSequence
     HeadGroupState st;
     st.g = rows;
     st.d = D;
-    st.int8_query = o.int8_query;
+    st.integer_dot = o.integer_dot;
     st.q.resize(size_t{rows} * D);
     std::vector<uint32_t> window_limit(rows);
     for (uint32_t r = 0; r < rows; ++r) {

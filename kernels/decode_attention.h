@@ -67,7 +67,7 @@ struct DecodeAttentionOptions {
   // and KCVT's K) take q.k in integers over an int8 query (per query head and token group, the
   // key scales folded in). Each score then errs by at most s/2 * sum_d code_d, where
   // s = max_d |q_d * scale_d| / 127; false keeps q in fp32 (exact to float rounding).
-  bool int8_query = true;
+  bool integer_dot = true;
 };
 
 absl::Status DecodeAttentionRef(const DecodeAttentionParams& params,

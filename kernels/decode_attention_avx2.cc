@@ -567,7 +567,7 @@ using ScoreKernel = void (*)(const Segment&, HeadGroupState&);
 // The integer-score kernel for this segment's keys, or nullptr: affine codes at 2 or 4 bits with
 // per-channel parameters (KIVI's and KCVT's K), rows a multiple of 16 bytes, 1/2/4/8 heads.
 ScoreKernel Int8ScoresFor(const Segment& seg, const HeadGroupState& st) {
-  if (!st.int8_query || seg.block == nullptr) return nullptr;
+  if (!st.integer_dot || seg.block == nullptr) return nullptr;
   const TensorOperands& k = seg.block->k;
   if (k.kind != CodeKind::kAffine || k.token_groups || k.row_bytes % 16 != 0 ||
       k.row_bytes * 8 != st.d * static_cast<uint32_t>(k.bits) || st.d % 32 != 0 ||
@@ -585,6 +585,32 @@ ScoreKernel Int8ScoresFor(const Segment& seg, const HeadGroupState& st) {
                        : int8_avx_vnni::ScoresInt8For<2>(st.g);
   }
   return k.bits == 4 ? int8_avx2::ScoresInt8For<4>(st.g) : int8_avx2::ScoresInt8For<2>(st.g);
+}
+
+// The int16-weight value kernel for this segment, or nullptr: affine codes at 2 or 4 bits with
+// per-token parameters (KIVI's and KCVT's V), channel groups that an operand's 8 bytes of codes
+// never straddle, at most 4096 tokens (the int32 sums' bound), 1/2/4/8 heads.
+ScoreKernel Int16AccumulateFor(const Segment& seg, const HeadGroupState& st) {
+  if (!st.integer_dot || seg.block == nullptr) return nullptr;
+  const TensorOperands& v = seg.block->v;
+  if (v.kind != CodeKind::kAffine || !v.token_groups || v.row_bytes % 16 != 0 ||
+      v.row_bytes * 8 != st.d * static_cast<uint32_t>(v.bits) || seg.tokens > 4096 ||
+      (v.bits != 2 && v.bits != 4)) {
+    return nullptr;
+  }
+  const uint32_t span = 8 * (8 / static_cast<uint32_t>(v.bits));  // channels of one operand
+  if (v.groups != 1 && v.group_size % span != 0) return nullptr;
+  const Int8Isa isa = Int8ScoresIsa();
+  if (isa == Int8Isa::kAvx512Vnni) {
+    return v.bits == 4 ? int8_avx512_vnni::AccumulateInt16For<4>(st.g)
+                       : int8_avx512_vnni::AccumulateInt16For<2>(st.g);
+  }
+  if (isa == Int8Isa::kAvxVnni) {
+    return v.bits == 4 ? int8_avx_vnni::AccumulateInt16For<4>(st.g)
+                       : int8_avx_vnni::AccumulateInt16For<2>(st.g);
+  }
+  return v.bits == 4 ? int8_avx2::AccumulateInt16For<4>(st.g)
+                     : int8_avx2::AccumulateInt16For<2>(st.g);
 }
 
 }  // namespace
@@ -608,6 +634,10 @@ void ScoresAvx2(const Segment& seg, HeadGroupState& st) {
 }
 
 void AccumulateAvx2(const Segment& seg, HeadGroupState& st) {
+  if (const ScoreKernel f = Int16AccumulateFor(seg, st); f != nullptr) {
+    f(seg, st);
+    return;
+  }
   if (st.d % 8 != 0 ||
       !Dispatch<AccumulateOp>(SourceOf(seg, seg.block ? &seg.block->v : nullptr), seg, st)) {
     AccumulatePortable(seg, st);

@@ -141,12 +141,12 @@ struct Shape {
 // The kernels under test and each one's tolerance (normalized max error against the reference
 // on the same dequantized values): the portable and AVX2 kernels with an fp32 query, exact to
 // float rounding, and, where the CPU has AVX2, the AVX2 kernels with the int8 query on the keys
-// at 2 and 4 bits (DecodeAttentionOptions::int8_query). Its error on these shapes peaks near
+// at 2 and 4 bits (DecodeAttentionOptions::integer_dot). Its error on these shapes peaks near
 // 4.5e-3 (on keys with strong outlier channels and logits up to ~15); a wrong group, scale or
 // plane of codes costs 0.07 or more.
 struct Variant {
   AttentionImpl impl;
-  bool int8_query;
+  bool integer_dot;
   double tolerance;
 };
 std::vector<Variant> Variants() {
@@ -180,7 +180,7 @@ TEST(DecodeAttentionTest, FusedMatchesReferenceForEveryCodecShapeAndImpl) {
         for (uint32_t split : {4096u, 40u}) {
           for (size_t i = 0; i < seqs.size(); ++i) batch[i].out = seqs[i]->out.data();
           const absl::Status st =
-              DecodeAttention(params, batch, {var.impl, split, &pool, var.int8_query});
+              DecodeAttention(params, batch, {var.impl, split, &pool, var.integer_dot});
           ASSERT_TRUE(st.ok()) << st;
           for (auto& s : seqs) {
             bool nonzero = false;
@@ -188,7 +188,7 @@ TEST(DecodeAttentionTest, FusedMatchesReferenceForEveryCodecShapeAndImpl) {
             EXPECT_TRUE(nonzero);
             EXPECT_LT(NormalizedMaxError(s->out, s->ref), var.tolerance)
                 << spec << " q=" << sh.q_heads << " kv=" << sh.kv_heads << " d=" << sh.dim
-                << " impl=" << static_cast<int>(var.impl) << " int8=" << var.int8_query
+                << " impl=" << static_cast<int>(var.impl) << " int8=" << var.integer_dot
                 << " split=" << split;
           }
         }
@@ -250,17 +250,17 @@ TEST(DecodeAttentionTest, ChunkedPrefillOverACompressedPrefixIsCausalInTheWindow
             DecodeSequence seq = s->seq;
             seq.out = s->out.data();
             ASSERT_TRUE(
-                DecodeAttention(params, {&seq, 1}, {var.impl, split, &pool, var.int8_query}).ok());
+                DecodeAttention(params, {&seq, 1}, {var.impl, split, &pool, var.integer_dot}).ok());
             EXPECT_LT(NormalizedMaxError(s->out, s->ref), var.tolerance)
                 << spec << " n=" << n << " q=" << sh.q_heads << " kv=" << sh.kv_heads
-                << " impl=" << static_cast<int>(var.impl) << " int8=" << var.int8_query
+                << " impl=" << static_cast<int>(var.impl) << " int8=" << var.integer_dot
                 << " split=" << split;
           }
         }
         // The last new token sees everything: it equals decode of that token alone (with the
         // fp32 query: the int8 one applies to 1, 2, 4 or 8 rows at once, which a batch of rows
         // and a single token need not both be).
-        const DecodeAttentionOptions exact{.pool = &pool, .int8_query = false};
+        const DecodeAttentionOptions exact{.pool = &pool, .integer_dot = false};
         DecodeSequence all = s->seq;
         all.out = s->out.data();
         ASSERT_TRUE(DecodeAttention(params, {&all, 1}, exact).ok());

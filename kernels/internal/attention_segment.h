@@ -33,7 +33,7 @@ struct HeadGroupState {
   std::vector<float> acc;     // [G, D] unnormalized output
   std::vector<float> scores;  // [G, tokens of the current segment] scratch
   std::vector<float> work;    // scratch for the kernels
-  bool int8_query = false;    // DecodeAttentionOptions::int8_query (AVX2 kernels)
+  bool integer_dot = false;    // DecodeAttentionOptions::integer_dot (AVX2 kernels)
 };
 
 // Scores of every token of the segment for the G query heads, into state.scores ([G, T]).
