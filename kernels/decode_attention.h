@@ -63,10 +63,12 @@ struct DecodeAttentionOptions {
   AttentionImpl impl = AttentionImpl::kAuto;  // kAvx2 fails with kUnimplemented without AVX2
   uint32_t tokens_per_split = 4096;           // flash-decoding part size, >= 1
   ThreadPool* pool = nullptr;                 // nullptr: ThreadPool::Default()
-  // AVX2 kernels: keys of the affine codecs at 2 and 4 bits with per-channel parameters (KIVI's
-  // and KCVT's K) take q.k in integers over an int8 query (per query head and token group, the
-  // key scales folded in). Each score then errs by at most s/2 * sum_d code_d, where
-  // s = max_d |q_d * scale_d| / 127; false keeps q in fp32 (exact to float rounding).
+  // AVX2 kernels, affine codecs at 2 and 4 bits (KIVI's and KCVT's K and V, the backbone of
+  // GEAR and ZipCache's): dot products over the packed codes in integers. q.k takes the query
+  // (key scales folded in) as two int8 terms per query head and token group, so a score errs by
+  // at most s/512 * sum_d code_d with s = max_d |q_d * scale_d| / 127; p.v takes the weights
+  // p * scale as int16 per query head and channel group (1/65534 of the largest per token).
+  // false keeps fp32 throughout (exact to float rounding).
   bool integer_dot = true;
 };
 

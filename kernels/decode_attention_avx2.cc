@@ -539,25 +539,25 @@ STRATA_AVX2 void SoftmaxAvx2(uint32_t T, HeadGroupState& st) {
 
 namespace {
 
-// The integer-score kernels (internal/scores_int8.inc), once per instruction set.
+// The integer-score kernels (internal/integer_dot.inc), once per instruction set.
 namespace int8_avx2 {
 #define STRATA_INT8_TARGET "avx2,fma,f16c"
 #define STRATA_INT8_VNNI 0
-#include "kernels/internal/scores_int8.inc"
+#include "kernels/internal/integer_dot.inc"
 #undef STRATA_INT8_TARGET
 #undef STRATA_INT8_VNNI
 }  // namespace int8_avx2
 namespace int8_avx_vnni {
 #define STRATA_INT8_TARGET "avx2,fma,f16c,avxvnni"
 #define STRATA_INT8_VNNI 1
-#include "kernels/internal/scores_int8.inc"
+#include "kernels/internal/integer_dot.inc"
 #undef STRATA_INT8_TARGET
 #undef STRATA_INT8_VNNI
 }  // namespace int8_avx_vnni
 namespace int8_avx512_vnni {
 #define STRATA_INT8_TARGET "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"
 #define STRATA_INT8_VNNI 2
-#include "kernels/internal/scores_int8.inc"
+#include "kernels/internal/integer_dot.inc"
 #undef STRATA_INT8_TARGET
 #undef STRATA_INT8_VNNI
 }  // namespace int8_avx512_vnni
