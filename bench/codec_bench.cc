@@ -11,6 +11,8 @@
 // Flags: kUsage below (--help).
 #include <malloc.h>
 
+#include <algorithm>
+#include <numeric>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -26,7 +28,9 @@
 #include "absl/strings/str_split.h"
 #include "bench/bench_util.h"
 #include "common/half.h"
+#include "common/status_macros.h"
 #include "common/thread_pool.h"
+#include "kernels/calibration.h"
 #include "kernels/codec.h"
 #include "kernels/decode_attention.h"
 #include "kernels/synthetic_kv.h"
@@ -42,17 +46,63 @@ constexpr uint32_t kChunk = 256, kKvHeads = 8, kQHeads = 32, kDim = 128;
 const char* kDefaultCodecs =
     "fp16,int8,fp8e4m3,kivi:k8v8:g32,kivi:k4v4:g32,kivi:k3v3:g32,kivi:k2v2:g32,kivi:k2v2:g128,"
     "kcvt:k4v4,kcvt:k2v2,gearl:k2v2:g32:r4,gearl:k2v2:kcvt:r4,gear:k2v2:kcvt:r2:s1,"
-    "gear:k2v2:kcvt:r4:s2,gear:k2v2:g32:r4:s2,gear:k4v4:g32:r4:s2";
+    "gear:k2v2:kcvt:r4:s2,gear:k2v2:g32:r4:s2,gear:k4v4:g32:r4:s2,skvq:k2v2:g32,skvq:k2v2:g64:m8,"
+    "zipcache:k2v2:h4:s10,tada:k2v2:g32,strata:b3,strata:b2.25";
+
+// The Strata mix has one codec per layer, chosen by calibration on a model; here each budget
+// stands for the layers the bundled model's calibration chose (docs/codecs.md, "What the mix
+// chose"), and its row is the mean over those layers of one pass over each layer's blocks.
+std::vector<std::string> MixLayers(absl::string_view spec) {
+  if (spec == "strata:b3") {
+    return {"skvq:k2v2:g32:m8:sink4", "skvq:k2v2:g64:m8", "kivi:k4v2:g32:sink4"};
+  }
+  if (spec == "strata:b2.25") return {"skvq:k2v2:g64:m8", "kcvt:k2v2:m8", "kcvt:k2v2:m8"};
+  return {};
+}
+
+// A calibration for layer 0 of SKVQ-like codecs at this shape: random channel orders, clipping
+// on (what calibration would learn; the attention kernels' speed does not depend on it).
+std::shared_ptr<kernels::Calibration> BenchCalibration(const std::string& spec, uint32_t dim) {
+  auto c = std::make_shared<kernels::Calibration>();
+  kernels::CodecSpec main = *kernels::CodecSpec::Parse(spec);
+  main.sink_tokens = 0;
+  c->codec = main.ToString();
+  c->kv_heads = kKvHeads;
+  c->head_dim = dim;
+  kernels::LayerCalibration l;
+  std::mt19937 rng(3);
+  for (std::vector<uint16_t>* perm : {&l.k_perm, &l.v_perm}) {
+    for (uint32_t h = 0; h < kKvHeads; ++h) {
+      std::vector<uint16_t> p(dim);
+      std::iota(p.begin(), p.end(), uint16_t{0});
+      std::shuffle(p.begin(), p.end(), rng);
+      perm->insert(perm->end(), p.begin(), p.end());
+    }
+  }
+  l.k_clip = 0.95f;
+  l.v_clip = 0.9f;
+  c->layers.push_back(l);
+  return c;
+}
+
+// A codec of this spec for head dim `dim`, calibrated when it needs it.
+absl::StatusOr<std::unique_ptr<Codec>> MakeCodec(const std::string& spec, uint32_t dim) {
+  STRATA_ASSIGN_OR_RETURN(kernels::CodecSpec parsed, kernels::CodecSpec::Parse(spec));
+  if (parsed.needs_calibration()) return Codec::Create(spec, BenchCalibration(spec, dim));
+  return Codec::Create(spec);
+}
 
 struct Chunks {
   std::vector<std::vector<Half>> k, v;  // fp16 input, [tokens, heads, dim] per chunk
+  uint32_t dim = kDim;
 };
 
-Chunks MakeChunks(uint32_t n, uint64_t seed) {
+Chunks MakeChunks(uint32_t n, uint64_t seed, uint32_t dim = kDim) {
   Chunks c;
+  c.dim = dim;
   for (uint32_t i = 0; i < n; ++i) {
     const kernels::SyntheticKv kv =
-        kernels::MakeSyntheticKv(kChunk, kKvHeads, kDim, seed, i * kChunk);
+        kernels::MakeSyntheticKv(kChunk, kKvHeads, dim, seed, i * kChunk);
     c.k.emplace_back(kv.k.size());
     c.v.emplace_back(kv.v.size());
     FloatToHalf(kv.k.data(), c.k.back().data(), kv.k.size());
@@ -62,7 +112,7 @@ Chunks MakeChunks(uint32_t n, uint64_t seed) {
 }
 
 kernels::KvChunkView View(const Chunks& c, size_t i) {
-  return {c.k[i].data(), c.v[i].data(), SourceDType::kFloat16, kChunk, kKvHeads, kDim};
+  return {c.k[i].data(), c.v[i].data(), SourceDType::kFloat16, kChunk, kKvHeads, c.dim};
 }
 
 struct Encoded {
@@ -73,7 +123,8 @@ struct Encoded {
   size_t bytes = 0;
 };
 
-Encoded Encode(const Codec& codec, const Chunks& c, ThreadPool& pool) {
+Encoded Encode(const Codec& codec, const Chunks& c, ThreadPool& pool,
+               const kernels::Calibration* calibration = nullptr) {
   Encoded e;
   e.buffers.resize(c.k.size());
   pool.ParallelFor(c.k.size(), [&](size_t i) {
@@ -89,7 +140,7 @@ Encoded Encode(const Codec& codec, const Chunks& c, ThreadPool& pool) {
     e.views.push_back(*BlockView::Parse(b.span()));
     e.bytes += b.size();
   }
-  for (const BlockView& v : e.views) e.ops.push_back(*kernels::PrepareBlock(v));
+  for (const BlockView& v : e.views) e.ops.push_back(*kernels::PrepareBlock(v, calibration));
   for (const kernels::PreparedBlock& o : e.ops) {
     for (const BlockOperands& part : o.parts) e.ptrs.push_back(&part);
   }
@@ -181,12 +232,17 @@ int Main(int argc, char** argv) {
               info.commit.c_str());
   std::printf("attention kernels: %s\n", kernels::DecodeAttentionPath());
   const double read_bw = MeasureReadBandwidth(pool.size()), copy_bw = MeasureCopyBandwidth();
-  std::printf("memory: streaming read %.1f GB/s (%d threads), memcpy %.1f GB/s (read+write)\n\n", read_bw / 1e9, pool.size(),
-              copy_bw / 1e9);
+  const double read_bw_1 = MeasureReadBandwidth(1);
+  std::printf(
+      "memory: streaming read %.1f GB/s (%d threads), %.1f GB/s (1 thread); memcpy %.1f GB/s "
+      "(read+write)\n\n",
+      read_bw / 1e9, pool.size(), read_bw_1 / 1e9, copy_bw / 1e9);
 
+  // Tables 1 and 3 take the single codecs (a mix is a choice of them per layer).
   std::vector<std::unique_ptr<Codec>> codecs;
   for (absl::string_view s : absl::StrSplit(codec_list, ',')) {
-    absl::StatusOr<std::unique_ptr<Codec>> c = Codec::Create(s);
+    if (!MixLayers(s).empty()) continue;
+    absl::StatusOr<std::unique_ptr<Codec>> c = MakeCodec(std::string(s), kDim);
     if (!c.ok()) {
       std::fprintf(stderr, "%s\n", std::string(c.status().message()).c_str());
       return 2;
@@ -204,8 +260,8 @@ int Main(int argc, char** argv) {
   for (const auto& c : codecs) {
     if (!table[1]) break;
     const double bits = *c->BitsPerElement(kChunk, kKvHeads, kDim);
-    const double t1 = MedianSeconds(1, [&] { Encode(*c, tput_chunks, one); });
-    const double tn = MedianSeconds(1, [&] { Encode(*c, tput_chunks, pool); });
+    const double t1 = MedianSeconds(1, [&] { Encode(*c, tput_chunks, one, c->calibration()); });
+    const double tn = MedianSeconds(1, [&] { Encode(*c, tput_chunks, pool, c->calibration()); });
     std::printf("%-24s %10.3f %9.3f GB/s %9.3f GB/s\n", c->spec().ToString().c_str(), bits,
                 in_bytes / t1 / 1e9, in_bytes / tn / 1e9);
     j_compress.push_back(Json()
@@ -218,51 +274,94 @@ int Main(int argc, char** argv) {
   }
 
   // ---- 2. attention throughput ----
+  // Configurations: head dim 128 and 64 at each context (batch 1, all threads); one thread at
+  // the longest context; 16 sequences over one shared prefix (a cached prompt) at the shortest.
+  struct AttnConfig {
+    uint32_t dim, ctx, batch;
+    bool one_thread;
+  };
+  std::vector<AttnConfig> configs;
+  for (uint32_t ctx : contexts) {
+    configs.push_back({kDim, ctx, 1, false});
+    configs.push_back({64, ctx, 1, false});
+  }
+  configs.push_back({kDim, *std::max_element(contexts.begin(), contexts.end()), 1, true});
+  configs.push_back({kDim, *std::min_element(contexts.begin(), contexts.end()), 16, false});
   std::vector<std::string> j_attention;
   std::mt19937 rng(5);
   std::normal_distribution<float> normal(0, 1);
-  std::vector<float> q(size_t{kQHeads} * kDim), out(q.size());
-  for (float& x : q) x = normal(rng);
-  const kernels::DecodeAttentionParams params{kQHeads, kKvHeads, kDim};
-  for (uint32_t ctx : contexts) {
+  std::vector<float> out(size_t{kQHeads} * kDim);
+  for (const AttnConfig& cfg : configs) {
     if (!table[2]) break;
-    const Chunks chunks = MakeChunks(ctx / kChunk, 21);
+    ThreadPool& tp = cfg.one_thread ? one : pool;
+    const Chunks chunks = MakeChunks(cfg.ctx / kChunk, 21, cfg.dim);
+    const kernels::DecodeAttentionParams params{kQHeads, kKvHeads, cfg.dim};
+    std::vector<std::vector<float>> qs(cfg.batch, std::vector<float>(size_t{kQHeads} * cfg.dim));
+    std::vector<std::vector<float>> outs(cfg.batch, std::vector<float>(qs[0].size()));
+    for (auto& q : qs) {
+      for (float& x : q) x = normal(rng);
+    }
     std::printf(
         "\n2. decode attention, %u tokens, %u query heads over %u KV heads, head dim %u, "
-        "batch 1, %d threads\n",
-        ctx, kQHeads, kKvHeads, kDim, pool.size());
+        "batch %u%s, %d thread%s\n",
+        cfg.ctx, kQHeads, kKvHeads, cfg.dim, cfg.batch,
+        cfg.batch > 1 ? " (one shared prefix)" : "", tp.size(), tp.size() > 1 ? "s" : "");
     std::printf("%-24s %10s %10s %12s %9s %9s %9s %7s\n", "codec", "KV MiB", "time ms", "KV GB/s",
                 "of read", "speedup", "target", "met");
     double fp16_time = 0, fp16_bytes = 0;
-    for (const auto& c : codecs) {
-      Encoded e = Encode(*c, chunks, pool);
-      kernels::DecodeSequence seq;
-      seq.q = q.data();
-      seq.blocks = e.ptrs;
-      seq.out = out.data();
-      const int reps = ctx > 16384 ? 15 : 30;
-      const double t = MedianSeconds(reps, [&] {
-        const absl::Status s = kernels::DecodeAttention(params, {&seq, 1}, {.pool = &pool});
-        if (!s.ok()) std::abort();
-      });
-      if (c->spec().id == CodecId::kFp16) {
+    for (absl::string_view name : absl::StrSplit(codec_list, ',')) {
+      std::vector<std::string> layers = MixLayers(name);
+      if (layers.empty()) layers.push_back(std::string(name));
+      double t = 0, bytes = 0, nominal = 0;
+      for (const std::string& spec : layers) {
+        absl::StatusOr<std::unique_ptr<Codec>> c = MakeCodec(spec, cfg.dim);
+        if (!c.ok()) {
+          std::fprintf(stderr, "%s: %s\n", spec.c_str(), std::string(c.status().message()).c_str());
+          return 2;
+        }
+        nominal = std::max(nominal, (*c)->spec().nominal_bits());
+        Encoded e = Encode(**c, chunks, pool, (*c)->calibration());
+        std::vector<kernels::DecodeSequence> batch(cfg.batch);
+        for (uint32_t i = 0; i < cfg.batch; ++i) {
+          batch[i].q = qs[i].data();
+          batch[i].blocks = e.ptrs;
+          batch[i].out = outs[i].data();
+        }
+        const int reps = cfg.ctx * cfg.batch > 16384 ? 9 : 21;
+        t += MedianSeconds(reps, [&] {
+          const absl::Status st = kernels::DecodeAttention(params, batch, {.pool = &tp});
+          if (!st.ok()) std::abort();
+        });
+        bytes += e.bytes;
+      }
+      // A mix: per layer (the mean over its layers), comparable with one layer of the others.
+      t /= layers.size();
+      bytes /= layers.size();
+      const std::string label(name);
+      if (label == "fp16") {
         fp16_time = t;
-        fp16_bytes = e.bytes;
+        fp16_bytes = bytes;
       }
       const double speedup = fp16_time > 0 ? fp16_time / t : 0;
-      const double target = fp16_bytes > 0 ? 0.6 * fp16_bytes / e.bytes : 0;
-      const bool compressed = c->spec().nominal_bits() <= 4;
-      std::printf("%-24s %10.1f %10.3f %12.2f %8.0f%% %8.2fx %8.2fx %7s\n",
-                  c->spec().ToString().c_str(), e.bytes / 1048576.0, t * 1e3, e.bytes / t / 1e9,
-                  100 * e.bytes / t / read_bw, speedup, target,
-                  compressed ? (speedup >= target ? "yes" : "NO") : "-");
+      const double target = fp16_bytes > 0 ? 0.6 * fp16_bytes / bytes : 0;
+      const bool compressed = nominal <= 4;
+      // Bytes streamed: each sequence reads the shared blocks once.
+      const double streamed = bytes * cfg.batch;
+      const double bw = cfg.one_thread ? read_bw_1 : read_bw;
+      std::printf("%-24s %10.1f %10.3f %12.2f %8.0f%% %8.2fx %8.2fx %7s\n", label.c_str(),
+                  bytes / 1048576.0, t * 1e3, streamed / t / 1e9, 100 * streamed / t / bw,
+                  speedup, target, compressed ? (speedup >= target ? "yes" : "NO") : "-");
+      std::fflush(stdout);
       j_attention.push_back(Json()
-                                .Str("codec", c->spec().ToString())
-                                .Num("context", ctx)
-                                .Num("kv_bytes", e.bytes)
+                                .Str("codec", label)
+                                .Num("context", cfg.ctx)
+                                .Num("head_dim", cfg.dim)
+                                .Num("batch", cfg.batch)
+                                .Num("threads", tp.size())
+                                .Num("kv_bytes", bytes)
                                 .Num("seconds", t)
-                                .Num("kv_gbps", e.bytes / t / 1e9)
-                                .Num("fraction_of_read_bandwidth", e.bytes / t / read_bw)
+                                .Num("kv_gbps", streamed / t / 1e9)
+                                .Num("fraction_of_read_bandwidth", streamed / t / bw)
                                 .Num("speedup_vs_fp16", speedup)
                                 .Num("target_speedup", target)
                                 .Done());
@@ -270,6 +369,7 @@ int Main(int argc, char** argv) {
   }
 
   // ---- 3. error on synthetic KV ----
+  const kernels::DecodeAttentionParams params{kQHeads, kKvHeads, kDim};
   std::vector<std::string> j_error;
   constexpr uint32_t kErrChunks = 8, kQueries = 8;
   const uint32_t tokens = kErrChunks * kChunk;
@@ -305,7 +405,7 @@ int Main(int argc, char** argv) {
               "V rel err", "attn rel err");
   for (const auto& c : codecs) {
     if (!table[3]) break;
-    Encoded e = Encode(*c, err_chunks, pool);
+    Encoded e = Encode(*c, err_chunks, pool, c->calibration());
     std::vector<float> k_dec(k_all.size()), v_dec(v_all.size());
     const size_t per = size_t{kChunk} * kKvHeads * kDim;
     for (uint32_t i = 0; i < kErrChunks; ++i) {
@@ -339,6 +439,7 @@ int Main(int argc, char** argv) {
   const std::string json =
       ResultJson("codec_bench", info)
           .Num("read_bandwidth_gbps", read_bw / 1e9)
+          .Num("read_bandwidth_1_thread_gbps", read_bw_1 / 1e9)
           .Num("copy_bandwidth_gbps", copy_bw / 1e9)
           .Str("attention_kernels", kernels::DecodeAttentionPath())
           .Raw("compression", JsonArray(j_compress))

@@ -564,18 +564,33 @@ namespace int8_avx512_vnni {
 
 using ScoreKernel = void (*)(const Segment&, HeadGroupState&);
 
-// The integer-score kernel for this segment's keys, or nullptr: affine codes at 2 or 4 bits with
-// per-channel parameters (KIVI's and KCVT's K), rows a multiple of 16 bytes, 1/2/4/8 heads.
+// The integer-score kernel for this segment's keys, or nullptr: affine codes at 2 or 4 bits, rows
+// a multiple of 16 bytes, 1/2/4/8 heads; per-channel parameters (KIVI's and KCVT's K) or
+// per-token channel groups (SKVQ's K).
 ScoreKernel Int8ScoresFor(const Segment& seg, const HeadGroupState& st) {
   if (!st.integer_dot || seg.block == nullptr) return nullptr;
   const TensorOperands& k = seg.block->k;
-  if (k.kind != CodeKind::kAffine || k.token_groups || k.row_bytes % 16 != 0 ||
+  if (k.kind != CodeKind::kAffine || k.row_bytes % 16 != 0 ||
       k.row_bytes * 8 != st.d * static_cast<uint32_t>(k.bits) || st.d % 32 != 0 ||
       st.d > int8_avx2::kMaxInt8Dim ||
       (k.bits != 2 && k.bits != 4)) {
     return nullptr;
   }
   const Int8Isa isa = Int8ScoresIsa();
+  if (k.token_groups) {  // SKVQ's K: groups of whole lanes, at most 8 per vector
+    const uint32_t lane_span = 4 * (8 / static_cast<uint32_t>(k.bits));
+    if (k.groups > 8 || (k.groups > 1 && k.group_size % lane_span != 0)) return nullptr;
+    if (isa == Int8Isa::kAvx512Vnni) {
+      return k.bits == 4 ? int8_avx512_vnni::ScoresTokenGroupsFor<4>(st.g)
+                         : int8_avx512_vnni::ScoresTokenGroupsFor<2>(st.g);
+    }
+    if (isa == Int8Isa::kAvxVnni) {
+      return k.bits == 4 ? int8_avx_vnni::ScoresTokenGroupsFor<4>(st.g)
+                         : int8_avx_vnni::ScoresTokenGroupsFor<2>(st.g);
+    }
+    return k.bits == 4 ? int8_avx2::ScoresTokenGroupsFor<4>(st.g)
+                       : int8_avx2::ScoresTokenGroupsFor<2>(st.g);
+  }
   if (isa == Int8Isa::kAvx512Vnni) {
     return k.bits == 4 ? int8_avx512_vnni::ScoresInt8For<4>(st.g)
                        : int8_avx512_vnni::ScoresInt8For<2>(st.g);
