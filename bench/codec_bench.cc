@@ -401,8 +401,8 @@ int Main(int argc, char** argv) {
       "\n3. error on synthetic KV (%u tokens, %u KV heads, head dim %u; attention: %u "
       "queries x %u heads, logit std 2.5, vs fp32 attention)\n",
       tokens, kKvHeads, kDim, kQueries, kQHeads);
-  std::printf("%-24s %9s %9s %10s %10s %12s\n", "codec", "bits", "nominal", "K rel err",
-              "V rel err", "attn rel err");
+  std::printf("%-24s %9s %9s %10s %10s %12s %12s\n", "codec", "bits", "nominal", "K rel err",
+              "V rel err", "attn rel err", "int vs fp32");
   for (const auto& c : codecs) {
     if (!table[3]) break;
     Encoded e = Encode(*c, err_chunks, pool, c->calibration());
@@ -414,7 +414,10 @@ int Main(int argc, char** argv) {
     }
     const double ek = RelErr(k_dec.data(), k_all.data(), k_all.size());
     const double ev = RelErr(v_dec.data(), v_all.data(), v_all.size());
-    double ea = 0;
+    // The attention error against fp32 attention, and the integer kernels' own share: their
+    // output against the same kernels with fp32 dot products (DecodeAttentionOptions).
+    double ea = 0, eint = 0;
+    std::vector<float> exact(out.size());
     for (uint32_t i = 0; i < kQueries; ++i) {
       kernels::DecodeSequence s;
       s.q = queries[i].data();
@@ -422,10 +425,14 @@ int Main(int argc, char** argv) {
       s.out = out.data();
       if (!kernels::DecodeAttention(params, {&s, 1}, {.pool = &pool}).ok()) std::abort();
       ea += RelErr(out.data(), ref[i].data(), out.size()) / kQueries;
+      s.out = exact.data();
+      if (!kernels::DecodeAttention(params, {&s, 1}, {.pool = &pool, .integer_dot = false}).ok())
+        std::abort();
+      eint += RelErr(out.data(), exact.data(), out.size()) / kQueries;
     }
     const double bits = e.bytes * 8.0 / (2.0 * tokens * kKvHeads * kDim);
-    std::printf("%-24s %9.3f %9.1f %10.4f %10.4f %12.5f\n", c->spec().ToString().c_str(), bits,
-                c->spec().nominal_bits(), ek, ev, ea);
+    std::printf("%-24s %9.3f %9.1f %10.4f %10.4f %12.5f %12.2e\n", c->spec().ToString().c_str(),
+                bits, c->spec().nominal_bits(), ek, ev, ea, eint);
     j_error.push_back(Json()
                           .Str("codec", c->spec().ToString())
                           .Num("bits_per_element", bits)
@@ -433,6 +440,7 @@ int Main(int argc, char** argv) {
                           .Num("k_rel_error", ek)
                           .Num("v_rel_error", ev)
                           .Num("attention_rel_error", ea)
+                          .Num("integer_dot_rel_error", eint)
                           .Done());
   }
 
