@@ -89,7 +89,7 @@ struct AffineResult {
   std::vector<uint16_t> scales, zeros;    // fp16 bits
   std::vector<uint8_t> scales8, zeros8;   // fp8 e4m3, when asked for
   float multipliers[2] = {1.0f, 1.0f};    // of the fp8 scales and zero points
-  std::vector<float> dequant;  // head-major, backbone only
+  std::vector<float> dequant;  // head-major, backbone only; empty unless asked for
 };
 
 // Quantizes x asymmetrically in groups; mask (may be empty) marks outliers left out of each
@@ -97,12 +97,13 @@ struct AffineResult {
 // (head, token).
 AffineResult QuantizeAffine(const HeadMajor& x, bool per_channel, uint32_t gs, uint32_t groups,
                             int bits, const std::vector<uint8_t>& mask, float clip = 1.0f,
-                            bool fp8_meta = false) {
+                            bool fp8_meta = false, bool want_dequant = true) {
   const uint32_t T = x.t, H = x.h, D = x.d;
   const float qmax = static_cast<float>((1 << bits) - 1);
   AffineResult r;
   std::vector<uint8_t> codes(x.x.size());
-  r.dequant.resize(x.x.size());
+  if (want_dequant) r.dequant.resize(x.x.size());
+  float* dequant = want_dequant ? r.dequant.data() : nullptr;
   const size_t n_params = per_channel ? size_t{H} * groups * D : size_t{H} * T * groups;
   r.scales.resize(n_params);
   r.zeros.resize(n_params);
@@ -146,7 +147,11 @@ AffineResult QuantizeAffine(const HeadMajor& x, bool per_channel, uint32_t gs, u
       const float y = std::max((x.x[base + d] - z[d]) * iv[d] + 0.5f, 0.0f);
       const float q = std::min(static_cast<float>(static_cast<int32_t>(y)), qmax);
       codes[base + d] = static_cast<uint8_t>(q);
-      r.dequant[base + d] = z[d] + q * s[d];
+    }
+    if (dequant != nullptr) {
+      for (uint32_t d = d0; d < d1; ++d) {
+        dequant[base + d] = z[d] + static_cast<float>(codes[base + d]) * s[d];
+      }
     }
   };
   for (uint32_t h = 0; h < H; ++h) {
@@ -392,8 +397,9 @@ absl::Status WriteAffine(const CodecSpec& s, const CodecLayout& layout, const Kv
     std::vector<size_t> outliers;
     if (tl.outliers > 0) outliers = SelectOutliers(m, is_k, tl.outliers, mask);
     const int bits = is_k ? s.k_bits : s.v_bits;
-    AffineResult q =
-        QuantizeAffine(m, !tl.token_groups, tl.group_size, tl.groups, bits, mask, clip, s.fp8_meta);
+    // The dequantized backbone only where a residual is taken from it (GEAR).
+    AffineResult q = QuantizeAffine(m, !tl.token_groups, tl.group_size, tl.groups, bits, mask, clip,
+                                    s.fp8_meta, tl.rank > 0 || tl.outliers > 0);
 
     int next = section;
     Put(b, next++, q.packed);
