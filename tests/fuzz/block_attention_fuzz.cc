@@ -54,7 +54,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const DecodeAttentionParams params{q_heads, ops->kv_heads, ops->head_dim};
   for (AttentionImpl impl : {AttentionImpl::kPortable, AttentionImpl::kAvx2}) {
     if (impl == AttentionImpl::kAvx2 && !DecodeAttentionUsesAvx2()) continue;
-    if (!DecodeAttention(params, {&seq, 1}, {impl, 4096, &pool}).ok()) __builtin_trap();
+    for (bool integer_dot : {true, false}) {  // the integer kernels and the fp32 ones
+      if (!DecodeAttention(params, {&seq, 1}, {impl, 4096, &pool, integer_dot}).ok()) {
+        __builtin_trap();
+      }
+    }
   }
   return 0;
 }
