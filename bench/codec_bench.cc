@@ -15,6 +15,7 @@
 #include <numeric>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <memory>
@@ -470,7 +471,12 @@ int Main(int argc, char** argv) {
           .Raw("attention", JsonArray(j_attention))
           .Raw("error", JsonArray(j_error))
           .Done();
-  const std::string path = ResultPath(out_dir, "codec_bench", info) + ".json";
+  // A run with the CPU features capped (STRATA_ISA=avx2) gets a file of its own.
+  const char* isa = std::getenv("STRATA_ISA");
+  const std::string path =
+      ResultPath(out_dir, "codec_bench", info,
+                 isa != nullptr && *isa != '\0' ? absl::StrCat("isa-", isa) : "") +
+      ".json";
   if (!WriteResultFile(path, json + "\n")) return 1;
   std::printf("\nwrote %s\n", path.c_str());
   return 0;
