@@ -13,6 +13,7 @@
 #include "common/half.h"
 #include "common/status_macros.h"
 #include "kernels/bit_pack.h"
+#include "kernels/internal/codec_simd.h"
 #include "kernels/codec_layout.h"
 #include "kernels/low_rank.h"
 
@@ -119,7 +120,9 @@ AffineResult QuantizeAffine(const HeadMajor& x, bool per_channel, uint32_t gs, u
     r.multipliers[1] = maxabs / kFp8E4M3Max;
   }
   const bool masked = !mask.empty();
-  std::vector<float> mn(D), mx(D), scale(D), zero(D), inv(D);
+  // The AVX2 loops give the same bytes (kernels/internal/codec_simd.h).
+  const bool simd = internal::HaveCodecSimd();
+  std::vector<float> mn(D), mx(D), scale(D), zero(D), inv(D), glo, ghi;
   // Stores the fp16 parameters of one group and returns them as float (what decode sees).
   auto params = [&](float lo, float hi, size_t p, float* s_out, float* z_out, float* inv_out) {
     if (lo > hi) lo = hi = 0;  // every element of the group is an outlier
@@ -143,10 +146,14 @@ AffineResult QuantizeAffine(const HeadMajor& x, bool per_channel, uint32_t gs, u
                           const float* iv) {
     // Round half up, clamped to [0, qmax]; truncation of a non-negative value is floor, which
     // keeps the loop vectorizable without SSE4.1's roundps.
-    for (uint32_t d = d0; d < d1; ++d) {
-      const float y = std::max((x.x[base + d] - z[d]) * iv[d] + 0.5f, 0.0f);
-      const float q = std::min(static_cast<float>(static_cast<int32_t>(y)), qmax);
-      codes[base + d] = static_cast<uint8_t>(q);
+    if (simd) {
+      internal::QuantizeRowAvx2(&x.x[base + d0], z + d0, iv + d0, d1 - d0, qmax, &codes[base + d0]);
+    } else {
+      for (uint32_t d = d0; d < d1; ++d) {
+        const float y = std::max((x.x[base + d] - z[d]) * iv[d] + 0.5f, 0.0f);
+        const float q = std::min(static_cast<float>(static_cast<int32_t>(y)), qmax);
+        codes[base + d] = static_cast<uint8_t>(q);
+      }
     }
     if (dequant != nullptr) {
       for (uint32_t d = d0; d < d1; ++d) {
@@ -161,13 +168,18 @@ AffineResult QuantizeAffine(const HeadMajor& x, bool per_channel, uint32_t gs, u
         const uint32_t t0 = g * gs, t1 = std::min(T, t0 + gs);
         std::fill(mn.begin(), mn.end(), INFINITY);
         std::fill(mx.begin(), mx.end(), -INFINITY);
-        for (uint32_t t = t0; t < t1; ++t) {
-          const size_t base = (size_t{h} * T + t) * D;
-          for (uint32_t d = 0; d < D; ++d) {
-            const float v = x.x[base + d];
-            const bool skip = masked && mask[base + d];
-            mn[d] = skip ? mn[d] : std::min(mn[d], v);
-            mx[d] = skip ? mx[d] : std::max(mx[d], v);
+        if (simd && !masked) {
+          internal::ColumnMinMaxAvx2(&x.x[(size_t{h} * T + t0) * D], D, t1 - t0, D, mn.data(),
+                                     mx.data());
+        } else {
+          for (uint32_t t = t0; t < t1; ++t) {
+            const size_t base = (size_t{h} * T + t) * D;
+            for (uint32_t d = 0; d < D; ++d) {
+              const float v = x.x[base + d];
+              const bool skip = masked && mask[base + d];
+              mn[d] = skip ? mn[d] : std::min(mn[d], v);
+              mx[d] = skip ? mx[d] : std::max(mx[d], v);
+            }
           }
         }
         for (uint32_t d = 0; d < D; ++d) {
@@ -181,14 +193,29 @@ AffineResult QuantizeAffine(const HeadMajor& x, bool per_channel, uint32_t gs, u
       // V: one group = gs channels of one token.
       for (uint32_t t = 0; t < T; ++t) {
         const size_t base = (size_t{h} * T + t) * D;
+        const bool simd_groups = simd && !masked && gs % 8 == 0;
+        if (simd_groups) {
+          glo.resize(groups);
+          ghi.resize(groups);
+          internal::GroupMinMaxAvx2(&x.x[base], D, gs, glo.data(), ghi.data());
+        }
         for (uint32_t g = 0; g < groups; ++g) {
           const uint32_t d0 = g * gs, d1 = std::min(D, d0 + gs);
           float lo = INFINITY, hi = -INFINITY;
-          for (uint32_t d = d0; d < d1; ++d) {
-            if (masked && mask[base + d]) continue;
-            lo = std::min(lo, x.x[base + d]);
-            hi = std::max(hi, x.x[base + d]);
+          if (simd_groups) {
+            lo = glo[g];
+            hi = ghi[g];
+          } else {
+            for (uint32_t d = d0; d < d1; ++d) {
+              if (masked && mask[base + d]) continue;
+              lo = std::min(lo, x.x[base + d]);
+              hi = std::max(hi, x.x[base + d]);
+            }
           }
+          // -0 and +0 compare equal, so which one a min or max keeps depends on the order of
+          // the scan (the vector scan's differs): take +0 for either.
+          lo += 0.0f;
+          hi += 0.0f;
           if (clip != 1.0f && lo <= hi) {  // SKVQ: clipped dynamic range
             lo *= clip;
             hi *= clip;
@@ -205,7 +232,11 @@ AffineResult QuantizeAffine(const HeadMajor& x, bool per_channel, uint32_t gs, u
     }
   }
   r.packed.resize(PackedBytes(codes.size(), bits));
-  PackBits(codes.data(), codes.size(), bits, r.packed.data());
+  if (simd) {
+    internal::PackBitsAvx2(codes.data(), codes.size(), bits, r.packed.data());
+  } else {
+    PackBits(codes.data(), codes.size(), bits, r.packed.data());
+  }
   return r;
 }
 

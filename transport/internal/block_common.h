@@ -23,8 +23,11 @@ using HandlerList = std::vector<std::pair<uint16_t, void (Impl::*)(IncomingMessa
 template <typename Impl>
 void InstallHandlers(Transport* transport, const std::shared_ptr<Impl>& impl,
                      const HandlerList<Impl>& handlers) {
-  for (const auto& [id, method] : handlers) {
-    transport->SetHandler(id, [weak = std::weak_ptr<Impl>(impl), method](IncomingMessage& m) {
+  for (const auto& handler : handlers) {
+    // (Not a structured binding: clang before 16 cannot capture one, and the fuzzers build with
+    // clang.)
+    transport->SetHandler(handler.first, [weak = std::weak_ptr<Impl>(impl),
+                                          method = handler.second](IncomingMessage& m) {
       if (auto self = weak.lock()) ((*self).*method)(m);
     });
   }

@@ -1,0 +1,142 @@
+// AVX2 loops of the affine quantizer; see kernels/internal/codec_simd.h. Compiled for AVX2 by
+// target attributes (not FMA: the portable loops multiply and add separately).
+#include "kernels/internal/codec_simd.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+
+#include "common/cpu_features.h"
+#include "kernels/bit_pack.h"
+
+#define STRATA_CODEC_AVX2 __attribute__((target("avx2")))
+
+namespace strata::kernels::internal {
+
+namespace {
+std::atomic<bool> simd_enabled{true};
+}  // namespace
+
+bool HaveCodecSimd() { return GetCpuFeatures().avx2 && simd_enabled.load(std::memory_order_relaxed); }
+void SetCodecSimdForTesting(bool enabled) { simd_enabled.store(enabled); }
+
+STRATA_CODEC_AVX2 void ColumnMinMaxAvx2(const float* rows, size_t stride, uint32_t n, uint32_t D,
+                                        float* mn, float* mx) {
+  uint32_t d = 0;
+  for (; d + 8 <= D; d += 8) {
+    __m256 lo = _mm256_loadu_ps(mn + d), hi = _mm256_loadu_ps(mx + d);
+    for (uint32_t t = 0; t < n; ++t) {
+      const __m256 v = _mm256_loadu_ps(rows + t * stride + d);
+      lo = _mm256_min_ps(v, lo);  // (v < lo) ? v : lo, as std::min(lo, v)
+      hi = _mm256_max_ps(v, hi);  // (v > hi) ? v : hi, as std::max(hi, v)
+    }
+    _mm256_storeu_ps(mn + d, lo);
+    _mm256_storeu_ps(mx + d, hi);
+  }
+  for (; d < D; ++d) {
+    for (uint32_t t = 0; t < n; ++t) {
+      mn[d] = std::min(mn[d], rows[t * stride + d]);
+      mx[d] = std::max(mx[d], rows[t * stride + d]);
+    }
+  }
+}
+
+STRATA_CODEC_AVX2 void GroupMinMaxAvx2(const float* row, uint32_t D, uint32_t gs, float* lo,
+                                       float* hi) {
+  for (uint32_t d0 = 0, g = 0; d0 < D; d0 += gs, ++g) {
+    const uint32_t d1 = std::min(D, d0 + gs);
+    __m256 vl = _mm256_set1_ps(INFINITY), vh = _mm256_set1_ps(-INFINITY);
+    uint32_t d = d0;
+    for (; d + 8 <= d1; d += 8) {
+      const __m256 v = _mm256_loadu_ps(row + d);
+      vl = _mm256_min_ps(v, vl);
+      vh = _mm256_max_ps(v, vh);
+    }
+    alignas(32) float l[8], h[8];
+    _mm256_store_ps(l, vl);
+    _mm256_store_ps(h, vh);
+    // min and max ignore order among non-NaN values; a NaN input was skipped above as
+    // std::min/std::max skip it.
+    float a = l[0], b = h[0];
+    for (int i = 1; i < 8; ++i) {
+      a = std::min(a, l[i]);
+      b = std::max(b, h[i]);
+    }
+    for (; d < d1; ++d) {
+      a = std::min(a, row[d]);
+      b = std::max(b, row[d]);
+    }
+    lo[g] = a;
+    hi[g] = b;
+  }
+}
+
+STRATA_CODEC_AVX2 void QuantizeRowAvx2(const float* x, const float* z, const float* inv,
+                                       uint32_t n, float qmax, uint8_t* codes) {
+  const __m256 half = _mm256_set1_ps(0.5f), zero = _mm256_setzero_ps(),
+               vq = _mm256_set1_ps(qmax);
+  uint32_t d = 0;
+  for (; d + 32 <= n; d += 32) {
+    __m256i q[4];
+    for (int u = 0; u < 4; ++u) {
+      const uint32_t i = d + 8 * u;
+      const __m256 y = _mm256_add_ps(
+          _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(z + i)),
+                        _mm256_loadu_ps(inv + i)),
+          half);
+      // std::max(y, 0) keeps a NaN y: max_ps returns its second operand on NaN.
+      const __m256 c = _mm256_max_ps(zero, y);
+      const __m256 f = _mm256_cvtepi32_ps(_mm256_cvttps_epi32(c));
+      q[u] = _mm256_cvttps_epi32(_mm256_min_ps(f, vq));
+    }
+    const __m256i ab = _mm256_packus_epi32(q[0], q[1]), cd = _mm256_packus_epi32(q[2], q[3]);
+    const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(ab, cd),
+                                                      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + d), bytes);
+  }
+  for (; d < n; ++d) {
+    const float y = std::max((x[d] - z[d]) * inv[d] + 0.5f, 0.0f);
+    const float q = std::min(static_cast<float>(static_cast<int32_t>(y)), qmax);
+    codes[d] = static_cast<uint8_t>(q);
+  }
+}
+
+STRATA_CODEC_AVX2 void PackBitsAvx2(const uint8_t* codes, size_t n, int bits, uint8_t* out) {
+  if (bits != 2 && bits != 4) {
+    PackBits(codes, n, bits, out);
+    return;
+  }
+  size_t i = 0;
+  if (bits == 4) {
+    // 64 codes to 32 bytes: c0 + 16 c1 per pair.
+    const __m256i w = _mm256_set1_epi16(0x1001);
+    for (; i + 64 <= n; i += 64) {
+      const __m256i a = _mm256_maddubs_epi16(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + i)), w);
+      const __m256i b = _mm256_maddubs_epi16(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + i + 32)), w);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i / 2),
+                          _mm256_permute4x64_epi64(_mm256_packus_epi16(a, b), 0xd8));
+    }
+  } else {
+    // 128 codes to 32 bytes: c0 + 4 c1 per pair, then u0 + 16 u1 per pair of pairs.
+    const __m256i w = _mm256_set1_epi16(0x0401), w2 = _mm256_set1_epi32(0x00100001);
+    for (; i + 128 <= n; i += 128) {
+      __m256i q[4];
+      for (int u = 0; u < 4; ++u) {
+        const __m256i pairs = _mm256_maddubs_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + i + 32 * u)), w);
+        q[u] = _mm256_madd_epi16(pairs, w2);  // 8 bytes' worth, one per int32
+      }
+      const __m256i ab = _mm256_packus_epi32(q[0], q[1]), cd = _mm256_packus_epi32(q[2], q[3]);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i / 4),
+                          _mm256_permutevar8x32_epi32(_mm256_packus_epi16(ab, cd),
+                                                      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    }
+  }
+  PackBits(codes + i, n - i, bits, out + i * bits / 8);
+}
+
+}  // namespace strata::kernels::internal

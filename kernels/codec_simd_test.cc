@@ -1,0 +1,141 @@
+#include "kernels/internal/codec_simd.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/bit_pack.h"
+#include "kernels/codec.h"
+#include "kernels/synthetic_kv.h"
+
+namespace strata::kernels {
+namespace {
+
+using internal::HaveCodecSimd;
+
+uint32_t Bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+// Values that meet the loops' edge cases: both zeros, exact halves after scaling, a group's
+// constant value, magnitudes far apart.
+std::vector<float> Values(size_t n, uint64_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0, 2);
+  std::vector<float> v(n);
+  for (size_t i = 0; i < n; ++i) {
+    switch (rng() % 8) {
+      case 0:
+        v[i] = 0.0f;
+        break;
+      case 1:
+        v[i] = -0.0f;
+        break;
+      case 2:
+        v[i] = static_cast<float>(static_cast<int>(rng() % 16)) * 0.25f;  // ties after scaling
+        break;
+      case 3:
+        v[i] = normal(rng) * 1000.0f;
+        break;
+      default:
+        v[i] = normal(rng);
+    }
+  }
+  return v;
+}
+
+TEST(CodecSimdTest, LoopsEqualThePortableLoopsBitForBit) {
+  if (!HaveCodecSimd()) GTEST_SKIP() << "skipped: no AVX2 on this CPU";
+  for (uint32_t D : {1u, 7u, 8u, 32u, 64u, 100u, 128u}) {
+    for (uint32_t n : {1u, 5u, 32u}) {
+      const std::vector<float> rows = Values(size_t{n} * D, D * 31 + n);
+      std::vector<float> mn(D, INFINITY), mx(D, -INFINITY), rmn = mn, rmx = mx;
+      internal::ColumnMinMaxAvx2(rows.data(), D, n, D, mn.data(), mx.data());
+      for (uint32_t t = 0; t < n; ++t) {
+        for (uint32_t d = 0; d < D; ++d) {
+          rmn[d] = std::min(rmn[d], rows[size_t{t} * D + d]);
+          rmx[d] = std::max(rmx[d], rows[size_t{t} * D + d]);
+        }
+      }
+      for (uint32_t d = 0; d < D; ++d) {
+        ASSERT_EQ(Bits(mn[d]), Bits(rmn[d])) << "D=" << D << " n=" << n << " d=" << d;
+        ASSERT_EQ(Bits(mx[d]), Bits(rmx[d])) << "D=" << D << " n=" << n << " d=" << d;
+      }
+    }
+    for (uint32_t gs : {8u, 16u, 32u, 64u}) {
+      const std::vector<float> row = Values(D, D + gs);
+      const uint32_t groups = (D + gs - 1) / gs;
+      std::vector<float> lo(groups), hi(groups);
+      internal::GroupMinMaxAvx2(row.data(), D, gs, lo.data(), hi.data());
+      for (uint32_t g = 0; g < groups; ++g) {
+        float a = INFINITY, b = -INFINITY;
+        for (uint32_t d = g * gs; d < std::min(D, g * gs + gs); ++d) {
+          a = std::min(a, row[d]);
+          b = std::max(b, row[d]);
+        }
+        // Equal as values; which zero a scan keeps depends on its order (the codec takes +0).
+        EXPECT_EQ(Bits(lo[g] + 0.0f), Bits(a + 0.0f)) << "D=" << D << " gs=" << gs;
+        EXPECT_EQ(Bits(hi[g] + 0.0f), Bits(b + 0.0f)) << "D=" << D << " gs=" << gs;
+      }
+    }
+    for (float qmax : {3.0f, 15.0f, 255.0f}) {
+      const std::vector<float> x = Values(D, D), z = Values(D, D + 1);
+      std::vector<float> inv(D);
+      std::mt19937 rng(D);
+      for (float& v : inv) v = static_cast<float>(rng() % 64) * 0.5f;  // 0 included
+      std::vector<uint8_t> codes(D), ref(D);
+      internal::QuantizeRowAvx2(x.data(), z.data(), inv.data(), D, qmax, codes.data());
+      for (uint32_t d = 0; d < D; ++d) {
+        const float y = std::max((x[d] - z[d]) * inv[d] + 0.5f, 0.0f);
+        ref[d] = static_cast<uint8_t>(
+            std::min(static_cast<float>(static_cast<int32_t>(std::min(y, 1e9f))), qmax));
+      }
+      EXPECT_EQ(codes, ref) << "D=" << D << " qmax=" << qmax;
+    }
+  }
+  for (int bits : {2, 3, 4, 8}) {
+    for (size_t n : {0, 1, 31, 63, 64, 65, 127, 128, 129, 300}) {
+      std::mt19937 rng(static_cast<uint32_t>(n * 8 + bits));
+      std::vector<uint8_t> codes(n);
+      for (uint8_t& c : codes) c = static_cast<uint8_t>(rng() % (1u << bits));
+      std::vector<uint8_t> a(PackedBytes(n, bits) + 1, 0xAA), b = a;
+      internal::PackBitsAvx2(codes.data(), n, bits, a.data());
+      PackBits(codes.data(), n, bits, b.data());
+      EXPECT_EQ(a, b) << "bits=" << bits << " n=" << n;
+    }
+  }
+}
+
+// Every codec's blocks are the same bytes with the AVX2 loops and without.
+TEST(CodecSimdTest, BlocksAreTheSameBytesWithAndWithoutAvx2) {
+  if (!HaveCodecSimd()) GTEST_SKIP() << "skipped: no AVX2 on this CPU";
+  for (const char* spec : {"kivi:k2v2:g32", "kivi:k4v4:g32", "kivi:k3v3:g64", "kivi:k8v8:g16",
+                           "kcvt:k2v2", "kivi:k2v2:g32:m8", "gear:k2v2:g32:r4:s2",
+                           "zipcache:k2v2:h4:s10", "tada:k2v2:g32", "kivi:k4v2:g32:sink4"}) {
+    for (uint32_t dim : {64u, 128u, 40u}) {
+      const SyntheticKv kv = MakeSyntheticKv(77, 4, dim, 9, 0);
+      const KvChunkView view{kv.k.data(), kv.v.data(), SourceDType::kFloat32, 77, 4, dim};
+      auto codec = Codec::Create(spec);
+      ASSERT_TRUE(codec.ok()) << spec;
+      absl::StatusOr<AlignedBuffer> fast = (*codec)->Encode(view, {});
+      internal::SetCodecSimdForTesting(false);
+      absl::StatusOr<AlignedBuffer> portable = (*codec)->Encode(view, {});
+      internal::SetCodecSimdForTesting(true);
+      ASSERT_TRUE(fast.ok() && portable.ok()) << spec << " d=" << dim;
+      ASSERT_EQ(fast->size(), portable->size()) << spec;
+      EXPECT_EQ(std::memcmp(fast->data(), portable->data(), fast->size()), 0)
+          << spec << " d=" << dim;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace strata::kernels

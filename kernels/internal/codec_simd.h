@@ -1,0 +1,31 @@
+// Internal to kernels/: AVX2 loops of the affine quantizer (codec.cc), each equal bit for bit to
+// the portable loop it replaces (same operations in the same order, no FMA contraction), so that
+// a block's bytes do not depend on the machine that made it. Call only when HaveCodecSimd().
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace strata::kernels::internal {
+
+// True on a CPU with AVX2 unless a test turned the loops off (SetCodecSimdForTesting).
+bool HaveCodecSimd();
+void SetCodecSimdForTesting(bool enabled);
+
+// mn[d] = std::min(mn[d], v) and mx[d] = std::max(mx[d], v) over v = rows[t * stride + d],
+// t in [0, n), d in [0, D).
+void ColumnMinMaxAvx2(const float* rows, size_t stride, uint32_t n, uint32_t D, float* mn,
+                      float* mx);
+
+// The min and max of each group of `gs` values of row[0, D) (gs a multiple of 8), folded as
+// std::min / std::max from +inf / -inf.
+void GroupMinMaxAvx2(const float* row, uint32_t D, uint32_t gs, float* lo, float* hi);
+
+// codes[d] = min(floor(max((x[d] - z[d]) * inv[d] + 0.5, 0)), qmax), d in [0, n).
+void QuantizeRowAvx2(const float* x, const float* z, const float* inv, uint32_t n, float qmax,
+                     uint8_t* codes);
+
+// PackBits (kernels/bit_pack.h) for 2 and 4 bits; other widths go to it.
+void PackBitsAvx2(const uint8_t* codes, size_t n, int bits, uint8_t* out);
+
+}  // namespace strata::kernels::internal
