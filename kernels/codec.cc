@@ -59,7 +59,11 @@ absl::StatusOr<HeadMajor> ToHeadMajor(const KvChunkView& c, const void* src, con
       float* dst = &m.at(head, tok, 0);
       SourceRow(src, c.dtype, (size_t{tok} * m.h + head) * m.d, m.d, dst);
       bool ok = true;  // one branch-free pass; the slow path finds the culprit
-      for (uint32_t ch = 0; ch < m.d; ++ch) ok &= std::fabs(dst[ch]) <= limit;
+      if (internal::HaveCodecSimd()) {
+        ok = internal::AllWithinAvx2(dst, m.d, limit);
+      } else {
+        for (uint32_t ch = 0; ch < m.d; ++ch) ok &= std::fabs(dst[ch]) <= limit;
+      }
       if (ok) continue;
       for (uint32_t ch = 0; ch < m.d; ++ch) {
         const float v = dst[ch];
@@ -122,7 +126,7 @@ AffineResult QuantizeAffine(const HeadMajor& x, bool per_channel, uint32_t gs, u
   const bool masked = !mask.empty();
   // The AVX2 loops give the same bytes (kernels/internal/codec_simd.h).
   const bool simd = internal::HaveCodecSimd();
-  std::vector<float> mn(D), mx(D), scale(D), zero(D), inv(D), glo, ghi;
+  std::vector<float> mn(D), mx(D), scale(D), zero(D), inv(D), glo, ghi, gs_scale, gs_zero, gs_inv;
   // Stores the fp16 parameters of one group and returns them as float (what decode sees).
   auto params = [&](float lo, float hi, size_t p, float* s_out, float* z_out, float* inv_out) {
     if (lo > hi) lo = hi = 0;  // every element of the group is an outlier
@@ -182,8 +186,14 @@ AffineResult QuantizeAffine(const HeadMajor& x, bool per_channel, uint32_t gs, u
             }
           }
         }
-        for (uint32_t d = 0; d < D; ++d) {
-          params(mn[d], mx[d], (size_t{h} * groups + g) * D + d, &scale[d], &zero[d], &inv[d]);
+        if (simd && !fp8_meta) {
+          const size_t p0 = (size_t{h} * groups + g) * D;
+          internal::AffineParamsAvx2(mn.data(), mx.data(), D, qmax, &r.scales[p0], &r.zeros[p0],
+                                     scale.data(), zero.data(), inv.data());
+        } else {
+          for (uint32_t d = 0; d < D; ++d) {
+            params(mn[d], mx[d], (size_t{h} * groups + g) * D + d, &scale[d], &zero[d], &inv[d]);
+          }
         }
         for (uint32_t t = t0; t < t1; ++t) {
           quantize_row((size_t{h} * T + t) * D, 0, D, scale.data(), zero.data(), inv.data());
@@ -198,6 +208,31 @@ AffineResult QuantizeAffine(const HeadMajor& x, bool per_channel, uint32_t gs, u
           glo.resize(groups);
           ghi.resize(groups);
           internal::GroupMinMaxAvx2(&x.x[base], D, gs, glo.data(), ghi.data());
+        }
+        if (simd_groups && !fp8_meta) {
+          for (uint32_t g = 0; g < groups; ++g) {
+            float lo = glo[g] + 0.0f, hi = ghi[g] + 0.0f;  // (+0 for a zero: see below)
+            if (clip != 1.0f && lo <= hi) {
+              lo *= clip;
+              hi *= clip;
+            }
+            glo[g] = lo;
+            ghi[g] = hi;
+          }
+          gs_scale.resize(groups);
+          gs_zero.resize(groups);
+          gs_inv.resize(groups);
+          const size_t p0 = (size_t{h} * T + t) * groups;
+          internal::AffineParamsAvx2(glo.data(), ghi.data(), groups, qmax, &r.scales[p0],
+                                     &r.zeros[p0], gs_scale.data(), gs_zero.data(), gs_inv.data());
+          for (uint32_t g = 0; g < groups; ++g) {
+            const uint32_t d0 = g * gs, d1 = std::min(D, d0 + gs);
+            std::fill(&scale[d0], &scale[0] + d1, gs_scale[g]);
+            std::fill(&zero[d0], &zero[0] + d1, gs_zero[g]);
+            std::fill(&inv[d0], &inv[0] + d1, gs_inv[g]);
+          }
+          quantize_row(base, 0, D, scale.data(), zero.data(), inv.data());
+          continue;
         }
         for (uint32_t g = 0; g < groups; ++g) {
           const uint32_t d0 = g * gs, d1 = std::min(D, d0 + gs);

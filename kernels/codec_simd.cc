@@ -9,9 +9,10 @@
 #include <cmath>
 
 #include "common/cpu_features.h"
+#include "common/half.h"
 #include "kernels/bit_pack.h"
 
-#define STRATA_CODEC_AVX2 __attribute__((target("avx2")))
+#define STRATA_CODEC_AVX2 __attribute__((target("avx2,f16c")))
 
 namespace strata::kernels::internal {
 
@@ -19,7 +20,10 @@ namespace {
 std::atomic<bool> simd_enabled{true};
 }  // namespace
 
-bool HaveCodecSimd() { return GetCpuFeatures().avx2 && simd_enabled.load(std::memory_order_relaxed); }
+bool HaveCodecSimd() {
+  const CpuFeatures& f = GetCpuFeatures();
+  return f.avx2 && f.f16c && simd_enabled.load(std::memory_order_relaxed);
+}
 void SetCodecSimdForTesting(bool enabled) { simd_enabled.store(enabled); }
 
 STRATA_CODEC_AVX2 void ColumnMinMaxAvx2(const float* rows, size_t stride, uint32_t n, uint32_t D,
@@ -101,6 +105,52 @@ STRATA_CODEC_AVX2 void QuantizeRowAvx2(const float* x, const float* z, const flo
     const float q = std::min(static_cast<float>(static_cast<int32_t>(y)), qmax);
     codes[d] = static_cast<uint8_t>(q);
   }
+}
+
+STRATA_CODEC_AVX2 void AffineParamsAvx2(const float* lo, const float* hi, uint32_t n, float qmax,
+                                        uint16_t* scale16, uint16_t* zero16, float* s, float* z,
+                                        float* inv) {
+  const __m256 vq = _mm256_set1_ps(qmax), zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f);
+  uint32_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 l = _mm256_loadu_ps(lo + i), h = _mm256_loadu_ps(hi + i);
+    const __m256 empty = _mm256_cmp_ps(l, h, _CMP_GT_OQ);
+    l = _mm256_andnot_ps(empty, l);
+    h = _mm256_andnot_ps(empty, h);
+    // fp16 by round to nearest even, as FloatToHalfBits (the ranges are finite).
+    const __m128i sh = _mm256_cvtps_ph(_mm256_div_ps(_mm256_sub_ps(h, l), vq),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m128i zh = _mm256_cvtps_ph(l, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(scale16 + i), sh);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(zero16 + i), zh);
+    const __m256 sf = _mm256_cvtph_ps(sh);
+    _mm256_storeu_ps(s + i, sf);
+    _mm256_storeu_ps(z + i, _mm256_cvtph_ps(zh));
+    const __m256 positive = _mm256_cmp_ps(sf, zero, _CMP_GT_OQ);
+    _mm256_storeu_ps(inv + i, _mm256_and_ps(positive, _mm256_div_ps(one, sf)));
+  }
+  for (; i < n; ++i) {
+    float l = lo[i], h = hi[i];
+    if (l > h) l = h = 0;
+    scale16[i] = FloatToHalfBits((h - l) / qmax);
+    zero16[i] = FloatToHalfBits(l);
+    s[i] = HalfBitsToFloat(scale16[i]);
+    z[i] = HalfBitsToFloat(zero16[i]);
+    inv[i] = s[i] > 0 ? 1.0f / s[i] : 0.0f;
+  }
+}
+
+STRATA_CODEC_AVX2 bool AllWithinAvx2(const float* x, uint32_t n, float limit) {
+  const __m256 vl = _mm256_set1_ps(limit), abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+  uint32_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 a = _mm256_and_ps(_mm256_loadu_ps(x + i), abs_mask);
+    ok = _mm256_and_ps(ok, _mm256_cmp_ps(a, vl, _CMP_LE_OQ));  // NaN: false
+  }
+  bool all = _mm256_movemask_ps(ok) == 0xff;
+  for (; i < n; ++i) all &= std::fabs(x[i]) <= limit;
+  return all;
 }
 
 STRATA_CODEC_AVX2 void PackBitsAvx2(const uint8_t* codes, size_t n, int bits, uint8_t* out) {

@@ -8,7 +8,7 @@
 
 namespace strata::kernels::internal {
 
-// True on a CPU with AVX2 unless a test turned the loops off (SetCodecSimdForTesting).
+// True on a CPU with AVX2 and F16C unless a test turned the loops off (SetCodecSimdForTesting).
 bool HaveCodecSimd();
 void SetCodecSimdForTesting(bool enabled);
 
@@ -24,6 +24,15 @@ void GroupMinMaxAvx2(const float* row, uint32_t D, uint32_t gs, float* lo, float
 // codes[d] = min(floor(max((x[d] - z[d]) * inv[d] + 0.5, 0)), qmax), d in [0, n).
 void QuantizeRowAvx2(const float* x, const float* z, const float* inv, uint32_t n, float qmax,
                      uint8_t* codes);
+
+// The fp16 parameters of n groups from their ranges, as the quantizer's scalar code makes them:
+// (lo, hi) = (0, 0) where lo > hi; scale16 = fp16((hi - lo) / qmax), zero16 = fp16(lo); s and z
+// those widened back, inv = s > 0 ? 1 / s : 0. (Needs F16C besides AVX2.)
+void AffineParamsAvx2(const float* lo, const float* hi, uint32_t n, float qmax, uint16_t* scale16,
+                      uint16_t* zero16, float* s, float* z, float* inv);
+
+// True when every |x[i]| <= limit (false for a NaN), i in [0, n).
+bool AllWithinAvx2(const float* x, uint32_t n, float limit);
 
 // PackBits (kernels/bit_pack.h) for 2 and 4 bits; other widths go to it.
 void PackBitsAvx2(const uint8_t* codes, size_t n, int bits, uint8_t* out);
