@@ -57,11 +57,16 @@ absl::StatusOr<HeadMajor> ToHeadMajor(const KvChunkView& c, const void* src, con
   for (uint32_t tok = 0; tok < m.t; ++tok) {
     for (uint32_t head = 0; head < m.h; ++head) {
       float* dst = &m.at(head, tok, 0);
-      SourceRow(src, c.dtype, (size_t{tok} * m.h + head) * m.d, m.d, dst);
+      const size_t offset = (size_t{tok} * m.h + head) * m.d;
       bool ok = true;  // one branch-free pass; the slow path finds the culprit
-      if (internal::HaveCodecSimd()) {
+      if (internal::HaveCodecSimd() && c.dtype == SourceDType::kFloat16) {
+        ok = internal::HalfToFloatWithinAvx2(static_cast<const uint16_t*>(src) + offset, m.d,
+                                             limit, dst);
+      } else if (internal::HaveCodecSimd()) {
+        SourceRow(src, c.dtype, offset, m.d, dst);
         ok = internal::AllWithinAvx2(dst, m.d, limit);
       } else {
+        SourceRow(src, c.dtype, offset, m.d, dst);
         for (uint32_t ch = 0; ch < m.d; ++ch) ok &= std::fabs(dst[ch]) <= limit;
       }
       if (ok) continue;
@@ -225,6 +230,11 @@ AffineResult QuantizeAffine(const HeadMajor& x, bool per_channel, uint32_t gs, u
           const size_t p0 = (size_t{h} * T + t) * groups;
           internal::AffineParamsAvx2(glo.data(), ghi.data(), groups, qmax, &r.scales[p0],
                                      &r.zeros[p0], gs_scale.data(), gs_zero.data(), gs_inv.data());
+          if (dequant == nullptr) {  // the parameters per group, not spread per channel
+            internal::QuantizeGroupsAvx2(&x.x[base], gs_zero.data(), gs_inv.data(), D, gs, qmax,
+                                         &codes[base]);
+            continue;
+          }
           for (uint32_t g = 0; g < groups; ++g) {
             const uint32_t d0 = g * gs, d1 = std::min(D, d0 + gs);
             std::fill(&scale[d0], &scale[0] + d1, gs_scale[g]);

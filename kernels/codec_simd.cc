@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 
 #include "common/cpu_features.h"
 #include "common/half.h"
@@ -107,6 +108,44 @@ STRATA_CODEC_AVX2 void QuantizeRowAvx2(const float* x, const float* z, const flo
   }
 }
 
+namespace {
+// Eight codes of x (8 values) with per-lane zero point and inverse scale, as int32 lanes.
+STRATA_CODEC_AVX2 inline __m256i Codes8(const float* x, __m256 z, __m256 inv, __m256 vq) {
+  const __m256 y = _mm256_add_ps(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x), z), inv),
+                                 _mm256_set1_ps(0.5f));
+  const __m256 c = _mm256_max_ps(_mm256_setzero_ps(), y);
+  return _mm256_cvttps_epi32(_mm256_min_ps(_mm256_cvtepi32_ps(_mm256_cvttps_epi32(c)), vq));
+}
+}  // namespace
+
+STRATA_CODEC_AVX2 void QuantizeGroupsAvx2(const float* x, const float* z, const float* inv,
+                                          uint32_t n, uint32_t gs, float qmax, uint8_t* codes) {
+  const __m256 vq = _mm256_set1_ps(qmax);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  uint32_t d = 0;
+  // 32 values at a time where a group holds them all (gs a multiple of 32), else 8.
+  if (gs % 32 == 0) {
+    for (; d + 32 <= n; d += 32) {
+      const __m256 vz = _mm256_set1_ps(z[d / gs]), vi = _mm256_set1_ps(inv[d / gs]);
+      __m256i q[4];
+      for (int u = 0; u < 4; ++u) q[u] = Codes8(x + d + 8 * u, vz, vi, vq);
+      const __m256i ab = _mm256_packus_epi32(q[0], q[1]), cd = _mm256_packus_epi32(q[2], q[3]);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + d),
+                          _mm256_permutevar8x32_epi32(_mm256_packus_epi16(ab, cd), order));
+    }
+  }
+  for (; d + 8 <= n; d += 8) {
+    const __m256i q = Codes8(x + d, _mm256_set1_ps(z[d / gs]), _mm256_set1_ps(inv[d / gs]), vq);
+    const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + d), _mm_packus_epi16(w, w));
+  }
+  for (; d < n; ++d) {
+    const float y = std::max((x[d] - z[d / gs]) * inv[d / gs] + 0.5f, 0.0f);
+    const float q = std::min(static_cast<float>(static_cast<int32_t>(y)), qmax);
+    codes[d] = static_cast<uint8_t>(q);
+  }
+}
+
 STRATA_CODEC_AVX2 void AffineParamsAvx2(const float* lo, const float* hi, uint32_t n, float qmax,
                                         uint16_t* scale16, uint16_t* zero16, float* s, float* z,
                                         float* inv) {
@@ -138,6 +177,27 @@ STRATA_CODEC_AVX2 void AffineParamsAvx2(const float* lo, const float* hi, uint32
     z[i] = HalfBitsToFloat(zero16[i]);
     inv[i] = s[i] > 0 ? 1.0f / s[i] : 0.0f;
   }
+}
+
+STRATA_CODEC_AVX2 bool HalfToFloatWithinAvx2(const uint16_t* src, uint32_t n, float limit,
+                                             float* dst) {
+  const __m256 vl = _mm256_set1_ps(limit),
+               abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+  uint32_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+    _mm256_storeu_ps(dst + i, v);
+    ok = _mm256_and_ps(ok, _mm256_cmp_ps(_mm256_and_ps(v, abs_mask), vl, _CMP_LE_OQ));
+  }
+  bool all = _mm256_movemask_ps(ok) == 0xff;
+  for (; i < n; ++i) {
+    uint16_t h;
+    std::memcpy(&h, src + i, sizeof(h));
+    dst[i] = HalfBitsToFloat(h);
+    all &= std::fabs(dst[i]) <= limit;
+  }
+  return all;
 }
 
 STRATA_CODEC_AVX2 bool AllWithinAvx2(const float* x, uint32_t n, float limit) {

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "common/half.h"
 #include "kernels/bit_pack.h"
 #include "kernels/calibration.h"
 #include "kernels/codec.h"
@@ -151,14 +152,21 @@ TEST(CodecSimdTest, BlocksAreTheSameBytesWithAndWithoutAvx2) {
       const bool skvq = std::string(spec).starts_with("skvq");
       auto codec = Codec::Create(spec, skvq ? SkvqCalibration(spec, 4, dim) : nullptr);
       ASSERT_TRUE(codec.ok()) << spec;
-      absl::StatusOr<AlignedBuffer> fast = (*codec)->Encode(view, {});
-      internal::SetCodecSimdForTesting(false);
-      absl::StatusOr<AlignedBuffer> portable = (*codec)->Encode(view, {});
-      internal::SetCodecSimdForTesting(true);
-      ASSERT_TRUE(fast.ok() && portable.ok()) << spec << " d=" << dim;
-      ASSERT_EQ(fast->size(), portable->size()) << spec;
-      EXPECT_EQ(std::memcmp(fast->data(), portable->data(), fast->size()), 0)
-          << spec << " d=" << dim;
+      // fp32 and fp16 input (the fp16 rows are widened and range-checked in one pass).
+      std::vector<Half> k16(kv.k.size()), v16(kv.v.size());
+      FloatToHalf(kv.k.data(), k16.data(), k16.size());
+      FloatToHalf(kv.v.data(), v16.data(), v16.size());
+      const KvChunkView view16{k16.data(), v16.data(), SourceDType::kFloat16, 77, 4, dim};
+      for (const KvChunkView& in : {view, view16}) {
+        absl::StatusOr<AlignedBuffer> fast = (*codec)->Encode(in, {});
+        internal::SetCodecSimdForTesting(false);
+        absl::StatusOr<AlignedBuffer> portable = (*codec)->Encode(in, {});
+        internal::SetCodecSimdForTesting(true);
+        ASSERT_TRUE(fast.ok() && portable.ok()) << spec << " d=" << dim;
+        ASSERT_EQ(fast->size(), portable->size()) << spec;
+        EXPECT_EQ(std::memcmp(fast->data(), portable->data(), fast->size()), 0)
+            << spec << " d=" << dim << " fp16 input=" << (in.dtype == SourceDType::kFloat16);
+      }
     }
   }
 }

@@ -31,8 +31,17 @@ void QuantizeRowAvx2(const float* x, const float* z, const float* inv, uint32_t 
 void AffineParamsAvx2(const float* lo, const float* hi, uint32_t n, float qmax, uint16_t* scale16,
                       uint16_t* zero16, float* s, float* z, float* inv);
 
+// dst[i] = the fp16 src[i] widened, i in [0, n); true when every |dst[i]| <= limit (false for a
+// NaN). One pass for ToHeadMajor's conversion and range check.
+bool HalfToFloatWithinAvx2(const uint16_t* src, uint32_t n, float limit, float* dst);
+
 // True when every |x[i]| <= limit (false for a NaN), i in [0, n).
 bool AllWithinAvx2(const float* x, uint32_t n, float limit);
+
+// QuantizeRowAvx2 over a row of n values in groups of gs (a multiple of 8) with one parameter
+// per group: z[g], inv[g] for values [g * gs, (g + 1) * gs).
+void QuantizeGroupsAvx2(const float* x, const float* z, const float* inv, uint32_t n, uint32_t gs,
+                        float qmax, uint8_t* codes);
 
 // PackBits (kernels/bit_pack.h) for 2 and 4 bits; other widths go to it.
 void PackBitsAvx2(const uint8_t* codes, size_t n, int bits, uint8_t* out);
