@@ -206,6 +206,48 @@ AffineResult QuantizeAffine(const HeadMajor& x, bool per_channel, uint32_t gs, u
       }
     } else {
       // V: one group = gs channels of one token.
+      if (simd && !masked && gs % 8 == 0 && !fp8_meta) {
+        // Every token of the head at once: ranges, then all parameters in one vector pass
+        // (a token has only a few groups), then the codes.
+        const size_t n = size_t{T} * groups, p0 = size_t{h} * n;
+        glo.resize(n);
+        ghi.resize(n);
+        gs_scale.resize(n);
+        gs_zero.resize(n);
+        gs_inv.resize(n);
+        for (uint32_t t = 0; t < T; ++t) {
+          internal::GroupMinMaxAvx2(&x.x[(size_t{h} * T + t) * D], D, gs, &glo[size_t{t} * groups],
+                                    &ghi[size_t{t} * groups]);
+        }
+        for (size_t i = 0; i < n; ++i) {
+          float lo = glo[i] + 0.0f, hi = ghi[i] + 0.0f;  // +0 for a zero, as below
+          if (clip != 1.0f && lo <= hi) {
+            lo *= clip;
+            hi *= clip;
+          }
+          glo[i] = lo;
+          ghi[i] = hi;
+        }
+        internal::AffineParamsAvx2(glo.data(), ghi.data(), static_cast<uint32_t>(n), qmax,
+                                   &r.scales[p0], &r.zeros[p0], gs_scale.data(), gs_zero.data(),
+                                   gs_inv.data());
+        for (uint32_t t = 0; t < T; ++t) {
+          const size_t base = (size_t{h} * T + t) * D, pt = size_t{t} * groups;
+          if (dequant == nullptr) {
+            internal::QuantizeGroupsAvx2(&x.x[base], &gs_zero[pt], &gs_inv[pt], D, gs, qmax,
+                                         &codes[base]);
+            continue;
+          }
+          for (uint32_t g = 0; g < groups; ++g) {
+            const uint32_t d0 = g * gs, d1 = std::min(D, d0 + gs);
+            std::fill(&scale[d0], &scale[0] + d1, gs_scale[pt + g]);
+            std::fill(&zero[d0], &zero[0] + d1, gs_zero[pt + g]);
+            std::fill(&inv[d0], &inv[0] + d1, gs_inv[pt + g]);
+          }
+          quantize_row(base, 0, D, scale.data(), zero.data(), inv.data());
+        }
+        continue;
+      }
       for (uint32_t t = 0; t < T; ++t) {
         const size_t base = (size_t{h} * T + t) * D;
         const bool simd_groups = simd && !masked && gs % 8 == 0;
@@ -213,36 +255,6 @@ AffineResult QuantizeAffine(const HeadMajor& x, bool per_channel, uint32_t gs, u
           glo.resize(groups);
           ghi.resize(groups);
           internal::GroupMinMaxAvx2(&x.x[base], D, gs, glo.data(), ghi.data());
-        }
-        if (simd_groups && !fp8_meta) {
-          for (uint32_t g = 0; g < groups; ++g) {
-            float lo = glo[g] + 0.0f, hi = ghi[g] + 0.0f;  // (+0 for a zero: see below)
-            if (clip != 1.0f && lo <= hi) {
-              lo *= clip;
-              hi *= clip;
-            }
-            glo[g] = lo;
-            ghi[g] = hi;
-          }
-          gs_scale.resize(groups);
-          gs_zero.resize(groups);
-          gs_inv.resize(groups);
-          const size_t p0 = (size_t{h} * T + t) * groups;
-          internal::AffineParamsAvx2(glo.data(), ghi.data(), groups, qmax, &r.scales[p0],
-                                     &r.zeros[p0], gs_scale.data(), gs_zero.data(), gs_inv.data());
-          if (dequant == nullptr) {  // the parameters per group, not spread per channel
-            internal::QuantizeGroupsAvx2(&x.x[base], gs_zero.data(), gs_inv.data(), D, gs, qmax,
-                                         &codes[base]);
-            continue;
-          }
-          for (uint32_t g = 0; g < groups; ++g) {
-            const uint32_t d0 = g * gs, d1 = std::min(D, d0 + gs);
-            std::fill(&scale[d0], &scale[0] + d1, gs_scale[g]);
-            std::fill(&zero[d0], &zero[0] + d1, gs_zero[g]);
-            std::fill(&inv[d0], &inv[0] + d1, gs_inv[g]);
-          }
-          quantize_row(base, 0, D, scale.data(), zero.data(), inv.data());
-          continue;
         }
         for (uint32_t g = 0; g < groups; ++g) {
           const uint32_t d0 = g * gs, d1 = std::min(D, d0 + gs);
@@ -435,7 +447,12 @@ absl::Status WriteAffine(const CodecSpec& s, const CodecLayout& layout, const Kv
       for (uint32_t h = 0; h < H; ++h) {
         for (uint32_t t = 0; t < T; ++t) {
           float* x = &m.at(h, t, 0);
-          for (uint32_t d = 0; d < D; ++d) row[d] = x[(*perm)[size_t{h} * D + d]];
+          const uint16_t* p = &(*perm)[size_t{h} * D];
+          if (internal::HaveCodecSimd()) {
+            internal::GatherAvx2(x, p, D, row.data());
+          } else {
+            for (uint32_t d = 0; d < D; ++d) row[d] = x[p[d]];
+          }
           std::copy(row.begin(), row.end(), x);
         }
       }

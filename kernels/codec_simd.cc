@@ -200,6 +200,16 @@ STRATA_CODEC_AVX2 bool HalfToFloatWithinAvx2(const uint16_t* src, uint32_t n, fl
   return all;
 }
 
+STRATA_CODEC_AVX2 void GatherAvx2(const float* x, const uint16_t* idx, uint32_t n, float* out) {
+  uint32_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i j =
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(idx + i)));
+    _mm256_storeu_ps(out + i, _mm256_i32gather_ps(x, j, 4));
+  }
+  for (; i < n; ++i) out[i] = x[idx[i]];
+}
+
 STRATA_CODEC_AVX2 bool AllWithinAvx2(const float* x, uint32_t n, float limit) {
   const __m256 vl = _mm256_set1_ps(limit), abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   __m256 ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));

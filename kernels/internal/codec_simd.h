@@ -35,6 +35,9 @@ void AffineParamsAvx2(const float* lo, const float* hi, uint32_t n, float qmax, 
 // NaN). One pass for ToHeadMajor's conversion and range check.
 bool HalfToFloatWithinAvx2(const uint16_t* src, uint32_t n, float limit, float* dst);
 
+// out[i] = x[idx[i]], i in [0, n) (the indices below 65536, within x).
+void GatherAvx2(const float* x, const uint16_t* idx, uint32_t n, float* out);
+
 // True when every |x[i]| <= limit (false for a NaN), i in [0, n).
 bool AllWithinAvx2(const float* x, uint32_t n, float limit);
 
