@@ -302,6 +302,14 @@ STRATA_AVX2 void Accumulate(const Segment& seg, HeadGroupState& st) {
   const uint32_t groups = kAffine ? v->groups : 1;  // int8: one scale per token
   // w[j][g][t]: the weight of token t's codes in channel group g (p, times the scale).
   const float* w = st.scores.data();
+  if (v != nullptr) {
+    // The passes below read each row a chunk at a time, striding over the block: ask for the
+    // head's rows in order first, into L2 (a block's head is 16-64 KiB).
+    const uint8_t* rows = v->codes + size_t{seg.head} * T * v->row_bytes;
+    for (size_t off = 0; off < size_t{T} * v->row_bytes; off += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(rows + off), _MM_HINT_T1);
+    }
+  }
   if constexpr (kAffine || kSrc == kSrcInt8) {
     // Per-token scales (and zero points) of this head, widened once with F16C and transposed to
     // [g][t], so that the weights and the zero-point sums below are vector loops over tokens.
