@@ -214,6 +214,12 @@ template <int kSrc, uint32_t kG>
 STRATA_AVX2 void Scores(const Segment& seg, HeadGroupState& st) {
   const uint32_t D = st.d, T = seg.tokens;
   const TensorOperands* k = seg.block ? &seg.block->k : nullptr;
+  if (k != nullptr) {  // as in Accumulate: the head's rows into L2, in order
+    const uint8_t* rows = k->codes + size_t{seg.head} * T * k->row_bytes;
+    for (size_t off = 0; off < size_t{T} * k->row_bytes; off += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(rows + off), _MM_HINT_T1);
+    }
+  }
   constexpr bool kAffine = kSrc > 0;
   st.work.resize(size_t{kG} * D + kG);
   float* qf = st.work.data();  // [G, D] q with the token group's key scales folded in
