@@ -36,6 +36,7 @@ CpuFeatures Detect() {
     f.avx512bw = f.avx512f && ((b >> 30) & 1);
     f.avx512vl = f.avx512f && ((b >> 31) & 1);
     f.avx512vnni = f.avx512f && ((c >> 11) & 1);
+    f.bmi2 = (b >> 8) & 1;
   }
   if (__get_cpuid_count(7, 1, &a, &b, &c, &d)) f.avx_vnni = f.avx2 && ((a >> 4) & 1);
 #endif
@@ -45,6 +46,7 @@ CpuFeatures Detect() {
     const std::string_view v(cap);
     if (v == "portable" || v == "avx2") {
       f.avx512f = f.avx512bw = f.avx512vl = f.avx512vnni = f.avx_vnni = false;
+      if (v == "portable") f.bmi2 = false;
     }
     if (v == "portable") f.avx = f.avx2 = f.fma = f.f16c = false;
     if (v != "portable" && v != "avx2" && !v.empty()) {

@@ -16,6 +16,7 @@ struct CpuFeatures {
   bool avx512vl = false;
   bool avx512vnni = false;  // vpdpbusd on EVEX (with avx512vl: on 256-bit registers too)
   bool avx_vnni = false;    // vpdpbusd on VEX (AVX-VNNI)
+  bool bmi2 = false;        // pdep / pext
 };
 
 // The environment variable STRATA_ISA=avx2 (or =portable) hides the features above it, so that a

@@ -223,7 +223,27 @@ STRATA_CODEC_AVX2 bool AllWithinAvx2(const float* x, uint32_t n, float limit) {
   return all;
 }
 
+namespace {
+// 3-bit codes: each 8 codes (8 bytes) to 3 bytes with pext, which gathers every byte's low three
+// bits into 24 contiguous bits, LSB first as PackBits lays them out.
+__attribute__((target("bmi2"))) size_t Pack3Bmi2(const uint8_t* codes, size_t n, uint8_t* out) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    uint64_t x;
+    std::memcpy(&x, codes + i, 8);
+    const uint32_t packed = static_cast<uint32_t>(_pext_u64(x, 0x0707070707070707ull));
+    std::memcpy(out + i / 8 * 3, &packed, 3);
+  }
+  return i;
+}
+}  // namespace
+
 STRATA_CODEC_AVX2 void PackBitsAvx2(const uint8_t* codes, size_t n, int bits, uint8_t* out) {
+  if (bits == 3 && GetCpuFeatures().bmi2) {
+    const size_t i = Pack3Bmi2(codes, n, out);
+    PackBits(codes + i, n - i, bits, out + i / 8 * 3);
+    return;
+  }
   if (bits != 2 && bits != 4) {
     PackBits(codes, n, bits, out);
     return;
