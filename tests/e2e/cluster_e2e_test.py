@@ -310,7 +310,12 @@ class ClusterTest(unittest.TestCase):
                 spec = json.loads(json.dumps(c.spec))
                 spec["nodes"] = [n for n in spec["nodes"]
                                  if n["role"] == "decode" or n["id"] == keep]
+                # Each router is up before the next port is picked, and the ports differ: a
+                # second router given the first one's port failed to listen while the first
+                # answered its health checks and took both requests (CI, once).
                 port = free_port_base()
+                while any(base.endswith(":%d" % port) for _, base in routers):
+                    port = free_port_base()
                 spec["router"]["http"] = "127.0.0.1:%d" % port
                 path = os.path.join(c.dir, "only-%s.json" % keep)
                 with open(path, "w") as f:
@@ -320,8 +325,8 @@ class ClusterTest(unittest.TestCase):
                                           "--cluster", path, "--insecure"], stdout=log,
                                          stderr=subprocess.STDOUT)
                 routers.append((p, "http://127.0.0.1:%d" % port))
-            for p, base in routers:
-                wait_healthy(base)
+                wait_healthy(routers[-1][1])
+                self.assertIsNone(p.poll(), "router for %s exited; see its log" % keep)
             prompt = "Shared prefix across nodes." + LONG * 2
             first = CompleteAt(routers[0][1], prompt, 8)
             before = scrape(c.node("prefill-1")["metrics"])
