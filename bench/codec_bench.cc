@@ -12,7 +12,6 @@
 #include <malloc.h>
 
 #include <algorithm>
-#include <numeric>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -61,35 +60,13 @@ std::vector<std::string> MixLayers(absl::string_view spec) {
   return {};
 }
 
-// A calibration for layer 0 of SKVQ-like codecs at this shape: random channel orders, clipping
-// on (what calibration would learn; the attention kernels' speed does not depend on it).
-std::shared_ptr<kernels::Calibration> BenchCalibration(const std::string& spec, uint32_t dim) {
-  auto c = std::make_shared<kernels::Calibration>();
-  kernels::CodecSpec main = *kernels::CodecSpec::Parse(spec);
-  main.sink_tokens = 0;
-  c->codec = main.ToString();
-  c->kv_heads = kKvHeads;
-  c->head_dim = dim;
-  kernels::LayerCalibration l;
-  std::mt19937 rng(3);
-  for (std::vector<uint16_t>* perm : {&l.k_perm, &l.v_perm}) {
-    for (uint32_t h = 0; h < kKvHeads; ++h) {
-      std::vector<uint16_t> p(dim);
-      std::iota(p.begin(), p.end(), uint16_t{0});
-      std::shuffle(p.begin(), p.end(), rng);
-      perm->insert(perm->end(), p.begin(), p.end());
-    }
-  }
-  l.k_clip = 0.95f;
-  l.v_clip = 0.9f;
-  c->layers.push_back(l);
-  return c;
-}
-
 // A codec of this spec for head dim `dim`, calibrated when it needs it.
 absl::StatusOr<std::unique_ptr<Codec>> MakeCodec(const std::string& spec, uint32_t dim) {
   STRATA_ASSIGN_OR_RETURN(kernels::CodecSpec parsed, kernels::CodecSpec::Parse(spec));
-  if (parsed.needs_calibration()) return Codec::Create(spec, BenchCalibration(spec, dim));
+  // A stand-in calibration: the attention kernels' and the encoder's speed do not depend on it.
+  if (parsed.needs_calibration()) {
+    return Codec::Create(spec, kernels::MakeSyntheticCalibration(parsed, kKvHeads, dim, 3));
+  }
   return Codec::Create(spec);
 }
 
@@ -142,16 +119,7 @@ void CompressAll(const Codec& codec, const Chunks& c, ThreadPool& pool,
 Encoded Encode(const Codec& codec, const Chunks& c, ThreadPool& pool,
                const kernels::Calibration* calibration = nullptr) {
   Encoded e;
-  e.buffers.resize(c.k.size());
-  pool.ParallelFor(c.k.size(), [&](size_t i) {
-    absl::StatusOr<AlignedBuffer> b =
-        codec.Encode(View(c, i), {.chunk_index = static_cast<uint32_t>(i)});
-    if (!b.ok()) {
-      std::fprintf(stderr, "encode failed: %s\n", std::string(b.status().message()).c_str());
-      std::abort();
-    }
-    e.buffers[i] = *std::move(b);
-  });
+  CompressAll(codec, c, pool, e.buffers);
   for (const AlignedBuffer& b : e.buffers) {
     e.views.push_back(*BlockView::Parse(b.span()));
     e.bytes += b.size();

@@ -151,17 +151,24 @@ AffineResult QuantizeAffine(const HeadMajor& x, bool per_channel, uint32_t gs, u
     }
     *inv_out = *s_out > 0 ? 1.0f / *s_out : 0.0f;
   };
+  // V's range of a group as its parameters take it: +0 for a zero (-0 and +0 compare equal, so
+  // which one a min or max keeps depends on the order of the scan, and the vector scan's
+  // differs), and SKVQ's clipping.
+  auto clip_range = [&](float& lo, float& hi) {
+    lo += 0.0f;
+    hi += 0.0f;
+    if (clip != 1.0f && lo <= hi) {
+      lo *= clip;
+      hi *= clip;
+    }
+  };
   auto quantize_row = [&](size_t base, uint32_t d0, uint32_t d1, const float* s, const float* z,
                           const float* iv) {
-    // Round half up, clamped to [0, qmax]; truncation of a non-negative value is floor, which
-    // keeps the loop vectorizable without SSE4.1's roundps.
     if (simd) {
       internal::QuantizeRowAvx2(&x.x[base + d0], z + d0, iv + d0, d1 - d0, qmax, &codes[base + d0]);
     } else {
       for (uint32_t d = d0; d < d1; ++d) {
-        const float y = std::max((x.x[base + d] - z[d]) * iv[d] + 0.5f, 0.0f);
-        const float q = std::min(static_cast<float>(static_cast<int32_t>(y)), qmax);
-        codes[base + d] = static_cast<uint8_t>(q);
+        codes[base + d] = internal::AffineCode(x.x[base + d], z[d], iv[d], qmax);
       }
     }
     if (dequant != nullptr) {
@@ -219,64 +226,33 @@ AffineResult QuantizeAffine(const HeadMajor& x, bool per_channel, uint32_t gs, u
           internal::GroupMinMaxAvx2(&x.x[(size_t{h} * T + t) * D], D, gs, &glo[size_t{t} * groups],
                                     &ghi[size_t{t} * groups]);
         }
-        for (size_t i = 0; i < n; ++i) {
-          float lo = glo[i] + 0.0f, hi = ghi[i] + 0.0f;  // +0 for a zero, as below
-          if (clip != 1.0f && lo <= hi) {
-            lo *= clip;
-            hi *= clip;
-          }
-          glo[i] = lo;
-          ghi[i] = hi;
-        }
+        for (size_t i = 0; i < n; ++i) clip_range(glo[i], ghi[i]);
         internal::AffineParamsAvx2(glo.data(), ghi.data(), static_cast<uint32_t>(n), qmax,
                                    &r.scales[p0], &r.zeros[p0], gs_scale.data(), gs_zero.data(),
                                    gs_inv.data());
         for (uint32_t t = 0; t < T; ++t) {
           const size_t base = (size_t{h} * T + t) * D, pt = size_t{t} * groups;
-          if (dequant == nullptr) {
-            internal::QuantizeGroupsAvx2(&x.x[base], &gs_zero[pt], &gs_inv[pt], D, gs, qmax,
-                                         &codes[base]);
-            continue;
+          internal::QuantizeGroupsAvx2(&x.x[base], &gs_zero[pt], &gs_inv[pt], D, gs, qmax,
+                                       &codes[base]);
+          if (dequant == nullptr) continue;
+          for (uint32_t d = 0; d < D; ++d) {  // as quantize_row's: zero + code * scale
+            dequant[base + d] =
+                gs_zero[pt + d / gs] + static_cast<float>(codes[base + d]) * gs_scale[pt + d / gs];
           }
-          for (uint32_t g = 0; g < groups; ++g) {
-            const uint32_t d0 = g * gs, d1 = std::min(D, d0 + gs);
-            std::fill(&scale[d0], &scale[0] + d1, gs_scale[pt + g]);
-            std::fill(&zero[d0], &zero[0] + d1, gs_zero[pt + g]);
-            std::fill(&inv[d0], &inv[0] + d1, gs_inv[pt + g]);
-          }
-          quantize_row(base, 0, D, scale.data(), zero.data(), inv.data());
         }
         continue;
       }
       for (uint32_t t = 0; t < T; ++t) {
         const size_t base = (size_t{h} * T + t) * D;
-        const bool simd_groups = simd && !masked && gs % 8 == 0;
-        if (simd_groups) {
-          glo.resize(groups);
-          ghi.resize(groups);
-          internal::GroupMinMaxAvx2(&x.x[base], D, gs, glo.data(), ghi.data());
-        }
         for (uint32_t g = 0; g < groups; ++g) {
           const uint32_t d0 = g * gs, d1 = std::min(D, d0 + gs);
           float lo = INFINITY, hi = -INFINITY;
-          if (simd_groups) {
-            lo = glo[g];
-            hi = ghi[g];
-          } else {
-            for (uint32_t d = d0; d < d1; ++d) {
-              if (masked && mask[base + d]) continue;
-              lo = std::min(lo, x.x[base + d]);
-              hi = std::max(hi, x.x[base + d]);
-            }
+          for (uint32_t d = d0; d < d1; ++d) {
+            if (masked && mask[base + d]) continue;
+            lo = std::min(lo, x.x[base + d]);
+            hi = std::max(hi, x.x[base + d]);
           }
-          // -0 and +0 compare equal, so which one a min or max keeps depends on the order of
-          // the scan (the vector scan's differs): take +0 for either.
-          lo += 0.0f;
-          hi += 0.0f;
-          if (clip != 1.0f && lo <= hi) {  // SKVQ: clipped dynamic range
-            lo *= clip;
-            hi *= clip;
-          }
+          clip_range(lo, hi);
           params(lo, hi, (size_t{h} * T + t) * groups + g, &scale[d0], &zero[d0], &inv[d0]);
           for (uint32_t d = d0 + 1; d < d1; ++d) {
             scale[d] = scale[d0];

@@ -78,60 +78,52 @@ STRATA_CODEC_AVX2 void GroupMinMaxAvx2(const float* row, uint32_t D, uint32_t gs
   }
 }
 
-STRATA_CODEC_AVX2 void QuantizeRowAvx2(const float* x, const float* z, const float* inv,
-                                       uint32_t n, float qmax, uint8_t* codes) {
-  const __m256 half = _mm256_set1_ps(0.5f), zero = _mm256_setzero_ps(),
-               vq = _mm256_set1_ps(qmax);
-  uint32_t d = 0;
-  for (; d + 32 <= n; d += 32) {
-    __m256i q[4];
-    for (int u = 0; u < 4; ++u) {
-      const uint32_t i = d + 8 * u;
-      const __m256 y = _mm256_add_ps(
-          _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(z + i)),
-                        _mm256_loadu_ps(inv + i)),
-          half);
-      // std::max(y, 0) keeps a NaN y: max_ps returns its second operand on NaN.
-      const __m256 c = _mm256_max_ps(zero, y);
-      const __m256 f = _mm256_cvtepi32_ps(_mm256_cvttps_epi32(c));
-      q[u] = _mm256_cvttps_epi32(_mm256_min_ps(f, vq));
-    }
-    const __m256i ab = _mm256_packus_epi32(q[0], q[1]), cd = _mm256_packus_epi32(q[2], q[3]);
-    const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(ab, cd),
-                                                      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + d), bytes);
-  }
-  for (; d < n; ++d) {
-    const float y = std::max((x[d] - z[d]) * inv[d] + 0.5f, 0.0f);
-    const float q = std::min(static_cast<float>(static_cast<int32_t>(y)), qmax);
-    codes[d] = static_cast<uint8_t>(q);
-  }
-}
-
 namespace {
-// Eight codes of x (8 values) with per-lane zero point and inverse scale, as int32 lanes.
+
+// AffineCode() of 8 values with per-lane zero point and inverse scale, as int32 lanes. A NaN y
+// stays NaN through max_ps(0, y) (it returns its second operand) as through std::max(y, 0).
 STRATA_CODEC_AVX2 inline __m256i Codes8(const float* x, __m256 z, __m256 inv, __m256 vq) {
-  const __m256 y = _mm256_add_ps(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x), z), inv),
-                                 _mm256_set1_ps(0.5f));
+  const __m256 y =
+      _mm256_add_ps(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x), z), inv), _mm256_set1_ps(0.5f));
   const __m256 c = _mm256_max_ps(_mm256_setzero_ps(), y);
   return _mm256_cvttps_epi32(_mm256_min_ps(_mm256_cvtepi32_ps(_mm256_cvttps_epi32(c)), vq));
 }
+
+// 32 int32 lanes within [0, 255] to 32 bytes, in order (the packs interleave the 128-bit lanes).
+STRATA_CODEC_AVX2 inline __m256i PackBytes(const __m256i* q) {
+  const __m256i ab = _mm256_packus_epi32(q[0], q[1]), cd = _mm256_packus_epi32(q[2], q[3]);
+  return _mm256_permutevar8x32_epi32(_mm256_packus_epi16(ab, cd),
+                                     _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
 }  // namespace
+
+STRATA_CODEC_AVX2 void QuantizeRowAvx2(const float* x, const float* z, const float* inv, uint32_t n,
+                                       float qmax, uint8_t* codes) {
+  const __m256 vq = _mm256_set1_ps(qmax);
+  uint32_t d = 0;
+  for (; d + 32 <= n; d += 32) {
+    __m256i q[4];
+    for (uint32_t u = 0; u < 4; ++u) {
+      const uint32_t i = d + 8 * u;
+      q[u] = Codes8(x + i, _mm256_loadu_ps(z + i), _mm256_loadu_ps(inv + i), vq);
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + d), PackBytes(q));
+  }
+  for (; d < n; ++d) codes[d] = AffineCode(x[d], z[d], inv[d], qmax);
+}
 
 STRATA_CODEC_AVX2 void QuantizeGroupsAvx2(const float* x, const float* z, const float* inv,
                                           uint32_t n, uint32_t gs, float qmax, uint8_t* codes) {
   const __m256 vq = _mm256_set1_ps(qmax);
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   uint32_t d = 0;
   // 32 values at a time where a group holds them all (gs a multiple of 32), else 8.
   if (gs % 32 == 0) {
     for (; d + 32 <= n; d += 32) {
       const __m256 vz = _mm256_set1_ps(z[d / gs]), vi = _mm256_set1_ps(inv[d / gs]);
       __m256i q[4];
-      for (int u = 0; u < 4; ++u) q[u] = Codes8(x + d + 8 * u, vz, vi, vq);
-      const __m256i ab = _mm256_packus_epi32(q[0], q[1]), cd = _mm256_packus_epi32(q[2], q[3]);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + d),
-                          _mm256_permutevar8x32_epi32(_mm256_packus_epi16(ab, cd), order));
+      for (uint32_t u = 0; u < 4; ++u) q[u] = Codes8(x + d + 8 * u, vz, vi, vq);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + d), PackBytes(q));
     }
   }
   for (; d + 8 <= n; d += 8) {
@@ -139,11 +131,7 @@ STRATA_CODEC_AVX2 void QuantizeGroupsAvx2(const float* x, const float* z, const 
     const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + d), _mm_packus_epi16(w, w));
   }
-  for (; d < n; ++d) {
-    const float y = std::max((x[d] - z[d / gs]) * inv[d / gs] + 0.5f, 0.0f);
-    const float q = std::min(static_cast<float>(static_cast<int32_t>(y)), qmax);
-    codes[d] = static_cast<uint8_t>(q);
-  }
+  for (; d < n; ++d) codes[d] = AffineCode(x[d], z[d / gs], inv[d / gs], qmax);
 }
 
 STRATA_CODEC_AVX2 void AffineParamsAvx2(const float* lo, const float* hi, uint32_t n, float qmax,
@@ -211,7 +199,8 @@ STRATA_CODEC_AVX2 void GatherAvx2(const float* x, const uint16_t* idx, uint32_t 
 }
 
 STRATA_CODEC_AVX2 bool AllWithinAvx2(const float* x, uint32_t n, float limit) {
-  const __m256 vl = _mm256_set1_ps(limit), abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256 vl = _mm256_set1_ps(limit),
+               abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   __m256 ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
   uint32_t i = 0;
   for (; i + 8 <= n; i += 8) {
@@ -253,8 +242,8 @@ STRATA_CODEC_AVX2 void PackBitsAvx2(const uint8_t* codes, size_t n, int bits, ui
     // 64 codes to 32 bytes: c0 + 16 c1 per pair.
     const __m256i w = _mm256_set1_epi16(0x1001);
     for (; i + 64 <= n; i += 64) {
-      const __m256i a = _mm256_maddubs_epi16(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + i)), w);
+      const __m256i a =
+          _mm256_maddubs_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + i)), w);
       const __m256i b = _mm256_maddubs_epi16(
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + i + 32)), w);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i / 2),
@@ -270,10 +259,7 @@ STRATA_CODEC_AVX2 void PackBitsAvx2(const uint8_t* codes, size_t n, int bits, ui
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + i + 32 * u)), w);
         q[u] = _mm256_madd_epi16(pairs, w2);  // 8 bytes' worth, one per int32
       }
-      const __m256i ab = _mm256_packus_epi32(q[0], q[1]), cd = _mm256_packus_epi32(q[2], q[3]);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i / 4),
-                          _mm256_permutevar8x32_epi32(_mm256_packus_epi16(ab, cd),
-                                                      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i / 4), PackBytes(q));
     }
   }
   PackBits(codes + i, n - i, bits, out + i * bits / 8);

@@ -3,16 +3,14 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <limits>
 #include <memory>
 #include <random>
 #include <string>
 #include <vector>
 
-#include "gtest/gtest.h"
 #include "common/half.h"
+#include "gtest/gtest.h"
 #include "kernels/bit_pack.h"
-#include "kernels/calibration.h"
 #include "kernels/codec.h"
 #include "kernels/synthetic_kv.h"
 
@@ -116,41 +114,19 @@ TEST(CodecSimdTest, LoopsEqualThePortableLoopsBitForBit) {
   }
 }
 
-// SKVQ's calibration for layer 0: random channel orders, clipping on.
-std::shared_ptr<Calibration> SkvqCalibration(const std::string& spec, uint32_t heads,
-                                             uint32_t dim) {
-  auto c = std::make_shared<Calibration>();
-  c->codec = spec;
-  c->kv_heads = heads;
-  c->head_dim = dim;
-  LayerCalibration l;
-  std::mt19937 rng(dim);
-  for (std::vector<uint16_t>* perm : {&l.k_perm, &l.v_perm}) {
-    for (uint32_t h = 0; h < heads; ++h) {
-      std::vector<uint16_t> p(dim);
-      for (uint32_t d = 0; d < dim; ++d) p[d] = static_cast<uint16_t>(d);
-      std::shuffle(p.begin(), p.end(), rng);
-      perm->insert(perm->end(), p.begin(), p.end());
-    }
-  }
-  l.k_clip = 0.9f;
-  l.v_clip = 0.8f;
-  c->layers.push_back(l);
-  return c;
-}
-
 // Every codec's blocks are the same bytes with the AVX2 loops and without.
 TEST(CodecSimdTest, BlocksAreTheSameBytesWithAndWithoutAvx2) {
   if (!HaveCodecSimd()) GTEST_SKIP() << "skipped: no AVX2 on this CPU";
-  for (const char* spec : {"kivi:k2v2:g32", "kivi:k4v4:g32", "kivi:k3v3:g64", "kivi:k8v8:g16",
-                           "kcvt:k2v2", "kivi:k2v2:g32:m8", "gear:k2v2:g32:r4:s2",
-                           "zipcache:k2v2:h4:s10", "tada:k2v2:g32", "kivi:k4v2:g32:sink4",
-                           "skvq:k2v2:g32", "skvq:k4v4:g16:m8"}) {
+  for (const char* spec :
+       {"kivi:k2v2:g32", "kivi:k4v4:g32", "kivi:k3v3:g64", "kivi:k8v8:g16", "kcvt:k2v2",
+        "kivi:k2v2:g32:m8", "gear:k2v2:g32:r4:s2", "zipcache:k2v2:h4:s10", "tada:k2v2:g32",
+        "kivi:k4v2:g32:sink4", "skvq:k2v2:g32", "skvq:k4v4:g16:m8"}) {
     for (uint32_t dim : {64u, 128u, 40u}) {
       const SyntheticKv kv = MakeSyntheticKv(77, 4, dim, 9, 0);
       const KvChunkView view{kv.k.data(), kv.v.data(), SourceDType::kFloat32, 77, 4, dim};
       const bool skvq = std::string(spec).starts_with("skvq");
-      auto codec = Codec::Create(spec, skvq ? SkvqCalibration(spec, 4, dim) : nullptr);
+      auto codec = Codec::Create(
+          spec, skvq ? MakeSyntheticCalibration(*CodecSpec::Parse(spec), 4, dim, dim) : nullptr);
       ASSERT_TRUE(codec.ok()) << spec;
       // fp32 and fp16 input (the fp16 rows are widened and range-checked in one pass).
       std::vector<Half> k16(kv.k.size()), v16(kv.v.size());

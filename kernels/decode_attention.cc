@@ -574,12 +574,12 @@ bool DecodeAttentionUsesAvx2() { return HaveAvx2(); }
 
 const char* DecodeAttentionPath() {
   if (!HaveAvx2()) return "portable";
-  switch (internal::Int8ScoresIsa()) {
-    case internal::Int8Isa::kAvx512Vnni:
+  switch (internal::IntegerDotIsa()) {
+    case internal::IntegerIsa::kAvx512Vnni:
       return "avx2+avx512-vnni";
-    case internal::Int8Isa::kAvxVnni:
+    case internal::IntegerIsa::kAvxVnni:
       return "avx2+avx-vnni";
-    case internal::Int8Isa::kAvx2:
+    case internal::IntegerIsa::kAvx2:
       break;
   }
   return "avx2+vpmaddubsw";

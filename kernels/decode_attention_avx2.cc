@@ -93,16 +93,30 @@ STRATA_AVX2_INLINE void Axpy(float f, const float* x, float* y, uint32_t n) {
   for (; i < n; ++i) y[i] += x[i] * f;
 }
 
-// fp16 [rows, R] to fp32 [R, rows] (a low-rank factor with rank-major rows, for vector loops).
+// fp16 [rows, R] to fp32 [R, rows] in out (a low-rank factor with rank-major rows, or a head's
+// per-token group parameters by group, for vector loops); tmp is scratch.
 STRATA_AVX2_INLINE const float* WidenTransposed(const uint16_t* src, uint32_t rows, uint32_t R,
-                                                std::vector<float>& tmp, std::vector<float>& out) {
-  tmp.resize(size_t{rows} * R);
-  out.resize(size_t{rows} * R);
-  HalfToFloat(reinterpret_cast<const Half*>(src), tmp.data(), tmp.size());
+                                                std::vector<float>& tmp, float* out) {
+  const size_t n = size_t{rows} * R;
+  if (R == 1) {
+    HalfToFloat(reinterpret_cast<const Half*>(src), out, n);
+    return out;
+  }
+  tmp.resize(n);
+  HalfToFloat(reinterpret_cast<const Half*>(src), tmp.data(), n);
   for (uint32_t i = 0; i < rows; ++i) {
     for (uint32_t r = 0; r < R; ++r) out[size_t{r} * rows + i] = tmp[size_t{i} * R + r];
   }
-  return out.data();
+  return out;
+}
+
+// The head's rows of a block's K or V into L2, in order, before a pass reads them (the value
+// pass strides over them a chunk at a time; a block's head is 16-64 KiB).
+STRATA_AVX2_INLINE void PrefetchRows(const TensorOperands& t, uint32_t head, uint32_t tokens) {
+  const uint8_t* rows = t.codes + size_t{head} * tokens * t.row_bytes;
+  for (size_t off = 0; off < size_t{tokens} * t.row_bytes; off += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(rows + off), _MM_HINT_T1);
+  }
 }
 
 // GEAR's corrections, as AddScoreCorrections / AddValueCorrections (the specification) with the
@@ -114,8 +128,10 @@ STRATA_AVX2 void AddScoreCorrectionsAvx2(const Segment& seg, HeadGroupState& st)
   if (k.rank > 0) {
     thread_local std::vector<float> tmp, at, bt, qb;
     const uint32_t R = k.rank;
-    const float* a = WidenTransposed(k.lowrank_a + size_t{h} * T * R, T, R, tmp, at);  // [R, T]
-    const float* b = WidenTransposed(k.lowrank_b + size_t{h} * D * R, D, R, tmp, bt);  // [R, D]
+    at.resize(size_t{T} * R);
+    bt.resize(size_t{D} * R);
+    const float* a = WidenTransposed(k.lowrank_a + size_t{h} * T * R, T, R, tmp, at.data());
+    const float* b = WidenTransposed(k.lowrank_b + size_t{h} * D * R, D, R, tmp, bt.data());
     qb.resize(R);
     for (uint32_t j = 0; j < G; ++j) {
       for (uint32_t r = 0; r < R; ++r) qb[r] = Dot(&st.q[size_t{j} * D], b + size_t{r} * D, D);
@@ -147,8 +163,10 @@ STRATA_AVX2 void AddValueCorrectionsAvx2(const Segment& seg, HeadGroupState& st)
   if (v.rank > 0) {
     thread_local std::vector<float> tmp, at, bt, pa;
     const uint32_t R = v.rank;
-    const float* a = WidenTransposed(v.lowrank_a + size_t{h} * T * R, T, R, tmp, at);  // [R, T]
-    const float* b = WidenTransposed(v.lowrank_b + size_t{h} * D * R, D, R, tmp, bt);  // [R, D]
+    at.resize(size_t{T} * R);
+    bt.resize(size_t{D} * R);
+    const float* a = WidenTransposed(v.lowrank_a + size_t{h} * T * R, T, R, tmp, at.data());
+    const float* b = WidenTransposed(v.lowrank_b + size_t{h} * D * R, D, R, tmp, bt.data());
     pa.resize(R);
     for (uint32_t j = 0; j < G; ++j) {
       for (uint32_t r = 0; r < R; ++r) pa[r] = Dot(&st.scores[size_t{j} * T], a + size_t{r} * T, T);
@@ -214,12 +232,7 @@ template <int kSrc, uint32_t kG>
 STRATA_AVX2 void Scores(const Segment& seg, HeadGroupState& st) {
   const uint32_t D = st.d, T = seg.tokens;
   const TensorOperands* k = seg.block ? &seg.block->k : nullptr;
-  if (k != nullptr) {  // as in Accumulate: the head's rows into L2, in order
-    const uint8_t* rows = k->codes + size_t{seg.head} * T * k->row_bytes;
-    for (size_t off = 0; off < size_t{T} * k->row_bytes; off += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(rows + off), _MM_HINT_T1);
-    }
-  }
+  if (k != nullptr) PrefetchRows(*k, seg.head, T);
   constexpr bool kAffine = kSrc > 0;
   st.work.resize(size_t{kG} * D + kG);
   float* qf = st.work.data();  // [G, D] q with the token group's key scales folded in
@@ -308,36 +321,19 @@ STRATA_AVX2 void Accumulate(const Segment& seg, HeadGroupState& st) {
   const uint32_t groups = kAffine ? v->groups : 1;  // int8: one scale per token
   // w[j][g][t]: the weight of token t's codes in channel group g (p, times the scale).
   const float* w = st.scores.data();
-  if (v != nullptr) {
-    // The passes below read each row a chunk at a time, striding over the block: ask for the
-    // head's rows in order first, into L2 (a block's head is 16-64 KiB).
-    const uint8_t* rows = v->codes + size_t{seg.head} * T * v->row_bytes;
-    for (size_t off = 0; off < size_t{T} * v->row_bytes; off += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(rows + off), _MM_HINT_T1);
-    }
-  }
+  if (v != nullptr) PrefetchRows(*v, seg.head, T);
   if constexpr (kAffine || kSrc == kSrcInt8) {
     // Per-token scales (and zero points) of this head, widened once with F16C and transposed to
     // [g][t], so that the weights and the zero-point sums below are vector loops over tokens.
     const size_t n = size_t{T} * groups;
-    st.work.resize(size_t{kG} * n + size_t{kG} * groups + 3 * n);
+    st.work.resize(size_t{kG} * n + size_t{kG} * groups + 2 * n);
     float* wt = st.work.data();
     float* zsum = wt + size_t{kG} * n;  // [G, groups]: sum_t p * zero point
     float* sc = zsum + size_t{kG} * groups;
     float* zp = sc + n;
-    float* tmp = zp + n;
-    const auto Widen = [&](const uint16_t* src, float* dst) STRATA_AVX2_LAMBDA {
-      if (groups == 1) {
-        HalfToFloat(reinterpret_cast<const Half*>(src), dst, n);
-        return;
-      }
-      HalfToFloat(reinterpret_cast<const Half*>(src), tmp, n);
-      for (uint32_t t = 0; t < T; ++t) {
-        for (uint32_t g = 0; g < groups; ++g) dst[size_t{g} * T + t] = tmp[size_t{t} * groups + g];
-      }
-    };
-    Widen(v->scales + size_t{seg.head} * n, sc);
-    if constexpr (kAffine) Widen(v->zeros + size_t{seg.head} * n, zp);
+    thread_local std::vector<float> tmp;
+    WidenTransposed(v->scales + size_t{seg.head} * n, T, groups, tmp, sc);
+    if constexpr (kAffine) WidenTransposed(v->zeros + size_t{seg.head} * n, T, groups, tmp, zp);
     for (uint32_t j = 0; j < kG; ++j) {
       const float* p = &st.scores[size_t{j} * T];
       for (uint32_t g = 0; g < groups; ++g) {
@@ -554,107 +550,95 @@ STRATA_AVX2 void SoftmaxAvx2(uint32_t T, HeadGroupState& st) {
 namespace {
 
 // The integer-score kernels (internal/integer_dot.inc), once per instruction set.
-namespace int8_avx2 {
+namespace integer_avx2 {
 #define STRATA_INT8_TARGET "avx2,fma,f16c"
 #define STRATA_INT8_VNNI 0
 #include "kernels/internal/integer_dot.inc"
 #undef STRATA_INT8_TARGET
 #undef STRATA_INT8_VNNI
-}  // namespace int8_avx2
-namespace int8_avx_vnni {
+}  // namespace integer_avx2
+namespace integer_avx_vnni {
 #define STRATA_INT8_TARGET "avx2,fma,f16c,avxvnni"
 #define STRATA_INT8_VNNI 1
 #include "kernels/internal/integer_dot.inc"
 #undef STRATA_INT8_TARGET
 #undef STRATA_INT8_VNNI
-}  // namespace int8_avx_vnni
-namespace int8_avx512_vnni {
+}  // namespace integer_avx_vnni
+namespace integer_avx512_vnni {
 #define STRATA_INT8_TARGET "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"
 #define STRATA_INT8_VNNI 2
 #include "kernels/internal/integer_dot.inc"
 #undef STRATA_INT8_TARGET
 #undef STRATA_INT8_VNNI
-}  // namespace int8_avx512_vnni
+}  // namespace integer_avx512_vnni
 
-using ScoreKernel = void (*)(const Segment&, HeadGroupState&);
+// Runs Op (one instantiation per instruction set, from internal/integer_dot.inc) with the CPU's
+// integer dot product at `bits` (2 or 4) for the segment's G; false when no kernel has that G.
+template <template <int, uint32_t> class OpAvx2, template <int, uint32_t> class OpAvxVnni,
+          template <int, uint32_t> class OpAvx512Vnni>
+bool RunInteger(int bits, const Segment& seg, HeadGroupState& st) {
+  switch (IntegerDotIsa()) {
+    case IntegerIsa::kAvx512Vnni:
+      return bits == 4 ? DispatchG<OpAvx512Vnni, 4>(st.g, seg, st)
+                       : DispatchG<OpAvx512Vnni, 2>(st.g, seg, st);
+    case IntegerIsa::kAvxVnni:
+      return bits == 4 ? DispatchG<OpAvxVnni, 4>(st.g, seg, st)
+                       : DispatchG<OpAvxVnni, 2>(st.g, seg, st);
+    case IntegerIsa::kAvx2:
+      break;
+  }
+  return bits == 4 ? DispatchG<OpAvx2, 4>(st.g, seg, st) : DispatchG<OpAvx2, 2>(st.g, seg, st);
+}
 
-// The integer-score kernel for this segment's keys, or nullptr: affine codes at 2 or 4 bits, rows
-// a multiple of 16 bytes, 1/2/4/8 heads; per-channel parameters (KIVI's and KCVT's K) or
-// per-token channel groups (SKVQ's K).
-ScoreKernel Int8ScoresFor(const Segment& seg, const HeadGroupState& st) {
-  if (!st.integer_dot || seg.block == nullptr) return nullptr;
+// Whether the integer kernels take this segment's keys: affine codes at 2 or 4 bits, rows a
+// multiple of 16 bytes; per-channel parameters (KIVI's and KCVT's K) or per-token channel groups
+// (SKVQ's K) of whole lanes, at most 8 per vector.
+bool IntegerKeys(const Segment& seg, const HeadGroupState& st) {
+  if (!st.integer_dot || seg.block == nullptr) return false;
   const TensorOperands& k = seg.block->k;
   if (k.kind != CodeKind::kAffine || k.row_bytes % 16 != 0 ||
       k.row_bytes * 8 != st.d * static_cast<uint32_t>(k.bits) || st.d % 32 != 0 ||
-      st.d > int8_avx2::kMaxInt8Dim ||
-      (k.bits != 2 && k.bits != 4)) {
-    return nullptr;
+      st.d > integer_avx2::kMaxInt8Dim || (k.bits != 2 && k.bits != 4)) {
+    return false;
   }
-  const Int8Isa isa = Int8ScoresIsa();
-  if (k.token_groups) {  // SKVQ's K: groups of whole lanes, at most 8 per vector
-    const uint32_t lane_span = 4 * (8 / static_cast<uint32_t>(k.bits));
-    if (k.groups > 8 || (k.groups > 1 && k.group_size % lane_span != 0)) return nullptr;
-    if (isa == Int8Isa::kAvx512Vnni) {
-      return k.bits == 4 ? int8_avx512_vnni::ScoresTokenGroupsFor<4>(st.g)
-                         : int8_avx512_vnni::ScoresTokenGroupsFor<2>(st.g);
-    }
-    if (isa == Int8Isa::kAvxVnni) {
-      return k.bits == 4 ? int8_avx_vnni::ScoresTokenGroupsFor<4>(st.g)
-                         : int8_avx_vnni::ScoresTokenGroupsFor<2>(st.g);
-    }
-    return k.bits == 4 ? int8_avx2::ScoresTokenGroupsFor<4>(st.g)
-                       : int8_avx2::ScoresTokenGroupsFor<2>(st.g);
-  }
-  if (isa == Int8Isa::kAvx512Vnni) {
-    return k.bits == 4 ? int8_avx512_vnni::ScoresInt8For<4>(st.g)
-                       : int8_avx512_vnni::ScoresInt8For<2>(st.g);
-  }
-  if (isa == Int8Isa::kAvxVnni) {
-    return k.bits == 4 ? int8_avx_vnni::ScoresInt8For<4>(st.g)
-                       : int8_avx_vnni::ScoresInt8For<2>(st.g);
-  }
-  return k.bits == 4 ? int8_avx2::ScoresInt8For<4>(st.g) : int8_avx2::ScoresInt8For<2>(st.g);
+  const uint32_t lane_span = 4 * (8 / static_cast<uint32_t>(k.bits));
+  return !k.token_groups || (k.groups <= 8 && (k.groups == 1 || k.group_size % lane_span == 0));
 }
 
-// The int16-weight value kernel for this segment, or nullptr: affine codes at 2 or 4 bits with
-// per-token parameters (KIVI's and KCVT's V), channel groups that an operand's 8 bytes of codes
-// never straddle, at most 4096 tokens (the int32 sums' bound), 1/2/4/8 heads.
-ScoreKernel Int16AccumulateFor(const Segment& seg, const HeadGroupState& st) {
-  if (!st.integer_dot || seg.block == nullptr) return nullptr;
+// Whether the int16-weight value kernel takes this segment's values: affine codes at 2 or 4 bits
+// with per-token parameters (KIVI's and KCVT's V), channel groups that an operand's 8 bytes of
+// codes never straddle, at most 4096 tokens (the int32 sums' bound).
+bool IntegerValues(const Segment& seg, const HeadGroupState& st) {
+  if (!st.integer_dot || seg.block == nullptr) return false;
   const TensorOperands& v = seg.block->v;
   if (v.kind != CodeKind::kAffine || !v.token_groups || v.row_bytes % 16 != 0 ||
       v.row_bytes * 8 != st.d * static_cast<uint32_t>(v.bits) || seg.tokens > 4096 ||
       (v.bits != 2 && v.bits != 4)) {
-    return nullptr;
+    return false;
   }
   const uint32_t span = 8 * (8 / static_cast<uint32_t>(v.bits));  // channels of one operand
-  if (v.groups != 1 && v.group_size % span != 0) return nullptr;
-  const Int8Isa isa = Int8ScoresIsa();
-  if (isa == Int8Isa::kAvx512Vnni) {
-    return v.bits == 4 ? int8_avx512_vnni::AccumulateInt16For<4>(st.g)
-                       : int8_avx512_vnni::AccumulateInt16For<2>(st.g);
-  }
-  if (isa == Int8Isa::kAvxVnni) {
-    return v.bits == 4 ? int8_avx_vnni::AccumulateInt16For<4>(st.g)
-                       : int8_avx_vnni::AccumulateInt16For<2>(st.g);
-  }
-  return v.bits == 4 ? int8_avx2::AccumulateInt16For<4>(st.g)
-                     : int8_avx2::AccumulateInt16For<2>(st.g);
+  return v.groups == 1 || v.group_size % span == 0;
 }
 
 }  // namespace
 
-Int8Isa Int8ScoresIsa() {
+IntegerIsa IntegerDotIsa() {
   const CpuFeatures& f = GetCpuFeatures();
-  if (f.avx512vnni && f.avx512vl && f.avx512bw) return Int8Isa::kAvx512Vnni;
-  if (f.avx_vnni) return Int8Isa::kAvxVnni;
-  return Int8Isa::kAvx2;
+  if (f.avx512vnni && f.avx512vl && f.avx512bw) return IntegerIsa::kAvx512Vnni;
+  if (f.avx_vnni) return IntegerIsa::kAvxVnni;
+  return IntegerIsa::kAvx2;
 }
 
 void ScoresAvx2(const Segment& seg, HeadGroupState& st) {
-  if (const ScoreKernel f = Int8ScoresFor(seg, st); f != nullptr) {
-    f(seg, st);
-    return;
+  if (IntegerKeys(seg, st)) {
+    const int bits = seg.block->k.bits;
+    const bool ran =
+        seg.block->k.token_groups
+            ? RunInteger<integer_avx2::ScoresTokenGroupsOp, integer_avx_vnni::ScoresTokenGroupsOp,
+                         integer_avx512_vnni::ScoresTokenGroupsOp>(bits, seg, st)
+            : RunInteger<integer_avx2::ScoresInt8Op, integer_avx_vnni::ScoresInt8Op,
+                         integer_avx512_vnni::ScoresInt8Op>(bits, seg, st);
+    if (ran) return;
   }
   if (st.d % 8 != 0 || (seg.block != nullptr && seg.block->k.token_groups) ||
       !Dispatch<ScoresOp>(SourceOf(seg, seg.block ? &seg.block->k : nullptr), seg, st)) {
@@ -663,8 +647,9 @@ void ScoresAvx2(const Segment& seg, HeadGroupState& st) {
 }
 
 void AccumulateAvx2(const Segment& seg, HeadGroupState& st) {
-  if (const ScoreKernel f = Int16AccumulateFor(seg, st); f != nullptr) {
-    f(seg, st);
+  if (IntegerValues(seg, st) &&
+      RunInteger<integer_avx2::AccumulateInt16Op, integer_avx_vnni::AccumulateInt16Op,
+                 integer_avx512_vnni::AccumulateInt16Op>(seg.block->v.bits, seg, st)) {
     return;
   }
   if (st.d % 8 != 0 ||

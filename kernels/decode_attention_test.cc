@@ -1,7 +1,6 @@
 #include "kernels/decode_attention.h"
 
 #include <algorithm>
-#include <numeric>
 #include <cmath>
 #include <memory>
 #include <random>
@@ -31,31 +30,6 @@ struct TestSequence {
   std::shared_ptr<Calibration> calibration;
 };
 
-// A calibration for layer 0 of this shape: random channel orders, clipping on.
-std::shared_ptr<Calibration> TestCalibration(const CodecSpec& spec, uint32_t kv_heads,
-                                             uint32_t dim, uint64_t seed) {
-  auto c = std::make_shared<Calibration>();
-  CodecSpec main = spec;
-  main.sink_tokens = 0;
-  c->codec = main.ToString();
-  c->kv_heads = kv_heads;
-  c->head_dim = dim;
-  LayerCalibration l;
-  std::mt19937 rng(seed);
-  for (std::vector<uint16_t>* perm : {&l.k_perm, &l.v_perm}) {
-    for (uint32_t h = 0; h < kv_heads; ++h) {
-      std::vector<uint16_t> p(dim);
-      std::iota(p.begin(), p.end(), uint16_t{0});
-      std::shuffle(p.begin(), p.end(), rng);
-      perm->insert(perm->end(), p.begin(), p.end());
-    }
-  }
-  l.k_clip = 0.95f;
-  l.v_clip = 0.9f;
-  c->layers.push_back(l);
-  return c;
-}
-
 std::unique_ptr<TestSequence> MakeSequence(const std::string& spec, uint32_t q_heads,
                                            uint32_t kv_heads, uint32_t dim, uint32_t sinks,
                                            std::vector<uint32_t> chunk_tokens, uint32_t window,
@@ -74,7 +48,7 @@ std::unique_ptr<TestSequence> MakeSequence(const std::string& spec, uint32_t q_h
   };
   if (sinks > 0) full(sinks, s->sink_k, s->sink_v);
   const CodecSpec parsed = *CodecSpec::Parse(spec);
-  if (parsed.needs_calibration()) s->calibration = TestCalibration(parsed, kv_heads, dim, seed);
+  if (parsed.needs_calibration()) s->calibration = MakeSyntheticCalibration(parsed, kv_heads, dim, seed);
   auto codec = *Codec::Create(spec, s->calibration);
   for (uint32_t n : chunk_tokens) {
     const SyntheticKv kv = MakeSyntheticKv(n, kv_heads, dim, seed + pos, pos);

@@ -1,6 +1,8 @@
 #include "kernels/synthetic_kv.h"
 
+#include <algorithm>
 #include <cmath>
+#include <numeric>
 #include <random>
 
 namespace strata::kernels {
@@ -59,6 +61,30 @@ SyntheticKv MakeSyntheticKv(uint32_t tokens, uint32_t kv_heads, uint32_t head_di
     }
   }
   return kv;
+}
+
+std::shared_ptr<Calibration> MakeSyntheticCalibration(const CodecSpec& spec, uint32_t kv_heads,
+                                                      uint32_t head_dim, uint64_t seed) {
+  auto c = std::make_shared<Calibration>();
+  CodecSpec main = spec;
+  main.sink_tokens = 0;
+  c->codec = main.ToString();
+  c->kv_heads = kv_heads;
+  c->head_dim = head_dim;
+  LayerCalibration l;
+  std::mt19937 rng(seed);
+  for (std::vector<uint16_t>* perm : {&l.k_perm, &l.v_perm}) {
+    for (uint32_t h = 0; h < kv_heads; ++h) {
+      std::vector<uint16_t> p(head_dim);
+      std::iota(p.begin(), p.end(), uint16_t{0});
+      std::shuffle(p.begin(), p.end(), rng);
+      perm->insert(perm->end(), p.begin(), p.end());
+    }
+  }
+  l.k_clip = 0.95f;
+  l.v_clip = 0.9f;
+  c->layers.push_back(l);
+  return c;
 }
 
 }  // namespace strata::kernels

@@ -8,7 +8,11 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
+
+#include "kernels/calibration.h"
+#include "kernels/codec_spec.h"
 
 namespace strata::kernels {
 
@@ -20,5 +24,12 @@ struct SyntheticKv {
 // `position0` is the absolute position of the first token (RoPE angle).
 SyntheticKv MakeSyntheticKv(uint32_t tokens, uint32_t kv_heads, uint32_t head_dim, uint64_t seed,
                             uint32_t position0 = 0);
+
+// A stand-in calibration of layer 0 for codecs that need one (SKVQ, for tests and benchmarks):
+// random channel orders per head (std::shuffle with std::mt19937(seed)), clipping at 0.95 (K) and
+// 0.9 (V), for `spec` without its sinks. Not what calibration would learn: the channel orders
+// carry no information.
+std::shared_ptr<Calibration> MakeSyntheticCalibration(const CodecSpec& spec, uint32_t kv_heads,
+                                                      uint32_t head_dim, uint64_t seed);
 
 }  // namespace strata::kernels

@@ -55,9 +55,9 @@ void AccumulatePortable(const Segment& seg, HeadGroupState& st);
 // specialize. Defined in decode_attention_avx2.cc (compiled with -mavx2 -mfma -mf16c).
 void ScoresAvx2(const Segment& seg, HeadGroupState& st);
 
-// Which integer dot product the AVX2 kernels' int8-query scores use on this CPU.
-enum class Int8Isa { kAvx2, kAvxVnni, kAvx512Vnni };
-Int8Isa Int8ScoresIsa();
+// Which integer dot product the AVX2 kernels' integer paths (keys and values) use on this CPU.
+enum class IntegerIsa { kAvx2, kAvxVnni, kAvx512Vnni };
+IntegerIsa IntegerDotIsa();
 void AccumulateAvx2(const Segment& seg, HeadGroupState& st);
 
 struct Kernels {

@@ -3,10 +3,18 @@
 // a block's bytes do not depend on the machine that made it. Call only when HaveCodecSimd().
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 
 namespace strata::kernels::internal {
+
+// The affine quantizer's rounding of one value (round half up, clamped to [0, qmax]; truncation
+// of a non-negative value is floor): the portable loop and the vector loops' tails.
+inline uint8_t AffineCode(float x, float z, float inv, float qmax) {
+  const float y = std::max((x - z) * inv + 0.5f, 0.0f);
+  return static_cast<uint8_t>(std::min(static_cast<float>(static_cast<int32_t>(y)), qmax));
+}
 
 // True on a CPU with AVX2 and F16C unless a test turned the loops off (SetCodecSimdForTesting).
 bool HaveCodecSimd();
@@ -21,7 +29,7 @@ void ColumnMinMaxAvx2(const float* rows, size_t stride, uint32_t n, uint32_t D, 
 // std::min / std::max from +inf / -inf.
 void GroupMinMaxAvx2(const float* row, uint32_t D, uint32_t gs, float* lo, float* hi);
 
-// codes[d] = min(floor(max((x[d] - z[d]) * inv[d] + 0.5, 0)), qmax), d in [0, n).
+// codes[d] = AffineCode(x[d], z[d], inv[d], qmax), d in [0, n).
 void QuantizeRowAvx2(const float* x, const float* z, const float* inv, uint32_t n, float qmax,
                      uint8_t* codes);
 
