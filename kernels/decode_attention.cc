@@ -82,9 +82,10 @@ namespace {
 using internal::SoftmaxScale;
 using internal::ValidateAttention;
 
-// Segments of one sequence for one KV head, in order.
+// Segments of one sequence for one KV head, in order, leaving out its first `skip_blocks`
+// blocks (a shared prefix, computed apart).
 std::vector<Segment> Segments(const DecodeAttentionParams& p, const DecodeSequence& seq,
-                              uint32_t head) {
+                              uint32_t head, size_t skip_blocks = 0) {
   std::vector<Segment> out;
   const uint32_t stride = p.kv_heads * p.head_dim;
   auto full = [&](const FullPrecisionKv& fp) {
@@ -97,14 +98,55 @@ std::vector<Segment> Segments(const DecodeAttentionParams& p, const DecodeSequen
     out.push_back(s);
   };
   full(seq.sinks);
-  for (const BlockOperands* b : seq.blocks) {
+  for (size_t i = skip_blocks; i < seq.blocks.size(); ++i) {
     Segment s;
-    s.block = b;
+    s.block = seq.blocks[i];
     s.head = head;
-    s.tokens = b->tokens;
+    s.tokens = seq.blocks[i]->tokens;
     out.push_back(s);
   }
   full(seq.window);
+  return out;
+}
+
+// The same block in two sequences: the same object, or operands over the same bytes (each
+// sequence's cache parses the blocks it holds, so a prefix adopted from one buffer gives equal
+// code pointers behind different objects).
+bool SameBlock(const BlockOperands* a, const BlockOperands* b) {
+  return a == b || (a->tokens == b->tokens && a->k.codes != nullptr && a->k.codes == b->k.codes &&
+                    a->v.codes == b->v.codes && a->k.kind == b->k.kind && a->v.kind == b->v.kind);
+}
+
+// Sequences of the batch that begin with the same blocks (a cached prefix), each cluster of two
+// or more with the number of leading blocks all of its sequences share.
+struct SharedPrefix {
+  std::vector<size_t> seqs;
+  size_t blocks = 0;
+};
+
+std::vector<SharedPrefix> SharedPrefixes(absl::Span<const DecodeSequence> batch) {
+  std::vector<SharedPrefix> out;
+  std::vector<bool> taken(batch.size(), false);
+  for (size_t s = 0; s < batch.size(); ++s) {
+    if (taken[s] || batch[s].blocks.empty()) continue;
+    SharedPrefix c;
+    c.seqs.push_back(s);
+    c.blocks = batch[s].blocks.size();
+    for (size_t o = s + 1; o < batch.size(); ++o) {
+      if (taken[o] || batch[o].blocks.empty() ||
+          !SameBlock(batch[s].blocks[0], batch[o].blocks[0])) {
+        continue;
+      }
+      size_t n = 1;
+      const size_t limit = std::min(c.blocks, batch[o].blocks.size());
+      while (n < limit && SameBlock(batch[s].blocks[n], batch[o].blocks[n])) ++n;
+      c.blocks = n;
+      c.seqs.push_back(o);
+    }
+    if (c.seqs.size() < 2) continue;
+    for (size_t t : c.seqs) taken[t] = true;
+    out.push_back(std::move(c));
+  }
   return out;
 }
 
@@ -167,14 +209,40 @@ void RunSegments(const std::vector<Segment>& segs, size_t begin, size_t end, boo
       const float* part = &st.acc[size_t{r} * st.d];
       float* acc = &saved[size_t{r} * st.d];
       for (uint32_t c = 0; c < st.d; ++c) {
-        const float x =
-            vt->channel_norm != nullptr ? part[c] * HalfBitsToFloat(vt->channel_norm[hd + c]) : part[c];
+        const float x = vt->channel_norm != nullptr
+                            ? part[c] * HalfBitsToFloat(vt->channel_norm[hd + c])
+                            : part[c];
         acc[vt->channel_perm != nullptr ? vt->channel_perm[hd + c] : c] += x;
       }
     }
     st.acc.swap(saved);
   }
 }
+
+// The rows of one KV head that share an output: query tokens [token0, token0 + tokens) of a
+// sequence times the G query heads of the KV head.
+struct Group {
+  size_t seq;
+  uint32_t head;
+  uint32_t token0, tokens;
+};
+
+// One group's rows through segments [begin, end) of `segs`, written to a partial result.
+struct Unit {
+  size_t group;
+  size_t part = 0;
+};
+
+// Segments [begin, end) of `segs` for several units (groups that share the segments), every
+// unit in turn per segment: a block read for the first unit is still in the caches for the
+// others. Stacking two groups' rows into one state (8 rows where G is 4) measured slower: the
+// 8-row kernels keep more accumulators than AVX2 has registers.
+struct Task {
+  const std::vector<Segment>* segs;
+  size_t begin, end;
+  bool last_is_window;
+  std::vector<Unit> units;
+};
 
 absl::Status Run(const DecodeAttentionParams& p, absl::Span<const DecodeSequence> batch,
                  const DecodeAttentionOptions& o, const internal::Kernels& kernels) {
@@ -183,87 +251,161 @@ absl::Status Run(const DecodeAttentionParams& p, absl::Span<const DecodeSequence
   }
   const uint32_t G = p.q_heads / p.kv_heads, D = p.head_dim;
   const float scale = SoftmaxScale(p);
+  ThreadPool& pool = o.pool != nullptr ? *o.pool : ThreadPool::Default();
   // The rows of one KV head are (query token, query head of the group) pairs. They are run in
   // batches of whole tokens, up to 8 rows, so the kernels' GQA specializations apply.
   const uint32_t tokens_per_batch = std::max<uint32_t>(1, 8 / G);
-  struct Task {
-    size_t seq;
-    uint32_t head;
-    uint32_t token0, tokens;  // query tokens of this batch of rows
-    size_t begin, end;        // segment range
-    size_t group;             // the (seq, head, batch) this part belongs to
-    size_t part;              // index of the partial result
-  };
-  std::vector<std::vector<Segment>> segs(batch.size() * p.kv_heads);
-  std::vector<Task> tasks;
-  std::vector<size_t> first_part;  // per (seq, head, batch) group, into tasks
-  std::vector<uint32_t> group_rows;
+  std::vector<Group> groups;
+  std::vector<size_t> first_group(batch.size() * p.kv_heads + 1);  // per (seq, head)
   for (size_t s = 0; s < batch.size(); ++s) {
     for (uint32_t h = 0; h < p.kv_heads; ++h) {
-      const size_t sh = s * p.kv_heads + h;
-      segs[sh] = Segments(p, batch[s], h);
+      first_group[s * p.kv_heads + h] = groups.size();
       for (uint32_t t0 = 0; t0 < batch[s].query_tokens; t0 += tokens_per_batch) {
-        const uint32_t nt = std::min(tokens_per_batch, batch[s].query_tokens - t0);
-        const size_t group = first_part.size();
-        first_part.push_back(tasks.size());
-        group_rows.push_back(nt * G);
-        size_t begin = 0;
-        uint64_t acc_tokens = 0;
-        for (size_t i = 0; i < segs[sh].size(); ++i) {
-          acc_tokens += segs[sh][i].tokens;
-          if (acc_tokens >= o.tokens_per_split || i + 1 == segs[sh].size()) {
-            tasks.push_back({s, h, t0, nt, begin, i + 1, group, tasks.size()});
-            begin = i + 1;
-            acc_tokens = 0;
-          }
-        }
+        groups.push_back({s, h, t0, std::min(tokens_per_batch, batch[s].query_tokens - t0)});
       }
     }
   }
-  first_part.push_back(tasks.size());
+  first_group.back() = groups.size();
+  std::vector<std::vector<size_t>> group_parts(groups.size());
+  size_t parts = 0;
+  std::vector<Task> tasks;
+  // A task's segments in parts of about tokens_per_split tokens (flash-decoding).
+  auto split = [&](const std::vector<Segment>& segs, bool last_is_window,
+                   const std::vector<Unit>& units) {
+    size_t begin = 0;
+    uint64_t acc_tokens = 0;
+    for (size_t i = 0; i < segs.size(); ++i) {
+      acc_tokens += segs[i].tokens;
+      if (acc_tokens >= o.tokens_per_split || i + 1 == segs.size()) {
+        Task t{&segs, begin, i + 1, last_is_window, units};
+        for (Unit& u : t.units) {
+          u.part = parts++;
+          group_parts[u.group].push_back(u.part);
+        }
+        tasks.push_back(std::move(t));
+        begin = i + 1;
+        acc_tokens = 0;
+      }
+    }
+  };
+  // A prefix of blocks that several sequences share is read once per KV head for all of their
+  // rows: a task takes each block in turn for all of their groups.
+  const std::vector<SharedPrefix> shared =
+      o.share_prefixes ? SharedPrefixes(batch) : std::vector<SharedPrefix>{};
+  std::vector<size_t> skip(batch.size(), 0);
+  std::vector<std::vector<Segment>> shared_segs(shared.size() * p.kv_heads);
+  for (const SharedPrefix& c : shared) {
+    for (size_t s : c.seqs) skip[s] = c.blocks;
+  }
+  for (size_t ci = 0; ci < shared.size(); ++ci) {
+    const SharedPrefix& c = shared[ci];
+    const DecodeSequence& first = batch[c.seqs[0]];
+    for (uint32_t h = 0; h < p.kv_heads; ++h) {
+      std::vector<Segment>& segs = shared_segs[ci * p.kv_heads + h];
+      for (size_t b = 0; b < c.blocks; ++b) {
+        Segment sg;
+        sg.block = first.blocks[b];
+        sg.head = h;
+        sg.tokens = first.blocks[b]->tokens;
+        segs.push_back(sg);
+      }
+      std::vector<Unit> units;
+      for (size_t s : c.seqs) {
+        for (size_t g = first_group[s * p.kv_heads + h]; g < first_group[s * p.kv_heads + h + 1];
+             ++g) {
+          units.push_back({g});
+        }
+      }
+      uint64_t tokens = 0;
+      for (const Segment& sg : segs) tokens += sg.tokens;
+      const size_t splits =
+          std::max<uint64_t>(1, (tokens + o.tokens_per_split - 1) / o.tokens_per_split);
+      // Units are dealt to several tasks when there would be fewer than two tasks per thread
+      // over all prefixes and heads.
+      const size_t want = 2 * static_cast<size_t>(pool.size());
+      const size_t have = splits * p.kv_heads * shared.size();
+      const size_t chunks = std::min(units.size(), std::max<size_t>(1, (want + have - 1) / have));
+      const size_t per = (units.size() + chunks - 1) / chunks;
+      for (size_t u0 = 0; u0 < units.size(); u0 += per) {
+        split(segs, false,
+              std::vector<Unit>(units.begin() + u0,
+                                units.begin() + std::min(units.size(), u0 + per)));
+      }
+    }
+  }
+  // Every sequence's own segments: sinks, the blocks after a shared prefix, the window.
+  std::vector<std::vector<Segment>> segs(batch.size() * p.kv_heads);
+  for (size_t s = 0; s < batch.size(); ++s) {
+    for (uint32_t h = 0; h < p.kv_heads; ++h) {
+      const size_t sh = s * p.kv_heads + h;
+      segs[sh] = Segments(p, batch[s], h, skip[s]);
+      for (size_t g = first_group[sh]; g < first_group[sh + 1]; ++g) {
+        split(segs[sh], batch[s].window.tokens > 0, {Unit{g}});
+      }
+    }
+  }
+  if (o.stats != nullptr) {
+    *o.stats = {};
+    for (const Task& t : tasks) {
+      for (size_t i = t.begin; i < t.end; ++i) {
+        if ((*t.segs)[i].block == nullptr) continue;
+        ++o.stats->blocks_read;
+        o.stats->blocks_attended += t.units.size();
+      }
+    }
+  }
   const size_t rows_max = size_t{tokens_per_batch} * G;
-  std::vector<float> part_m(tasks.size() * rows_max), part_l(tasks.size() * rows_max),
-      part_acc(tasks.size() * rows_max * D);
-  ThreadPool& pool = o.pool != nullptr ? *o.pool : ThreadPool::Default();
+  std::vector<float> part_m(parts * rows_max), part_l(parts * rows_max),
+      part_acc(parts * rows_max * D);
   pool.ParallelFor(tasks.size(), [&](size_t ti) {
     const Task& t = tasks[ti];
-    const DecodeSequence& seq = batch[t.seq];
-    const uint32_t rows = t.tokens * G;
-    HeadGroupState st;
-    st.g = rows;
-    st.d = D;
-    st.integer_dot = o.integer_dot;
-    st.q.resize(size_t{rows} * D);
-    std::vector<uint32_t> window_limit(rows);
-    for (uint32_t r = 0; r < rows; ++r) {
-      const uint32_t token = t.token0 + r / G, j = r % G;
-      const float* q = seq.q + (size_t{token} * p.q_heads + size_t{t.head} * G + j) * D;
-      for (uint32_t d = 0; d < D; ++d) st.q[size_t{r} * D + d] = q[d] * scale;
-      window_limit[r] = seq.window.tokens - (seq.query_tokens - 1 - token);
-    }
-    st.m.assign(rows, kNegInf);
-    st.l.assign(rows, 0.0f);
-    st.acc.assign(size_t{rows} * D, 0.0f);
-    RunSegments(segs[t.seq * p.kv_heads + t.head], t.begin, t.end, seq.window.tokens > 0,
-                window_limit, st, kernels);
-    std::memcpy(&part_m[t.part * rows_max], st.m.data(), rows * sizeof(float));
-    std::memcpy(&part_l[t.part * rows_max], st.l.data(), rows * sizeof(float));
-    std::memcpy(&part_acc[t.part * rows_max * D], st.acc.data(), size_t{rows} * D * sizeof(float));
-  });
-  // Log-sum-exp merge of the parts of each (sequence, KV head, batch of rows).
-  for (size_t g = 0; g + 1 < first_part.size(); ++g) {
-    const Task& first = tasks[first_part[g]];
-    const DecodeSequence& seq = batch[first.seq];
-    for (uint32_t r = 0; r < group_rows[g]; ++r) {
-      const uint32_t token = first.token0 + r / G, j = r % G;
-      float m = kNegInf;
-      for (size_t part = first_part[g]; part < first_part[g + 1]; ++part) {
-        m = std::max(m, part_m[part * rows_max + r]);
+    std::vector<HeadGroupState> states(t.units.size());
+    std::vector<std::vector<uint32_t>> window_limit(t.units.size());
+    for (size_t ui = 0; ui < t.units.size(); ++ui) {
+      const Group& gr = groups[t.units[ui].group];
+      const DecodeSequence& seq = batch[gr.seq];
+      const uint32_t rows = gr.tokens * G;
+      HeadGroupState& st = states[ui];
+      st.g = rows;
+      st.d = D;
+      st.integer_dot = o.integer_dot;
+      st.q.resize(size_t{rows} * D);
+      window_limit[ui].resize(rows);
+      for (uint32_t r = 0; r < rows; ++r) {
+        const uint32_t token = gr.token0 + r / G, j = r % G;
+        const float* q = seq.q + (size_t{token} * p.q_heads + size_t{gr.head} * G + j) * D;
+        for (uint32_t d = 0; d < D; ++d) st.q[size_t{r} * D + d] = q[d] * scale;
+        window_limit[ui][r] = seq.window.tokens - (seq.query_tokens - 1 - token);
       }
+      st.m.assign(rows, kNegInf);
+      st.l.assign(rows, 0.0f);
+      st.acc.assign(size_t{rows} * D, 0.0f);
+    }
+    for (size_t i = t.begin; i < t.end; ++i) {
+      for (size_t ui = 0; ui < t.units.size(); ++ui) {
+        RunSegments(*t.segs, i, i + 1, t.last_is_window, window_limit[ui], states[ui], kernels);
+      }
+    }
+    for (size_t ui = 0; ui < t.units.size(); ++ui) {
+      const HeadGroupState& st = states[ui];
+      const size_t part = t.units[ui].part;
+      std::memcpy(&part_m[part * rows_max], st.m.data(), st.g * sizeof(float));
+      std::memcpy(&part_l[part * rows_max], st.l.data(), st.g * sizeof(float));
+      std::memcpy(&part_acc[part * rows_max * D], st.acc.data(), size_t{st.g} * D * sizeof(float));
+    }
+  });
+  // Log-sum-exp merge of the parts of each group.
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const Group& gr = groups[g];
+    const DecodeSequence& seq = batch[gr.seq];
+    for (uint32_t r = 0; r < gr.tokens * G; ++r) {
+      const uint32_t token = gr.token0 + r / G, j = r % G;
+      float m = kNegInf;
+      for (size_t part : group_parts[g]) m = std::max(m, part_m[part * rows_max + r]);
       float l = 0;
-      float* out = seq.out + (size_t{token} * p.q_heads + size_t{first.head} * G + j) * D;
+      float* out = seq.out + (size_t{token} * p.q_heads + size_t{gr.head} * G + j) * D;
       std::fill(out, out + D, 0.0f);
-      for (size_t part = first_part[g]; part < first_part[g + 1]; ++part) {
+      for (size_t part : group_parts[g]) {
         const float pm = part_m[part * rows_max + r];
         const float w = pm == kNegInf ? 0.0f : std::exp(pm - m);
         l += part_l[part * rows_max + r] * w;
@@ -370,7 +512,8 @@ void ScoresPortable(const Segment& seg, HeadGroupState& st) {
     for (uint32_t j = 0; j < G; ++j) {
       for (uint32_t g = 0; g < Gn; ++g) {
         float sum = 0;
-        for (uint32_t d = g * gs; d < std::min(D, (g + 1) * gs); ++d) sum += st.q[size_t{j} * D + d];
+        for (uint32_t d = g * gs; d < std::min(D, (g + 1) * gs); ++d)
+          sum += st.q[size_t{j} * D + d];
         qsum[j * Gn + g] = sum;
       }
     }

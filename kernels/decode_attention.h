@@ -5,7 +5,9 @@
 // `query_tokens` tokens of the window, and new token i sees the window only up to itself
 // (causal), everything before the window entirely. Grouped-query attention: query head j uses
 // KV head j / (q_heads / kv_heads), and one pass over a KV head's bytes serves all its query
-// heads (and all new tokens, up to 8 rows at a time).
+// heads (and all new tokens, up to 8 rows at a time). Sequences of a batch that begin with the
+// same blocks (a cached prefix) have those blocks read once per KV head for all of their rows:
+// each sequence's rows take the block in turn while it is in cache.
 //
 // Nothing is decompressed to memory: codes are dequantized a row at a time as they are read,
 // per-channel key scales are folded into q, per-token value scales into the probabilities, the
@@ -59,6 +61,16 @@ struct DecodeAttentionParams {
 
 enum class AttentionImpl { kAuto, kPortable, kAvx2 };
 
+// Blocks read and attended, counted per KV head. A block that several sequences of the batch
+// share (the same operands, or operands over the same bytes: a cached prefix adopted from one
+// buffer) is read once for all of their query rows, so blocks_read < blocks_attended when the
+// batch shares a prefix.
+struct DecodeAttentionStats {
+  uint64_t blocks_read = 0;      // passes over a (block, KV head)'s codes
+  uint64_t blocks_attended = 0;  // (rows, block, KV head) attended, rows: a sequence's query
+                                 // token (up to 8 rows of query heads x tokens at a time)
+};
+
 struct DecodeAttentionOptions {
   AttentionImpl impl = AttentionImpl::kAuto;  // kAvx2 fails with kUnimplemented without AVX2
   uint32_t tokens_per_split = 4096;           // flash-decoding part size, >= 1
@@ -70,6 +82,11 @@ struct DecodeAttentionOptions {
   // p * scale as int16 per query head and channel group (1/65534 of the largest per token).
   // false keeps fp32 throughout (exact to float rounding).
   bool integer_dot = true;
+  // Read the blocks that sequences share (a cached prefix) once for all of them; false runs
+  // every sequence apart (for measuring what sharing buys).
+  bool share_prefixes = true;
+  // When set, receives what the call read (on success).
+  DecodeAttentionStats* stats = nullptr;
 };
 
 absl::Status DecodeAttentionRef(const DecodeAttentionParams& params,

@@ -1,6 +1,7 @@
 #include "model/kv_cache.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -40,7 +41,8 @@ BlockName SequenceKvCache::NameOf(uint32_t layer, const BlockHash& key) const {
   BlockName n;
   n.model_fingerprint = options_.model_fingerprint;
   n.codec_fingerprint = Fingerprint64(codec_->LayerSpec(layer));
-  n.calibration_fingerprint = codec_->calibration() != nullptr ? codec_->calibration()->fingerprint() : 0;
+  n.calibration_fingerprint =
+      codec_->calibration() != nullptr ? codec_->calibration()->fingerprint() : 0;
   n.key = key;
   n.layer = layer;
   return n;
@@ -96,7 +98,8 @@ void SequenceKvCache::DiscardUncommitted() {
     l.window_k.resize(keep);
     l.window_v.resize(keep);
     if (!l.window_q.empty()) {
-      l.window_q.resize(std::min(l.window_q.size(), size_t{window_tokens_} * l.q_heads * head_dim_));
+      l.window_q.resize(
+          std::min(l.window_q.size(), size_t{window_tokens_} * l.q_heads * head_dim_));
     }
     l.pending.clear();
   }
@@ -110,19 +113,23 @@ absl::StatusOr<std::vector<SharedBytes>> SequenceKvCache::EncodeChunks(uint32_t 
   std::vector<SharedBytes> out;
   for (uint32_t done = 0; window - done >= c + options_.window_tokens; done += c) {
     const uint32_t chunk = static_cast<uint32_t>(l.ops.size() + done / c);
-    kernels::KvChunkView view{l.window_k.data() + done * row, l.window_v.data() + done * row,
-                              SourceDType::kFloat32, c, kv_heads_, head_dim_};
+    kernels::KvChunkView view{l.window_k.data() + done * row,
+                              l.window_v.data() + done * row,
+                              SourceDType::kFloat32,
+                              c,
+                              kv_heads_,
+                              head_dim_};
     const size_t q_row = size_t{l.q_heads} * head_dim_;
     if (l.q_heads > 0 && l.window_q.size() >= (done + c) * q_row) {
       view.q = l.window_q.data() + done * q_row;
       view.q_heads = l.q_heads;
     }
-    STRATA_ASSIGN_OR_RETURN(
-        AlignedBuffer block,
-        codec_->Encode(view, {.layer = li,
-                              .chunk_index = chunk,
-                              .model_fingerprint = options_.model_fingerprint}));
-    out.push_back(SharedBytes::FromBuffer(std::move(block)));
+    const auto t0 = std::chrono::steady_clock::now();
+    absl::StatusOr<AlignedBuffer> block = codec_->Encode(
+        view, {.layer = li, .chunk_index = chunk, .model_fingerprint = options_.model_fingerprint});
+    encode_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (!block.ok()) return block.status();
+    out.push_back(SharedBytes::FromBuffer(*std::move(block)));
   }
   return out;
 }
@@ -201,8 +208,8 @@ absl::Status SequenceKvCache::AdoptBlock(uint32_t layer, SharedBytes block,
   const Layer& l = layers_[layer];
   const std::string want = codec_->LayerSpec(layer);
   if (h.codec_spec != want) {
-    return absl::InvalidArgumentError(absl::StrCat("kv cache: block of codec '", h.codec_spec,
-                                                   "', the cache uses '", want, "'"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("kv cache: block of codec '", h.codec_spec, "', the cache uses '", want, "'"));
   }
   if (h.layer != layer || h.chunk_index != l.ops.size() || h.token_count != options_.chunk_tokens) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -308,8 +315,8 @@ absl::Status SequenceKvCache::ImportWindow(uint32_t layer, absl::Span<const uint
   const size_t q_floats = size_t{tokens} * q_heads * head_dim_;
   const size_t want = kWindowHeaderBytes + 4 * (2 * kv_floats + q_floats);
   if (bytes.size() != want) {
-    return absl::InvalidArgumentError(absl::StrCat("kv window: ", bytes.size(),
-                                                   " bytes, its header implies ", want));
+    return absl::InvalidArgumentError(
+        absl::StrCat("kv window: ", bytes.size(), " bytes, its header implies ", want));
   }
   const uint8_t* p = bytes.data() + kWindowHeaderBytes;
   l.window_k.resize(kv_floats);
@@ -331,7 +338,8 @@ absl::Status SequenceKvCache::CommitWindow() {
   for (const Layer& l : layers_) {
     if (l.window_k.size() != n) {
       DiscardUncommitted();
-      return absl::FailedPreconditionError("kv window: layers imported windows of different lengths");
+      return absl::FailedPreconditionError(
+          "kv window: layers imported windows of different lengths");
     }
   }
   window_tokens_ = static_cast<uint32_t>(n / row);

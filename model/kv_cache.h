@@ -26,9 +26,9 @@
 
 #include "absl/status/statusor.h"
 #include "common/aligned_buffer.h"
-#include "common/shared_bytes.h"
 #include "common/block_reader.h"
 #include "common/prefix_key.h"
+#include "common/shared_bytes.h"
 #include "kernels/block_operands.h"
 #include "kernels/codec.h"
 #include "kernels/decode_attention.h"
@@ -57,6 +57,8 @@ class SequenceKvCache {
   size_t blocks_per_layer() const { return layers_.empty() ? 0 : layers_[0].ops.size(); }
   // Bytes of all blocks (every layer), as a store would hold them.
   size_t block_bytes() const;
+  // Seconds spent compressing chunks into blocks (the codec's Encode), over the cache's life.
+  double encode_seconds() const { return encode_seconds_; }
 
   // Appends `n` tokens of one layer to its window: k, v [n, kv_heads, head_dim], and their
   // queries q [n, q_heads, head_dim] (kept only when the codec uses them: ZipCache's probes; may
@@ -125,8 +127,8 @@ class SequenceKvCache {
     std::vector<BlockView> views;
     std::vector<std::unique_ptr<kernels::PreparedBlock>> ops;
     std::vector<const kernels::BlockOperands*> blocks;  // every part of every block
-    std::vector<float> window_k, window_v;  // [window, kv_heads, head_dim]
-    std::vector<float> window_q;            // [window, q_heads, head_dim] when the codec wants it
+    std::vector<float> window_k, window_v;              // [window, kv_heads, head_dim]
+    std::vector<float> window_q;  // [window, q_heads, head_dim] when the codec wants it
     uint32_t q_heads = 0;
     std::vector<SharedBytes> pending;  // CompressLayer's blocks for the next Commit
   };
@@ -140,6 +142,7 @@ class SequenceKvCache {
   uint32_t kv_heads_ = 0, head_dim_ = 0;
   uint32_t tokens_ = 0, window_tokens_ = 0;
   std::vector<Layer> layers_;
+  mutable double encode_seconds_ = 0;
 };
 
 }  // namespace strata::model
