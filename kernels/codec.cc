@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <numeric>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -13,8 +15,8 @@
 #include "common/half.h"
 #include "common/status_macros.h"
 #include "kernels/bit_pack.h"
-#include "kernels/internal/codec_simd.h"
 #include "kernels/codec_layout.h"
+#include "kernels/internal/codec_simd.h"
 #include "kernels/low_rank.h"
 
 namespace strata::kernels {
@@ -24,9 +26,33 @@ namespace {
 constexpr float kMetadataLimit = 60000.0f;
 
 // One tensor (K or V) in head-major fp32: x[(h * T + t) * D + d].
+// An allocator whose resize leaves new elements uninitialized: the codecs' per-chunk scratch
+// (a chunk's values, codes and dequantized backbone, up to megabytes) is written whole before it
+// is read, and zeroing it first cost a memory pass each.
+template <typename T>
+struct DefaultInitAllocator : std::allocator<T> {
+  template <typename U>
+  struct rebind {
+    using other = DefaultInitAllocator<U>;
+  };
+  DefaultInitAllocator() = default;
+  template <typename U>
+  DefaultInitAllocator(const DefaultInitAllocator<U>&) noexcept {}
+  template <typename U>
+  void construct(U* p) noexcept(std::is_nothrow_default_constructible_v<U>) {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <typename U, typename... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+};
+template <typename T>
+using Scratch = std::vector<T, DefaultInitAllocator<T>>;
+
 struct HeadMajor {
   uint32_t t = 0, h = 0, d = 0;
-  std::vector<float> x;
+  Scratch<float> x;
   float& at(uint32_t head, uint32_t tok, uint32_t ch) {
     return x[(size_t{head} * t + tok) * d + ch];
   }
@@ -60,8 +86,8 @@ absl::StatusOr<HeadMajor> ToHeadMajor(const KvChunkView& c, const void* src, con
       const size_t offset = (size_t{tok} * m.h + head) * m.d;
       bool ok = true;  // one branch-free pass; the slow path finds the culprit
       if (internal::HaveCodecSimd() && c.dtype == SourceDType::kFloat16) {
-        ok = internal::HalfToFloatWithinAvx2(static_cast<const uint16_t*>(src) + offset, m.d,
-                                             limit, dst);
+        ok = internal::HalfToFloatWithinAvx2(static_cast<const uint16_t*>(src) + offset, m.d, limit,
+                                             dst);
       } else if (internal::HaveCodecSimd()) {
         SourceRow(src, c.dtype, offset, m.d, dst);
         ok = internal::AllWithinAvx2(dst, m.d, limit);
@@ -96,10 +122,10 @@ void Put(BlockBuilder& b, int section, const std::vector<T>& v) {
 
 struct AffineResult {
   std::vector<uint8_t> packed;
-  std::vector<uint16_t> scales, zeros;    // fp16 bits
-  std::vector<uint8_t> scales8, zeros8;   // fp8 e4m3, when asked for
-  float multipliers[2] = {1.0f, 1.0f};    // of the fp8 scales and zero points
-  std::vector<float> dequant;  // head-major, backbone only; empty unless asked for
+  std::vector<uint16_t> scales, zeros;   // fp16 bits
+  std::vector<uint8_t> scales8, zeros8;  // fp8 e4m3, when asked for
+  float multipliers[2] = {1.0f, 1.0f};   // of the fp8 scales and zero points
+  Scratch<float> dequant;                // head-major, backbone only; empty unless asked for
 };
 
 // Quantizes x asymmetrically in groups; mask (may be empty) marks outliers left out of each
@@ -111,7 +137,7 @@ AffineResult QuantizeAffine(const HeadMajor& x, bool per_channel, uint32_t gs, u
   const uint32_t T = x.t, H = x.h, D = x.d;
   const float qmax = static_cast<float>((1 << bits) - 1);
   AffineResult r;
-  std::vector<uint8_t> codes(x.x.size());
+  Scratch<uint8_t> codes(x.x.size());  // every element is written below
   if (want_dequant) r.dequant.resize(x.x.size());
   float* dequant = want_dequant ? r.dequant.data() : nullptr;
   const size_t n_params = per_channel ? size_t{H} * groups * D : size_t{H} * T * groups;
@@ -135,7 +161,7 @@ AffineResult QuantizeAffine(const HeadMajor& x, bool per_channel, uint32_t gs, u
   // Stores the fp16 parameters of one group and returns them as float (what decode sees).
   auto params = [&](float lo, float hi, size_t p, float* s_out, float* z_out, float* inv_out) {
     if (lo > hi) lo = hi = 0;  // every element of the group is an outlier
-    if (fp8_meta) {  // zero rounded down, scale up: the group's range stays covered
+    if (fp8_meta) {            // zero rounded down, scale up: the group's range stays covered
       const float ms = r.multipliers[0], mz = r.multipliers[1];
       r.zeros8[p] = Fp8E4M3Floor(lo / mz);
       // What decode sees: fp8 x multiplier, widened to fp16.
@@ -171,7 +197,9 @@ AffineResult QuantizeAffine(const HeadMajor& x, bool per_channel, uint32_t gs, u
         codes[base + d] = internal::AffineCode(x.x[base + d], z[d], iv[d], qmax);
       }
     }
-    if (dequant != nullptr) {
+    if (dequant != nullptr && simd) {
+      internal::DequantRowAvx2(&codes[base + d0], z + d0, s + d0, d1 - d0, &dequant[base + d0]);
+    } else if (dequant != nullptr) {
       for (uint32_t d = d0; d < d1; ++d) {
         dequant[base + d] = z[d] + static_cast<float>(codes[base + d]) * s[d];
       }
@@ -187,6 +215,10 @@ AffineResult QuantizeAffine(const HeadMajor& x, bool per_channel, uint32_t gs, u
         if (simd && !masked) {
           internal::ColumnMinMaxAvx2(&x.x[(size_t{h} * T + t0) * D], D, t1 - t0, D, mn.data(),
                                      mx.data());
+        } else if (simd) {
+          internal::ColumnMinMaxMaskedAvx2(&x.x[(size_t{h} * T + t0) * D],
+                                           &mask[(size_t{h} * T + t0) * D], D, t1 - t0, D,
+                                           mn.data(), mx.data());
         } else {
           for (uint32_t t = t0; t < t1; ++t) {
             const size_t base = (size_t{h} * T + t) * D;
@@ -213,7 +245,7 @@ AffineResult QuantizeAffine(const HeadMajor& x, bool per_channel, uint32_t gs, u
       }
     } else {
       // V: one group = gs channels of one token.
-      if (simd && !masked && gs % 8 == 0 && !fp8_meta) {
+      if (simd && gs % 8 == 0 && !fp8_meta) {
         // Every token of the head at once: ranges, then all parameters in one vector pass
         // (a token has only a few groups), then the codes.
         const size_t n = size_t{T} * groups, p0 = size_t{h} * n;
@@ -223,8 +255,14 @@ AffineResult QuantizeAffine(const HeadMajor& x, bool per_channel, uint32_t gs, u
         gs_zero.resize(n);
         gs_inv.resize(n);
         for (uint32_t t = 0; t < T; ++t) {
-          internal::GroupMinMaxAvx2(&x.x[(size_t{h} * T + t) * D], D, gs, &glo[size_t{t} * groups],
-                                    &ghi[size_t{t} * groups]);
+          const size_t base = (size_t{h} * T + t) * D;
+          if (masked) {
+            internal::GroupMinMaxMaskedAvx2(&x.x[base], &mask[base], D, gs,
+                                            &glo[size_t{t} * groups], &ghi[size_t{t} * groups]);
+          } else {
+            internal::GroupMinMaxAvx2(&x.x[base], D, gs, &glo[size_t{t} * groups],
+                                      &ghi[size_t{t} * groups]);
+          }
         }
         for (size_t i = 0; i < n; ++i) clip_range(glo[i], ghi[i]);
         internal::AffineParamsAvx2(glo.data(), ghi.data(), static_cast<uint32_t>(n), qmax,
@@ -235,9 +273,11 @@ AffineResult QuantizeAffine(const HeadMajor& x, bool per_channel, uint32_t gs, u
           internal::QuantizeGroupsAvx2(&x.x[base], &gs_zero[pt], &gs_inv[pt], D, gs, qmax,
                                        &codes[base]);
           if (dequant == nullptr) continue;
-          for (uint32_t d = 0; d < D; ++d) {  // as quantize_row's: zero + code * scale
-            dequant[base + d] =
-                gs_zero[pt + d / gs] + static_cast<float>(codes[base + d]) * gs_scale[pt + d / gs];
+          for (uint32_t g = 0; g < groups; ++g) {  // as quantize_row's: zero + code * scale
+            const float z = gs_zero[pt + g], sc = gs_scale[pt + g];
+            for (uint32_t d = g * gs; d < std::min(D, (g + 1) * gs); ++d) {
+              dequant[base + d] = z + static_cast<float>(codes[base + d]) * sc;
+            }
           }
         }
         continue;
@@ -306,18 +346,49 @@ std::vector<size_t> SelectOutliers(const HeadMajor& x, bool per_channel, uint32_
       t[p] = {v, i};
     }
   };
+  // With AVX2, a vector pass first finds the elements that pass a vector's current thresholds
+  // (bot[k - 1], top[0]); only those are offered, in the same order, so the lists are the same.
+  const bool simd = internal::HaveCodecSimd();
+  std::vector<float> lo_thr, hi_thr;
+  std::vector<uint32_t> cand(D);
   for (uint32_t h = 0; h < H; ++h) {
     std::fill(bot.begin(), bot.end(), Entry{INFINITY, 0});
     std::fill(top.begin(), top.end(), Entry{-INFINITY, 0});
     if (per_channel) {
+      if (simd) {
+        lo_thr.assign(D, INFINITY);
+        hi_thr.assign(D, -INFINITY);
+      }
       for (uint32_t t = 0; t < T; ++t) {
         const float* row = &x.x[(size_t{h} * T + t) * D];
-        for (uint32_t d = 0; d < D; ++d) offer(d, row[d], t);
+        if (!simd) {
+          for (uint32_t d = 0; d < D; ++d) offer(d, row[d], t);
+          continue;
+        }
+        const uint32_t nc =
+            internal::OutlierCandidatesAvx2(row, D, lo_thr.data(), hi_thr.data(), cand.data());
+        for (uint32_t c = 0; c < nc; ++c) {
+          const uint32_t d = cand[c];
+          offer(d, row[d], t);
+          lo_thr[d] = bot[size_t{d} * k + k - 1].v;
+          hi_thr[d] = top[size_t{d} * k].v;
+        }
       }
     } else {
       for (uint32_t t = 0; t < T; ++t) {
         const float* row = &x.x[(size_t{h} * T + t) * D];
-        for (uint32_t d = 0; d < D; ++d) offer(t, row[d], d);
+        if (!simd) {
+          for (uint32_t d = 0; d < D; ++d) offer(t, row[d], d);
+          continue;
+        }
+        // The row is the vector: its thresholds tighten along it, so candidates are taken 16
+        // elements at a time against the thresholds so far.
+        for (uint32_t d0 = 0; d0 < D; d0 += 16) {
+          const uint32_t nc = internal::OutlierCandidatesScalarAvx2(
+              row + d0, std::min<uint32_t>(16, D - d0), bot[size_t{t} * k + k - 1].v,
+              top[size_t{t} * k].v, cand.data());
+          for (uint32_t c = 0; c < nc; ++c) offer(t, row[d0 + cand[c]], d0 + cand[c]);
+        }
       }
     }
     for (uint32_t vec = 0; vec < vectors; ++vec) {
@@ -417,7 +488,9 @@ absl::Status WriteAffine(const CodecSpec& s, const CodecLayout& layout, const Kv
     const bool is_k = section == first;
     const TensorLayout& tl = is_k ? layout.k : layout.v;
     STRATA_ASSIGN_OR_RETURN(HeadMajor m, ToHeadMajor(c, src, name, kMetadataLimit));
-    const std::vector<uint16_t>* perm = cal == nullptr ? nullptr : is_k ? &cal->k_perm : &cal->v_perm;
+    const std::vector<uint16_t>* perm = cal == nullptr ? nullptr
+                                        : is_k         ? &cal->k_perm
+                                                       : &cal->v_perm;
     if (perm != nullptr && !perm->empty()) {  // SKVQ: store channels in calibrated order
       std::vector<float> row(D);
       for (uint32_t h = 0; h < H; ++h) {
@@ -486,9 +559,10 @@ absl::Status WriteAffine(const CodecSpec& s, const CodecLayout& layout, const Kv
       section += layout.k_section_count;
       continue;
     }
-    // Residual after the backbone; outliers then take exactly what the backbone missed.
-    std::vector<float> residual(m.x.size());
-    for (size_t i = 0; i < residual.size(); ++i) residual[i] = m.x[i] - q.dequant[i];
+    // Residual after the backbone (in place of the dequantized backbone, no longer needed);
+    // outliers then take exactly what the backbone missed.
+    Scratch<float>& residual = q.dequant;
+    for (size_t i = 0; i < residual.size(); ++i) residual[i] = m.x[i] - residual[i];
     std::vector<uint16_t> outlier_values(outliers.size());
     for (size_t i = 0; i < outliers.size(); ++i) {
       outlier_values[i] = F16(residual[outliers[i]]);
@@ -556,8 +630,8 @@ std::vector<double> Saliency(const CodecSpec& s, const KvChunkView& c, const Blo
     return sal;
   }
   const uint32_t QH = c.q_heads, G = QH / H;
-  const uint32_t per = std::max<uint32_t>(
-      1, static_cast<uint32_t>(std::floor(T * s.probe_percent / 100.0 + 0.5)));
+  const uint32_t per =
+      std::max<uint32_t>(1, static_cast<uint32_t>(std::floor(T * s.probe_percent / 100.0 + 0.5)));
   std::vector<uint32_t> probes;
   for (uint32_t i = T - std::min(per, T); i < T; ++i) probes.push_back(i);
   if (T > per) {  // random probes among the earlier tokens, without repetition
@@ -640,9 +714,8 @@ absl::StatusOr<std::unique_ptr<Codec>> Codec::Create(
           "codec ", s.ToString(), " needs a calibration file (make one with strata calibrate)"));
     }
     if (!for_this) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("codec ", s.ToString(), ": the calibration was made for '",
-                       calibration->codec, "'"));
+      return absl::FailedPreconditionError(absl::StrCat(
+          "codec ", s.ToString(), ": the calibration was made for '", calibration->codec, "'"));
     }
   } else if (!(s.searches_layers() && for_this)) {
     calibration = nullptr;  // nothing to record
@@ -654,8 +727,8 @@ absl::StatusOr<std::unique_ptr<Codec>> Codec::Create(
       const std::string& ls = calibration->layers[l].spec;
       if (ls.empty()) {
         if (s.id == CodecId::kStrata) {
-          return absl::FailedPreconditionError(
-              absl::StrCat("codec ", s.ToString(), ": the calibration chose no codec for layer ", l));
+          return absl::FailedPreconditionError(absl::StrCat(
+              "codec ", s.ToString(), ": the calibration chose no codec for layer ", l));
         }
         layers.push_back(std::make_unique<Codec>(s, calibration));
         continue;
@@ -719,9 +792,8 @@ absl::StatusOr<BlockBuilder> Codec::Build(const KvChunkView& c, const BlockConte
   }
   STRATA_RETURN_IF_ERROR(CheckShape(s, c));
   if (c.q != nullptr && (c.q_heads == 0 || c.q_heads % c.kv_heads != 0)) {
-    return absl::InvalidArgumentError(absl::StrCat("codec: ", c.q_heads,
-                                                   " query heads are not a multiple of ",
-                                                   c.kv_heads, " KV heads"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "codec: ", c.q_heads, " query heads are not a multiple of ", c.kv_heads, " KV heads"));
   }
   const LayerCalibration* layer_cal = nullptr;
   if (calibration_ != nullptr) {
@@ -756,10 +828,9 @@ absl::StatusOr<BlockBuilder> Codec::Build(const KvChunkView& c, const BlockConte
   h.head_dim = c.head_dim;
   h.model_fingerprint = ctx.model_fingerprint;
   h.calibration_fingerprint = calibration_ != nullptr ? calibration_->fingerprint() : 0;
-  STRATA_ASSIGN_OR_RETURN(BlockBuilder b,
-                          allocate != nullptr
-                              ? BlockBuilder::CreateIn(h, layout.sections, *allocate)
-                              : BlockBuilder::Create(h, layout.sections));
+  STRATA_ASSIGN_OR_RETURN(
+      BlockBuilder b, allocate != nullptr ? BlockBuilder::CreateIn(h, layout.sections, *allocate)
+                                          : BlockBuilder::Create(h, layout.sections));
   if (layout.has_map) std::memcpy(b.section(0).data(), map.data(), map.size());
   std::vector<float> pk, pv;  // one part's tokens, gathered
   for (size_t p = 0; p < part_specs.size(); ++p) {
@@ -805,8 +876,8 @@ absl::StatusOr<BlockBuilder> Codec::Build(const KvChunkView& c, const BlockConte
   return b;
 }
 
-absl::StatusOr<double> Codec::BitsPerElement(uint32_t tokens, uint32_t kv_heads,
-                                             uint32_t head_dim, uint32_t chunk_index) const {
+absl::StatusOr<double> Codec::BitsPerElement(uint32_t tokens, uint32_t kv_heads, uint32_t head_dim,
+                                             uint32_t chunk_index) const {
   const BlockPartsLayout layout =
       MakeBlockLayout(spec_, DefaultPartTokens(spec_, tokens, chunk_index), kv_heads, head_dim);
   const std::string text = spec_.ToString();

@@ -48,6 +48,117 @@ STRATA_CODEC_AVX2 void ColumnMinMaxAvx2(const float* rows, size_t stride, uint32
   }
 }
 
+STRATA_CODEC_AVX2 void DequantRowAvx2(const uint8_t* codes, const float* z, const float* s,
+                                      uint32_t n, float* out) {
+  uint32_t d = 0;
+  for (; d + 8 <= n; d += 8) {
+    const __m256 c = _mm256_cvtepi32_ps(
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + d))));
+    _mm256_storeu_ps(
+        out + d, _mm256_add_ps(_mm256_loadu_ps(z + d), _mm256_mul_ps(c, _mm256_loadu_ps(s + d))));
+  }
+  for (; d < n; ++d) out[d] = z[d] + static_cast<float>(codes[d]) * s[d];
+}
+
+namespace {
+// Indices i in [0, n) with row[i] < lo[i * step] or row[i] >= hi[i * step], ascending.
+STRATA_CODEC_AVX2 inline uint32_t OutlierCandidatesImpl(const float* row, uint32_t n,
+                                                        const float* lo, const float* hi,
+                                                        uint32_t step, uint32_t* out) {
+  uint32_t count = 0, i = 0;
+  const __m256 slo = _mm256_set1_ps(lo[0]), shi = _mm256_set1_ps(hi[0]);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(row + i);
+    const __m256 l = step ? _mm256_loadu_ps(lo + i) : slo;
+    const __m256 h = step ? _mm256_loadu_ps(hi + i) : shi;
+    int bits = _mm256_movemask_ps(
+        _mm256_or_ps(_mm256_cmp_ps(v, l, _CMP_LT_OQ), _mm256_cmp_ps(v, h, _CMP_GE_OQ)));
+    while (bits != 0) {
+      out[count++] = i + static_cast<uint32_t>(__builtin_ctz(static_cast<unsigned>(bits)));
+      bits &= bits - 1;
+    }
+  }
+  for (; i < n; ++i) {
+    if (row[i] < lo[i * step] || row[i] >= hi[i * step]) out[count++] = i;
+  }
+  return count;
+}
+}  // namespace
+
+namespace {
+// Lanes of 8 mask bytes (nonzero: skip) as a float blend mask.
+STRATA_CODEC_AVX2 inline __m256 SkipLanes(const uint8_t* mask) {
+  const __m256i m = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mask)));
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(m, _mm256_setzero_si256()));
+}
+}  // namespace
+
+STRATA_CODEC_AVX2 void ColumnMinMaxMaskedAvx2(const float* rows, const uint8_t* mask, size_t stride,
+                                              uint32_t n, uint32_t D, float* mn, float* mx) {
+  const __m256 inf = _mm256_set1_ps(INFINITY), ninf = _mm256_set1_ps(-INFINITY);
+  uint32_t d = 0;
+  for (; d + 8 <= D; d += 8) {
+    __m256 lo = _mm256_loadu_ps(mn + d), hi = _mm256_loadu_ps(mx + d);
+    for (uint32_t t = 0; t < n; ++t) {
+      const __m256 v = _mm256_loadu_ps(rows + t * stride + d);
+      const __m256 skip = SkipLanes(mask + t * stride + d);
+      // A skipped lane offers +inf to the min and -inf to the max: neither changes.
+      lo = _mm256_min_ps(_mm256_blendv_ps(v, inf, skip), lo);
+      hi = _mm256_max_ps(_mm256_blendv_ps(v, ninf, skip), hi);
+    }
+    _mm256_storeu_ps(mn + d, lo);
+    _mm256_storeu_ps(mx + d, hi);
+  }
+  for (; d < D; ++d) {
+    for (uint32_t t = 0; t < n; ++t) {
+      if (mask[t * stride + d]) continue;
+      mn[d] = std::min(mn[d], rows[t * stride + d]);
+      mx[d] = std::max(mx[d], rows[t * stride + d]);
+    }
+  }
+}
+
+STRATA_CODEC_AVX2 void GroupMinMaxMaskedAvx2(const float* row, const uint8_t* mask, uint32_t D,
+                                             uint32_t gs, float* lo, float* hi) {
+  const __m256 inf = _mm256_set1_ps(INFINITY), ninf = _mm256_set1_ps(-INFINITY);
+  for (uint32_t d0 = 0, g = 0; d0 < D; d0 += gs, ++g) {
+    const uint32_t d1 = std::min(D, d0 + gs);
+    __m256 vl = inf, vh = ninf;
+    uint32_t d = d0;
+    for (; d + 8 <= d1; d += 8) {
+      const __m256 v = _mm256_loadu_ps(row + d);
+      const __m256 skip = SkipLanes(mask + d);
+      vl = _mm256_min_ps(_mm256_blendv_ps(v, inf, skip), vl);
+      vh = _mm256_max_ps(_mm256_blendv_ps(v, ninf, skip), vh);
+    }
+    alignas(32) float l[8], h[8];
+    _mm256_store_ps(l, vl);
+    _mm256_store_ps(h, vh);
+    float a = l[0], b = h[0];
+    for (int i = 1; i < 8; ++i) {
+      a = std::min(a, l[i]);
+      b = std::max(b, h[i]);
+    }
+    for (; d < d1; ++d) {
+      if (mask[d]) continue;
+      a = std::min(a, row[d]);
+      b = std::max(b, row[d]);
+    }
+    lo[g] = a;
+    hi[g] = b;
+  }
+}
+
+STRATA_CODEC_AVX2 uint32_t OutlierCandidatesAvx2(const float* row, uint32_t n, const float* lo,
+                                                 const float* hi, uint32_t* out) {
+  return OutlierCandidatesImpl(row, n, lo, hi, 1, out);
+}
+
+STRATA_CODEC_AVX2 uint32_t OutlierCandidatesScalarAvx2(const float* row, uint32_t n, float lo,
+                                                       float hi, uint32_t* out) {
+  return OutlierCandidatesImpl(row, n, &lo, &hi, 0, out);
+}
+
 STRATA_CODEC_AVX2 void GroupMinMaxAvx2(const float* row, uint32_t D, uint32_t gs, float* lo,
                                        float* hi) {
   for (uint32_t d0 = 0, g = 0; d0 < D; d0 += gs, ++g) {
@@ -263,6 +374,153 @@ STRATA_CODEC_AVX2 void PackBitsAvx2(const uint8_t* codes, size_t n, int bits, ui
     }
   }
   PackBits(codes + i, n - i, bits, out + i * bits / 8);
+}
+
+namespace {
+
+// Rows of an 8x8 block to its columns: on return v[c] lane k = the block's row k, column c.
+STRATA_CODEC_AVX2 inline void Transpose8x8(__m256* v) {
+  const __m256 t0 = _mm256_unpacklo_ps(v[0], v[1]), t1 = _mm256_unpackhi_ps(v[0], v[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(v[2], v[3]), t3 = _mm256_unpackhi_ps(v[2], v[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(v[4], v[5]), t5 = _mm256_unpackhi_ps(v[4], v[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(v[6], v[7]), t7 = _mm256_unpackhi_ps(v[6], v[7]);
+  const __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  const __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  const __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  const __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  v[0] = _mm256_permute2f128_ps(s0, s4, 0x20);
+  v[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
+  v[2] = _mm256_permute2f128_ps(s2, s6, 0x20);
+  v[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
+  v[4] = _mm256_permute2f128_ps(s0, s4, 0x31);
+  v[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
+  v[6] = _mm256_permute2f128_ps(s2, s6, 0x31);
+  v[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
+}
+
+}  // namespace
+
+namespace {
+
+// LowRankRbAvx2 for 8 rows from i0 and kJ (1..8) rank columns from j0, accumulators in
+// registers.
+template <uint32_t kJ>
+STRATA_CODEC_AVX2 inline void RbRows8(const float* r, uint32_t rows, uint32_t cols, const float* bt,
+                                      uint32_t i0, uint32_t j0, float* at) {
+  __m256 acc[kJ];
+  for (uint32_t j = 0; j < kJ; ++j) acc[j] = _mm256_setzero_ps();
+  uint32_t c0 = 0;
+  for (; c0 + 8 <= cols; c0 += 8) {
+    __m256 col[8];
+    for (uint32_t k = 0; k < 8; ++k) col[k] = _mm256_loadu_ps(r + size_t{i0 + k} * cols + c0);
+    Transpose8x8(col);
+    for (uint32_t cc = 0; cc < 8; ++cc) {
+      for (uint32_t j = 0; j < kJ; ++j) {
+        const __m256 w = _mm256_broadcast_ss(bt + size_t{j0 + j} * cols + c0 + cc);
+        acc[j] = _mm256_add_ps(acc[j], _mm256_mul_ps(w, col[cc]));
+      }
+    }
+  }
+  for (; c0 < cols; ++c0) {
+    alignas(32) float c[8];
+    for (uint32_t k = 0; k < 8; ++k) c[k] = r[size_t{i0 + k} * cols + c0];
+    const __m256 col = _mm256_load_ps(c);
+    for (uint32_t j = 0; j < kJ; ++j) {
+      const __m256 w = _mm256_broadcast_ss(bt + size_t{j0 + j} * cols + c0);
+      acc[j] = _mm256_add_ps(acc[j], _mm256_mul_ps(w, col));
+    }
+  }
+  for (uint32_t j = 0; j < kJ; ++j) _mm256_storeu_ps(at + size_t{j0 + j} * rows + i0, acc[j]);
+}
+
+// LowRankRtaAvx2 for 8 columns from c0 and kJ rank columns from j0, over every row in order.
+template <uint32_t kJ>
+STRATA_CODEC_AVX2 inline void RtaCols8(const float* r, uint32_t rows, uint32_t cols, const float* a,
+                                       uint32_t rank, uint32_t c0, uint32_t j0, float* bt) {
+  __m256 acc[kJ];
+  for (uint32_t j = 0; j < kJ; ++j) acc[j] = _mm256_setzero_ps();
+  for (uint32_t i = 0; i < rows; ++i) {
+    const __m256 v = _mm256_loadu_ps(r + size_t{i} * cols + c0);
+    const float* ai = a + size_t{i} * rank + j0;
+    for (uint32_t j = 0; j < kJ; ++j) {
+      acc[j] = _mm256_add_ps(acc[j], _mm256_mul_ps(_mm256_broadcast_ss(ai + j), v));
+    }
+  }
+  for (uint32_t j = 0; j < kJ; ++j) _mm256_storeu_ps(bt + size_t{j0 + j} * cols + c0, acc[j]);
+}
+
+// Calls F<kJ>(args...) for kJ = n in [1, 8].
+template <template <uint32_t> class F, typename... Args>
+STRATA_CODEC_AVX2 inline void ByCount(uint32_t n, Args... args) {
+  switch (n) {
+    case 1:
+      return F<1>::Run(args...);
+    case 2:
+      return F<2>::Run(args...);
+    case 3:
+      return F<3>::Run(args...);
+    case 4:
+      return F<4>::Run(args...);
+    case 5:
+      return F<5>::Run(args...);
+    case 6:
+      return F<6>::Run(args...);
+    case 7:
+      return F<7>::Run(args...);
+    default:
+      return F<8>::Run(args...);
+  }
+}
+template <uint32_t kJ>
+struct RbOp {
+  STRATA_CODEC_AVX2 static void Run(const float* r, uint32_t rows, uint32_t cols, const float* bt,
+                                    uint32_t i0, uint32_t j0, float* at) {
+    RbRows8<kJ>(r, rows, cols, bt, i0, j0, at);
+  }
+};
+template <uint32_t kJ>
+struct RtaOp {
+  STRATA_CODEC_AVX2 static void Run(const float* r, uint32_t rows, uint32_t cols, const float* a,
+                                    uint32_t rank, uint32_t c0, uint32_t j0, float* bt) {
+    RtaCols8<kJ>(r, rows, cols, a, rank, c0, j0, bt);
+  }
+};
+
+}  // namespace
+
+STRATA_CODEC_AVX2 void LowRankRbAvx2(const float* r, uint32_t rows, uint32_t cols, const float* bt,
+                                     uint32_t rank, float* at) {
+  uint32_t i0 = 0;
+  for (; i0 + 8 <= rows; i0 += 8) {
+    for (uint32_t j0 = 0; j0 < rank; j0 += 8) {
+      ByCount<RbOp>(std::min<uint32_t>(8, rank - j0), r, rows, cols, bt, i0, j0, at);
+    }
+  }
+  for (; i0 < rows; ++i0) {
+    for (uint32_t j = 0; j < rank; ++j) {
+      float sum = 0.0f;
+      for (uint32_t c = 0; c < cols; ++c)
+        sum += bt[size_t{j} * cols + c] * r[size_t{i0} * cols + c];
+      at[size_t{j} * rows + i0] = sum;
+    }
+  }
+}
+
+STRATA_CODEC_AVX2 void LowRankRtaAvx2(const float* r, uint32_t rows, uint32_t cols, const float* a,
+                                      uint32_t rank, float* bt) {
+  uint32_t c0 = 0;
+  for (; c0 + 8 <= cols; c0 += 8) {
+    for (uint32_t j0 = 0; j0 < rank; j0 += 8) {
+      ByCount<RtaOp>(std::min<uint32_t>(8, rank - j0), r, rows, cols, a, rank, c0, j0, bt);
+    }
+  }
+  for (; c0 < cols; ++c0) {
+    for (uint32_t j = 0; j < rank; ++j) {
+      float sum = 0.0f;
+      for (uint32_t i = 0; i < rows; ++i) sum += a[size_t{i} * rank + j] * r[size_t{i} * cols + c0];
+      bt[size_t{j} * cols + c0] = sum;
+    }
+  }
 }
 
 }  // namespace strata::kernels::internal

@@ -29,6 +29,24 @@ void ColumnMinMaxAvx2(const float* rows, size_t stride, uint32_t n, uint32_t D, 
 // std::min / std::max from +inf / -inf.
 void GroupMinMaxAvx2(const float* row, uint32_t D, uint32_t gs, float* lo, float* hi);
 
+// out[d] = z[d] + code[d] * s[d] (multiply, then add), d in [0, n).
+void DequantRowAvx2(const uint8_t* codes, const float* z, const float* s, uint32_t n, float* out);
+
+// ColumnMinMaxAvx2 and GroupMinMaxAvx2 leaving out the elements whose mask byte is nonzero
+// (GEAR's outliers), as the portable loops skip them; mask has the layout of the values.
+void ColumnMinMaxMaskedAvx2(const float* rows, const uint8_t* mask, size_t stride, uint32_t n,
+                            uint32_t D, float* mn, float* mx);
+void GroupMinMaxMaskedAvx2(const float* row, const uint8_t* mask, uint32_t D, uint32_t gs,
+                           float* lo, float* hi);
+
+// The indices i in [0, n), ascending, with row[i] < lo[i] or row[i] >= hi[i] (per-element
+// thresholds), or against one lo and hi (Scalar): the elements that could enter a vector's
+// outlier lists, a superset of those that do once the lists tighten. Returns their count.
+uint32_t OutlierCandidatesAvx2(const float* row, uint32_t n, const float* lo, const float* hi,
+                               uint32_t* out);
+uint32_t OutlierCandidatesScalarAvx2(const float* row, uint32_t n, float lo, float hi,
+                                     uint32_t* out);
+
 // codes[d] = AffineCode(x[d], z[d], inv[d], qmax), d in [0, n).
 void QuantizeRowAvx2(const float* x, const float* z, const float* inv, uint32_t n, float qmax,
                      uint8_t* codes);
@@ -53,6 +71,15 @@ bool AllWithinAvx2(const float* x, uint32_t n, float limit);
 // per group: z[g], inv[g] for values [g * gs, (g + 1) * gs).
 void QuantizeGroupsAvx2(const float* x, const float* z, const float* inv, uint32_t n, uint32_t gs,
                         float qmax, uint8_t* codes);
+
+// GEAR's power iteration (kernels/low_rank.cc), element for element as its portable loops:
+// at[j][i] = sum_c bt[j][c] * r[i][c] (c ascending from +0), for r [rows, cols] row-major,
+// bt [rank, cols], at [rank, rows]; 8 rows at a time through 8x8 transposes, no R^T.
+void LowRankRbAvx2(const float* r, uint32_t rows, uint32_t cols, const float* bt, uint32_t rank,
+                   float* at);
+// bt[j][c] = sum_i a[i][j] * r[i][c] (i ascending from +0), a [rows, rank], bt [rank, cols].
+void LowRankRtaAvx2(const float* r, uint32_t rows, uint32_t cols, const float* a, uint32_t rank,
+                    float* bt);
 
 // PackBits (kernels/bit_pack.h) for 2 and 4 bits; other widths go to it.
 void PackBitsAvx2(const uint8_t* codes, size_t n, int bits, uint8_t* out);
