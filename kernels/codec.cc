@@ -647,24 +647,48 @@ std::vector<double> Saliency(const CodecSpec& s, const KvChunkView& c, const Blo
     }
   }
   std::vector<uint32_t> seen_by(T, 0);
-  std::vector<double> score(T);
+  // dots[g][t]: q . k_t in double (d ascending) for the G query heads of one KV head. With AVX2
+  // four tokens at a time from the head's keys transposed (kt [D][T]), the same products and
+  // sums per token, so the same saliency.
+  const bool simd = internal::HaveCodecSimd();
+  std::vector<float> kt;
+  std::vector<double> dots(size_t{G} * T);
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  if (simd) kt.resize(size_t{H} * D * T);
+  for (uint32_t h = 0; simd && h < H; ++h) {
+    for (uint32_t t = 0; t < T; ++t) {
+      for (uint32_t d = 0; d < D; ++d)
+        kt[(size_t{h} * D + d) * T + t] = k[t * row + size_t{h} * D + d];
+    }
+  }
   for (uint32_t i : probes) {
     for (uint32_t t = 0; t <= i; ++t) ++seen_by[t];
-    for (uint32_t j = 0; j < QH; ++j) {
-      const float* q = c.q + (size_t{i} * QH + j) * D;
-      const uint32_t h = j / G;
-      double mx = -INFINITY;
-      for (uint32_t t = 0; t <= i; ++t) {
-        const float* kt = &k[t * row + size_t{h} * D];
-        double dot = 0;
-        for (uint32_t d = 0; d < D; ++d) dot += double{q[d]} * kt[d];
-        score[t] = dot * scale;
-        mx = std::max(mx, score[t]);
+    for (uint32_t h = 0; h < H; ++h) {
+      const float* q0 = c.q + (size_t{i} * QH + size_t{h} * G) * D;
+      if (simd) {
+        internal::ProbeDotsAvx2(&kt[size_t{h} * D * T], T, D, q0, G, i + 1, dots.data());
+      } else {
+        for (uint32_t g = 0; g < G; ++g) {
+          const float* q = q0 + size_t{g} * D;
+          for (uint32_t t = 0; t <= i; ++t) {
+            const float* kv = &k[t * row + size_t{h} * D];
+            double dot = 0;
+            for (uint32_t d = 0; d < D; ++d) dot += double{q[d]} * kv[d];
+            dots[size_t{g} * T + t] = dot;
+          }
+        }
       }
-      double sum = 0;
-      for (uint32_t t = 0; t <= i; ++t) sum += (score[t] = std::exp(score[t] - mx));
-      for (uint32_t t = 0; t <= i; ++t) sal[t] += score[t] / sum;
+      for (uint32_t g = 0; g < G; ++g) {  // query head h * G + g, in order
+        double* score = &dots[size_t{g} * T];
+        double mx = -INFINITY;
+        for (uint32_t t = 0; t <= i; ++t) {
+          score[t] *= scale;
+          mx = std::max(mx, score[t]);
+        }
+        double sum = 0;
+        for (uint32_t t = 0; t <= i; ++t) sum += (score[t] = std::exp(score[t] - mx));
+        for (uint32_t t = 0; t <= i; ++t) sal[t] += score[t] / sum;
+      }
     }
   }
   for (uint32_t t = 0; t < T; ++t) sal[t] = seen_by[t] > 0 ? sal[t] / seen_by[t] : 0.0;

@@ -488,6 +488,35 @@ struct RtaOp {
 
 }  // namespace
 
+STRATA_CODEC_AVX2 void ProbeDotsAvx2(const float* kt, uint32_t T, uint32_t D, const float* q,
+                                     uint32_t G, uint32_t n, double* out) {
+  for (uint32_t g0 = 0; g0 < G; g0 += 4) {
+    const uint32_t ng = std::min<uint32_t>(4, G - g0);
+    uint32_t t = 0;
+    for (; t + 4 <= n; t += 4) {
+      __m256d acc[4];
+      for (uint32_t g = 0; g < 4; ++g) acc[g] = _mm256_setzero_pd();
+      for (uint32_t d = 0; d < D; ++d) {
+        const __m256d k = _mm256_cvtps_pd(_mm_loadu_ps(kt + size_t{d} * T + t));
+        for (uint32_t g = 0; g < ng; ++g) {
+          const __m256d qv = _mm256_set1_pd(static_cast<double>(q[size_t{g0 + g} * D + d]));
+          acc[g] = _mm256_add_pd(acc[g], _mm256_mul_pd(qv, k));
+        }
+      }
+      for (uint32_t g = 0; g < ng; ++g) _mm256_storeu_pd(out + size_t{g0 + g} * T + t, acc[g]);
+    }
+    for (; t < n; ++t) {
+      for (uint32_t g = 0; g < ng; ++g) {
+        double dot = 0;
+        for (uint32_t d = 0; d < D; ++d) {
+          dot += static_cast<double>(q[size_t{g0 + g} * D + d]) * kt[size_t{d} * T + t];
+        }
+        out[size_t{g0 + g} * T + t] = dot;
+      }
+    }
+  }
+}
+
 STRATA_CODEC_AVX2 void LowRankRbAvx2(const float* r, uint32_t rows, uint32_t cols, const float* bt,
                                      uint32_t rank, float* at) {
   uint32_t i0 = 0;

@@ -133,7 +133,15 @@ TEST(CodecSimdTest, BlocksAreTheSameBytesWithAndWithoutAvx2) {
       FloatToHalf(kv.k.data(), k16.data(), k16.size());
       FloatToHalf(kv.v.data(), v16.data(), v16.size());
       const KvChunkView view16{k16.data(), v16.data(), SourceDType::kFloat16, 77, 4, dim};
-      for (const KvChunkView& in : {view, view16}) {
+      // With queries too (ZipCache's probe attention; 8 query heads over the 4 KV heads).
+      std::vector<float> q(size_t{77} * 8 * dim);
+      std::mt19937 rng(dim);
+      std::normal_distribution<float> normal(0, 1);
+      for (float& x : q) x = normal(rng);
+      KvChunkView with_q = view;
+      with_q.q = q.data();
+      with_q.q_heads = 8;
+      for (const KvChunkView& in : {view, view16, with_q}) {
         absl::StatusOr<AlignedBuffer> fast = (*codec)->Encode(in, {});
         internal::SetCodecSimdForTesting(false);
         absl::StatusOr<AlignedBuffer> portable = (*codec)->Encode(in, {});
@@ -141,7 +149,8 @@ TEST(CodecSimdTest, BlocksAreTheSameBytesWithAndWithoutAvx2) {
         ASSERT_TRUE(fast.ok() && portable.ok()) << spec << " d=" << dim;
         ASSERT_EQ(fast->size(), portable->size()) << spec;
         EXPECT_EQ(std::memcmp(fast->data(), portable->data(), fast->size()), 0)
-            << spec << " d=" << dim << " fp16 input=" << (in.dtype == SourceDType::kFloat16);
+            << spec << " d=" << dim << " fp16 input=" << (in.dtype == SourceDType::kFloat16)
+            << " queries=" << (in.q != nullptr);
       }
     }
   }
