@@ -93,6 +93,47 @@ STRATA_CODEC_AVX2 inline __m256 SkipLanes(const uint8_t* mask) {
 }
 }  // namespace
 
+namespace {
+// The min and max of each group of row[0, D), leaving out elements whose mask byte is nonzero
+// (mask may be null): skipped lanes offer +inf to the min and -inf to the max.
+STRATA_CODEC_AVX2 inline void GroupMinMax(const float* row, const uint8_t* mask, uint32_t D,
+                                          uint32_t gs, float* lo, float* hi) {
+  const __m256 inf = _mm256_set1_ps(INFINITY), ninf = _mm256_set1_ps(-INFINITY);
+  for (uint32_t d0 = 0, g = 0; d0 < D; d0 += gs, ++g) {
+    const uint32_t d1 = std::min(D, d0 + gs);
+    __m256 vl = inf, vh = ninf;
+    uint32_t d = d0;
+    for (; d + 8 <= d1; d += 8) {
+      __m256 a = _mm256_loadu_ps(row + d), b = a;
+      if (mask != nullptr) {
+        const __m256 skip = SkipLanes(mask + d);
+        a = _mm256_blendv_ps(a, inf, skip);
+        b = _mm256_blendv_ps(b, ninf, skip);
+      }
+      vl = _mm256_min_ps(a, vl);
+      vh = _mm256_max_ps(b, vh);
+    }
+    alignas(32) float l[8], h[8];
+    _mm256_store_ps(l, vl);
+    _mm256_store_ps(h, vh);
+    // min and max ignore order among non-NaN values; a NaN input was skipped above as
+    // std::min/std::max skip it.
+    float a = l[0], b = h[0];
+    for (int i = 1; i < 8; ++i) {
+      a = std::min(a, l[i]);
+      b = std::max(b, h[i]);
+    }
+    for (; d < d1; ++d) {
+      if (mask != nullptr && mask[d]) continue;
+      a = std::min(a, row[d]);
+      b = std::max(b, row[d]);
+    }
+    lo[g] = a;
+    hi[g] = b;
+  }
+}
+}  // namespace
+
 STRATA_CODEC_AVX2 void ColumnMinMaxMaskedAvx2(const float* rows, const uint8_t* mask, size_t stride,
                                               uint32_t n, uint32_t D, float* mn, float* mx) {
   const __m256 inf = _mm256_set1_ps(INFINITY), ninf = _mm256_set1_ps(-INFINITY);
@@ -120,33 +161,7 @@ STRATA_CODEC_AVX2 void ColumnMinMaxMaskedAvx2(const float* rows, const uint8_t* 
 
 STRATA_CODEC_AVX2 void GroupMinMaxMaskedAvx2(const float* row, const uint8_t* mask, uint32_t D,
                                              uint32_t gs, float* lo, float* hi) {
-  const __m256 inf = _mm256_set1_ps(INFINITY), ninf = _mm256_set1_ps(-INFINITY);
-  for (uint32_t d0 = 0, g = 0; d0 < D; d0 += gs, ++g) {
-    const uint32_t d1 = std::min(D, d0 + gs);
-    __m256 vl = inf, vh = ninf;
-    uint32_t d = d0;
-    for (; d + 8 <= d1; d += 8) {
-      const __m256 v = _mm256_loadu_ps(row + d);
-      const __m256 skip = SkipLanes(mask + d);
-      vl = _mm256_min_ps(_mm256_blendv_ps(v, inf, skip), vl);
-      vh = _mm256_max_ps(_mm256_blendv_ps(v, ninf, skip), vh);
-    }
-    alignas(32) float l[8], h[8];
-    _mm256_store_ps(l, vl);
-    _mm256_store_ps(h, vh);
-    float a = l[0], b = h[0];
-    for (int i = 1; i < 8; ++i) {
-      a = std::min(a, l[i]);
-      b = std::max(b, h[i]);
-    }
-    for (; d < d1; ++d) {
-      if (mask[d]) continue;
-      a = std::min(a, row[d]);
-      b = std::max(b, row[d]);
-    }
-    lo[g] = a;
-    hi[g] = b;
-  }
+  GroupMinMax(row, mask, D, gs, lo, hi);
 }
 
 STRATA_CODEC_AVX2 uint32_t OutlierCandidatesAvx2(const float* row, uint32_t n, const float* lo,
@@ -161,32 +176,7 @@ STRATA_CODEC_AVX2 uint32_t OutlierCandidatesScalarAvx2(const float* row, uint32_
 
 STRATA_CODEC_AVX2 void GroupMinMaxAvx2(const float* row, uint32_t D, uint32_t gs, float* lo,
                                        float* hi) {
-  for (uint32_t d0 = 0, g = 0; d0 < D; d0 += gs, ++g) {
-    const uint32_t d1 = std::min(D, d0 + gs);
-    __m256 vl = _mm256_set1_ps(INFINITY), vh = _mm256_set1_ps(-INFINITY);
-    uint32_t d = d0;
-    for (; d + 8 <= d1; d += 8) {
-      const __m256 v = _mm256_loadu_ps(row + d);
-      vl = _mm256_min_ps(v, vl);
-      vh = _mm256_max_ps(v, vh);
-    }
-    alignas(32) float l[8], h[8];
-    _mm256_store_ps(l, vl);
-    _mm256_store_ps(h, vh);
-    // min and max ignore order among non-NaN values; a NaN input was skipped above as
-    // std::min/std::max skip it.
-    float a = l[0], b = h[0];
-    for (int i = 1; i < 8; ++i) {
-      a = std::min(a, l[i]);
-      b = std::max(b, h[i]);
-    }
-    for (; d < d1; ++d) {
-      a = std::min(a, row[d]);
-      b = std::max(b, row[d]);
-    }
-    lo[g] = a;
-    hi[g] = b;
-  }
+  GroupMinMax(row, nullptr, D, gs, lo, hi);
 }
 
 namespace {

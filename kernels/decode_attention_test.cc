@@ -78,6 +78,18 @@ std::unique_ptr<TestSequence> MakeSequence(const std::string& spec, uint32_t q_h
   return s;
 }
 
+// n new query tokens (chunked prefill when n > 1), random.
+void SetQueries(TestSequence& s, uint32_t n, uint32_t q_heads, uint32_t dim, uint64_t seed) {
+  s.q.resize(size_t{n} * q_heads * dim);
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0, 1);
+  for (float& x : s.q) x = normal(rng);
+  s.out.assign(s.q.size(), NAN);
+  s.ref.assign(s.q.size(), NAN);
+  s.seq.q = s.q.data();
+  s.seq.query_tokens = n;
+}
+
 // Max |out - ref| over the output's RMS.
 double NormalizedMaxError(const std::vector<float>& out, const std::vector<float>& ref) {
   double max_err = 0, sq = 0;
@@ -208,14 +220,7 @@ TEST(DecodeAttentionTest, ChunkedPrefillOverACompressedPrefixIsCausalInTheWindow
     for (const Shape& sh : shapes) {
       for (uint32_t n : {1u, 3u, 5u}) {
         auto s = MakeSequence(spec, sh.q_heads, sh.kv_heads, sh.dim, 4, {64, 37}, 9, ++seed);
-        s->q.resize(size_t{n} * sh.q_heads * sh.dim);
-        std::mt19937 rng(seed);
-        std::normal_distribution<float> normal(0, 1);
-        for (float& x : s->q) x = normal(rng);
-        s->out.assign(s->q.size(), NAN);
-        s->ref.assign(s->q.size(), NAN);
-        s->seq.q = s->q.data();
-        s->seq.query_tokens = n;
+        SetQueries(*s, n, sh.q_heads, sh.dim, seed);
         const DecodeAttentionParams params{sh.q_heads, sh.kv_heads, sh.dim};
         DecodeSequence ref = s->seq;
         ref.out = s->ref.data();
@@ -290,14 +295,7 @@ TEST(DecodeAttentionTest, SequencesSharingAPrefixReadItOnceAndEachMatchesTheRefe
         }
         b.insert(b.end(), s->op_ptrs.begin(), s->op_ptrs.end());
         blocks.push_back(b);
-        s->q.resize(size_t{n} * sh.q_heads * sh.dim);
-        std::mt19937 rng(seed);
-        std::normal_distribution<float> normal(0, 1);
-        for (float& x : s->q) x = normal(rng);
-        s->out.assign(s->q.size(), NAN);
-        s->ref.assign(s->q.size(), NAN);
-        s->seq.q = s->q.data();
-        s->seq.query_tokens = n;
+        SetQueries(*s, n, sh.q_heads, sh.dim, seed);
         seqs.push_back(std::move(s));
       }
       std::vector<DecodeSequence> batch;
