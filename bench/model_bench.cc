@@ -101,7 +101,8 @@ int Main(int argc, char** argv) {
               codecs =
                   "fp16,kivi:k4v4:g32,kivi:k2v2:g32,kcvt:k2v2,gear:k2v2:kcvt:r2:s1,"
                   "zipcache:k2v2:h4:s10";
-  std::string random_model;
+  std::string random_model, shape_name;  // shape_name: random_model with '-' for ':'
+
   uint32_t context = 2048, decode = 32;
   int exit_code = 0;
   const auto flags = FlagPairs(argc, argv, kUsage, &exit_code);
@@ -143,6 +144,8 @@ int Main(int argc, char** argv) {
                  absl::StrCat("strata-model-bench-", random_model, "-", getpid()))
                     .string();
     for (char& ch : model_dir) ch = ch == ':' ? '-' : ch;
+    shape_name = random_model;
+    for (char& ch : shape_name) ch = ch == ':' ? '-' : ch;
     const absl::Status st =
         WriteRandomModel(model_dir, shape[0], shape[1], shape[2], shape[3], shape[4], context);
     if (!st.ok()) {
@@ -210,7 +213,8 @@ int Main(int argc, char** argv) {
           .Raw("rows", JsonArray(rows))
           .Done();
   const std::string path =
-      ResultPath(out_dir, random_model.empty() ? "model_bench" : "model_bench-random", info) +
+      ResultPath(out_dir, random_model.empty() ? "model_bench" : "model_bench-random-" + shape_name,
+                 info) +
       ".json";
   if (!WriteResultFile(path, json + "\n")) return 1;
   std::printf("wrote %s\n", path.c_str());
