@@ -52,10 +52,25 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   seq.blocks = ptrs;
   seq.out = out.data();
   const DecodeAttentionParams params{q_heads, ops->kv_heads, ops->head_dim};
+  // A second sequence over the same bytes (its own operands, as another cache would parse
+  // them) then the block again: the batch shares a prefix, which is read once for both.
+  absl::StatusOr<PreparedBlock> again = PrepareBlock(*view);
+  if (!again.ok()) __builtin_trap();
+  std::vector<const BlockOperands*> ptrs2;
+  for (const BlockOperands& p : again->parts) ptrs2.push_back(&p);
+  for (const BlockOperands& p : ops->parts) ptrs2.push_back(&p);
+  std::vector<float> out2(q.size());
+  DecodeSequence seq2 = seq;
+  seq2.blocks = ptrs2;
+  seq2.out = out2.data();
+  const DecodeSequence batch[] = {seq, seq2};
   for (AttentionImpl impl : {AttentionImpl::kPortable, AttentionImpl::kAvx2}) {
     if (impl == AttentionImpl::kAvx2 && !DecodeAttentionUsesAvx2()) continue;
     for (bool integer_dot : {true, false}) {  // the integer kernels and the fp32 ones
       if (!DecodeAttention(params, {&seq, 1}, {impl, 4096, &pool, integer_dot}).ok()) {
+        __builtin_trap();
+      }
+      if (!DecodeAttention(params, batch, {impl, 4096, &pool, integer_dot}).ok()) {
         __builtin_trap();
       }
     }
