@@ -42,7 +42,8 @@ absl::Status DecodeEngineOptions::Validate() const {
   k.chunk_tokens = chunk_tokens;
   STRATA_RETURN_IF_ERROR(k.Validate());
   if (max_batch < 1) return absl::InvalidArgumentError("decode: max_batch must be >= 1");
-  if (kv_budget_bytes == 0) return absl::InvalidArgumentError("decode: kv_budget_bytes must be > 0");
+  if (kv_budget_bytes == 0)
+    return absl::InvalidArgumentError("decode: kv_budget_bytes must be > 0");
   if (kv_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("decode: kv_timeout must be positive");
   }
@@ -56,9 +57,10 @@ absl::StatusOr<std::unique_ptr<DecodeEngine>> DecodeEngine::Create(
   if (model == nullptr || tokenizer == nullptr || transport == nullptr) {
     return absl::InvalidArgumentError("decode: needs a model, a tokenizer and a transport");
   }
-  STRATA_RETURN_IF_ERROR(model->NewCache({.codec = options.codec,
-                                          .chunk_tokens = options.chunk_tokens,
-                                          .calibration = options.calibration})
+  STRATA_RETURN_IF_ERROR(model
+                             ->NewCache({.codec = options.codec,
+                                         .chunk_tokens = options.chunk_tokens,
+                                         .calibration = options.calibration})
                              .status());
   std::unique_ptr<DecodeEngine> e(
       new DecodeEngine(std::move(options), model, tokenizer, transport, store));
@@ -66,12 +68,12 @@ absl::StatusOr<std::unique_ptr<DecodeEngine>> DecodeEngine::Create(
   transport::BlockReceiverOptions ro;
   // Arrived blocks stay in the receiver's memory while their sequence lives (no copy): the
   // receiver may hold the whole KV budget and a margin for blocks in flight.
-  ro.max_pending_bytes = std::max<uint64_t>(ro.max_pending_bytes, raw->options_.kv_budget_bytes * 2);
-  STRATA_ASSIGN_OR_RETURN(e->receiver_,
-                          transport::BlockReceiver::Create(
-                              transport, ro, [raw](transport::ReceivedBlock b) {
-                                return raw->Consume(std::move(b));
-                              }));
+  ro.max_pending_bytes =
+      std::max<uint64_t>(ro.max_pending_bytes, raw->options_.kv_budget_bytes * 2);
+  STRATA_ASSIGN_OR_RETURN(e->receiver_, transport::BlockReceiver::Create(
+                                            transport, ro, [raw](transport::ReceivedBlock b) {
+                                              return raw->Consume(std::move(b));
+                                            }));
   e->thread_ = std::thread([raw] { raw->Loop(); });
   return e;
 }
@@ -117,9 +119,8 @@ absl::Status DecodeEngine::Start(DecodeRequest request, std::shared_ptr<TokenSin
         absl::StrCat("decode: request ", s->req.request_id, " is already registered"));
   }
   if (load_.waiting >= options_.max_waiting) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("decode: ", load_.waiting, " requests waiting, the limit is ",
-                     options_.max_waiting));
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "decode: ", load_.waiting, " requests waiting, the limit is ", options_.max_waiting));
   }
   ++load_.waiting;
   ++stats_.requests;
@@ -181,7 +182,8 @@ void DecodeEngine::HandOffAll() {
       absl::StatusOr<std::vector<BlockHash>> keys = ChunkKeys(*s, s->cache->tokens());
       absl::Status st = keys.status();
       if (keys.ok()) {
-        absl::StatusOr<std::vector<absl::Status>> put = store_->PutMany(PutItems(*s, *keys, 0, chunks));
+        absl::StatusOr<std::vector<absl::Status>> put =
+            store_->PutMany(PutItems(*s, *keys, 0, chunks));
         st = put.status();
         if (put.ok()) {
           for (const absl::Status& one : *put) {
@@ -253,7 +255,8 @@ absl::Status DecodeEngine::Consume(transport::ReceivedBlock b) {
   switch (id.kind) {
     case transport::ShipmentKind::kBlock:
       if (id.chunk >= max_chunks) {
-        return absl::InvalidArgumentError(absl::StrCat("decode: chunk ", id.chunk, " beyond the context"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("decode: chunk ", id.chunk, " beyond the context"));
       }
       if (s.blocks.size() <= id.chunk) s.blocks.resize(id.chunk + 1, std::vector<SharedBytes>(L));
       s.blocks[id.chunk][id.layer] = std::move(bytes);
@@ -283,8 +286,7 @@ absl::Status DecodeEngine::Consume(transport::ReceivedBlock b) {
   // An aborted request is complete at once, also when its end shipment came first (a block that
   // failed on its way is reported after the end was sent).
   bool complete = !s.aborted.ok();
-  if (!complete && s.end.has_value() && s.windows.size() == L &&
-      s.blocks.size() >= s.end->chunks) {
+  if (!complete && s.end.has_value() && s.windows.size() == L && s.blocks.size() >= s.end->chunks) {
     complete = true;
     for (const SharedBytes& w : s.windows) complete &= static_cast<bool>(w);
     for (uint32_t k = 0; k < s.end->chunks && complete; ++k) {
@@ -314,14 +316,33 @@ absl::Status DecodeEngine::Activate(Sequence& s) {
                                                      .chunk_tokens = options_.chunk_tokens,
                                                      .calibration = options_.calibration}));
   const transport::ShipmentEnd& end = *s.end;
+  std::vector<BlockHash> keys;
+  if (end.chunks > 0) {
+    STRATA_ASSIGN_OR_RETURN(keys, ChunkKeys(s, s.req.prompt.size()));
+  }
+  if (keys.size() < end.chunks) {
+    return absl::InvalidArgumentError(absl::StrCat("decode: the prefill node shipped ", end.chunks,
+                                                   " chunks for a ", s.req.prompt.size(),
+                                                   "-token prompt"));
+  }
+  uint64_t shared = 0;
   for (uint32_t k = 0; k < end.chunks; ++k) {
     for (uint32_t l = 0; l < L; ++l) {
+      bool reused = false;
+      SharedBytes b = interner_.Intern(s.cache->NameOf(l, keys[k]).Encode(),
+                                       std::move(s.blocks[k][l]), &reused);
+      shared += reused;
       // The receiver verified the checksum where the bytes arrived: once per hop.
-      STRATA_RETURN_IF_ERROR(s.cache->AdoptBlock(l, s.blocks[k][l], /*checksum_verified=*/true));
+      STRATA_RETURN_IF_ERROR(s.cache->AdoptBlock(l, std::move(b), /*checksum_verified=*/true));
     }
   }
+  if (shared > 0) {
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.blocks_shared += shared;
+  }
   STRATA_RETURN_IF_ERROR(s.cache->CommitAdopted());
-  for (uint32_t l = 0; l < L; ++l) STRATA_RETURN_IF_ERROR(s.cache->ImportWindow(l, s.windows[l].span()));
+  for (uint32_t l = 0; l < L; ++l)
+    STRATA_RETURN_IF_ERROR(s.cache->ImportWindow(l, s.windows[l].span()));
   STRATA_RETURN_IF_ERROR(s.cache->CommitWindow());
   if (s.cache->tokens() != s.req.prompt.size() || end.prompt_tokens != s.req.prompt.size()) {
     return absl::InvalidArgumentError(absl::StrCat("decode: the prefill node shipped ",
@@ -431,7 +452,8 @@ absl::Status DecodeEngine::Preempt(Sequence& s) {
     if (!absl::IsAlreadyExists(st)) STRATA_RETURN_IF_ERROR(st);
   }
   s.saved_windows.clear();
-  for (uint32_t l = 0; l < s.cache->layers(); ++l) s.saved_windows.push_back(s.cache->ExportWindow(l));
+  for (uint32_t l = 0; l < s.cache->layers(); ++l)
+    s.saved_windows.push_back(s.cache->ExportWindow(l));
   s.saved_bytes = KvBytes(s);
   s.preempted_chunks = chunks;
   s.preempted = true;
@@ -449,7 +471,14 @@ absl::Status DecodeEngine::Resume(Sequence& s) {
         return absl::UnavailableError(absl::StrCat(
             "decode: the preempted sequence's KV is gone from the store: ", b.status().message()));
       }
-      STRATA_RETURN_IF_ERROR(s.cache->AdoptBlock(l, *std::move(b), store_->verified_on_get()));
+      bool reused = false;
+      SharedBytes kept =
+          interner_.Intern(s.cache->NameOf(l, keys[k]).Encode(), *std::move(b), &reused);
+      if (reused) {
+        std::lock_guard<std::mutex> lock(mu_);
+        ++stats_.blocks_shared;
+      }
+      STRATA_RETURN_IF_ERROR(s.cache->AdoptBlock(l, std::move(kept), store_->verified_on_get()));
     }
   }
   STRATA_RETURN_IF_ERROR(s.cache->CommitAdopted());
@@ -507,8 +536,8 @@ void DecodeEngine::Loop() {
         std::lock_guard<std::mutex> lock(mu_);
         ++stats_.failed;
       }
-      s->sink->Fail(absl::DeadlineExceededError(absl::StrCat(
-          "decode: request ", s->req.request_id, ": its KV did not arrive in time")));
+      s->sink->Fail(absl::DeadlineExceededError(
+          absl::StrCat("decode: request ", s->req.request_id, ": its KV did not arrive in time")));
     }
     std::vector<std::shared_ptr<Sequence>> done;
     for (auto& s : admit) {

@@ -33,6 +33,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "common/prefix_key.h"
+#include "decode_node/block_interner.h"
 #include "kernels/calibration.h"
 #include "kvstore/block_source.h"
 #include "model/llama.h"
@@ -43,15 +44,15 @@
 namespace strata::decode {
 
 struct DecodeEngineOptions {
-  std::string codec = "fp16";   // must be the prefill nodes' codec
+  std::string codec = "fp16";  // must be the prefill nodes' codec
   uint32_t chunk_tokens = 256;
   std::shared_ptr<const kernels::Calibration> calibration = nullptr;
-  PrefixKeyOptions keys = {};   // as the prefill nodes key chunks (cache salt per request)
-  uint32_t max_batch = 32;      // sequences stepped together
+  PrefixKeyOptions keys = {};  // as the prefill nodes key chunks (cache salt per request)
+  uint32_t max_batch = 32;     // sequences stepped together
   uint64_t kv_budget_bytes = uint64_t{1} << 30;  // compressed blocks + windows of admitted ones
   uint32_t max_waiting = 4096;  // registered requests not yet running; more are refused
   absl::Duration kv_timeout = absl::Seconds(60);  // from Start to the end shipment
-  bool put_to_store = true;     // Put generated chunks (and preempted sequences) in the store
+  bool put_to_store = true;  // Put generated chunks (and preempted sequences) in the store
   absl::Status Validate() const;
 };
 
@@ -62,7 +63,7 @@ struct DecodeRequest {
   std::vector<uint32_t> prompt = {};  // the prompt as the prefill node got it
   std::string cache_salt = "";
   model::SamplingOptions sampling = {};
-  uint32_t max_tokens = 16;      // generated tokens at most (the first included)
+  uint32_t max_tokens = 16;  // generated tokens at most (the first included)
   std::vector<std::string> stop = {};
   bool ignore_eos = false;
 };
@@ -97,10 +98,13 @@ struct DecodeLoad {
 
 struct DecodeStats {
   uint64_t requests = 0, finished = 0, failed = 0, cancelled = 0, preemptions = 0, resumed = 0;
-  uint64_t handed_off = 0;  // sequences handed off by Drain
+  uint64_t handed_off = 0;                                // sequences handed off by Drain
   uint64_t tokens = 0, steps = 0, batched_sequences = 0;  // batched_sequences / steps = batch size
   uint64_t blocks_received = 0, bytes_received = 0;
   uint64_t blocks_stored = 0, store_put_errors = 0;
+  // Adopted blocks whose bytes another sequence here already held (BlockInterner): the new
+  // copy was released, and the attention kernels read them once for all of their sequences.
+  uint64_t blocks_shared = 0;
 };
 
 class DecodeEngine {
@@ -171,6 +175,7 @@ class DecodeEngine {
   transport::Transport* transport_;
   kvstore::BlockSource* store_;
   std::unique_ptr<transport::BlockReceiver> receiver_;
+  BlockInterner interner_;
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
@@ -178,7 +183,7 @@ class DecodeEngine {
   bool hand_off_ = false;  // Drain's deadline passed: the scheduler hands off what is left
   std::atomic<bool> draining_{false};
   absl::flat_hash_map<std::string, std::shared_ptr<Sequence>> by_id_;  // every registered one
-  std::deque<std::shared_ptr<Sequence>> ready_;  // KV arrived (or preempted), waiting for room
+  std::deque<std::shared_ptr<Sequence>> ready_;     // KV arrived (or preempted), waiting for room
   std::vector<std::shared_ptr<Sequence>> running_;  // only the scheduler thread changes it
   DecodeLoad load_;
   DecodeStats stats_;

@@ -107,34 +107,37 @@ DecodeService::DecodeService(DecodeEngine* engine, DecodeServiceOptions options,
                     .Register(*registry)),
       tokens_(AddCounter(registry, "strata_decode_tokens_total", "Tokens generated")),
       cached_tokens_(AddCounter(registry, "strata_decode_cached_tokens_total",
-                             "Prompt tokens of finished requests adopted from the store")),
+                                "Prompt tokens of finished requests adopted from the store")),
       first_token_seconds_(AddHistogram(registry, "strata_decode_first_token_seconds",
-                                     "Registration to first token (KV transfer, admission)",
-                                     cluster::LatencyBuckets())),
+                                        "Registration to first token (KV transfer, admission)",
+                                        cluster::LatencyBuckets())),
       inter_token_seconds_(AddHistogram(registry, "strata_decode_inter_token_seconds",
-                                     "Time between a sequence's tokens",
-                                     cluster::LatencyBuckets())),
+                                        "Time between a sequence's tokens",
+                                        cluster::LatencyBuckets())),
       batch_size_(AddHistogram(registry, "strata_decode_batch_size",
-                            "Mean sequences per step over each refresh interval",
-                            {1, 2, 4, 8, 16, 32, 64, 128, 256})),
+                               "Mean sequences per step over each refresh interval",
+                               {1, 2, 4, 8, 16, 32, 64, 128, 256})),
       running_(AddGauge(registry, "strata_decode_running", "Sequences in the running batch")),
       waiting_(AddGauge(registry, "strata_decode_waiting", "Registered sequences not yet running")),
       kv_in_use_(AddGauge(registry, "strata_decode_kv_bytes_in_use",
-                       "KV bytes of running sequences (compressed blocks + windows)")),
+                          "KV bytes of running sequences (compressed blocks + windows)")),
       kv_arrived_(AddGauge(registry, "strata_decode_kv_bytes_arrived",
-                        "KV bytes held for sequences waiting to run")),
+                           "KV bytes held for sequences waiting to run")),
       preemptions_(AddCounter(registry, "strata_decode_preemptions_total",
-                           "Sequences preempted to the store")),
+                              "Sequences preempted to the store")),
       resumed_(AddCounter(registry, "strata_decode_resumed_total",
-                       "Preempted sequences resumed from the store")),
+                          "Preempted sequences resumed from the store")),
       bytes_received_(AddCounter(registry, "strata_decode_bytes_received_total",
-                              "Block bytes received from prefill nodes",
-                              {{"codec", engine->options().codec}})),
+                                 "Block bytes received from prefill nodes",
+                                 {{"codec", engine->options().codec}})),
       blocks_stored_(AddCounter(registry, "strata_decode_blocks_stored_total",
-                             "Blocks of generated text Put in the store")),
+                                "Blocks of generated text Put in the store")),
       blocks_damaged_(AddCounter(registry, "strata_decode_blocks_damaged_total",
                                  "Blocks refused because their bytes arrived damaged (CRC-32C); "
-                                 "the prefill node sends them again")) {}
+                                 "the prefill node sends them again")),
+      blocks_shared_(AddCounter(registry, "strata_decode_blocks_shared_total",
+                                "Adopted blocks whose bytes another sequence here already held "
+                                "(one copy kept; read once per step for all of them)")) {}
 
 void DecodeService::Refresh() {
   const DecodeLoad load = engine_->load();
@@ -153,6 +156,7 @@ void DecodeService::Refresh() {
   resumed_.Increment(static_cast<double>(now.resumed - last_.resumed));
   bytes_received_.Increment(static_cast<double>(now.bytes_received - last_.bytes_received));
   blocks_stored_.Increment(static_cast<double>(now.blocks_stored - last_.blocks_stored));
+  blocks_shared_.Increment(static_cast<double>(now.blocks_shared - last_.blocks_shared));
   const uint64_t damaged = engine_->receiver().stats().checksum_failures;
   blocks_damaged_.Increment(static_cast<double>(damaged - last_damaged_));
   last_damaged_ = damaged;

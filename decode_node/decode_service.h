@@ -16,6 +16,8 @@
 //   strata_decode_preemptions_total, strata_decode_resumed_total,
 //   strata_decode_bytes_received_total{codec}, strata_decode_blocks_stored_total
 //   strata_decode_blocks_damaged_total (blocks refused because their bytes arrived damaged)
+//   strata_decode_blocks_shared_total (adopted blocks another sequence here already held: one
+//   copy kept, read once per step for all of them)
 //
 // Thread-safe. Each open Generate holds one gRPC server thread while it streams.
 #pragma once
@@ -49,8 +51,7 @@ struct DecodeServiceOptions {
 class DecodeService final : public strata::v1::DecodeNode::Service {
  public:
   // `engine` and `registry` must outlive the service.
-  DecodeService(DecodeEngine* engine, DecodeServiceOptions options,
-                prometheus::Registry* registry);
+  DecodeService(DecodeEngine* engine, DecodeServiceOptions options, prometheus::Registry* registry);
 
   grpc::Status Generate(grpc::ServerContext* context, const strata::v1::GenerateRequest* request,
                         grpc::ServerWriter<strata::v1::GenerateEvent>* writer) override;
@@ -82,8 +83,9 @@ class DecodeService final : public strata::v1::DecodeNode::Service {
   prometheus::Counter& bytes_received_;
   prometheus::Counter& blocks_stored_;
   prometheus::Counter& blocks_damaged_;
+  prometheus::Counter& blocks_shared_;
   std::mutex refresh_mu_;
-  DecodeStats last_ = {};  // guarded by refresh_mu_: what the counters already hold
+  DecodeStats last_ = {};      // guarded by refresh_mu_: what the counters already hold
   uint64_t last_damaged_ = 0;  // guarded by refresh_mu_: the receiver's checksum failures counted
 };
 

@@ -16,8 +16,8 @@
 #include "model/tokenizer.h"
 #include "prefill_node/prefill_engine.h"
 #include "transport/inproc/inproc_transport.h"
-#include "transport/testing/fault_injecting_transport.h"
 #include "transport/shipment.h"
+#include "transport/testing/fault_injecting_transport.h"
 
 namespace strata {
 namespace {
@@ -79,8 +79,10 @@ constexpr uint32_t kChunk = 32;
 class ServingEngineTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    model_ = model::LlamaModel::Load(absl::StrCat(STRATA_SOURCE_DIR, "/models/strata-tiny"))->release();
-    tokenizer_ = model::Tokenizer::Load(absl::StrCat(STRATA_SOURCE_DIR, "/models/strata-tiny"))->release();
+    model_ =
+        model::LlamaModel::Load(absl::StrCat(STRATA_SOURCE_DIR, "/models/strata-tiny"))->release();
+    tokenizer_ =
+        model::Tokenizer::Load(absl::StrCat(STRATA_SOURCE_DIR, "/models/strata-tiny"))->release();
   }
   static void TearDownTestSuite() {
     delete model_;
@@ -105,8 +107,8 @@ class ServingEngineTest : public ::testing::Test {
       faulty_->corrupt = std::move(corrupt);
       receiving = faulty_.get();
     }
-    prefill_ = *prefill::PrefillEngine::Create({.codec = codec, .chunk_tokens = kChunk},
-                                               model_, pt_.get(), source_.get());
+    prefill_ = *prefill::PrefillEngine::Create({.codec = codec, .chunk_tokens = kChunk}, model_,
+                                               pt_.get(), source_.get());
     decode_ = *decode::DecodeEngine::Create(
         {.codec = codec, .chunk_tokens = kChunk, .max_batch = max_batch, .kv_budget_bytes = budget},
         model_, tokenizer_, receiving, source_.get());
@@ -135,11 +137,15 @@ class ServingEngineTest : public ::testing::Test {
   // Through the engines: register at decode, prefill ships, decode generates.
   std::shared_ptr<CollectingSink> Serve(const std::string& id, const std::vector<uint32_t>& prompt,
                                         uint32_t n, prefill::PrefillResult* result = nullptr,
-                                        const std::string& salt = "") {
+                                        const std::string& salt = "", bool ignore_eos = false) {
     auto sink = std::make_shared<CollectingSink>();
-    EXPECT_TRUE(decode_->Start({.request_id = id, .prompt = prompt, .cache_salt = salt,
-                                .max_tokens = n, .ignore_eos = false},
-                               sink)
+    EXPECT_TRUE(decode_
+                    ->Start({.request_id = id,
+                             .prompt = prompt,
+                             .cache_salt = salt,
+                             .max_tokens = n,
+                             .ignore_eos = ignore_eos},
+                            sink)
                     .ok());
     absl::StatusOr<prefill::PrefillResult> r = prefill_->Prefill(
         {.request_id = id, .tokens = prompt, .cache_salt = salt, .decode_address = dt_->address()});
@@ -167,8 +173,8 @@ const char kText[] =
     "and the kernel maps pages on demand when a process touches them for the first time.";
 
 TEST_F(ServingEngineTest, GreedyOutputEqualsSingleProcessForEveryCodecFamily) {
-  for (const char* codec : {"fp16", "kivi:k2v2:g32", "gear:k2v2:kcvt:r2:s1", "zipcache:k2v2:h4:s10",
-                            "kcvt:k4v4"}) {
+  for (const char* codec :
+       {"fp16", "kivi:k2v2:g32", "gear:k2v2:kcvt:r2:s1", "zipcache:k2v2:h4:s10", "kcvt:k4v4"}) {
     Build(codec);
     const std::vector<uint32_t> prompt = Prompt(absl::StrCat(kText, " ", kText));
     ASSERT_GT(prompt.size(), 2 * kChunk);
@@ -211,8 +217,8 @@ TEST_F(ServingEngineTest, BlocksDamagedInTransitAreRefusedAndSentAgain) {
            id->chunk == 1;
   };
   auto failed = std::make_shared<CollectingSink>();
-  ASSERT_TRUE(decode_->Start({.request_id = "hopeless", .prompt = prompt, .max_tokens = 4}, failed)
-                  .ok());
+  ASSERT_TRUE(
+      decode_->Start({.request_id = "hopeless", .prompt = prompt, .max_tokens = 4}, failed).ok());
   absl::StatusOr<prefill::PrefillResult> p = prefill_->Prefill(
       {.request_id = "hopeless", .tokens = prompt, .decode_address = dt_->address()});
   ASSERT_FALSE(p.ok());
@@ -272,6 +278,35 @@ TEST_F(ServingEngineTest, ConcurrentSequencesBatchAndEachEqualsItsSoloOutput) {
   EXPECT_GT(st.batched_sequences, st.steps) << "sequences were never batched";
 }
 
+TEST_F(ServingEngineTest, SequencesOverOneCachedPrefixShareItsBytesAndEachEqualsItsSoloOutput) {
+  Build("kivi:k2v2:g32", /*max_batch=*/8);
+  // The prefix first, so that the store holds it, in a sequence that runs on (200 tokens)
+  // while six questions over the same prefix arrive.
+  const std::string prefix = std::string(kText) + " " + kText;
+  auto first = Serve("p0", Prompt(prefix + " Why?"), 200, nullptr, "", /*ignore_eos=*/true);
+  std::vector<std::vector<uint32_t>> prompts;
+  std::vector<std::shared_ptr<CollectingSink>> sinks;
+  std::vector<prefill::PrefillResult> results(6);
+  for (int i = 0; i < 6; ++i) {
+    prompts.push_back(Prompt(absl::StrCat(prefix, " Question ", i, "?")));
+    sinks.push_back(Serve(absl::StrCat("q", i), prompts.back(), 12, &results[i]));
+  }
+  for (int i = 0; i < 6; ++i) {
+    ASSERT_TRUE(sinks[i]->Wait());
+    ASSERT_TRUE(sinks[i]->status().ok()) << sinks[i]->status();
+    EXPECT_GT(results[i].cached_tokens, 0u) << i;
+    EXPECT_EQ(sinks[i]->tokens(), Solo(prompts[i], 12)) << "stream " << i;
+  }
+  // Each question adopted the prefix's blocks from the bytes the first sequence holds: every
+  // layer of every cached chunk, for each of the six.
+  const decode::DecodeStats st = decode_->stats();
+  const uint64_t layers = model_->config().num_layers;
+  EXPECT_GE(st.blocks_shared, 6 * layers * (results[0].cached_tokens / kChunk));
+  ASSERT_TRUE(first->Wait(absl::Minutes(5)));
+  ASSERT_TRUE(first->status().ok()) << first->status();
+  EXPECT_EQ(first->tokens().size(), 200u);
+}
+
 TEST_F(ServingEngineTest, PreemptedSequencesResumeFromTheStoreWithTheSameOutput) {
   // A budget that holds about one sequence: the others are preempted to the store and resumed.
   Build("fp16", /*max_batch=*/8, /*budget=*/300 << 10);
@@ -302,14 +337,17 @@ TEST_F(ServingEngineTest, UnknownRequestsAndBadShipmentsAreRefused) {
                 .status()
                 .code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(prefill_->Prefill({.request_id = "has space", .tokens = {1}, .decode_address = dt_->address()})
-                .status()
-                .code(),
-            absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(prefill_->Prefill({.request_id = "y", .tokens = {999999}, .decode_address = dt_->address()})
-                .status()
-                .code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      prefill_
+          ->Prefill({.request_id = "has space", .tokens = {1}, .decode_address = dt_->address()})
+          .status()
+          .code(),
+      absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      prefill_->Prefill({.request_id = "y", .tokens = {999999}, .decode_address = dt_->address()})
+          .status()
+          .code(),
+      absl::StatusCode::kInvalidArgument);
   auto sink = std::make_shared<CollectingSink>();
   ASSERT_TRUE(decode_->Start({.request_id = "dup", .prompt = {1, 2}}, sink).ok());
   EXPECT_EQ(decode_->Start({.request_id = "dup", .prompt = {1, 2}}, sink).code(),
@@ -322,9 +360,9 @@ TEST_F(ServingEngineTest, CancelledPrefillTellsTheDecodeNodeToDropTheRequest) {
   const std::vector<uint32_t> prompt = Prompt(kText);
   ASSERT_TRUE(decode_->Start({.request_id = "cx", .prompt = prompt, .max_tokens = 8}, sink).ok());
   int polls = 0;
-  absl::StatusOr<prefill::PrefillResult> r = prefill_->Prefill(
-      {.request_id = "cx", .tokens = prompt, .decode_address = dt_->address()},
-      [&] { return ++polls > 2; });
+  absl::StatusOr<prefill::PrefillResult> r =
+      prefill_->Prefill({.request_id = "cx", .tokens = prompt, .decode_address = dt_->address()},
+                        [&] { return ++polls > 2; });
   EXPECT_EQ(r.status().code(), absl::StatusCode::kCancelled);
   ASSERT_TRUE(sink->Wait(absl::Seconds(10)));
   EXPECT_EQ(sink->status().code(), absl::StatusCode::kAborted) << sink->status();
