@@ -72,13 +72,22 @@ absl::StatusOr<std::unique_ptr<Codec>> MakeCodec(const std::string& spec, uint32
 
 struct Chunks {
   std::vector<std::vector<Half>> k, v;  // fp16 input, [tokens, heads, dim] per chunk
+  std::vector<std::vector<float>> q;    // when asked for: [tokens, kQHeads, dim] per chunk
   uint32_t dim = kDim;
 };
 
-Chunks MakeChunks(uint32_t n, uint64_t seed, uint32_t dim = kDim) {
+// `queries`: each chunk carries its tokens' queries too, as the model hands them to the cache
+// (ZipCache's probe attention uses them; the other codecs ignore them).
+Chunks MakeChunks(uint32_t n, uint64_t seed, uint32_t dim = kDim, bool queries = false) {
   Chunks c;
   c.dim = dim;
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0, 1);
   for (uint32_t i = 0; i < n; ++i) {
+    if (queries) {
+      c.q.emplace_back(size_t{kChunk} * kQHeads * dim);
+      for (float& x : c.q.back()) x = normal(rng);
+    }
     const kernels::SyntheticKv kv =
         kernels::MakeSyntheticKv(kChunk, kKvHeads, dim, seed, i * kChunk);
     c.k.emplace_back(kv.k.size());
@@ -90,7 +99,13 @@ Chunks MakeChunks(uint32_t n, uint64_t seed, uint32_t dim = kDim) {
 }
 
 kernels::KvChunkView View(const Chunks& c, size_t i) {
-  return {c.k[i].data(), c.v[i].data(), SourceDType::kFloat16, kChunk, kKvHeads, c.dim};
+  kernels::KvChunkView v{c.k[i].data(), c.v[i].data(), SourceDType::kFloat16,
+                         kChunk,        kKvHeads,      c.dim};
+  if (i < c.q.size()) {
+    v.q = c.q[i].data();
+    v.q_heads = kQHeads;
+  }
+  return v;
 }
 
 struct Encoded {
@@ -236,10 +251,12 @@ int Main(int argc, char** argv) {
 
   // ---- 1. compression throughput ----
   std::vector<std::string> j_compress;
-  const Chunks tput_chunks = MakeChunks(32, 11);
+  const Chunks tput_chunks = MakeChunks(32, 11, kDim, /*queries=*/true);
   const double in_bytes = 32.0 * 2 * kChunk * kKvHeads * kDim * sizeof(Half);
-  std::printf("1. compression throughput: %u chunks of %u tokens x %u KV heads x %u, fp16 input\n",
-              32u, kChunk, kKvHeads, kDim);
+  std::printf(
+      "1. compression throughput: %u chunks of %u tokens x %u KV heads x %u, fp16 input (and "
+      "the tokens' queries, %u heads, for ZipCache's probes)\n",
+      32u, kChunk, kKvHeads, kDim, kQHeads);
   std::printf("%-24s %10s %12s %12s\n", "codec", "bits/elem", "1 thread", "all threads");
   for (const auto& c : codecs) {
     if (!table[1]) break;
