@@ -212,13 +212,10 @@ AffineResult QuantizeAffine(const HeadMajor& x, bool per_channel, uint32_t gs, u
         const uint32_t t0 = g * gs, t1 = std::min(T, t0 + gs);
         std::fill(mn.begin(), mn.end(), INFINITY);
         std::fill(mx.begin(), mx.end(), -INFINITY);
-        if (simd && !masked) {
-          internal::ColumnMinMaxAvx2(&x.x[(size_t{h} * T + t0) * D], D, t1 - t0, D, mn.data(),
-                                     mx.data());
-        } else if (simd) {
-          internal::ColumnMinMaxMaskedAvx2(&x.x[(size_t{h} * T + t0) * D],
-                                           &mask[(size_t{h} * T + t0) * D], D, t1 - t0, D,
-                                           mn.data(), mx.data());
+        if (simd) {
+          const size_t base = (size_t{h} * T + t0) * D;
+          internal::ColumnMinMaxAvx2(&x.x[base], D, t1 - t0, D, mn.data(), mx.data(),
+                                     masked ? &mask[base] : nullptr);
         } else {
           for (uint32_t t = t0; t < t1; ++t) {
             const size_t base = (size_t{h} * T + t) * D;
@@ -256,13 +253,8 @@ AffineResult QuantizeAffine(const HeadMajor& x, bool per_channel, uint32_t gs, u
         gs_inv.resize(n);
         for (uint32_t t = 0; t < T; ++t) {
           const size_t base = (size_t{h} * T + t) * D;
-          if (masked) {
-            internal::GroupMinMaxMaskedAvx2(&x.x[base], &mask[base], D, gs,
-                                            &glo[size_t{t} * groups], &ghi[size_t{t} * groups]);
-          } else {
-            internal::GroupMinMaxAvx2(&x.x[base], D, gs, &glo[size_t{t} * groups],
-                                      &ghi[size_t{t} * groups]);
-          }
+          internal::GroupMinMaxAvx2(&x.x[base], D, gs, &glo[size_t{t} * groups],
+                                    &ghi[size_t{t} * groups], masked ? &mask[base] : nullptr);
         }
         for (size_t i = 0; i < n; ++i) clip_range(glo[i], ghi[i]);
         internal::AffineParamsAvx2(glo.data(), ghi.data(), static_cast<uint32_t>(n), qmax,

@@ -27,27 +27,6 @@ bool HaveCodecSimd() {
 }
 void SetCodecSimdForTesting(bool enabled) { simd_enabled.store(enabled); }
 
-STRATA_CODEC_AVX2 void ColumnMinMaxAvx2(const float* rows, size_t stride, uint32_t n, uint32_t D,
-                                        float* mn, float* mx) {
-  uint32_t d = 0;
-  for (; d + 8 <= D; d += 8) {
-    __m256 lo = _mm256_loadu_ps(mn + d), hi = _mm256_loadu_ps(mx + d);
-    for (uint32_t t = 0; t < n; ++t) {
-      const __m256 v = _mm256_loadu_ps(rows + t * stride + d);
-      lo = _mm256_min_ps(v, lo);  // (v < lo) ? v : lo, as std::min(lo, v)
-      hi = _mm256_max_ps(v, hi);  // (v > hi) ? v : hi, as std::max(hi, v)
-    }
-    _mm256_storeu_ps(mn + d, lo);
-    _mm256_storeu_ps(mx + d, hi);
-  }
-  for (; d < D; ++d) {
-    for (uint32_t t = 0; t < n; ++t) {
-      mn[d] = std::min(mn[d], rows[t * stride + d]);
-      mx[d] = std::max(mx[d], rows[t * stride + d]);
-    }
-  }
-}
-
 STRATA_CODEC_AVX2 void DequantRowAvx2(const uint8_t* codes, const float* z, const float* s,
                                       uint32_t n, float* out) {
   uint32_t d = 0;
@@ -134,34 +113,32 @@ STRATA_CODEC_AVX2 inline void GroupMinMax(const float* row, const uint8_t* mask,
 }
 }  // namespace
 
-STRATA_CODEC_AVX2 void ColumnMinMaxMaskedAvx2(const float* rows, const uint8_t* mask, size_t stride,
-                                              uint32_t n, uint32_t D, float* mn, float* mx) {
+STRATA_CODEC_AVX2 void ColumnMinMaxAvx2(const float* rows, size_t stride, uint32_t n, uint32_t D,
+                                        float* mn, float* mx, const uint8_t* mask) {
   const __m256 inf = _mm256_set1_ps(INFINITY), ninf = _mm256_set1_ps(-INFINITY);
   uint32_t d = 0;
   for (; d + 8 <= D; d += 8) {
     __m256 lo = _mm256_loadu_ps(mn + d), hi = _mm256_loadu_ps(mx + d);
     for (uint32_t t = 0; t < n; ++t) {
-      const __m256 v = _mm256_loadu_ps(rows + t * stride + d);
-      const __m256 skip = SkipLanes(mask + t * stride + d);
-      // A skipped lane offers +inf to the min and -inf to the max: neither changes.
-      lo = _mm256_min_ps(_mm256_blendv_ps(v, inf, skip), lo);
-      hi = _mm256_max_ps(_mm256_blendv_ps(v, ninf, skip), hi);
+      __m256 a = _mm256_loadu_ps(rows + t * stride + d), b = a;
+      if (mask != nullptr) {  // a skipped lane offers +inf to the min and -inf to the max
+        const __m256 skip = SkipLanes(mask + t * stride + d);
+        a = _mm256_blendv_ps(a, inf, skip);
+        b = _mm256_blendv_ps(b, ninf, skip);
+      }
+      lo = _mm256_min_ps(a, lo);  // (a < lo) ? a : lo, as std::min(lo, a)
+      hi = _mm256_max_ps(b, hi);  // (b > hi) ? b : hi, as std::max(hi, b)
     }
     _mm256_storeu_ps(mn + d, lo);
     _mm256_storeu_ps(mx + d, hi);
   }
   for (; d < D; ++d) {
     for (uint32_t t = 0; t < n; ++t) {
-      if (mask[t * stride + d]) continue;
+      if (mask != nullptr && mask[t * stride + d]) continue;
       mn[d] = std::min(mn[d], rows[t * stride + d]);
       mx[d] = std::max(mx[d], rows[t * stride + d]);
     }
   }
-}
-
-STRATA_CODEC_AVX2 void GroupMinMaxMaskedAvx2(const float* row, const uint8_t* mask, uint32_t D,
-                                             uint32_t gs, float* lo, float* hi) {
-  GroupMinMax(row, mask, D, gs, lo, hi);
 }
 
 STRATA_CODEC_AVX2 uint32_t OutlierCandidatesAvx2(const float* row, uint32_t n, const float* lo,
@@ -175,8 +152,8 @@ STRATA_CODEC_AVX2 uint32_t OutlierCandidatesScalarAvx2(const float* row, uint32_
 }
 
 STRATA_CODEC_AVX2 void GroupMinMaxAvx2(const float* row, uint32_t D, uint32_t gs, float* lo,
-                                       float* hi) {
-  GroupMinMax(row, nullptr, D, gs, lo, hi);
+                                       float* hi, const uint8_t* mask) {
+  GroupMinMax(row, mask, D, gs, lo, hi);
 }
 
 namespace {

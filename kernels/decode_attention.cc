@@ -82,6 +82,15 @@ namespace {
 using internal::SoftmaxScale;
 using internal::ValidateAttention;
 
+// KV head `head` of a compressed block.
+Segment BlockSegment(const BlockOperands* block, uint32_t head) {
+  Segment s;
+  s.block = block;
+  s.head = head;
+  s.tokens = block->tokens;
+  return s;
+}
+
 // Segments of one sequence for one KV head, in order, leaving out its first `skip_blocks`
 // blocks (a shared prefix, computed apart).
 std::vector<Segment> Segments(const DecodeAttentionParams& p, const DecodeSequence& seq,
@@ -99,11 +108,7 @@ std::vector<Segment> Segments(const DecodeAttentionParams& p, const DecodeSequen
   };
   full(seq.sinks);
   for (size_t i = skip_blocks; i < seq.blocks.size(); ++i) {
-    Segment s;
-    s.block = seq.blocks[i];
-    s.head = head;
-    s.tokens = seq.blocks[i]->tokens;
-    out.push_back(s);
+    out.push_back(BlockSegment(seq.blocks[i], head));
   }
   full(seq.window);
   return out;
@@ -302,13 +307,7 @@ absl::Status Run(const DecodeAttentionParams& p, absl::Span<const DecodeSequence
     const DecodeSequence& first = batch[c.seqs[0]];
     for (uint32_t h = 0; h < p.kv_heads; ++h) {
       std::vector<Segment>& segs = shared_segs[ci * p.kv_heads + h];
-      for (size_t b = 0; b < c.blocks; ++b) {
-        Segment sg;
-        sg.block = first.blocks[b];
-        sg.head = h;
-        sg.tokens = first.blocks[b]->tokens;
-        segs.push_back(sg);
-      }
+      for (size_t b = 0; b < c.blocks; ++b) segs.push_back(BlockSegment(first.blocks[b], h));
       std::vector<Unit> units;
       for (size_t s : c.seqs) {
         for (size_t g = first_group[s * p.kv_heads + h]; g < first_group[s * p.kv_heads + h + 1];

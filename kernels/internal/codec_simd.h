@@ -21,23 +21,18 @@ bool HaveCodecSimd();
 void SetCodecSimdForTesting(bool enabled);
 
 // mn[d] = std::min(mn[d], v) and mx[d] = std::max(mx[d], v) over v = rows[t * stride + d],
-// t in [0, n), d in [0, D).
+// t in [0, n), d in [0, D). `mask` (null: none) has the layout of the values; an element whose
+// mask byte is nonzero (GEAR's outliers) is left out, as the portable loops skip it.
 void ColumnMinMaxAvx2(const float* rows, size_t stride, uint32_t n, uint32_t D, float* mn,
-                      float* mx);
+                      float* mx, const uint8_t* mask = nullptr);
 
 // The min and max of each group of `gs` values of row[0, D) (gs a multiple of 8), folded as
-// std::min / std::max from +inf / -inf.
-void GroupMinMaxAvx2(const float* row, uint32_t D, uint32_t gs, float* lo, float* hi);
+// std::min / std::max from +inf / -inf, leaving out masked elements as above.
+void GroupMinMaxAvx2(const float* row, uint32_t D, uint32_t gs, float* lo, float* hi,
+                     const uint8_t* mask = nullptr);
 
 // out[d] = z[d] + code[d] * s[d] (multiply, then add), d in [0, n).
 void DequantRowAvx2(const uint8_t* codes, const float* z, const float* s, uint32_t n, float* out);
-
-// ColumnMinMaxAvx2 and GroupMinMaxAvx2 leaving out the elements whose mask byte is nonzero
-// (GEAR's outliers), as the portable loops skip them; mask has the layout of the values.
-void ColumnMinMaxMaskedAvx2(const float* rows, const uint8_t* mask, size_t stride, uint32_t n,
-                            uint32_t D, float* mn, float* mx);
-void GroupMinMaxMaskedAvx2(const float* row, const uint8_t* mask, uint32_t D, uint32_t gs,
-                           float* lo, float* hi);
 
 // The indices i in [0, n), ascending, with row[i] < lo[i] or row[i] >= hi[i] (per-element
 // thresholds), or against one lo and hi (Scalar): the elements that could enter a vector's
