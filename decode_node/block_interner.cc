@@ -32,6 +32,12 @@ SharedBytes BlockInterner::Intern(const std::string& name, SharedBytes bytes, bo
   return bytes;
 }
 
+bool BlockInterner::Holds(const std::string& name) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = entries_.find(name);
+  return it != entries_.end() && !it->second.owner.expired();
+}
+
 size_t BlockInterner::size() const {
   std::lock_guard<std::mutex> lock(mu_);
   return entries_.size();

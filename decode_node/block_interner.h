@@ -28,6 +28,10 @@ class BlockInterner {
   // differ under one name (never expected: a block's name fixes its content) are not shared.
   SharedBytes Intern(const std::string& name, SharedBytes bytes, bool* shared);
 
+  // Whether a live holder has bytes under `name` (a sequence being admitted would adopt them
+  // from that holder instead of keeping its own).
+  bool Holds(const std::string& name) const;
+
   // Names remembered, live or not yet swept (for tests).
   size_t size() const;
 

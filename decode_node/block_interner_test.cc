@@ -17,8 +17,11 @@ SharedBytes Bytes(const char* text) {
 TEST(BlockInternerTest, AHeldBlockIsSharedAndForgottenWithItsLastHolder) {
   BlockInterner in;
   bool shared = true;
+  EXPECT_FALSE(in.Holds("a"));
   SharedBytes first = in.Intern("a", Bytes("block bytes"), &shared);
   EXPECT_FALSE(shared);
+  EXPECT_TRUE(in.Holds("a"));
+  EXPECT_FALSE(in.Holds("b"));
   // The same name and bytes in another buffer: the held bytes come back.
   SharedBytes second = in.Intern("a", Bytes("block bytes"), &shared);
   EXPECT_TRUE(shared);
@@ -28,7 +31,9 @@ TEST(BlockInternerTest, AHeldBlockIsSharedAndForgottenWithItsLastHolder) {
   EXPECT_FALSE(shared);
   // Once no one holds them, a new buffer is kept instead.
   first = SharedBytes();
+  EXPECT_TRUE(in.Holds("a"));  // second still holds them
   second = SharedBytes();
+  EXPECT_FALSE(in.Holds("a"));
   SharedBytes third = in.Intern("a", Bytes("block bytes"), &shared);
   EXPECT_FALSE(shared);
   EXPECT_NE(third.data(), nullptr);

@@ -5,6 +5,7 @@
 #include <iostream>
 #include <optional>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "model/text_stream.h"
@@ -33,6 +34,8 @@ struct DecodeEngine::Sequence {
   uint32_t preempted_chunks = 0;
   std::vector<std::string> saved_windows;
   uint64_t saved_bytes = 0;
+  // The store names of the arrived blocks, [chunk * layers + layer], once admission asked.
+  std::vector<std::string> block_names;
   DecodeUsage usage;
 };
 
@@ -57,13 +60,15 @@ absl::StatusOr<std::unique_ptr<DecodeEngine>> DecodeEngine::Create(
   if (model == nullptr || tokenizer == nullptr || transport == nullptr) {
     return absl::InvalidArgumentError("decode: needs a model, a tokenizer and a transport");
   }
-  STRATA_RETURN_IF_ERROR(model
-                             ->NewCache({.codec = options.codec,
-                                         .chunk_tokens = options.chunk_tokens,
-                                         .calibration = options.calibration})
-                             .status());
+  // An empty cache of the engine's options: it checks them, and names arriving blocks before
+  // their sequence has a cache of its own (admission, SharedArrivedBytes).
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<model::SequenceKvCache> namer,
+                          model->NewCache({.codec = options.codec,
+                                           .chunk_tokens = options.chunk_tokens,
+                                           .calibration = options.calibration}));
   std::unique_ptr<DecodeEngine> e(
       new DecodeEngine(std::move(options), model, tokenizer, transport, store));
+  e->namer_ = std::move(namer);
   DecodeEngine* raw = e.get();
   transport::BlockReceiverOptions ro;
   // Arrived blocks stay in the receiver's memory while their sequence lives (no copy): the
@@ -304,9 +309,64 @@ absl::Status DecodeEngine::Consume(transport::ReceivedBlock b) {
 uint64_t DecodeEngine::KvBytes(const Sequence& s) const {
   if (s.preempted) return s.saved_bytes;
   if (s.cache == nullptr) return s.arrived_bytes;
+  return s.cache->block_bytes() + WindowBytes(s);
+}
+
+uint64_t DecodeEngine::WindowBytes(const Sequence& s) const {
   const model::ModelConfig& c = model_->config();
-  return s.cache->block_bytes() +
-         uint64_t{s.cache->window_tokens()} * c.num_layers * c.num_kv_heads * c.head_dim * 8;
+  return uint64_t{s.cache->window_tokens()} * c.num_layers * c.num_kv_heads * c.head_dim * 8;
+}
+
+uint64_t DecodeEngine::KvBytesInUse(absl::Span<const std::shared_ptr<Sequence>> seqs) const {
+  // Interned blocks are the same bytes in every sequence that holds them, and those sequences
+  // begin with the same blocks (a prefix): only sequences whose first block is another's first
+  // block need their blocks told apart, which keeps the usual case (nothing shared) a sum.
+  absl::flat_hash_map<const uint8_t*, uint32_t> first;  // first block -> sequences beginning so
+  const auto First = [](const Sequence& s) -> const uint8_t* {
+    if (s.preempted || s.cache == nullptr || s.cache->layers() == 0) return nullptr;
+    const std::vector<SharedBytes>& b = s.cache->layer_blocks(0);
+    return b.empty() ? nullptr : b[0].data();
+  };
+  for (const auto& s : seqs) {
+    if (const uint8_t* f = First(*s); f != nullptr) ++first[f];
+  }
+  uint64_t n = 0;
+  absl::flat_hash_set<const uint8_t*> seen;
+  for (const auto& s : seqs) {
+    const uint8_t* f = First(*s);
+    if (f == nullptr || first[f] < 2) {
+      n += KvBytes(*s);
+      continue;
+    }
+    n += WindowBytes(*s);
+    for (uint32_t l = 0; l < s->cache->layers(); ++l) {
+      for (const SharedBytes& b : s->cache->layer_blocks(l)) {
+        if (seen.insert(b.data()).second) n += b.size();
+      }
+    }
+  }
+  return n;
+}
+
+uint64_t DecodeEngine::SharedArrivedBytes(Sequence& s) {
+  if (s.cache != nullptr || s.preempted || !s.aborted.ok() || !s.end.has_value()) return 0;
+  const uint32_t L = model_->config().num_layers;
+  const uint32_t chunks = std::min<uint32_t>(s.end->chunks, static_cast<uint32_t>(s.blocks.size()));
+  if (s.block_names.empty() && chunks > 0) {
+    absl::StatusOr<std::vector<BlockHash>> keys = ChunkKeys(s, s.req.prompt.size());
+    if (!keys.ok() || keys->size() < chunks) return 0;  // Activate reports it
+    s.block_names.reserve(size_t{chunks} * L);
+    for (uint32_t k = 0; k < chunks; ++k) {
+      for (uint32_t l = 0; l < L; ++l) s.block_names.push_back(namer_->NameOf(l, (*keys)[k]).Encode());
+    }
+  }
+  uint64_t shared = 0;
+  for (uint32_t k = 0; k < chunks; ++k) {
+    for (uint32_t l = 0; l < L; ++l) {
+      if (interner_.Holds(s.block_names[size_t{k} * L + l])) shared += s.blocks[k][l].size();
+    }
+  }
+  return shared;
 }
 
 absl::Status DecodeEngine::Activate(Sequence& s) {
@@ -521,10 +581,11 @@ void DecodeEngine::Loop() {
           ++it;
         }
       }
-      uint64_t in_use = 0;
-      for (const auto& s : running_) in_use += KvBytes(*s);
+      // Blocks that running sequences share count once, and so do an arrived sequence's blocks
+      // that a running one holds: Activate adopts those from the held bytes.
+      uint64_t in_use = KvBytesInUse(running_);
       while (!ready_.empty() && running_.size() + admit.size() < options_.max_batch) {
-        const uint64_t need = KvBytes(*ready_.front());
+        const uint64_t need = KvBytes(*ready_.front()) - SharedArrivedBytes(*ready_.front());
         if (in_use + need > options_.kv_budget_bytes && !(running_.empty() && admit.empty())) break;
         in_use += need;
         admit.push_back(ready_.front());
@@ -577,6 +638,7 @@ void DecodeEngine::Loop() {
         std::lock_guard<std::mutex> lock(mu_);
         ++stats_.steps;
         stats_.batched_sequences += batch.size();
+        stats_.peak_batch = std::max<uint64_t>(stats_.peak_batch, batch.size());
       }
       for (size_t i = 0; i < batch.size(); ++i) {
         Sequence& s = *batch[i];
@@ -594,24 +656,23 @@ void DecodeEngine::Loop() {
     // Preempt the newest while the running ones outgrow the budget (never the last one).
     std::vector<std::shared_ptr<Sequence>> preempted;
     if (store_ != nullptr) {
-      uint64_t in_use = 0;
       std::vector<std::shared_ptr<Sequence>> live;
       for (auto& s : running_) {
         if (std::find(done.begin(), done.end(), s) == done.end() && !s->cancelled) {
           live.push_back(s);
-          in_use += KvBytes(*s);
         }
       }
+      // (A victim frees only the blocks no other live sequence holds.)
+      uint64_t in_use = KvBytesInUse(live);
       while (in_use > options_.kv_budget_bytes && live.size() > 1) {
         std::shared_ptr<Sequence> victim = live.back();
         live.pop_back();
-        const uint64_t bytes = KvBytes(*victim);
         absl::Status st = Preempt(*victim);
         if (!st.ok()) {
           std::cerr << "decode: could not preempt " << victim->req.request_id << ": " << st << "\n";
           break;
         }
-        in_use -= bytes;
+        in_use = KvBytesInUse(live);
         preempted.push_back(victim);
       }
     }
@@ -630,9 +691,7 @@ void DecodeEngine::Loop() {
       ++stats_.preemptions;
     }
     load_.running = static_cast<uint32_t>(running_.size());
-    uint64_t in_use = 0;
-    for (const auto& s : running_) in_use += KvBytes(*s);
-    load_.kv_bytes_in_use = in_use;
+    load_.kv_bytes_in_use = KvBytesInUse(running_);
   }
 }
 

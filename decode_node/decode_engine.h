@@ -8,7 +8,9 @@
 // batch. Continuous batching: one scheduler thread steps every running sequence together
 // (LlamaModel::StepBatch); sequences join and leave at every step. Admission is by max_batch and
 // by KV bytes in use (compressed blocks plus full-precision windows); a sequence whose KV has
-// arrived waits while either is full. When the running sequences outgrow the KV budget, the
+// arrived waits while either is full. Blocks that sequences share (one cached prefix, interned
+// by BlockInterner) count once, also for a sequence about to join whose blocks a running one
+// holds. When the running sequences outgrow the KV budget, the
 // newest is preempted: its blocks go to the store, its window stays here, and it resumes from the
 // store when there is room — never recomputed.
 //
@@ -32,6 +34,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "common/prefix_key.h"
 #include "decode_node/block_interner.h"
 #include "kernels/calibration.h"
@@ -100,6 +103,7 @@ struct DecodeStats {
   uint64_t requests = 0, finished = 0, failed = 0, cancelled = 0, preemptions = 0, resumed = 0;
   uint64_t handed_off = 0;                                // sequences handed off by Drain
   uint64_t tokens = 0, steps = 0, batched_sequences = 0;  // batched_sequences / steps = batch size
+  uint64_t peak_batch = 0;                                // the most sequences one step took
   uint64_t blocks_received = 0, bytes_received = 0;
   uint64_t blocks_stored = 0, store_put_errors = 0;
   // Adopted blocks whose bytes another sequence here already held (BlockInterner): the new
@@ -167,7 +171,14 @@ class DecodeEngine {
                                          uint32_t from, uint32_t to) const;
   // The prefix keys of the full chunks among the first `tokens` of s's prompt and output.
   absl::StatusOr<std::vector<BlockHash>> ChunkKeys(const Sequence& s, size_t tokens) const;
+  // Bytes of s's compressed blocks and window (arrived, held, or saved when preempted).
   uint64_t KvBytes(const Sequence& s) const;
+  uint64_t WindowBytes(const Sequence& s) const;  // s has a cache
+  // Bytes the sequences hold together: a block several of them hold counts once.
+  uint64_t KvBytesInUse(absl::Span<const std::shared_ptr<Sequence>> seqs) const;
+  // Bytes of an arrived (not yet running) sequence's blocks whose names a live sequence holds:
+  // Activate adopts those from the held bytes, so they cost nothing more. Under mu_.
+  uint64_t SharedArrivedBytes(Sequence& s);
 
   const DecodeEngineOptions options_;
   const model::LlamaModel* model_;
@@ -176,6 +187,7 @@ class DecodeEngine {
   kvstore::BlockSource* store_;
   std::unique_ptr<transport::BlockReceiver> receiver_;
   BlockInterner interner_;
+  std::unique_ptr<model::SequenceKvCache> namer_;  // names blocks before a sequence has a cache
 
   mutable std::mutex mu_;
   std::condition_variable cv_;

@@ -307,6 +307,92 @@ TEST_F(ServingEngineTest, SequencesOverOneCachedPrefixShareItsBytesAndEachEquals
   EXPECT_EQ(first->tokens().size(), 200u);
 }
 
+// The most bytes a cache holding `prompt` holds while it generates tokens [from, to), as the
+// decode engine counts them (compressed blocks, and the window at 8 bytes per K+V element; the
+// window shrinks as each chunk fills); `blocks`: the blocks of the prompt alone.
+uint64_t CacheBytes(const model::LlamaModel& m, const std::string& codec,
+                    const std::vector<uint32_t>& prompt, uint32_t from, uint32_t to,
+                    uint64_t* blocks) {
+  auto cache = *m.NewCache({.codec = codec, .chunk_tokens = kChunk});
+  std::vector<float> logits = *m.Prefill(prompt, cache.get());
+  if (blocks != nullptr) *blocks = cache->block_bytes();
+  const model::ModelConfig& c = m.config();
+  uint64_t most = 0;
+  for (uint32_t i = 0;; ++i) {
+    if (i >= from) {
+      most = std::max<uint64_t>(most, cache->block_bytes() + uint64_t{cache->window_tokens()} *
+                                                                c.num_layers * c.num_kv_heads *
+                                                                c.head_dim * 8);
+    }
+    if (i + 1 >= to) break;
+    const uint32_t t = model::Sampler({}).Sample(logits, i);
+    logits = *m.Step({&t, 1}, cache.get());
+  }
+  return most;
+}
+
+TEST_F(ServingEngineTest, AdmissionCountsAPrefixThatSequencesShareOnce) {
+  // A long cached prefix held by a running sequence, questions that add a few tokens to it, and a
+  // KV budget that holds the first sequence and every question's own blocks and window, but not
+  // the first sequence and another copy of the prefix. Counted per sequence, no question would
+  // run beside the first; counted once, they all do, and nothing is preempted.
+  // (fp16 blocks: with 2-bit codes the tiny model's fp32 windows outweigh any prefix.)
+  std::string prefix;
+  for (int i = 0; i < 16; ++i) prefix += std::string(kText) + " ";
+  constexpr int kQuestions = 5;
+  constexpr uint32_t kHolderTokens = 160, kQuestionTokens = 28;
+  const std::string codec = "fp16";
+  const std::vector<uint32_t> holder_prompt = Prompt(prefix + "Why?");
+  std::vector<std::vector<uint32_t>> prompts;
+  for (int i = 0; i < kQuestions; ++i) prompts.push_back(Prompt(absl::StrCat(prefix, "Q", i, "?")));
+  size_t common = 0;
+  while (common < holder_prompt.size() && common < prompts[0].size() &&
+         holder_prompt[common] == prompts[0][common]) {
+    ++common;
+  }
+  uint64_t shared = 0;
+  CacheBytes(*model_, codec,
+             std::vector<uint32_t>(holder_prompt.begin(),
+                                   holder_prompt.begin() + common / kChunk * kChunk),
+             0, 1, &shared);
+  const uint64_t one = CacheBytes(*model_, codec, prompts[0], 0, 1, nullptr);
+  const uint64_t question = CacheBytes(*model_, codec, prompts[0], 0, kQuestionTokens, nullptr);
+  const uint64_t holder = CacheBytes(*model_, codec, holder_prompt, 0, kHolderTokens, nullptr);
+  const uint64_t budget = holder + kQuestions * (question - shared);
+  ASSERT_LT(budget, holder + one - shared / 4)
+      << "the premise: the budget holds no second copy of the prefix (holder " << holder
+      << ", a question " << one << " to " << question << ", shared " << shared << ")";
+  Build(codec, /*max_batch=*/8, budget);
+  auto first = Serve("h", holder_prompt, kHolderTokens, nullptr, "", /*ignore_eos=*/true);
+  std::vector<std::shared_ptr<CollectingSink>> sinks;
+  std::vector<prefill::PrefillResult> results(kQuestions);
+  for (int i = 0; i < kQuestions; ++i) {
+    sinks.push_back(Serve(absl::StrCat("q", i), prompts[i], kQuestionTokens, &results[i], "",
+                          /*ignore_eos=*/true));
+  }
+  for (int i = 0; i < kQuestions; ++i) {
+    ASSERT_TRUE(sinks[i]->Wait(absl::Minutes(5)));
+    ASSERT_TRUE(sinks[i]->status().ok()) << sinks[i]->status();
+    EXPECT_GE(results[i].cached_tokens, common / kChunk * kChunk) << i;
+  }
+  ASSERT_TRUE(first->Wait(absl::Minutes(5)));
+  ASSERT_TRUE(first->status().ok()) << first->status();
+  const decode::DecodeStats st = decode_->stats();
+  EXPECT_GT(st.peak_batch, 2u) << "the shared prefix was counted once per sequence (budget "
+                               << budget << ", holder " << holder << ", a question " << one
+                               << ", shared " << shared << ")";
+  EXPECT_EQ(st.preemptions, 0u);
+  EXPECT_GT(st.blocks_shared, 0u);
+  // Sharing changes no output. (Solo stops at the end-of-sequence token; the questions ran on.)
+  for (int i = 0; i < kQuestions; ++i) {
+    const std::vector<uint32_t> solo = Solo(prompts[i], kQuestionTokens);
+    std::vector<uint32_t> served = sinks[i]->tokens();
+    ASSERT_GE(served.size(), solo.size());
+    served.resize(solo.size());
+    EXPECT_EQ(served, solo) << "question " << i;
+  }
+}
+
 TEST_F(ServingEngineTest, PreemptedSequencesResumeFromTheStoreWithTheSameOutput) {
   // A budget that holds about one sequence: the others are preempted to the store and resumed.
   Build("fp16", /*max_batch=*/8, /*budget=*/300 << 10);
