@@ -498,14 +498,14 @@ void ScoresPortable(const Segment& seg, HeadGroupState& st) {
     return;
   }
   const TensorOperands& k = seg.block->k;
-  st.work.resize(size_t{D} + size_t{G} * D + G);
+  st.Work(size_t{D} + size_t{G} * D + G);
   float* row = st.work.data();
   float* qf = row + D;               // [G, D] q with this token group's scales folded in
   float* bias = qf + size_t{G} * D;  // [G]
   if (k.kind == CodeKind::kAffine && k.token_groups) {
     // Per-token channel groups (SKVQ): s = sum_g scale_g (q_g . c_g) + zero_g sum(q_g).
     const uint32_t Gn = k.groups, gs = k.group_size;
-    st.work.resize(std::max(st.work.size(), size_t{D} + size_t{G} * Gn));
+    st.Work(size_t{D} + size_t{G} * Gn);
     row = st.work.data();
     float* qsum = row + D;  // [G, groups]
     for (uint32_t j = 0; j < G; ++j) {
@@ -586,7 +586,7 @@ void AccumulatePortable(const Segment& seg, HeadGroupState& st) {
     return;
   }
   const TensorOperands& v = seg.block->v;
-  st.work.resize(D);
+  st.Work(D);
   float* row = st.work.data();
   for (uint32_t t = 0; t < T; ++t) {
     const size_t r = size_t{seg.head} * T + t;

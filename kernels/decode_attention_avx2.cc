@@ -104,8 +104,37 @@ STRATA_AVX2_INLINE const float* WidenTransposed(const uint16_t* src, uint32_t ro
   }
   tmp.resize(n);
   HalfToFloat(reinterpret_cast<const Half*>(src), tmp.data(), n);
-  for (uint32_t i = 0; i < rows; ++i) {
-    for (uint32_t r = 0; r < R; ++r) out[size_t{r} * rows + i] = tmp[size_t{i} * R + r];
+  const float* x = tmp.data();
+  uint32_t i = 0;
+  // Eight rows at a time for R = 2 and 4 (a rank or a head's channel groups), by shuffles.
+  if (R == 2) {
+    for (; i + 8 <= rows; i += 8) {
+      const __m256 a = _mm256_loadu_ps(x + size_t{i} * 2), b = _mm256_loadu_ps(x + size_t{i} * 2 + 8);
+      // [r0 of rows 0 1 4 5 | 2 3 6 7]: 64-bit units in the order 0 2 1 3.
+      const __m256d c0 = _mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88));
+      const __m256d c1 = _mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xdd));
+      _mm256_storeu_ps(out + i, _mm256_castpd_ps(_mm256_permute4x64_pd(c0, 0xd8)));
+      _mm256_storeu_ps(out + rows + i, _mm256_castpd_ps(_mm256_permute4x64_pd(c1, 0xd8)));
+    }
+  } else if (R == 4) {
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (; i + 8 <= rows; i += 8) {
+      const float* p = x + size_t{i} * 4;
+      const __m256 a = _mm256_loadu_ps(p), b = _mm256_loadu_ps(p + 8);
+      const __m256 c = _mm256_loadu_ps(p + 16), d = _mm256_loadu_ps(p + 24);
+      // lo_ab = [a.r0 b.r0 a.r1 b.r1 | ...] of rows (0, 2) and (1, 3); likewise cd of 4-7.
+      const __m256 lo_ab = _mm256_unpacklo_ps(a, b), hi_ab = _mm256_unpackhi_ps(a, b);
+      const __m256 lo_cd = _mm256_unpacklo_ps(c, d), hi_cd = _mm256_unpackhi_ps(c, d);
+      // r: rows 0 2 4 6 | 1 3 5 7, put in order by the permutation.
+      const __m256 r[4] = {_mm256_shuffle_ps(lo_ab, lo_cd, 0x44), _mm256_shuffle_ps(lo_ab, lo_cd, 0xee),
+                           _mm256_shuffle_ps(hi_ab, hi_cd, 0x44), _mm256_shuffle_ps(hi_ab, hi_cd, 0xee)};
+      for (uint32_t k = 0; k < 4; ++k) {
+        _mm256_storeu_ps(out + size_t{k} * rows + i, _mm256_permutevar8x32_ps(r[k], order));
+      }
+    }
+  }
+  for (; i < rows; ++i) {
+    for (uint32_t r = 0; r < R; ++r) out[size_t{r} * rows + i] = x[size_t{i} * R + r];
   }
   return out;
 }
@@ -234,7 +263,7 @@ STRATA_AVX2 void Scores(const Segment& seg, HeadGroupState& st) {
   const TensorOperands* k = seg.block ? &seg.block->k : nullptr;
   if (k != nullptr) PrefetchRows(*k, seg.head, T);
   constexpr bool kAffine = kSrc > 0;
-  st.work.resize(size_t{kG} * D + kG);
+  st.Work(size_t{kG} * D + kG);
   float* qf = st.work.data();  // [G, D] q with the token group's key scales folded in
   float* bias = qf + size_t{kG} * D;
   for (uint32_t j = 0; j < kG; ++j) bias[j] = 0;
@@ -326,7 +355,7 @@ STRATA_AVX2 void Accumulate(const Segment& seg, HeadGroupState& st) {
     // Per-token scales (and zero points) of this head, widened once with F16C and transposed to
     // [g][t], so that the weights and the zero-point sums below are vector loops over tokens.
     const size_t n = size_t{T} * groups;
-    st.work.resize(size_t{kG} * n + size_t{kG} * groups + 2 * n);
+    st.Work(size_t{kG} * n + size_t{kG} * groups + 2 * n);
     float* wt = st.work.data();
     float* zsum = wt + size_t{kG} * n;  // [G, groups]: sum_t p * zero point
     float* sc = zsum + size_t{kG} * groups;
@@ -359,7 +388,7 @@ STRATA_AVX2 void Accumulate(const Segment& seg, HeadGroupState& st) {
   } else if constexpr (kSrc == kSrcFp8) {
     // One scale for the tensor, times the 2^8 of the fp8-to-fp16 bit trick.
     const size_t n = size_t{kG} * T;
-    st.work.resize(n);
+    st.Work(n);
     const float f = v->tensor_scale * 256.0f;
     for (size_t i = 0; i < n; ++i) st.work[i] = st.scores[i] * f;
     w = st.work.data();

@@ -32,8 +32,15 @@ struct HeadGroupState {
   std::vector<float> l;       // [G] running sum of exp
   std::vector<float> acc;     // [G, D] unnormalized output
   std::vector<float> scores;  // [G, tokens of the current segment] scratch
-  std::vector<float> work;    // scratch for the kernels
+  std::vector<float> work;    // scratch for the kernels: take it with Work
   bool integer_dot = false;    // DecodeAttentionOptions::integer_dot (AVX2 kernels)
+
+  // The first n floats of work, unspecified values. Grown, never shrunk: the kernels of one
+  // segment ask for different sizes, and a resize up would zero-fill at every segment.
+  float* Work(size_t n) {
+    if (work.size() < n) work.resize(n);
+    return work.data();
+  }
 };
 
 // Scores of every token of the segment for the G query heads, into state.scores ([G, T]).

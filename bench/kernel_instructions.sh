@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Instructions the decode attention kernels execute, counted by valgrind's callgrind: a figure
+# that does not move with a shared VM's noisy clock, for comparing two versions of a kernel.
+# Runs codec_bench's attention table (2048 tokens; its repetition counts are fixed) under
+# callgrind, collecting only inside the kernels whose names match PATTERN, and prints the
+# instructions of each such function, callees included, summed over its source lines.
+#   bench/kernel_instructions.sh [BUILD_DIR] [CODECS] [PATTERN]
+#   (defaults: build, kivi:k2v2:g32,kivi:k4v4:g32, *integer_avx2::*)
+# Needs valgrind (AVX2 is emulated; AVX-512 is not, so this counts the AVX2 paths).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build="${1:-build}"
+codecs="${2:-kivi:k2v2:g32,kivi:k4v4:g32}"
+pattern="${3:-*integer_avx2::*}"
+command -v valgrind >/dev/null || { echo "kernel_instructions: needs valgrind" >&2; exit 2; }
+out="$(mktemp -d)"
+trap 'rm -rf "$out"' EXIT
+echo "# codec_bench --tables 2 --codecs $codecs --contexts 2048 under callgrind;"
+echo "# collected in: $pattern; commit $(git rev-parse --short HEAD)$(git diff --quiet || echo +)"
+STRATA_ISA="${STRATA_ISA:-avx2}" valgrind --tool=callgrind --callgrind-out-file="$out/cg" \
+  --toggle-collect="$pattern" "$build/bench/codec_bench" --tables 2 --codecs "$codecs" \
+  --contexts 2048 --out "$out" >"$out/bench.txt" 2>"$out/valgrind.txt"
+# Each line of callgrind_annotate is "Ir  file:function [object]"; sum by function.
+callgrind_annotate --show-percs=no --inclusive=no --auto=no "$out/cg" |
+  grep -E '^ *[0-9,]+ +[^ ]' |
+  sed -E 's/^ *([0-9,]+) +(.*)$/\1\t\2/' |
+  awk -F'\t' '{
+    n = $1; gsub(",", "", n); f = $2
+    sub(/^[^:]*:/, "", f); sub(/ \[[^]]*\]$/, "", f); sub(/ \([0-9,]+x\)$/, "", f)
+    if (f ~ /PROGRAM TOTALS|events annotated/ || f == "") next
+    sum[f] += n
+  } END { for (f in sum) printf "%16.0f  %s\n", sum[f], f }' |
+  sort -rn | head -20
