@@ -93,20 +93,14 @@ STRATA_AVX2_INLINE void Axpy(float f, const float* x, float* y, uint32_t n) {
   for (; i < n; ++i) y[i] += x[i] * f;
 }
 
-// fp16 [rows, R] to fp32 [R, rows] in out (a low-rank factor with rank-major rows, or a head's
-// per-token group parameters by group, for vector loops); tmp is scratch.
-STRATA_AVX2_INLINE const float* WidenTransposed(const uint16_t* src, uint32_t rows, uint32_t R,
-                                                std::vector<float>& tmp, float* out) {
-  const size_t n = size_t{rows} * R;
-  if (R == 1) {
-    HalfToFloat(reinterpret_cast<const Half*>(src), out, n);
-    return out;
-  }
-  tmp.resize(n);
-  HalfToFloat(reinterpret_cast<const Half*>(src), tmp.data(), n);
-  const float* x = tmp.data();
+// fp32 [rows, R] to [R, rows] in out; R = 1, 2 and 4 (a rank, a head's channel groups, the
+// query heads of a KV head) by shuffles, eight rows at a time.
+STRATA_AVX2_INLINE void Transpose(const float* x, uint32_t rows, uint32_t R, float* out) {
   uint32_t i = 0;
-  // Eight rows at a time for R = 2 and 4 (a rank or a head's channel groups), by shuffles.
+  if (R == 1) {
+    std::memcpy(out, x, size_t{rows} * sizeof(float));
+    return;
+  }
   if (R == 2) {
     for (; i + 8 <= rows; i += 8) {
       const __m256 a = _mm256_loadu_ps(x + size_t{i} * 2), b = _mm256_loadu_ps(x + size_t{i} * 2 + 8);
@@ -136,6 +130,20 @@ STRATA_AVX2_INLINE const float* WidenTransposed(const uint16_t* src, uint32_t ro
   for (; i < rows; ++i) {
     for (uint32_t r = 0; r < R; ++r) out[size_t{r} * rows + i] = x[size_t{i} * R + r];
   }
+}
+
+// fp16 [rows, R] to fp32 [R, rows] in out (a low-rank factor with rank-major rows, or a head's
+// per-token group parameters by group, for vector loops); tmp is scratch.
+STRATA_AVX2_INLINE const float* WidenTransposed(const uint16_t* src, uint32_t rows, uint32_t R,
+                                                std::vector<float>& tmp, float* out) {
+  const size_t n = size_t{rows} * R;
+  if (R == 1) {
+    HalfToFloat(reinterpret_cast<const Half*>(src), out, n);
+    return out;
+  }
+  tmp.resize(n);
+  HalfToFloat(reinterpret_cast<const Half*>(src), tmp.data(), n);
+  Transpose(tmp.data(), rows, R, out);
   return out;
 }
 
