@@ -129,8 +129,9 @@ struct Shape {
 // on the same dequantized values): the portable and AVX2 kernels with an fp32 query, exact to
 // float rounding, and, where the CPU has AVX2, the AVX2 kernels with the int8 query on the keys
 // at 2 and 4 bits (DecodeAttentionOptions::integer_dot). Its error on these shapes peaks near
-// 4.5e-3 (on keys with strong outlier channels and logits up to ~15); a wrong group, scale or
-// plane of codes costs 0.07 or more.
+// 1.2e-2 (skvq:k2v2:g32:m8 with 8 query heads on one KV head: SKVQ's per-token key groups take
+// one query scale for all channels, and logits up to ~15 are sums of larger terms that
+// cancel); a wrong group, scale or plane of codes costs 0.07 or more.
 struct Variant {
   AttentionImpl impl;
   bool integer_dot;
@@ -140,13 +141,13 @@ std::vector<Variant> Variants() {
   std::vector<Variant> v = {{AttentionImpl::kPortable, false, 2e-4}};
   if (DecodeAttentionUsesAvx2()) {
     v.push_back({AttentionImpl::kAvx2, false, 2e-4});
-    v.push_back({AttentionImpl::kAvx2, true, 8e-3});
+    v.push_back({AttentionImpl::kAvx2, true, 2e-2});
   }
   return v;
 }
 
 TEST(DecodeAttentionTest, FusedMatchesReferenceForEveryCodecShapeAndImpl) {
-  const Shape shapes[] = {{4, 4, 64}, {8, 2, 128}, {16, 2, 64}, {8, 1, 128}, {6, 2, 64}};
+  const Shape shapes[] = {{4, 4, 64}, {8, 2, 128}, {8, 2, 64}, {16, 2, 64}, {8, 1, 128}, {6, 2, 64}};
   ThreadPool pool(2);
   uint64_t seed = 1;
   for (const char* spec : kCodecs) {
