@@ -3,7 +3,8 @@
 # that does not move with a shared VM's noisy clock, for comparing two versions of a kernel.
 # Runs codec_bench's attention table (2048 tokens; its repetition counts are fixed) under
 # callgrind, collecting only inside the kernels whose names match PATTERN, and prints the
-# instructions of each such function, callees included, summed over its source lines.
+# instructions of each function executed there, summed over its source lines (inlined code
+# counts to the function it was inlined into; real calls, such as memset, on their own).
 #   bench/kernel_instructions.sh [BUILD_DIR] [CODECS] [PATTERN]
 #   (defaults: build, kivi:k2v2:g32,kivi:k4v4:g32, *integer_avx2::*)
 # Needs valgrind (AVX2 is emulated; AVX-512 is not, so this counts the AVX2 paths).
