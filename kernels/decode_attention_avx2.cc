@@ -132,6 +132,28 @@ STRATA_AVX2_INLINE void Transpose(const float* x, uint32_t rows, uint32_t R, flo
   }
 }
 
+// Four rows of n floats (x, x + stride, ...) to [n, 4] in out: out[i * 4 + r] = row r's i.
+STRATA_AVX2_INLINE void Interleave4(const float* x, size_t stride, uint32_t n, float* out) {
+  uint32_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 v[4];
+    for (uint32_t r = 0; r < 4; ++r) v[r] = _mm256_loadu_ps(x + r * stride + i);
+    const __m256 t0 = _mm256_unpacklo_ps(v[0], v[1]), t1 = _mm256_unpackhi_ps(v[0], v[1]);
+    const __m256 t2 = _mm256_unpacklo_ps(v[2], v[3]), t3 = _mm256_unpackhi_ps(v[2], v[3]);
+    // u_k: elements k and k + 4 of the eight, four rows each.
+    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xee);
+    const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xee);
+    float* o = out + size_t{i} * 4;
+    _mm256_storeu_ps(o, _mm256_permute2f128_ps(u0, u1, 0x20));
+    _mm256_storeu_ps(o + 8, _mm256_permute2f128_ps(u2, u3, 0x20));
+    _mm256_storeu_ps(o + 16, _mm256_permute2f128_ps(u0, u1, 0x31));
+    _mm256_storeu_ps(o + 24, _mm256_permute2f128_ps(u2, u3, 0x31));
+  }
+  for (; i < n; ++i) {
+    for (uint32_t r = 0; r < 4; ++r) out[size_t{i} * 4 + r] = x[r * stride + i];
+  }
+}
+
 // fp16 [rows, R] to fp32 [R, rows] in out (a low-rank factor with rank-major rows, or a head's
 // per-token group parameters by group, for vector loops); tmp is scratch.
 STRATA_AVX2_INLINE const float* WidenTransposed(const uint16_t* src, uint32_t rows, uint32_t R,
@@ -156,6 +178,26 @@ STRATA_AVX2_INLINE void PrefetchRows(const TensorOperands& t, uint32_t head, uin
   }
 }
 
+// A head's sparse outliers [first, first + count) of t, widened: values and targets (token or
+// channel). Thread-local scratch, valid until the next call on this thread.
+struct Outliers {
+  const float* vals;
+  const uint32_t* idx;
+};
+STRATA_AVX2_INLINE Outliers WidenOutliers(const TensorOperands& t, size_t first, size_t count) {
+  thread_local std::vector<float> vals;
+  thread_local std::vector<uint32_t> idx;
+  vals.resize(count);
+  idx.resize(count);
+  HalfToFloat(reinterpret_cast<const Half*>(t.outlier_values + first), vals.data(), count);
+  if (t.outlier_index8 != nullptr) {
+    for (size_t i = 0; i < count; ++i) idx[i] = t.outlier_index8[first + i];
+  } else {
+    for (size_t i = 0; i < count; ++i) idx[i] = t.outlier_index16[first + i];
+  }
+  return {vals.data(), idx.data()};
+}
+
 // GEAR's corrections, as AddScoreCorrections / AddValueCorrections (the specification) with the
 // low-rank terms as vector loops: scores += A (B^T q) over tokens, acc += B (A^T p) over
 // channels. Outliers stay a short scalar list per vector.
@@ -178,16 +220,41 @@ STRATA_AVX2 void AddScoreCorrectionsAvx2(const Segment& seg, HeadGroupState& st)
   }
   const uint32_t n = k.outliers_per_vector;
   if (n > 0) {
-    thread_local std::vector<float> vals;
-    vals.resize(size_t{D} * n);
-    HalfToFloat(reinterpret_cast<const Half*>(k.outlier_values + size_t{h} * D * n), vals.data(),
-                vals.size());
-    for (uint32_t j = 0; j < G; ++j) {
-      const float* q = &st.q[size_t{j} * D];
-      float* s = &st.scores[size_t{j} * T];
+    const auto [vals, idx] = WidenOutliers(k, size_t{h} * D * n, size_t{D} * n);
+    if (G % 4 == 0) {
+      // Four query heads at a time: q as [D][4], the outliers' terms summed into [T][4] by one
+      // 4-wide multiply-add each, then added to the scores [4][T].
+      thread_local std::vector<float> qt, sum, back;
+      qt.resize(size_t{D} * 4);
+      sum.resize(size_t{T} * 4);
+      back.resize(size_t{T} * 4);
+      for (uint32_t j0 = 0; j0 < G; j0 += 4) {
+        Interleave4(&st.q[size_t{j0} * D], D, D, qt.data());
+        std::fill(sum.begin(), sum.end(), 0.0f);
+        for (uint32_t d = 0; d < D; ++d) {
+          const __m128 qd = _mm_loadu_ps(&qt[size_t{d} * 4]);
+          for (uint32_t e = 0; e < n; ++e) {
+            float* o = &sum[size_t{idx[d * n + e]} * 4];
+            _mm_storeu_ps(o, _mm_fmadd_ps(qd, _mm_set1_ps(vals[d * n + e]), _mm_loadu_ps(o)));
+          }
+        }
+        Transpose(sum.data(), T, 4, back.data());
+        for (uint32_t j = 0; j < 4; ++j) {
+          float* sc = &st.scores[size_t{j0 + j} * T];
+          const float* b = &back[size_t{j} * T];
+          uint32_t t = 0;
+          for (; t + 8 <= T; t += 8) {
+            _mm256_storeu_ps(sc + t, _mm256_add_ps(_mm256_loadu_ps(sc + t), _mm256_loadu_ps(b + t)));
+          }
+          for (; t < T; ++t) sc[t] += b[t];
+        }
+      }
+    } else {
       for (uint32_t d = 0; d < D; ++d) {
         for (uint32_t e = 0; e < n; ++e) {
-          s[k.OutlierIndex((size_t{h} * D + d) * n + e)] += q[d] * vals[d * n + e];
+          const uint32_t t = idx[d * n + e];
+          const float v = vals[d * n + e];
+          for (uint32_t j = 0; j < G; ++j) st.scores[size_t{j} * T + t] += st.q[size_t{j} * D + d] * v;
         }
       }
     }
@@ -212,16 +279,42 @@ STRATA_AVX2 void AddValueCorrectionsAvx2(const Segment& seg, HeadGroupState& st)
   }
   const uint32_t n = v.outliers_per_vector;
   if (n > 0) {
-    thread_local std::vector<float> vals;
-    vals.resize(size_t{T} * n);
-    HalfToFloat(reinterpret_cast<const Half*>(v.outlier_values + size_t{h} * T * n), vals.data(),
-                vals.size());
-    for (uint32_t j = 0; j < G; ++j) {
-      const float* p = &st.scores[size_t{j} * T];
-      float* acc = &st.acc[size_t{j} * D];
+    const auto [vals, idx] = WidenOutliers(v, size_t{h} * T * n, size_t{T} * n);
+    if (G % 4 == 0) {
+      // As for the keys: p as [T][4], the terms summed into [D][4], added to acc [4][D].
+      thread_local std::vector<float> pt, sum, back;
+      pt.resize(size_t{T} * 4);
+      sum.resize(size_t{D} * 4);
+      back.resize(size_t{D} * 4);
+      for (uint32_t j0 = 0; j0 < G; j0 += 4) {
+        Interleave4(&st.scores[size_t{j0} * T], T, T, pt.data());
+        std::fill(sum.begin(), sum.end(), 0.0f);
+        for (uint32_t t = 0; t < T; ++t) {
+          const __m128 pv = _mm_loadu_ps(&pt[size_t{t} * 4]);
+          for (uint32_t e = 0; e < n; ++e) {
+            float* o = &sum[size_t{idx[t * n + e]} * 4];
+            _mm_storeu_ps(o, _mm_fmadd_ps(pv, _mm_set1_ps(vals[t * n + e]), _mm_loadu_ps(o)));
+          }
+        }
+        Transpose(sum.data(), D, 4, back.data());
+        for (uint32_t j = 0; j < 4; ++j) {
+          float* acc = &st.acc[size_t{j0 + j} * D];
+          const float* b = &back[size_t{j} * D];
+          uint32_t d = 0;
+          for (; d + 8 <= D; d += 8) {
+            _mm256_storeu_ps(acc + d, _mm256_add_ps(_mm256_loadu_ps(acc + d), _mm256_loadu_ps(b + d)));
+          }
+          for (; d < D; ++d) acc[d] += b[d];
+        }
+      }
+    } else {
       for (uint32_t t = 0; t < T; ++t) {
         for (uint32_t e = 0; e < n; ++e) {
-          acc[v.OutlierIndex((size_t{h} * T + t) * n + e)] += p[t] * vals[t * n + e];
+          const uint32_t c = idx[t * n + e];
+          const float x = vals[t * n + e];
+          for (uint32_t j = 0; j < G; ++j) {
+            st.acc[size_t{j} * D + c] += st.scores[size_t{j} * T + t] * x;
+          }
         }
       }
     }
