@@ -28,7 +28,8 @@ callgrind_annotate --show-percs=no --inclusive=no --auto=no "$out/cg" |
   awk -F'\t' '{
     n = $1; gsub(",", "", n); f = $2
     sub(/^[^:]*:/, "", f); sub(/ \[[^]]*\]$/, "", f); sub(/ \([0-9,]+x\)$/, "", f)
-    if (f ~ /PROGRAM TOTALS|events annotated/ || f == "") next
+    if (f ~ /events annotated/ || f == "") next
+    if (f ~ /PROGRAM TOTALS/) f = "(all collected)"
     sum[f] += n
   } END { for (f in sum) printf "%16.0f  %s\n", sum[f], f }' |
   sort -rn | head -20
