@@ -198,6 +198,50 @@ STRATA_AVX2_INLINE Outliers WidenOutliers(const TensorOperands& t, size_t first,
   return {vals.data(), idx.data()};
 }
 
+// y[j][idx[m * n + e]] += x[j][m] * vals[m * n + e] for the G rows j of x [G][M] and y [G][K]:
+// a head's sparse outliers, m the token or channel they belong to, idx the other. Four rows at
+// a time where G allows: x as [M][4], each term one 4-wide multiply-add into a [K][4] sum,
+// added to y by shuffles.
+STRATA_AVX2_INLINE void AddSparseTerms(const float* x, uint32_t M, const uint32_t* idx,
+                                       const float* vals, uint32_t n, float* y, uint32_t K,
+                                       uint32_t G) {
+  if (G % 4 != 0) {
+    for (uint32_t m = 0; m < M; ++m) {
+      for (uint32_t e = 0; e < n; ++e) {
+        const uint32_t k = idx[m * n + e];
+        const float v = vals[m * n + e];
+        for (uint32_t j = 0; j < G; ++j) y[size_t{j} * K + k] += x[size_t{j} * M + m] * v;
+      }
+    }
+    return;
+  }
+  thread_local std::vector<float> xt, sum, back;
+  xt.resize(size_t{M} * 4);
+  sum.resize(size_t{K} * 4);
+  back.resize(size_t{K} * 4);
+  for (uint32_t j0 = 0; j0 < G; j0 += 4) {
+    Interleave4(x + size_t{j0} * M, M, M, xt.data());
+    std::fill(sum.begin(), sum.end(), 0.0f);
+    for (uint32_t m = 0; m < M; ++m) {
+      const __m128 xm = _mm_loadu_ps(&xt[size_t{m} * 4]);
+      for (uint32_t e = 0; e < n; ++e) {
+        float* o = &sum[size_t{idx[m * n + e]} * 4];
+        _mm_storeu_ps(o, _mm_fmadd_ps(xm, _mm_set1_ps(vals[m * n + e]), _mm_loadu_ps(o)));
+      }
+    }
+    Transpose(sum.data(), K, 4, back.data());
+    for (uint32_t j = 0; j < 4; ++j) {
+      float* row = y + size_t{j0 + j} * K;
+      const float* b = &back[size_t{j} * K];
+      uint32_t k = 0;
+      for (; k + 8 <= K; k += 8) {
+        _mm256_storeu_ps(row + k, _mm256_add_ps(_mm256_loadu_ps(row + k), _mm256_loadu_ps(b + k)));
+      }
+      for (; k < K; ++k) row[k] += b[k];
+    }
+  }
+}
+
 // GEAR's corrections, as AddScoreCorrections / AddValueCorrections (the specification) with the
 // low-rank terms as vector loops: scores += A (B^T q) over tokens, acc += B (A^T p) over
 // channels. Outliers stay a short scalar list per vector.
@@ -221,43 +265,8 @@ STRATA_AVX2 void AddScoreCorrectionsAvx2(const Segment& seg, HeadGroupState& st)
   const uint32_t n = k.outliers_per_vector;
   if (n > 0) {
     const auto [vals, idx] = WidenOutliers(k, size_t{h} * D * n, size_t{D} * n);
-    if (G % 4 == 0) {
-      // Four query heads at a time: q as [D][4], the outliers' terms summed into [T][4] by one
-      // 4-wide multiply-add each, then added to the scores [4][T].
-      thread_local std::vector<float> qt, sum, back;
-      qt.resize(size_t{D} * 4);
-      sum.resize(size_t{T} * 4);
-      back.resize(size_t{T} * 4);
-      for (uint32_t j0 = 0; j0 < G; j0 += 4) {
-        Interleave4(&st.q[size_t{j0} * D], D, D, qt.data());
-        std::fill(sum.begin(), sum.end(), 0.0f);
-        for (uint32_t d = 0; d < D; ++d) {
-          const __m128 qd = _mm_loadu_ps(&qt[size_t{d} * 4]);
-          for (uint32_t e = 0; e < n; ++e) {
-            float* o = &sum[size_t{idx[d * n + e]} * 4];
-            _mm_storeu_ps(o, _mm_fmadd_ps(qd, _mm_set1_ps(vals[d * n + e]), _mm_loadu_ps(o)));
-          }
-        }
-        Transpose(sum.data(), T, 4, back.data());
-        for (uint32_t j = 0; j < 4; ++j) {
-          float* sc = &st.scores[size_t{j0 + j} * T];
-          const float* b = &back[size_t{j} * T];
-          uint32_t t = 0;
-          for (; t + 8 <= T; t += 8) {
-            _mm256_storeu_ps(sc + t, _mm256_add_ps(_mm256_loadu_ps(sc + t), _mm256_loadu_ps(b + t)));
-          }
-          for (; t < T; ++t) sc[t] += b[t];
-        }
-      }
-    } else {
-      for (uint32_t d = 0; d < D; ++d) {
-        for (uint32_t e = 0; e < n; ++e) {
-          const uint32_t t = idx[d * n + e];
-          const float v = vals[d * n + e];
-          for (uint32_t j = 0; j < G; ++j) st.scores[size_t{j} * T + t] += st.q[size_t{j} * D + d] * v;
-        }
-      }
-    }
+    // Each outlier's term for every query head: scores[j][token] += q[j][channel] * value.
+    AddSparseTerms(st.q.data(), D, idx, vals, n, st.scores.data(), T, G);
   }
 }
 
@@ -280,44 +289,8 @@ STRATA_AVX2 void AddValueCorrectionsAvx2(const Segment& seg, HeadGroupState& st)
   const uint32_t n = v.outliers_per_vector;
   if (n > 0) {
     const auto [vals, idx] = WidenOutliers(v, size_t{h} * T * n, size_t{T} * n);
-    if (G % 4 == 0) {
-      // As for the keys: p as [T][4], the terms summed into [D][4], added to acc [4][D].
-      thread_local std::vector<float> pt, sum, back;
-      pt.resize(size_t{T} * 4);
-      sum.resize(size_t{D} * 4);
-      back.resize(size_t{D} * 4);
-      for (uint32_t j0 = 0; j0 < G; j0 += 4) {
-        Interleave4(&st.scores[size_t{j0} * T], T, T, pt.data());
-        std::fill(sum.begin(), sum.end(), 0.0f);
-        for (uint32_t t = 0; t < T; ++t) {
-          const __m128 pv = _mm_loadu_ps(&pt[size_t{t} * 4]);
-          for (uint32_t e = 0; e < n; ++e) {
-            float* o = &sum[size_t{idx[t * n + e]} * 4];
-            _mm_storeu_ps(o, _mm_fmadd_ps(pv, _mm_set1_ps(vals[t * n + e]), _mm_loadu_ps(o)));
-          }
-        }
-        Transpose(sum.data(), D, 4, back.data());
-        for (uint32_t j = 0; j < 4; ++j) {
-          float* acc = &st.acc[size_t{j0 + j} * D];
-          const float* b = &back[size_t{j} * D];
-          uint32_t d = 0;
-          for (; d + 8 <= D; d += 8) {
-            _mm256_storeu_ps(acc + d, _mm256_add_ps(_mm256_loadu_ps(acc + d), _mm256_loadu_ps(b + d)));
-          }
-          for (; d < D; ++d) acc[d] += b[d];
-        }
-      }
-    } else {
-      for (uint32_t t = 0; t < T; ++t) {
-        for (uint32_t e = 0; e < n; ++e) {
-          const uint32_t c = idx[t * n + e];
-          const float x = vals[t * n + e];
-          for (uint32_t j = 0; j < G; ++j) {
-            st.acc[size_t{j} * D + c] += st.scores[size_t{j} * T + t] * x;
-          }
-        }
-      }
-    }
+    // acc[j][channel] += p[j][token] * value.
+    AddSparseTerms(st.scores.data(), T, idx, vals, n, st.acc.data(), D, G);
   }
 }
 
