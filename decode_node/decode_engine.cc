@@ -34,7 +34,7 @@ struct DecodeEngine::Sequence {
   uint32_t preempted_chunks = 0;
   std::vector<std::string> saved_windows;
   uint64_t saved_bytes = 0;
-  // The store names of the arrived blocks, [chunk * layers + layer], once admission asked.
+  // The store names of the arrived blocks, [chunk * layers + layer] (NameArrivedBlocks).
   std::vector<std::string> block_names;
   DecodeUsage usage;
 };
@@ -61,7 +61,7 @@ absl::StatusOr<std::unique_ptr<DecodeEngine>> DecodeEngine::Create(
     return absl::InvalidArgumentError("decode: needs a model, a tokenizer and a transport");
   }
   // An empty cache of the engine's options: it checks them, and names arriving blocks before
-  // their sequence has a cache of its own (admission, SharedArrivedBytes).
+  // their sequence has a cache of its own (NameArrivedBlocks).
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<model::SequenceKvCache> namer,
                           model->NewCache({.codec = options.codec,
                                            .chunk_tokens = options.chunk_tokens,
@@ -348,18 +348,27 @@ uint64_t DecodeEngine::KvBytesInUse(absl::Span<const std::shared_ptr<Sequence>> 
   return n;
 }
 
+absl::Status DecodeEngine::NameArrivedBlocks(Sequence& s) const {
+  const uint32_t L = model_->config().num_layers, chunks = s.end->chunks;
+  if (!s.block_names.empty() || chunks == 0) return absl::OkStatus();
+  STRATA_ASSIGN_OR_RETURN(const std::vector<BlockHash> keys, ChunkKeys(s, s.req.prompt.size()));
+  if (keys.size() < chunks) {
+    return absl::InvalidArgumentError(absl::StrCat("decode: the prefill node shipped ", chunks,
+                                                   " chunks for a ", s.req.prompt.size(),
+                                                   "-token prompt"));
+  }
+  s.block_names.reserve(size_t{chunks} * L);
+  for (uint32_t k = 0; k < chunks; ++k) {
+    for (uint32_t l = 0; l < L; ++l) s.block_names.push_back(namer_->NameOf(l, keys[k]).Encode());
+  }
+  return absl::OkStatus();
+}
+
 uint64_t DecodeEngine::SharedArrivedBytes(Sequence& s) {
   if (s.cache != nullptr || s.preempted || !s.aborted.ok() || !s.end.has_value()) return 0;
+  if (!NameArrivedBlocks(s).ok()) return 0;  // Activate reports it
   const uint32_t L = model_->config().num_layers;
   const uint32_t chunks = std::min<uint32_t>(s.end->chunks, static_cast<uint32_t>(s.blocks.size()));
-  if (s.block_names.empty() && chunks > 0) {
-    absl::StatusOr<std::vector<BlockHash>> keys = ChunkKeys(s, s.req.prompt.size());
-    if (!keys.ok() || keys->size() < chunks) return 0;  // Activate reports it
-    s.block_names.reserve(size_t{chunks} * L);
-    for (uint32_t k = 0; k < chunks; ++k) {
-      for (uint32_t l = 0; l < L; ++l) s.block_names.push_back(namer_->NameOf(l, (*keys)[k]).Encode());
-    }
-  }
   uint64_t shared = 0;
   for (uint32_t k = 0; k < chunks; ++k) {
     for (uint32_t l = 0; l < L; ++l) {
@@ -376,20 +385,12 @@ absl::Status DecodeEngine::Activate(Sequence& s) {
                                                      .chunk_tokens = options_.chunk_tokens,
                                                      .calibration = options_.calibration}));
   const transport::ShipmentEnd& end = *s.end;
-  std::vector<BlockHash> keys;
-  if (end.chunks > 0) {
-    STRATA_ASSIGN_OR_RETURN(keys, ChunkKeys(s, s.req.prompt.size()));
-  }
-  if (keys.size() < end.chunks) {
-    return absl::InvalidArgumentError(absl::StrCat("decode: the prefill node shipped ", end.chunks,
-                                                   " chunks for a ", s.req.prompt.size(),
-                                                   "-token prompt"));
-  }
+  STRATA_RETURN_IF_ERROR(NameArrivedBlocks(s));  // (admission has named them already)
   uint64_t shared = 0;
   for (uint32_t k = 0; k < end.chunks; ++k) {
     for (uint32_t l = 0; l < L; ++l) {
       bool reused = false;
-      SharedBytes b = interner_.Intern(s.cache->NameOf(l, keys[k]).Encode(),
+      SharedBytes b = interner_.Intern(s.block_names[size_t{k} * L + l],
                                        std::move(s.blocks[k][l]), &reused);
       shared += reused;
       // The receiver verified the checksum where the bytes arrived: once per hop.
@@ -410,6 +411,7 @@ absl::Status DecodeEngine::Activate(Sequence& s) {
                                                    s.req.prompt.size(), "-token prompt"));
   }
   s.blocks.clear();  // the cache holds them now
+  s.block_names.clear();
   s.windows.clear();
   s.text = std::make_unique<model::TextStream>(tokenizer_, s.req.stop);
   s.sampler.emplace(s.req.sampling);

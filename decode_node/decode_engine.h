@@ -176,6 +176,9 @@ class DecodeEngine {
   uint64_t WindowBytes(const Sequence& s) const;  // s has a cache
   // Bytes the sequences hold together: a block several of them hold counts once.
   uint64_t KvBytesInUse(absl::Span<const std::shared_ptr<Sequence>> seqs) const;
+  // Fills s.block_names (the store names of s's arrived blocks, once); kInvalidArgument when
+  // the prompt has fewer full chunks than were shipped.
+  absl::Status NameArrivedBlocks(Sequence& s) const;
   // Bytes of an arrived (not yet running) sequence's blocks whose names a live sequence holds:
   // Activate adopts those from the held bytes, so they cost nothing more. Under mu_.
   uint64_t SharedArrivedBytes(Sequence& s);

@@ -498,15 +498,13 @@ void ScoresPortable(const Segment& seg, HeadGroupState& st) {
     return;
   }
   const TensorOperands& k = seg.block->k;
-  st.Work(size_t{D} + size_t{G} * D + G);
-  float* row = st.work.data();
+  float* row = st.Work(size_t{D} + size_t{G} * D + G);
   float* qf = row + D;               // [G, D] q with this token group's scales folded in
   float* bias = qf + size_t{G} * D;  // [G]
   if (k.kind == CodeKind::kAffine && k.token_groups) {
     // Per-token channel groups (SKVQ): s = sum_g scale_g (q_g . c_g) + zero_g sum(q_g).
     const uint32_t Gn = k.groups, gs = k.group_size;
-    st.Work(size_t{D} + size_t{G} * Gn);
-    row = st.work.data();
+    row = st.Work(size_t{D} + size_t{G} * Gn);
     float* qsum = row + D;  // [G, groups]
     for (uint32_t j = 0; j < G; ++j) {
       for (uint32_t g = 0; g < Gn; ++g) {
@@ -586,8 +584,7 @@ void AccumulatePortable(const Segment& seg, HeadGroupState& st) {
     return;
   }
   const TensorOperands& v = seg.block->v;
-  st.Work(D);
-  float* row = st.work.data();
+  float* row = st.Work(D);
   for (uint32_t t = 0; t < T; ++t) {
     const size_t r = size_t{seg.head} * T + t;
     UnpackRow(v, r, D, row);

@@ -337,8 +337,8 @@ STRATA_AVX2 void Scores(const Segment& seg, HeadGroupState& st) {
   const TensorOperands* k = seg.block ? &seg.block->k : nullptr;
   if (k != nullptr) PrefetchRows(*k, seg.head, T);
   constexpr bool kAffine = kSrc > 0;
-  st.Work(size_t{kG} * D + kG);
-  float* qf = st.work.data();  // [G, D] q with the token group's key scales folded in
+  // [G, D] q with the token group's key scales folded in, then the G biases.
+  float* qf = st.Work(size_t{kG} * D + kG);
   float* bias = qf + size_t{kG} * D;
   for (uint32_t j = 0; j < kG; ++j) bias[j] = 0;
   // The dot product's last step: the affine zero-point term, or the int8 token scale, or the
@@ -429,8 +429,7 @@ STRATA_AVX2 void Accumulate(const Segment& seg, HeadGroupState& st) {
     // Per-token scales (and zero points) of this head, widened once with F16C and transposed to
     // [g][t], so that the weights and the zero-point sums below are vector loops over tokens.
     const size_t n = size_t{T} * groups;
-    st.Work(size_t{kG} * n + size_t{kG} * groups + 2 * n);
-    float* wt = st.work.data();
+    float* wt = st.Work(size_t{kG} * n + size_t{kG} * groups + 2 * n);
     float* zsum = wt + size_t{kG} * n;  // [G, groups]: sum_t p * zero point
     float* sc = zsum + size_t{kG} * groups;
     float* zp = sc + n;
@@ -462,10 +461,10 @@ STRATA_AVX2 void Accumulate(const Segment& seg, HeadGroupState& st) {
   } else if constexpr (kSrc == kSrcFp8) {
     // One scale for the tensor, times the 2^8 of the fp8-to-fp16 bit trick.
     const size_t n = size_t{kG} * T;
-    st.Work(n);
+    float* wf = st.Work(n);
     const float f = v->tensor_scale * 256.0f;
-    for (size_t i = 0; i < n; ++i) st.work[i] = st.scores[i] * f;
-    w = st.work.data();
+    for (size_t i = 0; i < n; ++i) wf[i] = st.scores[i] * f;
+    w = wf;
   }
   // Two 8-channel chunks per pass (when they share a scale group) give 2 x kG independent FMA
   // chains; with 8 query heads one chunk already has enough.
