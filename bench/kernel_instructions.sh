@@ -2,17 +2,21 @@
 # Instructions the decode attention kernels execute, counted by valgrind's callgrind: a figure
 # that does not move with a shared VM's noisy clock, for comparing two versions of a kernel.
 # Runs codec_bench's attention table (2048 tokens; its repetition counts are fixed) under
-# callgrind, collecting only inside the kernels whose names match PATTERN, and prints the
+# callgrind, collecting only inside the functions whose names match PATTERN, and prints the
 # instructions of each function executed there, summed over its source lines (inlined code
 # counts to the function it was inlined into; real calls, such as memset, on their own).
 #   bench/kernel_instructions.sh [BUILD_DIR] [CODECS] [PATTERN]
 #   (defaults: build, kivi:k2v2:g32,kivi:k4v4:g32, *integer_avx2::*)
+# PATTERN "tasks": all of the attention's work, the tasks DecodeAttention runs on its thread
+# pool, on every thread (not DecodeAttention(*: the pool's other thread runs outside it, and
+# how the tasks fall to threads varies from run to run).
 # Needs valgrind (AVX2 is emulated; AVX-512 is not, so this counts the AVX2 paths).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build="${1:-build}"
 codecs="${2:-kivi:k2v2:g32,kivi:k4v4:g32}"
 pattern="${3:-*integer_avx2::*}"
+[ "$pattern" = tasks ] && pattern='*Run(strata::kernels::DecodeAttentionParams*_M_invoke*'
 command -v valgrind >/dev/null || { echo "kernel_instructions: needs valgrind" >&2; exit 2; }
 out="$(mktemp -d)"
 trap 'rm -rf "$out"' EXIT

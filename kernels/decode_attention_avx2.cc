@@ -674,51 +674,69 @@ namespace integer_avx512_vnni {
 #undef STRATA_INT8_VNNI
 }  // namespace integer_avx512_vnni
 
+// Op at `bits` (2, 3 or 4) for the segment's G, of one instruction set; false when none has that G.
+template <template <int, uint32_t> class Op>
+bool RunBits(int bits, const Segment& seg, HeadGroupState& st) {
+  switch (bits) {
+    case 2:
+      return DispatchG<Op, 2>(st.g, seg, st);
+    case 3:
+      return DispatchG<Op, 3>(st.g, seg, st);
+    case 4:
+      return DispatchG<Op, 4>(st.g, seg, st);
+    default:
+      return false;
+  }
+}
+
 // Runs Op (one instantiation per instruction set, from internal/integer_dot.inc) with the CPU's
-// integer dot product at `bits` (2 or 4) for the segment's G; false when no kernel has that G.
+// integer dot product at `bits` (2, 3 or 4) for the segment's G; false when no kernel has that G.
 template <template <int, uint32_t> class OpAvx2, template <int, uint32_t> class OpAvxVnni,
           template <int, uint32_t> class OpAvx512Vnni>
 bool RunInteger(int bits, const Segment& seg, HeadGroupState& st) {
   switch (IntegerDotIsa()) {
     case IntegerIsa::kAvx512Vnni:
-      return bits == 4 ? DispatchG<OpAvx512Vnni, 4>(st.g, seg, st)
-                       : DispatchG<OpAvx512Vnni, 2>(st.g, seg, st);
+      return RunBits<OpAvx512Vnni>(bits, seg, st);
     case IntegerIsa::kAvxVnni:
-      return bits == 4 ? DispatchG<OpAvxVnni, 4>(st.g, seg, st)
-                       : DispatchG<OpAvxVnni, 2>(st.g, seg, st);
+      return RunBits<OpAvxVnni>(bits, seg, st);
     case IntegerIsa::kAvx2:
       break;
   }
-  return bits == 4 ? DispatchG<OpAvx2, 4>(st.g, seg, st) : DispatchG<OpAvx2, 2>(st.g, seg, st);
+  return RunBits<OpAvx2>(bits, seg, st);
 }
 
-// Whether the integer kernels take this segment's keys: affine codes at 2 or 4 bits, rows a
-// multiple of 16 bytes; per-channel parameters (KIVI's and KCVT's K) or per-token channel groups
-// (SKVQ's K) of whole lanes, at most 8 per vector.
+// Whether a tensor's rows are affine codes the integer kernels unpack: at 2 or 4 bits, rows a
+// multiple of 16 bytes; at 3 bits, 6 bytes per 16 channels and at least two such chunks (the
+// last chunk's loads reach back 2 bytes into its own row).
+bool IntegerRows(const TensorOperands& t, uint32_t d) {
+  if (t.kind != CodeKind::kAffine || t.row_bytes * 8 != d * static_cast<uint32_t>(t.bits)) {
+    return false;
+  }
+  if (t.bits == 3) return d % 16 == 0 && d >= 32;
+  return (t.bits == 2 || t.bits == 4) && t.row_bytes % 16 == 0;
+}
+
+// Whether the integer kernels take this segment's keys: IntegerRows, head dims a multiple of 32
+// up to kMaxInt8Dim; per-channel parameters (KIVI's and KCVT's K), or at 2 and 4 bits per-token
+// channel groups (SKVQ's K) of whole lanes, at most 8 per vector.
 bool IntegerKeys(const Segment& seg, const HeadGroupState& st) {
   if (!st.integer_dot || seg.block == nullptr) return false;
   const TensorOperands& k = seg.block->k;
-  if (k.kind != CodeKind::kAffine || k.row_bytes % 16 != 0 ||
-      k.row_bytes * 8 != st.d * static_cast<uint32_t>(k.bits) || st.d % 32 != 0 ||
-      st.d > integer_avx2::kMaxInt8Dim || (k.bits != 2 && k.bits != 4)) {
-    return false;
-  }
+  if (!IntegerRows(k, st.d) || st.d % 32 != 0 || st.d > integer_avx2::kMaxInt8Dim) return false;
+  if (!k.token_groups) return true;
   const uint32_t lane_span = 4 * (8 / static_cast<uint32_t>(k.bits));
-  return !k.token_groups || (k.groups <= 8 && (k.groups == 1 || k.group_size % lane_span == 0));
+  return k.bits != 3 && k.groups <= 8 && (k.groups == 1 || k.group_size % lane_span == 0);
 }
 
-// Whether the int16-weight value kernel takes this segment's values: affine codes at 2 or 4 bits
-// with per-token parameters (KIVI's and KCVT's V), channel groups that an operand's 8 bytes of
-// codes never straddle, at most 4096 tokens (the int32 sums' bound).
+// Whether the int16-weight value kernels take this segment's values: IntegerRows with per-token
+// parameters (KIVI's and KCVT's V), channel groups that one operand's channels never straddle
+// (at 2 and 4 bits 8 bytes of codes, at 3 bits 16 channels), at most 4096 tokens (the int32
+// sums' bound).
 bool IntegerValues(const Segment& seg, const HeadGroupState& st) {
   if (!st.integer_dot || seg.block == nullptr) return false;
   const TensorOperands& v = seg.block->v;
-  if (v.kind != CodeKind::kAffine || !v.token_groups || v.row_bytes % 16 != 0 ||
-      v.row_bytes * 8 != st.d * static_cast<uint32_t>(v.bits) || seg.tokens > 4096 ||
-      (v.bits != 2 && v.bits != 4)) {
-    return false;
-  }
-  const uint32_t span = 8 * (8 / static_cast<uint32_t>(v.bits));  // channels of one operand
+  if (!v.token_groups || !IntegerRows(v, st.d) || seg.tokens > 4096) return false;
+  const uint32_t span = v.bits == 3 ? 16 : 8 * (8 / static_cast<uint32_t>(v.bits));
   return v.groups == 1 || v.group_size % span == 0;
 }
 

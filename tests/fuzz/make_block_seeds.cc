@@ -98,16 +98,26 @@ int main(int argc, char** argv) {
                          "zipcache:k2v2:h4:s20:sink1",
                          "tada:k2v2:g8:m8",
                          "kcvt:k2v2:m8:sink2"};
+  // And head dims the AVX2 integer kernels take (a multiple of 32), with an odd token count.
+  const char* integer_specs[] = {"kivi:k2v2:g8", "kivi:k3v3:g16", "kivi:k4v4:g8",
+                                 "kcvt:k2v2", "gear:k3v3:g8:r2:s10", "kivi:k3v3:g32:sink2"};
   int i = 0;
-  for (const char* spec : specs) {
+  auto encode = [&](const char* spec, uint32_t kv_heads, uint32_t dim) {
     auto codec = kernels::Codec::Create(spec);
-    const kernels::SyntheticKv kv = kernels::MakeSyntheticKv(9, 2, 8, 3);
-    absl::StatusOr<AlignedBuffer> b =
-        (*codec)->Encode({kv.k.data(), kv.v.data(), SourceDType::kFloat32, 9, 2, 8}, {});
+    const kernels::SyntheticKv kv = kernels::MakeSyntheticKv(9, kv_heads, dim, 3);
+    absl::StatusOr<AlignedBuffer> b = (*codec)->Encode(
+        {kv.k.data(), kv.v.data(), SourceDType::kFloat32, 9, kv_heads, dim}, {});
     if (!b.ok() || !Write(std::string(argv[1]) + "/codec" + std::to_string(i++) + ".blk", *b)) {
       std::fprintf(stderr, "%s: cannot make a seed\n", spec);
-      return 1;
+      return false;
     }
+    return true;
+  };
+  for (const char* spec : specs) {
+    if (!encode(spec, 2, 8)) return 1;
+  }
+  for (const char* spec : integer_specs) {
+    if (!encode(spec, 1, 64)) return 1;
   }
   // A safetensors file and a config.json for the model-file fuzzer.
   const std::string header =
