@@ -198,6 +198,62 @@ STRATA_AVX2_INLINE Outliers WidenOutliers(const TensorOperands& t, size_t first,
   return {vals.data(), idx.data()};
 }
 
+// A head's outlier values [first, first + count) of t, widened (thread-local scratch).
+STRATA_AVX2_INLINE const float* WidenOutlierValues(const TensorOperands& t, size_t first,
+                                                   size_t count) {
+  thread_local std::vector<float> vals;
+  vals.resize(count);
+  HalfToFloat(reinterpret_cast<const Half*>(t.outlier_values + first), vals.data(), count);
+  return vals.data();
+}
+
+// y[idx[m * n + e] * stride + 0..3] += x[m * 4 + 0..3] * vals[m * n + e] for m < M: four query
+// heads' sparse outlier terms, x as [M][4] (the token's or channel's query terms), indices as
+// stored (u8 or u16).
+// kN: n when known at compile time (the inner loop unrolled), else 0.
+template <uint32_t kN, typename Index>
+STRATA_AVX2_INLINE void ScatterOutliers4(const float* x, uint32_t M, const Index* idx,
+                                         const float* vals, uint32_t n_any, float* y,
+                                         size_t stride) {
+  const uint32_t n = kN != 0 ? kN : n_any;
+  for (uint32_t m = 0; m < M; ++m) {
+    const __m128 xm = _mm_loadu_ps(x + size_t{m} * 4);
+    for (uint32_t e = 0; e < n; ++e) {
+      float* o = y + size_t{idx[m * n + e]} * stride;
+      _mm_storeu_ps(o, _mm_fmadd_ps(xm, _mm_set1_ps(vals[m * n + e]), _mm_loadu_ps(o)));
+    }
+  }
+}
+template <typename Index>
+STRATA_AVX2_INLINE void ScatterOutliers4(const float* x, uint32_t M, const Index* idx,
+                                         const float* vals, uint32_t n, float* y, size_t stride) {
+  switch (n) {  // (GEAR keeps a few per vector: 2 % of 128 channels or of 256 tokens is 3 or 5)
+    case 1:
+      return ScatterOutliers4<1>(x, M, idx, vals, n, y, stride);
+    case 2:
+      return ScatterOutliers4<2>(x, M, idx, vals, n, y, stride);
+    case 3:
+      return ScatterOutliers4<3>(x, M, idx, vals, n, y, stride);
+    case 4:
+      return ScatterOutliers4<4>(x, M, idx, vals, n, y, stride);
+    case 5:
+      return ScatterOutliers4<5>(x, M, idx, vals, n, y, stride);
+    case 6:
+      return ScatterOutliers4<6>(x, M, idx, vals, n, y, stride);
+    default:
+      return ScatterOutliers4<0>(x, M, idx, vals, n, y, stride);
+  }
+}
+STRATA_AVX2_INLINE void ScatterOutliers4(const TensorOperands& t, size_t first, const float* x,
+                                         uint32_t M, const float* vals, float* y, size_t stride) {
+  const uint32_t n = t.outliers_per_vector;
+  if (t.outlier_index8 != nullptr) {
+    ScatterOutliers4(x, M, t.outlier_index8 + first, vals, n, y, stride);
+  } else {
+    ScatterOutliers4(x, M, t.outlier_index16 + first, vals, n, y, stride);
+  }
+}
+
 // y[j][idx[m * n + e]] += x[j][m] * vals[m * n + e] for the G rows j of x [G][M] and y [G][K]:
 // a head's sparse outliers, m the token or channel they belong to, idx the other. Four rows at
 // a time where G allows: x as [M][4], each term one 4-wide multiply-add into a [K][4] sum,
@@ -222,13 +278,7 @@ STRATA_AVX2_INLINE void AddSparseTerms(const float* x, uint32_t M, const uint32_
   for (uint32_t j0 = 0; j0 < G; j0 += 4) {
     Interleave4(x + size_t{j0} * M, M, M, xt.data());
     std::fill(sum.begin(), sum.end(), 0.0f);
-    for (uint32_t m = 0; m < M; ++m) {
-      const __m128 xm = _mm_loadu_ps(&xt[size_t{m} * 4]);
-      for (uint32_t e = 0; e < n; ++e) {
-        float* o = &sum[size_t{idx[m * n + e]} * 4];
-        _mm_storeu_ps(o, _mm_fmadd_ps(xm, _mm_set1_ps(vals[m * n + e]), _mm_loadu_ps(o)));
-      }
-    }
+    ScatterOutliers4(xt.data(), M, idx, vals, n, sum.data(), 4);
     Transpose(sum.data(), K, 4, back.data());
     for (uint32_t j = 0; j < 4; ++j) {
       float* row = y + size_t{j0 + j} * K;
@@ -270,9 +320,118 @@ STRATA_AVX2 void AddScoreCorrectionsAvx2(const Segment& seg, HeadGroupState& st)
   }
 }
 
+// sum_r x[r] * f[r][0..3]: x 4 floats at x (R of them), f R vectors of four.
+STRATA_AVX2_INLINE __m128 Combine4(const float* x, const __m128* f, uint32_t R) {
+  __m128 y = _mm_setzero_ps();
+  for (uint32_t r = 0; r < R; ++r) y = _mm_fmadd_ps(_mm_set1_ps(x[r]), f[r], y);
+  return y;
+}
+
+// GEAR's value corrections for G a multiple of 4, four query heads at a time in a [D][4] sum:
+// the low-rank term B (A^T p) fills it (the factors read in their stored [rows][R] order, two
+// rows per register at rank 4), the outliers add to it, and it is added to the output by
+// shuffles once.
+STRATA_AVX2 void AddValueCorrectionsGrouped(const Segment& seg, HeadGroupState& st) {
+  const TensorOperands& v = seg.block->v;
+  const uint32_t G = st.g, D = st.d, T = seg.tokens, h = seg.head;
+  const uint32_t R = v.rank, n = v.outliers_per_vector;
+  constexpr uint32_t kMaxRank = 64;  // (PrepareBlock bounds the rank; larger takes the loop)
+  thread_local std::vector<float> xp, a, b, sum, back;
+  xp.resize(size_t{T} * 4);
+  a.resize(size_t{T} * R);
+  b.resize(size_t{D} * R);
+  sum.resize(size_t{D} * 4);
+  back.resize(size_t{D} * 4);
+  if (R > 0) {
+    HalfToFloat(reinterpret_cast<const Half*>(v.lowrank_a + size_t{h} * T * R), a.data(), a.size());
+    HalfToFloat(reinterpret_cast<const Half*>(v.lowrank_b + size_t{h} * D * R), b.data(), b.size());
+  }
+  const size_t first = size_t{h} * T * n;
+  const float* vals = n > 0 ? WidenOutlierValues(v, first, size_t{T} * n) : nullptr;
+  for (uint32_t j0 = 0; j0 < G; j0 += 4) {
+    Interleave4(&st.scores[size_t{j0} * T], T, T, xp.data());  // [T][4]: heads j0 .. j0 + 3
+    if (R == 4) {
+      // pa[r] = sum_t p[t] A[t][r], two tokens per register, then sum[d] = sum_r B[d][r] pa[r],
+      // two channels per register.
+      __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                       _mm256_setzero_ps()};
+      uint32_t t = 0;
+      for (; t + 2 <= T; t += 2) {
+        const __m256 x = _mm256_loadu_ps(&xp[size_t{t} * 4]);
+        const __m256 at = _mm256_loadu_ps(&a[size_t{t} * 4]);
+        acc[0] = _mm256_fmadd_ps(_mm256_permute_ps(at, 0x00), x, acc[0]);
+        acc[1] = _mm256_fmadd_ps(_mm256_permute_ps(at, 0x55), x, acc[1]);
+        acc[2] = _mm256_fmadd_ps(_mm256_permute_ps(at, 0xaa), x, acc[2]);
+        acc[3] = _mm256_fmadd_ps(_mm256_permute_ps(at, 0xff), x, acc[3]);
+      }
+      __m128 pa[4];
+      __m256 pa2[4];
+      for (uint32_t r = 0; r < 4; ++r) {
+        pa[r] = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
+        for (uint32_t u = t; u < T; ++u) {
+          pa[r] = _mm_fmadd_ps(_mm_loadu_ps(&xp[size_t{u} * 4]), _mm_set1_ps(a[size_t{u} * 4 + r]),
+                               pa[r]);
+        }
+        pa2[r] = _mm256_set_m128(pa[r], pa[r]);
+      }
+      uint32_t d = 0;
+      for (; d + 2 <= D; d += 2) {
+        const __m256 bd = _mm256_loadu_ps(&b[size_t{d} * 4]);
+        __m256 y = _mm256_mul_ps(_mm256_permute_ps(bd, 0x00), pa2[0]);
+        y = _mm256_fmadd_ps(_mm256_permute_ps(bd, 0x55), pa2[1], y);
+        y = _mm256_fmadd_ps(_mm256_permute_ps(bd, 0xaa), pa2[2], y);
+        y = _mm256_fmadd_ps(_mm256_permute_ps(bd, 0xff), pa2[3], y);
+        _mm256_storeu_ps(&sum[size_t{d} * 4], y);
+      }
+      for (; d < D; ++d) _mm_storeu_ps(&sum[size_t{d} * 4], Combine4(&b[size_t{d} * 4], pa, 4));
+    } else if (R > 0 && R <= kMaxRank) {
+      __m128 pa[kMaxRank];
+      for (uint32_t r = 0; r < R; ++r) pa[r] = _mm_setzero_ps();
+      for (uint32_t t = 0; t < T; ++t) {
+        const __m128 x = _mm_loadu_ps(&xp[size_t{t} * 4]);
+        for (uint32_t r = 0; r < R; ++r) {
+          pa[r] = _mm_fmadd_ps(x, _mm_set1_ps(a[size_t{t} * R + r]), pa[r]);
+        }
+      }
+      for (uint32_t d = 0; d < D; ++d) {
+        _mm_storeu_ps(&sum[size_t{d} * 4], Combine4(&b[size_t{d} * R], pa, R));
+      }
+    } else {
+      std::fill(sum.begin(), sum.end(), 0.0f);
+      for (uint32_t r = 0; r < R; ++r) {  // (a rank past kMaxRank, one at a time)
+        __m128 pr = _mm_setzero_ps();
+        for (uint32_t t = 0; t < T; ++t) {
+          pr = _mm_fmadd_ps(_mm_loadu_ps(&xp[size_t{t} * 4]), _mm_set1_ps(a[size_t{t} * R + r]), pr);
+        }
+        for (uint32_t d = 0; d < D; ++d) {
+          float* o = &sum[size_t{d} * 4];
+          _mm_storeu_ps(o, _mm_fmadd_ps(pr, _mm_set1_ps(b[size_t{d} * R + r]), _mm_loadu_ps(o)));
+        }
+      }
+    }
+    // Outliers: sum[channel][heads] += p[heads][token] * value.
+    if (n > 0) ScatterOutliers4(v, first, xp.data(), T, vals, sum.data(), 4);
+    Transpose(sum.data(), D, 4, back.data());
+    for (uint32_t j = 0; j < 4; ++j) {
+      float* row = &st.acc[size_t{j0 + j} * D];
+      const float* bk = &back[size_t{j} * D];
+      uint32_t d = 0;
+      for (; d + 8 <= D; d += 8) {
+        _mm256_storeu_ps(row + d, _mm256_add_ps(_mm256_loadu_ps(row + d), _mm256_loadu_ps(bk + d)));
+      }
+      for (; d < D; ++d) row[d] += bk[d];
+    }
+  }
+}
+
 STRATA_AVX2 void AddValueCorrectionsAvx2(const Segment& seg, HeadGroupState& st) {
   const TensorOperands& v = seg.block->v;
   const uint32_t G = st.g, D = st.d, T = seg.tokens, h = seg.head;
+  if (v.rank == 0 && v.outliers_per_vector == 0) return;
+  if (G % 4 == 0) {
+    AddValueCorrectionsGrouped(seg, st);
+    return;
+  }
   if (v.rank > 0) {
     thread_local std::vector<float> tmp, at, bt, pa;
     const uint32_t R = v.rank;
@@ -292,6 +451,105 @@ STRATA_AVX2 void AddValueCorrectionsAvx2(const Segment& seg, HeadGroupState& st)
     // acc[j][channel] += p[j][token] * value.
     AddSparseTerms(st.scores.data(), T, idx, vals, n, st.acc.data(), D, G);
   }
+}
+
+// GEAR's key corrections added to scores staged token-major ([T][G], G a multiple of 4, as the
+// integer kernels make them) before they are transposed: the low-rank term A (B^T q) and the
+// sparse outliers go straight into each token's G scores, four heads to a 128-bit vector, with
+// no per-head pass over the tokens and no buffer to zero and add back.
+STRATA_AVX2_INLINE void AddStagedScoreCorrections(const Segment& seg, HeadGroupState& st,
+                                                  float* staged) {
+  const TensorOperands& k = seg.block->k;
+  const uint32_t G = st.g, D = st.d, T = seg.tokens, h = seg.head;
+  const uint32_t R = k.rank, n = k.outliers_per_vector;
+  thread_local std::vector<float> xq, a, b, qb;
+  xq.resize(size_t{D} * 4);
+  a.resize(size_t{T} * R);
+  b.resize(size_t{D} * R);
+  qb.resize(size_t{R} * 4);
+  if (R > 0) {
+    HalfToFloat(reinterpret_cast<const Half*>(k.lowrank_a + size_t{h} * T * R), a.data(), a.size());
+    HalfToFloat(reinterpret_cast<const Half*>(k.lowrank_b + size_t{h} * D * R), b.data(), b.size());
+  }
+  const size_t first = size_t{h} * D * n;
+  const float* vals = n > 0 ? WidenOutlierValues(k, first, size_t{D} * n) : nullptr;
+  for (uint32_t j0 = 0; j0 < G; j0 += 4) {
+    Interleave4(&st.q[size_t{j0} * D], D, D, xq.data());  // [D][4]: heads j0 .. j0 + 3
+    if (R > 0) {
+      // qb[r] = (B^T q)_r of the four heads, then staged[t] += sum_r A[t][r] qb[r].
+      if (R == 4) {  // two channels, then two tokens, per register: [d: 4 heads | d + 1: ...]
+        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                         _mm256_setzero_ps()};
+        uint32_t d = 0;
+        for (; d + 2 <= D; d += 2) {
+          const __m256 x = _mm256_loadu_ps(&xq[size_t{d} * 4]);
+          const __m256 bd = _mm256_loadu_ps(&b[size_t{d} * 4]);  // B[d][0..3], B[d + 1][0..3]
+          acc[0] = _mm256_fmadd_ps(_mm256_permute_ps(bd, 0x00), x, acc[0]);
+          acc[1] = _mm256_fmadd_ps(_mm256_permute_ps(bd, 0x55), x, acc[1]);
+          acc[2] = _mm256_fmadd_ps(_mm256_permute_ps(bd, 0xaa), x, acc[2]);
+          acc[3] = _mm256_fmadd_ps(_mm256_permute_ps(bd, 0xff), x, acc[3]);
+        }
+        __m256 q2[4];
+        for (uint32_t r = 0; r < 4; ++r) {
+          __m128 x = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
+          for (uint32_t e = d; e < D; ++e) {
+            x = _mm_fmadd_ps(_mm_loadu_ps(&xq[size_t{e} * 4]), _mm_set1_ps(b[size_t{e} * 4 + r]), x);
+          }
+          q2[r] = _mm256_set_m128(x, x);
+          _mm_storeu_ps(&qb[size_t{r} * 4], x);
+        }
+        uint32_t t = 0;
+        for (; t + 2 <= T; t += 2) {
+          const __m256 at = _mm256_loadu_ps(&a[size_t{t} * 4]);  // A[t][0..3], A[t + 1][0..3]
+          float* o = staged + size_t{t} * G + j0;
+          __m256 y = _mm256_set_m128(_mm_loadu_ps(o + G), _mm_loadu_ps(o));
+          y = _mm256_fmadd_ps(_mm256_permute_ps(at, 0x00), q2[0], y);
+          y = _mm256_fmadd_ps(_mm256_permute_ps(at, 0x55), q2[1], y);
+          y = _mm256_fmadd_ps(_mm256_permute_ps(at, 0xaa), q2[2], y);
+          y = _mm256_fmadd_ps(_mm256_permute_ps(at, 0xff), q2[3], y);
+          _mm_storeu_ps(o, _mm256_castps256_ps128(y));
+          _mm_storeu_ps(o + G, _mm256_extractf128_ps(y, 1));
+        }
+        for (; t < T; ++t) {
+          float* o = staged + size_t{t} * G + j0;
+          __m128 y = _mm_loadu_ps(o);
+          for (uint32_t r = 0; r < 4; ++r) {
+            y = _mm_fmadd_ps(_mm_set1_ps(a[size_t{t} * 4 + r]), _mm_loadu_ps(&qb[r * 4]), y);
+          }
+          _mm_storeu_ps(o, y);
+        }
+      } else {
+        for (uint32_t r = 0; r < R; ++r) {
+          __m128 acc = _mm_setzero_ps();
+          for (uint32_t d = 0; d < D; ++d) {
+            acc = _mm_fmadd_ps(_mm_loadu_ps(&xq[size_t{d} * 4]),
+                               _mm_set1_ps(b[size_t{d} * R + r]), acc);
+          }
+          _mm_storeu_ps(&qb[size_t{r} * 4], acc);
+        }
+        for (uint32_t t = 0; t < T; ++t) {
+          float* o = staged + size_t{t} * G + j0;
+          __m128 y = _mm_loadu_ps(o);
+          for (uint32_t r = 0; r < R; ++r) {
+            y = _mm_fmadd_ps(_mm_set1_ps(a[size_t{t} * R + r]), _mm_loadu_ps(&qb[size_t{r} * 4]), y);
+          }
+          _mm_storeu_ps(o, y);
+        }
+      }
+    }
+    // Outliers: staged[token][heads] += q[heads][channel] * value.
+    if (n > 0) ScatterOutliers4(k, first, xq.data(), D, vals, staged + j0, G);
+  }
+}
+
+// Scores staged token-major ([T][G], 4 floats of slack) into st.scores ([G][T]) with GEAR's key
+// corrections: the integer kernels' last step.
+STRATA_AVX2_INLINE void FinishStagedScores(const Segment& seg, HeadGroupState& st, float* staged) {
+  const TensorOperands& k = seg.block->k;
+  const bool corrections = k.rank > 0 || k.outliers_per_vector > 0;
+  if (corrections && st.g % 4 == 0) AddStagedScoreCorrections(seg, st, staged);
+  Transpose(staged, seg.tokens, st.g, st.scores.data());
+  if (corrections && st.g % 4 != 0) AddScoreCorrectionsAvx2(seg, st);
 }
 
 // Source of a segment's rows as a template parameter: full precision (fp32), fp16, int8, fp8
