@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "common/cpu_features.h"
@@ -320,10 +321,25 @@ STRATA_AVX2 void AddScoreCorrectionsAvx2(const Segment& seg, HeadGroupState& st)
   }
 }
 
-// sum_r x[r] * f[r][0..3]: x 4 floats at x (R of them), f R vectors of four.
-STRATA_AVX2_INLINE __m128 Combine4(const float* x, const __m128* f, uint32_t R) {
+// Eight fp16 values at p (two rows of a rank-4 factor), and one, widened.
+STRATA_AVX2_INLINE __m256 Half8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+STRATA_AVX2_INLINE float HalfAt(const uint16_t* p) { return _cvtsh_ss(*p); }
+
+// sum_r x[r] * f[r][0..3]: x R floats (or fp16 values), f R vectors of four.
+template <typename T>
+STRATA_AVX2_INLINE __m128 Combine4(const T* x, const __m128* f, uint32_t R) {
   __m128 y = _mm_setzero_ps();
-  for (uint32_t r = 0; r < R; ++r) y = _mm_fmadd_ps(_mm_set1_ps(x[r]), f[r], y);
+  for (uint32_t r = 0; r < R; ++r) {
+    float xr;
+    if constexpr (std::is_same_v<T, uint16_t>) {
+      xr = HalfAt(x + r);
+    } else {
+      xr = x[r];
+    }
+    y = _mm_fmadd_ps(_mm_set1_ps(xr), f[r], y);
+  }
   return y;
 }
 
@@ -342,9 +358,12 @@ STRATA_AVX2 void AddValueCorrectionsGrouped(const Segment& seg, HeadGroupState& 
   b.resize(size_t{D} * R);
   sum.resize(size_t{D} * 4);
   back.resize(size_t{D} * 4);
-  if (R > 0) {
-    HalfToFloat(reinterpret_cast<const Half*>(v.lowrank_a + size_t{h} * T * R), a.data(), a.size());
-    HalfToFloat(reinterpret_cast<const Half*>(v.lowrank_b + size_t{h} * D * R), b.data(), b.size());
+  // The factors at rank 4 are read as stored (fp16, two rows per register); others widened.
+  const uint16_t* a16 = v.lowrank_a + size_t{h} * T * R;
+  const uint16_t* b16 = v.lowrank_b + size_t{h} * D * R;
+  if (R > 0 && R != 4) {
+    HalfToFloat(reinterpret_cast<const Half*>(a16), a.data(), a.size());
+    HalfToFloat(reinterpret_cast<const Half*>(b16), b.data(), b.size());
   }
   const size_t first = size_t{h} * T * n;
   const float* vals = n > 0 ? WidenOutlierValues(v, first, size_t{T} * n) : nullptr;
@@ -358,7 +377,7 @@ STRATA_AVX2 void AddValueCorrectionsGrouped(const Segment& seg, HeadGroupState& 
       uint32_t t = 0;
       for (; t + 2 <= T; t += 2) {
         const __m256 x = _mm256_loadu_ps(&xp[size_t{t} * 4]);
-        const __m256 at = _mm256_loadu_ps(&a[size_t{t} * 4]);
+        const __m256 at = Half8(a16 + size_t{t} * 4);
         acc[0] = _mm256_fmadd_ps(_mm256_permute_ps(at, 0x00), x, acc[0]);
         acc[1] = _mm256_fmadd_ps(_mm256_permute_ps(at, 0x55), x, acc[1]);
         acc[2] = _mm256_fmadd_ps(_mm256_permute_ps(at, 0xaa), x, acc[2]);
@@ -369,21 +388,21 @@ STRATA_AVX2 void AddValueCorrectionsGrouped(const Segment& seg, HeadGroupState& 
       for (uint32_t r = 0; r < 4; ++r) {
         pa[r] = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
         for (uint32_t u = t; u < T; ++u) {
-          pa[r] = _mm_fmadd_ps(_mm_loadu_ps(&xp[size_t{u} * 4]), _mm_set1_ps(a[size_t{u} * 4 + r]),
+          pa[r] = _mm_fmadd_ps(_mm_loadu_ps(&xp[size_t{u} * 4]), _mm_set1_ps(HalfAt(a16 + size_t{u} * 4 + r)),
                                pa[r]);
         }
         pa2[r] = _mm256_set_m128(pa[r], pa[r]);
       }
       uint32_t d = 0;
       for (; d + 2 <= D; d += 2) {
-        const __m256 bd = _mm256_loadu_ps(&b[size_t{d} * 4]);
+        const __m256 bd = Half8(b16 + size_t{d} * 4);
         __m256 y = _mm256_mul_ps(_mm256_permute_ps(bd, 0x00), pa2[0]);
         y = _mm256_fmadd_ps(_mm256_permute_ps(bd, 0x55), pa2[1], y);
         y = _mm256_fmadd_ps(_mm256_permute_ps(bd, 0xaa), pa2[2], y);
         y = _mm256_fmadd_ps(_mm256_permute_ps(bd, 0xff), pa2[3], y);
         _mm256_storeu_ps(&sum[size_t{d} * 4], y);
       }
-      for (; d < D; ++d) _mm_storeu_ps(&sum[size_t{d} * 4], Combine4(&b[size_t{d} * 4], pa, 4));
+      for (; d < D; ++d) _mm_storeu_ps(&sum[size_t{d} * 4], Combine4(b16 + size_t{d} * 4, pa, 4));
     } else if (R > 0 && R <= kMaxRank) {
       __m128 pa[kMaxRank];
       for (uint32_t r = 0; r < R; ++r) pa[r] = _mm_setzero_ps();
@@ -467,9 +486,12 @@ STRATA_AVX2_INLINE void AddStagedScoreCorrections(const Segment& seg, HeadGroupS
   a.resize(size_t{T} * R);
   b.resize(size_t{D} * R);
   qb.resize(size_t{R} * 4);
-  if (R > 0) {
-    HalfToFloat(reinterpret_cast<const Half*>(k.lowrank_a + size_t{h} * T * R), a.data(), a.size());
-    HalfToFloat(reinterpret_cast<const Half*>(k.lowrank_b + size_t{h} * D * R), b.data(), b.size());
+  // The factors at rank 4 are read as stored (fp16, two rows per register); others widened.
+  const uint16_t* a16 = k.lowrank_a + size_t{h} * T * R;
+  const uint16_t* b16 = k.lowrank_b + size_t{h} * D * R;
+  if (R > 0 && R != 4) {
+    HalfToFloat(reinterpret_cast<const Half*>(a16), a.data(), a.size());
+    HalfToFloat(reinterpret_cast<const Half*>(b16), b.data(), b.size());
   }
   const size_t first = size_t{h} * D * n;
   const float* vals = n > 0 ? WidenOutlierValues(k, first, size_t{D} * n) : nullptr;
@@ -483,7 +505,7 @@ STRATA_AVX2_INLINE void AddStagedScoreCorrections(const Segment& seg, HeadGroupS
         uint32_t d = 0;
         for (; d + 2 <= D; d += 2) {
           const __m256 x = _mm256_loadu_ps(&xq[size_t{d} * 4]);
-          const __m256 bd = _mm256_loadu_ps(&b[size_t{d} * 4]);  // B[d][0..3], B[d + 1][0..3]
+          const __m256 bd = Half8(b16 + size_t{d} * 4);  // B[d][0..3], B[d + 1][0..3]
           acc[0] = _mm256_fmadd_ps(_mm256_permute_ps(bd, 0x00), x, acc[0]);
           acc[1] = _mm256_fmadd_ps(_mm256_permute_ps(bd, 0x55), x, acc[1]);
           acc[2] = _mm256_fmadd_ps(_mm256_permute_ps(bd, 0xaa), x, acc[2]);
@@ -493,14 +515,14 @@ STRATA_AVX2_INLINE void AddStagedScoreCorrections(const Segment& seg, HeadGroupS
         for (uint32_t r = 0; r < 4; ++r) {
           __m128 x = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
           for (uint32_t e = d; e < D; ++e) {
-            x = _mm_fmadd_ps(_mm_loadu_ps(&xq[size_t{e} * 4]), _mm_set1_ps(b[size_t{e} * 4 + r]), x);
+            x = _mm_fmadd_ps(_mm_loadu_ps(&xq[size_t{e} * 4]), _mm_set1_ps(HalfAt(b16 + size_t{e} * 4 + r)), x);
           }
           q2[r] = _mm256_set_m128(x, x);
           _mm_storeu_ps(&qb[size_t{r} * 4], x);
         }
         uint32_t t = 0;
         for (; t + 2 <= T; t += 2) {
-          const __m256 at = _mm256_loadu_ps(&a[size_t{t} * 4]);  // A[t][0..3], A[t + 1][0..3]
+          const __m256 at = Half8(a16 + size_t{t} * 4);  // A[t][0..3], A[t + 1][0..3]
           float* o = staged + size_t{t} * G + j0;
           __m256 y = _mm256_set_m128(_mm_loadu_ps(o + G), _mm_loadu_ps(o));
           y = _mm256_fmadd_ps(_mm256_permute_ps(at, 0x00), q2[0], y);
@@ -514,7 +536,7 @@ STRATA_AVX2_INLINE void AddStagedScoreCorrections(const Segment& seg, HeadGroupS
           float* o = staged + size_t{t} * G + j0;
           __m128 y = _mm_loadu_ps(o);
           for (uint32_t r = 0; r < 4; ++r) {
-            y = _mm_fmadd_ps(_mm_set1_ps(a[size_t{t} * 4 + r]), _mm_loadu_ps(&qb[r * 4]), y);
+            y = _mm_fmadd_ps(_mm_set1_ps(HalfAt(a16 + size_t{t} * 4 + r)), _mm_loadu_ps(&qb[r * 4]), y);
           }
           _mm_storeu_ps(o, y);
         }
