@@ -343,6 +343,31 @@ STRATA_AVX2_INLINE __m128 Combine4(const T* x, const __m128* f, uint32_t R) {
   return y;
 }
 
+// A GEAR tensor's terms for head h: the rank-R factors as stored (fp16: A [T][R], B [D][R]),
+// also widened into a and b unless R is 4 (the loops read those as stored), and its outlier
+// values widened (`rows` vectors of them: D for K, T for V; `first` the head's first).
+struct GearTerms {
+  const uint16_t* a16;
+  const uint16_t* b16;
+  size_t first;
+  const float* vals;
+};
+STRATA_AVX2_INLINE GearTerms LoadGearTerms(const TensorOperands& t, uint32_t h, uint32_t T,
+                                           uint32_t D, uint32_t rows, std::vector<float>& a,
+                                           std::vector<float>& b) {
+  const uint32_t R = t.rank, n = t.outliers_per_vector;
+  GearTerms g{t.lowrank_a + size_t{h} * T * R, t.lowrank_b + size_t{h} * D * R,
+              size_t{h} * rows * n, nullptr};
+  if (R > 0 && R != 4) {
+    a.resize(size_t{T} * R);
+    b.resize(size_t{D} * R);
+    HalfToFloat(reinterpret_cast<const Half*>(g.a16), a.data(), a.size());
+    HalfToFloat(reinterpret_cast<const Half*>(g.b16), b.data(), b.size());
+  }
+  if (n > 0) g.vals = WidenOutlierValues(t, g.first, size_t{rows} * n);
+  return g;
+}
+
 // GEAR's value corrections for G a multiple of 4, four query heads at a time in a [D][4] sum:
 // the low-rank term B (A^T p) fills it (the factors read in their stored [rows][R] order, two
 // rows per register at rank 4), the outliers add to it, and it is added to the output by
@@ -354,19 +379,9 @@ STRATA_AVX2 void AddValueCorrectionsGrouped(const Segment& seg, HeadGroupState& 
   constexpr uint32_t kMaxRank = 64;  // (PrepareBlock bounds the rank; larger takes the loop)
   thread_local std::vector<float> xp, a, b, sum, back;
   xp.resize(size_t{T} * 4);
-  a.resize(size_t{T} * R);
-  b.resize(size_t{D} * R);
   sum.resize(size_t{D} * 4);
   back.resize(size_t{D} * 4);
-  // The factors at rank 4 are read as stored (fp16, two rows per register); others widened.
-  const uint16_t* a16 = v.lowrank_a + size_t{h} * T * R;
-  const uint16_t* b16 = v.lowrank_b + size_t{h} * D * R;
-  if (R > 0 && R != 4) {
-    HalfToFloat(reinterpret_cast<const Half*>(a16), a.data(), a.size());
-    HalfToFloat(reinterpret_cast<const Half*>(b16), b.data(), b.size());
-  }
-  const size_t first = size_t{h} * T * n;
-  const float* vals = n > 0 ? WidenOutlierValues(v, first, size_t{T} * n) : nullptr;
+  const auto [a16, b16, first, vals] = LoadGearTerms(v, h, T, D, T, a, b);
   for (uint32_t j0 = 0; j0 < G; j0 += 4) {
     Interleave4(&st.scores[size_t{j0} * T], T, T, xp.data());  // [T][4]: heads j0 .. j0 + 3
     if (R == 4) {
@@ -483,18 +498,8 @@ STRATA_AVX2_INLINE void AddStagedScoreCorrections(const Segment& seg, HeadGroupS
   const uint32_t R = k.rank, n = k.outliers_per_vector;
   thread_local std::vector<float> xq, a, b, qb;
   xq.resize(size_t{D} * 4);
-  a.resize(size_t{T} * R);
-  b.resize(size_t{D} * R);
   qb.resize(size_t{R} * 4);
-  // The factors at rank 4 are read as stored (fp16, two rows per register); others widened.
-  const uint16_t* a16 = k.lowrank_a + size_t{h} * T * R;
-  const uint16_t* b16 = k.lowrank_b + size_t{h} * D * R;
-  if (R > 0 && R != 4) {
-    HalfToFloat(reinterpret_cast<const Half*>(a16), a.data(), a.size());
-    HalfToFloat(reinterpret_cast<const Half*>(b16), b.data(), b.size());
-  }
-  const size_t first = size_t{h} * D * n;
-  const float* vals = n > 0 ? WidenOutlierValues(k, first, size_t{D} * n) : nullptr;
+  const auto [a16, b16, first, vals] = LoadGearTerms(k, h, T, D, D, a, b);
   for (uint32_t j0 = 0; j0 < G; j0 += 4) {
     Interleave4(&st.q[size_t{j0} * D], D, D, xq.data());  // [D][4]: heads j0 .. j0 + 3
     if (R > 0) {
