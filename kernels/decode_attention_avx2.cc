@@ -179,26 +179,6 @@ STRATA_AVX2_INLINE void PrefetchRows(const TensorOperands& t, uint32_t head, uin
   }
 }
 
-// A head's sparse outliers [first, first + count) of t, widened: values and targets (token or
-// channel). Thread-local scratch, valid until the next call on this thread.
-struct Outliers {
-  const float* vals;
-  const uint32_t* idx;
-};
-STRATA_AVX2_INLINE Outliers WidenOutliers(const TensorOperands& t, size_t first, size_t count) {
-  thread_local std::vector<float> vals;
-  thread_local std::vector<uint32_t> idx;
-  vals.resize(count);
-  idx.resize(count);
-  HalfToFloat(reinterpret_cast<const Half*>(t.outlier_values + first), vals.data(), count);
-  if (t.outlier_index8 != nullptr) {
-    for (size_t i = 0; i < count; ++i) idx[i] = t.outlier_index8[first + i];
-  } else {
-    for (size_t i = 0; i < count; ++i) idx[i] = t.outlier_index16[first + i];
-  }
-  return {vals.data(), idx.data()};
-}
-
 // A head's outlier values [first, first + count) of t, widened (thread-local scratch).
 STRATA_AVX2_INLINE const float* WidenOutlierValues(const TensorOperands& t, size_t first,
                                                    size_t count) {
@@ -255,17 +235,35 @@ STRATA_AVX2_INLINE void ScatterOutliers4(const TensorOperands& t, size_t first, 
   }
 }
 
-// y[j][idx[m * n + e]] += x[j][m] * vals[m * n + e] for the G rows j of x [G][M] and y [G][K]:
-// a head's sparse outliers, m the token or channel they belong to, idx the other. Four rows at
-// a time where G allows: x as [M][4], each term one 4-wide multiply-add into a [K][4] sum,
-// added to y by shuffles.
-STRATA_AVX2_INLINE void AddSparseTerms(const float* x, uint32_t M, const uint32_t* idx,
-                                       const float* vals, uint32_t n, float* y, uint32_t K,
+// y[j][0, K) += sum[k][j] for the four rows j of y (K apart): a [K][4] sum of four query heads'
+// terms, by shuffles (back: scratch).
+STRATA_AVX2_INLINE void AddInterleaved4(const float* sum, uint32_t K, float* y,
+                                        std::vector<float>& back) {
+  back.resize(size_t{K} * 4);
+  Transpose(sum, K, 4, back.data());
+  for (uint32_t j = 0; j < 4; ++j) {
+    float* row = y + size_t{j} * K;
+    const float* b = &back[size_t{j} * K];
+    uint32_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+      _mm256_storeu_ps(row + k, _mm256_add_ps(_mm256_loadu_ps(row + k), _mm256_loadu_ps(b + k)));
+    }
+    for (; k < K; ++k) row[k] += b[k];
+  }
+}
+
+// y[j][idx] += x[j][m] * value over a head's sparse outliers of t from `first` (n per vector
+// m < M, idx the other coordinate, vals widened), for the G rows j of x [G][M] and y [G][K].
+// Four rows at a time where G allows: x as [M][4], each term one 4-wide multiply-add into a
+// [K][4] sum, added to y by shuffles.
+STRATA_AVX2_INLINE void AddSparseTerms(const float* x, uint32_t M, const TensorOperands& t,
+                                       size_t first, const float* vals, float* y, uint32_t K,
                                        uint32_t G) {
+  const uint32_t n = t.outliers_per_vector;
   if (G % 4 != 0) {
     for (uint32_t m = 0; m < M; ++m) {
       for (uint32_t e = 0; e < n; ++e) {
-        const uint32_t k = idx[m * n + e];
+        const uint32_t k = t.OutlierIndex(first + m * n + e);
         const float v = vals[m * n + e];
         for (uint32_t j = 0; j < G; ++j) y[size_t{j} * K + k] += x[size_t{j} * M + m] * v;
       }
@@ -275,21 +273,11 @@ STRATA_AVX2_INLINE void AddSparseTerms(const float* x, uint32_t M, const uint32_
   thread_local std::vector<float> xt, sum, back;
   xt.resize(size_t{M} * 4);
   sum.resize(size_t{K} * 4);
-  back.resize(size_t{K} * 4);
   for (uint32_t j0 = 0; j0 < G; j0 += 4) {
     Interleave4(x + size_t{j0} * M, M, M, xt.data());
     std::fill(sum.begin(), sum.end(), 0.0f);
-    ScatterOutliers4(xt.data(), M, idx, vals, n, sum.data(), 4);
-    Transpose(sum.data(), K, 4, back.data());
-    for (uint32_t j = 0; j < 4; ++j) {
-      float* row = y + size_t{j0 + j} * K;
-      const float* b = &back[size_t{j} * K];
-      uint32_t k = 0;
-      for (; k + 8 <= K; k += 8) {
-        _mm256_storeu_ps(row + k, _mm256_add_ps(_mm256_loadu_ps(row + k), _mm256_loadu_ps(b + k)));
-      }
-      for (; k < K; ++k) row[k] += b[k];
-    }
+    ScatterOutliers4(t, first, xt.data(), M, vals, sum.data(), 4);
+    AddInterleaved4(sum.data(), K, y + size_t{j0} * K, back);
   }
 }
 
@@ -315,9 +303,10 @@ STRATA_AVX2 void AddScoreCorrectionsAvx2(const Segment& seg, HeadGroupState& st)
   }
   const uint32_t n = k.outliers_per_vector;
   if (n > 0) {
-    const auto [vals, idx] = WidenOutliers(k, size_t{h} * D * n, size_t{D} * n);
+    const size_t first = size_t{h} * D * n;
+    const float* vals = WidenOutlierValues(k, first, size_t{D} * n);
     // Each outlier's term for every query head: scores[j][token] += q[j][channel] * value.
-    AddSparseTerms(st.q.data(), D, idx, vals, n, st.scores.data(), T, G);
+    AddSparseTerms(st.q.data(), D, k, first, vals, st.scores.data(), T, G);
   }
 }
 
@@ -380,7 +369,6 @@ STRATA_AVX2 void AddValueCorrectionsGrouped(const Segment& seg, HeadGroupState& 
   thread_local std::vector<float> xp, a, b, sum, back;
   xp.resize(size_t{T} * 4);
   sum.resize(size_t{D} * 4);
-  back.resize(size_t{D} * 4);
   const auto [a16, b16, first, vals] = LoadGearTerms(v, h, T, D, T, a, b);
   for (uint32_t j0 = 0; j0 < G; j0 += 4) {
     Interleave4(&st.scores[size_t{j0} * T], T, T, xp.data());  // [T][4]: heads j0 .. j0 + 3
@@ -445,16 +433,7 @@ STRATA_AVX2 void AddValueCorrectionsGrouped(const Segment& seg, HeadGroupState& 
     }
     // Outliers: sum[channel][heads] += p[heads][token] * value.
     if (n > 0) ScatterOutliers4(v, first, xp.data(), T, vals, sum.data(), 4);
-    Transpose(sum.data(), D, 4, back.data());
-    for (uint32_t j = 0; j < 4; ++j) {
-      float* row = &st.acc[size_t{j0 + j} * D];
-      const float* bk = &back[size_t{j} * D];
-      uint32_t d = 0;
-      for (; d + 8 <= D; d += 8) {
-        _mm256_storeu_ps(row + d, _mm256_add_ps(_mm256_loadu_ps(row + d), _mm256_loadu_ps(bk + d)));
-      }
-      for (; d < D; ++d) row[d] += bk[d];
-    }
+    AddInterleaved4(sum.data(), D, &st.acc[size_t{j0} * D], back);
   }
 }
 
@@ -481,9 +460,10 @@ STRATA_AVX2 void AddValueCorrectionsAvx2(const Segment& seg, HeadGroupState& st)
   }
   const uint32_t n = v.outliers_per_vector;
   if (n > 0) {
-    const auto [vals, idx] = WidenOutliers(v, size_t{h} * T * n, size_t{T} * n);
+    const size_t first = size_t{h} * T * n;
+    const float* vals = WidenOutlierValues(v, first, size_t{T} * n);
     // acc[j][channel] += p[j][token] * value.
-    AddSparseTerms(st.scores.data(), T, idx, vals, n, st.acc.data(), D, G);
+    AddSparseTerms(st.scores.data(), T, v, first, vals, st.acc.data(), D, G);
   }
 }
 
