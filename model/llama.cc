@@ -1,7 +1,5 @@
 #include "model/llama.h"
 
-#include <cblas.h>
-
 #include <cmath>
 #include <cstring>
 
@@ -10,7 +8,9 @@
 #include "common/half.h"
 #include "common/sha256.h"
 #include "common/status_macros.h"
+#include "common/thread_pool.h"
 #include "kernels/decode_attention.h"
+#include "model/matmul.h"
 #include "model/safetensors.h"
 
 namespace strata::model {
@@ -44,28 +44,12 @@ absl::Status ReadTensor(const Checkpoint& ck, const std::string& name, std::vect
   return absl::OkStatus();
 }
 
-// Rows of every product are padded to a multiple of this, so that each row goes through
-// OpenBLAS's full-width micro-kernel whatever the batch: a row's result is then the same bits
-// alone or in any batch (its edge kernels sum in another order), and a sequence's output never
-// depends on which others share its continuous batch.
-constexpr int kRowMultiple = 16;
-
-// y[n, out] = x[n, in] . W^T (+ b)
+// y[n, out] = x[n, in] . W^T (+ b). Up to kRowInvariantRows rows (a decode step's batch) a
+// row's result is the same bits alone or in any batch, so a sequence's output never depends on
+// which others share its continuous batch (model/matmul.h).
 void Linear(const float* x, int n, int in, const std::vector<float>& w, const std::vector<float>& b,
             int out, float* y) {
-  if (n % kRowMultiple != 0) {
-    const int padded = (n + kRowMultiple - 1) / kRowMultiple * kRowMultiple;
-    thread_local std::vector<float> xp, yp;
-    xp.assign(static_cast<size_t>(padded) * in, 0.0f);
-    std::memcpy(xp.data(), x, static_cast<size_t>(n) * in * sizeof(float));
-    yp.resize(static_cast<size_t>(padded) * out);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, padded, out, in, 1.0f, xp.data(), in,
-                w.data(), in, 0.0f, yp.data(), out);
-    std::memcpy(y, yp.data(), static_cast<size_t>(n) * out * sizeof(float));
-  } else {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, out, in, 1.0f, x, in, w.data(), in,
-                0.0f, y, out);
-  }
+  MatMul(x, n, in, w.data(), out, y, ThreadPool::Default());
   if (!b.empty()) {
     for (int i = 0; i < n; ++i) {
       for (int j = 0; j < out; ++j) y[static_cast<size_t>(i) * out + j] += b[j];
@@ -222,8 +206,8 @@ absl::StatusOr<std::vector<float>> LlamaModel::Prefill(absl::Span<const uint32_t
 }
 
 absl::StatusOr<std::vector<std::vector<float>>> LlamaModel::StepBatch(
-    absl::Span<const absl::Span<const uint32_t>> tokens,
-    absl::Span<SequenceKvCache* const> caches, const LayerHook& hook) const {
+    absl::Span<const absl::Span<const uint32_t>> tokens, absl::Span<SequenceKvCache* const> caches,
+    const LayerHook& hook) const {
   if (tokens.size() != caches.size() || tokens.empty()) {
     return absl::InvalidArgumentError("model: StepBatch needs one cache per sequence");
   }

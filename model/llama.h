@@ -1,5 +1,5 @@
 // A Llama-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU; Llama, Mistral and
-// Qwen2 checkpoints) running on the CPU in fp32, matrix products through OpenBLAS.
+// Qwen2 checkpoints) running on the CPU in fp32 (matrix products: model/matmul.h).
 //
 // Load() reads config.json and the safetensors checkpoint of a Hugging Face model folder,
 // checks every tensor's presence, dtype and shape against the config (kInvalidArgument naming
