@@ -3,7 +3,9 @@
 // the prefill spent compressing the cache. The model is the bundled one (--model), or with
 // --random_model a randomly initialised one of a given attention shape, where the cache rather
 // than the weights dominates what a decode step reads (an 8B's is 32:32:8:128: 32 layers, 32
-// query heads over 8 KV heads of 128).
+// query heads over 8 KV heads of 128). With --batch N, decode steps run N sequences together
+// (continuous batching), each with a cache of its own: the weights are read once per step and
+// the caches N times, as on a serving decode node.
 // Prints a table and writes JSON to --out (default bench/results). Flags: kUsage below (--help).
 #include <malloc.h>
 #include <unistd.h>
@@ -12,6 +14,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -22,7 +25,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "bench/bench_util.h"
+#include "common/aligned_buffer.h"
 #include "common/half.h"
+#include "common/status_macros.h"
 #include "model/llama.h"
 #include "model/safetensors.h"
 
@@ -31,12 +36,14 @@ namespace {
 
 constexpr char kUsage[] =
     "usage: model_bench [--model DIR | --random_model LAYERS:QHEADS:KVHEADS:HEADDIM[:HIDDEN]]\n"
-    "                   [--context N] [--decode N] [--codecs a,b]\n"
+    "                   [--context N] [--decode N] [--batch N] [--codecs a,b]\n"
     "                   [--commit SHA] [--out DIR (default bench/results)]\n"
     "  --random_model: a Llama of that attention shape with random weights (hidden 256 unless\n"
     "  given, MLP twice the hidden size, vocabulary 4096), written to a temporary folder;\n"
     "  32:32:8:128 is an 8B's attention (its hidden size and MLP would be 4096 and 14336: the\n"
-    "  small ones here leave the KV cache most of what a decode step reads)\n";
+    "  small ones here leave the KV cache most of what a decode step reads)\n"
+    "  --batch: sequences per decode step (default 1), each a copy of the one prefilled, in\n"
+    "  memory of its own; decode tok/s is then the tokens of all of them\n";
 
 // Writes a random Llama checkpoint of the given attention shape into `dir`: weights normal with
 // standard deviation 1/sqrt(fan-in), so activations keep their scale through the layers.
@@ -94,6 +101,30 @@ absl::Status WriteRandomModel(const std::string& dir, uint32_t layers, uint32_t 
   return model::WriteSafetensors(dir + "/model.safetensors", tensors);
 }
 
+// A copy of `src`, blocks and window, in memory of its own: a batch of copies reads as many bytes
+// per decode step as that many distinct sequences do (blocks shared between sequences, a cached
+// prefix, are read once for all of them).
+absl::StatusOr<std::unique_ptr<model::SequenceKvCache>> CopyCache(
+    const model::LlamaModel& m, const model::SequenceKvCache& src) {
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<model::SequenceKvCache> dst, m.NewCache(src.options()));
+  for (size_t b = 0; b < src.blocks_per_layer(); ++b) {
+    for (uint32_t l = 0; l < src.layers(); ++l) {
+      const SharedBytes& block = src.layer_blocks(l)[b];
+      AlignedBuffer copy = AlignedBuffer::Uninitialized(block.size());
+      std::memcpy(copy.data(), block.data(), block.size());
+      STRATA_RETURN_IF_ERROR(dst->AdoptBlock(l, std::move(copy)));
+    }
+    STRATA_RETURN_IF_ERROR(dst->CommitAdopted());
+  }
+  for (uint32_t l = 0; l < src.layers(); ++l) {
+    const std::string window = src.ExportWindow(l);
+    STRATA_RETURN_IF_ERROR(dst->ImportWindow(
+        l, absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(window.data()), window.size())));
+  }
+  STRATA_RETURN_IF_ERROR(dst->CommitWindow());
+  return dst;
+}
+
 int Main(int argc, char** argv) {
   mallopt(M_MMAP_THRESHOLD, 256 << 20);
   mallopt(M_TRIM_THRESHOLD, 512 << 20);
@@ -103,7 +134,7 @@ int Main(int argc, char** argv) {
                   "zipcache:k2v2:h4:s10";
   std::string random_model, shape_name;  // shape_name: random_model with '-' for ':'
 
-  uint32_t context = 2048, decode = 32;
+  uint32_t context = 2048, decode = 32, batch = 1;
   int exit_code = 0;
   const auto flags = FlagPairs(argc, argv, kUsage, &exit_code);
   if (!flags) return exit_code;
@@ -121,6 +152,8 @@ int Main(int argc, char** argv) {
     else if (f == "--context" && absl::SimpleAtoi(v, &context))
       continue;
     else if (f == "--decode" && absl::SimpleAtoi(v, &decode))
+      continue;
+    else if (f == "--batch" && absl::SimpleAtoi(v, &batch) && batch >= 1 && batch <= 1024)
       continue;
     else {
       std::fprintf(stderr, "bad flag %s %s\n%s", f.c_str(), v.c_str(), kUsage);
@@ -163,10 +196,13 @@ int Main(int argc, char** argv) {
   const RunInfo info = CollectRunInfo(commit);
   std::printf(
       "model_bench  %s  %s  commit %s\nmodel %s: %u layers, hidden %u, %u/%u heads, head "
-      "dim %u; context %u, %u decode steps, KV chunks of 256\n",
+      "dim %u; context %u, %u decode steps of %u sequence%s, KV chunks of 256\n",
       info.machine.c_str(), info.date.c_str(), commit.c_str(),
       random_model.empty() ? model_dir.c_str() : absl::StrCat("random ", random_model).c_str(),
-      c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, context, decode);
+      c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, context, decode, batch,
+      batch == 1 ? ""
+                 : "s (copies of one prefill, each cache in memory of its own; decode tok/s "
+                   "counts all of them; KV bytes are one sequence's)");
   std::vector<uint32_t> ids(context);
   for (uint32_t i = 0; i < context; ++i) ids[i] = (i * 2654435761u) % c.vocab_size;
   std::printf("%-24s %14s %12s %10s %14s %9s %12s\n", "KV codec", "prefill tok/s", "compress ms",
@@ -184,13 +220,30 @@ int Main(int argc, char** argv) {
     const double prefill =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const double compress = (*cache)->encode_seconds();  // the prefill's chunks
+    std::vector<std::unique_ptr<model::SequenceKvCache>> copies;
+    std::vector<model::SequenceKvCache*> caches = {cache->get()};
+    for (uint32_t b = 1; b < batch; ++b) {
+      auto copy = CopyCache(**m, **cache);
+      if (!copy.ok()) {
+        std::fprintf(stderr, "%s\n", std::string(copy.status().message()).c_str());
+        return 1;
+      }
+      copies.push_back(std::move(*copy));
+      caches.push_back(copies.back().get());
+    }
     const auto t1 = std::chrono::steady_clock::now();
     for (uint32_t i = 0; i < decode; ++i) {
       const uint32_t next = (i * 7919u) % c.vocab_size;
-      if (!(*m)->Step({&next, 1}, cache->get()).ok()) return 1;
+      const std::vector<absl::Span<const uint32_t>> tokens(batch, {&next, 1});
+      const absl::Status st = batch == 1 ? (*m)->Step({&next, 1}, cache->get()).status()
+                                         : (*m)->StepBatch(tokens, caches).status();
+      if (!st.ok()) {
+        std::fprintf(stderr, "%s\n", std::string(st.message()).c_str());
+        return 1;
+      }
     }
     const double dec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
-    const double tps = decode / dec;
+    const double tps = static_cast<double>(decode) * batch / dec;
     if (spec == "fp16") fp16_decode = tps;
     std::printf("%-24s %14.1f %12.1f %9.1f%% %14.2f %8.2fx %12zu\n", std::string(spec).c_str(),
                 context / prefill, compress * 1e3, 100 * compress / prefill, tps,
@@ -210,11 +263,15 @@ int Main(int argc, char** argv) {
       ResultJson("model_bench", info)
           .Str("model", random_model.empty() ? model_dir : "random " + random_model)
           .Num("context", context)
+          .Num("batch", batch)
           .Raw("rows", JsonArray(rows))
           .Done();
   const std::string path =
-      ResultPath(out_dir, random_model.empty() ? "model_bench" : "model_bench-random-" + shape_name,
-                 info) +
+      ResultPath(
+          out_dir,
+          absl::StrCat(random_model.empty() ? "model_bench" : "model_bench-random-" + shape_name,
+                       batch == 1 ? "" : absl::StrCat("-batch", batch)),
+          info) +
       ".json";
   if (!WriteResultFile(path, json + "\n")) return 1;
   std::printf("wrote %s\n", path.c_str());
