@@ -32,7 +32,8 @@
 
 ABSL_FLAG(std::string, transport, "",
           "block transport (UCX) address (default: the node's transport in the file)");
-ABSL_FLAG(int, max_batch, 32, "sequences stepped together");
+ABSL_FLAG(int, max_batch, 32,
+          "sequences stepped together (up to 64, each gets the logits it would get alone)");
 ABSL_FLAG(std::string, kv_budget, "1G", "KV bytes (compressed) of running sequences");
 ABSL_FLAG(int, max_waiting, 4096, "registered requests not yet running; more: refused (429)");
 ABSL_FLAG(int, kv_timeout_ms, 60000, "registration to the end of the KV transfer");
