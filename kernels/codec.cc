@@ -149,7 +149,11 @@ AffineResult QuantizeAffine(const HeadMajor& x, bool per_channel, uint32_t gs, u
     // Multipliers from the tensor's largest magnitude: zero points lie within it, scales within
     // twice it over qmax (with headroom for the rounded-down zero).
     float maxabs = 0;
-    for (float v : x.x) maxabs = std::max(maxabs, std::fabs(v));
+    if (internal::HaveCodecSimd()) {
+      maxabs = internal::MaxAbsAvx2(x.x.data(), x.x.size(), 0.0f);
+    } else {
+      for (float v : x.x) maxabs = std::max(maxabs, std::fabs(v));
+    }
     maxabs = std::max(maxabs, 1e-20f);
     r.multipliers[0] = 2.1f * maxabs / qmax / kFp8E4M3Max;
     r.multipliers[1] = maxabs / kFp8E4M3Max;
@@ -242,9 +246,9 @@ AffineResult QuantizeAffine(const HeadMajor& x, bool per_channel, uint32_t gs, u
       }
     } else {
       // V: one group = gs channels of one token.
-      if (simd && gs % 8 == 0 && !fp8_meta) {
+      if (simd && gs % 8 == 0) {
         // Every token of the head at once: ranges, then all parameters in one vector pass
-        // (a token has only a few groups), then the codes.
+        // (a token has only a few groups; with fp8 parameters, one scalar pass), then the codes.
         const size_t n = size_t{T} * groups, p0 = size_t{h} * n;
         glo.resize(n);
         ghi.resize(n);
@@ -257,9 +261,15 @@ AffineResult QuantizeAffine(const HeadMajor& x, bool per_channel, uint32_t gs, u
                                     &ghi[size_t{t} * groups], masked ? &mask[base] : nullptr);
         }
         for (size_t i = 0; i < n; ++i) clip_range(glo[i], ghi[i]);
-        internal::AffineParamsAvx2(glo.data(), ghi.data(), static_cast<uint32_t>(n), qmax,
-                                   &r.scales[p0], &r.zeros[p0], gs_scale.data(), gs_zero.data(),
-                                   gs_inv.data());
+        if (fp8_meta) {
+          for (size_t i = 0; i < n; ++i) {
+            params(glo[i], ghi[i], p0 + i, &gs_scale[i], &gs_zero[i], &gs_inv[i]);
+          }
+        } else {
+          internal::AffineParamsAvx2(glo.data(), ghi.data(), static_cast<uint32_t>(n), qmax,
+                                     &r.scales[p0], &r.zeros[p0], gs_scale.data(), gs_zero.data(),
+                                     gs_inv.data());
+        }
         for (uint32_t t = 0; t < T; ++t) {
           const size_t base = (size_t{h} * T + t) * D, pt = size_t{t} * groups;
           internal::QuantizeGroupsAvx2(&x.x[base], &gs_zero[pt], &gs_inv[pt], D, gs, qmax,

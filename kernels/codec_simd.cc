@@ -290,6 +290,20 @@ STRATA_CODEC_AVX2 bool AllWithinAvx2(const float* x, uint32_t n, float limit) {
   return all;
 }
 
+STRATA_CODEC_AVX2 float MaxAbsAvx2(const float* x, size_t n, float init) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 m = _mm256_set1_ps(init);
+  size_t i = 0;
+  // max_ps returns its second operand when either is NaN: the running maximum stays.
+  for (; i + 8 <= n; i += 8) m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + i), abs_mask), m);
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  float mx = init;
+  for (float v : lanes) mx = std::max(mx, v);
+  for (; i < n; ++i) mx = std::max(mx, std::fabs(x[i]));
+  return mx;
+}
+
 namespace {
 // 3-bit codes: each 8 codes (8 bytes) to 3 bytes with pext, which gathers every byte's low three
 // bits into 24 contiguous bits, LSB first as PackBits lays them out.

@@ -114,13 +114,28 @@ TEST(CodecSimdTest, LoopsEqualThePortableLoopsBitForBit) {
   }
 }
 
+TEST(CodecSimdTest, MaxAbsEqualsTheScalarScan) {
+  if (!HaveCodecSimd()) GTEST_SKIP() << "skipped: no AVX2 on this CPU";
+  for (size_t n : {0u, 1u, 7u, 8u, 9u, 64u, 1001u}) {
+    std::vector<float> x = Values(n, n + 5);
+    if (n > 3) x[n / 2] = NAN;  // skipped by both
+    for (const float init : {0.0f, 1e-20f, 5000.0f}) {
+      float want = init;
+      for (float v : x) want = std::max(want, std::fabs(v));
+      EXPECT_EQ(Bits(internal::MaxAbsAvx2(x.data(), n, init)), Bits(want))
+          << "n=" << n << " init=" << init;
+    }
+  }
+}
+
 // Every codec's blocks are the same bytes with the AVX2 loops and without.
 TEST(CodecSimdTest, BlocksAreTheSameBytesWithAndWithoutAvx2) {
   if (!HaveCodecSimd()) GTEST_SKIP() << "skipped: no AVX2 on this CPU";
   for (const char* spec :
        {"kivi:k2v2:g32", "kivi:k4v4:g32", "kivi:k3v3:g64", "kivi:k8v8:g16", "kcvt:k2v2",
         "kivi:k2v2:g32:m8", "gear:k2v2:g32:r4:s2", "zipcache:k2v2:h4:s10", "tada:k2v2:g32",
-        "kivi:k4v2:g32:sink4", "skvq:k2v2:g32", "skvq:k4v4:g16:m8"}) {
+        "kivi:k4v2:g32:sink4", "skvq:k2v2:g32", "skvq:k4v4:g16:m8", "skvq:k2v2:g64:m8",
+        "kcvt:k4v4:m8", "gear:k2v2:g32:r4:s2:m8"}) {
     for (uint32_t dim : {64u, 128u, 40u}) {
       const SyntheticKv kv = MakeSyntheticKv(77, 4, dim, 9, 0);
       const KvChunkView view{kv.k.data(), kv.v.data(), SourceDType::kFloat32, 77, 4, dim};

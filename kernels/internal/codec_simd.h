@@ -62,6 +62,9 @@ void GatherAvx2(const float* x, const uint16_t* idx, uint32_t n, float* out);
 // True when every |x[i]| <= limit (false for a NaN), i in [0, n).
 bool AllWithinAvx2(const float* x, uint32_t n, float limit);
 
+// max(init, max |x[i]|) over i in [0, n), NaNs skipped: the bits of a scalar std::max scan.
+float MaxAbsAvx2(const float* x, size_t n, float init);
+
 // QuantizeRowAvx2 over a row of n values in groups of gs (a multiple of 8) with one parameter
 // per group: z[g], inv[g] for values [g * gs, (g + 1) * gs).
 void QuantizeGroupsAvx2(const float* x, const float* z, const float* inv, uint32_t n, uint32_t gs,
