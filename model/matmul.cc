@@ -70,18 +70,24 @@ STRATA_MATMUL_TARGET inline __m128 Reduce4(__m256 c0, __m256 c1, __m256 c2, __m2
 }
 
 // R rows by C columns (C = 4, or 1 for the last columns), the columns' rows of W in registers.
+// The loops over r and c are unrolled so that the accumulators stay in registers.
 template <int R, int C>
 STRATA_MATMUL_TARGET void Block(const float* x, int in, const float* w, float* y, int ldy) {
   __m256 acc[R][C];
+#pragma GCC unroll 4
   for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
   }
   const int full = in / 8 * 8;
   for (int k = 0; k < full; k += 8) {
     __m256 wv[C];
+#pragma GCC unroll 4
     for (int c = 0; c < C; ++c) wv[c] = _mm256_loadu_ps(w + size_t(c) * in + k);
+#pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       const __m256 xv = _mm256_loadu_ps(x + size_t(r) * in + k);
+#pragma GCC unroll 4
       for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
     }
   }
@@ -89,12 +95,16 @@ STRATA_MATMUL_TARGET void Block(const float* x, int in, const float* w, float* y
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(in - full), lane);
     __m256 wv[C];
+#pragma GCC unroll 4
     for (int c = 0; c < C; ++c) wv[c] = _mm256_maskload_ps(w + size_t(c) * in + full, mask);
+#pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       const __m256 xv = _mm256_maskload_ps(x + size_t(r) * in + full, mask);
+#pragma GCC unroll 4
       for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
     }
   }
+#pragma GCC unroll 4
   for (int r = 0; r < R; ++r) {
     if constexpr (C == 4) {
       _mm_storeu_ps(y + size_t(r) * ldy, Reduce4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
