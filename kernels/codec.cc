@@ -450,7 +450,11 @@ absl::Status WriteInt8(const CodecSpec&, const CodecLayout& layout, const KvChun
     for (size_t row = 0; row < m.x.size() / D; ++row) {
       const float* x = &m.x[row * D];
       float amax = 0;
-      for (uint32_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
+      if (internal::HaveCodecSimd()) {
+        amax = internal::MaxAbsAvx2(x, D, 0.0f);
+      } else {
+        for (uint32_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
+      }
       scales[row] = F16(amax / 127.0f);
       const float scale = F32(scales[row]);
       const float inv = scale > 0 ? 1.0f / scale : 0.0f;
@@ -470,12 +474,21 @@ absl::Status WriteFp8(const CodecSpec&, const CodecLayout& layout, const KvChunk
   int section = first;
   for (const auto& [src, name] : {std::pair{c.k, "K"}, std::pair{c.v, "V"}}) {
     STRATA_ASSIGN_OR_RETURN(HeadMajor m, ToHeadMajor(c, src, name, INFINITY));
+    const bool simd = internal::HaveCodecSimd();
     float amax = 0;
-    for (float v : m.x) amax = std::max(amax, std::fabs(v));
+    if (simd) {
+      amax = internal::MaxAbsAvx2(m.x.data(), m.x.size(), 0.0f);
+    } else {
+      for (float v : m.x) amax = std::max(amax, std::fabs(v));
+    }
     const float scale = amax > 0 ? amax / kFp8E4M3Max : 1.0f;
     const float inv = 1.0f / scale;
     uint8_t* codes = b.section_as<uint8_t>(section);
-    for (size_t i = 0; i < m.x.size(); ++i) codes[i] = FloatToFp8E4M3(m.x[i] * inv);
+    if (simd) {
+      internal::ScaleToFp8E4M3Avx2(m.x.data(), m.x.size(), inv, codes);
+    } else {
+      for (size_t i = 0; i < m.x.size(); ++i) codes[i] = FloatToFp8E4M3(m.x[i] * inv);
+    }
     std::memcpy(b.section(section + 1).data(), &scale, sizeof(scale));
     section += layout.k_section_count;
   }

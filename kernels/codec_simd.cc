@@ -10,6 +10,7 @@
 #include <cstring>
 
 #include "common/cpu_features.h"
+#include "common/fp8.h"
 #include "common/half.h"
 #include "kernels/bit_pack.h"
 
@@ -302,6 +303,41 @@ STRATA_CODEC_AVX2 float MaxAbsAvx2(const float* x, size_t n, float init) {
   for (float v : lanes) mx = std::max(mx, v);
   for (; i < n; ++i) mx = std::max(mx, std::fabs(x[i]));
   return mx;
+}
+
+STRATA_CODEC_AVX2 void ScaleToFp8E4M3Avx2(const float* x, size_t n, float mul, uint8_t* out) {
+  const __m256 vmul = _mm256_set1_ps(mul);
+  const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff), one = _mm256_set1_epi32(1);
+  // The low byte of each 32-bit lane, to the first four bytes of each 128-bit half.
+  const __m256i low_bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                             -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1,
+                                             -1, -1, -1, -1);
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i bits = _mm256_castps_si256(_mm256_mul_ps(_mm256_loadu_ps(x + i), vmul));
+    const __m256i abs = _mm256_and_si256(bits, abs_mask);
+    const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(bits, 24), _mm256_set1_epi32(0x80));
+    // Normal: exponent rebiased 127 -> 7, three mantissa bits, rounded to nearest even by
+    // adding 0x7ffff plus the kept bit's lowest; past 448 saturates to 0x7e.
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(abs, 20), one);
+    __m256i code = _mm256_srli_epi32(
+        _mm256_add_epi32(_mm256_sub_epi32(abs, _mm256_set1_epi32(0x3c000000)),
+                         _mm256_add_epi32(_mm256_set1_epi32(0x7ffff), lsb)),
+        20);
+    code = _mm256_min_epi32(code, _mm256_set1_epi32(0x7e));
+    // Below 2^-6: |f| * 2^9 (exact) rounded to nearest even by the conversion (MXCSR's default).
+    const __m256i sub =
+        _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_castsi256_ps(abs), _mm256_set1_ps(512.0f)));
+    code = _mm256_blendv_epi8(code, sub, _mm256_cmpgt_epi32(_mm256_set1_epi32(0x3c800000), abs));
+    code = _mm256_blendv_epi8(code, _mm256_set1_epi32(0x7f),
+                              _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x7f800000)));  // NaN
+    const __m256i b = _mm256_shuffle_epi8(_mm256_or_si256(code, sign), low_bytes);
+    const uint32_t lo = static_cast<uint32_t>(_mm256_extract_epi32(b, 0)),
+                   hi = static_cast<uint32_t>(_mm256_extract_epi32(b, 4));
+    std::memcpy(out + i, &lo, 4);
+    std::memcpy(out + i + 4, &hi, 4);
+  }
+  for (; i < n; ++i) out[i] = FloatToFp8E4M3(x[i] * mul);
 }
 
 namespace {

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "common/fp8.h"
 #include "common/half.h"
 #include "gtest/gtest.h"
 #include "kernels/bit_pack.h"
@@ -128,6 +129,45 @@ TEST(CodecSimdTest, MaxAbsEqualsTheScalarScan) {
   }
 }
 
+TEST(CodecSimdTest, Fp8NarrowingEqualsTheScalarConversion) {
+  if (!HaveCodecSimd()) GTEST_SKIP() << "skipped: no AVX2 on this CPU";
+  std::vector<float> x;
+  // Every e4m3 value, the ties between neighbours and the floats just either side of them.
+  for (int c = 0; c < 0x7f; ++c) {
+    const float lo = Fp8E4M3ToFloat(static_cast<uint8_t>(c)),
+                hi = Fp8E4M3ToFloat(static_cast<uint8_t>(c + 1));
+    const float mid = c + 1 < 0x7f ? (lo + hi) / 2 : 464.0f;
+    for (float v : {lo, mid, std::nextafter(mid, 0.0f), std::nextafter(mid, 1e9f)}) {
+      x.push_back(v);
+      x.push_back(-v);
+    }
+  }
+  for (float v : {0.0f, -0.0f, INFINITY, -INFINITY, NAN, -NAN, 1e-40f, -1e-45f, 0x1p-10f,
+                  std::nextafter(0x1p-10f, 1.0f), 0x1p-6f, std::nextafter(0x1p-6f, 0.0f), 448.0f,
+                  464.0f, std::nextafter(464.0f, 0.0f), 1e6f, 3e38f}) {
+    x.push_back(v);
+  }
+  std::mt19937 rng(11);  // any bit pattern
+  for (int i = 0; i < 200000; ++i) {
+    const uint32_t u = static_cast<uint32_t>(rng());
+    float f;
+    std::memcpy(&f, &u, 4);
+    x.push_back(f);
+  }
+  for (const float mul : {1.0f, 3.7f, 1.0f / 448.0f}) {
+    for (const size_t offset : {size_t{0}, size_t{3}}) {  // and a tail of every length
+      const size_t n = x.size() - offset;
+      std::vector<uint8_t> got(n);
+      internal::ScaleToFp8E4M3Avx2(x.data() + offset, n, mul, got.data());
+      for (size_t i = 0; i < n; ++i) {
+        ASSERT_EQ(got[i], FloatToFp8E4M3(x[offset + i] * mul))
+            << "x=" << x[offset + i] << " (bits " << std::hex << Bits(x[offset + i])
+            << ") mul=" << mul;
+      }
+    }
+  }
+}
+
 // Every codec's blocks are the same bytes with the AVX2 loops and without.
 TEST(CodecSimdTest, BlocksAreTheSameBytesWithAndWithoutAvx2) {
   if (!HaveCodecSimd()) GTEST_SKIP() << "skipped: no AVX2 on this CPU";
@@ -135,7 +175,7 @@ TEST(CodecSimdTest, BlocksAreTheSameBytesWithAndWithoutAvx2) {
        {"kivi:k2v2:g32", "kivi:k4v4:g32", "kivi:k3v3:g64", "kivi:k8v8:g16", "kcvt:k2v2",
         "kivi:k2v2:g32:m8", "gear:k2v2:g32:r4:s2", "zipcache:k2v2:h4:s10", "tada:k2v2:g32",
         "kivi:k4v2:g32:sink4", "skvq:k2v2:g32", "skvq:k4v4:g16:m8", "skvq:k2v2:g64:m8",
-        "kcvt:k4v4:m8", "gear:k2v2:g32:r4:s2:m8"}) {
+        "kcvt:k4v4:m8", "gear:k2v2:g32:r4:s2:m8", "fp8e4m3", "int8"}) {
     for (uint32_t dim : {64u, 128u, 40u}) {
       const SyntheticKv kv = MakeSyntheticKv(77, 4, dim, 9, 0);
       const KvChunkView view{kv.k.data(), kv.v.data(), SourceDType::kFloat32, 77, 4, dim};

@@ -65,6 +65,9 @@ bool AllWithinAvx2(const float* x, uint32_t n, float limit);
 // max(init, max |x[i]|) over i in [0, n), NaNs skipped: the bits of a scalar std::max scan.
 float MaxAbsAvx2(const float* x, size_t n, float init);
 
+// out[i] = FloatToFp8E4M3(x[i] * mul) for i in [0, n) (common/fp8.h), bit for bit.
+void ScaleToFp8E4M3Avx2(const float* x, size_t n, float mul, uint8_t* out);
+
 // QuantizeRowAvx2 over a row of n values in groups of gs (a multiple of 8) with one parameter
 // per group: z[g], inv[g] for values [g * gs, (g + 1) * gs).
 void QuantizeGroupsAvx2(const float* x, const float* z, const float* inv, uint32_t n, uint32_t gs,
