@@ -458,7 +458,11 @@ absl::Status WriteInt8(const CodecSpec&, const CodecLayout& layout, const KvChun
       scales[row] = F16(amax / 127.0f);
       const float scale = F32(scales[row]);
       const float inv = scale > 0 ? 1.0f / scale : 0.0f;
-      for (uint32_t d = 0; d < D; ++d) {  // round half away from zero, vectorizable
+      if (internal::HaveCodecSimd()) {
+        internal::QuantizeInt8Avx2(x, D, inv, &codes[row * D]);
+        continue;
+      }
+      for (uint32_t d = 0; d < D; ++d) {  // round half away from zero
         const float y = x[d] * inv;
         const float q = static_cast<float>(static_cast<int32_t>(y + (y >= 0 ? 0.5f : -0.5f)));
         codes[row * D + d] = static_cast<int8_t>(std::clamp(q, -127.0f, 127.0f));

@@ -1,9 +1,11 @@
 // Encode throughput of one 256-token x 8-head x 128 chunk (fp16 input), per codec.
+#include <string>
 #include <vector>
 
 #include "benchmark/benchmark.h"
 #include "common/half.h"
 #include "kernels/codec.h"
+#include "kernels/codec_spec.h"
 #include "kernels/synthetic_kv.h"
 
 namespace strata::kernels {
@@ -14,7 +16,11 @@ void BM_Encode(benchmark::State& state, const char* spec) {
   std::vector<Half> k(kv.k.size()), v(kv.v.size());
   FloatToHalf(kv.k.data(), k.data(), k.size());
   FloatToHalf(kv.v.data(), v.data(), v.size());
-  auto codec = *Codec::Create(spec);
+  // SKVQ takes a calibration: a stand-in one (random channel orders, clipping).
+  auto codec =
+      *Codec::Create(spec, std::string(spec).starts_with("skvq")
+                               ? MakeSyntheticCalibration(*CodecSpec::Parse(spec), 8, 128, 1)
+                               : nullptr);
   const KvChunkView view{k.data(), v.data(), SourceDType::kFloat16, 256, 8, 128};
   for (auto _ : state) {
     auto block = codec->Encode(view, {});
@@ -25,7 +31,13 @@ void BM_Encode(benchmark::State& state, const char* spec) {
 
 BENCHMARK_CAPTURE(BM_Encode, fp16, "fp16");
 BENCHMARK_CAPTURE(BM_Encode, int8, "int8");
+BENCHMARK_CAPTURE(BM_Encode, fp8, "fp8e4m3");
 BENCHMARK_CAPTURE(BM_Encode, kivi2, "kivi:k2v2:g32");
+BENCHMARK_CAPTURE(BM_Encode, kivi3, "kivi:k3v3:g32");
+BENCHMARK_CAPTURE(BM_Encode, kivi2_m8, "kivi:k2v2:g32:m8");
+BENCHMARK_CAPTURE(BM_Encode, kcvt2, "kcvt:k2v2");
+BENCHMARK_CAPTURE(BM_Encode, skvq2, "skvq:k2v2:g32");
+BENCHMARK_CAPTURE(BM_Encode, skvq2_m8, "skvq:k2v2:g64:m8");
 BENCHMARK_CAPTURE(BM_Encode, gearl2, "gearl:k2v2:g32:r4");
 BENCHMARK_CAPTURE(BM_Encode, gear2, "gear:k2v2:g32:r4:s2");
 

@@ -309,9 +309,9 @@ STRATA_CODEC_AVX2 void ScaleToFp8E4M3Avx2(const float* x, size_t n, float mul, u
   const __m256 vmul = _mm256_set1_ps(mul);
   const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff), one = _mm256_set1_epi32(1);
   // The low byte of each 32-bit lane, to the first four bytes of each 128-bit half.
-  const __m256i low_bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
-                                             -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1,
-                                             -1, -1, -1, -1);
+  const __m256i low_bytes =
+      _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8, 12, -1,
+                       -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
   size_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m256i bits = _mm256_castps_si256(_mm256_mul_ps(_mm256_loadu_ps(x + i), vmul));
@@ -320,10 +320,10 @@ STRATA_CODEC_AVX2 void ScaleToFp8E4M3Avx2(const float* x, size_t n, float mul, u
     // Normal: exponent rebiased 127 -> 7, three mantissa bits, rounded to nearest even by
     // adding 0x7ffff plus the kept bit's lowest; past 448 saturates to 0x7e.
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(abs, 20), one);
-    __m256i code = _mm256_srli_epi32(
-        _mm256_add_epi32(_mm256_sub_epi32(abs, _mm256_set1_epi32(0x3c000000)),
-                         _mm256_add_epi32(_mm256_set1_epi32(0x7ffff), lsb)),
-        20);
+    __m256i code =
+        _mm256_srli_epi32(_mm256_add_epi32(_mm256_sub_epi32(abs, _mm256_set1_epi32(0x3c000000)),
+                                           _mm256_add_epi32(_mm256_set1_epi32(0x7ffff), lsb)),
+                          20);
     code = _mm256_min_epi32(code, _mm256_set1_epi32(0x7e));
     // Below 2^-6: |f| * 2^9 (exact) rounded to nearest even by the conversion (MXCSR's default).
     const __m256i sub =
@@ -338,6 +338,30 @@ STRATA_CODEC_AVX2 void ScaleToFp8E4M3Avx2(const float* x, size_t n, float mul, u
     std::memcpy(out + i + 4, &hi, 4);
   }
   for (; i < n; ++i) out[i] = FloatToFp8E4M3(x[i] * mul);
+}
+
+STRATA_CODEC_AVX2 void QuantizeInt8Avx2(const float* x, uint32_t n, float inv, int8_t* out) {
+  const __m256 vinv = _mm256_set1_ps(inv), half = _mm256_set1_ps(0.5f),
+               sign_bit = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0x80000000u)));
+  const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+  uint32_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 y = _mm256_mul_ps(_mm256_loadu_ps(x + i), vinv);
+    // +0.5 where y >= 0, else -0.5 (a NaN takes -0.5, as the scalar comparison gives it)
+    const __m256 neg =
+        _mm256_andnot_ps(_mm256_cmp_ps(y, _mm256_setzero_ps(), _CMP_GE_OQ), sign_bit);
+    const __m256i q = _mm256_cvttps_epi32(_mm256_add_ps(y, _mm256_or_ps(half, neg)));
+    const __m256i c = _mm256_max_epi32(_mm256_min_epi32(q, hi), lo);
+    // int32 -> int16 -> int8 (in range, so the saturating packs only narrow), lanes in order
+    const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+    const __m128i b = _mm_packs_epi16(w, w);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out + i), b);
+  }
+  for (; i < n; ++i) {
+    const float y = x[i] * inv;
+    const float q = static_cast<float>(static_cast<int32_t>(y + (y >= 0 ? 0.5f : -0.5f)));
+    out[i] = static_cast<int8_t>(std::clamp(q, -127.0f, 127.0f));
+  }
 }
 
 namespace {

@@ -168,6 +168,23 @@ TEST(CodecSimdTest, Fp8NarrowingEqualsTheScalarConversion) {
   }
 }
 
+TEST(CodecSimdTest, Int8CodesEqualTheScalarLoop) {
+  if (!HaveCodecSimd()) GTEST_SKIP() << "skipped: no AVX2 on this CPU";
+  for (uint32_t n : {1u, 7u, 8u, 64u, 131u}) {
+    const std::vector<float> x = Values(n, n + 17);  // zeros of both signs, ties after scaling
+    for (const float inv : {1.0f, 2.0f, 0.01f, 300.0f, 0.0f}) {
+      std::vector<int8_t> got(n);
+      internal::QuantizeInt8Avx2(x.data(), n, inv, got.data());
+      for (uint32_t i = 0; i < n; ++i) {
+        const float y = x[i] * inv;
+        const float q = static_cast<float>(static_cast<int32_t>(y + (y >= 0 ? 0.5f : -0.5f)));
+        ASSERT_EQ(got[i], static_cast<int8_t>(std::clamp(q, -127.0f, 127.0f)))
+            << "x=" << x[i] << " inv=" << inv;
+      }
+    }
+  }
+}
+
 // Every codec's blocks are the same bytes with the AVX2 loops and without.
 TEST(CodecSimdTest, BlocksAreTheSameBytesWithAndWithoutAvx2) {
   if (!HaveCodecSimd()) GTEST_SKIP() << "skipped: no AVX2 on this CPU";

@@ -68,6 +68,10 @@ float MaxAbsAvx2(const float* x, size_t n, float init);
 // out[i] = FloatToFp8E4M3(x[i] * mul) for i in [0, n) (common/fp8.h), bit for bit.
 void ScaleToFp8E4M3Avx2(const float* x, size_t n, float mul, uint8_t* out);
 
+// The int8 codec's codes: y = x[i] * inv rounded half away from zero (y + copysign(0.5, y),
+// truncated), clamped to [-127, 127], for i in [0, n); bit for bit the scalar loop's.
+void QuantizeInt8Avx2(const float* x, uint32_t n, float inv, int8_t* out);
+
 // QuantizeRowAvx2 over a row of n values in groups of gs (a multiple of 8) with one parameter
 // per group: z[g], inv[g] for values [g * gs, (g + 1) * gs).
 void QuantizeGroupsAvx2(const float* x, const float* z, const float* inv, uint32_t n, uint32_t gs,
