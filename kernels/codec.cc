@@ -231,10 +231,14 @@ AffineResult QuantizeAffine(const HeadMajor& x, bool per_channel, uint32_t gs, u
             }
           }
         }
+        const size_t p0 = (size_t{h} * groups + g) * D;
         if (simd && !fp8_meta) {
-          const size_t p0 = (size_t{h} * groups + g) * D;
           internal::AffineParamsAvx2(mn.data(), mx.data(), D, qmax, &r.scales[p0], &r.zeros[p0],
                                      scale.data(), zero.data(), inv.data());
+        } else if (simd) {
+          internal::AffineParamsFp8Avx2(mn.data(), mx.data(), D, qmax, r.multipliers[0],
+                                        r.multipliers[1], &r.scales8[p0], &r.zeros8[p0],
+                                        scale.data(), zero.data(), inv.data());
         } else {
           for (uint32_t d = 0; d < D; ++d) {
             params(mn[d], mx[d], (size_t{h} * groups + g) * D + d, &scale[d], &zero[d], &inv[d]);
@@ -248,7 +252,7 @@ AffineResult QuantizeAffine(const HeadMajor& x, bool per_channel, uint32_t gs, u
       // V: one group = gs channels of one token.
       if (simd && gs % 8 == 0) {
         // Every token of the head at once: ranges, then all parameters in one vector pass
-        // (a token has only a few groups; with fp8 parameters, one scalar pass), then the codes.
+        // (a token has only a few groups), then the codes.
         const size_t n = size_t{T} * groups, p0 = size_t{h} * n;
         glo.resize(n);
         ghi.resize(n);
@@ -262,9 +266,10 @@ AffineResult QuantizeAffine(const HeadMajor& x, bool per_channel, uint32_t gs, u
         }
         for (size_t i = 0; i < n; ++i) clip_range(glo[i], ghi[i]);
         if (fp8_meta) {
-          for (size_t i = 0; i < n; ++i) {
-            params(glo[i], ghi[i], p0 + i, &gs_scale[i], &gs_zero[i], &gs_inv[i]);
-          }
+          internal::AffineParamsFp8Avx2(glo.data(), ghi.data(), static_cast<uint32_t>(n), qmax,
+                                        r.multipliers[0], r.multipliers[1], &r.scales8[p0],
+                                        &r.zeros8[p0], gs_scale.data(), gs_zero.data(),
+                                        gs_inv.data());
         } else {
           internal::AffineParamsAvx2(glo.data(), ghi.data(), static_cast<uint32_t>(n), qmax,
                                      &r.scales[p0], &r.zeros[p0], gs_scale.data(), gs_zero.data(),

@@ -305,39 +305,124 @@ STRATA_CODEC_AVX2 float MaxAbsAvx2(const float* x, size_t n, float init) {
   return mx;
 }
 
-STRATA_CODEC_AVX2 void ScaleToFp8E4M3Avx2(const float* x, size_t n, float mul, uint8_t* out) {
-  const __m256 vmul = _mm256_set1_ps(mul);
-  const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff), one = _mm256_set1_epi32(1);
-  // The low byte of each 32-bit lane, to the first four bytes of each 128-bit half.
+namespace {
+// FloatToFp8E4M3 of eight floats, the codes in the low byte of each 32-bit lane.
+STRATA_CODEC_AVX2 inline __m256i Fp8Codes(__m256 f) {
+  const __m256i bits = _mm256_castps_si256(f);
+  const __m256i abs = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff));
+  const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(bits, 24), _mm256_set1_epi32(0x80));
+  // Normal: exponent rebiased 127 -> 7, three mantissa bits, rounded to nearest even by adding
+  // 0x7ffff plus the kept bit's lowest; past 448 saturates to 0x7e.
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(abs, 20), _mm256_set1_epi32(1));
+  __m256i code =
+      _mm256_srli_epi32(_mm256_add_epi32(_mm256_sub_epi32(abs, _mm256_set1_epi32(0x3c000000)),
+                                         _mm256_add_epi32(_mm256_set1_epi32(0x7ffff), lsb)),
+                        20);
+  code = _mm256_min_epi32(code, _mm256_set1_epi32(0x7e));
+  // Below 2^-6: |f| * 2^9 (exact) rounded to nearest even by the conversion (MXCSR's default).
+  const __m256i sub =
+      _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_castsi256_ps(abs), _mm256_set1_ps(512.0f)));
+  code = _mm256_blendv_epi8(code, sub, _mm256_cmpgt_epi32(_mm256_set1_epi32(0x3c800000), abs));
+  code = _mm256_blendv_epi8(code, _mm256_set1_epi32(0x7f),
+                            _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x7f800000)));  // NaN
+  return _mm256_or_si256(code, sign);
+}
+
+// Fp8E4M3ToFloat of eight finite codes (int32 lanes).
+STRATA_CODEC_AVX2 inline __m256 Fp8CodesToFloat(__m256i c) {
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x80)), 24);
+  const __m256i exp = _mm256_and_si256(_mm256_srli_epi32(c, 3), _mm256_set1_epi32(0xf));
+  const __m256i man = _mm256_and_si256(c, _mm256_set1_epi32(0x7));
+  const __m256i normal =
+      _mm256_or_si256(_mm256_slli_epi32(_mm256_add_epi32(exp, _mm256_set1_epi32(120)), 23),
+                      _mm256_slli_epi32(man, 20));
+  const __m256i sub = _mm256_castps_si256(
+      _mm256_mul_ps(_mm256_cvtepi32_ps(man), _mm256_set1_ps(0x1p-9f)));  // man * 2^-9, exact
+  const __m256i mag =
+      _mm256_blendv_epi8(normal, sub, _mm256_cmpeq_epi32(exp, _mm256_setzero_si256()));
+  return _mm256_castsi256_ps(_mm256_or_si256(mag, sign));
+}
+
+// Fp8E4M3Floor (ceil = false) or Fp8E4M3Ceil of eight finite floats.
+STRATA_CODEC_AVX2 inline __m256i Fp8Round(__m256 f, bool ceil) {
+  const __m256i c = Fp8Codes(f);
+  const __m256 back = Fp8CodesToFloat(c);
+  const __m256i keep = _mm256_castps_si256(_mm256_cmp_ps(back, f, ceil ? _CMP_GE_OQ : _CMP_LE_OQ));
+  const __m256i one = _mm256_set1_epi32(1);
+  const __m256i negative =
+      _mm256_cmpeq_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x80)), _mm256_set1_epi32(0x80));
+  // Away from zero by one step unless at 448 already; toward zero by one step.
+  const __m256i away = _mm256_blendv_epi8(
+      _mm256_add_epi32(c, one), c,
+      _mm256_cmpgt_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x7f)), _mm256_set1_epi32(0x7d)));
+  const __m256i toward = _mm256_sub_epi32(c, one);
+  // Floor: negative codes step away, positive toward (+0 to the smallest negative subnormal).
+  // Ceil: positive codes step away, negative toward (-0 to the smallest positive subnormal).
+  __m256i step = ceil ? _mm256_blendv_epi8(away, toward, negative)
+                      : _mm256_blendv_epi8(toward, away, negative);
+  const __m256i zero_code = _mm256_set1_epi32(ceil ? 0x80 : 0x00);
+  step = _mm256_blendv_epi8(step, _mm256_set1_epi32(ceil ? 0x01 : 0x81),
+                            _mm256_cmpeq_epi32(c, zero_code));
+  return _mm256_blendv_epi8(step, c, keep);
+}
+
+// Eight int32 lanes' low bytes to out[0, 8).
+STRATA_CODEC_AVX2 inline void StoreLowBytes(__m256i v, uint8_t* out) {
   const __m256i low_bytes =
       _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8, 12, -1,
                        -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+  const __m256i b = _mm256_shuffle_epi8(v, low_bytes);
+  const uint32_t lo = static_cast<uint32_t>(_mm256_extract_epi32(b, 0)),
+                 hi = static_cast<uint32_t>(_mm256_extract_epi32(b, 4));
+  std::memcpy(out, &lo, 4);
+  std::memcpy(out + 4, &hi, 4);
+}
+}  // namespace
+
+STRATA_CODEC_AVX2 void ScaleToFp8E4M3Avx2(const float* x, size_t n, float mul, uint8_t* out) {
+  const __m256 vmul = _mm256_set1_ps(mul);
   size_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    const __m256i bits = _mm256_castps_si256(_mm256_mul_ps(_mm256_loadu_ps(x + i), vmul));
-    const __m256i abs = _mm256_and_si256(bits, abs_mask);
-    const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(bits, 24), _mm256_set1_epi32(0x80));
-    // Normal: exponent rebiased 127 -> 7, three mantissa bits, rounded to nearest even by
-    // adding 0x7ffff plus the kept bit's lowest; past 448 saturates to 0x7e.
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(abs, 20), one);
-    __m256i code =
-        _mm256_srli_epi32(_mm256_add_epi32(_mm256_sub_epi32(abs, _mm256_set1_epi32(0x3c000000)),
-                                           _mm256_add_epi32(_mm256_set1_epi32(0x7ffff), lsb)),
-                          20);
-    code = _mm256_min_epi32(code, _mm256_set1_epi32(0x7e));
-    // Below 2^-6: |f| * 2^9 (exact) rounded to nearest even by the conversion (MXCSR's default).
-    const __m256i sub =
-        _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_castsi256_ps(abs), _mm256_set1_ps(512.0f)));
-    code = _mm256_blendv_epi8(code, sub, _mm256_cmpgt_epi32(_mm256_set1_epi32(0x3c800000), abs));
-    code = _mm256_blendv_epi8(code, _mm256_set1_epi32(0x7f),
-                              _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x7f800000)));  // NaN
-    const __m256i b = _mm256_shuffle_epi8(_mm256_or_si256(code, sign), low_bytes);
-    const uint32_t lo = static_cast<uint32_t>(_mm256_extract_epi32(b, 0)),
-                   hi = static_cast<uint32_t>(_mm256_extract_epi32(b, 4));
-    std::memcpy(out + i, &lo, 4);
-    std::memcpy(out + i + 4, &hi, 4);
+    StoreLowBytes(Fp8Codes(_mm256_mul_ps(_mm256_loadu_ps(x + i), vmul)), out + i);
   }
   for (; i < n; ++i) out[i] = FloatToFp8E4M3(x[i] * mul);
+}
+
+STRATA_CODEC_AVX2 void AffineParamsFp8Avx2(const float* lo, const float* hi, uint32_t n, float qmax,
+                                           float ms, float mz, uint8_t* scale8, uint8_t* zero8,
+                                           float* s, float* z, float* inv) {
+  const __m256 vq = _mm256_set1_ps(qmax), vms = _mm256_set1_ps(ms), vmz = _mm256_set1_ps(mz),
+               zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f);
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  uint32_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 l = _mm256_loadu_ps(lo + i), h = _mm256_loadu_ps(hi + i);
+    const __m256 empty = _mm256_cmp_ps(l, h, _CMP_GT_OQ);
+    l = _mm256_andnot_ps(empty, l);
+    h = _mm256_andnot_ps(empty, h);
+    const __m256i zc = Fp8Round(_mm256_div_ps(l, vmz), /*ceil=*/false);
+    const __m256 zf =
+        _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_mul_ps(Fp8CodesToFloat(zc), vmz), kRound));
+    const __m256i sc = Fp8Round(_mm256_div_ps(_mm256_div_ps(_mm256_sub_ps(h, zf), vq), vms),
+                                /*ceil=*/true);
+    const __m256 sf =
+        _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_mul_ps(Fp8CodesToFloat(sc), vms), kRound));
+    StoreLowBytes(zc, zero8 + i);
+    StoreLowBytes(sc, scale8 + i);
+    _mm256_storeu_ps(z + i, zf);
+    _mm256_storeu_ps(s + i, sf);
+    const __m256 positive = _mm256_cmp_ps(sf, zero, _CMP_GT_OQ);
+    _mm256_storeu_ps(inv + i, _mm256_and_ps(positive, _mm256_div_ps(one, sf)));
+  }
+  for (; i < n; ++i) {
+    float l = lo[i], h = hi[i];
+    if (l > h) l = h = 0;
+    zero8[i] = Fp8E4M3Floor(l / mz);
+    z[i] = HalfBitsToFloat(FloatToHalfBits(Fp8E4M3ToFloat(zero8[i]) * mz));
+    scale8[i] = Fp8E4M3Ceil((h - z[i]) / qmax / ms);
+    s[i] = HalfBitsToFloat(FloatToHalfBits(Fp8E4M3ToFloat(scale8[i]) * ms));
+    inv[i] = s[i] > 0 ? 1.0f / s[i] : 0.0f;
+  }
 }
 
 STRATA_CODEC_AVX2 void QuantizeInt8Avx2(const float* x, uint32_t n, float inv, int8_t* out) {

@@ -185,6 +185,43 @@ TEST(CodecSimdTest, Int8CodesEqualTheScalarLoop) {
   }
 }
 
+// fp8 parameters (m8) as the quantizer's scalar code makes them, on ranges that take every
+// rounding step: zero points of both signs near zero, empty groups (lo > hi), constant groups,
+// ranges at the multipliers' limits and past them (saturating at 448).
+TEST(CodecSimdTest, Fp8ParametersEqualTheScalarCode) {
+  if (!HaveCodecSimd()) GTEST_SKIP() << "skipped: no AVX2 on this CPU";
+  const float qmax = 3.0f, maxabs = 37.5f;
+  const float ms = 2.1f * maxabs / qmax / kFp8E4M3Max, mz = maxabs / kFp8E4M3Max;
+  std::vector<float> lo = Values(203, 5), hi = Values(203, 6);
+  for (size_t i = 0; i < lo.size(); ++i) {
+    lo[i] = std::clamp(lo[i], -maxabs, maxabs);
+    hi[i] = std::clamp(hi[i], -maxabs, maxabs);
+    if (i % 5 == 0) std::swap(lo[i], hi[i]);  // some empty, some not
+    if (i % 7 == 0) lo[i] = hi[i];
+    if (i % 11 == 0) lo[i] = -1e-9f * static_cast<float>(i);
+    if (i % 13 == 0) lo[i] = -maxabs, hi[i] = maxabs;
+    if (i % 17 == 0) lo[i] = -3 * maxabs, hi[i] = 9 * maxabs;  // past 448: saturates
+  }
+  const uint32_t n = static_cast<uint32_t>(lo.size());
+  std::vector<uint8_t> s8(n), z8(n);
+  std::vector<float> s(n), z(n), inv(n);
+  internal::AffineParamsFp8Avx2(lo.data(), hi.data(), n, qmax, ms, mz, s8.data(), z8.data(),
+                                s.data(), z.data(), inv.data());
+  for (uint32_t i = 0; i < n; ++i) {
+    float l = lo[i], h = hi[i];
+    if (l > h) l = h = 0;
+    const uint8_t zc = Fp8E4M3Floor(l / mz);
+    const float zf = HalfBitsToFloat(FloatToHalfBits(Fp8E4M3ToFloat(zc) * mz));
+    const uint8_t sc = Fp8E4M3Ceil((h - zf) / qmax / ms);
+    const float sf = HalfBitsToFloat(FloatToHalfBits(Fp8E4M3ToFloat(sc) * ms));
+    ASSERT_EQ(z8[i], zc) << "lo=" << lo[i] << " hi=" << hi[i];
+    ASSERT_EQ(s8[i], sc) << "lo=" << lo[i] << " hi=" << hi[i];
+    ASSERT_EQ(Bits(z[i]), Bits(zf));
+    ASSERT_EQ(Bits(s[i]), Bits(sf));
+    ASSERT_EQ(Bits(inv[i]), Bits(sf > 0 ? 1.0f / sf : 0.0f));
+  }
+}
+
 // Every codec's blocks are the same bytes with the AVX2 loops and without.
 TEST(CodecSimdTest, BlocksAreTheSameBytesWithAndWithoutAvx2) {
   if (!HaveCodecSimd()) GTEST_SKIP() << "skipped: no AVX2 on this CPU";

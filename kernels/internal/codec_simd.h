@@ -52,6 +52,12 @@ void QuantizeRowAvx2(const float* x, const float* z, const float* inv, uint32_t 
 void AffineParamsAvx2(const float* lo, const float* hi, uint32_t n, float qmax, uint16_t* scale16,
                       uint16_t* zero16, float* s, float* z, float* inv);
 
+// The same with fp8 parameters (the codec's m8): zero8 = Fp8E4M3Floor(lo / mz), z =
+// fp16(e4m3(zero8) * mz) widened, scale8 = Fp8E4M3Ceil((hi - z) / qmax / ms), s = fp16(e4m3(scale8)
+// * ms) widened, inv = s > 0 ? 1 / s : 0; the multipliers mz, ms > 0 and the ranges finite.
+void AffineParamsFp8Avx2(const float* lo, const float* hi, uint32_t n, float qmax, float ms,
+                         float mz, uint8_t* scale8, uint8_t* zero8, float* s, float* z, float* inv);
+
 // dst[i] = the fp16 src[i] widened, i in [0, n); true when every |dst[i]| <= limit (false for a
 // NaN). One pass for ToHeadMajor's conversion and range check.
 bool HalfToFloatWithinAvx2(const uint16_t* src, uint32_t n, float limit, float* dst);
