@@ -534,13 +534,17 @@ absl::Status WriteAffine(const CodecSpec& s, const CodecLayout& layout, const Kv
     std::vector<uint16_t> head_mean;
     if (s.id == CodecId::kTada) {  // mean over heads (as fp16 will store it); deviations remain
       head_mean.resize(size_t{T} * D);
-      for (uint32_t t = 0; t < T; ++t) {
-        for (uint32_t d = 0; d < D; ++d) {
-          float sum = 0;
-          for (uint32_t h = 0; h < H; ++h) sum += m.at(h, t, d);
-          head_mean[size_t{t} * D + d] = F16(sum / H);
-          const float mean = F32(head_mean[size_t{t} * D + d]);
-          for (uint32_t h = 0; h < H; ++h) m.at(h, t, d) -= mean;
+      if (internal::HaveCodecSimd() && D % 8 == 0) {
+        internal::HeadMeanAvx2(m.x.data(), H, T, D, head_mean.data());
+      } else {
+        for (uint32_t t = 0; t < T; ++t) {
+          for (uint32_t d = 0; d < D; ++d) {
+            float sum = 0;
+            for (uint32_t h = 0; h < H; ++h) sum += m.at(h, t, d);
+            head_mean[size_t{t} * D + d] = F16(sum / H);
+            const float mean = F32(head_mean[size_t{t} * D + d]);
+            for (uint32_t h = 0; h < H; ++h) m.at(h, t, d) -= mean;
+          }
         }
       }
     }
@@ -549,13 +553,17 @@ absl::Status WriteAffine(const CodecSpec& s, const CodecLayout& layout, const Kv
       // Channel-separable tokenwise quantization: each channel divided by sqrt(max |x|) of the
       // part, per-token groups, the divisor multiplied back at attention.
       norms.resize(size_t{H} * D);
-      for (uint32_t h = 0; h < H; ++h) {
-        for (uint32_t d = 0; d < D; ++d) {
-          float mx = 0;
-          for (uint32_t t = 0; t < T; ++t) mx = std::max(mx, std::fabs(m.at(h, t, d)));
-          norms[size_t{h} * D + d] = F16(mx > 0 ? std::sqrt(mx) : 1.0f);
-          const float inv = 1.0f / F32(norms[size_t{h} * D + d]);
-          for (uint32_t t = 0; t < T; ++t) m.at(h, t, d) *= inv;
+      if (internal::HaveCodecSimd() && D % 8 == 0) {
+        internal::ChannelNormsAvx2(m.x.data(), H, T, D, norms.data());
+      } else {
+        for (uint32_t h = 0; h < H; ++h) {
+          for (uint32_t d = 0; d < D; ++d) {
+            float mx = 0;
+            for (uint32_t t = 0; t < T; ++t) mx = std::max(mx, std::fabs(m.at(h, t, d)));
+            norms[size_t{h} * D + d] = F16(mx > 0 ? std::sqrt(mx) : 1.0f);
+            const float inv = 1.0f / F32(norms[size_t{h} * D + d]);
+            for (uint32_t t = 0; t < T; ++t) m.at(h, t, d) *= inv;
+          }
         }
       }
     }

@@ -38,6 +38,7 @@ BENCHMARK_CAPTURE(BM_Encode, kivi2_m8, "kivi:k2v2:g32:m8");
 BENCHMARK_CAPTURE(BM_Encode, kcvt2, "kcvt:k2v2");
 BENCHMARK_CAPTURE(BM_Encode, skvq2, "skvq:k2v2:g32");
 BENCHMARK_CAPTURE(BM_Encode, skvq2_m8, "skvq:k2v2:g64:m8");
+BENCHMARK_CAPTURE(BM_Encode, tada2, "tada:k2v2:g32");
 BENCHMARK_CAPTURE(BM_Encode, gearl2, "gearl:k2v2:g32:r4");
 BENCHMARK_CAPTURE(BM_Encode, gear2, "gear:k2v2:g32:r4:s2");
 

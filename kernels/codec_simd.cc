@@ -379,6 +379,50 @@ STRATA_CODEC_AVX2 inline void StoreLowBytes(__m256i v, uint8_t* out) {
 }
 }  // namespace
 
+STRATA_CODEC_AVX2 void HeadMeanAvx2(float* x, uint32_t H, uint32_t T, uint32_t D,
+                                    uint16_t* mean16) {
+  const __m256 vh = _mm256_set1_ps(static_cast<float>(H));
+  const size_t head = size_t{T} * D;
+  for (uint32_t t = 0; t < T; ++t) {
+    for (uint32_t d = 0; d + 8 <= D; d += 8) {
+      float* p = x + size_t{t} * D + d;
+      __m256 sum = _mm256_setzero_ps();
+      for (uint32_t h = 0; h < H; ++h) sum = _mm256_add_ps(sum, _mm256_loadu_ps(p + h * head));
+      const __m128i m16 =
+          _mm256_cvtps_ph(_mm256_div_ps(sum, vh), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(mean16 + size_t{t} * D + d), m16);
+      const __m256 mean = _mm256_cvtph_ps(m16);
+      for (uint32_t h = 0; h < H; ++h) {
+        _mm256_storeu_ps(p + h * head, _mm256_sub_ps(_mm256_loadu_ps(p + h * head), mean));
+      }
+    }
+  }
+}
+
+STRATA_CODEC_AVX2 void ChannelNormsAvx2(float* x, uint32_t H, uint32_t T, uint32_t D,
+                                        uint16_t* norm16) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)),
+               zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f);
+  for (uint32_t h = 0; h < H; ++h) {
+    float* xh = x + size_t{h} * T * D;
+    for (uint32_t d = 0; d + 8 <= D; d += 8) {
+      __m256 mx = zero;
+      for (uint32_t t = 0; t < T; ++t) {  // max_ps keeps its second operand for a NaN
+        mx = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(xh + size_t{t} * D + d), abs_mask), mx);
+      }
+      const __m256 norm =
+          _mm256_blendv_ps(one, _mm256_sqrt_ps(mx), _mm256_cmp_ps(mx, zero, _CMP_GT_OQ));
+      const __m128i n16 = _mm256_cvtps_ph(norm, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(norm16 + size_t{h} * D + d), n16);
+      const __m256 inv = _mm256_div_ps(one, _mm256_cvtph_ps(n16));
+      for (uint32_t t = 0; t < T; ++t) {
+        float* p = xh + size_t{t} * D + d;
+        _mm256_storeu_ps(p, _mm256_mul_ps(_mm256_loadu_ps(p), inv));
+      }
+    }
+  }
+}
+
 STRATA_CODEC_AVX2 void ScaleToFp8E4M3Avx2(const float* x, size_t n, float mul, uint8_t* out) {
   const __m256 vmul = _mm256_set1_ps(mul);
   size_t i = 0;

@@ -71,6 +71,16 @@ bool AllWithinAvx2(const float* x, uint32_t n, float limit);
 // max(init, max |x[i]|) over i in [0, n), NaNs skipped: the bits of a scalar std::max scan.
 float MaxAbsAvx2(const float* x, size_t n, float init);
 
+// TaDA's head mean of x [H][T][D] (head-major, D a multiple of 8): mean16[t][d] = fp16 of
+// (x[0][t][d] + x[1][t][d] + ... in head order) / H, and every head's x[h][t][d] less that
+// mean widened back; bit for bit the scalar loops'.
+void HeadMeanAvx2(float* x, uint32_t H, uint32_t T, uint32_t D, uint16_t* mean16);
+
+// ZipCache's channel norms of x [H][T][D] (D a multiple of 8): norm16[h][d] = fp16 of
+// sqrt(max over t of |x[h][t][d]|) (1 where that is 0), and x[h][t][d] multiplied by 1 / the
+// norm widened back; bit for bit the scalar loops'.
+void ChannelNormsAvx2(float* x, uint32_t H, uint32_t T, uint32_t D, uint16_t* norm16);
+
 // out[i] = FloatToFp8E4M3(x[i] * mul) for i in [0, n) (common/fp8.h), bit for bit.
 void ScaleToFp8E4M3Avx2(const float* x, size_t n, float mul, uint8_t* out);
 
