@@ -39,6 +39,13 @@ CpuFeatures Detect() {
     f.bmi2 = (b >> 8) & 1;
   }
   if (__get_cpuid_count(7, 1, &a, &b, &c, &d)) f.avx_vnni = f.avx2 && ((a >> 4) & 1);
+  f.fast_pext = f.bmi2;
+  // AMD ("Auth"enticAMD) and Hygon ("Hygo"nGenuine, Zen 1 based) before family 0x19.
+  if (__get_cpuid(0, &a, &b, &c, &d) && (b == 0x68747541u || b == 0x6f677948u)) {
+    __get_cpuid(1, &a, &b, &c, &d);
+    const unsigned family = ((a >> 8) & 0xf) + (((a >> 8) & 0xf) == 0xf ? (a >> 20) & 0xff : 0);
+    if (family < 0x19) f.fast_pext = false;
+  }
 #endif
   // STRATA_ISA caps what the kernels may use, to measure a slower path on a faster machine:
   // "portable" (none of these), "avx2" (AVX2+FMA+F16C, no VNNI, no AVX-512).
@@ -46,7 +53,7 @@ CpuFeatures Detect() {
     const std::string_view v(cap);
     if (v == "portable" || v == "avx2") {
       f.avx512f = f.avx512bw = f.avx512vl = f.avx512vnni = f.avx_vnni = false;
-      if (v == "portable") f.bmi2 = false;
+      if (v == "portable") f.bmi2 = f.fast_pext = false;
     }
     if (v == "portable") f.avx = f.avx2 = f.fma = f.f16c = false;
     if (v != "portable" && v != "avx2" && !v.empty()) {

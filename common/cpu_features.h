@@ -17,6 +17,8 @@ struct CpuFeatures {
   bool avx512vnni = false;  // vpdpbusd on EVEX (with avx512vl: on 256-bit registers too)
   bool avx_vnni = false;    // vpdpbusd on VEX (AVX-VNNI)
   bool bmi2 = false;        // pdep / pext
+  bool fast_pext = false;   // bmi2, and pdep / pext in hardware (AMD before Zen 3, family 0x19,
+                            // microcodes them at hundreds of cycles each)
 };
 
 // The environment variable STRATA_ISA=avx2 (or =portable) hides the features above it, so that a

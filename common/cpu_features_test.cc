@@ -19,6 +19,14 @@ TEST(CpuFeaturesTest, AgreesWithTheCompilerRuntime) {
   EXPECT_TRUE(!f.avx2 || f.avx);
   EXPECT_TRUE(!f.avx512bw || f.avx512f);
   EXPECT_TRUE(!f.f16c || f.avx);
+  EXPECT_TRUE(!f.fast_pext || f.bmi2);
+  // pdep / pext are microcoded on Zen 1 and 2, in hardware from Zen 3 on.
+  if (__builtin_cpu_is("znver1") || __builtin_cpu_is("znver2")) {
+    EXPECT_FALSE(f.fast_pext);
+  }
+  if (__builtin_cpu_is("znver3")) {
+    EXPECT_EQ(f.fast_pext, f.bmi2);
+  }
 }
 
 }  // namespace

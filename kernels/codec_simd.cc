@@ -509,7 +509,7 @@ __attribute__((target("bmi2"))) size_t Pack3Bmi2(const uint8_t* codes, size_t n,
 }  // namespace
 
 STRATA_CODEC_AVX2 void PackBitsAvx2(const uint8_t* codes, size_t n, int bits, uint8_t* out) {
-  if (bits == 3 && GetCpuFeatures().bmi2) {
+  if (bits == 3 && GetCpuFeatures().fast_pext) {
     const size_t i = Pack3Bmi2(codes, n, out);
     PackBits(codes + i, n - i, bits, out + i / 8 * 3);
     return;
