@@ -213,16 +213,25 @@ STRATA_CODEC_AVX2 void QuantizeGroupsAvx2(const float* x, const float* z, const 
   for (; d < n; ++d) codes[d] = AffineCode(x[d], z[d / gs], inv[d / gs], qmax);
 }
 
+namespace {
+// Eight groups' ranges, (0, 0) where lo > hi (every element of the group an outlier).
+struct Ranges {
+  __m256 lo, hi;
+};
+STRATA_CODEC_AVX2 inline Ranges LoadRanges(const float* lo, const float* hi) {
+  const __m256 l = _mm256_loadu_ps(lo), h = _mm256_loadu_ps(hi);
+  const __m256 empty = _mm256_cmp_ps(l, h, _CMP_GT_OQ);
+  return {_mm256_andnot_ps(empty, l), _mm256_andnot_ps(empty, h)};
+}
+}  // namespace
+
 STRATA_CODEC_AVX2 void AffineParamsAvx2(const float* lo, const float* hi, uint32_t n, float qmax,
                                         uint16_t* scale16, uint16_t* zero16, float* s, float* z,
                                         float* inv) {
   const __m256 vq = _mm256_set1_ps(qmax), zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f);
   uint32_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    __m256 l = _mm256_loadu_ps(lo + i), h = _mm256_loadu_ps(hi + i);
-    const __m256 empty = _mm256_cmp_ps(l, h, _CMP_GT_OQ);
-    l = _mm256_andnot_ps(empty, l);
-    h = _mm256_andnot_ps(empty, h);
+    const auto [l, h] = LoadRanges(lo + i, hi + i);
     // fp16 by round to nearest even, as FloatToHalfBits (the ranges are finite).
     const __m128i sh = _mm256_cvtps_ph(_mm256_div_ps(_mm256_sub_ps(h, l), vq),
                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -440,10 +449,7 @@ STRATA_CODEC_AVX2 void AffineParamsFp8Avx2(const float* lo, const float* hi, uin
   constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   uint32_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    __m256 l = _mm256_loadu_ps(lo + i), h = _mm256_loadu_ps(hi + i);
-    const __m256 empty = _mm256_cmp_ps(l, h, _CMP_GT_OQ);
-    l = _mm256_andnot_ps(empty, l);
-    h = _mm256_andnot_ps(empty, h);
+    const auto [l, h] = LoadRanges(lo + i, hi + i);
     const __m256i zc = Fp8Round(_mm256_div_ps(l, vmz), /*ceil=*/false);
     const __m256 zf =
         _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_mul_ps(Fp8CodesToFloat(zc), vmz), kRound));
