@@ -111,6 +111,14 @@ absl::StatusOr<HeadMajor> ToHeadMajor(const KvChunkView& c, const void* src, con
 }
 
 uint16_t F16(float f) { return FloatToHalfBits(f); }
+
+// max |x[i]| over [0, n), NaNs skipped (0 for none).
+float MaxAbs(const float* x, size_t n) {
+  if (internal::HaveCodecSimd()) return internal::MaxAbsAvx2(x, n, 0.0f);
+  float m = 0;
+  for (size_t i = 0; i < n; ++i) m = std::max(m, std::fabs(x[i]));
+  return m;
+}
 float F32(uint16_t h) { return HalfBitsToFloat(h); }
 
 template <typename T>
@@ -148,13 +156,7 @@ AffineResult QuantizeAffine(const HeadMajor& x, bool per_channel, uint32_t gs, u
     r.zeros8.resize(n_params);
     // Multipliers from the tensor's largest magnitude: zero points lie within it, scales within
     // twice it over qmax (with headroom for the rounded-down zero).
-    float maxabs = 0;
-    if (internal::HaveCodecSimd()) {
-      maxabs = internal::MaxAbsAvx2(x.x.data(), x.x.size(), 0.0f);
-    } else {
-      for (float v : x.x) maxabs = std::max(maxabs, std::fabs(v));
-    }
-    maxabs = std::max(maxabs, 1e-20f);
+    const float maxabs = std::max(MaxAbs(x.x.data(), x.x.size()), 1e-20f);
     r.multipliers[0] = 2.1f * maxabs / qmax / kFp8E4M3Max;
     r.multipliers[1] = maxabs / kFp8E4M3Max;
   }
@@ -241,7 +243,7 @@ AffineResult QuantizeAffine(const HeadMajor& x, bool per_channel, uint32_t gs, u
                                         scale.data(), zero.data(), inv.data());
         } else {
           for (uint32_t d = 0; d < D; ++d) {
-            params(mn[d], mx[d], (size_t{h} * groups + g) * D + d, &scale[d], &zero[d], &inv[d]);
+            params(mn[d], mx[d], p0 + d, &scale[d], &zero[d], &inv[d]);
           }
         }
         for (uint32_t t = t0; t < t1; ++t) {
@@ -454,12 +456,7 @@ absl::Status WriteInt8(const CodecSpec&, const CodecLayout& layout, const KvChun
     uint16_t* scales = b.section_as<uint16_t>(section + 1);
     for (size_t row = 0; row < m.x.size() / D; ++row) {
       const float* x = &m.x[row * D];
-      float amax = 0;
-      if (internal::HaveCodecSimd()) {
-        amax = internal::MaxAbsAvx2(x, D, 0.0f);
-      } else {
-        for (uint32_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
-      }
+      const float amax = MaxAbs(x, D);
       scales[row] = F16(amax / 127.0f);
       const float scale = F32(scales[row]);
       const float inv = scale > 0 ? 1.0f / scale : 0.0f;
@@ -484,12 +481,7 @@ absl::Status WriteFp8(const CodecSpec&, const CodecLayout& layout, const KvChunk
   for (const auto& [src, name] : {std::pair{c.k, "K"}, std::pair{c.v, "V"}}) {
     STRATA_ASSIGN_OR_RETURN(HeadMajor m, ToHeadMajor(c, src, name, INFINITY));
     const bool simd = internal::HaveCodecSimd();
-    float amax = 0;
-    if (simd) {
-      amax = internal::MaxAbsAvx2(m.x.data(), m.x.size(), 0.0f);
-    } else {
-      for (float v : m.x) amax = std::max(amax, std::fabs(v));
-    }
+    const float amax = MaxAbs(m.x.data(), m.x.size());
     const float scale = amax > 0 ? amax / kFp8E4M3Max : 1.0f;
     const float inv = 1.0f / scale;
     uint8_t* codes = b.section_as<uint8_t>(section);

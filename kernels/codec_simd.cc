@@ -175,6 +175,12 @@ STRATA_CODEC_AVX2 inline __m256i PackBytes(const __m256i* q) {
                                      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
+// 8 int32 lanes within [0, 255] to 8 bytes, in order.
+STRATA_CODEC_AVX2 inline void StoreBytes8(__m256i q, uint8_t* out) {
+  const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packus_epi16(w, w));
+}
+
 }  // namespace
 
 STRATA_CODEC_AVX2 void QuantizeRowAvx2(const float* x, const float* z, const float* inv, uint32_t n,
@@ -206,9 +212,8 @@ STRATA_CODEC_AVX2 void QuantizeGroupsAvx2(const float* x, const float* z, const 
     }
   }
   for (; d + 8 <= n; d += 8) {
-    const __m256i q = Codes8(x + d, _mm256_set1_ps(z[d / gs]), _mm256_set1_ps(inv[d / gs]), vq);
-    const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + d), _mm_packus_epi16(w, w));
+    StoreBytes8(Codes8(x + d, _mm256_set1_ps(z[d / gs]), _mm256_set1_ps(inv[d / gs]), vq),
+                codes + d);
   }
   for (; d < n; ++d) codes[d] = AffineCode(x[d], z[d / gs], inv[d / gs], qmax);
 }
@@ -375,17 +380,6 @@ STRATA_CODEC_AVX2 inline __m256i Fp8Round(__m256 f, bool ceil) {
   return _mm256_blendv_epi8(step, c, keep);
 }
 
-// Eight int32 lanes' low bytes to out[0, 8).
-STRATA_CODEC_AVX2 inline void StoreLowBytes(__m256i v, uint8_t* out) {
-  const __m256i low_bytes =
-      _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8, 12, -1,
-                       -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
-  const __m256i b = _mm256_shuffle_epi8(v, low_bytes);
-  const uint32_t lo = static_cast<uint32_t>(_mm256_extract_epi32(b, 0)),
-                 hi = static_cast<uint32_t>(_mm256_extract_epi32(b, 4));
-  std::memcpy(out, &lo, 4);
-  std::memcpy(out + 4, &hi, 4);
-}
 }  // namespace
 
 STRATA_CODEC_AVX2 void HeadMeanAvx2(float* x, uint32_t H, uint32_t T, uint32_t D,
@@ -436,7 +430,7 @@ STRATA_CODEC_AVX2 void ScaleToFp8E4M3Avx2(const float* x, size_t n, float mul, u
   const __m256 vmul = _mm256_set1_ps(mul);
   size_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    StoreLowBytes(Fp8Codes(_mm256_mul_ps(_mm256_loadu_ps(x + i), vmul)), out + i);
+    StoreBytes8(Fp8Codes(_mm256_mul_ps(_mm256_loadu_ps(x + i), vmul)), out + i);
   }
   for (; i < n; ++i) out[i] = FloatToFp8E4M3(x[i] * mul);
 }
@@ -457,8 +451,8 @@ STRATA_CODEC_AVX2 void AffineParamsFp8Avx2(const float* lo, const float* hi, uin
                                 /*ceil=*/true);
     const __m256 sf =
         _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_mul_ps(Fp8CodesToFloat(sc), vms), kRound));
-    StoreLowBytes(zc, zero8 + i);
-    StoreLowBytes(sc, scale8 + i);
+    StoreBytes8(zc, zero8 + i);
+    StoreBytes8(sc, scale8 + i);
     _mm256_storeu_ps(z + i, zf);
     _mm256_storeu_ps(s + i, sf);
     const __m256 positive = _mm256_cmp_ps(sf, zero, _CMP_GT_OQ);

@@ -357,6 +357,30 @@ STRATA_AVX2_INLINE GearTerms LoadGearTerms(const TensorOperands& t, uint32_t h, 
   return g;
 }
 
+// out[r] = sum_i f[i][r] * x[i][0..3] for r < 4: a rank-4 factor f [rows][4] as stored (fp16)
+// against x [rows][4] (four query heads interleaved), two rows per register.
+STRATA_AVX2_INLINE void ProjectRank4(const uint16_t* f16, const float* x, uint32_t rows,
+                                     __m128 out[4]) {
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                   _mm256_setzero_ps()};
+  uint32_t i = 0;
+  for (; i + 2 <= rows; i += 2) {
+    const __m256 xv = _mm256_loadu_ps(x + size_t{i} * 4);
+    const __m256 f = Half8(f16 + size_t{i} * 4);  // f[i][0..3], f[i + 1][0..3]
+    acc[0] = _mm256_fmadd_ps(_mm256_permute_ps(f, 0x00), xv, acc[0]);
+    acc[1] = _mm256_fmadd_ps(_mm256_permute_ps(f, 0x55), xv, acc[1]);
+    acc[2] = _mm256_fmadd_ps(_mm256_permute_ps(f, 0xaa), xv, acc[2]);
+    acc[3] = _mm256_fmadd_ps(_mm256_permute_ps(f, 0xff), xv, acc[3]);
+  }
+  for (uint32_t r = 0; r < 4; ++r) {
+    out[r] = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
+    for (uint32_t u = i; u < rows; ++u) {
+      out[r] = _mm_fmadd_ps(_mm_loadu_ps(x + size_t{u} * 4),
+                            _mm_set1_ps(HalfAt(f16 + size_t{u} * 4 + r)), out[r]);
+    }
+  }
+}
+
 // GEAR's value corrections for G a multiple of 4, four query heads at a time in a [D][4] sum:
 // the low-rank term B (A^T p) fills it (the factors read in their stored [rows][R] order, two
 // rows per register at rank 4), the outliers add to it, and it is added to the output by
@@ -375,27 +399,10 @@ STRATA_AVX2 void AddValueCorrectionsGrouped(const Segment& seg, HeadGroupState& 
     if (R == 4) {
       // pa[r] = sum_t p[t] A[t][r], two tokens per register, then sum[d] = sum_r B[d][r] pa[r],
       // two channels per register.
-      __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                       _mm256_setzero_ps()};
-      uint32_t t = 0;
-      for (; t + 2 <= T; t += 2) {
-        const __m256 x = _mm256_loadu_ps(&xp[size_t{t} * 4]);
-        const __m256 at = Half8(a16 + size_t{t} * 4);
-        acc[0] = _mm256_fmadd_ps(_mm256_permute_ps(at, 0x00), x, acc[0]);
-        acc[1] = _mm256_fmadd_ps(_mm256_permute_ps(at, 0x55), x, acc[1]);
-        acc[2] = _mm256_fmadd_ps(_mm256_permute_ps(at, 0xaa), x, acc[2]);
-        acc[3] = _mm256_fmadd_ps(_mm256_permute_ps(at, 0xff), x, acc[3]);
-      }
       __m128 pa[4];
       __m256 pa2[4];
-      for (uint32_t r = 0; r < 4; ++r) {
-        pa[r] = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
-        for (uint32_t u = t; u < T; ++u) {
-          pa[r] = _mm_fmadd_ps(_mm_loadu_ps(&xp[size_t{u} * 4]), _mm_set1_ps(HalfAt(a16 + size_t{u} * 4 + r)),
-                               pa[r]);
-        }
-        pa2[r] = _mm256_set_m128(pa[r], pa[r]);
-      }
+      ProjectRank4(a16, xp.data(), T, pa);
+      for (uint32_t r = 0; r < 4; ++r) pa2[r] = _mm256_set_m128(pa[r], pa[r]);
       uint32_t d = 0;
       for (; d + 2 <= D; d += 2) {
         const __m256 bd = Half8(b16 + size_t{d} * 4);
@@ -485,25 +492,12 @@ STRATA_AVX2_INLINE void AddStagedScoreCorrections(const Segment& seg, HeadGroupS
     if (R > 0) {
       // qb[r] = (B^T q)_r of the four heads, then staged[t] += sum_r A[t][r] qb[r].
       if (R == 4) {  // two channels, then two tokens, per register: [d: 4 heads | d + 1: ...]
-        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                         _mm256_setzero_ps()};
-        uint32_t d = 0;
-        for (; d + 2 <= D; d += 2) {
-          const __m256 x = _mm256_loadu_ps(&xq[size_t{d} * 4]);
-          const __m256 bd = Half8(b16 + size_t{d} * 4);  // B[d][0..3], B[d + 1][0..3]
-          acc[0] = _mm256_fmadd_ps(_mm256_permute_ps(bd, 0x00), x, acc[0]);
-          acc[1] = _mm256_fmadd_ps(_mm256_permute_ps(bd, 0x55), x, acc[1]);
-          acc[2] = _mm256_fmadd_ps(_mm256_permute_ps(bd, 0xaa), x, acc[2]);
-          acc[3] = _mm256_fmadd_ps(_mm256_permute_ps(bd, 0xff), x, acc[3]);
-        }
+        __m128 x[4];
         __m256 q2[4];
+        ProjectRank4(b16, xq.data(), D, x);
         for (uint32_t r = 0; r < 4; ++r) {
-          __m128 x = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
-          for (uint32_t e = d; e < D; ++e) {
-            x = _mm_fmadd_ps(_mm_loadu_ps(&xq[size_t{e} * 4]), _mm_set1_ps(HalfAt(b16 + size_t{e} * 4 + r)), x);
-          }
-          q2[r] = _mm256_set_m128(x, x);
-          _mm_storeu_ps(&qb[size_t{r} * 4], x);
+          q2[r] = _mm256_set_m128(x[r], x[r]);
+          _mm_storeu_ps(&qb[size_t{r} * 4], x[r]);
         }
         uint32_t t = 0;
         for (; t + 2 <= T; t += 2) {
