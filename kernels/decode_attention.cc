@@ -718,6 +718,8 @@ const char* DecodeAttentionPath() {
       return "avx2+avx512-vnni";
     case internal::IntegerIsa::kAvxVnni:
       return "avx2+avx-vnni";
+    case internal::IntegerIsa::kEmulatedVnni:
+      return "avx2+emulated-vnni";
     case internal::IntegerIsa::kAvx2:
       break;
   }

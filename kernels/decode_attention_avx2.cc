@@ -8,9 +8,11 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -932,6 +934,13 @@ namespace integer_avx512_vnni {
 #undef STRATA_INT8_TARGET
 #undef STRATA_INT8_VNNI
 }  // namespace integer_avx512_vnni
+namespace integer_emulated_vnni {
+#define STRATA_INT8_TARGET "avx2,fma,f16c"
+#define STRATA_INT8_VNNI 3
+#include "kernels/internal/integer_dot.inc"
+#undef STRATA_INT8_TARGET
+#undef STRATA_INT8_VNNI
+}  // namespace integer_emulated_vnni
 
 // Op at `bits` (2, 3 or 4) for the segment's G, of one instruction set; false when none has that G.
 template <template <int, uint32_t> class Op>
@@ -951,13 +960,15 @@ bool RunBits(int bits, const Segment& seg, HeadGroupState& st) {
 // Runs Op (one instantiation per instruction set, from internal/integer_dot.inc) with the CPU's
 // integer dot product at `bits` (2, 3 or 4) for the segment's G; false when no kernel has that G.
 template <template <int, uint32_t> class OpAvx2, template <int, uint32_t> class OpAvxVnni,
-          template <int, uint32_t> class OpAvx512Vnni>
+          template <int, uint32_t> class OpAvx512Vnni, template <int, uint32_t> class OpEmulated>
 bool RunInteger(int bits, const Segment& seg, HeadGroupState& st) {
   switch (IntegerDotIsa()) {
     case IntegerIsa::kAvx512Vnni:
       return RunBits<OpAvx512Vnni>(bits, seg, st);
     case IntegerIsa::kAvxVnni:
       return RunBits<OpAvxVnni>(bits, seg, st);
+    case IntegerIsa::kEmulatedVnni:
+      return RunBits<OpEmulated>(bits, seg, st);
     case IntegerIsa::kAvx2:
       break;
   }
@@ -1001,10 +1012,39 @@ bool IntegerValues(const Segment& seg, const HeadGroupState& st) {
 
 }  // namespace
 
-IntegerIsa IntegerDotIsa() {
+namespace {
+// SetIntegerIsaForTesting's choice (an IntegerIsa), or -1 for the CPU's best.
+std::atomic<int> integer_isa_override{-1};
+}  // namespace
+
+bool IntegerIsaRuns(IntegerIsa isa) {
   const CpuFeatures& f = GetCpuFeatures();
-  if (f.avx512vnni && f.avx512vl && f.avx512bw) return IntegerIsa::kAvx512Vnni;
-  if (f.avx_vnni) return IntegerIsa::kAvxVnni;
+  const bool avx2 = f.avx2 && f.fma && f.f16c;
+  switch (isa) {
+    case IntegerIsa::kAvx512Vnni:
+      return avx2 && f.avx512vnni && f.avx512vl && f.avx512bw;
+    case IntegerIsa::kAvxVnni:
+      return avx2 && f.avx_vnni;
+    case IntegerIsa::kAvx2:
+    case IntegerIsa::kEmulatedVnni:
+      return avx2;
+  }
+  return false;
+}
+
+bool SetIntegerIsaForTesting(std::optional<IntegerIsa> isa) {
+  if (isa.has_value() && !IntegerIsaRuns(*isa)) return false;
+  integer_isa_override.store(isa.has_value() ? static_cast<int>(*isa) : -1,
+                             std::memory_order_relaxed);
+  return true;
+}
+
+IntegerIsa IntegerDotIsa() {
+  if (const int o = integer_isa_override.load(std::memory_order_relaxed); o >= 0) {
+    return static_cast<IntegerIsa>(o);
+  }
+  if (IntegerIsaRuns(IntegerIsa::kAvx512Vnni)) return IntegerIsa::kAvx512Vnni;
+  if (IntegerIsaRuns(IntegerIsa::kAvxVnni)) return IntegerIsa::kAvxVnni;
   return IntegerIsa::kAvx2;
 }
 
@@ -1014,9 +1054,11 @@ void ScoresAvx2(const Segment& seg, HeadGroupState& st) {
     const bool ran =
         seg.block->k.token_groups
             ? RunInteger<integer_avx2::ScoresTokenGroupsOp, integer_avx_vnni::ScoresTokenGroupsOp,
-                         integer_avx512_vnni::ScoresTokenGroupsOp>(bits, seg, st)
+                         integer_avx512_vnni::ScoresTokenGroupsOp,
+                         integer_emulated_vnni::ScoresTokenGroupsOp>(bits, seg, st)
             : RunInteger<integer_avx2::ScoresInt8Op, integer_avx_vnni::ScoresInt8Op,
-                         integer_avx512_vnni::ScoresInt8Op>(bits, seg, st);
+                         integer_avx512_vnni::ScoresInt8Op, integer_emulated_vnni::ScoresInt8Op>(
+                  bits, seg, st);
     if (ran) return;
   }
   if (st.d % 8 != 0 || (seg.block != nullptr && seg.block->k.token_groups) ||
@@ -1028,7 +1070,8 @@ void ScoresAvx2(const Segment& seg, HeadGroupState& st) {
 void AccumulateAvx2(const Segment& seg, HeadGroupState& st) {
   if (IntegerValues(seg, st) &&
       RunInteger<integer_avx2::AccumulateInt16Op, integer_avx_vnni::AccumulateInt16Op,
-                 integer_avx512_vnni::AccumulateInt16Op>(seg.block->v.bits, seg, st)) {
+                 integer_avx512_vnni::AccumulateInt16Op, integer_emulated_vnni::AccumulateInt16Op>(
+          seg.block->v.bits, seg, st)) {
     return;
   }
   if (st.d % 8 != 0 ||

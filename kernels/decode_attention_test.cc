@@ -2,7 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstring>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -11,6 +14,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/codec.h"
+#include "kernels/internal/attention_segment.h"
 #include "kernels/synthetic_kv.h"
 
 namespace strata::kernels {
@@ -363,6 +367,72 @@ TEST(DecodeAttentionTest, SequencesSharingAPrefixReadItOnceAndEachMatchesTheRefe
                           .ok());
           EXPECT_EQ(apart.blocks_read, attended);
           EXPECT_EQ(apart.blocks_attended, attended);
+        }
+      }
+    }
+  }
+}
+
+TEST(DecodeAttentionTest, IntegerKernelsAreTheSameBitsOnEveryInstructionSet) {
+  // The integer kernels sum the same integers with vpmaddubsw (AVX2) and with vpdpbusd /
+  // vpdpwssd (VNNI), then take the same float steps: their outputs are the same bits. The VNNI
+  // kernels run here with those two instructions emulated exactly in AVX2 (so every machine
+  // tests their code), and with the instructions themselves where the CPU has them.
+  if (!DecodeAttentionUsesAvx2()) GTEST_SKIP() << "no AVX2: no integer kernels on this CPU";
+  struct Reset {
+    ~Reset() { internal::SetIntegerIsaForTesting(std::nullopt); }
+  } reset;
+  using internal::IntegerIsa;
+  std::vector<IntegerIsa> isas = {IntegerIsa::kEmulatedVnni};
+  for (IntegerIsa isa : {IntegerIsa::kAvxVnni, IntegerIsa::kAvx512Vnni}) {
+    if (internal::IntegerIsaRuns(isa)) isas.push_back(isa);
+  }
+  std::printf("VNNI kernels compared with AVX2's: emulated%s%s\n",
+              internal::IntegerIsaRuns(IntegerIsa::kAvxVnni) ? ", avx-vnni" : "",
+              internal::IntegerIsaRuns(IntegerIsa::kAvx512Vnni) ? ", avx512-vnni" : "");
+  const Shape shapes[] = {{4, 4, 64}, {8, 2, 128}, {16, 2, 64}, {4, 2, 256}, {8, 1, 64}};
+  ThreadPool pool(2);
+  uint64_t seed = 900;
+  for (const char* spec : {"kivi:k2v2:g32", "kivi:k3v3:g64", "kivi:k4v4:g32", "kivi:k2v2:g32:m8",
+                           "kcvt:k2v2", "kcvt:k4v4", "skvq:k2v2:g32", "skvq:k4v4:g16:sink2",
+                           "gear:k2v2:g32:r4:s2:sink2", "tada:k2v2:g32", "zipcache:k2v2:h4:s10"}) {
+    for (const Shape& sh : shapes) {
+      // Tails of every kind, sinks and a window; the third sequence is chunked prefill.
+      std::vector<std::unique_ptr<TestSequence>> seqs;
+      seqs.push_back(
+          MakeSequence(spec, sh.q_heads, sh.kv_heads, sh.dim, 4, {64, 37, 5}, 3, ++seed));
+      seqs.push_back(MakeSequence(spec, sh.q_heads, sh.kv_heads, sh.dim, 0, {33, 300}, 0, ++seed));
+      seqs.push_back(MakeSequence(spec, sh.q_heads, sh.kv_heads, sh.dim, 0, {96}, 4, ++seed));
+      SetQueries(*seqs.back(), 3, sh.q_heads, sh.dim, ++seed);
+      const DecodeAttentionParams params{sh.q_heads, sh.kv_heads, sh.dim};
+      // Every sequence's output under one integer dot product (or none: fp32 query).
+      auto run = [&](std::optional<IntegerIsa> isa) {
+        std::vector<std::vector<float>> outs;
+        std::vector<DecodeSequence> batch;
+        for (auto& s : seqs) {
+          outs.emplace_back(s->out.size(), NAN);
+          batch.push_back(s->seq);
+          batch.back().out = outs.back().data();
+        }
+        EXPECT_TRUE(internal::SetIntegerIsaForTesting(isa.value_or(IntegerIsa::kAvx2)));
+        const absl::Status st = DecodeAttention(
+            params, batch, {AttentionImpl::kAvx2, 40, &pool, /*integer_dot=*/isa.has_value()});
+        EXPECT_TRUE(st.ok()) << st;
+        return outs;
+      };
+      const auto avx2 = run(IntegerIsa::kAvx2);
+      // The integer kernels ran: the int8 query moves the outputs off the fp32 query's.
+      EXPECT_NE(avx2, run(std::nullopt)) << spec << " d=" << sh.dim;
+      for (IntegerIsa isa : isas) {
+        const auto other = run(isa);
+        for (size_t i = 0; i < seqs.size(); ++i) {
+          size_t differ = 0;
+          for (size_t k = 0; k < other[i].size(); ++k) {
+            differ += std::memcmp(&other[i][k], &avx2[i][k], sizeof(float)) != 0;
+          }
+          EXPECT_EQ(differ, 0u) << spec << " q=" << sh.q_heads << " kv=" << sh.kv_heads
+                                << " d=" << sh.dim << " sequence " << i << " isa "
+                                << static_cast<int>(isa);
         }
       }
     }

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -63,8 +64,15 @@ void AccumulatePortable(const Segment& seg, HeadGroupState& st);
 void ScoresAvx2(const Segment& seg, HeadGroupState& st);
 
 // Which integer dot product the AVX2 kernels' integer paths (keys and values) use on this CPU.
-enum class IntegerIsa { kAvx2, kAvxVnni, kAvx512Vnni };
+// kEmulatedVnni is never picked: it runs the VNNI kernels with vpdpbusd / vpdpwssd done exactly
+// in AVX2, so that a machine without VNNI tests their code (SetIntegerIsaForTesting).
+enum class IntegerIsa { kAvx2, kAvxVnni, kAvx512Vnni, kEmulatedVnni };
 IntegerIsa IntegerDotIsa();
+// Whether this CPU runs `isa`'s kernels.
+bool IntegerIsaRuns(IntegerIsa isa);
+// Makes IntegerDotIsa return `isa` (nullopt: the CPU's best again), for tests; false, changing
+// nothing, when the CPU cannot run it. Not for use while attention runs on other threads.
+bool SetIntegerIsaForTesting(std::optional<IntegerIsa> isa);
 void AccumulateAvx2(const Segment& seg, HeadGroupState& st);
 
 struct Kernels {
