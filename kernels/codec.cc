@@ -73,37 +73,59 @@ void SourceRow(const void* p, SourceDType dt, size_t offset, size_t n, float* ou
   }
 }
 
+// The chunk's `src` tensor head-major in float, every value checked against `limit`. With
+// `perm` ([H][D], SKVQ's calibrated channel order), each row's channels are stored in that order
+// (row[i] = channel perm[h * D + i]), eight tokens at a time while they are in cache.
 absl::StatusOr<HeadMajor> ToHeadMajor(const KvChunkView& c, const void* src, const char* name,
-                                      float limit) {
+                                      float limit, const uint16_t* perm = nullptr) {
   HeadMajor m;
   m.t = c.tokens;
   m.h = c.kv_heads;
   m.d = c.head_dim;
   m.x.resize(size_t{m.t} * m.h * m.d);
-  for (uint32_t tok = 0; tok < m.t; ++tok) {
-    for (uint32_t head = 0; head < m.h; ++head) {
-      float* dst = &m.at(head, tok, 0);
-      const size_t offset = (size_t{tok} * m.h + head) * m.d;
-      bool ok = true;  // one branch-free pass; the slow path finds the culprit
-      if (internal::HaveCodecSimd() && c.dtype == SourceDType::kFloat16) {
-        ok = internal::HalfToFloatWithinAvx2(static_cast<const uint16_t*>(src) + offset, m.d, limit,
-                                             dst);
-      } else if (internal::HaveCodecSimd()) {
-        SourceRow(src, c.dtype, offset, m.d, dst);
-        ok = internal::AllWithinAvx2(dst, m.d, limit);
-      } else {
-        SourceRow(src, c.dtype, offset, m.d, dst);
-        for (uint32_t ch = 0; ch < m.d; ++ch) ok &= std::fabs(dst[ch]) <= limit;
-      }
-      if (ok) continue;
-      for (uint32_t ch = 0; ch < m.d; ++ch) {
-        const float v = dst[ch];
-        if (!std::isfinite(v) || std::fabs(v) > limit) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "codec: ", name, "[token ", tok, ", head ", head, ", channel ", ch, "] = ", v,
-              std::isfinite(v) ? absl::StrCat(" exceeds this codec's range of +-", limit)
-                               : " is not finite"));
+  const bool simd = internal::HaveCodecSimd();
+  std::vector<float> row(perm != nullptr && !simd ? m.d : 0);
+  constexpr uint32_t kBlock = 8;
+  for (uint32_t tok0 = 0; tok0 < m.t; tok0 += kBlock) {
+    const uint32_t tok1 = std::min(m.t, tok0 + kBlock);
+    for (uint32_t tok = tok0; tok < tok1; ++tok) {
+      for (uint32_t head = 0; head < m.h; ++head) {
+        float* dst = &m.at(head, tok, 0);
+        const size_t offset = (size_t{tok} * m.h + head) * m.d;
+        bool ok = true;  // one branch-free pass; the slow path finds the culprit
+        if (simd && c.dtype == SourceDType::kFloat16) {
+          ok = internal::HalfToFloatWithinAvx2(static_cast<const uint16_t*>(src) + offset, m.d,
+                                               limit, dst);
+        } else if (simd) {
+          SourceRow(src, c.dtype, offset, m.d, dst);
+          ok = internal::AllWithinAvx2(dst, m.d, limit);
+        } else {
+          SourceRow(src, c.dtype, offset, m.d, dst);
+          for (uint32_t ch = 0; ch < m.d; ++ch) ok &= std::fabs(dst[ch]) <= limit;
         }
+        if (ok) continue;
+        for (uint32_t ch = 0; ch < m.d; ++ch) {
+          const float v = dst[ch];
+          if (!std::isfinite(v) || std::fabs(v) > limit) {
+            return absl::InvalidArgumentError(absl::StrCat(
+                "codec: ", name, "[token ", tok, ", head ", head, ", channel ", ch, "] = ", v,
+                std::isfinite(v) ? absl::StrCat(" exceeds this codec's range of +-", limit)
+                                 : " is not finite"));
+          }
+        }
+      }
+    }
+    if (perm == nullptr) continue;
+    for (uint32_t head = 0; head < m.h; ++head) {
+      const uint16_t* p = perm + size_t{head} * m.d;
+      if (simd) {
+        internal::PermuteRowsAvx2(&m.at(head, tok0, 0), tok1 - tok0, m.d, p);
+        continue;
+      }
+      for (uint32_t tok = tok0; tok < tok1; ++tok) {
+        float* x = &m.at(head, tok, 0);
+        for (uint32_t d = 0; d < m.d; ++d) row[d] = x[p[d]];
+        std::copy(row.begin(), row.end(), x);
       }
     }
   }
@@ -261,11 +283,9 @@ AffineResult QuantizeAffine(const HeadMajor& x, bool per_channel, uint32_t gs, u
         gs_scale.resize(n);
         gs_zero.resize(n);
         gs_inv.resize(n);
-        for (uint32_t t = 0; t < T; ++t) {
-          const size_t base = (size_t{h} * T + t) * D;
-          internal::GroupMinMaxAvx2(&x.x[base], D, gs, &glo[size_t{t} * groups],
-                                    &ghi[size_t{t} * groups], masked ? &mask[base] : nullptr);
-        }
+        const size_t head = size_t{h} * T * D;
+        internal::GroupMinMaxAvx2(&x.x[head], T, D, gs, glo.data(), ghi.data(),
+                                  masked ? &mask[head] : nullptr);
         for (size_t i = 0; i < n; ++i) clip_range(glo[i], ghi[i]);
         if (fp8_meta) {
           internal::AffineParamsFp8Avx2(glo.data(), ghi.data(), static_cast<uint32_t>(n), qmax,
@@ -503,25 +523,13 @@ absl::Status WriteAffine(const CodecSpec& s, const CodecLayout& layout, const Kv
   for (const auto& [src, name] : {std::pair{c.k, "K"}, std::pair{c.v, "V"}}) {
     const bool is_k = section == first;
     const TensorLayout& tl = is_k ? layout.k : layout.v;
-    STRATA_ASSIGN_OR_RETURN(HeadMajor m, ToHeadMajor(c, src, name, kMetadataLimit));
+    // SKVQ stores channels in calibrated order.
     const std::vector<uint16_t>* perm = cal == nullptr ? nullptr
                                         : is_k         ? &cal->k_perm
                                                        : &cal->v_perm;
-    if (perm != nullptr && !perm->empty()) {  // SKVQ: store channels in calibrated order
-      std::vector<float> row(D);
-      for (uint32_t h = 0; h < H; ++h) {
-        for (uint32_t t = 0; t < T; ++t) {
-          float* x = &m.at(h, t, 0);
-          const uint16_t* p = &(*perm)[size_t{h} * D];
-          if (internal::HaveCodecSimd()) {
-            internal::GatherAvx2(x, p, D, row.data());
-          } else {
-            for (uint32_t d = 0; d < D; ++d) row[d] = x[p[d]];
-          }
-          std::copy(row.begin(), row.end(), x);
-        }
-      }
-    }
+    STRATA_ASSIGN_OR_RETURN(
+        HeadMajor m, ToHeadMajor(c, src, name, kMetadataLimit,
+                                 perm != nullptr && !perm->empty() ? perm->data() : nullptr));
     const float clip = cal == nullptr ? 1.0f : is_k ? cal->k_clip : cal->v_clip;
     std::vector<uint16_t> head_mean;
     if (s.id == CodecId::kTada) {  // mean over heads (as fp16 will store it); deviations remain

@@ -71,20 +71,39 @@ TEST(CodecSimdTest, LoopsEqualThePortableLoopsBitForBit) {
         ASSERT_EQ(Bits(mx[d]), Bits(rmx[d])) << "D=" << D << " n=" << n << " d=" << d;
       }
     }
+    // Row counts around the eight-row blocks, with and without a mask.
     for (uint32_t gs : {8u, 16u, 32u, 64u}) {
-      const std::vector<float> row = Values(D, D + gs);
-      const uint32_t groups = (D + gs - 1) / gs;
-      std::vector<float> lo(groups), hi(groups);
-      internal::GroupMinMaxAvx2(row.data(), D, gs, lo.data(), hi.data());
-      for (uint32_t g = 0; g < groups; ++g) {
-        float a = INFINITY, b = -INFINITY;
-        for (uint32_t d = g * gs; d < std::min(D, g * gs + gs); ++d) {
-          a = std::min(a, row[d]);
-          b = std::max(b, row[d]);
+      for (uint32_t n : {1u, 8u, 19u}) {
+        for (bool masked : {false, true}) {
+          const std::vector<float> rows = Values(size_t{n} * D, D + gs + n);
+          std::vector<uint8_t> mask;
+          if (masked) {
+            std::mt19937 rng(D + gs);
+            for (size_t i = 0; i < rows.size(); ++i) mask.push_back(rng() % 5 == 0);
+          }
+          const uint32_t groups = (D + gs - 1) / gs;
+          std::vector<float> lo(size_t{n} * groups), hi(size_t{n} * groups);
+          internal::GroupMinMaxAvx2(rows.data(), n, D, gs, lo.data(), hi.data(),
+                                    masked ? mask.data() : nullptr);
+          for (uint32_t r = 0; r < n; ++r) {
+            for (uint32_t g = 0; g < groups; ++g) {
+              float a = INFINITY, b = -INFINITY;
+              for (uint32_t d = g * gs; d < std::min(D, g * gs + gs); ++d) {
+                const size_t i = size_t{r} * D + d;
+                if (masked && mask[i]) continue;
+                a = std::min(a, rows[i]);
+                b = std::max(b, rows[i]);
+              }
+              // Equal as values; which zero a scan keeps depends on its order (the codec takes
+              // +0).
+              const size_t i = size_t{r} * groups + g;
+              EXPECT_EQ(Bits(lo[i] + 0.0f), Bits(a + 0.0f))
+                  << "D=" << D << " gs=" << gs << " n=" << n << " row " << r << " group " << g;
+              EXPECT_EQ(Bits(hi[i] + 0.0f), Bits(b + 0.0f))
+                  << "D=" << D << " gs=" << gs << " n=" << n << " row " << r << " group " << g;
+            }
+          }
         }
-        // Equal as values; which zero a scan keeps depends on its order (the codec takes +0).
-        EXPECT_EQ(Bits(lo[g] + 0.0f), Bits(a + 0.0f)) << "D=" << D << " gs=" << gs;
-        EXPECT_EQ(Bits(hi[g] + 0.0f), Bits(b + 0.0f)) << "D=" << D << " gs=" << gs;
       }
     }
     for (float qmax : {3.0f, 15.0f, 255.0f}) {
@@ -163,6 +182,29 @@ TEST(CodecSimdTest, Fp8NarrowingEqualsTheScalarConversion) {
         ASSERT_EQ(got[i], FloatToFp8E4M3(x[offset + i] * mul))
             << "x=" << x[offset + i] << " (bits " << std::hex << Bits(x[offset + i])
             << ") mul=" << mul;
+      }
+    }
+  }
+}
+
+TEST(CodecSimdTest, PermutedRowsAreTheGatheredRows) {
+  if (!HaveCodecSimd()) GTEST_SKIP() << "skipped: no AVX2 on this CPU";
+  std::mt19937 rng(11);
+  // Row counts around the eight-row tiles; widths with and without whole vectors.
+  for (uint32_t d : {8u, 12u, 64u, 128u, 256u}) {
+    for (uint32_t rows : {1u, 7u, 8u, 9u, 16u, 23u}) {
+      std::vector<uint16_t> perm(d);
+      for (uint32_t i = 0; i < d; ++i) perm[i] = static_cast<uint16_t>(i);
+      std::shuffle(perm.begin(), perm.end(), rng);
+      std::vector<float> x(size_t{rows} * d);
+      for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(i);
+      std::vector<float> got = x;
+      internal::PermuteRowsAvx2(got.data(), rows, d, perm.data());
+      for (uint32_t r = 0; r < rows; ++r) {
+        for (uint32_t i = 0; i < d; ++i) {
+          ASSERT_EQ(got[size_t{r} * d + i], x[size_t{r} * d + perm[i]])
+              << "d=" << d << " rows=" << rows << " row " << r << " channel " << i;
+        }
       }
     }
   }

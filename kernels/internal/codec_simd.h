@@ -26,9 +26,11 @@ void SetCodecSimdForTesting(bool enabled);
 void ColumnMinMaxAvx2(const float* rows, size_t stride, uint32_t n, uint32_t D, float* mn,
                       float* mx, const uint8_t* mask = nullptr);
 
-// The min and max of each group of `gs` values of row[0, D) (gs a multiple of 8), folded as
-// std::min / std::max from +inf / -inf, leaving out masked elements as above.
-void GroupMinMaxAvx2(const float* row, uint32_t D, uint32_t gs, float* lo, float* hi,
+// The min and max of each group of `gs` values (gs a multiple of 8) of each of n rows of D at
+// `rows` (contiguous), to lo and hi [n][groups], leaving out masked elements as above (mask
+// [n][D] or null). Equal as values to std::min / std::max folded from +inf / -inf; of two zeros
+// either may be kept (the order of the scan differs).
+void GroupMinMaxAvx2(const float* rows, uint32_t n, uint32_t D, uint32_t gs, float* lo, float* hi,
                      const uint8_t* mask = nullptr);
 
 // out[d] = z[d] + code[d] * s[d] (multiply, then add), d in [0, n).
@@ -64,6 +66,10 @@ bool HalfToFloatWithinAvx2(const uint16_t* src, uint32_t n, float limit, float* 
 
 // out[i] = x[idx[i]], i in [0, n) (the indices below 65536, within x).
 void GatherAvx2(const float* x, const uint16_t* idx, uint32_t n, float* out);
+
+// Each of `rows` rows of d floats at x (contiguous) in place to row[i] = old row[perm[i]] (perm a
+// permutation of [0, d)).
+void PermuteRowsAvx2(float* x, uint32_t rows, uint32_t d, const uint16_t* perm);
 
 // True when every |x[i]| <= limit (false for a NaN), i in [0, n).
 bool AllWithinAvx2(const float* x, uint32_t n, float limit);
