@@ -25,10 +25,72 @@ namespace {
 // Largest magnitude the fp16 metadata can carry with headroom for rounding.
 constexpr float kMetadataLimit = 60000.0f;
 
-// One tensor (K or V) in head-major fp32: x[(h * T + t) * D + d].
+// Freed scratch blocks kept per thread for the next chunk. A chunk's scratch is megabytes, and
+// glibc hands blocks that large back to the kernel on free (mmap above 128 KiB, or a trimmed heap
+// top), so without this every chunk paid its page faults again: 40 % of GEAR's encode time in
+// kernels_benchmark. At most kMaxBlocks blocks and kMaxBytes per thread are kept.
+class ScratchCache {
+ public:
+  ~ScratchCache() {
+    for (const Block& b : blocks_) ::operator delete(b.p);
+  }
+  // A block of at least `bytes`; its real size in *size.
+  void* Get(size_t bytes, size_t* size) {
+    int best = -1;
+    for (int i = 0; i < static_cast<int>(blocks_.size()); ++i) {
+      if (blocks_[i].size >= bytes && (best < 0 || blocks_[i].size < blocks_[best].size)) best = i;
+    }
+    if (best < 0) {
+      *size = bytes;
+      return ::operator new(bytes);
+    }
+    const Block b = blocks_[best];
+    blocks_.erase(blocks_.begin() + best);
+    cached_ -= b.size;
+    *size = b.size;
+    return b.p;
+  }
+  void Put(void* p, size_t size) {
+    if (size > kMaxBytes) {
+      ::operator delete(p);
+      return;
+    }
+    // Make room by dropping the smallest blocks (the large ones are the costly ones to fault).
+    while (!blocks_.empty() && (blocks_.size() >= kMaxBlocks || cached_ + size > kMaxBytes)) {
+      auto smallest =
+          std::min_element(blocks_.begin(), blocks_.end(),
+                           [](const Block& a, const Block& b) { return a.size < b.size; });
+      if (smallest->size > size) {  // the new block is the smallest: drop it instead
+        ::operator delete(p);
+        return;
+      }
+      cached_ -= smallest->size;
+      ::operator delete(smallest->p);
+      blocks_.erase(smallest);
+    }
+    blocks_.push_back({p, size});
+    cached_ += size;
+  }
+  static ScratchCache& ThisThread() {
+    thread_local ScratchCache cache;
+    return cache;
+  }
+
+ private:
+  static constexpr size_t kMaxBlocks = 16;
+  static constexpr size_t kMaxBytes = size_t{64} << 20;
+  struct Block {
+    void* p;
+    size_t size;
+  };
+  std::vector<Block> blocks_;
+  size_t cached_ = 0;
+};
+
 // An allocator whose resize leaves new elements uninitialized: the codecs' per-chunk scratch
 // (a chunk's values, codes and dequantized backbone, up to megabytes) is written whole before it
-// is read, and zeroing it first cost a memory pass each.
+// is read, and zeroing it first cost a memory pass each. Blocks of 64 KiB and more come from and
+// go back to the thread's ScratchCache (a header before the elements keeps the block's size).
 template <typename T>
 struct DefaultInitAllocator : std::allocator<T> {
   template <typename U>
@@ -38,6 +100,27 @@ struct DefaultInitAllocator : std::allocator<T> {
   DefaultInitAllocator() = default;
   template <typename U>
   DefaultInitAllocator(const DefaultInitAllocator<U>&) noexcept {}
+  static constexpr size_t kCached = size_t{64} << 10;
+  static constexpr size_t kHeader = 16;  // the elements stay aligned as operator new's
+  static_assert(alignof(T) <= kHeader);
+  T* allocate(size_t n) {
+    const size_t bytes = n * sizeof(T);
+    if (bytes < kCached) return std::allocator<T>::allocate(n);
+    size_t size = 0;
+    auto* block = static_cast<char*>(ScratchCache::ThisThread().Get(bytes + kHeader, &size));
+    std::memcpy(block, &size, sizeof(size));
+    return reinterpret_cast<T*>(block + kHeader);
+  }
+  void deallocate(T* p, size_t n) {
+    if (n * sizeof(T) < kCached) {
+      std::allocator<T>::deallocate(p, n);
+      return;
+    }
+    char* block = reinterpret_cast<char*>(p) - kHeader;
+    size_t size;
+    std::memcpy(&size, block, sizeof(size));
+    ScratchCache::ThisThread().Put(block, size);
+  }
   template <typename U>
   void construct(U* p) noexcept(std::is_nothrow_default_constructible_v<U>) {
     ::new (static_cast<void*>(p)) U;
@@ -50,6 +133,7 @@ struct DefaultInitAllocator : std::allocator<T> {
 template <typename T>
 using Scratch = std::vector<T, DefaultInitAllocator<T>>;
 
+// One tensor (K or V) in head-major fp32: x[(h * T + t) * D + d].
 struct HeadMajor {
   uint32_t t = 0, h = 0, d = 0;
   Scratch<float> x;
