@@ -17,6 +17,7 @@
 #include "kernels/bit_pack.h"
 #include "kernels/codec_layout.h"
 #include "kernels/internal/codec_simd.h"
+#include "kernels/internal/vector_exp.h"
 #include "kernels/low_rank.h"
 
 namespace strata::kernels {
@@ -763,18 +764,17 @@ std::vector<double> Saliency(const CodecSpec& s, const KvChunkView& c, const Blo
     }
   }
   std::vector<uint32_t> seen_by(T, 0);
-  // dots[g][t]: q . k_t in double (d ascending) for the G query heads of one KV head. With AVX2
-  // four tokens at a time from the head's keys transposed (kt [D][T]), the same products and
-  // sums per token, so the same saliency.
+  // dots[g][t]: q . k_t in float, one fused multiply-add per channel in ascending order, for the
+  // G query heads of one KV head. With AVX2 eight tokens to a vector from the head's keys
+  // transposed (kt [D][T]): the same chains, so the same saliency. The softmax is in double.
   const bool simd = internal::HaveCodecSimd();
   std::vector<float> kt;
-  std::vector<double> dots(size_t{G} * T);
-  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
-  if (simd) kt.resize(size_t{H} * D * T);
-  for (uint32_t h = 0; simd && h < H; ++h) {
-    for (uint32_t t = 0; t < T; ++t) {
-      for (uint32_t d = 0; d < D; ++d)
-        kt[(size_t{h} * D + d) * T + t] = k[t * row + size_t{h} * D + d];
+  std::vector<float> dots(size_t{G} * T), p(T);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  if (simd) {
+    kt.resize(size_t{H} * D * T);
+    for (uint32_t h = 0; h < H; ++h) {
+      internal::TransposeAvx2(&k[size_t{h} * D], row, T, D, &kt[size_t{h} * D * T], T);
     }
   }
   for (uint32_t i : probes) {
@@ -788,22 +788,25 @@ std::vector<double> Saliency(const CodecSpec& s, const KvChunkView& c, const Blo
           const float* q = q0 + size_t{g} * D;
           for (uint32_t t = 0; t <= i; ++t) {
             const float* kv = &k[t * row + size_t{h} * D];
-            double dot = 0;
-            for (uint32_t d = 0; d < D; ++d) dot += double{q[d]} * kv[d];
+            float dot = 0.0f;
+            for (uint32_t d = 0; d < D; ++d) dot = std::fma(q[d], kv[d], dot);
             dots[size_t{g} * T + t] = dot;
           }
         }
       }
       for (uint32_t g = 0; g < G; ++g) {  // query head h * G + g, in order
-        double* score = &dots[size_t{g} * T];
-        double mx = -INFINITY;
-        for (uint32_t t = 0; t <= i; ++t) {
-          score[t] *= scale;
-          mx = std::max(mx, score[t]);
+        const float* dot = &dots[size_t{g} * T];
+        if (simd) {
+          internal::ProbeWeightsAvx2(dot, i + 1, scale, p.data());
+        } else {
+          float mx = -INFINITY;
+          for (uint32_t t = 0; t <= i; ++t) mx = std::max(mx, dot[t] * scale);
+          for (uint32_t t = 0; t <= i; ++t) p[t] = internal::ExpScalar(dot[t] * scale - mx);
         }
         double sum = 0;
-        for (uint32_t t = 0; t <= i; ++t) sum += (score[t] = std::exp(score[t] - mx));
-        for (uint32_t t = 0; t <= i; ++t) sal[t] += score[t] / sum;
+        for (uint32_t t = 0; t <= i; ++t) sum += p[t];
+        const double inv = 1.0 / sum;
+        for (uint32_t t = 0; t <= i; ++t) sal[t] += p[t] * inv;
       }
     }
   }

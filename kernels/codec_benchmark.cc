@@ -21,7 +21,15 @@ void BM_Encode(benchmark::State& state, const char* spec) {
       *Codec::Create(spec, std::string(spec).starts_with("skvq")
                                ? MakeSyntheticCalibration(*CodecSpec::Parse(spec), 8, 128, 1)
                                : nullptr);
-  const KvChunkView view{k.data(), v.data(), SourceDType::kFloat16, 256, 8, 128};
+  KvChunkView view{k.data(), v.data(), SourceDType::kFloat16, 256, 8, 128};
+  // ZipCache takes the tokens' queries (32 heads) for its probe attention.
+  std::vector<float> q;
+  if (std::string(spec).starts_with("zipcache")) {
+    const SyntheticKv qs = MakeSyntheticKv(256, 32, 128, 2);
+    q = qs.k;
+    view.q = q.data();
+    view.q_heads = 32;
+  }
   for (auto _ : state) {
     auto block = codec->Encode(view, {});
     benchmark::DoNotOptimize(block);
@@ -41,6 +49,7 @@ BENCHMARK_CAPTURE(BM_Encode, skvq2_m8, "skvq:k2v2:g64:m8");
 BENCHMARK_CAPTURE(BM_Encode, tada2, "tada:k2v2:g32");
 BENCHMARK_CAPTURE(BM_Encode, gearl2, "gearl:k2v2:g32:r4");
 BENCHMARK_CAPTURE(BM_Encode, gear2, "gear:k2v2:g32:r4:s2");
+BENCHMARK_CAPTURE(BM_Encode, zipcache2, "zipcache:k2v2:h4:s10");
 
 }  // namespace
 }  // namespace strata::kernels

@@ -14,6 +14,7 @@
 #include "common/fp8.h"
 #include "common/half.h"
 #include "kernels/bit_pack.h"
+#include "kernels/internal/vector_exp.h"
 
 #define STRATA_CODEC_AVX2 __attribute__((target("avx2,f16c")))
 
@@ -657,6 +658,45 @@ STRATA_CODEC_AVX2 void PermuteRowsAvx2(float* x, uint32_t rows, uint32_t d, cons
   }
 }
 
+STRATA_CODEC_AVX2 void TransposeAvx2(const float* src, size_t src_stride, uint32_t rows,
+                                     uint32_t cols, float* dst, size_t dst_stride) {
+  uint32_t r = 0;
+  for (; r + 8 <= rows; r += 8) {
+    uint32_t c = 0;
+    for (; c + 8 <= cols; c += 8) {
+      __m256 v[8];
+      for (uint32_t k = 0; k < 8; ++k) v[k] = _mm256_loadu_ps(src + (r + k) * src_stride + c);
+      Transpose8x8(v);
+      for (uint32_t k = 0; k < 8; ++k) _mm256_storeu_ps(dst + (c + k) * dst_stride + r, v[k]);
+    }
+    for (; c < cols; ++c) {
+      for (uint32_t k = 0; k < 8; ++k) dst[c * dst_stride + r + k] = src[(r + k) * src_stride + c];
+    }
+  }
+  for (; r < rows; ++r) {
+    for (uint32_t c = 0; c < cols; ++c) dst[c * dst_stride + r] = src[r * src_stride + c];
+  }
+}
+
+__attribute__((target("avx2,fma,f16c"))) void ProbeWeightsAvx2(const float* dots, uint32_t n,
+                                                               float scale, float* p) {
+  const __m256 vs = _mm256_set1_ps(scale);
+  __m256 vm = _mm256_set1_ps(-INFINITY);
+  uint32_t t = 0;
+  for (; t + 8 <= n; t += 8) vm = _mm256_max_ps(vm, _mm256_mul_ps(_mm256_loadu_ps(dots + t), vs));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vm);
+  float mx = lanes[0];
+  for (int i = 1; i < 8; ++i) mx = std::max(mx, lanes[i]);
+  for (; t < n; ++t) mx = std::max(mx, dots[t] * scale);
+  const __m256 m = _mm256_set1_ps(mx);
+  for (t = 0; t + 8 <= n; t += 8) {
+    _mm256_storeu_ps(p + t,
+                     ExpAvx2(_mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(dots + t), vs), m)));
+  }
+  for (; t < n; ++t) p[t] = ExpScalar(dots[t] * scale - mx);
+}
+
 namespace {
 
 // LowRankRbAvx2 for 8 rows from i0 and kJ (1..8) rank columns from j0, accumulators in
@@ -745,31 +785,53 @@ struct RtaOp {
 
 }  // namespace
 
-STRATA_CODEC_AVX2 void ProbeDotsAvx2(const float* kt, uint32_t T, uint32_t D, const float* q,
-                                     uint32_t G, uint32_t n, double* out) {
-  for (uint32_t g0 = 0; g0 < G; g0 += 4) {
-    const uint32_t ng = std::min<uint32_t>(4, G - g0);
-    uint32_t t = 0;
-    for (; t + 4 <= n; t += 4) {
-      __m256d acc[4];
-      for (uint32_t g = 0; g < 4; ++g) acc[g] = _mm256_setzero_pd();
-      for (uint32_t d = 0; d < D; ++d) {
-        const __m256d k = _mm256_cvtps_pd(_mm_loadu_ps(kt + size_t{d} * T + t));
-        for (uint32_t g = 0; g < ng; ++g) {
-          const __m256d qv = _mm256_set1_pd(static_cast<double>(q[size_t{g0 + g} * D + d]));
-          acc[g] = _mm256_add_pd(acc[g], _mm256_mul_pd(qv, k));
-        }
-      }
-      for (uint32_t g = 0; g < ng; ++g) _mm256_storeu_pd(out + size_t{g0 + g} * T + t, acc[g]);
+namespace {
+// ProbeDotsAvx2 for kV vectors of eight tokens from t and the query heads [g0, g0 + kG): one
+// fused multiply-add chain per token and head, d ascending.
+template <uint32_t kV, uint32_t kG>
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline void ProbeTile(
+    const float* kt, uint32_t T, uint32_t D, const float* q, uint32_t g0, uint32_t t, float* out) {
+  __m256 acc[kG][kV];
+  for (uint32_t g = 0; g < kG; ++g) {
+    for (uint32_t v = 0; v < kV; ++v) acc[g][v] = _mm256_setzero_ps();
+  }
+  for (uint32_t d = 0; d < D; ++d) {
+    __m256 k[kV];
+    for (uint32_t v = 0; v < kV; ++v) k[v] = _mm256_loadu_ps(kt + size_t{d} * T + t + 8 * v);
+    for (uint32_t g = 0; g < kG; ++g) {
+      const __m256 qv = _mm256_broadcast_ss(q + size_t{g0 + g} * D + d);
+      for (uint32_t v = 0; v < kV; ++v) acc[g][v] = _mm256_fmadd_ps(qv, k[v], acc[g][v]);
     }
-    for (; t < n; ++t) {
-      for (uint32_t g = 0; g < ng; ++g) {
-        double dot = 0;
-        for (uint32_t d = 0; d < D; ++d) {
-          dot += static_cast<double>(q[size_t{g0 + g} * D + d]) * kt[size_t{d} * T + t];
-        }
-        out[size_t{g0 + g} * T + t] = dot;
-      }
+  }
+  for (uint32_t g = 0; g < kG; ++g) {
+    for (uint32_t v = 0; v < kV; ++v) {
+      _mm256_storeu_ps(out + size_t{g0 + g} * T + t + 8 * v, acc[g][v]);
+    }
+  }
+}
+}  // namespace
+
+__attribute__((target("avx2,fma,f16c"))) void ProbeDotsAvx2(const float* kt, uint32_t T, uint32_t D,
+                                                            const float* q, uint32_t G, uint32_t n,
+                                                            float* out) {
+  uint32_t g0 = 0;
+  // Four heads by 16 tokens: eight independent chains hide the FMA latency.
+  for (; g0 + 4 <= G; g0 += 4) {
+    uint32_t t = 0;
+    for (; t + 16 <= n; t += 16) ProbeTile<2, 4>(kt, T, D, q, g0, t, out);
+    for (; t + 8 <= n; t += 8) ProbeTile<1, 4>(kt, T, D, q, g0, t, out);
+  }
+  for (; g0 < G; ++g0) {
+    uint32_t t = 0;
+    for (; t + 16 <= n; t += 16) ProbeTile<2, 1>(kt, T, D, q, g0, t, out);
+    for (; t + 8 <= n; t += 8) ProbeTile<1, 1>(kt, T, D, q, g0, t, out);
+  }
+  for (uint32_t g = 0; g < G; ++g) {  // the tokens past the last whole vector
+    for (uint32_t t = n / 8 * 8; t < n; ++t) {
+      float dot = 0.0f;
+      for (uint32_t d = 0; d < D; ++d)
+        dot = std::fma(q[size_t{g} * D + d], kt[size_t{d} * T + t], dot);
+      out[size_t{g} * T + t] = dot;
     }
   }
 }

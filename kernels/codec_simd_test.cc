@@ -13,6 +13,7 @@
 #include "gtest/gtest.h"
 #include "kernels/bit_pack.h"
 #include "kernels/codec.h"
+#include "kernels/internal/vector_exp.h"
 #include "kernels/synthetic_kv.h"
 
 namespace strata::kernels {
@@ -204,6 +205,103 @@ TEST(CodecSimdTest, PermutedRowsAreTheGatheredRows) {
         for (uint32_t i = 0; i < d; ++i) {
           ASSERT_EQ(got[size_t{r} * d + i], x[size_t{r} * d + perm[i]])
               << "d=" << d << " rows=" << rows << " row " << r << " channel " << i;
+        }
+      }
+    }
+  }
+}
+
+TEST(CodecSimdTest, ProbeDotsAreTheScalarFmaChains) {
+  if (!HaveCodecSimd()) GTEST_SKIP() << "skipped: no AVX2 on this CPU";
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0, 1);
+  // Head counts around the four-head tiles, token counts around the 8- and 16-token vectors.
+  for (uint32_t D : {8u, 64u, 128u}) {
+    for (uint32_t G : {1u, 3u, 4u, 5u, 8u}) {
+      const uint32_t T = 45;
+      std::vector<float> kt(size_t{D} * T), q(size_t{G} * D);
+      for (float& x : kt) x = normal(rng);
+      for (float& x : q) x = normal(rng);
+      for (uint32_t n : {1u, 7u, 8u, 16u, 23u, 45u}) {
+        std::vector<float> out(size_t{G} * T, NAN);
+        internal::ProbeDotsAvx2(kt.data(), T, D, q.data(), G, n, out.data());
+        for (uint32_t g = 0; g < G; ++g) {
+          for (uint32_t t = 0; t < n; ++t) {
+            float dot = 0.0f;
+            for (uint32_t d = 0; d < D; ++d) {
+              dot = std::fma(q[size_t{g} * D + d], kt[size_t{d} * T + t], dot);
+            }
+            ASSERT_EQ(Bits(out[size_t{g} * T + t]), Bits(dot))
+                << "D=" << D << " G=" << G << " n=" << n << " head " << g << " token " << t;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(CodecSimdTest, ExpLanesAreTheScalarExpAndCloseToStdExp) {
+  if (!HaveCodecSimd()) GTEST_SKIP() << "skipped: no AVX2 on this CPU";
+  std::vector<float> x = {0.0f,
+                          -0.0f,
+                          -1e-30f,
+                          -0.5f,
+                          -1.0f,
+                          -87.3f,
+                          -87.29f,
+                          -87.31f,
+                          -100.0f,
+                          -INFINITY,
+                          -std::nextafter(87.3f, 0.0f)};
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<float> u(-90.0f, 0.0f);
+  for (int i = 0; i < 100000; ++i) x.push_back(u(rng));
+  while (x.size() % 8 != 0) x.push_back(-2.0f);
+  std::vector<float> p(x.size());
+  const std::vector<float> ones(x.size(), 1.0f);
+  internal::ProbeWeightsAvx2(x.data(), static_cast<uint32_t>(x.size()), 1.0f, p.data());
+  // The largest x is 0: p = exp(x).
+  for (size_t i = 0; i < x.size(); ++i) {
+    ASSERT_EQ(Bits(p[i]), Bits(internal::ExpScalar(x[i]))) << "x=" << x[i];
+    if (x[i] >= -87.3f) {
+      EXPECT_NEAR(p[i], std::exp(double{x[i]}), 3e-7 * std::exp(double{x[i]})) << "x=" << x[i];
+    } else {
+      EXPECT_EQ(p[i], 0.0f) << "x=" << x[i];
+    }
+  }
+}
+
+TEST(CodecSimdTest, ProbeWeightsAreTheScalarLoop) {
+  if (!HaveCodecSimd()) GTEST_SKIP() << "skipped: no AVX2 on this CPU";
+  std::mt19937 rng(4);
+  std::normal_distribution<float> normal(0, 30);
+  for (uint32_t n : {1u, 7u, 8u, 9u, 64u, 101u}) {
+    std::vector<float> dots(n);
+    for (float& d : dots) d = normal(rng);
+    const float scale = 1.0f / std::sqrt(128.0f);
+    std::vector<float> p(n);
+    internal::ProbeWeightsAvx2(dots.data(), n, scale, p.data());
+    float mx = -INFINITY;
+    for (float d : dots) mx = std::max(mx, d * scale);
+    for (uint32_t t = 0; t < n; ++t) {
+      ASSERT_EQ(Bits(p[t]), Bits(internal::ExpScalar(dots[t] * scale - mx))) << "n=" << n;
+    }
+  }
+}
+
+TEST(CodecSimdTest, TransposeMovesEveryElement) {
+  if (!HaveCodecSimd()) GTEST_SKIP() << "skipped: no AVX2 on this CPU";
+  for (uint32_t rows : {1u, 8u, 13u, 24u}) {
+    for (uint32_t cols : {1u, 8u, 12u, 17u}) {
+      const size_t src_stride = cols + 3, dst_stride = rows + 5;
+      std::vector<float> src(rows * src_stride), dst(cols * dst_stride, -1.0f);
+      for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<float>(i);
+      internal::TransposeAvx2(src.data(), src_stride, rows, cols, dst.data(), dst_stride);
+      for (uint32_t c = 0; c < cols; ++c) {
+        for (uint32_t r = 0; r < dst_stride; ++r) {
+          const float want = r < rows ? src[r * src_stride + c] : -1.0f;  // padding untouched
+          ASSERT_EQ(dst[c * dst_stride + r], want)
+              << rows << "x" << cols << " r=" << r << " c=" << c;
         }
       }
     }

@@ -19,6 +19,7 @@
 #include "common/cpu_features.h"
 #include "common/half.h"
 #include "kernels/internal/attention_segment.h"
+#include "kernels/internal/vector_exp.h"
 
 #define STRATA_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define STRATA_AVX2_INLINE __attribute__((target("avx2,fma,f16c"), always_inline)) inline
@@ -851,26 +852,8 @@ struct AccumulateOp {
   static void Run(const Segment& s, HeadGroupState& st) { Accumulate<kSrc, kG>(s, st); }
 };
 
-// exp(x) for x <= 0 (arguments of the online softmax), Cephes-style: 2^n * P(r) with
-// x = n ln2 + r; relative error ~2e-7, and exactly 0 below -87.
-STRATA_AVX2_INLINE __m256 Exp(__m256 x) {
-  const __m256 visible = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_GE_OQ);  // -inf -> 0
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
-  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i n =
-      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
-  return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(n)), visible);
-}
+// exp(x) for x <= 0 (arguments of the online softmax): internal/vector_exp.h.
+STRATA_AVX2_INLINE __m256 Exp(__m256 x) { return ExpAvx2(x); }
 
 }  // namespace
 

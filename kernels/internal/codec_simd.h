@@ -108,11 +108,19 @@ void LowRankRbAvx2(const float* r, uint32_t rows, uint32_t cols, const float* bt
 void LowRankRtaAvx2(const float* r, uint32_t rows, uint32_t cols, const float* a, uint32_t rank,
                     float* bt);
 
-// ZipCache's probe scores: out[g * T + t] = sum_d double(q[g * D + d]) * double(kt[d * T + t])
-// (multiply, then add, d ascending from +0), for the G query heads of q and tokens t in [0, n),
-// kt a head's keys transposed [D][T].
+// dst[c * dst_stride + r] = src[r * src_stride + c] for r < rows, c < cols (8x8 blocks).
+void TransposeAvx2(const float* src, size_t src_stride, uint32_t rows, uint32_t cols, float* dst,
+                   size_t dst_stride);
+
+// ZipCache's probe softmax before normalization: p[t] = ExpScalar(dots[t] * scale - m) for t in
+// [0, n), m the largest dots[t] * scale (internal/vector_exp.h: the same bits as that loop).
+void ProbeWeightsAvx2(const float* dots, uint32_t n, float scale, float* p);
+
+// ZipCache's probe scores: out[g * T + t] = sum_d q[g * D + d] * kt[d * T + t] in float, one
+// fused multiply-add per d, ascending from +0 (as std::fma), for the G query heads of q and
+// tokens t in [0, n), kt a head's keys transposed [D][T].
 void ProbeDotsAvx2(const float* kt, uint32_t T, uint32_t D, const float* q, uint32_t G, uint32_t n,
-                   double* out);
+                   float* out);
 
 // PackBits (kernels/bit_pack.h) for 2 and 4 bits; other widths go to it.
 void PackBitsAvx2(const uint8_t* codes, size_t n, int bits, uint8_t* out);
