@@ -462,13 +462,40 @@ std::vector<size_t> SelectOutliers(const HeadMajor& x, bool per_channel, uint32_
   };
   // With AVX2, a vector pass first finds the elements that pass a vector's current thresholds
   // (bot[k - 1], top[0]); only those are offered, in the same order, so the lists are the same.
+  // For k <= 8 (D a multiple of 8), the thresholds are first set to their final values, the
+  // k-th smallest and largest of each vector (ColumnExtremesAvx2, RowExtremesAvx2): then little
+  // more than the outliers themselves is offered. An element equal to a final threshold is
+  // offered too (lo is raised by one ulp, as candidates are < lo or >= hi): the lists break such
+  // ties by index.
   const bool simd = internal::HaveCodecSimd();
+  const bool final_thresholds = simd && k <= 8 && D % 8 == 0;
   std::vector<float> lo_thr, hi_thr;
   std::vector<uint32_t> cand(D);
   for (uint32_t h = 0; h < H; ++h) {
     std::fill(bot.begin(), bot.end(), Entry{INFINITY, 0});
     std::fill(top.begin(), top.end(), Entry{-INFINITY, 0});
-    if (per_channel) {
+    if (per_channel && final_thresholds) {
+      lo_thr.resize(D);
+      hi_thr.resize(D);
+      internal::ColumnExtremesAvx2(&x.x[size_t{h} * T * D], T, D, k, lo_thr.data(),
+                                   hi_thr.data());
+      for (float& lo : lo_thr) lo = std::nextafter(lo, INFINITY);
+      for (uint32_t t = 0; t < T; ++t) {
+        const float* row = &x.x[(size_t{h} * T + t) * D];
+        const uint32_t nc =
+            internal::OutlierCandidatesAvx2(row, D, lo_thr.data(), hi_thr.data(), cand.data());
+        for (uint32_t c = 0; c < nc; ++c) offer(cand[c], row[cand[c]], t);
+      }
+    } else if (!per_channel && final_thresholds) {
+      for (uint32_t t = 0; t < T; ++t) {
+        const float* row = &x.x[(size_t{h} * T + t) * D];
+        float lo, hi;
+        internal::RowExtremesAvx2(row, D, k, &lo, &hi);
+        const uint32_t nc = internal::OutlierCandidatesScalarAvx2(
+            row, D, std::nextafter(lo, INFINITY), hi, cand.data());
+        for (uint32_t c = 0; c < nc; ++c) offer(t, row[cand[c]], cand[c]);
+      }
+    } else if (per_channel) {
       if (simd) {
         lo_thr.assign(D, INFINITY);
         hi_thr.assign(D, -INFINITY);

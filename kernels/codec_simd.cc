@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <vector>
 
 #include "common/cpu_features.h"
@@ -869,6 +870,73 @@ STRATA_CODEC_AVX2 void LowRankRtaAvx2(const float* r, uint32_t rows, uint32_t co
       bt[size_t{j} * cols + c0] = sum;
     }
   }
+}
+
+namespace {
+
+// Offers x to per-lane lists of the kK largest values (top, descending) and the kK smallest
+// (bot, ascending): a branch-free insertion network, each new entry from the old ones.
+template <uint32_t kK>
+STRATA_CODEC_AVX2 inline void InsertExtremes(__m256 x, __m256* top, __m256* bot) {
+  for (uint32_t j = kK - 1; j > 0; --j) {
+    top[j] = _mm256_max_ps(top[j], _mm256_min_ps(top[j - 1], x));
+    bot[j] = _mm256_min_ps(bot[j], _mm256_max_ps(bot[j - 1], x));
+  }
+  top[0] = _mm256_max_ps(top[0], x);
+  bot[0] = _mm256_min_ps(bot[0], x);
+}
+
+template <uint32_t kK>
+struct ColumnExtremesOp {
+  STRATA_CODEC_AVX2 static void Run(const float* rows, uint32_t n, uint32_t D, float* lo,
+                                    float* hi) {
+    for (uint32_t c = 0; c < D; c += 8) {
+      __m256 top[kK], bot[kK];
+      for (uint32_t j = 0; j < kK; ++j) {
+        top[j] = _mm256_set1_ps(-INFINITY);
+        bot[j] = _mm256_set1_ps(INFINITY);
+      }
+      for (uint32_t t = 0; t < n; ++t) {
+        InsertExtremes<kK>(_mm256_loadu_ps(rows + size_t{t} * D + c), top, bot);
+      }
+      _mm256_storeu_ps(lo + c, bot[kK - 1]);
+      _mm256_storeu_ps(hi + c, top[kK - 1]);
+    }
+  }
+};
+
+template <uint32_t kK>
+struct RowExtremesOp {
+  STRATA_CODEC_AVX2 static void Run(const float* row, uint32_t D, float* lo, float* hi) {
+    __m256 top[kK], bot[kK];
+    for (uint32_t j = 0; j < kK; ++j) {
+      top[j] = _mm256_set1_ps(-INFINITY);
+      bot[j] = _mm256_set1_ps(INFINITY);
+    }
+    for (uint32_t d = 0; d < D; d += 8) InsertExtremes<kK>(_mm256_loadu_ps(row + d), top, bot);
+    // The row's k-th largest is the k-th largest of the lanes' lists together.
+    alignas(32) float t[8 * kK], b[8 * kK];
+    for (uint32_t j = 0; j < kK; ++j) {
+      _mm256_store_ps(t + 8 * j, top[j]);
+      _mm256_store_ps(b + 8 * j, bot[j]);
+    }
+    std::nth_element(t, t + kK - 1, t + 8 * kK, std::greater<float>());
+    std::nth_element(b, b + kK - 1, b + 8 * kK);
+    *hi = t[kK - 1];
+    *lo = b[kK - 1];
+  }
+};
+
+}  // namespace
+
+STRATA_CODEC_AVX2 void ColumnExtremesAvx2(const float* rows, uint32_t n, uint32_t D, uint32_t k,
+                                          float* lo, float* hi) {
+  ByCount<ColumnExtremesOp>(k, rows, n, D, lo, hi);
+}
+
+STRATA_CODEC_AVX2 void RowExtremesAvx2(const float* row, uint32_t D, uint32_t k, float* lo,
+                                       float* hi) {
+  ByCount<RowExtremesOp>(k, row, D, lo, hi);
 }
 
 }  // namespace strata::kernels::internal

@@ -405,5 +405,34 @@ TEST(CodecSimdTest, BlocksAreTheSameBytesWithAndWithoutAvx2) {
   }
 }
 
+// GEAR's outliers with one to many per side (the thresholds found first up to 8, the lists'
+// scan beyond), on values on a coarse grid: many ties at the thresholds, broken by index.
+TEST(CodecSimdTest, OutliersAreTheSameWithTiesAndEveryCount) {
+  if (!HaveCodecSimd()) GTEST_SKIP() << "skipped: no AVX2 on this CPU";
+  for (const char* spec : {"gear:k2v2:g32:r2:s2", "gear:k4v4:g32:r2:s6", "gear:k2v2:g32:r2:s10",
+                           "gear:k2v2:g32:r2:s20", "gear:k2v2:kcvt:r2:s40"}) {
+    for (uint32_t dim : {64u, 128u, 40u}) {
+      for (float grid : {0.0f, 0.5f, 4.0f}) {  // 0: the values as they are
+        SyntheticKv kv = MakeSyntheticKv(150, 2, dim, 21, 0);
+        if (grid > 0) {
+          for (float& x : kv.k) x = std::round(x * grid) / grid;
+          for (float& x : kv.v) x = std::round(x * grid) / grid;
+        }
+        const KvChunkView view{kv.k.data(), kv.v.data(), SourceDType::kFloat32, 150, 2, dim};
+        auto codec = Codec::Create(spec);
+        ASSERT_TRUE(codec.ok()) << spec;
+        absl::StatusOr<AlignedBuffer> fast = (*codec)->Encode(view, {});
+        internal::SetCodecSimdForTesting(false);
+        absl::StatusOr<AlignedBuffer> portable = (*codec)->Encode(view, {});
+        internal::SetCodecSimdForTesting(true);
+        ASSERT_TRUE(fast.ok() && portable.ok()) << spec << " d=" << dim;
+        ASSERT_EQ(fast->size(), portable->size()) << spec;
+        EXPECT_EQ(std::memcmp(fast->data(), portable->data(), fast->size()), 0)
+            << spec << " d=" << dim << " grid=" << grid;
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace strata::kernels

@@ -44,6 +44,14 @@ uint32_t OutlierCandidatesAvx2(const float* row, uint32_t n, const float* lo, co
 uint32_t OutlierCandidatesScalarAvx2(const float* row, uint32_t n, float lo, float hi,
                                      uint32_t* out);
 
+// The thresholds of the k smallest and k largest values (k in [1, 8], D a multiple of 8): for
+// each channel c of n rows of D (contiguous), lo[c] = the k-th smallest and hi[c] = the k-th
+// largest of rows[t * D + c] over t (+inf and -inf with fewer than k values: all of them
+// pass); RowExtremesAvx2 the same over the D values of one row. No NaNs.
+void ColumnExtremesAvx2(const float* rows, uint32_t n, uint32_t D, uint32_t k, float* lo,
+                        float* hi);
+void RowExtremesAvx2(const float* row, uint32_t D, uint32_t k, float* lo, float* hi);
+
 // codes[d] = AffineCode(x[d], z[d], inv[d], qmax), d in [0, n).
 void QuantizeRowAvx2(const float* x, const float* z, const float* inv, uint32_t n, float qmax,
                      uint8_t* codes);
