@@ -920,10 +920,15 @@ struct RowExtremesOp {
       _mm256_store_ps(t + 8 * j, top[j]);
       _mm256_store_ps(b + 8 * j, bot[j]);
     }
-    std::nth_element(t, t + kK - 1, t + 8 * kK, std::greater<float>());
-    std::nth_element(b, b + kK - 1, b + 8 * kK);
-    *hi = t[kK - 1];
-    *lo = b[kK - 1];
+    if constexpr (kK == 1) {
+      *hi = *std::max_element(t, t + 8);
+      *lo = *std::min_element(b, b + 8);
+    } else {
+      std::nth_element(t, t + kK - 1, t + 8 * kK, std::greater<float>());
+      std::nth_element(b, b + kK - 1, b + 8 * kK);
+      *hi = t[kK - 1];
+      *lo = b[kK - 1];
+    }
   }
 };
 
