@@ -21,7 +21,6 @@ ElemType CodeType(const CodecSpec& s, int bits) {
   }
 }
 
-// Outliers per vector of `len` elements: top and bottom s/2 % each, rounded, at most len / 2.
 // Outliers per vector of `len`: s/2 % on each side, rounded, and at least one per side (a spec
 // that asks for outliers gets some: s1 on a 64-wide head is 0.32 per side, which used to round
 // to none and silently made GEAR's outliers disappear).
