@@ -240,7 +240,7 @@ struct AffineResult {
   std::vector<uint16_t> scales, zeros;   // fp16 bits
   std::vector<uint8_t> scales8, zeros8;  // fp8 e4m3, when asked for
   float multipliers[2] = {1.0f, 1.0f};   // of the fp8 scales and zero points
-  Scratch<float> dequant;                // head-major, backbone only; empty unless asked for
+  Scratch<float> residual;  // x minus its dequantized backbone, head-major; empty unless asked for
 };
 
 // Quantizes x asymmetrically in groups; mask (may be empty) marks outliers left out of each
@@ -248,13 +248,15 @@ struct AffineResult {
 // (head, token).
 AffineResult QuantizeAffine(const HeadMajor& x, bool per_channel, uint32_t gs, uint32_t groups,
                             int bits, const std::vector<uint8_t>& mask, float clip = 1.0f,
-                            bool fp8_meta = false, bool want_dequant = true) {
+                            bool fp8_meta = false, bool want_residual = true) {
   const uint32_t T = x.t, H = x.h, D = x.d;
   const float qmax = static_cast<float>((1 << bits) - 1);
   AffineResult r;
   Scratch<uint8_t> codes(x.x.size());  // every element is written below
-  if (want_dequant) r.dequant.resize(x.x.size());
-  float* dequant = want_dequant ? r.dequant.data() : nullptr;
+  // The residual of each row is taken while its values are in cache: the dequantized backbone
+  // (zero + code * scale), then x minus it.
+  if (want_residual) r.residual.resize(x.x.size());
+  float* residual = want_residual ? r.residual.data() : nullptr;
   const size_t n_params = per_channel ? size_t{H} * groups * D : size_t{H} * T * groups;
   r.scales.resize(n_params);
   r.zeros.resize(n_params);
@@ -310,13 +312,15 @@ AffineResult QuantizeAffine(const HeadMajor& x, bool per_channel, uint32_t gs, u
         codes[base + d] = internal::AffineCode(x.x[base + d], z[d], iv[d], qmax);
       }
     }
-    if (dequant != nullptr && simd) {
-      internal::DequantRowAvx2(&codes[base + d0], z + d0, s + d0, d1 - d0, &dequant[base + d0]);
-    } else if (dequant != nullptr) {
+    if (residual == nullptr) return;
+    if (simd) {
+      internal::DequantRowAvx2(&codes[base + d0], z + d0, s + d0, d1 - d0, &residual[base + d0]);
+    } else {
       for (uint32_t d = d0; d < d1; ++d) {
-        dequant[base + d] = z[d] + static_cast<float>(codes[base + d]) * s[d];
+        residual[base + d] = z[d] + static_cast<float>(codes[base + d]) * s[d];
       }
     }
+    for (uint32_t d = d0; d < d1; ++d) residual[base + d] = x.x[base + d] - residual[base + d];
   };
   for (uint32_t h = 0; h < H; ++h) {
     if (per_channel) {
@@ -386,11 +390,12 @@ AffineResult QuantizeAffine(const HeadMajor& x, bool per_channel, uint32_t gs, u
           const size_t base = (size_t{h} * T + t) * D, pt = size_t{t} * groups;
           internal::QuantizeGroupsAvx2(&x.x[base], &gs_zero[pt], &gs_inv[pt], D, gs, qmax,
                                        &codes[base]);
-          if (dequant == nullptr) continue;
+          if (residual == nullptr) continue;
           for (uint32_t g = 0; g < groups; ++g) {  // as quantize_row's: zero + code * scale
             const float z = gs_zero[pt + g], sc = gs_scale[pt + g];
             for (uint32_t d = g * gs; d < std::min(D, (g + 1) * gs); ++d) {
-              dequant[base + d] = z + static_cast<float>(codes[base + d]) * sc;
+              const float dequant = z + static_cast<float>(codes[base + d]) * sc;
+              residual[base + d] = x.x[base + d] - dequant;
             }
           }
         }
@@ -432,7 +437,7 @@ AffineResult QuantizeAffine(const HeadMajor& x, bool per_channel, uint32_t gs, u
 // each vector the bottom n/2 then the top n/2, each ascending by (value, index). One pass per
 // vector keeps the current extremes in small sorted lists; most elements cost two compares.
 std::vector<size_t> SelectOutliers(const HeadMajor& x, bool per_channel, uint32_t n,
-                                   std::vector<uint8_t>& mask) {
+                                   std::vector<uint8_t>& mask, std::vector<uint32_t>& index) {
   const uint32_t T = x.t, H = x.h, D = x.d;
   const uint32_t vectors = per_channel ? D : T;
   const uint32_t k = n / 2;
@@ -441,8 +446,12 @@ std::vector<size_t> SelectOutliers(const HeadMajor& x, bool per_channel, uint32_
     uint32_t i;
   };
   std::vector<size_t> positions(size_t{H} * vectors * n);
+  index.resize(positions.size());
   mask.assign(x.x.size(), 0);
-  if (k == 0) return {};
+  if (k == 0) {
+    index.clear();
+    return {};
+  }
   // bot[vec*k ...] ascending: the k smallest so far, bot[k-1] the largest of them.
   // top[vec*k ...] ascending: the k largest so far, top[0] the smallest of them.
   std::vector<Entry> bot(size_t{vectors} * k), top(size_t{vectors} * k);
@@ -477,8 +486,7 @@ std::vector<size_t> SelectOutliers(const HeadMajor& x, bool per_channel, uint32_
     if (per_channel && final_thresholds) {
       lo_thr.resize(D);
       hi_thr.resize(D);
-      internal::ColumnExtremesAvx2(&x.x[size_t{h} * T * D], T, D, k, lo_thr.data(),
-                                   hi_thr.data());
+      internal::ColumnExtremesAvx2(&x.x[size_t{h} * T * D], T, D, k, lo_thr.data(), hi_thr.data());
       for (float& lo : lo_thr) lo = std::nextafter(lo, INFINITY);
       for (uint32_t t = 0; t < T; ++t) {
         const float* row = &x.x[(size_t{h} * T + t) * D];
@@ -534,11 +542,16 @@ std::vector<size_t> SelectOutliers(const HeadMajor& x, bool per_channel, uint32_
     }
     for (uint32_t vec = 0; vec < vectors; ++vec) {
       size_t* out = &positions[(size_t{h} * vectors + vec) * n];
+      uint32_t* in = &index[(size_t{h} * vectors + vec) * n];
       auto pos = [&](uint32_t i) {
         return per_channel ? (size_t{h} * T + i) * D + vec : (size_t{h} * T + vec) * D + i;
       };
-      for (uint32_t e = 0; e < k; ++e) out[e] = pos(bot[size_t{vec} * k + e].i);
-      for (uint32_t e = 0; e < k; ++e) out[k + e] = pos(top[size_t{vec} * k + e].i);
+      for (uint32_t e = 0; e < k; ++e) {
+        in[e] = bot[size_t{vec} * k + e].i;
+        in[k + e] = top[size_t{vec} * k + e].i;
+        out[e] = pos(in[e]);
+        out[k + e] = pos(in[k + e]);
+      }
     }
   }
   for (size_t p : positions) mask[p] = 1;
@@ -681,9 +694,10 @@ absl::Status WriteAffine(const CodecSpec& s, const CodecLayout& layout, const Kv
     }
     std::vector<uint8_t> mask;
     std::vector<size_t> outliers;
-    if (tl.outliers > 0) outliers = SelectOutliers(m, is_k, tl.outliers, mask);
+    std::vector<uint32_t> outlier_index;  // each outlier's token (K) or channel (V)
+    if (tl.outliers > 0) outliers = SelectOutliers(m, is_k, tl.outliers, mask, outlier_index);
     const int bits = is_k ? s.k_bits : s.v_bits;
-    // The dequantized backbone only where a residual is taken from it (GEAR).
+    // The residual after the backbone only where GEAR takes low-rank terms or outliers from it.
     AffineResult q = QuantizeAffine(m, !tl.token_groups, tl.group_size, tl.groups, bits, mask, clip,
                                     s.fp8_meta, tl.rank > 0 || tl.outliers > 0);
 
@@ -703,10 +717,8 @@ absl::Status WriteAffine(const CodecSpec& s, const CodecLayout& layout, const Kv
       section += layout.k_section_count;
       continue;
     }
-    // Residual after the backbone (in place of the dequantized backbone, no longer needed);
-    // outliers then take exactly what the backbone missed.
-    Scratch<float>& residual = q.dequant;
-    for (size_t i = 0; i < residual.size(); ++i) residual[i] = m.x[i] - residual[i];
+    // The residual after the backbone; outliers then take exactly what the backbone missed.
+    Scratch<float>& residual = q.residual;
     std::vector<uint16_t> outlier_values(outliers.size());
     for (size_t i = 0; i < outliers.size(); ++i) {
       outlier_values[i] = F16(residual[outliers[i]]);
@@ -731,12 +743,12 @@ absl::Status WriteAffine(const CodecSpec& s, const CodecLayout& layout, const Kv
       if (tl.index_type == ElemType::kUInt8) {
         uint8_t* idx = b.section_as<uint8_t>(next++);
         for (size_t i = 0; i < outliers.size(); ++i) {
-          idx[i] = static_cast<uint8_t>(is_k ? (outliers[i] / D) % T : outliers[i] % D);
+          idx[i] = static_cast<uint8_t>(outlier_index[i]);
         }
       } else {
         uint16_t* idx = b.section_as<uint16_t>(next++);
         for (size_t i = 0; i < outliers.size(); ++i) {
-          idx[i] = static_cast<uint16_t>(is_k ? (outliers[i] / D) % T : outliers[i] % D);
+          idx[i] = static_cast<uint16_t>(outlier_index[i]);
         }
       }
     }
