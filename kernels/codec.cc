@@ -89,8 +89,8 @@ class ScratchCache {
 };
 
 // An allocator whose resize leaves new elements uninitialized: the codecs' per-chunk scratch
-// (a chunk's values, codes and dequantized backbone, up to megabytes) is written whole before it
-// is read, and zeroing it first cost a memory pass each. Blocks of 64 KiB and more come from and
+// (a chunk's values, codes and residual, up to megabytes) is written whole before it is
+// read, and zeroing it first cost a memory pass each. Blocks of 64 KiB and more come from and
 // go back to the thread's ScratchCache (a header before the elements keeps the block's size).
 template <typename T>
 struct DefaultInitAllocator : std::allocator<T> {

@@ -156,13 +156,13 @@ STRATA_CODEC_AVX2 uint32_t OutlierCandidatesScalarAvx2(const float* row, uint32_
 }
 
 namespace {
-// Lane k of the result = the min (kMax: max) of v[k]'s eight lanes: a tree of unpacks, shuffles
-// and 128-bit swaps, 21 instructions for eight reductions.
 template <bool kMax>
 STRATA_CODEC_AVX2 inline __m256 MinOrMax(__m256 a, __m256 b) {
   if constexpr (kMax) return _mm256_max_ps(a, b);
   return _mm256_min_ps(a, b);
 }
+// Lane k of the result = the min (kMax: max) of v[k]'s eight lanes: a tree of unpacks, shuffles
+// and 128-bit swaps, 21 instructions for eight reductions.
 template <bool kMax>
 STRATA_CODEC_AVX2 inline __m256 Reduce8(const __m256* v) {
   constexpr auto op = MinOrMax<kMax>;
@@ -184,8 +184,8 @@ STRATA_CODEC_AVX2 void GroupMinMaxAvx2(const float* rows, uint32_t n, uint32_t D
   const uint32_t groups = (D + gs - 1) / gs;
   uint32_t r = 0;
   if (mask == nullptr && D % 8 == 0) {
-    // Eight rows at a time: each row's group in vector lanes, then the eight rows' sums
-    // reduced across lanes together (Reduce8) instead of one row at a time.
+    // Eight rows at a time: each row's group folded into vector lanes, then the eight rows'
+    // lanes reduced together (Reduce8) instead of one row at a time.
     for (; r + 8 <= n; r += 8) {
       const float* const x = rows + size_t{r} * D;
       for (uint32_t g = 0; g < groups; ++g) {
