@@ -634,8 +634,8 @@ STRATA_CODEC_AVX2 void PermuteRowsAvx2(float* x, uint32_t rows, uint32_t d, cons
   uint32_t r = 0;
   if (d % 8 == 0) {
     // Eight rows at a time through a channel-major tile ([d][8]): an 8x8 transpose in, then
-    // the channels in the new order, eight at a time, transposed back into the rows. Two
-    // transposes cost a third of a gather per element and its copy.
+    // the channels in the new order, eight at a time, transposed back into the rows: shuffles
+    // in place of a gather per eight channels and a copy of the row.
     for (; r + 8 <= rows; r += 8) {
       float* const rows8 = x + size_t{r} * d;
       for (uint32_t c = 0; c < d; c += 8) {

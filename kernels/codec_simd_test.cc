@@ -363,6 +363,25 @@ TEST(CodecSimdTest, Fp8ParametersEqualTheScalarCode) {
 }
 
 // Every codec's blocks are the same bytes with the AVX2 loops and without.
+// Whether `codec` encodes `in` to the same bytes with the AVX2 loops and with the portable ones.
+testing::AssertionResult SameBytesWithAndWithoutAvx2(const Codec& codec, const KvChunkView& in) {
+  absl::StatusOr<AlignedBuffer> fast = codec.Encode(in, {});
+  internal::SetCodecSimdForTesting(false);
+  absl::StatusOr<AlignedBuffer> portable = codec.Encode(in, {});
+  internal::SetCodecSimdForTesting(true);
+  if (!fast.ok() || !portable.ok()) {
+    return testing::AssertionFailure()
+           << "encode failed: " << fast.status() << " / " << portable.status();
+  }
+  if (fast->size() != portable->size()) {
+    return testing::AssertionFailure() << "sizes " << fast->size() << " vs " << portable->size();
+  }
+  if (std::memcmp(fast->data(), portable->data(), fast->size()) != 0) {
+    return testing::AssertionFailure() << "the bytes differ";
+  }
+  return testing::AssertionSuccess();
+}
+
 TEST(CodecSimdTest, BlocksAreTheSameBytesWithAndWithoutAvx2) {
   if (!HaveCodecSimd()) GTEST_SKIP() << "skipped: no AVX2 on this CPU";
   for (const char* spec :
@@ -391,13 +410,7 @@ TEST(CodecSimdTest, BlocksAreTheSameBytesWithAndWithoutAvx2) {
       with_q.q = q.data();
       with_q.q_heads = 8;
       for (const KvChunkView& in : {view, view16, with_q}) {
-        absl::StatusOr<AlignedBuffer> fast = (*codec)->Encode(in, {});
-        internal::SetCodecSimdForTesting(false);
-        absl::StatusOr<AlignedBuffer> portable = (*codec)->Encode(in, {});
-        internal::SetCodecSimdForTesting(true);
-        ASSERT_TRUE(fast.ok() && portable.ok()) << spec << " d=" << dim;
-        ASSERT_EQ(fast->size(), portable->size()) << spec;
-        EXPECT_EQ(std::memcmp(fast->data(), portable->data(), fast->size()), 0)
+        EXPECT_TRUE(SameBytesWithAndWithoutAvx2(**codec, in))
             << spec << " d=" << dim << " fp16 input=" << (in.dtype == SourceDType::kFloat16)
             << " queries=" << (in.q != nullptr);
       }
@@ -421,13 +434,7 @@ TEST(CodecSimdTest, OutliersAreTheSameWithTiesAndEveryCount) {
         const KvChunkView view{kv.k.data(), kv.v.data(), SourceDType::kFloat32, 150, 2, dim};
         auto codec = Codec::Create(spec);
         ASSERT_TRUE(codec.ok()) << spec;
-        absl::StatusOr<AlignedBuffer> fast = (*codec)->Encode(view, {});
-        internal::SetCodecSimdForTesting(false);
-        absl::StatusOr<AlignedBuffer> portable = (*codec)->Encode(view, {});
-        internal::SetCodecSimdForTesting(true);
-        ASSERT_TRUE(fast.ok() && portable.ok()) << spec << " d=" << dim;
-        ASSERT_EQ(fast->size(), portable->size()) << spec;
-        EXPECT_EQ(std::memcmp(fast->data(), portable->data(), fast->size()), 0)
+        EXPECT_TRUE(SameBytesWithAndWithoutAvx2(**codec, view))
             << spec << " d=" << dim << " grid=" << grid;
       }
     }

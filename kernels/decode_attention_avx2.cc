@@ -852,9 +852,6 @@ struct AccumulateOp {
   static void Run(const Segment& s, HeadGroupState& st) { Accumulate<kSrc, kG>(s, st); }
 };
 
-// exp(x) for x <= 0 (arguments of the online softmax): internal/vector_exp.h.
-STRATA_AVX2_INLINE __m256 Exp(__m256 x) { return ExpAvx2(x); }
-
 }  // namespace
 
 STRATA_AVX2 void SoftmaxAvx2(uint32_t T, HeadGroupState& st) {
@@ -879,7 +876,7 @@ STRATA_AVX2 void SoftmaxAvx2(uint32_t T, HeadGroupState& st) {
     const __m256 vm = _mm256_set1_ps(m_new);
     __m256 vl = _mm256_setzero_ps();
     for (t = 0; t + 8 <= T; t += 8) {
-      const __m256 p = Exp(_mm256_sub_ps(_mm256_loadu_ps(s + t), vm));
+      const __m256 p = ExpAvx2(_mm256_sub_ps(_mm256_loadu_ps(s + t), vm));
       _mm256_storeu_ps(s + t, p);
       vl = _mm256_add_ps(vl, p);
     }
@@ -1002,7 +999,7 @@ std::atomic<int> integer_isa_override{-1};
 
 bool IntegerIsaRuns(IntegerIsa isa) {
   const CpuFeatures& f = GetCpuFeatures();
-  const bool avx2 = f.avx2 && f.fma && f.f16c;
+  const bool avx2 = DecodeAttentionUsesAvx2();
   switch (isa) {
     case IntegerIsa::kAvx512Vnni:
       return avx2 && f.avx512vnni && f.avx512vl && f.avx512bw;
