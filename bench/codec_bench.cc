@@ -20,6 +20,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/strings/numbers.h"
@@ -468,12 +469,14 @@ int Main(int argc, char** argv) {
                                .Raw("attention", JsonArray(j_attention))
                                .Raw("error", JsonArray(j_error))
                                .Done();
-  // A run with the CPU features capped (STRATA_ISA=avx2) gets a file of its own.
+  // A run with the CPU features capped (STRATA_ISA=avx2), or with the 512-bit integer kernels
+  // (the path "avx512-vnni-zmm": STRATA_ZMM=1 on an AVX512-VNNI CPU), gets a file of its own.
   const char* isa = std::getenv("STRATA_ISA");
-  const std::string path =
-      ResultPath(out_dir, "codec_bench", info,
-                 isa != nullptr && *isa != '\0' ? absl::StrCat("isa-", isa) : "") +
-      ".json";
+  std::string tag = isa != nullptr && *isa != '\0' ? absl::StrCat("isa-", isa) : "";
+  if (std::string_view(kernels::DecodeAttentionPath()) == "avx512-vnni-zmm") {
+    absl::StrAppend(&tag, tag.empty() ? "" : "-", "zmm");
+  }
+  const std::string path = ResultPath(out_dir, "codec_bench", info, tag) + ".json";
   if (!WriteResultFile(path, json + "\n")) return 1;
   std::printf("\nwrote %s\n", path.c_str());
   return 0;

@@ -720,6 +720,10 @@ const char* DecodeAttentionPath() {
       return "avx2+avx-vnni";
     case internal::IntegerIsa::kEmulatedVnni:
       return "avx2+emulated-vnni";
+    case internal::IntegerIsa::kAvx512Zmm:
+      return "avx512-vnni-zmm";
+    case internal::IntegerIsa::kEmulatedZmm:
+      return "avx2+emulated-avx512-zmm";
     case internal::IntegerIsa::kAvx2:
       break;
   }

@@ -101,7 +101,9 @@ bool DecodeAttentionUsesAvx2();
 
 // The kernels kAuto runs on this CPU, for benchmarks to record: "portable", or "avx2" and the
 // integer dot product of the int8-query key scores ("avx2+vpmaddubsw", "avx2+avx-vnni",
-// "avx2+avx512-vnni"). STRATA_ISA=avx2 in the environment caps it at "avx2+vpmaddubsw".
+// "avx2+avx512-vnni", or with STRATA_ZMM=1 on such a CPU "avx512-vnni-zmm": the 2- and 4-bit
+// integer kernels in 512-bit registers). STRATA_ISA=avx2 in the environment caps it at
+// "avx2+vpmaddubsw".
 const char* DecodeAttentionPath();
 
 }  // namespace strata::kernels

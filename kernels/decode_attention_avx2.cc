@@ -5,14 +5,22 @@
 // Specialized: full-precision segments, fp16 blocks and the affine family at 2/3/4/8 bits, for
 // 1, 2, 4 or 8 query heads per KV head and head_dim a multiple of 8. Anything else takes the
 // portable kernels.
+
+// GCC 12 warns that the AVX-512 intrinsics' "undefined" operands (a register left as it is) may
+// be used uninitialized once inlined (GCC bug 105593, fixed in 13); they are not values here.
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #include <immintrin.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <string_view>
 #include <type_traits>
 #include <vector>
 
@@ -20,6 +28,7 @@
 #include "common/half.h"
 #include "kernels/internal/attention_segment.h"
 #include "kernels/internal/vector_exp.h"
+#include "kernels/internal/zmm_ops.h"
 
 #define STRATA_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define STRATA_AVX2_INLINE __attribute__((target("avx2,fma,f16c"), always_inline)) inline
@@ -914,6 +923,18 @@ namespace integer_avx512_vnni {
 #undef STRATA_INT8_TARGET
 #undef STRATA_INT8_VNNI
 }  // namespace integer_avx512_vnni
+namespace integer_avx512_zmm {
+namespace zv = zmm_native;
+#define STRATA_INT8_TARGET "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"
+#define STRATA_INT8_VNNI 2
+#define STRATA_INT8_ZMM 1
+#define STRATA_INT8_FALLBACK integer_avx512_vnni
+#include "kernels/internal/integer_dot.inc"
+#undef STRATA_INT8_TARGET
+#undef STRATA_INT8_VNNI
+#undef STRATA_INT8_ZMM
+#undef STRATA_INT8_FALLBACK
+}  // namespace integer_avx512_zmm
 namespace integer_emulated_vnni {
 #define STRATA_INT8_TARGET "avx2,fma,f16c"
 #define STRATA_INT8_VNNI 3
@@ -921,6 +942,20 @@ namespace integer_emulated_vnni {
 #undef STRATA_INT8_TARGET
 #undef STRATA_INT8_VNNI
 }  // namespace integer_emulated_vnni
+// The 512-bit kernels with each AVX-512 operation done exactly on two AVX2 registers
+// (zmm_ops.h), so that machines without AVX-512 run their code and test it bit for bit.
+namespace integer_emulated_zmm {
+namespace zv = zmm_emulated;
+#define STRATA_INT8_TARGET "avx2,fma,f16c"
+#define STRATA_INT8_VNNI 3
+#define STRATA_INT8_ZMM 1
+#define STRATA_INT8_FALLBACK integer_emulated_vnni
+#include "kernels/internal/integer_dot.inc"
+#undef STRATA_INT8_TARGET
+#undef STRATA_INT8_VNNI
+#undef STRATA_INT8_ZMM
+#undef STRATA_INT8_FALLBACK
+}  // namespace integer_emulated_zmm
 
 // Op at `bits` (2, 3 or 4) for the segment's G, of one instruction set; false when none has that G.
 template <template <int, uint32_t> class Op>
@@ -940,15 +975,20 @@ bool RunBits(int bits, const Segment& seg, HeadGroupState& st) {
 // Runs Op (one instantiation per instruction set, from internal/integer_dot.inc) with the CPU's
 // integer dot product at `bits` (2, 3 or 4) for the segment's G; false when no kernel has that G.
 template <template <int, uint32_t> class OpAvx2, template <int, uint32_t> class OpAvxVnni,
-          template <int, uint32_t> class OpAvx512Vnni, template <int, uint32_t> class OpEmulated>
+          template <int, uint32_t> class OpAvx512Vnni, template <int, uint32_t> class OpEmulated,
+          template <int, uint32_t> class OpAvx512Zmm, template <int, uint32_t> class OpEmulatedZmm>
 bool RunInteger(int bits, const Segment& seg, HeadGroupState& st) {
   switch (IntegerDotIsa()) {
+    case IntegerIsa::kAvx512Zmm:
+      return RunBits<OpAvx512Zmm>(bits, seg, st);
     case IntegerIsa::kAvx512Vnni:
       return RunBits<OpAvx512Vnni>(bits, seg, st);
     case IntegerIsa::kAvxVnni:
       return RunBits<OpAvxVnni>(bits, seg, st);
     case IntegerIsa::kEmulatedVnni:
       return RunBits<OpEmulated>(bits, seg, st);
+    case IntegerIsa::kEmulatedZmm:
+      return RunBits<OpEmulatedZmm>(bits, seg, st);
     case IntegerIsa::kAvx2:
       break;
   }
@@ -1002,11 +1042,13 @@ bool IntegerIsaRuns(IntegerIsa isa) {
   const bool avx2 = DecodeAttentionUsesAvx2();
   switch (isa) {
     case IntegerIsa::kAvx512Vnni:
+    case IntegerIsa::kAvx512Zmm:
       return avx2 && f.avx512vnni && f.avx512vl && f.avx512bw;
     case IntegerIsa::kAvxVnni:
       return avx2 && f.avx_vnni;
     case IntegerIsa::kAvx2:
     case IntegerIsa::kEmulatedVnni:
+    case IntegerIsa::kEmulatedZmm:
       return avx2;
   }
   return false;
@@ -1023,7 +1065,14 @@ IntegerIsa IntegerDotIsa() {
   if (const int o = integer_isa_override.load(std::memory_order_relaxed); o >= 0) {
     return static_cast<IntegerIsa>(o);
   }
-  if (IntegerIsaRuns(IntegerIsa::kAvx512Vnni)) return IntegerIsa::kAvx512Vnni;
+  if (IntegerIsaRuns(IntegerIsa::kAvx512Vnni)) {
+    // The 512-bit kernels only where asked for (see IntegerIsa), read once.
+    static const bool zmm = [] {
+      const char* v = std::getenv("STRATA_ZMM");
+      return v != nullptr && std::string_view(v) == "1";
+    }();
+    return zmm ? IntegerIsa::kAvx512Zmm : IntegerIsa::kAvx512Vnni;
+  }
   if (IntegerIsaRuns(IntegerIsa::kAvxVnni)) return IntegerIsa::kAvxVnni;
   return IntegerIsa::kAvx2;
 }
@@ -1035,9 +1084,12 @@ void ScoresAvx2(const Segment& seg, HeadGroupState& st) {
         seg.block->k.token_groups
             ? RunInteger<integer_avx2::ScoresTokenGroupsOp, integer_avx_vnni::ScoresTokenGroupsOp,
                          integer_avx512_vnni::ScoresTokenGroupsOp,
-                         integer_emulated_vnni::ScoresTokenGroupsOp>(bits, seg, st)
+                         integer_emulated_vnni::ScoresTokenGroupsOp,
+                         integer_avx512_zmm::ScoresTokenGroupsOp,
+                         integer_emulated_zmm::ScoresTokenGroupsOp>(bits, seg, st)
             : RunInteger<integer_avx2::ScoresInt8Op, integer_avx_vnni::ScoresInt8Op,
-                         integer_avx512_vnni::ScoresInt8Op, integer_emulated_vnni::ScoresInt8Op>(
+                         integer_avx512_vnni::ScoresInt8Op, integer_emulated_vnni::ScoresInt8Op,
+                         integer_avx512_zmm::ScoresInt8Op, integer_emulated_zmm::ScoresInt8Op>(
                   bits, seg, st);
     if (ran) return;
   }
@@ -1050,7 +1102,8 @@ void ScoresAvx2(const Segment& seg, HeadGroupState& st) {
 void AccumulateAvx2(const Segment& seg, HeadGroupState& st) {
   if (IntegerValues(seg, st) &&
       RunInteger<integer_avx2::AccumulateInt16Op, integer_avx_vnni::AccumulateInt16Op,
-                 integer_avx512_vnni::AccumulateInt16Op, integer_emulated_vnni::AccumulateInt16Op>(
+                 integer_avx512_vnni::AccumulateInt16Op, integer_emulated_vnni::AccumulateInt16Op,
+                 integer_avx512_zmm::AccumulateInt16Op, integer_emulated_zmm::AccumulateInt16Op>(
           seg.block->v.bits, seg, st)) {
     return;
   }

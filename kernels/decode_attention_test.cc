@@ -151,7 +151,8 @@ std::vector<Variant> Variants() {
 }
 
 TEST(DecodeAttentionTest, FusedMatchesReferenceForEveryCodecShapeAndImpl) {
-  const Shape shapes[] = {{4, 4, 64}, {8, 2, 128}, {8, 2, 64}, {16, 2, 64}, {8, 1, 128}, {6, 2, 64}};
+  const Shape shapes[] = {{4, 4, 64},  {8, 2, 128}, {8, 2, 64},
+                          {16, 2, 64}, {8, 1, 128}, {6, 2, 64}};
   ThreadPool pool(2);
   uint64_t seed = 1;
   for (const char* spec : kCodecs) {
@@ -374,22 +375,23 @@ TEST(DecodeAttentionTest, SequencesSharingAPrefixReadItOnceAndEachMatchesTheRefe
 }
 
 TEST(DecodeAttentionTest, IntegerKernelsAreTheSameBitsOnEveryInstructionSet) {
-  // The integer kernels sum the same integers with vpmaddubsw (AVX2) and with vpdpbusd /
-  // vpdpwssd (VNNI), then take the same float steps: their outputs are the same bits. The VNNI
-  // kernels run here with those two instructions emulated exactly in AVX2 (so every machine
-  // tests their code), and with the instructions themselves where the CPU has them.
+  // The integer kernels sum the same integers with vpmaddubsw (AVX2), with vpdpbusd / vpdpwssd
+  // (VNNI) and in 512-bit registers, then take the same float steps: their outputs are the same
+  // bits. The VNNI kernels run here with those two instructions emulated exactly in AVX2, the
+  // 512-bit ones with SIMDe's AVX-512 (so every machine tests their code), and each with the
+  // instructions themselves where the CPU has them.
   if (!DecodeAttentionUsesAvx2()) GTEST_SKIP() << "no AVX2: no integer kernels on this CPU";
   struct Reset {
     ~Reset() { internal::SetIntegerIsaForTesting(std::nullopt); }
   } reset;
   using internal::IntegerIsa;
-  std::vector<IntegerIsa> isas = {IntegerIsa::kEmulatedVnni};
-  for (IntegerIsa isa : {IntegerIsa::kAvxVnni, IntegerIsa::kAvx512Vnni}) {
+  std::vector<IntegerIsa> isas = {IntegerIsa::kEmulatedVnni, IntegerIsa::kEmulatedZmm};
+  for (IntegerIsa isa : {IntegerIsa::kAvxVnni, IntegerIsa::kAvx512Vnni, IntegerIsa::kAvx512Zmm}) {
     if (internal::IntegerIsaRuns(isa)) isas.push_back(isa);
   }
-  std::printf("VNNI kernels compared with AVX2's: emulated%s%s\n",
+  std::printf("integer kernels compared with AVX2's: emulated vnni, emulated zmm%s%s\n",
               internal::IntegerIsaRuns(IntegerIsa::kAvxVnni) ? ", avx-vnni" : "",
-              internal::IntegerIsaRuns(IntegerIsa::kAvx512Vnni) ? ", avx512-vnni" : "");
+              internal::IntegerIsaRuns(IntegerIsa::kAvx512Vnni) ? ", avx512-vnni, avx512 zmm" : "");
   const Shape shapes[] = {{4, 4, 64}, {8, 2, 128}, {16, 2, 64}, {4, 2, 256}, {8, 1, 64}};
   ThreadPool pool(2);
   uint64_t seed = 900;

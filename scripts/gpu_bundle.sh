@@ -13,20 +13,27 @@ cd "$(dirname "$0")/.."
 
 targets=(common_cuda_test kernels_cuda_test kernels_cuda_pages_test nccl_transport_test nccl_bench
          cuda_decode_bench)
-./scripts/build.sh $(printf -- "--target %s " "${targets[@]}")
+# CPU binaries for the lent machine's own CPU (often one with AVX-512): run.sh runs the integer
+# attention kernels' tests and benchmark there, 256-bit against 512-bit registers.
+cpu_targets=(kernels_test codec_bench)
+./scripts/build.sh $(printf -- "--target %s " "${targets[@]}" "${cpu_targets[@]}")
 
 out=build/gpu-bundle
 rm -rf "$out"
-mkdir -p "$out/lib"
-for t in "${targets[@]}"; do
-  bin="$(find build -path build/gpu-bundle -prune -o -type f -name "$t" -perm -u+x -print | head -n 1)"
-  [ -n "$bin" ] || { echo "gpu_bundle: $t was not built (no CUDA in this build?)" >&2; exit 1; }
-  cp "$bin" "$out/"
-  # Every shared library it loads except the C/C++ runtime, CUDA's driver and NCCL.
+mkdir -p "$out/lib" "$out/cpu"
+# gather TARGET DIR: the binary into DIR, and every shared library it loads except the C/C++
+# runtime, CUDA's driver and NCCL into lib/.
+gather() {
+  local bin
+  bin="$(find build -path build/gpu-bundle -prune -o -type f -name "$1" -perm -u+x -print | head -n 1)"
+  [ -n "$bin" ] || { echo "gpu_bundle: $1 was not built (no CUDA in this build?)" >&2; exit 1; }
+  cp "$bin" "$2/"
   ldd "$bin" | awk '$3 ~ /^\// {print $3}' |
     { grep -vE '/(libc|libm|libstdc\+\+|libgcc_s|libpthread|libdl|librt|libcuda|libnccl)\.so' || true; } |
     while read -r lib; do cp -L "$lib" "$out/lib/"; done
-done
+}
+for t in "${targets[@]}"; do gather "$t" "$out"; done
+for t in "${cpu_targets[@]}"; do gather "$t" "$out/cpu"; done
 
 cp bench/cuda_sdpa_bench.py "$out/"
 
@@ -68,6 +75,21 @@ if command -v compute-sanitizer >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/comp
     --gtest_filter='PagedDecodeGpuTest.Fp16*:PagedDecodeGpuTest.Affine*' || rc=1
 else
   echo "== compute-sanitizer: not on this machine; memcheck skipped"
+fi
+# The CPU's integer attention kernels where it has AVX512-VNNI: their tests on the real
+# instructions (VNNI and 512-bit against AVX2, bit for bit), then the attention table with the
+# 256-bit kernels and with the 512-bit ones (STRATA_ZMM=1), in one sitting.
+if grep -qw avx512_vnni /proc/cpuinfo; then
+  echo "== cpu: $(grep -m1 'model name' /proc/cpuinfo)"
+  "$here/cpu/kernels_test" --gtest_filter='DecodeAttentionTest.*' || rc=1
+  for zmm in 0 1; do
+    echo "== cpu: codec_bench attention, STRATA_ZMM=$zmm"
+    STRATA_ZMM=$zmm timeout 200 "$here/cpu/codec_bench" --tables 2 --contexts 8192 \
+      --codecs fp16,kivi:k2v2:g32,kivi:k4v4:g32,kcvt:k2v2,gear:k2v2:kcvt:r2:s1 \
+      --out "$results" --commit "${STRATA_COMMIT:-unknown}" || rc=1
+  done
+else
+  echo "== cpu: no AVX512-VNNI here; the 512-bit kernels' checks skipped"
 fi
 exit "$rc"
 EOF

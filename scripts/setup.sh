@@ -14,6 +14,9 @@ packages=(
   libabsl-dev libssl-dev nlohmann-json3-dev libopenblas-dev libre2-dev libboost-dev
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   librocksdb-dev prometheus-cpp-dev curl
+  # AVX-512 instructions in portable code: the reference the 512-bit kernels' emulation is
+  # tested against on machines without AVX-512
+  libsimde-dev
   # membership (etcd v3; its JSON gateway) for the cluster tests
   etcd-server
   # separate hosts on one machine (deploy/netns: namespaces, veth, tc; packet loss by nftables

@@ -64,9 +64,13 @@ void AccumulatePortable(const Segment& seg, HeadGroupState& st);
 void ScoresAvx2(const Segment& seg, HeadGroupState& st);
 
 // Which integer dot product the AVX2 kernels' integer paths (keys and values) use on this CPU.
-// kEmulatedVnni is never picked: it runs the VNNI kernels with vpdpbusd / vpdpwssd done exactly
-// in AVX2, so that a machine without VNNI tests their code (SetIntegerIsaForTesting).
-enum class IntegerIsa { kAvx2, kAvxVnni, kAvx512Vnni, kEmulatedVnni };
+// kAvx512Vnni runs the VNNI kernels on 256-bit registers; kAvx512Zmm the 2- and 4-bit keys and
+// values on 512-bit ones (the rest as kAvx512Vnni), picked only where STRATA_ZMM=1 is in the
+// environment until a machine with AVX-512 has measured it against kAvx512Vnni.
+// kEmulatedVnni and kEmulatedZmm are never picked: they run the VNNI kernels with vpdpbusd /
+// vpdpwssd done exactly in AVX2, and the 512-bit ones with SIMDe's AVX-512, so that machines
+// without VNNI or AVX-512 test their code (SetIntegerIsaForTesting).
+enum class IntegerIsa { kAvx2, kAvxVnni, kAvx512Vnni, kEmulatedVnni, kAvx512Zmm, kEmulatedZmm };
 IntegerIsa IntegerDotIsa();
 // Whether this CPU runs `isa`'s kernels.
 bool IntegerIsaRuns(IntegerIsa isa);

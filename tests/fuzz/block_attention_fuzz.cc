@@ -1,6 +1,7 @@
 // libFuzzer target for everything a decode node does with a block it received: parse it,
 // prepare its operands (codec-level validation), decode it, and attend over it with the
-// portable and the AVX2 kernels. Whatever the bytes, no step may crash or read out of bounds;
+// portable and the AVX2 kernels (the integer ones with every integer dot product the CPU runs,
+// emulated VNNI and AVX-512 included). Whatever the bytes, no step may crash or read out of bounds;
 // a block PrepareBlock accepts must be safe to hand to the kernels.
 //
 // The custom mutator reseals the CRC-32C so the fuzzer gets past the checksum and into the
@@ -15,6 +16,7 @@
 #include "common/thread_pool.h"
 #include "kernels/block_operands.h"
 #include "kernels/decode_attention.h"
+#include "kernels/internal/attention_segment.h"
 
 extern "C" size_t LLVMFuzzerMutate(uint8_t* data, size_t size, size_t max_size);
 
@@ -64,16 +66,22 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   seq2.blocks = ptrs2;
   seq2.out = out2.data();
   const DecodeSequence batch[] = {seq, seq2};
-  for (AttentionImpl impl : {AttentionImpl::kPortable, AttentionImpl::kAvx2}) {
-    if (impl == AttentionImpl::kAvx2 && !DecodeAttentionUsesAvx2()) continue;
-    for (bool integer_dot : {true, false}) {  // the integer kernels and the fp32 ones
-      if (!DecodeAttention(params, {&seq, 1}, {impl, 4096, &pool, integer_dot}).ok()) {
-        __builtin_trap();
-      }
-      if (!DecodeAttention(params, batch, {impl, 4096, &pool, integer_dot}).ok()) {
-        __builtin_trap();
-      }
+  auto attend = [&](AttentionImpl impl, bool integer_dot) {
+    if (!DecodeAttention(params, {&seq, 1}, {impl, 4096, &pool, integer_dot}).ok()) {
+      __builtin_trap();
     }
+    if (!DecodeAttention(params, batch, {impl, 4096, &pool, integer_dot}).ok()) __builtin_trap();
+  };
+  attend(AttentionImpl::kPortable, false);
+  if (!DecodeAttentionUsesAvx2()) return 0;
+  attend(AttentionImpl::kAvx2, false);  // the fp32 kernels
+  // The integer kernels of every instruction set this CPU runs, emulated ones included.
+  using internal::IntegerIsa;
+  for (IntegerIsa isa :
+       {IntegerIsa::kAvx2, IntegerIsa::kAvxVnni, IntegerIsa::kAvx512Vnni, IntegerIsa::kAvx512Zmm,
+        IntegerIsa::kEmulatedVnni, IntegerIsa::kEmulatedZmm}) {
+    if (internal::SetIntegerIsaForTesting(isa)) attend(AttentionImpl::kAvx2, true);
   }
+  internal::SetIntegerIsaForTesting(std::nullopt);
   return 0;
 }
