@@ -81,7 +81,7 @@ fi
 # 256-bit kernels and with the 512-bit ones (STRATA_ZMM=1), in one sitting.
 if grep -qw avx512_vnni /proc/cpuinfo; then
   echo "== cpu: $(grep -m1 'model name' /proc/cpuinfo)"
-  "$here/cpu/kernels_test" --gtest_filter='DecodeAttentionTest.*' || rc=1
+  "$here/cpu/kernels_test" --gtest_filter='DecodeAttentionTest.*:ZmmOpsTest.*' || rc=1
   for zmm in 0 1; do
     echo "== cpu: codec_bench attention, STRATA_ZMM=$zmm"
     STRATA_ZMM=$zmm timeout 200 "$here/cpu/codec_bench" --tables 2 --contexts 8192 \
