@@ -362,7 +362,6 @@ TEST(CodecSimdTest, Fp8ParametersEqualTheScalarCode) {
   }
 }
 
-// Every codec's blocks are the same bytes with the AVX2 loops and without.
 // Whether `codec` encodes `in` to the same bytes with the AVX2 loops and with the portable ones.
 testing::AssertionResult SameBytesWithAndWithoutAvx2(const Codec& codec, const KvChunkView& in) {
   absl::StatusOr<AlignedBuffer> fast = codec.Encode(in, {});
@@ -382,6 +381,7 @@ testing::AssertionResult SameBytesWithAndWithoutAvx2(const Codec& codec, const K
   return testing::AssertionSuccess();
 }
 
+// Every codec's blocks are the same bytes with the AVX2 loops and without.
 TEST(CodecSimdTest, BlocksAreTheSameBytesWithAndWithoutAvx2) {
   if (!HaveCodecSimd()) GTEST_SKIP() << "skipped: no AVX2 on this CPU";
   for (const char* spec :

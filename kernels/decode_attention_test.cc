@@ -378,8 +378,8 @@ TEST(DecodeAttentionTest, IntegerKernelsAreTheSameBitsOnEveryInstructionSet) {
   // The integer kernels sum the same integers with vpmaddubsw (AVX2), with vpdpbusd / vpdpwssd
   // (VNNI) and in 512-bit registers, then take the same float steps: their outputs are the same
   // bits. The VNNI kernels run here with those two instructions emulated exactly in AVX2, the
-  // 512-bit ones with SIMDe's AVX-512 (so every machine tests their code), and each with the
-  // instructions themselves where the CPU has them.
+  // 512-bit ones with their operations done exactly on two AVX2 registers (zmm_ops.h), so every
+  // machine tests their code, and each with the instructions themselves where the CPU has them.
   if (!DecodeAttentionUsesAvx2()) GTEST_SKIP() << "no AVX2: no integer kernels on this CPU";
   struct Reset {
     ~Reset() { internal::SetIntegerIsaForTesting(std::nullopt); }

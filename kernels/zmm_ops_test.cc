@@ -249,8 +249,8 @@ TEST(ZmmOpsTest, EmulatedOpsAreSimdesAndTheInstructions) {
   std::printf("emulated 512-bit operations compared with SIMDe%s\n",
               native ? " and with AVX-512" : " (no AVX512-VNNI here)");
   std::mt19937_64 rng(77);
-  // Random bytes, then the extremes: vpdpbusd's largest products (255 * -128), vpdpwssd's
-  // (-32768 * -32768, and -32768 * 32767).
+  // Random bytes, then the extremes: vpdpbusd's largest products (255 * -128), and vpdpwssd's
+  // operands at -32768 and 32767 (b halved below).
   std::vector<std::array<Bytes, 3>> inputs;
   for (int i = 0; i < 200; ++i) {
     std::array<Bytes, 3> in;
@@ -272,12 +272,12 @@ TEST(ZmmOpsTest, EmulatedOpsAreSimdesAndTheInstructions) {
   inputs.push_back(extreme);
   // The sums of the dot products stay inside int32 (as the kernels' do by their bounds): SIMDe's
   // portable code adds in signed int32, where a wrap is undefined behaviour (UBSan stops), while
-  // the instructions wrap. So the accumulator's lanes are kept within +-2^23, and vpdpwssd's
-  // pairs of products, at most 2^31 in magnitude, to one operand with |x| < 2^15 - 1 ...
+  // the instructions wrap. So the accumulator's lanes are kept within +-2^23 and, for vpdpwssd,
+  // whose two products can reach 2^31 in all, the second operand's int16s are halved.
   auto bounded = [](Op op, std::array<Bytes, 3> in) {
     if (op != Op::kDpbusd && op != Op::kDpwssd) return in;
     for (size_t i = 0; i < 64; i += 4) in[2][i + 3] = in[2][i + 2] & 0x80 ? 0xff : 0x00;
-    if (op == Op::kDpwssd) {  // ... here, b's int16s halved: |a * b| <= 2^15 * 2^14
+    if (op == Op::kDpwssd) {  // |a * b| <= 2^15 * 2^14
       for (size_t i = 0; i < 64; i += 2) {
         int16_t x;
         std::memcpy(&x, &in[1][i], 2);

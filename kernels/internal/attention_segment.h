@@ -68,8 +68,9 @@ void ScoresAvx2(const Segment& seg, HeadGroupState& st);
 // values on 512-bit ones (the rest as kAvx512Vnni), picked only where STRATA_ZMM=1 is in the
 // environment until a machine with AVX-512 has measured it against kAvx512Vnni.
 // kEmulatedVnni and kEmulatedZmm are never picked: they run the VNNI kernels with vpdpbusd /
-// vpdpwssd done exactly in AVX2, and the 512-bit ones with SIMDe's AVX-512, so that machines
-// without VNNI or AVX-512 test their code (SetIntegerIsaForTesting).
+// vpdpwssd done exactly in AVX2, and the 512-bit ones with each AVX-512 operation done exactly on
+// two AVX2 registers (zmm_ops.h), so that machines without VNNI or AVX-512 test their code
+// (SetIntegerIsaForTesting).
 enum class IntegerIsa { kAvx2, kAvxVnni, kAvx512Vnni, kEmulatedVnni, kAvx512Zmm, kEmulatedZmm };
 IntegerIsa IntegerDotIsa();
 // Whether this CPU runs `isa`'s kernels.
