@@ -3,7 +3,8 @@
 # need that a bare CUDA machine lacks (Debian's Abseil, ...), into build/gpu-bundle/, with a
 # run.sh that runs each of them there. For a lent GPU machine that has the CUDA driver and NCCL
 # (a CUDA image's Python nvidia-nccl package will do) but not Debian's libraries:
-#   scripts/gpu_bundle.sh            # here: build and gather
+#   scripts/gpu_bundle.sh [--cpu]    # here: build and gather (--cpu: only the CPU binaries, for a
+#                                    # lent machine's CPU; run.sh then runs only their part)
 #   STRATA_COMMIT=$(git rev-parse --short HEAD) build/gpu-bundle/run.sh
 #                                    # there (carry build/gpu-bundle); exit status: any failure
 # NCCL itself is not copied (over 200 MB): run.sh finds libnccl.so.2 in /usr/local/cuda/lib, in
@@ -13,6 +14,11 @@ cd "$(dirname "$0")/.."
 
 targets=(common_cuda_test kernels_cuda_test kernels_cuda_pages_test nccl_transport_test nccl_bench
          cuda_decode_bench)
+case "${1:-}" in
+  --cpu) targets=() ;;
+  "") ;;
+  *) echo "gpu_bundle.sh: unknown argument $1 (--cpu or nothing)" >&2; exit 2 ;;
+esac
 # CPU binaries for the lent machine's own CPU (often one with AVX-512): run.sh runs the integer
 # attention kernels' tests and benchmark there, 256-bit against 512-bit registers.
 cpu_targets=(kernels_test codec_bench)
@@ -28,18 +34,21 @@ gather() {
   bin="$(find build -path build/gpu-bundle -prune -o -type f -name "$1" -perm -u+x -print | head -n 1)"
   [ -n "$bin" ] || { echo "gpu_bundle: $1 was not built (no CUDA in this build?)" >&2; exit 1; }
   cp "$bin" "$2/"
+  # Without debug info: the device tool carries at most 64 MiB (RelWithDebInfo binaries are
+  # mostly DWARF).
+  strip --strip-debug "$2/$1"
   ldd "$bin" | awk '$3 ~ /^\// {print $3}' |
     { grep -vE '/(libc|libm|libstdc\+\+|libgcc_s|libpthread|libdl|librt|libcuda|libnccl)\.so' || true; } |
     while read -r lib; do cp -L "$lib" "$out/lib/"; done
 }
-for t in "${targets[@]}"; do gather "$t" "$out"; done
+for t in "${targets[@]+"${targets[@]}"}"; do gather "$t" "$out"; done
 for t in "${cpu_targets[@]}"; do gather "$t" "$out/cpu"; done
 
 cp bench/cuda_sdpa_bench.py "$out/"
 
 cat > "$out/run.sh" <<'EOF'
 #!/usr/bin/env bash
-# Runs every GPU test binary beside this script; exit status 1 if any failed.
+# Runs every test binary beside this script and the benchmarks; exit status 1 if any failed.
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 nccl="${NCCL_LIB_DIR:-}"
@@ -47,47 +56,68 @@ if [ -z "$nccl" ] && [ ! -e /usr/local/cuda/lib/libnccl.so.2 ]; then
   nccl="$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null || true)"
 fi
 export LD_LIBRARY_PATH="$here/lib${nccl:+:$nccl}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-nvidia-smi -L 2>/dev/null || true
 rc=0
-for t in "$here"/*_test; do
-  echo "== $(basename "$t")"
-  "$t" || rc=1
-done
 # Benchmarks: results land in $OUT (the device tool's) or beside this script.
 results="${OUT:-$here/results}"
 mkdir -p "$results"
-echo "== nccl_bench"
-"$here/nccl_bench" --out "$results" --commit "${STRATA_COMMIT:-unknown}" || rc=1
-echo "== cuda_decode_bench"
-"$here/cuda_decode_bench" --out "$results" || rc=1
-# The reference: PyTorch's SDPA on fp16 KV at the same shapes, where PyTorch is there.
-if python3 -c 'import torch' 2>/dev/null; then
-  echo "== cuda_sdpa_bench"
-  python3 "$here/cuda_sdpa_bench.py" --out "$results" || rc=1
-else
-  echo "== cuda_sdpa_bench: no PyTorch on this machine; skipped"
-fi
-# The kernels' memory checks (when the CUDA toolkit's compute-sanitizer is there).
-if command -v compute-sanitizer >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/compute-sanitizer ]; then
-  cs="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
-  echo "== compute-sanitizer memcheck: kernels_cuda_test"
-  "$cs" --tool memcheck --error-exitcode 1 "$here/kernels_cuda_test" \
-    --gtest_filter='PagedDecodeGpuTest.Fp16*:PagedDecodeGpuTest.Affine*' || rc=1
-else
-  echo "== compute-sanitizer: not on this machine; memcheck skipped"
-fi
-# The CPU's integer attention kernels where it has AVX512-VNNI: their tests on the real
-# instructions (VNNI and 512-bit against AVX2, bit for bit), then the attention table with the
-# 256-bit kernels and with the 512-bit ones (STRATA_ZMM=1), in one sitting.
-if grep -qw avx512_vnni /proc/cpuinfo; then
-  echo "== cpu: $(grep -m1 'model name' /proc/cpuinfo)"
-  "$here/cpu/kernels_test" --gtest_filter='DecodeAttentionTest.*:ZmmOpsTest.*' || rc=1
-  for zmm in 0 1; do
-    echo "== cpu: codec_bench attention, STRATA_ZMM=$zmm"
-    STRATA_ZMM=$zmm timeout 200 "$here/cpu/codec_bench" --tables 2 --contexts 8192 \
-      --codecs fp16,kivi:k2v2:g32,kivi:k4v4:g32,kcvt:k2v2,gear:k2v2:kcvt:r2:s1 \
-      --out "$results" --commit "${STRATA_COMMIT:-unknown}" || rc=1
+if [ -x "$here/cuda_decode_bench" ]; then
+  nvidia-smi -L 2>/dev/null || true
+  for t in "$here"/*_test; do
+    echo "== $(basename "$t")"
+    "$t" || rc=1
   done
+  echo "== nccl_bench"
+  "$here/nccl_bench" --out "$results" --commit "${STRATA_COMMIT:-unknown}" || rc=1
+  echo "== cuda_decode_bench"
+  "$here/cuda_decode_bench" --out "$results" || rc=1
+  # The reference: PyTorch's SDPA on fp16 KV at the same shapes, where PyTorch is there.
+  if python3 -c 'import torch' 2>/dev/null; then
+    echo "== cuda_sdpa_bench"
+    python3 "$here/cuda_sdpa_bench.py" --out "$results" || rc=1
+  else
+    echo "== cuda_sdpa_bench: no PyTorch on this machine; skipped"
+  fi
+  # The kernels' memory checks (when the CUDA toolkit's compute-sanitizer is there).
+  if command -v compute-sanitizer >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/compute-sanitizer ]; then
+    cs="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
+    echo "== compute-sanitizer memcheck: kernels_cuda_test"
+    "$cs" --tool memcheck --error-exitcode 1 "$here/kernels_cuda_test" \
+      --gtest_filter='PagedDecodeGpuTest.Fp16*:PagedDecodeGpuTest.Affine*' || rc=1
+  else
+    echo "== compute-sanitizer: not on this machine; memcheck skipped"
+  fi
+fi
+# The CPU's attention kernels where it has AVX512-VNNI (STRATA_CPU_CHECKS=0 skips them):
+# - kernels_test on the real instructions, as dispatched and with the 512-bit kernels
+#   (STRATA_ZMM=1): VNNI and 512-bit against AVX2, bit for bit;
+# - the attention table at 8k tokens on every codec with the three integer paths, AVX2
+#   (STRATA_ISA=avx2), 256-bit VNNI and 512-bit, in one sitting; the compression table; then
+#   32k tokens with 256-bit VNNI and 512-bit. Each run's JSON goes to its own folder.
+cpu_bench() {  # NAME ENV... -- ARGS...
+  local name="$1"; shift
+  local env=()
+  while [ "$1" != "--" ]; do env+=("$1"); shift; done
+  shift
+  echo "== cpu: codec_bench $name (${env[*]:-as dispatched}) $*"
+  mkdir -p "$results/$name"
+  env "${env[@]+"${env[@]}"}" timeout 300 "$here/cpu/codec_bench" "$@" --out "$results/$name" \
+    --commit "${STRATA_COMMIT:-unknown}" || rc=1
+}
+if [ "${STRATA_CPU_CHECKS:-1}" = 0 ]; then
+  echo "== cpu: STRATA_CPU_CHECKS=0; skipped"
+elif grep -qw avx512_vnni /proc/cpuinfo; then
+  echo "== cpu: $(grep -m1 'model name' /proc/cpuinfo), $(nproc) threads"
+  echo "== cpu: $(grep -m1 '^flags' /proc/cpuinfo | grep -ow 'avx512[a-z_0-9]*\|avx_vnni' | tr '\n' ' ')"
+  for zmm in 0 1; do
+    echo "== cpu: kernels_test, STRATA_ZMM=$zmm"
+    STRATA_ZMM=$zmm timeout 120 "$here/cpu/kernels_test" || rc=1
+  done
+  cpu_bench avx2-8k STRATA_ISA=avx2 -- --tables 2 --contexts 8192
+  cpu_bench vnni-8k STRATA_ZMM=0 -- --tables 2 --contexts 8192
+  cpu_bench zmm-8k STRATA_ZMM=1 -- --tables 2 --contexts 8192
+  cpu_bench compress -- --tables 1
+  cpu_bench zmm-32k STRATA_ZMM=1 -- --tables 2 --contexts 32768
+  cpu_bench vnni-32k STRATA_ZMM=0 -- --tables 2 --contexts 32768
 else
   echo "== cpu: no AVX512-VNNI here; the 512-bit kernels' checks skipped"
 fi
