@@ -659,6 +659,36 @@ STRATA_CODEC_AVX2 void PermuteRowsAvx2(float* x, uint32_t rows, uint32_t d, cons
   }
 }
 
+STRATA_CODEC_AVX2 bool HalfToFloatPermutedWithinAvx2(const uint16_t* src, size_t src_stride,
+                                                     uint32_t d, const uint16_t* perm, float limit,
+                                                     float* dst) {
+  thread_local std::vector<float> tile;
+  tile.resize(size_t{d} * 8);
+  const __m256 vl = _mm256_set1_ps(limit),
+               abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+  // PermuteRowsAvx2's channel-major tile, filled straight from the fp16 rows: the rows are
+  // widened, checked and transposed in one pass and written once, in the new order.
+  for (uint32_t c = 0; c < d; c += 8) {
+    __m256 v[8];
+    for (uint32_t k = 0; k < 8; ++k) {
+      v[k] = _mm256_cvtph_ps(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k * src_stride + c)));
+      ok = _mm256_and_ps(ok, _mm256_cmp_ps(_mm256_and_ps(v[k], abs_mask), vl, _CMP_LE_OQ));
+    }
+    Transpose8x8(v);
+    for (uint32_t k = 0; k < 8; ++k) _mm256_storeu_ps(&tile[(c + k) * 8], v[k]);
+  }
+  if (_mm256_movemask_ps(ok) != 0xff) return false;
+  for (uint32_t i = 0; i < d; i += 8) {
+    __m256 v[8];
+    for (uint32_t k = 0; k < 8; ++k) v[k] = _mm256_loadu_ps(&tile[size_t{perm[i + k]} * 8]);
+    Transpose8x8(v);
+    for (uint32_t k = 0; k < 8; ++k) _mm256_storeu_ps(dst + size_t{k} * d + i, v[k]);
+  }
+  return true;
+}
+
 STRATA_CODEC_AVX2 void TransposeAvx2(const float* src, size_t src_stride, uint32_t rows,
                                      uint32_t cols, float* dst, size_t dst_stride) {
   uint32_t r = 0;

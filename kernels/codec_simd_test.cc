@@ -211,6 +211,54 @@ TEST(CodecSimdTest, PermutedRowsAreTheGatheredRows) {
   }
 }
 
+// SKVQ's fp16 input: eight rows widened, range-checked and permuted in one pass, against the
+// widened rows gathered; any value past the limit, or NaN, in any row fails and writes nothing.
+TEST(CodecSimdTest, HalfRowsAreWidenedAndPermutedInOnePass) {
+  if (!HaveCodecSimd()) GTEST_SKIP() << "skipped: no AVX2 on this CPU";
+  std::mt19937 rng(12);
+  std::normal_distribution<float> normal(0, 4);
+  const float limit = 60000.0f;
+  for (uint32_t d : {8u, 40u, 128u, 256u}) {
+    const size_t stride = size_t{3} * d;  // the rows of one head among three
+    std::vector<float> x(8 * stride);
+    for (float& v : x) v = normal(rng);
+    x[5] = limit;  // at the limit: within
+    x[stride + d - 1] = -limit;
+    std::vector<Half> h(x.size());
+    FloatToHalf(x.data(), h.data(), h.size());
+    std::vector<uint16_t> perm(d);
+    for (uint32_t i = 0; i < d; ++i) perm[i] = static_cast<uint16_t>(i);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    const auto* src = reinterpret_cast<const uint16_t*>(h.data());
+    std::vector<float> got(size_t{8} * d, -1.0f);
+    ASSERT_TRUE(
+        internal::HalfToFloatPermutedWithinAvx2(src, stride, d, perm.data(), limit, got.data()))
+        << "d=" << d;
+    for (uint32_t r = 0; r < 8; ++r) {
+      for (uint32_t i = 0; i < d; ++i) {
+        ASSERT_EQ(got[size_t{r} * d + i], h[r * stride + perm[i]].ToFloat())
+            << "d=" << d << " row " << r << " channel " << i;
+      }
+    }
+    // One bad value at a time, in the first, a middle and the last row and channel.
+    for (uint32_t r : {0u, 3u, 7u}) {
+      for (uint32_t c : {0u, d / 2 + 1, d - 1}) {
+        for (float bad : {std::nanf(""), 65504.0f, -61000.0f}) {
+          std::vector<Half> hb = h;
+          hb[r * stride + c] = Half::FromFloat(bad);
+          std::vector<float> out(size_t{8} * d, -1.0f);
+          EXPECT_FALSE(
+              internal::HalfToFloatPermutedWithinAvx2(reinterpret_cast<const uint16_t*>(hb.data()),
+                                                      stride, d, perm.data(), limit, out.data()))
+              << "d=" << d << " row " << r << " channel " << c << " value " << bad;
+          EXPECT_TRUE(std::all_of(out.begin(), out.end(), [](float v) { return v == -1.0f; }))
+              << "wrote rows for a failed check, d=" << d;
+        }
+      }
+    }
+  }
+}
+
 TEST(CodecSimdTest, ProbeDotsAreTheScalarFmaChains) {
   if (!HaveCodecSimd()) GTEST_SKIP() << "skipped: no AVX2 on this CPU";
   std::mt19937 rng(5);

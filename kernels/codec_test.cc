@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "common/block_reader.h"
 #include "common/block_writer.h"
 #include "kernels/codec_layout.h"
@@ -309,6 +310,22 @@ TEST(CodecTest, BadInputIsRejectedWithItsPosition) {
   kv.k[0] = 1e6f;
   EXPECT_THAT(std::string(codec->Encode(View(kv), {}).status().message()),
               HasSubstr("exceeds this codec's range"));
+  // SKVQ from fp16 (its rows are widened, checked and reordered in one pass, eight tokens at a
+  // time): a bad value is still named in the input's token, head and channel order.
+  for (const uint32_t tok : {2u, 9u, 17u}) {  // in a full eight, the next, the tail
+    SyntheticKv skv = MakeSyntheticKv(19, 2, 64, 4);
+    std::vector<Half> k16(skv.k.size()), v16(skv.v.size());
+    FloatToHalf(skv.k.data(), k16.data(), k16.size());
+    FloatToHalf(skv.v.data(), v16.data(), v16.size());
+    k16[(tok * 2 + 1) * 64 + 37] = Half::FromFloat(std::numeric_limits<float>::infinity());
+    const KvChunkView view16{k16.data(), v16.data(), SourceDType::kFloat16, 19, 2, 64};
+    auto skvq = *Codec::Create(
+        "skvq:k2v2:g32", MakeSyntheticCalibration(*CodecSpec::Parse("skvq:k2v2:g32"), 2, 64, 64));
+    const absl::Status bad = skvq->Encode(view16, {}).status();
+    EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(bad.message()),
+                HasSubstr(absl::StrCat("K[token ", tok, ", head 1, channel 37] = inf")));
+  }
   EXPECT_TRUE((*Codec::Create("fp8e4m3"))->Encode(View(kv), {}).ok());  // fp32 scale: fine
   const SyntheticKv odd = MakeSyntheticKv(8, 1, 12, 4);
   EXPECT_THAT(std::string(codec->Encode(View(odd), {}).status().message()),

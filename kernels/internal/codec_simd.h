@@ -79,6 +79,13 @@ void GatherAvx2(const float* x, const uint16_t* idx, uint32_t n, float* out);
 // permutation of [0, d)).
 void PermuteRowsAvx2(float* x, uint32_t rows, uint32_t d, const uint16_t* perm);
 
+// HalfToFloatWithinAvx2 and PermuteRowsAvx2 in one pass over eight rows: row k of dst (d
+// floats, contiguous) is the fp16 row at src + k * src_stride widened, channel i taken from
+// channel perm[i]. False, with dst untouched, when some |value| > limit or a value is NaN (the
+// caller's slow path then names it). d a multiple of 8.
+bool HalfToFloatPermutedWithinAvx2(const uint16_t* src, size_t src_stride, uint32_t d,
+                                   const uint16_t* perm, float limit, float* dst);
+
 // True when every |x[i]| <= limit (false for a NaN), i in [0, n).
 bool AllWithinAvx2(const float* x, uint32_t n, float limit);
 
