@@ -731,20 +731,24 @@ absl::Status WriteAffine(const CodecSpec& s, const CodecLayout& layout, const Kv
     }
     // The residual after the backbone; outliers then take exactly what the backbone missed.
     Scratch<float>& residual = q.residual;
-    std::vector<uint16_t> outlier_values(outliers.size());
-    for (size_t i = 0; i < outliers.size(); ++i) {
-      outlier_values[i] = F16(residual[outliers[i]]);
-      residual[outliers[i]] -= F32(outlier_values[i]);
+    // (The fp16 conversions by the array functions: F16C where present, the same bits.)
+    std::vector<Half> outlier_values(outliers.size());
+    {
+      std::vector<float> picked(outliers.size());
+      for (size_t i = 0; i < outliers.size(); ++i) picked[i] = residual[outliers[i]];
+      FloatToHalf(picked.data(), outlier_values.data(), picked.size());
+      HalfToFloat(outlier_values.data(), picked.data(), picked.size());
+      for (size_t i = 0; i < outliers.size(); ++i) residual[outliers[i]] -= picked[i];
     }
     if (tl.rank > 0) {
       std::vector<float> a(size_t{T} * tl.rank), bm(size_t{D} * tl.rank);
-      std::vector<uint16_t> a16(size_t{H} * T * tl.rank), b16(size_t{H} * D * tl.rank);
+      std::vector<Half> a16(size_t{H} * T * tl.rank), b16(size_t{H} * D * tl.rank);
       for (uint32_t h = 0; h < H; ++h) {
         LowRankApproximate(&residual[size_t{h} * T * D], static_cast<int>(T), static_cast<int>(D),
                            static_cast<int>(tl.rank), s.power_iterations,
                            /*seed=*/0x5eed0000u + h, a.data(), bm.data());
-        for (size_t i = 0; i < a.size(); ++i) a16[h * a.size() + i] = F16(a[i]);
-        for (size_t i = 0; i < bm.size(); ++i) b16[h * bm.size() + i] = F16(bm[i]);
+        FloatToHalf(a.data(), &a16[h * a.size()], a.size());
+        FloatToHalf(bm.data(), &b16[h * bm.size()], bm.size());
       }
       Put(b, next++, a16);
       Put(b, next++, b16);

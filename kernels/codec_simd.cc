@@ -419,7 +419,9 @@ STRATA_CODEC_AVX2 inline __m256 Fp8CodesToFloat(__m256i c) {
 STRATA_CODEC_AVX2 inline __m256i Fp8Round(__m256 f, bool ceil) {
   const __m256i c = Fp8Codes(f);
   const __m256 back = Fp8CodesToFloat(c);
-  const __m256i keep = _mm256_castps_si256(_mm256_cmp_ps(back, f, ceil ? _CMP_GE_OQ : _CMP_LE_OQ));
+  // (The predicate is an immediate: clang wants a constant expression, so one call per branch.)
+  const __m256i keep = _mm256_castps_si256(ceil ? _mm256_cmp_ps(back, f, _CMP_GE_OQ)
+                                                : _mm256_cmp_ps(back, f, _CMP_LE_OQ));
   const __m256i one = _mm256_set1_epi32(1);
   const __m256i negative =
       _mm256_cmpeq_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x80)), _mm256_set1_epi32(0x80));
@@ -761,21 +763,33 @@ STRATA_CODEC_AVX2 inline void RbRows8(const float* r, uint32_t rows, uint32_t co
   for (uint32_t j = 0; j < kJ; ++j) _mm256_storeu_ps(at + size_t{j0 + j} * rows + i0, acc[j]);
 }
 
-// LowRankRtaAvx2 for 8 columns from c0 and kJ rank columns from j0, over every row in order.
-template <uint32_t kJ>
-STRATA_CODEC_AVX2 inline void RtaCols8(const float* r, uint32_t rows, uint32_t cols, const float* a,
-                                       uint32_t rank, uint32_t c0, uint32_t j0, float* bt) {
-  __m256 acc[kJ];
-  for (uint32_t j = 0; j < kJ; ++j) acc[j] = _mm256_setzero_ps();
+// LowRankRtaAvx2 for kV * 8 columns from c0 and kJ rank columns from j0, over every row in
+// order. Each sum is one chain of additions in row order; kV * kJ of them run at once (at rank
+// 2, one vector of columns gave two chains, bound by the additions' latency).
+template <uint32_t kJ, uint32_t kV>
+STRATA_CODEC_AVX2 inline void RtaCols(const float* r, uint32_t rows, uint32_t cols, const float* a,
+                                      uint32_t rank, uint32_t c0, uint32_t j0, float* bt) {
+  __m256 acc[kV][kJ];
+  for (uint32_t u = 0; u < kV; ++u) {
+    for (uint32_t j = 0; j < kJ; ++j) acc[u][j] = _mm256_setzero_ps();
+  }
   for (uint32_t i = 0; i < rows; ++i) {
-    const __m256 v = _mm256_loadu_ps(r + size_t{i} * cols + c0);
     const float* ai = a + size_t{i} * rank + j0;
-    for (uint32_t j = 0; j < kJ; ++j) {
-      acc[j] = _mm256_add_ps(acc[j], _mm256_mul_ps(_mm256_broadcast_ss(ai + j), v));
+    for (uint32_t u = 0; u < kV; ++u) {
+      const __m256 v = _mm256_loadu_ps(r + size_t{i} * cols + c0 + 8 * u);
+      for (uint32_t j = 0; j < kJ; ++j) {
+        acc[u][j] = _mm256_add_ps(acc[u][j], _mm256_mul_ps(_mm256_broadcast_ss(ai + j), v));
+      }
     }
   }
-  for (uint32_t j = 0; j < kJ; ++j) _mm256_storeu_ps(bt + size_t{j0 + j} * cols + c0, acc[j]);
+  for (uint32_t u = 0; u < kV; ++u) {
+    for (uint32_t j = 0; j < kJ; ++j) {
+      _mm256_storeu_ps(bt + size_t{j0 + j} * cols + c0 + 8 * u, acc[u][j]);
+    }
+  }
 }
+// Column vectors at once for kJ rank columns: about eight accumulators.
+constexpr uint32_t RtaVectors(uint32_t kJ) { return kJ <= 2 ? 4 : kJ <= 4 ? 2 : 1; }
 
 // Calls F<kJ>(args...) for kJ = n in [1, 8].
 template <template <uint32_t> class F, typename... Args>
@@ -808,9 +822,13 @@ struct RbOp {
 };
 template <uint32_t kJ>
 struct RtaOp {
+  // Columns [c0, c1) (a multiple of 8 wide): RtaVectors(kJ) vectors at a time, then single ones.
   STRATA_CODEC_AVX2 static void Run(const float* r, uint32_t rows, uint32_t cols, const float* a,
-                                    uint32_t rank, uint32_t c0, uint32_t j0, float* bt) {
-    RtaCols8<kJ>(r, rows, cols, a, rank, c0, j0, bt);
+                                    uint32_t rank, uint32_t c0, uint32_t c1, uint32_t j0,
+                                    float* bt) {
+    constexpr uint32_t kV = RtaVectors(kJ);
+    for (; c0 + 8 * kV <= c1; c0 += 8 * kV) RtaCols<kJ, kV>(r, rows, cols, a, rank, c0, j0, bt);
+    for (; c0 + 8 <= c1; c0 += 8) RtaCols<kJ, 1>(r, rows, cols, a, rank, c0, j0, bt);
   }
 };
 
@@ -887,13 +905,11 @@ STRATA_CODEC_AVX2 void LowRankRbAvx2(const float* r, uint32_t rows, uint32_t col
 
 STRATA_CODEC_AVX2 void LowRankRtaAvx2(const float* r, uint32_t rows, uint32_t cols, const float* a,
                                       uint32_t rank, float* bt) {
-  uint32_t c0 = 0;
-  for (; c0 + 8 <= cols; c0 += 8) {
-    for (uint32_t j0 = 0; j0 < rank; j0 += 8) {
-      ByCount<RtaOp>(std::min<uint32_t>(8, rank - j0), r, rows, cols, a, rank, c0, j0, bt);
-    }
+  const uint32_t whole = cols / 8 * 8;
+  for (uint32_t j0 = 0; j0 < rank; j0 += 8) {
+    ByCount<RtaOp>(std::min<uint32_t>(8, rank - j0), r, rows, cols, a, rank, 0u, whole, j0, bt);
   }
-  for (; c0 < cols; ++c0) {
+  for (uint32_t c0 = whole; c0 < cols; ++c0) {
     for (uint32_t j = 0; j < rank; ++j) {
       float sum = 0.0f;
       for (uint32_t i = 0; i < rows; ++i) sum += a[size_t{i} * rank + j] * r[size_t{i} * cols + c0];

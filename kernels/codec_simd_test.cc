@@ -259,6 +259,51 @@ TEST(CodecSimdTest, HalfRowsAreWidenedAndPermutedInOnePass) {
   }
 }
 
+// GEAR's power-iteration products, element for element the scalar sums in their order (mul,
+// then add; c or i ascending from +0): every rank 1-9 (the kernels take 1-8 columns of the
+// factor at a time, and several column vectors at once at ranks up to 4), widths with and
+// without whole vectors and groups of them, rows with and without whole tiles.
+TEST(CodecSimdTest, LowRankProductsAreTheScalarSums) {
+  if (!HaveCodecSimd()) GTEST_SKIP() << "skipped: no AVX2 on this CPU";
+  std::mt19937 rng(13);
+  std::normal_distribution<float> normal(0, 1);
+  for (uint32_t rows : {8u, 13u, 64u}) {
+    for (uint32_t cols : {8u, 20u, 40u, 64u, 72u}) {
+      for (uint32_t rank = 1; rank <= 9; ++rank) {
+        std::vector<float> r(size_t{rows} * cols), bt(size_t{rank} * cols), a(size_t{rows} * rank);
+        for (float& x : r) x = normal(rng);
+        for (float& x : bt) x = normal(rng);
+        for (float& x : a) x = normal(rng);
+        std::vector<float> at(size_t{rank} * rows, NAN), b(size_t{rank} * cols, NAN);
+        internal::LowRankRbAvx2(r.data(), rows, cols, bt.data(), rank, at.data());
+        internal::LowRankRtaAvx2(r.data(), rows, cols, a.data(), rank, b.data());
+        for (uint32_t j = 0; j < rank; ++j) {
+          for (uint32_t i = 0; i < rows; ++i) {
+            float sum = 0.0f;
+            for (uint32_t c = 0; c < cols; ++c) {
+              const float p = bt[size_t{j} * cols + c] * r[size_t{i} * cols + c];
+              sum += p;
+            }
+            ASSERT_EQ(Bits(at[size_t{j} * rows + i]), Bits(sum))
+                << "R B: rows=" << rows << " cols=" << cols << " rank=" << rank << " [" << j
+                << "][" << i << "]";
+          }
+          for (uint32_t c = 0; c < cols; ++c) {
+            float sum = 0.0f;
+            for (uint32_t i = 0; i < rows; ++i) {
+              const float p = a[size_t{i} * rank + j] * r[size_t{i} * cols + c];
+              sum += p;
+            }
+            ASSERT_EQ(Bits(b[size_t{j} * cols + c]), Bits(sum))
+                << "R^T A: rows=" << rows << " cols=" << cols << " rank=" << rank << " [" << j
+                << "][" << c << "]";
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(CodecSimdTest, ProbeDotsAreTheScalarFmaChains) {
   if (!HaveCodecSimd()) GTEST_SKIP() << "skipped: no AVX2 on this CPU";
   std::mt19937 rng(5);
