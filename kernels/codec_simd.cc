@@ -732,35 +732,29 @@ __attribute__((target("avx2,fma,f16c"))) void ProbeWeightsAvx2(const float* dots
 
 namespace {
 
-// LowRankRbAvx2 for 8 rows from i0 and kJ (1..8) rank columns from j0, accumulators in
-// registers.
-template <uint32_t kJ>
-STRATA_CODEC_AVX2 inline void RbRows8(const float* r, uint32_t rows, uint32_t cols, const float* bt,
-                                      uint32_t i0, uint32_t j0, float* at) {
-  __m256 acc[kJ];
-  for (uint32_t j = 0; j < kJ; ++j) acc[j] = _mm256_setzero_ps();
-  uint32_t c0 = 0;
-  for (; c0 + 8 <= cols; c0 += 8) {
-    __m256 col[8];
-    for (uint32_t k = 0; k < 8; ++k) col[k] = _mm256_loadu_ps(r + size_t{i0 + k} * cols + c0);
-    Transpose8x8(col);
-    for (uint32_t cc = 0; cc < 8; ++cc) {
+// LowRankRbAvx2 for kV * 8 rows from i0 and kJ rank columns from j0, from R^T: each sum one
+// chain of additions in column order, kV * kJ of them at once, and no shuffles.
+template <uint32_t kJ, uint32_t kV>
+STRATA_CODEC_AVX2 inline void RbRows(const float* rt, uint32_t rows, uint32_t cols, const float* bt,
+                                     uint32_t i0, uint32_t j0, float* at) {
+  __m256 acc[kV][kJ];
+  for (uint32_t u = 0; u < kV; ++u) {
+    for (uint32_t j = 0; j < kJ; ++j) acc[u][j] = _mm256_setzero_ps();
+  }
+  for (uint32_t c = 0; c < cols; ++c) {
+    for (uint32_t u = 0; u < kV; ++u) {
+      const __m256 v = _mm256_loadu_ps(rt + size_t{c} * rows + i0 + 8 * u);
       for (uint32_t j = 0; j < kJ; ++j) {
-        const __m256 w = _mm256_broadcast_ss(bt + size_t{j0 + j} * cols + c0 + cc);
-        acc[j] = _mm256_add_ps(acc[j], _mm256_mul_ps(w, col[cc]));
+        const __m256 w = _mm256_broadcast_ss(bt + size_t{j0 + j} * cols + c);
+        acc[u][j] = _mm256_add_ps(acc[u][j], _mm256_mul_ps(w, v));
       }
     }
   }
-  for (; c0 < cols; ++c0) {
-    alignas(32) float c[8];
-    for (uint32_t k = 0; k < 8; ++k) c[k] = r[size_t{i0 + k} * cols + c0];
-    const __m256 col = _mm256_load_ps(c);
+  for (uint32_t u = 0; u < kV; ++u) {
     for (uint32_t j = 0; j < kJ; ++j) {
-      const __m256 w = _mm256_broadcast_ss(bt + size_t{j0 + j} * cols + c0);
-      acc[j] = _mm256_add_ps(acc[j], _mm256_mul_ps(w, col));
+      _mm256_storeu_ps(at + size_t{j0 + j} * rows + i0 + 8 * u, acc[u][j]);
     }
   }
-  for (uint32_t j = 0; j < kJ; ++j) _mm256_storeu_ps(at + size_t{j0 + j} * rows + i0, acc[j]);
 }
 
 // LowRankRtaAvx2 for kV * 8 columns from c0 and kJ rank columns from j0, over every row in
@@ -788,8 +782,8 @@ STRATA_CODEC_AVX2 inline void RtaCols(const float* r, uint32_t rows, uint32_t co
     }
   }
 }
-// Column vectors at once for kJ rank columns: about eight accumulators.
-constexpr uint32_t RtaVectors(uint32_t kJ) { return kJ <= 2 ? 4 : kJ <= 4 ? 2 : 1; }
+// Vectors at once for kJ rank columns in RbRows and RtaCols: about eight accumulators.
+constexpr uint32_t ProductVectors(uint32_t kJ) { return kJ <= 2 ? 4 : kJ <= 4 ? 2 : 1; }
 
 // Calls F<kJ>(args...) for kJ = n in [1, 8].
 template <template <uint32_t> class F, typename... Args>
@@ -815,18 +809,21 @@ STRATA_CODEC_AVX2 inline void ByCount(uint32_t n, Args... args) {
 }
 template <uint32_t kJ>
 struct RbOp {
-  STRATA_CODEC_AVX2 static void Run(const float* r, uint32_t rows, uint32_t cols, const float* bt,
-                                    uint32_t i0, uint32_t j0, float* at) {
-    RbRows8<kJ>(r, rows, cols, bt, i0, j0, at);
+  // Rows [i0, i1) (a multiple of 8): ProductVectors(kJ) vectors at a time, then one.
+  STRATA_CODEC_AVX2 static void Run(const float* rt, uint32_t rows, uint32_t cols, const float* bt,
+                                    uint32_t i0, uint32_t i1, uint32_t j0, float* at) {
+    constexpr uint32_t kV = ProductVectors(kJ);
+    for (; i0 + 8 * kV <= i1; i0 += 8 * kV) RbRows<kJ, kV>(rt, rows, cols, bt, i0, j0, at);
+    for (; i0 + 8 <= i1; i0 += 8) RbRows<kJ, 1>(rt, rows, cols, bt, i0, j0, at);
   }
 };
 template <uint32_t kJ>
 struct RtaOp {
-  // Columns [c0, c1) (a multiple of 8 wide): RtaVectors(kJ) vectors at a time, then single ones.
+  // Columns [c0, c1) (a multiple of 8 wide): ProductVectors(kJ) vectors at a time, then one.
   STRATA_CODEC_AVX2 static void Run(const float* r, uint32_t rows, uint32_t cols, const float* a,
                                     uint32_t rank, uint32_t c0, uint32_t c1, uint32_t j0,
                                     float* bt) {
-    constexpr uint32_t kV = RtaVectors(kJ);
+    constexpr uint32_t kV = ProductVectors(kJ);
     for (; c0 + 8 * kV <= c1; c0 += 8 * kV) RtaCols<kJ, kV>(r, rows, cols, a, rank, c0, j0, bt);
     for (; c0 + 8 <= c1; c0 += 8) RtaCols<kJ, 1>(r, rows, cols, a, rank, c0, j0, bt);
   }
@@ -885,20 +882,18 @@ __attribute__((target("avx2,fma,f16c"))) void ProbeDotsAvx2(const float* kt, uin
   }
 }
 
-STRATA_CODEC_AVX2 void LowRankRbAvx2(const float* r, uint32_t rows, uint32_t cols, const float* bt,
+STRATA_CODEC_AVX2 void LowRankRbAvx2(const float* rt, uint32_t rows, uint32_t cols, const float* bt,
                                      uint32_t rank, float* at) {
-  uint32_t i0 = 0;
-  for (; i0 + 8 <= rows; i0 += 8) {
-    for (uint32_t j0 = 0; j0 < rank; j0 += 8) {
-      ByCount<RbOp>(std::min<uint32_t>(8, rank - j0), r, rows, cols, bt, i0, j0, at);
-    }
+  const uint32_t whole = rows / 8 * 8;
+  for (uint32_t j0 = 0; j0 < rank; j0 += 8) {
+    ByCount<RbOp>(std::min<uint32_t>(8, rank - j0), rt, rows, cols, bt, 0u, whole, j0, at);
   }
-  for (; i0 < rows; ++i0) {
+  for (uint32_t i = whole; i < rows; ++i) {
     for (uint32_t j = 0; j < rank; ++j) {
       float sum = 0.0f;
       for (uint32_t c = 0; c < cols; ++c)
-        sum += bt[size_t{j} * cols + c] * r[size_t{i0} * cols + c];
-      at[size_t{j} * rows + i0] = sum;
+        sum += bt[size_t{j} * cols + c] * rt[size_t{c} * rows + i];
+      at[size_t{j} * rows + i] = sum;
     }
   }
 }

@@ -275,7 +275,11 @@ TEST(CodecSimdTest, LowRankProductsAreTheScalarSums) {
         for (float& x : bt) x = normal(rng);
         for (float& x : a) x = normal(rng);
         std::vector<float> at(size_t{rank} * rows, NAN), b(size_t{rank} * cols, NAN);
-        internal::LowRankRbAvx2(r.data(), rows, cols, bt.data(), rank, at.data());
+        std::vector<float> rt(r.size());  // R^T, as LowRankRbAvx2 takes R
+        for (uint32_t i = 0; i < rows; ++i) {
+          for (uint32_t c = 0; c < cols; ++c) rt[size_t{c} * rows + i] = r[size_t{i} * cols + c];
+        }
+        internal::LowRankRbAvx2(rt.data(), rows, cols, bt.data(), rank, at.data());
         internal::LowRankRtaAvx2(r.data(), rows, cols, a.data(), rank, b.data());
         for (uint32_t j = 0; j < rank; ++j) {
           for (uint32_t i = 0; i < rows; ++i) {
@@ -285,8 +289,8 @@ TEST(CodecSimdTest, LowRankProductsAreTheScalarSums) {
               sum += p;
             }
             ASSERT_EQ(Bits(at[size_t{j} * rows + i]), Bits(sum))
-                << "R B: rows=" << rows << " cols=" << cols << " rank=" << rank << " [" << j
-                << "][" << i << "]";
+                << "R B: rows=" << rows << " cols=" << cols << " rank=" << rank << " [" << j << "]["
+                << i << "]";
           }
           for (uint32_t c = 0; c < cols; ++c) {
             float sum = 0.0f;

@@ -71,8 +71,10 @@ void LowRankApproximate(const float* r, int rows, int cols, int rank, int iterat
   std::vector<float> at(static_cast<size_t>(rank) * rows);
   std::vector<float> bt = RandomStart(cols, rank, seed);
   if (internal::HaveCodecSimd()) {  // the same sums in the same order, 8 lanes at a time
+    std::vector<float> rt(static_cast<size_t>(rows) * cols);  // R^T, once for every iteration
+    internal::TransposeAvx2(r, cols, rows, cols, rt.data(), rows);
     for (int it = 0; it < iterations; ++it) {
-      internal::LowRankRbAvx2(r, rows, cols, bt.data(), rank, at.data());  // A = R B
+      internal::LowRankRbAvx2(rt.data(), rows, cols, bt.data(), rank, at.data());  // A = R B
       for (int i = 0; i < rows; ++i) {
         for (int j = 0; j < rank; ++j) a[i * rank + j] = at[static_cast<size_t>(j) * rows + i];
       }

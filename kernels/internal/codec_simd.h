@@ -115,9 +115,10 @@ void QuantizeGroupsAvx2(const float* x, const float* z, const float* inv, uint32
                         float qmax, uint8_t* codes);
 
 // GEAR's power iteration (kernels/low_rank.cc), element for element as its portable loops:
-// at[j][i] = sum_c bt[j][c] * r[i][c] (c ascending from +0), for r [rows, cols] row-major,
-// bt [rank, cols], at [rank, rows]; 8 rows at a time through 8x8 transposes, no R^T.
-void LowRankRbAvx2(const float* r, uint32_t rows, uint32_t cols, const float* bt, uint32_t rank,
+// at[j][i] = sum_c bt[j][c] * rt[c][i] (c ascending from +0), for R^T given as rt [cols, rows]
+// row-major (R [rows, cols] transposed once for all the iterations), bt [rank, cols],
+// at [rank, rows].
+void LowRankRbAvx2(const float* rt, uint32_t rows, uint32_t cols, const float* bt, uint32_t rank,
                    float* at);
 // bt[j][c] = sum_i a[i][j] * r[i][c] (i ascending from +0), a [rows, rank], bt [rank, cols].
 void LowRankRtaAvx2(const float* r, uint32_t rows, uint32_t cols, const float* a, uint32_t rank,
