@@ -71,7 +71,10 @@ void LowRankApproximate(const float* r, int rows, int cols, int rank, int iterat
   std::vector<float> at(static_cast<size_t>(rank) * rows);
   std::vector<float> bt = RandomStart(cols, rank, seed);
   if (internal::HaveCodecSimd()) {  // the same sums in the same order, 8 lanes at a time
-    std::vector<float> rt(static_cast<size_t>(rows) * cols);  // R^T, once for every iteration
+    // R^T, once for every iteration (a buffer per thread: every element is written here, so
+    // it is not zeroed per call).
+    thread_local std::vector<float> rt;
+    if (rt.size() < static_cast<size_t>(rows) * cols) rt.resize(static_cast<size_t>(rows) * cols);
     internal::TransposeAvx2(r, cols, rows, cols, rt.data(), rows);
     for (int it = 0; it < iterations; ++it) {
       internal::LowRankRbAvx2(rt.data(), rows, cols, bt.data(), rank, at.data());  // A = R B
