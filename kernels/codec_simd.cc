@@ -732,57 +732,33 @@ __attribute__((target("avx2,fma,f16c"))) void ProbeWeightsAvx2(const float* dots
 
 namespace {
 
-// LowRankRbAvx2 for kV * 8 rows from i0 and kJ rank columns from j0, from R^T: each sum one
-// chain of additions in column order, kV * kJ of them at once, and no shuffles.
+// Both of GEAR's products are out[j][x] = sum_k w[k * wk + j * wj] * m[k][x] (k ascending from
+// +0, multiply then add), m's and out's rows `width` floats apart: R B from R^T (k a column of
+// R, x a row) and R^T A from R (k a row, x a column). This takes kJ weight columns and kV * 8
+// columns x from x0: kV * kJ sums at once, each one chain in k order, and no shuffles.
 template <uint32_t kJ, uint32_t kV>
-STRATA_CODEC_AVX2 inline void RbRows(const float* rt, uint32_t rows, uint32_t cols, const float* bt,
-                                     uint32_t i0, uint32_t j0, float* at) {
+STRATA_CODEC_AVX2 inline void WeightedRows(const float* m, uint32_t n, uint32_t width,
+                                           const float* w, size_t wk, size_t wj, uint32_t x0,
+                                           float* out) {
   __m256 acc[kV][kJ];
   for (uint32_t u = 0; u < kV; ++u) {
     for (uint32_t j = 0; j < kJ; ++j) acc[u][j] = _mm256_setzero_ps();
   }
-  for (uint32_t c = 0; c < cols; ++c) {
+  for (uint32_t k = 0; k < n; ++k) {
+    const float* wrow = w + k * wk;
     for (uint32_t u = 0; u < kV; ++u) {
-      const __m256 v = _mm256_loadu_ps(rt + size_t{c} * rows + i0 + 8 * u);
+      const __m256 v = _mm256_loadu_ps(m + size_t{k} * width + x0 + 8 * u);
       for (uint32_t j = 0; j < kJ; ++j) {
-        const __m256 w = _mm256_broadcast_ss(bt + size_t{j0 + j} * cols + c);
-        acc[u][j] = _mm256_add_ps(acc[u][j], _mm256_mul_ps(w, v));
+        acc[u][j] = _mm256_add_ps(acc[u][j], _mm256_mul_ps(_mm256_broadcast_ss(wrow + j * wj), v));
       }
     }
   }
   for (uint32_t u = 0; u < kV; ++u) {
-    for (uint32_t j = 0; j < kJ; ++j) {
-      _mm256_storeu_ps(at + size_t{j0 + j} * rows + i0 + 8 * u, acc[u][j]);
-    }
+    for (uint32_t j = 0; j < kJ; ++j) _mm256_storeu_ps(out + j * width + x0 + 8 * u, acc[u][j]);
   }
 }
-
-// LowRankRtaAvx2 for kV * 8 columns from c0 and kJ rank columns from j0, over every row in
-// order. Each sum is one chain of additions in row order; kV * kJ of them run at once (at rank
-// 2, one vector of columns gave two chains, bound by the additions' latency).
-template <uint32_t kJ, uint32_t kV>
-STRATA_CODEC_AVX2 inline void RtaCols(const float* r, uint32_t rows, uint32_t cols, const float* a,
-                                      uint32_t rank, uint32_t c0, uint32_t j0, float* bt) {
-  __m256 acc[kV][kJ];
-  for (uint32_t u = 0; u < kV; ++u) {
-    for (uint32_t j = 0; j < kJ; ++j) acc[u][j] = _mm256_setzero_ps();
-  }
-  for (uint32_t i = 0; i < rows; ++i) {
-    const float* ai = a + size_t{i} * rank + j0;
-    for (uint32_t u = 0; u < kV; ++u) {
-      const __m256 v = _mm256_loadu_ps(r + size_t{i} * cols + c0 + 8 * u);
-      for (uint32_t j = 0; j < kJ; ++j) {
-        acc[u][j] = _mm256_add_ps(acc[u][j], _mm256_mul_ps(_mm256_broadcast_ss(ai + j), v));
-      }
-    }
-  }
-  for (uint32_t u = 0; u < kV; ++u) {
-    for (uint32_t j = 0; j < kJ; ++j) {
-      _mm256_storeu_ps(bt + size_t{j0 + j} * cols + c0 + 8 * u, acc[u][j]);
-    }
-  }
-}
-// Vectors at once for kJ rank columns in RbRows and RtaCols: about eight accumulators.
+// Vectors at once for kJ weight columns: about eight accumulators (at rank 2, one vector gave
+// two chains, bound by the additions' latency).
 constexpr uint32_t ProductVectors(uint32_t kJ) { return kJ <= 2 ? 4 : kJ <= 4 ? 2 : 1; }
 
 // Calls F<kJ>(args...) for kJ = n in [1, 8].
@@ -808,26 +784,33 @@ STRATA_CODEC_AVX2 inline void ByCount(uint32_t n, Args... args) {
   }
 }
 template <uint32_t kJ>
-struct RbOp {
-  // Rows [i0, i1) (a multiple of 8): ProductVectors(kJ) vectors at a time, then one.
-  STRATA_CODEC_AVX2 static void Run(const float* rt, uint32_t rows, uint32_t cols, const float* bt,
-                                    uint32_t i0, uint32_t i1, uint32_t j0, float* at) {
+struct WeightedRowsOp {
+  // Columns [0, x1) (a multiple of 8): ProductVectors(kJ) vectors at a time, then one.
+  STRATA_CODEC_AVX2 static void Run(const float* m, uint32_t n, uint32_t width, const float* w,
+                                    size_t wk, size_t wj, uint32_t x1, float* out) {
     constexpr uint32_t kV = ProductVectors(kJ);
-    for (; i0 + 8 * kV <= i1; i0 += 8 * kV) RbRows<kJ, kV>(rt, rows, cols, bt, i0, j0, at);
-    for (; i0 + 8 <= i1; i0 += 8) RbRows<kJ, 1>(rt, rows, cols, bt, i0, j0, at);
+    uint32_t x0 = 0;
+    for (; x0 + 8 * kV <= x1; x0 += 8 * kV) WeightedRows<kJ, kV>(m, n, width, w, wk, wj, x0, out);
+    for (; x0 + 8 <= x1; x0 += 8) WeightedRows<kJ, 1>(m, n, width, w, wk, wj, x0, out);
   }
 };
-template <uint32_t kJ>
-struct RtaOp {
-  // Columns [c0, c1) (a multiple of 8 wide): ProductVectors(kJ) vectors at a time, then one.
-  STRATA_CODEC_AVX2 static void Run(const float* r, uint32_t rows, uint32_t cols, const float* a,
-                                    uint32_t rank, uint32_t c0, uint32_t c1, uint32_t j0,
-                                    float* bt) {
-    constexpr uint32_t kV = ProductVectors(kJ);
-    for (; c0 + 8 * kV <= c1; c0 += 8 * kV) RtaCols<kJ, kV>(r, rows, cols, a, rank, c0, j0, bt);
-    for (; c0 + 8 <= c1; c0 += 8) RtaCols<kJ, 1>(r, rows, cols, a, rank, c0, j0, bt);
+
+// out [count, width] as WeightedRows, for every weight column and every x.
+STRATA_CODEC_AVX2 void WeightedRowSums(const float* m, uint32_t n, uint32_t width, const float* w,
+                                       size_t wk, size_t wj, uint32_t count, float* out) {
+  const uint32_t whole = width / 8 * 8;
+  for (uint32_t j0 = 0; j0 < count; j0 += 8) {
+    ByCount<WeightedRowsOp>(std::min<uint32_t>(8, count - j0), m, n, width, w + j0 * wj, wk, wj,
+                            whole, out + size_t{j0} * width);
   }
-};
+  for (uint32_t x = whole; x < width; ++x) {
+    for (uint32_t j = 0; j < count; ++j) {
+      float sum = 0.0f;
+      for (uint32_t k = 0; k < n; ++k) sum += w[k * wk + j * wj] * m[size_t{k} * width + x];
+      out[size_t{j} * width + x] = sum;
+    }
+  }
+}
 
 }  // namespace
 
@@ -884,33 +867,12 @@ __attribute__((target("avx2,fma,f16c"))) void ProbeDotsAvx2(const float* kt, uin
 
 STRATA_CODEC_AVX2 void LowRankRbAvx2(const float* rt, uint32_t rows, uint32_t cols, const float* bt,
                                      uint32_t rank, float* at) {
-  const uint32_t whole = rows / 8 * 8;
-  for (uint32_t j0 = 0; j0 < rank; j0 += 8) {
-    ByCount<RbOp>(std::min<uint32_t>(8, rank - j0), rt, rows, cols, bt, 0u, whole, j0, at);
-  }
-  for (uint32_t i = whole; i < rows; ++i) {
-    for (uint32_t j = 0; j < rank; ++j) {
-      float sum = 0.0f;
-      for (uint32_t c = 0; c < cols; ++c)
-        sum += bt[size_t{j} * cols + c] * rt[size_t{c} * rows + i];
-      at[size_t{j} * rows + i] = sum;
-    }
-  }
+  WeightedRowSums(rt, cols, rows, bt, 1, cols, rank, at);
 }
 
 STRATA_CODEC_AVX2 void LowRankRtaAvx2(const float* r, uint32_t rows, uint32_t cols, const float* a,
                                       uint32_t rank, float* bt) {
-  const uint32_t whole = cols / 8 * 8;
-  for (uint32_t j0 = 0; j0 < rank; j0 += 8) {
-    ByCount<RtaOp>(std::min<uint32_t>(8, rank - j0), r, rows, cols, a, rank, 0u, whole, j0, bt);
-  }
-  for (uint32_t c0 = whole; c0 < cols; ++c0) {
-    for (uint32_t j = 0; j < rank; ++j) {
-      float sum = 0.0f;
-      for (uint32_t i = 0; i < rows; ++i) sum += a[size_t{i} * rank + j] * r[size_t{i} * cols + c0];
-      bt[size_t{j} * cols + c0] = sum;
-    }
-  }
+  WeightedRowSums(r, rows, cols, a, rank, 1, rank, bt);
 }
 
 namespace {

@@ -275,29 +275,31 @@ TEST(CodecSimdTest, LowRankProductsAreTheScalarSums) {
         for (float& x : bt) x = normal(rng);
         for (float& x : a) x = normal(rng);
         std::vector<float> at(size_t{rank} * rows, NAN), b(size_t{rank} * cols, NAN);
-        std::vector<float> rt(r.size());  // R^T, as LowRankRbAvx2 takes R
+        std::vector<float> rt(r.size());  // R^T, which LowRankRbAvx2 takes
         for (uint32_t i = 0; i < rows; ++i) {
           for (uint32_t c = 0; c < cols; ++c) rt[size_t{c} * rows + i] = r[size_t{i} * cols + c];
         }
         internal::LowRankRbAvx2(rt.data(), rows, cols, bt.data(), rank, at.data());
         internal::LowRankRtaAvx2(r.data(), rows, cols, a.data(), rank, b.data());
+        // The scalar chain: sum over k < n of product(k), multiplied then added, k ascending.
+        auto chain = [](uint32_t n, auto product) {
+          float sum = 0.0f;
+          for (uint32_t k = 0; k < n; ++k) sum += product(k);
+          return sum;
+        };
         for (uint32_t j = 0; j < rank; ++j) {
           for (uint32_t i = 0; i < rows; ++i) {
-            float sum = 0.0f;
-            for (uint32_t c = 0; c < cols; ++c) {
-              const float p = bt[size_t{j} * cols + c] * r[size_t{i} * cols + c];
-              sum += p;
-            }
+            const float sum = chain(cols, [&](uint32_t c) {
+              return bt[size_t{j} * cols + c] * r[size_t{i} * cols + c];
+            });
             ASSERT_EQ(Bits(at[size_t{j} * rows + i]), Bits(sum))
                 << "R B: rows=" << rows << " cols=" << cols << " rank=" << rank << " [" << j << "]["
                 << i << "]";
           }
           for (uint32_t c = 0; c < cols; ++c) {
-            float sum = 0.0f;
-            for (uint32_t i = 0; i < rows; ++i) {
-              const float p = a[size_t{i} * rank + j] * r[size_t{i} * cols + c];
-              sum += p;
-            }
+            const float sum = chain(rows, [&](uint32_t i) {
+              return a[size_t{i} * rank + j] * r[size_t{i} * cols + c];
+            });
             ASSERT_EQ(Bits(b[size_t{j} * cols + c]), Bits(sum))
                 << "R^T A: rows=" << rows << " cols=" << cols << " rank=" << rank << " [" << j
                 << "][" << c << "]";
