@@ -232,22 +232,33 @@ struct Group {
   uint32_t token0, tokens;
 };
 
-// One group's rows through segments [begin, end) of `segs`, written to a partial result.
+// One group's rows through segments [begin, end) of its KV head's `segs`, written to a partial
+// result.
 struct Unit {
   size_t group;
+  const std::vector<Segment>* segs;
   size_t part = 0;
 };
 
-// Segments [begin, end) of `segs` for several units (groups that share the segments), every
-// unit in turn per segment: a block read for the first unit is still in the caches for the
-// others. Stacking two groups' rows into one state (8 rows where G is 4) measured slower: the
-// 8-row kernels keep more accumulators than AVX2 has registers.
+// Segments [begin, end) for several units, every unit in turn per segment: a block read for the
+// first unit is still in the caches for the others. The units share the segments (groups of one
+// KV head over a shared prefix), or their segments are the same blocks' other KV heads (TaDA,
+// whose head means every KV head's pass reads: one task takes all heads so the means come from
+// memory once). Stacking two groups' rows into one state (8 rows where G is 4) measured slower:
+// the 8-row kernels keep more accumulators than AVX2 has registers.
 struct Task {
-  const std::vector<Segment>* segs;
   size_t begin, end;
   bool last_is_window;
   std::vector<Unit> units;
 };
+
+// True when some of `blocks` carry TaDA head means (which every KV head's pass reads).
+bool HasHeadMeans(absl::Span<const BlockOperands* const> blocks) {
+  for (const BlockOperands* b : blocks) {
+    if (b->mean_ops != nullptr) return true;
+  }
+  return false;
+}
 
 absl::Status Run(const DecodeAttentionParams& p, absl::Span<const DecodeSequence> batch,
                  const DecodeAttentionOptions& o, const internal::Kernels& kernels) {
@@ -274,15 +285,16 @@ absl::Status Run(const DecodeAttentionParams& p, absl::Span<const DecodeSequence
   std::vector<std::vector<size_t>> group_parts(groups.size());
   size_t parts = 0;
   std::vector<Task> tasks;
-  // A task's segments in parts of about tokens_per_split tokens (flash-decoding).
+  // Tasks for `units`, whose segments have the boundaries of `segs`, in parts of about
+  // `per_split` tokens (flash-decoding).
   auto split = [&](const std::vector<Segment>& segs, bool last_is_window,
-                   const std::vector<Unit>& units) {
+                   const std::vector<Unit>& units, uint64_t per_split) {
     size_t begin = 0;
     uint64_t acc_tokens = 0;
     for (size_t i = 0; i < segs.size(); ++i) {
       acc_tokens += segs[i].tokens;
-      if (acc_tokens >= o.tokens_per_split || i + 1 == segs.size()) {
-        Task t{&segs, begin, i + 1, last_is_window, units};
+      if (acc_tokens >= per_split || i + 1 == segs.size()) {
+        Task t{begin, i + 1, last_is_window, units};
         for (Unit& u : t.units) {
           u.part = parts++;
           group_parts[u.group].push_back(u.part);
@@ -293,8 +305,16 @@ absl::Status Run(const DecodeAttentionParams& p, absl::Span<const DecodeSequence
       }
     }
   };
+  auto tokens_of = [](const std::vector<Segment>& segs) {
+    uint64_t n = 0;
+    for (const Segment& sg : segs) n += sg.tokens;
+    return n;
+  };
+  // Two tasks per thread keep the pool busy.
+  const size_t want = 2 * static_cast<size_t>(pool.size());
   // A prefix of blocks that several sequences share is read once per KV head for all of their
-  // rows: a task takes each block in turn for all of their groups.
+  // rows: a task takes each block in turn for all of their groups (and, with TaDA's head means,
+  // for every KV head's groups).
   const std::vector<SharedPrefix> shared =
       o.share_prefixes ? SharedPrefixes(batch) : std::vector<SharedPrefix>{};
   std::vector<size_t> skip(batch.size(), 0);
@@ -305,51 +325,83 @@ absl::Status Run(const DecodeAttentionParams& p, absl::Span<const DecodeSequence
   for (size_t ci = 0; ci < shared.size(); ++ci) {
     const SharedPrefix& c = shared[ci];
     const DecodeSequence& first = batch[c.seqs[0]];
+    const bool all_heads = HasHeadMeans(first.blocks.subspan(0, c.blocks));
+    std::vector<std::vector<Unit>> head_units(p.kv_heads);
     for (uint32_t h = 0; h < p.kv_heads; ++h) {
       std::vector<Segment>& segs = shared_segs[ci * p.kv_heads + h];
       for (size_t b = 0; b < c.blocks; ++b) segs.push_back(BlockSegment(first.blocks[b], h));
-      std::vector<Unit> units;
       for (size_t s : c.seqs) {
         for (size_t g = first_group[s * p.kv_heads + h]; g < first_group[s * p.kv_heads + h + 1];
              ++g) {
-          units.push_back({g});
+          head_units[h].push_back({g, &segs});
         }
       }
-      uint64_t tokens = 0;
-      for (const Segment& sg : segs) tokens += sg.tokens;
-      const size_t splits =
-          std::max<uint64_t>(1, (tokens + o.tokens_per_split - 1) / o.tokens_per_split);
-      // Units are dealt to several tasks when there would be fewer than two tasks per thread
-      // over all prefixes and heads.
-      const size_t want = 2 * static_cast<size_t>(pool.size());
-      const size_t have = splits * p.kv_heads * shared.size();
+    }
+    const std::vector<Segment>& segs0 = shared_segs[ci * p.kv_heads];
+    const size_t splits =
+        std::max<uint64_t>(1, (tokens_of(segs0) + o.tokens_per_split - 1) / o.tokens_per_split);
+    // Units are dealt to several tasks (in order: a task's units are one KV head's, or a few
+    // heads') when there would be fewer than two tasks per thread over all prefixes and heads.
+    auto deal = [&](const std::vector<Unit>& units, size_t have) {
       const size_t chunks = std::min(units.size(), std::max<size_t>(1, (want + have - 1) / have));
       const size_t per = (units.size() + chunks - 1) / chunks;
       for (size_t u0 = 0; u0 < units.size(); u0 += per) {
-        split(segs, false,
-              std::vector<Unit>(units.begin() + u0,
-                                units.begin() + std::min(units.size(), u0 + per)));
+        split(
+            segs0, false,
+            std::vector<Unit>(units.begin() + u0, units.begin() + std::min(units.size(), u0 + per)),
+            o.tokens_per_split);
       }
+    };
+    if (all_heads) {
+      std::vector<Unit> units;
+      for (const std::vector<Unit>& hu : head_units)
+        units.insert(units.end(), hu.begin(), hu.end());
+      deal(units, splits * shared.size());
+    } else {
+      for (const std::vector<Unit>& hu : head_units) deal(hu, splits * p.kv_heads * shared.size());
     }
   }
-  // Every sequence's own segments: sinks, the blocks after a shared prefix, the window.
+  // Every sequence's own segments: sinks, the blocks after a shared prefix, the window. With
+  // TaDA's head means, one task takes every KV head's groups over a part, so each part's means
+  // come from memory once (then from L2 for the other heads), not once per KV head; the parts
+  // are made smaller (down to a block) so that there are still two tasks per thread.
   std::vector<std::vector<Segment>> segs(batch.size() * p.kv_heads);
   for (size_t s = 0; s < batch.size(); ++s) {
+    const bool all_heads = p.kv_heads > 1 && HasHeadMeans(batch[s].blocks.subspan(skip[s]));
+    const bool window = batch[s].window.tokens > 0;
+    std::vector<Unit> units;
     for (uint32_t h = 0; h < p.kv_heads; ++h) {
       const size_t sh = s * p.kv_heads + h;
       segs[sh] = Segments(p, batch[s], h, skip[s]);
       for (size_t g = first_group[sh]; g < first_group[sh + 1]; ++g) {
-        split(segs[sh], batch[s].window.tokens > 0, {Unit{g}});
+        if (all_heads) {
+          units.push_back({g, &segs[sh]});
+        } else {
+          split(segs[sh], window, {Unit{g, &segs[sh]}}, o.tokens_per_split);
+        }
       }
+    }
+    if (all_heads) {
+      const std::vector<Segment>& segs0 = segs[s * p.kv_heads];
+      const uint64_t per_seq = (want + batch.size() - 1) / batch.size();
+      split(segs0, window, units,
+            std::clamp<uint64_t>(tokens_of(segs0) / per_seq, 1, o.tokens_per_split));
     }
   }
   if (o.stats != nullptr) {
     *o.stats = {};
     for (const Task& t : tasks) {
       for (size_t i = t.begin; i < t.end; ++i) {
-        if ((*t.segs)[i].block == nullptr) continue;
-        ++o.stats->blocks_read;
-        o.stats->blocks_attended += t.units.size();
+        bool means = false;
+        for (size_t ui = 0; ui < t.units.size(); ++ui) {
+          const std::vector<Segment>& us = *t.units[ui].segs;
+          means |= us[i].block != nullptr && us[i].block->mean_ops != nullptr;
+          if (us[i].block == nullptr) continue;
+          // Units of one KV head are consecutive and share its segments.
+          if (ui == 0 || t.units[ui - 1].segs != &us) ++o.stats->blocks_read;
+          ++o.stats->blocks_attended;
+        }
+        o.stats->head_means_read += means;
       }
     }
   }
@@ -382,7 +434,8 @@ absl::Status Run(const DecodeAttentionParams& p, absl::Span<const DecodeSequence
     }
     for (size_t i = t.begin; i < t.end; ++i) {
       for (size_t ui = 0; ui < t.units.size(); ++ui) {
-        RunSegments(*t.segs, i, i + 1, t.last_is_window, window_limit[ui], states[ui], kernels);
+        RunSegments(*t.units[ui].segs, i, i + 1, t.last_is_window, window_limit[ui], states[ui],
+                    kernels);
       }
     }
     for (size_t ui = 0; ui < t.units.size(); ++ui) {

@@ -69,12 +69,18 @@ struct DecodeAttentionStats {
   uint64_t blocks_read = 0;      // passes over a (block, KV head)'s codes
   uint64_t blocks_attended = 0;  // (rows, block, KV head) attended, rows: a sequence's query
                                  // token (up to 8 rows of query heads x tokens at a time)
+  // Passes over a block's TaDA head means (which every KV head's scores and outputs take): once
+  // per task, which takes the block for all KV heads in turn while the means are in cache.
+  uint64_t head_means_read = 0;
 };
 
 struct DecodeAttentionOptions {
   AttentionImpl impl = AttentionImpl::kAuto;  // kAvx2 fails with kUnimplemented without AVX2
-  uint32_t tokens_per_split = 4096;           // flash-decoding part size, >= 1
-  ThreadPool* pool = nullptr;                 // nullptr: ThreadPool::Default()
+  // Flash-decoding part size, >= 1. Sequences with TaDA head means take every KV head in one
+  // task per part, and their parts are made smaller (down to a block) to keep two tasks per
+  // thread.
+  uint32_t tokens_per_split = 4096;
+  ThreadPool* pool = nullptr;  // nullptr: ThreadPool::Default()
   // AVX2 kernels, affine codecs at 2 and 4 bits (KIVI's and KCVT's K and V, the backbone of
   // GEAR and ZipCache's): dot products over the packed codes in integers. q.k takes the query
   // (key scales folded in) as two int8 terms per query head and token group, so a score errs by

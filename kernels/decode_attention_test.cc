@@ -356,7 +356,8 @@ TEST(DecodeAttentionTest, SequencesSharingAPrefixReadItOnceAndEachMatchesTheRefe
           const uint64_t shared = prefix->ops[0].parts.size() + prefix->ops[1].parts.size();
           EXPECT_LE(stats.blocks_read + 3 * shared * sh.kv_heads, attended)
               << spec << " q=" << sh.q_heads << " kv=" << sh.kv_heads;
-          // Apart, every sequence reads every block it attends.
+          // Apart, every sequence reads every block it attends (with TaDA's head means, once
+          // for all of its query tokens' rows: one task takes every KV head's groups).
           DecodeAttentionStats apart;
           ASSERT_TRUE(DecodeAttention(params, batch,
                                       {.impl = var.impl,
@@ -366,8 +367,51 @@ TEST(DecodeAttentionTest, SequencesSharingAPrefixReadItOnceAndEachMatchesTheRefe
                                        .share_prefixes = false,
                                        .stats = &apart})
                           .ok());
-          EXPECT_EQ(apart.blocks_read, attended);
+          uint64_t own_blocks = 0;
+          for (size_t i = 0; i < seqs.size(); ++i) own_blocks += blocks[i].size() * sh.kv_heads;
+          const bool tada = std::string(spec).rfind("tada", 0) == 0;
+          EXPECT_EQ(apart.blocks_read, tada ? own_blocks : attended) << spec;
           EXPECT_EQ(apart.blocks_attended, attended);
+        }
+      }
+    }
+  }
+}
+
+TEST(DecodeAttentionTest, TadaHeadMeansAreReadOncePerBlockForAllKvHeads) {
+  // TaDA's head means are one fp16 block shared by every KV head: a task takes all KV heads of
+  // a part in turn, so each block's means are read once (not once per KV head), whatever the
+  // threads and the part size, and the output is still the reference's.
+  uint64_t seed = 900;
+  for (const Shape& sh : {Shape{8, 4, 64}, Shape{32, 8, 128}, Shape{4, 2, 64}}) {
+    auto s = MakeSequence("tada:k2v2:g32:sink2", sh.q_heads, sh.kv_heads, sh.dim, 2,
+                          {64, 64, 37, 64, 5}, 3, ++seed);
+    uint64_t with_means = 0;
+    for (const BlockOperands* b : s->op_ptrs) with_means += b->mean_ops != nullptr;
+    ASSERT_GE(with_means, 5u);  // every chunk's TaDA part (sink parts carry none)
+    const DecodeAttentionParams params{sh.q_heads, sh.kv_heads, sh.dim};
+    s->seq.out = s->ref.data();
+    ASSERT_TRUE(DecodeAttentionRef(params, {&s->seq, 1}).ok());
+    for (int threads : {1, 2, 5}) {
+      ThreadPool pool(threads);
+      for (uint32_t split : {4096u, 100u, 1u}) {
+        for (const Variant& var : Variants()) {
+          DecodeSequence seq = s->seq;
+          seq.out = s->out.data();
+          DecodeAttentionStats stats;
+          ASSERT_TRUE(DecodeAttention(params, {&seq, 1},
+                                      {.impl = var.impl,
+                                       .tokens_per_split = split,
+                                       .pool = &pool,
+                                       .integer_dot = var.integer_dot,
+                                       .stats = &stats})
+                          .ok());
+          EXPECT_EQ(stats.head_means_read, with_means) << threads << " threads, split " << split;
+          EXPECT_EQ(stats.blocks_read, s->op_ptrs.size() * sh.kv_heads);
+          EXPECT_EQ(stats.blocks_attended, s->op_ptrs.size() * sh.kv_heads);
+          EXPECT_LT(NormalizedMaxError(s->out, s->ref), var.tolerance)
+              << "kv=" << sh.kv_heads << " impl=" << static_cast<int>(var.impl)
+              << " int8=" << var.integer_dot << " split=" << split << " threads=" << threads;
         }
       }
     }
