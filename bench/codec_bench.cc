@@ -180,7 +180,8 @@ double RelErr(const float* a, const float* b, size_t n) {
 
 constexpr char kUsage[] =
     "usage: codec_bench [--commit SHA] [--out DIR (default bench/results)]\n"
-    "                   [--contexts 8192,32768] [--codecs a,b,...] [--tables 1,2,3]\n";
+    "                   [--contexts 8192,32768] [--codecs a,b,...] [--tables 1,2,3]\n"
+    "                   [--threads N (the 'all threads' runs; default one per hardware thread)]\n";
 
 int Main(int argc, char** argv) {
   // Keep freed memory in the heap: codecs allocate per-chunk scratch, and glibc's default of
@@ -191,6 +192,7 @@ int Main(int argc, char** argv) {
   std::string commit = "unknown", out_dir = "bench/results", codec_list = kDefaultCodecs;
   std::vector<uint32_t> contexts = {8192, 32768};
   bool table[4] = {false, true, true, true};
+  int threads = 0;
   int exit_code = 0;
   const auto flags = FlagPairs(argc, argv, kUsage, &exit_code);
   if (!flags) return exit_code;
@@ -211,6 +213,11 @@ int Main(int argc, char** argv) {
         }
         table[t] = true;
       }
+    } else if (flag == "--threads") {
+      if (!absl::SimpleAtoi(val, &threads) || threads < 1 || threads > 1024) {
+        std::fprintf(stderr, "bad --threads '%s' (1 to 1024)\n", val.c_str());
+        return 2;
+      }
     } else if (flag == "--contexts") {
       contexts.clear();
       for (absl::string_view s : absl::StrSplit(val, ',')) {
@@ -227,7 +234,7 @@ int Main(int argc, char** argv) {
     }
   }
   const RunInfo info = CollectRunInfo(commit);
-  ThreadPool pool(0), one(1);
+  ThreadPool pool(threads), one(1);
   std::printf("codec_bench  %s  %s  commit %s\n", info.machine.c_str(), info.date.c_str(),
               info.commit.c_str());
   std::printf("attention kernels: %s\n", kernels::DecodeAttentionPath());

@@ -242,10 +242,10 @@ struct Unit {
 
 // Segments [begin, end) for several units, every unit in turn per segment: a block read for the
 // first unit is still in the caches for the others. The units share the segments (groups of one
-// KV head over a shared prefix), or their segments are the same blocks' other KV heads (TaDA,
-// whose head means every KV head's pass reads: one task takes all heads so the means come from
-// memory once). Stacking two groups' rows into one state (8 rows where G is 4) measured slower:
-// the 8-row kernels keep more accumulators than AVX2 has registers.
+// KV head over a shared prefix), or their segments are the same blocks' other KV heads (a
+// sequence with TaDA's head means, which every KV head's pass reads: one task takes all heads so
+// the means come from memory once). Stacking two groups' rows into one state (8 rows where G is 4)
+// measured slower: the 8-row kernels keep more accumulators than AVX2 has registers.
 struct Task {
   size_t begin, end;
   bool last_is_window;
@@ -313,8 +313,9 @@ absl::Status Run(const DecodeAttentionParams& p, absl::Span<const DecodeSequence
   // Two tasks per thread keep the pool busy.
   const size_t want = 2 * static_cast<size_t>(pool.size());
   // A prefix of blocks that several sequences share is read once per KV head for all of their
-  // rows: a task takes each block in turn for all of their groups (and, with TaDA's head means,
-  // for every KV head's groups).
+  // rows: a task takes each block in turn for all of their groups. (Taking every KV head in one
+  // task, as sequences with TaDA's head means do below, measured slower here: a batch has enough
+  // rows per head to keep the means in cache, and fewer, larger tasks balance worse.)
   const std::vector<SharedPrefix> shared =
       o.share_prefixes ? SharedPrefixes(batch) : std::vector<SharedPrefix>{};
   std::vector<size_t> skip(batch.size(), 0);
@@ -325,40 +326,29 @@ absl::Status Run(const DecodeAttentionParams& p, absl::Span<const DecodeSequence
   for (size_t ci = 0; ci < shared.size(); ++ci) {
     const SharedPrefix& c = shared[ci];
     const DecodeSequence& first = batch[c.seqs[0]];
-    const bool all_heads = HasHeadMeans(first.blocks.subspan(0, c.blocks));
-    std::vector<std::vector<Unit>> head_units(p.kv_heads);
     for (uint32_t h = 0; h < p.kv_heads; ++h) {
       std::vector<Segment>& segs = shared_segs[ci * p.kv_heads + h];
       for (size_t b = 0; b < c.blocks; ++b) segs.push_back(BlockSegment(first.blocks[b], h));
+      std::vector<Unit> units;
       for (size_t s : c.seqs) {
         for (size_t g = first_group[s * p.kv_heads + h]; g < first_group[s * p.kv_heads + h + 1];
              ++g) {
-          head_units[h].push_back({g, &segs});
+          units.push_back({g, &segs});
         }
       }
-    }
-    const std::vector<Segment>& segs0 = shared_segs[ci * p.kv_heads];
-    const size_t splits =
-        std::max<uint64_t>(1, (tokens_of(segs0) + o.tokens_per_split - 1) / o.tokens_per_split);
-    // Units are dealt to several tasks (in order: a task's units are one KV head's, or a few
-    // heads') when there would be fewer than two tasks per thread over all prefixes and heads.
-    auto deal = [&](const std::vector<Unit>& units, size_t have) {
+      const size_t splits =
+          std::max<uint64_t>(1, (tokens_of(segs) + o.tokens_per_split - 1) / o.tokens_per_split);
+      // Units are dealt to several tasks when there would be fewer than two tasks per thread
+      // over all prefixes and heads.
+      const size_t have = splits * p.kv_heads * shared.size();
       const size_t chunks = std::min(units.size(), std::max<size_t>(1, (want + have - 1) / have));
       const size_t per = (units.size() + chunks - 1) / chunks;
       for (size_t u0 = 0; u0 < units.size(); u0 += per) {
         split(
-            segs0, false,
+            segs, false,
             std::vector<Unit>(units.begin() + u0, units.begin() + std::min(units.size(), u0 + per)),
             o.tokens_per_split);
       }
-    };
-    if (all_heads) {
-      std::vector<Unit> units;
-      for (const std::vector<Unit>& hu : head_units)
-        units.insert(units.end(), hu.begin(), hu.end());
-      deal(units, splits * shared.size());
-    } else {
-      for (const std::vector<Unit>& hu : head_units) deal(hu, splits * p.kv_heads * shared.size());
     }
   }
   // Every sequence's own segments: sinks, the blocks after a shared prefix, the window. With

@@ -70,7 +70,9 @@ struct DecodeAttentionStats {
   uint64_t blocks_attended = 0;  // (rows, block, KV head) attended, rows: a sequence's query
                                  // token (up to 8 rows of query heads x tokens at a time)
   // Passes over a block's TaDA head means (which every KV head's scores and outputs take): once
-  // per task, which takes the block for all KV heads in turn while the means are in cache.
+  // per task that attends the block. A task over a sequence's own blocks takes every KV head in
+  // turn while the means are in cache (one pass per block); a shared prefix's tasks take one KV
+  // head each.
   uint64_t head_means_read = 0;
 };
 
