@@ -20,6 +20,22 @@ TEST(ThreadPoolTest, RunsEveryIndexExactlyOnce) {
   }
 }
 
+TEST(ThreadPoolTest, BackToBackCallsEachRunTheirOwnIndicesOnce) {
+  // Calls of a few short tasks in a row, each with its own function and size: a worker still
+  // running an earlier call must not claim an index of the next one (it would run it with the
+  // earlier function, and the next call would miss that index or return before it ran).
+  ThreadPool pool(4);
+  for (int rep = 0; rep < 3000; ++rep) {
+    const size_t n = 2 + rep % 17;
+    std::vector<std::atomic<int>> hits(n);
+    pool.ParallelFor(n, [&, n](size_t i) {
+      ASSERT_LT(i, n);
+      hits[i].fetch_add(1);
+    });
+    for (size_t i = 0; i < n; ++i) ASSERT_EQ(hits[i].load(), 1) << "call " << rep << " index " << i;
+  }
+}
+
 TEST(ThreadPoolTest, ConcurrentCallersAreSerializedSafely) {
   ThreadPool pool(3);
   std::atomic<long> sum{0};

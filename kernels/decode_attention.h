@@ -74,13 +74,17 @@ struct DecodeAttentionStats {
   // turn while the means are in cache (one pass per block); a shared prefix's tasks take one KV
   // head each.
   uint64_t head_means_read = 0;
+  // Tasks run in parallel: (rows, flash-decoding part) pairs, or several rows' groups over a
+  // shared prefix's part, or all KV heads' groups of a TaDA sequence's part.
+  uint64_t tasks = 0;
 };
 
 struct DecodeAttentionOptions {
   AttentionImpl impl = AttentionImpl::kAuto;  // kAvx2 fails with kUnimplemented without AVX2
-  // Flash-decoding part size, >= 1. Sequences with TaDA head means take every KV head in one
-  // task per part, and their parts are made smaller (down to a block) to keep two tasks per
-  // thread.
+  // Flash-decoding part size (the largest), >= 1. When the batch would give fewer tasks than the
+  // pool has threads (a short context on many threads), parts are made smaller, down to 256
+  // tokens. Sequences with TaDA head means take every KV head in one task per part, and their
+  // parts are made smaller (down to a block) to keep two tasks per thread.
   uint32_t tokens_per_split = 4096;
   ThreadPool* pool = nullptr;  // nullptr: ThreadPool::Default()
   // AVX2 kernels, affine codecs at 2 and 4 bits (KIVI's and KCVT's K and V, the backbone of

@@ -378,6 +378,33 @@ TEST(DecodeAttentionTest, SequencesSharingAPrefixReadItOnceAndEachMatchesTheRefe
   }
 }
 
+TEST(DecodeAttentionTest, ShortContextsAreSplitFinerToKeepEveryThreadBusy) {
+  // 2048 tokens over 2 KV heads are two 4096-token parts, one per head: on 8 threads the parts
+  // shrink until there is a task per thread (8), not below 256 tokens, and never grow past
+  // tokens_per_split. The output is the reference's either way.
+  auto s = MakeSequence("kivi:k2v2:g32", 8, 2, 64, 0, std::vector<uint32_t>(8, 256), 0, 77);
+  const DecodeAttentionParams params{8, 2, 64};
+  s->seq.out = s->ref.data();
+  ASSERT_TRUE(DecodeAttentionRef(params, {&s->seq, 1}).ok());
+  struct Case {
+    int threads;
+    uint32_t split;
+    uint64_t tasks;
+  };
+  for (const Case& c : {Case{8, 4096, 8}, Case{1, 4096, 2}, Case{4, 4096, 4}, Case{64, 4096, 16},
+                        Case{8, 512, 8}, Case{16, 512, 16}, Case{2, 100, 16}}) {
+    ThreadPool pool(c.threads);
+    DecodeSequence seq = s->seq;
+    seq.out = s->out.data();
+    DecodeAttentionStats stats;
+    ASSERT_TRUE(DecodeAttention(params, {&seq, 1},
+                                {.tokens_per_split = c.split, .pool = &pool, .stats = &stats})
+                    .ok());
+    EXPECT_EQ(stats.tasks, c.tasks) << c.threads << " threads, split " << c.split;
+    EXPECT_LT(NormalizedMaxError(s->out, s->ref), 2e-2) << c.threads << " threads";
+  }
+}
+
 TEST(DecodeAttentionTest, TadaHeadMeansAreReadOncePerBlockForAllKvHeads) {
   // TaDA's head means are one fp16 block shared by every KV head: a task takes all KV heads of
   // a part in turn, so each block's means are read once (not once per KV head), whatever the
