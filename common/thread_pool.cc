@@ -1,6 +1,11 @@
 #include "common/thread_pool.h"
 
 #include <algorithm>
+#include <chrono>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 namespace strata {
 
@@ -23,6 +28,30 @@ ThreadPool& ThreadPool::Default() {
   return *pool;
 }
 
+namespace {
+
+// How long a thread polls for what it waits on before it sleeps on a condition variable.
+constexpr auto kSpin = std::chrono::microseconds(50);
+
+// Polls ready() until it is true or kSpin has passed.
+template <typename Ready>
+void SpinUntil(Ready ready) {
+  const auto end = std::chrono::steady_clock::now() + kSpin;
+  for (;;) {
+    for (int i = 0; i < 64; ++i) {
+      if (ready()) return;
+#if defined(__x86_64__) || defined(__i386__)
+      _mm_pause();
+#else
+      std::this_thread::yield();
+#endif
+    }
+    if (std::chrono::steady_clock::now() >= end) return;
+  }
+}
+
+}  // namespace
+
 // Claims and runs task indices until none are left.
 void ThreadPool::RunTasks() {
   std::unique_lock<std::mutex> lock(mu_);
@@ -39,11 +68,11 @@ void ThreadPool::RunTasks() {
 void ThreadPool::WorkerLoop() {
   uint64_t seen = 0;
   for (;;) {
+    SpinUntil([&] { return generation_.load(std::memory_order_relaxed) != seen; });
     {
       std::unique_lock<std::mutex> lock(mu_);
-      work_cv_.wait(lock, [&] {
-        return stop_ || (generation_ != seen && fn_ != nullptr && next_ < n_);
-      });
+      work_cv_.wait(lock,
+                    [&] { return stop_ || (generation_ != seen && fn_ != nullptr && next_ < n_); });
       if (stop_) return;
       seen = generation_;
     }
@@ -68,6 +97,7 @@ void ThreadPool::ParallelFor(size_t n, const std::function<void(size_t)>& fn) {
   }
   work_cv_.notify_all();
   RunTasks();
+  SpinUntil([&] { return done_.load(std::memory_order_relaxed) == n; });
   std::unique_lock<std::mutex> lock(mu_);
   done_cv_.wait(lock, [&] { return done_ == n_; });
   fn_ = nullptr;

@@ -3,17 +3,20 @@
 //   ThreadPool pool(4);
 //   pool.ParallelFor(n, [&](size_t i) { ... });   // returns when all n calls have run
 //
-// The calling thread takes part in the work. ParallelFor may be called from several threads at
-// once (calls are serialized); it must not be called from inside one of its own tasks.
+// The calling thread takes part in the work. Between calls a worker polls for the next one for
+// 50 us before it sleeps, and the caller polls as long for its last task: a call then costs 2-5 us
+// beyond its tasks on 2 threads, against 12-25 when they sleep. ParallelFor may be called from
+// several threads at once (calls are serialized); it must not be called from inside one of its
+// own tasks.
 #pragma once
 
+#include <atomic>
+#include <condition_variable>
 #include <cstddef>
 #include <functional>
+#include <mutex>
 #include <thread>
 #include <vector>
-
-#include <condition_variable>
-#include <mutex>
 
 namespace strata {
 
@@ -46,8 +49,12 @@ class ThreadPool {
   const std::function<void(size_t)>* fn_ = nullptr;
   size_t n_ = 0;
   size_t next_ = 0;
-  size_t done_ = 0;
-  uint64_t generation_ = 0;
+  // Written under mu_; atomic so that a worker done with a call can watch for the next one, and
+  // the caller for the last task, for a few microseconds without the lock before they sleep
+  // (common_benchmark's BM_ParallelForOverhead: sleeping, a call's wake-ups cost 12-25 us on 2
+  // threads, polling 2-5; decode makes such calls back to back, several per layer).
+  std::atomic<size_t> done_{0};
+  std::atomic<uint64_t> generation_{0};
   bool stop_ = false;
   std::vector<std::thread> workers_;
 };
