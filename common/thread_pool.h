@@ -50,9 +50,8 @@ class ThreadPool {
   size_t n_ = 0;
   size_t next_ = 0;
   // Written under mu_; atomic so that a worker done with a call can watch for the next one, and
-  // the caller for the last task, for a few microseconds without the lock before they sleep
-  // (common_benchmark's BM_ParallelForOverhead: sleeping, a call's wake-ups cost 12-25 us on 2
-  // threads, polling 2-5; decode makes such calls back to back, several per layer).
+  // the caller for the last task, without the lock before they sleep (the polling of the file
+  // comment; measured by common_benchmark's BM_ParallelForOverhead).
   std::atomic<size_t> done_{0};
   std::atomic<uint64_t> generation_{0};
   bool stop_ = false;
