@@ -87,12 +87,13 @@ struct DecodeAttentionOptions {
   // parts are made smaller (down to a block) to keep two tasks per thread.
   uint32_t tokens_per_split = 4096;
   ThreadPool* pool = nullptr;  // nullptr: ThreadPool::Default()
-  // AVX2 kernels, affine codecs at 2 and 4 bits (KIVI's and KCVT's K and V, the backbone of
-  // GEAR and ZipCache's): dot products over the packed codes in integers. q.k takes the query
-  // (key scales folded in) as two int8 terms per query head and token group, so a score errs by
-  // at most s/512 * sum_d code_d with s = max_d |q_d * scale_d| / 127; p.v takes the weights
-  // p * scale as int16 per query head and channel group (1/65534 of the largest per token).
-  // false keeps fp32 throughout (exact to float rounding).
+  // AVX2 kernels, affine codecs at 2, 3, 4 and 8 bits (KIVI's and KCVT's K and V, the backbone
+  // of GEAR and ZipCache's) and int8: dot products over the packed codes in integers. At 2 and 4
+  // bits q.k takes the query (key scales folded in) as two int8 terms per query head and token
+  // group, so a score errs by at most s/512 * sum_d code_d with s = max_d |q_d * scale_d| / 127;
+  // at 3 and 8 bits and int8, as one int16 term (s/2 * sum_d |code_d|, s = max_d |.| / 32767).
+  // p.v takes the weights p * scale as int16 per query head and channel group (1/65534 of the
+  // largest per token). false keeps fp32 throughout (exact to float rounding).
   bool integer_dot = true;
   // Read the blocks that sequences share (a cached prefix) once for all of them; false runs
   // every sequence apart (for measuring what sharing buys).

@@ -570,12 +570,14 @@ STRATA_AVX2_INLINE void FinishStagedScores(const Segment& seg, HeadGroupState& s
 constexpr int kSrcFp32 = -32, kSrcFp16 = -16, kSrcInt8 = -8, kSrcFp8 = -9;
 
 // Eight fp8 e4m3 codes as floats / 256: the bits moved into fp16 position give the same value
-// scaled by 2^-8, subnormals included (NaN never occurs: the encoder saturates).
+// scaled by 2^-8, subnormals included (NaN never occurs: the encoder saturates). A code
+// sign-extended to int16 and shifted left by 7 has its sign in bit 15 and again in bit 14, its
+// exponent and mantissa in bits 13-7: clearing bit 14 leaves the fp16 bits (three instructions
+// and the conversion, where masking sign and magnitude apart took six).
 STRATA_AVX2_INLINE __m256 LoadFp8x8(const uint8_t* p) {
-  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m128i mag = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7f)), 7);
-  const __m128i sign = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8);
-  return _mm256_cvtph_ps(_mm_or_si128(mag, sign));
+  const __m128i b = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_cvtph_ps(
+      _mm_and_si128(_mm_slli_epi16(b, 7), _mm_set1_epi16(static_cast<int16_t>(0xbfff))));
 }
 template <int kSrc>
 STRATA_AVX2_INLINE __m256 Load8(const uint8_t* row, uint32_t d) {
@@ -957,23 +959,33 @@ namespace zv = zmm_emulated;
 #undef STRATA_INT8_FALLBACK
 }  // namespace integer_emulated_zmm
 
-// Op at `bits` (2, 3 or 4) for the segment's G, of one instruction set; false when none has that G.
+// Op for codes `src` (affine at 2, 3, 4 or 8 bits, or kSrcInt8: IntegerSource) for the
+// segment's G, of one instruction set; false when none has that G.
 template <template <int, uint32_t> class Op>
-bool RunBits(int bits, const Segment& seg, HeadGroupState& st) {
-  switch (bits) {
+bool RunBits(int src, const Segment& seg, HeadGroupState& st) {
+  switch (src) {
     case 2:
       return DispatchG<Op, 2>(st.g, seg, st);
     case 3:
       return DispatchG<Op, 3>(st.g, seg, st);
     case 4:
       return DispatchG<Op, 4>(st.g, seg, st);
+    case 8:
+      return DispatchG<Op, 8>(st.g, seg, st);
+    case kSrcInt8:
+      return DispatchG<Op, kSrcInt8>(st.g, seg, st);
     default:
       return false;
   }
 }
 
+// The integer kernels' template argument for a tensor's codes: its bits when affine, kSrcInt8
+// for int8.
+int IntegerSource(const TensorOperands& t) { return t.kind == CodeKind::kInt8 ? kSrcInt8 : t.bits; }
+
 // Runs Op (one instantiation per instruction set, from internal/integer_dot.inc) with the CPU's
-// integer dot product at `bits` (2, 3 or 4) for the segment's G; false when no kernel has that G.
+// integer dot product for codes `bits` (RunBits) for the segment's G; false when no kernel has
+// that G.
 template <template <int, uint32_t> class OpAvx2, template <int, uint32_t> class OpAvxVnni,
           template <int, uint32_t> class OpAvx512Vnni, template <int, uint32_t> class OpEmulated,
           template <int, uint32_t> class OpAvx512Zmm, template <int, uint32_t> class OpEmulatedZmm>
@@ -995,38 +1007,43 @@ bool RunInteger(int bits, const Segment& seg, HeadGroupState& st) {
   return RunBits<OpAvx2>(bits, seg, st);
 }
 
-// Whether a tensor's rows are affine codes the integer kernels unpack: at 2 or 4 bits, rows a
+// Whether a tensor's rows are codes the integer kernels unpack: affine at 2 or 4 bits, rows a
 // multiple of 16 bytes; at 3 bits, 6 bytes per 16 channels and at least two such chunks (the
-// last chunk's loads reach back 2 bytes into its own row).
+// last chunk's loads reach back 2 bytes into its own row); affine at 8 bits or int8, rows a
+// multiple of 16 bytes.
 bool IntegerRows(const TensorOperands& t, uint32_t d) {
-  if (t.kind != CodeKind::kAffine || t.row_bytes * 8 != d * static_cast<uint32_t>(t.bits)) {
+  if ((t.kind != CodeKind::kAffine && t.kind != CodeKind::kInt8) ||
+      t.row_bytes * 8 != d * static_cast<uint32_t>(t.bits)) {
     return false;
   }
+  if (t.kind == CodeKind::kInt8) return t.bits == 8 && d % 16 == 0;
   if (t.bits == 3) return d % 16 == 0 && d >= 32;
-  return (t.bits == 2 || t.bits == 4) && t.row_bytes % 16 == 0;
+  return (t.bits == 2 || t.bits == 4 || t.bits == 8) && t.row_bytes % 16 == 0;
 }
 
 // Whether the integer kernels take this segment's keys: IntegerRows, head dims a multiple of 32
-// up to kMaxInt8Dim; per-channel parameters (KIVI's and KCVT's K), or at 2 and 4 bits per-token
-// channel groups (SKVQ's K) of whole lanes, at most 8 per vector.
+// up to kMaxInt8Dim; int8 codes, per-channel parameters (KIVI's and KCVT's K), or at 2 and 4 bits
+// per-token channel groups (SKVQ's K) of whole lanes, at most 8 per vector.
 bool IntegerKeys(const Segment& seg, const HeadGroupState& st) {
   if (!st.integer_dot || seg.block == nullptr) return false;
   const TensorOperands& k = seg.block->k;
   if (!IntegerRows(k, st.d) || st.d % 32 != 0 || st.d > integer_avx2::kMaxInt8Dim) return false;
-  if (!k.token_groups) return true;
+  if (k.kind == CodeKind::kInt8 || !k.token_groups) return true;
+  if (k.bits != 2 && k.bits != 4) return false;
   const uint32_t lane_span = 4 * (8 / static_cast<uint32_t>(k.bits));
-  return k.bits != 3 && k.groups <= 8 && (k.groups == 1 || k.group_size % lane_span == 0);
+  return k.groups <= 8 && (k.groups == 1 || k.group_size % lane_span == 0);
 }
 
 // Whether the int16-weight value kernels take this segment's values: IntegerRows with per-token
-// parameters (KIVI's and KCVT's V), channel groups that one operand's channels never straddle
-// (at 2 and 4 bits 8 bytes of codes, at 3 bits 16 channels), at most 4096 tokens (the int32
-// sums' bound).
+// parameters (KIVI's and KCVT's V, int8), channel groups that one operand's channels never
+// straddle (at 2 and 4 bits 8 bytes of codes, at 3 and 8 bits 16 channels), at most 4096 tokens
+// below 8 bits (the int32 sums' bound; 8-bit sums are taken over 256 tokens at a time).
 bool IntegerValues(const Segment& seg, const HeadGroupState& st) {
   if (!st.integer_dot || seg.block == nullptr) return false;
   const TensorOperands& v = seg.block->v;
-  if (!v.token_groups || !IntegerRows(v, st.d) || seg.tokens > 4096) return false;
-  const uint32_t span = v.bits == 3 ? 16 : 8 * (8 / static_cast<uint32_t>(v.bits));
+  if (v.kind == CodeKind::kInt8) return IntegerRows(v, st.d);
+  if (!v.token_groups || !IntegerRows(v, st.d) || (v.bits != 8 && seg.tokens > 4096)) return false;
+  const uint32_t span = v.bits == 3 || v.bits == 8 ? 16 : 8 * (8 / static_cast<uint32_t>(v.bits));
   return v.groups == 1 || v.group_size % span == 0;
 }
 
@@ -1079,7 +1096,7 @@ IntegerIsa IntegerDotIsa() {
 
 void ScoresAvx2(const Segment& seg, HeadGroupState& st) {
   if (IntegerKeys(seg, st)) {
-    const int bits = seg.block->k.bits;
+    const int bits = IntegerSource(seg.block->k);
     const bool ran =
         seg.block->k.token_groups
             ? RunInteger<integer_avx2::ScoresTokenGroupsOp, integer_avx_vnni::ScoresTokenGroupsOp,
@@ -1104,7 +1121,7 @@ void AccumulateAvx2(const Segment& seg, HeadGroupState& st) {
       RunInteger<integer_avx2::AccumulateInt16Op, integer_avx_vnni::AccumulateInt16Op,
                  integer_avx512_vnni::AccumulateInt16Op, integer_emulated_vnni::AccumulateInt16Op,
                  integer_avx512_zmm::AccumulateInt16Op, integer_emulated_zmm::AccumulateInt16Op>(
-          seg.block->v.bits, seg, st)) {
+          IntegerSource(seg.block->v), seg, st)) {
     return;
   }
   if (st.d % 8 != 0 ||

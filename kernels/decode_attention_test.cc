@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <random>
@@ -34,10 +35,11 @@ struct TestSequence {
   std::shared_ptr<Calibration> calibration;
 };
 
-std::unique_ptr<TestSequence> MakeSequence(const std::string& spec, uint32_t q_heads,
-                                           uint32_t kv_heads, uint32_t dim, uint32_t sinks,
-                                           std::vector<uint32_t> chunk_tokens, uint32_t window,
-                                           uint64_t seed) {
+// edit_kv, when set, changes each compressed chunk's synthetic KV before it is encoded.
+std::unique_ptr<TestSequence> MakeSequence(
+    const std::string& spec, uint32_t q_heads, uint32_t kv_heads, uint32_t dim, uint32_t sinks,
+    std::vector<uint32_t> chunk_tokens, uint32_t window, uint64_t seed,
+    const std::function<void(SyntheticKv&)>& edit_kv = nullptr) {
   auto s = std::make_unique<TestSequence>();
   std::mt19937 rng(seed);
   std::normal_distribution<float> normal(0, 1);
@@ -56,7 +58,8 @@ std::unique_ptr<TestSequence> MakeSequence(const std::string& spec, uint32_t q_h
     s->calibration = MakeSyntheticCalibration(parsed, kv_heads, dim, seed);
   auto codec = *Codec::Create(spec, s->calibration);
   for (uint32_t n : chunk_tokens) {
-    const SyntheticKv kv = MakeSyntheticKv(n, kv_heads, dim, seed + pos, pos);
+    SyntheticKv kv = MakeSyntheticKv(n, kv_heads, dim, seed + pos, pos);
+    if (edit_kv) edit_kv(kv);
     pos += n;
     absl::StatusOr<AlignedBuffer> b =
         codec->Encode({kv.k.data(), kv.v.data(), SourceDType::kFloat32, n, kv_heads, dim}, {});
@@ -131,11 +134,11 @@ struct Shape {
 
 // The kernels under test and each one's tolerance (normalized max error against the reference
 // on the same dequantized values): the portable and AVX2 kernels with an fp32 query, exact to
-// float rounding, and, where the CPU has AVX2, the AVX2 kernels with the int8 query on the keys
-// at 2 and 4 bits (DecodeAttentionOptions::integer_dot). Its error on these shapes peaks near
-// 1.2e-2 (skvq:k2v2:g32:m8 with 8 query heads on one KV head: SKVQ's per-token key groups take
-// one query scale for all channels, and logits up to ~15 are sums of larger terms that
-// cancel); a wrong group, scale or plane of codes costs 0.07 or more.
+// float rounding, and, where the CPU has AVX2, the AVX2 kernels with the integer query on the
+// keys and integer weights on the values (DecodeAttentionOptions::integer_dot). Its error on these
+// shapes peaks near 1.2e-2 (skvq:k2v2:g32:m8 with 8 query heads on one KV head: SKVQ's per-token
+// key groups take one query scale for all channels, and logits up to ~15 are sums of larger terms
+// that cancel); a wrong group, scale or plane of codes costs 0.07 or more.
 struct Variant {
   AttentionImpl impl;
   bool integer_dot;
@@ -162,6 +165,8 @@ TEST(DecodeAttentionTest, FusedMatchesReferenceForEveryCodecShapeAndImpl) {
       seqs.push_back(
           MakeSequence(spec, sh.q_heads, sh.kv_heads, sh.dim, 4, {64, 37, 5}, 3, ++seed));
       seqs.push_back(MakeSequence(spec, sh.q_heads, sh.kv_heads, sh.dim, 0, {33}, 0, ++seed));
+      // A long odd block: the 8-bit value kernels' int32 sums end every 256 tokens.
+      seqs.push_back(MakeSequence(spec, sh.q_heads, sh.kv_heads, sh.dim, 0, {517}, 0, ++seed));
       std::vector<DecodeSequence> batch;
       for (auto& s : seqs) {
         s->seq.out = s->ref.data();
@@ -215,6 +220,32 @@ TEST(DecodeAttentionTest, CompressedAttentionIsCloseToFullPrecisionAndGearBeatsK
   EXPECT_LT(gear4, 0.1);
   EXPECT_LT(gear, kivi);
   EXPECT_LT(gear4, gear);
+}
+
+TEST(DecodeAttentionTest, EightBitValueSumsHoldUnderUniformAttentionOverLongBlocks) {
+  // The 8-bit value kernels' worst case: every weight the largest (a zero query: uniform
+  // attention) times codes at both ends of their range (channels alternating -1 and +1 in every
+  // token: KIVI codes 0 and 255, int8 codes -127 and 127) over a 4096-token block in one
+  // segment (one thread: the parts are not split finer). Their int32 sums, taken over more than
+  // 256 tokens at a time, would overflow.
+  ThreadPool pool(1);
+  const DecodeAttentionParams params{8, 2, 128};
+  for (const char* spec : {"kivi:k8v8:g32", "int8"}) {
+    auto s = MakeSequence(spec, 8, 2, 128, 0, {4096}, 0, 7, [](SyntheticKv& kv) {
+      for (size_t i = 0; i < kv.v.size(); ++i) kv.v[i] = i % 2 == 0 ? 1.0f : -1.0f;
+    });
+    std::fill(s->q.begin(), s->q.end(), 0.0f);
+    s->seq.out = s->ref.data();
+    ASSERT_TRUE(DecodeAttentionRef(params, {&s->seq, 1}).ok());
+    for (const Variant& var : Variants()) {
+      s->seq.out = s->out.data();
+      ASSERT_TRUE(
+          DecodeAttention(params, {&s->seq, 1}, {var.impl, 4096, &pool, var.integer_dot}).ok());
+      EXPECT_LT(NormalizedMaxError(s->out, s->ref), 1e-3)
+          << spec << " impl=" << static_cast<int>(var.impl) << " int8=" << var.integer_dot;
+      EXPECT_NEAR(s->out[0], 1.0f, 1e-2) << spec;  // the mean of +1 over every token
+    }
+  }
 }
 
 TEST(DecodeAttentionTest, ChunkedPrefillOverACompressedPrefixIsCausalInTheWindow) {
@@ -466,9 +497,10 @@ TEST(DecodeAttentionTest, IntegerKernelsAreTheSameBitsOnEveryInstructionSet) {
   const Shape shapes[] = {{4, 4, 64}, {8, 2, 128}, {16, 2, 64}, {4, 2, 256}, {8, 1, 64}};
   ThreadPool pool(2);
   uint64_t seed = 900;
-  for (const char* spec : {"kivi:k2v2:g32", "kivi:k3v3:g64", "kivi:k4v4:g32", "kivi:k2v2:g32:m8",
-                           "kcvt:k2v2", "kcvt:k4v4", "skvq:k2v2:g32", "skvq:k4v4:g16:sink2",
-                           "gear:k2v2:g32:r4:s2:sink2", "tada:k2v2:g32", "zipcache:k2v2:h4:s10"}) {
+  for (const char* spec :
+       {"kivi:k2v2:g32", "kivi:k3v3:g64", "kivi:k4v4:g32", "kivi:k2v2:g32:m8", "kivi:k8v8:g16",
+        "int8", "kcvt:k2v2", "kcvt:k4v4", "skvq:k2v2:g32", "skvq:k4v4:g16:sink2",
+        "gear:k2v2:g32:r4:s2:sink2", "tada:k2v2:g32", "zipcache:k2v2:h4:s10"}) {
     for (const Shape& sh : shapes) {
       // Tails of every kind, sinks and a window; the third sequence is chunked prefill.
       std::vector<std::unique_ptr<TestSequence>> seqs;
