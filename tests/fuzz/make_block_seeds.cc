@@ -99,8 +99,9 @@ int main(int argc, char** argv) {
                          "tada:k2v2:g8:m8",
                          "kcvt:k2v2:m8:sink2"};
   // And head dims the AVX2 integer kernels take (a multiple of 32), with an odd token count.
-  const char* integer_specs[] = {"kivi:k2v2:g8", "kivi:k3v3:g16", "kivi:k4v4:g8",
-                                 "kcvt:k2v2", "gear:k3v3:g8:r2:s10", "kivi:k3v3:g32:sink2"};
+  const char* integer_specs[] = {
+      "kivi:k2v2:g8",        "kivi:k3v3:g16",       "kivi:k4v4:g8", "kcvt:k2v2",
+      "gear:k3v3:g8:r2:s10", "kivi:k3v3:g32:sink2", "kivi:k8v8:g8", "int8"};
   int i = 0;
   auto encode = [&](const char* spec, uint32_t kv_heads, uint32_t dim) {
     auto codec = kernels::Codec::Create(spec);
