@@ -27,6 +27,7 @@
 #include "common/cpu_features.h"
 #include "common/half.h"
 #include "kernels/internal/attention_segment.h"
+#include "kernels/internal/codec_simd.h"
 #include "kernels/internal/vector_exp.h"
 #include "kernels/internal/zmm_ops.h"
 
