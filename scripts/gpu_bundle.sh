@@ -64,16 +64,16 @@ if [ -x "$here/cuda_decode_bench" ]; then
   nvidia-smi -L 2>/dev/null || true
   for t in "$here"/*_test; do
     echo "== $(basename "$t")"
-    "$t" || rc=1
+    timeout "${STRATA_TEST_TIMEOUT:-300}" "$t" || { echo "== $(basename "$t"): failed (exit $?)"; rc=1; }
   done
   echo "== nccl_bench"
-  "$here/nccl_bench" --out "$results" --commit "${STRATA_COMMIT:-unknown}" || rc=1
+  timeout 300 "$here/nccl_bench" --out "$results" --commit "${STRATA_COMMIT:-unknown}" || rc=1
   echo "== cuda_decode_bench"
-  "$here/cuda_decode_bench" --out "$results" || rc=1
+  timeout 300 "$here/cuda_decode_bench" --out "$results" || rc=1
   # The reference: PyTorch's SDPA on fp16 KV at the same shapes, where PyTorch is there.
   if python3 -c 'import torch' 2>/dev/null; then
     echo "== cuda_sdpa_bench"
-    python3 "$here/cuda_sdpa_bench.py" --out "$results" || rc=1
+    timeout 300 python3 "$here/cuda_sdpa_bench.py" --out "$results" || rc=1
   else
     echo "== cuda_sdpa_bench: no PyTorch on this machine; skipped"
   fi
@@ -81,7 +81,7 @@ if [ -x "$here/cuda_decode_bench" ]; then
   if command -v compute-sanitizer >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/compute-sanitizer ]; then
     cs="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
     echo "== compute-sanitizer memcheck: kernels_cuda_test"
-    "$cs" --tool memcheck --error-exitcode 1 "$here/kernels_cuda_test" \
+    timeout 300 "$cs" --tool memcheck --error-exitcode 1 "$here/kernels_cuda_test" \
       --gtest_filter='PagedDecodeGpuTest.Fp16*:PagedDecodeGpuTest.Affine*' || rc=1
   else
     echo "== compute-sanitizer: not on this machine; memcheck skipped"
