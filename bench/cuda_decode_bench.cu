@@ -6,7 +6,8 @@
 // the bytes are those the kernel must read (every page of every sequence), so the bandwidth is an
 // effective one. Data is random (finite fp16 values, random codes), never zeros.
 //
-//   cuda_decode_bench [--out DIR] [--runs N] [--quick]
+//   cuda_decode_bench [--out DIR] [--runs N] [--quick] [--splits N]
+// (--quick: batch 16 at 32k only; --splits: force the split count instead of ChooseSplits')
 // Prints a table; with --out, writes DIR/cuda_decode_bench-<device>-<date>-<commit>.{txt,json}
 // (commit from $STRATA_COMMIT). Exits 1 without a GPU, saying so.
 #include <cuda_fp16.h>
@@ -109,16 +110,19 @@ int main(int argc, char** argv) {
   std::string out_dir;
   int runs = 20;
   bool quick = false;
+  int forced_splits = 0;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--out" && i + 1 < argc) {
       out_dir = argv[++i];
     } else if (a == "--runs" && i + 1 < argc) {
       runs = std::max(3, std::atoi(argv[++i]));
+    } else if (a == "--splits" && i + 1 < argc) {
+      forced_splits = std::max(1, std::atoi(argv[++i]));
     } else if (a == "--quick") {
       quick = true;
     } else {
-      std::fprintf(stderr, "usage: cuda_decode_bench [--out DIR] [--runs N] [--quick]\n");
+      std::fprintf(stderr, "usage: cuda_decode_bench [--out DIR] [--runs N] [--quick] [--splits N]\n");
       return 2;
     }
   }
@@ -207,6 +211,7 @@ int main(int argc, char** argv) {
         a.batch = batch;
         a.q_heads = 32;
         a.out = static_cast<float*>(o);
+        a.splits = forced_splits;
         const int splits = strata::kernels::cuda::ChooseSplits(L, a, pages_per_seq);
         CHECK_CUDA(cudaMalloc(&work, strata::kernels::cuda::WorkspaceBytes(batch, 32, 128, splits)));
         a.workspace = work;

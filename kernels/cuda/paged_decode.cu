@@ -23,12 +23,30 @@ __device__ __forceinline__ float WarpSum(float v) {
   return v;
 }
 
-// Copies `bytes` (a multiple of 16) from global to shared memory with 16-byte loads, all threads.
-__device__ __forceinline__ void Stage(uint8_t* dst, const uint8_t* src, size_t bytes) {
-  const uint4* s = reinterpret_cast<const uint4*>(src);
-  uint4* d = reinterpret_cast<uint4*>(dst);
+// Starts copying `bytes` (a multiple of 16) from global to shared memory, 16 bytes per
+// cp.async (sm_80+), all threads: every copy is in flight at once and none passes through
+// registers. The caller commits the group and waits for it (CpAsyncWait) before a barrier.
+__device__ __forceinline__ void StageAsync(uint8_t* dst, const uint8_t* src, size_t bytes) {
   const size_t n = bytes / 16;
-  for (size_t i = threadIdx.x; i < n; i += blockDim.x) d[i] = __ldg(s + i);
+  for (size_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst + i * 16));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src + i * 16)
+                 : "memory");
+  }
+}
+__device__ __forceinline__ void CpAsyncCommit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+// Waits until at most N of this thread's committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// A code of `bits` bits (< 2^23) as a float without a conversion instruction: its bits OR'd
+// into the mantissa of 2^23, less 2^23 (exact).
+__device__ __forceinline__ float CodeToFloat(uint32_t code) {
+  return __uint_as_float(0x4B000000u | code) - 8388608.f;
 }
 
 // What one warp (one query head) keeps across the pages of its split.
@@ -74,9 +92,10 @@ __device__ void AttendFp16(HeadState<D>& h, const __half* k, const __half* v, in
   const int sub = lane % kThreadsPerToken;
   const int slot = lane / kThreadsPerToken;
   constexpr int kKey = HeadState<D>::kKeyPerLane;
+#pragma unroll 4
   for (int t0 = 0; t0 < n; t0 += kTokensPerStep) {
     const int t = t0 + slot;
-    float dot = 0;
+    float dot0 = 0, dot1 = 0;  // two sums: half the dependent chain
     if (t < n) {  // the lane's kKey halves: 16-byte loads
       const uint4* row = reinterpret_cast<const uint4*>(k + static_cast<size_t>(t) * D + sub * kKey);
 #pragma unroll
@@ -86,10 +105,12 @@ __device__ void AttendFp16(HeadState<D>& h, const __half* k, const __half* v, in
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const float2 f = __half22float2(h2[j]);
-          dot += h.q[8 * i + 2 * j] * f.x + h.q[8 * i + 2 * j + 1] * f.y;
+          dot0 = fmaf(h.q[8 * i + 2 * j], f.x, dot0);
+          dot1 = fmaf(h.q[8 * i + 2 * j + 1], f.y, dot1);
         }
       }
     }
+    float dot = dot0 + dot1;
 #pragma unroll
     for (int o = kThreadsPerToken / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
     if (sub == 0 && t < n) sc[t] = dot;
@@ -97,14 +118,22 @@ __device__ void AttendFp16(HeadState<D>& h, const __half* k, const __half* v, in
   __syncwarp();
   Softmax<D>(h, sc, n);
   constexpr int kPer = HeadState<D>::kPerLane;
+#pragma unroll 8
   for (int t = 0; t < n; ++t) {
     const float p = sc[t];
+    // The lane's kPer halves (4 or 2) in one 8- or 4-byte load.
     const __half* row = v + static_cast<size_t>(t) * D + lane * kPer;
+    __half2 w[kPer / 2];
+    if constexpr (kPer == 4) {
+      *reinterpret_cast<uint2*>(w) = *reinterpret_cast<const uint2*>(row);
+    } else {
+      w[0] = *reinterpret_cast<const __half2*>(row);
+    }
 #pragma unroll
     for (int i = 0; i < kPer; i += 2) {
-      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(row + i));
-      h.acc[i] += p * f.x;
-      h.acc[i + 1] += p * f.y;
+      const float2 f = __half22float2(w[i / 2]);
+      h.acc[i] = fmaf(p, f.x, h.acc[i]);
+      h.acc[i + 1] = fmaf(p, f.y, h.acc[i + 1]);
     }
   }
   __syncwarp();
@@ -150,10 +179,11 @@ __device__ void AttendAffine(HeadState<D>& h, const uint8_t* page, const PagedKv
       qs[i] = h.q[i] * __half2float(key_scales[g * D + c]);
       bias += h.q[i] * __half2float(key_zeros[g * D + c]);
     }
+#pragma unroll 2
     for (int t0 = g0; t0 < g0 + L.k_group; t0 += kTokensPerStep) {
       const int t = t0 + slot;
       const uint8_t* row = key_codes + static_cast<size_t>(t) * kKeyRow;
-      float dot = bias;
+      float dot0 = bias, dot1 = 0;
       // The lane's kKey codes: kKey * KB bits (16 to 64) from bit `first`, in one or two words
       // (a 64-bit code group starts on a word boundary).
       const int first = sub * kKey * KB;
@@ -162,10 +192,12 @@ __device__ void AttendAffine(HeadState<D>& h, const uint8_t* page, const PagedKv
           (kKey * KB > 32 ? (static_cast<uint64_t>(words[1]) << 32) : 0ull) | words[0];
       const int shift = first % 32;
 #pragma unroll
-      for (int i = 0; i < kKey; ++i) {
-        const float code = static_cast<float>((bits >> (shift + i * KB)) & ((1u << KB) - 1u));
-        dot += qs[i] * code;
+      for (int i = 0; i < kKey; i += 2) {
+        dot0 = fmaf(qs[i], CodeToFloat(static_cast<uint32_t>(bits >> (shift + i * KB)) & ((1u << KB) - 1u)), dot0);
+        dot1 = fmaf(qs[i + 1], CodeToFloat(static_cast<uint32_t>(bits >> (shift + (i + 1) * KB)) & ((1u << KB) - 1u)),
+                    dot1);
       }
+      float dot = dot0 + dot1;
 #pragma unroll
       for (int o = kThreadsPerToken / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
       if (sub == 0) sc[t] = dot;
@@ -178,6 +210,7 @@ __device__ void AttendAffine(HeadState<D>& h, const uint8_t* page, const PagedKv
   const int c0 = lane * kPer;
   const int groups = D / L.v_group;
   const int g = c0 / L.v_group;
+#pragma unroll 4
   for (int t = 0; t < n; ++t) {
     const float p = sc[t];
     const float ps = p * __half2float(value_scales[t * groups + g]);
@@ -185,13 +218,22 @@ __device__ void AttendAffine(HeadState<D>& h, const uint8_t* page, const PagedKv
     const uint32_t codes = Codes<VB>(value_codes + static_cast<size_t>(t) * kValueRow, c0, kPer);
 #pragma unroll
     for (int i = 0; i < kPer; ++i) {
-      h.acc[i] += ps * static_cast<float>((codes >> (i * VB)) & ((1u << VB) - 1u));
+      h.acc[i] = fmaf(ps, CodeToFloat((codes >> (i * VB)) & ((1u << VB) - 1u)), h.acc[i]);
     }
   }
   __syncwarp();
 }
 
-template <int D, PageFormat F, int KB, int VB>
+// Shared memory of one block: kStages page buffers, then each warp's scores.
+template <int D>
+__host__ __device__ inline size_t StageBytes(const PagedKvLayout& L) {
+  const size_t fp16_tile = Align16(static_cast<size_t>(L.page_tokens) * D * sizeof(__half)) * 2;
+  return L.HeadBytes() > fp16_tile ? L.HeadBytes() : fp16_tile;
+}
+
+// One block per (split, KV head, sequence); the split's pages stream through S shared-memory
+// buffers: while the warps compute on page p, pages p+1 .. p+S-1 are on their way (cp.async).
+template <int D, PageFormat F, int KB, int VB, int S>
 __global__ void DecodeKernel(PagedKvLayout L, PagedDecodeArgs a, int splits, float* part_acc,
                              float* part_ml) {
   extern __shared__ __align__(16) uint8_t smem[];
@@ -204,9 +246,8 @@ __global__ void DecodeKernel(PagedKvLayout L, PagedDecodeArgs a, int splits, flo
   const int qh = kvh * group + warp;
   const int tile = L.page_tokens;
   const size_t head_bytes = L.HeadBytes();
-  const size_t fp16_tile = Align16(static_cast<size_t>(tile) * D * sizeof(__half)) * 2;
-  const size_t stage_bytes = head_bytes > fp16_tile ? head_bytes : fp16_tile;
-  float* scores = reinterpret_cast<float*>(smem + stage_bytes) + warp * tile;
+  const size_t stage_bytes = StageBytes<D>(L);
+  float* scores = reinterpret_cast<float*>(smem + S * stage_bytes) + warp * tile;
 
   HeadState<D> h;
   const float scale = a.scale != 0 ? a.scale : rsqrtf(static_cast<float>(D));
@@ -222,21 +263,33 @@ __global__ void DecodeKernel(PagedKvLayout L, PagedDecodeArgs a, int splits, flo
   const int per_split = (pages + splits - 1) / splits;
   const int p0 = min(pages, split * per_split);
   const int p1 = min(pages, p0 + per_split);
+  const int32_t* table = a.block_table + static_cast<size_t>(seq) * a.max_pages;
+  auto issue = [&](int p) {  // page p of the split into its buffer; one group per call
+    if (p < p1) {
+      const int64_t id = table[p];
+      StageAsync(smem + ((p - p0) % S) * stage_bytes,
+                 a.pages + id * static_cast<int64_t>(L.PageBytes()) + kvh * head_bytes, head_bytes);
+    }
+    CpAsyncCommit();  // empty past the end: the group count stays one per page
+  };
+#pragma unroll
+  for (int i = 0; i < S - 1; ++i) issue(p0 + i);
   for (int p = p0; p < p1; ++p) {
-    const int64_t id = a.block_table[static_cast<size_t>(seq) * a.max_pages + p];
-    const uint8_t* src = a.pages + id * static_cast<int64_t>(L.PageBytes()) + kvh * head_bytes;
-    __syncthreads();  // the previous page is read
-    Stage(smem, src, head_bytes);
-    __syncthreads();
+    __syncthreads();  // the buffer page p + S - 1 goes to was read (page p - 1)
+    issue(p + S - 1);
+    CpAsyncWait<S - 1>();  // this thread's copies of page p have landed...
+    __syncthreads();       // ... and everyone's
+    const uint8_t* page = smem + ((p - p0) % S) * stage_bytes;
     if (warp < group) {
       if constexpr (F == PageFormat::kFp16) {
-        const __half* k = reinterpret_cast<const __half*>(smem);
+        const __half* k = reinterpret_cast<const __half*>(page);
         AttendFp16<D>(h, k, k + static_cast<size_t>(tile) * D, tile, scores);
       } else {
-        AttendAffine<D, KB, VB>(h, smem, L, scores);
+        AttendAffine<D, KB, VB>(h, page, L, scores);
       }
     }
   }
+  CpAsyncWait<0>();  // no copy in flight into the buffers the window reuses
   // The window (full precision, newest tokens): the last split's.
   const int window = a.window_lens != nullptr ? a.window_lens[seq] : 0;
   if (split == splits - 1 && window > 0) {
@@ -291,30 +344,78 @@ __global__ void MergeKernel(int head_dim, int splits, const float* part_acc, con
   }
 }
 
+// Pages in flight per block: three where a KV head's page is small (affine codes), two for fp16.
+template <int D, PageFormat F>
+constexpr int StagesFor() {
+  return F == PageFormat::kFp16 ? 2 : 3;
+}
+
 template <int D, PageFormat F, int KB, int VB>
-absl::Status Launch(const PagedKvLayout& L, const PagedDecodeArgs& a, int splits,
-                    cudaStream_t stream) {
-  const int group = a.q_heads / L.kv_heads;
-  const size_t fp16_tile = Align16(static_cast<size_t>(L.page_tokens) * D * sizeof(__half)) * 2;
-  const size_t stage = std::max(L.HeadBytes(), fp16_tile);
-  const size_t smem = stage + static_cast<size_t>(group) * L.page_tokens * sizeof(float);
-  auto kernel = DecodeKernel<D, F, KB, VB>;
-  if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+size_t SharedBytes(const PagedKvLayout& L, int group) {
+  return StagesFor<D, F>() * StageBytes<D>(L) +
+         static_cast<size_t>(group) * L.page_tokens * sizeof(float);
+}
+
+using KernelFn = void (*)(PagedKvLayout, PagedDecodeArgs, int, float*, float*);
+
+// The kernel for (D, F, KB, VB) into `kernel`, with its dynamic shared-memory limit raised to
+// what `L` needs.
+template <int D, PageFormat F, int KB, int VB>
+absl::Status Prepare(const PagedKvLayout& L, int group, KernelFn* kernel) {
+  const size_t smem = SharedBytes<D, F, KB, VB>(L, group);
+  *kernel = DecodeKernel<D, F, KB, VB, StagesFor<D, F>()>;
+  if (cudaError_t e = cudaFuncSetAttribute(*kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(smem));
       e != cudaSuccess) {
     return absl::InternalError(absl::StrCat("paged decode: ", smem, " bytes of shared memory: ",
                                             cudaGetErrorString(e)));
   }
+  return absl::OkStatus();
+}
+
+template <int D, PageFormat F, int KB, int VB>
+absl::Status Launch(const PagedKvLayout& L, const PagedDecodeArgs& a, int splits,
+                    cudaStream_t stream) {
+  const int group = a.q_heads / L.kv_heads;
+  KernelFn kernel = nullptr;
+  if (absl::Status s = Prepare<D, F, KB, VB>(L, group, &kernel); !s.ok()) return s;
   float* part_acc = static_cast<float*>(a.workspace);
   float* part_ml = part_acc + static_cast<size_t>(a.batch) * a.q_heads * splits * D;
   const dim3 grid(splits, L.kv_heads, a.batch);
-  kernel<<<grid, group * kWarp, smem, stream>>>(L, a, splits, part_acc, part_ml);
+  kernel<<<grid, group * kWarp, SharedBytes<D, F, KB, VB>(L, group), stream>>>(
+      L, a, splits, part_acc, part_ml);
   MergeKernel<<<a.batch * a.q_heads, std::min(D, 128), 0, stream>>>(D, splits, part_acc, part_ml,
                                                                     a.out);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) {
     return absl::InternalError(absl::StrCat("paged decode: launch: ", cudaGetErrorString(e)));
   }
   return absl::OkStatus();
+}
+
+// Blocks of the (D, F, KB, VB) kernel that fit on one multiprocessor at once (0 if unknown).
+template <int D, PageFormat F, int KB, int VB>
+int ResidentBlocks(const PagedKvLayout& L, int group) {
+  KernelFn kernel = nullptr;
+  int blocks = 0;
+  if (!Prepare<D, F, KB, VB>(L, group, &kernel).ok() ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, group * kWarp,
+                                                    SharedBytes<D, F, KB, VB>(L, group)) !=
+          cudaSuccess) {
+    return 0;
+  }
+  return blocks;
+}
+
+// Calls `fn.template operator()<D, F, KB, VB>()` for the layout's kernel.
+template <int D, typename Fn>
+auto DispatchBits(const PagedKvLayout& L, Fn&& fn) {
+  if (L.format == PageFormat::kFp16) return fn.template operator()<D, PageFormat::kFp16, 16, 16>();
+  switch (L.key_bits * 10 + L.value_bits) {
+    case 22: return fn.template operator()<D, PageFormat::kAffine, 2, 2>();
+    case 24: return fn.template operator()<D, PageFormat::kAffine, 2, 4>();
+    case 42: return fn.template operator()<D, PageFormat::kAffine, 4, 2>();
+    default: return fn.template operator()<D, PageFormat::kAffine, 4, 4>();
+  }
 }
 
 template <int D>
@@ -370,9 +471,22 @@ int ChooseSplits(const PagedKvLayout& layout, const PagedDecodeArgs& args, int m
   if (cudaGetDevice(&device) == cudaSuccess) {
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   }
-  // Enough blocks for about two waves, each split at least 4 pages.
+  const int group = layout.kv_heads > 0 && args.q_heads >= layout.kv_heads
+                        ? std::min(8, args.q_heads / layout.kv_heads)
+                        : 4;
+  int per_sm = 0;
+  if (layout.Validate().ok()) {
+    auto resident = [&]<int D, PageFormat F, int KB, int VB>() {
+      return ResidentBlocks<D, F, KB, VB>(layout, group);
+    };
+    per_sm = layout.head_dim == 64 ? DispatchBits<64>(layout, resident)
+                                   : DispatchBits<128>(layout, resident);
+  }
+  // About four times as many blocks as fit on the device at once, so that the last wave is
+  // short and uneven splits even out; each split at least 4 pages.
+  const int slots = sms * std::max(1, per_sm);
   const int blocks = std::max(1, args.batch * layout.kv_heads);
-  int splits = std::max(1, (2 * sms + blocks - 1) / blocks);
+  int splits = std::max(1, (4 * slots + blocks - 1) / blocks);
   splits = std::min(splits, std::max(1, max_pages_in_batch / 4));
   return std::min(splits, 64);
 }
