@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <string_view>
 
 #include "absl/strings/str_cat.h"
 
@@ -373,17 +375,64 @@ absl::Status Prepare(const PagedKvLayout& L, int group, KernelFn* kernel) {
   return absl::OkStatus();
 }
 
+#include "kernels/cuda/paged_decode_mma.cuh"
+
+// The tensor-core kernel takes pages of whole 16-token slices, key groups of whole slices and
+// value groups of whole 32-channel blocks; other layouts (and STRATA_CUDA_DECODE=simt, for
+// comparison) take the one-warp-per-query-head kernel.
+bool UseMma(const PagedKvLayout& L) {
+  static const bool simt = [] {
+    const char* e = std::getenv("STRATA_CUDA_DECODE");
+    return e != nullptr && std::string_view(e) == "simt";
+  }();
+  if (simt || L.page_tokens % kSlice != 0) return false;
+  return L.format == PageFormat::kFp16 || (L.k_group % kSlice == 0 && L.v_group % 32 == 0);
+}
+
+// Pages in flight per block on the tensor-core path.
+template <PageFormat F>
+constexpr int MmaStages() {
+  return F == PageFormat::kFp16 ? 2 : 4;
+}
+
+struct Plan {
+  KernelFn kernel = nullptr;
+  size_t smem = 0;
+  int threads = 0;
+};
+
+// The kernel for (D, F, KB, VB) and `L`, its shared memory and threads, with the kernel's
+// dynamic shared-memory limit raised to that.
+template <int D, PageFormat F, int KB, int VB>
+absl::Status MakePlan(const PagedKvLayout& L, int group, Plan* plan) {
+  if (UseMma(L)) {
+    constexpr int kStages = MmaStages<F>();
+    plan->kernel = MmaDecodeKernel<D, F, KB, VB, kStages>;
+    plan->smem = MmaSmem<D>(L, kStages, group).total;
+    plan->threads = kMmaWarps * kWarp;
+    if (cudaError_t e = cudaFuncSetAttribute(
+            plan->kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(plan->smem));
+        e != cudaSuccess) {
+      return absl::InternalError(absl::StrCat("paged decode: ", plan->smem,
+                                              " bytes of shared memory: ", cudaGetErrorString(e)));
+    }
+    return absl::OkStatus();
+  }
+  plan->smem = SharedBytes<D, F, KB, VB>(L, group);
+  plan->threads = group * kWarp;
+  return Prepare<D, F, KB, VB>(L, group, &plan->kernel);
+}
+
 template <int D, PageFormat F, int KB, int VB>
 absl::Status Launch(const PagedKvLayout& L, const PagedDecodeArgs& a, int splits,
                     cudaStream_t stream) {
   const int group = a.q_heads / L.kv_heads;
-  KernelFn kernel = nullptr;
-  if (absl::Status s = Prepare<D, F, KB, VB>(L, group, &kernel); !s.ok()) return s;
+  Plan plan;
+  if (absl::Status s = MakePlan<D, F, KB, VB>(L, group, &plan); !s.ok()) return s;
   float* part_acc = static_cast<float*>(a.workspace);
   float* part_ml = part_acc + static_cast<size_t>(a.batch) * a.q_heads * splits * D;
   const dim3 grid(splits, L.kv_heads, a.batch);
-  kernel<<<grid, group * kWarp, SharedBytes<D, F, KB, VB>(L, group), stream>>>(
-      L, a, splits, part_acc, part_ml);
+  plan.kernel<<<grid, plan.threads, plan.smem, stream>>>(L, a, splits, part_acc, part_ml);
   MergeKernel<<<a.batch * a.q_heads, std::min(D, 128), 0, stream>>>(D, splits, part_acc, part_ml,
                                                                     a.out);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) {
@@ -395,12 +444,11 @@ absl::Status Launch(const PagedKvLayout& L, const PagedDecodeArgs& a, int splits
 // Blocks of the (D, F, KB, VB) kernel that fit on one multiprocessor at once (0 if unknown).
 template <int D, PageFormat F, int KB, int VB>
 int ResidentBlocks(const PagedKvLayout& L, int group) {
-  KernelFn kernel = nullptr;
+  Plan plan;
   int blocks = 0;
-  if (!Prepare<D, F, KB, VB>(L, group, &kernel).ok() ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, group * kWarp,
-                                                    SharedBytes<D, F, KB, VB>(L, group)) !=
-          cudaSuccess) {
+  if (!MakePlan<D, F, KB, VB>(L, group, &plan).ok() ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, plan.kernel, plan.threads,
+                                                    plan.smem) != cudaSuccess) {
     return 0;
   }
   return blocks;

@@ -1,0 +1,517 @@
+// The tensor-core path of the paged decode attention (included by paged_decode.cu inside its
+// anonymous namespace; uses its StageAsync, CpAsync* and kWarp).
+//
+// One block per (split, KV head, sequence), four warps. Each warp takes its own 16-token slices
+// of every page (warp w: tokens 16w.., 16(w+4).., ...) and keeps its own online softmax; the
+// four warps' states are merged once, at the end of the block. A slice is two matrix products
+// on the tensor cores (mma.sync m16n8k16, fp16 operands, fp32 sums):
+//
+//   scores  S[16 x 16 tokens]  = Q[16 x D] . K^T        (8 or 4 k-steps of 16 channels)
+//   output  O[16 x D]         += P[16 x 16 tokens] . V  (one k-step, D/8 tiles)
+//
+// The 16 rows hold the query heads of the KV head's group twice: row h the fp16 rounding of head
+// h's operand ("hi"), row h + 8 the fp16 rounding of what hi missed ("lo"). Rows h and h + 8 of a
+// result sit in the same lane (c0,c1 and c2,c3 of the accumulator), so hi + lo is one add, and
+// the products carry about 22 bits of the fp32 operand: the tensor cores' speed at nearly fp32
+// precision, for groups of up to 8 query heads (rows 2G..15 unused when G < 8).
+//
+// fp16 pages are staged with their 16-byte chunks swizzled (chunk c of row r at c ^ (r & 7)), so
+// that ldmatrix reads 8 rows without bank conflicts; K through ldmatrix, V through ldmatrix.trans.
+// Affine codes become fp16 in registers by the 0x6400 trick (a code OR'd into the mantissa of
+// 1024, less 1024: exact), two per instruction. For the keys, each lane's channel pairs are the
+// ones a 32-bit word of codes yields (the dot product does not care about channel order: Q's
+// fragments take the same order). For the values, a pair is one channel of two tokens (PRMT of
+// the two tokens' words); output tiles are 8 consecutive channels in every format, so an fp16
+// window adds into the same accumulators. Key scales are folded into Q per
+// key group, the zeros into one bias per head; value scales into P per token and value group, the
+// zeros into Σ p·zero per head and group.
+
+constexpr int kMmaWarps = 4;
+constexpr int kSlice = 16;  // tokens of one warp step
+
+__device__ __forceinline__ void Mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                    uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void Ldmatrix4(uint32_t (&r)[4], const void* p) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(s)
+               : "memory");
+}
+
+__device__ __forceinline__ void Ldmatrix4Trans(uint32_t (&r)[4], const void* p) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(s)
+               : "memory");
+}
+
+__device__ __forceinline__ uint32_t HalfBits2(__half2 h) {
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+// x and y as an fp16 pair (hi) and the fp16 pair of what it missed (lo).
+__device__ __forceinline__ void SplitHiLo(float x, float y, uint32_t* hi, uint32_t* lo) {
+  const __half2 h = __floats2half2_rn(x, y);
+  const float2 f = __half22float2(h);
+  *hi = HalfBits2(h);
+  *lo = HalfBits2(__floats2half2_rn(x - f.x, y - f.y));
+}
+
+// Two codes (at bits [0, B) and [16, 16 + B) of `w`, the rest of `w` ignored) as an fp16 pair.
+template <int B>
+__device__ __forceinline__ uint32_t CodePair(uint32_t w) {
+  constexpr uint32_t kMask = ((1u << B) - 1u) * 0x00010001u;
+  const uint32_t h = (w & kMask) | 0x64006400u;  // 1024 + code, exact in fp16
+  const __half2 r = __hsub2(*reinterpret_cast<const __half2*>(&h), __float2half2_rn(1024.f));
+  return HalfBits2(r);
+}
+
+// Byte offset of the 16-byte chunk `c` of row `r` in a swizzled fp16 tile of D halves per row.
+template <int D>
+__device__ __forceinline__ int Swizzled(int r, int c) {
+  return r * D * 2 + ((c ^ (r & 7)) << 4);
+}
+
+// Where a lane's slice state lives. Lane (g = lane / 4, q = lane % 4) holds, of every result,
+// rows g (hi) and g + 8 (lo) and, of a slice's scores, tokens 2q, 2q + 1, 8 + 2q, 9 + 2q.
+template <int D>
+struct MmaState {
+  static constexpr int kTiles = D / 8;
+  float o[kTiles][4];
+  float z[D / 32];       // affine: Σ p·zero of head g, per 32-channel block (this lane's tokens)
+  float m = -INFINITY;   // head g's running max (the same in the four lanes of the quad)
+  float l = 0;           // this lane's part of head g's denominator
+};
+
+// Online softmax over a slice: s[4] (scores of the lane's tokens, -inf where masked) to p[4].
+template <int D>
+__device__ __forceinline__ void SliceSoftmax(MmaState<D>& st, const float (&s)[4], float (&p)[4]) {
+  float mx = fmaxf(fmaxf(s[0], s[1]), fmaxf(s[2], s[3]));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  const float m_new = fmaxf(st.m, mx);
+  if (m_new == -INFINITY) {  // nothing seen yet and nothing here
+    p[0] = p[1] = p[2] = p[3] = 0;
+    return;
+  }
+  const float corr = st.m == -INFINITY ? 0.f : __expf(st.m - m_new);
+  float sum = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    p[i] = s[i] == -INFINITY ? 0.f : __expf(s[i] - m_new);
+    sum += p[i];
+  }
+  st.l = st.l * corr + sum;
+  if (corr != 1.f) {
+#pragma unroll
+    for (int n = 0; n < MmaState<D>::kTiles; ++n) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) st.o[n][i] *= corr;
+    }
+#pragma unroll
+    for (int i = 0; i < D / 32; ++i) st.z[i] *= corr;
+  }
+  st.m = m_new;
+}
+
+// An fp16 slice: K and V tiles (swizzled, D halves per row) of which tokens [t0, t0 + 16) are
+// read, `valid` of them real. qa: Q's fragments (hi/lo) per k-step, already scaled.
+template <int D>
+__device__ __forceinline__ void SliceFp16(MmaState<D>& st, const uint32_t (&qa)[D / 16][4],
+                                          float score_scale, const uint8_t* k, const uint8_t* v,
+                                          int t0, int valid) {
+  const int lane = threadIdx.x % kWarp;
+  const int q = lane % 4;
+  float s[4];
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {  // two n-tiles of 8 tokens
+    float c0[4] = {0, 0, 0, 0}, c1[4] = {0, 0, 0, 0};
+    const int row = t0 + 8 * j + (lane & 7);
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk += 2) {
+      uint32_t b[4];
+      Ldmatrix4(b, k + Swizzled<D>(row, 2 * kk + (lane >> 3)));
+      Mma(c0, qa[kk], b[0], b[1]);
+      Mma(c1, qa[kk + 1], b[2], b[3]);
+    }
+    s[2 * j] = (c0[0] + c0[2] + c1[0] + c1[2]) * score_scale;
+    s[2 * j + 1] = (c0[1] + c0[3] + c1[1] + c1[3]) * score_scale;
+  }
+  const int tok[4] = {2 * q, 2 * q + 1, 8 + 2 * q, 9 + 2 * q};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if (tok[i] >= valid) s[i] = -INFINITY;
+  }
+  float p[4];
+  SliceSoftmax<D>(st, s, p);
+  uint32_t pa[4];
+  SplitHiLo(p[0], p[1], &pa[0], &pa[1]);
+  SplitHiLo(p[2], p[3], &pa[2], &pa[3]);
+  const int vrow = t0 + (lane & 7) + ((lane >> 3) & 1) * 8;
+#pragma unroll
+  for (int m = 0; m < D / 16; ++m) {
+    uint32_t b[4];
+    Ldmatrix4Trans(b, v + Swizzled<D>(vrow, 2 * m + (lane >> 4)));
+    Mma(st.o[2 * m], pa, b[0], b[1]);
+    Mma(st.o[2 * m + 1], pa, b[2], b[3]);
+  }
+}
+
+// An affine slice: tokens [t0, t0 + 16) of a staged page (all real).
+template <int D, int KB, int VB>
+__device__ __forceinline__ void SliceAffine(MmaState<D>& st, const float (&qn)[D / 4],
+                                            float score_scale, const uint8_t* page,
+                                            const PagedKvLayout& L, int t0) {
+  const int lane = threadIdx.x % kWarp;
+  const int g = lane / 4;
+  const int q = lane % 4;
+  constexpr int kCpl = D / 4;          // channels of a lane in the key product
+  constexpr int kKeyWords = kCpl * KB / 32;
+  constexpr int kKpw = 32 / KB;        // key codes per word
+  constexpr int kKeyRow = D * KB / 8;  // bytes
+  constexpr int kValueRow = D * VB / 8;
+  const int base = q * kCpl;
+  const int kgroup = t0 / L.k_group;
+  const __half* ks = reinterpret_cast<const __half*>(page + L.KeyScales()) + kgroup * D + base;
+  const __half* kz = reinterpret_cast<const __half*>(page + L.KeyZeros()) + kgroup * D + base;
+
+  // Q's fragments with the key scales folded in, in the order the code words give the channels:
+  // pair i of word j is channels (kKpw j + i, kKpw j + i + kKpw / 2) of the lane's block.
+  uint32_t qa[D / 16][4];
+  float bias = 0;
+#pragma unroll
+  for (int j = 0; j < kKeyWords; ++j) {
+#pragma unroll
+    for (int i = 0; i < kKpw / 2; ++i) {
+      const int ca = kKpw * j + i, cb = ca + kKpw / 2;
+      const float xa = qn[ca] * __half2float(ks[ca]);
+      const float xb = qn[cb] * __half2float(ks[cb]);
+      bias += qn[ca] * __half2float(kz[ca]) + qn[cb] * __half2float(kz[cb]);
+      const int pair = (kKpw / 2) * j + i;  // k-step pair / 2, register (pair % 2) * 2
+      SplitHiLo(xa, xb, &qa[pair / 2][(pair % 2) * 2], &qa[pair / 2][(pair % 2) * 2 + 1]);
+    }
+  }
+  bias += __shfl_xor_sync(0xffffffffu, bias, 1);
+  bias += __shfl_xor_sync(0xffffffffu, bias, 2);
+
+  const uint8_t* key_codes = page + L.KeyCodes();
+  float s[4];
+#pragma unroll
+  for (int jt = 0; jt < 2; ++jt) {  // n-tile: tokens t0 + 8 jt + g of this lane
+    const uint32_t* w =
+        reinterpret_cast<const uint32_t*>(key_codes + (t0 + 8 * jt + g) * kKeyRow) + q * kKeyWords;
+    uint32_t words[kKeyWords];
+    if constexpr (kKeyWords == 4) {
+      *reinterpret_cast<uint4*>(words) = *reinterpret_cast<const uint4*>(w);
+    } else if constexpr (kKeyWords == 2) {
+      *reinterpret_cast<uint2*>(words) = *reinterpret_cast<const uint2*>(w);
+    } else {
+      words[0] = w[0];
+    }
+    float c0[4] = {0, 0, 0, 0}, c1[4] = {0, 0, 0, 0};
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t b[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int pair = 2 * kk + r;
+        const int j = pair / (kKpw / 2), i = pair % (kKpw / 2);
+        b[r] = CodePair<KB>(words[j] >> (i * KB));
+      }
+      Mma(kk % 2 ? c1 : c0, qa[kk], b[0], b[1]);
+    }
+    s[2 * jt] = (c0[0] + c0[2] + c1[0] + c1[2] + bias) * score_scale;
+    s[2 * jt + 1] = (c0[1] + c0[3] + c1[1] + c1[3] + bias) * score_scale;
+  }
+  // Key tiles: lane holds tokens (g of tile jt) for the B operand, but its scores are tokens
+  // 2q, 2q + 1 (+ 8) of the C layout: s above is already in the C layout (c0..c3 of the mma).
+  float p[4];
+  SliceSoftmax<D>(st, s, p);
+
+  // Values: per 32-channel block b, P with the value scales folded in (tokens 2q, 2q+1, 8+2q,
+  // 9+2q of head g), the zeros into z[b], and four tiles of 8 channels each.
+  const uint8_t* value_codes = page + L.ValueCodes();
+  const __half* vs = reinterpret_cast<const __half*>(page + L.ValueScales());
+  const __half* vz = reinterpret_cast<const __half*>(page + L.ValueZeros());
+  const int groups = D / L.v_group;
+  const int tok[4] = {t0 + 2 * q, t0 + 2 * q + 1, t0 + 8 + 2 * q, t0 + 9 + 2 * q};
+  constexpr int kVpw = 32 / VB;  // value codes per word
+#pragma unroll
+  for (int b = 0; b < D / 32; ++b) {
+    const int vg = (32 * b) / L.v_group;
+    float pv[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      pv[i] = p[i] * __half2float(vs[tok[i] * groups + vg]);
+      st.z[b] += p[i] * __half2float(vz[tok[i] * groups + vg]);
+    }
+    uint32_t pa[4];
+    SplitHiLo(pv[0], pv[1], &pa[0], &pa[1]);
+    SplitHiLo(pv[2], pv[3], &pa[2], &pa[3]);
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      // The B operand of tile (b, u): column g is channel 32b + 8u + g; rows are tokens 2q,
+      // 2q + 1 (b0) and 8 + 2q, 9 + 2q (b1). PRMT puts the two tokens' 16-bit halves holding
+      // that channel's code side by side.
+      const int c = 32 * b + 8 * u + g;
+      const int word = c / kVpw, index = c % kVpw;
+      const uint32_t sel = (index * VB) / 16 ? 0x7632u : 0x5410u;
+      const int sh = (index * VB) % 16;
+      uint32_t wv[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        wv[i] = reinterpret_cast<const uint32_t*>(value_codes + tok[i] * kValueRow)[word];
+      }
+      const uint32_t b0 = CodePair<VB>(__byte_perm(wv[0], wv[1], sel) >> sh);
+      const uint32_t b1 = CodePair<VB>(__byte_perm(wv[2], wv[3], sel) >> sh);
+      Mma(st.o[4 * b + u], pa, b0, b1);
+    }
+  }
+}
+
+// Stages `n` (<= rows) window rows of fp16 K and V into swizzled tiles, rows n .. 16-rounded zero.
+template <int D>
+__device__ void StageWindow(uint8_t* k, uint8_t* v, const __half* wk, const __half* wv, int n) {
+  constexpr int kChunks = D / 8;
+  const int rows = (n + kSlice - 1) / kSlice * kSlice;
+  for (int i = threadIdx.x; i < rows * kChunks; i += blockDim.x) {
+    const int r = i / kChunks, c = i % kChunks;
+    uint4 kx = make_uint4(0, 0, 0, 0), vx = kx;
+    if (r < n) {
+      kx = __ldg(reinterpret_cast<const uint4*>(wk + static_cast<size_t>(r) * D) + c);
+      vx = __ldg(reinterpret_cast<const uint4*>(wv + static_cast<size_t>(r) * D) + c);
+    }
+    *reinterpret_cast<uint4*>(k + Swizzled<D>(r, c)) = kx;
+    *reinterpret_cast<uint4*>(v + Swizzled<D>(r, c)) = vx;
+  }
+}
+
+// Starts copying one KV head's part of an fp16 page into swizzled K and V tiles.
+template <int D>
+__device__ __forceinline__ void StageFp16Async(uint8_t* dst, const uint8_t* src, int tokens) {
+  constexpr int kChunks = D / 8;
+  const int per_tensor = tokens * kChunks;
+  const size_t v_offset = Align16(static_cast<size_t>(tokens) * D * 2);
+  for (int i = threadIdx.x; i < 2 * per_tensor; i += blockDim.x) {
+    const int t = i / per_tensor, rc = i % per_tensor;
+    const int r = rc / kChunks, c = rc % kChunks;
+    const unsigned d = static_cast<unsigned>(
+        __cvta_generic_to_shared(dst + t * v_offset + Swizzled<D>(r, c)));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d),
+                 "l"(src + t * v_offset + static_cast<size_t>(rc) * 16)
+                 : "memory");
+  }
+}
+
+// Shared memory of the tensor-core kernel: S page buffers (an fp16 window tile of
+// WindowTile() rows fits in them), and after the pages the warps' states for the merge.
+template <int D>
+struct MmaSmem {
+  size_t buffer = 0;  // bytes of one page buffer
+  int stages = 2;
+  int window_tile = 16;  // rows of fp16 window attended at a time
+  size_t total = 0;
+  __host__ __device__ MmaSmem(const PagedKvLayout& L, int stages_, int group) : stages(stages_) {
+    buffer = L.HeadBytes();
+    const size_t pages = buffer * stages;
+    const size_t row = static_cast<size_t>(D) * 2 * 2;  // one token of K and V
+    window_tile = static_cast<int>(pages / row / kSlice * kSlice);
+    if (window_tile > 128) window_tile = 128;
+    if (window_tile < kSlice) window_tile = kSlice;
+    const size_t window = static_cast<size_t>(window_tile) * row;
+    const size_t merge = static_cast<size_t>(kMmaWarps) * group * (D + 2) * sizeof(float);
+    total = pages;
+    if (window > total) total = window;
+    if (merge > total) total = merge;
+  }
+};
+
+template <int D, PageFormat F, int KB, int VB, int S>
+__global__ void __launch_bounds__(kMmaWarps* kWarp)
+    MmaDecodeKernel(PagedKvLayout L, PagedDecodeArgs a, int splits, float* part_acc,
+                    float* part_ml) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  const int split = blockIdx.x;
+  const int kvh = blockIdx.y;
+  const int seq = blockIdx.z;
+  const int warp = threadIdx.x / kWarp;
+  const int lane = threadIdx.x % kWarp;
+  const int g = lane / 4, q = lane % 4;
+  const int group = a.q_heads / L.kv_heads;
+  const bool row_used = g < group;
+  const MmaSmem<D> layout(L, S, group);
+  const size_t head_bytes = L.HeadBytes();
+
+  // Head g's query (lanes of rows g >= group: zeros), softmax-scaled, normalized by a power of
+  // two so that its largest |q| is in [0.5, 1): its fp16 hi/lo (and, affine, its products with
+  // fp16 key scales) stay in range; score_scale puts the power of two back.
+  const float scale = a.scale != 0 ? a.scale : rsqrtf(static_cast<float>(D));
+  const float* qp = a.q + (static_cast<size_t>(seq) * a.q_heads + kvh * group + g) * D;
+  float mx = 0;
+  for (int c = q; c < D; c += 4) mx = row_used ? fmaxf(mx, fabsf(qp[c] * scale)) : mx;
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  int e = 0;
+  if (mx > 0 && isfinite(mx)) frexpf(mx, &e);
+  const float q_norm = ldexpf(scale, -e);
+  const float score_scale = ldexpf(1.f, e);
+
+  MmaState<D> st;
+#pragma unroll
+  for (int n = 0; n < MmaState<D>::kTiles; ++n) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) st.o[n][i] = 0;
+  }
+#pragma unroll
+  for (int i = 0; i < D / 32; ++i) st.z[i] = 0;
+
+  // fp16: Q's fragments once (natural channel order); affine: the lane's channels of q.
+  uint32_t qa[D / 16][4];
+  float qn[D / 4];
+  if constexpr (F == PageFormat::kFp16) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const int c = 16 * kk + 2 * q;
+      const float x0 = row_used ? qp[c] * q_norm : 0.f, x1 = row_used ? qp[c + 1] * q_norm : 0.f;
+      const float x8 = row_used ? qp[c + 8] * q_norm : 0.f;
+      const float x9 = row_used ? qp[c + 9] * q_norm : 0.f;
+      SplitHiLo(x0, x1, &qa[kk][0], &qa[kk][1]);
+      SplitHiLo(x8, x9, &qa[kk][2], &qa[kk][3]);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < D / 4; ++i) qn[i] = row_used ? qp[q * (D / 4) + i] * q_norm : 0.f;
+  }
+
+  const int pages = a.page_counts[seq];
+  const int per_split = (pages + splits - 1) / splits;
+  const int p0 = min(pages, split * per_split);
+  const int p1 = min(pages, p0 + per_split);
+  const int32_t* table = a.block_table + static_cast<size_t>(seq) * a.max_pages;
+  const int tile = L.page_tokens;
+  auto issue = [&](int p) {
+    if (p < p1) {
+      const uint8_t* src =
+          a.pages + table[p] * static_cast<int64_t>(L.PageBytes()) + kvh * head_bytes;
+      uint8_t* dst = smem + ((p - p0) % S) * layout.buffer;
+      if constexpr (F == PageFormat::kFp16) {
+        StageFp16Async<D>(dst, src, tile);
+      } else {
+        StageAsync(dst, src, head_bytes);
+      }
+    }
+    CpAsyncCommit();
+  };
+#pragma unroll
+  for (int i = 0; i < S - 1; ++i) issue(p0 + i);
+  for (int p = p0; p < p1; ++p) {
+    __syncthreads();
+    issue(p + S - 1);
+    CpAsyncWait<S - 1>();
+    __syncthreads();
+    const uint8_t* page = smem + ((p - p0) % S) * layout.buffer;
+    for (int t0 = warp * kSlice; t0 < tile; t0 += kMmaWarps * kSlice) {
+      if constexpr (F == PageFormat::kFp16) {
+        const size_t v_offset = Align16(static_cast<size_t>(tile) * D * 2);
+        SliceFp16<D>(st, qa, score_scale, page, page + v_offset, t0, kSlice);
+      } else {
+        SliceAffine<D, KB, VB>(st, qn, score_scale, page, L, t0);
+      }
+    }
+  }
+  CpAsyncWait<0>();
+
+  // The window (fp16, newest tokens): the last split's, in swizzled tiles.
+  const int window = a.window_lens != nullptr ? a.window_lens[seq] : 0;
+  if (split == splits - 1 && window > 0) {
+    if constexpr (F != PageFormat::kFp16) {
+      // Affine kernels attend the fp16 window with Q's natural-order fragments.
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const int c = 16 * kk + 2 * q;
+        const float x0 = row_used ? qp[c] * q_norm : 0.f, x1 = row_used ? qp[c + 1] * q_norm : 0.f;
+        const float x8 = row_used ? qp[c + 8] * q_norm : 0.f;
+        const float x9 = row_used ? qp[c + 9] * q_norm : 0.f;
+        SplitHiLo(x0, x1, &qa[kk][0], &qa[kk][1]);
+        SplitHiLo(x8, x9, &qa[kk][2], &qa[kk][3]);
+      }
+    }
+    const int wt = layout.window_tile;
+    uint8_t* k = smem;
+    uint8_t* v = smem + static_cast<size_t>(wt) * D * 2;
+    const size_t base = (static_cast<size_t>(seq) * L.kv_heads + kvh) * a.max_window * D;
+    for (int w0 = 0; w0 < window; w0 += wt) {
+      const int n = min(wt, window - w0);
+      __syncthreads();
+      StageWindow<D>(k, v, a.window_k + base + static_cast<size_t>(w0) * D,
+                     a.window_v + base + static_cast<size_t>(w0) * D, n);
+      __syncthreads();
+      for (int t0 = warp * kSlice; t0 < n; t0 += kMmaWarps * kSlice) {
+        SliceFp16<D>(st, qa, score_scale, k, v, t0, n - t0);
+      }
+    }
+  }
+
+  // Merge the four warps: each writes head g's m, l and output row; then every thread combines.
+  __syncthreads();
+  float* mm = reinterpret_cast<float*>(smem);                 // [warps][group]
+  float* ll = mm + kMmaWarps * group;                          // [warps][group]
+  float* oo = ll + kMmaWarps * group;                          // [warps][group][D]
+  float l = st.l;
+  l += __shfl_xor_sync(0xffffffffu, l, 1);
+  l += __shfl_xor_sync(0xffffffffu, l, 2);
+  float z[D / 32];
+#pragma unroll
+  for (int b = 0; b < D / 32; ++b) {
+    z[b] = st.z[b];
+    z[b] += __shfl_xor_sync(0xffffffffu, z[b], 1);
+    z[b] += __shfl_xor_sync(0xffffffffu, z[b], 2);
+  }
+  if (row_used) {
+    if (q == 0) {
+      mm[warp * group + g] = st.m;
+      ll[warp * group + g] = l;
+    }
+    float* row = oo + (static_cast<size_t>(warp) * group + g) * D;
+#pragma unroll
+    for (int n = 0; n < MmaState<D>::kTiles; ++n) {
+#pragma unroll
+      for (int e2 = 0; e2 < 2; ++e2) {
+        const float x = st.o[n][e2] + st.o[n][2 + e2];
+        const int ch = 8 * n + 2 * q + e2;
+        row[ch] = x + z[ch / 32];  // z: 0 for fp16
+      }
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
+    const int h = i / D, c = i % D;
+    float m = -INFINITY;
+    for (int w = 0; w < kMmaWarps; ++w) m = fmaxf(m, mm[w * group + h]);
+    float acc = 0, den = 0;
+    if (m != -INFINITY) {
+      for (int w = 0; w < kMmaWarps; ++w) {
+        const float mw = mm[w * group + h];
+        if (mw == -INFINITY) continue;
+        const float f = __expf(mw - m);
+        acc += oo[(static_cast<size_t>(w) * group + h) * D + c] * f;
+        den += ll[w * group + h] * f;
+      }
+    }
+    const size_t row = (static_cast<size_t>(seq) * a.q_heads + kvh * group + h) * splits + split;
+    part_acc[row * D + c] = acc;
+    if (c == 0) {
+      part_ml[row * 2] = m;
+      part_ml[row * 2 + 1] = den;
+    }
+  }
+}
