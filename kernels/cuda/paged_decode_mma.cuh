@@ -188,14 +188,24 @@ __device__ __forceinline__ void SliceAffine(MmaState<D>& st, const float (&qn)[D
   // pair i of word j is channels (kKpw j + i, kKpw j + i + kKpw / 2) of the lane's block.
   uint32_t qa[D / 16][4];
   float bias = 0;
+  // The lane's kCpl scales and zeros, 8 halves per 16-byte load.
+  __half2 ksh[kCpl / 2], kzh[kCpl / 2];
+#pragma unroll
+  for (int i = 0; i < kCpl / 8; ++i) {
+    reinterpret_cast<uint4*>(ksh)[i] = reinterpret_cast<const uint4*>(ks)[i];
+    reinterpret_cast<uint4*>(kzh)[i] = reinterpret_cast<const uint4*>(kz)[i];
+  }
+  auto half_at = [](const __half2* h, int c) {
+    return c % 2 ? __high2float(h[c / 2]) : __low2float(h[c / 2]);
+  };
 #pragma unroll
   for (int j = 0; j < kKeyWords; ++j) {
 #pragma unroll
     for (int i = 0; i < kKpw / 2; ++i) {
       const int ca = kKpw * j + i, cb = ca + kKpw / 2;
-      const float xa = qn[ca] * __half2float(ks[ca]);
-      const float xb = qn[cb] * __half2float(ks[cb]);
-      bias += qn[ca] * __half2float(kz[ca]) + qn[cb] * __half2float(kz[cb]);
+      const float xa = qn[ca] * half_at(ksh, ca);
+      const float xb = qn[cb] * half_at(ksh, cb);
+      bias = fmaf(qn[ca], half_at(kzh, ca), fmaf(qn[cb], half_at(kzh, cb), bias));
       const int pair = (kKpw / 2) * j + i;  // k-step pair / 2, register (pair % 2) * 2
       SplitHiLo(xa, xb, &qa[pair / 2][(pair % 2) * 2], &qa[pair / 2][(pair % 2) * 2 + 1]);
     }
@@ -257,22 +267,28 @@ __device__ __forceinline__ void SliceAffine(MmaState<D>& st, const float (&qn)[D
     uint32_t pa[4];
     SplitHiLo(pv[0], pv[1], &pa[0], &pa[1]);
     SplitHiLo(pv[2], pv[3], &pa[2], &pa[3]);
+    // The four tokens' codes of this 32-channel block: VB words each, one load per token.
+    uint32_t wv[4][VB];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint8_t* row = value_codes + tok[i] * kValueRow + b * VB * 4;
+      if constexpr (VB == 4) {
+        *reinterpret_cast<uint4*>(wv[i]) = *reinterpret_cast<const uint4*>(row);
+      } else {
+        *reinterpret_cast<uint2*>(wv[i]) = *reinterpret_cast<const uint2*>(row);
+      }
+    }
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
       // The B operand of tile (b, u): column g is channel 32b + 8u + g; rows are tokens 2q,
       // 2q + 1 (b0) and 8 + 2q, 9 + 2q (b1). PRMT puts the two tokens' 16-bit halves holding
-      // that channel's code side by side.
-      const int c = 32 * b + 8 * u + g;
-      const int word = c / kVpw, index = c % kVpw;
+      // that channel's code side by side. g < 8 <= codes per word, so the word is 8u / kVpw.
+      const int word = (8 * u) / kVpw, index = (8 * u) % kVpw + g;
       const uint32_t sel = (index * VB) / 16 ? 0x7632u : 0x5410u;
       const int sh = (index * VB) % 16;
-      uint32_t wv[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        wv[i] = reinterpret_cast<const uint32_t*>(value_codes + tok[i] * kValueRow)[word];
-      }
-      const uint32_t b0 = CodePair<VB>(__byte_perm(wv[0], wv[1], sel) >> sh);
-      const uint32_t b1 = CodePair<VB>(__byte_perm(wv[2], wv[3], sel) >> sh);
+      const uint32_t w0 = wv[0][word], w1 = wv[1][word], w2 = wv[2][word], w3 = wv[3][word];
+      const uint32_t b0 = CodePair<VB>(__byte_perm(w0, w1, sel) >> sh);
+      const uint32_t b1 = CodePair<VB>(__byte_perm(w2, w3, sel) >> sh);
       Mma(st.o[4 * b + u], pa, b0, b1);
     }
   }
@@ -335,8 +351,8 @@ struct MmaSmem {
   }
 };
 
-template <int D, PageFormat F, int KB, int VB, int S>
-__global__ void __launch_bounds__(kMmaWarps* kWarp)
+template <int D, PageFormat F, int KB, int VB, int S, int kMinBlocks>
+__global__ void __launch_bounds__(kMmaWarps* kWarp, kMinBlocks)
     MmaDecodeKernel(PagedKvLayout L, PagedDecodeArgs a, int splits, float* part_acc,
                     float* part_ml) {
   extern __shared__ __align__(16) uint8_t smem[];
