@@ -66,6 +66,10 @@ if [ -x "$here/cuda_decode_bench" ]; then
     echo "== $(basename "$t")"
     timeout "${STRATA_TEST_TIMEOUT:-300}" "$t" || { echo "== $(basename "$t"): failed (exit $?)"; rc=1; }
   done
+  # The paged decode's other kernel (one warp per query head), which layouts the tensor-core
+  # kernel cannot take use: the same tests through it.
+  echo "== kernels_cuda_test, STRATA_CUDA_DECODE=simt"
+  STRATA_CUDA_DECODE=simt timeout "${STRATA_TEST_TIMEOUT:-300}" "$here/kernels_cuda_test" || rc=1
   echo "== nccl_bench"
   timeout 300 "$here/nccl_bench" --out "$results" --commit "${STRATA_COMMIT:-unknown}" || rc=1
   echo "== cuda_decode_bench"

@@ -407,14 +407,7 @@ template <int D, PageFormat F, int KB, int VB>
 absl::Status MakePlan(const PagedKvLayout& L, int group, Plan* plan) {
   if (UseMma(L)) {
     constexpr int kStages = MmaStages<F>();
-    // STRATA_CUDA_MMA_MINBLOCKS=3 caps registers for three blocks per multiprocessor (a
-    // comparison to measure; the default lets the compiler take what it needs).
-    static const bool three = [] {
-      const char* e = std::getenv("STRATA_CUDA_MMA_MINBLOCKS");
-      return e != nullptr && std::string_view(e) == "3";
-    }();
-    plan->kernel = three ? MmaDecodeKernel<D, F, KB, VB, kStages, 3>
-                         : MmaDecodeKernel<D, F, KB, VB, kStages, 1>;
+    plan->kernel = MmaDecodeKernel<D, F, KB, VB, kStages>;
     plan->smem = MmaSmem<D>(L, kStages, group).total;
     plan->threads = kMmaWarps * kWarp;
     if (cudaError_t e = cudaFuncSetAttribute(

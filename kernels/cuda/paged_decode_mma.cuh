@@ -351,8 +351,12 @@ struct MmaSmem {
   }
 };
 
-template <int D, PageFormat F, int KB, int VB, int S, int kMinBlocks>
-__global__ void __launch_bounds__(kMmaWarps* kWarp, kMinBlocks)
+// Registers capped for three blocks per multiprocessor (168 a thread, no spills): on the H200
+// that beat the compiler's own choice (185-209) at every shape, 0.67 -> 0.58 ms for fp16 at
+// batch 16 x 32k (cuda_decode_bench-NVIDIA_H200-2026-11-27-a5dce54.txt and its run's
+// comparison).
+template <int D, PageFormat F, int KB, int VB, int S>
+__global__ void __launch_bounds__(kMmaWarps* kWarp, 3)
     MmaDecodeKernel(PagedKvLayout L, PagedDecodeArgs a, int splits, float* part_acc,
                     float* part_ml) {
   extern __shared__ __align__(16) uint8_t smem[];
