@@ -166,11 +166,30 @@ __device__ __forceinline__ void SliceFp16(MmaState<D>& st, const uint32_t (&qa)[
   }
 }
 
-// An affine slice: tokens [t0, t0 + 16) of a staged page (all real).
+// Where an affine page's parts are, computed once per block (the layout's offsets are
+// arithmetic, and a division by a group size costs dozens of instructions: not per slice).
+template <int D>
+struct AffinePlan {
+  int key_scales, key_zeros, value_codes, value_scales, value_zeros;
+  int value_groups;     // value groups per token (D / v_group)
+  int vgroup[D / 32];   // value group of each 32-channel block
+  __device__ explicit AffinePlan(const PagedKvLayout& L) {
+    key_scales = static_cast<int>(L.KeyScales());
+    key_zeros = static_cast<int>(L.KeyZeros());
+    value_codes = static_cast<int>(L.ValueCodes());
+    value_scales = static_cast<int>(L.ValueScales());
+    value_zeros = static_cast<int>(L.ValueZeros());
+    value_groups = D / L.v_group;
+#pragma unroll
+    for (int b = 0; b < D / 32; ++b) vgroup[b] = (32 * b) / L.v_group;
+  }
+};
+
+// An affine slice: tokens [t0, t0 + 16) of a staged page (all real), in key group `kgroup`.
 template <int D, int KB, int VB>
 __device__ __forceinline__ void SliceAffine(MmaState<D>& st, const float (&qn)[D / 4],
                                             float score_scale, const uint8_t* page,
-                                            const PagedKvLayout& L, int t0) {
+                                            const AffinePlan<D>& L, int t0, int kgroup) {
   const int lane = threadIdx.x % kWarp;
   const int g = lane / 4;
   const int q = lane % 4;
@@ -180,9 +199,8 @@ __device__ __forceinline__ void SliceAffine(MmaState<D>& st, const float (&qn)[D
   constexpr int kKeyRow = D * KB / 8;  // bytes
   constexpr int kValueRow = D * VB / 8;
   const int base = q * kCpl;
-  const int kgroup = t0 / L.k_group;
-  const __half* ks = reinterpret_cast<const __half*>(page + L.KeyScales()) + kgroup * D + base;
-  const __half* kz = reinterpret_cast<const __half*>(page + L.KeyZeros()) + kgroup * D + base;
+  const __half* ks = reinterpret_cast<const __half*>(page + L.key_scales) + kgroup * D + base;
+  const __half* kz = reinterpret_cast<const __half*>(page + L.key_zeros) + kgroup * D + base;
 
   // Q's fragments with the key scales folded in, in the order the code words give the channels:
   // pair i of word j is channels (kKpw j + i, kKpw j + i + kKpw / 2) of the lane's block.
@@ -213,7 +231,7 @@ __device__ __forceinline__ void SliceAffine(MmaState<D>& st, const float (&qn)[D
   bias += __shfl_xor_sync(0xffffffffu, bias, 1);
   bias += __shfl_xor_sync(0xffffffffu, bias, 2);
 
-  const uint8_t* key_codes = page + L.KeyCodes();
+  const uint8_t* key_codes = page;  // key codes first
   float s[4];
 #pragma unroll
   for (int jt = 0; jt < 2; ++jt) {  // n-tile: tokens t0 + 8 jt + g of this lane
@@ -249,15 +267,15 @@ __device__ __forceinline__ void SliceAffine(MmaState<D>& st, const float (&qn)[D
 
   // Values: per 32-channel block b, P with the value scales folded in (tokens 2q, 2q+1, 8+2q,
   // 9+2q of head g), the zeros into z[b], and four tiles of 8 channels each.
-  const uint8_t* value_codes = page + L.ValueCodes();
-  const __half* vs = reinterpret_cast<const __half*>(page + L.ValueScales());
-  const __half* vz = reinterpret_cast<const __half*>(page + L.ValueZeros());
-  const int groups = D / L.v_group;
+  const uint8_t* value_codes = page + L.value_codes;
+  const __half* vs = reinterpret_cast<const __half*>(page + L.value_scales);
+  const __half* vz = reinterpret_cast<const __half*>(page + L.value_zeros);
+  const int groups = L.value_groups;
   const int tok[4] = {t0 + 2 * q, t0 + 2 * q + 1, t0 + 8 + 2 * q, t0 + 9 + 2 * q};
   constexpr int kVpw = 32 / VB;  // value codes per word
 #pragma unroll
   for (int b = 0; b < D / 32; ++b) {
-    const int vg = (32 * b) / L.v_group;
+    const int vg = L.vgroup[b];
     float pv[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -311,20 +329,23 @@ __device__ void StageWindow(uint8_t* k, uint8_t* v, const __half* wk, const __ha
   }
 }
 
-// Starts copying one KV head's part of an fp16 page into swizzled K and V tiles.
+// Starts copying one KV head's part of an fp16 page into swizzled K and V tiles (no run-time
+// division in the index arithmetic: it runs for every 16 bytes).
 template <int D>
 __device__ __forceinline__ void StageFp16Async(uint8_t* dst, const uint8_t* src, int tokens) {
   constexpr int kChunks = D / 8;
   const int per_tensor = tokens * kChunks;
   const size_t v_offset = Align16(static_cast<size_t>(tokens) * D * 2);
-  for (int i = threadIdx.x; i < 2 * per_tensor; i += blockDim.x) {
-    const int t = i / per_tensor, rc = i % per_tensor;
-    const int r = rc / kChunks, c = rc % kChunks;
-    const unsigned d = static_cast<unsigned>(
-        __cvta_generic_to_shared(dst + t * v_offset + Swizzled<D>(r, c)));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d),
-                 "l"(src + t * v_offset + static_cast<size_t>(rc) * 16)
-                 : "memory");
+#pragma unroll
+  for (int t = 0; t < 2; ++t) {
+    for (int rc = threadIdx.x; rc < per_tensor; rc += kMmaWarps * kWarp) {
+      const int r = rc / kChunks, c = rc % kChunks;  // kChunks: a power of two
+      const unsigned d = static_cast<unsigned>(
+          __cvta_generic_to_shared(dst + t * v_offset + Swizzled<D>(r, c)));
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d),
+                   "l"(src + t * v_offset + static_cast<size_t>(rc) * 16)
+                   : "memory");
+    }
   }
 }
 
@@ -418,10 +439,10 @@ __global__ void __launch_bounds__(kMmaWarps* kWarp, 3)
   const int p1 = min(pages, p0 + per_split);
   const int32_t* table = a.block_table + static_cast<size_t>(seq) * a.max_pages;
   const int tile = L.page_tokens;
+  const int64_t page_bytes = static_cast<int64_t>(L.PageBytes());
   auto issue = [&](int p) {
     if (p < p1) {
-      const uint8_t* src =
-          a.pages + table[p] * static_cast<int64_t>(L.PageBytes()) + kvh * head_bytes;
+      const uint8_t* src = a.pages + table[p] * page_bytes + kvh * head_bytes;
       uint8_t* dst = smem + ((p - p0) % S) * layout.buffer;
       if constexpr (F == PageFormat::kFp16) {
         StageFp16Async<D>(dst, src, tile);
@@ -431,6 +452,7 @@ __global__ void __launch_bounds__(kMmaWarps* kWarp, 3)
     }
     CpAsyncCommit();
   };
+  [[maybe_unused]] const AffinePlan<D> plan(L);
 #pragma unroll
   for (int i = 0; i < S - 1; ++i) issue(p0 + i);
   for (int p = p0; p < p1; ++p) {
@@ -444,7 +466,7 @@ __global__ void __launch_bounds__(kMmaWarps* kWarp, 3)
         const size_t v_offset = Align16(static_cast<size_t>(tile) * D * 2);
         SliceFp16<D>(st, qa, score_scale, page, page + v_offset, t0, kSlice);
       } else {
-        SliceAffine<D, KB, VB>(st, qn, score_scale, page, L, t0);
+        SliceAffine<D, KB, VB>(st, qn, score_scale, page, plan, t0, t0 / L.k_group);
       }
     }
   }
