@@ -166,6 +166,37 @@ __device__ __forceinline__ void SliceFp16(MmaState<D>& st, const uint32_t (&qa)[
   }
 }
 
+// Value codes are staged with the 16-byte chunks of a row permuted: lanes read the rows of
+// tokens 2q (and 2q + 1, ...) for q = 0..3 at the same column, rows that would otherwise share
+// banks (a 64-byte row: 4 of them in one bank group). Chunk c of row r goes to
+// c ^ ((r / rows-per-128-bytes) & (chunks per row - 1)).
+template <int D, int VB>
+__device__ __forceinline__ int ValueChunk(int r, int c) {
+  constexpr int kRow = D * VB / 8;
+  constexpr int kChunks = kRow / 16;
+  constexpr int kRowsPer128 = 128 / kRow;
+  return kChunks > 1 ? c ^ ((r / kRowsPer128) & (kChunks - 1)) : c;
+}
+
+// Starts copying one KV head's part of an affine page, its value codes swizzled (ValueChunk).
+template <int D, int VB>
+__device__ __forceinline__ void StageAffineAsync(uint8_t* dst, const uint8_t* src, int bytes,
+                                                 int value_codes, int tokens) {
+  constexpr int kRow = D * VB / 8;
+  const int v0 = value_codes / 16, v1 = (value_codes + tokens * kRow) / 16;
+  for (int i = threadIdx.x; i < bytes / 16; i += kMmaWarps * kWarp) {
+    int to = i * 16;
+    if (i >= v0 && i < v1) {
+      const int rel = (i - v0) * 16;
+      const int r = rel / kRow, c = (rel % kRow) / 16;  // kRow: a power of two
+      to = value_codes + r * kRow + ValueChunk<D, VB>(r, c) * 16;
+    }
+    const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst + to));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src + i * 16)
+                 : "memory");
+  }
+}
+
 // Where an affine page's parts are, computed once per block (the layout's offsets are
 // arithmetic, and a division by a group size costs dozens of instructions: not per slice).
 template <int D>
@@ -289,7 +320,9 @@ __device__ __forceinline__ void SliceAffine(MmaState<D>& st, const float (&qn)[D
     uint32_t wv[4][VB];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const uint8_t* row = value_codes + tok[i] * kValueRow + b * VB * 4;
+      // Block b's VB words: bytes [16 VB b / 4, ...) of the row, in chunk (VB b / 4) (swizzled).
+      const uint8_t* row = value_codes + tok[i] * kValueRow +
+                           ValueChunk<D, VB>(tok[i], (b * VB * 4) / 16) * 16 + (b * VB * 4) % 16;
       if constexpr (VB == 4) {
         *reinterpret_cast<uint4*>(wv[i]) = *reinterpret_cast<const uint4*>(row);
       } else {
@@ -440,6 +473,7 @@ __global__ void __launch_bounds__(kMmaWarps* kWarp, 3)
   const int32_t* table = a.block_table + static_cast<size_t>(seq) * a.max_pages;
   const int tile = L.page_tokens;
   const int64_t page_bytes = static_cast<int64_t>(L.PageBytes());
+  [[maybe_unused]] const AffinePlan<D> plan(L);
   auto issue = [&](int p) {
     if (p < p1) {
       const uint8_t* src = a.pages + table[p] * page_bytes + kvh * head_bytes;
@@ -447,12 +481,12 @@ __global__ void __launch_bounds__(kMmaWarps* kWarp, 3)
       if constexpr (F == PageFormat::kFp16) {
         StageFp16Async<D>(dst, src, tile);
       } else {
-        StageAsync(dst, src, head_bytes);
+        StageAffineAsync<D, VB>(dst, src, static_cast<int>(head_bytes),
+                                plan.value_codes, tile);
       }
     }
     CpAsyncCommit();
   };
-  [[maybe_unused]] const AffinePlan<D> plan(L);
 #pragma unroll
   for (int i = 0; i < S - 1; ++i) issue(p0 + i);
   for (int p = p0; p < p1; ++p) {
