@@ -7,6 +7,8 @@
 #                                    # lent machine's CPU; run.sh then runs only their part)
 #   STRATA_COMMIT=$(git rev-parse --short HEAD) build/gpu-bundle/run.sh
 #                                    # there (carry build/gpu-bundle); exit status: any failure
+#   STRATA_COMMIT=... build/gpu-bundle/quick.sh   # the paged decode alone: its tests both
+#                                    # ways, sanitizers, cuda_decode_bench and SDPA (~20 s)
 # NCCL itself is not copied (over 200 MB): run.sh finds libnccl.so.2 in /usr/local/cuda/lib, in
 # $NCCL_LIB_DIR, or in Python's nvidia.nccl package.
 set -euo pipefail
@@ -128,4 +130,39 @@ fi
 exit "$rc"
 EOF
 chmod +x "$out/run.sh"
+
+# quick.sh: the paged decode alone, for a kernel change (about 20 s on an H200): its tests
+# through both kernels (STRATA_CUDA_DECODE=mma|simt), compute-sanitizer memcheck and racecheck,
+# cuda_decode_bench and PyTorch's SDPA at the same shapes, results into $OUT.
+cat > "$out/quick.sh" <<'EOF'
+#!/usr/bin/env bash
+set -uo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+export LD_LIBRARY_PATH="$here/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+results="${OUT:-$here/results}"
+mkdir -p "$results"
+rc=0
+for mode in mma simt; do
+  for t in kernels_cuda_test kernels_cuda_pages_test; do
+    echo "== $t, STRATA_CUDA_DECODE=$mode"
+    STRATA_CUDA_DECODE=$mode timeout 120 "$here/$t" --gtest_brief=1 || rc=1
+  done
+done
+cs="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
+if [ -x "$cs" ]; then
+  for tool in memcheck racecheck; do
+    echo "== compute-sanitizer $tool"
+    timeout 150 "$cs" --tool "$tool" --error-exitcode 1 "$here/kernels_cuda_test" \
+      --gtest_filter='PagedDecodeGpuTest.*' --gtest_brief=1 || rc=1
+  done
+fi
+echo "== cuda_decode_bench"
+timeout 200 "$here/cuda_decode_bench" --out "$results" || rc=1
+if python3 -c 'import torch' 2>/dev/null; then
+  echo "== cuda_sdpa_bench"
+  timeout 120 python3 "$here/cuda_sdpa_bench.py" --out "$results" || rc=1
+fi
+exit "$rc"
+EOF
+chmod +x "$out/quick.sh"
 du -sh "$out"
