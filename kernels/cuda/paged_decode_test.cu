@@ -294,6 +294,35 @@ TEST_F(PagedDecodeGpuTest, GqaGroupsAndKeyGroupsOfEverySupportedSize) {
   }
 }
 
+// Page sizes and groups the tensor-core kernel takes besides the default 64-token pages: 16-,
+// 32- and 128-token pages (one, two or eight slices per warp and page), key groups of one slice
+// or a whole page, value groups of 32 channels to a whole head, groups of 4 and 8 query heads,
+// and windows longer than the window tile.
+TEST_F(PagedDecodeGpuTest, PagesOfEverySixteenTokenMultipleAndWideGroups) {
+  struct Shape {
+    PageFormat format;
+    int d, page, kb, vb, k_group, v_group, group;
+  };
+  for (const Shape& sh : std::vector<Shape>{{PageFormat::kFp16, 128, 16, 4, 4, 32, 32, 4},
+                                            {PageFormat::kFp16, 64, 128, 4, 4, 32, 32, 8},
+                                            {PageFormat::kAffine, 128, 16, 4, 2, 16, 128, 4},
+                                            {PageFormat::kAffine, 128, 32, 2, 4, 32, 64, 8},
+                                            {PageFormat::kAffine, 64, 128, 4, 4, 128, 32, 4},
+                                            {PageFormat::kAffine, 64, 32, 2, 2, 16, 64, 8}}) {
+    PagedKvLayout L = Layout(sh.format, sh.d, sh.kb, sh.vb);
+    L.page_tokens = sh.page;
+    L.k_group = sh.k_group;
+    L.v_group = sh.v_group;
+    Case c{.layout = L, .batch = 3, .q_heads = 2 * sh.group, .max_window = 150, .splits = 0,
+           .pages_per_seq = {1, 6, 11}, .windows = {150, 0, 37}};
+    SCOPED_TRACE(testing::Message() << (sh.format == PageFormat::kFp16 ? "fp16" : "affine")
+                                    << " d " << sh.d << " page " << sh.page << " k" << sh.kb
+                                    << "v" << sh.vb << " k_group " << sh.k_group << " v_group "
+                                    << sh.v_group << " group " << sh.group);
+    RunCase(c, Seed());
+  }
+}
+
 TEST_F(PagedDecodeGpuTest, LongSequencesSplitAcrossTheDevice) {
   Case c{.layout = Layout(PageFormat::kAffine, 128, 2, 2), .batch = 2, .q_heads = 16,
          .max_window = 64, .splits = 0, .pages_per_seq = {256, 31}, .windows = {64, 1}};
