@@ -536,9 +536,10 @@ int ChooseSplits(const PagedKvLayout& layout, const PagedDecodeArgs& args, int m
   const int blocks = std::max(1, args.batch * layout.kv_heads);
   int splits = std::max(1, (4 * slots + blocks - 1) / blocks);
   splits = std::min(splits, std::max(1, max_pages_in_batch / 4));
-  // Up to 256: one sequence of 128k tokens (2,048 pages) on 8 KV heads needs about 200 splits
-  // to fill an H200 four times over; at most 64 left it 1.3 waves.
-  return std::min(splits, 256);
+  // At most 64: more (up to 256, tried on an H200) made one long sequence slower, 0.198 ->
+  // 0.241 ms at 128k tokens, though 64 leaves it 1.3 waves of blocks: each block's pipeline
+  // fill and the merge's partials cost more than the idle tail (cuda_decode_notes.md).
+  return std::min(splits, 64);
 }
 
 absl::Status PagedDecode(const PagedKvLayout& layout, const PagedDecodeArgs& args,
