@@ -346,7 +346,7 @@ STRATA_AVX2_INLINE __m128 Combine4(const T* x, const __m128* f, uint32_t R) {
 }
 
 // A GEAR tensor's terms for head h: the rank-R factors as stored (fp16: A [T][R], B [D][R]),
-// also widened into a and b unless R is 4 (the loops read those as stored), and its outlier
+// also widened into a and b unless R is 2 or 4 (the loops read those as stored), and its outlier
 // values widened (`rows` vectors of them: D for K, T for V; `first` the head's first).
 struct GearTerms {
   const uint16_t* a16;
@@ -360,7 +360,7 @@ STRATA_AVX2_INLINE GearTerms LoadGearTerms(const TensorOperands& t, uint32_t h, 
   const uint32_t R = t.rank, n = t.outliers_per_vector;
   GearTerms g{t.lowrank_a + size_t{h} * T * R, t.lowrank_b + size_t{h} * D * R,
               size_t{h} * rows * n, nullptr};
-  if (R > 0 && R != 4) {
+  if (R > 0 && R != 4 && R != 2) {
     a.resize(size_t{T} * R);
     b.resize(size_t{D} * R);
     HalfToFloat(reinterpret_cast<const Half*>(g.a16), a.data(), a.size());
@@ -391,6 +391,76 @@ STRATA_AVX2_INLINE void ProjectRank4(const uint16_t* f16, const float* x, uint32
       out[r] = _mm_fmadd_ps(_mm_loadu_ps(x + size_t{u} * 4),
                             _mm_set1_ps(HalfAt(f16 + size_t{u} * 4 + r)), out[r]);
     }
+  }
+}
+
+// Lane selectors for a rank-2 factor's four rows widened into one register ([i][0], [i][1],
+// [i + 1][0], ... [i + 3][1]): factor r of rows (i, i + 1) or (i + 2, i + 3), each spread over
+// the four lanes of its row's half.
+STRATA_AVX2_INLINE __m256i Rank2Lanes(uint32_t r, uint32_t pair) {
+  const int a = static_cast<int>(4 * pair + r), b = a + 2;
+  return _mm256_setr_epi32(a, a, a, a, b, b, b, b);
+}
+
+// out[r] = sum_i f[i][r] * x[i][0..3] for r < 2: a rank-2 factor f [rows][2] as stored (fp16)
+// against x [rows][4], four rows per load and two per register.
+STRATA_AVX2_INLINE void ProjectRank2(const uint16_t* f16, const float* x, uint32_t rows,
+                                     __m128 out[2]) {
+  const __m256i l00 = Rank2Lanes(0, 0), l10 = Rank2Lanes(1, 0), l01 = Rank2Lanes(0, 1),
+                l11 = Rank2Lanes(1, 1);
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                   _mm256_setzero_ps()};
+  uint32_t i = 0;
+  for (; i + 4 <= rows; i += 4) {
+    const __m256 f = Half8(f16 + size_t{i} * 2);  // f[i .. i + 3][0..1]
+    const __m256 x01 = _mm256_loadu_ps(x + size_t{i} * 4);
+    const __m256 x23 = _mm256_loadu_ps(x + size_t{i + 2} * 4);
+    acc[0] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(f, l00), x01, acc[0]);
+    acc[1] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(f, l10), x01, acc[1]);
+    acc[2] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(f, l01), x23, acc[2]);
+    acc[3] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(f, l11), x23, acc[3]);
+  }
+  for (uint32_t r = 0; r < 2; ++r) {
+    const __m256 a = _mm256_add_ps(acc[r], acc[r + 2]);
+    out[r] = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    for (uint32_t u = i; u < rows; ++u) {
+      out[r] = _mm_fmadd_ps(_mm_loadu_ps(x + size_t{u} * 4),
+                            _mm_set1_ps(HalfAt(f16 + size_t{u} * 2 + r)), out[r]);
+    }
+  }
+}
+
+// Two rows of four, o[0..3] and o[stride ..], from v's halves: stored, or added to what is there.
+template <bool kAdd>
+STRATA_AVX2_INLINE void PutRowPair(float* o, size_t stride, __m256 v) {
+  if constexpr (kAdd) v = _mm256_add_ps(_mm256_set_m128(_mm_loadu_ps(o + stride), _mm_loadu_ps(o)), v);
+  _mm_storeu_ps(o, _mm256_castps256_ps128(v));
+  _mm_storeu_ps(o + stride, _mm256_extractf128_ps(v, 1));
+}
+
+// y[i][0..3] (+)= f[i][0] * c[0] + f[i][1] * c[1] for `rows` rows of a rank-2 factor f [rows][2]
+// as stored (fp16), y rows `stride` floats apart (4 heads each), four rows per load.
+template <bool kAdd>
+STRATA_AVX2_INLINE void ExpandRank2(const uint16_t* f16, const __m128 c[2], uint32_t rows,
+                                    float* y, size_t stride) {
+  const __m256i l00 = Rank2Lanes(0, 0), l10 = Rank2Lanes(1, 0), l01 = Rank2Lanes(0, 1),
+                l11 = Rank2Lanes(1, 1);
+  const __m256 c0 = _mm256_set_m128(c[0], c[0]), c1 = _mm256_set_m128(c[1], c[1]);
+  uint32_t i = 0;
+  for (; i + 4 <= rows; i += 4) {
+    const __m256 f = Half8(f16 + size_t{i} * 2);
+    PutRowPair<kAdd>(y + size_t{i} * stride, stride,
+                     _mm256_fmadd_ps(_mm256_permutevar8x32_ps(f, l10), c1,
+                                     _mm256_mul_ps(_mm256_permutevar8x32_ps(f, l00), c0)));
+    PutRowPair<kAdd>(y + size_t{i + 2} * stride, stride,
+                     _mm256_fmadd_ps(_mm256_permutevar8x32_ps(f, l11), c1,
+                                     _mm256_mul_ps(_mm256_permutevar8x32_ps(f, l01), c0)));
+  }
+  for (; i < rows; ++i) {
+    __m128 v = _mm_fmadd_ps(_mm_set1_ps(HalfAt(f16 + size_t{i} * 2 + 1)), c[1],
+                            _mm_mul_ps(_mm_set1_ps(HalfAt(f16 + size_t{i} * 2)), c[0]));
+    if constexpr (kAdd) v = _mm_add_ps(_mm_loadu_ps(y + size_t{i} * stride), v);
+    _mm_storeu_ps(y + size_t{i} * stride, v);
   }
 }
 
@@ -426,6 +496,10 @@ STRATA_AVX2 void AddValueCorrectionsGrouped(const Segment& seg, HeadGroupState& 
         _mm256_storeu_ps(&sum[size_t{d} * 4], y);
       }
       for (; d < D; ++d) _mm_storeu_ps(&sum[size_t{d} * 4], Combine4(b16 + size_t{d} * 4, pa, 4));
+    } else if (R == 2) {  // the same two steps, four rows of a factor per load
+      __m128 pa[2];
+      ProjectRank2(a16, xp.data(), T, pa);
+      ExpandRank2</*kAdd=*/false>(b16, pa, D, sum.data(), 4);
     } else if (R > 0 && R <= kMaxRank) {
       __m128 pa[kMaxRank];
       for (uint32_t r = 0; r < R; ++r) pa[r] = _mm_setzero_ps();
@@ -532,6 +606,10 @@ STRATA_AVX2_INLINE void AddStagedScoreCorrections(const Segment& seg, HeadGroupS
           }
           _mm_storeu_ps(o, y);
         }
+      } else if (R == 2) {  // four channels, then four tokens, per fp16 load
+        __m128 x[2];
+        ProjectRank2(b16, xq.data(), D, x);
+        ExpandRank2</*kAdd=*/true>(a16, x, T, staged + j0, G);
       } else {
         for (uint32_t r = 0; r < R; ++r) {
           __m128 acc = _mm_setzero_ps();

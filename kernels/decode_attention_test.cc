@@ -126,7 +126,9 @@ const char* kCodecs[] = {"fp16",
                          "kcvt:k2v2",
                          "gearl:k2v2:g32:r4",
                          "gear:k2v2:g32:r4:s2",
-                         "gear:k4v4:kcvt:r2:s1"};
+                         "gear:k4v4:kcvt:r2:s1",
+                         "gear:k2v2:kcvt:r2:s1",
+                         "gear:k2v2:g32:r3:s1"};
 
 struct Shape {
   uint32_t q_heads, kv_heads, dim;
