@@ -122,7 +122,8 @@ int main(int argc, char** argv) {
     } else if (a == "--quick") {
       quick = true;
     } else {
-      std::fprintf(stderr, "usage: cuda_decode_bench [--out DIR] [--runs N] [--quick] [--splits N]\n");
+      std::fprintf(stderr,
+                   "usage: cuda_decode_bench [--out DIR] [--runs N] [--quick] [--splits N]\n");
       return 2;
     }
   }

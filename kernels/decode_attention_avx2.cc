@@ -433,7 +433,8 @@ STRATA_AVX2_INLINE void ProjectRank2(const uint16_t* f16, const float* x, uint32
 // Two rows of four, o[0..3] and o[stride ..], from v's halves: stored, or added to what is there.
 template <bool kAdd>
 STRATA_AVX2_INLINE void PutRowPair(float* o, size_t stride, __m256 v) {
-  if constexpr (kAdd) v = _mm256_add_ps(_mm256_set_m128(_mm_loadu_ps(o + stride), _mm_loadu_ps(o)), v);
+  if constexpr (kAdd)
+    v = _mm256_add_ps(_mm256_set_m128(_mm_loadu_ps(o + stride), _mm_loadu_ps(o)), v);
   _mm_storeu_ps(o, _mm256_castps256_ps128(v));
   _mm_storeu_ps(o + stride, _mm256_extractf128_ps(v, 1));
 }
@@ -441,8 +442,8 @@ STRATA_AVX2_INLINE void PutRowPair(float* o, size_t stride, __m256 v) {
 // y[i][0..3] (+)= f[i][0] * c[0] + f[i][1] * c[1] for `rows` rows of a rank-2 factor f [rows][2]
 // as stored (fp16), y rows `stride` floats apart (4 heads each), four rows per load.
 template <bool kAdd>
-STRATA_AVX2_INLINE void ExpandRank2(const uint16_t* f16, const __m128 c[2], uint32_t rows,
-                                    float* y, size_t stride) {
+STRATA_AVX2_INLINE void ExpandRank2(const uint16_t* f16, const __m128 c[2], uint32_t rows, float* y,
+                                    size_t stride) {
   const __m256i l00 = Rank2Lanes(0, 0), l10 = Rank2Lanes(1, 0), l01 = Rank2Lanes(0, 1),
                 l11 = Rank2Lanes(1, 1);
   const __m256 c0 = _mm256_set_m128(c[0], c[0]), c1 = _mm256_set_m128(c[1], c[1]);

@@ -195,9 +195,13 @@ __device__ void AttendAffine(HeadState<D>& h, const uint8_t* page, const PagedKv
       const int shift = first % 32;
 #pragma unroll
       for (int i = 0; i < kKey; i += 2) {
-        dot0 = fmaf(qs[i], CodeToFloat(static_cast<uint32_t>(bits >> (shift + i * KB)) & ((1u << KB) - 1u)), dot0);
-        dot1 = fmaf(qs[i + 1], CodeToFloat(static_cast<uint32_t>(bits >> (shift + (i + 1) * KB)) & ((1u << KB) - 1u)),
-                    dot1);
+        dot0 = fmaf(
+            qs[i], CodeToFloat(static_cast<uint32_t>(bits >> (shift + i * KB)) & ((1u << KB) - 1u)),
+            dot0);
+        dot1 = fmaf(
+            qs[i + 1],
+            CodeToFloat(static_cast<uint32_t>(bits >> (shift + (i + 1) * KB)) & ((1u << KB) - 1u)),
+            dot1);
       }
       float dot = dot0 + dot1;
 #pragma unroll
@@ -410,8 +414,9 @@ absl::Status MakePlan(const PagedKvLayout& L, int group, Plan* plan) {
     plan->kernel = MmaDecodeKernel<D, F, KB, VB, kStages>;
     plan->smem = MmaSmem<D>(L, kStages, group).total;
     plan->threads = kMmaWarps * kWarp;
-    if (cudaError_t e = cudaFuncSetAttribute(
-            plan->kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(plan->smem));
+    if (cudaError_t e =
+            cudaFuncSetAttribute(plan->kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 static_cast<int>(plan->smem));
         e != cudaSuccess) {
       return absl::InternalError(absl::StrCat("paged decode: ", plan->smem,
                                               " bytes of shared memory: ", cudaGetErrorString(e)));
@@ -459,10 +464,14 @@ template <int D, typename Fn>
 auto DispatchBits(const PagedKvLayout& L, Fn&& fn) {
   if (L.format == PageFormat::kFp16) return fn.template operator()<D, PageFormat::kFp16, 16, 16>();
   switch (L.key_bits * 10 + L.value_bits) {
-    case 22: return fn.template operator()<D, PageFormat::kAffine, 2, 2>();
-    case 24: return fn.template operator()<D, PageFormat::kAffine, 2, 4>();
-    case 42: return fn.template operator()<D, PageFormat::kAffine, 4, 2>();
-    default: return fn.template operator()<D, PageFormat::kAffine, 4, 4>();
+    case 22:
+      return fn.template operator()<D, PageFormat::kAffine, 2, 2>();
+    case 24:
+      return fn.template operator()<D, PageFormat::kAffine, 2, 4>();
+    case 42:
+      return fn.template operator()<D, PageFormat::kAffine, 4, 2>();
+    default:
+      return fn.template operator()<D, PageFormat::kAffine, 4, 4>();
   }
 }
 

@@ -87,9 +87,9 @@ template <int D>
 struct MmaState {
   static constexpr int kTiles = D / 8;
   float o[kTiles][4];
-  float z[D / 32];       // affine: Σ p·zero of head g, per 32-channel block (this lane's tokens)
-  float m = -INFINITY;   // head g's running max (the same in the four lanes of the quad)
-  float l = 0;           // this lane's part of head g's denominator
+  float z[D / 32];      // affine: Σ p·zero of head g, per 32-channel block (this lane's tokens)
+  float m = -INFINITY;  // head g's running max (the same in the four lanes of the quad)
+  float l = 0;          // this lane's part of head g's denominator
 };
 
 // Online softmax over a slice: s[4] (scores of the lane's tokens, -inf where masked) to p[4].
@@ -202,8 +202,8 @@ __device__ __forceinline__ void StageAffineAsync(uint8_t* dst, const uint8_t* sr
 template <int D>
 struct AffinePlan {
   int key_scales, key_zeros, value_codes, value_scales, value_zeros;
-  int value_groups;     // value groups per token (D / v_group)
-  int vgroup[D / 32];   // value group of each 32-channel block
+  int value_groups;    // value groups per token (D / v_group)
+  int vgroup[D / 32];  // value group of each 32-channel block
   __device__ explicit AffinePlan(const PagedKvLayout& L) {
     key_scales = static_cast<int>(L.KeyScales());
     key_zeros = static_cast<int>(L.KeyZeros());
@@ -224,7 +224,7 @@ __device__ __forceinline__ void SliceAffine(MmaState<D>& st, const float (&qn)[D
   const int lane = threadIdx.x % kWarp;
   const int g = lane / 4;
   const int q = lane % 4;
-  constexpr int kCpl = D / 4;          // channels of a lane in the key product
+  constexpr int kCpl = D / 4;  // channels of a lane in the key product
   constexpr int kKeyWords = kCpl * KB / 32;
   constexpr int kKpw = 32 / KB;        // key codes per word
   constexpr int kKeyRow = D * KB / 8;  // bytes
@@ -373,8 +373,8 @@ __device__ __forceinline__ void StageFp16Async(uint8_t* dst, const uint8_t* src,
   for (int t = 0; t < 2; ++t) {
     for (int rc = threadIdx.x; rc < per_tensor; rc += kMmaWarps * kWarp) {
       const int r = rc / kChunks, c = rc % kChunks;  // kChunks: a power of two
-      const unsigned d = static_cast<unsigned>(
-          __cvta_generic_to_shared(dst + t * v_offset + Swizzled<D>(r, c)));
+      const unsigned d =
+          static_cast<unsigned>(__cvta_generic_to_shared(dst + t * v_offset + Swizzled<D>(r, c)));
       asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d),
                    "l"(src + t * v_offset + static_cast<size_t>(rc) * 16)
                    : "memory");
@@ -481,8 +481,7 @@ __global__ void __launch_bounds__(kMmaWarps* kWarp, 3)
       if constexpr (F == PageFormat::kFp16) {
         StageFp16Async<D>(dst, src, tile);
       } else {
-        StageAffineAsync<D, VB>(dst, src, static_cast<int>(head_bytes),
-                                plan.value_codes, tile);
+        StageAffineAsync<D, VB>(dst, src, static_cast<int>(head_bytes), plan.value_codes, tile);
       }
     }
     CpAsyncCommit();
@@ -539,9 +538,9 @@ __global__ void __launch_bounds__(kMmaWarps* kWarp, 3)
 
   // Merge the four warps: each writes head g's m, l and output row; then every thread combines.
   __syncthreads();
-  float* mm = reinterpret_cast<float*>(smem);                 // [warps][group]
-  float* ll = mm + kMmaWarps * group;                          // [warps][group]
-  float* oo = ll + kMmaWarps * group;                          // [warps][group][D]
+  float* mm = reinterpret_cast<float*>(smem);  // [warps][group]
+  float* ll = mm + kMmaWarps * group;          // [warps][group]
+  float* oo = ll + kMmaWarps * group;          // [warps][group][D]
   float l = st.l;
   l += __shfl_xor_sync(0xffffffffu, l, 1);
   l += __shfl_xor_sync(0xffffffffu, l, 2);

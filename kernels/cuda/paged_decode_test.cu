@@ -313,12 +313,17 @@ TEST_F(PagedDecodeGpuTest, PagesOfEverySixteenTokenMultipleAndWideGroups) {
     L.page_tokens = sh.page;
     L.k_group = sh.k_group;
     L.v_group = sh.v_group;
-    Case c{.layout = L, .batch = 3, .q_heads = 2 * sh.group, .max_window = 150, .splits = 0,
-           .pages_per_seq = {1, 6, 11}, .windows = {150, 0, 37}};
-    SCOPED_TRACE(testing::Message() << (sh.format == PageFormat::kFp16 ? "fp16" : "affine")
-                                    << " d " << sh.d << " page " << sh.page << " k" << sh.kb
-                                    << "v" << sh.vb << " k_group " << sh.k_group << " v_group "
-                                    << sh.v_group << " group " << sh.group);
+    Case c{.layout = L,
+           .batch = 3,
+           .q_heads = 2 * sh.group,
+           .max_window = 150,
+           .splits = 0,
+           .pages_per_seq = {1, 6, 11},
+           .windows = {150, 0, 37}};
+    SCOPED_TRACE(testing::Message()
+                 << (sh.format == PageFormat::kFp16 ? "fp16" : "affine") << " d " << sh.d
+                 << " page " << sh.page << " k" << sh.kb << "v" << sh.vb << " k_group "
+                 << sh.k_group << " v_group " << sh.v_group << " group " << sh.group);
     RunCase(c, Seed());
   }
 }
