@@ -123,6 +123,22 @@ __device__ __forceinline__ void SliceSoftmax(MmaState<D>& st, const float (&s)[4
   st.m = m_new;
 }
 
+// Q's fragments (hi/lo) for fp16 keys, channels in natural order: per k-step kk, a0/a1 channels
+// 16 kk + 2q, +1 and a2/a3 channels + 8, + 9 of head row g (zeros where the row is unused).
+template <int D>
+__device__ __forceinline__ void NaturalQFragments(uint32_t (&qa)[D / 16][4], const float* qp,
+                                                  float q_norm, int q, bool row_used) {
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const int c = 16 * kk + 2 * q;
+    const float x0 = row_used ? qp[c] * q_norm : 0.f, x1 = row_used ? qp[c + 1] * q_norm : 0.f;
+    const float x8 = row_used ? qp[c + 8] * q_norm : 0.f;
+    const float x9 = row_used ? qp[c + 9] * q_norm : 0.f;
+    SplitHiLo(x0, x1, &qa[kk][0], &qa[kk][1]);
+    SplitHiLo(x8, x9, &qa[kk][2], &qa[kk][3]);
+  }
+}
+
 // An fp16 slice: K and V tiles (swizzled, D halves per row) of which tokens [t0, t0 + 16) are
 // read, `valid` of them real. qa: Q's fragments (hi/lo) per k-step, already scaled.
 template <int D>
@@ -452,15 +468,7 @@ __global__ void __launch_bounds__(kMmaWarps* kWarp, 3)
   uint32_t qa[D / 16][4];
   float qn[D / 4];
   if constexpr (F == PageFormat::kFp16) {
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const int c = 16 * kk + 2 * q;
-      const float x0 = row_used ? qp[c] * q_norm : 0.f, x1 = row_used ? qp[c + 1] * q_norm : 0.f;
-      const float x8 = row_used ? qp[c + 8] * q_norm : 0.f;
-      const float x9 = row_used ? qp[c + 9] * q_norm : 0.f;
-      SplitHiLo(x0, x1, &qa[kk][0], &qa[kk][1]);
-      SplitHiLo(x8, x9, &qa[kk][2], &qa[kk][3]);
-    }
+    NaturalQFragments<D>(qa, qp, q_norm, q, row_used);
   } else {
 #pragma unroll
     for (int i = 0; i < D / 4; ++i) qn[i] = row_used ? qp[q * (D / 4) + i] * q_norm : 0.f;
@@ -510,15 +518,7 @@ __global__ void __launch_bounds__(kMmaWarps* kWarp, 3)
   if (split == splits - 1 && window > 0) {
     if constexpr (F != PageFormat::kFp16) {
       // Affine kernels attend the fp16 window with Q's natural-order fragments.
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        const int c = 16 * kk + 2 * q;
-        const float x0 = row_used ? qp[c] * q_norm : 0.f, x1 = row_used ? qp[c + 1] * q_norm : 0.f;
-        const float x8 = row_used ? qp[c + 8] * q_norm : 0.f;
-        const float x9 = row_used ? qp[c + 9] * q_norm : 0.f;
-        SplitHiLo(x0, x1, &qa[kk][0], &qa[kk][1]);
-        SplitHiLo(x8, x9, &qa[kk][2], &qa[kk][3]);
-      }
+      NaturalQFragments<D>(qa, qp, q_norm, q, row_used);
     }
     const int wt = layout.window_tile;
     uint8_t* k = smem;
