@@ -13,9 +13,13 @@
 // Each sequence may also have a full-precision window (its newest tokens, fp16, [window][head_dim]
 // per KV head), attended after its pages, as the CPU kernels do.
 //
-// GQA: one thread block per (sequence, KV head, split) stages each page's bytes in shared memory
-// once, with 16-byte loads, and one warp per query head of the group computes from it; splits
-// along the sequence (flash-decoding) are merged by their log-sum-exp in a second kernel.
+// GQA: one thread block per (sequence, KV head, split) streams the split's pages through shared
+// memory (cp.async, several pages in flight), each page's bytes read from device memory once for
+// all the group's query heads; splits along the sequence (flash-decoding) are merged by their
+// log-sum-exp in a second kernel. Two kernels: on the tensor cores (paged_decode_mma.cuh: four
+// warps over 16-token slices, the group's heads as rows of mma.sync products) for pages of
+// 16-token multiples, key groups of 16-token multiples and value groups of 32-channel multiples;
+// otherwise, or with STRATA_CUDA_DECODE=simt, one warp per query head.
 //
 // Device memory is the caller's: every pointer below is a device pointer. Launches go on `stream`
 // and report launch errors (cudaGetLastError) as absl::Status; they do not synchronize.
