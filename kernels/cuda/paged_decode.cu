@@ -28,13 +28,14 @@ __device__ __forceinline__ float WarpSum(float v) {
 // Starts copying `bytes` (a multiple of 16) from global to shared memory, 16 bytes per
 // cp.async (sm_80+), all threads: every copy is in flight at once and none passes through
 // registers. The caller commits the group and waits for it (CpAsyncWait) before a barrier.
+// One 16-byte cp.async from global `src` to shared `dst`.
+__device__ __forceinline__ void CpAsync16(uint8_t* dst, const uint8_t* src) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src) : "memory");
+}
 __device__ __forceinline__ void StageAsync(uint8_t* dst, const uint8_t* src, size_t bytes) {
   const size_t n = bytes / 16;
-  for (size_t i = threadIdx.x; i < n; i += blockDim.x) {
-    const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst + i * 16));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src + i * 16)
-                 : "memory");
-  }
+  for (size_t i = threadIdx.x; i < n; i += blockDim.x) CpAsync16(dst + i * 16, src + i * 16);
 }
 __device__ __forceinline__ void CpAsyncCommit() {
   asm volatile("cp.async.commit_group;\n" ::: "memory");
@@ -351,26 +352,22 @@ __global__ void MergeKernel(int head_dim, int splits, const float* part_acc, con
 }
 
 // Pages in flight per block: three where a KV head's page is small (affine codes), two for fp16.
-template <int D, PageFormat F>
+template <PageFormat F>
 constexpr int StagesFor() {
   return F == PageFormat::kFp16 ? 2 : 3;
 }
 
 template <int D, PageFormat F, int KB, int VB>
 size_t SharedBytes(const PagedKvLayout& L, int group) {
-  return StagesFor<D, F>() * StageBytes<D>(L) +
+  return StagesFor<F>() * StageBytes<D>(L) +
          static_cast<size_t>(group) * L.page_tokens * sizeof(float);
 }
 
 using KernelFn = void (*)(PagedKvLayout, PagedDecodeArgs, int, float*, float*);
 
-// The kernel for (D, F, KB, VB) into `kernel`, with its dynamic shared-memory limit raised to
-// what `L` needs.
-template <int D, PageFormat F, int KB, int VB>
-absl::Status Prepare(const PagedKvLayout& L, int group, KernelFn* kernel) {
-  const size_t smem = SharedBytes<D, F, KB, VB>(L, group);
-  *kernel = DecodeKernel<D, F, KB, VB, StagesFor<D, F>()>;
-  if (cudaError_t e = cudaFuncSetAttribute(*kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+// Raises `kernel`'s dynamic shared-memory limit to `smem` bytes.
+absl::Status AllowSharedBytes(KernelFn kernel, size_t smem) {
+  if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(smem));
       e != cudaSuccess) {
     return absl::InternalError(absl::StrCat("paged decode: ", smem, " bytes of shared memory: ",
@@ -414,18 +411,12 @@ absl::Status MakePlan(const PagedKvLayout& L, int group, Plan* plan) {
     plan->kernel = MmaDecodeKernel<D, F, KB, VB, kStages>;
     plan->smem = MmaSmem<D>(L, kStages, group).total;
     plan->threads = kMmaWarps * kWarp;
-    if (cudaError_t e =
-            cudaFuncSetAttribute(plan->kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 static_cast<int>(plan->smem));
-        e != cudaSuccess) {
-      return absl::InternalError(absl::StrCat("paged decode: ", plan->smem,
-                                              " bytes of shared memory: ", cudaGetErrorString(e)));
-    }
-    return absl::OkStatus();
+  } else {
+    plan->kernel = DecodeKernel<D, F, KB, VB, StagesFor<F>()>;
+    plan->smem = SharedBytes<D, F, KB, VB>(L, group);
+    plan->threads = group * kWarp;
   }
-  plan->smem = SharedBytes<D, F, KB, VB>(L, group);
-  plan->threads = group * kWarp;
-  return Prepare<D, F, KB, VB>(L, group, &plan->kernel);
+  return AllowSharedBytes(plan->kernel, plan->smem);
 }
 
 template <int D, PageFormat F, int KB, int VB>
@@ -478,17 +469,10 @@ auto DispatchBits(const PagedKvLayout& L, Fn&& fn) {
 template <int D>
 absl::Status LaunchFor(const PagedKvLayout& L, const PagedDecodeArgs& a, int splits,
                        cudaStream_t stream) {
-  if (L.format == PageFormat::kFp16) return Launch<D, PageFormat::kFp16, 16, 16>(L, a, splits, stream);
-  const int bits = L.key_bits * 10 + L.value_bits;
-  switch (bits) {
-    case 22: return Launch<D, PageFormat::kAffine, 2, 2>(L, a, splits, stream);
-    case 24: return Launch<D, PageFormat::kAffine, 2, 4>(L, a, splits, stream);
-    case 42: return Launch<D, PageFormat::kAffine, 4, 2>(L, a, splits, stream);
-    case 44: return Launch<D, PageFormat::kAffine, 4, 4>(L, a, splits, stream);
-    default:
-      return absl::InvalidArgumentError(absl::StrCat("paged decode: k", L.key_bits, "v",
-                                                     L.value_bits, " codes are not supported"));
-  }
+  // (PagedDecode has validated the layout: code bits are 2 or 4.)
+  return DispatchBits<D>(L, [&]<int DD, PageFormat F, int KB, int VB>() {
+    return Launch<DD, F, KB, VB>(L, a, splits, stream);
+  });
 }
 
 }  // namespace

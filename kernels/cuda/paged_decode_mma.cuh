@@ -1,5 +1,5 @@
 // The tensor-core path of the paged decode attention (included by paged_decode.cu inside its
-// anonymous namespace; uses its StageAsync, CpAsync* and kWarp).
+// anonymous namespace; uses its StageAsync, CpAsync16, CpAsync* and kWarp).
 //
 // One block per (split, KV head, sequence), four warps. Each warp takes its own 16-token slices
 // of every page (warp w: tokens 16w.., 16(w+4).., ...) and keeps its own online softmax; the
@@ -207,9 +207,7 @@ __device__ __forceinline__ void StageAffineAsync(uint8_t* dst, const uint8_t* sr
       const int r = rel / kRow, c = (rel % kRow) / 16;  // kRow: a power of two
       to = value_codes + r * kRow + ValueChunk<D, VB>(r, c) * 16;
     }
-    const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst + to));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src + i * 16)
-                 : "memory");
+    CpAsync16(dst + to, src + i * 16);
   }
 }
 
@@ -389,24 +387,20 @@ __device__ __forceinline__ void StageFp16Async(uint8_t* dst, const uint8_t* src,
   for (int t = 0; t < 2; ++t) {
     for (int rc = threadIdx.x; rc < per_tensor; rc += kMmaWarps * kWarp) {
       const int r = rc / kChunks, c = rc % kChunks;  // kChunks: a power of two
-      const unsigned d =
-          static_cast<unsigned>(__cvta_generic_to_shared(dst + t * v_offset + Swizzled<D>(r, c)));
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d),
-                   "l"(src + t * v_offset + static_cast<size_t>(rc) * 16)
-                   : "memory");
+      CpAsync16(dst + t * v_offset + Swizzled<D>(r, c),
+                src + t * v_offset + static_cast<size_t>(rc) * 16);
     }
   }
 }
 
-// Shared memory of the tensor-core kernel: S page buffers (an fp16 window tile of
-// WindowTile() rows fits in them), and after the pages the warps' states for the merge.
+// Shared memory of the tensor-core kernel: `stages` page buffers (an fp16 window tile of
+// window_tile rows fits in them), and after the pages the warps' states for the merge.
 template <int D>
 struct MmaSmem {
-  size_t buffer = 0;  // bytes of one page buffer
-  int stages = 2;
+  size_t buffer = 0;     // bytes of one page buffer
   int window_tile = 16;  // rows of fp16 window attended at a time
   size_t total = 0;
-  __host__ __device__ MmaSmem(const PagedKvLayout& L, int stages_, int group) : stages(stages_) {
+  __host__ __device__ MmaSmem(const PagedKvLayout& L, int stages, int group) {
     buffer = L.HeadBytes();
     const size_t pages = buffer * stages;
     const size_t row = static_cast<size_t>(D) * 2 * 2;  // one token of K and V
