@@ -4,6 +4,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <filesystem>
 #include <iostream>
 #include <mutex>
@@ -236,7 +237,20 @@ model::SamplingOptions SamplingFromProto(const strata::v1::Sampling& sampling) {
   o.top_k = sampling.top_k();
   o.top_p = sampling.top_p() == 0.0f ? 1.0f : sampling.top_p();
   o.seed = sampling.seed();
+  o.min_p = sampling.min_p();
+  o.presence_penalty = sampling.presence_penalty();
+  o.frequency_penalty = sampling.frequency_penalty();
+  o.repetition_penalty = sampling.repetition_penalty() == 0.0f ? 1.0f : sampling.repetition_penalty();
   return o;
+}
+
+absl::Time CallDeadline(const grpc::ServerContext& context) {
+  const std::chrono::system_clock::time_point d = context.deadline();
+  // gRPC reports "no deadline" as the clock's far end (or near it, after conversions).
+  if (d >= std::chrono::system_clock::time_point::max() - std::chrono::hours(24 * 365)) {
+    return absl::InfiniteFuture();
+  }
+  return absl::FromChrono(d);
 }
 
 const char* ResultLabel(absl::StatusCode code) {

@@ -12,6 +12,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "grpcpp/server.h"
+#include "grpcpp/server_context.h"
 #include "grpcpp/impl/service_type.h"
 #include "cluster/cluster_file.h"
 #include "cluster/etcd_membership.h"
@@ -118,6 +119,10 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(
 
 // The sampling options of a serving request (top_p 0, proto3's unset, reads as 1).
 model::SamplingOptions SamplingFromProto(const strata::v1::Sampling& sampling);
+
+// The deadline of the call `context` serves, as the request's deadline (InfiniteFuture when the
+// caller set none).
+absl::Time CallDeadline(const grpc::ServerContext& context);
 
 // The `result` label of a request counter: ok, invalid, exhausted, cancelled or error.
 const char* ResultLabel(absl::StatusCode code);

@@ -113,7 +113,8 @@ absl::Status DecodeEngine::Start(DecodeRequest request, std::shared_ptr<TokenSin
   auto s = std::make_shared<Sequence>();
   s->req = std::move(request);
   s->sink = std::move(sink);
-  s->deadline = absl::Now() + options_.kv_timeout;
+  s->deadline = s->req.deadline != absl::InfiniteFuture() ? s->req.deadline
+                                                           : absl::Now() + options_.kv_timeout;
   std::lock_guard<std::mutex> lock(mu_);
   // Under mu_: Drain sees every sequence registered before it set the flag.
   if (draining_.load()) {
@@ -123,9 +124,10 @@ absl::Status DecodeEngine::Start(DecodeRequest request, std::shared_ptr<TokenSin
     return absl::AlreadyExistsError(
         absl::StrCat("decode: request ", s->req.request_id, " is already registered"));
   }
-  if (load_.waiting >= options_.max_waiting) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "decode: ", load_.waiting, " requests waiting, the limit is ", options_.max_waiting));
+  if (load_.waiting >= options_.MaxWaiting()) {
+    return absl::ResourceExhaustedError(absl::StrCat("decode: ", load_.waiting,
+                                                     " requests waiting, the limit is ",
+                                                     options_.MaxWaiting(), "; retry later"));
   }
   ++load_.waiting;
   ++stats_.requests;
@@ -599,8 +601,12 @@ void DecodeEngine::Loop() {
         std::lock_guard<std::mutex> lock(mu_);
         ++stats_.failed;
       }
-      s->sink->Fail(absl::DeadlineExceededError(
-          absl::StrCat("decode: request ", s->req.request_id, ": its KV did not arrive in time")));
+      s->sink->Fail(absl::DeadlineExceededError(absl::StrCat(
+          "decode: request ", s->req.request_id,
+          s->req.deadline != absl::InfiniteFuture()
+              ? ": its deadline passed before its KV arrived"
+              : absl::StrCat(": its KV did not arrive within kv_timeout (",
+                             absl::FormatDuration(options_.kv_timeout), ")"))));
     }
     std::vector<std::shared_ptr<Sequence>> done;
     for (auto& s : admit) {
@@ -651,7 +657,7 @@ void DecodeEngine::Loop() {
         }
         const uint32_t token = s.sampler->Sample(
             absl::MakeConstSpan((*logits)[i]).subspan((*logits)[i].size() - vocab),
-            s.generated.size());
+            s.generated.size(), s.req.prompt, s.generated);
         if (Emit(s, token)) done.push_back(batch[i]);
       }
     }

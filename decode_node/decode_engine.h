@@ -53,10 +53,16 @@ struct DecodeEngineOptions {
   PrefixKeyOptions keys = {};  // as the prefill nodes key chunks (cache salt per request)
   uint32_t max_batch = 32;     // sequences stepped together
   uint64_t kv_budget_bytes = uint64_t{1} << 30;  // compressed blocks + windows of admitted ones
-  uint32_t max_waiting = 4096;  // registered requests not yet running; more are refused
-  absl::Duration kv_timeout = absl::Seconds(60);  // from Start to the end shipment
+  // Registered requests not yet running (waiting for their KV or for a place in the batch); more
+  // are refused with kResourceExhausted. 0: 4 x max_batch (MaxWaiting).
+  uint32_t max_waiting = 0;
+  // From Start to the end shipment, for a request that carries no deadline of its own. A request
+  // with a deadline waits for its KV until then: however long the prefill node queues it (the
+  // router cancels the request when its prefill fails).
+  absl::Duration kv_timeout = absl::Seconds(60);
   bool put_to_store = true;  // Put generated chunks (and preempted sequences) in the store
   absl::Status Validate() const;
+  uint32_t MaxWaiting() const { return max_waiting != 0 ? max_waiting : 4 * max_batch; }
 };
 
 enum class FinishReason { kStop, kLength };
@@ -69,6 +75,8 @@ struct DecodeRequest {
   uint32_t max_tokens = 16;  // generated tokens at most (the first included)
   std::vector<std::string> stop = {};
   bool ignore_eos = false;
+  // When the caller gives up (InfiniteFuture: none; then kv_timeout bounds the wait for KV).
+  absl::Time deadline = absl::InfiniteFuture();
 };
 
 struct DecodeUsage {

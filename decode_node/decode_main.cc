@@ -35,8 +35,12 @@ ABSL_FLAG(std::string, transport, "",
 ABSL_FLAG(int, max_batch, 32,
           "sequences stepped together (up to 64, each gets the logits it would get alone)");
 ABSL_FLAG(std::string, kv_budget, "1G", "KV bytes (compressed) of running sequences");
-ABSL_FLAG(int, max_waiting, 4096, "registered requests not yet running; more: refused (429)");
-ABSL_FLAG(int, kv_timeout_ms, 60000, "registration to the end of the KV transfer");
+ABSL_FLAG(int, max_waiting, 0,
+          "registered requests not yet running (waiting for their KV or a place in the batch); "
+          "more: refused (429 at the router). 0: 4 x --max_batch");
+ABSL_FLAG(int, kv_timeout_ms, 60000,
+          "registration to the end of the KV transfer, for a request without a deadline (the "
+          "router gives every request one: the KV is awaited until then)");
 ABSL_FLAG(bool, put_to_store, true, "Put generated chunks (and preempted sequences) in the store");
 ABSL_FLAG(std::string, local_ram_bytes, "0",
           "the node's own RAM tier of blocks, in front of the shared store (0: none): a preempted "
@@ -83,9 +87,9 @@ int main(int argc, char** argv) {
               << "' is not a byte count (e.g. 512M, 8G)\n";
     return 2;
   }
-  if (absl::GetFlag(FLAGS_max_batch) < 1 || absl::GetFlag(FLAGS_max_waiting) < 1 ||
+  if (absl::GetFlag(FLAGS_max_batch) < 1 || absl::GetFlag(FLAGS_max_waiting) < 0 ||
       absl::GetFlag(FLAGS_kv_timeout_ms) < 1) {
-    std::cerr << "strata-decode: --max_batch, --max_waiting and --kv_timeout_ms must be >= 1\n";
+    std::cerr << "strata-decode: --max_batch and --kv_timeout_ms must be >= 1, --max_waiting >= 0\n";
     return 2;
   }
   if (absl::GetFlag(FLAGS_listen_wait_s) < 0) {

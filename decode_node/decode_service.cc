@@ -174,6 +174,7 @@ grpc::Status DecodeService::Generate(grpc::ServerContext* context,
   r.max_tokens = request->max_tokens();
   r.stop.assign(request->stop().begin(), request->stop().end());
   r.ignore_eos = request->ignore_eos();
+  r.deadline = cluster::CallDeadline(*context);
   if (stopping_) {
     return grpc::Status(grpc::StatusCode::UNAVAILABLE, "decode node is shutting down");
   }
@@ -255,6 +256,7 @@ grpc::Status DecodeService::Load(grpc::ServerContext*, const strata::v1::LoadReq
   response->set_kv_bytes_reserved(load.kv_bytes_arrived);
   response->set_kv_bytes_capacity(engine_->options().kv_budget_bytes);
   response->set_max_batch(engine_->options().max_batch);
+  response->set_max_waiting(engine_->options().MaxWaiting());
   response->set_kv_bytes_per_token(options_.kv_bytes_per_token);
   response->set_incarnation(options_.incarnation);
   response->set_draining(engine_->draining());

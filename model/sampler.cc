@@ -28,11 +28,59 @@ absl::Status SamplingOptions::Validate() const {
   if (!(top_p > 0.0f && top_p <= 1.0f)) {
     return absl::InvalidArgumentError(absl::StrCat("sampling: top_p must be in (0, 1], got ", top_p));
   }
+  if (!(min_p >= 0.0f && min_p <= 1.0f)) {
+    return absl::InvalidArgumentError(absl::StrCat("sampling: min_p must be in [0, 1], got ", min_p));
+  }
+  if (!(presence_penalty >= -2.0f && presence_penalty <= 2.0f)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sampling: presence_penalty must be in [-2, 2], got ", presence_penalty));
+  }
+  if (!(frequency_penalty >= -2.0f && frequency_penalty <= 2.0f)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sampling: frequency_penalty must be in [-2, 2], got ", frequency_penalty));
+  }
+  if (!(repetition_penalty > 0.0f && repetition_penalty <= 100.0f)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "sampling: repetition_penalty must be in (0, 100], got ", repetition_penalty));
+  }
   return absl::OkStatus();
 }
 
-uint32_t Sampler::Sample(absl::Span<const float> logits, uint64_t index) const {
-  const uint32_t vocab = static_cast<uint32_t>(logits.size());
+uint32_t Sampler::Sample(absl::Span<const float> raw, uint64_t index,
+                         absl::Span<const uint32_t> prompt,
+                         absl::Span<const uint32_t> output) const {
+  const uint32_t vocab = static_cast<uint32_t>(raw.size());
+  std::vector<float> penalized;
+  absl::Span<const float> logits = raw;
+  if (options_.has_penalties()) {
+    penalized.assign(raw.begin(), raw.end());
+    if (options_.repetition_penalty != 1.0f) {
+      std::vector<bool> seen(vocab, false);
+      for (uint32_t t : prompt) {
+        if (t < vocab) seen[t] = true;
+      }
+      for (uint32_t t : output) {
+        if (t < vocab) seen[t] = true;
+      }
+      for (uint32_t t = 0; t < vocab; ++t) {
+        if (!seen[t]) continue;
+        penalized[t] = penalized[t] > 0 ? penalized[t] / options_.repetition_penalty
+                                        : penalized[t] * options_.repetition_penalty;
+      }
+    }
+    if (options_.presence_penalty != 0.0f || options_.frequency_penalty != 0.0f) {
+      std::vector<uint32_t> count(vocab, 0);
+      for (uint32_t t : output) {
+        if (t < vocab) ++count[t];
+      }
+      for (uint32_t t = 0; t < vocab; ++t) {
+        if (count[t] == 0) continue;
+        penalized[t] -= options_.presence_penalty +
+                        options_.frequency_penalty * static_cast<float>(count[t]);
+      }
+    }
+    logits = penalized;
+  }
   if (options_.temperature <= 0.0f || options_.top_k == 1) {
     return static_cast<uint32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
   }
@@ -52,7 +100,7 @@ uint32_t Sampler::Sample(absl::Span<const float> logits, uint64_t index) const {
     p[i] = std::exp((double{logits[ids[i]]} - mx) / options_.temperature);
     sum += p[i];
   }
-  // Nucleus: the smallest prefix whose mass reaches top_p.
+  // Nucleus: the smallest prefix whose mass reaches top_p; then min-p against the most likely.
   uint32_t keep = k;
   if (options_.top_p < 1.0f) {
     double acc = 0;
@@ -63,6 +111,12 @@ uint32_t Sampler::Sample(absl::Span<const float> logits, uint64_t index) const {
         break;
       }
     }
+  }
+  if (options_.min_p > 0.0f) {
+    // p[0] is the most likely (its weight is exp(0) = 1).
+    uint32_t above = 1;
+    while (above < keep && p[above] >= options_.min_p * p[0]) ++above;
+    keep = above;
   }
   double mass = 0;
   for (uint32_t i = 0; i < keep; ++i) mass += p[i];

@@ -49,10 +49,53 @@ TEST(SamplerTest, TopKAndTopPKeepOnlyTheLikelyTokens) {
   EXPECT_EQ(seen.count(4), 0u);
 }
 
+TEST(SamplerTest, PenaltiesFollowVllmsDefinitions) {
+  const std::vector<float> logits = {3.0f, 2.5f, 2.0f, -1.0f};
+  const std::vector<uint32_t> prompt = {2};
+  // Greedy picks 0; once 0 was generated twice, a frequency penalty of 0.3 per time costs it
+  // 0.6 (3.0 - 0.6 = 2.4 < 2.5): token 1 wins.
+  EXPECT_EQ(Sampler({.frequency_penalty = 0.3f}).Sample(logits, 2, prompt, {0, 0}), 1u);
+  EXPECT_EQ(Sampler({.frequency_penalty = 0.3f}).Sample(logits, 1, prompt, {0}), 0u);  // 2.7
+  // Presence counts once however often: 3.0 - 0.4 = 2.6 > 2.5.
+  EXPECT_EQ(Sampler({.presence_penalty = 0.4f}).Sample(logits, 2, prompt, {0, 0, 0}), 0u);
+  EXPECT_EQ(Sampler({.presence_penalty = 0.6f}).Sample(logits, 1, prompt, {0}), 1u);
+  // Repetition: prompt and output tokens, positive logits divided: token 0 (output) 3.0 / 1.5 =
+  // 2.0, token 2 (prompt) 2.0 / 1.5 = 1.33; token 1 is untouched at 2.5 and wins.
+  EXPECT_EQ(Sampler({.repetition_penalty = 1.5f}).Sample(logits, 1, prompt, {0}), 1u);
+  // A negative logit is multiplied: more negative.
+  const std::vector<float> negative = {-1.0f, -1.2f};
+  EXPECT_EQ(Sampler({.repetition_penalty = 1.5f}).Sample(negative, 0, {0}, {}), 1u);
+  // A negative frequency penalty favours repeats.
+  EXPECT_EQ(Sampler({.frequency_penalty = -1.0f}).Sample(logits, 1, prompt, {3, 3, 3, 3, 3}), 3u);
+  // Without penalties the history changes nothing.
+  EXPECT_EQ(Sampler({}).Sample(logits, 1, prompt, {0, 0, 0}), 0u);
+}
+
+TEST(SamplerTest, MinPKeepsTokensNearTheMostLikely) {
+  // exp(-0.5) = 0.61, exp(-3) = 0.05 of the top token's probability.
+  const std::vector<float> logits = {5.0f, 4.5f, 2.0f, 1.9f};
+  std::map<uint32_t, int> seen;
+  const Sampler m({.temperature = 1.0f, .seed = 3, .min_p = 0.1f});
+  for (uint64_t i = 0; i < 400; ++i) ++seen[m.Sample(logits, i)];
+  EXPECT_EQ(seen.size(), 2u);
+  EXPECT_GT(seen[1], 50);
+  seen.clear();
+  const Sampler all({.temperature = 1.0f, .seed = 3});
+  for (uint64_t i = 0; i < 2000; ++i) ++seen[all.Sample(logits, i)];
+  EXPECT_EQ(seen.size(), 4u);  // without min-p the unlikely ones are drawn too
+}
+
 TEST(SamplerTest, OptionsAreValidated) {
   EXPECT_EQ(SamplingOptions{.temperature = -1}.Validate().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(SamplingOptions{.top_p = 0}.Validate().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE((SamplingOptions{.temperature = 0.7f, .top_p = 0.9f}.Validate().ok()));
+  EXPECT_NE(SamplingOptions{.min_p = 1.5f}.Validate().message().find("min_p"), std::string::npos);
+  EXPECT_NE(SamplingOptions{.presence_penalty = 3}.Validate().message().find("presence_penalty"),
+            std::string::npos);
+  EXPECT_NE(SamplingOptions{.frequency_penalty = -3}.Validate().message().find("frequency_penalty"),
+            std::string::npos);
+  EXPECT_NE(SamplingOptions{.repetition_penalty = 0}.Validate().message().find("repetition"),
+            std::string::npos);
 }
 
 class TextStreamTest : public ::testing::Test {

@@ -5,6 +5,7 @@
 #include <iostream>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "common/status_macros.h"
 #include "transport/shipment.h"
 
@@ -58,7 +59,53 @@ PrefillEngine::~PrefillEngine() = default;
 
 PrefillLoad PrefillEngine::load() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return load_;
+  PrefillLoad l = load_;
+  l.max_queued_tokens = QueueLimit();
+  l.tokens_per_second = tokens_per_second_;
+  return l;
+}
+
+uint64_t PrefillEngine::QueueLimit() const {
+  if (tokens_per_second_ <= 0 || options_.max_queue_time <= absl::ZeroDuration()) {
+    return options_.max_queued_tokens;
+  }
+  // max_concurrent prompts are served side by side (each at about the measured rate).
+  const double tokens = tokens_per_second_ * options_.max_concurrent *
+                        absl::ToDoubleSeconds(options_.max_queue_time);
+  return std::min<uint64_t>(options_.max_queued_tokens,
+                            std::max<uint64_t>(options_.chunk_tokens, static_cast<uint64_t>(tokens)));
+}
+
+absl::Duration PrefillEngine::TimeFor(uint64_t tokens) const {
+  if (tokens_per_second_ <= 0) return absl::ZeroDuration();
+  return absl::Seconds(static_cast<double>(tokens) / (tokens_per_second_ * options_.max_concurrent));
+}
+
+void PrefillEngine::RecordRate(uint64_t tokens, double seconds) {
+  if (tokens == 0 || seconds <= 0) return;
+  const double sample = static_cast<double>(tokens) / seconds;
+  // A moving average over the last few requests: it follows a machine that slows under load
+  // (the measure that matters to the queue) without swinging with each prompt.
+  tokens_per_second_ = tokens_per_second_ <= 0 ? sample : 0.8 * tokens_per_second_ + 0.2 * sample;
+}
+
+absl::Status PrefillEngine::MeasureThroughput(uint32_t tokens) {
+  if (tokens == 0) return absl::InvalidArgumentError("prefill: MeasureThroughput of no tokens");
+  const model::ModelConfig& c = model_->config();
+  tokens = std::min<uint32_t>(tokens, c.max_position_embeddings - 1);
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<model::SequenceKvCache> cache,
+                          model_->NewCache({.codec = options_.codec,
+                                            .chunk_tokens = options_.chunk_tokens,
+                                            .calibration = options_.calibration}));
+  std::vector<uint32_t> prompt(tokens);
+  for (uint32_t i = 0; i < tokens; ++i) prompt[i] = (i * 7919u + 13u) % c.vocab_size;
+  const auto t0 = std::chrono::steady_clock::now();
+  const model::LayerHook hook = [&](uint32_t layer) { return cache->CompressLayer(layer).status(); };
+  STRATA_RETURN_IF_ERROR(model_->Prefill(prompt, cache.get(), hook).status());
+  const double seconds = Since(t0);
+  std::lock_guard<std::mutex> lock(mu_);
+  RecordRate(tokens, seconds);
+  return absl::OkStatus();
 }
 
 PrefillStats PrefillEngine::stats() const {
@@ -98,30 +145,61 @@ absl::StatusOr<PrefillResult> PrefillEngine::Prefill(const PrefillRequest& r,
                                                      ", beyond the vocabulary of ", c.vocab_size));
     }
   }
-  // A compute slot, in arrival order.
+  // Admission, then a compute slot in arrival order.
+  const uint64_t n = r.tokens.size();
   uint64_t ticket;
   {
     std::unique_lock<std::mutex> lock(mu_);
-    if (load_.queued_tokens + r.tokens.size() > options_.max_queued_tokens) {
+    if (load_.queued_tokens + n > options_.max_queued_tokens) {
+      ++stats_.refused;
       return absl::ResourceExhaustedError(absl::StrCat(
           "prefill: ", load_.queued_tokens, " prompt tokens queued, the limit is ",
-          options_.max_queued_tokens));
+          options_.max_queued_tokens, " (max_queued_tokens); retry later"));
     }
-    load_.queued_tokens += r.tokens.size();
+    const uint64_t limit = QueueLimit();
+    if (load_.queued_tokens > 0 && load_.queued_tokens + n > limit) {
+      ++stats_.refused;
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "prefill: %u prompt tokens queued (%.1f s of work at %.0f tokens/s), the limit is %u "
+          "(max_queue_time %s); retry later",
+          load_.queued_tokens, absl::ToDoubleSeconds(TimeFor(load_.queued_tokens)),
+          tokens_per_second_, limit, absl::FormatDuration(options_.max_queue_time)));
+    }
+    if (r.deadline != absl::InfiniteFuture() && load_.queued_tokens > 0) {
+      const absl::Duration wait = TimeFor(load_.queued_tokens + n);
+      const absl::Duration left = r.deadline - absl::Now();
+      if (wait > left) {
+        ++stats_.refused;
+        return absl::ResourceExhaustedError(absl::StrFormat(
+            "prefill: the request would finish in about %.1f s (%u prompt tokens queued ahead), "
+            "after its deadline in %.1f s; retry later or allow more time",
+            absl::ToDoubleSeconds(wait), load_.queued_tokens, absl::ToDoubleSeconds(left)));
+      }
+    }
+    load_.queued_tokens += n;
     ++load_.active;
     ++stats_.requests;
     ticket = next_ticket_++;
+    // Leaves the queue without computing: gives the turn up when it comes (the next ticket goes
+    // then), so the arrival order holds.
+    auto leave = [&](absl::Status why, uint64_t* counter) {
+      while (ticket != serving_ticket_) turn_cv_.wait_for(lock, std::chrono::milliseconds(5));
+      ++serving_ticket_;
+      load_.queued_tokens -= n;
+      --load_.active;
+      ++*counter;
+      turn_cv_.notify_all();
+      return why;
+    };
     while (!(ticket == serving_ticket_ && computing_ < options_.max_concurrent)) {
       turn_cv_.wait_for(lock, std::chrono::milliseconds(20));
       if (cancelled && cancelled()) {
-        // Give the turn up without computing: the next ticket may go when ours comes.
-        while (!(ticket == serving_ticket_)) turn_cv_.wait_for(lock, std::chrono::milliseconds(5));
-        ++serving_ticket_;
-        load_.queued_tokens -= r.tokens.size();
-        --load_.active;
-        ++stats_.cancelled;
-        turn_cv_.notify_all();
-        return absl::CancelledError("prefill: cancelled while queued");
+        return leave(absl::CancelledError("prefill: cancelled while queued"), &stats_.cancelled);
+      }
+      if (absl::Now() > r.deadline) {
+        return leave(absl::DeadlineExceededError(
+                         "prefill: the request's deadline passed while it was queued"),
+                     &stats_.expired);
       }
     }
     ++serving_ticket_;
@@ -129,16 +207,18 @@ absl::StatusOr<PrefillResult> PrefillEngine::Prefill(const PrefillRequest& r,
     turn_cv_.notify_all();
   }
   const double queued = Since(t0);
+  const auto served_from = std::chrono::steady_clock::now();
   absl::StatusOr<PrefillResult> result = Run(r, cancelled);
   std::lock_guard<std::mutex> lock(mu_);
   --computing_;
-  load_.queued_tokens -= r.tokens.size();
+  load_.queued_tokens -= n;
   --load_.active;
   turn_cv_.notify_all();
   if (!result.ok()) {
     ++(result.status().code() == absl::StatusCode::kCancelled ? stats_.cancelled : stats_.failed);
     return result;
   }
+  RecordRate(n, Since(served_from));
   result->queue_seconds = queued;
   result->total_seconds = Since(t0);
   stats_.prompt_tokens += result->prompt_tokens;
@@ -285,7 +365,7 @@ absl::StatusOr<PrefillResult> PrefillEngine::Run(const PrefillRequest& r,
   res.compute_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - tc).count();
   if (!logits.ok()) return abort(logits.status());
   res.computed_tokens = res.prompt_tokens - res.cached_tokens;
-  res.first_token = model::Sampler(r.sampling).Sample(*logits, 0);
+  res.first_token = model::Sampler(r.sampling).Sample(*logits, 0, r.tokens);
 
   // Each layer's window, then the end.
   for (uint32_t l = 0; l < L; ++l) {

@@ -11,10 +11,19 @@
 // first token. New full chunks are Put in the store after the decode node has acknowledged
 // everything. Blocks are never re-packed: the codec's bytes are what moves and what is stored.
 //
+// Admission (docs/cluster.md, "Overload"): the queue holds at most the prompt tokens the node
+// computes within max_queue_time at its measured rate (a moving average of its requests' prompt
+// tokens per second of service, seeded by MeasureThroughput at start), and never more than
+// max_queued_tokens; a request beyond that, or one whose deadline its place in the queue would
+// miss, is refused at once with kResourceExhausted, before any KV is computed or moved. A queued
+// request whose caller gave up (`cancelled`, which a gRPC deadline also sets) or whose deadline
+// passed leaves the queue without computing.
+//
 // Errors: kInvalidArgument (bad request: empty prompt, token beyond the vocabulary, prompt over
-// the context, bad request id), kResourceExhausted (queue full), kCancelled (the caller's
-// `cancelled` said so; the decode node is told to drop the request), kUnavailable /
-// kDeadlineExceeded (decode node unreachable or too slow; it is told to drop the request).
+// the context, bad request id), kResourceExhausted (queue full, or the deadline out of reach),
+// kCancelled (the caller's `cancelled` said so; the decode node is told to drop the request),
+// kDeadlineExceeded (the deadline passed in the queue), kUnavailable / kDeadlineExceeded (decode
+// node unreachable or too slow; it is told to drop the request).
 // A store that fails is only a miss (lookup) or a lost Put, logged and counted, never an error.
 //
 // Thread-safe: Prefill may be called from many threads; at most `max_concurrent` compute at once,
@@ -53,6 +62,9 @@ struct PrefillEngineOptions {
   absl::Duration connect_timeout = absl::Seconds(5);  // to a decode node
   int max_concurrent = 1;                    // prompts computed at once
   uint64_t max_queued_tokens = 1u << 20;     // prompt tokens waiting or computing; more: refused
+  // The work queued ahead of a new request, at the measured rate, at most; more: refused. Zero:
+  // only max_queued_tokens bounds the queue. A request always gets in when the queue is empty.
+  absl::Duration max_queue_time = absl::Seconds(10);
   bool put_to_store = true;                  // Put newly computed chunks in the store
   absl::Status Validate() const;
 };
@@ -63,6 +75,8 @@ struct PrefillRequest {
   std::string cache_salt = "";  // tenants with different salts never share blocks
   std::string decode_address = "";  // the decode node's transport address
   model::SamplingOptions sampling = {};  // for the first token
+  // When the caller gives up on the request (InfiniteFuture: never): see "Admission" above.
+  absl::Time deadline = absl::InfiniteFuture();
 };
 
 struct PrefillResult {
@@ -84,6 +98,9 @@ struct PrefillResult {
 struct PrefillLoad {
   uint64_t queued_tokens = 0;  // prompt tokens waiting or computing
   uint32_t active = 0;         // requests waiting or computing
+  // The queue's bound now (max_queue_time at the measured rate, capped by max_queued_tokens).
+  uint64_t max_queued_tokens = 0;
+  double tokens_per_second = 0;  // the measured rate; 0 before any measurement
 };
 
 struct PrefillStats {
@@ -92,6 +109,8 @@ struct PrefillStats {
   uint64_t blocks_shipped = 0, bytes_shipped = 0, block_bytes = 0, fp16_bytes = 0;
   uint64_t store_lookup_errors = 0, store_put_errors = 0, blocks_stored = 0;
   uint64_t streamed_early = 0;  // requests with layer0_acked_early > 0
+  uint64_t refused = 0;         // kResourceExhausted at admission
+  uint64_t expired = 0;         // left the queue at their deadline without computing
 };
 
 class PrefillEngine {
@@ -108,6 +127,10 @@ class PrefillEngine {
   absl::StatusOr<PrefillResult> Prefill(const PrefillRequest& request,
                                         const std::function<bool()>& cancelled = nullptr);
 
+  // Seeds the rate estimate admission uses: computes a prompt of `tokens` synthetic tokens
+  // (nothing shipped or stored) and times it. Called once at start by strata-prefill.
+  absl::Status MeasureThroughput(uint32_t tokens);
+
   PrefillLoad load() const;
   PrefillStats stats() const;
   const PrefillEngineOptions& options() const { return options_; }
@@ -121,6 +144,11 @@ class PrefillEngine {
   absl::StatusOr<std::shared_ptr<transport::Endpoint>> Peer(const std::string& address);
   absl::StatusOr<PrefillResult> Run(const PrefillRequest& request,
                                     const std::function<bool()>& cancelled);
+  // Under mu_: the queue's bound in prompt tokens, and how long `tokens` take at the measured
+  // rate (zero before any measurement).
+  uint64_t QueueLimit() const;
+  absl::Duration TimeFor(uint64_t tokens) const;
+  void RecordRate(uint64_t tokens, double seconds);  // under mu_
 
   const PrefillEngineOptions options_;
   const model::LlamaModel* model_;
@@ -132,6 +160,7 @@ class PrefillEngine {
   std::condition_variable turn_cv_;
   uint64_t next_ticket_ = 0, serving_ticket_ = 0;  // arrival order for the compute slots
   int computing_ = 0;
+  double tokens_per_second_ = 0;  // moving average of prompt tokens per second of service
   PrefillLoad load_;
   PrefillStats stats_;
   absl::flat_hash_map<std::string, std::shared_ptr<transport::Endpoint>> peers_;

@@ -9,6 +9,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "cluster/cluster_file.h"
 #include "cluster/node_flags.h"
 #include "cluster/node_process.h"
@@ -23,6 +24,12 @@
 
 ABSL_FLAG(int, max_concurrent, 1, "prompts computed at once");
 ABSL_FLAG(int64_t, max_queued_tokens, 1 << 20, "prompt tokens waiting or computing; more: 429");
+ABSL_FLAG(int, max_queue_ms, 10000,
+          "prompt tokens queued at most: what the node computes in this long at its measured rate "
+          "(0: only --max_queued_tokens bounds the queue); more are refused (429 at the router)");
+ABSL_FLAG(int, measure_tokens, -1,
+          "at start, time a prompt of this many tokens to seed the rate admission uses (-1: one "
+          "chunk; 0: none, the first requests measure it)");
 ABSL_FLAG(int, ship_timeout_ms, 30000, "per block, send to acknowledgement");
 ABSL_FLAG(bool, put_to_store, true, "Put newly computed chunks in the store");
 ABSL_FLAG(std::string, local_ram_bytes, "0",
@@ -63,6 +70,10 @@ int main(int argc, char** argv) {
       absl::GetFlag(FLAGS_ship_timeout_ms) < 1) {
     std::cerr << "strata-prefill: --max_concurrent, --max_queued_tokens and --ship_timeout_ms "
                  "must be >= 1\n";
+    return 2;
+  }
+  if (absl::GetFlag(FLAGS_max_queue_ms) < 0 || absl::GetFlag(FLAGS_measure_tokens) < -1) {
+    std::cerr << "strata-prefill: --max_queue_ms must be >= 0 and --measure_tokens >= -1\n";
     return 2;
   }
   const std::string listen =
@@ -108,11 +119,23 @@ int main(int argc, char** argv) {
   eo.calibration = served->calibration;
   eo.max_concurrent = absl::GetFlag(FLAGS_max_concurrent);
   eo.max_queued_tokens = static_cast<uint64_t>(absl::GetFlag(FLAGS_max_queued_tokens));
+  eo.max_queue_time = absl::Milliseconds(absl::GetFlag(FLAGS_max_queue_ms));
   eo.ship_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_ship_timeout_ms));
   eo.put_to_store = absl::GetFlag(FLAGS_put_to_store);
   absl::StatusOr<std::unique_ptr<strata::prefill::PrefillEngine>> engine =
       strata::prefill::PrefillEngine::Create(eo, served->model.get(), transport->get(), blocks);
   if (!engine.ok()) return Fail("engine", engine.status(), 2);
+  const int measure = absl::GetFlag(FLAGS_measure_tokens);
+  if (measure != 0) {
+    const uint32_t tokens = measure < 0 ? spec->chunk_tokens : static_cast<uint32_t>(measure);
+    if (absl::Status s = (*engine)->MeasureThroughput(tokens); !s.ok()) {
+      return Fail("measuring the prefill rate", s);
+    }
+    const strata::prefill::PrefillLoad load = (*engine)->load();
+    cl::Log("", absl::StrFormat("prefill rate %.0f prompt tokens/s (%u tokens timed): the queue "
+                                "takes up to %u tokens",
+                                load.tokens_per_second, tokens, load.max_queued_tokens));
+  }
 
   auto registry = std::make_shared<prometheus::Registry>();
   strata::prefill::PrefillService service(

@@ -82,6 +82,7 @@ grpc::Status PrefillService::Prefill(grpc::ServerContext* context,
   r.cache_salt = request->cache_salt();
   r.decode_address = request->decode_address();
   r.sampling = cluster::SamplingFromProto(request->sampling());
+  r.deadline = cluster::CallDeadline(*context);
   if (draining_.load()) {
     requests_.Add({{"result", "error"}}).Increment();
     return grpc::Status(grpc::StatusCode::UNAVAILABLE,
@@ -147,6 +148,8 @@ grpc::Status PrefillService::Load(grpc::ServerContext*, const strata::v1::LoadRe
   response->set_incarnation(options_.incarnation);
   response->set_local_tier_bytes(options_.local_tier_bytes);
   response->set_draining(draining_.load());
+  response->set_max_queued_prefill_tokens(load.max_queued_tokens);
+  response->set_prefill_tokens_per_second(load.tokens_per_second);
   return grpc::Status::OK;
 }
 

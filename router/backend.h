@@ -44,6 +44,12 @@ struct SamplingParams {
   uint32_t max_tokens = 16;
   std::vector<std::string> stop;  // up to 4 non-empty stop strings, valid UTF-8
   bool ignore_eos = false;  // vLLM extension "ignore_eos": generate max_tokens (benchmarks)
+  // OpenAI's penalties over the generated tokens ([-2, 2]), vLLM's repetition penalty over the
+  // prompt and generated tokens ((0, 100], 1 = off) and min_p ([0, 1]): model/sampler.h.
+  float presence_penalty = 0.0f;
+  float frequency_penalty = 0.0f;
+  float repetition_penalty = 1.0f;
+  float min_p = 0.0f;
 };
 
 struct CompletionRequest {
@@ -65,6 +71,9 @@ struct CompletionRequest {
   std::string cache_salt;      // vLLM extension "cache_salt": tenants with different salts never
                                // share KV ("" = no salt)
   absl::Time arrival;          // when the HTTP layer finished reading the request
+  // The client's deadline, from arrival (the X-Request-Timeout header); zero: the backend's own.
+  // Every node gives the request up when it passes (504 before the first token).
+  absl::Duration timeout = absl::ZeroDuration();
 };
 
 enum class FinishReason { kStop, kLength };
@@ -81,10 +90,11 @@ class CompletionStream {
   // streaming); a backend holding back an incomplete UTF-8 sequence sends it with a later token.
   virtual void Token(std::string_view text, uint32_t token_id) = 0;
   virtual void Finish(FinishReason reason, const Usage& usage) = 0;
-  // Ends the request with an error. Before any byte was sent (non-streaming) it becomes the HTTP
-  // status (INVALID_ARGUMENT 400, NOT_FOUND 404, RESOURCE_EXHAUSTED 429, UNAVAILABLE 503,
-  // DEADLINE_EXCEEDED 504, others 500); while streaming, one SSE `data: {"error":...}` event,
-  // then the connection closes.
+  // Ends the request with an error. Before any byte was sent (non-streaming, or streaming before
+  // the first token) it becomes the HTTP status (INVALID_ARGUMENT 400, NOT_FOUND 404, RESOURCE_EXHAUSTED 429, UNAVAILABLE 503,
+  // DEADLINE_EXCEEDED 504, others 500; a RESOURCE_EXHAUSTED status's WithRetryAfter payload
+  // gives the Retry-After header); once a stream has sent a token, one SSE `data: {"error":...}`
+  // event, then the connection closes.
   virtual void Fail(const absl::Status& status) = 0;
 };
 

@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -27,10 +28,6 @@ namespace {
 
 std::string OutcomeLabel(const absl::Status& s) {
   return s.ok() ? "ok" : absl::AsciiStrToLower(absl::StatusCodeToString(s.code()));
-}
-
-std::chrono::system_clock::time_point Deadline(absl::Duration d) {
-  return absl::ToChronoTime(absl::Now() + d);
 }
 
 std::string Millis(absl::Duration d) {
@@ -59,6 +56,9 @@ absl::Status ClusterBackendOptions::Validate() const {
   STRATA_RETURN_IF_ERROR(Positive(generate_timeout, "generate_timeout"));
   STRATA_RETURN_IF_ERROR(Positive(store_connect_timeout, "store_connect_timeout"));
   STRATA_RETURN_IF_ERROR(Positive(store_retry_interval, "store_retry_interval"));
+  if (absl::Status s = retry_budget.Validate(); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("cluster backend: ", s.message()));
+  }
   PrefixKeyOptions k = keys;
   k.chunk_tokens = spec.chunk_tokens;
   k.cache_salt.clear();
@@ -104,6 +104,7 @@ struct ClusterBackend::Request {
   strata::v1::PrefillRequest prefill_req;
   strata::v1::PrefillResponse prefill_resp;  // read only after the Prefill callback
   absl::Time arrival, routed_at;
+  absl::Time deadline = absl::InfiniteFuture();  // the request's, on every attempt
   uint32_t prompt_tokens = 0;
   std::atomic<bool> cancelled{false};  // the handle's Cancel (or the backend's destructor)
   std::atomic<bool> ended{false};      // set under mu by End
@@ -219,6 +220,7 @@ class ClusterBackend::GenerateReactor final
 ClusterBackend::ClusterBackend(ClusterBackendOptions options)
     : options_(std::move(options)),
       registry_(std::make_shared<prometheus::Registry>()),
+      retry_budget_(options_.retry_budget),
       seed_rng_(std::random_device{}()) {}
 
 absl::StatusOr<std::unique_ptr<ClusterBackend>> ClusterBackend::Create(
@@ -329,6 +331,17 @@ absl::Status ClusterBackend::Init() {
                         "before the first token")
                   .Register(reg)
                   .Add({});
+  retries_throttled_ = &prometheus::BuildCounter()
+                            .Name("strata_router_retries_throttled_total")
+                            .Help("Requests whose node was lost and that the retry budget did not "
+                                  "send again (failed instead)")
+                            .Register(reg)
+                            .Add({});
+  rejected_total_ = &prometheus::BuildCounter()
+                         .Name("strata_router_rejected_total")
+                         .Help("Requests refused with 429 before any KV moved, by reason: "
+                               "router_in_flight, prefill_queue, decode_queue, node")
+                         .Register(reg);
   store_connected_ = &prometheus::BuildGauge()
                           .Name("strata_router_store_connected")
                           .Help("1 while the store's block events stream in")
@@ -551,6 +564,33 @@ absl::Status ClusterBackend::CheckContext(const CompletionRequest& request, size
   return absl::OkStatus();
 }
 
+absl::Status ClusterBackend::Refusal(const absl::Status& route_error,
+                                     absl::Span<const NodeLoad> nodes, uint64_t prompt_tokens) {
+  if (!absl::IsResourceExhausted(route_error)) return route_error;
+  const bool prefill = absl::StartsWith(route_error.message(), kNoPrefillRoom);
+  rejected_total_->Add({{"reason", prefill ? "prefill_queue" : "decode_queue"}}).Increment();
+  // When the quickest prefill queue has drained enough for this prompt, at its measured rate. A
+  // decode node's room comes as sequences finish: a second is a fair guess.
+  double seconds = 1;
+  if (prefill) {
+    double best = -1;
+    for (const NodeLoad& n : nodes) {
+      if (n.role != NodeRole::kPrefill || !n.healthy || n.prefill_tokens_per_second <= 0 ||
+          n.max_queued_prefill_tokens == 0) {
+        continue;
+      }
+      const double excess = static_cast<double>(n.queued_prefill_tokens + prompt_tokens) -
+                            static_cast<double>(n.max_queued_prefill_tokens);
+      const double wait = std::max(0.0, excess) / n.prefill_tokens_per_second;
+      if (best < 0 || wait < best) best = wait;
+    }
+    if (best > 0) seconds = best;
+  }
+  return WithRetryAfter(
+      absl::ResourceExhaustedError(absl::StrCat(route_error.message(), "; retry later")),
+      static_cast<int>(std::clamp(std::ceil(seconds), 1.0, 60.0)));
+}
+
 void ClusterBackend::CountOutcome(const absl::Status& status) {
   requests_total_->Add({{"status", OutcomeLabel(status)}}).Increment();
 }
@@ -581,8 +621,11 @@ absl::StatusOr<std::unique_ptr<RequestHandle>> ClusterBackend::Start(
   size_t n = in_flight_.load();
   do {
     if (n >= options_.max_in_flight) {
-      return refuse(absl::ResourceExhaustedError(absl::StrCat(
-          "the router has ", n, " requests in flight, its limit (max_in_flight); retry later")));
+      rejected_total_->Add({{"reason", "router_in_flight"}}).Increment();
+      return refuse(WithRetryAfter(
+          absl::ResourceExhaustedError(absl::StrCat(
+              "the router has ", n, " requests in flight, its limit (max_in_flight); retry later")),
+          1));
     }
   } while (!in_flight_.compare_exchange_weak(n, n + 1));
   auto release = [&](absl::Status s) {
@@ -604,6 +647,9 @@ absl::StatusOr<std::unique_ptr<RequestHandle>> ClusterBackend::Start(
   r->id = request.request_id;
   r->stream = std::move(stream);
   r->arrival = request.arrival == absl::Time() ? now : request.arrival;
+  r->deadline = r->arrival + (request.timeout > absl::ZeroDuration()
+                                  ? std::min(request.timeout, options_.generate_timeout)
+                                  : options_.generate_timeout);
   r->prompt_tokens = static_cast<uint32_t>(tokens->size());
   r->client_prompt_tokens = r->prompt_tokens;
   r->client_max_tokens = max_tokens;
@@ -620,6 +666,7 @@ absl::StatusOr<std::unique_ptr<RequestHandle>> ClusterBackend::Start(
     return release(s);
   }
   prompt_tokens_->Increment(static_cast<double>(r->prompt_tokens));
+  retry_budget_.Deposit(now);
   return std::make_unique<Handle>(r->cell);
 }
 
@@ -636,7 +683,9 @@ absl::Status ClusterBackend::Launch(const std::shared_ptr<Request>& r, const std
   route.chunk_tokens = options_.spec.chunk_tokens;
   route.decode_kv_bytes = static_cast<uint64_t>(std::ceil(
       static_cast<double>(r->prompt_tokens + r->max_tokens) * pool_->DecodeKvBytesPerToken()));
-  STRATA_ASSIGN_OR_RETURN(RouteDecision d, policy_->Route(route, overlap, nodes));
+  absl::StatusOr<RouteDecision> routed = policy_->Route(route, overlap, nodes);
+  if (!routed.ok()) return Refusal(routed.status(), nodes, r->prompt_tokens);
+  RouteDecision d = *std::move(routed);
   std::shared_ptr<const NodeConnection> prefill = pool_->Connection(d.prefill_id);
   std::shared_ptr<const NodeConnection> decode = pool_->Connection(d.decode_id);
   if (prefill == nullptr || prefill->prefill == nullptr || decode == nullptr ||
@@ -659,10 +708,14 @@ absl::Status ClusterBackend::Launch(const std::shared_ptr<Request>& r, const std
   sampling->set_top_k(request.sampling.top_k);
   sampling->set_top_p(request.sampling.top_p);
   sampling->set_seed(request.sampling.seed.value_or(0));
+  sampling->set_min_p(request.sampling.min_p);
+  sampling->set_presence_penalty(request.sampling.presence_penalty);
+  sampling->set_frequency_penalty(request.sampling.frequency_penalty);
+  sampling->set_repetition_penalty(request.sampling.repetition_penalty);
   g.set_max_tokens(r->max_tokens);
   g.set_ignore_eos(request.sampling.ignore_eos);
   for (const std::string& stop : request.sampling.stop) g.add_stop(stop);
-  r->generate_ctx->set_deadline(Deadline(options_.generate_timeout));
+  r->generate_ctx->set_deadline(absl::ToChronoTime(r->deadline));
 
   routed_total_->Add({{"prefill", d.prefill_id}, {"decode", d.decode_id}}).Increment();
   cluster::Log(r->id, absl::StrCat(r->node_request_id.empty()
@@ -676,9 +729,20 @@ absl::Status ClusterBackend::Launch(const std::shared_ptr<Request>& r, const std
 
 bool ClusterBackend::MaybeRetry(const std::shared_ptr<Request>& r, const absl::Status& error,
                                 const std::string& lost) {
-  if (r->attempt > 0 || r->cancelled.load() ||
-      (error.code() != absl::StatusCode::kUnavailable &&
-       error.code() != absl::StatusCode::kDeadlineExceeded)) {
+  // Only a lost node is retried: overload (RESOURCE_EXHAUSTED) and deadlines are not, and a
+  // retry must leave time to be served.
+  if (r->attempt > 0 || r->cancelled.load() || error.code() != absl::StatusCode::kUnavailable ||
+      absl::Now() >= r->deadline) {
+    return false;
+  }
+  {
+    std::lock_guard<std::mutex> lock(r->mu);
+    if (r->ended.load() || r->completion_tokens > r->tokens_at_start) return false;
+  }
+  if (!retry_budget_.TryWithdraw(absl::Now())) {
+    retries_throttled_->Increment();
+    cluster::Log(r->id, absl::StrCat("lost ", lost, " before the first token (", error.ToString(),
+                                     "): not retried, the retry budget is spent"));
     return false;
   }
   std::shared_ptr<CompletionStream> stream;
@@ -783,6 +847,7 @@ std::shared_ptr<ClusterBackend::Request> ClusterBackend::NextAttempt(
   next->attempt = r->attempt;
   next->hop = r->hop;
   next->arrival = r->arrival;
+  next->deadline = r->deadline;
   next->prompt_tokens = r->prompt_tokens;
   next->client_prompt_tokens = r->client_prompt_tokens;
   next->client_max_tokens = r->client_max_tokens;
@@ -852,7 +917,8 @@ void ClusterBackend::OnRegistered(const std::shared_ptr<Request>& r,
   p.set_cache_salt(r->generate_req.cache_salt());
   p.set_decode_address(registered.transport_address());
   *p.mutable_sampling() = r->generate_req.sampling();
-  r->prefill_ctx->set_deadline(Deadline(options_.prefill_timeout));
+  r->prefill_ctx->set_deadline(
+      absl::ToChronoTime(std::min(r->deadline, absl::Now() + options_.prefill_timeout)));
   r->prefill_node->prefill->async()->Prefill(
       r->prefill_ctx.get(), &r->prefill_req, &r->prefill_resp,
       [this, r](grpc::Status status) { OnPrefillDone(r, status); });
@@ -989,6 +1055,11 @@ void ClusterBackend::End(const std::shared_ptr<Request>& r, const absl::Status& 
     std::shared_ptr<CompletionStream> stream = std::move(r->stream);
     const bool cancelled = r->cancelled.load();
     if (cancelled && !outcome.ok()) outcome = absl::CancelledError("cancelled by the client");
+    if (absl::IsResourceExhausted(outcome) && r->completion_tokens == 0) {
+      // A node refused what the router admitted (its view was a poll behind): still a 429.
+      rejected_total_->Add({{"reason", "node"}}).Increment();
+      outcome = WithRetryAfter(outcome, 1);
+    }
     if (!cancelled) {
       if (outcome.ok()) {
         stream->Finish(r->reason, r->usage);

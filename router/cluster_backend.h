@@ -28,8 +28,16 @@
 //
 // Start's errors: NOT_FOUND (another model), INVALID_ARGUMENT naming the field ("prompt",
 // "messages", "max_tokens"), RESOURCE_EXHAUSTED (max_in_flight requests already in flight, or no
-// node can take the request: the routing policy's answer), UNAVAILABLE (no healthy prefill or
-// decode node).
+// node can take the request: the routing policy's answer, from the nodes' own queue bounds; it
+// carries a Retry-After estimate), UNAVAILABLE (no healthy prefill or decode node).
+//
+// Overload (docs/cluster.md): a request is admitted only where a prefill node's queue and a
+// decode node's batch and waiting queue have room for it, so a request once started finishes
+// or fails only because a node was lost; a node that refuses it all the same (the router's view
+// was stale) fails it with RESOURCE_EXHAUSTED, which the HTTP layer still answers with 429 (no
+// token was sent). Retries: once, on other nodes, only after a node was lost (UNAVAILABLE) before
+// the first token, before the deadline, and within the retry budget; never on overload or a
+// deadline.
 //
 // Background: a poller thread calls Load on every node each load_poll_interval (NodePool: a node
 // that fails is not routed to until it answers again) and sweeps the index. When the cluster has a
@@ -43,7 +51,9 @@
 // strata_router_completion_tokens_total (tokens streamed), strata_router_cached_tokens_total (as
 // the decode nodes report them at the end), strata_router_in_flight,
 // strata_router_routed_total{prefill,decode}, strata_router_node_healthy{node,role},
-// strata_router_store_connected.
+// strata_router_store_connected, strata_router_rejected_total{reason} (429s: router_in_flight,
+// prefill_queue, decode_queue, node), strata_router_retries_total and
+// strata_router_retries_throttled_total (lost nodes whose request the budget did not retry).
 //
 // Logs (cluster::Log, with the request id): one line at routing (RouteDecision::Explain) and one
 // at the end (status, tokens, TTFT).
@@ -83,6 +93,7 @@
 #include "router/backend.h"
 #include "router/node_pool.h"
 #include "router/prefix_index.h"
+#include "router/retry_budget.h"
 #include "router/routing_policy.h"
 #include "router/store_feed.h"
 
@@ -104,9 +115,13 @@ struct ClusterBackendOptions {
   // How often every node's Load is polled, and how long one poll may take.
   absl::Duration load_poll_interval = absl::Milliseconds(100);
   absl::Duration load_timeout = absl::Seconds(1);
-  // Deadline of a Prefill call (queueing, compute and shipping), and of a whole Generate stream.
+  // A request's deadline: generate_timeout from its arrival, or the client's timeout
+  // (CompletionRequest::timeout) when shorter. Both calls carry it (the nodes give the request
+  // up then); the Prefill call gives up prefill_timeout after it started, if that comes first.
   absl::Duration prefill_timeout = absl::Seconds(300);
   absl::Duration generate_timeout = absl::Minutes(30);
+  // Retries after a lost node, as a fraction of recent requests (retry_budget.h).
+  RetryBudgetOptions retry_budget = {};
   // Store: how long one connection attempt waits, and how often a store that is down is retried.
   absl::Duration store_connect_timeout = absl::Milliseconds(250);
   absl::Duration store_retry_interval = absl::Seconds(1);
@@ -208,6 +223,10 @@ class ClusterBackend final : public Backend {
   void RequestGone(Request* r, std::shared_ptr<const NodeConnection> prefill,
                    std::shared_ptr<const NodeConnection> decode);
   void CountOutcome(const absl::Status& status);
+  // A routing refusal as Start returns it: RESOURCE_EXHAUSTED counted by reason, with a
+  // Retry-After estimate from the nodes' queues and rates.
+  absl::Status Refusal(const absl::Status& route_error, absl::Span<const NodeLoad> nodes,
+                       uint64_t prompt_tokens);
 
   const ClusterBackendOptions options_;
   std::string model_name_;
@@ -231,6 +250,8 @@ class ClusterBackend final : public Backend {
   prometheus::Gauge* in_flight_gauge_ = nullptr;
   prometheus::Gauge* store_connected_ = nullptr;
   prometheus::Counter* retries_ = nullptr;
+  prometheus::Counter* retries_throttled_ = nullptr;
+  prometheus::Family<prometheus::Counter>* rejected_total_ = nullptr;
   prometheus::Counter* handoffs_ = nullptr;
 
   std::unique_ptr<PrefixIndex> index_;
@@ -239,6 +260,7 @@ class ClusterBackend final : public Backend {
   std::unique_ptr<NodePool> pool_;
   std::unique_ptr<StoreFeed> store_feed_;
   std::atomic<size_t> in_flight_{0};
+  RetryBudget retry_budget_;
 
   mutable std::mutex seed_mu_;  // guards seed_rng_
   std::mt19937_64 seed_rng_;    // seeds of requests that name none

@@ -120,6 +120,8 @@ struct FakeState {
   grpc::StatusCode prefill_error = grpc::StatusCode::RESOURCE_EXHAUSTED;
   std::string prefill_id = "prefill-0";  // what the prefill service's Load reports
   uint64_t prefill_queued_tokens = 0;
+  uint64_t prefill_max_queued_tokens = 0;  // the queue bound the prefill node reports
+  double prefill_tokens_per_second = 0;
   int handoffs_left = 0;  // Generate calls that stream one token, then hand the request off
   std::vector<strata::v1::GenerateRequest> generates;
   std::vector<strata::v1::PrefillRequest> prefills;
@@ -255,6 +257,8 @@ class FakePrefill final : public strata::v1::PrefillNode::Service {
     std::lock_guard<std::mutex> lock(s_->mu);
     *resp = FakeLoad(s_->prefill_id.c_str(), "prefill");
     resp->set_queued_prefill_tokens(s_->prefill_queued_tokens);
+    resp->set_max_queued_prefill_tokens(s_->prefill_max_queued_tokens);
+    resp->set_prefill_tokens_per_second(s_->prefill_tokens_per_second);
     return grpc::Status::OK;
   }
 
@@ -319,10 +323,12 @@ cluster::ClusterSpec Spec(const std::string& address, const std::string& store =
 }
 
 std::unique_ptr<ClusterBackend> MakeBackend(cluster::ClusterSpec spec,
-                                            uint32_t max_in_flight = 16) {
+                                            uint32_t max_in_flight = 16,
+                                            RetryBudgetOptions retry_budget = {}) {
   ClusterBackendOptions o;
   o.spec = std::move(spec);
   o.max_in_flight = max_in_flight;
+  o.retry_budget = retry_budget;
   o.load_poll_interval = absl::Milliseconds(20);
   o.store_retry_interval = absl::Milliseconds(100);
   absl::StatusOr<std::unique_ptr<ClusterBackend>> b = ClusterBackend::Create(o);
@@ -594,6 +600,12 @@ TEST_F(FakeClusterTest, PrefillErrorFailsTheRequestAndCancelsTheDecode) {
   EXPECT_EQ(stream->ends(), 1);
   EXPECT_THAT(backend_->RenderMetrics(),
               HasSubstr("strata_router_requests_total{status=\"resource_exhausted\"} 1"));
+  // The node refused what the router admitted: a 429 all the same, counted as such, with a
+  // Retry-After, and never retried.
+  EXPECT_THAT(backend_->RenderMetrics(),
+              HasSubstr("strata_router_rejected_total{reason=\"node\"} 1"));
+  EXPECT_EQ(RetryAfterSeconds(stream->failure()), 1);
+  EXPECT_THAT(backend_->RenderMetrics(), HasSubstr("strata_router_retries_total 0"));
 }
 
 TEST(ClusterBackendRetryTest, PrefillNodeLostBeforeTheFirstTokenIsRetriedOnceElsewhere) {
@@ -653,6 +665,47 @@ TEST(ClusterBackendRetryTest, PrefillNodeLostBeforeTheFirstTokenIsRetriedOnceEls
   const std::string metrics = backend->RenderMetrics();
   EXPECT_THAT(metrics, HasSubstr("strata_router_retries_total 1"));
   EXPECT_THAT(metrics, HasSubstr("strata_router_requests_total{status=\"ok\"} 1"));
+}
+
+TEST(ClusterBackendRetryTest, ASpentRetryBudgetFailsInsteadOfRetrying) {
+  // As above, but a budget of no retries at all: the lost node's request fails (UNAVAILABLE)
+  // and is counted as throttled.
+  FakeNodes lost, good;
+  {
+    std::lock_guard<std::mutex> lock(lost.state.mu);
+    lost.state.prefill_fails = true;
+    lost.state.prefill_error = grpc::StatusCode::UNAVAILABLE;
+  }
+  {
+    std::lock_guard<std::mutex> lock(good.state.mu);
+    good.state.prefill_id = "prefill-1";
+    good.state.prefill_queued_tokens = 100000;
+  }
+  cluster::ClusterSpec spec = Spec(good.address());
+  spec.nodes = {{.id = "prefill-0", .role = cluster::Role::kPrefill, .grpc = lost.address()},
+                {.id = "prefill-1", .role = cluster::Role::kPrefill, .grpc = good.address()},
+                {.id = "decode-0",
+                 .role = cluster::Role::kDecode,
+                 .grpc = good.address(),
+                 .transport = "127.0.0.1:7301"}};
+  std::unique_ptr<ClusterBackend> backend =
+      MakeBackend(spec, 16, RetryBudgetOptions{.ratio = 0, .min_per_second = 0});
+  ASSERT_NE(backend, nullptr);
+  ASSERT_TRUE(WaitForEveryNodeHealthy(*backend));
+  auto stream = std::make_shared<RecordingStream>();
+  absl::StatusOr<std::unique_ptr<RequestHandle>> h =
+      backend->Start(Completion("Hello there", 5), stream);
+  ASSERT_TRUE(h.ok()) << h.status();
+  ASSERT_TRUE(stream->WaitEnded());
+  EXPECT_EQ(stream->failure().code(), absl::StatusCode::kUnavailable) << stream->failure();
+  ASSERT_TRUE(WaitFor([&] { return backend->in_flight() == 0; }));
+  const std::string metrics = backend->RenderMetrics();
+  EXPECT_THAT(metrics, HasSubstr("strata_router_retries_total 0"));
+  EXPECT_THAT(metrics, HasSubstr("strata_router_retries_throttled_total 1"));
+  {
+    std::lock_guard<std::mutex> lock(good.state.mu);
+    EXPECT_TRUE(good.state.prefills.empty());
+  }
 }
 
 TEST(ClusterBackendHandOffTest, HandedOffRequestsContinueElsewhereWithTheStreamedTokens) {
@@ -761,6 +814,36 @@ TEST_F(FakeClusterTest, CancelReachesTheNodes) {
   EXPECT_EQ(stream->ends(), 0);  // no stream calls are needed after Cancel
   EXPECT_THAT(backend_->RenderMetrics(),
               HasSubstr("strata_router_requests_total{status=\"cancelled\"} 1"));
+}
+
+TEST_F(FakeClusterTest, AFullPrefillQueueIs429WithRetryAfterBeforeAnyCall) {
+  {
+    std::lock_guard<std::mutex> lock(state().mu);
+    state().prefill_queued_tokens = 1500;
+    state().prefill_max_queued_tokens = 1000;
+    state().prefill_tokens_per_second = 100;
+  }
+  // The router sees the node's report on its next poll.
+  ASSERT_TRUE(WaitFor([&] {
+    for (const NodeStatus& n : backend_->Nodes()) {
+      if (n.report.max_queued_prefill_tokens() == 1000) return true;
+    }
+    return false;
+  }));
+  absl::StatusOr<std::unique_ptr<RequestHandle>> h =
+      backend_->Start(Completion("hi"), std::make_shared<RecordingStream>());
+  ASSERT_EQ(h.status().code(), absl::StatusCode::kResourceExhausted) << h.status();
+  EXPECT_THAT(h.status().message(), HasSubstr(kNoPrefillRoom));
+  // (1500 + the prompt - 1000) tokens at 100 tokens/s: about 5 s until it has room.
+  EXPECT_GE(RetryAfterSeconds(h.status()), 5);
+  EXPECT_LE(RetryAfterSeconds(h.status()), 7);
+  EXPECT_THAT(backend_->RenderMetrics(),
+              HasSubstr("strata_router_rejected_total{reason=\"prefill_queue\"} 1"));
+  {
+    std::lock_guard<std::mutex> lock(state().mu);
+    EXPECT_TRUE(state().generates.empty());  // nothing reached a node
+    EXPECT_TRUE(state().prefills.empty());
+  }
 }
 
 TEST_F(FakeClusterTest, OverMaxInFlightIsResourceExhausted) {

@@ -15,6 +15,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
@@ -93,7 +94,8 @@ class ConnectionStream final : public CompletionStream {
   enum class Kind { kData, kEnd, kFail };
   // `received`: when the backend handed over the token (kData only).
   void Forward(Kind kind, std::string data, int http_status = 200,
-               absl::Time received = absl::InfinitePast());
+               absl::Time received = absl::InfinitePast(),
+               std::optional<ApiError> error = std::nullopt);
 
   const std::weak_ptr<Connection> connection_;
   const uint64_t seq_;
@@ -129,7 +131,10 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void Post(F&& f) {
     net::post(socket_.get_executor(), std::forward<F>(f));
   }
-  void OnStreamEvent(uint64_t seq, bool end, bool ok, std::string data, absl::Time received);
+  // `error`: a failed stream's error as an HTTP response, sent instead of the stream when no
+  // byte of it went out yet.
+  void OnStreamEvent(uint64_t seq, bool end, bool ok, std::string data, absl::Time received,
+                     std::optional<ApiError> error);
   void OnResponseEvent(uint64_t seq, int http_status, std::string body);
 
  private:
@@ -154,11 +159,13 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void NextRequest();
 
   void SendResponse(int status, absl::string_view content_type, std::string body,
-                    bool close = false);
+                    bool close = false, int retry_after_seconds = 1);
   void SendError(const ApiError& error, bool close = false);
   void OnResponseWritten(error_code ec, bool close);
 
-  void StartStream(const ResponseContext& ctx);
+  // The stream's 200 and headers go out with its first event (StartStream): until then an error
+  // is still an HTTP status of its own (a 429 before any byte, not an error event after a 200).
+  void StartStream();
   void EnqueueStream(std::string data, absl::Time received);
   void WriteStream();
   void OnStreamWritten(error_code ec, bool last);
@@ -209,6 +216,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // Writing.
   bool writing_ = false;
   bool streaming_ = false;
+  bool stream_started_ = false;  // the stream's headers went out
+  ResponseContext stream_ctx_;   // of the stream not yet started
   bool stream_end_ = false;
   bool close_after_stream_ = false;
   std::string tenant_;         // the request's tenant ("" without API keys)
@@ -400,13 +409,14 @@ void ConnectionStream::Fail(const absl::Status& status) {
   const absl::Status error = status.ok() ? absl::InternalError("backend failed with OK") : status;
   const ApiError api = ToApiError(error);
   if (streaming_) {
-    Forward(Kind::kFail, RenderStreamErrorEvent(api));
+    Forward(Kind::kFail, RenderStreamErrorEvent(api), api.http_status, absl::InfinitePast(), api);
   } else {
     Forward(Kind::kFail, RenderErrorJson(api), api.http_status);
   }
 }
 
-void ConnectionStream::Forward(Kind kind, std::string data, int http_status, absl::Time received) {
+void ConnectionStream::Forward(Kind kind, std::string data, int http_status, absl::Time received,
+                               std::optional<ApiError> error) {
   absl::MutexLock lock(&mu_);
   if (closed_) return;
   // The strong reference lives only inside the lock: the backend thread must never be the one
@@ -415,8 +425,10 @@ void ConnectionStream::Forward(Kind kind, std::string data, int http_status, abs
   if (c == nullptr) return;
   Connection* raw = c.get();
   if (streaming_) {
-    raw->Post([c = std::move(c), seq = seq_, kind, data = std::move(data), received]() mutable {
-      c->OnStreamEvent(seq, kind != Kind::kData, kind == Kind::kEnd, std::move(data), received);
+    raw->Post([c = std::move(c), seq = seq_, kind, data = std::move(data), received,
+               error = std::move(error)]() mutable {
+      c->OnStreamEvent(seq, kind != Kind::kData, kind == Kind::kEnd, std::move(data), received,
+                       std::move(error));
     });
   } else {
     raw->Post([c = std::move(c), seq = seq_, http_status, data = std::move(data)]() mutable {
@@ -619,6 +631,17 @@ void Connection::HandleCompletion(const Request& http_request, Endpoint endpoint
     return;
   }
   CompletionRequest request = *std::move(parsed);
+  if (auto t = http_request.find("X-Request-Timeout"); t != http_request.end()) {
+    double seconds = 0;
+    if (!absl::SimpleAtod(Sv(t->value()), &seconds) || !(seconds > 0) || seconds > 86400) {
+      SendError({400,
+                 absl::StrCat("X-Request-Timeout: '", Sv(t->value()),
+                              "' is not a number of seconds in (0, 86400]"),
+                 "invalid_request_error", "X-Request-Timeout", std::nullopt});
+      return;
+    }
+    request.timeout = absl::Seconds(seconds);
+  }
   if (server_->options().api_keys != nullptr) {
     if (!server_->AcquireTenant(tenant_)) {
       SendError(ToApiError(absl::ResourceExhaustedError(absl::StrCat(
@@ -651,7 +674,12 @@ void Connection::HandleCompletion(const Request& http_request, Endpoint endpoint
   }
   handle_ = *std::move(handle);
   self_ = shared_from_this();
-  if (streaming) StartStream(ctx);
+  if (streaming) {
+    streaming_ = true;
+    stream_started_ = false;
+    stream_end_ = false;
+    stream_ctx_ = ctx;
+  }
   DoRead();  // notices a client that goes away while the backend works
 }
 
@@ -671,7 +699,7 @@ void Connection::NextRequest() {
 }
 
 void Connection::SendResponse(int status, absl::string_view content_type, std::string body,
-                              bool close) {
+                              bool close, int retry_after_seconds) {
   ReleaseTenantSlot();
   status_ = status;
   auto response =
@@ -680,7 +708,9 @@ void Connection::SendResponse(int status, absl::string_view content_type, std::s
   response->set(http::field::content_type,
                 beast::string_view(content_type.data(), content_type.size()));
   response->set("X-Request-Id", request_id_);
-  if (status == 429) response->set(http::field::retry_after, "1");
+  if (status == 429) {
+    response->set(http::field::retry_after, absl::StrCat(std::max(1, retry_after_seconds)));
+  }
   response->keep_alive(keep_alive_ && !close);
   response->body() = std::move(body);
   response->prepare_payload();
@@ -695,7 +725,8 @@ void Connection::SendResponse(int status, absl::string_view content_type, std::s
 }
 
 void Connection::SendError(const ApiError& error, bool close) {
-  SendResponse(error.http_status, "application/json", RenderErrorJson(error), close);
+  SendResponse(error.http_status, "application/json", RenderErrorJson(error), close,
+               error.retry_after_seconds);
 }
 
 void Connection::OnResponseWritten(error_code ec, bool close) {
@@ -715,8 +746,9 @@ void Connection::OnResponseWritten(error_code ec, bool close) {
   NextRequest();
 }
 
-void Connection::StartStream(const ResponseContext& ctx) {
-  streaming_ = true;
+void Connection::StartStream() {
+  const ResponseContext& ctx = stream_ctx_;
+  stream_started_ = true;
   stream_end_ = false;
   close_after_stream_ = false;
   status_ = 200;
@@ -740,8 +772,18 @@ void Connection::StartStream(const ResponseContext& ctx) {
 }
 
 void Connection::OnStreamEvent(uint64_t seq, bool end, bool ok, std::string data,
-                               absl::Time received) {
+                               absl::Time received, std::optional<ApiError> error) {
   if (closing_ || seq != seq_ || !in_flight_ || !streaming_ || stream_end_) return;
+  if (!stream_started_) {
+    if (end && !ok && error.has_value()) {
+      // Nothing went out yet: the error is the response (429 with Retry-After, 503, ...).
+      backend_done_ = true;
+      streaming_ = false;
+      SendError(*error);
+      return;
+    }
+    StartStream();
+  }
   if (!end) {
     EnqueueStream(std::move(data), received);
     return;
@@ -868,6 +910,7 @@ void Connection::RequestDone() {
   stream_.reset();
   handle_.reset();  // finished: destroying the handle cancels nothing
   streaming_ = false;
+  stream_started_ = false;
   stream_end_ = false;
   close_after_stream_ = false;
   stream_serializer_.reset();

@@ -4,7 +4,9 @@
 // Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
 // GET /metrics. Other paths: 404 JSON; a known path with the wrong method: 405 JSON. Every
 // response carries X-Request-Id (completions: the request id; others: a fresh "req-..." id); 429
-// responses carry Retry-After: 1. One log line per request goes to stderr (id, route, status,
+// responses carry Retry-After (the backend's estimate of when there is room, 1 s without one).
+// `X-Request-Timeout: SECONDS` on a completion request sets its deadline (CompletionRequest::
+// timeout): every node gives the request up then. One log line per request goes to stderr (id, route, status,
 // duration) unless HttpServerOptions::log_requests is false.
 //
 // Concurrency: one io_context run by `threads` threads; each connection is an object serialized
@@ -16,7 +18,10 @@
 // the chunked body and closes the connection. A client that reads a stream slower than it is
 // produced is disconnected (and its request cancelled) once max_pending_stream_bytes are queued.
 //
-// Streaming (stream: true): 200, Content-Type: text/event-stream, chunked transfer; each event
+// Streaming (stream: true): the 200 and the headers go out with the stream's first event (the
+// first token, or its end), so that a request refused before any token (overload: 429 with
+// Retry-After; a lost node: 503) gets that status rather than an error event after a 200.
+// Then: Content-Type: text/event-stream, chunked transfer; each event
 // "data: {...}\n\n" is written as soon as it arrives (events that pile up while a write is in
 // flight go out together in the next chunk); then, for a stream that finished, "data: [DONE]".
 //

@@ -243,6 +243,9 @@ std::vector<NodeLoad> NodePool::Loads() const {
     l.kv_bytes_reserved = r.kv_bytes_reserved();
     l.kv_bytes_capacity = r.kv_bytes_capacity();
     l.max_batch = r.max_batch();
+    l.max_waiting = r.max_waiting();
+    l.max_queued_prefill_tokens = r.max_queued_prefill_tokens();
+    l.prefill_tokens_per_second = r.prefill_tokens_per_second();
     l.reads_store = options_.prefill_reads_store;
     l.reported_at = s.reported_at;
     out.push_back(std::move(l));

@@ -1,11 +1,13 @@
 #include "router/openai_api.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <string>
 #include <utility>
 
 #include "absl/strings/cord.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -20,6 +22,7 @@ using nlohmann::json;
 using nlohmann::ordered_json;
 
 constexpr absl::string_view kParamPayload = "type.strata.dev/router.param";
+constexpr absl::string_view kRetryAfterPayload = "type.strata.dev/router.retry_after_seconds";
 // Stands in for each byte of invalid UTF-8 so that the JSON still parses and the walk below can
 // name the field holding it. U+FFFF is a noncharacter: well-formed, and not seen in real text
 // (a body holding it as well as invalid bytes may have the wrong field named; it is refused
@@ -356,7 +359,29 @@ absl::Status ParseSampling(const json& body, Endpoint endpoint, SamplingParams* 
     if (number.has_value() && !(*number >= -2 && *number <= 2)) {
       return FieldError(key, absl::StrCat(key, " must be in [-2, 2], got ", *number));
     }
-    if (number.has_value() && *number != 0) return Unsupported(key, "other than 0");
+    if (number.has_value()) {
+      (absl::string_view(key) == "presence_penalty" ? sampling->presence_penalty
+                                                     : sampling->frequency_penalty) =
+          static_cast<float>(*number);
+    }
+  }
+  // vLLM's extensions.
+  number.reset();
+  STRATA_RETURN_IF_ERROR(GetNumber(body, "repetition_penalty", &number));
+  if (number.has_value()) {
+    if (!(*number > 0 && *number <= 100)) {
+      return FieldError("repetition_penalty",
+                        absl::StrCat("repetition_penalty must be in (0, 100], got ", *number));
+    }
+    sampling->repetition_penalty = static_cast<float>(*number);
+  }
+  number.reset();
+  STRATA_RETURN_IF_ERROR(GetNumber(body, "min_p", &number));
+  if (number.has_value()) {
+    if (!(*number >= 0 && *number <= 1)) {
+      return FieldError("min_p", absl::StrCat("min_p must be in [0, 1], got ", *number));
+    }
+    sampling->min_p = static_cast<float>(*number);
   }
   if (const json* bias = Find(body, "logit_bias"); bias != nullptr) {
     if (!bias->is_object()) return TypeError("logit_bias", "an object", *bias);
@@ -463,6 +488,18 @@ absl::Status FieldError(absl::string_view param, absl::string_view message) {
   return status;
 }
 
+absl::Status WithRetryAfter(absl::Status status, int seconds) {
+  status.SetPayload(kRetryAfterPayload, absl::Cord(absl::StrCat(std::max(1, seconds))));
+  return status;
+}
+
+int RetryAfterSeconds(const absl::Status& status) {
+  absl::optional<absl::Cord> p = status.GetPayload(kRetryAfterPayload);
+  int seconds = 1;
+  if (p.has_value() && absl::SimpleAtoi(std::string(*p), &seconds) && seconds >= 1) return seconds;
+  return 1;
+}
+
 std::optional<std::string> ErrorParam(const absl::Status& status) {
   absl::optional<absl::Cord> param = status.GetPayload(kParamPayload);
   if (!param.has_value()) return std::nullopt;
@@ -549,6 +586,7 @@ ApiError ToApiError(const absl::Status& status) {
       e.http_status = 429;
       e.type = "rate_limit_error";
       e.code = "rate_limit_exceeded";
+      e.retry_after_seconds = RetryAfterSeconds(status);
       break;
     case absl::StatusCode::kUnavailable:
       e.http_status = 503;

@@ -49,6 +49,10 @@ absl::StatusOr<CompletionRequest> ParseCompletionRequest(absl::string_view body,
 std::optional<std::string> ErrorParam(const absl::Status& status);
 // Returns InvalidArgumentError(message) carrying `param` for ErrorParam.
 absl::Status FieldError(absl::string_view param, absl::string_view message);
+// Overload refusals (RESOURCE_EXHAUSTED) carry when to try again: the HTTP layer's Retry-After
+// header (whole seconds, >= 1; 1 when the status carries none).
+absl::Status WithRetryAfter(absl::Status status, int seconds);
+int RetryAfterSeconds(const absl::Status& status);
 
 // An error as the OpenAI API returns it: HTTP status and the "error" object.
 struct ApiError {
@@ -57,6 +61,7 @@ struct ApiError {
   std::string type;                  // "invalid_request_error", "not_found_error", ...
   std::optional<std::string> param;  // the offending field, or null
   std::optional<std::string> code;   // e.g. "rate_limit_exceeded", or null
+  int retry_after_seconds = 0;       // 429: the Retry-After header
 };
 
 // Status mapping: INVALID_ARGUMENT 400, NOT_FOUND 404, OUT_OF_RANGE (body too large) 413,

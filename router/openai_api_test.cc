@@ -65,6 +65,22 @@ TEST(OpenAiApiTest, ParsesACompletionRequest) {
   EXPECT_EQ(r->cache_salt, "tenant-a");
 }
 
+TEST(OpenAiApiTest, ParsesPenaltiesAndMinP) {
+  absl::StatusOr<CompletionRequest> r =
+      Completion(R"({"model":"m","prompt":"Hello","presence_penalty":0.5,)"
+                 R"("frequency_penalty":-0.25,"repetition_penalty":1.2,"min_p":0.05})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_FLOAT_EQ(r->sampling.presence_penalty, 0.5f);
+  EXPECT_FLOAT_EQ(r->sampling.frequency_penalty, -0.25f);
+  EXPECT_FLOAT_EQ(r->sampling.repetition_penalty, 1.2f);
+  EXPECT_FLOAT_EQ(r->sampling.min_p, 0.05f);
+  r = Completion(R"({"model":"m","prompt":"Hello"})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->sampling.presence_penalty, 0.0f);
+  EXPECT_EQ(r->sampling.repetition_penalty, 1.0f);
+  EXPECT_EQ(r->sampling.min_p, 0.0f);
+}
+
 TEST(OpenAiApiTest, Defaults) {
   absl::StatusOr<CompletionRequest> r = Completion(R"({"model":"m","prompt":"x"})");
   ASSERT_TRUE(r.ok()) << r.status();
@@ -149,8 +165,13 @@ TEST(OpenAiApiTest, RefusesOutOfRangeAndMistypedFields) {
   ExpectFieldError(Completion(p + R"("logprobs":1})"), "logprobs", "not supported");
   ExpectFieldError(Completion(p + R"("echo":true})"), "echo", "not supported");
   ExpectFieldError(Completion(p + R"("suffix":"end"})"), "suffix", "not supported");
-  ExpectFieldError(Completion(p + R"("presence_penalty":0.5})"), "presence_penalty",
-                   "not supported");
+  ExpectFieldError(Completion(p + R"("presence_penalty":2.5})"), "presence_penalty",
+                   "must be in [-2, 2]");
+  ExpectFieldError(Completion(p + R"("frequency_penalty":-3})"), "frequency_penalty",
+                   "must be in [-2, 2]");
+  ExpectFieldError(Completion(p + R"("repetition_penalty":0})"), "repetition_penalty",
+                   "must be in (0, 100]");
+  ExpectFieldError(Completion(p + R"("min_p":1.5})"), "min_p", "must be in [0, 1]");
   ExpectFieldError(Completion(p + R"("logit_bias":{"5":1}})"), "logit_bias", "not supported");
   // vLLM's "off" spelling of top_k, and nulls, are accepted.
   absl::StatusOr<CompletionRequest> r =

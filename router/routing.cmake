@@ -2,6 +2,7 @@
 strata_add_library(router_routing
   SOURCES
     prefix_index.cc
+    retry_budget.cc
     routing_policy.cc
   DEPS
     strata::common absl::status absl::statusor absl::strings absl::str_format absl::span
@@ -9,5 +10,5 @@ strata_add_library(router_routing
     absl::inlined_vector)
 
 strata_add_test(routing_test
-  SOURCES routing_test.cc
+  SOURCES routing_test.cc retry_budget_test.cc
   DEPS strata::router_routing)

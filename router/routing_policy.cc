@@ -177,6 +177,13 @@ absl::StatusOr<RouteDecision> RoutingPolicy::Route(const RouteRequest& request,
                                options_.max_queued_prefill_tokens);
       continue;
     }
+    // The node's own bound counts prompt tokens, as its queue does.
+    if (node.max_queued_prefill_tokens != 0 && node.queued_prefill_tokens > 0 &&
+        node.queued_prefill_tokens + request.prompt_tokens > node.max_queued_prefill_tokens) {
+      c.skipped = absl::StrCat("queue full ", node.queued_prefill_tokens, "+",
+                               request.prompt_tokens, " > ", node.max_queued_prefill_tokens);
+      continue;
+    }
     fit.push_back(d.prefill_candidates.size() - 1);
     if (options_.busy_prefill_tokens == 0 ||
         node.queued_prefill_tokens <= options_.busy_prefill_tokens) {
@@ -211,6 +218,10 @@ absl::StatusOr<RouteDecision> RoutingPolicy::Route(const RouteRequest& request,
       c.skipped = "no kv capacity reported";
     } else if (kv_after > node.kv_bytes_capacity) {
       c.skipped = absl::StrCat("kv ", kv_after, " > ", node.kv_bytes_capacity);
+    } else if (node.max_waiting != 0 && node.max_batch != 0 &&
+               node.active_requests >= node.max_batch + node.max_waiting) {
+      c.skipped = absl::StrCat("queue full ", node.active_requests, " >= ", node.max_batch, "+",
+                               node.max_waiting);
     } else {
       decode_fit.push_back(d.decode_candidates.size() - 1);
       if (node.max_batch == 0 || node.active_requests < node.max_batch) {
@@ -233,11 +244,11 @@ absl::StatusOr<RouteDecision> RoutingPolicy::Route(const RouteRequest& request,
   }
   if (fit.empty()) {
     return absl::ResourceExhaustedError(
-        absl::StrCat("no prefill node can take the request: ", Reasons(d.prefill_candidates)));
+        absl::StrCat(kNoPrefillRoom, ": ", Reasons(d.prefill_candidates)));
   }
   if (decode_fit.empty()) {
     return absl::ResourceExhaustedError(
-        absl::StrCat("no decode node can take the request: ", Reasons(d.decode_candidates)));
+        absl::StrCat(kNoDecodeRoom, ": ", Reasons(d.decode_candidates)));
   }
 
   // Busy nodes stay out while another node can take the request; when all are busy, the

@@ -18,15 +18,20 @@
 // store). A store hit earns less than a local one (m < 1) because it is still fetched. The
 // lowest cost wins, ties broken uniformly at random; with temperature T > 0 a node is drawn
 // with p ∝ exp(−(cost − min)/((max − min)·T)) instead. A node is never chosen when unhealthy, or
-// when its queue with this request's uncached tokens would exceed max_queued_prefill_tokens;
-// nodes over busy_prefill_tokens are passed over unless every remaining node is over it.
+// when its queue with this request's uncached tokens would exceed max_queued_prefill_tokens, or
+// when the node itself reports a queue bound (NodeLoad::max_queued_prefill_tokens, what it
+// computes within its queue time) that its queue with this request's prompt tokens would exceed
+// (a node with an empty queue takes any request); nodes over busy_prefill_tokens are passed over
+// unless every remaining node is over it.
 //
 // Decode pick: by load only (Dynamo routes the decode leg with no overlap credit; its prefix is
 // pushed to it by the prefill node anyway). A decode node can take the request when healthy and
 // kv_bytes_in_use + kv_bytes_reserved + the request's decode_kv_bytes fit in kv_bytes_capacity.
 // Nodes whose batch is full (active_requests >= max_batch) are passed over while another has room;
 // when none has, the request still goes to one (it waits there for a place in the batch: a full
-// batch is continuous batching's normal state, not a reason for a 429). Among those the least
+// batch is continuous batching's normal state, not a reason for a 429) unless its waiting queue is
+// full too (active_requests >= max_batch + max_waiting, when the node reports max_waiting): a node
+// never gets more than it holds. Among those the least
 // loaded wins, load = the tighter of its KV fraction
 // after the reservation and its batch fraction; ties at random. Least-loaded rather than power
 // of two choices: this router accounts for its own decisions at once (LoadTracker), so it does
@@ -36,7 +41,7 @@
 // Errors from Route: kInvalidArgument for a malformed request; kUnavailable when no healthy
 // prefill node or no healthy decode node exists; kResourceExhausted when healthy nodes exist but
 // none of one role can take the request (the router answers 429 with Retry-After). The
-// message names each node's reason.
+// message starts with kNoPrefillRoom or kNoDecodeRoom and names each node's reason.
 //
 // Thread safety: RoutingPolicy and LoadTracker are thread-safe. Route is O(nodes + overlap
 // holders) apart from the Explain-ready candidate lists it fills.
@@ -62,6 +67,9 @@
 namespace strata::router {
 
 enum class NodeRole : uint8_t { kPrefill, kDecode };
+// How Route's kResourceExhausted messages begin, by the role that has no room.
+inline constexpr char kNoPrefillRoom[] = "no prefill node can take the request";
+inline constexpr char kNoDecodeRoom[] = "no decode node can take the request";
 const char* NodeRoleName(NodeRole role);
 
 // The latest load report of one node (plus LoadTracker::Overlay's additions).
@@ -75,6 +83,10 @@ struct NodeLoad {
   uint64_t kv_bytes_reserved = 0;      // decode: reserved for transfers under way
   uint64_t kv_bytes_capacity = 0;      // decode: 0 means not reported, and the node is skipped
   uint32_t max_batch = 0;              // decode: concurrent sequences; 0 = no limit
+  uint32_t max_waiting = 0;  // decode: requests held beyond max_batch at most; 0 = not reported
+  // prefill: the node's own queue bound in prompt tokens (0 = not reported), and its rate.
+  uint64_t max_queued_prefill_tokens = 0;
+  double prefill_tokens_per_second = 0;
   bool reads_store = true;             // prefill: can fetch chunks from the shared store
   // When the report was taken, in the router's clock; LoadTracker adds only what was routed
   // after it. InfinitePast: nothing routed is reflected yet.

@@ -502,6 +502,43 @@ TEST(RoutingPolicyTest, OverloadIsResourceExhausted) {
   EXPECT_THAT(s.message(), HasSubstr("no decode node can take the request: d0: kv 1005 > 1000"));
 }
 
+TEST(RoutingPolicyTest, NodesOwnQueueBoundsRefuseWhatTheyCannotServeInTime) {
+  auto policy = MakePolicy();
+  OverlapResult overlap{20, {}};
+  // Prefill: each node reports the most prompt tokens it queues (its rate x its queue time).
+  std::vector<NodeLoad> nodes = {Prefill("p0", 3 * kChunk), Prefill("p1", 2 * kChunk),
+                                 Decode("d0")};
+  nodes[0].max_queued_prefill_tokens = 20 * kChunk;
+  nodes[1].max_queued_prefill_tokens = 21 * kChunk;
+  // p1: 2 + 20 > 21; p0: 3 + 20 > 20; nothing fits.
+  absl::Status s = policy->Route(Request(20), overlap, nodes).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(s.message(), HasSubstr(kNoPrefillRoom));
+  EXPECT_THAT(s.message(), HasSubstr("queue full 768+5120 > 5120"));
+  // An empty queue takes a request larger than its bound: it is served at once.
+  nodes[0].queued_prefill_tokens = 0;
+  nodes[0].max_queued_prefill_tokens = 4 * kChunk;
+  absl::StatusOr<RouteDecision> d = policy->Route(Request(20), overlap, nodes);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->prefill_id, "p0");
+
+  // Decode: a full batch still takes requests into its waiting queue, up to max_waiting.
+  nodes[2].max_batch = 4;
+  nodes[2].max_waiting = 8;
+  nodes[2].active_requests = 11;
+  d = policy->Route(Request(20), overlap, nodes);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->decode_id, "d0");
+  nodes[2].active_requests = 12;
+  s = policy->Route(Request(20), overlap, nodes).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(s.message(), HasSubstr(kNoDecodeRoom));
+  EXPECT_THAT(s.message(), HasSubstr("d0: queue full 12 >= 4+8"));
+  // Without a reported max_waiting the node queues without a bound (older nodes).
+  nodes[2].max_waiting = 0;
+  EXPECT_TRUE(policy->Route(Request(20), overlap, nodes).ok());
+}
+
 TEST(RoutingPolicyTest, BusyPrefillNodesAreSkippedUnlessAllAreBusy) {
   auto policy = MakePolicy(RoutingOptions{.busy_prefill_tokens = 10 * kChunk});
   // p1 holds everything but is busy; p0 is idle.

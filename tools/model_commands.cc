@@ -91,8 +91,14 @@ absl::Status RunGenerate(const GenerateOptions& o, std::ostream& out, std::ostre
                           o.window_tokens == 0 ? l.model->Prefill(prompt, cache.get())
                                                : l.model->Step(prompt, cache.get()));
   const double prefill_s = Seconds(t0);
-  const model::Sampler sampler({.temperature = o.temperature, .top_k = o.top_k, .top_p = o.top_p,
-                                .seed = o.seed});
+  const model::Sampler sampler({.temperature = o.temperature,
+                                .top_k = o.top_k,
+                                .top_p = o.top_p,
+                                .seed = o.seed,
+                                .min_p = o.min_p,
+                                .presence_penalty = o.presence_penalty,
+                                .frequency_penalty = o.frequency_penalty,
+                                .repetition_penalty = o.repetition_penalty});
   STRATA_RETURN_IF_ERROR(sampler.options().Validate());
   std::vector<uint32_t> generated;
   // What a client of the HTTP API sees: well-formed UTF-8, a character split across tokens
@@ -102,7 +108,7 @@ absl::Status RunGenerate(const GenerateOptions& o, std::ostream& out, std::ostre
   const auto t1 = std::chrono::steady_clock::now();
   for (uint32_t i = 0; i < o.max_tokens; ++i) {
     const uint32_t next = sampler.Sample(
-        absl::MakeConstSpan(logits).subspan(logits.size() - c.vocab_size), i);
+        absl::MakeConstSpan(logits).subspan(logits.size() - c.vocab_size), i, prompt, generated);
     if (c.eos_token_id >= 0 && next == c.eos_token_id) break;
     generated.push_back(next);
     STRATA_ASSIGN_OR_RETURN(model::TextStream::Piece piece, text.Add(next));

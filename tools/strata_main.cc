@@ -42,6 +42,11 @@ ABSL_FLAG(float, temperature, 0.0f, "generate: sampling temperature (0: greedy)"
 ABSL_FLAG(uint64_t, seed, 1, "generate: sampling seed");
 ABSL_FLAG(uint32_t, top_k, 0, "generate: sample from the k most likely tokens (0: all)");
 ABSL_FLAG(float, top_p, 1.0f, "generate: nucleus sampling mass in (0, 1]");
+ABSL_FLAG(float, min_p, 0.0f, "generate: keep tokens at least this fraction as likely as the top");
+ABSL_FLAG(float, presence_penalty, 0.0f, "generate: OpenAI's presence penalty, in [-2, 2]");
+ABSL_FLAG(float, frequency_penalty, 0.0f, "generate: OpenAI's frequency penalty, in [-2, 2]");
+ABSL_FLAG(float, repetition_penalty, 1.0f,
+          "generate: vLLM's repetition penalty over prompt and output (1: off)");
 ABSL_FLAG(std::string, text, "", "ppl/dump-kv: text file");
 ABSL_FLAG(uint32_t, context, 2048, "ppl: tokens per evaluation window; dump-kv: tokens to run");
 ABSL_FLAG(uint32_t, windows, 0, "ppl: evaluate at most this many windows (0: the whole text)");
@@ -162,6 +167,10 @@ int main(int argc, char** argv) {
     o.seed = absl::GetFlag(FLAGS_seed);
     o.top_k = absl::GetFlag(FLAGS_top_k);
     o.top_p = absl::GetFlag(FLAGS_top_p);
+    o.min_p = absl::GetFlag(FLAGS_min_p);
+    o.presence_penalty = absl::GetFlag(FLAGS_presence_penalty);
+    o.frequency_penalty = absl::GetFlag(FLAGS_frequency_penalty);
+    o.repetition_penalty = absl::GetFlag(FLAGS_repetition_penalty);
     const absl::Status s = strata::tools::RunGenerate(o, std::cout, std::cerr);
     return s.ok() ? 0 : Fail(s);
   }

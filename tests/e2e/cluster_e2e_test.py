@@ -182,10 +182,12 @@ def complete(cluster, prompt, max_tokens=16, stream=False, salt=None, timeout=12
     return text, usage, events
 
 
-def solo(codec, prompt, max_tokens, calibration=""):
-    """Single-process `strata generate` with the same codec and chunk size (greedy)."""
+def solo(codec, prompt, max_tokens, calibration="", flags=()):
+    """Single-process `strata generate` with the same codec and chunk size (greedy unless `flags`
+    say otherwise, e.g. --temperature, --seed, the penalties)."""
     args = [os.path.join(BUILD, "tools/strata"), "generate", "--model", MODEL, "--codec", codec,
             "--kv_chunk_tokens", str(CHUNK), "--max_tokens", str(max_tokens), "--prompt", prompt]
+    args += list(flags)
     if calibration:
         args += ["--calibration", calibration]
     out = subprocess.run(args, check=True, capture_output=True, text=True, timeout=120).stdout
@@ -367,6 +369,26 @@ class ClusterTest(unittest.TestCase):
                     for d in ("decode-0", "decode-1"))
         self.assertGreater(batched / max(steps, 1), 1.0)
 
+    def test_penalties_and_min_p_equal_single_process_generation(self):
+        c = self.cluster
+        prompt = PROMPTS[1] + LONG
+        fields = {"presence_penalty": 0.4, "frequency_penalty": 0.6, "repetition_penalty": 1.3}
+        flags = ["--%s=%s" % (k, v) for k, v in fields.items()]
+        plain = solo(self.codec, prompt, 24)
+        greedy = solo(self.codec, prompt, 24, flags=flags)
+        self.assertNotEqual(greedy, plain, "the penalties changed nothing: a weak test")
+        for stream in (False, True):
+            text, _, _ = complete(c, prompt, 24, stream=stream, salt="pen", **fields)
+            self.assertEqual(text, greedy, "stream=%s" % stream)
+        # Sampled: the prefill node draws the first token and the decode node the rest, with the
+        # request's seed; min_p and the penalties apply on both.
+        sampled = dict(fields, temperature=0.9, seed=11, min_p=0.05)
+        want = solo(self.codec, prompt, 24, flags=flags + ["--temperature=0.9", "--seed=11",
+                                                             "--min_p=0.05"])
+        for stream in (False, True):
+            text, _, _ = complete(c, prompt, 24, stream=stream, salt="pen-s", **sampled)
+            self.assertEqual(text, want, "sampled, stream=%s" % stream)
+
     def test_sampled_long_streams_all_finish_with_well_formed_text(self):
         # Sampling at temperature 1 makes the byte-level model emit bytes that form no UTF-8
         # character. They once reached the gRPC stream as an ill-formed protobuf string, which the
@@ -481,6 +503,126 @@ def openai_node_client():
         if r.returncode != 0:
             return None, "npm could not install the openai package: " + r.stderr[-300:]
     return prefix, ""
+
+
+def burst_one(base, prompt, salt, max_tokens, timeout=300):
+    """One greedy streamed completion. ("ok", text) when it streamed to [DONE]; ("429",
+    Retry-After) when refused before any byte; else ("error", what happened) — an HTTP error
+    other than 429, an error event after the 200, a stream without [DONE], or a timeout."""
+    body = {"model": "strata-tiny", "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "cache_salt": salt}
+    req = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    text = ""
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            for raw in r:
+                line = raw.decode().strip()
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    return "ok", text
+                event = json.loads(line[6:])
+                if "error" in event:
+                    return "error", "error event after the 200: %s" % event["error"]
+                for c in event.get("choices", []):
+                    text += c.get("text", "")
+        return "error", "no [DONE] after %r" % text
+    except urllib.error.HTTPError as e:
+        if e.code == 429:
+            return "429", e.headers.get("Retry-After")
+        return "error", "HTTP %d: %s" % (e.code, e.read()[:300])
+    except OSError as e:
+        return "error", "%s after %r" % (e, text)
+
+
+class OverloadTest(unittest.TestCase):
+    """A burst far above what the cluster can serve: every request either completes with the
+    output it has alone or is refused with 429 before its first byte; none times out or fails
+    after its 200, and afterwards the cluster holds nothing."""
+
+    def test_a_burst_far_above_capacity_completes_or_gets_429_before_any_byte(self):
+        # Small batches (8 running + 32 waiting per decode node) keep the capacity well below
+        # the burst on any machine: 2 x 40 requests held at once against 300 arriving together.
+        c = Cluster("kivi:k4v4:g32", prefill=2, decode=2, max_batch=8)
+        try:
+            prompts = ["%s (%d)%s" % (PROMPTS[i % len(PROMPTS)], i, LONG if i % 2 else "")
+                       for i in range(6)]
+            alone = [complete(c, p, 32, salt="alone-%d" % i)[0] for i, p in enumerate(prompts)]
+            n = 300
+            with concurrent.futures.ThreadPoolExecutor(n) as pool:
+                results = list(pool.map(
+                    lambda i: burst_one(c.base, prompts[i % len(prompts)], "burst-%d" % i, 32),
+                    range(n)))
+            errors = [(i, what) for i, (kind, what) in enumerate(results) if kind == "error"]
+            self.assertEqual(errors, [], "requests that neither completed nor got a 429")
+            done = [i for i, (kind, _) in enumerate(results) if kind == "ok"]
+            refused = [what for kind, what in results if kind == "429"]
+            print("burst of %d: %d completed, %d refused with 429" % (n, len(done), len(refused)))
+            for i in done:
+                self.assertEqual(results[i][1], alone[i % len(prompts)], "request %d" % i)
+            self.assertGreater(len(refused), 0, "the burst never reached the cluster's limits")
+            self.assertGreaterEqual(len(done), 40, "the cluster served too little of the burst")
+            for retry_after in refused:
+                self.assertIsNotNone(retry_after)
+                self.assertGreaterEqual(int(retry_after), 1)
+            router = scrape(c.base.replace("http://", ""))
+            self.assertEqual(metric(router, "strata_router_rejected_total"), len(refused))
+            self.assertEqual(metric(router, "strata_router_retries_total"), 0)
+            # Afterwards nothing is held: no request in flight, no KV, empty queues.
+            deadline = time.monotonic() + 30
+            while True:
+                router = scrape(c.base.replace("http://", ""))
+                decode = [scrape(c.node(d)["metrics"]) for d in ("decode-0", "decode-1")]
+                prefill = [scrape(c.node(p)["metrics"]) for p in ("prefill-0", "prefill-1")]
+                held = (metric(router, "strata_router_in_flight") +
+                        sum(metric(m, "strata_decode_running") + metric(m, "strata_decode_waiting")
+                            + metric(m, "strata_decode_kv_bytes_in_use")
+                            + metric(m, "strata_decode_kv_bytes_arrived") for m in decode) +
+                        sum(metric(m, "strata_prefill_queued_tokens") for m in prefill))
+                if held == 0 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
+            self.assertEqual(held, 0, "the cluster still holds requests or KV after the burst")
+            # And it still serves.
+            self.assertEqual(complete(c, prompts[0], 32, salt="after")[0], alone[0])
+        except BaseException:
+            print(c.logs())
+            raise
+        finally:
+            c.down()
+
+    def test_a_client_timeout_is_honoured_by_every_node(self):
+        c = Cluster("kivi:k4v4:g32", prefill=1, decode=1)
+        try:
+            prompt = PROMPTS[0] + LONG * 3
+            body = {"model": "strata-tiny", "prompt": prompt, "max_tokens": 1500,
+                    "temperature": 0, "ignore_eos": True}
+            req = urllib.request.Request(
+                c.base + "/v1/completions", data=json.dumps(body).encode(),
+                headers={"Content-Type": "application/json", "X-Request-Timeout": "0.5"})
+            t0 = time.monotonic()
+            with self.assertRaises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(req, timeout=60)
+            self.assertEqual(e.exception.code, 504)
+            self.assertLess(time.monotonic() - t0, 10)
+            # The decode node gave the request up too: nothing runs there afterwards.
+            deadline = time.monotonic() + 10
+            while metric(scrape(c.node("decode-0")["metrics"]), "strata_decode_running") > 0:
+                self.assertLess(time.monotonic(), deadline, "the decode node still runs it")
+                time.sleep(0.1)
+            req2 = urllib.request.Request(
+                c.base + "/v1/completions", data=json.dumps(body).encode(),
+                headers={"Content-Type": "application/json", "X-Request-Timeout": "soon"})
+            with self.assertRaises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(req2, timeout=60)
+            self.assertEqual(e.exception.code, 400)
+            self.assertIn("X-Request-Timeout", json.load(e.exception)["error"]["message"])
+        except BaseException:
+            print(c.logs())
+            raise
+        finally:
+            c.down()
 
 
 class TenantTest(unittest.TestCase):
@@ -741,6 +883,10 @@ class OpenAIClientTest(unittest.TestCase):
                                timeout=120)
             self.assertEqual(r.returncode, 0, r.stdout + r.stderr + c.logs())
             self.assertIn("openai client: ok", r.stdout)
+            penalized = json.loads(r.stdout.split("penalized: ", 1)[1].splitlines()[0])
+            prompt = "The lighthouse keeper wrote in his log that the storm"
+            self.assertEqual(penalized, solo("kivi:k4v4:g32", prompt, 24, flags=[
+                "--presence_penalty=0.4", "--frequency_penalty=0.6", "--repetition_penalty=1.3"]))
         finally:
             c.down()
 

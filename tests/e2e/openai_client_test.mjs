@@ -44,6 +44,23 @@ for await (const chunk of chatStream) {
 if (chatStreamed !== reply) fail(`chat streamed ${JSON.stringify(chatStreamed)} != ${JSON.stringify(reply)}`);
 if (!usage || usage.completion_tokens !== 6) fail("chat usage " + JSON.stringify(usage));
 
+// OpenAI's penalties and vLLM's repetition_penalty / min_p, streaming and not: the caller
+// compares the text with single-process `strata generate` given the same values.
+const penalties = { presence_penalty: 0.4, frequency_penalty: 0.6, repetition_penalty: 1.3 };
+const penalized = await client.completions.create({
+  model, prompt, max_tokens: 24, temperature: 0, ...penalties,
+});
+let penalizedStreamed = "";
+const penalizedStream = await client.completions.create({
+  model, prompt, max_tokens: 24, temperature: 0, stream: true, min_p: 0.1, ...penalties,
+});
+for await (const chunk of penalizedStream) penalizedStreamed += chunk.choices[0]?.text ?? "";
+if (penalizedStreamed !== penalized.choices[0].text) {
+  fail(`penalized streamed ${JSON.stringify(penalizedStreamed)} != ` +
+       JSON.stringify(penalized.choices[0].text));
+}
+console.log("penalized: " + JSON.stringify(penalized.choices[0].text));
+
 try {
   await client.completions.create({ model: "no-such-model", prompt, max_tokens: 2 });
   fail("an unknown model was accepted");
