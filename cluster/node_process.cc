@@ -244,6 +244,15 @@ model::SamplingOptions SamplingFromProto(const strata::v1::Sampling& sampling) {
   return o;
 }
 
+void LogprobsToProto(const model::TokenLogprobs& lp, strata::v1::TokenLogprobs* out) {
+  out->set_logprob(lp.logprob);
+  for (const auto& [token, logprob] : lp.top) {
+    strata::v1::TopLogprob* t = out->add_top();
+    t->set_token(token);
+    t->set_logprob(logprob);
+  }
+}
+
 absl::Time CallDeadline(const grpc::ServerContext& context) {
   const std::chrono::system_clock::time_point d = context.deadline();
   // gRPC reports "no deadline" as the clock's far end (or near it, after conversions).

@@ -20,6 +20,7 @@
 #include "kvstore/grpc_security.h"
 #include "kvstore/store_client.h"
 #include "model/llama.h"
+#include "model/logprobs.h"
 #include "model/sampler.h"
 #include "model/tokenizer.h"
 #include "prometheus/counter.h"
@@ -119,6 +120,9 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(
 
 // The sampling options of a serving request (top_p 0, proto3's unset, reads as 1).
 model::SamplingOptions SamplingFromProto(const strata::v1::Sampling& sampling);
+
+// A token's logprobs on the wire (serving.proto's TokenLogprobs).
+void LogprobsToProto(const model::TokenLogprobs& lp, strata::v1::TokenLogprobs* out);
 
 // The deadline of the call `context` serves, as the request's deadline (InfiniteFuture when the
 // caller set none).

@@ -422,14 +422,18 @@ absl::Status DecodeEngine::Activate(Sequence& s) {
   return absl::OkStatus();
 }
 
-bool DecodeEngine::Emit(Sequence& s, uint32_t token) {
+bool DecodeEngine::Emit(Sequence& s, uint32_t token, const model::TokenLogprobs* logprobs) {
   const model::ModelConfig& c = model_->config();
   s.generated.push_back(token);
   ++s.usage.completion_tokens;
   if (s.cancelled) return true;
   if (!s.req.ignore_eos && c.eos_token_id >= 0 && token == static_cast<uint32_t>(c.eos_token_id)) {
     const std::string rest = s.text->Finish();
-    if (!rest.empty()) s.sink->Token(token, rest);
+    if (logprobs != nullptr) {
+      s.sink->TokenWithLogprobs(token, rest, *logprobs);
+    } else if (!rest.empty()) {
+      s.sink->Token(token, rest);
+    }
     PutGenerated(s);
     s.sink->Finish(FinishReason::kStop, s.usage);
     return true;
@@ -442,7 +446,11 @@ bool DecodeEngine::Emit(Sequence& s, uint32_t token) {
   const bool length = s.generated.size() >= s.req.max_tokens ||
                       s.req.prompt.size() + s.generated.size() >= c.max_position_embeddings;
   if (!piece->stopped && length) piece->text += s.text->Finish();
-  s.sink->Token(token, piece->text);
+  if (logprobs != nullptr) {
+    s.sink->TokenWithLogprobs(token, piece->text, *logprobs);
+  } else {
+    s.sink->Token(token, piece->text);
+  }
   if (piece->stopped || length) {
     PutGenerated(s);
     s.sink->Finish(piece->stopped ? FinishReason::kStop : FinishReason::kLength, s.usage);
@@ -655,10 +663,16 @@ void DecodeEngine::Loop() {
           done.push_back(batch[i]);
           continue;
         }
-        const uint32_t token = s.sampler->Sample(
-            absl::MakeConstSpan((*logits)[i]).subspan((*logits)[i].size() - vocab),
-            s.generated.size(), s.req.prompt, s.generated);
-        if (Emit(s, token)) done.push_back(batch[i]);
+        const absl::Span<const float> row =
+            absl::MakeConstSpan((*logits)[i]).subspan((*logits)[i].size() - vocab);
+        const uint32_t token = s.sampler->Sample(row, s.generated.size(), s.req.prompt,
+                                                 s.generated);
+        if (s.req.logprobs) {
+          const model::TokenLogprobs lp = model::LogprobsOf(row, token, s.req.top_logprobs);
+          if (Emit(s, token, &lp)) done.push_back(batch[i]);
+        } else if (Emit(s, token)) {
+          done.push_back(batch[i]);
+        }
       }
     }
     // Preempt the newest while the running ones outgrow the budget (never the last one).

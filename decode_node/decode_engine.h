@@ -40,6 +40,7 @@
 #include "kernels/calibration.h"
 #include "kvstore/block_source.h"
 #include "model/llama.h"
+#include "model/logprobs.h"
 #include "model/sampler.h"
 #include "model/tokenizer.h"
 #include "transport/block_protocol.h"
@@ -77,6 +78,10 @@ struct DecodeRequest {
   bool ignore_eos = false;
   // When the caller gives up (InfiniteFuture: none; then kv_timeout bounds the wait for KV).
   absl::Time deadline = absl::InfiniteFuture();
+  // Each token this node samples (all but the first) goes with its logprobs and those of the
+  // top_logprobs (<= 20) most likely tokens (TokenSink::TokenWithLogprobs).
+  bool logprobs = false;
+  uint32_t top_logprobs = 0;
 };
 
 struct DecodeUsage {
@@ -89,6 +94,13 @@ class TokenSink {
  public:
   virtual ~TokenSink() = default;
   virtual void Token(uint32_t token, const std::string& text) = 0;
+  // A token of a request that asked for logprobs (DecodeRequest::logprobs); the default drops
+  // them.
+  virtual void TokenWithLogprobs(uint32_t token, const std::string& text,
+                                 const model::TokenLogprobs& logprobs) {
+    (void)logprobs;
+    Token(token, text);
+  }
   virtual void Finish(FinishReason reason, const DecodeUsage& usage) = 0;
   virtual void Fail(const absl::Status& status) = 0;
   // Instead of Finish / Fail, from a draining engine (Drain): the sequence's full chunks are in
@@ -169,7 +181,9 @@ class DecodeEngine {
   absl::Status Preempt(Sequence& s);
   absl::Status Resume(Sequence& s);
   // Emits `token` for `s`; true when the sequence is done (finished now).
-  bool Emit(Sequence& s, uint32_t token);
+  // `logprobs`: the token's, when the request asked for them (null otherwise, and for the first
+  // token, which the prefill node sampled).
+  bool Emit(Sequence& s, uint32_t token, const model::TokenLogprobs* logprobs = nullptr);
   void PutGenerated(Sequence& s);
   // The scheduler's part of Drain: every registered sequence handed off (or failed), the engine
   // left empty.

@@ -24,6 +24,20 @@ class QueueSink final : public TokenSink {
       : first_token_(first_token), inter_token_(inter_token), start_(Clock::now()) {}
 
   void Token(uint32_t token, const std::string& text) override {
+    strata::v1::GenerateEvent e;
+    e.mutable_token()->set_token(token);
+    e.mutable_token()->set_text(text);
+    PushToken(std::move(e));
+  }
+  void TokenWithLogprobs(uint32_t token, const std::string& text,
+                         const model::TokenLogprobs& logprobs) override {
+    strata::v1::GenerateEvent e;
+    e.mutable_token()->set_token(token);
+    e.mutable_token()->set_text(text);
+    cluster::LogprobsToProto(logprobs, e.mutable_token()->mutable_logprobs());
+    PushToken(std::move(e));
+  }
+  void PushToken(strata::v1::GenerateEvent e) {
     const Clock::time_point now = Clock::now();
     const double since = std::chrono::duration<double>(now - last_).count();
     if (tokens_ == 0) {
@@ -33,9 +47,6 @@ class QueueSink final : public TokenSink {
     }
     last_ = now;
     ++tokens_;
-    strata::v1::GenerateEvent e;
-    e.mutable_token()->set_token(token);
-    e.mutable_token()->set_text(text);
     Push(std::move(e), false, absl::OkStatus());
   }
   void Finish(FinishReason reason, const DecodeUsage& usage) override {
@@ -175,6 +186,13 @@ grpc::Status DecodeService::Generate(grpc::ServerContext* context,
   r.stop.assign(request->stop().begin(), request->stop().end());
   r.ignore_eos = request->ignore_eos();
   r.deadline = cluster::CallDeadline(*context);
+  r.logprobs = request->logprobs();
+  r.top_logprobs = request->top_logprobs();
+  if (r.top_logprobs > model::kMaxTopLogprobs) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        absl::StrCat("decode: top_logprobs ", r.top_logprobs, " is over ",
+                                     model::kMaxTopLogprobs));
+  }
   if (stopping_) {
     return grpc::Status(grpc::StatusCode::UNAVAILABLE, "decode node is shutting down");
   }

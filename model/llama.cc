@@ -180,7 +180,8 @@ absl::StatusOr<std::vector<float>> LlamaModel::Run(absl::Span<const uint32_t> to
 
 absl::StatusOr<std::vector<float>> LlamaModel::Prefill(absl::Span<const uint32_t> tokens,
                                                        SequenceKvCache* cache,
-                                                       const LayerHook& hook) const {
+                                                       const LayerHook& hook,
+                                                       const PieceLogits& piece_logits) const {
   if (cache == nullptr) return absl::InvalidArgumentError("model: Prefill needs a cache");
   if (tokens.empty()) return absl::InvalidArgumentError("model: Prefill of no tokens");
   const KvCacheOptions& o = cache->options();
@@ -197,9 +198,19 @@ absl::StatusOr<std::vector<float>> LlamaModel::Prefill(absl::Span<const uint32_t
     const size_t n = std::min(to_boundary, tokens.size() - done);
     const absl::Span<const uint32_t> one[] = {tokens.subspan(done, n)};
     SequenceKvCache* const caches[] = {cache};
-    STRATA_ASSIGN_OR_RETURN(std::vector<std::vector<float>> logits,
-                            RunBatch(one, caches, nullptr, hook, /*last_only=*/true));
-    last = std::move(logits[0]);
+    STRATA_ASSIGN_OR_RETURN(
+        std::vector<std::vector<float>> logits,
+        RunBatch(one, caches, nullptr, hook, /*last_only=*/piece_logits == nullptr));
+    if (piece_logits != nullptr) {
+      const size_t vocab = config_.vocab_size;
+      if (logits[0].size() != n * vocab) {
+        return absl::InternalError("model: Prefill got logits of an unexpected size");
+      }
+      piece_logits(done, logits[0]);
+      last.assign(logits[0].end() - static_cast<ptrdiff_t>(vocab), logits[0].end());
+    } else {
+      last = std::move(logits[0]);
+    }
     done += n;
   }
   return last;

@@ -66,9 +66,13 @@ class LlamaModel {
   // output never depends on where a prefix came from. Needs a cache without an always-full-
   // precision window (KvCacheOptions::window_tokens == 0; kInvalidArgument otherwise). `hook`
   // runs after each layer of each piece. Returns the logits of the last token [vocab].
+  // `piece_logits`, when set, gets every token's logits, a piece at a time: the index in `tokens`
+  // of the piece's first token and its logits [piece tokens, vocab] (prompt logprobs).
+  using PieceLogits = std::function<void(size_t first, absl::Span<const float> logits)>;
   absl::StatusOr<std::vector<float>> Prefill(absl::Span<const uint32_t> tokens,
                                              SequenceKvCache* cache,
-                                             const LayerHook& hook = nullptr) const;
+                                             const LayerHook& hook = nullptr,
+                                             const PieceLogits& piece_logits = nullptr) const;
 
   // Step for a batch of sequences at once, each on its own cache (distinct caches): the matrix
   // products run over all sequences' new tokens together, attention per sequence. Returns

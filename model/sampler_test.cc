@@ -1,11 +1,14 @@
 #include "model/sampler.h"
 
+#include <cmath>
+
 #include <map>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/utf8.h"
 #include "gtest/gtest.h"
+#include "model/logprobs.h"
 #include "model/text_stream.h"
 #include "model/tokenizer.h"
 
@@ -83,6 +86,26 @@ TEST(SamplerTest, MinPKeepsTokensNearTheMostLikely) {
   const Sampler all({.temperature = 1.0f, .seed = 3});
   for (uint64_t i = 0; i < 2000; ++i) ++seen[all.Sample(logits, i)];
   EXPECT_EQ(seen.size(), 4u);  // without min-p the unlikely ones are drawn too
+}
+
+TEST(LogprobsTest, LogSoftmaxAtTheTokenAndTheTopTokensInOrder) {
+  const std::vector<float> logits = {1.0f, 3.0f, 2.0f, 3.0f, -1.0f};
+  double z = 0;
+  for (float x : logits) z += std::exp(x);
+  const TokenLogprobs lp = LogprobsOf(logits, 2, 3);
+  EXPECT_EQ(lp.token, 2u);
+  EXPECT_NEAR(lp.logprob, 2.0 - std::log(z), 1e-6);
+  ASSERT_EQ(lp.top.size(), 3u);
+  // Ties by id: 1 before 3.
+  EXPECT_EQ(lp.top[0].first, 1u);
+  EXPECT_EQ(lp.top[1].first, 3u);
+  EXPECT_EQ(lp.top[2].first, 2u);
+  EXPECT_FLOAT_EQ(lp.top[2].second, lp.logprob);
+  double total = 0;
+  for (size_t t = 0; t < logits.size(); ++t) total += std::exp(LogprobsOf(logits, t, 0).logprob);
+  EXPECT_NEAR(total, 1.0, 1e-6);
+  EXPECT_TRUE(LogprobsOf(logits, 0, 0).top.empty());
+  EXPECT_EQ(LogprobsOf(logits, 0, 100).top.size(), logits.size());  // clamped to the vocabulary
 }
 
 TEST(SamplerTest, OptionsAreValidated) {

@@ -132,6 +132,10 @@ absl::StatusOr<PrefillResult> PrefillEngine::Prefill(const PrefillRequest& r,
   const auto t0 = std::chrono::steady_clock::now();
   STRATA_RETURN_IF_ERROR(transport::ValidateRequestId(r.request_id));
   STRATA_RETURN_IF_ERROR(r.sampling.Validate());
+  if (r.top_logprobs > model::kMaxTopLogprobs) {
+    return absl::InvalidArgumentError(absl::StrCat("prefill: top_logprobs ", r.top_logprobs,
+                                                   " is over ", model::kMaxTopLogprobs));
+  }
   const model::ModelConfig& c = model_->config();
   if (r.tokens.empty()) return absl::InvalidArgumentError("prefill: the prompt has no tokens");
   if (r.tokens.size() >= c.max_position_embeddings) {
@@ -294,7 +298,7 @@ absl::StatusOr<PrefillResult> PrefillEngine::Run(const PrefillRequest& r,
   // The cached prefix: at most every chunk but the one holding the last prompt token.
   uint32_t hit = 0;
   const uint32_t max_hit = static_cast<uint32_t>((r.tokens.size() - 1) / C);
-  if (store_ != nullptr && max_hit > 0) {
+  if (store_ != nullptr && max_hit > 0 && !r.prompt_logprobs) {
     absl::StatusOr<uint32_t> n =
         store_->Lookup(cache->NameOf(0, keys[0]), absl::MakeConstSpan(keys).first(max_hit), layer_fps);
     if (n.ok()) {
@@ -360,12 +364,29 @@ absl::StatusOr<PrefillResult> PrefillEngine::Run(const PrefillRequest& r,
     }
     return absl::OkStatus();
   };
+  model::LlamaModel::PieceLogits piece_logits = nullptr;
+  if (r.prompt_logprobs) {
+    const size_t vocab = c.vocab_size;
+    piece_logits = [&](size_t first, absl::Span<const float> rows) {
+      // Row j's logits predict the token after it (res.cached_tokens is 0 here).
+      for (size_t j = 0; j * vocab < rows.size(); ++j) {
+        const size_t next = first + j + 1;
+        if (next >= r.tokens.size()) break;
+        res.prompt_logprobs.push_back(
+            model::LogprobsOf(rows.subspan(j * vocab, vocab), r.tokens[next], r.top_logprobs));
+      }
+    };
+  }
   absl::StatusOr<std::vector<float>> logits =
-      model_->Prefill(absl::MakeConstSpan(r.tokens).subspan(res.cached_tokens), cache.get(), hook);
+      model_->Prefill(absl::MakeConstSpan(r.tokens).subspan(res.cached_tokens), cache.get(), hook,
+                      piece_logits);
   res.compute_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - tc).count();
   if (!logits.ok()) return abort(logits.status());
   res.computed_tokens = res.prompt_tokens - res.cached_tokens;
   res.first_token = model::Sampler(r.sampling).Sample(*logits, 0, r.tokens);
+  if (r.logprobs) {
+    res.first_token_logprobs = model::LogprobsOf(*logits, res.first_token, r.top_logprobs);
+  }
 
   // Each layer's window, then the end.
   for (uint32_t l = 0; l < L; ++l) {

@@ -46,6 +46,7 @@
 #include "kernels/calibration.h"
 #include "kvstore/block_source.h"
 #include "model/llama.h"
+#include "model/logprobs.h"
 #include "model/sampler.h"
 #include "transport/block_protocol.h"
 
@@ -77,6 +78,12 @@ struct PrefillRequest {
   model::SamplingOptions sampling = {};  // for the first token
   // When the caller gives up on the request (InfiniteFuture: never): see "Admission" above.
   absl::Time deadline = absl::InfiniteFuture();
+  // Logprobs of the first token (with top_logprobs of the most likely, <= 20), and with
+  // prompt_logprobs of every prompt token after the first: the whole prompt is then computed
+  // (adopted tokens have no logits here), though still shipped and stored as usual.
+  bool logprobs = false;
+  uint32_t top_logprobs = 0;
+  bool prompt_logprobs = false;
 };
 
 struct PrefillResult {
@@ -93,6 +100,8 @@ struct PrefillResult {
   // compressed: > 0 shows layers streaming while later layers compute.
   uint32_t layer0_acked_early = 0;
   double queue_seconds = 0, compute_seconds = 0, total_seconds = 0;
+  model::TokenLogprobs first_token_logprobs;         // with PrefillRequest::logprobs
+  std::vector<model::TokenLogprobs> prompt_logprobs;  // tokens[1..], with prompt_logprobs
 };
 
 struct PrefillLoad {

@@ -83,6 +83,9 @@ grpc::Status PrefillService::Prefill(grpc::ServerContext* context,
   r.decode_address = request->decode_address();
   r.sampling = cluster::SamplingFromProto(request->sampling());
   r.deadline = cluster::CallDeadline(*context);
+  r.logprobs = request->logprobs();
+  r.top_logprobs = request->top_logprobs();
+  r.prompt_logprobs = request->prompt_logprobs();
   if (draining_.load()) {
     requests_.Add({{"result", "error"}}).Increment();
     return grpc::Status(grpc::StatusCode::UNAVAILABLE,
@@ -130,6 +133,12 @@ grpc::Status PrefillService::Prefill(grpc::ServerContext* context,
   response->set_total_seconds(result->total_seconds);
   response->set_node_id(options_.node_id);
   response->set_layer0_acked_early(result->layer0_acked_early);
+  if (r.logprobs) {
+    cluster::LogprobsToProto(result->first_token_logprobs, response->mutable_first_token_logprobs());
+  }
+  for (const model::TokenLogprobs& lp : result->prompt_logprobs) {
+    cluster::LogprobsToProto(lp, response->add_prompt_logprobs());
+  }
   return grpc::Status::OK;
 }
 

@@ -67,7 +67,13 @@ struct CompletionRequest {
   SamplingParams sampling;
   bool stream = false;
   bool include_usage = false;  // stream_options.include_usage (only with stream)
-  bool echo = false;           // completions echo: always false (echo=true is refused with 400)
+  // Completions: the response's text starts with the prompt's (with logprobs: the prompt's
+  // tokens and their logprobs first, the first one's null).
+  bool echo = false;
+  // Each generated token's logprobs, and those of the top_logprobs (<= 20) most likely tokens
+  // (completions: "logprobs": N; chat: "logprobs": true, "top_logprobs": N).
+  bool logprobs = false;
+  uint32_t top_logprobs = 0;
   std::string cache_salt;      // vLLM extension "cache_salt": tenants with different salts never
                                // share KV ("" = no salt)
   absl::Time arrival;          // when the HTTP layer finished reading the request
@@ -77,6 +83,17 @@ struct CompletionRequest {
 };
 
 enum class FinishReason { kStop, kLength };
+
+// One token's log-probability, for OpenAI's `logprobs`.
+struct LogprobEntry {
+  std::string token;  // the token's bytes (a token may hold part of a UTF-8 character)
+  float logprob = 0;
+};
+struct TokenLogprobs {
+  LogprobEntry chosen;            // the token that was generated (or the prompt's token)
+  std::vector<LogprobEntry> top;  // the most likely tokens, most likely first
+  bool known = true;              // false for a prompt's first token: nothing predicts it
+};
 
 struct Usage {
   uint32_t prompt_tokens = 0, completion_tokens = 0, cached_tokens = 0;
@@ -89,6 +106,19 @@ class CompletionStream {
   // One generated token. `text` is complete UTF-8 (may be empty: nothing is sent for it while
   // streaming); a backend holding back an incomplete UTF-8 sequence sends it with a later token.
   virtual void Token(std::string_view text, uint32_t token_id) = 0;
+  // The same for a request that asked for logprobs: every token comes this way (its text may be
+  // empty), with its logprobs. The default drops them.
+  virtual void TokenWithLogprobs(std::string_view text, uint32_t token_id,
+                                 const TokenLogprobs& logprobs) {
+    (void)logprobs;
+    Token(text, token_id);
+  }
+  // Completions with echo: the prompt's text (and with logprobs its tokens' logprobs), once,
+  // before the first token. The default drops it.
+  virtual void Echo(std::string_view prompt_text, std::vector<TokenLogprobs> prompt_logprobs) {
+    (void)prompt_text;
+    (void)prompt_logprobs;
+  }
   virtual void Finish(FinishReason reason, const Usage& usage) = 0;
   // Ends the request with an error. Before any byte was sent (non-streaming, or streaming before
   // the first token) it becomes the HTTP status (INVALID_ARGUMENT 400, NOT_FOUND 404, RESOURCE_EXHAUSTED 429, UNAVAILABLE 503,

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <sstream>
 #include <utility>
 
@@ -117,6 +118,11 @@ struct ClusterBackend::Request {
   bool prefill_started = false;
   bool prefill_done = false;
   bool finished = false;        // `finished` arrived
+  // Logprobs / echo: the attempt's first token, and any after it, held in order until the
+  // prefill node's answer (with the first one's logprobs) arrives; whether the prompt was echoed.
+  std::vector<strata::v1::TokenEvent> held;
+  bool echoed = false;
+  bool finish_pending = false;  // `finished` came while tokens were held
   absl::Status generate_error;  // a Generate error held until the Prefill answers
   std::string prefill_summary;  // for the end log line
   uint32_t completion_tokens = 0;
@@ -714,6 +720,8 @@ absl::Status ClusterBackend::Launch(const std::shared_ptr<Request>& r, const std
   sampling->set_repetition_penalty(request.sampling.repetition_penalty);
   g.set_max_tokens(r->max_tokens);
   g.set_ignore_eos(request.sampling.ignore_eos);
+  g.set_logprobs(request.logprobs);
+  g.set_top_logprobs(request.top_logprobs);
   for (const std::string& stop : request.sampling.stop) g.add_stop(stop);
   r->generate_ctx->set_deadline(absl::ToChronoTime(r->deadline));
 
@@ -917,6 +925,10 @@ void ClusterBackend::OnRegistered(const std::shared_ptr<Request>& r,
   p.set_cache_salt(r->generate_req.cache_salt());
   p.set_decode_address(registered.transport_address());
   *p.mutable_sampling() = r->generate_req.sampling();
+  p.set_logprobs(r->request.logprobs);
+  p.set_top_logprobs(r->request.top_logprobs);
+  // The prompt's logprobs, for an echo that has not been sent (a continuation sends none).
+  p.set_prompt_logprobs(r->request.echo && r->request.logprobs && !r->continued);
   r->prefill_ctx->set_deadline(
       absl::ToChronoTime(std::min(r->deadline, absl::Now() + options_.prefill_timeout)));
   r->prefill_node->prefill->async()->Prefill(
@@ -941,7 +953,13 @@ void ClusterBackend::OnToken(const std::shared_ptr<Request>& r,
       r->generated.push_back(token.token());
       if (first) r->first_token_at = now;
       r->last_token_at = now;
-      if (!r->cancelled.load()) r->stream->Token(token.text(), token.token());
+      const bool needs_prefill = r->request.logprobs || (r->request.echo && !r->continued);
+      if (!r->held.empty() || (attempts_first && needs_prefill && !r->prefill_done)) {
+        r->held.push_back(token);  // sent with the prefill node's answer (OnPrefillDone)
+      } else if (!r->cancelled.load()) {
+        DeliverLocked(*r, token,
+                      attempts_first ? r->prefill_resp.first_token_logprobs() : token.logprobs());
+      }
     }
   }
   if (!registered) {
@@ -955,6 +973,53 @@ void ClusterBackend::OnToken(const std::shared_ptr<Request>& r,
     ttft_->Observe(absl::ToDoubleSeconds(now - r->arrival));
   } else {
     inter_token_->Observe(absl::ToDoubleSeconds(gap));
+  }
+}
+
+std::string ClusterBackend::TokenBytes(uint32_t token) const {
+  absl::StatusOr<std::string> text = tokenizer_->Decode({token});
+  return text.ok() ? *std::move(text) : std::string();
+}
+
+TokenLogprobs ClusterBackend::LogprobsOf(uint32_t token, const strata::v1::TokenLogprobs& lp) const {
+  TokenLogprobs out;
+  out.chosen = {TokenBytes(token), lp.logprob()};
+  out.top.reserve(lp.top_size());
+  for (const strata::v1::TopLogprob& t : lp.top()) out.top.push_back({TokenBytes(t.token()), t.logprob()});
+  return out;
+}
+
+void ClusterBackend::DeliverLocked(Request& r, const strata::v1::TokenEvent& token,
+                                   const strata::v1::TokenLogprobs& logprobs) {
+  if (r.request.echo && !r.continued && !r.echoed) {
+    r.echoed = true;
+    // The client's prompt as it sent it (token ids: their text), with its tokens' logprobs.
+    std::string text = r.request.prompt_text;
+    if (text.empty()) {
+      absl::StatusOr<std::string> t = tokenizer_->Decode(r.request.prompt_tokens);
+      if (t.ok()) text = *std::move(t);
+    }
+    std::vector<TokenLogprobs> prompt;
+    if (r.request.logprobs) {
+      const std::vector<uint32_t>& ids = r.request.prompt_tokens;
+      const auto& lps = r.prefill_resp.prompt_logprobs();
+      for (size_t i = 0; i < ids.size(); ++i) {
+        if (i == 0 || static_cast<int>(i - 1) >= lps.size()) {
+          TokenLogprobs first;
+          first.chosen.token = TokenBytes(ids[i]);
+          first.known = false;
+          prompt.push_back(std::move(first));
+        } else {
+          prompt.push_back(LogprobsOf(ids[i], lps[static_cast<int>(i - 1)]));
+        }
+      }
+    }
+    r.stream->Echo(text, std::move(prompt));
+  }
+  if (r.request.logprobs) {
+    r.stream->TokenWithLogprobs(token.text(), token.token(), LogprobsOf(token.token(), logprobs));
+  } else {
+    r.stream->Token(token.text(), token.token());
   }
 }
 
@@ -975,6 +1040,10 @@ void ClusterBackend::OnFinished(const std::shared_ptr<Request>& r,
       r->usage.prompt_tokens = r->client_prompt_tokens;
       r->usage.completion_tokens = r->completion_tokens;
       r->usage.cached_tokens = std::min(r->usage.cached_tokens, r->client_prompt_tokens);
+    }
+    if (!r->held.empty()) {
+      r->finish_pending = true;  // ends once the held tokens went (OnPrefillDone)
+      return;
     }
   }
   End(r, absl::OkStatus());
@@ -1016,10 +1085,24 @@ void ClusterBackend::OnGenerateDone(const std::shared_ptr<Request>& r, const grp
 
 void ClusterBackend::OnPrefillDone(const std::shared_ptr<Request>& r, const grpc::Status& status) {
   absl::Status held;
+  bool finish = false;
   {
     std::lock_guard<std::mutex> lock(r->mu);
     r->prefill_done = true;
+    finish = r->finish_pending;
     held = r->generate_error;
+    if (!r->held.empty()) {
+      // The first token waited for this answer (its logprobs, the prompt's), and the tokens
+      // after it for the first: they go now, or never, if the prefill failed (the request
+      // fails below).
+      if (status.ok() && !r->ended.load() && !r->cancelled.load()) {
+        for (size_t i = 0; i < r->held.size(); ++i) {
+          DeliverLocked(*r, r->held[i],
+                        i == 0 ? r->prefill_resp.first_token_logprobs() : r->held[i].logprobs());
+        }
+      }
+      r->held.clear();
+    }
     if (status.ok()) {
       const strata::v1::PrefillResponse& p = r->prefill_resp;
       r->prefill_summary = absl::StrFormat(
@@ -1030,7 +1113,11 @@ void ClusterBackend::OnPrefillDone(const std::shared_ptr<Request>& r, const grpc
     }
   }
   if (status.ok()) {
-    if (!held.ok()) End(r, held);  // the decode node failed on its own
+    if (!held.ok()) {
+      End(r, held);  // the decode node failed on its own
+    } else if (finish) {
+      End(r, absl::OkStatus());
+    }
     return;
   }
   if (r->cancelled.load()) {

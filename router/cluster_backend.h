@@ -188,6 +188,9 @@ class ClusterBackend final : public Backend {
   void MaybeWatchNodeTiers();
 
   // Tokenization and the context check: the prompt tokens; *max_tokens resolved.
+  // The logprobs and echo of a request (CompletionRequest::logprobs, echo) need the prefill
+  // node's answer: the first token's logprobs and the prompt's are in its PrefillResponse, so
+  // the first token waits for it (held in the request) when it comes first.
   absl::StatusOr<std::vector<uint32_t>> Tokenize(const CompletionRequest& request) const;
   absl::Status CheckContext(const CompletionRequest& request, size_t prompt_tokens,
                             uint32_t* max_tokens) const;
@@ -213,6 +216,14 @@ class ClusterBackend final : public Backend {
                  const std::string& failed_how);
   void OnRegistered(const std::shared_ptr<Request>& r, const strata::v1::Registered& registered);
   void OnToken(const std::shared_ptr<Request>& r, const strata::v1::TokenEvent& token);
+  // Under r->mu: hands `token` to the stream, with its logprobs when the request asked for them
+  // (`logprobs`: the decode node's, or the prefill node's for the first token), after the echo
+  // of the prompt when that is due.
+  void DeliverLocked(Request& r, const strata::v1::TokenEvent& token,
+                     const strata::v1::TokenLogprobs& logprobs);
+  // A token's logprobs with the tokens' bytes, for the stream.
+  TokenLogprobs LogprobsOf(uint32_t token, const strata::v1::TokenLogprobs& lp) const;
+  std::string TokenBytes(uint32_t token) const;
   void OnFinished(const std::shared_ptr<Request>& r, const strata::v1::Finished& finished);
   void OnGenerateDone(const std::shared_ptr<Request>& r, const grpc::Status& status);
   void OnPrefillDone(const std::shared_ptr<Request>& r, const grpc::Status& status);

@@ -608,11 +608,9 @@ TEST_F(FakeClusterTest, PrefillErrorFailsTheRequestAndCancelsTheDecode) {
   EXPECT_THAT(backend_->RenderMetrics(), HasSubstr("strata_router_retries_total 0"));
 }
 
-TEST(ClusterBackendRetryTest, PrefillNodeLostBeforeTheFirstTokenIsRetriedOnceElsewhere) {
-  // prefill-0 (preferred: idle) answers UNAVAILABLE, as a lost host does; prefill-1 (busy) and
-  // decode-0 work. The request is routed again, once, avoiding prefill-0, and succeeds; the
-  // decode node's first attempt is cancelled.
-  FakeNodes lost, good;
+// prefill-0 (preferred: idle) on `lost` answers UNAVAILABLE, as a lost host does; prefill-1
+// (busy) and decode-0 on `good` work.
+cluster::ClusterSpec LostPrefillNodeSpec(FakeNodes& lost, FakeNodes& good) {
   {
     std::lock_guard<std::mutex> lock(lost.state.mu);
     lost.state.prefill_fails = true;
@@ -630,6 +628,14 @@ TEST(ClusterBackendRetryTest, PrefillNodeLostBeforeTheFirstTokenIsRetriedOnceEls
                  .role = cluster::Role::kDecode,
                  .grpc = good.address(),
                  .transport = "127.0.0.1:7301"}};
+  return spec;
+}
+
+TEST(ClusterBackendRetryTest, PrefillNodeLostBeforeTheFirstTokenIsRetriedOnceElsewhere) {
+  // The request is routed again, once, avoiding prefill-0, and succeeds; the decode node's first
+  // attempt is cancelled.
+  FakeNodes lost, good;
+  cluster::ClusterSpec spec = LostPrefillNodeSpec(lost, good);
   std::unique_ptr<ClusterBackend> backend = MakeBackend(spec);
   ASSERT_NE(backend, nullptr);
   ASSERT_TRUE(WaitForEveryNodeHealthy(*backend));
@@ -671,23 +677,7 @@ TEST(ClusterBackendRetryTest, ASpentRetryBudgetFailsInsteadOfRetrying) {
   // As above, but a budget of no retries at all: the lost node's request fails (UNAVAILABLE)
   // and is counted as throttled.
   FakeNodes lost, good;
-  {
-    std::lock_guard<std::mutex> lock(lost.state.mu);
-    lost.state.prefill_fails = true;
-    lost.state.prefill_error = grpc::StatusCode::UNAVAILABLE;
-  }
-  {
-    std::lock_guard<std::mutex> lock(good.state.mu);
-    good.state.prefill_id = "prefill-1";
-    good.state.prefill_queued_tokens = 100000;
-  }
-  cluster::ClusterSpec spec = Spec(good.address());
-  spec.nodes = {{.id = "prefill-0", .role = cluster::Role::kPrefill, .grpc = lost.address()},
-                {.id = "prefill-1", .role = cluster::Role::kPrefill, .grpc = good.address()},
-                {.id = "decode-0",
-                 .role = cluster::Role::kDecode,
-                 .grpc = good.address(),
-                 .transport = "127.0.0.1:7301"}};
+  cluster::ClusterSpec spec = LostPrefillNodeSpec(lost, good);
   std::unique_ptr<ClusterBackend> backend =
       MakeBackend(spec, 16, RetryBudgetOptions{.ratio = 0, .min_per_second = 0});
   ASSERT_NE(backend, nullptr);

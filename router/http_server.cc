@@ -80,6 +80,9 @@ class ConnectionStream final : public CompletionStream {
         streaming_(streaming) {}
 
   void Token(std::string_view text, uint32_t token_id) override;
+  void TokenWithLogprobs(std::string_view text, uint32_t token_id,
+                         const TokenLogprobs& logprobs) override;
+  void Echo(std::string_view prompt_text, std::vector<TokenLogprobs> prompt_logprobs) override;
   void Finish(FinishReason reason, const Usage& usage) override;
   void Fail(const absl::Status& status) override;
 
@@ -104,6 +107,8 @@ class ConnectionStream final : public CompletionStream {
   absl::Mutex mu_;
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
   std::string text_ ABSL_GUARDED_BY(mu_);  // non-streaming: the completion so far
+  std::vector<TokenLogprobs> logprobs_ ABSL_GUARDED_BY(mu_);  // non-streaming: of its tokens
+  size_t text_offset_ ABSL_GUARDED_BY(mu_) = 0;  // streaming: bytes of the tokens sent so far
 };
 
 class ServerImpl;
@@ -389,6 +394,51 @@ void ConnectionStream::Token(std::string_view text, uint32_t /*token_id*/) {
   if (!closed_) text_.append(text);
 }
 
+void ConnectionStream::TokenWithLogprobs(std::string_view text, uint32_t token_id,
+                                         const TokenLogprobs& logprobs) {
+  (void)token_id;
+  if (streaming_) {
+    size_t offset;
+    {
+      absl::MutexLock lock(&mu_);
+      offset = text_offset_;
+      text_offset_ += logprobs.chosen.token.size();
+    }
+    // Sent even when its text is held back: each token's logprobs go in order.
+    Forward(Kind::kData,
+            RenderStreamTextEvent(ctx_, absl::string_view(text.data(), text.size()),
+                                  absl::MakeConstSpan(&logprobs, 1), offset),
+            200, absl::Now());
+    return;
+  }
+  absl::MutexLock lock(&mu_);
+  if (closed_) return;
+  text_.append(text);
+  logprobs_.push_back(logprobs);
+}
+
+void ConnectionStream::Echo(std::string_view prompt_text,
+                            std::vector<TokenLogprobs> prompt_logprobs) {
+  if (streaming_) {
+    size_t offset;
+    {
+      absl::MutexLock lock(&mu_);
+      offset = text_offset_;
+      for (const TokenLogprobs& t : prompt_logprobs) text_offset_ += t.chosen.token.size();
+    }
+    Forward(Kind::kData,
+            RenderStreamTextEvent(ctx_, absl::string_view(prompt_text.data(), prompt_text.size()),
+                                  prompt_logprobs, offset),
+            200, absl::Now());
+    return;
+  }
+  absl::MutexLock lock(&mu_);
+  if (closed_) return;
+  text_.insert(0, prompt_text);
+  logprobs_.insert(logprobs_.begin(), std::make_move_iterator(prompt_logprobs.begin()),
+                   std::make_move_iterator(prompt_logprobs.end()));
+}
+
 void ConnectionStream::Finish(FinishReason reason, const Usage& usage) {
   if (streaming_) {
     std::string data = RenderStreamFinishEvent(ctx_, reason);
@@ -398,11 +448,13 @@ void ConnectionStream::Finish(FinishReason reason, const Usage& usage) {
     return;
   }
   std::string text;
+  std::vector<TokenLogprobs> logprobs;
   {
     absl::MutexLock lock(&mu_);
     text.swap(text_);
+    logprobs.swap(logprobs_);
   }
-  Forward(Kind::kEnd, RenderCompletionResponse(ctx_, text, reason, usage));
+  Forward(Kind::kEnd, RenderCompletionResponse(ctx_, text, reason, usage, logprobs));
 }
 
 void ConnectionStream::Fail(const absl::Status& status) {
@@ -660,6 +712,7 @@ void Connection::HandleCompletion(const Request& http_request, Endpoint endpoint
   ctx.created = absl::ToUnixSeconds(start_);
   ctx.chat = request.chat;
   ctx.include_usage = request.include_usage;
+  ctx.logprobs = request.logprobs;
   const bool streaming = request.stream;
   stream_ = std::make_shared<ConnectionStream>(weak_from_this(), seq_, ctx, streaming);
   backend_done_ = false;

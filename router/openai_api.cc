@@ -391,24 +391,46 @@ absl::Status ParseSampling(const json& body, Endpoint endpoint, SamplingParams* 
 }
 
 // Fields that ask for something Strata does not do: refused, never silently ignored.
+// Completions: "echo" and "logprobs": N (the N most likely tokens with each). Chat: "logprobs":
+// true and "top_logprobs": N (which needs logprobs). N in [0, 20].
+absl::Status ParseLogprobs(const json& body, Endpoint endpoint, CompletionRequest* request) {
+  const uint32_t most = kMaxTopLogprobs;  // model/logprobs.h's limit
+  std::optional<int64_t> n;
+  if (endpoint == Endpoint::kCompletions) {
+    STRATA_RETURN_IF_ERROR(GetBool(body, "echo", &request->echo));
+    STRATA_RETURN_IF_ERROR(GetInt(body, "logprobs", &n));
+    if (!n.has_value()) return absl::OkStatus();
+    if (*n < 0 || *n > most) {
+      return FieldError("logprobs", absl::StrCat("logprobs must be in [0, ", most, "], got ", *n));
+    }
+    request->logprobs = true;
+    request->top_logprobs = static_cast<uint32_t>(*n);
+    return absl::OkStatus();
+  }
+  STRATA_RETURN_IF_ERROR(GetBool(body, "logprobs", &request->logprobs));
+  STRATA_RETURN_IF_ERROR(GetInt(body, "top_logprobs", &n));
+  if (!n.has_value()) return absl::OkStatus();
+  if (*n < 0 || *n > most) {
+    return FieldError("top_logprobs",
+                      absl::StrCat("top_logprobs must be in [0, ", most, "], got ", *n));
+  }
+  if (!request->logprobs && *n > 0) {
+    return FieldError("top_logprobs", "top_logprobs needs logprobs set to true");
+  }
+  request->top_logprobs = static_cast<uint32_t>(*n);
+  return absl::OkStatus();
+}
+
 absl::Status ParseUnsupported(const json& body, Endpoint endpoint) {
   bool flag = false;
-  STRATA_RETURN_IF_ERROR(GetBool(body, "echo", &flag));
-  if (flag) return Unsupported("echo");
   if (endpoint == Endpoint::kCompletions) {
-    std::optional<int64_t> logprobs;
-    STRATA_RETURN_IF_ERROR(GetInt(body, "logprobs", &logprobs));
-    if (logprobs.has_value()) return Unsupported("logprobs");
     std::optional<std::string> suffix;
     STRATA_RETURN_IF_ERROR(GetString(body, "suffix", &suffix));
     if (suffix.has_value() && !suffix->empty()) return Unsupported("suffix");
     return absl::OkStatus();
   }
-  STRATA_RETURN_IF_ERROR(GetBool(body, "logprobs", &flag));
-  if (flag) return Unsupported("logprobs");
-  std::optional<int64_t> top_logprobs;
-  STRATA_RETURN_IF_ERROR(GetInt(body, "top_logprobs", &top_logprobs));
-  if (top_logprobs.has_value()) return Unsupported("top_logprobs");
+  STRATA_RETURN_IF_ERROR(GetBool(body, "echo", &flag));
+  if (flag) return Unsupported("echo");
   if (const json* tools = Find(body, "tools"); tools != nullptr) {
     if (!tools->is_array()) return TypeError("tools", "an array", *tools);
     if (!tools->empty()) return Unsupported("tools");
@@ -468,12 +490,68 @@ ordered_json Chunk(const ResponseContext& ctx, ordered_json choice) {
   return j;
 }
 
+// A token as JSON text (U+FFFD for bytes that form no character) and its exact bytes.
+std::string TokenText(const std::string& bytes) {
+  std::string out;
+  AppendUtf8Replacing(bytes, /*final=*/true, &out);
+  return out;
+}
+ordered_json TokenBytes(const std::string& bytes) {
+  ordered_json b = ordered_json::array();
+  for (unsigned char c : bytes) b.push_back(static_cast<int>(c));
+  return b;
+}
+
+// OpenAI's logprobs object of a choice: chat {"content": [{token, logprob, bytes,
+// top_logprobs}]}; completions {tokens, token_logprobs, top_logprobs, text_offset}, offsets
+// counted from `text_offset` in bytes of the tokens' text. Null without logprobs.
+ordered_json LogprobsJson(const ResponseContext& ctx, absl::Span<const TokenLogprobs> tokens,
+                          size_t text_offset) {
+  if (!ctx.logprobs) return nullptr;
+  if (ctx.chat) {
+    ordered_json content = ordered_json::array();
+    for (const TokenLogprobs& t : tokens) {
+      ordered_json e;
+      e["token"] = TokenText(t.chosen.token);
+      e["logprob"] = t.chosen.logprob;
+      e["bytes"] = TokenBytes(t.chosen.token);
+      ordered_json top = ordered_json::array();
+      for (const LogprobEntry& a : t.top) {
+        top.push_back({{"token", TokenText(a.token)}, {"logprob", a.logprob},
+                       {"bytes", TokenBytes(a.token)}});
+      }
+      e["top_logprobs"] = std::move(top);
+      content.push_back(std::move(e));
+    }
+    return {{"content", std::move(content)}};
+  }
+  ordered_json toks = ordered_json::array(), lps = ordered_json::array(),
+               tops = ordered_json::array(), offsets = ordered_json::array();
+  for (const TokenLogprobs& t : tokens) {
+    toks.push_back(TokenText(t.chosen.token));
+    offsets.push_back(text_offset);
+    text_offset += t.chosen.token.size();
+    if (!t.known) {
+      lps.push_back(nullptr);
+      tops.push_back(nullptr);
+      continue;
+    }
+    lps.push_back(t.chosen.logprob);
+    ordered_json top = ordered_json::object();
+    for (const LogprobEntry& a : t.top) top[TokenText(a.token)] = a.logprob;
+    tops.push_back(std::move(top));
+  }
+  return {{"tokens", std::move(toks)}, {"token_logprobs", std::move(lps)},
+          {"top_logprobs", std::move(tops)}, {"text_offset", std::move(offsets)}};
+}
+
 ordered_json StreamChoice(const ResponseContext& ctx, ordered_json delta_or_text,
-                          std::optional<FinishReason> reason) {
+                          std::optional<FinishReason> reason,
+                          ordered_json logprobs = nullptr) {
   ordered_json choice;
   choice["index"] = 0;
   choice[ctx.chat ? "delta" : "text"] = std::move(delta_or_text);
-  choice["logprobs"] = nullptr;
+  choice["logprobs"] = std::move(logprobs);
   choice["finish_reason"] = reason.has_value()
                                 ? ordered_json(std::string(FinishReasonName(*reason)))
                                 : ordered_json(nullptr);
@@ -537,6 +615,7 @@ absl::StatusOr<CompletionRequest> ParseCompletionRequest(absl::string_view body,
 
   STRATA_RETURN_IF_ERROR(ParseSampling(parsed, endpoint, &request.sampling));
   STRATA_RETURN_IF_ERROR(ParseUnsupported(parsed, endpoint));
+  STRATA_RETURN_IF_ERROR(ParseLogprobs(parsed, endpoint, &request));
   STRATA_RETURN_IF_ERROR(GetBool(parsed, "stream", &request.stream));
   if (const json* options = Find(parsed, "stream_options"); options != nullptr) {
     if (!options->is_object()) return TypeError("stream_options", "an object", *options);
@@ -621,7 +700,8 @@ absl::string_view FinishReasonName(FinishReason reason) {
 }
 
 std::string RenderCompletionResponse(const ResponseContext& ctx, absl::string_view text,
-                                     FinishReason reason, const Usage& usage) {
+                                     FinishReason reason, const Usage& usage,
+                                     absl::Span<const TokenLogprobs> logprobs) {
   ordered_json j = Envelope(ctx, ctx.chat ? "chat.completion" : "text_completion");
   ordered_json choice;
   choice["index"] = 0;
@@ -630,7 +710,7 @@ std::string RenderCompletionResponse(const ResponseContext& ctx, absl::string_vi
   } else {
     choice["text"] = std::string(text);
   }
-  choice["logprobs"] = nullptr;
+  choice["logprobs"] = LogprobsJson(ctx, logprobs, 0);
   choice["finish_reason"] = std::string(FinishReasonName(reason));
   j["choices"] = ordered_json::array({std::move(choice)});
   j["usage"] = UsageJson(usage);
@@ -642,10 +722,12 @@ std::string RenderStreamRoleEvent(const ResponseContext& ctx) {
       Chunk(ctx, StreamChoice(ctx, {{"role", "assistant"}, {"content", ""}}, std::nullopt)));
 }
 
-std::string RenderStreamTextEvent(const ResponseContext& ctx, absl::string_view text) {
+std::string RenderStreamTextEvent(const ResponseContext& ctx, absl::string_view text,
+                                  absl::Span<const TokenLogprobs> logprobs, size_t text_offset) {
   ordered_json payload =
       ctx.chat ? ordered_json{{"content", std::string(text)}} : ordered_json(std::string(text));
-  return Event(Chunk(ctx, StreamChoice(ctx, std::move(payload), std::nullopt)));
+  return Event(Chunk(ctx, StreamChoice(ctx, std::move(payload), std::nullopt,
+                                       LogprobsJson(ctx, logprobs, text_offset))));
 }
 
 std::string RenderStreamFinishEvent(const ResponseContext& ctx, FinishReason reason) {

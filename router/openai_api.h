@@ -77,7 +77,11 @@ struct ResponseContext {
   int64_t created = 0;  // Unix seconds of the request's arrival
   bool chat = false;
   bool include_usage = false;  // streaming: "usage": null on every chunk but the usage chunk
+  bool logprobs = false;       // choices carry a logprobs object (else "logprobs": null)
 };
+
+// The most top logprobs a request may ask for (OpenAI's chat limit; model/logprobs.h's too).
+inline constexpr uint32_t kMaxTopLogprobs = 20;
 
 // The "system_fingerprint" of every response object.
 inline constexpr absl::string_view kSystemFingerprint = "fp_strata";
@@ -85,14 +89,21 @@ inline constexpr absl::string_view kSystemFingerprint = "fp_strata";
 // Non-streaming body: "text_completion" (choices[0].text) or "chat.completion"
 // (choices[0].message {role assistant, content}) with usage {prompt_tokens, completion_tokens,
 // total_tokens, prompt_tokens_details {cached_tokens}}.
+// With ctx.logprobs, choices[0].logprobs holds `logprobs` (one per token of `text`; OpenAI's
+// completions or chat shape).
 std::string RenderCompletionResponse(const ResponseContext& ctx, absl::string_view text,
-                                     FinishReason reason, const Usage& usage);
+                                     FinishReason reason, const Usage& usage,
+                                     absl::Span<const TokenLogprobs> logprobs = {});
 
 // Server-sent events, each "data: <json>\n\n".
 // Chat only: the first chunk, delta {role: "assistant", content: ""}.
 std::string RenderStreamRoleEvent(const ResponseContext& ctx);
-// A chunk carrying generated text (text / delta.content), finish_reason null.
-std::string RenderStreamTextEvent(const ResponseContext& ctx, absl::string_view text);
+// A chunk carrying generated text (text / delta.content), finish_reason null; with
+// ctx.logprobs, the logprobs of its tokens (completions' text_offset counted from
+// `text_offset`).
+std::string RenderStreamTextEvent(const ResponseContext& ctx, absl::string_view text,
+                                  absl::Span<const TokenLogprobs> logprobs = {},
+                                  size_t text_offset = 0);
 // The last choice chunk: empty text / empty delta and finish_reason.
 std::string RenderStreamFinishEvent(const ResponseContext& ctx, FinishReason reason);
 // With include_usage: choices [] and the usage object.

@@ -162,8 +162,9 @@ TEST(OpenAiApiTest, RefusesOutOfRangeAndMistypedFields) {
   ExpectFieldError(Completion(p + R"("seed":18446744073709551615})"), "seed", "out of range");
   ExpectFieldError(Completion(p + R"("cache_salt":7})"), "cache_salt", "must be a string");
   ExpectFieldError(Completion(p + R"("user":[]})"), "user", "must be a string");
-  ExpectFieldError(Completion(p + R"("logprobs":1})"), "logprobs", "not supported");
-  ExpectFieldError(Completion(p + R"("echo":true})"), "echo", "not supported");
+  ExpectFieldError(Completion(p + R"("logprobs":21})"), "logprobs", "must be in [0, 20]");
+  ExpectFieldError(Completion(p + R"("logprobs":-1})"), "logprobs", "must be in [0, 20]");
+  ExpectFieldError(Completion(p + R"("echo":1})"), "echo", "must be a boolean");
   ExpectFieldError(Completion(p + R"("suffix":"end"})"), "suffix", "not supported");
   ExpectFieldError(Completion(p + R"("presence_penalty":2.5})"), "presence_penalty",
                    "must be in [-2, 2]");
@@ -205,7 +206,11 @@ TEST(OpenAiApiTest, ChatMessages) {
       "messages[0].content[0].type", "only text parts");
   ExpectFieldError(Chat(m + R"([{"role":"user","content":"a"}],"max_completion_tokens":0})"),
                    "max_completion_tokens", "max_completion_tokens must be >= 1, got 0");
-  ExpectFieldError(Chat(m + R"([{"role":"user","content":"a"}],"logprobs":true})"), "logprobs",
+  ExpectFieldError(Chat(m + R"([{"role":"user","content":"a"}],"top_logprobs":3})"),
+                   "top_logprobs", "needs logprobs");
+  ExpectFieldError(Chat(m + R"([{"role":"user","content":"a"}],"logprobs":true,"top_logprobs":30})"),
+                   "top_logprobs", "must be in [0, 20]");
+  ExpectFieldError(Chat(m + R"([{"role":"user","content":"a"}],"echo":true})"), "echo",
                    "not supported");
   ExpectFieldError(Chat(m + R"([{"role":"user","content":"a"}],"tools":[{"type":"function"}]})"),
                    "tools", "not supported");
@@ -254,6 +259,63 @@ TEST(OpenAiApiTest, ErrorMapping) {
   EXPECT_EQ(event.substr(0, 6), "data: ");
   EXPECT_EQ(event.substr(event.size() - 2), "\n\n");
   EXPECT_EQ(json::parse(event.substr(6))["error"]["message"], "gone");
+}
+
+TEST(OpenAiApiTest, ParsesLogprobsAndEcho) {
+  absl::StatusOr<CompletionRequest> r =
+      Completion(R"({"model":"m","prompt":"x","logprobs":5,"echo":true})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->logprobs);
+  EXPECT_EQ(r->top_logprobs, 5u);
+  EXPECT_TRUE(r->echo);
+  r = Completion(R"({"model":"m","prompt":"x","logprobs":0})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->logprobs);
+  EXPECT_EQ(r->top_logprobs, 0u);
+  r = Completion(R"({"model":"m","prompt":"x"})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_FALSE(r->logprobs);
+  EXPECT_FALSE(r->echo);
+  r = Chat(R"({"model":"m","messages":[{"role":"user","content":"a"}],"logprobs":true,)"
+           R"("top_logprobs":2})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->logprobs);
+  EXPECT_EQ(r->top_logprobs, 2u);
+}
+
+TEST(OpenAiApiTest, RendersLogprobsInOpenAIsShapes) {
+  const std::vector<TokenLogprobs> lps = {
+      {.chosen = {"He", 0}, .top = {}, .known = false},
+      {.chosen = {"llo", -0.5f}, .top = {{"llo", -0.5f}, {"y", -1.25f}}},
+      {.chosen = {"\xE2", -2.0f}, .top = {{"\xE2", -2.0f}}}};  // part of a character
+  ResponseContext ctx{"cmpl-1", "m", 1, false, false, true};
+  json j = json::parse(RenderCompletionResponse(ctx, "Hello", FinishReason::kStop, {}, lps));
+  const json& c = j["choices"][0]["logprobs"];
+  EXPECT_EQ(c["tokens"], json::parse(R"(["He","llo","\ufffd"])"));
+  EXPECT_TRUE(c["token_logprobs"][0].is_null());
+  EXPECT_EQ(c["token_logprobs"][1], -0.5);
+  EXPECT_TRUE(c["top_logprobs"][0].is_null());
+  EXPECT_EQ(c["top_logprobs"][1], json::parse(R"({"llo":-0.5,"y":-1.25})"));
+  EXPECT_EQ(c["text_offset"], json::parse("[0,2,5]"));
+  // Streaming: one token's, its offset carried on.
+  j = json::parse(RenderStreamTextEvent(ctx, "llo", absl::MakeConstSpan(&lps[1], 1), 2).substr(6));
+  EXPECT_EQ(j["choices"][0]["logprobs"]["text_offset"], json::parse("[2]"));
+  // Chat: content entries with bytes.
+  ctx.chat = true;
+  j = json::parse(RenderCompletionResponse(ctx, "llo", FinishReason::kStop, {},
+                                           absl::MakeConstSpan(lps).subspan(1)));
+  const json& content = j["choices"][0]["logprobs"]["content"];
+  ASSERT_EQ(content.size(), 2u);
+  EXPECT_EQ(content[0]["token"], "llo");
+  EXPECT_EQ(content[0]["logprob"], -0.5);
+  EXPECT_EQ(content[0]["bytes"], json::parse("[108,108,111]"));
+  EXPECT_EQ(content[0]["top_logprobs"][1],
+            json::parse(R"({"token":"y","logprob":-1.25,"bytes":[121]})"));
+  EXPECT_EQ(content[1]["bytes"], json::parse("[226]"));
+  // Without logprobs asked: null, as before.
+  ctx.logprobs = false;
+  j = json::parse(RenderCompletionResponse(ctx, "x", FinishReason::kStop, {}, lps));
+  EXPECT_TRUE(j["choices"][0]["logprobs"].is_null());
 }
 
 TEST(OpenAiApiTest, RendersResponses) {

@@ -389,6 +389,74 @@ class ClusterTest(unittest.TestCase):
             text, _, _ = complete(c, prompt, 24, stream=stream, salt="pen-s", **sampled)
             self.assertEqual(text, want, "sampled, stream=%s" % stream)
 
+    def test_logprobs_and_echo_as_openai_and_lm_eval_use_them(self):
+        c = self.cluster
+        prompt = PROMPTS[2] + LONG
+        body = {"model": "strata-tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0,
+                "logprobs": 3, "cache_salt": "lp"}
+        status, resp, _ = http_json(c.base + "/v1/completions", body)
+        self.assertEqual(status, 200, resp)
+        choice = resp["choices"][0]
+        lp = choice["logprobs"]
+        self.assertEqual(choice["text"], solo(self.codec, prompt, 12))
+        n = resp["usage"]["completion_tokens"]
+        self.assertEqual(len(lp["tokens"]), n)
+        self.assertEqual(len(lp["token_logprobs"]), n)
+        for tok, logprob, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+            self.assertLessEqual(logprob, 0)
+            self.assertEqual(len(top), 3)
+            values = list(top.values())
+            self.assertEqual(values, sorted(values, reverse=True))
+            # Greedy: the generated token is the most likely one.
+            self.assertAlmostEqual(values[0], logprob, places=5)
+            self.assertIn(tok, top)
+        self.assertEqual("".join(lp["tokens"]), choice["text"])
+        # Streaming gives the same logprobs, a token per event.
+        streamed = {"tokens": [], "token_logprobs": [], "text_offset": []}
+        _, _, events = complete(c, prompt, 12, stream=True, salt="lp", logprobs=3)
+        for e in events:
+            if e == "[DONE]":
+                continue
+            ev = json.loads(e)
+            for ch in ev.get("choices", []):
+                if ch.get("logprobs"):
+                    for k in streamed:
+                        streamed[k] += ch["logprobs"][k]
+        self.assertEqual(streamed["tokens"], lp["tokens"])
+        self.assertEqual(streamed["token_logprobs"], lp["token_logprobs"])
+        self.assertEqual(streamed["text_offset"], lp["text_offset"])
+        # lm-evaluation-harness's loglikelihood: echo the prompt with its tokens' logprobs. The
+        # generated text sent back as part of a prompt gets (nearly) the logprobs it was
+        # generated with: prefill and decode compute the same model over the same blocks.
+        body = {"model": "strata-tiny", "prompt": prompt + choice["text"], "max_tokens": 1,
+                "temperature": 0, "logprobs": 1, "echo": True, "cache_salt": "lp"}
+        status, echoed, _ = http_json(c.base + "/v1/completions", body)
+        self.assertEqual(status, 200, echoed)
+        e = echoed["choices"][0]
+        self.assertTrue(e["text"].startswith(prompt + choice["text"]))
+        elp = e["logprobs"]
+        prompt_tokens = echoed["usage"]["prompt_tokens"]
+        self.assertEqual(len(elp["tokens"]), prompt_tokens + 1)
+        self.assertIsNone(elp["token_logprobs"][0])  # nothing predicts the first token
+        self.assertIsNone(elp["top_logprobs"][0])
+        self.assertEqual(elp["text_offset"][0], 0)
+        tail = elp["token_logprobs"][prompt_tokens - n:prompt_tokens]
+        self.assertEqual(elp["tokens"][prompt_tokens - n:prompt_tokens], lp["tokens"])
+        for a, b in zip(tail, lp["token_logprobs"]):
+            self.assertAlmostEqual(a, b, delta=0.05)
+        # Chat: logprobs true with top_logprobs, content entries with bytes.
+        body = {"model": "strata-tiny", "messages": [{"role": "user", "content": "Hi"}],
+                "max_tokens": 5, "temperature": 0, "logprobs": True, "top_logprobs": 2}
+        status, chat, _ = http_json(c.base + "/v1/chat/completions", body)
+        self.assertEqual(status, 200, chat)
+        content = chat["choices"][0]["logprobs"]["content"]
+        self.assertEqual(len(content), chat["usage"]["completion_tokens"])
+        for entry in content:
+            self.assertEqual(len(entry["top_logprobs"]), 2)
+            self.assertEqual(bytes(entry["bytes"]).decode("utf-8", "replace"), entry["token"])
+        self.assertEqual(b"".join(bytes(e["bytes"]) for e in content).decode(),
+                         chat["choices"][0]["message"]["content"])
+
     def test_sampled_long_streams_all_finish_with_well_formed_text(self):
         # Sampling at temperature 1 makes the byte-level model emit bytes that form no UTF-8
         # character. They once reached the gRPC stream as an ill-formed protobuf string, which the

@@ -61,6 +61,36 @@ if (penalizedStreamed !== penalized.choices[0].text) {
 }
 console.log("penalized: " + JSON.stringify(penalized.choices[0].text));
 
+// Logprobs: chat's content entries and completions' arrays, streaming and not, the same.
+const lpChat = await client.chat.completions.create({
+  model, messages, max_tokens: 6, temperature: 0, logprobs: true, top_logprobs: 3,
+});
+const lpContent = lpChat.choices[0].logprobs?.content ?? [];
+if (lpContent.length !== lpChat.usage.completion_tokens) {
+  fail("chat logprobs " + JSON.stringify(lpChat.choices[0].logprobs));
+}
+for (const e of lpContent) {
+  if (!(e.logprob <= 0) || e.top_logprobs.length !== 3 || e.top_logprobs[0].logprob !== e.logprob) {
+    fail("chat logprob entry " + JSON.stringify(e));
+  }
+}
+const lpChatStream = await client.chat.completions.create({
+  model, messages, max_tokens: 6, temperature: 0, logprobs: true, top_logprobs: 3, stream: true,
+});
+const lpStreamed = [];
+for await (const chunk of lpChatStream) lpStreamed.push(...(chunk.choices[0]?.logprobs?.content ?? []));
+if (JSON.stringify(lpStreamed) !== JSON.stringify(lpContent)) {
+  fail(`chat logprobs streamed ${JSON.stringify(lpStreamed)} != ${JSON.stringify(lpContent)}`);
+}
+const lpCompletion = await client.completions.create({
+  model, prompt, max_tokens: 4, temperature: 0, logprobs: 2, echo: true,
+});
+const lpc = lpCompletion.choices[0];
+if (!lpc.text.startsWith(prompt) || lpc.logprobs.token_logprobs[0] !== null ||
+    lpc.logprobs.tokens.length !== lpCompletion.usage.prompt_tokens + 4) {
+  fail("completions echo logprobs " + JSON.stringify(lpc));
+}
+
 try {
   await client.completions.create({ model: "no-such-model", prompt, max_tokens: 2 });
   fail("an unknown model was accepted");
