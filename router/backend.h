@@ -74,6 +74,9 @@ struct CompletionRequest {
   // (completions: "logprobs": N; chat: "logprobs": true, "top_logprobs": N).
   bool logprobs = false;
   uint32_t top_logprobs = 0;
+  // Choices ("n"), each sampled on its own (seeds seed, seed + 1, ...) over one computation of
+  // the prompt: CompletionStream::Choice gives each its stream.
+  uint32_t n = 1;
   std::string cache_salt;      // vLLM extension "cache_salt": tenants with different salts never
                                // share KV ("" = no salt)
   absl::Time arrival;          // when the HTTP layer finished reading the request
@@ -126,6 +129,14 @@ class CompletionStream {
   // gives the Retry-After header); once a stream has sent a token, one SSE `data: {"error":...}`
   // event, then the connection closes.
   virtual void Fail(const absl::Status& status) = 0;
+  // n > 1: the stream of choice `index` (< n): its calls are that choice's; its Finish ends the
+  // choice (with the choice's usage) and the request ends once every choice has; a Fail on any
+  // fails the request. Calls to the parent stream itself are choice 0's. Null where the HTTP
+  // layer does not support choices (the default).
+  virtual std::shared_ptr<CompletionStream> Choice(uint32_t index) {
+    (void)index;
+    return nullptr;
+  }
 };
 
 // Returned by Backend::Start; destroying it or calling Cancel cancels the request (client gone):

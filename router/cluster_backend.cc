@@ -98,6 +98,8 @@ struct ClusterBackend::Request {
   uint32_t client_max_tokens = 0;     // the client's max_tokens (a continuation's is what is left)
   uint32_t tokens_at_start = 0;       // tokens streamed before this attempt began
   bool continued = false;             // continues a handed-off attempt (counts go on)
+  // n > 1, choice 0: the other choices, started once this one's prefill is done (StartLater).
+  std::shared_ptr<ChoiceSet> later;
   std::shared_ptr<const NodeConnection> prefill_node, decode_node;
   std::unique_ptr<grpc::ClientContext> generate_ctx = std::make_unique<grpc::ClientContext>();
   std::unique_ptr<grpc::ClientContext> prefill_ctx = std::make_unique<grpc::ClientContext>();
@@ -133,6 +135,16 @@ struct ClusterBackend::Request {
   Usage usage;
 };
 
+// The choices of an n > 1 request after the first, waiting for its prefill.
+struct ClusterBackend::ChoiceSet {
+  std::vector<CompletionRequest> requests;  // choice 1.. (own id and seed)
+  std::vector<std::shared_ptr<CompletionStream>> streams;
+  std::vector<std::shared_ptr<HandleCell>> cells;
+  std::vector<uint32_t> tokens;
+  std::vector<BlockHash> chain;
+  uint32_t max_tokens = 0;
+};
+
 // What the client's Handle sees of its request: the attempt under way (a retry replaces it).
 struct ClusterBackend::HandleCell {
   std::mutex mu;
@@ -157,20 +169,23 @@ void CancelCalls(R& r) {
 // Cancel (or the destructor) does nothing, even after the backend itself is gone.
 class ClusterBackend::Handle final : public RequestHandle {
  public:
-  explicit Handle(std::shared_ptr<HandleCell> cell) : cell_(std::move(cell)) {}
+  // One cell per choice (n > 1), or one.
+  explicit Handle(std::vector<std::shared_ptr<HandleCell>> cells) : cells_(std::move(cells)) {}
   ~Handle() override { Cancel(); }
   void Cancel() override {
-    std::shared_ptr<Request> r;
-    {
-      std::lock_guard<std::mutex> lock(cell_->mu);
-      cell_->cancelled = true;
-      r = cell_->current.lock();
+    for (const std::shared_ptr<HandleCell>& cell : cells_) {
+      std::shared_ptr<Request> r;
+      {
+        std::lock_guard<std::mutex> lock(cell->mu);
+        cell->cancelled = true;
+        r = cell->current.lock();
+      }
+      if (r != nullptr) CancelCalls(*r);
     }
-    if (r != nullptr) CancelCalls(*r);
   }
 
  private:
-  std::shared_ptr<HandleCell> cell_;
+  std::vector<std::shared_ptr<HandleCell>> cells_;
 };
 
 // DecodeNode.Generate as a callback reactor: owns a reference to the request until OnDone, where
@@ -645,6 +660,48 @@ absl::StatusOr<std::unique_ptr<RequestHandle>> ClusterBackend::Start(
     std::lock_guard<std::mutex> lock(seed_mu_);
     request.sampling.seed = seed_rng_();
   }
+  const uint32_t choices = std::max<uint32_t>(1, request.n);
+  std::vector<std::shared_ptr<HandleCell>> cells;
+  for (uint32_t i = 0; i < choices; ++i) cells.push_back(std::make_shared<HandleCell>());
+  std::shared_ptr<ChoiceSet> later;
+  std::shared_ptr<CompletionStream> first_stream = stream;
+  if (choices > 1) {
+    // Choice 0 computes the prompt; the others start once its prefill is done and adopt its
+    // blocks from the store (a prefix hit), each with a seed of its own.
+    later = std::make_shared<ChoiceSet>();
+    first_stream = stream->Choice(0);
+    for (uint32_t i = 1; i < choices; ++i) {
+      std::shared_ptr<CompletionStream> s = stream->Choice(i);
+      if (first_stream == nullptr || s == nullptr) {
+        return release(FieldError("n", "n > 1 is not supported by this front end"));
+      }
+      CompletionRequest c = request;
+      c.request_id = absl::StrCat(request.request_id, "-c", i);
+      c.sampling.seed = *request.sampling.seed + i;
+      later->requests.push_back(std::move(c));
+      later->streams.push_back(std::move(s));
+      later->cells.push_back(cells[i]);
+    }
+    later->tokens = *tokens;
+    later->chain = *chain;
+    later->max_tokens = max_tokens;
+  }
+  const uint32_t prompt_tokens = static_cast<uint32_t>(tokens->size());
+  if (absl::Status s = StartChoice(std::move(request), std::move(first_stream), *std::move(tokens),
+                                   *std::move(chain), max_tokens, cells[0], std::move(later), now);
+      !s.ok()) {
+    return release(s);
+  }
+  prompt_tokens_->Increment(static_cast<double>(prompt_tokens));
+  retry_budget_.Deposit(now);
+  return std::make_unique<Handle>(std::move(cells));
+}
+
+absl::Status ClusterBackend::StartChoice(CompletionRequest request,
+                                         std::shared_ptr<CompletionStream> stream,
+                                         std::vector<uint32_t> tokens, std::vector<BlockHash> chain,
+                                         uint32_t max_tokens, std::shared_ptr<HandleCell> cell,
+                                         std::shared_ptr<ChoiceSet> later, absl::Time now) {
   auto r = std::make_shared<Request>(this);
   {
     std::lock_guard<std::mutex> lock(calls_mu_);
@@ -656,24 +713,46 @@ absl::StatusOr<std::unique_ptr<RequestHandle>> ClusterBackend::Start(
   r->deadline = r->arrival + (request.timeout > absl::ZeroDuration()
                                   ? std::min(request.timeout, options_.generate_timeout)
                                   : options_.generate_timeout);
-  r->prompt_tokens = static_cast<uint32_t>(tokens->size());
+  r->prompt_tokens = static_cast<uint32_t>(tokens.size());
   r->client_prompt_tokens = r->prompt_tokens;
   r->client_max_tokens = max_tokens;
-  r->chain = *std::move(chain);
+  r->chain = std::move(chain);
   r->max_tokens = max_tokens;
   r->request = std::move(request);
-  r->request.prompt_tokens = *std::move(tokens);
-  r->cell = std::make_shared<HandleCell>();
-  r->cell->current = r;
+  r->request.prompt_tokens = std::move(tokens);
+  r->later = std::move(later);
+  r->cell = std::move(cell);
+  {
+    std::lock_guard<std::mutex> lock(r->cell->mu);
+    r->cell->current = r;
+  }
   in_flight_gauge_->Increment();
   if (absl::Status s = Launch(r, ""); !s.ok()) {
     r->ended.store(true);
     in_flight_gauge_->Decrement();
-    return release(s);
+    return s;
   }
-  prompt_tokens_->Increment(static_cast<double>(r->prompt_tokens));
-  retry_budget_.Deposit(now);
-  return std::make_unique<Handle>(r->cell);
+  return absl::OkStatus();
+}
+
+void ClusterBackend::StartLater(const std::shared_ptr<ChoiceSet>& later) {
+  const absl::Time now = absl::Now();
+  for (size_t i = 0; i < later->requests.size(); ++i) {
+    {
+      std::lock_guard<std::mutex> lock(later->cells[i]->mu);
+      if (later->cells[i]->cancelled) continue;  // the request is over: nothing to start
+    }
+    in_flight_.fetch_add(1);  // admitted with the request: no limit checked again
+    absl::Status s = StartChoice(later->requests[i], later->streams[i], later->tokens,
+                                 later->chain, later->max_tokens, later->cells[i], nullptr, now);
+    if (!s.ok()) {
+      in_flight_.fetch_sub(1);
+      CountOutcome(s);
+      cluster::Log(later->requests[i].request_id, absl::StrCat("choice failed to start: ",
+                                                               s.ToString()));
+      later->streams[i]->Fail(s);  // fails the whole request; its handle cancels the others
+    }
+  }
 }
 
 absl::Status ClusterBackend::Launch(const std::shared_ptr<Request>& r, const std::string& avoid) {
@@ -856,6 +935,7 @@ std::shared_ptr<ClusterBackend::Request> ClusterBackend::NextAttempt(
   next->hop = r->hop;
   next->arrival = r->arrival;
   next->deadline = r->deadline;
+  next->later = std::move(r->later);  // choices not yet started wait for this attempt's prefill
   next->prompt_tokens = r->prompt_tokens;
   next->client_prompt_tokens = r->client_prompt_tokens;
   next->client_max_tokens = r->client_max_tokens;
@@ -1113,6 +1193,10 @@ void ClusterBackend::OnPrefillDone(const std::shared_ptr<Request>& r, const grpc
     }
   }
   if (status.ok()) {
+    // n > 1: the prompt's blocks are in the store now; the other choices start from them.
+    if (std::shared_ptr<ChoiceSet> later = std::move(r->later); later != nullptr && held.ok()) {
+      StartLater(later);
+    }
     if (!held.ok()) {
       End(r, held);  // the decode node failed on its own
     } else if (finish) {

@@ -178,6 +178,7 @@ class ClusterBackend final : public Backend {
  private:
   struct Request;
   struct HandleCell;
+  struct ChoiceSet;
   class Handle;
   class GenerateReactor;
 
@@ -196,6 +197,13 @@ class ClusterBackend final : public Backend {
                             uint32_t* max_tokens) const;
 
   // Request lifecycle (see cluster_backend.cc).
+  // Starts one choice of a request (the only one when n is 1) on `cell`; `later`: the choices
+  // to start once this one's prefill is done. The caller holds its in-flight slot.
+  absl::Status StartChoice(CompletionRequest request, std::shared_ptr<CompletionStream> stream,
+                           std::vector<uint32_t> tokens, std::vector<BlockHash> chain,
+                           uint32_t max_tokens, std::shared_ptr<HandleCell> cell,
+                           std::shared_ptr<ChoiceSet> later, absl::Time now);
+  void StartLater(const std::shared_ptr<ChoiceSet>& later);
   // Routes `r` (never to node `avoid`) and starts its Generate call; the tracker holds it then.
   absl::Status Launch(const std::shared_ptr<Request>& r, const std::string& avoid);
   // After `lost` failed `r` with UNAVAILABLE or DEADLINE_EXCEEDED before any token reached the

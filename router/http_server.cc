@@ -70,21 +70,35 @@ class Connection;
 // request's sequence number so that a late call can never touch a later request on the same
 // connection. Holds no Asio object (only a weak reference to the connection), so it may outlive
 // the server.
-class ConnectionStream final : public CompletionStream {
+class ConnectionStream final : public CompletionStream,
+                               public std::enable_shared_from_this<ConnectionStream> {
  public:
   ConnectionStream(std::weak_ptr<Connection> connection, uint64_t seq, ResponseContext ctx,
-                   bool streaming)
+                   bool streaming, uint32_t n)
       : connection_(std::move(connection)),
         seq_(seq),
         ctx_(std::move(ctx)),
-        streaming_(streaming) {}
+        streaming_(streaming),
+        choices_(std::max<uint32_t>(n, 1)) {}
 
-  void Token(std::string_view text, uint32_t token_id) override;
+  // Choice 0's calls (the only choice when n is 1).
+  void Token(std::string_view text, uint32_t token_id) override { TokenAt(0, text, token_id); }
   void TokenWithLogprobs(std::string_view text, uint32_t token_id,
-                         const TokenLogprobs& logprobs) override;
-  void Echo(std::string_view prompt_text, std::vector<TokenLogprobs> prompt_logprobs) override;
-  void Finish(FinishReason reason, const Usage& usage) override;
+                         const TokenLogprobs& logprobs) override {
+    TokenAt(0, text, token_id, &logprobs);
+  }
+  void Echo(std::string_view prompt_text, std::vector<TokenLogprobs> prompt_logprobs) override {
+    EchoAt(0, prompt_text, std::move(prompt_logprobs));
+  }
+  void Finish(FinishReason reason, const Usage& usage) override { FinishAt(0, reason, usage); }
   void Fail(const absl::Status& status) override;
+  std::shared_ptr<CompletionStream> Choice(uint32_t index) override;
+
+  void TokenAt(uint32_t choice, std::string_view text, uint32_t token_id,
+               const TokenLogprobs* logprobs = nullptr);
+  void EchoAt(uint32_t choice, std::string_view prompt_text,
+              std::vector<TokenLogprobs> prompt_logprobs);
+  void FinishAt(uint32_t choice, FinishReason reason, const Usage& usage);
 
   // No further calls are forwarded (the request is over, or the server is stopping). Waits for
   // a forward in progress on another thread.
@@ -100,15 +114,47 @@ class ConnectionStream final : public CompletionStream {
                absl::Time received = absl::InfinitePast(),
                std::optional<ApiError> error = std::nullopt);
 
+  struct ChoiceState {
+    ChoiceResult result;     // non-streaming: the completion so far
+    size_t text_offset = 0;  // streaming: bytes of the tokens sent so far
+    bool finished = false;
+    Usage usage;
+  };
+
   const std::weak_ptr<Connection> connection_;
   const uint64_t seq_;
   const ResponseContext ctx_;
   const bool streaming_;
+  // Serializes the choices' ends: the one that ends the request forwards after the others.
+  absl::Mutex finish_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   absl::Mutex mu_;
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
-  std::string text_ ABSL_GUARDED_BY(mu_);  // non-streaming: the completion so far
-  std::vector<TokenLogprobs> logprobs_ ABSL_GUARDED_BY(mu_);  // non-streaming: of its tokens
-  size_t text_offset_ ABSL_GUARDED_BY(mu_) = 0;  // streaming: bytes of the tokens sent so far
+  std::vector<ChoiceState> choices_ ABSL_GUARDED_BY(mu_);
+};
+
+// Choice `index` of a request with n > 1: forwards to its parent.
+class ChoiceStream final : public CompletionStream {
+ public:
+  ChoiceStream(std::shared_ptr<ConnectionStream> parent, uint32_t index)
+      : parent_(std::move(parent)), index_(index) {}
+  void Token(std::string_view text, uint32_t token_id) override {
+    parent_->TokenAt(index_, text, token_id);
+  }
+  void TokenWithLogprobs(std::string_view text, uint32_t token_id,
+                         const TokenLogprobs& logprobs) override {
+    parent_->TokenAt(index_, text, token_id, &logprobs);
+  }
+  void Echo(std::string_view prompt_text, std::vector<TokenLogprobs> prompt_logprobs) override {
+    parent_->EchoAt(index_, prompt_text, std::move(prompt_logprobs));
+  }
+  void Finish(FinishReason reason, const Usage& usage) override {
+    parent_->FinishAt(index_, reason, usage);
+  }
+  void Fail(const absl::Status& status) override { parent_->Fail(status); }
+
+ private:
+  const std::shared_ptr<ConnectionStream> parent_;
+  const uint32_t index_;
 };
 
 class ServerImpl;
@@ -381,80 +427,106 @@ class ServerImpl final : public HttpServer {
 
 // ---- ConnectionStream ------------------------------------------------------------------------
 
-void ConnectionStream::Token(std::string_view text, uint32_t /*token_id*/) {
-  if (streaming_) {
-    const absl::Time received = absl::Now();
-    if (!text.empty()) {
-      Forward(Kind::kData, RenderStreamTextEvent(ctx_, absl::string_view(text.data(), text.size())),
-              200, received);
-    }
-    return;
+std::shared_ptr<CompletionStream> ConnectionStream::Choice(uint32_t index) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (index >= choices_.size()) return nullptr;
   }
-  absl::MutexLock lock(&mu_);
-  if (!closed_) text_.append(text);
+  if (index == 0) return shared_from_this();
+  return std::make_shared<ChoiceStream>(shared_from_this(), index);
 }
 
-void ConnectionStream::TokenWithLogprobs(std::string_view text, uint32_t token_id,
-                                         const TokenLogprobs& logprobs) {
-  (void)token_id;
+void ConnectionStream::TokenAt(uint32_t choice, std::string_view text, uint32_t /*token_id*/,
+                               const TokenLogprobs* logprobs) {
+  const absl::string_view t(text.data(), text.size());
   if (streaming_) {
+    const absl::Time received = absl::Now();
+    if (logprobs == nullptr) {
+      if (!t.empty()) {
+        Forward(Kind::kData, RenderStreamTextEvent(ctx_, t, {}, 0, choice), 200, received);
+      }
+      return;
+    }
     size_t offset;
     {
       absl::MutexLock lock(&mu_);
-      offset = text_offset_;
-      text_offset_ += logprobs.chosen.token.size();
+      if (choice >= choices_.size()) return;
+      offset = choices_[choice].text_offset;
+      choices_[choice].text_offset += logprobs->chosen.token.size();
     }
     // Sent even when its text is held back: each token's logprobs go in order.
     Forward(Kind::kData,
-            RenderStreamTextEvent(ctx_, absl::string_view(text.data(), text.size()),
-                                  absl::MakeConstSpan(&logprobs, 1), offset),
-            200, absl::Now());
+            RenderStreamTextEvent(ctx_, t, absl::MakeConstSpan(logprobs, 1), offset, choice), 200,
+            received);
     return;
   }
   absl::MutexLock lock(&mu_);
-  if (closed_) return;
-  text_.append(text);
-  logprobs_.push_back(logprobs);
+  if (closed_ || choice >= choices_.size()) return;
+  choices_[choice].result.text.append(t.data(), t.size());
+  if (logprobs != nullptr) choices_[choice].result.logprobs.push_back(*logprobs);
 }
 
-void ConnectionStream::Echo(std::string_view prompt_text,
-                            std::vector<TokenLogprobs> prompt_logprobs) {
+void ConnectionStream::EchoAt(uint32_t choice, std::string_view prompt_text,
+                              std::vector<TokenLogprobs> prompt_logprobs) {
+  const absl::string_view t(prompt_text.data(), prompt_text.size());
   if (streaming_) {
     size_t offset;
     {
       absl::MutexLock lock(&mu_);
-      offset = text_offset_;
-      for (const TokenLogprobs& t : prompt_logprobs) text_offset_ += t.chosen.token.size();
+      if (choice >= choices_.size()) return;
+      offset = choices_[choice].text_offset;
+      for (const TokenLogprobs& p : prompt_logprobs) {
+        choices_[choice].text_offset += p.chosen.token.size();
+      }
     }
-    Forward(Kind::kData,
-            RenderStreamTextEvent(ctx_, absl::string_view(prompt_text.data(), prompt_text.size()),
-                                  prompt_logprobs, offset),
-            200, absl::Now());
+    Forward(Kind::kData, RenderStreamTextEvent(ctx_, t, prompt_logprobs, offset, choice), 200,
+            absl::Now());
     return;
   }
   absl::MutexLock lock(&mu_);
-  if (closed_) return;
-  text_.insert(0, prompt_text);
-  logprobs_.insert(logprobs_.begin(), std::make_move_iterator(prompt_logprobs.begin()),
-                   std::make_move_iterator(prompt_logprobs.end()));
+  if (closed_ || choice >= choices_.size()) return;
+  ChoiceResult& r = choices_[choice].result;
+  r.text.insert(0, std::string(t));
+  r.logprobs.insert(r.logprobs.begin(), std::make_move_iterator(prompt_logprobs.begin()),
+                    std::make_move_iterator(prompt_logprobs.end()));
 }
 
-void ConnectionStream::Finish(FinishReason reason, const Usage& usage) {
+void ConnectionStream::FinishAt(uint32_t choice, FinishReason reason, const Usage& usage) {
+  absl::MutexLock order(&finish_mu_);
+  bool last = true;
+  Usage total;
+  std::vector<ChoiceResult> results;
+  {
+    absl::MutexLock lock(&mu_);
+    if (closed_ || choice >= choices_.size() || choices_[choice].finished) return;
+    choices_[choice].finished = true;
+    choices_[choice].result.reason = reason;
+    choices_[choice].usage = usage;
+    // One prompt for every choice; their completions add up.
+    total.prompt_tokens = choices_[0].finished ? choices_[0].usage.prompt_tokens
+                                               : usage.prompt_tokens;
+    total.cached_tokens = choices_[0].finished ? choices_[0].usage.cached_tokens
+                                               : usage.cached_tokens;
+    for (const ChoiceState& c : choices_) {
+      last = last && c.finished;
+      if (c.finished) total.completion_tokens += c.usage.completion_tokens;
+    }
+    if (last && !streaming_) {
+      for (ChoiceState& c : choices_) results.push_back(std::move(c.result));
+    }
+  }
   if (streaming_) {
-    std::string data = RenderStreamFinishEvent(ctx_, reason);
-    if (ctx_.include_usage) data += RenderStreamUsageEvent(ctx_, usage);
+    std::string data = RenderStreamFinishEvent(ctx_, reason, choice);
+    if (!last) {
+      Forward(Kind::kData, std::move(data));
+      return;
+    }
+    if (ctx_.include_usage) data += RenderStreamUsageEvent(ctx_, total);
     data.append(kStreamDoneEvent.data(), kStreamDoneEvent.size());
     Forward(Kind::kEnd, std::move(data));
     return;
   }
-  std::string text;
-  std::vector<TokenLogprobs> logprobs;
-  {
-    absl::MutexLock lock(&mu_);
-    text.swap(text_);
-    logprobs.swap(logprobs_);
-  }
-  Forward(Kind::kEnd, RenderCompletionResponse(ctx_, text, reason, usage, logprobs));
+  if (last) Forward(Kind::kEnd, RenderCompletionResponse(ctx_, results, total));
 }
 
 void ConnectionStream::Fail(const absl::Status& status) {
@@ -714,7 +786,8 @@ void Connection::HandleCompletion(const Request& http_request, Endpoint endpoint
   ctx.include_usage = request.include_usage;
   ctx.logprobs = request.logprobs;
   const bool streaming = request.stream;
-  stream_ = std::make_shared<ConnectionStream>(weak_from_this(), seq_, ctx, streaming);
+  const uint32_t choices = request.n;
+  stream_ = std::make_shared<ConnectionStream>(weak_from_this(), seq_, ctx, streaming, choices);
   backend_done_ = false;
   absl::StatusOr<std::unique_ptr<RequestHandle>> handle =
       backend->Start(std::move(request), stream_);

@@ -344,15 +344,6 @@ absl::Status ParseSampling(const json& body, Endpoint endpoint, SamplingParams* 
   STRATA_RETURN_IF_ERROR(ParseMaxTokens(body, endpoint, sampling));
   STRATA_RETURN_IF_ERROR(ParseStop(body, sampling));
   STRATA_RETURN_IF_ERROR(GetBool(body, "ignore_eos", &sampling->ignore_eos));
-  for (const char* key : {"n", "best_of"}) {
-    if (endpoint == Endpoint::kChatCompletions && absl::string_view(key) == "best_of") continue;
-    integer.reset();
-    STRATA_RETURN_IF_ERROR(GetInt(body, key, &integer));
-    if (integer.has_value() && *integer != 1) {
-      return FieldError(key,
-                        absl::StrCat(key, " must be 1 (one choice per request), got ", *integer));
-    }
-  }
   for (const char* key : {"presence_penalty", "frequency_penalty"}) {
     number.reset();
     STRATA_RETURN_IF_ERROR(GetNumber(body, key, &number));
@@ -418,6 +409,28 @@ absl::Status ParseLogprobs(const json& body, Endpoint endpoint, CompletionReques
     return FieldError("top_logprobs", "top_logprobs needs logprobs set to true");
   }
   request->top_logprobs = static_cast<uint32_t>(*n);
+  return absl::OkStatus();
+}
+
+// "n" choices (each sampled on its own, over one computation of the prompt); completions'
+// "best_of" only as n (no choices generated to be thrown away).
+absl::Status ParseChoices(const json& body, Endpoint endpoint, CompletionRequest* request) {
+  std::optional<int64_t> n;
+  STRATA_RETURN_IF_ERROR(GetInt(body, "n", &n));
+  if (n.has_value()) {
+    if (*n < 1 || *n > kMaxChoices) {
+      return FieldError("n", absl::StrCat("n must be in [1, ", kMaxChoices, "], got ", *n));
+    }
+    request->n = static_cast<uint32_t>(*n);
+  }
+  if (endpoint != Endpoint::kCompletions) return absl::OkStatus();
+  std::optional<int64_t> best_of;
+  STRATA_RETURN_IF_ERROR(GetInt(body, "best_of", &best_of));
+  if (best_of.has_value() && *best_of != request->n) {
+    return FieldError("best_of", absl::StrCat("best_of must equal n (", request->n,
+                                              "): choices are not generated to be discarded, got ",
+                                              *best_of));
+  }
   return absl::OkStatus();
 }
 
@@ -546,10 +559,10 @@ ordered_json LogprobsJson(const ResponseContext& ctx, absl::Span<const TokenLogp
 }
 
 ordered_json StreamChoice(const ResponseContext& ctx, ordered_json delta_or_text,
-                          std::optional<FinishReason> reason,
-                          ordered_json logprobs = nullptr) {
+                          std::optional<FinishReason> reason, ordered_json logprobs = nullptr,
+                          uint32_t index = 0) {
   ordered_json choice;
-  choice["index"] = 0;
+  choice["index"] = index;
   choice[ctx.chat ? "delta" : "text"] = std::move(delta_or_text);
   choice["logprobs"] = std::move(logprobs);
   choice["finish_reason"] = reason.has_value()
@@ -616,6 +629,7 @@ absl::StatusOr<CompletionRequest> ParseCompletionRequest(absl::string_view body,
   STRATA_RETURN_IF_ERROR(ParseSampling(parsed, endpoint, &request.sampling));
   STRATA_RETURN_IF_ERROR(ParseUnsupported(parsed, endpoint));
   STRATA_RETURN_IF_ERROR(ParseLogprobs(parsed, endpoint, &request));
+  STRATA_RETURN_IF_ERROR(ParseChoices(parsed, endpoint, &request));
   STRATA_RETURN_IF_ERROR(GetBool(parsed, "stream", &request.stream));
   if (const json* options = Find(parsed, "stream_options"); options != nullptr) {
     if (!options->is_object()) return TypeError("stream_options", "an object", *options);
@@ -699,22 +713,34 @@ absl::string_view FinishReasonName(FinishReason reason) {
   return reason == FinishReason::kLength ? "length" : "stop";
 }
 
+std::string RenderCompletionResponse(const ResponseContext& ctx,
+                                     absl::Span<const ChoiceResult> choices, const Usage& usage) {
+  ordered_json j = Envelope(ctx, ctx.chat ? "chat.completion" : "text_completion");
+  ordered_json list = ordered_json::array();
+  for (size_t i = 0; i < choices.size(); ++i) {
+    const ChoiceResult& c = choices[i];
+    ordered_json choice;
+    choice["index"] = i;
+    if (ctx.chat) {
+      choice["message"] = {{"role", "assistant"}, {"content", c.text}};
+    } else {
+      choice["text"] = c.text;
+    }
+    choice["logprobs"] = LogprobsJson(ctx, c.logprobs, 0);
+    choice["finish_reason"] = std::string(FinishReasonName(c.reason));
+    list.push_back(std::move(choice));
+  }
+  j["choices"] = std::move(list);
+  j["usage"] = UsageJson(usage);
+  return Dump(j);
+}
+
 std::string RenderCompletionResponse(const ResponseContext& ctx, absl::string_view text,
                                      FinishReason reason, const Usage& usage,
                                      absl::Span<const TokenLogprobs> logprobs) {
-  ordered_json j = Envelope(ctx, ctx.chat ? "chat.completion" : "text_completion");
-  ordered_json choice;
-  choice["index"] = 0;
-  if (ctx.chat) {
-    choice["message"] = {{"role", "assistant"}, {"content", std::string(text)}};
-  } else {
-    choice["text"] = std::string(text);
-  }
-  choice["logprobs"] = LogprobsJson(ctx, logprobs, 0);
-  choice["finish_reason"] = std::string(FinishReasonName(reason));
-  j["choices"] = ordered_json::array({std::move(choice)});
-  j["usage"] = UsageJson(usage);
-  return Dump(j);
+  const ChoiceResult one{std::string(text), reason,
+                         std::vector<TokenLogprobs>(logprobs.begin(), logprobs.end())};
+  return RenderCompletionResponse(ctx, absl::MakeConstSpan(&one, 1), usage);
 }
 
 std::string RenderStreamRoleEvent(const ResponseContext& ctx) {
@@ -723,16 +749,18 @@ std::string RenderStreamRoleEvent(const ResponseContext& ctx) {
 }
 
 std::string RenderStreamTextEvent(const ResponseContext& ctx, absl::string_view text,
-                                  absl::Span<const TokenLogprobs> logprobs, size_t text_offset) {
+                                  absl::Span<const TokenLogprobs> logprobs, size_t text_offset,
+                                  uint32_t index) {
   ordered_json payload =
       ctx.chat ? ordered_json{{"content", std::string(text)}} : ordered_json(std::string(text));
   return Event(Chunk(ctx, StreamChoice(ctx, std::move(payload), std::nullopt,
-                                       LogprobsJson(ctx, logprobs, text_offset))));
+                                       LogprobsJson(ctx, logprobs, text_offset), index)));
 }
 
-std::string RenderStreamFinishEvent(const ResponseContext& ctx, FinishReason reason) {
+std::string RenderStreamFinishEvent(const ResponseContext& ctx, FinishReason reason,
+                                    uint32_t index) {
   ordered_json payload = ctx.chat ? ordered_json::object() : ordered_json("");
-  return Event(Chunk(ctx, StreamChoice(ctx, std::move(payload), reason)));
+  return Event(Chunk(ctx, StreamChoice(ctx, std::move(payload), reason, nullptr, index)));
 }
 
 std::string RenderStreamUsageEvent(const ResponseContext& ctx, const Usage& usage) {

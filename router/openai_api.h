@@ -80,6 +80,9 @@ struct ResponseContext {
   bool logprobs = false;       // choices carry a logprobs object (else "logprobs": null)
 };
 
+// The most choices ("n") a request may ask for.
+inline constexpr uint32_t kMaxChoices = 16;
+
 // The most top logprobs a request may ask for (OpenAI's chat limit; model/logprobs.h's too).
 inline constexpr uint32_t kMaxTopLogprobs = 20;
 
@@ -94,6 +97,14 @@ inline constexpr absl::string_view kSystemFingerprint = "fp_strata";
 std::string RenderCompletionResponse(const ResponseContext& ctx, absl::string_view text,
                                      FinishReason reason, const Usage& usage,
                                      absl::Span<const TokenLogprobs> logprobs = {});
+// The same with n choices (index = position).
+struct ChoiceResult {
+  std::string text;
+  FinishReason reason = FinishReason::kStop;
+  std::vector<TokenLogprobs> logprobs;
+};
+std::string RenderCompletionResponse(const ResponseContext& ctx,
+                                     absl::Span<const ChoiceResult> choices, const Usage& usage);
 
 // Server-sent events, each "data: <json>\n\n".
 // Chat only: the first chunk, delta {role: "assistant", content: ""}.
@@ -103,9 +114,10 @@ std::string RenderStreamRoleEvent(const ResponseContext& ctx);
 // `text_offset`).
 std::string RenderStreamTextEvent(const ResponseContext& ctx, absl::string_view text,
                                   absl::Span<const TokenLogprobs> logprobs = {},
-                                  size_t text_offset = 0);
+                                  size_t text_offset = 0, uint32_t index = 0);
 // The last choice chunk: empty text / empty delta and finish_reason.
-std::string RenderStreamFinishEvent(const ResponseContext& ctx, FinishReason reason);
+std::string RenderStreamFinishEvent(const ResponseContext& ctx, FinishReason reason,
+                                    uint32_t index = 0);
 // With include_usage: choices [] and the usage object.
 std::string RenderStreamUsageEvent(const ResponseContext& ctx, const Usage& usage);
 // A failure while streaming: data: {"error":{...}}.

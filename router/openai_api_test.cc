@@ -148,8 +148,9 @@ TEST(OpenAiApiTest, RefusesOutOfRangeAndMistypedFields) {
                    "max_tokens must be >= 1, got 0");
   ExpectFieldError(Completion(p + R"("max_tokens":2000000})"), "max_tokens", "must be <=");
   ExpectFieldError(Completion(p + R"("max_tokens":"8"})"), "max_tokens", "must be an integer");
-  ExpectFieldError(Completion(p + R"("n":2})"), "n", "n must be 1");
-  ExpectFieldError(Completion(p + R"("best_of":3})"), "best_of", "must be 1");
+  ExpectFieldError(Completion(p + R"("n":0})"), "n", "n must be in [1, 16]");
+  ExpectFieldError(Completion(p + R"("n":17})"), "n", "n must be in [1, 16]");
+  ExpectFieldError(Completion(p + R"("n":2,"best_of":3})"), "best_of", "must equal n (2)");
   ExpectFieldError(Completion(p + R"("stop":["a","b","c","d","e"]})"), "stop", "at most 4");
   ExpectFieldError(Completion(p + R"("stop":["a",1]})"), "stop[1]", "stop[1] must be a string");
   ExpectFieldError(Completion(p + R"("stop":""})"), "stop", "must not be empty");
@@ -259,6 +260,35 @@ TEST(OpenAiApiTest, ErrorMapping) {
   EXPECT_EQ(event.substr(0, 6), "data: ");
   EXPECT_EQ(event.substr(event.size() - 2), "\n\n");
   EXPECT_EQ(json::parse(event.substr(6))["error"]["message"], "gone");
+}
+
+TEST(OpenAiApiTest, ParsesChoices) {
+  absl::StatusOr<CompletionRequest> r =
+      Completion(R"({"model":"m","prompt":"x","n":3,"best_of":3})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->n, 3u);
+  r = Chat(R"({"model":"m","messages":[{"role":"user","content":"a"}],"n":2})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->n, 2u);
+  r = Completion(R"({"model":"m","prompt":"x"})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->n, 1u);
+}
+
+TEST(OpenAiApiTest, RendersSeveralChoices) {
+  ResponseContext ctx{"cmpl-1", "m", 1, false, false, false};
+  const std::vector<ChoiceResult> choices = {{"a", FinishReason::kStop, {}},
+                                             {"b", FinishReason::kLength, {}}};
+  const json j = json::parse(RenderCompletionResponse(ctx, choices, Usage{3, 5, 0}));
+  ASSERT_EQ(j["choices"].size(), 2u);
+  EXPECT_EQ(j["choices"][1]["index"], 1);
+  EXPECT_EQ(j["choices"][1]["text"], "b");
+  EXPECT_EQ(j["choices"][1]["finish_reason"], "length");
+  EXPECT_EQ(j["usage"]["total_tokens"], 8);
+  const json e = json::parse(RenderStreamTextEvent(ctx, "b", {}, 0, 1).substr(6));
+  EXPECT_EQ(e["choices"][0]["index"], 1);
+  const json f = json::parse(RenderStreamFinishEvent(ctx, FinishReason::kStop, 1).substr(6));
+  EXPECT_EQ(f["choices"][0]["index"], 1);
 }
 
 TEST(OpenAiApiTest, ParsesLogprobsAndEcho) {

@@ -389,6 +389,54 @@ class ClusterTest(unittest.TestCase):
             text, _, _ = complete(c, prompt, 24, stream=stream, salt="pen-s", **sampled)
             self.assertEqual(text, want, "sampled, stream=%s" % stream)
 
+    def test_n_choices_share_one_computation_of_the_prompt(self):
+        c = self.cluster
+        prompt = PROMPTS[3] + LONG * 2
+        prefills = ("prefill-0", "prefill-1")
+        before = sum(metric(scrape(c.node(p)["metrics"]), "strata_prefill_cached_tokens_total")
+                     for p in prefills)
+        body = {"model": "strata-tiny", "prompt": prompt, "max_tokens": 10, "temperature": 0.9,
+                "seed": 5, "n": 3, "cache_salt": "choices"}
+        status, resp, _ = http_json(c.base + "/v1/completions", body)
+        self.assertEqual(status, 200, resp)
+        self.assertEqual([ch["index"] for ch in resp["choices"]], [0, 1, 2])
+        # Choice i is sampled with seed 5 + i: each equals single-process generation with it.
+        for i, ch in enumerate(resp["choices"]):
+            self.assertEqual(ch["text"], solo(self.codec, prompt, 10, flags=[
+                "--temperature=0.9", "--seed=%d" % (5 + i)]), "choice %d" % i)
+        self.assertEqual(len({ch["text"] for ch in resp["choices"]}), 3)
+        usage = resp["usage"]
+        self.assertEqual(usage["completion_tokens"], 30)
+        # The prompt was computed once: choices 1 and 2 adopted its full chunks.
+        tokens = usage["prompt_tokens"]
+        after = sum(metric(scrape(c.node(p)["metrics"]), "strata_prefill_cached_tokens_total")
+                    for p in prefills)
+        self.assertEqual(after - before, 2 * ((tokens - 1) // CHUNK) * CHUNK)
+        # Streaming chat, greedy: two choices, told apart by index, each the solo output.
+        body = {"model": "strata-tiny", "messages": [{"role": "user", "content": "Tell me"}],
+                "max_tokens": 6, "temperature": 0, "n": 2, "stream": True,
+                "stream_options": {"include_usage": True}}
+        req = urllib.request.Request(c.base + "/v1/chat/completions",
+                                     data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        texts, finishes, usage = {}, {}, None
+        with urllib.request.urlopen(req, timeout=60) as r:
+            for raw in r:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                ev = json.loads(line[6:])
+                for ch in ev.get("choices", []):
+                    texts[ch["index"]] = texts.get(ch["index"], "") + \
+                        ch["delta"].get("content", "")
+                    if ch["finish_reason"]:
+                        finishes[ch["index"]] = ch["finish_reason"]
+                if ev.get("usage"):
+                    usage = ev["usage"]
+        self.assertEqual(sorted(finishes), [0, 1])
+        self.assertEqual(texts[0], texts[1])
+        self.assertEqual(usage["completion_tokens"], 12)
+
     def test_logprobs_and_echo_as_openai_and_lm_eval_use_them(self):
         c = self.cluster
         prompt = PROMPTS[2] + LONG
