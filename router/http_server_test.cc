@@ -1,6 +1,7 @@
 // The HTTP server for real over loopback (Beast's client on plain sockets), in front of a fake
 // Backend: the Backend is the seam the router process implements, the server and client are real.
 #include "router/http_server.h"
+#include "router/openai_api.h"
 
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -49,7 +50,9 @@ constexpr char kLlama3Template[] =
 // stream until the test calls FinishHeld.
 class FakeBackend : public Backend {
  public:
-  enum class Mode { kScript, kHold };
+  // kFailFirst: accepts the request, then fails it before any token with fail_status().
+  // kChoices: every choice of the request (CompletionRequest::n) streams "c<i>" and finishes.
+  enum class Mode { kScript, kHold, kFailFirst, kChoices };
 
   struct Shared {
     absl::Mutex mu;
@@ -91,6 +94,16 @@ class FakeBackend : public Backend {
       stream->Token("Hello", 1);
       stream->Token(" world", 2);
       stream->Finish(FinishReason::kStop, Usage{5, 2, 1});
+    } else if (mode_ == Mode::kFailFirst) {
+      absl::MutexLock lock(&mu_);
+      stream->Fail(fail_status_);
+    } else if (mode_ == Mode::kChoices) {
+      for (uint32_t i = 0; i < request.n; ++i) {
+        std::shared_ptr<CompletionStream> c = stream->Choice(i);
+        if (c == nullptr) return absl::InternalError("no choice stream");
+        c->Token(absl::StrCat("c", i), 10 + i);
+        c->Finish(i == 0 ? FinishReason::kStop : FinishReason::kLength, Usage{4, 1 + i, 0});
+      }
     } else {
       stream->Token("x", 3);
       absl::MutexLock lock(&mu_);
@@ -105,6 +118,10 @@ class FakeBackend : public Backend {
   std::string RenderMetrics() const override { return "strata_router_requests_total 7\n"; }
 
   void set_mode(Mode mode) { mode_ = mode; }
+  void set_fail_status(absl::Status s) {
+    absl::MutexLock lock(&mu_);
+    fail_status_ = std::move(s);
+  }
   void set_healthy(bool healthy) { healthy_ = healthy; }
   void Refuse(absl::Status status) {
     absl::MutexLock lock(&mu_);
@@ -144,6 +161,7 @@ class FakeBackend : public Backend {
   std::shared_ptr<Shared> shared_ = std::make_shared<Shared>();
   absl::Mutex mu_;
   absl::Status refuse_ ABSL_GUARDED_BY(mu_);
+  absl::Status fail_status_ ABSL_GUARDED_BY(mu_) = absl::InternalError("unset");
   std::vector<CompletionRequest> requests_ ABSL_GUARDED_BY(mu_);
   std::vector<std::shared_ptr<CompletionStream>> held_ ABSL_GUARDED_BY(mu_);
 };
@@ -409,6 +427,52 @@ TEST_F(HttpServerTest, OversizedBodyIs413) {
   EXPECT_EQ(res.result_int(), 413);
   EXPECT_EQ(json::parse(res.body())["error"]["code"], "request_too_large");
   EXPECT_TRUE(backend_.requests().empty());
+}
+
+TEST_F(HttpServerTest, AStreamFailedBeforeItsFirstTokenGetsAnHttpStatusNotA200) {
+  backend_.set_mode(FakeBackend::Mode::kFailFirst);
+  backend_.set_fail_status(WithRetryAfter(absl::ResourceExhaustedError("decode queue full"), 7));
+  Client client(port());
+  auto res = client.Call(http::verb::post, "/v1/completions",
+                         R"({"model":"tiny","prompt":"x","stream":true})");
+  EXPECT_EQ(res.result_int(), 429);
+  EXPECT_EQ(std::string(res[http::field::retry_after]), "7");
+  EXPECT_THAT(std::string(res[http::field::content_type]), HasSubstr("application/json"));
+  EXPECT_EQ(json::parse(res.body())["error"]["message"], "decode queue full");
+  // The connection stays usable (a keep-alive error response, not a cut stream).
+  backend_.set_fail_status(absl::DeadlineExceededError("too slow"));
+  res = client.Call(http::verb::post, "/v1/chat/completions",
+                    R"({"model":"tiny","messages":[{"role":"user","content":"a"}],"stream":true})");
+  EXPECT_EQ(res.result_int(), 504);
+}
+
+TEST_F(HttpServerTest, SeveralChoicesEachCarryTheirIndex) {
+  backend_.set_mode(FakeBackend::Mode::kChoices);
+  Client client(port());
+  auto res = client.Call(http::verb::post, "/v1/completions",
+                         R"({"model":"tiny","prompt":"x","n":3})");
+  ASSERT_EQ(res.result_int(), 200) << res.body();
+  const json j = json::parse(res.body());
+  ASSERT_EQ(j["choices"].size(), 3u);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(j["choices"][i]["index"], i);
+    EXPECT_EQ(j["choices"][i]["text"], absl::StrCat("c", i));
+  }
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "stop");
+  EXPECT_EQ(j["choices"][2]["finish_reason"], "length");
+  EXPECT_EQ(j["usage"]["completion_tokens"], 1 + 2 + 3);
+  EXPECT_EQ(j["usage"]["prompt_tokens"], 4);
+  // Streaming: each choice's text and finish with its index, one [DONE] after the last.
+  client.Send(http::verb::post, "/v1/completions",
+              R"({"model":"tiny","prompt":"x","n":2,"stream":true})");
+  const std::string body = client.ReadUntil("[DONE]");
+  EXPECT_THAT(body, HasSubstr(R"("index":1,"text":"c1")"));
+  EXPECT_THAT(body, HasSubstr(R"("index":0,"text":"c0")"));
+  size_t done = 0;
+  for (size_t at = body.find("[DONE]"); at != std::string::npos; at = body.find("[DONE]", at + 1)) {
+    ++done;
+  }
+  EXPECT_EQ(done, 1u);
 }
 
 TEST_F(HttpServerTest, OverloadedBackendIs429WithRetryAfter) {
