@@ -81,9 +81,10 @@ uint64_t VerifiedBlockAt(int fd, uint64_t at, uint64_t to, std::vector<uint8_t>*
   return total;
 }
 
-// Blocks (tagged or not) lying in [from, to) of file `n` at kAlign boundaries.
-void ScanRecords(uint32_t n, int fd, uint64_t from, uint64_t to,
-                 std::vector<BlockLog::Record>* out) {
+// Blocks (tagged or not) lying in [from, to) of file `n` at kAlign boundaries; into `damaged`
+// (when given), tags that verify followed by a block that does not.
+void ScanRecords(uint32_t n, int fd, uint64_t from, uint64_t to, std::vector<BlockLog::Record>* out,
+                 std::vector<BlockLog::Record>* damaged) {
   std::vector<uint8_t> buf;
   for (uint64_t at = RoundUp(from); at + 16 <= to;) {
     uint8_t head[kTagHead];
@@ -106,6 +107,9 @@ void ScanRecords(uint32_t n, int fd, uint64_t from, uint64_t to,
     }
     const uint64_t size = VerifiedBlockAt(fd, block_at, to, &buf);
     if (size == 0) {
+      if (damaged != nullptr && !tag.empty()) {
+        damaged->push_back({.where = {.file = n, .offset = block_at}, .tag = std::move(tag)});
+      }
       at += BlockLog::kAlign;
       continue;
     }
@@ -153,7 +157,8 @@ std::string BlockLog::PathOf(uint32_t n) const {
   return (std::filesystem::path(dir_) / absl::StrCat(n, ".log")).string();
 }
 
-std::vector<BlockLog::Record> BlockLog::FindUnindexed(absl::Span<const Extent> live) const {
+std::vector<BlockLog::Record> BlockLog::FindUnindexed(absl::Span<const Extent> live,
+                                                      std::vector<Record>* damaged) const {
   std::map<uint32_t, std::vector<std::pair<uint64_t, uint64_t>>> by_file;  // [record, end)
   for (const Extent& e : live) by_file[e.file].emplace_back(RoundDown(e.offset), e.offset + e.size);
   std::vector<Record> found;
@@ -166,10 +171,10 @@ std::vector<BlockLog::Record> BlockLog::FindUnindexed(absl::Span<const Extent> l
     std::sort(xs.begin(), xs.end());
     uint64_t at = 0;
     for (const auto& [from, to] : xs) {
-      if (from > at) ScanRecords(n, f->fd, at, from, &found);
+      if (from > at) ScanRecords(n, f->fd, at, from, &found, damaged);
       at = std::max(at, RoundUp(to));
     }
-    if (size > at) ScanRecords(n, f->fd, at, size, &found);
+    if (size > at) ScanRecords(n, f->fd, at, size, &found, damaged);
   }
   return found;
 }

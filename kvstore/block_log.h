@@ -58,7 +58,10 @@ class BlockLog {
   // the index holds): what the index lost (a damaged or cut-short RocksDB WAL; a crash between a
   // block's append and its index record), or, for a store rebuilding its index, everything. A
   // block whose tag names it can be indexed again (its extent then passed to Recover as live).
-  std::vector<Record> FindUnindexed(absl::Span<const Extent> live) const;
+  // With `damaged`, it also gets the records whose tag verifies but whose block does not (bytes
+  // damaged on disk, or a write cut short): where.size is 0, the block's size being unknown.
+  std::vector<Record> FindUnindexed(absl::Span<const Extent> live,
+                                    std::vector<Record>* damaged = nullptr) const;
 
   // Once, after Open, with every extent the index holds: files holding none are deleted, and the
   // space around the live extents (left by a crash between an append and its index entry, or

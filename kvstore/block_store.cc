@@ -1,5 +1,11 @@
 #include "kvstore/block_store.h"
 
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <iostream>
@@ -79,9 +85,33 @@ bool HeaderMatches(const BlockHeader& h, const BlockName& name) {
          h.calibration_fingerprint == name.calibration_fingerprint;
 }
 
-absl::Status FromRocks(const rocksdb::Status& s, absl::string_view what) {
-  if (s.ok()) return absl::OkStatus();
-  return absl::UnavailableError(absl::StrCat("store: ", what, ": ", s.ToString()));
+// The lock file a store holds on its disk_path (flock) while open: two stores must never share
+// a block log, and --repair must never set aside the index of a store that is running.
+constexpr char kLockFile[] = "store.lock";
+constexpr char kAsidePrefix[] = "damaged-index-";
+
+constexpr char kRepairHint[] =
+    "run strata-store with --repair to rebuild the index from the block log (every block whose "
+    "bytes verify comes back)";
+
+// The index (RocksDB) failed at Open, without `repair`: DATA_LOSS when RocksDB found its files
+// damaged (a Corruption), UNAVAILABLE for anything else (missing or unreadable files, I/O
+// errors). Either way the message names the fix.
+absl::Status IndexFailure(const std::string& dir, absl::string_view what,
+                          const rocksdb::Status& s) {
+  const std::string msg = absl::StrCat(
+      "store: ", dir, ": ", what, " (", s.ToString(), "); ",
+      s.IsCorruption() ? "its files are damaged: " : "if its files are damaged or missing, ",
+      kRepairHint);
+  return s.IsCorruption() ? absl::DataLossError(msg) : absl::UnavailableError(msg);
+}
+
+// A RocksDB error met after Open, as a message: a Corruption names the fix.
+std::string IndexErrorText(const rocksdb::Status& s) {
+  return absl::StrCat(s.ToString(), s.IsCorruption()
+                                        ? "; the index is damaged: restart strata-store with "
+                                          "--repair to rebuild it from the block log"
+                                        : "");
 }
 
 }  // namespace
@@ -128,7 +158,10 @@ absl::StatusOr<std::unique_ptr<BlockStore>> BlockStore::Open(const StoreOptions&
   }
   std::unique_ptr<BlockStore> s(new BlockStore(options));
   if (!options.disk_path.empty()) {
-    STRATA_RETURN_IF_ERROR(s->OpenDisk());
+    if (absl::Status opened = s->OpenDisk(); !opened.ok()) {
+      s->db_.reset();  // closed as found: nothing flushed or written back
+      return opened;
+    }
     s->spill_thread_ = std::thread([p = s.get()] { p->SpillLoop(); });
   }
   return s;
@@ -164,9 +197,14 @@ BlockStore::~BlockStore() {
   }
   spill_cv_.notify_all();
   if (spill_thread_.joinable()) spill_thread_.join();
+  db_.reset();  // before the lock goes: no other store opens the index while this one has it
+  log_.reset();
+  if (disk_lock_fd_ >= 0) close(disk_lock_fd_);
 }
 
-absl::Status BlockStore::OpenDisk() {
+namespace {
+
+rocksdb::Options IndexOptions() {
   rocksdb::Options o;
   o.create_if_missing = true;
   // Stop replaying the WAL at its first damaged record (never skip one and replay later ones:
@@ -182,79 +220,157 @@ absl::Status BlockStore::OpenDisk() {
   o.blob_file_size = size_t{256} << 20;
   o.enable_blob_garbage_collection = true;
   o.write_buffer_size = size_t{16} << 20;
-  rocksdb::DB* db = nullptr;
-  rocksdb::Status opened = rocksdb::DB::Open(o, options_.disk_path, &db);
-  if (!opened.ok() && options_.repair) {
-    // The index cannot be opened: set its files aside and rebuild it from the block log, whose
-    // records carry each block's name and parent.
-    const std::string aside = absl::StrCat(options_.disk_path, "/damaged-index-",
-                                           absl::ToUnixSeconds(absl::Now()));
-    std::error_code ec;
-    std::filesystem::create_directories(aside, ec);
-    for (const auto& entry : std::filesystem::directory_iterator(options_.disk_path, ec)) {
-      const std::string name = entry.path().filename().string();
-      if (name == "blocks" || name.rfind("damaged-index-", 0) == 0) continue;
-      std::filesystem::rename(entry.path(), std::filesystem::path(aside) / name, ec);
+  return o;
+}
+
+// Whether `dir` holds an index's files but not its CURRENT (lost, or never written by a crash
+// in the index's creation). RocksDB would take the folder for a new index (create_if_missing) —
+// and a failed attempt leaves a new CURRENT behind, so that the next open finds an empty index
+// where the old one was: such a folder is an index that will not open.
+bool IndexLostItsCurrent(const std::string& dir) {
+  std::error_code ec;
+  if (std::filesystem::exists(std::filesystem::path(dir) / "CURRENT", ec)) return false;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.starts_with("MANIFEST-") || name.ends_with(".sst") || name.ends_with(".ldb") ||
+        name.ends_with(".blob") || (name.ends_with(".log") && entry.is_regular_file(ec))) {
+      return true;
     }
-    std::cerr << "store: " << options_.disk_path << ": the index would not open ("
-              << opened.ToString() << "); its files are in " << aside
-              << "; rebuilding it from the block log\n";
-    repaired_ = true;
-    opened = rocksdb::DB::Open(o, options_.disk_path, &db);
   }
+  return false;
+}
+
+}  // namespace
+
+absl::Status BlockStore::LockDisk() {
+  const std::string& dir = options_.disk_path;
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) return absl::UnavailableError(absl::StrCat("store: create ", dir, ": ", ec.message()));
+  const std::string path = (std::filesystem::path(dir) / kLockFile).string();
+  const int fd = open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    return absl::UnavailableError(absl::StrCat("store: open ", path, ": ", std::strerror(errno)));
+  }
+  if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    close(fd);
+    if (err == EWOULDBLOCK) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("store: ", dir, " is in use by another store (", path, " is locked)"));
+    }
+    return absl::UnavailableError(absl::StrCat("store: lock ", path, ": ", std::strerror(err)));
+  }
+  disk_lock_fd_ = fd;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> BlockStore::SetIndexAside() {
+  const std::string& dir = options_.disk_path;
+  const std::string base = absl::StrCat(dir, "/", kAsidePrefix, absl::ToUnixSeconds(absl::Now()));
+  std::string aside = base;
+  for (int n = 2; std::filesystem::exists(aside); ++n) aside = absl::StrCat(base, "-", n);
+  std::error_code ec;
+  std::filesystem::create_directories(aside, ec);
+  if (ec) return absl::UnavailableError(absl::StrCat("store: create ", aside, ": ", ec.message()));
+  std::vector<std::filesystem::path> index_files;  // listed first, moved after
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name == "blocks" || name == kLockFile || name.starts_with(kAsidePrefix)) continue;
+    index_files.push_back(entry.path());
+  }
+  if (ec) return absl::UnavailableError(absl::StrCat("store: list ", dir, ": ", ec.message()));
+  for (const std::filesystem::path& f : index_files) {
+    std::filesystem::rename(f, std::filesystem::path(aside) / f.filename(), ec);
+    if (ec) {
+      return absl::UnavailableError(
+          absl::StrCat("store: move ", f.string(), " into ", aside, ": ", ec.message()));
+    }
+  }
+  return aside;
+}
+
+absl::Status BlockStore::RebuildIndex(absl::string_view why) {
+  db_.reset();
+  STRATA_ASSIGN_OR_RETURN(const std::string aside, SetIndexAside());
+  std::cerr << "store: " << options_.disk_path << ": " << why << "; its files are in " << aside
+            << "; rebuilding it from the block log\n";
+  repaired_ = true;
+  rocksdb::DB* db = nullptr;
+  const rocksdb::Status opened = rocksdb::DB::Open(IndexOptions(), options_.disk_path, &db);
   if (!opened.ok()) {
-    absl::Status s = FromRocks(opened, absl::StrCat("open ", options_.disk_path));
-    return absl::Status(s.code(), absl::StrCat(s.message(),
-                                              "; to rebuild the index from the block log (every "
-                                              "block whose bytes verify), start with --repair"));
+    return absl::UnavailableError(absl::StrCat("store: ", options_.disk_path,
+                                               ": a new index will not open either (",
+                                               opened.ToString(), "); the old one is in ", aside));
   }
   db_.reset(db);
+  return absl::OkStatus();
+}
+
+absl::Status BlockStore::OpenDisk() {
+  STRATA_RETURN_IF_ERROR(LockDisk());
+  const std::string& dir = options_.disk_path;
+  rocksdb::DB* db = nullptr;
+  const rocksdb::Status opened =
+      IndexLostItsCurrent(dir)
+          ? rocksdb::Status::Corruption(
+                absl::StrCat(dir, "/CURRENT is missing, and the index's other files are there"))
+          : rocksdb::DB::Open(IndexOptions(), dir, &db);
+  if (opened.ok()) {
+    db_.reset(db);
+  } else if (options_.repair) {
+    // The index cannot be opened: set its files aside and rebuild it from the block log, whose
+    // records carry each block's name and parent.
+    STRATA_RETURN_IF_ERROR(
+        RebuildIndex(absl::StrCat("the index would not open (", opened.ToString(), ")")));
+  } else {
+    return IndexFailure(dir, "the index (RocksDB) will not open", opened);
+  }
   absl::StatusOr<std::unique_ptr<BlockLog>> log =
-      BlockLog::Open((std::filesystem::path(options_.disk_path) / "blocks").string());
+      BlockLog::Open((std::filesystem::path(dir) / "blocks").string());
   if (!log.ok()) return log.status();
   log_ = std::move(*log);
-  // Rebuild the disk index: every key, its parent, size and extent (blocks are verified when read).
   std::vector<std::string> bad;
   std::vector<Extent> named;
-  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
   std::lock_guard<std::mutex> lock(mu_);
-  for (it->Seek("M"); it->Valid() && it->key().starts_with("M"); it->Next()) {
-    const std::string key = it->key().ToString().substr(1);
-    std::string parent;
-    uint64_t size = 0;
-    Extent where;
-    const bool decoded =
-        DecodeMeta(absl::string_view(it->value().data(), it->value().size()), &parent, &size,
-                   &where);
-    if (decoded && where.file != 0) named.push_back(where);  // (new files are numbered past it)
-    if (key.size() != BlockName::kEncodedBytes || !decoded || size > options_.max_block_bytes ||
-        (where.file != 0 && !log_->Has(where.file))) {
-      bad.push_back(key);  // undecodable, or naming a log file that is gone
-      continue;
+  rocksdb::Status scanned = LoadIndexLocked(&bad, &named);
+  if (!scanned.ok() && options_.repair && !repaired_) {
+    // The index opened but reading it met damage (a table's block failing its checksum, a
+    // record RocksDB cannot read): what was read may be partial, so none of it is kept. The
+    // whole index is rebuilt from the block log, as for one that would not open.
+    entries_.clear();
+    children_.clear();
+    disk_ids_.clear();
+    disk_used_ = 0;
+    bad.clear();
+    named.clear();
+    STRATA_RETURN_IF_ERROR(
+        RebuildIndex(absl::StrCat("reading the index met an error (", scanned.ToString(), ")")));
+    scanned = LoadIndexLocked(&bad, &named);
+  }
+  if (!scanned.ok()) {
+    if (repaired_) {
+      return absl::UnavailableError(
+          absl::StrCat("store: ", dir, ": reading the new index: ", scanned.ToString()));
     }
-    Entry& e = entries_[key];
-    e.parent = parent;
-    e.id = next_id_++;
-    e.bytes = size;
-    e.on_disk = true;
-    e.where = where;
-    disk_ids_[e.id] = key;
-    disk_used_ += e.bytes;
-    if (!parent.empty()) children_[parent].insert(key);
+    return IndexFailure(dir, "reading the index (RocksDB) met an error", scanned);
   }
-  STRATA_RETURN_IF_ERROR(FromRocks(it->status(), "scan"));
-  // Blocks the log holds that the index does not name (a damaged or cut-short write-ahead log, a
-  // crash between a block's append and its record, or a rebuilt index): indexed again when their
-  // record names them and their parent is there, parents first; counted as lost otherwise.
-  ReindexLocked(log_->FindUnindexed(named), &named);
-  for (const auto& [key, e] : entries_) {  // the disk policy holds leaves only
-    if (!HasChildrenLocked(key)) disk_policy_->Insert(e.id, e.bytes);
-  }
-  log_->Recover(named);  // space nothing names goes back
+  // Records that do not decode, or name a log file that is gone, leave the index first, so that
+  // a block the log still holds can be indexed again below without its new record being deleted.
   for (const std::string& k : bad) {
     DeleteDisk(k, Extent{});
     ++stats_.corruptions;
   }
+  // Blocks the log holds that the index does not name (a damaged or cut-short write-ahead log, a
+  // crash between a block's append and its record, or a rebuilt index): indexed again when their
+  // record names them and their parent is there, parents first; counted as lost otherwise.
+  std::vector<BlockLog::Record> damaged;
+  std::vector<BlockLog::Record> found = log_->FindUnindexed(named, &damaged);
+  STRATA_RETURN_IF_ERROR(ReindexLocked(std::move(found), damaged, &named));
+  for (const auto& [key, e] : entries_) {  // the disk policy holds leaves only
+    if (!HasChildrenLocked(key)) disk_policy_->Insert(e.id, e.bytes);
+  }
+  log_->Recover(named);  // space nothing names goes back
   // Chunks whose parent did not survive (a crash between them) can never be used.
   std::vector<std::string> orphans;
   for (const auto& [key, e] : entries_) {
@@ -269,7 +385,40 @@ absl::Status BlockStore::OpenDisk() {
   return absl::OkStatus();
 }
 
-void BlockStore::ReindexLocked(std::vector<BlockLog::Record> found, std::vector<Extent>* named) {
+rocksdb::Status BlockStore::LoadIndexLocked(std::vector<std::string>* bad,
+                                            std::vector<Extent>* named) {
+  // Every key, its parent, size and extent (blocks are verified when read).
+  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
+  for (it->Seek("M"); it->Valid() && it->key().starts_with("M"); it->Next()) {
+    const std::string key = it->key().ToString().substr(1);
+    std::string parent;
+    uint64_t size = 0;
+    Extent where;
+    const bool decoded =
+        DecodeMeta(absl::string_view(it->value().data(), it->value().size()), &parent, &size,
+                   &where);
+    if (decoded && where.file != 0) named->push_back(where);  // (new files are numbered past it)
+    if (key.size() != BlockName::kEncodedBytes || !decoded || size > options_.max_block_bytes ||
+        (where.file != 0 && !log_->Has(where.file))) {
+      bad->push_back(key);  // undecodable, or naming a log file that is gone
+      continue;
+    }
+    Entry& e = entries_[key];
+    e.parent = parent;
+    e.id = next_id_++;
+    e.bytes = size;
+    e.on_disk = true;
+    e.where = where;
+    disk_ids_[e.id] = key;
+    disk_used_ += e.bytes;
+    if (!parent.empty()) children_[parent].insert(key);
+  }
+  return it->status();
+}
+
+absl::Status BlockStore::ReindexLocked(std::vector<BlockLog::Record> found,
+                                       const std::vector<BlockLog::Record>& damaged,
+                                       std::vector<Extent>* named) {
   struct Candidate {
     std::string key, parent;
     Extent where;
@@ -303,7 +452,9 @@ void BlockStore::ReindexLocked(std::vector<BlockLog::Record> found, std::vector<
     for (Candidate& c : candidates) {
       if (c.key.empty() || entries_.contains(c.key)) continue;
       if (!c.parent.empty() && !entries_.contains(c.parent)) continue;
-      if (!IndexDiskLocked(c.key, c.parent, c.where).ok()) continue;
+      // A record that cannot be written fails the Open, before Recover: no block's bytes are
+      // given back for want of an index that works.
+      STRATA_RETURN_IF_ERROR(WriteIndexRecordLocked(c.key, c.parent, c.where));
       Entry& e = entries_[c.key];
       e.parent = c.parent;
       e.id = next_id_++;
@@ -324,31 +475,60 @@ void BlockStore::ReindexLocked(std::vector<BlockLog::Record> found, std::vector<
     ++lost;  // its parent is nowhere: an orphan
     lost_bytes += c.where.size;
   }
+  uint64_t unverified = 0;  // named by their log record, but their bytes do not verify
+  for (const BlockLog::Record& r : damaged) {
+    const std::string key = r.tag.substr(0, std::min(r.tag.size(), BlockName::kEncodedBytes));
+    if (!entries_.contains(key)) ++unverified;  // (else an older copy of a block still held)
+  }
+  lost += unverified;
   stats_.index_recovered_blocks += recovered;
   stats_.index_lost_blocks += lost;
   if (recovered > 0 || lost > 0) {
+    const char* why = repaired_ ? "a rebuilt index"
+                                : "a damaged or cut-short write-ahead log, or a crash between a "
+                                  "block's write and its record";
     std::cerr << "store: " << options_.disk_path << ": " << recovered + lost
-              << " blocks in the block log had no index record (" << (repaired_ ? "a rebuilt index" :
-              "a damaged or cut-short write-ahead log, or a crash between a block's write and its "
-              "record") << "): " << recovered << " indexed again from their log records, " << lost
-              << " (" << lost_bytes << " bytes) dropped (no name in the log, or no parent); "
-              << "strata_store_index_recovered_blocks_total, strata_store_index_lost_blocks_total\n";
+              << " blocks in the block log had no index record (" << why << "): " << recovered
+              << " indexed again from their log records, ";
+    if (lost == 0) {
+      std::cerr << "none dropped";
+    } else {
+      std::cerr << lost << " dropped (" << unverified << " whose bytes do not verify; "
+                << lost - unverified << ", " << lost_bytes
+                << " bytes, with no name in the log or no parent)";
+    }
+    std::cerr << "; strata_store_index_recovered_blocks_total, "
+                 "strata_store_index_lost_blocks_total\n";
   }
+  return absl::OkStatus();
+}
+
+absl::Status BlockStore::WriteIndexRecordLocked(const std::string& key, const std::string& parent,
+                                                const Extent& where) {
+  // One index writer at a time: RocksDB would group concurrent writes anyway, and its lock-free
+  // write groups are invisible to ThreadSanitizer. (Block bytes are appended in parallel.)
+  rocksdb::Status s;
+  {
+    std::lock_guard<std::mutex> lock(disk_write_mu_);
+    s = db_->Put(rocksdb::WriteOptions(), MetaKey(key), EncodeMeta(parent, where.size, where));
+  }
+  if (s.ok()) return absl::OkStatus();
+  NoteIndexErrorLocked("write", s);
+  return absl::UnavailableError(absl::StrCat("store: index write: ", IndexErrorText(s)));
 }
 
 absl::Status BlockStore::IndexDiskLocked(const std::string& key, const std::string& parent,
                                          const Extent& where) {
-  // One index writer at a time: RocksDB would group concurrent writes anyway, and its lock-free
-  // write groups are invisible to ThreadSanitizer. (Block bytes are appended in parallel.)
-  absl::Status s;
-  {
-    std::lock_guard<std::mutex> lock(disk_write_mu_);
-    s = FromRocks(
-        db_->Put(rocksdb::WriteOptions(), MetaKey(key), EncodeMeta(parent, where.size, where)),
-        "write");
-  }
+  const absl::Status s = WriteIndexRecordLocked(key, parent, where);
   if (!s.ok()) log_->Free(where);
   return s;
+}
+
+void BlockStore::NoteIndexErrorLocked(absl::string_view what, const rocksdb::Status& s) {
+  if (stats_.index_errors++ == 0) {  // the first one; the rest are counted
+    std::cerr << "store: " << options_.disk_path << ": index " << what << ": " << IndexErrorText(s)
+              << " (further index errors: strata_store_index_errors_total)\n";
+  }
 }
 
 void BlockStore::DeleteDisk(const std::string& key, const Extent& where) {
@@ -362,6 +542,7 @@ void BlockStore::DeleteDisk(const std::string& key, const Extent& where) {
   }
   // Bytes the index may still name are kept (leaked until the next open's Recover, which frees
   // what the index no longer names).
+  if (!st.ok()) NoteIndexErrorLocked("delete", st);
   if (st.ok() && where.file != 0) log_->Free(where);
 }
 
@@ -730,14 +911,16 @@ absl::StatusOr<Lease> BlockStore::Get(const BlockName& name) {
   std::shared_ptr<AlignedBuffer> buffer = AcquireBuffer(*pool_, expected_size);
   Held held = std::make_shared<const SharedBytes>(SharedBytes::FromShared(buffer));
   absl::Status read;
+  rocksdb::Status index_error;  // RocksDB failing to read an older store's block
   if (where.file != 0) {
     read = log_->Read(where, {buffer->data(), buffer->size()});
   } else {  // an older store's block, in RocksDB
     std::string value;
     const rocksdb::Status rs = db_->Get(rocksdb::ReadOptions(), BlockKey(key), &value);
     if (!rs.ok()) {
+      if (!rs.IsNotFound()) index_error = rs;
       read = rs.IsNotFound() ? absl::NotFoundError("not in RocksDB")
-                             : absl::DataLossError(rs.ToString());
+                             : absl::DataLossError(absl::StrCat("the index: ", IndexErrorText(rs)));
     } else if (value.size() != expected_size) {
       read = absl::DataLossError(absl::StrCat(value.size(), " bytes, not ", expected_size));
     } else {
@@ -755,6 +938,7 @@ absl::StatusOr<Lease> BlockStore::Get(const BlockName& name) {
   }
   std::lock_guard<std::mutex> lock(mu_);
   auto it = entries_.find(key);
+  if (!index_error.ok()) NoteIndexErrorLocked("read", index_error);
   if (!read.ok()) {
     ++stats_.misses;
     // Evicted or deleted while being read (its space freed): a miss, not a corruption.

@@ -20,8 +20,20 @@
 //   is in no tier is refused (kFailedPrecondition), and when a block leaves every tier its
 //   descendants are dropped too: a chunk is only useful after its whole prefix.
 // - At Open, blocks in the block log that no index record names (RocksDB's WAL damaged or cut
-//   short: replay stops at the first bad record) are counted (index_lost_blocks) and logged,
-//   never silently dropped; their space is reclaimed.
+//   short: replay stops at the first bad record) are indexed again from their log records
+//   (index_recovered_blocks), or counted (index_lost_blocks) and logged, never silently dropped;
+//   their space is reclaimed.
+// - The index (RocksDB in disk_path) damaged: when it will not open (a damaged or missing
+//   MANIFEST, CURRENT, table file or table footer), or reading it at Open meets an error (a
+//   table's block failing its checksum), Open fails — kDataLoss when RocksDB reports its files
+//   corrupt (or CURRENT is missing beside the other files), kUnavailable for any other failure
+//   (a missing MANIFEST, unreadable files, I/O errors) — with a message naming --repair, and
+//   leaves the block log as it is. With StoreOptions::repair, the whole index is set aside and
+//   rebuilt from the block log instead. An index error met after Open (reading an older store's
+//   block, writing or deleting a record) is counted (index_errors) and logged once: a Get is
+//   then a miss (kNotFound), a Put kUnavailable; a Corruption's message names --repair.
+// - A disk_path is held by one store at a time (a lock file, `store.lock`): Open of a second
+//   one fails with kFailedPrecondition, and repair never touches a store that is running.
 // - Codecs may differ per layer (TaDA's per-layer bits, the Strata mix): each layer's blocks
 //   carry (and are named by) that layer's own codec fingerprint, so Lookup takes one codec
 //   fingerprint per layer.
@@ -67,10 +79,11 @@
 #include <thread>
 #include <vector>
 
-#include "absl/container/flat_hash_map.h"
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
@@ -83,6 +96,7 @@
 
 namespace rocksdb {
 class DB;
+class Status;
 }
 
 namespace strata::kvstore {
@@ -99,8 +113,12 @@ struct StoreOptions {
   size_t max_block_bytes = size_t{64} << 20;     // larger Puts are refused
   bool durable_puts = true;                      // write through to disk before Put returns
   size_t event_ring = 65536;                     // events kept for ReadEvents (>= 1)
-  // When the index (RocksDB) cannot be opened: set its files aside (disk_path/damaged-index-T/)
-  // and rebuild it from the block log. Without it, Open fails and says so.
+  // When the index (RocksDB) fails at Open — it will not open, or reading it meets an error —
+  // set its files aside (disk_path/damaged-index-T/) and rebuild it from the block log: every
+  // block whose bytes verify (CRC-32C) and whose log record names it (and its parent) comes
+  // back; the others are counted in index_lost_blocks. Blocks of a store written before the
+  // block log (kept in RocksDB itself) are not in the log: they are lost. Without `repair`, Open
+  // fails and its message names --repair. A healthy index is left as it is.
   bool repair = false;
 };
 
@@ -117,8 +135,12 @@ struct StoreStats {
   // rebuilt by `repair`). Those whose log record names them (and whose parent is there) are
   // indexed again; the others (written before blocks carried names, or orphans) are lost, their
   // space reclaimed.
+  // Blocks whose log record names them but whose bytes fail their checksum are counted as lost.
   uint64_t index_recovered_blocks = 0;
   uint64_t index_lost_blocks = 0;
+  // Errors the index (RocksDB) returned after Open: a write or delete of a record, or a read of
+  // an older store's block (that Get is a miss). A damaged index file: restart with --repair.
+  uint64_t index_errors = 0;
   uint64_t ram_blocks = 0, ram_bytes = 0, disk_blocks = 0, disk_bytes = 0;
   uint64_t spill_queue_bytes = 0;
   uint64_t pool_idle_bytes = 0;  // freed block buffers kept for reuse (not counted in ram_bytes)
@@ -236,6 +258,17 @@ class BlockStore {
   };
   explicit BlockStore(const StoreOptions& o);
   absl::Status OpenDisk();
+  // Takes disk_path's lock file (disk_lock_fd_); kFailedPrecondition when another store holds it.
+  absl::Status LockDisk();
+  // Loads the index records into entries_ (holds mu_): records that do not decode, or name a log
+  // file that is gone, into *bad; every extent a record names into *named. RocksDB's error, if
+  // reading the index met one (what was loaded is then partial).
+  rocksdb::Status LoadIndexLocked(std::vector<std::string>* bad, std::vector<Extent>* named);
+  // Closes the index, moves its files into disk_path/damaged-index-<time>/ (SetIndexAside: its
+  // path), and opens a new, empty one, which ReindexLocked then fills from the block log.
+  // `why` is logged.
+  absl::Status RebuildIndex(absl::string_view why);
+  absl::StatusOr<std::string> SetIndexAside();
   // `held` is `block` already owned (Put(SharedBytes)), or null to copy `block` into the pool.
   absl::Status PutBytes(const BlockName& name, const BlockHash* parent,
                         absl::Span<const uint8_t> block, Held held);
@@ -249,16 +282,24 @@ class BlockStore {
   void AddChildLocked(const std::string& parent, const std::string& child);
   void RemoveChildLocked(const std::string& parent, const std::string& child);
   void SpillLoop();
+  // Indexes again the blocks FindUnindexed found that their log records name (parents first),
+  // adding their extents to *named; counts and logs the rest, and the `damaged` records (their
+  // bytes do not verify). At Open; fails (kUnavailable) only when a record cannot be written.
+  absl::Status ReindexLocked(std::vector<BlockLog::Record> found,
+                             const std::vector<BlockLog::Record>& damaged,
+                             std::vector<Extent>* named);
   // A block goes to disk in two steps: log_->Append writes its bytes (without mu_, in parallel),
   // then this writes its index record, under mu_ and only for the write that the entry takes (a
   // racing Put of the same block, a block deleted or superseded meanwhile: their bytes are just
   // freed). So the index always names the entry's own copy, and a crash between the steps leaves
   // only log space, which the next open gives back. On failure the bytes are freed.
-  // Indexes again the blocks FindUnindexed found that their log records name (parents first),
-  // adding their extents to *named; counts and logs the rest. At Open.
-  void ReindexLocked(std::vector<BlockLog::Record> found, std::vector<Extent>* named);
   absl::Status IndexDiskLocked(const std::string& key, const std::string& parent,
                                const Extent& where);
+  // The record alone (IndexDiskLocked also frees the bytes when it fails). Holds mu_.
+  absl::Status WriteIndexRecordLocked(const std::string& key, const std::string& parent,
+                                      const Extent& where);
+  // Counts an error RocksDB returned after Open, and logs the first. Holds mu_.
+  void NoteIndexErrorLocked(absl::string_view what, const rocksdb::Status& s);
   // Unindexes `key` and frees its bytes. Holds mu_.
   void DeleteDisk(const std::string& key, const Extent& where);
   // After a write-back of `bytes` for `key` (spill thread or a write-through by the evicting
@@ -272,6 +313,7 @@ class BlockStore {
   void EmitLocked(BlockEventKind kind, const std::string& key, Tier tier);
 
   const StoreOptions options_;
+  int disk_lock_fd_ = -1;  // disk_path's lock file, held (flock) while the store is open
   std::shared_ptr<BufferPool<AlignedBuffer>> pool_;
   std::unique_ptr<rocksdb::DB> db_;  // the disk tier's index (and blocks of older stores)
   std::unique_ptr<BlockLog> log_;    // the disk tier's blocks

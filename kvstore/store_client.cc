@@ -258,6 +258,7 @@ absl::StatusOr<StoreStats> StoreClient::Stats() {
       {"put_conflicts", &StoreStats::put_conflicts},
       {"index_lost_blocks", &StoreStats::index_lost_blocks},
       {"index_recovered_blocks", &StoreStats::index_recovered_blocks},
+      {"index_errors", &StoreStats::index_errors},
       {"ram_blocks", &StoreStats::ram_blocks},
       {"ram_bytes", &StoreStats::ram_bytes},
       {"disk_blocks", &StoreStats::disk_blocks},

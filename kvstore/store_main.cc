@@ -27,8 +27,10 @@ ABSL_FLAG(std::string, policy, "s3fifo", "RAM eviction policy: lru or s3fifo");
 ABSL_FLAG(std::string, max_block_bytes, "64M", "largest block accepted");
 ABSL_FLAG(bool, durable_puts, true, "write blocks through to disk before Put returns");
 ABSL_FLAG(bool, repair, false,
-          "when the disk tier's index will not open, set it aside and rebuild it from the block "
-          "log (every block whose bytes verify and whose log record names it)");
+          "when the disk tier's index fails at start (it will not open, or reading it meets "
+          "damage), set it aside (DISK_PATH/damaged-index-TIME/) and rebuild it from the block "
+          "log: every block whose bytes verify and whose log record names it comes back; a "
+          "healthy index is left as it is");
 ABSL_FLAG(int, metrics_port, 9464, "Prometheus metrics at http://HOST:PORT/metrics (-1: off)");
 ABSL_FLAG(std::string, metrics_host, "127.0.0.1", "address the metrics endpoint listens on");
 ABSL_FLAG(std::string, tls_cert, "", "PEM certificate this store presents (mutual TLS; see --tls_ca)");

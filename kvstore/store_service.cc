@@ -100,14 +100,23 @@ class StoreService::Metrics final : public prometheus::Collectable {
     const StoreStats s = store_->Stats();
     std::vector<prometheus::MetricFamily> out = registry_.Collect();
     const std::pair<const char*, uint64_t> counters[] = {
-        {"puts", s.puts}, {"duplicate_puts", s.duplicate_puts}, {"refused_puts", s.refused_puts},
-        {"ram_hits", s.ram_hits}, {"disk_hits", s.disk_hits}, {"misses", s.misses},
-        {"ram_evictions", s.ram_evictions}, {"disk_evictions", s.disk_evictions},
-        {"spills", s.spills}, {"promotions", s.promotions},
-        {"orphans_dropped", s.orphans_dropped}, {"corruptions", s.corruptions},
-        {"deletes", s.deletes}, {"put_conflicts", s.put_conflicts},
+        {"puts", s.puts},
+        {"duplicate_puts", s.duplicate_puts},
+        {"refused_puts", s.refused_puts},
+        {"ram_hits", s.ram_hits},
+        {"disk_hits", s.disk_hits},
+        {"misses", s.misses},
+        {"ram_evictions", s.ram_evictions},
+        {"disk_evictions", s.disk_evictions},
+        {"spills", s.spills},
+        {"promotions", s.promotions},
+        {"orphans_dropped", s.orphans_dropped},
+        {"corruptions", s.corruptions},
+        {"deletes", s.deletes},
+        {"put_conflicts", s.put_conflicts},
         {"index_lost_blocks", s.index_lost_blocks},
-        {"index_recovered_blocks", s.index_recovered_blocks}};
+        {"index_recovered_blocks", s.index_recovered_blocks},
+        {"index_errors", s.index_errors}};
     for (const auto& [name, v] : counters) {
       out.push_back(Family(absl::StrCat("strata_store_", name, "_total"),
                            absl::StrCat("store ", name), prometheus::MetricType::Counter,
@@ -282,6 +291,7 @@ grpc::Status StoreService::Stats(grpc::ServerContext*, const strata::v1::StatsRe
   m["put_conflicts"] = s.put_conflicts;
   m["index_lost_blocks"] = s.index_lost_blocks;
   m["index_recovered_blocks"] = s.index_recovered_blocks;
+  m["index_errors"] = s.index_errors;
   m["ram_blocks"] = s.ram_blocks;
   m["ram_bytes"] = s.ram_bytes;
   m["disk_blocks"] = s.disk_blocks;

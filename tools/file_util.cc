@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -26,6 +27,36 @@ absl::Status ErrnoStatus(int err, absl::string_view what, const std::string& pat
 }
 
 }  // namespace
+
+absl::StatusOr<std::string> ReadFileHead(const std::string& path, size_t n, uint64_t* file_bytes) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return ErrnoStatus(errno, "cannot open", path);
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    const int err = errno;
+    ::close(fd);
+    return ErrnoStatus(err, "cannot stat", path);
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return absl::InvalidArgumentError(absl::StrCat(path, " is not a regular file"));
+  }
+  *file_bytes = static_cast<uint64_t>(st.st_size);
+  std::string head(std::min<uint64_t>(n, *file_bytes), '\0');
+  size_t done = 0;
+  while (done < head.size()) {
+    const ssize_t r = ::pread(fd, head.data() + done, head.size() - done, static_cast<off_t>(done));
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) {
+      const int err = r < 0 ? errno : EIO;
+      ::close(fd);
+      return ErrnoStatus(err, "cannot read", path);
+    }
+    done += static_cast<size_t>(r);
+  }
+  ::close(fd);
+  return head;
+}
 
 absl::StatusOr<AlignedBuffer> ReadFileAligned(const std::string& path, size_t max_bytes) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);

@@ -1,7 +1,9 @@
 #include "tools/inspect.h"
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/block_reader.h"
+#include "common/endian.h"
 #include "common/status_macros.h"
 #include "tools/file_util.h"
 
@@ -42,6 +44,25 @@ void PrintBlock(const BlockView& v, const std::string& path, bool verified, std:
 }  // namespace
 
 absl::Status InspectBlockFile(const std::string& path, std::ostream& out) {
+  // The header first: a file that is not a block, or not the size its header declares, is
+  // refused from its first 64 bytes, however large (a 1 GiB file would take seconds to read).
+  uint64_t file_bytes = 0;
+  STRATA_ASSIGN_OR_RETURN(const std::string head,
+                          ReadFileHead(path, kBlockHeaderBytes, &file_bytes));
+  if (head.size() == kBlockHeaderBytes) {
+    const auto* p = reinterpret_cast<const uint8_t*>(head.data());
+    const auto head_span = absl::MakeConstSpan(p, head.size());
+    if (LoadLE<uint32_t>(p) != kBlockMagic || LoadLE<uint16_t>(p + 8) != kBlockFormatVersion ||
+        LoadLE<uint16_t>(p + 10) != kBlockHeaderBytes) {
+      return BlockView::Parse(head_span).status();  // the reader's own words for these
+    }
+    const uint32_t declared = LoadLE<uint32_t>(p + 12);
+    if (declared != file_bytes) {
+      return absl::DataLossError(absl::StrCat(
+          "block: ", path, " is ", file_bytes, " bytes but its header declares ", declared,
+          declared > file_bytes ? " (truncated)" : " (bytes after the block)"));
+    }
+  }
   STRATA_ASSIGN_OR_RETURN(AlignedBuffer buf, ReadFileAligned(path, kMaxBlockBytes));
   absl::StatusOr<BlockView> v = BlockView::Parse(buf.span());
   if (v.ok()) {

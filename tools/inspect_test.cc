@@ -1,5 +1,9 @@
 #include "tools/inspect.h"
 
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
 #include <sstream>
 #include <string>
 
@@ -76,6 +80,63 @@ TEST(InspectTest, MissingAndNonBlockFilesGiveClearErrors) {
   EXPECT_EQ(InspectBlockFile(path, out).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(InspectBlockFile(testing::TempDir(), out).code(),
             absl::StatusCode::kInvalidArgument);  // a directory
+}
+
+// A file of 1 GiB (sparse: it costs no disk) is refused from its header alone: the size its
+// header declares is not the file's, or it is no block at all.
+TEST(InspectTest, ALargeFileIsRefusedFromItsHeader) {
+  const AlignedBuffer b = SmallBlock();
+  const uint64_t large = uint64_t{1} << 30;
+  const std::string path = absl::StrCat(testing::TempDir(), "/inspect_large.blk");
+  ASSERT_TRUE(WriteFileAtomic(path, b.span()).ok());
+  ASSERT_EQ(::truncate(path.c_str(), static_cast<off_t>(large)), 0);
+  std::ostringstream out;
+  absl::Status s = InspectBlockFile(path, out);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  EXPECT_THAT(std::string(s.message()),
+              HasSubstr(absl::StrCat("is ", large, " bytes but its header declares ", b.size())));
+  EXPECT_EQ(out.str(), "");
+
+  // Its header's size says more than the file holds: refused the same way.
+  AlignedBuffer big_header = SmallBlock();
+  const uint32_t claims = (1u << 30) - 4096;
+  std::memcpy(big_header.data() + 12, &claims, 4);  // little-endian hosts (as the format)
+  ASSERT_TRUE(WriteFileAtomic(path, big_header.span()).ok());
+  s = InspectBlockFile(path, out);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr("(truncated)"));
+
+  // Not a block (no magic) and 1 GiB: refused by the header's first bytes.
+  const std::string text = std::string(64, 'x');
+  ASSERT_TRUE(WriteFileAtomic(path, absl::MakeConstSpan(
+                                        reinterpret_cast<const uint8_t*>(text.data()), text.size()))
+                  .ok());
+  ASSERT_EQ(::truncate(path.c_str(), static_cast<off_t>(large)), 0);
+  s = InspectBlockFile(path, out);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr("not a Strata block"));
+  std::remove(path.c_str());
+}
+
+// A block cut short, or followed by more bytes, is refused naming both sizes; the whole block
+// still prints.
+TEST(InspectTest, TruncatedAndPaddedBlocksNameBothSizes) {
+  const AlignedBuffer b = SmallBlock();
+  const std::string path = absl::StrCat(testing::TempDir(), "/inspect_cut.blk");
+  ASSERT_TRUE(WriteFileAtomic(path, b.span().subspan(0, b.size() - 100)).ok());
+  std::ostringstream out;
+  absl::Status s = InspectBlockFile(path, out);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  EXPECT_THAT(std::string(s.message()),
+              HasSubstr(absl::StrCat("is ", b.size() - 100, " bytes but its header declares ",
+                                     b.size(), " (truncated)")));
+  ASSERT_TRUE(WriteFileAtomic(path, b.span()).ok());
+  ASSERT_EQ(::truncate(path.c_str(), static_cast<off_t>(b.size() + 1)), 0);
+  s = InspectBlockFile(path, out);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr("(bytes after the block)"));
+  ASSERT_TRUE(WriteFileAtomic(path, b.span()).ok());
+  EXPECT_TRUE(InspectBlockFile(path, out).ok());
 }
 
 }  // namespace
