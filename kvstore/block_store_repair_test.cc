@@ -19,6 +19,7 @@
 #include "gtest/gtest.h"
 #include "kernels/codec.h"
 #include "kvstore/block_store.h"
+#include "kvstore/test_blocks.h"
 #include "rocksdb/db.h"
 #include "rocksdb/options.h"
 
@@ -41,31 +42,10 @@ uint32_t Seed(uint32_t chain, uint32_t chunk, uint32_t layer) {
 
 // A real block (fp16 codec) whose values depend on `seed`.
 AlignedBuffer MakeBlock(uint32_t layer, uint32_t chunk, uint32_t seed) {
-  constexpr uint32_t kTokens = 64;
-  std::vector<float> k(size_t{kTokens} * 2 * 64), v(k.size());
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> n(0, 1);
-  for (float& x : k) x = n(rng);
-  for (float& x : v) x = n(rng);
-  auto codec = *kernels::Codec::Create("fp16");
-  return *codec->Encode({k.data(), v.data(), SourceDType::kFloat32, kTokens, 2, 64},
-                        {.layer = layer, .chunk_index = chunk, .model_fingerprint = kModel});
+  return test_blocks::MakeBlock(kModel, layer, chunk, seed);
 }
-
-BlockHash Key(uint32_t i) {
-  BlockHash h{};
-  h[0] = static_cast<uint8_t>(i);
-  h[1] = static_cast<uint8_t>(i >> 8);
-  h[2] = static_cast<uint8_t>(i >> 16);
-  h[31] = 0xa5;
-  return h;
-}
-
-BlockName Name(const AlignedBuffer& block, const BlockHash& key) {
-  const BlockHeader h = BlockView::Parse(block.span())->header();
-  return BlockName{h.model_fingerprint, h.codec_fingerprint, h.calibration_fingerprint, key,
-                   h.layer};
-}
+BlockHash Key(uint32_t i) { return test_blocks::Key(i, 0xa5); }
+using test_blocks::Name;
 
 StoreOptions Options(const std::string& dir, bool repair = false) {
   return {.ram_bytes = size_t{4} << 20,

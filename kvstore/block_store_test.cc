@@ -24,6 +24,7 @@
 #include "kernels/calibration.h"
 #include "kernels/codec.h"
 #include "kvstore/block_source.h"
+#include "kvstore/test_blocks.h"
 #include "rocksdb/db.h"
 
 namespace strata::kvstore {
@@ -35,30 +36,10 @@ constexpr uint64_t kModel = 0x1234;
 
 // A real block (fp16 codec) of `tokens` tokens whose values depend on `seed`.
 AlignedBuffer MakeBlock(uint32_t layer, uint32_t chunk, uint32_t seed, uint32_t tokens = 64) {
-  std::vector<float> k(size_t{tokens} * 2 * 64), v(k.size());
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> n(0, 1);
-  for (float& x : k) x = n(rng);
-  for (float& x : v) x = n(rng);
-  auto codec = *kernels::Codec::Create("fp16");
-  return *codec->Encode({k.data(), v.data(), SourceDType::kFloat32, tokens, 2, 64},
-                        {.layer = layer, .chunk_index = chunk, .model_fingerprint = kModel});
+  return test_blocks::MakeBlock(kModel, layer, chunk, seed, tokens);
 }
-
-BlockHash Key(uint32_t i) {
-  BlockHash h{};
-  h[0] = static_cast<uint8_t>(i);
-  h[1] = static_cast<uint8_t>(i >> 8);
-  h[2] = static_cast<uint8_t>(i >> 16);
-  h[31] = 0x5a;
-  return h;
-}
-
-BlockName Name(const AlignedBuffer& block, const BlockHash& key) {
-  const BlockHeader h = BlockView::Parse(block.span())->header();
-  return BlockName{h.model_fingerprint, h.codec_fingerprint, h.calibration_fingerprint, key,
-                   h.layer};
-}
+BlockHash Key(uint32_t i) { return test_blocks::Key(i, 0x5a); }
+using test_blocks::Name;
 
 std::string TempDir(const std::string& name) {
   const std::string d = absl::StrCat(testing::TempDir(), "/", name, "-", getpid());

@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 
 namespace strata::tools {
 namespace {
@@ -28,19 +29,29 @@ absl::Status ErrnoStatus(int err, absl::string_view what, const std::string& pat
 
 }  // namespace
 
-absl::StatusOr<std::string> ReadFileHead(const std::string& path, size_t n, uint64_t* file_bytes) {
+namespace {
+
+// Opens `path` for reading, a regular file; *st gets its stat. The caller closes the fd.
+absl::StatusOr<int> OpenRegularFile(const std::string& path, struct stat* st) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return ErrnoStatus(errno, "cannot open", path);
-  struct stat st;
-  if (::fstat(fd, &st) != 0) {
+  if (::fstat(fd, st) != 0) {
     const int err = errno;
     ::close(fd);
     return ErrnoStatus(err, "cannot stat", path);
   }
-  if (!S_ISREG(st.st_mode)) {
+  if (!S_ISREG(st->st_mode)) {
     ::close(fd);
     return absl::InvalidArgumentError(absl::StrCat(path, " is not a regular file"));
   }
+  return fd;
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> ReadFileHead(const std::string& path, size_t n, uint64_t* file_bytes) {
+  struct stat st;
+  STRATA_ASSIGN_OR_RETURN(const int fd, OpenRegularFile(path, &st));
   *file_bytes = static_cast<uint64_t>(st.st_size);
   std::string head(std::min<uint64_t>(n, *file_bytes), '\0');
   size_t done = 0;
@@ -59,18 +70,8 @@ absl::StatusOr<std::string> ReadFileHead(const std::string& path, size_t n, uint
 }
 
 absl::StatusOr<AlignedBuffer> ReadFileAligned(const std::string& path, size_t max_bytes) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return ErrnoStatus(errno, "cannot open", path);
   struct stat st;
-  if (::fstat(fd, &st) != 0) {
-    const int err = errno;
-    ::close(fd);
-    return ErrnoStatus(err, "cannot stat", path);
-  }
-  if (!S_ISREG(st.st_mode)) {
-    ::close(fd);
-    return absl::InvalidArgumentError(absl::StrCat(path, " is not a regular file"));
-  }
+  STRATA_ASSIGN_OR_RETURN(const int fd, OpenRegularFile(path, &st));
   if (static_cast<uint64_t>(st.st_size) > max_bytes) {
     ::close(fd);
     return absl::InvalidArgumentError(
