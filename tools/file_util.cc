@@ -47,6 +47,18 @@ absl::StatusOr<int> OpenRegularFile(const std::string& path, struct stat* st) {
   return fd;
 }
 
+// Reads `n` bytes at offset 0 of `fd` into `out` (pread: EINTR retried, a short file is EIO).
+absl::Status ReadFully(int fd, const std::string& path, uint8_t* out, size_t n) {
+  size_t done = 0;
+  while (done < n) {
+    const ssize_t r = ::pread(fd, out + done, n - done, static_cast<off_t>(done));
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return ErrnoStatus(r < 0 ? errno : EIO, "cannot read", path);
+    done += static_cast<size_t>(r);
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<std::string> ReadFileHead(const std::string& path, size_t n, uint64_t* file_bytes) {
@@ -54,18 +66,10 @@ absl::StatusOr<std::string> ReadFileHead(const std::string& path, size_t n, uint
   STRATA_ASSIGN_OR_RETURN(const int fd, OpenRegularFile(path, &st));
   *file_bytes = static_cast<uint64_t>(st.st_size);
   std::string head(std::min<uint64_t>(n, *file_bytes), '\0');
-  size_t done = 0;
-  while (done < head.size()) {
-    const ssize_t r = ::pread(fd, head.data() + done, head.size() - done, static_cast<off_t>(done));
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) {
-      const int err = r < 0 ? errno : EIO;
-      ::close(fd);
-      return ErrnoStatus(err, "cannot read", path);
-    }
-    done += static_cast<size_t>(r);
-  }
+  const absl::Status read =
+      ReadFully(fd, path, reinterpret_cast<uint8_t*>(head.data()), head.size());
   ::close(fd);
+  if (!read.ok()) return read;
   return head;
 }
 
@@ -78,18 +82,9 @@ absl::StatusOr<AlignedBuffer> ReadFileAligned(const std::string& path, size_t ma
         absl::StrCat(path, " is ", st.st_size, " bytes, more than the limit of ", max_bytes));
   }
   AlignedBuffer buf(static_cast<size_t>(st.st_size));
-  size_t done = 0;
-  while (done < buf.size()) {
-    const ssize_t r = ::read(fd, buf.data() + done, buf.size() - done);
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) {
-      const int err = r < 0 ? errno : EIO;
-      ::close(fd);
-      return ErrnoStatus(err, "cannot read", path);
-    }
-    done += static_cast<size_t>(r);
-  }
+  const absl::Status read = ReadFully(fd, path, buf.data(), buf.size());
   ::close(fd);
+  if (!read.ok()) return read;
   return buf;
 }
 
