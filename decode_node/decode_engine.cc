@@ -8,6 +8,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "decode_node/batch_planner.h"
 #include "model/text_stream.h"
 #include "transport/shipment.h"
 
@@ -566,9 +567,8 @@ absl::Status DecodeEngine::Resume(Sequence& s) {
 }
 
 void DecodeEngine::Loop() {
-  const uint32_t vocab = model_->config().vocab_size;
   for (;;) {
-    std::vector<std::shared_ptr<Sequence>> admit, expired;
+    std::vector<std::shared_ptr<Sequence>> expired, admitted;
     {
       std::unique_lock<std::mutex> lock(mu_);
       if (running_.empty()) {
@@ -581,140 +581,173 @@ void DecodeEngine::Loop() {
         HandOffAll();
         continue;
       }
-      const absl::Time now = absl::Now();
-      for (auto it = by_id_.begin(); it != by_id_.end();) {
-        Sequence& s = *it->second;
-        if (!s.queued && s.deadline < now) {
-          expired.push_back(it->second);
-          --load_.waiting;
-          load_.kv_bytes_arrived -= s.arrived_bytes;
-          by_id_.erase(it++);
-        } else {
-          ++it;
-        }
-      }
-      // Blocks that running sequences share count once, and so do an arrived sequence's blocks
-      // that a running one holds: Activate adopts those from the held bytes.
-      uint64_t in_use = KvBytesInUse(running_);
-      while (!ready_.empty() && running_.size() + admit.size() < options_.max_batch) {
-        const uint64_t need = KvBytes(*ready_.front()) - SharedArrivedBytes(*ready_.front());
-        if (in_use + need > options_.kv_budget_bytes && !(running_.empty() && admit.empty())) break;
-        in_use += need;
-        admit.push_back(ready_.front());
-        ready_.pop_front();
-      }
+      expired = TakeExpired(absl::Now());
+      admitted = TakeAdmitted();
     }
-    for (auto& s : expired) {
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        ++stats_.failed;
-      }
-      s->sink->Fail(absl::DeadlineExceededError(absl::StrCat(
-          "decode: request ", s->req.request_id,
-          s->req.deadline != absl::InfiniteFuture()
-              ? ": its deadline passed before its KV arrived"
-              : absl::StrCat(": its KV did not arrive within kv_timeout (",
-                             absl::FormatDuration(options_.kv_timeout), ")"))));
-    }
+    FailExpired(expired);
     std::vector<std::shared_ptr<Sequence>> done;
-    for (auto& s : admit) {
-      const bool resume = s->preempted;
-      absl::Status st = resume ? Resume(*s) : Activate(*s);
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (!resume) {
-          --load_.waiting;
-          load_.kv_bytes_arrived -= s->arrived_bytes;
-        } else {
-          ++stats_.resumed;
-        }
-        if (st.ok()) running_.push_back(s);
-      }
-      if (!st.ok()) {
-        if (!s->cancelled) s->sink->Fail(st);
-        done.push_back(s);
-        continue;
-      }
-      if (!resume && Emit(*s, s->end->first_token)) done.push_back(s);
-    }
-    // The batch: every running sequence's last token, one step.
-    std::vector<std::shared_ptr<Sequence>> batch;
-    for (auto& s : running_) {
-      if (std::find(done.begin(), done.end(), s) == done.end() && !s->cancelled) batch.push_back(s);
-    }
-    if (!batch.empty()) {
-      std::vector<absl::Span<const uint32_t>> tokens;
-      std::vector<model::SequenceKvCache*> caches;
-      for (auto& s : batch) {
-        tokens.push_back({&s->generated.back(), 1});
-        caches.push_back(s->cache.get());
-      }
-      absl::StatusOr<std::vector<std::vector<float>>> logits = model_->StepBatch(tokens, caches);
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        ++stats_.steps;
-        stats_.batched_sequences += batch.size();
-        stats_.peak_batch = std::max<uint64_t>(stats_.peak_batch, batch.size());
-      }
-      for (size_t i = 0; i < batch.size(); ++i) {
-        Sequence& s = *batch[i];
-        if (!logits.ok()) {
-          s.sink->Fail(logits.status());
-          done.push_back(batch[i]);
-          continue;
-        }
-        const absl::Span<const float> row =
-            absl::MakeConstSpan((*logits)[i]).subspan((*logits)[i].size() - vocab);
-        const uint32_t token = s.sampler->Sample(row, s.generated.size(), s.req.prompt,
-                                                 s.generated);
-        if (s.req.logprobs) {
-          const model::TokenLogprobs lp = model::LogprobsOf(row, token, s.req.top_logprobs);
-          if (Emit(s, token, &lp)) done.push_back(batch[i]);
-        } else if (Emit(s, token)) {
-          done.push_back(batch[i]);
-        }
-      }
-    }
-    // Preempt the newest while the running ones outgrow the budget (never the last one).
-    std::vector<std::shared_ptr<Sequence>> preempted;
-    if (store_ != nullptr) {
-      std::vector<std::shared_ptr<Sequence>> live;
-      for (auto& s : running_) {
-        if (std::find(done.begin(), done.end(), s) == done.end() && !s->cancelled) {
-          live.push_back(s);
-        }
-      }
-      // (A victim frees only the blocks no other live sequence holds.)
-      uint64_t in_use = KvBytesInUse(live);
-      while (in_use > options_.kv_budget_bytes && live.size() > 1) {
-        std::shared_ptr<Sequence> victim = live.back();
-        live.pop_back();
-        absl::Status st = Preempt(*victim);
-        if (!st.ok()) {
-          std::cerr << "decode: could not preempt " << victim->req.request_id << ": " << st << "\n";
-          break;
-        }
-        in_use = KvBytesInUse(live);
-        preempted.push_back(victim);
-      }
-    }
-    std::lock_guard<std::mutex> lock(mu_);
-    for (auto& s : running_) {
-      if (s->cancelled && std::find(done.begin(), done.end(), s) == done.end()) done.push_back(s);
-    }
-    for (auto& s : done) {
-      running_.erase(std::remove(running_.begin(), running_.end(), s), running_.end());
-      by_id_.erase(s->req.request_id);
-      if (!s->cancelled) ++stats_.finished;
-    }
-    for (auto it = preempted.rbegin(); it != preempted.rend(); ++it) {
-      running_.erase(std::remove(running_.begin(), running_.end(), *it), running_.end());
-      ready_.push_front(*it);
-      ++stats_.preemptions;
-    }
-    load_.running = static_cast<uint32_t>(running_.size());
-    load_.kv_bytes_in_use = KvBytesInUse(running_);
+    StartAdmitted(admitted, &done);
+    StepBatch(&done);
+    std::vector<std::shared_ptr<Sequence>> preempted = PreemptOverBudget(done);
+    Retire(std::move(done), preempted);
   }
+}
+
+std::vector<std::shared_ptr<DecodeEngine::Sequence>> DecodeEngine::TakeExpired(absl::Time now) {
+  std::vector<std::shared_ptr<Sequence>> expired;
+  for (auto it = by_id_.begin(); it != by_id_.end();) {
+    Sequence& s = *it->second;
+    if (!s.queued && s.deadline < now) {
+      expired.push_back(it->second);
+      --load_.waiting;
+      load_.kv_bytes_arrived -= s.arrived_bytes;
+      by_id_.erase(it++);
+    } else {
+      ++it;
+    }
+  }
+  return expired;
+}
+
+std::vector<std::shared_ptr<DecodeEngine::Sequence>> DecodeEngine::TakeAdmitted() {
+  // Blocks that running sequences share count once, and so do an arrived sequence's blocks that
+  // a running one holds: Activate adopts those from the held bytes.
+  const BatchLimits limits{options_.max_batch, options_.kv_budget_bytes};
+  const size_t places = running_.size() < limits.max_batch ? limits.max_batch - running_.size() : 0;
+  std::vector<uint64_t> need;
+  for (size_t i = 0; i < ready_.size() && i < places; ++i) {
+    need.push_back(KvBytes(*ready_[i]) - SharedArrivedBytes(*ready_[i]));
+  }
+  const size_t n = PlanAdmission(limits, running_.size(), KvBytesInUse(running_), need);
+  std::vector<std::shared_ptr<Sequence>> admitted(ready_.begin(), ready_.begin() + n);
+  ready_.erase(ready_.begin(), ready_.begin() + n);
+  return admitted;
+}
+
+void DecodeEngine::FailExpired(const std::vector<std::shared_ptr<Sequence>>& expired) {
+  for (const auto& s : expired) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++stats_.failed;
+    }
+    s->sink->Fail(absl::DeadlineExceededError(absl::StrCat(
+        "decode: request ", s->req.request_id,
+        s->req.deadline != absl::InfiniteFuture()
+            ? ": its deadline passed before its KV arrived"
+            : absl::StrCat(": its KV did not arrive within kv_timeout (",
+                           absl::FormatDuration(options_.kv_timeout), ")"))));
+  }
+}
+
+void DecodeEngine::StartAdmitted(const std::vector<std::shared_ptr<Sequence>>& admitted,
+                                 std::vector<std::shared_ptr<Sequence>>* done) {
+  for (const auto& s : admitted) {
+    const bool resume = s->preempted;
+    absl::Status st = resume ? Resume(*s) : Activate(*s);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!resume) {
+        --load_.waiting;
+        load_.kv_bytes_arrived -= s->arrived_bytes;
+      } else {
+        ++stats_.resumed;
+      }
+      if (st.ok()) running_.push_back(s);
+    }
+    if (!st.ok()) {
+      if (!s->cancelled) s->sink->Fail(st);
+      done->push_back(s);
+      continue;
+    }
+    if (!resume && Emit(*s, s->end->first_token)) done->push_back(s);
+  }
+}
+
+void DecodeEngine::StepBatch(std::vector<std::shared_ptr<Sequence>>* done) {
+  // The batch: every running sequence's last token, one step.
+  std::vector<std::shared_ptr<Sequence>> batch;
+  for (auto& s : running_) {
+    if (std::find(done->begin(), done->end(), s) == done->end() && !s->cancelled) {
+      batch.push_back(s);
+    }
+  }
+  if (batch.empty()) return;
+  std::vector<absl::Span<const uint32_t>> tokens;
+  std::vector<model::SequenceKvCache*> caches;
+  for (auto& s : batch) {
+    tokens.push_back({&s->generated.back(), 1});
+    caches.push_back(s->cache.get());
+  }
+  absl::StatusOr<std::vector<std::vector<float>>> logits = model_->StepBatch(tokens, caches);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++stats_.steps;
+    stats_.batched_sequences += batch.size();
+    stats_.peak_batch = std::max<uint64_t>(stats_.peak_batch, batch.size());
+  }
+  const uint32_t vocab = model_->config().vocab_size;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    Sequence& s = *batch[i];
+    if (!logits.ok()) {
+      s.sink->Fail(logits.status());
+      done->push_back(batch[i]);
+      continue;
+    }
+    const absl::Span<const float> row =
+        absl::MakeConstSpan((*logits)[i]).subspan((*logits)[i].size() - vocab);
+    const uint32_t token = s.sampler->Sample(row, s.generated.size(), s.req.prompt, s.generated);
+    if (s.req.logprobs) {
+      const model::TokenLogprobs lp = model::LogprobsOf(row, token, s.req.top_logprobs);
+      if (Emit(s, token, &lp)) done->push_back(batch[i]);
+    } else if (Emit(s, token)) {
+      done->push_back(batch[i]);
+    }
+  }
+}
+
+std::vector<std::shared_ptr<DecodeEngine::Sequence>> DecodeEngine::PreemptOverBudget(
+    const std::vector<std::shared_ptr<Sequence>>& done) {
+  std::vector<std::shared_ptr<Sequence>> preempted;
+  if (store_ == nullptr) return preempted;  // nowhere to put them
+  std::vector<std::shared_ptr<Sequence>> live;
+  for (auto& s : running_) {
+    if (std::find(done.begin(), done.end(), s) == done.end() && !s->cancelled) live.push_back(s);
+  }
+  // (A victim frees only the blocks no other live sequence holds: bytes_of_first counts shared
+  // blocks once.)
+  const size_t keep = PlanPreemption(
+      {options_.max_batch, options_.kv_budget_bytes}, live.size(), [&](size_t k) {
+        return KvBytesInUse(absl::MakeConstSpan(live).first(k));
+      });
+  for (size_t i = live.size(); i > keep; --i) {
+    const std::shared_ptr<Sequence>& victim = live[i - 1];
+    if (absl::Status st = Preempt(*victim); !st.ok()) {
+      std::cerr << "decode: could not preempt " << victim->req.request_id << ": " << st << "\n";
+      break;
+    }
+    preempted.push_back(victim);
+  }
+  return preempted;
+}
+
+void DecodeEngine::Retire(std::vector<std::shared_ptr<Sequence>> done,
+                          const std::vector<std::shared_ptr<Sequence>>& preempted) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& s : running_) {
+    if (s->cancelled && std::find(done.begin(), done.end(), s) == done.end()) done.push_back(s);
+  }
+  for (auto& s : done) {
+    running_.erase(std::remove(running_.begin(), running_.end(), s), running_.end());
+    by_id_.erase(s->req.request_id);
+    if (!s->cancelled) ++stats_.finished;
+  }
+  for (auto it = preempted.rbegin(); it != preempted.rend(); ++it) {
+    running_.erase(std::remove(running_.begin(), running_.end(), *it), running_.end());
+    ready_.push_front(*it);
+    ++stats_.preemptions;
+  }
+  load_.running = static_cast<uint32_t>(running_.size());
+  load_.kv_bytes_in_use = KvBytesInUse(running_);
 }
 
 }  // namespace strata::decode

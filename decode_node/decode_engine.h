@@ -6,7 +6,9 @@
 // shipment with the first token. The engine adopts the blocks as they are (verified once, by the
 // receiver; never copied or re-packed), installs the windows, and the sequence joins the running
 // batch. Continuous batching: one scheduler thread steps every running sequence together
-// (LlamaModel::StepBatch); sequences join and leave at every step. Admission is by max_batch and
+// (LlamaModel::StepBatch); sequences join and leave at every step, each pass of the loop a named
+// step (expire, admit, step, preempt, retire) whose two decisions, admission and preemption, are
+// plain functions of byte counts (batch_planner.h). Admission is by max_batch and
 // by KV bytes in use (compressed blocks plus full-precision windows); a sequence whose KV has
 // arrived waits while either is full. Blocks that sequences share (one cached prefix, interned
 // by BlockInterner) count once, also for a sequence about to join whose blocks a running one
@@ -175,7 +177,27 @@ class DecodeEngine {
         transport_(transport),
         store_(store) {}
   absl::Status Consume(transport::ReceivedBlock block);
+  // The scheduler thread: each pass expires, admits, steps, preempts and retires (below).
   void Loop();
+  // Under mu_: registered sequences whose KV did not arrive by their deadline, taken out.
+  std::vector<std::shared_ptr<Sequence>> TakeExpired(absl::Time now);
+  // Under mu_: the waiting sequences that join the batch now (PlanAdmission), taken out of
+  // ready_.
+  std::vector<std::shared_ptr<Sequence>> TakeAdmitted();
+  void FailExpired(const std::vector<std::shared_ptr<Sequence>>& expired);
+  // Activates (or resumes) the admitted sequences; a new one emits its first token. Those that
+  // failed or finished go to *done.
+  void StartAdmitted(const std::vector<std::shared_ptr<Sequence>>& admitted,
+                     std::vector<std::shared_ptr<Sequence>>* done);
+  // One step of every running sequence not in *done; those that finish go to *done.
+  void StepBatch(std::vector<std::shared_ptr<Sequence>>* done);
+  // The newest running sequences to the store while the others outgrow the budget
+  // (PlanPreemption); returns them.
+  std::vector<std::shared_ptr<Sequence>> PreemptOverBudget(
+      const std::vector<std::shared_ptr<Sequence>>& done);
+  // Drops the finished and cancelled sequences; the preempted wait first in line again.
+  void Retire(std::vector<std::shared_ptr<Sequence>> done,
+              const std::vector<std::shared_ptr<Sequence>>& preempted);
   // Adopts an arrived sequence's KV into its cache; emits its first token. Holds no lock.
   absl::Status Activate(Sequence& s);
   absl::Status Preempt(Sequence& s);
