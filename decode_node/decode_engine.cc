@@ -41,10 +41,7 @@ struct DecodeEngine::Sequence {
 };
 
 absl::Status DecodeEngineOptions::Validate() const {
-  STRATA_RETURN_IF_ERROR(kernels::CodecSpec::Parse(codec).status());
-  PrefixKeyOptions k = keys;
-  k.chunk_tokens = chunk_tokens;
-  STRATA_RETURN_IF_ERROR(k.Validate());
+  STRATA_RETURN_IF_ERROR(format.Validate());
   if (max_batch < 1) return absl::InvalidArgumentError("decode: max_batch must be >= 1");
   if (kv_budget_bytes == 0)
     return absl::InvalidArgumentError("decode: kv_budget_bytes must be > 0");
@@ -64,9 +61,7 @@ absl::StatusOr<std::unique_ptr<DecodeEngine>> DecodeEngine::Create(
   // An empty cache of the engine's options: it checks them, and names arriving blocks before
   // their sequence has a cache of its own (NameArrivedBlocks).
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<model::SequenceKvCache> namer,
-                          model->NewCache({.codec = options.codec,
-                                           .chunk_tokens = options.chunk_tokens,
-                                           .calibration = options.calibration}));
+                          model->NewCache(options.format.CacheOptions()));
   std::unique_ptr<DecodeEngine> e(
       new DecodeEngine(std::move(options), model, tokenizer, transport, store));
   e->namer_ = std::move(namer);
@@ -244,7 +239,7 @@ DecodeStats DecodeEngine::stats() const {
 absl::Status DecodeEngine::Consume(transport::ReceivedBlock b) {
   STRATA_ASSIGN_OR_RETURN(transport::ShipmentId id, transport::ShipmentId::Decode(b.id));
   const uint32_t L = model_->config().num_layers;
-  const uint32_t max_chunks = model_->config().max_position_embeddings / options_.chunk_tokens + 1;
+  const uint32_t max_chunks = model_->config().max_position_embeddings / options_.format.chunk_tokens + 1;
   if (id.layer >= L) {
     return absl::InvalidArgumentError(absl::StrCat("decode: layer ", id.layer, " of ", L));
   }
@@ -384,9 +379,7 @@ uint64_t DecodeEngine::SharedArrivedBytes(Sequence& s) {
 absl::Status DecodeEngine::Activate(Sequence& s) {
   if (!s.aborted.ok()) return s.aborted;
   const uint32_t L = model_->config().num_layers;
-  STRATA_ASSIGN_OR_RETURN(s.cache, model_->NewCache({.codec = options_.codec,
-                                                     .chunk_tokens = options_.chunk_tokens,
-                                                     .calibration = options_.calibration}));
+  STRATA_ASSIGN_OR_RETURN(s.cache, model_->NewCache(options_.format.CacheOptions()));
   const transport::ShipmentEnd& end = *s.end;
   STRATA_RETURN_IF_ERROR(NameArrivedBlocks(s));  // (admission has named them already)
   uint64_t shared = 0;
@@ -464,10 +457,8 @@ absl::StatusOr<std::vector<BlockHash>> DecodeEngine::ChunkKeys(const Sequence& s
                                                                size_t tokens) const {
   std::vector<uint32_t> all = s.req.prompt;
   all.insert(all.end(), s.generated.begin(), s.generated.end());
-  PrefixKeyOptions ko = options_.keys;
-  ko.chunk_tokens = options_.chunk_tokens;
-  ko.cache_salt = s.req.cache_salt;
-  STRATA_ASSIGN_OR_RETURN(PrefixHasher hasher, PrefixHasher::Create(ko));
+  STRATA_ASSIGN_OR_RETURN(PrefixHasher hasher,
+                          PrefixHasher::Create(options_.format.KeysFor(s.req.cache_salt)));
   return hasher.ChunkKeys(absl::MakeConstSpan(all).first(std::min(tokens, all.size())));
 }
 

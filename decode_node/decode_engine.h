@@ -43,6 +43,7 @@
 #include "kvstore/block_source.h"
 #include "model/llama.h"
 #include "model/logprobs.h"
+#include "model/served_format.h"
 #include "model/sampler.h"
 #include "model/tokenizer.h"
 #include "transport/block_protocol.h"
@@ -50,10 +51,7 @@
 namespace strata::decode {
 
 struct DecodeEngineOptions {
-  std::string codec = "fp16";  // must be the prefill nodes' codec
-  uint32_t chunk_tokens = 256;
-  std::shared_ptr<const kernels::Calibration> calibration = nullptr;
-  PrefixKeyOptions keys = {};  // as the prefill nodes key chunks (cache salt per request)
+  model::ServedFormat format = {};  // the prefill nodes' (codec, chunks, calibration, keys)
   uint32_t max_batch = 32;     // sequences stepped together
   uint64_t kv_budget_bytes = uint64_t{1} << 30;  // compressed blocks + windows of admitted ones
   // Registered requests not yet running (waiting for their KV or for a place in the batch); more

@@ -140,7 +140,7 @@ DecodeService::DecodeService(DecodeEngine* engine, DecodeServiceOptions options,
                           "Preempted sequences resumed from the store")),
       bytes_received_(AddCounter(registry, "strata_decode_bytes_received_total",
                                  "Block bytes received from prefill nodes",
-                                 {{"codec", engine->options().codec}})),
+                                 {{"codec", engine->options().format.codec}})),
       blocks_stored_(AddCounter(registry, "strata_decode_blocks_stored_total",
                                 "Blocks of generated text Put in the store")),
       blocks_damaged_(AddCounter(registry, "strata_decode_blocks_damaged_total",
@@ -266,8 +266,8 @@ grpc::Status DecodeService::Load(grpc::ServerContext*, const strata::v1::LoadReq
   response->set_node_id(options_.node_id);
   response->set_role("decode");
   response->set_model(options_.model_name);
-  response->set_codec(engine_->options().codec);
-  response->set_chunk_tokens(engine_->options().chunk_tokens);
+  response->set_codec(engine_->options().format.codec);
+  response->set_chunk_tokens(engine_->options().format.chunk_tokens);
   response->set_context_tokens(engine_->model().config().max_position_embeddings);
   response->set_active_requests(load.running + load.waiting);
   response->set_kv_bytes_in_use(load.kv_bytes_in_use);

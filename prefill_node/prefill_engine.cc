@@ -23,10 +23,7 @@ transport::Payload PayloadOf(absl::Span<const uint8_t> b) {
 }  // namespace
 
 absl::Status PrefillEngineOptions::Validate() const {
-  STRATA_RETURN_IF_ERROR(kernels::CodecSpec::Parse(codec).status());
-  PrefixKeyOptions k = keys;
-  k.chunk_tokens = chunk_tokens;
-  STRATA_RETURN_IF_ERROR(k.Validate());
+  STRATA_RETURN_IF_ERROR(format.Validate());
   if (max_concurrent < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("prefill: max_concurrent must be >= 1, got ", max_concurrent));
@@ -45,9 +42,7 @@ absl::StatusOr<std::unique_ptr<PrefillEngine>> PrefillEngine::Create(
     return absl::InvalidArgumentError("prefill: needs a model and a transport");
   }
   // A cache of this codec must be constructible (a calibration present when needed).
-  STRATA_RETURN_IF_ERROR(model->NewCache({.codec = options.codec,
-                                          .chunk_tokens = options.chunk_tokens,
-                                          .calibration = options.calibration})
+  STRATA_RETURN_IF_ERROR(model->NewCache(options.format.CacheOptions())
                              .status());
   std::unique_ptr<PrefillEngine> e(new PrefillEngine(std::move(options), model, transport, store));
   STRATA_ASSIGN_OR_RETURN(e->sender_,
@@ -73,7 +68,7 @@ uint64_t PrefillEngine::QueueLimit() const {
   const double tokens = tokens_per_second_ * options_.max_concurrent *
                         absl::ToDoubleSeconds(options_.max_queue_time);
   return std::min<uint64_t>(options_.max_queued_tokens,
-                            std::max<uint64_t>(options_.chunk_tokens, static_cast<uint64_t>(tokens)));
+                            std::max<uint64_t>(options_.format.chunk_tokens, static_cast<uint64_t>(tokens)));
 }
 
 absl::Duration PrefillEngine::TimeFor(uint64_t tokens) const {
@@ -94,9 +89,7 @@ absl::Status PrefillEngine::MeasureThroughput(uint32_t tokens) {
   const model::ModelConfig& c = model_->config();
   tokens = std::min<uint32_t>(tokens, c.max_position_embeddings - 1);
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<model::SequenceKvCache> cache,
-                          model_->NewCache({.codec = options_.codec,
-                                            .chunk_tokens = options_.chunk_tokens,
-                                            .calibration = options_.calibration}));
+                          model_->NewCache(options_.format.CacheOptions()));
   std::vector<uint32_t> prompt(tokens);
   for (uint32_t i = 0; i < tokens; ++i) prompt[i] = (i * 7919u + 13u) % c.vocab_size;
   const auto t0 = std::chrono::steady_clock::now();
@@ -240,18 +233,14 @@ absl::StatusOr<PrefillResult> PrefillEngine::Prefill(const PrefillRequest& r,
 absl::StatusOr<PrefillResult> PrefillEngine::Run(const PrefillRequest& r,
                                                  const std::function<bool()>& cancelled) {
   const model::ModelConfig& c = model_->config();
-  const uint32_t C = options_.chunk_tokens, L = c.num_layers;
+  const uint32_t C = options_.format.chunk_tokens, L = c.num_layers;
   PrefillResult res;
   res.prompt_tokens = static_cast<uint32_t>(r.tokens.size());
   STRATA_ASSIGN_OR_RETURN(std::shared_ptr<transport::Endpoint> peer, Peer(r.decode_address));
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<model::SequenceKvCache> cache,
-                          model_->NewCache({.codec = options_.codec,
-                                            .chunk_tokens = C,
-                                            .calibration = options_.calibration}));
-  PrefixKeyOptions ko = options_.keys;
-  ko.chunk_tokens = C;
-  ko.cache_salt = r.cache_salt;
-  STRATA_ASSIGN_OR_RETURN(PrefixHasher hasher, PrefixHasher::Create(ko));
+                          model_->NewCache(options_.format.CacheOptions()));
+  STRATA_ASSIGN_OR_RETURN(PrefixHasher hasher,
+                          PrefixHasher::Create(options_.format.KeysFor(r.cache_salt)));
   const std::vector<BlockHash> keys = hasher.ChunkKeys(r.tokens);
   const std::vector<uint64_t> layer_fps = cache->LayerCodecFingerprints();
 

@@ -47,18 +47,14 @@
 #include "kvstore/block_source.h"
 #include "model/llama.h"
 #include "model/logprobs.h"
+#include "model/served_format.h"
 #include "model/sampler.h"
 #include "transport/block_protocol.h"
 
 namespace strata::prefill {
 
 struct PrefillEngineOptions {
-  std::string codec = "fp16";   // KV codec spec; the decode nodes must use the same
-  uint32_t chunk_tokens = 256;  // tokens per block; a multiple of keys.block_tokens
-  std::shared_ptr<const kernels::Calibration> calibration = nullptr;  // codecs that need one
-  // Prefix keys (algorithm, hash block size, seed); chunk_tokens and the cache salt are set per
-  // request from the fields here and the request.
-  PrefixKeyOptions keys = {};
+  model::ServedFormat format = {};  // the decode nodes must serve the same
   absl::Duration ship_timeout = absl::Seconds(30);    // per block, send to acknowledgement
   absl::Duration connect_timeout = absl::Seconds(5);  // to a decode node
   int max_concurrent = 1;                    // prompts computed at once

@@ -38,13 +38,13 @@ PrefillService::PrefillService(PrefillEngine* engine, PrefillServiceOptions opti
                                   "Prompt tokens the model computed")),
       bytes_shipped_(AddCounter(registry, "strata_prefill_bytes_shipped_total",
                                 "Bytes sent to decode nodes, shipment headers included",
-                                {{"codec", engine->options().codec}})),
+                                {{"codec", engine->options().format.codec}})),
       block_bytes_(AddCounter(registry, "strata_prefill_block_bytes_total",
                               "Compressed block bytes sent to decode nodes",
-                              {{"codec", engine->options().codec}})),
+                              {{"codec", engine->options().format.codec}})),
       fp16_bytes_(AddCounter(registry, "strata_prefill_fp16_bytes_total",
                              "What the shipped chunks' K and V would be at fp16",
-                             {{"codec", engine->options().codec}})),
+                             {{"codec", engine->options().format.codec}})),
       blocks_stored_(AddCounter(registry, "strata_prefill_blocks_stored_total",
                                 "New blocks Put in the store")),
       streamed_early_(AddCounter(registry, "strata_prefill_streamed_early_total",
@@ -149,8 +149,8 @@ grpc::Status PrefillService::Load(grpc::ServerContext*, const strata::v1::LoadRe
   response->set_node_id(options_.node_id);
   response->set_role("prefill");
   response->set_model(options_.model_name);
-  response->set_codec(engine_->options().codec);
-  response->set_chunk_tokens(engine_->options().chunk_tokens);
+  response->set_codec(engine_->options().format.codec);
+  response->set_chunk_tokens(engine_->options().format.chunk_tokens);
   response->set_context_tokens(config.max_position_embeddings);
   response->set_queued_prefill_tokens(load.queued_tokens);
   response->set_active_requests(load.active);

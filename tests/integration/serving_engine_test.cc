@@ -107,10 +107,13 @@ class ServingEngineTest : public ::testing::Test {
       faulty_->corrupt = std::move(corrupt);
       receiving = faulty_.get();
     }
-    prefill_ = *prefill::PrefillEngine::Create({.codec = codec, .chunk_tokens = kChunk}, model_,
+    prefill_ = *prefill::PrefillEngine::Create({.format = {.codec = codec, .chunk_tokens = kChunk}},
+                                               model_,
                                                pt_.get(), source_.get());
     decode_ = *decode::DecodeEngine::Create(
-        {.codec = codec, .chunk_tokens = kChunk, .max_batch = max_batch, .kv_budget_bytes = budget},
+        {.format = {.codec = codec, .chunk_tokens = kChunk},
+         .max_batch = max_batch,
+         .kv_budget_bytes = budget},
         model_, tokenizer_, receiving, source_.get());
   }
 
