@@ -10,6 +10,9 @@ saturation and refuses the rest at once (429 + Retry-After), instead of timing e
      Per step: completed, refused (429 before any byte) and failed requests; goodput (tokens of
      completed requests per second of the step); TTFT p50 / p99 of the completed ones.
 
+Per step, the CPU seconds each process spent (router, prefill and decode nodes, store, and this
+client, all on the same cores) show what the cores went to as the load grew.
+
 Every request is a greedy stream of exactly --max_tokens tokens (ignore_eos) over a prompt of
 about 100 tokens under a cache salt of its own (no prefix reuse: every prefill computes).
 Results: bench/results/overload_bench-DATE-COMMIT.{txt,json} with the machine, date and commit.
@@ -66,6 +69,23 @@ def one(base, prompt, salt, max_tokens):
         return ("429" if e.code == 429 else "error: HTTP %d" % e.code), None, 0, 0
     except OSError as e:
         return "error: %s" % e, None, 0, 0
+
+
+def cpu_seconds(c):
+    """CPU seconds (user + system) so far of each cluster process, and of this client."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for name, pid in c.pids().items():
+        try:
+            with open("/proc/%d/stat" % pid) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            out[name.split("-")[0]] = out.get(name.split("-")[0], 0.0) + \
+                (int(fields[11]) + int(fields[12])) / tick
+        except OSError:
+            pass
+    t = os.times()
+    out["client"] = t.user + t.system
+    return out
 
 
 def quantile(values, q):
@@ -152,6 +172,7 @@ def main():
         for load in LOADS:
             rate = load * rps
             results, futures = [], []
+            cpu0 = cpu_seconds(c)
             with concurrent.futures.ThreadPoolExecutor(4096) as pool:
                 t0 = time.monotonic()
                 t = t0
@@ -165,6 +186,8 @@ def main():
                     results.append(f.result())
             elapsed = time.monotonic() - t0
             s = summarize("%.1fx" % load, rate, results, elapsed)
+            cpu1 = cpu_seconds(c)
+            s["cpu_seconds"] = {k: round(cpu1[k] - cpu0.get(k, 0), 2) for k in cpu1}
             steps.append(s)
             print(json.dumps(s), flush=True)
             wait_idle(c)
@@ -188,6 +211,13 @@ def main():
             s["failed"], s["goodput_tokens_per_s"],
             s["goodput_tokens_per_s"] / max(base["goodput_tokens_per_s"], 1e-9),
             s["ttft_p50_s"], s["ttft_p99_s"]))
+    lines += ["", "CPU seconds per step (the same 2 cores serve every process and the client):", "",
+              "| offered | " + " | ".join(sorted(steps[-1]["cpu_seconds"])) + " |",
+              "| --- |" + " ---: |" * len(steps[-1]["cpu_seconds"])]
+    for s in steps[1:]:
+        cpu = s["cpu_seconds"]
+        lines.append("| %s | " % s["step"] + " | ".join("%.1f" % cpu.get(k, 0)
+                                                       for k in sorted(cpu)) + " |")
     failures = sorted({f for s in steps for f in s["failures"]})
     if failures:
         lines += ["", "failures: " + "; ".join(failures)]

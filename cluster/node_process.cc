@@ -240,7 +240,8 @@ model::SamplingOptions SamplingFromProto(const strata::v1::Sampling& sampling) {
   o.min_p = sampling.min_p();
   o.presence_penalty = sampling.presence_penalty();
   o.frequency_penalty = sampling.frequency_penalty();
-  o.repetition_penalty = sampling.repetition_penalty() == 0.0f ? 1.0f : sampling.repetition_penalty();
+  o.repetition_penalty =
+      sampling.repetition_penalty() == 0.0f ? 1.0f : sampling.repetition_penalty();
   return o;
 }
 

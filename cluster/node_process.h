@@ -7,15 +7,15 @@
 #include <memory>
 #include <string>
 #include <vector>
-#include "absl/strings/string_view.h"
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
-#include "grpcpp/server.h"
-#include "grpcpp/server_context.h"
-#include "grpcpp/impl/service_type.h"
 #include "cluster/cluster_file.h"
 #include "cluster/etcd_membership.h"
+#include "grpcpp/impl/service_type.h"
+#include "grpcpp/server.h"
+#include "grpcpp/server_context.h"
 #include "kernels/calibration.h"
 #include "kvstore/grpc_security.h"
 #include "kvstore/store_client.h"
@@ -24,8 +24,8 @@
 #include "model/sampler.h"
 #include "model/tokenizer.h"
 #include "prometheus/counter.h"
-#include "prometheus/gauge.h"
 #include "prometheus/exposer.h"
+#include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
 #include "proto/serving.pb.h"

@@ -110,7 +110,7 @@ absl::Status DecodeEngine::Start(DecodeRequest request, std::shared_ptr<TokenSin
   s->req = std::move(request);
   s->sink = std::move(sink);
   s->deadline = s->req.deadline != absl::InfiniteFuture() ? s->req.deadline
-                                                           : absl::Now() + options_.kv_timeout;
+                                                          : absl::Now() + options_.kv_timeout;
   std::lock_guard<std::mutex> lock(mu_);
   // Under mu_: Drain sees every sequence registered before it set the flag.
   if (draining_.load()) {
@@ -239,7 +239,8 @@ DecodeStats DecodeEngine::stats() const {
 absl::Status DecodeEngine::Consume(transport::ReceivedBlock b) {
   STRATA_ASSIGN_OR_RETURN(transport::ShipmentId id, transport::ShipmentId::Decode(b.id));
   const uint32_t L = model_->config().num_layers;
-  const uint32_t max_chunks = model_->config().max_position_embeddings / options_.format.chunk_tokens + 1;
+  const uint32_t max_chunks =
+      model_->config().max_position_embeddings / options_.format.chunk_tokens + 1;
   if (id.layer >= L) {
     return absl::InvalidArgumentError(absl::StrCat("decode: layer ", id.layer, " of ", L));
   }
@@ -621,12 +622,12 @@ void DecodeEngine::FailExpired(const std::vector<std::shared_ptr<Sequence>>& exp
       std::lock_guard<std::mutex> lock(mu_);
       ++stats_.failed;
     }
-    s->sink->Fail(absl::DeadlineExceededError(absl::StrCat(
-        "decode: request ", s->req.request_id,
-        s->req.deadline != absl::InfiniteFuture()
-            ? ": its deadline passed before its KV arrived"
-            : absl::StrCat(": its KV did not arrive within kv_timeout (",
-                           absl::FormatDuration(options_.kv_timeout), ")"))));
+    s->sink->Fail(absl::DeadlineExceededError(
+        absl::StrCat("decode: request ", s->req.request_id,
+                     s->req.deadline != absl::InfiniteFuture()
+                         ? ": its deadline passed before its KV arrived"
+                         : absl::StrCat(": its KV did not arrive within kv_timeout (",
+                                        absl::FormatDuration(options_.kv_timeout), ")"))));
   }
 }
 
@@ -706,10 +707,9 @@ std::vector<std::shared_ptr<DecodeEngine::Sequence>> DecodeEngine::PreemptOverBu
   }
   // (A victim frees only the blocks no other live sequence holds: bytes_of_first counts shared
   // blocks once.)
-  const size_t keep = PlanPreemption(
-      {options_.max_batch, options_.kv_budget_bytes}, live.size(), [&](size_t k) {
-        return KvBytesInUse(absl::MakeConstSpan(live).first(k));
-      });
+  const size_t keep =
+      PlanPreemption({options_.max_batch, options_.kv_budget_bytes}, live.size(),
+                     [&](size_t k) { return KvBytesInUse(absl::MakeConstSpan(live).first(k)); });
   for (size_t i = live.size(); i > keep; --i) {
     const std::shared_ptr<Sequence>& victim = live[i - 1];
     if (absl::Status st = Preempt(*victim); !st.ok()) {

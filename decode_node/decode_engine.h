@@ -43,8 +43,8 @@
 #include "kvstore/block_source.h"
 #include "model/llama.h"
 #include "model/logprobs.h"
-#include "model/served_format.h"
 #include "model/sampler.h"
+#include "model/served_format.h"
 #include "model/tokenizer.h"
 #include "transport/block_protocol.h"
 

@@ -89,7 +89,8 @@ int main(int argc, char** argv) {
   }
   if (absl::GetFlag(FLAGS_max_batch) < 1 || absl::GetFlag(FLAGS_max_waiting) < 0 ||
       absl::GetFlag(FLAGS_kv_timeout_ms) < 1) {
-    std::cerr << "strata-decode: --max_batch and --kv_timeout_ms must be >= 1, --max_waiting >= 0\n";
+    std::cerr
+        << "strata-decode: --max_batch and --kv_timeout_ms must be >= 1, --max_waiting >= 0\n";
     return 2;
   }
   if (absl::GetFlag(FLAGS_listen_wait_s) < 0) {
@@ -173,9 +174,8 @@ int main(int argc, char** argv) {
   }
 
   strata::decode::DecodeEngineOptions eo;
-  eo.format = {.codec = spec->codec,
-               .chunk_tokens = spec->chunk_tokens,
-               .calibration = served->calibration};
+  eo.format = {
+      .codec = spec->codec, .chunk_tokens = spec->chunk_tokens, .calibration = served->calibration};
   eo.max_batch = static_cast<uint32_t>(absl::GetFlag(FLAGS_max_batch));
   eo.kv_budget_bytes = kv_budget;
   eo.max_waiting = static_cast<uint32_t>(absl::GetFlag(FLAGS_max_waiting));

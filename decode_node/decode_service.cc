@@ -189,9 +189,9 @@ grpc::Status DecodeService::Generate(grpc::ServerContext* context,
   r.logprobs = request->logprobs();
   r.top_logprobs = request->top_logprobs();
   if (r.top_logprobs > model::kMaxTopLogprobs) {
-    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                        absl::StrCat("decode: top_logprobs ", r.top_logprobs, " is over ",
-                                     model::kMaxTopLogprobs));
+    return grpc::Status(
+        grpc::StatusCode::INVALID_ARGUMENT,
+        absl::StrCat("decode: top_logprobs ", r.top_logprobs, " is over ", model::kMaxTopLogprobs));
   }
   if (stopping_) {
     return grpc::Status(grpc::StatusCode::UNAVAILABLE, "decode node is shutting down");

@@ -29,7 +29,8 @@ absl::Status SamplingOptions::Validate() const {
     return absl::InvalidArgumentError(absl::StrCat("sampling: top_p must be in (0, 1], got ", top_p));
   }
   if (!(min_p >= 0.0f && min_p <= 1.0f)) {
-    return absl::InvalidArgumentError(absl::StrCat("sampling: min_p must be in [0, 1], got ", min_p));
+    return absl::InvalidArgumentError(
+        absl::StrCat("sampling: min_p must be in [0, 1], got ", min_p));
   }
   if (!(presence_penalty >= -2.0f && presence_penalty <= 2.0f)) {
     return absl::InvalidArgumentError(
@@ -40,8 +41,8 @@ absl::Status SamplingOptions::Validate() const {
         absl::StrCat("sampling: frequency_penalty must be in [-2, 2], got ", frequency_penalty));
   }
   if (!(repetition_penalty > 0.0f && repetition_penalty <= 100.0f)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "sampling: repetition_penalty must be in (0, 100], got ", repetition_penalty));
+    return absl::InvalidArgumentError(
+        absl::StrCat("sampling: repetition_penalty must be in (0, 100], got ", repetition_penalty));
   }
   return absl::OkStatus();
 }
@@ -75,8 +76,8 @@ uint32_t Sampler::Sample(absl::Span<const float> raw, uint64_t index,
       }
       for (uint32_t t = 0; t < vocab; ++t) {
         if (count[t] == 0) continue;
-        penalized[t] -= options_.presence_penalty +
-                        options_.frequency_penalty * static_cast<float>(count[t]);
+        penalized[t] -=
+            options_.presence_penalty + options_.frequency_penalty * static_cast<float>(count[t]);
       }
     }
     logits = penalized;

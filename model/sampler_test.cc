@@ -1,7 +1,6 @@
 #include "model/sampler.h"
 
 #include <cmath>
-
 #include <map>
 #include <vector>
 

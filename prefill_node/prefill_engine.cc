@@ -42,8 +42,7 @@ absl::StatusOr<std::unique_ptr<PrefillEngine>> PrefillEngine::Create(
     return absl::InvalidArgumentError("prefill: needs a model and a transport");
   }
   // A cache of this codec must be constructible (a calibration present when needed).
-  STRATA_RETURN_IF_ERROR(model->NewCache(options.format.CacheOptions())
-                             .status());
+  STRATA_RETURN_IF_ERROR(model->NewCache(options.format.CacheOptions()).status());
   std::unique_ptr<PrefillEngine> e(new PrefillEngine(std::move(options), model, transport, store));
   STRATA_ASSIGN_OR_RETURN(e->sender_,
                           transport::BlockSender::Create(transport, {.timeout = e->options_.ship_timeout}));
@@ -65,15 +64,17 @@ uint64_t PrefillEngine::QueueLimit() const {
     return options_.max_queued_tokens;
   }
   // max_concurrent prompts are served side by side (each at about the measured rate).
-  const double tokens = tokens_per_second_ * options_.max_concurrent *
-                        absl::ToDoubleSeconds(options_.max_queue_time);
-  return std::min<uint64_t>(options_.max_queued_tokens,
-                            std::max<uint64_t>(options_.format.chunk_tokens, static_cast<uint64_t>(tokens)));
+  const double tokens =
+      tokens_per_second_ * options_.max_concurrent * absl::ToDoubleSeconds(options_.max_queue_time);
+  return std::min<uint64_t>(
+      options_.max_queued_tokens,
+      std::max<uint64_t>(options_.format.chunk_tokens, static_cast<uint64_t>(tokens)));
 }
 
 absl::Duration PrefillEngine::TimeFor(uint64_t tokens) const {
   if (tokens_per_second_ <= 0) return absl::ZeroDuration();
-  return absl::Seconds(static_cast<double>(tokens) / (tokens_per_second_ * options_.max_concurrent));
+  return absl::Seconds(static_cast<double>(tokens) /
+                       (tokens_per_second_ * options_.max_concurrent));
 }
 
 void PrefillEngine::RecordRate(uint64_t tokens, double seconds) {
@@ -93,7 +94,9 @@ absl::Status PrefillEngine::MeasureThroughput(uint32_t tokens) {
   std::vector<uint32_t> prompt(tokens);
   for (uint32_t i = 0; i < tokens; ++i) prompt[i] = (i * 7919u + 13u) % c.vocab_size;
   const auto t0 = std::chrono::steady_clock::now();
-  const model::LayerHook hook = [&](uint32_t layer) { return cache->CompressLayer(layer).status(); };
+  const model::LayerHook hook = [&](uint32_t layer) {
+    return cache->CompressLayer(layer).status();
+  };
   STRATA_RETURN_IF_ERROR(model_->Prefill(prompt, cache.get(), hook).status());
   const double seconds = Since(t0);
   std::lock_guard<std::mutex> lock(mu_);
@@ -149,9 +152,9 @@ absl::StatusOr<PrefillResult> PrefillEngine::Prefill(const PrefillRequest& r,
     std::unique_lock<std::mutex> lock(mu_);
     if (load_.queued_tokens + n > options_.max_queued_tokens) {
       ++stats_.refused;
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "prefill: ", load_.queued_tokens, " prompt tokens queued, the limit is ",
-          options_.max_queued_tokens, " (max_queued_tokens); retry later"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("prefill: ", load_.queued_tokens, " prompt tokens queued, the limit is ",
+                       options_.max_queued_tokens, " (max_queued_tokens); retry later"));
     }
     const uint64_t limit = QueueLimit();
     if (load_.queued_tokens > 0 && load_.queued_tokens + n > limit) {
@@ -366,9 +369,8 @@ absl::StatusOr<PrefillResult> PrefillEngine::Run(const PrefillRequest& r,
       }
     };
   }
-  absl::StatusOr<std::vector<float>> logits =
-      model_->Prefill(absl::MakeConstSpan(r.tokens).subspan(res.cached_tokens), cache.get(), hook,
-                      piece_logits);
+  absl::StatusOr<std::vector<float>> logits = model_->Prefill(
+      absl::MakeConstSpan(r.tokens).subspan(res.cached_tokens), cache.get(), hook, piece_logits);
   res.compute_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - tc).count();
   if (!logits.ok()) return abort(logits.status());
   res.computed_tokens = res.prompt_tokens - res.cached_tokens;

@@ -47,14 +47,14 @@
 #include "kvstore/block_source.h"
 #include "model/llama.h"
 #include "model/logprobs.h"
-#include "model/served_format.h"
 #include "model/sampler.h"
+#include "model/served_format.h"
 #include "transport/block_protocol.h"
 
 namespace strata::prefill {
 
 struct PrefillEngineOptions {
-  model::ServedFormat format = {};  // the decode nodes must serve the same
+  model::ServedFormat format = {};                    // the decode nodes must serve the same
   absl::Duration ship_timeout = absl::Seconds(30);    // per block, send to acknowledgement
   absl::Duration connect_timeout = absl::Seconds(5);  // to a decode node
   int max_concurrent = 1;                    // prompts computed at once
@@ -96,7 +96,7 @@ struct PrefillResult {
   // compressed: > 0 shows layers streaming while later layers compute.
   uint32_t layer0_acked_early = 0;
   double queue_seconds = 0, compute_seconds = 0, total_seconds = 0;
-  model::TokenLogprobs first_token_logprobs;         // with PrefillRequest::logprobs
+  model::TokenLogprobs first_token_logprobs;          // with PrefillRequest::logprobs
   std::vector<model::TokenLogprobs> prompt_logprobs;  // tokens[1..], with prompt_logprobs
 };
 

@@ -56,10 +56,10 @@ PrefillService::PrefillService(PrefillEngine* engine, PrefillServiceOptions opti
       queue_seconds_(PhaseHistogram(registry, "queue")),
       compute_seconds_(PhaseHistogram(registry, "compute")),
       total_seconds_(PhaseHistogram(registry, "total")),
-      queued_tokens_(AddGauge(registry, "strata_prefill_queued_tokens",
-                              "Prompt tokens waiting or computing")),
-      active_requests_(AddGauge(registry, "strata_prefill_active_requests",
-                                "Requests waiting or computing")) {}
+      queued_tokens_(
+          AddGauge(registry, "strata_prefill_queued_tokens", "Prompt tokens waiting or computing")),
+      active_requests_(
+          AddGauge(registry, "strata_prefill_active_requests", "Requests waiting or computing")) {}
 
 void PrefillService::UpdateGauges() {
   {
@@ -134,7 +134,8 @@ grpc::Status PrefillService::Prefill(grpc::ServerContext* context,
   response->set_node_id(options_.node_id);
   response->set_layer0_acked_early(result->layer0_acked_early);
   if (r.logprobs) {
-    cluster::LogprobsToProto(result->first_token_logprobs, response->mutable_first_token_logprobs());
+    cluster::LogprobsToProto(result->first_token_logprobs,
+                             response->mutable_first_token_logprobs());
   }
   for (const model::TokenLogprobs& lp : result->prompt_logprobs) {
     cluster::LogprobsToProto(lp, response->add_prompt_logprobs());

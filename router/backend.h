@@ -124,10 +124,10 @@ class CompletionStream {
   }
   virtual void Finish(FinishReason reason, const Usage& usage) = 0;
   // Ends the request with an error. Before any byte was sent (non-streaming, or streaming before
-  // the first token) it becomes the HTTP status (INVALID_ARGUMENT 400, NOT_FOUND 404, RESOURCE_EXHAUSTED 429, UNAVAILABLE 503,
-  // DEADLINE_EXCEEDED 504, others 500; a RESOURCE_EXHAUSTED status's WithRetryAfter payload
-  // gives the Retry-After header); once a stream has sent a token, one SSE `data: {"error":...}`
-  // event, then the connection closes.
+  // the first token) it becomes the HTTP status (INVALID_ARGUMENT 400, NOT_FOUND 404,
+  // RESOURCE_EXHAUSTED 429, UNAVAILABLE 503, DEADLINE_EXCEEDED 504, others 500; a
+  // RESOURCE_EXHAUSTED status's WithRetryAfter payload gives the Retry-After header); once a stream
+  // has sent a token, one SSE `data: {"error":...}` event, then the connection closes.
   virtual void Fail(const absl::Status& status) = 0;
   // n > 1: the stream of choice `index` (< n): its calls are that choice's; its Finish ends the
   // choice (with the choice's usage) and the request ends once every choice has; a Fail on any

@@ -354,14 +354,16 @@ absl::Status ClusterBackend::Init() {
                   .Add({});
   retries_throttled_ = &prometheus::BuildCounter()
                             .Name("strata_router_retries_throttled_total")
-                            .Help("Requests whose node was lost and that the retry budget did not "
-                                  "send again (failed instead)")
+                            .Help(
+                                "Requests whose node was lost and that the retry budget did not "
+                                "send again (failed instead)")
                             .Register(reg)
                             .Add({});
   rejected_total_ = &prometheus::BuildCounter()
                          .Name("strata_router_rejected_total")
-                         .Help("Requests refused with 429 before any KV moved, by reason: "
-                               "router_in_flight, prefill_queue, decode_queue, node")
+                         .Help(
+                             "Requests refused with 429 before any KV moved, by reason: "
+                             "router_in_flight, prefill_queue, decode_queue, node")
                          .Register(reg);
   store_connected_ = &prometheus::BuildGauge()
                           .Name("strata_router_store_connected")
@@ -743,13 +745,13 @@ void ClusterBackend::StartLater(const std::shared_ptr<ChoiceSet>& later) {
       if (later->cells[i]->cancelled) continue;  // the request is over: nothing to start
     }
     in_flight_.fetch_add(1);  // admitted with the request: no limit checked again
-    absl::Status s = StartChoice(later->requests[i], later->streams[i], later->tokens,
-                                 later->chain, later->max_tokens, later->cells[i], nullptr, now);
+    absl::Status s = StartChoice(later->requests[i], later->streams[i], later->tokens, later->chain,
+                                 later->max_tokens, later->cells[i], nullptr, now);
     if (!s.ok()) {
       in_flight_.fetch_sub(1);
       CountOutcome(s);
-      cluster::Log(later->requests[i].request_id, absl::StrCat("choice failed to start: ",
-                                                               s.ToString()));
+      cluster::Log(later->requests[i].request_id,
+                   absl::StrCat("choice failed to start: ", s.ToString()));
       later->streams[i]->Fail(s);  // fails the whole request; its handle cancels the others
     }
   }
@@ -1061,11 +1063,13 @@ std::string ClusterBackend::TokenBytes(uint32_t token) const {
   return text.ok() ? *std::move(text) : std::string();
 }
 
-TokenLogprobs ClusterBackend::LogprobsOf(uint32_t token, const strata::v1::TokenLogprobs& lp) const {
+TokenLogprobs ClusterBackend::LogprobsOf(uint32_t token,
+                                         const strata::v1::TokenLogprobs& lp) const {
   TokenLogprobs out;
   out.chosen = {TokenBytes(token), lp.logprob()};
   out.top.reserve(lp.top_size());
-  for (const strata::v1::TopLogprob& t : lp.top()) out.top.push_back({TokenBytes(t.token()), t.logprob()});
+  for (const strata::v1::TopLogprob& t : lp.top())
+    out.top.push_back({TokenBytes(t.token()), t.logprob()});
   return out;
 }
 

@@ -322,8 +322,7 @@ cluster::ClusterSpec Spec(const std::string& address, const std::string& store =
   return spec;
 }
 
-std::unique_ptr<ClusterBackend> MakeBackend(cluster::ClusterSpec spec,
-                                            uint32_t max_in_flight = 16,
+std::unique_ptr<ClusterBackend> MakeBackend(cluster::ClusterSpec spec, uint32_t max_in_flight = 16,
                                             RetryBudgetOptions retry_budget = {}) {
   ClusterBackendOptions o;
   o.spec = std::move(spec);

@@ -503,10 +503,10 @@ void ConnectionStream::FinishAt(uint32_t choice, FinishReason reason, const Usag
     choices_[choice].result.reason = reason;
     choices_[choice].usage = usage;
     // One prompt for every choice; their completions add up.
-    total.prompt_tokens = choices_[0].finished ? choices_[0].usage.prompt_tokens
-                                               : usage.prompt_tokens;
-    total.cached_tokens = choices_[0].finished ? choices_[0].usage.cached_tokens
-                                               : usage.cached_tokens;
+    total.prompt_tokens =
+        choices_[0].finished ? choices_[0].usage.prompt_tokens : usage.prompt_tokens;
+    total.cached_tokens =
+        choices_[0].finished ? choices_[0].usage.cached_tokens : usage.cached_tokens;
     for (const ChoiceState& c : choices_) {
       last = last && c.finished;
       if (c.finished) total.completion_tokens += c.usage.completion_tokens;

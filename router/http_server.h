@@ -6,8 +6,8 @@
 // response carries X-Request-Id (completions: the request id; others: a fresh "req-..." id); 429
 // responses carry Retry-After (the backend's estimate of when there is room, 1 s without one).
 // `X-Request-Timeout: SECONDS` on a completion request sets its deadline (CompletionRequest::
-// timeout): every node gives the request up then. One log line per request goes to stderr (id, route, status,
-// duration) unless HttpServerOptions::log_requests is false.
+// timeout): every node gives the request up then. One log line per request goes to stderr (id,
+// route, status, duration) unless HttpServerOptions::log_requests is false.
 //
 // Concurrency: one io_context run by `threads` threads; each connection is an object serialized
 // on its own strand, so a bounded number of threads holds any number of open streams. While a

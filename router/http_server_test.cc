@@ -1,7 +1,6 @@
 // The HTTP server for real over loopback (Beast's client on plain sockets), in front of a fake
 // Backend: the Backend is the seam the router process implements, the server and client are real.
 #include "router/http_server.h"
-#include "router/openai_api.h"
 
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -26,6 +25,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "router/openai_api.h"
 
 namespace strata::router {
 namespace {
@@ -449,8 +449,8 @@ TEST_F(HttpServerTest, AStreamFailedBeforeItsFirstTokenGetsAnHttpStatusNotA200) 
 TEST_F(HttpServerTest, SeveralChoicesEachCarryTheirIndex) {
   backend_.set_mode(FakeBackend::Mode::kChoices);
   Client client(port());
-  auto res = client.Call(http::verb::post, "/v1/completions",
-                         R"({"model":"tiny","prompt":"x","n":3})");
+  auto res =
+      client.Call(http::verb::post, "/v1/completions", R"({"model":"tiny","prompt":"x","n":3})");
   ASSERT_EQ(res.result_int(), 200) << res.body();
   const json j = json::parse(res.body());
   ASSERT_EQ(j["choices"].size(), 3u);

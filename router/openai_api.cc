@@ -352,7 +352,7 @@ absl::Status ParseSampling(const json& body, Endpoint endpoint, SamplingParams* 
     }
     if (number.has_value()) {
       (absl::string_view(key) == "presence_penalty" ? sampling->presence_penalty
-                                                     : sampling->frequency_penalty) =
+                                                    : sampling->frequency_penalty) =
           static_cast<float>(*number);
     }
   }
@@ -427,9 +427,9 @@ absl::Status ParseChoices(const json& body, Endpoint endpoint, CompletionRequest
   std::optional<int64_t> best_of;
   STRATA_RETURN_IF_ERROR(GetInt(body, "best_of", &best_of));
   if (best_of.has_value() && *best_of != request->n) {
-    return FieldError("best_of", absl::StrCat("best_of must equal n (", request->n,
-                                              "): choices are not generated to be discarded, got ",
-                                              *best_of));
+    return FieldError("best_of",
+                      absl::StrCat("best_of must equal n (", request->n,
+                                   "): choices are not generated to be discarded, got ", *best_of));
   }
   return absl::OkStatus();
 }
@@ -530,7 +530,8 @@ ordered_json LogprobsJson(const ResponseContext& ctx, absl::Span<const TokenLogp
       e["bytes"] = TokenBytes(t.chosen.token);
       ordered_json top = ordered_json::array();
       for (const LogprobEntry& a : t.top) {
-        top.push_back({{"token", TokenText(a.token)}, {"logprob", a.logprob},
+        top.push_back({{"token", TokenText(a.token)},
+                       {"logprob", a.logprob},
                        {"bytes", TokenBytes(a.token)}});
       }
       e["top_logprobs"] = std::move(top);
@@ -554,8 +555,10 @@ ordered_json LogprobsJson(const ResponseContext& ctx, absl::Span<const TokenLogp
     for (const LogprobEntry& a : t.top) top[TokenText(a.token)] = a.logprob;
     tops.push_back(std::move(top));
   }
-  return {{"tokens", std::move(toks)}, {"token_logprobs", std::move(lps)},
-          {"top_logprobs", std::move(tops)}, {"text_offset", std::move(offsets)}};
+  return {{"tokens", std::move(toks)},
+          {"token_logprobs", std::move(lps)},
+          {"top_logprobs", std::move(tops)},
+          {"text_offset", std::move(offsets)}};
 }
 
 ordered_json StreamChoice(const ResponseContext& ctx, ordered_json delta_or_text,

@@ -207,10 +207,11 @@ TEST(OpenAiApiTest, ChatMessages) {
       "messages[0].content[0].type", "only text parts");
   ExpectFieldError(Chat(m + R"([{"role":"user","content":"a"}],"max_completion_tokens":0})"),
                    "max_completion_tokens", "max_completion_tokens must be >= 1, got 0");
-  ExpectFieldError(Chat(m + R"([{"role":"user","content":"a"}],"top_logprobs":3})"),
-                   "top_logprobs", "needs logprobs");
-  ExpectFieldError(Chat(m + R"([{"role":"user","content":"a"}],"logprobs":true,"top_logprobs":30})"),
-                   "top_logprobs", "must be in [0, 20]");
+  ExpectFieldError(Chat(m + R"([{"role":"user","content":"a"}],"top_logprobs":3})"), "top_logprobs",
+                   "needs logprobs");
+  ExpectFieldError(
+      Chat(m + R"([{"role":"user","content":"a"}],"logprobs":true,"top_logprobs":30})"),
+      "top_logprobs", "must be in [0, 20]");
   ExpectFieldError(Chat(m + R"([{"role":"user","content":"a"}],"echo":true})"), "echo",
                    "not supported");
   ExpectFieldError(Chat(m + R"([{"role":"user","content":"a"}],"tools":[{"type":"function"}]})"),

@@ -8,7 +8,8 @@ namespace strata::router {
 
 absl::Status RetryBudgetOptions::Validate() const {
   if (!(ratio >= 0 && ratio <= 1)) {
-    return absl::InvalidArgumentError(absl::StrCat("retry budget: ratio must be in [0, 1], got ", ratio));
+    return absl::InvalidArgumentError(
+        absl::StrCat("retry budget: ratio must be in [0, 1], got ", ratio));
   }
   if (!(min_per_second >= 0) || !std::isfinite(min_per_second)) {
     return absl::InvalidArgumentError(

@@ -22,8 +22,8 @@
 namespace strata::router {
 
 struct RetryBudgetOptions {
-  double ratio = 0.1;            // retries per request, over the window; in [0, 1]
-  double min_per_second = 1.0;   // retries always allowed per second of window; >= 0
+  double ratio = 0.1;                         // retries per request, over the window; in [0, 1]
+  double min_per_second = 1.0;                // retries always allowed per second of window; >= 0
   absl::Duration window = absl::Seconds(10);  // >= 1 s, whole seconds
 
   absl::Status Validate() const;  // kInvalidArgument naming the field
@@ -45,7 +45,7 @@ class RetryBudget {
     int64_t second = -1;  // Unix second the counts belong to
     uint64_t requests = 0, retries = 0;
   };
-  Bucket& At(int64_t second);   // under mu_; resets a stale bucket
+  Bucket& At(int64_t second);            // under mu_; resets a stale bucket
   double BalanceLocked(int64_t second);  // under mu_
 
   const RetryBudgetOptions options_;

@@ -12,8 +12,9 @@ TEST(RetryBudgetTest, ValidateNamesTheField) {
   EXPECT_NE(RetryBudgetOptions{.ratio = -1}.Validate().message().find("ratio"), std::string::npos);
   EXPECT_NE(RetryBudgetOptions{.min_per_second = -1}.Validate().message().find("min_per_second"),
             std::string::npos);
-  EXPECT_NE(RetryBudgetOptions{.window = absl::Milliseconds(10)}.Validate().message().find("window"),
-            std::string::npos);
+  EXPECT_NE(
+      RetryBudgetOptions{.window = absl::Milliseconds(10)}.Validate().message().find("window"),
+      std::string::npos);
   EXPECT_TRUE(RetryBudgetOptions{}.Validate().ok());
 }
 

@@ -28,7 +28,7 @@ struct GenerateOptions : ModelCommandOptions {
   float temperature = 0;  // 0: greedy
   uint32_t top_k = 0;     // 0: off
   float top_p = 1.0f;
-  float min_p = 0.0f;               // model/sampler.h
+  float min_p = 0.0f;  // model/sampler.h
   float presence_penalty = 0.0f;
   float frequency_penalty = 0.0f;
   float repetition_penalty = 1.0f;

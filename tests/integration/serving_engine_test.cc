@@ -108,13 +108,11 @@ class ServingEngineTest : public ::testing::Test {
       receiving = faulty_.get();
     }
     prefill_ = *prefill::PrefillEngine::Create({.format = {.codec = codec, .chunk_tokens = kChunk}},
-                                               model_,
-                                               pt_.get(), source_.get());
-    decode_ = *decode::DecodeEngine::Create(
-        {.format = {.codec = codec, .chunk_tokens = kChunk},
-         .max_batch = max_batch,
-         .kv_budget_bytes = budget},
-        model_, tokenizer_, receiving, source_.get());
+                                               model_, pt_.get(), source_.get());
+    decode_ = *decode::DecodeEngine::Create({.format = {.codec = codec, .chunk_tokens = kChunk},
+                                             .max_batch = max_batch,
+                                             .kv_budget_bytes = budget},
+                                            model_, tokenizer_, receiving, source_.get());
   }
 
   std::vector<uint32_t> Prompt(const std::string& text) {
