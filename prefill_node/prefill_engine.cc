@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/status_macros.h"
+#include "prefill_node/kv_shipment.h"
 #include "transport/shipment.h"
 
 namespace strata::prefill {
@@ -14,10 +15,6 @@ namespace {
 
 double Since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
-transport::Payload PayloadOf(absl::Span<const uint8_t> b) {
-  return {.bytes = std::span<const uint8_t>(b.data(), b.size())};
 }
 
 }  // namespace
@@ -247,44 +244,13 @@ absl::StatusOr<PrefillResult> PrefillEngine::Run(const PrefillRequest& r,
   const std::vector<BlockHash> keys = hasher.ChunkKeys(r.tokens);
   const std::vector<uint64_t> layer_fps = cache->LayerCodecFingerprints();
 
-  // Everything sent stays alive here until its transfer completes.
-  std::vector<std::shared_ptr<transport::Transfer>> transfers;
-  std::vector<SharedBytes> keep;
-  std::vector<std::shared_ptr<const std::string>> keep_text;
-  absl::Status ship_error;
-  auto ship = [&](const transport::ShipmentId& id, absl::Span<const uint8_t> payload) {
-    const std::string encoded = id.Encode();
-    res.bytes_shipped += encoded.size() + payload.size();
-    transfers.push_back(sender_->Send(peer, encoded, PayloadOf(payload)));
-    if (transfers.back()->done() && !transfers.back()->status().ok() && ship_error.ok()) {
-      ship_error = transfers.back()->status();
-    }
-  };
+  // What the decode node gets, kept alive until it has acknowledged it.
+  KvShipment ship(sender_.get(), peer, r.request_id);
+  const uint64_t chunk_fp16_bytes = uint64_t{C} * c.num_kv_heads * c.head_dim * 2 * 2;
   auto ship_block = [&](uint32_t layer, uint32_t chunk, SharedBytes bytes) {
-    transport::ShipmentId id{.kind = transport::ShipmentKind::kBlock,
-                             .request_id = r.request_id,
-                             .layer = layer,
-                             .chunk = chunk,
-                             .name = cache->NameOf(layer, keys[chunk])};
-    if (chunk > 0) id.parent_key = keys[chunk - 1];
-    res.block_bytes += bytes.size();
-    res.fp16_bytes += size_t{C} * c.num_kv_heads * c.head_dim * 2 * 2;
-    ++res.blocks_shipped;
-    ship(id, bytes.span());
-    keep.push_back(std::move(bytes));
-  };
-  // Cancels what is in flight, waits for it (the payloads must outlive it), and tells the
-  // decode node to drop the request.
-  auto abort = [&](const absl::Status& why) -> absl::Status {
-    for (auto& t : transfers) t->Cancel();
-    for (auto& t : transfers) t->Wait().IgnoreError();
-    auto reason = std::make_shared<const std::string>(std::string(why.message()));
-    transport::ShipmentId id{.kind = transport::ShipmentKind::kAbort, .request_id = r.request_id};
-    auto t = sender_->Send(peer, id.Encode(),
-                           PayloadOf({reinterpret_cast<const uint8_t*>(reason->data()), reason->size()}),
-                           {.timeout = absl::Seconds(2)});
-    t->Wait().IgnoreError();  // best effort: the decode node also times the request out
-    return why;
+    return ship.Block(layer, chunk, cache->NameOf(layer, keys[chunk]),
+                      chunk > 0 ? std::optional<BlockHash>(keys[chunk - 1]) : std::nullopt,
+                      std::move(bytes), chunk_fp16_bytes);
   };
 
   // The cached prefix: at most every chunk but the one holding the last prompt token.
@@ -335,24 +301,24 @@ absl::StatusOr<PrefillResult> PrefillEngine::Run(const PrefillRequest& r,
   // Compute the rest; each layer's new chunk leaves as soon as the layer is done.
   std::vector<uint32_t> next_chunk(L, hit);
   std::vector<std::pair<uint32_t, uint32_t>> computed;  // (layer, chunk) of new blocks
-  std::vector<size_t> layer0_transfers;  // indices into `transfers` of computed layer-0 blocks
+  std::vector<size_t> layer0_transfers;  // the shipment's transfers of computed layer-0 blocks
   const auto tc = std::chrono::steady_clock::now();
   const model::LayerHook hook = [&](uint32_t layer) -> absl::Status {
     if (cancelled && cancelled()) return absl::CancelledError("prefill: cancelled");
-    if (!ship_error.ok()) return ship_error;
+    if (!ship.error().ok()) return ship.error();
     if (layer + 1 == L) {
       // Layer streaming, observed: layer-0 blocks the decode node acknowledged (it holds them)
       // before this, the last layer, is compressed.
       uint32_t acked = 0;
-      for (size_t i : layer0_transfers) acked += transfers[i]->done() && transfers[i]->status().ok();
+      for (size_t i : layer0_transfers) acked += ship.Acknowledged(i);
       res.layer0_acked_early = std::max(res.layer0_acked_early, acked);
     }
     STRATA_ASSIGN_OR_RETURN(std::vector<SharedBytes> blocks, cache->CompressLayer(layer));
     for (SharedBytes& b : blocks) {
       const uint32_t chunk = next_chunk[layer]++;
       computed.emplace_back(layer, chunk);
-      ship_block(layer, chunk, std::move(b));
-      if (layer == 0) layer0_transfers.push_back(transfers.size() - 1);
+      const size_t transfer = ship_block(layer, chunk, std::move(b));
+      if (layer == 0) layer0_transfers.push_back(transfer);
     }
     return absl::OkStatus();
   };
@@ -372,7 +338,7 @@ absl::StatusOr<PrefillResult> PrefillEngine::Run(const PrefillRequest& r,
   absl::StatusOr<std::vector<float>> logits = model_->Prefill(
       absl::MakeConstSpan(r.tokens).subspan(res.cached_tokens), cache.get(), hook, piece_logits);
   res.compute_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - tc).count();
-  if (!logits.ok()) return abort(logits.status());
+  if (!logits.ok()) return ship.Abort(logits.status());
   res.computed_tokens = res.prompt_tokens - res.cached_tokens;
   res.first_token = model::Sampler(r.sampling).Sample(*logits, 0, r.tokens);
   if (r.logprobs) {
@@ -380,26 +346,18 @@ absl::StatusOr<PrefillResult> PrefillEngine::Run(const PrefillRequest& r,
   }
 
   // Each layer's window, then the end.
-  for (uint32_t l = 0; l < L; ++l) {
-    auto w = std::make_shared<const std::string>(cache->ExportWindow(l));
-    ship({.kind = transport::ShipmentKind::kWindow, .request_id = r.request_id, .layer = l},
-         {reinterpret_cast<const uint8_t*>(w->data()), w->size()});
-    keep_text.push_back(std::move(w));
-  }
-  const transport::ShipmentEnd end{.first_token = res.first_token,
-                                   .prompt_tokens = res.prompt_tokens,
-                                   .chunks = static_cast<uint32_t>(cache->blocks_per_layer()),
-                                   .layers = L,
-                                   .window_tokens = cache->window_tokens(),
-                                   .cached_tokens = res.cached_tokens};
-  auto end_bytes = std::make_shared<const std::string>(end.Encode());
-  ship({.kind = transport::ShipmentKind::kEnd, .request_id = r.request_id},
-       {reinterpret_cast<const uint8_t*>(end_bytes->data()), end_bytes->size()});
-  keep_text.push_back(end_bytes);
-  for (auto& t : transfers) {
-    absl::Status s = t->Wait();
-    if (!s.ok()) return abort(s);
-  }
+  for (uint32_t l = 0; l < L; ++l) ship.Window(l, cache->ExportWindow(l));
+  ship.End({.first_token = res.first_token,
+            .prompt_tokens = res.prompt_tokens,
+            .chunks = static_cast<uint32_t>(cache->blocks_per_layer()),
+            .layers = L,
+            .window_tokens = cache->window_tokens(),
+            .cached_tokens = res.cached_tokens});
+  STRATA_RETURN_IF_ERROR(ship.Finish());
+  res.blocks_shipped = ship.blocks();
+  res.bytes_shipped = ship.bytes();
+  res.block_bytes = ship.block_bytes();
+  res.fp16_bytes = ship.fp16_bytes();
 
   // New chunks to the store, parents first (a store refuses orphans).
   if (store_ != nullptr && options_.put_to_store) {
