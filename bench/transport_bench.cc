@@ -41,6 +41,7 @@
 #include "bench/bench_util.h"
 #include "common/byte_size.h"
 #include "common/crc32c.h"
+#include "common/testing/free_port.h"
 #include "transport/block_protocol.h"
 #include "transport/ucx/ucx_transport.h"
 
@@ -72,17 +73,7 @@ std::string HumanSize(uint64_t n) {
   return absl::StrCat(n);
 }
 
-uint16_t FreePort() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-  socklen_t len = sizeof(a);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  close(fd);
-  return ntohs(a.sin_port);
-}
+uint16_t FreePort() { return FreeLoopbackPort(); }
 
 // ---- the receiving process -------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 // The cluster file: which nodes a Strata cluster has, their roles and addresses, and what they
 // all serve (model, codec, chunk size). Every process reads it: a node finds its own entry by id,
-// the router lists the nodes it routes to. Membership is the interface the router uses, so that
-// etcd can replace the file later without the router changing.
+// the router lists the nodes it routes to. Membership is the interface the router uses: the file
+// (StaticMembership) or etcd (cluster/etcd_membership.h), the router the same either way.
 //
 //   {
 //     "model": "../models/strata-tiny",     // relative paths are relative to the file
@@ -69,7 +69,8 @@ absl::StatusOr<ClusterSpec> LoadClusterFile(const std::string& path);
 // kInvalidArgument unless `address` is host:port with a port in 0..65535 (`what` names it).
 absl::Status ValidateHostPort(const std::string& address, const std::string& what);
 
-// Who is in the cluster, as the router sees it. The cluster file now; etcd later (issue 22).
+// Who is in the cluster, as the router sees it: the cluster file's nodes (StaticMembership) or
+// the nodes registered in etcd (EtcdMembership, cluster/etcd_membership.h).
 class Membership {
  public:
   virtual ~Membership() = default;

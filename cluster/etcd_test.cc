@@ -18,6 +18,7 @@
 #include "absl/time/clock.h"
 #include "cluster/etcd_client.h"
 #include "cluster/etcd_membership.h"
+#include "common/testing/free_port.h"
 #include "gtest/gtest.h"
 
 extern char** environ;
@@ -27,17 +28,7 @@ namespace {
 
 constexpr char kEtcd[] = "/usr/bin/etcd";
 
-int FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-  socklen_t len = sizeof(a);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  close(fd);
-  return ntohs(a.sin_port);
-}
+int FreePort() { return FreeLoopbackPort(); }
 
 // One etcd process; Stop and Start again on the same data and ports (a restart).
 class Etcd {

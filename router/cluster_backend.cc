@@ -93,7 +93,7 @@ struct ClusterBackend::Request {
   uint32_t max_tokens = 0;
   int attempt = 0;  // 0, or 1 for the retry after a node was lost before the first token
   int hop = 0;      // hand-offs from draining decode nodes so far
-  std::string node_request_id;     // the id the nodes see ("" = id): each attempt its own
+  std::string node_request_id;        // the id the nodes see ("" = id): each attempt its own
   uint32_t client_prompt_tokens = 0;  // the client's prompt (a continuation's prompt is longer)
   uint32_t client_max_tokens = 0;     // the client's max_tokens (a continuation's is what is left)
   uint32_t tokens_at_start = 0;       // tokens streamed before this attempt began
@@ -119,7 +119,7 @@ struct ClusterBackend::Request {
   bool registered = false;
   bool prefill_started = false;
   bool prefill_done = false;
-  bool finished = false;        // `finished` arrived
+  bool finished = false;  // `finished` arrived
   // Logprobs / echo: the attempt's first token, and any after it, held in order until the
   // prefill node's answer (with the first one's logprobs) arrives; whether the prompt was echoed.
   std::vector<strata::v1::TokenEvent> held;
@@ -303,73 +303,44 @@ absl::Status ClusterBackend::Init() {
                        .Name("strata_router_routed_total")
                        .Help("Requests routed, by prefill and decode node")
                        .Register(reg);
-  ttft_ = &prometheus::BuildHistogram()
-               .Name("strata_router_ttft_seconds")
-               .Help("Time from a request's arrival to its first token")
-               .Register(reg)
-               .Add({}, cluster::LatencyBuckets());
-  inter_token_ = &prometheus::BuildHistogram()
-                      .Name("strata_router_inter_token_seconds")
-                      .Help("Time between consecutive tokens of a request")
-                      .Register(reg)
-                      .Add({}, cluster::LatencyBuckets());
-  token_relay_ = &prometheus::BuildHistogram()
-                      .Name("strata_router_token_relay_seconds")
-                      .Help("Per streamed token, from its arrival from the decode node to the end "
-                            "of the socket write to the client: the router's added latency")
-                      .Register(reg)
-                      .Add({}, prometheus::Histogram::BucketBoundaries{
-                                   25e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3,
-                                   10e-3, 50e-3, 0.25, 1});
-  prompt_tokens_ = &prometheus::BuildCounter()
-                        .Name("strata_router_prompt_tokens_total")
-                        .Help("Prompt tokens of routed requests")
-                        .Register(reg)
-                        .Add({});
-  cached_tokens_ = &prometheus::BuildCounter()
-                        .Name("strata_router_cached_tokens_total")
-                        .Help("Prompt tokens served from cache, as the decode nodes report")
-                        .Register(reg)
-                        .Add({});
-  completion_tokens_ = &prometheus::BuildCounter()
-                            .Name("strata_router_completion_tokens_total")
-                            .Help("Tokens streamed to clients")
-                            .Register(reg)
-                            .Add({});
-  in_flight_gauge_ = &prometheus::BuildGauge()
-                          .Name("strata_router_in_flight")
-                          .Help("Requests in flight")
-                          .Register(reg)
-                          .Add({});
-  handoffs_ = &prometheus::BuildCounter()
-                   .Name("strata_router_handoffs_total")
-                   .Help("Requests continued on another decode node after theirs was drained")
-                   .Register(reg)
-                   .Add({});
-  retries_ = &prometheus::BuildCounter()
-                  .Name("strata_router_retries_total")
-                  .Help("Requests routed again, once, after their prefill or decode node was lost "
-                        "before the first token")
-                  .Register(reg)
-                  .Add({});
-  retries_throttled_ = &prometheus::BuildCounter()
-                            .Name("strata_router_retries_throttled_total")
-                            .Help(
-                                "Requests whose node was lost and that the retry budget did not "
-                                "send again (failed instead)")
-                            .Register(reg)
-                            .Add({});
+  ttft_ = &cluster::AddHistogram(&reg, "strata_router_ttft_seconds",
+                                 "Time from a request's arrival to its first token",
+                                 cluster::LatencyBuckets());
+  inter_token_ = &cluster::AddHistogram(&reg, "strata_router_inter_token_seconds",
+                                        "Time between consecutive tokens of a request",
+                                        cluster::LatencyBuckets());
+  token_relay_ = &cluster::AddHistogram(
+      &reg, "strata_router_token_relay_seconds",
+      "Per streamed token, from its arrival from the decode node to the end of the socket write to "
+      "the client: the router's added latency",
+      prometheus::Histogram::BucketBoundaries{25e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3,
+                                              5e-3, 10e-3, 50e-3, 0.25, 1});
+  prompt_tokens_ = &cluster::AddCounter(&reg, "strata_router_prompt_tokens_total",
+                                        "Prompt tokens of routed requests");
+  cached_tokens_ =
+      &cluster::AddCounter(&reg, "strata_router_cached_tokens_total",
+                           "Prompt tokens served from cache, as the decode nodes report");
+  completion_tokens_ = &cluster::AddCounter(&reg, "strata_router_completion_tokens_total",
+                                            "Tokens streamed to clients");
+  in_flight_gauge_ = &cluster::AddGauge(&reg, "strata_router_in_flight", "Requests in flight");
+  handoffs_ =
+      &cluster::AddCounter(&reg, "strata_router_handoffs_total",
+                           "Requests continued on another decode node after theirs was drained");
+  retries_ = &cluster::AddCounter(
+      &reg, "strata_router_retries_total",
+      "Requests routed again, once, after their prefill or decode node was lost before the first "
+      "token");
+  retries_throttled_ = &cluster::AddCounter(
+      &reg, "strata_router_retries_throttled_total",
+      "Requests whose node was lost and that the retry budget did not send again (failed instead)");
   rejected_total_ = &prometheus::BuildCounter()
                          .Name("strata_router_rejected_total")
                          .Help(
                              "Requests refused with 429 before any KV moved, by reason: "
                              "router_in_flight, prefill_queue, decode_queue, node")
                          .Register(reg);
-  store_connected_ = &prometheus::BuildGauge()
-                          .Name("strata_router_store_connected")
-                          .Help("1 while the store's block events stream in")
-                          .Register(reg)
-                          .Add({});
+  store_connected_ = &cluster::AddGauge(&reg, "strata_router_store_connected",
+                                        "1 while the store's block events stream in");
 
   std::shared_ptr<const cluster::Membership> membership =
       options_.membership != nullptr ? options_.membership
@@ -461,9 +432,8 @@ void ClusterBackend::MaybeConnectStore() {
   }
   store_connected_->Set(store_feed_->connected() ? 1 : 0);
   if (store_client_ != nullptr || absl::Now() < next_store_attempt_) return;
-  absl::StatusOr<std::unique_ptr<kvstore::StoreClient>> c =
-      kvstore::StoreClient::Connect(options_.spec.store, options_.store_connect_timeout,
-                                    {.security = options_.security});
+  absl::StatusOr<std::unique_ptr<kvstore::StoreClient>> c = kvstore::StoreClient::Connect(
+      options_.spec.store, options_.store_connect_timeout, {.security = options_.security});
   if (!c.ok()) {
     next_store_attempt_ = absl::Now() + options_.store_retry_interval;
     if (!store_down_logged_) {
@@ -481,28 +451,28 @@ void ClusterBackend::MaybeConnectStore() {
 
 void ClusterBackend::MaybeWatchNodeTiers() {
   for (const NodeStatus& s : pool_->Status()) {
-    if (s.spec.role != cluster::Role::kPrefill || !s.healthy ||
-        s.report.local_tier_bytes() == 0) {
+    if (s.spec.role != cluster::Role::kPrefill || !s.healthy || s.report.local_tier_bytes() == 0) {
       continue;
     }
     NodeFeed& f = node_feeds_[s.spec.id];
     if (f.feed == nullptr) {
-      f.feed = std::make_unique<StoreFeed>(index_.get(), s.spec.id, layer_names_, HolderKind::kNode);
+      f.feed =
+          std::make_unique<StoreFeed>(index_.get(), s.spec.id, layer_names_, HolderKind::kNode);
       if (!f.feed->status().ok()) {
-        cluster::Log("", absl::StrCat("prefill node ", s.spec.id, ": ", f.feed->status().ToString()));
+        cluster::Log("",
+                     absl::StrCat("prefill node ", s.spec.id, ": ", f.feed->status().ToString()));
       }
     }
     if (f.client == nullptr) {
-      absl::StatusOr<std::unique_ptr<kvstore::StoreClient>> c =
-          kvstore::StoreClient::Connect(s.spec.grpc, options_.store_connect_timeout,
-                                        {.security = options_.security});
+      absl::StatusOr<std::unique_ptr<kvstore::StoreClient>> c = kvstore::StoreClient::Connect(
+          s.spec.grpc, options_.store_connect_timeout, {.security = options_.security});
       if (!c.ok()) continue;  // the next poll tries again
       f.client = *std::move(c);
       StoreFeed* feed = f.feed.get();
       f.watch = f.client->Watch(0, [feed](const kvstore::WatchUpdate& u) { feed->OnUpdate(u); });
-      cluster::Log("", absl::StrCat("prefill node ", s.spec.id, " has its own tier of ",
-                                    s.report.local_tier_bytes() >> 20,
-                                    " MiB; watching its blocks"));
+      cluster::Log("",
+                   absl::StrCat("prefill node ", s.spec.id, " has its own tier of ",
+                                s.report.local_tier_bytes() >> 20, " MiB; watching its blocks"));
     } else if (f.feed->resync_needed()) {
       f.watch.reset();
       f.feed->ClearResync();
@@ -807,11 +777,11 @@ absl::Status ClusterBackend::Launch(const std::shared_ptr<Request>& r, const std
   r->generate_ctx->set_deadline(absl::ToChronoTime(r->deadline));
 
   routed_total_->Add({{"prefill", d.prefill_id}, {"decode", d.decode_id}}).Increment();
-  cluster::Log(r->id, absl::StrCat(r->node_request_id.empty()
-                                       ? "routed "
-                                       : absl::StrCat(r->node_request_id, ": routed "),
-                                   r->prompt_tokens, " prompt tokens (max_tokens ", r->max_tokens,
-                                   "): ", d.Explain()));
+  cluster::Log(
+      r->id,
+      absl::StrCat(
+          r->node_request_id.empty() ? "routed " : absl::StrCat(r->node_request_id, ": routed "),
+          r->prompt_tokens, " prompt tokens (max_tokens ", r->max_tokens, "): ", d.Explain()));
   (new GenerateReactor(r))->Begin();  // the reactor holds the request now
   return absl::OkStatus();
 }
@@ -889,9 +859,8 @@ void ClusterBackend::OnHandedOff(const std::shared_ptr<Request>& r,
     tracker_.Complete(r->id);
     in_flight_.fetch_sub(1);
     in_flight_gauge_->Decrement();
-    const absl::Status outcome = r->cancelled.load()
-                                     ? absl::CancelledError("cancelled by the client")
-                                     : absl::OkStatus();
+    const absl::Status outcome =
+        r->cancelled.load() ? absl::CancelledError("cancelled by the client") : absl::OkStatus();
     if (outcome.ok()) {
       stream->Finish(FinishReason::kLength, Usage{.prompt_tokens = r->client_prompt_tokens,
                                                   .completion_tokens = completion});
