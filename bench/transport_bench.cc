@@ -11,21 +11,21 @@
 // Prints a table and writes JSON (and the same table as .txt) to --out (default bench/results).
 // Flags: kUsage below (--help).
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
-#include <netinet/in.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
-#include <mutex>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <sstream>
 #include <string>
@@ -41,6 +41,7 @@
 #include "bench/bench_util.h"
 #include "common/byte_size.h"
 #include "common/crc32c.h"
+#include "common/host_port.h"
 #include "common/testing/free_port.h"
 #include "transport/block_protocol.h"
 #include "transport/ucx/ucx_transport.h"
@@ -86,15 +87,13 @@ int RunReceiver(const std::string& tls, const std::string& address_file, uint64_
                 int64_t busy_us, uint64_t ring_bytes, const std::string& listen) {
   transport::UcxTransportOptions o{.tls = tls, .busy_poll = absl::Microseconds(busy_us)};
   if (!listen.empty()) {
-    const size_t colon = listen.rfind(':');
-    int port = 0;
-    if (colon == std::string::npos || !absl::SimpleAtoi(listen.substr(colon + 1), &port) ||
-        port <= 0 || port > 65535) {
+    absl::StatusOr<HostPort> hp = ParseHostPort(listen);
+    if (!hp.ok() || hp->port == 0) {
       std::fprintf(stderr, "--listen wants HOST:PORT, got '%s'\n", listen.c_str());
       return 2;
     }
-    o.listen_host = listen.substr(0, colon);
-    o.listen_port = static_cast<uint16_t>(port);
+    o.listen_host = hp->host;
+    o.listen_port = hp->port;
   }
   auto t = transport::CreateUcxTransport(o);
   if (!t.ok()) {

@@ -7,6 +7,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/host_port.h"
 #include "nlohmann/json.hpp"
 
 namespace strata::cluster {
@@ -73,13 +74,8 @@ std::vector<NodeSpec> ClusterSpec::WithRole(Role role) const {
 }
 
 absl::Status ValidateHostPort(const std::string& address, const std::string& what) {
-  const size_t colon = address.rfind(':');
-  uint32_t port = 0;
-  if (colon == std::string::npos || colon == 0 ||
-      !absl::SimpleAtoi(address.substr(colon + 1), &port) || port > 65535) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, ": '", address, "' is not host:port (e.g. 127.0.0.1:7101)"));
-  }
+  absl::StatusOr<HostPort> hp = ParseHostPort(address);
+  if (!hp.ok()) return absl::InvalidArgumentError(absl::StrCat(what, ": ", hp.status().message()));
   return absl::OkStatus();
 }
 

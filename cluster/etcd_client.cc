@@ -12,6 +12,7 @@
 #include "boost/asio/ip/tcp.hpp"
 #include "boost/beast/core.hpp"
 #include "boost/beast/http.hpp"
+#include "common/host_port.h"
 #include "nlohmann/json.hpp"
 
 namespace strata::cluster {
@@ -85,9 +86,15 @@ class HttpEtcdClient final : public EtcdClient {
  public:
   HttpEtcdClient(std::string endpoint, absl::Duration timeout)
       : endpoint_(std::move(endpoint)), timeout_(timeout) {
-    const size_t colon = endpoint_.rfind(':');
-    host_ = endpoint_.substr(0, colon);
-    port_ = colon == std::string::npos ? "2379" : endpoint_.substr(colon + 1);
+    // host:port, or a bare host on etcd's client port.
+    absl::StatusOr<HostPort> hp = ParseHostPort(endpoint_);
+    if (hp.ok()) {
+      host_ = hp->host;
+      port_ = std::to_string(hp->port);
+    } else {
+      host_ = endpoint_;
+      port_ = "2379";
+    }
   }
 
   absl::Status Put(const std::string& key, const std::string& value, int64_t lease) override {

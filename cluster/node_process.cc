@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/host_port.h"
 #include "common/status_macros.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
@@ -194,7 +195,7 @@ absl::StatusOr<NodeSpec> SelfNode(const ClusterSpec& spec, const std::string& id
   n.role = role;
   n.grpc = listen;
   if (role == Role::kDecode) {
-    n.transport = transport.empty() ? listen.substr(0, listen.rfind(':')) + ":0" : transport;
+    n.transport = transport.empty() ? JoinHostPort(ParseHostPort(listen)->host, 0) : transport;
   }
   return n;
 }

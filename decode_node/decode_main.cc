@@ -1,8 +1,8 @@
 // strata-decode: a decode node. Reads its settings from the cluster file (its entry by id, and
 // what the cluster serves: model, codec, chunk size, store); flags override.
 //   strata-decode --cluster cluster.json --node decode-0
-#include <cstdlib>
 #include <algorithm>
+#include <cstdlib>
 #include <iostream>
 #include <mutex>
 #include <string>
@@ -15,14 +15,15 @@
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
-#include "absl/strings/str_format.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "cluster/cluster_file.h"
 #include "cluster/node_flags.h"
 #include "cluster/node_process.h"
 #include "common/byte_size.h"
+#include "common/host_port.h"
 #include "decode_node/decode_engine.h"
 #include "decode_node/decode_service.h"
 #include "kernels/codec.h"
@@ -125,11 +126,9 @@ int main(int argc, char** argv) {
   if (!store.ok()) return Fail("store", store.status());
 
   strata::transport::UcxTransportOptions to;
-  const size_t colon = transport_address.rfind(':');
-  to.listen_host = transport_address.substr(0, colon);
-  uint32_t tport = 0;
-  (void)absl::SimpleAtoi(transport_address.substr(colon + 1), &tport);
-  to.listen_port = static_cast<uint16_t>(tport);
+  const strata::HostPort tp = *strata::ParseHostPort(transport_address);  // validated above
+  to.listen_host = tp.host;
+  to.listen_port = tp.port;
   to.tls = absl::GetFlag(FLAGS_ucx_tls);
   // A decode node restarted on its fixed port finds it held by the connections of its previous
   // run (TIME_WAIT; UCX's listener sets no SO_REUSEADDR): wait for them, bounded. Port 0 in the
@@ -237,7 +236,7 @@ int main(int argc, char** argv) {
   // Registered once serving (a router that follows etcd then finds a node that answers), and
   // deregistered first when stopping (routers stop choosing it before it goes).
   cl::NodeSpec announce = *self;
-  announce.grpc = absl::StrCat(listen.substr(0, listen.rfind(':')), ":", port);
+  announce.grpc = strata::JoinHostPort(strata::ParseHostPort(listen)->host, port);
   announce.metrics = metrics_address;
   announce.transport = (*transport)->address();
   absl::StatusOr<std::unique_ptr<cl::EtcdRegistration>> registration =

@@ -14,6 +14,7 @@
 #include "cluster/node_flags.h"
 #include "cluster/node_process.h"
 #include "common/byte_size.h"
+#include "common/host_port.h"
 #include "kvstore/block_source.h"
 #include "kvstore/block_store.h"
 #include "kvstore/store_client.h"
@@ -166,7 +167,7 @@ int main(int argc, char** argv) {
   // Registered once serving (a router that follows etcd then finds a node that answers), and
   // deregistered first when stopping (routers stop choosing it before it goes).
   cl::NodeSpec announce = *self;
-  announce.grpc = absl::StrCat(listen.substr(0, listen.rfind(':')), ":", port);
+  announce.grpc = strata::JoinHostPort(strata::ParseHostPort(listen)->host, port);
   announce.metrics = metrics_address;
   absl::StatusOr<std::unique_ptr<cl::EtcdRegistration>> registration =
       cl::RegisterWithEtcd(absl::GetFlag(FLAGS_etcd), absl::GetFlag(FLAGS_etcd_prefix), announce,

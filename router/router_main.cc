@@ -13,6 +13,7 @@
 #include "cluster/cluster_file.h"
 #include "cluster/etcd_membership.h"
 #include "cluster/node_process.h"
+#include "common/host_port.h"
 #include "router/cluster_backend.h"
 #include "router/http_server.h"
 
@@ -56,18 +57,6 @@ namespace {
 int Fail(const std::string& what, const absl::Status& s, int code = 1) {
   std::cerr << "strata-router: " << what << ": " << s << "\n";
   return code;
-}
-
-// "HOST:PORT" or "[V6]:PORT" (already validated) into host and port.
-void SplitHostPort(const std::string& address, std::string* host, uint16_t* port) {
-  const size_t colon = address.rfind(':');
-  *host = address.substr(0, colon);
-  if (absl::StartsWith(*host, "[") && absl::EndsWith(*host, "]")) {
-    *host = host->substr(1, host->size() - 2);
-  }
-  uint32_t p = 0;
-  (void)absl::SimpleAtoi(address.substr(colon + 1), &p);
-  *port = static_cast<uint16_t>(p);
 }
 
 }  // namespace
@@ -146,7 +135,9 @@ int main(int argc, char** argv) {
   if (!backend.ok()) return Fail("backend", backend.status());
 
   rt::HttpServerOptions h;
-  SplitHostPort(listen, &h.host, &h.port);
+  const strata::HostPort hp = *strata::ParseHostPort(listen);  // validated above
+  h.host = hp.host;
+  h.port = hp.port;
   h.threads = absl::GetFlag(FLAGS_http_threads);
   h.tls_cert_file = absl::GetFlag(FLAGS_http_tls_cert);
   h.tls_key_file = absl::GetFlag(FLAGS_http_tls_key);

@@ -1,9 +1,9 @@
 #include "transport/ucx/ucx_transport.h"
 
 #include <netdb.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <sched.h>
-#include <netinet/in.h>
 #include <sys/socket.h>
 #include <ucp/api/ucp.h>
 
@@ -19,12 +19,13 @@
 #include <unordered_set>
 #include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
-#include "absl/strings/ascii.h"
+#include "common/host_port.h"
 #include "common/status_macros.h"
 #include "transport/internal/failure_notifier.h"
 #include "transport/internal/handler_table.h"
@@ -1020,17 +1021,13 @@ absl::StatusOr<std::shared_ptr<Endpoint>> Engine::Connect(absl::string_view addr
                                                           absl::Duration timeout) {
   absl::string_view rest = address;
   if (absl::StartsWith(rest, kScheme)) rest.remove_prefix(kScheme.size());
-  const size_t colon = rest.rfind(':');
-  uint32_t port = 0;
-  if (colon == absl::string_view::npos || colon == 0 ||
-      !absl::SimpleAtoi(rest.substr(colon + 1), &port) || port == 0 || port > 65535) {
+  absl::StatusOr<HostPort> hp = ParseHostPort(rest);
+  if (!hp.ok() || hp->port == 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("'", address, "' is not a UCX address (ucx://HOST:PORT)"));
   }
-  std::string host(rest.substr(0, colon));
-  if (host.size() > 2 && host.front() == '[' && host.back() == ']') {
-    host = host.substr(1, host.size() - 2);
-  }
+  const std::string host = hp->host;
+  const uint32_t port = hp->port;
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
