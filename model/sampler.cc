@@ -5,6 +5,7 @@
 #include <numeric>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 
 namespace strata::model {
@@ -26,7 +27,8 @@ absl::Status SamplingOptions::Validate() const {
         absl::StrCat("sampling: temperature must be in [0, 2], got ", temperature));
   }
   if (!(top_p > 0.0f && top_p <= 1.0f)) {
-    return absl::InvalidArgumentError(absl::StrCat("sampling: top_p must be in (0, 1], got ", top_p));
+    return absl::InvalidArgumentError(
+        absl::StrCat("sampling: top_p must be in (0, 1], got ", top_p));
   }
   if (!(min_p >= 0.0f && min_p <= 1.0f)) {
     return absl::InvalidArgumentError(
@@ -55,30 +57,20 @@ uint32_t Sampler::Sample(absl::Span<const float> raw, uint64_t index,
   absl::Span<const float> logits = raw;
   if (options_.has_penalties()) {
     penalized.assign(raw.begin(), raw.end());
-    if (options_.repetition_penalty != 1.0f) {
-      std::vector<bool> seen(vocab, false);
-      for (uint32_t t : prompt) {
-        if (t < vocab) seen[t] = true;
-      }
-      for (uint32_t t : output) {
-        if (t < vocab) seen[t] = true;
-      }
-      for (uint32_t t = 0; t < vocab; ++t) {
-        if (!seen[t]) continue;
-        penalized[t] = penalized[t] > 0 ? penalized[t] / options_.repetition_penalty
-                                        : penalized[t] * options_.repetition_penalty;
-      }
+    // Only the tokens of the history change: visit those (a prompt and an output are far
+    // smaller than a vocabulary), each once.
+    const float rep = options_.repetition_penalty;
+    absl::flat_hash_map<uint32_t, uint32_t> times;  // token -> times generated (0: prompt only)
+    for (uint32_t t : output) ++times[t];
+    if (rep != 1.0f) {
+      for (uint32_t t : prompt) times.try_emplace(t, 0);
     }
-    if (options_.presence_penalty != 0.0f || options_.frequency_penalty != 0.0f) {
-      std::vector<uint32_t> count(vocab, 0);
-      for (uint32_t t : output) {
-        if (t < vocab) ++count[t];
-      }
-      for (uint32_t t = 0; t < vocab; ++t) {
-        if (count[t] == 0) continue;
-        penalized[t] -=
-            options_.presence_penalty + options_.frequency_penalty * static_cast<float>(count[t]);
-      }
+    for (const auto& [t, n] : times) {
+      if (t >= vocab) continue;
+      float& x = penalized[t];
+      if (rep != 1.0f) x = x > 0 ? x / rep : x * rep;
+      if (n > 0)
+        x -= options_.presence_penalty + options_.frequency_penalty * static_cast<float>(n);
     }
     logits = penalized;
   }
