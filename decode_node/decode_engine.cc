@@ -417,6 +417,15 @@ absl::Status DecodeEngine::Activate(Sequence& s) {
   return absl::OkStatus();
 }
 
+void DecodeEngine::SendToken(Sequence& s, uint32_t token, const std::string& text,
+                             const model::TokenLogprobs* logprobs) {
+  if (logprobs != nullptr) {
+    s.sink->TokenWithLogprobs(token, text, *logprobs);
+  } else {
+    s.sink->Token(token, text);
+  }
+}
+
 bool DecodeEngine::Emit(Sequence& s, uint32_t token, const model::TokenLogprobs* logprobs) {
   const model::ModelConfig& c = model_->config();
   s.generated.push_back(token);
@@ -424,11 +433,8 @@ bool DecodeEngine::Emit(Sequence& s, uint32_t token, const model::TokenLogprobs*
   if (s.cancelled) return true;
   if (!s.req.ignore_eos && c.eos_token_id >= 0 && token == static_cast<uint32_t>(c.eos_token_id)) {
     const std::string rest = s.text->Finish();
-    if (logprobs != nullptr) {
-      s.sink->TokenWithLogprobs(token, rest, *logprobs);
-    } else if (!rest.empty()) {
-      s.sink->Token(token, rest);
-    }
+    // With logprobs every token goes out (its entry), otherwise only text.
+    if (logprobs != nullptr || !rest.empty()) SendToken(s, token, rest, logprobs);
     PutGenerated(s);
     s.sink->Finish(FinishReason::kStop, s.usage);
     return true;
@@ -441,11 +447,7 @@ bool DecodeEngine::Emit(Sequence& s, uint32_t token, const model::TokenLogprobs*
   const bool length = s.generated.size() >= s.req.max_tokens ||
                       s.req.prompt.size() + s.generated.size() >= c.max_position_embeddings;
   if (!piece->stopped && length) piece->text += s.text->Finish();
-  if (logprobs != nullptr) {
-    s.sink->TokenWithLogprobs(token, piece->text, *logprobs);
-  } else {
-    s.sink->Token(token, piece->text);
-  }
+  SendToken(s, token, piece->text, logprobs);
   if (piece->stopped || length) {
     PutGenerated(s);
     s.sink->Finish(piece->stopped ? FinishReason::kStop : FinishReason::kLength, s.usage);
@@ -688,12 +690,9 @@ void DecodeEngine::StepBatch(std::vector<std::shared_ptr<Sequence>>* done) {
     const absl::Span<const float> row =
         absl::MakeConstSpan((*logits)[i]).subspan((*logits)[i].size() - vocab);
     const uint32_t token = s.sampler->Sample(row, s.generated.size(), s.req.prompt, s.generated);
-    if (s.req.logprobs) {
-      const model::TokenLogprobs lp = model::LogprobsOf(row, token, s.req.top_logprobs);
-      if (Emit(s, token, &lp)) done->push_back(batch[i]);
-    } else if (Emit(s, token)) {
-      done->push_back(batch[i]);
-    }
+    std::optional<model::TokenLogprobs> lp;
+    if (s.req.logprobs) lp = model::LogprobsOf(row, token, s.req.top_logprobs);
+    if (Emit(s, token, lp.has_value() ? &*lp : nullptr)) done->push_back(batch[i]);
   }
 }
 

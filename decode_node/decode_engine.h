@@ -204,6 +204,9 @@ class DecodeEngine {
   // `logprobs`: the token's, when the request asked for them (null otherwise, and for the first
   // token, which the prefill node sampled).
   bool Emit(Sequence& s, uint32_t token, const model::TokenLogprobs* logprobs = nullptr);
+  // The sink's Token, or TokenWithLogprobs when `logprobs` is set.
+  void SendToken(Sequence& s, uint32_t token, const std::string& text,
+                 const model::TokenLogprobs* logprobs);
   void PutGenerated(Sequence& s);
   // The scheduler's part of Drain: every registered sequence handed off (or failed), the engine
   // left empty.
