@@ -311,6 +311,21 @@ absl::Status ParseMaxTokens(const json& body, Endpoint endpoint, SamplingParams*
   return absl::OkStatus();
 }
 
+// `key`, when present, into *out; kInvalidArgument naming it unless it is in [lo, hi] (or
+// (lo, hi] with `open_low`).
+absl::Status GetFloatIn(const json& body, const char* key, double lo, double hi, bool open_low,
+                        float* out) {
+  std::optional<double> v;
+  STRATA_RETURN_IF_ERROR(GetNumber(body, key, &v));
+  if (!v.has_value()) return absl::OkStatus();
+  if (!((open_low ? *v > lo : *v >= lo) && *v <= hi)) {
+    return FieldError(
+        key, absl::StrCat(key, " must be in ", open_low ? "(" : "[", lo, ", ", hi, "], got ", *v));
+  }
+  *out = static_cast<float>(*v);
+  return absl::OkStatus();
+}
+
 absl::Status ParseSampling(const json& body, Endpoint endpoint, SamplingParams* sampling) {
   std::optional<double> number;
   STRATA_RETURN_IF_ERROR(GetNumber(body, "temperature", &number));
@@ -344,36 +359,14 @@ absl::Status ParseSampling(const json& body, Endpoint endpoint, SamplingParams* 
   STRATA_RETURN_IF_ERROR(ParseMaxTokens(body, endpoint, sampling));
   STRATA_RETURN_IF_ERROR(ParseStop(body, sampling));
   STRATA_RETURN_IF_ERROR(GetBool(body, "ignore_eos", &sampling->ignore_eos));
-  for (const char* key : {"presence_penalty", "frequency_penalty"}) {
-    number.reset();
-    STRATA_RETURN_IF_ERROR(GetNumber(body, key, &number));
-    if (number.has_value() && !(*number >= -2 && *number <= 2)) {
-      return FieldError(key, absl::StrCat(key, " must be in [-2, 2], got ", *number));
-    }
-    if (number.has_value()) {
-      (absl::string_view(key) == "presence_penalty" ? sampling->presence_penalty
-                                                    : sampling->frequency_penalty) =
-          static_cast<float>(*number);
-    }
-  }
-  // vLLM's extensions.
-  number.reset();
-  STRATA_RETURN_IF_ERROR(GetNumber(body, "repetition_penalty", &number));
-  if (number.has_value()) {
-    if (!(*number > 0 && *number <= 100)) {
-      return FieldError("repetition_penalty",
-                        absl::StrCat("repetition_penalty must be in (0, 100], got ", *number));
-    }
-    sampling->repetition_penalty = static_cast<float>(*number);
-  }
-  number.reset();
-  STRATA_RETURN_IF_ERROR(GetNumber(body, "min_p", &number));
-  if (number.has_value()) {
-    if (!(*number >= 0 && *number <= 1)) {
-      return FieldError("min_p", absl::StrCat("min_p must be in [0, 1], got ", *number));
-    }
-    sampling->min_p = static_cast<float>(*number);
-  }
+  // OpenAI's penalties, then vLLM's extensions.
+  STRATA_RETURN_IF_ERROR(
+      GetFloatIn(body, "presence_penalty", -2, 2, false, &sampling->presence_penalty));
+  STRATA_RETURN_IF_ERROR(
+      GetFloatIn(body, "frequency_penalty", -2, 2, false, &sampling->frequency_penalty));
+  STRATA_RETURN_IF_ERROR(
+      GetFloatIn(body, "repetition_penalty", 0, 100, true, &sampling->repetition_penalty));
+  STRATA_RETURN_IF_ERROR(GetFloatIn(body, "min_p", 0, 1, false, &sampling->min_p));
   if (const json* bias = Find(body, "logit_bias"); bias != nullptr) {
     if (!bias->is_object()) return TypeError("logit_bias", "an object", *bias);
     if (!bias->empty()) return Unsupported("logit_bias");
