@@ -3,10 +3,12 @@
 // the same run. Shapes of an 8B model's attention: head dim 128, 32 query heads over 8 KV heads;
 // batch 1 / 16 / 64; context 4k / 32k / 128k (128k up to batch 16). Each time is the median of
 // runs timed with CUDA events, L2 flushed before each (a 256 MiB memset outside the timed region);
-// the bytes are those the kernel must read (every page of every sequence), so the bandwidth is an
-// effective one. Data is random (finite fp16 values, random codes), never zeros.
+// the bytes are those the kernel must read (every section of every page of every sequence), so the
+// bandwidth is an effective one. Pages are blocks in the Strata block format, read in place
+// (block_pages.h), of 64 and 256 tokens (256: the default chunk). Data is random (finite fp16
+// values, random codes), never zeros.
 //
-//   cuda_decode_bench [--out DIR] [--runs N] [--quick] [--splits N]
+//   cuda_decode_bench [--out DIR] [--runs N] [--quick] [--splits N] [--page_tokens N[,N...]]
 // (--quick: batch 16 at 32k only; --splits: force the split count instead of ChooseSplits')
 // Prints a table; with --out, writes DIR/cuda_decode_bench-<device>-<date>-<commit>.{txt,json}
 // (commit from $STRATA_COMMIT). Exits 1 without a GPU, saying so.
@@ -23,6 +25,9 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "kernels/cuda/block_pages.h"
 #include "kernels/cuda/compress.h"
 #include "kernels/cuda/paged_decode.h"
 
@@ -97,8 +102,28 @@ double MedianMs(const Timer& timer, int runs, void* flush, size_t flush_bytes, F
   return Median(times);
 }
 
+// The layout of `spec`'s blocks (8 KV heads, head dim 128) of `tokens` tokens; exits saying why
+// when the codec or the kernels refuse it.
+PagedKvLayout LayoutOf(const char* spec, int tokens) {
+  absl::StatusOr<PagedKvLayout> L = strata::kernels::cuda::PageLayoutForCodec(spec, tokens, 8, 128);
+  if (!L.ok()) {
+    std::fprintf(stderr, "cuda_decode_bench: %s\n", std::string(L.status().message()).c_str());
+    std::exit(1);
+  }
+  return *L;
+}
+
+// Bytes of a page's sections (what the kernels read of it).
+double SectionBytes(const PagedKvLayout& L) {
+  const double per_head =
+      L.KeyCodeBytes() + L.ValueCodeBytes() +
+      (L.format == PageFormat::kAffine ? 2.0 * (L.KeyMetaBytes() + L.ValueMetaBytes()) : 0.0);
+  return per_head * L.kv_heads;
+}
+
 struct Row {
   std::string kernel;
+  int page = 0;
   int batch = 0, context = 0;
   double ms = 0, bytes = 0, gbps = 0, of_copy = 0, speedup = 0;
   int splits = 0;
@@ -111,6 +136,7 @@ int main(int argc, char** argv) {
   int runs = 20;
   bool quick = false;
   int forced_splits = 0;
+  std::vector<int> page_sizes = {64, 256};
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--out" && i + 1 < argc) {
@@ -121,9 +147,21 @@ int main(int argc, char** argv) {
       forced_splits = std::max(1, std::atoi(argv[++i]));
     } else if (a == "--quick") {
       quick = true;
+    } else if (a == "--page_tokens" && i + 1 < argc) {
+      page_sizes.clear();
+      for (absl::string_view p : absl::StrSplit(argv[++i], ',')) {
+        int n = 0;
+        if (!absl::SimpleAtoi(p, &n) || n < 8) {
+          std::fprintf(stderr, "cuda_decode_bench: --page_tokens: not a page size: %s\n",
+                       std::string(p).c_str());
+          return 2;
+        }
+        page_sizes.push_back(n);
+      }
     } else {
       std::fprintf(stderr,
-                   "usage: cuda_decode_bench [--out DIR] [--runs N] [--quick] [--splits N]\n");
+                   "usage: cuda_decode_bench [--out DIR] [--runs N] [--quick] [--splits N] "
+                   "[--page_tokens N[,N...]]\n");
       return 2;
     }
   }
@@ -161,123 +199,118 @@ int main(int argc, char** argv) {
 
   struct Kernel {
     const char* name;
-    PageFormat format;
-    int bits;
+    const char* spec;
   };
-  const Kernel kernels[] = {{"fp16", PageFormat::kFp16, 16},
-                            {"affine k4v4 g32", PageFormat::kAffine, 4},
-                            {"affine k2v2 g32", PageFormat::kAffine, 2}};
+  const Kernel kernels[] = {
+      {"fp16", "fp16"}, {"affine k4v4 g32", "kivi:k4v4:g32"}, {"affine k2v2 g32", "kivi:k2v2:g32"}};
   std::vector<int> batches = {1, 16, 64}, contexts = {4096, 32768, 131072};
   if (quick) {
     batches = {16};
     contexts = {32768};
   }
   std::vector<Row> rows;
-  for (int batch : batches) {
-    for (int context : contexts) {
-      if (context > 32768 && batch > 16) continue;  // 128k at batch 64: 32 GiB of fp16 KV
-      double fp16_ms = 0;
-      for (const Kernel& k : kernels) {
-        PagedKvLayout L;
-        L.format = k.format;
-        L.kv_heads = 8;
-        L.head_dim = 128;
-        L.page_tokens = 64;
-        L.key_bits = L.value_bits = k.format == PageFormat::kAffine ? k.bits : 4;
-        L.k_group = 32;
-        L.v_group = 32;
-        const int pages_per_seq = context / L.page_tokens;
-        const size_t pages = static_cast<size_t>(batch) * pages_per_seq;
-        const size_t pool_bytes = pages * L.PageBytes();
-        void *pool = nullptr, *q = nullptr, *o = nullptr, *work = nullptr, *table = nullptr,
-             *counts = nullptr;
-        CHECK_CUDA(cudaMalloc(&pool, pool_bytes));
-        Fill(pool, pool_bytes, 11);
-        std::vector<int32_t> t(pages), c(batch, pages_per_seq);
-        for (size_t i = 0; i < pages; ++i) t[i] = static_cast<int32_t>((i * 7919) % pages);  // scattered
-        CHECK_CUDA(cudaMalloc(&table, t.size() * 4));
-        CHECK_CUDA(cudaMemcpy(table, t.data(), t.size() * 4, cudaMemcpyHostToDevice));
-        CHECK_CUDA(cudaMalloc(&counts, c.size() * 4));
-        CHECK_CUDA(cudaMemcpy(counts, c.data(), c.size() * 4, cudaMemcpyHostToDevice));
-        const size_t qn = static_cast<size_t>(batch) * 32 * 128;
-        CHECK_CUDA(cudaMalloc(&q, qn * 4));
-        CHECK_CUDA(cudaMalloc(&o, qn * 4));
-        Fill(q, qn * 4, 13);  // finite floats (two fp16-ranged halves each)
-        PagedDecodeArgs a;
-        a.pages = static_cast<const uint8_t*>(pool);
-        a.block_table = static_cast<const int32_t*>(table);
-        a.max_pages = pages_per_seq;
-        a.page_counts = static_cast<const int32_t*>(counts);
-        a.q = static_cast<const float*>(q);
-        a.batch = batch;
-        a.q_heads = 32;
-        a.out = static_cast<float*>(o);
-        a.splits = forced_splits;
-        const int splits = strata::kernels::cuda::ChooseSplits(L, a, pages_per_seq);
-        CHECK_CUDA(cudaMalloc(&work, strata::kernels::cuda::WorkspaceBytes(batch, 32, 128, splits)));
-        a.workspace = work;
-        a.splits = splits;
-        const double ms = MedianMs(timer, runs, flush, flush_bytes, [&] {
-          return strata::kernels::cuda::PagedDecode(L, a, pages_per_seq, nullptr);
-        });
-        Row row;
-        row.kernel = k.name;
-        row.batch = batch;
-        row.context = context;
-        row.ms = ms;
-        row.bytes = static_cast<double>(pool_bytes);
-        row.gbps = row.bytes / (row.ms * 1e-3) / 1e9;
-        row.of_copy = row.gbps / copy_gbps;
-        if (k.format == PageFormat::kFp16) fp16_ms = row.ms;
-        row.speedup = fp16_ms > 0 ? fp16_ms / row.ms : 0;
-        row.splits = splits;
-        rows.push_back(row);
-        for (void* p : {pool, q, o, work, table, counts}) cudaFree(p);
+  for (int page : page_sizes) {
+    for (int batch : batches) {
+      for (int context : contexts) {
+        if (context > 32768 && batch > 16) continue;  // 128k at batch 64: 32 GiB of fp16 KV
+        double fp16_ms = 0;
+        for (const Kernel& k : kernels) {
+          const PagedKvLayout L = LayoutOf(k.spec, page);
+          const int pages_per_seq = context / L.page_tokens;
+          const size_t pages = static_cast<size_t>(batch) * pages_per_seq;
+          const size_t pool_bytes = pages * L.PageBytes();
+          void *pool = nullptr, *q = nullptr, *o = nullptr, *work = nullptr, *table = nullptr,
+               *counts = nullptr;
+          CHECK_CUDA(cudaMalloc(&pool, pool_bytes));
+          Fill(pool, pool_bytes, 11);
+          std::vector<int32_t> t(pages), c(batch, pages_per_seq);
+          for (size_t i = 0; i < pages; ++i)
+            t[i] = static_cast<int32_t>((i * 7919) % pages);  // scattered
+          CHECK_CUDA(cudaMalloc(&table, t.size() * 4));
+          CHECK_CUDA(cudaMemcpy(table, t.data(), t.size() * 4, cudaMemcpyHostToDevice));
+          CHECK_CUDA(cudaMalloc(&counts, c.size() * 4));
+          CHECK_CUDA(cudaMemcpy(counts, c.data(), c.size() * 4, cudaMemcpyHostToDevice));
+          const size_t qn = static_cast<size_t>(batch) * 32 * 128;
+          CHECK_CUDA(cudaMalloc(&q, qn * 4));
+          CHECK_CUDA(cudaMalloc(&o, qn * 4));
+          Fill(q, qn * 4, 13);  // finite floats (two fp16-ranged halves each)
+          PagedDecodeArgs a;
+          a.pages = static_cast<const uint8_t*>(pool);
+          a.block_table = static_cast<const int32_t*>(table);
+          a.max_pages = pages_per_seq;
+          a.page_counts = static_cast<const int32_t*>(counts);
+          a.q = static_cast<const float*>(q);
+          a.batch = batch;
+          a.q_heads = 32;
+          a.out = static_cast<float*>(o);
+          a.splits = forced_splits;
+          const int splits = strata::kernels::cuda::ChooseSplits(L, a, pages_per_seq);
+          CHECK_CUDA(
+              cudaMalloc(&work, strata::kernels::cuda::WorkspaceBytes(batch, 32, 128, splits)));
+          a.workspace = work;
+          a.splits = splits;
+          const double ms = MedianMs(timer, runs, flush, flush_bytes, [&] {
+            return strata::kernels::cuda::PagedDecode(L, a, pages_per_seq, nullptr);
+          });
+          Row row;
+          row.kernel = k.name;
+          row.page = page;
+          row.batch = batch;
+          row.context = context;
+          row.ms = ms;
+          row.bytes = static_cast<double>(pages) * SectionBytes(L);
+          row.gbps = row.bytes / (row.ms * 1e-3) / 1e9;
+          row.of_copy = row.gbps / copy_gbps;
+          if (L.format == PageFormat::kFp16) fp16_ms = row.ms;
+          row.speedup = fp16_ms > 0 ? fp16_ms / row.ms : 0;
+          row.splits = splits;
+          rows.push_back(row);
+          for (void* p : {pool, q, o, work, table, counts}) cudaFree(p);
+        }
       }
     }
   }
 
-  // Compression at prefill: 2048 chunks of 64 tokens (fp32 K and V, 1 GiB) into pages; bytes
-  // read plus written against the copy.
+  // Compression at prefill: 131072 tokens (fp32 K and V, 1 GiB) in chunks of each page size into
+  // pages; bytes read plus written against the copy.
   struct Compressed {
-    int bits = 0;
+    int bits = 0, page = 0;
     double ms = 0, gbps = 0, of_copy = 0;
   };
   std::vector<Compressed> compressed;
-  for (int bits : {4, 2}) {
-    PagedKvLayout L;
-    L.format = PageFormat::kAffine;
-    L.kv_heads = 8;
-    L.head_dim = 128;
-    L.page_tokens = 64;
-    L.key_bits = L.value_bits = bits;
-    const int chunks = 2048;
-    const size_t in_bytes = static_cast<size_t>(chunks) * 64 * 8 * 128 * 4;
-    void *k = nullptr, *v = nullptr, *pages = nullptr, *ids = nullptr;
-    CHECK_CUDA(cudaMalloc(&k, in_bytes));
-    CHECK_CUDA(cudaMalloc(&v, in_bytes));
-    CHECK_CUDA(cudaMalloc(&pages, chunks * L.PageBytes()));
-    Fill(k, in_bytes, 17);  // pairs of finite halves: finite floats
-    Fill(v, in_bytes, 19);
-    std::vector<int32_t> id(chunks);
-    for (int i = 0; i < chunks; ++i) id[i] = i;
-    CHECK_CUDA(cudaMalloc(&ids, chunks * 4));
-    CHECK_CUDA(cudaMemcpy(ids, id.data(), chunks * 4, cudaMemcpyHostToDevice));
-    strata::kernels::cuda::CompressArgs a;
-    a.k = static_cast<const float*>(k);
-    a.v = static_cast<const float*>(v);
-    a.chunks = chunks;
-    a.pages = static_cast<uint8_t*>(pages);
-    a.page_ids = static_cast<const int32_t*>(ids);
-    const double ms = MedianMs(timer, runs, flush, flush_bytes,
-                               [&] { return strata::kernels::cuda::CompressToPages(L, a, nullptr); });
-    Compressed c;
-    c.bits = bits;
-    c.ms = ms;
-    c.gbps = (2.0 * in_bytes + chunks * static_cast<double>(L.PageBytes())) / (c.ms * 1e-3) / 1e9;
-    c.of_copy = c.gbps / copy_gbps;
-    compressed.push_back(c);
-    for (void* p : {k, v, pages, ids}) cudaFree(p);
+  for (int page : page_sizes) {
+    for (int bits : {4, 2}) {
+      const PagedKvLayout L = LayoutOf(bits == 4 ? "kivi:k4v4:g32" : "kivi:k2v2:g32", page);
+      const int chunks = 131072 / page;
+      const size_t in_bytes = static_cast<size_t>(chunks) * page * 8 * 128 * 4;
+      void *k = nullptr, *v = nullptr, *pages = nullptr, *ids = nullptr;
+      CHECK_CUDA(cudaMalloc(&k, in_bytes));
+      CHECK_CUDA(cudaMalloc(&v, in_bytes));
+      CHECK_CUDA(cudaMalloc(&pages, chunks * L.PageBytes()));
+      Fill(k, in_bytes, 17);  // pairs of finite halves: finite floats
+      Fill(v, in_bytes, 19);
+      std::vector<int32_t> id(chunks);
+      for (int i = 0; i < chunks; ++i) id[i] = i;
+      CHECK_CUDA(cudaMalloc(&ids, chunks * 4));
+      CHECK_CUDA(cudaMemcpy(ids, id.data(), chunks * 4, cudaMemcpyHostToDevice));
+      strata::kernels::cuda::CompressArgs a;
+      a.k = static_cast<const float*>(k);
+      a.v = static_cast<const float*>(v);
+      a.chunks = chunks;
+      a.pages = static_cast<uint8_t*>(pages);
+      a.page_ids = static_cast<const int32_t*>(ids);
+      const double ms = MedianMs(timer, runs, flush, flush_bytes, [&] {
+        return strata::kernels::cuda::CompressToPages(L, a, nullptr);
+      });
+      Compressed c;
+      c.bits = bits;
+      c.page = page;
+      c.ms = ms;
+      c.gbps = (2.0 * in_bytes + chunks * SectionBytes(L)) / (c.ms * 1e-3) / 1e9;
+      c.of_copy = c.gbps / copy_gbps;
+      compressed.push_back(c);
+      for (void* p : {k, v, pages, ids}) cudaFree(p);
+    }
   }
 
   char date[16];
@@ -290,21 +323,23 @@ int main(int argc, char** argv) {
       << (commit != nullptr ? commit : "unknown") << "\n";
   txt << "device-to-device copy: " << copy_gbps << " GB/s (read + write); median of " << runs
       << " runs, L2 flushed before each\n";
-  txt << "head dim 128, 32 query heads over 8 KV heads, pages of 64 tokens\n\n";
+  txt << "head dim 128, 32 query heads over 8 KV heads; pages are blocks read in place\n\n";
   char line[256];
-  std::snprintf(line, sizeof(line), "%-18s %6s %8s %10s %10s %9s %9s %9s %7s\n", "kernel", "batch",
-                "context", "time ms", "MB read", "GB/s", "of copy", "vs fp16", "splits");
+  std::snprintf(line, sizeof(line), "%-18s %5s %6s %8s %10s %10s %9s %9s %9s %7s\n", "kernel",
+                "page", "batch", "context", "time ms", "MB read", "GB/s", "of copy", "vs fp16",
+                "splits");
   txt << line;
   for (const Row& r : rows) {
-    std::snprintf(line, sizeof(line), "%-18s %6d %8d %10.4f %10.1f %9.1f %8.1f%% %8.2fx %7d\n",
-                  r.kernel.c_str(), r.batch, r.context, r.ms, r.bytes / 1e6, r.gbps,
+    std::snprintf(line, sizeof(line), "%-18s %5d %6d %8d %10.4f %10.1f %9.1f %8.1f%% %8.2fx %7d\n",
+                  r.kernel.c_str(), r.page, r.batch, r.context, r.ms, r.bytes / 1e6, r.gbps,
                   100 * r.of_copy, r.speedup, r.splits);
     txt << line;
   }
-  txt << "\ncompression (KIVI g32, fp32 K and V of 2048 chunks of 64 tokens into pages):\n";
+  txt << "\ncompression (KIVI g32, fp32 K and V of 131072 tokens into pages):\n";
   for (const Compressed& c : compressed) {
-    std::snprintf(line, sizeof(line), "  k%dv%d: %.3f ms, %.1f GB/s read + written, %.1f%% of copy\n",
-                  c.bits, c.bits, c.ms, c.gbps, 100 * c.of_copy);
+    std::snprintf(line, sizeof(line),
+                  "  k%dv%d, %d-token chunks: %.3f ms, %.1f GB/s read + written, %.1f%% of copy\n",
+                  c.bits, c.bits, c.page, c.ms, c.gbps, 100 * c.of_copy);
     txt << line;
   }
   std::fputs(txt.str().c_str(), stdout);
@@ -321,16 +356,18 @@ int main(int argc, char** argv) {
          << "\", \"copy_gbps\": " << copy_gbps << ", \"rows\": [";
     for (size_t i = 0; i < rows.size(); ++i) {
       const Row& r = rows[i];
-      json << (i ? ", " : "") << "{\"kernel\": \"" << r.kernel << "\", \"batch\": " << r.batch
-           << ", \"context\": " << r.context << ", \"ms\": " << r.ms << ", \"bytes\": " << r.bytes
-           << ", \"gbps\": " << r.gbps << ", \"of_copy\": " << r.of_copy
-           << ", \"vs_fp16\": " << r.speedup << ", \"splits\": " << r.splits << "}";
+      json << (i ? ", " : "") << "{\"kernel\": \"" << r.kernel << "\", \"page\": " << r.page
+           << ", \"batch\": " << r.batch << ", \"context\": " << r.context << ", \"ms\": " << r.ms
+           << ", \"bytes\": " << r.bytes << ", \"gbps\": " << r.gbps
+           << ", \"of_copy\": " << r.of_copy << ", \"vs_fp16\": " << r.speedup
+           << ", \"splits\": " << r.splits << "}";
     }
     json << "], \"compression\": [";
     for (size_t i = 0; i < compressed.size(); ++i) {
       const Compressed& c = compressed[i];
-      json << (i ? ", " : "") << "{\"bits\": " << c.bits << ", \"ms\": " << c.ms
-           << ", \"gbps\": " << c.gbps << ", \"of_copy\": " << c.of_copy << "}";
+      json << (i ? ", " : "") << "{\"bits\": " << c.bits << ", \"page\": " << c.page
+           << ", \"ms\": " << c.ms << ", \"gbps\": " << c.gbps << ", \"of_copy\": " << c.of_copy
+           << "}";
     }
     json << "]}\n";
   }

@@ -1,37 +1,75 @@
 #include "kernels/cuda/block_pages.h"
 
 #include <cstring>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/block_operands.h"
+#include "kernels/codec.h"
 
 namespace strata::kernels::cuda {
 namespace {
 
-absl::Status Unsupported(const BlockOperands& ops, absl::string_view why) {
-  return absl::UnimplementedError(
-      absl::StrCat("GPU pages: ", ops.spec.ToString(), " blocks: ", why));
+absl::Status Unsupported(const CodecSpec& spec, absl::string_view why) {
+  return absl::UnimplementedError(absl::StrCat("GPU pages: ", spec.ToString(), " blocks: ", why));
+}
+
+// The offset of `p` (a section's data) in the block, or an error when it is not inside the block
+// (metadata the operands widened elsewhere: not readable in place).
+absl::StatusOr<uint32_t> OffsetOf(const BlockView& block, const CodecSpec& spec, const void* p,
+                                  absl::string_view what) {
+  const uint8_t* b = block.bytes().data();
+  const uint8_t* x = static_cast<const uint8_t*>(p);
+  if (x == nullptr || x < b || x >= b + block.bytes().size()) {
+    return Unsupported(spec,
+                       absl::StrCat(what, " are not stored in the block as the GPU reads them"));
+  }
+  return static_cast<uint32_t>(x - b);
 }
 
 }  // namespace
 
-absl::StatusOr<PagedKvLayout> PageLayoutFor(const BlockOperands& ops) {
+absl::StatusOr<PagedKvLayout> PageLayoutFor(const BlockView& block) {
+  absl::StatusOr<PreparedBlock> prepared = PrepareBlock(block);
+  if (!prepared.ok()) {
+    if (prepared.status().code() == absl::StatusCode::kFailedPrecondition) {
+      return absl::UnimplementedError(absl::StrCat("GPU pages: ", block.header().codec_spec,
+                                                   " blocks: no calibrated codecs yet (",
+                                                   prepared.status().message(), ")"));
+    }
+    return prepared.status();
+  }
+  const CodecSpec& spec = prepared->spec;
+  if (prepared->parts.size() != 1 || prepared->parts[0].tokens != prepared->tokens) {
+    return Unsupported(spec, "no parts (sinks, mixed precision) in GPU pages yet");
+  }
+  const BlockOperands& ops = prepared->parts[0];
   PagedKvLayout L;
   L.kv_heads = static_cast<int>(ops.kv_heads);
   L.head_dim = static_cast<int>(ops.head_dim);
   L.page_tokens = static_cast<int>(ops.tokens);
   const TensorOperands& k = ops.k;
   const TensorOperands& v = ops.v;
-  if (k.rank != 0 || v.rank != 0) return Unsupported(ops, "no low-rank term in GPU pages yet");
+  if (k.rank != 0 || v.rank != 0) return Unsupported(spec, "no low-rank term in GPU pages yet");
   if (k.outliers_per_vector != 0 || v.outliers_per_vector != 0) {
-    return Unsupported(ops, "no sparse outliers in GPU pages yet");
+    return Unsupported(spec, "no sparse outliers in GPU pages yet");
   }
   if (k.channel_norm != nullptr || k.channel_perm != nullptr || k.head_mean != nullptr ||
       v.channel_norm != nullptr || v.channel_perm != nullptr || v.head_mean != nullptr ||
       ops.mean_ops != nullptr) {
-    return Unsupported(ops, "no channel normalizers, permutations or head means in GPU pages yet");
+    return Unsupported(spec, "no channel normalizers, permutations or head means in GPU pages yet");
   }
+  auto offset = [&](const void* p, absl::string_view what, uint32_t* out) {
+    absl::StatusOr<uint32_t> o = OffsetOf(block, spec, p, what);
+    if (o.ok()) *out = *o;
+    return o.status();
+  };
   if (k.kind == CodeKind::kFloat16 && v.kind == CodeKind::kFloat16) {
     L.format = PageFormat::kFp16;
+    for (absl::Status s :
+         {offset(k.codes, "keys", &L.key_codes), offset(v.codes, "values", &L.value_codes)}) {
+      if (!s.ok()) return s;
+    }
   } else if (k.kind == CodeKind::kAffine && v.kind == CodeKind::kAffine && !k.token_groups &&
              v.token_groups) {
     L.format = PageFormat::kAffine;
@@ -40,43 +78,58 @@ absl::StatusOr<PagedKvLayout> PageLayoutFor(const BlockOperands& ops) {
     L.k_group = static_cast<int>(k.group_size);
     L.v_group = static_cast<int>(v.group_size);
     if (k.groups * k.group_size != ops.tokens || v.groups * v.group_size != ops.head_dim) {
-      return Unsupported(ops, "groups must divide the block's tokens and head_dim");
+      return Unsupported(spec, "groups must divide the block's tokens and head_dim");
+    }
+    for (absl::Status s :
+         {offset(k.codes, "key codes", &L.key_codes), offset(k.scales, "key scales", &L.key_scales),
+          offset(k.zeros, "key zero points", &L.key_zeros),
+          offset(v.codes, "value codes", &L.value_codes),
+          offset(v.scales, "value scales", &L.value_scales),
+          offset(v.zeros, "value zero points", &L.value_zeros)}) {
+      if (!s.ok()) return s;
     }
   } else {
-    return Unsupported(ops, "only fp16 and KIVI (K per channel, V per token) codes");
+    return Unsupported(spec, "only fp16 and KIVI (K per channel, V per token) codes");
   }
-  if (absl::Status s = L.Validate(); !s.ok()) {
-    return Unsupported(ops, s.message());
-  }
+  const size_t bytes = block.bytes().size();
+  L.page_bytes =
+      static_cast<uint32_t>((bytes + kPageAlignment - 1) / kPageAlignment * kPageAlignment);
+  if (absl::Status s = L.Validate(); !s.ok()) return Unsupported(spec, s.message());
   return L;
 }
 
-absl::Status PackPage(const BlockOperands& ops, const PagedKvLayout& L, uint8_t* page) {
-  absl::StatusOr<PagedKvLayout> want = PageLayoutFor(ops);
+absl::StatusOr<PagedKvLayout> PageLayoutForCodec(absl::string_view spec, uint32_t tokens,
+                                                 uint32_t kv_heads, uint32_t head_dim) {
+  absl::StatusOr<std::unique_ptr<Codec>> codec = Codec::Create(spec);
+  if (!codec.ok()) return codec.status();
+  const std::vector<float> zeros(static_cast<size_t>(tokens) * kv_heads * head_dim, 0.f);
+  absl::StatusOr<AlignedBuffer> block = (*codec)->Encode(
+      {zeros.data(), zeros.data(), SourceDType::kFloat32, tokens, kv_heads, head_dim},
+      {.layer = 0, .chunk_index = 1});  // not chunk 0: a sink would make parts
+  if (!block.ok()) return block.status();
+  absl::StatusOr<BlockView> view = BlockView::Parse(block->span());
+  if (!view.ok()) return view.status();
+  return PageLayoutFor(*view);
+}
+
+absl::Status CheckPage(const BlockView& block, const PagedKvLayout& layout) {
+  absl::StatusOr<PagedKvLayout> want = PageLayoutFor(block);
   if (!want.ok()) return want.status();
-  if (want->format != L.format || want->kv_heads != L.kv_heads || want->head_dim != L.head_dim ||
-      want->page_tokens != L.page_tokens || want->key_bits != L.key_bits ||
-      want->value_bits != L.value_bits || want->k_group != L.k_group ||
-      want->v_group != L.v_group) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("GPU pages: a ", ops.spec.ToString(), " block does not fit this layout"));
-  }
-  std::memset(page, 0, L.PageBytes());
-  const size_t T = L.page_tokens, D = L.head_dim;
-  for (size_t h = 0; h < static_cast<size_t>(L.kv_heads); ++h) {
-    uint8_t* head = page + h * L.HeadBytes();
-    if (L.format == PageFormat::kFp16) {
-      std::memcpy(head, ops.k.codes + h * T * ops.k.row_bytes, T * D * 2);
-      std::memcpy(head + L.HeadBytes() / 2, ops.v.codes + h * T * ops.v.row_bytes, T * D * 2);
-      continue;
-    }
-    const size_t kg = ops.k.groups, vg = ops.v.groups;
-    std::memcpy(head + L.KeyCodes(), ops.k.codes + h * T * ops.k.row_bytes, T * ops.k.row_bytes);
-    std::memcpy(head + L.KeyScales(), ops.k.scales + h * kg * D, kg * D * 2);
-    std::memcpy(head + L.KeyZeros(), ops.k.zeros + h * kg * D, kg * D * 2);
-    std::memcpy(head + L.ValueCodes(), ops.v.codes + h * T * ops.v.row_bytes, T * ops.v.row_bytes);
-    std::memcpy(head + L.ValueScales(), ops.v.scales + h * T * vg, T * vg * 2);
-    std::memcpy(head + L.ValueZeros(), ops.v.zeros + h * T * vg, T * vg * 2);
+  const PagedKvLayout& w = *want;
+  const bool same =
+      w.format == layout.format && w.kv_heads == layout.kv_heads && w.head_dim == layout.head_dim &&
+      w.page_tokens == layout.page_tokens &&
+      (w.format == PageFormat::kFp16 ||
+       (w.key_bits == layout.key_bits && w.value_bits == layout.value_bits &&
+        w.k_group == layout.k_group && w.v_group == layout.v_group &&
+        w.key_scales == layout.key_scales && w.key_zeros == layout.key_zeros &&
+        w.value_scales == layout.value_scales && w.value_zeros == layout.value_zeros)) &&
+      w.key_codes == layout.key_codes && w.value_codes == layout.value_codes &&
+      block.bytes().size() <= layout.page_bytes;
+  if (!same) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "GPU pages: a ", block.header().codec_spec, " block of ", block.header().token_count,
+        " tokens (", block.bytes().size(), " bytes) is not a page of this pool's layout"));
   }
   return absl::OkStatus();
 }

@@ -13,12 +13,15 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "common/block_reader.h"
 #include "common/half.h"
 #include "common/testing/cuda_device.h"
 #include "gtest/gtest.h"
+#include "kernels/block_operands.h"
 #include "kernels/codec.h"
 #include "kernels/cuda/compress.h"
+#include "kernels/cuda/page_tiles.h"
 #include "kernels/decode_attention.h"
 #include "kernels/synthetic_kv.h"
 
@@ -29,120 +32,217 @@ constexpr uint32_t kHeads = 2, kDim = 128, kTokens = 64;
 
 struct Block {
   AlignedBuffer bytes;
-  PreparedBlock prepared;
+  BlockView view() const { return *BlockView::Parse(bytes.span()); }
 };
 
-std::unique_ptr<Block> Encode(const std::string& spec, uint32_t chunk, uint64_t seed) {
+std::unique_ptr<Block> Encode(const std::string& spec, uint32_t chunk, uint64_t seed,
+                              uint32_t tokens = kTokens) {
   auto codec = Codec::Create(spec);
   EXPECT_TRUE(codec.ok()) << codec.status();
-  const SyntheticKv kv = MakeSyntheticKv(kTokens, kHeads, kDim, seed, chunk * kTokens);
-  absl::StatusOr<AlignedBuffer> b = (*codec)->Encode(
-      {kv.k.data(), kv.v.data(), SourceDType::kFloat32, kTokens, kHeads, kDim},
-      {.layer = 0, .chunk_index = chunk});
+  const SyntheticKv kv = MakeSyntheticKv(tokens, kHeads, kDim, seed, chunk * tokens);
+  absl::StatusOr<AlignedBuffer> b =
+      (*codec)->Encode({kv.k.data(), kv.v.data(), SourceDType::kFloat32, tokens, kHeads, kDim},
+                       {.layer = 0, .chunk_index = chunk});
   EXPECT_TRUE(b.ok()) << b.status();
   auto block = std::make_unique<Block>();
   block->bytes = *std::move(b);
-  absl::StatusOr<BlockView> view = BlockView::Parse(block->bytes.span());
-  EXPECT_TRUE(view.ok()) << view.status();
-  absl::StatusOr<PreparedBlock> p = PrepareBlock(*view);
-  EXPECT_TRUE(p.ok()) << p.status();
-  block->prepared = *std::move(p);
+  EXPECT_TRUE(BlockView::Parse(block->bytes.span()).ok());
   return block;
+}
+
+double HalfAt(const uint8_t* p, size_t offset, size_t index) {
+  uint16_t bits;
+  std::memcpy(&bits, p + offset + 2 * index, 2);
+  return static_cast<double>(HalfBitsToFloat(bits));
+}
+
+double CodeAt(const uint8_t* p, size_t offset, size_t row_bytes, int bits, size_t row, size_t c) {
+  const size_t bit = c * bits;
+  return (p[offset + row * row_bytes + bit / 8] >> (bit % 8)) & ((1 << bits) - 1);
 }
 
 // What the page says token t of head h is, as PagedKvLayout defines it.
 double PageValue(const PagedKvLayout& L, const uint8_t* page, bool key, int h, int t, int c) {
-  const uint8_t* head = page + static_cast<size_t>(h) * L.HeadBytes();
-  const int D = L.head_dim;
-  auto half_at = [&](size_t offset, size_t index) {
-    uint16_t bits;
-    std::memcpy(&bits, head + offset + 2 * index, 2);
-    return static_cast<double>(HalfBitsToFloat(bits));
-  };
+  const size_t D = L.head_dim;
   if (L.format == PageFormat::kFp16) {
-    return half_at(key ? 0 : L.HeadBytes() / 2, static_cast<size_t>(t) * D + c);
+    return HalfAt(page, key ? L.KeyCodesOf(h) : L.ValueCodesOf(h), t * D + c);
   }
   const int bits = key ? L.key_bits : L.value_bits;
-  const size_t codes = key ? L.KeyCodes() : L.ValueCodes();
-  const size_t bit = static_cast<size_t>(c) * bits;
-  const double code = (head[codes + static_cast<size_t>(t) * (D * bits / 8) + bit / 8] >> (bit % 8)) &
-                      ((1 << bits) - 1);
+  const double code =
+      CodeAt(page, key ? L.KeyCodesOf(h) : L.ValueCodesOf(h), D * bits / 8, bits, t, c);
   if (key) {
     const size_t i = static_cast<size_t>(t / L.k_group) * D + c;
-    return half_at(L.KeyScales(), i) * code + half_at(L.KeyZeros(), i);
+    return HalfAt(page, L.KeyScalesOf(h), i) * code + HalfAt(page, L.KeyZerosOf(h), i);
   }
   const size_t i = static_cast<size_t>(t) * (D / L.v_group) + c / L.v_group;
-  return half_at(L.ValueScales(), i) * code + half_at(L.ValueZeros(), i);
+  return HalfAt(page, L.ValueScalesOf(h), i) * code + HalfAt(page, L.ValueZerosOf(h), i);
 }
 
-TEST(BlockPagesTest, APageHoldsExactlyWhatTheCpuDecodesFromTheBlock) {
-  for (const char* spec : {"fp16", "kivi:k4v4:g32", "kivi:k2v2:g32", "kivi:k4v2:g16", "kivi:k2v4:g64"}) {
-    SCOPED_TRACE(spec);
-    std::unique_ptr<Block> b = Encode(spec, 3, 17);
-    ASSERT_EQ(b->prepared.parts.size(), 1u);
-    const BlockOperands& ops = b->prepared.parts[0];
-    absl::StatusOr<PagedKvLayout> L = PageLayoutFor(ops);
-    ASSERT_TRUE(L.ok()) << L.status();
-    std::vector<uint8_t> page(L->PageBytes());
-    ASSERT_TRUE(PackPage(ops, *L, page.data()).ok());
-    std::vector<float> k(kTokens * kHeads * kDim), v(k.size());
-    ASSERT_TRUE(DecodeOperandsRef(ops, k.data(), v.data()).ok());
-    double worst = 0;
-    for (uint32_t t = 0; t < kTokens; ++t) {
-      for (uint32_t h = 0; h < kHeads; ++h) {
-        for (uint32_t c = 0; c < kDim; ++c) {
-          const size_t i = (static_cast<size_t>(t) * kHeads + h) * kDim + c;
-          worst = std::max(worst, std::abs(PageValue(*L, page.data(), true, h, t, c) - k[i]));
-          worst = std::max(worst, std::abs(PageValue(*L, page.data(), false, h, t, c) - v[i]));
+// What a staged slice (TileLayout) says token t of the slice is.
+double TileValue(const TileLayout& T, const uint8_t* tile, bool key, int t, int c) {
+  const size_t D = T.head_dim;
+  if (T.format == PageFormat::kFp16) return HalfAt(tile, key ? 0 : T.FpValues(), t * D + c);
+  const int bits = key ? T.key_bits : T.value_bits;
+  const double code = CodeAt(tile, key ? T.KeyCodes() : T.ValueCodes(), D * bits / 8, bits, t, c);
+  if (key) {
+    const size_t i = static_cast<size_t>(t / T.k_group) * D + c;
+    return HalfAt(tile, T.KeyScales(), i) * code + HalfAt(tile, T.KeyZeros(), i);
+  }
+  const size_t i = static_cast<size_t>(t) * (D / T.v_group) + c / T.v_group;
+  return HalfAt(tile, T.ValueScales(), i) * code + HalfAt(tile, T.ValueZeros(), i);
+}
+
+// The chunk sizes clusters use: 64 to 256 tokens (256 the default), and 512.
+constexpr uint32_t kChunkSizes[] = {64, 128, 256, 512};
+constexpr const char* kSpecs[] = {"fp16",          "kivi:k4v4:g32", "kivi:k2v2:g32",
+                                  "kivi:k4v2:g16", "kivi:k2v4:g64", "kivi:k4v4:g128",
+                                  "kcvt:k4v4"};
+
+// The block's own bytes are the page: read through the layout, they hold exactly the values the
+// CPU decodes from the block.
+TEST(BlockPagesTest, ABlockReadThroughItsLayoutHoldsExactlyWhatTheCpuDecodes) {
+  for (uint32_t tokens : kChunkSizes) {
+    for (const char* spec : kSpecs) {
+      SCOPED_TRACE(absl::StrCat(spec, " at ", tokens, " tokens"));
+      std::unique_ptr<Block> b = Encode(spec, 3, 17, tokens);
+      absl::StatusOr<PagedKvLayout> L = PageLayoutFor(b->view());
+      ASSERT_TRUE(L.ok()) << L.status();
+      EXPECT_EQ(L->page_tokens, static_cast<int>(tokens));
+      EXPECT_GE(L->PageBytes(), b->bytes.size());
+      EXPECT_LT(L->PageBytes(), b->bytes.size() + kPageAlignment);
+      std::vector<float> k(static_cast<size_t>(tokens) * kHeads * kDim), v(k.size());
+      ASSERT_TRUE(DecodeBlockRef(b->view(), k.data(), v.data()).ok());
+      const uint8_t* page = b->bytes.data();
+      double worst = 0;
+      for (uint32_t t = 0; t < tokens; ++t) {
+        for (uint32_t h = 0; h < kHeads; ++h) {
+          for (uint32_t c = 0; c < kDim; ++c) {
+            const size_t i = (static_cast<size_t>(t) * kHeads + h) * kDim + c;
+            worst = std::max(worst, std::abs(PageValue(*L, page, true, h, t, c) - k[i]));
+            worst = std::max(worst, std::abs(PageValue(*L, page, false, h, t, c) - v[i]));
+          }
         }
       }
+      EXPECT_LT(worst, 1e-5);  // fp32 rounding of scale * code + zero, nothing more
     }
-    EXPECT_LT(worst, 1e-5);  // fp32 rounding of scale * code + zero, nothing more
   }
 }
 
-TEST(BlockPagesTest, BlocksThePageFormatCannotHoldAreRefusedSayingWhy) {
-  std::unique_ptr<Block> gear = Encode("gear:k4v4:g32:r2:s2", 0, 5);
-  absl::StatusOr<PagedKvLayout> L = PageLayoutFor(gear->prepared.parts[0]);
-  EXPECT_EQ(L.status().code(), absl::StatusCode::kUnimplemented);
-  EXPECT_NE(L.status().message().find("low-rank"), std::string::npos) << L.status();
-  std::unique_ptr<Block> int8 = Encode("int8", 0, 5);
-  EXPECT_EQ(PageLayoutFor(int8->prepared.parts[0]).status().code(),
-            absl::StatusCode::kUnimplemented);
-  // A layout of another shape is refused.
-  std::unique_ptr<Block> kivi = Encode("kivi:k4v4:g32", 0, 5);
-  absl::StatusOr<PagedKvLayout> other = PageLayoutFor(kivi->prepared.parts[0]);
-  ASSERT_TRUE(other.ok());
-  other->key_bits = 2;
-  std::vector<uint8_t> page(other->PageBytes());
-  EXPECT_EQ(PackPage(kivi->prepared.parts[0], *other, page.data()).code(),
-            absl::StatusCode::kInvalidArgument);
+// What the kernels stage from a page (PartOf, a slice of TileTokens() tokens at a time, each
+// part copied as 16-byte pieces the way cp.async copies them) holds the CPU's values of the
+// slice's tokens: the addressing the GPU uses, checked on the CPU.
+TEST(BlockPagesTest, TheKernelsSlicesOfAPageHoldTheCpusValuesOfTheirTokens) {
+  for (uint32_t tokens : kChunkSizes) {
+    for (const char* spec : kSpecs) {
+      SCOPED_TRACE(absl::StrCat(spec, " at ", tokens, " tokens"));
+      std::unique_ptr<Block> b = Encode(spec, 2, 23, tokens);
+      absl::StatusOr<PagedKvLayout> L = PageLayoutFor(b->view());
+      ASSERT_TRUE(L.ok()) << L.status();
+      const TileLayout T(*L);
+      EXPECT_EQ(T.tokens * T.tiles_per_page, L->page_tokens);
+      EXPECT_LE(T.tokens, 128);
+      std::vector<uint8_t> page(L->PageBytes(), 0);
+      std::memcpy(page.data(), b->bytes.data(), b->bytes.size());
+      std::vector<float> k(static_cast<size_t>(tokens) * kHeads * kDim), v(k.size());
+      ASSERT_TRUE(DecodeBlockRef(b->view(), k.data(), v.data()).ok());
+      double worst = 0;
+      for (int h = 0; h < L->kv_heads; ++h) {
+        for (int sub = 0; sub < T.tiles_per_page; ++sub) {
+          std::vector<uint8_t> tile(T.HeadBytes(), 0xAB);
+          for (int p = 0; p < PartCount(*L); ++p) {
+            const TilePart part = PartOf(*L, p, h, sub);
+            ASSERT_EQ(part.bytes % 16, 0) << "part " << p;
+            ASSERT_EQ(part.src % 16, 0u) << "part " << p;
+            ASSERT_EQ(part.dst % 16, 0) << "part " << p;
+            ASSERT_LE(part.src + part.bytes, page.size()) << "part " << p;
+            ASSERT_LE(part.dst + part.bytes, tile.size()) << "part " << p;
+            for (int i = 0; i < part.bytes; i += 16) {
+              std::memcpy(tile.data() + part.dst + i, page.data() + part.src + i, 16);
+            }
+          }
+          for (int t = 0; t < T.tokens; ++t) {
+            for (uint32_t c = 0; c < kDim; ++c) {
+              const size_t i = (static_cast<size_t>(sub * T.tokens + t) * kHeads + h) * kDim + c;
+              worst = std::max(worst, std::abs(TileValue(T, tile.data(), true, t, c) - k[i]));
+              worst = std::max(worst, std::abs(TileValue(T, tile.data(), false, t, c) - v[i]));
+            }
+          }
+        }
+      }
+      EXPECT_LT(worst, 1e-5);
+    }
+  }
 }
 
-// The GPU over pages made from real blocks against the CPU's reference attention over the same
-// blocks (and an fp16 window), 8 query heads over 2 KV heads, one sequence per codec.
+TEST(BlockPagesTest, BlocksTheKernelsCannotReadAreRefusedSayingWhy) {
+  std::unique_ptr<Block> gear = Encode("gear:k4v4:g32:r2:s2", 1, 5);
+  absl::StatusOr<PagedKvLayout> L = PageLayoutFor(gear->view());
+  EXPECT_EQ(L.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_NE(L.status().message().find("low-rank"), std::string::npos) << L.status();
+  std::unique_ptr<Block> int8 = Encode("int8", 1, 5);
+  EXPECT_EQ(PageLayoutFor(int8->view()).status().code(), absl::StatusCode::kUnimplemented);
+  std::unique_ptr<Block> sinks = Encode("kivi:k4v4:g32:sink4", 0, 5);
+  absl::StatusOr<PagedKvLayout> S = PageLayoutFor(sinks->view());
+  EXPECT_EQ(S.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_NE(S.status().message().find("parts"), std::string::npos) << S.status();
+  // A page of another pool's layout is refused; one of the same codec and shape is not.
+  std::unique_ptr<Block> kivi = Encode("kivi:k4v4:g32", 1, 5);
+  absl::StatusOr<PagedKvLayout> same = PageLayoutForCodec("kivi:k4v4:g32", kTokens, kHeads, kDim);
+  ASSERT_TRUE(same.ok()) << same.status();
+  EXPECT_TRUE(CheckPage(kivi->view(), *same).ok()) << CheckPage(kivi->view(), *same);
+  PagedKvLayout other = *same;
+  other.key_bits = 2;
+  EXPECT_EQ(CheckPage(kivi->view(), other).code(), absl::StatusCode::kInvalidArgument);
+  absl::StatusOr<PagedKvLayout> longer =
+      PageLayoutForCodec("kivi:k4v4:g32", 2 * kTokens, kHeads, kDim);
+  ASSERT_TRUE(longer.ok()) << longer.status();
+  EXPECT_EQ(CheckPage(kivi->view(), *longer).code(), absl::StatusCode::kInvalidArgument);
+  // A layout whose sections overlap or leave the page is refused by the kernels' own check.
+  PagedKvLayout bad = *same;
+  bad.value_codes = bad.key_codes + 16;
+  EXPECT_EQ(bad.Validate().code(), absl::StatusCode::kInvalidArgument);
+  bad = *same;
+  bad.page_bytes = bad.value_zeros;
+  EXPECT_EQ(bad.Validate().code(), absl::StatusCode::kInvalidArgument);
+  bad = *same;
+  bad.key_scales += 8;
+  EXPECT_EQ(bad.Validate().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// The GPU over blocks copied into device memory as they are, against the CPU's reference
+// attention over the same blocks (and an fp16 window), 8 query heads over 2 KV heads, one
+// sequence per codec and chunk size.
 TEST(BlockPagesGpuTest, GpuAttentionOverCodecBlocksEqualsTheCpuReference) {
   std::string why;
   if (!HaveCudaDevice(&why)) GTEST_SKIP() << "skipped, no GPU: " << why;
   constexpr int kQHeads = 8, kChunks = 6, kWindow = 19;
-  for (const char* spec : {"fp16", "kivi:k4v4:g32", "kivi:k2v2:g32"}) {
-    SCOPED_TRACE(spec);
+  const std::pair<const char*, uint32_t> cases[] = {
+      {"fp16", 64},           {"kivi:k4v4:g32", 64},   {"kivi:k2v2:g32", 64},  {"fp16", 256},
+      {"kivi:k4v4:g32", 256}, {"kivi:k2v2:g128", 256}, {"kivi:k4v2:g16", 128}, {"kcvt:k4v4", 512}};
+  for (const auto& [spec, tokens] : cases) {
+    SCOPED_TRACE(absl::StrCat(spec, " at ", tokens, " tokens"));
     std::vector<std::unique_ptr<Block>> blocks;
-    std::vector<const BlockOperands*> ops;
+    std::vector<PreparedBlock> prepared;
     for (int c = 0; c < kChunks; ++c) {
-      blocks.push_back(Encode(spec, c, 100 + c));
-      ops.push_back(&blocks.back()->prepared.parts[0]);
+      blocks.push_back(Encode(spec, c + 1, 100 + c, tokens));
+      absl::StatusOr<PreparedBlock> p = PrepareBlock(blocks.back()->view());
+      ASSERT_TRUE(p.ok()) << p.status();
+      prepared.push_back(*std::move(p));
     }
-    absl::StatusOr<PagedKvLayout> L = PageLayoutFor(*ops[0]);
+    std::vector<const BlockOperands*> ops;
+    for (const PreparedBlock& p : prepared) ops.push_back(&p.parts[0]);
+    absl::StatusOr<PagedKvLayout> L = PageLayoutFor(blocks[0]->view());
     ASSERT_TRUE(L.ok()) << L.status();
     std::vector<uint8_t> pool(L->PageBytes() * kChunks);
-    for (int c = 0; c < kChunks; ++c) {  // pages in reverse order in the pool
-      ASSERT_TRUE(PackPage(*ops[c], *L, pool.data() + (kChunks - 1 - c) * L->PageBytes()).ok());
+    for (int c = 0; c < kChunks; ++c) {  // the blocks' bytes as they are, in reverse order
+      ASSERT_TRUE(CheckPage(blocks[c]->view(), *L).ok());
+      std::memcpy(pool.data() + (kChunks - 1 - c) * L->PageBytes(), blocks[c]->bytes.data(),
+                  blocks[c]->bytes.size());
     }
     std::vector<int32_t> table(kChunks);
     for (int c = 0; c < kChunks; ++c) table[c] = kChunks - 1 - c;
     // The window at fp16 (the GPU's), the same values widened for the CPU.
-    const SyntheticKv w = MakeSyntheticKv(kWindow, kHeads, kDim, 9, kChunks * kTokens);
+    const SyntheticKv w = MakeSyntheticKv(kWindow, kHeads, kDim, 9, (kChunks + 1) * tokens);
     std::vector<uint16_t> wk(static_cast<size_t>(kHeads) * kWindow * kDim), wv(wk.size());
     std::vector<float> cpu_wk(w.k.size()), cpu_wv(w.v.size());
     for (int t = 0; t < kWindow; ++t) {
@@ -218,31 +318,36 @@ TEST(BlockPagesGpuTest, GpuAttentionOverCodecBlocksEqualsTheCpuReference) {
   }
 }
 
-// The GPU's KIVI compression writes, byte for byte, the page made from the CPU codec's block of
-// the same chunk (same arithmetic, same rounding), for several chunks at once into scattered
-// pages.
-TEST(BlockPagesGpuTest, GpuCompressionWritesTheCpuCodecsPagesByteForByte) {
+// The GPU's KIVI compression writes, byte for byte, the CPU codec's block of the same chunk
+// (same arithmetic, same rounding) into the page that holds the block's header, for several
+// chunks at once into scattered pages.
+TEST(BlockPagesGpuTest, GpuCompressionWritesTheCpuCodecsBlocksByteForByte) {
   std::string why;
   if (!HaveCudaDevice(&why)) GTEST_SKIP() << "skipped, no GPU: " << why;
   constexpr int kChunks = 5;
-  for (const char* spec : {"kivi:k4v4:g32", "kivi:k2v2:g32", "kivi:k4v2:g16", "kivi:k2v4:g64"}) {
-    SCOPED_TRACE(spec);
+  const std::pair<const char*, uint32_t> cases[] = {
+      {"kivi:k4v4:g32", 64}, {"kivi:k2v2:g32", 64},  {"kivi:k4v2:g16", 64},
+      {"kivi:k2v4:g64", 64}, {"kivi:k4v4:g32", 256}, {"kivi:k2v2:g128", 512}};
+  for (const auto& [spec, tokens] : cases) {
+    SCOPED_TRACE(absl::StrCat(spec, " at ", tokens, " tokens"));
     std::vector<float> k, v;
-    std::vector<uint8_t> want;
+    std::vector<uint8_t> want, headers;
     PagedKvLayout L;
     for (int c = 0; c < kChunks; ++c) {
-      const SyntheticKv kv = MakeSyntheticKv(kTokens, kHeads, kDim, 40 + c, c * kTokens);
+      const SyntheticKv kv = MakeSyntheticKv(tokens, kHeads, kDim, 40 + c, c * tokens);
       k.insert(k.end(), kv.k.begin(), kv.k.end());
       v.insert(v.end(), kv.v.begin(), kv.v.end());
-      std::unique_ptr<Block> b = Encode(spec, c, 40 + c);
-      absl::StatusOr<PagedKvLayout> l = PageLayoutFor(b->prepared.parts[0]);
+      std::unique_ptr<Block> b = Encode(spec, c + 1, 40 + c, tokens);
+      absl::StatusOr<PagedKvLayout> l = PageLayoutFor(b->view());
       ASSERT_TRUE(l.ok()) << l.status();
       L = *l;
       want.resize(static_cast<size_t>(kChunks) * L.PageBytes());
-      // Chunk c to page kChunks - 1 - c.
-      ASSERT_TRUE(PackPage(b->prepared.parts[0], L,
-                           want.data() + static_cast<size_t>(kChunks - 1 - c) * L.PageBytes())
-                      .ok());
+      headers.resize(want.size());
+      // Chunk c to page kChunks - 1 - c: the whole block, and (for the device) its header alone.
+      uint8_t* page = want.data() + static_cast<size_t>(kChunks - 1 - c) * L.PageBytes();
+      std::memcpy(page, b->bytes.data(), b->bytes.size());
+      std::memcpy(headers.data() + static_cast<size_t>(kChunks - 1 - c) * L.PageBytes(),
+                  b->bytes.data(), L.key_codes);
     }
     std::vector<int32_t> ids(kChunks);
     for (int c = 0; c < kChunks; ++c) ids[c] = kChunks - 1 - c;
@@ -254,7 +359,9 @@ TEST(BlockPagesGpuTest, GpuCompressionWritesTheCpuCodecsPagesByteForByte) {
     cudaMemcpy(d_k, k.data(), k.size() * 4, cudaMemcpyHostToDevice);
     cudaMemcpy(d_v, v.data(), v.size() * 4, cudaMemcpyHostToDevice);
     cudaMemcpy(d_ids, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice);
-    cudaMemset(d_pages, 0, want.size());  // the padding between sections, as PackPage leaves it
+    // The headers in place and zeros elsewhere (the padding between sections, as the codec writes
+    // it).
+    cudaMemcpy(d_pages, headers.data(), headers.size(), cudaMemcpyHostToDevice);
     CompressArgs a;
     a.k = static_cast<const float*>(d_k);
     a.v = static_cast<const float*>(d_v);

@@ -39,15 +39,14 @@ __global__ void CompressKernel(PagedKvLayout L, CompressArgs a) {
   extern __shared__ uint8_t codes[];  // [page_tokens][head_dim]
   const int chunk = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
   const int T = L.page_tokens, H = L.kv_heads, D = L.head_dim;
-  uint8_t* head = a.pages + static_cast<int64_t>(a.page_ids[chunk]) * L.PageBytes() +
-                  static_cast<size_t>(h) * L.HeadBytes();
+  uint8_t* page = a.pages + static_cast<int64_t>(a.page_ids[chunk]) * L.PageBytes();
   const size_t base = static_cast<size_t>(chunk) * T * H * D;
   auto at = [&](const float* x, int t, int c) { return x[base + (static_cast<size_t>(t) * H + h) * D + c]; };
 
   // Keys: channel d over each group of k_group tokens.
   const float kq = static_cast<float>((1 << L.key_bits) - 1);
-  __half* kscales = reinterpret_cast<__half*>(head + L.KeyScales());
-  __half* kzeros = reinterpret_cast<__half*>(head + L.KeyZeros());
+  __half* kscales = reinterpret_cast<__half*>(page + L.KeyScalesOf(h));
+  __half* kzeros = reinterpret_cast<__half*>(page + L.KeyZerosOf(h));
   for (int g = 0; g < T / L.k_group; ++g) {
     float lo = INFINITY, hi = -INFINITY;
     for (int t = g * L.k_group; t < (g + 1) * L.k_group; ++t) {
@@ -60,14 +59,14 @@ __global__ void CompressKernel(PagedKvLayout L, CompressArgs a) {
     for (int t = g * L.k_group; t < (g + 1) * L.k_group; ++t) codes[t * D + d] = Code(at(a.k, t, d), z, inv, kq);
   }
   __syncthreads();
-  Pack(codes, T, D, L.key_bits, head + L.KeyCodes());
+  Pack(codes, T, D, L.key_bits, page + L.KeyCodesOf(h));
   __syncthreads();
 
   // Values: token t over each group of v_group channels; the group's lanes reduce together.
   const float vq = static_cast<float>((1 << L.value_bits) - 1);
   const int groups = D / L.v_group, g = d / L.v_group;
-  __half* vscales = reinterpret_cast<__half*>(head + L.ValueScales());
-  __half* vzeros = reinterpret_cast<__half*>(head + L.ValueZeros());
+  __half* vscales = reinterpret_cast<__half*>(page + L.ValueScalesOf(h));
+  __half* vzeros = reinterpret_cast<__half*>(page + L.ValueZerosOf(h));
   float* red = reinterpret_cast<float*>(codes + T * D);  // [2][head_dim]
   for (int t = 0; t < T; ++t) {
     const float x = at(a.v, t, d);
@@ -99,7 +98,7 @@ __global__ void CompressKernel(PagedKvLayout L, CompressArgs a) {
     codes[t * D + d] = Code(x, z, inv, vq);
     __syncthreads();
   }
-  Pack(codes, T, D, L.value_bits, head + L.ValueCodes());
+  Pack(codes, T, D, L.value_bits, page + L.ValueCodesOf(h));
 }
 
 }  // namespace
@@ -116,6 +115,12 @@ absl::Status CompressToPages(const PagedKvLayout& layout, const CompressArgs& ar
   }
   const size_t smem = static_cast<size_t>(layout.page_tokens) * layout.head_dim +
                       2 * layout.head_dim * sizeof(float);
+  if (cudaError_t e = cudaFuncSetAttribute(
+          CompressKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+      e != cudaSuccess) {
+    return absl::InternalError(
+        absl::StrCat("compress: ", smem, " bytes of shared memory: ", cudaGetErrorString(e)));
+  }
   const dim3 grid(args.chunks, layout.kv_heads);
   CompressKernel<<<grid, layout.head_dim, smem, stream>>>(layout, args);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) {

@@ -1,9 +1,11 @@
-// KIVI compression on the GPU, straight into the affine pages paged_decode.h reads: K per channel
+// KIVI compression on the GPU, straight into the sections of the blocks (pages) paged_decode.h
+// reads in place: K per channel
 // over groups of k_group tokens, V per token over groups of v_group channels, asymmetric, with
 // fp16 scale and zero point, codes rounded half up and packed low bits first. The arithmetic is
 // the CPU codec's (kernels/codec.cc QuantizeAffine: scale = fp16((max - min) / qmax), zero =
-// fp16(min), code = min(floor((x - zero) / scale + 0.5), qmax), no fused multiply-adds), so a page
-// compressed here is byte for byte the page PackPage makes from the CPU codec's block.
+// fp16(min), code = min(floor((x - zero) / scale + 0.5), qmax), no fused multiply-adds), so the
+// sections written here are byte for byte the CPU codec's block of the same chunk. Only the
+// sections: a page's header (the block's first bytes up to its first section) is left as it is.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -1,11 +1,11 @@
-#include "kernels/cuda/paged_decode.h"
-
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <string_view>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cuda/page_tiles.h"
+#include "kernels/cuda/paged_decode.h"
 
 namespace strata::kernels::cuda {
 namespace {
@@ -36,6 +36,14 @@ __device__ __forceinline__ void CpAsync16(uint8_t* dst, const uint8_t* src) {
 __device__ __forceinline__ void StageAsync(uint8_t* dst, const uint8_t* src, size_t bytes) {
   const size_t n = bytes / 16;
   for (size_t i = threadIdx.x; i < n; i += blockDim.x) CpAsync16(dst + i * 16, src + i * 16);
+}
+// Starts copying KV head h's slice `sub` of the page at `page` (global) into `dst` (shared).
+__device__ __forceinline__ void StageTile(uint8_t* dst, const uint8_t* page, const PagedKvLayout& L,
+                                          int h, int sub) {
+  for (int i = 0; i < PartCount(L); ++i) {
+    const TilePart part = PartOf(L, i, h, sub);
+    StageAsync(dst + part.dst, page + part.src, part.bytes);
+  }
 }
 __device__ __forceinline__ void CpAsyncCommit() {
   asm volatile("cp.async.commit_group;\n" ::: "memory");
@@ -152,14 +160,13 @@ __device__ __forceinline__ uint32_t Codes(const uint8_t* row, int first, int cou
   return width == 32 ? word : (word >> (bit % 32)) & ((1u << width) - 1u);
 }
 
-// One affine page of one KV head, staged in shared memory.
+// One affine slice of a page of one KV head, staged in shared memory.
 template <int D, int KB, int VB>
-__device__ void AttendAffine(HeadState<D>& h, const uint8_t* page, const PagedKvLayout& L,
-                             float* sc) {
+__device__ void AttendAffine(HeadState<D>& h, const uint8_t* page, const TileLayout& L, float* sc) {
   const int lane = threadIdx.x % kWarp;
   const int sub = lane % kThreadsPerToken;
   const int slot = lane / kThreadsPerToken;
-  const int n = L.page_tokens;
+  const int n = L.tokens;
   constexpr int kKey = HeadState<D>::kKeyPerLane;
   constexpr int kKeyRow = D * KB / 8;
   constexpr int kValueRow = D * VB / 8;
@@ -231,15 +238,16 @@ __device__ void AttendAffine(HeadState<D>& h, const uint8_t* page, const PagedKv
   __syncwarp();
 }
 
-// Shared memory of one block: kStages page buffers, then each warp's scores.
+// Shared memory of one block: S slice buffers, then each warp's scores.
 template <int D>
-__host__ __device__ inline size_t StageBytes(const PagedKvLayout& L) {
-  const size_t fp16_tile = Align16(static_cast<size_t>(L.page_tokens) * D * sizeof(__half)) * 2;
-  return L.HeadBytes() > fp16_tile ? L.HeadBytes() : fp16_tile;
+__host__ __device__ inline size_t StageBytes(const TileLayout& T) {
+  const size_t fp16_tile = Align16(static_cast<size_t>(T.tokens) * D * sizeof(__half)) * 2;
+  return T.HeadBytes() > fp16_tile ? T.HeadBytes() : fp16_tile;
 }
 
-// One block per (split, KV head, sequence); the split's pages stream through S shared-memory
-// buffers: while the warps compute on page p, pages p+1 .. p+S-1 are on their way (cp.async).
+// One block per (split, KV head, sequence); the split's slices (each page's TileTokens() tokens at
+// a time) stream through S shared-memory buffers: while the warps compute on slice j, slices
+// j+1 .. j+S-1 are on their way (cp.async).
 template <int D, PageFormat F, int KB, int VB, int S>
 __global__ void DecodeKernel(PagedKvLayout L, PagedDecodeArgs a, int splits, float* part_acc,
                              float* part_ml) {
@@ -251,9 +259,9 @@ __global__ void DecodeKernel(PagedKvLayout L, PagedDecodeArgs a, int splits, flo
   const int lane = threadIdx.x % kWarp;
   const int group = a.q_heads / L.kv_heads;
   const int qh = kvh * group + warp;
-  const int tile = L.page_tokens;
-  const size_t head_bytes = L.HeadBytes();
-  const size_t stage_bytes = StageBytes<D>(L);
+  const TileLayout T(L);
+  const int tile = T.tokens;
+  const size_t stage_bytes = StageBytes<D>(T);
   float* scores = reinterpret_cast<float*>(smem + S * stage_bytes) + warp * tile;
 
   HeadState<D> h;
@@ -266,18 +274,19 @@ __global__ void DecodeKernel(PagedKvLayout L, PagedDecodeArgs a, int splits, flo
 #pragma unroll
   for (int i = 0; i < HeadState<D>::kPerLane; ++i) h.acc[i] = 0;
 
-  const int pages = a.page_counts[seq];
-  const int per_split = (pages + splits - 1) / splits;
-  const int p0 = min(pages, split * per_split);
-  const int p1 = min(pages, p0 + per_split);
+  const int tpp = T.tiles_per_page;
+  const int tiles = a.page_counts[seq] * tpp;
+  const int per_split = (tiles + splits - 1) / splits;
+  const int p0 = min(tiles, split * per_split);
+  const int p1 = min(tiles, p0 + per_split);
   const int32_t* table = a.block_table + static_cast<size_t>(seq) * a.max_pages;
-  auto issue = [&](int p) {  // page p of the split into its buffer; one group per call
+  auto issue = [&](int p) {  // slice p of the split into its buffer; one group per call
     if (p < p1) {
-      const int64_t id = table[p];
-      StageAsync(smem + ((p - p0) % S) * stage_bytes,
-                 a.pages + id * static_cast<int64_t>(L.PageBytes()) + kvh * head_bytes, head_bytes);
+      const int64_t id = table[p / tpp];
+      StageTile(smem + ((p - p0) % S) * stage_bytes,
+                a.pages + id * static_cast<int64_t>(L.PageBytes()), L, kvh, p % tpp);
     }
-    CpAsyncCommit();  // empty past the end: the group count stays one per page
+    CpAsyncCommit();  // empty past the end: the group count stays one per slice
   };
 #pragma unroll
   for (int i = 0; i < S - 1; ++i) issue(p0 + i);
@@ -292,7 +301,7 @@ __global__ void DecodeKernel(PagedKvLayout L, PagedDecodeArgs a, int splits, flo
         const __half* k = reinterpret_cast<const __half*>(page);
         AttendFp16<D>(h, k, k + static_cast<size_t>(tile) * D, tile, scores);
       } else {
-        AttendAffine<D, KB, VB>(h, page, L, scores);
+        AttendAffine<D, KB, VB>(h, page, T, scores);
       }
     }
   }
@@ -359,8 +368,8 @@ constexpr int StagesFor() {
 
 template <int D, PageFormat F, int KB, int VB>
 size_t SharedBytes(const PagedKvLayout& L, int group) {
-  return StagesFor<F>() * StageBytes<D>(L) +
-         static_cast<size_t>(group) * L.page_tokens * sizeof(float);
+  const TileLayout T(L);
+  return StagesFor<F>() * StageBytes<D>(T) + static_cast<size_t>(group) * T.tokens * sizeof(float);
 }
 
 using KernelFn = void (*)(PagedKvLayout, PagedDecodeArgs, int, float*, float*);
@@ -378,7 +387,7 @@ absl::Status AllowSharedBytes(KernelFn kernel, size_t smem) {
 
 #include "kernels/cuda/paged_decode_mma.cuh"
 
-// The tensor-core kernel takes pages of whole 16-token slices, key groups of whole slices and
+// The tensor-core kernel takes tiles of whole 16-token slices, key groups of whole slices and
 // value groups of whole 32-channel blocks; other layouts (and STRATA_CUDA_DECODE=simt, for
 // comparison) take the one-warp-per-query-head kernel.
 bool UseMma(const PagedKvLayout& L) {
@@ -386,8 +395,9 @@ bool UseMma(const PagedKvLayout& L) {
     const char* e = std::getenv("STRATA_CUDA_DECODE");
     return e != nullptr && std::string_view(e) == "simt";
   }();
-  if (simt || L.page_tokens % kSlice != 0) return false;
-  return L.format == PageFormat::kFp16 || (L.k_group % kSlice == 0 && L.v_group % 32 == 0);
+  const TileLayout T(L);
+  if (simt || T.tokens % kSlice != 0) return false;
+  return L.format == PageFormat::kFp16 || (T.k_group % kSlice == 0 && L.v_group % 32 == 0);
 }
 
 // Pages in flight per block on the tensor-core path.
@@ -409,7 +419,7 @@ absl::Status MakePlan(const PagedKvLayout& L, int group, Plan* plan) {
   if (UseMma(L)) {
     constexpr int kStages = MmaStages<F>();
     plan->kernel = MmaDecodeKernel<D, F, KB, VB, kStages>;
-    plan->smem = MmaSmem<D>(L, kStages, group).total;
+    plan->smem = MmaSmem<D>(TileLayout(L), kStages, group).total;
     plan->threads = kMmaWarps * kWarp;
   } else {
     plan->kernel = DecodeKernel<D, F, KB, VB, StagesFor<F>()>;
@@ -478,28 +488,65 @@ absl::Status LaunchFor(const PagedKvLayout& L, const PagedDecodeArgs& a, int spl
 }  // namespace
 
 absl::Status PagedKvLayout::Validate() const {
-  auto bad = [](auto... parts) { return absl::InvalidArgumentError(absl::StrCat("paged decode: ", parts...)); };
+  auto bad = [](auto... parts) {
+    return absl::InvalidArgumentError(absl::StrCat("paged decode: ", parts...));
+  };
   if (head_dim != 64 && head_dim != 128) return bad("head_dim must be 64 or 128, got ", head_dim);
-  if (kv_heads < 1) return bad("kv_heads must be >= 1, got ", kv_heads);
-  if (page_tokens < 8 || page_tokens > 128 || page_tokens % 8 != 0) {
-    return bad("page_tokens must be a multiple of 8 in [8, 128], got ", page_tokens);
+  if (kv_heads < 1 || kv_heads > 1024) return bad("kv_heads must be in [1, 1024], got ", kv_heads);
+  if (page_tokens < 8 || page_tokens > 512 || page_tokens % 8 != 0 ||
+      (page_tokens > 128 && page_tokens % 64 != 0)) {
+    return bad("page_tokens must be a multiple of 8 up to 128 or of 64 up to 512, got ",
+               page_tokens);
   }
+  const int tile = TileTokens();
   if (format == PageFormat::kAffine) {
     for (int b : {key_bits, value_bits}) {
       if (b != 2 && b != 4) return bad("code bits must be 2 or 4, got ", b);
     }
-    if (k_group < kTokensPerStep || page_tokens % k_group != 0 || k_group % kTokensPerStep != 0) {
-      return bad("k_group must divide page_tokens and be a multiple of ", kTokensPerStep, ", got ",
-                 k_group);
+    if (k_group < kTokensPerStep || page_tokens % k_group != 0 || k_group % kTokensPerStep != 0 ||
+        (tile % k_group != 0 && k_group % tile != 0)) {
+      return bad("k_group must divide page_tokens, be a multiple of ", kTokensPerStep,
+                 " and divide or be a multiple of ", tile, " tokens, got ", k_group);
     }
     if (v_group < head_dim / kWarp || head_dim % v_group != 0) {
       return bad("v_group must divide head_dim and be at least ", head_dim / kWarp, ", got ",
                  v_group);
     }
   }
+  // The sections: 16-byte aligned, inside the page, not overlapping.
+  struct Section {
+    const char* name;
+    size_t offset, bytes;
+  };
+  const size_t heads = static_cast<size_t>(kv_heads);
+  Section sections[6] = {{"key codes", key_codes, heads * KeyCodeBytes()},
+                         {"value codes", value_codes, heads * ValueCodeBytes()}};
+  int n = 2;
+  if (format == PageFormat::kAffine) {
+    sections[n++] = {"key scales", key_scales, heads * KeyMetaBytes()};
+    sections[n++] = {"key zeros", key_zeros, heads * KeyMetaBytes()};
+    sections[n++] = {"value scales", value_scales, heads * ValueMetaBytes()};
+    sections[n++] = {"value zeros", value_zeros, heads * ValueMetaBytes()};
+  }
+  if (page_bytes == 0 || page_bytes % 16 != 0) {
+    return bad("page_bytes must be a positive multiple of 16, got ", page_bytes);
+  }
+  for (int i = 0; i < n; ++i) {
+    const Section& x = sections[i];
+    if (x.offset % 16 != 0) return bad(x.name, " at ", x.offset, ": not 16-byte aligned");
+    if (x.offset + x.bytes > page_bytes) {
+      return bad(x.name, " [", x.offset, ", ", x.offset + x.bytes, ") past the page's ", page_bytes,
+                 " bytes");
+    }
+    for (int j = 0; j < i; ++j) {
+      const Section& y = sections[j];
+      if (x.offset < y.offset + y.bytes && y.offset < x.offset + x.bytes) {
+        return bad(x.name, " and ", y.name, " overlap");
+      }
+    }
+  }
   return absl::OkStatus();
 }
-
 
 size_t WorkspaceBytes(int batch, int q_heads, int head_dim, int splits) {
   const size_t rows = static_cast<size_t>(batch) * q_heads * splits;
@@ -524,11 +571,14 @@ int ChooseSplits(const PagedKvLayout& layout, const PagedDecodeArgs& args, int m
                                    : DispatchBits<128>(layout, resident);
   }
   // About four times as many blocks as fit on the device at once, so that the last wave is
-  // short and uneven splits even out; each split at least 4 pages.
+  // short and uneven splits even out; each split at least 4 slices.
   const int slots = sms * std::max(1, per_sm);
   const int blocks = std::max(1, args.batch * layout.kv_heads);
   int splits = std::max(1, (4 * slots + blocks - 1) / blocks);
-  splits = std::min(splits, std::max(1, max_pages_in_batch / 4));
+  const int tiles = layout.page_tokens > 0
+                        ? max_pages_in_batch * (layout.page_tokens / layout.TileTokens())
+                        : max_pages_in_batch;
+  splits = std::min(splits, std::max(1, tiles / 4));
   // At most 64: more (up to 256, tried on an H200) made one long sequence slower, 0.198 ->
   // 0.241 ms at 128k tokens, though 64 leaves it 1.3 waves of blocks: each block's pipeline
   // fill and the merge's partials cost more than the idle tail (cuda_decode_notes.md).

@@ -1,8 +1,8 @@
 // Fused decode attention on the GPU over paged KV: one new query token per sequence, a batch of
-// sequences, each with a block table of pages. Two page formats share one kernel structure:
+// sequences, each with a block table of pages. A page is a block of the Strata block format, read
+// in place (PagedKvLayout). Two codings share one kernel structure:
 //
-//   fp16   the baseline (what fp16 users get): per page and KV head, K then V as
-//          [page_tokens][head_dim] halves.
+//   fp16   the baseline (what fp16 users get): K and V as fp16 [page_tokens][head_dim] per KV head.
 //   affine KIVI-style codes of 2 or 4 bits, streamed as they are stored and dequantized in
 //          registers: K per channel over groups of `k_group` tokens (an fp16 scale and zero per
 //          channel and group), V per token over groups of `v_group` channels (an fp16 scale and
@@ -14,10 +14,10 @@
 // per KV head), attended after its pages, as the CPU kernels do.
 //
 // GQA: one thread block per (sequence, KV head, split) streams the split's pages through shared
-// memory (cp.async, several pages in flight), each page's bytes read from device memory once for
+// memory (cp.async, several tiles in flight), each page's bytes read from device memory once for
 // all the group's query heads; splits along the sequence (flash-decoding) are merged by their
 // log-sum-exp in a second kernel. Two kernels: on the tensor cores (paged_decode_mma.cuh: four
-// warps over 16-token slices, the group's heads as rows of mma.sync products) for pages of
+// warps over 16-token slices, the group's heads as rows of mma.sync products) for tiles of
 // 16-token multiples, key groups of 16-token multiples and value groups of 32-channel multiples;
 // otherwise, or with STRATA_CUDA_DECODE=simt, one warp per query head.
 //
@@ -45,50 +45,63 @@ STRATA_HOST_DEVICE inline size_t Align16(size_t n) { return (n + 15) / 16 * 16; 
 
 enum class PageFormat { kFp16, kAffine };
 
+// A page is one block of the Strata block format (common/block_format.h) copied into device memory
+// as it is: the kernels read its sections in place, and a block moves between host and device by a
+// plain copy. block_pages.h derives the layout from a block. Each section holds every KV head, head
+// h's part at the section's offset plus h times the part's bytes (T = page_tokens, D = head_dim):
+//
+//   affine  key codes [H][T][D * key_bits / 8], key scales and key zeros [H][T / k_group][D] half,
+//           value codes [H][T][D * value_bits / 8], value scales and zeros [H][T][D / v_group] half
+//   fp16    key codes: the keys [H][T][D] half; value codes: the values [H][T][D] half
+//
+// The kernels stream a page through shared memory TileTokens() tokens at a time (the whole page up
+// to 128 tokens, 64-token slices of longer ones), each KV head's parts of a slice packed one after
+// another there.
 struct PagedKvLayout {
   PageFormat format = PageFormat::kFp16;
   int kv_heads = 8;
   int head_dim = 128;     // 64 or 128
-  int page_tokens = 64;   // tokens per page: a multiple of k_group (affine) and of 8, at most 128
+  int page_tokens = 64;   // tokens per page: a multiple of 8 up to 128, or of 64 up to 512
   int key_bits = 4;       // affine: 2 or 4
   int value_bits = 4;     // affine: 2 or 4
   int k_group = 32;       // affine: tokens per key scale group (divides page_tokens)
   int v_group = 32;       // affine: channels per value scale group (divides head_dim)
+  // Where the sections start, in bytes from the page's first byte (multiples of 16; fp16 pages use
+  // key_codes and value_codes only), and the pages' stride in the pool (a multiple of 16 that holds
+  // every section).
+  uint32_t key_codes = 0, key_scales = 0, key_zeros = 0;
+  uint32_t value_codes = 0, value_scales = 0, value_zeros = 0;
+  uint32_t page_bytes = 0;
 
   absl::Status Validate() const;
-  // Offsets inside one KV head's part of an affine page (bytes, each 16-byte aligned): key codes
-  // [page_tokens][head_dim * key_bits / 8], key scales [page_tokens / k_group][head_dim] half,
-  // key zeros (same), value codes [page_tokens][head_dim * value_bits / 8], value scales
-  // [page_tokens][head_dim / v_group] half, value zeros (same). An fp16 page: K then V, each
-  // [page_tokens][head_dim] half.
-  STRATA_HOST_DEVICE size_t KeyCodes() const { return 0; }
-  STRATA_HOST_DEVICE size_t KeyScales() const {
-    return Align16(static_cast<size_t>(page_tokens) * head_dim * key_bits / 8);
-  }
-  STRATA_HOST_DEVICE size_t KeyZeros() const { return KeyScales() + KeyMetaBytes(); }
-  STRATA_HOST_DEVICE size_t ValueCodes() const { return KeyZeros() + KeyMetaBytes(); }
-  STRATA_HOST_DEVICE size_t ValueScales() const {
-    return ValueCodes() + Align16(static_cast<size_t>(page_tokens) * head_dim * value_bits / 8);
-  }
-  STRATA_HOST_DEVICE size_t ValueZeros() const { return ValueScales() + ValueMetaBytes(); }
-  // Bytes of one KV head's part of a page, and of one page (all KV heads).
-  STRATA_HOST_DEVICE size_t HeadBytes() const {
-    if (format == PageFormat::kFp16) {
-      return 2 * Align16(static_cast<size_t>(page_tokens) * head_dim * 2);
-    }
-    return ValueZeros() + ValueMetaBytes();
-  }
-  STRATA_HOST_DEVICE size_t PageBytes() const {
-    return HeadBytes() * static_cast<size_t>(kv_heads);
-  }
 
- private:
-  STRATA_HOST_DEVICE size_t KeyMetaBytes() const {
-    return Align16(static_cast<size_t>(page_tokens / k_group) * head_dim * 2);
+  // Bytes of one KV head's part of each section.
+  STRATA_HOST_DEVICE size_t KeyCodeBytes() const {
+    return static_cast<size_t>(page_tokens) * head_dim *
+           (format == PageFormat::kFp16 ? 16 : key_bits) / 8;
+  }
+  STRATA_HOST_DEVICE size_t ValueCodeBytes() const {
+    return static_cast<size_t>(page_tokens) * head_dim *
+           (format == PageFormat::kFp16 ? 16 : value_bits) / 8;
+  }
+  STRATA_HOST_DEVICE size_t KeyMetaBytes() const {  // scales, and zeros
+    return static_cast<size_t>(page_tokens / k_group) * head_dim * 2;
   }
   STRATA_HOST_DEVICE size_t ValueMetaBytes() const {
-    return Align16(static_cast<size_t>(page_tokens) * (head_dim / v_group) * 2);
+    return static_cast<size_t>(page_tokens) * (head_dim / v_group) * 2;
   }
+  // Where KV head h's part of each section starts, from the page's first byte.
+  STRATA_HOST_DEVICE size_t KeyCodesOf(int h) const { return key_codes + h * KeyCodeBytes(); }
+  STRATA_HOST_DEVICE size_t KeyScalesOf(int h) const { return key_scales + h * KeyMetaBytes(); }
+  STRATA_HOST_DEVICE size_t KeyZerosOf(int h) const { return key_zeros + h * KeyMetaBytes(); }
+  STRATA_HOST_DEVICE size_t ValueCodesOf(int h) const { return value_codes + h * ValueCodeBytes(); }
+  STRATA_HOST_DEVICE size_t ValueScalesOf(int h) const {
+    return value_scales + h * ValueMetaBytes();
+  }
+  STRATA_HOST_DEVICE size_t ValueZerosOf(int h) const { return value_zeros + h * ValueMetaBytes(); }
+  STRATA_HOST_DEVICE size_t PageBytes() const { return page_bytes; }
+  // Tokens staged at a time: the page up to 128 tokens, else 64.
+  STRATA_HOST_DEVICE int TileTokens() const { return page_tokens <= 128 ? page_tokens : 64; }
 };
 
 // Codes pack low bits first: code i of a row sits in byte i * bits / 8 at bit (i * bits) % 8.

@@ -194,20 +194,40 @@ __device__ __forceinline__ int ValueChunk(int r, int c) {
   return kChunks > 1 ? c ^ ((r / kRowsPer128) & (kChunks - 1)) : c;
 }
 
-// Starts copying one KV head's part of an affine page, its value codes swizzled (ValueChunk).
+// The six parts of each of an affine page's slices for one KV head (PartOf: source offset in the
+// page, offset in the staged slice, bytes), written to shared memory once per block so that the
+// page loop keeps none of it in registers: [tiles_per_page][6][3].
+__device__ __forceinline__ void WriteAffineParts(uint32_t* parts, const PagedKvLayout& L, int h,
+                                                 int tiles_per_page) {
+  for (int i = threadIdx.x; i < tiles_per_page * 6; i += blockDim.x) {
+    const TilePart part = PartOf(L, i % 6, h, i / 6);
+    parts[3 * i] = static_cast<uint32_t>(part.src);
+    parts[3 * i + 1] = static_cast<uint32_t>(part.dst);
+    parts[3 * i + 2] = static_cast<uint32_t>(part.bytes);
+  }
+}
+
+// Starts copying slice `sub` of an affine page (its parts in `parts`, WriteAffineParts), its value
+// codes swizzled (ValueChunk).
 template <int D, int VB>
-__device__ __forceinline__ void StageAffineAsync(uint8_t* dst, const uint8_t* src, int bytes,
-                                                 int value_codes, int tokens) {
+__device__ __forceinline__ void StageAffineAsync(uint8_t* dst, const uint8_t* page,
+                                                 const uint32_t* parts, int sub) {
   constexpr int kRow = D * VB / 8;
-  const int v0 = value_codes / 16, v1 = (value_codes + tokens * kRow) / 16;
-  for (int i = threadIdx.x; i < bytes / 16; i += kMmaWarps * kWarp) {
-    int to = i * 16;
-    if (i >= v0 && i < v1) {
-      const int rel = (i - v0) * 16;
-      const int r = rel / kRow, c = (rel % kRow) / 16;  // kRow: a power of two
-      to = value_codes + r * kRow + ValueChunk<D, VB>(r, c) * 16;
+  const uint32_t* desc = parts + sub * 18;
+#pragma unroll
+  for (int i = 0; i < 6; ++i) {
+    const uint8_t* src = page + desc[3 * i];
+    const int to0 = static_cast<int>(desc[3 * i + 1]);
+    const int n = static_cast<int>(desc[3 * i + 2]) / 16;
+    for (int j = threadIdx.x; j < n; j += kMmaWarps * kWarp) {
+      int to = to0 + j * 16;
+      if (i == 3) {  // value codes
+        const int rel = j * 16;
+        const int r = rel / kRow, c = (rel % kRow) / 16;  // kRow: a power of two
+        to = to0 + r * kRow + ValueChunk<D, VB>(r, c) * 16;
+      }
+      CpAsync16(dst + to, src + j * 16);
     }
-    CpAsync16(dst + to, src + i * 16);
   }
 }
 
@@ -218,7 +238,7 @@ struct AffinePlan {
   int key_scales, key_zeros, value_codes, value_scales, value_zeros;
   int value_groups;    // value groups per token (D / v_group)
   int vgroup[D / 32];  // value group of each 32-channel block
-  __device__ explicit AffinePlan(const PagedKvLayout& L) {
+  __device__ explicit AffinePlan(const TileLayout& L) {
     key_scales = static_cast<int>(L.KeyScales());
     key_zeros = static_cast<int>(L.KeyZeros());
     value_codes = static_cast<int>(L.ValueCodes());
@@ -230,7 +250,7 @@ struct AffinePlan {
   }
 };
 
-// An affine slice: tokens [t0, t0 + 16) of a staged page (all real), in key group `kgroup`.
+// An affine slice: tokens [t0, t0 + 16) of a staged tile (all real), in key group `kgroup`.
 template <int D, int KB, int VB>
 __device__ __forceinline__ void SliceAffine(MmaState<D>& st, const float (&qn)[D / 4],
                                             float score_scale, const uint8_t* page,
@@ -376,31 +396,34 @@ __device__ void StageWindow(uint8_t* k, uint8_t* v, const __half* wk, const __ha
   }
 }
 
-// Starts copying one KV head's part of an fp16 page into swizzled K and V tiles (no run-time
+// Starts copying KV head h's slice `sub` of an fp16 page into swizzled K and V tiles (no run-time
 // division in the index arithmetic: it runs for every 16 bytes).
 template <int D>
-__device__ __forceinline__ void StageFp16Async(uint8_t* dst, const uint8_t* src, int tokens) {
+__device__ __forceinline__ void StageFp16Async(uint8_t* dst, const uint8_t* page,
+                                               const PagedKvLayout& L, int h, int sub, int tokens) {
   constexpr int kChunks = D / 8;
   const int per_tensor = tokens * kChunks;
-  const size_t v_offset = Align16(static_cast<size_t>(tokens) * D * 2);
 #pragma unroll
   for (int t = 0; t < 2; ++t) {
+    const TilePart part = PartOf(L, t, h, sub);
+    const uint8_t* src = page + part.src;
     for (int rc = threadIdx.x; rc < per_tensor; rc += kMmaWarps * kWarp) {
       const int r = rc / kChunks, c = rc % kChunks;  // kChunks: a power of two
-      CpAsync16(dst + t * v_offset + Swizzled<D>(r, c),
-                src + t * v_offset + static_cast<size_t>(rc) * 16);
+      CpAsync16(dst + part.dst + Swizzled<D>(r, c), src + static_cast<size_t>(rc) * 16);
     }
   }
 }
 
-// Shared memory of the tensor-core kernel: `stages` page buffers (an fp16 window tile of
-// window_tile rows fits in them), and after the pages the warps' states for the merge.
+// Shared memory of the tensor-core kernel: `stages` slice buffers (an fp16 window tile of
+// window_tile rows fits in them; after the slices, the warps' states for the merge), then the
+// affine slices' parts (WriteAffineParts).
 template <int D>
 struct MmaSmem {
-  size_t buffer = 0;     // bytes of one page buffer
+  size_t buffer = 0;     // bytes of one slice buffer
   int window_tile = 16;  // rows of fp16 window attended at a time
+  size_t parts = 0;      // offset of the affine slices' parts
   size_t total = 0;
-  __host__ __device__ MmaSmem(const PagedKvLayout& L, int stages, int group) {
+  __host__ __device__ MmaSmem(const TileLayout& L, int stages, int group) {
     buffer = L.HeadBytes();
     const size_t pages = buffer * stages;
     const size_t row = static_cast<size_t>(D) * 2 * 2;  // one token of K and V
@@ -412,6 +435,10 @@ struct MmaSmem {
     total = pages;
     if (window > total) total = window;
     if (merge > total) total = merge;
+    parts = Align16(total);
+    if (L.format == PageFormat::kAffine) {
+      total = parts + Align16(static_cast<size_t>(L.tiles_per_page) * 18 * sizeof(uint32_t));
+    }
   }
 };
 
@@ -432,8 +459,8 @@ __global__ void __launch_bounds__(kMmaWarps* kWarp, 3)
   const int g = lane / 4, q = lane % 4;
   const int group = a.q_heads / L.kv_heads;
   const bool row_used = g < group;
-  const MmaSmem<D> layout(L, S, group);
-  const size_t head_bytes = L.HeadBytes();
+  const TileLayout T(L);
+  const MmaSmem<D> layout(T, S, group);
 
   // Head g's query (lanes of rows g >= group: zeros), softmax-scaled, normalized by a power of
   // two so that its largest |q| is in [0.5, 1): its fp16 hi/lo (and, affine, its products with
@@ -468,22 +495,29 @@ __global__ void __launch_bounds__(kMmaWarps* kWarp, 3)
     for (int i = 0; i < D / 4; ++i) qn[i] = row_used ? qp[q * (D / 4) + i] * q_norm : 0.f;
   }
 
-  const int pages = a.page_counts[seq];
-  const int per_split = (pages + splits - 1) / splits;
-  const int p0 = min(pages, split * per_split);
-  const int p1 = min(pages, p0 + per_split);
+  // The split's slices: each page TileTokens() tokens at a time.
+  const int tpp = T.tiles_per_page;
+  const int tiles = a.page_counts[seq] * tpp;
+  const int per_split = (tiles + splits - 1) / splits;
+  const int p0 = min(tiles, split * per_split);
+  const int p1 = min(tiles, p0 + per_split);
   const int32_t* table = a.block_table + static_cast<size_t>(seq) * a.max_pages;
-  const int tile = L.page_tokens;
+  const int tile = T.tokens;
   const int64_t page_bytes = static_cast<int64_t>(L.PageBytes());
-  [[maybe_unused]] const AffinePlan<D> plan(L);
+  [[maybe_unused]] const AffinePlan<D> plan(T);
+  [[maybe_unused]] const uint32_t* parts = reinterpret_cast<const uint32_t*>(smem + layout.parts);
+  if constexpr (F == PageFormat::kAffine) {
+    WriteAffineParts(reinterpret_cast<uint32_t*>(smem + layout.parts), L, kvh, tpp);
+    __syncthreads();
+  }
   auto issue = [&](int p) {
     if (p < p1) {
-      const uint8_t* src = a.pages + table[p] * page_bytes + kvh * head_bytes;
+      const uint8_t* page = a.pages + table[p / tpp] * page_bytes;
       uint8_t* dst = smem + ((p - p0) % S) * layout.buffer;
       if constexpr (F == PageFormat::kFp16) {
-        StageFp16Async<D>(dst, src, tile);
+        StageFp16Async<D>(dst, page, L, kvh, p % tpp, tile);
       } else {
-        StageAffineAsync<D, VB>(dst, src, static_cast<int>(head_bytes), plan.value_codes, tile);
+        StageAffineAsync<D, VB>(dst, page, parts, p % tpp);
       }
     }
     CpAsyncCommit();
@@ -498,10 +532,9 @@ __global__ void __launch_bounds__(kMmaWarps* kWarp, 3)
     const uint8_t* page = smem + ((p - p0) % S) * layout.buffer;
     for (int t0 = warp * kSlice; t0 < tile; t0 += kMmaWarps * kSlice) {
       if constexpr (F == PageFormat::kFp16) {
-        const size_t v_offset = Align16(static_cast<size_t>(tile) * D * 2);
-        SliceFp16<D>(st, qa, score_scale, page, page + v_offset, t0, kSlice);
+        SliceFp16<D>(st, qa, score_scale, page, page + T.FpValues(), t0, kSlice);
       } else {
-        SliceAffine<D, KB, VB>(st, qn, score_scale, page, plan, t0, t0 / L.k_group);
+        SliceAffine<D, KB, VB>(st, qn, score_scale, page, plan, t0, t0 / T.k_group);
       }
     }
   }

@@ -17,6 +17,7 @@
 
 #include "common/testing/cuda_device.h"
 #include "gtest/gtest.h"
+#include "kernels/cuda/page_tiles.h"
 #include "kernels/cuda/paged_decode.h"
 
 namespace strata::kernels::cuda {
@@ -53,64 +54,93 @@ struct Case {
   std::vector<int> pages_per_seq, windows;
 };
 
+// The layout's sections one after another behind a block-sized header, in the block format's
+// order and 16-byte alignment (block_pages_test checks the codecs' own blocks).
+PagedKvLayout Sections(PagedKvLayout L) {
+  size_t at = 176;
+  auto place = [&](uint32_t* offset, size_t bytes) {
+    at = Align16(at);
+    *offset = static_cast<uint32_t>(at);
+    at += bytes;
+  };
+  const size_t H = L.kv_heads;
+  place(&L.key_codes, H * L.KeyCodeBytes());
+  if (L.format == PageFormat::kAffine) {
+    place(&L.key_scales, H * L.KeyMetaBytes());
+    place(&L.key_zeros, H * L.KeyMetaBytes());
+  }
+  place(&L.value_codes, H * L.ValueCodeBytes());
+  if (L.format == PageFormat::kAffine) {
+    place(&L.value_scales, H * L.ValueMetaBytes());
+    place(&L.value_zeros, H * L.ValueMetaBytes());
+  }
+  L.page_bytes = static_cast<uint32_t>((at + 127) / 128 * 128);
+  return L;
+}
+
 // The dequantized K and V of token `t` of page `page` (KV head `h`) as the layout defines them.
 void Dequantize(const PagedKvLayout& L, const std::vector<uint8_t>& pool, int page, int h, int t,
                 std::vector<double>* k, std::vector<double>* v) {
-  const uint8_t* head = pool.data() + static_cast<size_t>(page) * L.PageBytes() + h * L.HeadBytes();
+  const uint8_t* base = pool.data() + static_cast<size_t>(page) * L.PageBytes();
   const int D = L.head_dim;
   auto half_at = [&](size_t offset, size_t index) {
     uint16_t bits;
-    std::memcpy(&bits, head + offset + 2 * index, 2);
+    std::memcpy(&bits, base + offset + 2 * index, 2);
     return static_cast<double>(HalfValue(bits));
   };
   auto code_at = [&](size_t offset, int row_bytes, int bits, int row, int i) {
     const size_t bit = static_cast<size_t>(i) * bits;
-    const uint8_t byte = head[offset + static_cast<size_t>(row) * row_bytes + bit / 8];
+    const uint8_t byte = base[offset + static_cast<size_t>(row) * row_bytes + bit / 8];
     return static_cast<double>((byte >> (bit % 8)) & ((1 << bits) - 1));
   };
   for (int c = 0; c < D; ++c) {
     if (L.format == PageFormat::kFp16) {
-      (*k)[c] = half_at(0, static_cast<size_t>(t) * D + c);
-      (*v)[c] = half_at(L.HeadBytes() / 2, static_cast<size_t>(t) * D + c);
+      (*k)[c] = half_at(L.KeyCodesOf(h), static_cast<size_t>(t) * D + c);
+      (*v)[c] = half_at(L.ValueCodesOf(h), static_cast<size_t>(t) * D + c);
       continue;
     }
     const int g = t / L.k_group;
-    (*k)[c] = half_at(L.KeyScales(), static_cast<size_t>(g) * D + c) *
-                  code_at(L.KeyCodes(), D * L.key_bits / 8, L.key_bits, t, c) +
-              half_at(L.KeyZeros(), static_cast<size_t>(g) * D + c);
+    (*k)[c] = half_at(L.KeyScalesOf(h), static_cast<size_t>(g) * D + c) *
+                  code_at(L.KeyCodesOf(h), D * L.key_bits / 8, L.key_bits, t, c) +
+              half_at(L.KeyZerosOf(h), static_cast<size_t>(g) * D + c);
     const int vg = c / L.v_group, groups = D / L.v_group;
-    (*v)[c] = half_at(L.ValueScales(), static_cast<size_t>(t) * groups + vg) *
-                  code_at(L.ValueCodes(), D * L.value_bits / 8, L.value_bits, t, c) +
-              half_at(L.ValueZeros(), static_cast<size_t>(t) * groups + vg);
+    (*v)[c] = half_at(L.ValueScalesOf(h), static_cast<size_t>(t) * groups + vg) *
+                  code_at(L.ValueCodesOf(h), D * L.value_bits / 8, L.value_bits, t, c) +
+              half_at(L.ValueZerosOf(h), static_cast<size_t>(t) * groups + vg);
   }
 }
 
-// Fills an affine or fp16 head part with random but realistic values.
-void FillHead(const PagedKvLayout& L, uint8_t* head, std::mt19937& rng) {
+// Fills KV head h's parts of an affine or fp16 page with random but realistic values (the bytes
+// between and after the sections stay as they are).
+void FillHead(const PagedKvLayout& L, uint8_t* page, int h, std::mt19937& rng) {
   std::normal_distribution<float> normal(0, 1);
   std::uniform_real_distribution<float> scale(0.02f, 0.3f);
   auto put_half = [&](size_t offset, size_t index, float f) {
     const uint16_t b = HalfBits(f);
-    std::memcpy(head + offset + 2 * index, &b, 2);
+    std::memcpy(page + offset + 2 * index, &b, 2);
   };
   const int D = L.head_dim, T = L.page_tokens;
   if (L.format == PageFormat::kFp16) {
     for (size_t i = 0; i < static_cast<size_t>(T) * D; ++i) {
-      put_half(0, i, normal(rng));
-      put_half(L.HeadBytes() / 2, i, normal(rng));
+      put_half(L.KeyCodesOf(h), i, normal(rng));
+      put_half(L.ValueCodesOf(h), i, normal(rng));
     }
     return;
   }
   std::uniform_int_distribution<int> byte(0, 255);
-  for (size_t i = L.KeyCodes(); i < L.KeyScales(); ++i) head[i] = static_cast<uint8_t>(byte(rng));
-  for (size_t i = L.ValueCodes(); i < L.ValueScales(); ++i) head[i] = static_cast<uint8_t>(byte(rng));
+  for (size_t i = 0; i < L.KeyCodeBytes(); ++i) {
+    page[L.KeyCodesOf(h) + i] = static_cast<uint8_t>(byte(rng));
+  }
+  for (size_t i = 0; i < L.ValueCodeBytes(); ++i) {
+    page[L.ValueCodesOf(h) + i] = static_cast<uint8_t>(byte(rng));
+  }
   for (int i = 0; i < T / L.k_group * D; ++i) {
-    put_half(L.KeyScales(), i, scale(rng));
-    put_half(L.KeyZeros(), i, normal(rng));
+    put_half(L.KeyScalesOf(h), i, scale(rng));
+    put_half(L.KeyZerosOf(h), i, normal(rng));
   }
   for (int i = 0; i < T * (D / L.v_group); ++i) {
-    put_half(L.ValueScales(), i, scale(rng));
-    put_half(L.ValueZeros(), i, normal(rng));
+    put_half(L.ValueScalesOf(h), i, scale(rng));
+    put_half(L.ValueZerosOf(h), i, normal(rng));
   }
 }
 
@@ -122,10 +152,13 @@ void RunCase(const Case& c, uint32_t seed) {
   const int D = L.head_dim;
   const int total_pages = std::accumulate(c.pages_per_seq.begin(), c.pages_per_seq.end(), 0) + 3;
   // The pool, shuffled: sequence s's page i is pool page ids[s][i]; 3 pages nobody uses.
+  // Bytes outside the sections (a block's header, padding) are random too: never read.
   std::vector<uint8_t> pool(static_cast<size_t>(total_pages) * L.PageBytes(), 0);
+  std::uniform_int_distribution<int> any_byte(0, 255);
+  for (uint8_t& b : pool) b = static_cast<uint8_t>(any_byte(rng));
   for (int p = 0; p < total_pages; ++p) {
     for (int h = 0; h < L.kv_heads; ++h) {
-      FillHead(L, pool.data() + static_cast<size_t>(p) * L.PageBytes() + h * L.HeadBytes(), rng);
+      FillHead(L, pool.data() + static_cast<size_t>(p) * L.PageBytes(), h, rng);
     }
   }
   std::vector<int> order(total_pages);
@@ -248,7 +281,7 @@ PagedKvLayout Layout(PageFormat f, int head_dim, int kb = 4, int vb = 4) {
   L.value_bits = vb;
   L.k_group = 32;
   L.v_group = 32;
-  return L;
+  return Sections(L);
 }
 
 class PagedDecodeGpuTest : public testing::Test {
@@ -287,17 +320,23 @@ TEST_F(PagedDecodeGpuTest, GqaGroupsAndKeyGroupsOfEverySupportedSize) {
     PagedKvLayout L = Layout(PageFormat::kAffine, 128, 2, 2);
     L.k_group = group == 8 ? 64 : 16;
     L.v_group = group == 1 ? 4 : 64;
-    Case c{.layout = L, .batch = 2, .q_heads = 2 * group, .max_window = 0, .splits = 2,
-           .pages_per_seq = {5, 3}, .windows = {0, 0}};
+    Case c{.layout = Sections(L),
+           .batch = 2,
+           .q_heads = 2 * group,
+           .max_window = 0,
+           .splits = 2,
+           .pages_per_seq = {5, 3},
+           .windows = {0, 0}};
     SCOPED_TRACE(testing::Message() << "group " << group);
     RunCase(c, Seed());
   }
 }
 
-// Page sizes and groups the tensor-core kernel takes besides the default 64-token pages: 16-,
-// 32- and 128-token pages (one, two or eight slices per warp and page), key groups of one slice
-// or a whole page, value groups of 32 channels to a whole head, groups of 4 and 8 query heads,
-// and windows longer than the window tile.
+// Page sizes and groups the tensor-core kernel takes besides 64-token pages: 16-, 32- and
+// 128-token pages (one, two or eight slices per warp and page), 256- and 512-token pages (staged
+// 64 tokens at a time, key groups inside a slice or spanning several), key groups of one slice or
+// a whole page, value groups of 32 channels to a whole head, groups of 4 and 8 query heads, and
+// windows longer than the window tile; and an 8-token page (the one-warp-per-head kernel).
 TEST_F(PagedDecodeGpuTest, PagesOfEverySixteenTokenMultipleAndWideGroups) {
   struct Shape {
     PageFormat format;
@@ -308,12 +347,18 @@ TEST_F(PagedDecodeGpuTest, PagesOfEverySixteenTokenMultipleAndWideGroups) {
                                             {PageFormat::kAffine, 128, 16, 4, 2, 16, 128, 4},
                                             {PageFormat::kAffine, 128, 32, 2, 4, 32, 64, 8},
                                             {PageFormat::kAffine, 64, 128, 4, 4, 128, 32, 4},
-                                            {PageFormat::kAffine, 64, 32, 2, 2, 16, 64, 8}}) {
+                                            {PageFormat::kAffine, 64, 32, 2, 2, 16, 64, 8},
+                                            {PageFormat::kFp16, 128, 256, 4, 4, 32, 32, 4},
+                                            {PageFormat::kAffine, 128, 256, 4, 4, 32, 32, 4},
+                                            {PageFormat::kAffine, 128, 256, 2, 2, 128, 32, 4},
+                                            {PageFormat::kAffine, 128, 512, 2, 4, 512, 128, 8},
+                                            {PageFormat::kFp16, 64, 512, 4, 4, 32, 32, 2},
+                                            {PageFormat::kAffine, 128, 8, 4, 4, 8, 32, 4}}) {
     PagedKvLayout L = Layout(sh.format, sh.d, sh.kb, sh.vb);
     L.page_tokens = sh.page;
     L.k_group = sh.k_group;
     L.v_group = sh.v_group;
-    Case c{.layout = L,
+    Case c{.layout = Sections(L),
            .batch = 3,
            .q_heads = 2 * sh.group,
            .max_window = 150,
@@ -351,20 +396,45 @@ TEST(PagedDecodeLayoutTest, RefusesWhatTheKernelsDoNotHandle) {
   bad.v_group = 2;  // under a lane's 4 channels
   EXPECT_FALSE(bad.Validate().ok());
   bad = L;
-  bad.page_tokens = 200;
+  bad.page_tokens = 200;  // over 128 and not a multiple of 64
   EXPECT_FALSE(bad.Validate().ok());
-  // Offsets: 16-byte aligned, in order, the head's bytes covering the last section.
+  bad = L;
+  bad.page_tokens = 1024;
+  EXPECT_FALSE(bad.Validate().ok());
+  bad = Sections(L);
+  bad.page_tokens = 256;
+  bad.k_group = 96;  // neither divides nor is a multiple of the 64-token slice
+  EXPECT_FALSE(Sections(bad).Validate().ok());
+  // Sections: 16-byte aligned, inside the page, apart.
+  bad = L;
+  bad.value_scales += 8;
+  EXPECT_FALSE(bad.Validate().ok());
+  bad = L;
+  bad.page_bytes = bad.value_zeros + 16;
+  EXPECT_FALSE(bad.Validate().ok());
+  bad = L;
+  bad.key_zeros = bad.key_scales;
+  EXPECT_FALSE(bad.Validate().ok());
+  // A staged slice: parts 16-byte aligned and in order; 4-bit K and V with fp16 metadata per 32
+  // is 4.5 bits per element on average, plus alignment.
   for (PagedKvLayout l : {L, Layout(PageFormat::kAffine, 64, 2, 2)}) {
-    const size_t offsets[] = {l.KeyCodes(), l.KeyScales(), l.KeyZeros(), l.ValueCodes(),
-                              l.ValueScales(), l.ValueZeros(), l.HeadBytes()};
+    const TileLayout T(l);
+    const size_t offsets[] = {T.KeyCodes(),    T.KeyScales(),  T.KeyZeros(), T.ValueCodes(),
+                              T.ValueScales(), T.ValueZeros(), T.HeadBytes()};
     for (size_t i = 0; i < 7; ++i) {
       EXPECT_EQ(offsets[i] % 16, 0u);
       if (i > 0) EXPECT_GT(offsets[i], offsets[i - 1]);
     }
   }
-  // 4-bit K and V with fp16 metadata per 32: 4.5 bits per element on average, plus alignment.
-  EXPECT_EQ(L.HeadBytes(), 64u * 64 + 2 * 2 * 128 * 2 + 64u * 64 + 2 * 64 * 4 * 2);
-  EXPECT_EQ(Layout(PageFormat::kFp16, 128).HeadBytes(), 2u * 64 * 128 * 2);
+  EXPECT_EQ(TileLayout(L).HeadBytes(), 64u * 64 + 2 * 2 * 128 * 2 + 64u * 64 + 2 * 64 * 4 * 2);
+  EXPECT_EQ(TileLayout(Layout(PageFormat::kFp16, 128)).HeadBytes(), 2u * 64 * 128 * 2);
+  // Pages longer than 128 tokens are staged 64 tokens at a time.
+  PagedKvLayout big = L;
+  big.page_tokens = 256;
+  big = Sections(big);
+  EXPECT_TRUE(big.Validate().ok()) << big.Validate();
+  EXPECT_EQ(TileLayout(big).tokens, 64);
+  EXPECT_EQ(TileLayout(big).tiles_per_page, 4);
 }
 
 TEST(PagedDecodeLayoutTest, RefusesBadArgumentsWithoutLaunching) {
