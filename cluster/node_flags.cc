@@ -27,7 +27,14 @@ ABSL_FLAG(bool, insecure, false,
           "plaintext gRPC without a cluster token, instead of the four TLS flags (logged as a "
           "warning)");
 
+ABSL_FLAG(std::string, device, "cpu",
+          "where the node runs the model: cpu, or cuda[:N] (not yet: this version says so)");
+
 namespace strata::cluster {
+
+absl::StatusOr<model::Device> NodeDeviceFromFlags() {
+  return model::ParseDevice(absl::GetFlag(FLAGS_device));
+}
 
 absl::StatusOr<std::shared_ptr<const kvstore::GrpcSecurity>> NodeSecurityFromFlags() {
   return LoadGrpcSecurity({.tls_cert = absl::GetFlag(FLAGS_tls_cert),

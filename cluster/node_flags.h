@@ -10,6 +10,7 @@
 #include "absl/flags/declare.h"
 #include "absl/status/statusor.h"
 #include "kvstore/grpc_security.h"
+#include "model/compute_backend.h"
 
 ABSL_DECLARE_FLAG(std::string, cluster);
 ABSL_DECLARE_FLAG(std::string, node);
@@ -24,11 +25,15 @@ ABSL_DECLARE_FLAG(std::string, tls_key);
 ABSL_DECLARE_FLAG(std::string, tls_ca);
 ABSL_DECLARE_FLAG(std::string, cluster_token_file);
 ABSL_DECLARE_FLAG(bool, insecure);
+ABSL_DECLARE_FLAG(std::string, device);
 
 namespace strata::cluster {
 
 // The node's gRPC security from --tls_cert, --tls_key, --tls_ca, --cluster_token_file and
 // --insecure (LoadGrpcSecurity: its errors, and its log line).
 absl::StatusOr<std::shared_ptr<const kvstore::GrpcSecurity>> NodeSecurityFromFlags();
+
+// Where the node runs the model, from --device (model::ParseDevice: its errors).
+absl::StatusOr<model::Device> NodeDeviceFromFlags();
 
 }  // namespace strata::cluster

@@ -100,11 +100,13 @@ absl::StatusOr<std::unique_ptr<prometheus::Exposer>> StartMetrics(
 }
 
 absl::StatusOr<ServedModel> LoadServedModel(const std::string& model_dir,
-                                            const std::string& calibration_path) {
+                                            const std::string& calibration_path,
+                                            const model::Device& device) {
   ServedModel m;
   m.name = std::filesystem::path(model_dir).lexically_normal().filename().string();
   if (m.name.empty()) m.name = std::filesystem::path(model_dir).parent_path().filename().string();
-  absl::StatusOr<std::unique_ptr<model::LlamaModel>> model = model::LlamaModel::Load(model_dir);
+  absl::StatusOr<std::unique_ptr<model::ComputeBackend>> model =
+      model::LoadComputeBackend(model_dir, device);
   if (!model.ok()) return model.status();
   m.model = *std::move(model);
   absl::StatusOr<std::unique_ptr<model::Tokenizer>> tok = model::Tokenizer::Load(model_dir);

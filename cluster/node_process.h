@@ -19,7 +19,7 @@
 #include "kernels/calibration.h"
 #include "kvstore/grpc_security.h"
 #include "kvstore/store_client.h"
-#include "model/llama.h"
+#include "model/compute_backend.h"
 #include "model/logprobs.h"
 #include "model/sampler.h"
 #include "model/tokenizer.h"
@@ -57,12 +57,13 @@ absl::StatusOr<std::unique_ptr<prometheus::Exposer>> StartMetrics(
 // What a node serves, as the cluster file names it.
 struct ServedModel {
   std::string name;  // the model folder's name
-  std::unique_ptr<model::LlamaModel> model;
+  std::unique_ptr<model::ComputeBackend> model;  // on the node's device
   std::unique_ptr<model::Tokenizer> tokenizer;
   std::shared_ptr<const kernels::Calibration> calibration;  // null when the spec names none
 };
 absl::StatusOr<ServedModel> LoadServedModel(const std::string& model_dir,
-                                            const std::string& calibration_path);
+                                            const std::string& calibration_path,
+                                            const model::Device& device = {});
 
 // The store the cluster file names, and with `local_ram_bytes` > 0 the node's own RAM tier in
 // front of it (kvstore::TieredBlockSource); blocks() is what the engines take (null with

@@ -27,7 +27,7 @@ struct DecodeEngine::Sequence {
   uint64_t arrived_bytes = 0;
   bool queued = false;  // in ready_ or running
   // Running state (the scheduler thread only).
-  std::unique_ptr<model::SequenceKvCache> cache;
+  std::unique_ptr<model::KvCache> cache;
   std::unique_ptr<model::TextStream> text;
   std::optional<model::Sampler> sampler;
   std::vector<uint32_t> generated;
@@ -52,15 +52,16 @@ absl::Status DecodeEngineOptions::Validate() const {
 }
 
 absl::StatusOr<std::unique_ptr<DecodeEngine>> DecodeEngine::Create(
-    DecodeEngineOptions options, const model::LlamaModel* model, const model::Tokenizer* tokenizer,
-    transport::Transport* transport, kvstore::BlockSource* store) {
+    DecodeEngineOptions options, const model::ComputeBackend* model,
+    const model::Tokenizer* tokenizer, transport::Transport* transport,
+    kvstore::BlockSource* store) {
   STRATA_RETURN_IF_ERROR(options.Validate());
   if (model == nullptr || tokenizer == nullptr || transport == nullptr) {
     return absl::InvalidArgumentError("decode: needs a model, a tokenizer and a transport");
   }
   // An empty cache of the engine's options: it checks them, and names arriving blocks before
   // their sequence has a cache of its own (NameArrivedBlocks).
-  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<model::SequenceKvCache> namer,
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<model::KvCache> namer,
                           model->NewCache(options.format.CacheOptions()));
   std::unique_ptr<DecodeEngine> e(
       new DecodeEngine(std::move(options), model, tokenizer, transport, store));
@@ -667,7 +668,7 @@ void DecodeEngine::StepBatch(std::vector<std::shared_ptr<Sequence>>* done) {
   }
   if (batch.empty()) return;
   std::vector<absl::Span<const uint32_t>> tokens;
-  std::vector<model::SequenceKvCache*> caches;
+  std::vector<model::KvCache*> caches;
   for (auto& s : batch) {
     tokens.push_back({&s->generated.back(), 1});
     caches.push_back(s->cache.get());

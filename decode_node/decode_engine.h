@@ -6,15 +6,14 @@
 // shipment with the first token. The engine adopts the blocks as they are (verified once, by the
 // receiver; never copied or re-packed), installs the windows, and the sequence joins the running
 // batch. Continuous batching: one scheduler thread steps every running sequence together
-// (LlamaModel::StepBatch); sequences join and leave at every step, each pass of the loop a named
-// step (expire, admit, step, preempt, retire) whose two decisions, admission and preemption, are
-// plain functions of byte counts (batch_planner.h). Admission is by max_batch and
-// by KV bytes in use (compressed blocks plus full-precision windows); a sequence whose KV has
-// arrived waits while either is full. Blocks that sequences share (one cached prefix, interned
-// by BlockInterner) count once, also for a sequence about to join whose blocks a running one
-// holds. When the running sequences outgrow the KV budget, the
-// newest is preempted: its blocks go to the store, its window stays here, and it resumes from the
-// store when there is room — never recomputed.
+// (ComputeBackend::StepBatch); sequences join and leave at every step, each pass of the loop a
+// named step (expire, admit, step, preempt, retire) whose two decisions, admission and preemption,
+// are plain functions of byte counts (batch_planner.h). Admission is by max_batch and by KV bytes
+// in use (compressed blocks plus full-precision windows); a sequence whose KV has arrived waits
+// while either is full. Blocks that sequences share (one cached prefix, interned by BlockInterner)
+// count once, also for a sequence about to join whose blocks a running one holds. When the running
+// sequences outgrow the KV budget, the newest is preempted: its blocks go to the store, its window
+// stays here, and it resumes from the store when there is room — never recomputed.
 //
 // Tokens stream to the request's TokenSink from the scheduler thread (the sink must not block).
 // When a sequence ends, its full chunks that the prefill node did not store (generated text) are
@@ -41,7 +40,8 @@
 #include "decode_node/block_interner.h"
 #include "kernels/calibration.h"
 #include "kvstore/block_source.h"
-#include "model/llama.h"
+#include "model/compute_backend.h"
+#include "model/kv_cache.h"
 #include "model/logprobs.h"
 #include "model/sampler.h"
 #include "model/served_format.h"
@@ -136,7 +136,7 @@ class DecodeEngine {
   // `model`, `tokenizer` and `transport` must outlive the engine; `store` may be null (no Put,
   // no preemption). Installs a BlockReceiver on `transport`.
   static absl::StatusOr<std::unique_ptr<DecodeEngine>> Create(DecodeEngineOptions options,
-                                                              const model::LlamaModel* model,
+                                                              const model::ComputeBackend* model,
                                                               const model::Tokenizer* tokenizer,
                                                               transport::Transport* transport,
                                                               kvstore::BlockSource* store);
@@ -161,12 +161,12 @@ class DecodeEngine {
   DecodeStats stats() const;
   std::string transport_address() const { return transport_->address(); }
   const DecodeEngineOptions& options() const { return options_; }
-  const model::LlamaModel& model() const { return *model_; }
+  const model::ComputeBackend& model() const { return *model_; }
   const transport::BlockReceiver& receiver() const { return *receiver_; }
 
  private:
   struct Sequence;
-  DecodeEngine(DecodeEngineOptions options, const model::LlamaModel* model,
+  DecodeEngine(DecodeEngineOptions options, const model::ComputeBackend* model,
                const model::Tokenizer* tokenizer, transport::Transport* transport,
                kvstore::BlockSource* store)
       : options_(std::move(options)),
@@ -229,13 +229,13 @@ class DecodeEngine {
   uint64_t SharedArrivedBytes(Sequence& s);
 
   const DecodeEngineOptions options_;
-  const model::LlamaModel* model_;
+  const model::ComputeBackend* model_;
   const model::Tokenizer* tokenizer_;
   transport::Transport* transport_;
   kvstore::BlockSource* store_;
   std::unique_ptr<transport::BlockReceiver> receiver_;
   BlockInterner interner_;
-  std::unique_ptr<model::SequenceKvCache> namer_;  // names blocks before a sequence has a cache
+  std::unique_ptr<model::KvCache> namer_;  // names blocks before a sequence has a cache
 
   mutable std::mutex mu_;
   std::condition_variable cv_;

@@ -16,7 +16,7 @@
 // ImportWindow: the partial last chunk at full precision, so the receiving node continues
 // exactly where the sender stopped).
 //
-// Not thread-safe; one cache per sequence.
+// The CPU backend's KvCache (compute_backend.h). Not thread-safe; one cache per sequence.
 #pragma once
 
 #include <cstdint>
@@ -32,6 +32,7 @@
 #include "kernels/block_operands.h"
 #include "kernels/codec.h"
 #include "kernels/decode_attention.h"
+#include "model/compute_backend.h"
 
 namespace strata::model {
 
@@ -46,19 +47,20 @@ struct KvCacheOptions {
   absl::Status Validate() const;
 };
 
-class SequenceKvCache {
+class SequenceKvCache final : public KvCache {
  public:
   static absl::StatusOr<std::unique_ptr<SequenceKvCache>> Create(const KvCacheOptions& options,
                                                                  uint32_t layers, uint32_t kv_heads,
                                                                  uint32_t head_dim);
 
-  uint32_t tokens() const { return tokens_; }  // every token cached, blocks + window
-  uint32_t window_tokens() const { return window_tokens_; }
-  size_t blocks_per_layer() const { return layers_.empty() ? 0 : layers_[0].ops.size(); }
+  Device device() const override { return Device{}; }
+  uint32_t tokens() const override { return tokens_; }  // every token cached, blocks + window
+  uint32_t window_tokens() const override { return window_tokens_; }
+  size_t blocks_per_layer() const override { return layers_.empty() ? 0 : layers_[0].ops.size(); }
   // Bytes of all blocks (every layer), as a store would hold them.
-  size_t block_bytes() const;
+  size_t block_bytes() const override;
   // Seconds spent compressing chunks into blocks (the codec's Encode), over the cache's life.
-  double encode_seconds() const { return encode_seconds_; }
+  double encode_seconds() const override { return encode_seconds_; }
 
   // Appends `n` tokens of one layer to its window: k, v [n, kv_heads, head_dim], and their
   // queries q [n, q_heads, head_dim] (kept only when the codec uses them: ZipCache's probes; may
@@ -76,7 +78,7 @@ class SequenceKvCache {
   // appended to it since the last Commit counted) and returns them, oldest first; Commit then
   // adopts these instead of encoding them again. Call once per layer per step, after the
   // layer's AppendWindow. Returns no blocks when no chunk fills. Errors are the codec's.
-  absl::StatusOr<std::vector<SharedBytes>> CompressLayer(uint32_t layer);
+  absl::StatusOr<std::vector<SharedBytes>> CompressLayer(uint32_t layer) override;
 
   // Adds an already-compressed block for the next chunk of `layer` (a cached prefix). The
   // block must be that layer's next chunk, of chunk_tokens tokens, made by the cache's codec for
@@ -84,42 +86,43 @@ class SequenceKvCache {
   // `checksum_verified`: the bytes' CRC was verified where they arrived in this process (the
   // transport's receiver, the store's Get): the structure is still checked, the CRC is not
   // computed again. All layers of a chunk must be adopted before CommitAdopted.
-  absl::Status AdoptBlock(uint32_t layer, SharedBytes block, bool checksum_verified = false);
+  absl::Status AdoptBlock(uint32_t layer, SharedBytes block,
+                          bool checksum_verified = false) override;
   absl::Status AdoptBlock(uint32_t layer, AlignedBuffer block) {
     return AdoptBlock(layer, SharedBytes::FromBuffer(std::move(block)));
   }
-  absl::Status CommitAdopted();
+  absl::Status CommitAdopted() override;
 
   // The window of `layer` (the committed tokens not in blocks) as bytes, for another node's
   // ImportWindow: a 32-byte header (magic "SKVW", version, layer, tokens, kv heads, head dim,
   // query heads) then K, V [tokens, kv_heads, head_dim] and the queries [tokens, q_heads,
   // head_dim] when the codec keeps them, fp32 little-endian.
-  std::string ExportWindow(uint32_t layer) const;
+  std::string ExportWindow(uint32_t layer) const override;
   // Installs an exported window for `layer` after the adopted blocks (no window yet, every
   // layer's the same length); then CommitWindow accounts its tokens. kInvalidArgument naming
   // the field for bytes that are not a window of this cache's shape; kFailedPrecondition when
   // the cache already has a window or uncommitted tokens.
-  absl::Status ImportWindow(uint32_t layer, absl::Span<const uint8_t> bytes);
-  absl::Status CommitWindow();
+  absl::Status ImportWindow(uint32_t layer, absl::Span<const uint8_t> bytes) override;
+  absl::Status CommitWindow() override;
   // Forgets every block and window: the cache is empty again (a sequence preempted to the
   // store, resumed later by adoption).
-  void Clear();
+  void Clear() override;
 
   // The attention input for `layer`: blocks + window (the window's last query_tokens are new).
   kernels::DecodeSequence View(uint32_t layer) const;
 
   // The blocks of one layer, for a store or the transport.
-  const std::vector<SharedBytes>& layer_blocks(uint32_t layer) const {
+  const std::vector<SharedBytes>& layer_blocks(uint32_t layer) const override {
     return layers_[layer].buffers;
   }
-  uint32_t layers() const { return static_cast<uint32_t>(layers_.size()); }
+  uint32_t layers() const override { return static_cast<uint32_t>(layers_.size()); }
   // What a store names layer `layer`'s block of the chunk keyed `key`: this model's and the
   // calibration's fingerprints, and the codec fingerprint that layer's blocks carry (per-layer
   // codecs such as the Strata mix carry their layer's own).
-  BlockName NameOf(uint32_t layer, const BlockHash& key) const;
+  BlockName NameOf(uint32_t layer, const BlockHash& key) const override;
   // Every layer's codec fingerprint, in layer order (for a store's Lookup).
-  std::vector<uint64_t> LayerCodecFingerprints() const;
-  const KvCacheOptions& options() const { return options_; }
+  std::vector<uint64_t> LayerCodecFingerprints() const override;
+  const KvCacheOptions& options() const override { return options_; }
 
  private:
   struct Layer {

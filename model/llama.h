@@ -1,5 +1,6 @@
 // A Llama-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU; Llama, Mistral and
-// Qwen2 checkpoints) running on the CPU in fp32 (matrix products: model/matmul.h).
+// Qwen2 checkpoints) running on the CPU in fp32 (matrix products: model/matmul.h). The engines
+// reach it through CpuBackend (cpu_backend.h), the CPU compute backend.
 //
 // Load() reads config.json and the safetensors checkpoint of a Hugging Face model folder,
 // checks every tensor's presence, dtype and shape against the config (kInvalidArgument naming
@@ -20,6 +21,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "model/compute_backend.h"
 #include "model/config.h"
 #include "model/kv_cache.h"
 
@@ -31,12 +33,6 @@ struct LayerKv {
   std::vector<float> v;  // [tokens, kv_heads, head_dim]
   std::vector<float> q;  // [tokens, heads, head_dim], after RoPE
 };
-
-// Called after every layer of a step, once that layer is done for every sequence of the batch
-// (its K and V in each cache's window): a prefill node compresses the layer's new chunks there
-// (SequenceKvCache::CompressLayer) and ships them while the next layer computes. An error ends
-// the step; the caches discard its tokens.
-using LayerHook = std::function<absl::Status(uint32_t layer)>;
 
 class LlamaModel {
  public:
@@ -68,7 +64,7 @@ class LlamaModel {
   // runs after each layer of each piece. Returns the logits of the last token [vocab].
   // `piece_logits`, when set, gets every token's logits, a piece at a time: the index in `tokens`
   // of the piece's first token and its logits [piece tokens, vocab] (prompt logprobs).
-  using PieceLogits = std::function<void(size_t first, absl::Span<const float> logits)>;
+  using PieceLogits = ComputeBackend::PieceLogits;
   absl::StatusOr<std::vector<float>> Prefill(absl::Span<const uint32_t> tokens,
                                              SequenceKvCache* cache,
                                              const LayerHook& hook = nullptr,

@@ -32,8 +32,8 @@ absl::Status PrefillEngineOptions::Validate() const {
 }
 
 absl::StatusOr<std::unique_ptr<PrefillEngine>> PrefillEngine::Create(
-    PrefillEngineOptions options, const model::LlamaModel* model, transport::Transport* transport,
-    kvstore::BlockSource* store) {
+    PrefillEngineOptions options, const model::ComputeBackend* model,
+    transport::Transport* transport, kvstore::BlockSource* store) {
   STRATA_RETURN_IF_ERROR(options.Validate());
   if (model == nullptr || transport == nullptr) {
     return absl::InvalidArgumentError("prefill: needs a model and a transport");
@@ -86,7 +86,7 @@ absl::Status PrefillEngine::MeasureThroughput(uint32_t tokens) {
   if (tokens == 0) return absl::InvalidArgumentError("prefill: MeasureThroughput of no tokens");
   const model::ModelConfig& c = model_->config();
   tokens = std::min<uint32_t>(tokens, c.max_position_embeddings - 1);
-  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<model::SequenceKvCache> cache,
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<model::KvCache> cache,
                           model_->NewCache(options_.format.CacheOptions()));
   std::vector<uint32_t> prompt(tokens);
   for (uint32_t i = 0; i < tokens; ++i) prompt[i] = (i * 7919u + 13u) % c.vocab_size;
@@ -237,7 +237,7 @@ absl::StatusOr<PrefillResult> PrefillEngine::Run(const PrefillRequest& r,
   PrefillResult res;
   res.prompt_tokens = static_cast<uint32_t>(r.tokens.size());
   STRATA_ASSIGN_OR_RETURN(std::shared_ptr<transport::Endpoint> peer, Peer(r.decode_address));
-  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<model::SequenceKvCache> cache,
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<model::KvCache> cache,
                           model_->NewCache(options_.format.CacheOptions()));
   STRATA_ASSIGN_OR_RETURN(PrefixHasher hasher,
                           PrefixHasher::Create(options_.format.KeysFor(r.cache_salt)));
@@ -322,7 +322,7 @@ absl::StatusOr<PrefillResult> PrefillEngine::Run(const PrefillRequest& r,
     }
     return absl::OkStatus();
   };
-  model::LlamaModel::PieceLogits piece_logits = nullptr;
+  model::ComputeBackend::PieceLogits piece_logits = nullptr;
   if (r.prompt_logprobs) {
     const size_t vocab = c.vocab_size;
     piece_logits = [&](size_t first, absl::Span<const float> rows) {

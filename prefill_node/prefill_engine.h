@@ -4,7 +4,7 @@
 // For a request it keys the prompt's full chunks (vLLM's chained hash with the request's cache
 // salt), takes the longest prefix the store holds for every layer (capped so that at least the
 // last prompt token is computed: its logits give the first token), adopts those blocks, and
-// runs the model over the rest chunk-aligned (LlamaModel::Prefill). Every block — adopted ones
+// runs the model over the rest chunk-aligned (ComputeBackend::Prefill). Every block — adopted ones
 // first, then each computed layer as soon as it is done, while later layers still compute — is
 // shipped to the request's decode node (BlockSender, transport/shipment.h names each), then each
 // layer's window (the partial last chunk at full precision), then the end shipment with the
@@ -45,7 +45,8 @@
 #include "common/prefix_key.h"
 #include "kernels/calibration.h"
 #include "kvstore/block_source.h"
-#include "model/llama.h"
+#include "model/compute_backend.h"
+#include "model/kv_cache.h"
 #include "model/logprobs.h"
 #include "model/sampler.h"
 #include "model/served_format.h"
@@ -123,7 +124,7 @@ class PrefillEngine {
   // `model` and `transport` must outlive the engine; `store` may be null (no prefix reuse).
   // The engine installs a BlockSender on `transport` (one per transport).
   static absl::StatusOr<std::unique_ptr<PrefillEngine>> Create(PrefillEngineOptions options,
-                                                               const model::LlamaModel* model,
+                                                               const model::ComputeBackend* model,
                                                                transport::Transport* transport,
                                                                kvstore::BlockSource* store);
   ~PrefillEngine();
@@ -139,11 +140,11 @@ class PrefillEngine {
   PrefillLoad load() const;
   PrefillStats stats() const;
   const PrefillEngineOptions& options() const { return options_; }
-  const model::LlamaModel& model() const { return *model_; }
+  const model::ComputeBackend& model() const { return *model_; }
   transport::BlockSender& sender() { return *sender_; }
 
  private:
-  PrefillEngine(PrefillEngineOptions options, const model::LlamaModel* model,
+  PrefillEngine(PrefillEngineOptions options, const model::ComputeBackend* model,
                 transport::Transport* transport, kvstore::BlockSource* store)
       : options_(std::move(options)), model_(model), transport_(transport), store_(store) {}
   absl::StatusOr<std::shared_ptr<transport::Endpoint>> Peer(const std::string& address);
@@ -156,7 +157,7 @@ class PrefillEngine {
   void RecordRate(uint64_t tokens, double seconds);  // under mu_
 
   const PrefillEngineOptions options_;
-  const model::LlamaModel* model_;
+  const model::ComputeBackend* model_;
   transport::Transport* transport_;
   kvstore::BlockSource* store_;
   std::unique_ptr<transport::BlockSender> sender_;

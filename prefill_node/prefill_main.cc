@@ -87,7 +87,10 @@ int main(int argc, char** argv) {
       cl::NodeSecurityFromFlags();
   if (!security.ok()) return Fail("flags", security.status(), 2);
 
-  absl::StatusOr<cl::ServedModel> served = cl::LoadServedModel(spec->model, spec->calibration);
+  absl::StatusOr<strata::model::Device> device = cl::NodeDeviceFromFlags();
+  if (!device.ok()) return Fail("flags", device.status(), 2);
+  absl::StatusOr<cl::ServedModel> served =
+      cl::LoadServedModel(spec->model, spec->calibration, *device);
   if (!served.ok()) return Fail("model", served.status());
 
   // The node's own RAM tier (when asked for) in front of the shared store, served (Store service)

@@ -278,7 +278,7 @@ absl::Status ClusterBackend::Init() {
     }
     chat_template_ = *std::move(t);
   }
-  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<model::SequenceKvCache> cache,
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<model::KvCache> cache,
                           served.model->NewCache({.codec = spec.codec,
                                                   .chunk_tokens = spec.chunk_tokens,
                                                   .calibration = served.calibration}));

@@ -12,6 +12,7 @@
 #include "decode_node/decode_engine.h"
 #include "gtest/gtest.h"
 #include "kvstore/block_source.h"
+#include "model/cpu_backend.h"
 #include "model/llama.h"
 #include "model/tokenizer.h"
 #include "prefill_node/prefill_engine.h"
@@ -81,10 +82,12 @@ class ServingEngineTest : public ::testing::Test {
   static void SetUpTestSuite() {
     model_ =
         model::LlamaModel::Load(absl::StrCat(STRATA_SOURCE_DIR, "/models/strata-tiny"))->release();
+    backend_ = new model::CpuBackend(model_);
     tokenizer_ =
         model::Tokenizer::Load(absl::StrCat(STRATA_SOURCE_DIR, "/models/strata-tiny"))->release();
   }
   static void TearDownTestSuite() {
+    delete backend_;
     delete model_;
     delete tokenizer_;
   }
@@ -108,11 +111,11 @@ class ServingEngineTest : public ::testing::Test {
       receiving = faulty_.get();
     }
     prefill_ = *prefill::PrefillEngine::Create({.format = {.codec = codec, .chunk_tokens = kChunk}},
-                                               model_, pt_.get(), source_.get());
+                                               backend_, pt_.get(), source_.get());
     decode_ = *decode::DecodeEngine::Create({.format = {.codec = codec, .chunk_tokens = kChunk},
                                              .max_batch = max_batch,
                                              .kv_budget_bytes = budget},
-                                            model_, tokenizer_, receiving, source_.get());
+                                            backend_, tokenizer_, receiving, source_.get());
   }
 
   std::vector<uint32_t> Prompt(const std::string& text) {
@@ -156,6 +159,7 @@ class ServingEngineTest : public ::testing::Test {
   }
 
   static model::LlamaModel* model_;
+  static model::CpuBackend* backend_;  // model_, as the engines see it
   static model::Tokenizer* tokenizer_;
   std::string codec_;
   std::unique_ptr<kvstore::BlockStore> store_;
@@ -167,6 +171,7 @@ class ServingEngineTest : public ::testing::Test {
 };
 
 model::LlamaModel* ServingEngineTest::model_ = nullptr;
+model::CpuBackend* ServingEngineTest::backend_ = nullptr;
 model::Tokenizer* ServingEngineTest::tokenizer_ = nullptr;
 
 const char kText[] =

@@ -1,0 +1,83 @@
+#include "model/compute_backend.h"
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "model/cpu_backend.h"
+
+namespace strata::model {
+
+std::string Device::ToString() const {
+  return kind == Kind::kCpu ? "cpu" : absl::StrCat("cuda:", index);
+}
+
+absl::StatusOr<Device> ParseDevice(absl::string_view text) {
+  if (text == "cpu") return Device{};
+  if (text == "cuda") return Device{.kind = Device::Kind::kCuda, .index = 0};
+  if (absl::string_view n = text; absl::ConsumePrefix(&n, "cuda:")) {
+    int index = -1;
+    if (absl::SimpleAtoi(n, &index) && index >= 0 && index < 1024) {
+      return Device{.kind = Device::Kind::kCuda, .index = index};
+    }
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("device '", text, "': expected cpu, cuda or cuda:N"));
+}
+
+absl::StatusOr<std::unique_ptr<ComputeBackend>> LoadComputeBackend(const std::string& model_dir,
+                                                                   const Device& device) {
+  if (device.kind == Device::Kind::kCuda) {
+    // The CUDA kernels (kernels/cuda/) exist; the model's forward pass and the device KV cache
+    // on them do not yet (issue 41).
+    return absl::UnimplementedError(absl::StrCat(
+        "device ", device.ToString(),
+        ": this version runs the model on the CPU only (the CUDA backend is not written yet); "
+        "use --device cpu"));
+  }
+  absl::StatusOr<std::unique_ptr<LlamaModel>> model = LlamaModel::Load(model_dir);
+  if (!model.ok()) return model.status();
+  return std::make_unique<CpuBackend>(*std::move(model));
+}
+
+CpuBackend::CpuBackend(std::unique_ptr<LlamaModel> model)
+    : owned_(std::move(model)), model_(owned_.get()) {}
+
+CpuBackend::CpuBackend(const LlamaModel* model) : model_(model) {}
+
+absl::StatusOr<SequenceKvCache*> AsCpuCache(KvCache* cache) {
+  if (cache == nullptr) return absl::InvalidArgumentError("the CPU backend: a null cache");
+  if (cache->device().kind != Device::Kind::kCpu) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the CPU backend cannot compute over a cache on ", cache->device().ToString()));
+  }
+  return static_cast<SequenceKvCache*>(cache);  // the only KvCache on the CPU
+}
+
+absl::StatusOr<std::unique_ptr<KvCache>> CpuBackend::NewCache(const KvCacheOptions& options) const {
+  absl::StatusOr<std::unique_ptr<SequenceKvCache>> cache = model_->NewCache(options);
+  if (!cache.ok()) return cache.status();
+  return std::unique_ptr<KvCache>(*std::move(cache));
+}
+
+absl::StatusOr<std::vector<float>> CpuBackend::Prefill(absl::Span<const uint32_t> tokens,
+                                                       KvCache* cache, const LayerHook& hook,
+                                                       const PieceLogits& piece_logits) const {
+  absl::StatusOr<SequenceKvCache*> c = AsCpuCache(cache);
+  if (!c.ok()) return c.status();
+  return model_->Prefill(tokens, *c, hook, piece_logits);
+}
+
+absl::StatusOr<std::vector<std::vector<float>>> CpuBackend::StepBatch(
+    absl::Span<const absl::Span<const uint32_t>> tokens, absl::Span<KvCache* const> caches,
+    const LayerHook& hook) const {
+  std::vector<SequenceKvCache*> cpu;
+  cpu.reserve(caches.size());
+  for (KvCache* cache : caches) {
+    absl::StatusOr<SequenceKvCache*> c = AsCpuCache(cache);
+    if (!c.ok()) return c.status();
+    cpu.push_back(*c);
+  }
+  return model_->StepBatch(tokens, cpu, hook);
+}
+
+}  // namespace strata::model
