@@ -99,6 +99,17 @@ absl::StatusOr<std::unique_ptr<prometheus::Exposer>> StartMetrics(
   }
 }
 
+model::ServedFormat FormatOf(const ClusterSpec& spec, const ServedModel& served,
+                             const PrefixKeyOptions& keys) {
+  model::ServedFormat f{.codec = spec.codec,
+                        .chunk_tokens = spec.chunk_tokens,
+                        .calibration = served.calibration,
+                        .keys = keys};
+  f.keys.chunk_tokens = spec.chunk_tokens;
+  f.keys.cache_salt.clear();
+  return f;
+}
+
 absl::StatusOr<ServedModel> LoadServedModel(const std::string& model_dir,
                                             const std::string& calibration_path,
                                             const model::Device& device) {

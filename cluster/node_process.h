@@ -22,6 +22,7 @@
 #include "model/compute_backend.h"
 #include "model/logprobs.h"
 #include "model/sampler.h"
+#include "model/served_format.h"
 #include "model/tokenizer.h"
 #include "prometheus/counter.h"
 #include "prometheus/exposer.h"
@@ -61,6 +62,12 @@ struct ServedModel {
   std::unique_ptr<model::Tokenizer> tokenizer;
   std::shared_ptr<const kernels::Calibration> calibration;  // null when the spec names none
 };
+// The format the cluster file names (codec, chunk, the served model's calibration) with the
+// prefix keys `keys` (its chunk_tokens and cache salt ignored): what every node and the router
+// of the cluster serve.
+model::ServedFormat FormatOf(const ClusterSpec& spec, const ServedModel& served,
+                             const PrefixKeyOptions& keys = {});
+
 absl::StatusOr<ServedModel> LoadServedModel(const std::string& model_dir,
                                             const std::string& calibration_path,
                                             const model::Device& device = {});

@@ -176,8 +176,7 @@ int main(int argc, char** argv) {
   }
 
   strata::decode::DecodeEngineOptions eo;
-  eo.format = {
-      .codec = spec->codec, .chunk_tokens = spec->chunk_tokens, .calibration = served->calibration};
+  eo.format = cl::FormatOf(*spec, *served);
   eo.max_batch = static_cast<uint32_t>(absl::GetFlag(FLAGS_max_batch));
   eo.kv_budget_bytes = kv_budget;
   eo.max_waiting = static_cast<uint32_t>(absl::GetFlag(FLAGS_max_waiting));

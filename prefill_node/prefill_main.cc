@@ -118,8 +118,7 @@ int main(int argc, char** argv) {
   if (!transport.ok()) return Fail("UCX transport", transport.status());
 
   strata::prefill::PrefillEngineOptions eo;
-  eo.format = {
-      .codec = spec->codec, .chunk_tokens = spec->chunk_tokens, .calibration = served->calibration};
+  eo.format = cl::FormatOf(*spec, *served);
   eo.max_concurrent = absl::GetFlag(FLAGS_max_concurrent);
   eo.max_queued_tokens = static_cast<uint64_t>(absl::GetFlag(FLAGS_max_queued_tokens));
   eo.max_queue_time = absl::Milliseconds(absl::GetFlag(FLAGS_max_queue_ms));

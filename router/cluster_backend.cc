@@ -60,11 +60,10 @@ absl::Status ClusterBackendOptions::Validate() const {
   if (absl::Status s = retry_budget.Validate(); !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("cluster backend: ", s.message()));
   }
-  PrefixKeyOptions k = keys;
-  k.chunk_tokens = spec.chunk_tokens;
-  k.cache_salt.clear();
-  if (absl::Status s = k.Validate(); !s.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat("cluster backend: keys: ", s.message()));
+  const model::ServedFormat format{
+      .codec = spec.codec, .chunk_tokens = spec.chunk_tokens, .keys = keys};
+  if (absl::Status s = format.Validate(); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("cluster backend: ", s.message()));
   }
   STRATA_RETURN_IF_ERROR(routing.Validate());
   return index.Validate();
@@ -278,17 +277,13 @@ absl::Status ClusterBackend::Init() {
     }
     chat_template_ = *std::move(t);
   }
+  format_ = cluster::FormatOf(spec, served, options_.keys);
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<model::KvCache> cache,
-                          served.model->NewCache({.codec = spec.codec,
-                                                  .chunk_tokens = spec.chunk_tokens,
-                                                  .calibration = served.calibration}));
+                          served.model->NewCache(format_.CacheOptions()));
   for (uint32_t l = 0; l < config_.num_layers; ++l) {
     layer_names_.push_back(cache->NameOf(l, BlockHash{}));
   }
-  PrefixKeyOptions keys = options_.keys;
-  keys.chunk_tokens = spec.chunk_tokens;
-  keys.cache_salt.clear();
-  STRATA_ASSIGN_OR_RETURN(PrefixHasher hasher, PrefixHasher::Create(keys));
+  STRATA_ASSIGN_OR_RETURN(PrefixHasher hasher, PrefixHasher::Create(format_.KeysFor("")));
   hasher_ = std::make_unique<PrefixHasher>(std::move(hasher));
   STRATA_ASSIGN_OR_RETURN(index_, PrefixIndex::Create(options_.index));
   STRATA_ASSIGN_OR_RETURN(policy_, RoutingPolicy::Create(options_.routing));
@@ -348,7 +343,7 @@ absl::Status ClusterBackend::Init() {
   NodePoolOptions po;
   po.load_timeout = options_.load_timeout;
   po.model_name = served.name;  // nodes report the folder's name, whatever clients call it
-  po.chunk_tokens = spec.chunk_tokens;
+  po.format = format_;
   po.prefill_reads_store = !spec.store.empty();
   po.security = options_.security;
   STRATA_RETURN_IF_ERROR(po.Validate());
@@ -358,7 +353,7 @@ absl::Status ClusterBackend::Init() {
     STRATA_RETURN_IF_ERROR(store_feed_->status());
   }
   cluster::Log("", absl::StrCat("serving ", model_name_, " (context ", context_tokens_,
-                                " tokens, codec ", spec.codec, ", chunk ", spec.chunk_tokens,
+                                " tokens, codec ", format_.codec, ", chunk ", format_.chunk_tokens,
                                 " tokens) through ", pool_->Status().size(), " nodes",
                                 spec.store.empty() ? "" : ", store " + spec.store));
   return absl::OkStatus();
@@ -737,7 +732,7 @@ absl::Status ClusterBackend::Launch(const std::shared_ptr<Request>& r, const std
   }
   RouteRequest route;
   route.prompt_tokens = r->prompt_tokens;
-  route.chunk_tokens = options_.spec.chunk_tokens;
+  route.chunk_tokens = format_.chunk_tokens;
   route.decode_kv_bytes = static_cast<uint64_t>(std::ceil(
       static_cast<double>(r->prompt_tokens + r->max_tokens) * pool_->DecodeKvBytesPerToken()));
   absl::StatusOr<RouteDecision> routed = policy_->Route(route, overlap, nodes);

@@ -256,6 +256,7 @@ class ClusterBackend final : public Backend {
   std::vector<BlockName> layer_names_;    // per layer: this model's block namespace in the store
   int64_t created_ = 0;                   // Unix seconds, for ModelCard
   std::unique_ptr<PrefixHasher> hasher_;  // no cache salt; salted requests make their own
+  model::ServedFormat format_;            // the cluster's (cluster::FormatOf)
 
   std::shared_ptr<prometheus::Registry> registry_;
   prometheus::Family<prometheus::Counter>* requests_total_ = nullptr;

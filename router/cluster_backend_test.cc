@@ -120,6 +120,7 @@ struct FakeState {
   bool prefill_fails = false;
   grpc::StatusCode prefill_error = grpc::StatusCode::RESOURCE_EXHAUSTED;
   std::string prefill_id = "prefill-0";  // what the prefill service's Load reports
+  std::string prefill_codec = "fp16";    // and the codec it serves
   uint64_t prefill_queued_tokens = 0;
   uint64_t prefill_max_queued_tokens = 0;  // the queue bound the prefill node reports
   double prefill_tokens_per_second = 0;
@@ -257,6 +258,7 @@ class FakePrefill final : public strata::v1::PrefillNode::Service {
                     strata::v1::NodeLoad* resp) override {
     std::lock_guard<std::mutex> lock(s_->mu);
     *resp = FakeLoad(s_->prefill_id.c_str(), "prefill");
+    resp->set_codec(s_->prefill_codec);
     resp->set_queued_prefill_tokens(s_->prefill_queued_tokens);
     resp->set_max_queued_prefill_tokens(s_->prefill_max_queued_tokens);
     resp->set_prefill_tokens_per_second(s_->prefill_tokens_per_second);
@@ -827,6 +829,25 @@ TEST_F(FakeClusterTest, AFullPrefillQueueIs429WithRetryAfterBeforeAnyCall) {
     EXPECT_TRUE(state().generates.empty());  // nothing reached a node
     EXPECT_TRUE(state().prefills.empty());
   }
+}
+
+// A node serving another codec than the cluster's (a stale deployment) is not routed to: its
+// blocks would not be the cluster's.
+TEST_F(FakeClusterTest, ANodeServingAnotherCodecIsUnhealthySayingWhich) {
+  {
+    std::lock_guard<std::mutex> lock(state().mu);
+    state().prefill_codec = "kivi:k2v2:g32";
+  }
+  std::string problem;
+  ASSERT_TRUE(WaitFor([&] {
+    for (const NodeStatus& n : backend_->Nodes()) {
+      if (n.spec.id == "prefill-0" && !n.healthy) problem = n.problem;
+    }
+    return !problem.empty();
+  }));
+  EXPECT_THAT(problem, HasSubstr("serves codec kivi:k2v2:g32, the router fp16"));
+  std::string detail;
+  EXPECT_FALSE(backend_->Healthy(&detail));
 }
 
 TEST_F(FakeClusterTest, OverMaxInFlightIsResourceExhausted) {

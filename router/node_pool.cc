@@ -179,10 +179,14 @@ std::string NodePool::Contradiction(const cluster::NodeSpec& spec,
     return absl::StrCat("serves model '", report.model(), "', the router '", options_.model_name,
                         "'");
   }
-  if (options_.chunk_tokens != 0 && report.chunk_tokens() != 0 &&
-      report.chunk_tokens() != options_.chunk_tokens) {
+  const model::ServedFormat& format = options_.format;
+  if (format.chunk_tokens != 0 && report.chunk_tokens() != 0 &&
+      report.chunk_tokens() != format.chunk_tokens) {
     return absl::StrCat("uses chunks of ", report.chunk_tokens(), " tokens, the router ",
-                        options_.chunk_tokens);
+                        format.chunk_tokens);
+  }
+  if (!format.codec.empty() && !report.codec().empty() && report.codec() != format.codec) {
+    return absl::StrCat("serves codec ", report.codec(), ", the router ", format.codec);
   }
   return "";
 }

@@ -32,6 +32,7 @@
 #include "cluster/cluster_file.h"
 #include "grpcpp/channel.h"
 #include "kvstore/grpc_security.h"
+#include "model/served_format.h"
 #include "prometheus/family.h"
 #include "prometheus/gauge.h"
 #include "prometheus/registry.h"
@@ -46,10 +47,11 @@ struct NodePoolOptions {
   // Upper bound of a channel's reconnection backoff (gRPC's default is two minutes: far too long
   // to notice a restarted node).
   absl::Duration max_reconnect_backoff = absl::Seconds(1);
-  // What every node must report; "" / 0: not checked. A node reporting an empty model or chunk
-  // size 0 is not checked either.
+  // What every node must report: the model's name ("": not checked) and the cluster's format
+  // (codec and chunk size; an empty codec or chunk size 0: not checked). A node reporting an
+  // empty model or codec, or chunk size 0, is not checked either.
   std::string model_name = "";
-  uint32_t chunk_tokens = 0;
+  model::ServedFormat format = {.codec = "", .chunk_tokens = 0};
   // NodeLoad::reads_store of every prefill node (the cluster has a store).
   bool prefill_reads_store = false;
   // TLS and the cluster token of the nodes' channels; null: insecure (plaintext, no token).
