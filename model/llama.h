@@ -80,12 +80,19 @@ class LlamaModel {
   // A cache shaped for this model.
   absl::StatusOr<std::unique_ptr<SequenceKvCache>> NewCache(KvCacheOptions options) const;
 
- private:
+  // The weights at fp32, for another backend to load (model/cuda/): matrices [out, in].
   struct Layer {
     std::vector<float> input_norm, post_norm;
     std::vector<float> wq, wk, wv, wo, bq, bk, bv, bo;  // [out, in]; biases empty when absent
     std::vector<float> w_gate, w_up, w_down;
   };
+  const std::vector<Layer>& layers() const { return layers_; }
+  const std::vector<float>& embed() const { return embed_; }        // [vocab, hidden]
+  const std::vector<float>& final_norm() const { return norm_; }    // [hidden]
+  const std::vector<float>& lm_head() const { return lm_head_; }    // empty when tied to embed()
+  const std::vector<float>& inv_freq() const { return inv_freq_; }  // RoPE, scaling applied
+
+ private:
   LlamaModel() = default;
   void Rope(float* x, uint32_t position0, uint32_t tokens, uint32_t heads) const;
   absl::StatusOr<std::vector<float>> Run(absl::Span<const uint32_t> tokens, SequenceKvCache* cache,

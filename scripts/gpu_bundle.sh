@@ -9,13 +9,15 @@
 #                                    # there (carry build/gpu-bundle); exit status: any failure
 #   STRATA_COMMIT=... build/gpu-bundle/quick.sh   # the paged decode alone: its tests both
 #                                    # ways, sanitizers, cuda_decode_bench and SDPA (~20 s)
-# NCCL itself is not copied (over 200 MB): run.sh finds libnccl.so.2 in /usr/local/cuda/lib, in
-# $NCCL_LIB_DIR, or in Python's nvidia.nccl package.
+# NCCL and cuBLAS are not copied (hundreds of MB): run.sh finds libnccl.so.2 in
+# /usr/local/cuda/lib, in $NCCL_LIB_DIR, or in Python's nvidia.nccl package, and libcublas.so.13
+# in /usr/local/cuda/lib64 or Python's nvidia.cublas package. Tests that read the repository's
+# models and fixtures find it through STRATA_SOURCE_DIR (the checkout around build/gpu-bundle).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-targets=(common_cuda_test kernels_cuda_test kernels_cuda_pages_test nccl_transport_test nccl_bench
-         cuda_decode_bench)
+targets=(common_cuda_test kernels_cuda_test kernels_cuda_pages_test model_cuda_test
+         nccl_transport_test nccl_bench cuda_decode_bench)
 case "${1:-}" in
   --cpu) targets=() ;;
   "") ;;
@@ -40,7 +42,7 @@ gather() {
   # mostly DWARF).
   strip --strip-debug "$2/$1"
   ldd "$bin" | awk '$3 ~ /^\// {print $3}' |
-    { grep -vE '/(libc|libm|libstdc\+\+|libgcc_s|libpthread|libdl|librt|libcuda|libnccl)\.so' || true; } |
+    { grep -vE '/(libc|libm|libstdc\+\+|libgcc_s|libpthread|libdl|librt|libcuda|libnccl|libcublas|libcublasLt)\.so' || true; } |
     while read -r lib; do cp -L "$lib" "$out/lib/"; done
 }
 for t in "${targets[@]+"${targets[@]}"}"; do gather "$t" "$out"; done
@@ -53,11 +55,29 @@ cat > "$out/run.sh" <<'EOF'
 # Runs every test binary beside this script and the benchmarks; exit status 1 if any failed.
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
+# The binaries and libraries travel as bundle.tar.xz (a lent machine takes 64 MiB per call, the
+# repository included): unpacked once into a scratch folder, run from there.
+STRATA_SOURCE_DIR="${STRATA_SOURCE_DIR:-$(cd "$here/../.." && pwd)}"
+export STRATA_SOURCE_DIR
+if [ -f "$here/bundle.tar.xz" ]; then
+  unpacked="${TMPDIR:-/tmp}/strata-gpu-bundle"
+  if [ ! -f "$unpacked/.complete" ] || [ "$here/bundle.tar.xz" -nt "$unpacked/.complete" ]; then
+    rm -rf "$unpacked" && mkdir -p "$unpacked" && tar -C "$unpacked" -xJf "$here/bundle.tar.xz" &&
+      touch "$unpacked/.complete" || { echo "gpu bundle: cannot unpack $here/bundle.tar.xz" >&2; exit 1; }
+  fi
+  cp "$here"/*.py "$unpacked/" 2>/dev/null || true
+  here="$unpacked"
+fi
 nccl="${NCCL_LIB_DIR:-}"
 if [ -z "$nccl" ] && [ ! -e /usr/local/cuda/lib/libnccl.so.2 ]; then
   nccl="$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null || true)"
 fi
-export LD_LIBRARY_PATH="$here/lib${nccl:+:$nccl}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+cublas="${CUBLAS_LIB_DIR:-}"
+if [ -z "$cublas" ] && [ ! -e /usr/local/cuda/lib64/libcublas.so.13 ]; then
+  cublas="$(python3 -c 'import nvidia.cublas, os; print(os.path.join(list(nvidia.cublas.__path__)[0], "lib"))' 2>/dev/null || true)"
+fi
+[ -e /usr/local/cuda/lib64/libcublas.so.13 ] && cublas="${cublas:-/usr/local/cuda/lib64}"
+export LD_LIBRARY_PATH="$here/lib${nccl:+:$nccl}${cublas:+:$cublas}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 rc=0
 # Benchmarks: results land in $OUT (the device tool's) or beside this script.
 results="${OUT:-$here/results}"
@@ -138,6 +158,19 @@ cat > "$out/quick.sh" <<'EOF'
 #!/usr/bin/env bash
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
+# The binaries and libraries travel as bundle.tar.xz (a lent machine takes 64 MiB per call, the
+# repository included): unpacked once into a scratch folder, run from there.
+STRATA_SOURCE_DIR="${STRATA_SOURCE_DIR:-$(cd "$here/../.." && pwd)}"
+export STRATA_SOURCE_DIR
+if [ -f "$here/bundle.tar.xz" ]; then
+  unpacked="${TMPDIR:-/tmp}/strata-gpu-bundle"
+  if [ ! -f "$unpacked/.complete" ] || [ "$here/bundle.tar.xz" -nt "$unpacked/.complete" ]; then
+    rm -rf "$unpacked" && mkdir -p "$unpacked" && tar -C "$unpacked" -xJf "$here/bundle.tar.xz" &&
+      touch "$unpacked/.complete" || { echo "gpu bundle: cannot unpack $here/bundle.tar.xz" >&2; exit 1; }
+  fi
+  cp "$here"/*.py "$unpacked/" 2>/dev/null || true
+  here="$unpacked"
+fi
 export LD_LIBRARY_PATH="$here/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 results="${OUT:-$here/results}"
 mkdir -p "$results"
@@ -165,4 +198,11 @@ fi
 exit "$rc"
 EOF
 chmod +x "$out/quick.sh"
+
+# Everything but the scripts, packed (the binaries and Debian's libraries are several times the
+# carry limit unpacked).
+(cd "$out" && tar -cf - --exclude=run.sh --exclude=quick.sh --exclude='*.py' . | xz -T0 -6 > bundle.tar.xz.tmp)
+find "$out" -mindepth 1 -maxdepth 1 ! -name run.sh ! -name quick.sh ! -name '*.py' \
+  ! -name bundle.tar.xz.tmp -exec rm -rf {} +
+mv "$out/bundle.tar.xz.tmp" "$out/bundle.tar.xz"
 du -sh "$out"

@@ -1,0 +1,77 @@
+// The model's elementwise and reduction steps on the GPU (the matrix products are cuBLAS's, in
+// model/cuda/): embedding rows, RMSNorm, rotary position embedding, bias, SwiGLU, residual adds,
+// conversions, dense causal attention over a full-precision KV cache, and greedy argmax. Each
+// mirrors model/llama.cc's CPU arithmetic (fp32 activations; RMSNorm's sum of squares and RoPE's
+// angles in double, as there), so that the CUDA model's logits track the CPU engine's.
+//
+// Activations are fp32; the inputs of the matrix products are `T` (__half or __nv_bfloat16, the
+// weights' type). Every pointer is a device pointer; launches go on `stream`, report launch
+// errors as absl::Status and do not synchronize.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+
+namespace strata::kernels::cuda {
+
+// x[i] = table[ids[i]] (rows of `hidden`), widened to fp32.
+template <typename T>
+absl::Status EmbedRows(const T* table, const int32_t* ids, int rows, int hidden, float* x,
+                       cudaStream_t stream);
+
+// out[i] = x[i] / sqrt(mean(x[i]^2) + eps) * w, per row of `d`, as T (the next product's input).
+template <typename T>
+absl::Status RmsNormRows(const float* x, const float* w, int rows, int d, double eps, T* out,
+                         cudaStream_t stream);
+
+// y[i][j] += b[j] (rows of `d`).
+absl::Status AddBias(float* y, const float* b, int rows, int d, cudaStream_t stream);
+
+// Rotates the (i, i + D/2) channel pairs of each of `heads` heads of row r by the angle
+// positions[r] * inv_freq[i] (Hugging Face's rotate_half), in place: x [rows][heads][D].
+absl::Status Rope(float* x, const int32_t* positions, const float* inv_freq, int rows, int heads,
+                  int head_dim, cudaStream_t stream);
+
+// out[i] = silu(gate[i]) * up[i], as T.
+template <typename T>
+absl::Status SwiGlu(const float* gate, const float* up, size_t n, T* out, cudaStream_t stream);
+
+// x[i] += y[i].
+absl::Status AddInPlace(float* x, const float* y, size_t n, cudaStream_t stream);
+
+// out[i] = T(in[i]).
+template <typename T>
+absl::Status Narrow(const float* in, size_t n, T* out, cudaStream_t stream);
+
+// Causal attention of `rows` query tokens over a sequence's full-precision KV: query row r (at
+// position positions[r]) attends to keys 0..positions[r]. q [rows][q_heads][D], k and v
+// [kv_heads][capacity][D] (the cache, every position up to the largest written), out
+// [rows][q_heads][D]; GQA groups of q_heads / kv_heads. Softmax scale 1/sqrt(D). One warp per
+// (row, query head), an online softmax in fp32: exact, not fast (the paged kernels are the fast
+// path).
+struct DenseAttentionArgs {
+  const float* q = nullptr;
+  const float* k = nullptr;
+  const float* v = nullptr;
+  const int32_t* positions = nullptr;
+  float* out = nullptr;
+  int rows = 0, q_heads = 0, kv_heads = 0, head_dim = 0, capacity = 0;
+};
+absl::Status DenseAttention(const DenseAttentionArgs& args, cudaStream_t stream);
+
+// Writes rows' K and V [rows][kv_heads][D] into the cache [kv_heads][capacity][D] at their
+// positions.
+absl::Status WriteKv(const float* k, const float* v, const int32_t* positions, int rows,
+                     int kv_heads, int head_dim, int capacity, float* cache_k, float* cache_v,
+                     cudaStream_t stream);
+
+// index[r] = argmax of logits row r (the lowest index among equal maxima), rows of `vocab`.
+absl::Status ArgmaxRows(const float* logits, int rows, int vocab, int32_t* index,
+                        cudaStream_t stream);
+
+}  // namespace strata::kernels::cuda

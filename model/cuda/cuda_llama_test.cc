@@ -1,0 +1,173 @@
+// The CUDA model against the CPU engine (its reference) on the bundled model and the tests/data
+// fixtures: logits within the weight type's rounding, and greedy tokens equal wherever the CPU's
+// choice is clear of that rounding; a decode step equal to the same token in one prefill;
+// clear errors. GPU cases skip, saying why, without a device; the refusal without one runs
+// everywhere.
+#include "model/cuda/cuda_llama.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/testing/cuda_device.h"
+#include "gtest/gtest.h"
+#include "model/llama.h"
+
+namespace strata::model::cuda {
+namespace {
+
+// The checkout: $STRATA_SOURCE_DIR where the binary runs away from its build (a lent GPU machine,
+// scripts/gpu_bundle.sh), else where it was built.
+std::string Dir(const char* rel) {
+  const char* env = std::getenv("STRATA_SOURCE_DIR");
+  return absl::StrCat(env != nullptr && *env != '\0' ? env : STRATA_SOURCE_DIR, "/", rel);
+}
+
+std::vector<uint32_t> Prompt(const ModelConfig& c, uint32_t n, uint32_t seed) {
+  std::vector<uint32_t> ids = {static_cast<uint32_t>(c.bos_token_id)};
+  for (uint32_t i = 1; i < n; ++i) ids.push_back(1 + (seed + i * 7919) % (c.vocab_size - 1));
+  return ids;
+}
+
+TEST(CudaLlamaTest, WithoutAGpuUploadSaysWhy) {
+  std::string why;
+  if (HaveCudaDevice(&why)) GTEST_SKIP() << "a GPU is here: the refusal is not reachable";
+  absl::StatusOr<std::unique_ptr<LlamaModel>> host = LlamaModel::Load(Dir("models/strata-tiny"));
+  ASSERT_TRUE(host.ok()) << host.status();
+  absl::StatusOr<std::unique_ptr<CudaLlamaModel>> m = CudaLlamaModel::Upload(**host, {});
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(m.status().message().find("no usable GPU"), std::string::npos) << m.status();
+}
+
+class CudaLlamaGpuTest : public testing::Test {
+ protected:
+  void SetUp() override {
+    std::string why;
+    if (!HaveCudaDevice(&why)) GTEST_SKIP() << "skipped, no GPU: " << why;
+  }
+};
+
+// Logits of a prompt on the GPU against the CPU's Forward, and greedy agreement where the CPU's
+// top two are further apart than the largest difference seen.
+void CheckAgainstCpu(const std::string& dir, WeightType type, double rel_tolerance) {
+  SCOPED_TRACE(absl::StrCat(dir, type == WeightType::kBf16 ? " bf16" : " fp16"));
+  absl::StatusOr<std::unique_ptr<LlamaModel>> host = LlamaModel::Load(dir);
+  ASSERT_TRUE(host.ok()) << host.status();
+  absl::StatusOr<std::unique_ptr<CudaLlamaModel>> gpu =
+      CudaLlamaModel::Upload(**host, {.weights = type});
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  const ModelConfig& c = (*host)->config();
+  const std::vector<uint32_t> ids = Prompt(c, 45, 3);
+  const std::vector<float> want = *(*host)->Forward(ids);
+  auto kv = *(*gpu)->NewKv(64);
+  std::vector<float> got;
+  absl::StatusOr<uint32_t> next = (*gpu)->Step(ids, kv.get(), &got);
+  ASSERT_TRUE(next.ok()) << next.status();
+  ASSERT_EQ(got.size(), want.size());
+  double max_err = 0, max_abs = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    ASSERT_TRUE(std::isfinite(got[i])) << i;
+    max_err = std::max(max_err, std::fabs(double{got[i]} - want[i]));
+    max_abs = std::max(max_abs, std::fabs(double{want[i]}));
+  }
+  EXPECT_LT(max_err, rel_tolerance * std::max(1.0, max_abs)) << "max |error| " << max_err;
+  const uint32_t V = c.vocab_size;
+  int clear = 0;
+  for (size_t t = 0; t < ids.size(); ++t) {
+    const float* w = &want[t * V];
+    const float* g = &got[t * V];
+    std::vector<float> sorted(w, w + V);
+    std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(), std::greater<float>());
+    if (sorted[0] - sorted[1] <= 2 * max_err) continue;  // a near tie: either choice is right
+    ++clear;
+    EXPECT_EQ(std::max_element(g, g + V) - g, std::max_element(w, w + V) - w) << "position " << t;
+  }
+  EXPECT_GT(clear, 0);
+  // The returned token is the argmax of the last row of the same logits.
+  const float* last = &got[(ids.size() - 1) * V];
+  EXPECT_EQ(*next, static_cast<uint32_t>(std::max_element(last, last + V) - last));
+}
+
+TEST_F(CudaLlamaGpuTest, LogitsTrackTheCpuEngineOnEveryBundledCheckpoint) {
+  for (const char* rel : {"models/strata-tiny", "tests/data/tiny-llama", "tests/data/tiny-qwen2"}) {
+    CheckAgainstCpu(Dir(rel), WeightType::kFp16, 5e-3);
+    CheckAgainstCpu(Dir(rel), WeightType::kBf16, 4e-2);
+  }
+}
+
+// A prompt then one decode step gives the logits of the same tokens run as one prompt.
+TEST_F(CudaLlamaGpuTest, ADecodeStepEqualsTheSameTokenInAPrefill) {
+  absl::StatusOr<std::unique_ptr<LlamaModel>> host = LlamaModel::Load(Dir("models/strata-tiny"));
+  ASSERT_TRUE(host.ok()) << host.status();
+  auto gpu = *CudaLlamaModel::Upload(**host, {.weights = WeightType::kFp16});
+  const std::vector<uint32_t> ids = Prompt(gpu->config(), 30, 11);
+  auto whole = *gpu->NewKv(32);
+  std::vector<float> all;
+  ASSERT_TRUE(gpu->Step(ids, whole.get(), &all).ok());
+  auto split = *gpu->NewKv(32);
+  ASSERT_TRUE(gpu->Step(absl::MakeConstSpan(ids).first(29), split.get()).ok());
+  EXPECT_EQ(split->tokens(), 29u);
+  std::vector<float> one;
+  ASSERT_TRUE(gpu->Step(absl::MakeConstSpan(ids).last(1), split.get(), &one).ok());
+  EXPECT_EQ(split->tokens(), 30u);
+  const uint32_t V = gpu->config().vocab_size;
+  double max_err = 0, max_abs = 0;
+  for (uint32_t i = 0; i < V; ++i) {
+    max_err = std::max(max_err, std::fabs(double{one[i]} - all[29 * V + i]));
+    max_abs = std::max(max_abs, std::fabs(double{all[29 * V + i]}));
+  }
+  EXPECT_LT(max_err, 1e-3 * std::max(1.0, max_abs));  // GEMM row blocking only
+}
+
+// Greedy generation on the GPU equals the CPU's greedy generation (both at full precision) where
+// the CPU's choices are clear.
+TEST_F(CudaLlamaGpuTest, GreedyGenerationFollowsTheCpu) {
+  absl::StatusOr<std::unique_ptr<LlamaModel>> host = LlamaModel::Load(Dir("tests/data/tiny-llama"));
+  ASSERT_TRUE(host.ok()) << host.status();
+  auto gpu = *CudaLlamaModel::Upload(**host, {.weights = WeightType::kFp16});
+  std::vector<uint32_t> ids = Prompt(gpu->config(), 12, 5);
+  auto kv = *gpu->NewKv(64);
+  absl::StatusOr<uint32_t> next = gpu->Step(ids, kv.get());
+  ASSERT_TRUE(next.ok()) << next.status();
+  const uint32_t V = gpu->config().vocab_size;
+  for (int i = 0; i < 16; ++i) {
+    const std::vector<float> cpu = *(*host)->Forward(ids);
+    const float* last = &cpu[(ids.size() - 1) * V];
+    std::vector<float> sorted(last, last + V);
+    std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(), std::greater<float>());
+    const uint32_t want = static_cast<uint32_t>(std::max_element(last, last + V) - last);
+    if (sorted[0] - sorted[1] > 1e-2 * std::max(1.0f, std::fabs(sorted[0]))) {
+      EXPECT_EQ(*next, want) << "token " << i;
+    }
+    ids.push_back(*next);  // both continue from the GPU's choice
+    next = gpu->Step({&ids.back(), 1}, kv.get());
+    ASSERT_TRUE(next.ok()) << next.status();
+  }
+}
+
+TEST_F(CudaLlamaGpuTest, BadInputIsRefusedNamingIt) {
+  absl::StatusOr<std::unique_ptr<LlamaModel>> host = LlamaModel::Load(Dir("models/strata-tiny"));
+  ASSERT_TRUE(host.ok()) << host.status();
+  auto gpu = *CudaLlamaModel::Upload(**host, {});
+  auto kv = *gpu->NewKv(4);
+  const uint32_t beyond = gpu->config().vocab_size;
+  absl::StatusOr<uint32_t> r = gpu->Step({&beyond, 1}, kv.get());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("vocabulary"), std::string::npos) << r.status();
+  const std::vector<uint32_t> five(5, 1);
+  r = gpu->Step(five, kv.get());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("capacity"), std::string::npos) << r.status();
+  EXPECT_EQ(kv->tokens(), 0u);
+  EXPECT_EQ(gpu->NewKv(0).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(gpu->NewKv(1u << 31).status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(CudaLlamaModel::Upload(**host, {.device = 1 << 20}).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+}  // namespace
+}  // namespace strata::model::cuda
