@@ -20,9 +20,13 @@
 #include "kernels/codec.h"
 #include "kernels/codec_spec.h"
 #include "model/calibration_search.h"
+#include "model/compute_backend.h"
 #include "model/config.h"
 #include "model/kv_cache.h"
 #include "model/kv_evaluation.h"
+#ifdef STRATA_WITH_CUDA_MODEL
+#include "model/cuda/cuda_llama.h"
+#endif
 #include "model/llama.h"
 #include "model/safetensors.h"
 #include "model/sampler.h"
@@ -75,7 +79,86 @@ model::KvCacheOptions CacheOptions(const ModelCommandOptions& o) {
 
 }  // namespace
 
+namespace {
+
+model::Sampler SamplerFor(const GenerateOptions& o) {
+  return model::Sampler({.temperature = o.temperature,
+                         .top_k = o.top_k,
+                         .top_p = o.top_p,
+                         .seed = o.seed,
+                         .min_p = o.min_p,
+                         .presence_penalty = o.presence_penalty,
+                         .frequency_penalty = o.frequency_penalty,
+                         .repetition_penalty = o.repetition_penalty});
+}
+
+// generate --device cuda:N: the CUDA model (model/cuda/) with its full-precision KV on the device.
+absl::Status RunGenerateOnGpu(const GenerateOptions& o, const model::Device& device,
+                              std::ostream& out, std::ostream& info) {
+#ifdef STRATA_WITH_CUDA_MODEL
+  if (o.codec != "fp16" || o.window_tokens != 0) {
+    return absl::UnimplementedError(absl::StrCat("generate --device ", device.ToString(),
+                                                 ": the GPU path keeps the KV cache at full "
+                                                 "precision on the device; --codec ",
+                                                 o.codec, " runs with --device cpu for now"));
+  }
+  STRATA_ASSIGN_OR_RETURN(Loaded l, Load(o));
+  const model::ModelConfig c = l.model->config();  // a copy: the host model is released below
+  const std::vector<uint32_t> prompt = WithBos(c, l.tokenizer->Encode(o.prompt));
+  const auto tu = std::chrono::steady_clock::now();
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<model::cuda::CudaLlamaModel> gpu,
+                          model::cuda::CudaLlamaModel::Upload(*l.model, {.device = device.index}));
+  const double upload_s = Seconds(tu);
+  l.model.reset();  // the host's copy of the weights is not needed any more
+  STRATA_ASSIGN_OR_RETURN(auto kv, gpu->NewKv(static_cast<uint32_t>(prompt.size()) + o.max_tokens));
+  const model::Sampler sampler = SamplerFor(o);
+  STRATA_RETURN_IF_ERROR(sampler.options().Validate());
+  const bool greedy = o.temperature == 0 && o.presence_penalty == 0 && o.frequency_penalty == 0 &&
+                      o.repetition_penalty == 1;
+  std::vector<float> logits;
+  const auto t0 = std::chrono::steady_clock::now();
+  STRATA_ASSIGN_OR_RETURN(uint32_t next, gpu->Step(prompt, kv.get(), greedy ? nullptr : &logits));
+  const double prefill_s = Seconds(t0);
+  std::vector<uint32_t> generated;
+  model::TextStream text(l.tokenizer.get(), {});
+  out << o.prompt;
+  const auto t1 = std::chrono::steady_clock::now();
+  for (uint32_t i = 0; i < o.max_tokens; ++i) {
+    if (!greedy) {  // the sampler on the host, over the last token's logits
+      next = sampler.Sample(absl::MakeConstSpan(logits).subspan(logits.size() - c.vocab_size), i,
+                            prompt, generated);
+    }
+    if (c.eos_token_id >= 0 && next == static_cast<uint32_t>(c.eos_token_id)) break;
+    generated.push_back(next);
+    STRATA_ASSIGN_OR_RETURN(model::TextStream::Piece piece, text.Add(next));
+    out << piece.text << std::flush;
+    if (i + 1 == o.max_tokens) break;
+    STRATA_ASSIGN_OR_RETURN(
+        next, gpu->Step({&generated.back(), 1}, kv.get(), greedy ? nullptr : &logits));
+  }
+  out << text.Finish() << "\n";
+  const double decode_s = Seconds(t1);
+  info << absl::StrFormat(
+      "[%s: weights %.2f GiB uploaded in %.2f s; %d prompt tokens in %.3f s (%.1f tok/s), %d "
+      "generated in %.3f s (%.1f tok/s); KV at fp32 on the device, %d tokens]\n",
+      device.ToString(), gpu->weight_bytes() / double(1 << 30), upload_s, prompt.size(), prefill_s,
+      prompt.size() / prefill_s, generated.size(), decode_s,
+      generated.size() / std::max(decode_s, 1e-9), kv->tokens());
+  return absl::OkStatus();
+#else
+  (void)o;
+  (void)out;
+  (void)info;
+  return absl::UnimplementedError(
+      absl::StrCat("generate --device ", device.ToString(), ": this build of strata has no CUDA"));
+#endif
+}
+
+}  // namespace
+
 absl::Status RunGenerate(const GenerateOptions& o, std::ostream& out, std::ostream& info) {
+  STRATA_ASSIGN_OR_RETURN(const model::Device device, model::ParseDevice(o.device));
+  if (device.kind == model::Device::Kind::kCuda) return RunGenerateOnGpu(o, device, out, info);
   STRATA_ASSIGN_OR_RETURN(Loaded l, Load(o));
   const model::ModelConfig& c = l.model->config();
   const std::vector<uint32_t> prompt = WithBos(c, l.tokenizer->Encode(o.prompt));
@@ -91,14 +174,7 @@ absl::Status RunGenerate(const GenerateOptions& o, std::ostream& out, std::ostre
                           o.window_tokens == 0 ? l.model->Prefill(prompt, cache.get())
                                                : l.model->Step(prompt, cache.get()));
   const double prefill_s = Seconds(t0);
-  const model::Sampler sampler({.temperature = o.temperature,
-                                .top_k = o.top_k,
-                                .top_p = o.top_p,
-                                .seed = o.seed,
-                                .min_p = o.min_p,
-                                .presence_penalty = o.presence_penalty,
-                                .frequency_penalty = o.frequency_penalty,
-                                .repetition_penalty = o.repetition_penalty});
+  const model::Sampler sampler = SamplerFor(o);
   STRATA_RETURN_IF_ERROR(sampler.options().Validate());
   std::vector<uint32_t> generated;
   // What a client of the HTTP API sees: well-formed UTF-8, a character split across tokens

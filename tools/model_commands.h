@@ -33,6 +33,9 @@ struct GenerateOptions : ModelCommandOptions {
   float frequency_penalty = 0.0f;
   float repetition_penalty = 1.0f;
   uint64_t seed = 1;
+  // Where the model runs: "cpu", or "cuda[:N]" (a CUDA build: the forward pass on the GPU with a
+  // full-precision KV cache there, so only codec fp16; sampling on the host from the logits).
+  std::string device = "cpu";
 };
 
 struct PplOptions : ModelCommandOptions {

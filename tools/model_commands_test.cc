@@ -223,6 +223,33 @@ TEST(ModelCommandsTest, DumpKvWritesEveryLayer) {
   EXPECT_NE((*f)->Find("token_ids"), nullptr);
 }
 
+// --device: a name that is no device is refused naming it; a CUDA device on a machine (or build)
+// without one says so instead of running on the CPU unasked; a codec the GPU path does not keep
+// yet is refused naming it.
+TEST(ModelCommandsTest, GenerateOnADeviceItCannotUseSaysWhy) {
+  GenerateOptions o;
+  o.model_dir = kModel;
+  o.prompt = "The manual";
+  o.max_tokens = 2;
+  std::ostringstream out, info;
+  o.device = "gpu";
+  absl::Status s = RunGenerate(o, out, info);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("'gpu'"));
+  o.device = "cuda:0";
+  o.codec = "kivi:k4v4:g8";
+  s = RunGenerate(o, out, info);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
+  EXPECT_THAT(s.message(), testing::AnyOf(HasSubstr("kivi:k4v4:g8"), HasSubstr("no CUDA")));
+  o.codec = "fp16";
+  s = RunGenerate(o, out, info);
+  if (s.ok()) GTEST_SKIP() << "a GPU is here: generate ran on it";
+  EXPECT_THAT(s.code(), testing::AnyOf(absl::StatusCode::kFailedPrecondition,
+                                       absl::StatusCode::kUnimplemented))
+      << s;
+  EXPECT_THAT(s.message(), testing::AnyOf(HasSubstr("no usable GPU"), HasSubstr("no CUDA")));
+}
+
 TEST(ModelCommandsTest, MissingModelIsNotFound) {
   GenerateOptions o;
   o.model_dir = "/nonexistent-model";
