@@ -17,7 +17,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 targets=(common_cuda_test kernels_cuda_test kernels_cuda_pages_test model_cuda_test
-         nccl_transport_test nccl_bench cuda_decode_bench)
+         nccl_transport_test nccl_bench cuda_decode_bench cuda_model_bench)
 case "${1:-}" in
   --cpu) targets=() ;;
   "") ;;
@@ -48,7 +48,7 @@ gather() {
 for t in "${targets[@]+"${targets[@]}"}"; do gather "$t" "$out"; done
 for t in "${cpu_targets[@]}"; do gather "$t" "$out/cpu"; done
 
-cp bench/cuda_sdpa_bench.py "$out/"
+cp bench/cuda_sdpa_bench.py bench/cuda_model_torch.py "$out/"
 
 cat > "$out/run.sh" <<'EOF'
 #!/usr/bin/env bash
@@ -102,6 +102,12 @@ if [ -x "$here/cuda_decode_bench" ]; then
     timeout 300 python3 "$here/cuda_sdpa_bench.py" --out "$results" || rc=1
   else
     echo "== cuda_sdpa_bench: no PyTorch on this machine; skipped"
+  fi
+  echo "== cuda_model_bench"
+  timeout 300 "$here/cuda_model_bench" --out "$results" || rc=1
+  if python3 -c 'import torch' 2>/dev/null; then
+    echo "== cuda_model_torch"
+    timeout 300 python3 "$here/cuda_model_torch.py" --out "$results" || rc=1
   fi
   # The kernels' memory checks (when the CUDA toolkit's compute-sanitizer is there).
   if command -v compute-sanitizer >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/compute-sanitizer ]; then
@@ -199,10 +205,45 @@ exit "$rc"
 EOF
 chmod +x "$out/quick.sh"
 
+# model.sh: the model on the GPU alone (about two minutes): its tests and the model ops', the 8B
+# benchmark and PyTorch's at the same shapes, compute-sanitizer memcheck on the paged decode test.
+{
+  sed -n '1,/^fi$/p' "$out/quick.sh"
+  cat <<'EOF'
+cublas="${CUBLAS_LIB_DIR:-}"
+if [ -z "$cublas" ] && [ ! -e /usr/local/cuda/lib64/libcublas.so.13 ]; then
+  cublas="$(python3 -c 'import nvidia.cublas, os; print(os.path.join(list(nvidia.cublas.__path__)[0], "lib"))' 2>/dev/null || true)"
+fi
+export LD_LIBRARY_PATH="$here/lib${cublas:+:$cublas}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+results="${OUT:-$here/results}"
+mkdir -p "$results"
+rc=0
+echo "== model_cuda_test"
+timeout 180 "$here/model_cuda_test" --gtest_brief=1 || rc=1
+echo "== kernels_cuda_test, model ops"
+timeout 60 "$here/kernels_cuda_test" --gtest_filter='ModelOps*' --gtest_brief=1 || rc=1
+cs="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
+if [ -x "$cs" ]; then
+  echo "== compute-sanitizer memcheck: model_cuda_test"
+  timeout 240 "$cs" --tool memcheck --error-exitcode 1 "$here/model_cuda_test" \
+    --gtest_filter='*Paged*:*Decode*' --gtest_brief=1 || rc=1
+fi
+echo "== cuda_model_bench"
+timeout 240 "$here/cuda_model_bench" --out "$results" || rc=1
+if python3 -c 'import torch' 2>/dev/null; then
+  echo "== cuda_model_torch"
+  timeout 240 python3 "$here/cuda_model_torch.py" --out "$results" || rc=1
+fi
+exit "$rc"
+EOF
+} > "$out/model.sh"
+chmod +x "$out/model.sh"
+
 # Everything but the scripts, packed (the binaries and Debian's libraries are several times the
 # carry limit unpacked).
-(cd "$out" && tar -cf - --exclude=run.sh --exclude=quick.sh --exclude='*.py' . | xz -T0 -6 > bundle.tar.xz.tmp)
-find "$out" -mindepth 1 -maxdepth 1 ! -name run.sh ! -name quick.sh ! -name '*.py' \
+(cd "$out" && tar -cf - --exclude=run.sh --exclude=quick.sh --exclude=model.sh --exclude='*.py' . |
+  xz -T0 -6 > bundle.tar.xz.tmp)
+find "$out" -mindepth 1 -maxdepth 1 ! -name run.sh ! -name quick.sh ! -name model.sh ! -name '*.py' \
   ! -name bundle.tar.xz.tmp -exec rm -rf {} +
 mv "$out/bundle.tar.xz.tmp" "$out/bundle.tar.xz"
 du -sh "$out"

@@ -1,5 +1,6 @@
 #include <cfloat>
 #include <cmath>
+#include <type_traits>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/model_ops.h"
@@ -174,6 +175,42 @@ __global__ void WriteKvKernel(const float* k, const float* v, const int32_t* pos
   }
 }
 
+__global__ void AppendWindowKernel(const float* k, const float* v, const int32_t* slots,
+                                   const int32_t* lens, int kv_heads, int head_dim, int max_window,
+                                   __half* wk, __half* wv) {
+  const int b = blockIdx.x;
+  const size_t row = static_cast<size_t>(slots[b]) * kv_heads;
+  const int at = lens[b];
+  for (int i = threadIdx.x; i < kv_heads * head_dim; i += blockDim.x) {
+    const int h = i / head_dim, c = i % head_dim;
+    const size_t dst = ((row + h) * max_window + at) * head_dim + c;
+    wk[dst] = __float2half_rn(k[static_cast<size_t>(b) * kv_heads * head_dim + i]);
+    wv[dst] = __float2half_rn(v[static_cast<size_t>(b) * kv_heads * head_dim + i]);
+  }
+}
+
+__device__ __forceinline__ float UniformAt(uint64_t seed, size_t i) {
+  uint64_t x = seed ^ (i * 0x9E3779B97F4A7C15ull);
+  x ^= x >> 30;
+  x *= 0xBF58476D1CE4E5B9ull;
+  x ^= x >> 27;
+  x *= 0x94D049BB133111EBull;
+  x ^= x >> 31;
+  return static_cast<float>(x >> 40) * (1.0f / 16777216.0f) * 2.0f - 1.0f;  // [-1, 1)
+}
+
+template <typename T>
+__global__ void FillUniformKernel(T* out, size_t n, float scale, uint64_t seed) {
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    if constexpr (std::is_same_v<T, float>) {
+      out[i] = scale * UniformAt(seed, i);
+    } else {
+      out[i] = NarrowTo<T>(scale * UniformAt(seed, i));
+    }
+  }
+}
+
 // One block per row: each thread's best, then the block's (lowest index among equals).
 __global__ void ArgmaxKernel(const float* logits, int vocab, int32_t* index) {
   __shared__ float best_v[1024];
@@ -279,6 +316,26 @@ absl::Status WriteKv(const float* k, const float* v, const int32_t* positions, i
                                           cache_v);
   return Launched("write kv");
 }
+
+absl::Status AppendWindow(const float* k, const float* v, const int32_t* slots, const int32_t* lens,
+                          int batch, int kv_heads, int head_dim, int max_window, __half* window_k,
+                          __half* window_v, cudaStream_t stream) {
+  if (batch < 1) return absl::OkStatus();
+  AppendWindowKernel<<<batch, 256, 0, stream>>>(k, v, slots, lens, kv_heads, head_dim, max_window,
+                                                window_k, window_v);
+  return Launched("append window");
+}
+
+template <typename T>
+absl::Status FillUniform(T* out, size_t n, float scale, uint64_t seed, cudaStream_t stream) {
+  if (n == 0) return absl::OkStatus();
+  FillUniformKernel<T><<<Blocks(n, 256), 256, 0, stream>>>(out, n, scale, seed);
+  return Launched("fill");
+}
+template absl::Status FillUniform<float>(float*, size_t, float, uint64_t, cudaStream_t);
+template absl::Status FillUniform<__half>(__half*, size_t, float, uint64_t, cudaStream_t);
+template absl::Status FillUniform<__nv_bfloat16>(__nv_bfloat16*, size_t, float, uint64_t,
+                                                 cudaStream_t);
 
 absl::Status ArgmaxRows(const float* logits, int rows, int vocab, int32_t* index,
                         cudaStream_t stream) {

@@ -70,6 +70,18 @@ absl::Status WriteKv(const float* k, const float* v, const int32_t* positions, i
                      int kv_heads, int head_dim, int capacity, float* cache_k, float* cache_v,
                      cudaStream_t stream);
 
+// Appends one token per sequence to its fp16 window (paged_decode.h's window pool): sequence b's
+// K and V [batch][kv_heads][D] go to row slots[b] at index lens[b] of window_k/v
+// [slots][kv_heads][max_window][D]. lens[b] < max_window.
+absl::Status AppendWindow(const float* k, const float* v, const int32_t* slots, const int32_t* lens,
+                          int batch, int kv_heads, int head_dim, int max_window, __half* window_k,
+                          __half* window_v, cudaStream_t stream);
+
+// Deterministic pseudo-random values for benchmark weights: uniform in [-scale, scale) from
+// (seed, index), written as T (or fp32).
+template <typename T>
+absl::Status FillUniform(T* out, size_t n, float scale, uint64_t seed, cudaStream_t stream);
+
 // index[r] = argmax of logits row r (the lowest index among equal maxima), rows of `vocab`.
 absl::Status ArgmaxRows(const float* logits, int rows, int vocab, int32_t* index,
                         cudaStream_t stream);

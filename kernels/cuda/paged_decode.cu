@@ -309,7 +309,8 @@ __global__ void DecodeKernel(PagedKvLayout L, PagedDecodeArgs a, int splits, flo
   // The window (full precision, newest tokens): the last split's.
   const int window = a.window_lens != nullptr ? a.window_lens[seq] : 0;
   if (split == splits - 1 && window > 0) {
-    const size_t base = (static_cast<size_t>(seq) * L.kv_heads + kvh) * a.max_window * D;
+    const int slot = a.window_slots != nullptr ? a.window_slots[seq] : seq;
+    const size_t base = (static_cast<size_t>(slot) * L.kv_heads + kvh) * a.max_window * D;
     for (int w0 = 0; w0 < window; w0 += tile) {
       const int n = min(tile, window - w0);
       __syncthreads();

@@ -112,10 +112,13 @@ struct PagedDecodeArgs {
   const int32_t* block_table = nullptr;  // [batch][max_pages]: page ids
   int max_pages = 0;                     // block_table's row length
   const int32_t* page_counts = nullptr;  // [batch]: full pages of each sequence
-  const __half* window_k = nullptr;      // [batch][kv_heads][max_window][head_dim], or null
+  // [batch][kv_heads][max_window][head_dim], or null; with window_slots, sequence i's window is
+  // row window_slots[i] of a pool [slots][kv_heads][max_window][head_dim].
+  const __half* window_k = nullptr;
   const __half* window_v = nullptr;
   const int32_t* window_lens = nullptr;  // [batch], or null (no window)
   int max_window = 0;
+  const int32_t* window_slots = nullptr;  // [batch], or null (sequence i: row i)
   const float* q = nullptr;              // [batch][q_heads][head_dim]
   int batch = 0;
   int q_heads = 32;                      // a multiple of kv_heads; q_heads / kv_heads <= 8

@@ -550,7 +550,8 @@ __global__ void __launch_bounds__(kMmaWarps* kWarp, 3)
     const int wt = layout.window_tile;
     uint8_t* k = smem;
     uint8_t* v = smem + static_cast<size_t>(wt) * D * 2;
-    const size_t base = (static_cast<size_t>(seq) * L.kv_heads + kvh) * a.max_window * D;
+    const int slot = a.window_slots != nullptr ? a.window_slots[seq] : seq;
+    const size_t base = (static_cast<size_t>(slot) * L.kv_heads + kvh) * a.max_window * D;
     for (int w0 = 0; w0 < window; w0 += wt) {
       const int n = min(wt, window - w0);
       __syncthreads();

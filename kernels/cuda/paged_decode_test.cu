@@ -52,6 +52,7 @@ struct Case {
   PagedKvLayout layout;
   int batch = 3, q_heads = 8, max_window = 0, splits = 0;
   std::vector<int> pages_per_seq, windows;
+  bool slots_reversed = false;  // sequence s's window in row batch - 1 - s (window_slots)
 };
 
 // The layout's sections one after another behind a block-sized header, in the block format's
@@ -181,7 +182,9 @@ void RunCase(const Case& c, uint32_t seed) {
   for (float& x : q) x = normal(rng);
 
   Device<uint8_t> d_pool(pool.size());
-  Device<int32_t> d_table(table.size()), d_counts(c.batch), d_windows(c.batch);
+  Device<int32_t> d_table(table.size()), d_counts(c.batch), d_windows(c.batch), d_slots(c.batch);
+  std::vector<int32_t> slots(c.batch);
+  for (int s = 0; s < c.batch; ++s) slots[s] = c.slots_reversed ? c.batch - 1 - s : s;
   Device<uint16_t> d_wk(wk.size()), d_wv(wv.size());
   Device<float> d_q(q.size()), d_out(q.size());
   const int max_pages_in_batch = *std::max_element(c.pages_per_seq.begin(), c.pages_per_seq.end());
@@ -197,6 +200,7 @@ void RunCase(const Case& c, uint32_t seed) {
   ASSERT_CUDA(d_table.From(table));
   ASSERT_CUDA(d_counts.From(std::vector<int32_t>(c.pages_per_seq.begin(), c.pages_per_seq.end())));
   ASSERT_CUDA(d_windows.From(std::vector<int32_t>(c.windows.begin(), c.windows.end())));
+  ASSERT_CUDA(d_slots.From(slots));
   ASSERT_CUDA(d_wk.From(wk));
   ASSERT_CUDA(d_wv.From(wv));
   ASSERT_CUDA(d_q.From(q));
@@ -207,6 +211,7 @@ void RunCase(const Case& c, uint32_t seed) {
   a.window_k = reinterpret_cast<const __half*>(d_wk.p);
   a.window_v = reinterpret_cast<const __half*>(d_wv.p);
   a.window_lens = c.max_window > 0 ? d_windows.p : nullptr;
+  a.window_slots = c.slots_reversed ? d_slots.p : nullptr;
   a.q = d_q.p;
   a.out = d_out.p;
   a.workspace = d_work.p;
@@ -232,7 +237,8 @@ void RunCase(const Case& c, uint32_t seed) {
       }
       const int window = c.max_window > 0 ? c.windows[s] : 0;
       for (int t = 0; t < window; ++t) {
-        const size_t base = ((static_cast<size_t>(s) * L.kv_heads + kvh) * max_window + t) * D;
+        const size_t base =
+            ((static_cast<size_t>(slots[s]) * L.kv_heads + kvh) * max_window + t) * D;
         for (int ch = 0; ch < D; ++ch) {
           k[ch] = HalfValue(wk[base + ch]);
           v[ch] = HalfValue(wv[base + ch]);
@@ -369,6 +375,22 @@ TEST_F(PagedDecodeGpuTest, PagesOfEverySixteenTokenMultipleAndWideGroups) {
                  << (sh.format == PageFormat::kFp16 ? "fp16" : "affine") << " d " << sh.d
                  << " page " << sh.page << " k" << sh.kb << "v" << sh.vb << " k_group "
                  << sh.k_group << " v_group " << sh.v_group << " group " << sh.group);
+    RunCase(c, Seed());
+  }
+}
+
+// Windows in a pool of rows, sequence s's in row window_slots[s] (a batch's sequences keep their
+// windows in place between steps).
+TEST_F(PagedDecodeGpuTest, WindowsComeFromTheirSlotsInAPool) {
+  for (PageFormat f : {PageFormat::kFp16, PageFormat::kAffine}) {
+    Case c{.layout = Layout(f, 128),
+           .batch = 4,
+           .q_heads = 16,
+           .max_window = 40,
+           .splits = 2,
+           .pages_per_seq = {2, 0, 5, 1},
+           .windows = {40, 7, 1, 0},
+           .slots_reversed = true};
     RunCase(c, Seed());
   }
 }

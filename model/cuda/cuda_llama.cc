@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -42,13 +43,19 @@ struct CudaLlamaModel::Scratch {
   void* block = nullptr;
   int32_t *ids = nullptr, *positions = nullptr, *next = nullptr;
   float *x = nullptr, *q = nullptr, *k = nullptr, *v = nullptr, *att = nullptr, *o = nullptr,
-        *g = nullptr, *u = nullptr, *logits = nullptr;
+        *g = nullptr, *u = nullptr;
+  float* logits = nullptr;  // [logit_rows, vocab], allocated apart: most steps need one row
+  uint32_t logit_rows = 0;
   void* h = nullptr;  // weight type: [rows, max(hidden, q dim, intermediate)]
-  ~Scratch() { cudaFree(block); }
+  ~Scratch() {
+    cudaFree(block);
+    cudaFree(logits);
+  }
 };
 
 CudaLlamaModel::~CudaLlamaModel() {
   scratch_.reset();
+  cudaFree(paged_);
   for (void* p : allocations_) cudaFree(p);
   if (cublas_ != nullptr) cublasDestroy(Cublas(cublas_));
   if (stream_ != nullptr) cudaStreamDestroy(Stream(stream_));
@@ -59,10 +66,8 @@ CudaLlamaModel::DenseKv::~DenseKv() {
   cudaFree(v_);
 }
 
-absl::StatusOr<std::unique_ptr<CudaLlamaModel>> CudaLlamaModel::Upload(
-    const LlamaModel& host, const CudaModelOptions& options) {
-  const ModelConfig& c = host.config();
-  if (c.head_dim % 32 != 0 || c.head_dim > 256 || c.head_dim % 2 != 0) {
+absl::Status CudaLlamaModel::Init(const ModelConfig& c, const CudaModelOptions& options) {
+  if (c.head_dim % 32 != 0 || c.head_dim > 256) {
     return absl::InvalidArgumentError(absl::StrCat(
         "cuda model: head_dim ", c.head_dim, ": the GPU path takes multiples of 32 up to 256"));
   }
@@ -77,37 +82,59 @@ absl::StatusOr<std::unique_ptr<CudaLlamaModel>> CudaLlamaModel::Upload(
                                                       " does not exist (", devices, " here)"));
   }
   STRATA_RETURN_IF_ERROR(CudaError(cudaSetDevice(options.device), "set device"));
-  std::unique_ptr<CudaLlamaModel> m(new CudaLlamaModel());
-  m->config_ = c;
-  m->options_ = options;
-
-  // What the weights need, against what the device has free.
-  const size_t wsize = 2;
-  size_t need = host.embed().size() * wsize + host.lm_head().size() * wsize +
-                host.final_norm().size() * 4 + host.inv_freq().size() * 4;
-  for (const LlamaModel::Layer& l : host.layers()) {
-    need += (l.wq.size() + l.wk.size() + l.wv.size() + l.wo.size() + l.w_gate.size() +
-             l.w_up.size() + l.w_down.size()) *
-                wsize +
-            (l.input_norm.size() + l.post_norm.size() + l.bq.size() + l.bk.size() + l.bv.size() +
-             l.bo.size()) *
-                4;
-  }
-  size_t free_bytes = 0, total_bytes = 0;
-  STRATA_RETURN_IF_ERROR(CudaError(cudaMemGetInfo(&free_bytes, &total_bytes), "memory info"));
-  if (need > free_bytes) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "cuda model: the weights need ", Gib(need), " of device memory; cuda:", options.device,
-        " has ", Gib(free_bytes), " free of ", Gib(total_bytes)));
-  }
+  config_ = c;
+  options_ = options;
   cudaStream_t stream = nullptr;
   STRATA_RETURN_IF_ERROR(
       CudaError(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream"));
-  m->stream_ = stream;
+  stream_ = stream;
   cublasHandle_t handle = nullptr;
   STRATA_RETURN_IF_ERROR(CublasError(cublasCreate(&handle), "cuBLAS"));
-  m->cublas_ = handle;
-  STRATA_RETURN_IF_ERROR(CublasError(cublasSetStream(handle, stream), "cuBLAS stream"));
+  cublas_ = handle;
+  return CublasError(cublasSetStream(handle, stream), "cuBLAS stream");
+}
+
+absl::StatusOr<void*> CudaLlamaModel::Alloc(size_t bytes, absl::string_view what) {
+  void* d = nullptr;
+  STRATA_RETURN_IF_ERROR(
+      CudaError(cudaMalloc(&d, bytes), absl::StrCat(what, ": ", bytes, " bytes")));
+  allocations_.push_back(d);
+  weight_bytes_ += bytes;
+  return d;
+}
+
+namespace {
+
+// What a model of this shape's weights take on the device (products' inputs at 2 bytes, norms
+// and biases at 4), and a check against what the device has free.
+size_t WeightBytes(const ModelConfig& c) {
+  const size_t hs = c.hidden_size, qd = size_t{c.num_heads} * c.head_dim,
+               kvd = size_t{c.num_kv_heads} * c.head_dim, ff = c.intermediate_size;
+  size_t per_layer = (hs * qd + 2 * hs * kvd + qd * hs + 3 * hs * ff) * 2 + 2 * hs * 4;
+  if (c.attention_bias) per_layer += (qd + 2 * kvd + hs) * 4;
+  return size_t{c.num_layers} * per_layer +
+         size_t{c.vocab_size} * hs * 2 * (c.tie_word_embeddings ? 1 : 2) + hs * 4 +
+         c.head_dim / 2 * 4;
+}
+
+absl::Status CheckRoom(size_t need, int device, absl::string_view what) {
+  size_t free_bytes = 0, total_bytes = 0;
+  STRATA_RETURN_IF_ERROR(CudaError(cudaMemGetInfo(&free_bytes, &total_bytes), "memory info"));
+  if (need > free_bytes) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cuda model: ", what, " need ", Gib(need), " of device memory; cuda:", device,
+                     " has ", Gib(free_bytes), " free of ", Gib(total_bytes)));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<CudaLlamaModel>> CudaLlamaModel::Upload(
+    const LlamaModel& host, const CudaModelOptions& options) {
+  std::unique_ptr<CudaLlamaModel> m(new CudaLlamaModel());
+  STRATA_RETURN_IF_ERROR(m->Init(host.config(), options));
+  STRATA_RETURN_IF_ERROR(CheckRoom(WeightBytes(host.config()), options.device, "the weights"));
 
   // Uploads (converted to the weight type, or kept fp32), synchronously: loading, not serving.
   std::vector<uint16_t> narrow;
@@ -118,10 +145,7 @@ absl::StatusOr<std::unique_ptr<CudaLlamaModel>> CudaLlamaModel::Upload(
       return absl::OkStatus();
     }
     const size_t bytes = w.size() * (to_weight_type ? 2 : 4);
-    void* d = nullptr;
-    STRATA_RETURN_IF_ERROR(CudaError(cudaMalloc(&d, bytes), absl::StrCat(bytes, " bytes")));
-    m->allocations_.push_back(d);
-    m->weight_bytes_ += bytes;
+    STRATA_ASSIGN_OR_RETURN(void* d, m->Alloc(bytes, "weights"));
     const void* src = w.data();
     if (to_weight_type) {
       narrow.resize(w.size());
@@ -166,6 +190,64 @@ absl::StatusOr<std::unique_ptr<CudaLlamaModel>> CudaLlamaModel::Upload(
   return m;
 }
 
+absl::StatusOr<std::unique_ptr<CudaLlamaModel>> CudaLlamaModel::Random(
+    const ModelConfig& c, const CudaModelOptions& options, uint64_t seed) {
+  STRATA_RETURN_IF_ERROR(c.Validate());
+  std::unique_ptr<CudaLlamaModel> m(new CudaLlamaModel());
+  STRATA_RETURN_IF_ERROR(m->Init(c, options));
+  STRATA_RETURN_IF_ERROR(CheckRoom(WeightBytes(c), options.device, "the weights"));
+  cudaStream_t st = Stream(m->stream_);
+  const bool bf16 = options.weights == WeightType::kBf16;
+  // A matrix [out, in] uniform in +-1/sqrt(in) (activations keep their scale through the layers).
+  auto matrix = [&](size_t out, size_t in, const void** p) -> absl::Status {
+    STRATA_ASSIGN_OR_RETURN(void* d, m->Alloc(out * in * 2, "weights"));
+    const float scale = 1.0f / std::sqrt(static_cast<float>(in));
+    ++seed;
+    STRATA_RETURN_IF_ERROR(
+        bf16 ? kc::FillUniform(static_cast<__nv_bfloat16*>(d), out * in, scale, seed, st)
+             : kc::FillUniform(static_cast<__half*>(d), out * in, scale, seed, st));
+    *p = d;
+    return absl::OkStatus();
+  };
+  const std::vector<float> ones(c.hidden_size, 1.0f);
+  auto norm = [&](const float** p) -> absl::Status {
+    STRATA_ASSIGN_OR_RETURN(void* d, m->Alloc(ones.size() * 4, "norm"));
+    STRATA_RETURN_IF_ERROR(
+        CudaError(cudaMemcpy(d, ones.data(), ones.size() * 4, cudaMemcpyHostToDevice), "upload"));
+    *p = static_cast<const float*>(d);
+    return absl::OkStatus();
+  };
+  const size_t hs = c.hidden_size, qd = size_t{c.num_heads} * c.head_dim,
+               kvd = size_t{c.num_kv_heads} * c.head_dim, ff = c.intermediate_size;
+  STRATA_RETURN_IF_ERROR(matrix(c.vocab_size, hs, &m->embed_));
+  m->lm_head_ = m->embed_;
+  if (!c.tie_word_embeddings) STRATA_RETURN_IF_ERROR(matrix(c.vocab_size, hs, &m->lm_head_));
+  STRATA_RETURN_IF_ERROR(norm(&m->norm_));
+  std::vector<float> inv(c.head_dim / 2);
+  for (size_t i = 0; i < inv.size(); ++i) {
+    inv[i] = static_cast<float>(1.0 / std::pow(c.rope_theta, 2.0 * i / c.head_dim));
+  }
+  STRATA_ASSIGN_OR_RETURN(void* dinv, m->Alloc(inv.size() * 4, "rope"));
+  STRATA_RETURN_IF_ERROR(
+      CudaError(cudaMemcpy(dinv, inv.data(), inv.size() * 4, cudaMemcpyHostToDevice), "upload"));
+  m->inv_freq_ = static_cast<const float*>(dinv);
+  for (uint32_t li = 0; li < c.num_layers; ++li) {
+    Layer l;
+    STRATA_RETURN_IF_ERROR(norm(&l.input_norm));
+    STRATA_RETURN_IF_ERROR(norm(&l.post_norm));
+    STRATA_RETURN_IF_ERROR(matrix(qd, hs, &l.wq));
+    STRATA_RETURN_IF_ERROR(matrix(kvd, hs, &l.wk));
+    STRATA_RETURN_IF_ERROR(matrix(kvd, hs, &l.wv));
+    STRATA_RETURN_IF_ERROR(matrix(hs, qd, &l.wo));
+    STRATA_RETURN_IF_ERROR(matrix(ff, hs, &l.w_gate));
+    STRATA_RETURN_IF_ERROR(matrix(ff, hs, &l.w_up));
+    STRATA_RETURN_IF_ERROR(matrix(hs, ff, &l.w_down));
+    m->layers_.push_back(l);
+  }
+  STRATA_RETURN_IF_ERROR(CudaError(cudaStreamSynchronize(st), "random weights"));
+  return m;
+}
+
 absl::StatusOr<std::unique_ptr<CudaLlamaModel::DenseKv>> CudaLlamaModel::NewKv(
     uint32_t capacity) const {
   const ModelConfig& c = config_;
@@ -191,8 +273,7 @@ absl::Status CudaLlamaModel::EnsureScratch(uint32_t rows) const {
   if (scratch_ != nullptr && scratch_->rows >= rows) return absl::OkStatus();
   const ModelConfig& c = config_;
   const size_t hs = c.hidden_size, qd = size_t{c.num_heads} * c.head_dim,
-               kvd = size_t{c.num_kv_heads} * c.head_dim, ff = c.intermediate_size,
-               vocab = c.vocab_size;
+               kvd = size_t{c.num_kv_heads} * c.head_dim, ff = c.intermediate_size;
   const size_t wide = std::max({hs, qd, ff});
   auto s = std::make_unique<Scratch>();
   s->rows = rows;
@@ -200,7 +281,7 @@ absl::Status CudaLlamaModel::EnsureScratch(uint32_t rows) const {
   std::vector<std::pair<void**, size_t>> pieces = {
       {reinterpret_cast<void**>(&s->ids), rows * 4},
       {reinterpret_cast<void**>(&s->positions), rows * 4},
-      {reinterpret_cast<void**>(&s->next), 4},
+      {reinterpret_cast<void**>(&s->next), rows * 4},
       {reinterpret_cast<void**>(&s->x), rows * hs * 4},
       {reinterpret_cast<void**>(&s->q), rows * qd * 4},
       {reinterpret_cast<void**>(&s->k), rows * kvd * 4},
@@ -209,7 +290,6 @@ absl::Status CudaLlamaModel::EnsureScratch(uint32_t rows) const {
       {reinterpret_cast<void**>(&s->o), rows * hs * 4},
       {reinterpret_cast<void**>(&s->g), rows * ff * 4},
       {reinterpret_cast<void**>(&s->u), rows * ff * 4},
-      {reinterpret_cast<void**>(&s->logits), rows * vocab * 4},
       {&s->h, rows * wide * 2}};
   size_t total = 0;
   for (const auto& [p, bytes] : pieces) total += (bytes + 255) / 256 * 256;
@@ -259,17 +339,89 @@ struct Ops {
 
 }  // namespace
 
+template <typename Attend>
+absl::Status CudaLlamaModel::Forward(int n, int out_rows, const Attend& attend,
+                                     std::vector<int32_t>* next, std::vector<float>* logits) const {
+  const ModelConfig& c = config_;
+  Scratch& s = *scratch_;
+  cudaStream_t st = Stream(stream_);
+  const bool bf16 = options_.weights == WeightType::kBf16;
+  auto norm = bf16 ? Ops<__nv_bfloat16>::Norm : Ops<__half>::Norm;
+  auto glu = bf16 ? Ops<__nv_bfloat16>::Glu : Ops<__half>::Glu;
+  auto to_w = bf16 ? Ops<__nv_bfloat16>::ToWeightType : Ops<__half>::ToWeightType;
+  const int hs = static_cast<int>(c.hidden_size), H = static_cast<int>(c.num_heads),
+            KH = static_cast<int>(c.num_kv_heads), D = static_cast<int>(c.head_dim),
+            ff = static_cast<int>(c.intermediate_size), vocab = static_cast<int>(c.vocab_size);
+  const int qd = H * D, kvd = KH * D;
+  for (uint32_t li = 0; li < c.num_layers; ++li) {
+    const Layer& l = layers_[li];
+    STRATA_RETURN_IF_ERROR(norm(s.x, l.input_norm, n, hs, c.rms_norm_eps, s.h, st));
+    STRATA_RETURN_IF_ERROR(Gemm(s.h, n, hs, l.wq, qd, s.q));
+    STRATA_RETURN_IF_ERROR(Gemm(s.h, n, hs, l.wk, kvd, s.k));
+    STRATA_RETURN_IF_ERROR(Gemm(s.h, n, hs, l.wv, kvd, s.v));
+    if (l.bq != nullptr) STRATA_RETURN_IF_ERROR(kc::AddBias(s.q, l.bq, n, qd, st));
+    if (l.bk != nullptr) STRATA_RETURN_IF_ERROR(kc::AddBias(s.k, l.bk, n, kvd, st));
+    if (l.bv != nullptr) STRATA_RETURN_IF_ERROR(kc::AddBias(s.v, l.bv, n, kvd, st));
+    STRATA_RETURN_IF_ERROR(kc::Rope(s.q, s.positions, inv_freq_, n, H, D, st));
+    STRATA_RETURN_IF_ERROR(kc::Rope(s.k, s.positions, inv_freq_, n, KH, D, st));
+    STRATA_RETURN_IF_ERROR(attend(li));
+    STRATA_RETURN_IF_ERROR(to_w(s.att, size_t(n) * qd, s.h, st));
+    STRATA_RETURN_IF_ERROR(Gemm(s.h, n, qd, l.wo, hs, s.o));
+    if (l.bo != nullptr) STRATA_RETURN_IF_ERROR(kc::AddBias(s.o, l.bo, n, hs, st));
+    STRATA_RETURN_IF_ERROR(kc::AddInPlace(s.x, s.o, size_t(n) * hs, st));
+    STRATA_RETURN_IF_ERROR(norm(s.x, l.post_norm, n, hs, c.rms_norm_eps, s.h, st));
+    STRATA_RETURN_IF_ERROR(Gemm(s.h, n, hs, l.w_gate, ff, s.g));
+    STRATA_RETURN_IF_ERROR(Gemm(s.h, n, hs, l.w_up, ff, s.u));
+    STRATA_RETURN_IF_ERROR(glu(s.g, s.u, size_t(n) * ff, s.h, st));
+    STRATA_RETURN_IF_ERROR(Gemm(s.h, n, ff, l.w_down, hs, s.o));
+    STRATA_RETURN_IF_ERROR(kc::AddInPlace(s.x, s.o, size_t(n) * hs, st));
+  }
+  // The final norm and the vocabulary over the last out_rows rows; their greedy tokens.
+  if (s.logit_rows < static_cast<uint32_t>(out_rows)) {
+    cudaFree(s.logits);
+    s.logits = nullptr;
+    s.logit_rows = 0;
+    STRATA_RETURN_IF_ERROR(CudaError(cudaMalloc(&s.logits, size_t(out_rows) * vocab * 4),
+                                     absl::StrCat(out_rows, " rows of logits")));
+    s.logit_rows = static_cast<uint32_t>(out_rows);
+  }
+  const int first = n - out_rows;
+  STRATA_RETURN_IF_ERROR(
+      norm(s.x + size_t(first) * hs, norm_, out_rows, hs, c.rms_norm_eps, s.h, st));
+  STRATA_RETURN_IF_ERROR(Gemm(s.h, out_rows, hs, lm_head_, vocab, s.logits));
+  STRATA_RETURN_IF_ERROR(kc::ArgmaxRows(s.logits, out_rows, vocab, s.next, st));
+  next->resize(out_rows);
+  STRATA_RETURN_IF_ERROR(CudaError(
+      cudaMemcpyAsync(next->data(), s.next, out_rows * 4, cudaMemcpyDeviceToHost, st), "tokens"));
+  if (logits != nullptr) {
+    logits->resize(size_t(out_rows) * vocab);
+    STRATA_RETURN_IF_ERROR(CudaError(
+        cudaMemcpyAsync(logits->data(), s.logits, logits->size() * 4, cudaMemcpyDeviceToHost, st),
+        "logits"));
+  }
+  return CudaError(cudaStreamSynchronize(st), "step");
+}
+
+namespace {
+
+absl::Status CheckTokens(absl::Span<const uint32_t> tokens, uint32_t vocab) {
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    if (tokens[i] >= vocab) {
+      return absl::InvalidArgumentError(absl::StrCat("cuda model: token ", i, " is ", tokens[i],
+                                                     ", beyond the vocabulary of ", vocab));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<uint32_t> CudaLlamaModel::Step(absl::Span<const uint32_t> tokens, DenseKv* kv,
                                               std::vector<float>* logits) const {
   const ModelConfig& c = config_;
   if (tokens.empty()) return absl::InvalidArgumentError("cuda model: a step of no tokens");
   if (kv == nullptr) return absl::InvalidArgumentError("cuda model: no KV cache");
-  for (size_t i = 0; i < tokens.size(); ++i) {
-    if (tokens[i] >= c.vocab_size) {
-      return absl::InvalidArgumentError(absl::StrCat("cuda model: token ", i, " is ", tokens[i],
-                                                     ", beyond the vocabulary of ", c.vocab_size));
-    }
-  }
+  STRATA_RETURN_IF_ERROR(CheckTokens(tokens, c.vocab_size));
   if (kv->tokens_ + tokens.size() > kv->capacity_) {
     return absl::InvalidArgumentError(absl::StrCat("cuda model: ", kv->tokens_ + tokens.size(),
                                                    " tokens exceed the KV cache's capacity of ",
@@ -285,79 +437,134 @@ absl::StatusOr<uint32_t> CudaLlamaModel::Step(absl::Span<const uint32_t> tokens,
   STRATA_RETURN_IF_ERROR(EnsureScratch(static_cast<uint32_t>(n)));
   Scratch& s = *scratch_;
   cudaStream_t st = Stream(stream_);
-  const bool bf16 = options_.weights == WeightType::kBf16;
-  auto embed = bf16 ? Ops<__nv_bfloat16>::Embed : Ops<__half>::Embed;
-  auto norm = bf16 ? Ops<__nv_bfloat16>::Norm : Ops<__half>::Norm;
-  auto glu = bf16 ? Ops<__nv_bfloat16>::Glu : Ops<__half>::Glu;
-  auto to_w = bf16 ? Ops<__nv_bfloat16>::ToWeightType : Ops<__half>::ToWeightType;
-
   std::vector<int32_t> ids(tokens.begin(), tokens.end()), pos(n);
   for (int i = 0; i < n; ++i) pos[i] = static_cast<int32_t>(kv->tokens_ + i);
   STRATA_RETURN_IF_ERROR(
       CudaError(cudaMemcpyAsync(s.ids, ids.data(), n * 4, cudaMemcpyHostToDevice, st), "tokens"));
   STRATA_RETURN_IF_ERROR(CudaError(
       cudaMemcpyAsync(s.positions, pos.data(), n * 4, cudaMemcpyHostToDevice, st), "positions"));
-  const int hs = static_cast<int>(c.hidden_size), H = static_cast<int>(c.num_heads),
-            KH = static_cast<int>(c.num_kv_heads), D = static_cast<int>(c.head_dim),
-            ff = static_cast<int>(c.intermediate_size), vocab = static_cast<int>(c.vocab_size);
-  const int qd = H * D, kvd = KH * D;
+  const bool bf16 = options_.weights == WeightType::kBf16;
+  STRATA_RETURN_IF_ERROR((bf16 ? Ops<__nv_bfloat16>::Embed : Ops<__half>::Embed)(
+      embed_, s.ids, n, static_cast<int>(c.hidden_size), s.x, st));
+  const int KH = static_cast<int>(c.num_kv_heads), D = static_cast<int>(c.head_dim);
   const size_t layer_kv = size_t{c.num_kv_heads} * kv->capacity_ * c.head_dim;
-  STRATA_RETURN_IF_ERROR(embed(embed_, s.ids, n, hs, s.x, st));
-  for (uint32_t li = 0; li < c.num_layers; ++li) {
-    const Layer& l = layers_[li];
-    STRATA_RETURN_IF_ERROR(norm(s.x, l.input_norm, n, hs, c.rms_norm_eps, s.h, st));
-    STRATA_RETURN_IF_ERROR(Gemm(s.h, n, hs, l.wq, qd, s.q));
-    STRATA_RETURN_IF_ERROR(Gemm(s.h, n, hs, l.wk, kvd, s.k));
-    STRATA_RETURN_IF_ERROR(Gemm(s.h, n, hs, l.wv, kvd, s.v));
-    if (l.bq != nullptr) STRATA_RETURN_IF_ERROR(kc::AddBias(s.q, l.bq, n, qd, st));
-    if (l.bk != nullptr) STRATA_RETURN_IF_ERROR(kc::AddBias(s.k, l.bk, n, kvd, st));
-    if (l.bv != nullptr) STRATA_RETURN_IF_ERROR(kc::AddBias(s.v, l.bv, n, kvd, st));
-    STRATA_RETURN_IF_ERROR(kc::Rope(s.q, s.positions, inv_freq_, n, H, D, st));
-    STRATA_RETURN_IF_ERROR(kc::Rope(s.k, s.positions, inv_freq_, n, KH, D, st));
+  auto attend = [&](uint32_t li) -> absl::Status {
     float* ck = kv->k_ + li * layer_kv;
     float* cv = kv->v_ + li * layer_kv;
     STRATA_RETURN_IF_ERROR(
         kc::WriteKv(s.k, s.v, s.positions, n, KH, D, static_cast<int>(kv->capacity_), ck, cv, st));
-    STRATA_RETURN_IF_ERROR(kc::DenseAttention({.q = s.q,
-                                               .k = ck,
-                                               .v = cv,
-                                               .positions = s.positions,
-                                               .out = s.att,
-                                               .rows = n,
-                                               .q_heads = H,
-                                               .kv_heads = KH,
-                                               .head_dim = D,
-                                               .capacity = static_cast<int>(kv->capacity_)},
-                                              st));
-    STRATA_RETURN_IF_ERROR(to_w(s.att, size_t(n) * qd, s.h, st));
-    STRATA_RETURN_IF_ERROR(Gemm(s.h, n, qd, l.wo, hs, s.o));
-    if (l.bo != nullptr) STRATA_RETURN_IF_ERROR(kc::AddBias(s.o, l.bo, n, hs, st));
-    STRATA_RETURN_IF_ERROR(kc::AddInPlace(s.x, s.o, size_t(n) * hs, st));
-    STRATA_RETURN_IF_ERROR(norm(s.x, l.post_norm, n, hs, c.rms_norm_eps, s.h, st));
-    STRATA_RETURN_IF_ERROR(Gemm(s.h, n, hs, l.w_gate, ff, s.g));
-    STRATA_RETURN_IF_ERROR(Gemm(s.h, n, hs, l.w_up, ff, s.u));
-    STRATA_RETURN_IF_ERROR(glu(s.g, s.u, size_t(n) * ff, s.h, st));
-    STRATA_RETURN_IF_ERROR(Gemm(s.h, n, ff, l.w_down, hs, s.o));
-    STRATA_RETURN_IF_ERROR(kc::AddInPlace(s.x, s.o, size_t(n) * hs, st));
-  }
-  // The final norm and the vocabulary: every row when the logits are wanted, else the last.
-  const int first = logits != nullptr ? 0 : n - 1;
-  const int rows = n - first;
-  STRATA_RETURN_IF_ERROR(norm(s.x + size_t(first) * hs, norm_, rows, hs, c.rms_norm_eps, s.h, st));
-  STRATA_RETURN_IF_ERROR(Gemm(s.h, rows, hs, lm_head_, vocab, s.logits));
-  STRATA_RETURN_IF_ERROR(kc::ArgmaxRows(s.logits + size_t(rows - 1) * vocab, 1, vocab, s.next, st));
-  int32_t next = 0;
-  STRATA_RETURN_IF_ERROR(
-      CudaError(cudaMemcpyAsync(&next, s.next, 4, cudaMemcpyDeviceToHost, st), "next token"));
-  if (logits != nullptr) {
-    logits->resize(size_t(n) * vocab);
-    STRATA_RETURN_IF_ERROR(CudaError(
-        cudaMemcpyAsync(logits->data(), s.logits, logits->size() * 4, cudaMemcpyDeviceToHost, st),
-        "logits"));
-  }
-  STRATA_RETURN_IF_ERROR(CudaError(cudaStreamSynchronize(st), "step"));
+    return kc::DenseAttention({.q = s.q,
+                               .k = ck,
+                               .v = cv,
+                               .positions = s.positions,
+                               .out = s.att,
+                               .rows = n,
+                               .q_heads = static_cast<int>(c.num_heads),
+                               .kv_heads = KH,
+                               .head_dim = D,
+                               .capacity = static_cast<int>(kv->capacity_)},
+                              st);
+  };
+  std::vector<int32_t> next;
+  STRATA_RETURN_IF_ERROR(Forward(n, logits != nullptr ? n : 1, attend, &next, logits));
   kv->tokens_ += static_cast<uint32_t>(n);
-  return static_cast<uint32_t>(next);
+  return static_cast<uint32_t>(next.back());
+}
+
+absl::StatusOr<std::vector<uint32_t>> CudaLlamaModel::DecodePaged(
+    const PagedStep& p, std::vector<float>* logits) const {
+  const ModelConfig& c = config_;
+  const int n = static_cast<int>(p.tokens.size());
+  if (n == 0) return absl::InvalidArgumentError("cuda model: a paged step of no sequences");
+  if (p.positions.size() != p.tokens.size() || p.window_slots.size() != p.tokens.size() ||
+      p.window_lens.size() != p.tokens.size() || p.block_tables.size() != c.num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cuda model: a paged step of ", n, " tokens needs as many positions (", p.positions.size(),
+        "), window slots (", p.window_slots.size(), ") and lengths (", p.window_lens.size(),
+        "), and a block table per layer (", p.block_tables.size(), " of ", c.num_layers, ")"));
+  }
+  STRATA_RETURN_IF_ERROR(CheckTokens(p.tokens, c.vocab_size));
+  if (p.layout.kv_heads != static_cast<int>(c.num_kv_heads) ||
+      p.layout.head_dim != static_cast<int>(c.head_dim)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda model: pages of ", p.layout.kv_heads, " KV heads of ", p.layout.head_dim,
+                     " channels; the model has ", c.num_kv_heads, " of ", c.head_dim));
+  }
+  for (int b = 0; b < n; ++b) {
+    if (p.window_slots[b] < 0 || p.window_slots[b] >= p.slots || p.window_lens[b] < 0 ||
+        p.window_lens[b] >= p.max_window) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "cuda model: sequence ", b, ": window slot ", p.window_slots[b], " of ", p.slots,
+          ", length ", p.window_lens[b], " (the window holds ", p.max_window, ")"));
+    }
+  }
+  STRATA_RETURN_IF_ERROR(CudaError(cudaSetDevice(options_.device), "set device"));
+  STRATA_RETURN_IF_ERROR(EnsureScratch(static_cast<uint32_t>(n)));
+  Scratch& s = *scratch_;
+  cudaStream_t st = Stream(stream_);
+  const int H = static_cast<int>(c.num_heads), KH = static_cast<int>(c.num_kv_heads),
+            D = static_cast<int>(c.head_dim);
+  // The step's own buffers: window slots, lengths after the append, the kernel's workspace.
+  kc::PagedDecodeArgs a;
+  a.batch = n;
+  a.q_heads = H;
+  a.max_pages = p.max_pages;
+  a.max_window = p.max_window;
+  const int splits = kc::ChooseSplits(p.layout, a, p.max_pages_in_batch);
+  const size_t work = kc::WorkspaceBytes(n, H, D, splits);
+  const size_t need = 3 * size_t(n) * 4 + 256 + work;
+  if (paged_bytes_ < need) {
+    cudaFree(paged_);
+    paged_ = nullptr;
+    paged_bytes_ = 0;
+    STRATA_RETURN_IF_ERROR(CudaError(cudaMalloc(&paged_, need), "paged step buffers"));
+    paged_bytes_ = need;
+  }
+  int32_t* d_slots = static_cast<int32_t*>(paged_);
+  int32_t* d_lens = d_slots + n;       // before the append
+  int32_t* d_lens_after = d_lens + n;  // after it
+  void* d_work = static_cast<uint8_t*>(paged_) + (3 * size_t(n) * 4 + 255) / 256 * 256;
+  std::vector<int32_t> host(3 * size_t(n));
+  for (int b = 0; b < n; ++b) {
+    host[b] = p.window_slots[b];
+    host[n + b] = p.window_lens[b];
+    host[2 * n + b] = p.window_lens[b] + 1;
+  }
+  STRATA_RETURN_IF_ERROR(
+      CudaError(cudaMemcpyAsync(d_slots, host.data(), host.size() * 4, cudaMemcpyHostToDevice, st),
+                "window slots"));
+  std::vector<int32_t> ids(p.tokens.begin(), p.tokens.end());
+  STRATA_RETURN_IF_ERROR(
+      CudaError(cudaMemcpyAsync(s.ids, ids.data(), n * 4, cudaMemcpyHostToDevice, st), "tokens"));
+  STRATA_RETURN_IF_ERROR(
+      CudaError(cudaMemcpyAsync(s.positions, p.positions.data(), n * 4, cudaMemcpyHostToDevice, st),
+                "positions"));
+  const bool bf16 = options_.weights == WeightType::kBf16;
+  STRATA_RETURN_IF_ERROR((bf16 ? Ops<__nv_bfloat16>::Embed : Ops<__half>::Embed)(
+      embed_, s.ids, n, static_cast<int>(c.hidden_size), s.x, st));
+  const size_t layer_window = size_t(p.slots) * KH * p.max_window * D;
+  a.page_counts = p.page_counts;
+  a.pages = p.pages;
+  a.window_lens = d_lens_after;
+  a.window_slots = d_slots;
+  a.q = s.q;
+  a.out = s.att;
+  a.splits = splits;
+  a.workspace = d_work;
+  auto attend = [&](uint32_t li) -> absl::Status {
+    __half* wk = p.window_k + li * layer_window;
+    __half* wv = p.window_v + li * layer_window;
+    STRATA_RETURN_IF_ERROR(
+        kc::AppendWindow(s.k, s.v, d_slots, d_lens, n, KH, D, p.max_window, wk, wv, st));
+    kc::PagedDecodeArgs la = a;
+    la.block_table = p.block_tables[li];
+    la.window_k = wk;
+    la.window_v = wv;
+    return kc::PagedDecode(p.layout, la, p.max_pages_in_batch, st);
+  };
+  std::vector<int32_t> next;
+  STRATA_RETURN_IF_ERROR(Forward(n, n, attend, &next, logits));
+  return std::vector<uint32_t>(next.begin(), next.end());
 }
 
 }  // namespace strata::model::cuda

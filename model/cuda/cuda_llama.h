@@ -20,6 +20,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "kernels/cuda/paged_decode.h"
 #include "model/config.h"
 #include "model/llama.h"
 
@@ -40,6 +41,11 @@ class CudaLlamaModel {
   // head size the kernels do not take.
   static absl::StatusOr<std::unique_ptr<CudaLlamaModel>> Upload(const LlamaModel& host,
                                                                 const CudaModelOptions& options);
+  // A model of `config`'s shape with deterministic pseudo-random weights made on the device (the
+  // benchmarks' 8B shape needs no checkpoint and no host copy). Errors as Upload's.
+  static absl::StatusOr<std::unique_ptr<CudaLlamaModel>> Random(const ModelConfig& config,
+                                                                const CudaModelOptions& options,
+                                                                uint64_t seed = 1);
   ~CudaLlamaModel();
   CudaLlamaModel(const CudaLlamaModel&) = delete;
   CudaLlamaModel& operator=(const CudaLlamaModel&) = delete;
@@ -75,6 +81,32 @@ class CudaLlamaModel {
   absl::StatusOr<uint32_t> Step(absl::Span<const uint32_t> tokens, DenseKv* kv,
                                 std::vector<float>* logits = nullptr) const;
 
+  // One decode step for a batch of sequences whose KV is in pages (blocks read in place,
+  // kernels/cuda/paged_decode.h) plus an fp16 window each: every sequence's new token is
+  // appended to its window (row window_slots[b], at index window_lens[b]), then attends over its
+  // pages and its window. Pages, block tables, page counts and windows are the caller's device
+  // memory; the spans are host memory.
+  struct PagedStep {
+    absl::Span<const uint32_t> tokens;    // one per sequence
+    absl::Span<const int32_t> positions;  // each new token's position
+    absl::Span<const int32_t> window_slots;
+    absl::Span<const int32_t> window_lens;          // tokens in each window before the step
+    kernels::cuda::PagedKvLayout layout;            // every layer's pages
+    const uint8_t* pages = nullptr;                 // the pool
+    absl::Span<const int32_t* const> block_tables;  // per layer: [batch][max_pages]
+    int max_pages = 0;
+    const int32_t* page_counts = nullptr;  // [batch]
+    int max_pages_in_batch = 0;
+    __half* window_k = nullptr;  // [layers][slots][kv_heads][max_window][head_dim]
+    __half* window_v = nullptr;
+    int slots = 0, max_window = 0;
+  };
+  // Returns each sequence's greedy next token; `logits`, when not null, gets [batch, vocab].
+  // kInvalidArgument for inconsistent spans, a window with no room, or a layout that is not this
+  // model's shape.
+  absl::StatusOr<std::vector<uint32_t>> DecodePaged(const PagedStep& step,
+                                                    std::vector<float>* logits = nullptr) const;
+
  private:
   struct Layer {
     const float *input_norm = nullptr, *post_norm = nullptr;
@@ -85,6 +117,14 @@ class CudaLlamaModel {
   struct Scratch;
   CudaLlamaModel() = default;
   absl::Status EnsureScratch(uint32_t rows) const;
+  absl::StatusOr<void*> Alloc(size_t bytes, absl::string_view what);
+  absl::Status Init(const ModelConfig& config, const CudaModelOptions& options);
+  // Runs the layers and the vocabulary over `n` rows already embedded in the scratch's x, with
+  // `attend(layer)` computing s.att from s.q, s.k, s.v; the greedy tokens of the last `out_rows`
+  // rows into `next`, their logits into `logits` when asked.
+  template <typename Attend>
+  absl::Status Forward(int n, int out_rows, const Attend& attend, std::vector<int32_t>* next,
+                       std::vector<float>* logits) const;
   absl::Status Gemm(const void* x, int rows, int in, const void* w, int out, float* y) const;
 
   ModelConfig config_;
@@ -99,6 +139,8 @@ class CudaLlamaModel {
   const float* inv_freq_ = nullptr;
   std::vector<Layer> layers_;
   mutable std::unique_ptr<Scratch> scratch_;
+  mutable void* paged_ = nullptr;  // DecodePaged's own buffers (workspace, slots, lengths)
+  mutable size_t paged_bytes_ = 0;
 };
 
 }  // namespace strata::model::cuda

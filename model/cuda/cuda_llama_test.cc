@@ -8,13 +8,17 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/shared_bytes.h"
 #include "common/testing/cuda_device.h"
 #include "gtest/gtest.h"
+#include "kernels/cuda/block_pages.h"
+#include "model/kv_cache.h"
 #include "model/llama.h"
 
 namespace strata::model::cuda {
@@ -146,6 +150,129 @@ TEST_F(CudaLlamaGpuTest, GreedyGenerationFollowsTheCpu) {
     ids.push_back(*next);  // both continue from the GPU's choice
     next = gpu->Step({&ids.back(), 1}, kv.get());
     ASSERT_TRUE(next.ok()) << next.status();
+  }
+}
+
+// The serving path's decode: sequences whose prefixes the CPU engine prefilled (its cache's
+// blocks copied to the device as they are: the pages) and whose partial chunks are the windows
+// (fp16 on the device), one token each through DecodePaged, against the CPU engine's Step over
+// the same caches. fp16 and KIVI blocks, two sequences of different lengths, windows in
+// reversed slots.
+TEST_F(CudaLlamaGpuTest, APagedDecodeStepOverTheCpuEnginesBlocksFollowsTheCpu) {
+  absl::StatusOr<std::unique_ptr<LlamaModel>> host = LlamaModel::Load(Dir("models/strata-tiny"));
+  ASSERT_TRUE(host.ok()) << host.status();
+  auto gpu = *CudaLlamaModel::Upload(**host, {.weights = WeightType::kFp16});
+  const ModelConfig& c = gpu->config();
+  constexpr uint32_t kChunk = 16;
+  const std::vector<uint32_t> lengths = {53, 37};  // 3 and 2 blocks, windows of 5 and 5 tokens
+  for (const char* codec : {"fp16", "kivi:k4v4:g16"}) {
+    SCOPED_TRACE(codec);
+    absl::StatusOr<kernels::cuda::PagedKvLayout> layout =
+        kernels::cuda::PageLayoutForCodec(codec, kChunk, c.num_kv_heads, c.head_dim);
+    ASSERT_TRUE(layout.ok()) << layout.status();
+    const int batch = static_cast<int>(lengths.size());
+    std::vector<std::unique_ptr<SequenceKvCache>> caches;
+    std::vector<uint32_t> next_tokens;
+    for (int b = 0; b < batch; ++b) {
+      caches.push_back(*(*host)->NewCache({.codec = codec, .chunk_tokens = kChunk}));
+      const std::vector<uint32_t> ids = Prompt(c, lengths[b], 17 + b);
+      ASSERT_TRUE((*host)->Prefill(ids, caches.back().get()).ok());
+      next_tokens.push_back(3 + b);
+    }
+    const int max_pages = 4, max_window = kChunk;
+    const size_t page = layout->PageBytes();
+    const uint32_t L = c.num_layers, KH = c.num_kv_heads, D = c.head_dim;
+    // The pool: every block of every layer; per layer a block table [batch][max_pages].
+    std::vector<uint8_t> pool;
+    std::vector<std::vector<int32_t>> tables(L, std::vector<int32_t>(batch * max_pages, 0));
+    std::vector<int32_t> counts(batch);
+    // Windows [layers][slots][kv_heads][max_window][D] fp16, sequence b in slot batch - 1 - b.
+    std::vector<__half> wk(size_t(L) * batch * KH * max_window * D), wv(wk.size());
+    std::vector<int32_t> slots(batch), lens(batch), positions(batch);
+    for (int b = 0; b < batch; ++b) {
+      const SequenceKvCache& cache = *caches[b];
+      counts[b] = static_cast<int32_t>(cache.blocks_per_layer());
+      slots[b] = batch - 1 - b;
+      lens[b] = static_cast<int32_t>(cache.window_tokens());
+      positions[b] = static_cast<int32_t>(cache.tokens());
+      for (uint32_t l = 0; l < L; ++l) {
+        for (size_t i = 0; i < cache.layer_blocks(l).size(); ++i) {
+          const SharedBytes& blk = cache.layer_blocks(l)[i];
+          ASSERT_LE(blk.size(), page);
+          tables[l][b * max_pages + i] = static_cast<int32_t>(pool.size() / page);
+          pool.resize(pool.size() + page, 0);
+          std::memcpy(pool.data() + pool.size() - page, blk.data(), blk.size());
+        }
+        const std::string w = cache.ExportWindow(l);
+        const float* wf = reinterpret_cast<const float*>(w.data() + 32);
+        const size_t kv_floats = size_t(lens[b]) * KH * D;
+        for (int t = 0; t < lens[b]; ++t) {
+          for (uint32_t h = 0; h < KH; ++h) {
+            for (uint32_t d = 0; d < D; ++d) {
+              const size_t src = (size_t(t) * KH + h) * D + d;
+              const size_t dst =
+                  (((size_t(l) * batch + slots[b]) * KH + h) * max_window + t) * D + d;
+              wk[dst] = __float2half_rn(wf[src]);
+              wv[dst] = __float2half_rn(wf[kv_floats + src]);
+            }
+          }
+        }
+      }
+    }
+    void *d_pool, *d_wk, *d_wv, *d_counts, *d_tables;
+    ASSERT_EQ(cudaMalloc(&d_pool, pool.size()), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&d_wk, wk.size() * 2), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&d_wv, wv.size() * 2), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&d_counts, batch * 4), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&d_tables, size_t(L) * batch * max_pages * 4), cudaSuccess);
+    cudaMemcpy(d_pool, pool.data(), pool.size(), cudaMemcpyHostToDevice);
+    cudaMemcpy(d_wk, wk.data(), wk.size() * 2, cudaMemcpyHostToDevice);
+    cudaMemcpy(d_wv, wv.data(), wv.size() * 2, cudaMemcpyHostToDevice);
+    cudaMemcpy(d_counts, counts.data(), batch * 4, cudaMemcpyHostToDevice);
+    std::vector<const int32_t*> table_ptrs;
+    for (uint32_t l = 0; l < L; ++l) {
+      int32_t* t = static_cast<int32_t*>(d_tables) + size_t(l) * batch * max_pages;
+      cudaMemcpy(t, tables[l].data(), tables[l].size() * 4, cudaMemcpyHostToDevice);
+      table_ptrs.push_back(t);
+    }
+    CudaLlamaModel::PagedStep step;
+    step.tokens = next_tokens;
+    step.positions = positions;
+    step.window_slots = slots;
+    step.window_lens = lens;
+    step.layout = *layout;
+    step.pages = static_cast<const uint8_t*>(d_pool);
+    step.block_tables = table_ptrs;
+    step.max_pages = max_pages;
+    step.page_counts = static_cast<const int32_t*>(d_counts);
+    step.max_pages_in_batch = *std::max_element(counts.begin(), counts.end());
+    step.window_k = static_cast<__half*>(d_wk);
+    step.window_v = static_cast<__half*>(d_wv);
+    step.slots = batch;
+    step.max_window = max_window;
+    std::vector<float> got;
+    absl::StatusOr<std::vector<uint32_t>> next = gpu->DecodePaged(step, &got);
+    for (void* p : {d_pool, d_wk, d_wv, d_counts, d_tables}) cudaFree(p);
+    ASSERT_TRUE(next.ok()) << next.status();
+    const uint32_t V = c.vocab_size;
+    ASSERT_EQ(got.size(), size_t(batch) * V);
+    for (int b = 0; b < batch; ++b) {
+      const std::vector<float> want = *(*host)->Step({&next_tokens[b], 1}, caches[b].get());
+      double max_err = 0, max_abs = 0;
+      for (uint32_t i = 0; i < V; ++i) {
+        max_err = std::max(max_err, std::fabs(double{got[b * V + i]} - want[i]));
+        max_abs = std::max(max_abs, std::fabs(double{want[i]}));
+      }
+      // fp16 weights and activations, the fp16 window: the same bound as the prefill's.
+      EXPECT_LT(max_err, 5e-3 * std::max(1.0, max_abs)) << "sequence " << b;
+      std::vector<float> sorted(want);
+      std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(), std::greater<float>());
+      if (sorted[0] - sorted[1] > 2 * max_err) {
+        EXPECT_EQ((*next)[b],
+                  static_cast<uint32_t>(std::max_element(want.begin(), want.end()) - want.begin()))
+            << "sequence " << b;
+      }
+    }
   }
 }
 
