@@ -14,6 +14,8 @@ packages=(
   libabsl-dev libssl-dev nlohmann-json3-dev libopenblas-dev libre2-dev libboost-dev
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   librocksdb-dev prometheus-cpp-dev curl
+  # the shared KV tier on Redis Cluster: its client library, and the servers its tests start
+  libhiredis-dev redis-server redis-tools
   # AVX-512 instructions in portable code: the reference the 512-bit kernels' emulation is
   # tested against on machines without AVX-512
   libsimde-dev

@@ -1,0 +1,383 @@
+// RedisCluster and SharedTier against real Redis Clusters (Debian's redis-server, started by the
+// tests on free loopback ports): slots as Redis computes them, commands across every node,
+// MOVED and ASK redirections after slots move under the client, a master killed under load (its
+// replica takes over: no command fails, no wrong value), AUTH, and the shared tier's blocks —
+// checksums end to end (a damaged or truncated value is a miss, counted), TTLs growing toward
+// the root and renewed on a hit.
+#include "kvstore/redis_cluster.h"
+
+#include <iostream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+#include "kvstore/shared_tier.h"
+#include "kvstore/test_blocks.h"
+#include "kvstore/testing/redis_cluster_process.h"
+
+namespace strata::kvstore {
+namespace {
+
+using testing::RedisClusterProcess;
+
+// One 3-master, 3-replica cluster for the suite (starting one takes a few seconds).
+class RedisClusterTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    if (!RedisClusterProcess::Installed()) return;
+    cluster_ = new RedisClusterProcess(3, 1);
+    std::string why;
+    if (!cluster_->Start(&why)) {
+      start_error_ = new std::string(why);
+      delete cluster_;
+      cluster_ = nullptr;
+    }
+  }
+  static void TearDownTestSuite() {
+    delete cluster_;
+    cluster_ = nullptr;
+    delete start_error_;
+    start_error_ = nullptr;
+  }
+  void SetUp() override {
+    if (!RedisClusterProcess::Installed()) {
+      GTEST_SKIP() << "skipped: no redis-server (scripts/setup.sh installs it)";
+    }
+    ASSERT_EQ(start_error_, nullptr) << *start_error_;
+    ASSERT_NE(cluster_, nullptr);
+  }
+  std::unique_ptr<RedisCluster> Client() {
+    absl::StatusOr<std::unique_ptr<RedisCluster>> c =
+        RedisCluster::Connect({.seeds = {cluster_->seed()}});
+    EXPECT_TRUE(c.ok()) << c.status();
+    return c.ok() ? *std::move(c) : nullptr;
+  }
+  // A master's node id and address other than `not_this`.
+  std::pair<std::string, std::string> OtherMaster(const std::string& not_this) {
+    const std::string nodes = cluster_->Cli(cluster_->nodes()[0].port, {"CLUSTER", "NODES"});
+    for (absl::string_view line : absl::StrSplit(nodes, '\n')) {
+      std::vector<std::string> f = absl::StrSplit(line, ' ');
+      if (f.size() < 3 || f[2].find("master") == std::string::npos) continue;
+      const std::string addr =
+          std::string(absl::StrSplit(f[1], '@').begin()->data(), f[1].find('@'));
+      if (addr != not_this && f[2].find("fail") == std::string::npos) return {f[0], addr};
+    }
+    return {};
+  }
+  std::string IdOf(const std::string& addr) {
+    RedisClusterProcess::Node* n = cluster_->Find(addr);
+    if (n == nullptr) return "";
+    std::string id = cluster_->Cli(n->port, {"CLUSTER", "MYID"});
+    while (!id.empty() && (id.back() == '\n' || id.back() == '\r')) id.pop_back();
+    return id;
+  }
+  // Gives `slot` to the master `target_id` (at `target`) on every master, its claim made the
+  // newest (BUMPEPOCH) so that gossip does not hand it back, then waits until every master
+  // redirects `key` there (or is it). False when they never agree.
+  bool MoveSlot(uint16_t slot, const std::string& target_id, const std::string& target,
+                const std::string& key) {
+    RedisClusterProcess::Node* t = cluster_->Find(target);
+    if (t == nullptr) return false;
+    cluster_->Cli(t->port, {"CLUSTER", "SETSLOT", absl::StrCat(slot), "NODE", target_id});
+    cluster_->Cli(t->port, {"CLUSTER", "BUMPEPOCH"});
+    for (const auto& n : cluster_->nodes()) {
+      if (n.pid > 0 && n.port != t->port) {
+        cluster_->Cli(n.port, {"CLUSTER", "SETSLOT", absl::StrCat(slot), "NODE", target_id});
+      }
+    }
+    for (int i = 0; i < 200; ++i) {
+      bool agree = true;
+      for (const auto& n : cluster_->nodes()) {
+        if (n.pid <= 0) continue;
+        const std::string role = cluster_->Cli(n.port, {"ROLE"});
+        if (role.rfind("master", 0) != 0) continue;
+        const std::string got = cluster_->Cli(n.port, {"GET", key});
+        agree = agree && (n.port == t->port ? got.find("MOVED") == std::string::npos
+                                            : got.find(absl::StrCat("MOVED ", slot, " ", target)) !=
+                                                  std::string::npos);
+      }
+      if (agree) return true;
+      absl::SleepFor(absl::Milliseconds(25));
+    }
+    return false;
+  }
+
+  // A key whose slot holds no key on any master (a slot moves by SETSLOT only when empty).
+  std::string FreshKey(const std::string& tag) {
+    for (int i = 0;; ++i) {
+      const std::string key = absl::StrCat("strata-test:", tag, ":", i);
+      bool empty = true;
+      for (const auto& n : cluster_->nodes()) {
+        if (n.pid <= 0) continue;
+        const std::string count = cluster_->Cli(
+            n.port, {"CLUSTER", "COUNTKEYSINSLOT", absl::StrCat(RedisCluster::Slot(key))});
+        empty = empty && count == "0\n";
+      }
+      if (empty || i > 1000) return key;
+    }
+  }
+
+  static RedisClusterProcess* cluster_;
+  static std::string* start_error_;
+};
+RedisClusterProcess* RedisClusterTest::cluster_ = nullptr;
+std::string* RedisClusterTest::start_error_ = nullptr;
+
+absl::Time Soon() { return absl::Now() + absl::Seconds(10); }
+
+TEST_F(RedisClusterTest, SlotsAreTheOnesRedisComputes) {
+  const std::vector<std::string> keys = {"a",
+                                         "strata:block",
+                                         "{user1000}.following",
+                                         "foo{}{bar}",
+                                         "foo{{bar}}zap",
+                                         "{}x",
+                                         std::string("\xff\x10 binary", 9)};
+  for (const std::string& key : keys) {
+    const std::string got = cluster_->Cli(cluster_->nodes()[0].port, {"CLUSTER", "KEYSLOT", key});
+    EXPECT_EQ(absl::StrCat(RedisCluster::Slot(key), "\n"), got) << key;
+  }
+  EXPECT_EQ(RedisCluster::Slot("{user1000}.following"), RedisCluster::Slot("{user1000}.x"));
+}
+
+TEST_F(RedisClusterTest, ManyKeysAcrossEveryMasterPipelined) {
+  std::unique_ptr<RedisCluster> c = Client();
+  ASSERT_NE(c, nullptr);
+  std::vector<RedisCommand> set, get;
+  std::map<std::string, int> per_node;
+  for (int i = 0; i < 300; ++i) {
+    const std::string key = absl::StrCat("many:", i);
+    std::string value(100 + i, static_cast<char>(i));  // binary, with NULs
+    set.push_back({"SET", key, value});
+    get.push_back({"GET", key});
+    ++per_node[c->NodeFor(RedisCluster::Slot(key))];
+  }
+  EXPECT_EQ(per_node.size(), 3u);  // every master served some
+  for (const auto& r : c->Run(set, Soon())) ASSERT_TRUE(r.ok()) << r.status();
+  const auto got = c->Run(get, Soon());
+  for (int i = 0; i < 300; ++i) {
+    ASSERT_TRUE(got[i].ok()) << got[i].status();
+    EXPECT_EQ(got[i]->str, std::string(100 + i, static_cast<char>(i)));
+  }
+  // A missing key is nil; a wrong command is that command's error, the others unaffected.
+  const auto mixed = c->Run({{"GET", "never-set"}, {"INCR", "many:1"}, {"GET", "many:2"}}, Soon());
+  ASSERT_TRUE(mixed[0].ok());
+  EXPECT_EQ(mixed[0]->type, RedisReply::Type::kNil);
+  EXPECT_EQ(mixed[1].status().code(), absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(mixed[2].ok());
+  EXPECT_EQ(mixed[2]->str.size(), 102u);
+  EXPECT_EQ(c->Run({{"PING"}}, Soon())[0].status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(RedisClusterTest, AMovedSlotIsFollowedAndTheMapUpdated) {
+  std::unique_ptr<RedisCluster> c = Client();
+  ASSERT_NE(c, nullptr);
+  const std::string key = FreshKey("moved");
+  const uint16_t slot = RedisCluster::Slot(key);
+  const std::string owner = c->NodeFor(slot);
+  const auto [target_id, target] = OtherMaster(owner);
+  ASSERT_FALSE(target_id.empty());
+  // Move the (empty) slot to another master behind the client's back.
+  ASSERT_TRUE(MoveSlot(slot, target_id, target, key));
+  const uint64_t moved0 = c->Stats().moved;
+  const auto r = c->Run({{"SET", key, "v"}, {"GET", key}}, Soon());
+  ASSERT_TRUE(r[0].ok()) << r[0].status();
+  ASSERT_TRUE(r[1].ok()) << r[1].status();
+  EXPECT_EQ(r[1]->str, "v");
+  EXPECT_GE(c->Stats().moved, moved0 + 1);
+  EXPECT_EQ(c->NodeFor(slot), target);
+  const uint64_t moved1 = c->Stats().moved;
+  ASSERT_TRUE(c->Run({{"GET", key}}, Soon())[0].ok());
+  EXPECT_EQ(c->Stats().moved, moved1);  // the map knows now
+}
+
+TEST_F(RedisClusterTest, AnAskDuringAMigrationIsFollowedWithAsking) {
+  std::unique_ptr<RedisCluster> c = Client();
+  ASSERT_NE(c, nullptr);
+  const std::string key = FreshKey("ask");
+  const uint16_t slot = RedisCluster::Slot(key);
+  const std::string owner = c->NodeFor(slot);
+  const std::string owner_id = IdOf(owner);
+  const auto [target_id, target] = OtherMaster(owner);
+  ASSERT_FALSE(owner_id.empty());
+  ASSERT_FALSE(target_id.empty());
+  RedisClusterProcess::Node* src = cluster_->Find(owner);
+  RedisClusterProcess::Node* dst = cluster_->Find(target);
+  ASSERT_NE(src, nullptr);
+  ASSERT_NE(dst, nullptr);
+  // The slot migrating from owner to target: a key the owner does not have is asked of the target.
+  cluster_->Cli(dst->port, {"CLUSTER", "SETSLOT", absl::StrCat(slot), "IMPORTING", owner_id});
+  cluster_->Cli(src->port, {"CLUSTER", "SETSLOT", absl::StrCat(slot), "MIGRATING", target_id});
+  const uint64_t ask0 = c->Stats().ask;
+  const auto r = c->Run({{"SET", key, "asked"}}, Soon());
+  ASSERT_TRUE(r[0].ok()) << r[0].status();
+  EXPECT_GE(c->Stats().ask, ask0 + 1);
+  EXPECT_EQ(c->NodeFor(slot), owner);  // an ASK does not change the map
+  // The value is on the target; finish the migration there and read it back.
+  ASSERT_TRUE(MoveSlot(slot, target_id, target, key));
+  const auto g = c->Run({{"GET", key}}, Soon());
+  ASSERT_TRUE(g[0].ok()) << g[0].status();
+  EXPECT_EQ(g[0]->str, "asked");
+}
+
+TEST_F(RedisClusterTest, UnreachableSeedsAreUnavailableNamingThem) {
+  absl::StatusOr<std::unique_ptr<RedisCluster>> c =
+      RedisCluster::Connect({.seeds = {absl::StrCat("127.0.0.1:", FreeLoopbackPort())},
+                             .connect_timeout = absl::Milliseconds(200)});
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(c.status().message().find("CLUSTER SLOTS"), std::string::npos) << c.status();
+  EXPECT_EQ(RedisCluster::Connect({}).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(RedisCluster::Connect({.seeds = {"no-port"}}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+// ---- the shared tier -------------------------------------------------------------------------
+
+TEST_F(RedisClusterTest, SharedTierKeepsBlocksWithTheirChecksumsAndRefusesDamage) {
+  absl::StatusOr<std::unique_ptr<SharedTier>> tier =
+      SharedTier::Connect({.redis = {.seeds = {cluster_->seed()}}});
+  ASSERT_TRUE(tier.ok()) << tier.status();
+  std::vector<AlignedBuffer> blocks;
+  std::vector<SharedTier::Item> items;
+  std::vector<SharedTier::Key> keys;
+  for (uint32_t chunk = 0; chunk < 6; ++chunk) {
+    blocks.push_back(test_blocks::MakeBlock(77, 3, chunk, 100 + chunk));
+    const BlockName name = test_blocks::Name(blocks.back(), test_blocks::Key(chunk, 45));
+    AlignedBuffer copy(blocks.back().size());
+    std::memcpy(copy.data(), blocks.back().data(), copy.size());
+    items.push_back({name, chunk, SharedBytes::FromBuffer(std::move(copy))});
+    keys.push_back({name, chunk});
+  }
+  for (const absl::Status& s : (*tier)->Put(items)) ASSERT_TRUE(s.ok()) << s;
+  auto got = (*tier)->Get(keys);
+  for (size_t i = 0; i < keys.size(); ++i) {
+    ASSERT_TRUE(got[i].ok()) << got[i].status();
+    EXPECT_TRUE(got[i]->span() == blocks[i].span()) << i;
+  }
+  EXPECT_EQ((*tier)->Stats().hits, 6u);
+  // A block under the wrong chunk index, or one that is not a block, is refused at Put.
+  std::vector<absl::Status> bad = (*tier)->Put({{items[1].name, 2, items[1].block}});
+  EXPECT_EQ(bad[0].code(), absl::StatusCode::kInvalidArgument) << bad[0];
+  // Damage inside Redis: one byte flipped, one value truncated, one replaced by another block.
+  RedisCluster& redis = (*tier)->redis();
+  const std::string k2 = (*tier)->KeyOf(keys[2].name), k3 = (*tier)->KeyOf(keys[3].name),
+                    k4 = (*tier)->KeyOf(keys[4].name);
+  ASSERT_TRUE(redis.Run({{"SETRANGE", k2, "200", "\x7f"}}, Soon())[0].ok());
+  std::string half(reinterpret_cast<const char*>(blocks[3].data()), blocks[3].size() / 2);
+  ASSERT_TRUE(redis.Run({{"SET", k3, half}}, Soon())[0].ok());
+  std::string other(reinterpret_cast<const char*>(blocks[5].data()), blocks[5].size());
+  ASSERT_TRUE(redis.Run({{"SET", k4, other}}, Soon())[0].ok());
+  got = (*tier)->Get(keys);
+  for (size_t i : {2, 3, 4}) {
+    EXPECT_EQ(got[i].status().code(), absl::StatusCode::kNotFound) << i;
+    EXPECT_NE(got[i].status().message().find("damaged"), std::string::npos) << got[i].status();
+  }
+  EXPECT_TRUE(got[0].ok() && got[1].ok() && got[5].ok());
+  EXPECT_EQ((*tier)->Stats().damaged, 3u);
+}
+
+TEST_F(RedisClusterTest, SharedTierTtlsGrowTowardTheRootAndAHitRenewsThem) {
+  absl::StatusOr<std::unique_ptr<SharedTier>> tier =
+      SharedTier::Connect({.redis = {.seeds = {cluster_->seed()}},
+                           .ttl = absl::Seconds(100),
+                           .root_bonus = absl::Seconds(100)});
+  ASSERT_TRUE(tier.ok()) << tier.status();
+  std::vector<SharedTier::Item> items;
+  std::vector<SharedTier::Key> keys;
+  for (uint32_t chunk : {0u, 1u, 9u}) {
+    AlignedBuffer b = test_blocks::MakeBlock(78, 0, chunk, 7 + chunk);
+    const BlockName name = test_blocks::Name(b, test_blocks::Key(chunk, 46));
+    items.push_back({name, chunk, SharedBytes::FromBuffer(std::move(b))});
+    keys.push_back({name, chunk});
+  }
+  for (const absl::Status& s : (*tier)->Put(items)) ASSERT_TRUE(s.ok()) << s;
+  RedisCluster& redis = (*tier)->redis();
+  auto pttl = [&](size_t i) {
+    return redis.Run({{"PTTL", (*tier)->KeyOf(keys[i].name)}}, Soon())[0]->integer;
+  };
+  EXPECT_GT(pttl(0), 190000);  // 100 s + 100 s
+  EXPECT_LE(pttl(0), 200000);
+  EXPECT_GT(pttl(1), 140000);  // 100 s + 50 s
+  EXPECT_LE(pttl(1), 150000);
+  EXPECT_GT(pttl(2), 100000);  // 100 s + 10 s
+  EXPECT_LE(pttl(2), 110000);
+  // Nearly expired, then read: renewed.
+  ASSERT_TRUE(redis.Run({{"PEXPIRE", (*tier)->KeyOf(keys[0].name), "5000"}}, Soon())[0].ok());
+  EXPECT_LE(pttl(0), 5000);
+  ASSERT_TRUE((*tier)->Get({keys[0]})[0].ok());
+  EXPECT_GT(pttl(0), 190000);
+  // Contains does not renew.
+  ASSERT_TRUE(redis.Run({{"PEXPIRE", (*tier)->KeyOf(keys[1].name), "5000"}}, Soon())[0].ok());
+  EXPECT_TRUE(*(*tier)->Contains({keys[1]})[0]);
+  EXPECT_LE(pttl(1), 5000);
+}
+
+// A master killed under a steady load: the client follows the failover (its replica promoted
+// after the cluster's node timeout) and every command completes; every value read is the one
+// written or, for a write the replica had not copied when its master died, none (a miss: Redis
+// replicates asynchronously) — never a wrong one. Writes after the failover read back exactly.
+TEST_F(RedisClusterTest, AMasterKilledUnderLoadFailsNothingAndServesNoWrongValue) {
+  std::unique_ptr<RedisCluster> c = Client();
+  ASSERT_NE(c, nullptr);
+  constexpr int kKeys = 60;
+  std::vector<RedisCommand> set, get;
+  for (int i = 0; i < kKeys; ++i) {
+    set.push_back({"SET", absl::StrCat("failover:", i), absl::StrCat("value-", i)});
+    get.push_back({"GET", absl::StrCat("failover:", i)});
+  }
+  for (const auto& r : c->Run(set, Soon())) ASSERT_TRUE(r.ok()) << r.status();
+  const std::string victim = c->NodeFor(RedisCluster::Slot("failover:0"));
+  RedisClusterProcess::Node* node = cluster_->Find(victim);
+  ASSERT_NE(node, nullptr);
+  cluster_->Kill(*node);
+  const absl::Time end = absl::Now() + absl::Seconds(6);
+  int rounds = 0, misses = 0;
+  while (absl::Now() < end) {
+    const auto got = c->Run(get, absl::Now() + absl::Seconds(30));
+    for (int i = 0; i < kKeys; ++i) {
+      ASSERT_TRUE(got[i].ok()) << "round " << rounds << " key " << i << ": " << got[i].status();
+      if (got[i]->type == RedisReply::Type::kNil) {
+        ++misses;
+      } else {
+        ASSERT_EQ(got[i]->str, absl::StrCat("value-", i)) << "round " << rounds;
+      }
+    }
+    ++rounds;
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  EXPECT_NE(c->NodeFor(RedisCluster::Slot("failover:0")), victim);
+  EXPECT_GT(c->Stats().retries + c->Stats().io_errors, 0u);
+  std::cerr << "failover: " << rounds << " rounds of " << kKeys << " reads, " << misses
+            << " misses (writes the replica had not copied)\n";
+  for (auto& cmd : set) cmd[2] += "-again";
+  for (const auto& r : c->Run(set, Soon())) ASSERT_TRUE(r.ok()) << r.status();
+  const auto again = c->Run(get, Soon());
+  for (int i = 0; i < kKeys; ++i) {
+    ASSERT_TRUE(again[i].ok()) << again[i].status();
+    EXPECT_EQ(again[i]->str, absl::StrCat("value-", i, "-again"));
+  }
+}
+
+TEST(RedisClusterAuthTest, AuthIsRequiredAndAWrongPasswordIsRefused) {
+  if (!RedisClusterProcess::Installed()) GTEST_SKIP() << "skipped: no redis-server";
+  RedisClusterProcess cluster(3, 0, "s3cret-pass");
+  std::string why;
+  ASSERT_TRUE(cluster.Start(&why)) << why;
+  EXPECT_EQ(RedisCluster::Connect({.seeds = {cluster.seed()}}).status().code(),
+            absl::StatusCode::kUnavailable);  // NOAUTH: CLUSTER SLOTS refused
+  EXPECT_EQ(RedisCluster::Connect({.seeds = {cluster.seed()}, .password = "wrong"}).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  absl::StatusOr<std::unique_ptr<RedisCluster>> c =
+      RedisCluster::Connect({.seeds = {cluster.seed()}, .password = "s3cret-pass"});
+  ASSERT_TRUE(c.ok()) << c.status();
+  const auto r = (*c)->Run({{"SET", "authed", "1"}, {"GET", "authed"}}, Soon());
+  ASSERT_TRUE(r[1].ok()) << r[1].status();
+  EXPECT_EQ(r[1]->str, "1");
+}
+
+}  // namespace
+}  // namespace strata::kvstore

@@ -1,0 +1,154 @@
+#include "kvstore/shared_tier.h"
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/aligned_buffer.h"
+#include "common/block_reader.h"
+
+namespace strata::kvstore {
+
+absl::Status SharedTierOptions::Validate() const {
+  if (absl::Status s = redis.Validate(); !s.ok()) return s;
+  if (ttl <= absl::ZeroDuration() || root_bonus < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("shared tier: ttl must be > 0 and root_bonus >= 0");
+  }
+  if (timeout <= absl::ZeroDuration()) return absl::InvalidArgumentError("shared tier: timeout");
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<SharedTier>> SharedTier::Connect(SharedTierOptions options) {
+  if (absl::Status s = options.Validate(); !s.ok()) return s;
+  absl::StatusOr<std::unique_ptr<RedisCluster>> redis = RedisCluster::Connect(options.redis);
+  if (!redis.ok()) return redis.status();
+  return std::unique_ptr<SharedTier>(new SharedTier(std::move(options), *std::move(redis)));
+}
+
+absl::Status SharedTier::Check(const BlockName& name, uint32_t chunk_index,
+                               absl::Span<const uint8_t> bytes) const {
+  absl::StatusOr<BlockView> view = BlockView::Parse(bytes);  // structure and CRC-32C
+  if (!view.ok()) return view.status();
+  const BlockHeader& h = view->header();
+  if (h.layer != name.layer || h.chunk_index != chunk_index ||
+      h.codec_fingerprint != name.codec_fingerprint ||
+      h.model_fingerprint != name.model_fingerprint ||
+      h.calibration_fingerprint != name.calibration_fingerprint) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("shared tier: the block (layer ", h.layer, ", chunk ", h.chunk_index,
+                     ") is not the one named ", name.ToString(), " at chunk ", chunk_index));
+  }
+  return absl::OkStatus();
+}
+
+std::vector<absl::Status> SharedTier::Put(absl::Span<const Item> items) {
+  const absl::Time start = absl::Now();
+  std::vector<absl::Status> out(items.size());
+  std::vector<RedisCommand> cmds;
+  std::vector<size_t> sent;
+  uint64_t bytes = 0;
+  for (size_t i = 0; i < items.size(); ++i) {
+    const Item& it = items[i];
+    if (absl::Status s = Check(it.name, it.chunk_index, it.block.span()); !s.ok()) {
+      out[i] = s;
+      continue;
+    }
+    const int64_t ms = absl::ToInt64Milliseconds(TtlFor(it.chunk_index));
+    cmds.push_back({"SET", KeyOf(it.name),
+                    std::string(reinterpret_cast<const char*>(it.block.data()), it.block.size()),
+                    "PX", absl::StrCat(ms)});
+    sent.push_back(i);
+    bytes += it.block.size();
+  }
+  std::vector<absl::StatusOr<RedisReply>> replies =
+      redis_->Run(cmds, absl::Now() + options_.timeout);
+  uint64_t errors = 0;
+  for (size_t k = 0; k < sent.size(); ++k) {
+    if (!replies[k].ok()) {
+      out[sent[k]] = replies[k].status();
+      ++errors;
+    }
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_.puts += sent.size() - errors;
+  stats_.put_errors += errors + (items.size() - sent.size());
+  stats_.bytes_written += bytes;
+  stats_.put_seconds += absl::ToDoubleSeconds(absl::Now() - start);
+  return out;
+}
+
+std::vector<absl::StatusOr<SharedBytes>> SharedTier::Get(absl::Span<const Key> keys) {
+  const absl::Time start = absl::Now();
+  std::vector<RedisCommand> cmds;
+  for (const Key& k : keys) {
+    cmds.push_back({"GETEX", KeyOf(k.name), "PX",
+                    absl::StrCat(absl::ToInt64Milliseconds(TtlFor(k.chunk_index)))});
+  }
+  std::vector<absl::StatusOr<RedisReply>> replies =
+      redis_->Run(cmds, absl::Now() + options_.timeout);
+  std::vector<absl::StatusOr<SharedBytes>> out;
+  out.reserve(keys.size());
+  uint64_t hits = 0, misses = 0, damaged = 0, errors = 0, bytes = 0;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (!replies[i].ok()) {
+      out.push_back(replies[i].status());
+      ++errors;
+      continue;
+    }
+    if (replies[i]->type != RedisReply::Type::kString) {
+      out.push_back(absl::NotFoundError(absl::StrCat("shared tier: no ", keys[i].name.ToString())));
+      ++misses;
+      continue;
+    }
+    const std::string& v = replies[i]->str;
+    AlignedBuffer buf(v.size());
+    std::memcpy(buf.data(), v.data(), v.size());
+    if (absl::Status s = Check(keys[i].name, keys[i].chunk_index, buf.span()); !s.ok()) {
+      out.push_back(absl::NotFoundError(absl::StrCat("shared tier: a damaged value under ",
+                                                     keys[i].name.ToString(), ": ", s.message())));
+      ++damaged;
+      ++misses;
+      continue;
+    }
+    bytes += v.size();
+    ++hits;
+    out.push_back(SharedBytes::FromBuffer(std::move(buf)));
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_.gets += keys.size();
+  stats_.hits += hits;
+  stats_.misses += misses;
+  stats_.damaged += damaged;
+  stats_.get_errors += errors;
+  stats_.bytes_read += bytes;
+  stats_.get_seconds += absl::ToDoubleSeconds(absl::Now() - start);
+  return out;
+}
+
+std::vector<absl::StatusOr<bool>> SharedTier::Contains(absl::Span<const Key> keys) {
+  std::vector<RedisCommand> cmds;
+  for (const Key& k : keys) cmds.push_back({"EXISTS", KeyOf(k.name)});
+  std::vector<absl::StatusOr<RedisReply>> replies =
+      redis_->Run(cmds, absl::Now() + options_.timeout);
+  std::vector<absl::StatusOr<bool>> out;
+  for (auto& r : replies) {
+    if (!r.ok()) {
+      out.push_back(r.status());
+    } else {
+      out.push_back(r->type == RedisReply::Type::kInteger && r->integer > 0);
+    }
+  }
+  return out;
+}
+
+SharedTierStats SharedTier::Stats() const {
+  SharedTierStats s;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    s = stats_;
+  }
+  s.redis = redis_->Stats();
+  return s;
+}
+
+}  // namespace strata::kvstore
