@@ -117,7 +117,8 @@ absl::Status RunGenerateOnGpu(const GenerateOptions& o, const model::Device& dev
                       o.repetition_penalty == 1;
   std::vector<float> logits;
   const auto t0 = std::chrono::steady_clock::now();
-  STRATA_ASSIGN_OR_RETURN(uint32_t next, gpu->Step(prompt, kv.get(), greedy ? nullptr : &logits));
+  STRATA_ASSIGN_OR_RETURN(uint32_t next, gpu->Step(prompt, kv.get(), greedy ? nullptr : &logits,
+                                                   /*every_row=*/false));
   const double prefill_s = Seconds(t0);
   std::vector<uint32_t> generated;
   model::TextStream text(l.tokenizer.get(), {});

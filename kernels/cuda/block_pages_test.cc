@@ -334,7 +334,8 @@ TEST(BlockPagesGpuTest, GpuCompressionWritesTheCpuCodecsBlocksByteForByte) {
     std::vector<uint8_t> want, headers;
     PagedKvLayout L;
     for (int c = 0; c < kChunks; ++c) {
-      const SyntheticKv kv = MakeSyntheticKv(tokens, kHeads, kDim, 40 + c, c * tokens);
+      // The values Encode makes for chunk c + 1 (its seed and first position).
+      const SyntheticKv kv = MakeSyntheticKv(tokens, kHeads, kDim, 40 + c, (c + 1) * tokens);
       k.insert(k.end(), kv.k.begin(), kv.k.end());
       v.insert(v.end(), kv.v.begin(), kv.v.end());
       std::unique_ptr<Block> b = Encode(spec, c + 1, 40 + c, tokens);

@@ -238,11 +238,23 @@ __device__ void AttendAffine(HeadState<D>& h, const uint8_t* page, const TileLay
   __syncwarp();
 }
 
-// Shared memory of one block: S slice buffers, then each warp's scores.
+// Shared memory of one block: S slice buffers, then each warp's scores. A buffer is a staged
+// slice, and at least 32 rows (or the slice's) of fp16 K and V, so that the window, staged in the
+// S buffers together (WindowRows), goes at least that many rows at a time. Sized by the slice
+// alone, not by a whole slice of fp16 window: that made affine slices of 112-128 tokens at
+// D = 128 need more shared memory than an A100 has (198,656 bytes at three stages).
 template <int D>
 __host__ __device__ inline size_t StageBytes(const TileLayout& T) {
-  const size_t fp16_tile = Align16(static_cast<size_t>(T.tokens) * D * sizeof(__half)) * 2;
-  return T.HeadBytes() > fp16_tile ? T.HeadBytes() : fp16_tile;
+  const size_t rows = T.tokens < 32 ? T.tokens : 32;
+  const size_t window = Align16(rows * D * sizeof(__half) * 2);
+  return T.HeadBytes() > window ? T.HeadBytes() : window;
+}
+
+// Window rows attended at a time: as many as the S buffers hold as K then V, up to a slice.
+template <int D>
+__host__ __device__ inline int WindowRows(const TileLayout& T, int stages) {
+  const size_t fit = stages * StageBytes<D>(T) / (static_cast<size_t>(D) * sizeof(__half) * 2);
+  return static_cast<int>(fit < static_cast<size_t>(T.tokens) ? fit : T.tokens);
 }
 
 // One block per (split, KV head, sequence); the split's slices (each page's TileTokens() tokens at
@@ -311,11 +323,12 @@ __global__ void DecodeKernel(PagedKvLayout L, PagedDecodeArgs a, int splits, flo
   if (split == splits - 1 && window > 0) {
     const int slot = a.window_slots != nullptr ? a.window_slots[seq] : seq;
     const size_t base = (static_cast<size_t>(slot) * L.kv_heads + kvh) * a.max_window * D;
-    for (int w0 = 0; w0 < window; w0 += tile) {
-      const int n = min(tile, window - w0);
+    const int rows = WindowRows<D>(T, S);  // <= tile: the scores fit
+    for (int w0 = 0; w0 < window; w0 += rows) {
+      const int n = min(rows, window - w0);
       __syncthreads();
       __half* k = reinterpret_cast<__half*>(smem);
-      __half* v = k + static_cast<size_t>(tile) * D;
+      __half* v = k + static_cast<size_t>(rows) * D;
       for (int i = threadIdx.x; i < n * D / 8; i += blockDim.x) {
         reinterpret_cast<uint4*>(k)[i] =
             __ldg(reinterpret_cast<const uint4*>(a.window_k + base + static_cast<size_t>(w0) * D) + i);

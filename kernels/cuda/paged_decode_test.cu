@@ -399,6 +399,7 @@ TEST_F(PagedDecodeGpuTest, LongSequencesSplitAcrossTheDevice) {
   Case c{.layout = Layout(PageFormat::kAffine, 128, 2, 2), .batch = 2, .q_heads = 16,
          .max_window = 64, .splits = 0, .pages_per_seq = {256, 31}, .windows = {64, 1}};
   c.layout.kv_heads = 4;
+  c.layout = Sections(c.layout);  // four heads' sections
   RunCase(c, Seed());
 }
 

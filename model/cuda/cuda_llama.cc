@@ -417,7 +417,7 @@ absl::Status CheckTokens(absl::Span<const uint32_t> tokens, uint32_t vocab) {
 }  // namespace
 
 absl::StatusOr<uint32_t> CudaLlamaModel::Step(absl::Span<const uint32_t> tokens, DenseKv* kv,
-                                              std::vector<float>* logits) const {
+                                              std::vector<float>* logits, bool every_row) const {
   const ModelConfig& c = config_;
   if (tokens.empty()) return absl::InvalidArgumentError("cuda model: a step of no tokens");
   if (kv == nullptr) return absl::InvalidArgumentError("cuda model: no KV cache");
@@ -466,7 +466,7 @@ absl::StatusOr<uint32_t> CudaLlamaModel::Step(absl::Span<const uint32_t> tokens,
                               st);
   };
   std::vector<int32_t> next;
-  STRATA_RETURN_IF_ERROR(Forward(n, logits != nullptr ? n : 1, attend, &next, logits));
+  STRATA_RETURN_IF_ERROR(Forward(n, logits != nullptr && every_row ? n : 1, attend, &next, logits));
   kv->tokens_ += static_cast<uint32_t>(n);
   return static_cast<uint32_t>(next.back());
 }

@@ -61,6 +61,7 @@ class CudaLlamaModel {
     DenseKv& operator=(const DenseKv&) = delete;
     uint32_t tokens() const { return tokens_; }
     uint32_t capacity() const { return capacity_; }
+    void Clear() { tokens_ = 0; }  // empty again (its memory kept)
     size_t bytes() const { return bytes_; }
 
    private:
@@ -77,9 +78,11 @@ class CudaLlamaModel {
   // Runs `tokens` at positions kv->tokens().. on top of what `kv` holds (a prompt, or one decode
   // step), appending their K and V. Returns the greedy next token (the argmax of the last
   // token's logits, on the device); `logits`, when not null, receives every token's logits
-  // [tokens, vocab]. kInvalidArgument for tokens beyond the vocabulary or the cache's capacity.
+  // [tokens, vocab], or with `every_row` false the last token's [vocab] only (what sampling
+  // needs: no products or copies for the prompt's other rows). kInvalidArgument for tokens
+  // beyond the vocabulary or the cache's capacity.
   absl::StatusOr<uint32_t> Step(absl::Span<const uint32_t> tokens, DenseKv* kv,
-                                std::vector<float>* logits = nullptr) const;
+                                std::vector<float>* logits = nullptr, bool every_row = true) const;
 
   // One decode step for a batch of sequences whose KV is in pages (blocks read in place,
   // kernels/cuda/paged_decode.h) plus an fp16 window each: every sequence's new token is
