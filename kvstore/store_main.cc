@@ -1,6 +1,7 @@
 // strata-store: the KV store as a service.
 //   strata-store --listen 0.0.0.0:7070 --ram_bytes 8G --disk_path /nvme/strata --disk_bytes 1T
 #include <csignal>
+#include <fstream>
 #include <iostream>
 #include <memory>
 #include <string>
@@ -13,6 +14,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "common/byte_size.h"
 #include "kvstore/block_store.h"
 #include "kvstore/grpc_security.h"
@@ -42,6 +44,17 @@ ABSL_FLAG(std::string, cluster_token_file, "",
 ABSL_FLAG(bool, insecure, false,
           "serve plaintext gRPC without a token (instead of the four TLS flags); logged as a "
           "warning");
+
+ABSL_FLAG(std::string, shared_tier, "",
+          "Redis Cluster nodes (host:port,...) of the cluster-wide tier behind this store: every "
+          "block put here is written through to it, and lookups past what this store holds "
+          "read it and promote what they find (empty: none)");
+ABSL_FLAG(std::string, shared_tier_user, "", "Redis ACL user for --shared_tier (empty: default)");
+ABSL_FLAG(std::string, shared_tier_password_file, "",
+          "file holding the Redis password (AUTH) for --shared_tier");
+ABSL_FLAG(int, shared_tier_ttl_s, 3600,
+          "seconds a block lives in the shared tier unread (the root chunk twice as long; a read "
+          "renews it)");
 
 namespace {
 
@@ -101,7 +114,42 @@ int main(int argc, char** argv) {
     std::cerr << "strata-store: " << store.status() << "\n";
     return 1;
   }
-  strata::kvstore::StoreService service(store->get(), o.max_block_bytes);
+  // The shared tier: a bad flag stops the store; a Redis Cluster that does not answer at start
+  // leaves this store serving alone (said once), as it would serve through a Redis outage.
+  std::unique_ptr<strata::kvstore::SharedTier> shared;
+  if (!absl::GetFlag(FLAGS_shared_tier).empty()) {
+    strata::kvstore::SharedTierOptions so;
+    so.redis.seeds = absl::StrSplit(absl::GetFlag(FLAGS_shared_tier), ',', absl::SkipEmpty());
+    so.redis.user = absl::GetFlag(FLAGS_shared_tier_user);
+    if (!absl::GetFlag(FLAGS_shared_tier_password_file).empty()) {
+      std::ifstream in(absl::GetFlag(FLAGS_shared_tier_password_file));
+      if (!in || !std::getline(in, so.redis.password) || so.redis.password.empty()) {
+        std::cerr << "strata-store: --shared_tier_password_file: cannot read a password from "
+                  << absl::GetFlag(FLAGS_shared_tier_password_file) << "\n";
+        return 2;
+      }
+    }
+    if (absl::GetFlag(FLAGS_shared_tier_ttl_s) < 1) {
+      std::cerr << "strata-store: --shared_tier_ttl_s must be >= 1\n";
+      return 2;
+    }
+    so.ttl = absl::Seconds(absl::GetFlag(FLAGS_shared_tier_ttl_s));
+    so.root_bonus = so.ttl;
+    absl::StatusOr<std::unique_ptr<strata::kvstore::SharedTier>> t =
+        strata::kvstore::SharedTier::Connect(so);
+    if (!t.ok() && t.status().code() != absl::StatusCode::kUnavailable) {
+      std::cerr << "strata-store: --shared_tier: " << t.status() << "\n";
+      return 2;
+    }
+    if (!t.ok()) {
+      std::cerr << "strata-store: --shared_tier: " << t.status().message()
+                << "; serving without the shared tier" << std::endl;
+    } else {
+      shared = *std::move(t);
+      std::cout << "strata-store: shared tier on " << absl::GetFlag(FLAGS_shared_tier) << std::endl;
+    }
+  }
+  strata::kvstore::StoreService service(store->get(), o.max_block_bytes, shared.get());
   int port = 0;
   auto server = strata::kvstore::StartStoreServer(&service, absl::GetFlag(FLAGS_listen),
                                                   o.max_block_bytes, &port, security->get());

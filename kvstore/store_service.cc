@@ -1,16 +1,19 @@
 #include "kvstore/store_service.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/block_reader.h"
 #include "grpcpp/server_builder.h"
+#include "kvstore/grpc_keepalive.h"
 #include "prometheus/family.h"
 #include "prometheus/metric_family.h"
 #include "prometheus/registry.h"
 #include "prometheus/text_serializer.h"
-#include "kvstore/grpc_keepalive.h"
 
 namespace strata::kvstore {
 namespace {
@@ -84,7 +87,7 @@ prometheus::MetricFamily Family(const std::string& name, const std::string& help
 // The store's counters and gauges, read at each scrape, and the RPC latency histograms.
 class StoreService::Metrics final : public prometheus::Collectable {
  public:
-  explicit Metrics(BlockStore* store) : store_(store) {
+  Metrics(BlockStore* store, SharedTier* shared) : store_(store), shared_(shared) {
     prometheus::Family<prometheus::Histogram>& rpc = prometheus::BuildHistogram()
                                                          .Name("strata_store_rpc_seconds")
                                                          .Help("Store RPC latency")
@@ -130,18 +133,46 @@ class StoreService::Metrics final : public prometheus::Collectable {
       out.push_back(Family(absl::StrCat("strata_store_", name), absl::StrCat("store ", name),
                            prometheus::MetricType::Gauge, static_cast<double>(v)));
     }
+    if (shared_ != nullptr) {
+      const SharedTierStats t = shared_->Stats();
+      const std::pair<const char*, double> shared[] = {
+          {"hits", t.hits},
+          {"misses", t.misses},
+          {"damaged", t.damaged},
+          {"puts", t.puts},
+          {"put_errors", t.put_errors},
+          {"get_errors", t.get_errors},
+          {"read_bytes", t.bytes_read},
+          {"written_bytes", t.bytes_written},
+          {"get_seconds", t.get_seconds},
+          {"put_seconds", t.put_seconds},
+          {"redirections", t.redis.moved + t.redis.ask},
+          {"retries", t.redis.retries},
+          {"io_errors", t.redis.io_errors},
+          {"promoted_blocks", promoted_blocks.load()}};
+      for (const auto& [name, v] : shared) {
+        out.push_back(Family(absl::StrCat("strata_store_shared_", name, "_total"),
+                             absl::StrCat("shared tier ", name), prometheus::MetricType::Counter,
+                             v));
+      }
+    }
     return out;
   }
 
   std::vector<prometheus::Histogram*> latency;  // by Op
+  std::atomic<uint64_t> promoted_blocks{0};     // from the shared tier into this store
 
  private:
   BlockStore* const store_;
+  SharedTier* const shared_;
   prometheus::Registry registry_;
 };
 
-StoreService::StoreService(BlockStore* store, size_t max_block_bytes)
-    : metrics_(std::make_shared<Metrics>(store)), store_(store), max_block_bytes_(max_block_bytes) {
+StoreService::StoreService(BlockStore* store, size_t max_block_bytes, SharedTier* shared)
+    : metrics_(std::make_shared<Metrics>(store, shared)),
+      store_(store),
+      max_block_bytes_(max_block_bytes),
+      shared_(shared) {
   for (int i = 0; i < kOps; ++i) latency_[i] = metrics_->latency[i];
 }
 
@@ -181,11 +212,14 @@ grpc::Status StoreService::Lookup(grpc::ServerContext*, const strata::v1::Lookup
   prefix.model_fingerprint = req->model_fingerprint();
   prefix.codec_fingerprint = req->codec_fingerprint();
   prefix.calibration_fingerprint = req->calibration_fingerprint();
-  const LookupResult r =
-      per_layer > 0 ? store_->Lookup(prefix, chain,
-                                     absl::MakeConstSpan(req->layer_codec_fingerprints().data(),
-                                                         per_layer))
-                    : store_->Lookup(prefix, chain, req->layers());
+  const std::vector<uint64_t> fps =
+      per_layer > 0 ? std::vector<uint64_t>(req->layer_codec_fingerprints().begin(),
+                                            req->layer_codec_fingerprints().end())
+                    : std::vector<uint64_t>(req->layers(), req->codec_fingerprint());
+  LookupResult r = store_->Lookup(prefix, chain, fps);
+  if (shared_ != nullptr && r.chunks < chain.size() && Promote(prefix, chain, fps, r.chunks) > 0) {
+    r = store_->Lookup(prefix, chain, fps);  // now with the promoted chunks
+  }
   resp->set_chunks(r.chunks);
   for (Tier t : r.tiers) resp->add_tiers(ToProto(t));
   return grpc::Status::OK;
@@ -211,7 +245,52 @@ absl::Status StoreService::PutOne(const strata::v1::PutRequest& req) {
   // A corrupt block is a bad argument of this call (the store's kDataLoss is about its own
   // bytes).
   if (s.code() == absl::StatusCode::kDataLoss) return absl::InvalidArgumentError(s.message());
+  if (shared_ != nullptr && (s.ok() || s.code() == absl::StatusCode::kAlreadyExists)) {
+    // Written through to the cluster's tier; its failure is counted there, not this call's.
+    const absl::Span<const uint8_t> bytes(reinterpret_cast<const uint8_t*>(req.block().data()),
+                                          req.block().size());
+    absl::StatusOr<BlockView> view = BlockView::Parse(bytes, {.verify_checksum = false});
+    if (view.ok()) {
+      AlignedBuffer copy(bytes.size());
+      std::memcpy(copy.data(), bytes.data(), bytes.size());
+      (void)shared_->Put(
+          {{*name, view->header().chunk_index, SharedBytes::FromBuffer(std::move(copy))}});
+    }
+  }
   return s;
+}
+
+size_t StoreService::Promote(const BlockName& prefix, absl::Span<const BlockHash> chain,
+                             absl::Span<const uint64_t> fps, size_t first) {
+  const size_t end = std::min(chain.size(), first + kMaxPromotedChunks);
+  std::vector<SharedTier::Key> keys;
+  for (size_t c = first; c < end; ++c) {
+    for (size_t l = 0; l < fps.size(); ++l) {
+      BlockName n = prefix;
+      n.codec_fingerprint = fps[l];
+      n.key = chain[c];
+      n.layer = static_cast<uint32_t>(l);
+      keys.push_back({n, static_cast<uint32_t>(c)});
+    }
+  }
+  std::vector<absl::StatusOr<SharedBytes>> got = shared_->Get(keys);
+  size_t promoted = 0;
+  for (size_t c = first; c < end; ++c) {
+    const size_t base = (c - first) * fps.size();
+    bool whole = true;
+    for (size_t l = 0; l < fps.size() && whole; ++l) whole = got[base + l].ok();
+    if (!whole) break;  // a chunk is only useful after its whole prefix
+    const BlockHash* parent = c > 0 ? &chain[c - 1] : nullptr;
+    bool stored = true;
+    for (size_t l = 0; l < fps.size() && stored; ++l) {
+      const absl::Status s = store_->Put(keys[base + l].name, parent, *got[base + l]);
+      stored = s.ok() || s.code() == absl::StatusCode::kAlreadyExists;
+      if (s.ok()) metrics_->promoted_blocks.fetch_add(1);
+    }
+    if (!stored) break;
+    ++promoted;
+  }
+  return promoted;
 }
 
 grpc::Status StoreService::Put(grpc::ServerContext*, const strata::v1::PutRequest* req,

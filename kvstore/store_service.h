@@ -24,6 +24,7 @@
 #include "kvstore/block_store.h"
 #include "kvstore/grpc_security.h"
 #include "kvstore/grpc_status.h"
+#include "kvstore/shared_tier.h"
 #include "prometheus/collectable.h"
 #include "prometheus/histogram.h"
 #include "proto/store.grpc.pb.h"
@@ -32,7 +33,13 @@ namespace strata::kvstore {
 
 class StoreService final : public strata::v1::Store::Service {
  public:
-  StoreService(BlockStore* store, size_t max_block_bytes);
+  // `shared` (optional; must outlive the service): the cluster-wide tier behind this store
+  // (shared_tier.h). Every block put here is written through to it (its failure counted, not the
+  // caller's); a Lookup whose chain runs past what this store holds reads the next chunks from it
+  // — every layer of a chunk, in one pipelined call, up to kMaxPromotedChunks — and promotes the
+  // whole chunks it finds into this store, so the Gets that follow are local.
+  StoreService(BlockStore* store, size_t max_block_bytes, SharedTier* shared = nullptr);
+  static constexpr size_t kMaxPromotedChunks = 64;
 
   grpc::Status Lookup(grpc::ServerContext*, const strata::v1::LookupRequest* req,
                       strata::v1::LookupResponse* resp) override;
@@ -66,11 +73,15 @@ class StoreService final : public strata::v1::Store::Service {
  private:
   enum Op { kLookup, kPut, kGet, kDelete, kOps };
   absl::Status PutOne(const strata::v1::PutRequest& req);
+  // Promotes chunks [first, ...) of `chain` from the shared tier; the chunks promoted.
+  size_t Promote(const BlockName& prefix, absl::Span<const BlockHash> chain,
+                 absl::Span<const uint64_t> layer_codec_fingerprints, size_t first);
   class Metrics;
   std::shared_ptr<Metrics> metrics_;
   prometheus::Histogram* latency_[kOps] = {};
   BlockStore* store_;
   size_t max_block_bytes_;
+  SharedTier* shared_;
   std::atomic<bool> stopping_{false};
 };
 
