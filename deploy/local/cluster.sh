@@ -16,6 +16,11 @@
 #                                namespace HUB-PORTBASE-NAME with address 10.77.B.N on HUB's
 #                                bridge, made by deploy/netns/hosts.sh; clients run in HUB:
 #                                `ip netns exec HUB curl ...`. Needs root.)
+#                                [--shared-tier N [--shared-tier-memory BYTES]] (a Redis Cluster
+#                                of N masters and N replicas on loopback, ports PORT-BASE+200..,
+#                                each master holding at most BYTES (256mb; volatile-lru), as the
+#                                store's shared tier: strata-store --shared_tier. Not with
+#                                --netns yet)
 #                                [--tls DIR] (mutual TLS between every process and the cluster
 #                                token, HTTPS at the router, with the files of
 #                                scripts/make_certs.sh in DIR, made there when DIR has no ca.crt;
@@ -63,6 +68,8 @@ etcd=""
 etcd_ttl=6
 netns=""
 tls=""
+shared_tier=0
+shared_tier_memory="256mb"
 extra_router=()
 extra_node=()
 while [ $# -gt 0 ]; do
@@ -86,9 +93,11 @@ while [ $# -gt 0 ]; do
     --etcd-ttl) etcd_ttl="$2"; shift ;;
     --netns) netns="$2"; shift ;;
     --tls) tls="$2"; shift ;;
+    --shared-tier) shared_tier="$2"; shift ;;
+    --shared-tier-memory) shared_tier_memory="$2"; shift ;;
     --router-flag) extra_router+=("$2"); shift ;;
     --node-flag) extra_node+=("$2"); shift ;;
-    -h|--help) sed -n '2,38p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,43p' "$0"; exit 0 ;;
     *) echo "cluster.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -247,8 +256,39 @@ case "$cmd" in
       scheme=http
       curl_tls=()
     fi
+    # The shared tier: a Redis Cluster of N masters with a replica each, before the store.
+    store_shared=()
+    if [ "$shared_tier" -gt 0 ]; then
+      [ -z "$netns" ] || { echo "cluster.sh: --shared-tier runs on loopback only (not with --netns yet)" >&2; stop_all; exit 2; }
+      command -v redis-server >/dev/null && command -v redis-cli >/dev/null ||
+        { echo "cluster.sh: --shared-tier needs redis-server and redis-cli (scripts/setup.sh installs them)" >&2; stop_all; exit 1; }
+      redis_addrs=()
+      for i in $(seq 0 $((2 * shared_tier - 1))); do
+        p=$((port_base + 200 + i))
+        rm -rf "$dir/redis-$i" && mkdir -p "$dir/redis-$i"
+        redis-server --port "$p" --bind 127.0.0.1 --cluster-enabled yes \
+          --cluster-config-file "$dir/redis-$i/nodes.conf" --dir "$dir/redis-$i" \
+          --cluster-node-timeout 2000 --save '' --appendonly no --protected-mode no \
+          --maxmemory "$shared_tier_memory" --maxmemory-policy volatile-lru \
+          --logfile "$dir/logs/redis-$i.log" </dev/null >/dev/null 2>&1 &
+        echo "redis-$i $!" >>"$dir/pids"
+        redis_addrs+=("127.0.0.1:$p")
+      done
+      for a in "${redis_addrs[@]}"; do
+        for _ in $(seq 100); do redis-cli -p "${a##*:}" PING 2>/dev/null | grep -q PONG && break; sleep 0.05; done
+      done
+      redis-cli --cluster create "${redis_addrs[@]}" --cluster-replicas 1 --cluster-yes \
+        >"$dir/logs/redis-create.log" 2>&1 ||
+        { echo "cluster.sh: redis-cli --cluster create failed ($dir/logs/redis-create.log)" >&2; stop_all; exit 1; }
+      for _ in $(seq 200); do
+        redis-cli -p "${redis_addrs[0]##*:}" CLUSTER INFO 2>/dev/null | grep -q cluster_state:ok && break
+        sleep 0.05
+      done
+      store_shared=(--shared_tier "$(IFS=,; echo "${redis_addrs[*]}")")
+    fi
     start store "$bin/kvstore/strata-store" --listen "$(host_of store):$store_port" "${store_tiers[@]}" \
-      --metrics_host "$(host_of store)" --metrics_port $((port_base + 1)) "${sec[@]}"
+      --metrics_host "$(host_of store)" --metrics_port $((port_base + 1)) "${sec[@]}" \
+      "${store_shared[@]}"
     for i in $(seq 0 $((n_prefill - 1))); do
       start "prefill-$i" "$bin/prefill_node/strata-prefill" --cluster "$dir/cluster.json" --node "prefill-$i" \
         --local_ram_bytes "$prefill_local" "${node_etcd[@]}" "${node_net[@]}" "${sec[@]}" \
@@ -266,7 +306,9 @@ case "$cmd" in
       if client curl -sf "${curl_tls[@]}" "$router_url/health" >/dev/null; then
         where=""
         [ -n "$netns" ] && where=" (from namespace $netns: ip netns exec $netns curl ...)"
-        echo "cluster.sh: up: $router_url$where (codec $codec, $n_prefill prefill, $n_decode decode; $dir)"
+        shared=""
+        [ "$shared_tier" -gt 0 ] && shared=", shared tier: $shared_tier Redis masters"
+        echo "cluster.sh: up: $router_url$where (codec $codec, $n_prefill prefill, $n_decode decode$shared; $dir)"
         exit 0
       fi
       sleep 0.1
