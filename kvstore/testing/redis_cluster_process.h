@@ -2,7 +2,7 @@
 // setup.sh installs it) on free loopback ports, for tests: `masters` masters with `replicas`
 // replicas each, made a cluster by `redis-cli --cluster create`, ready when every node reports
 // cluster_state:ok. Masters can be killed (a failover) and every process is killed at the end.
-// Test-only.
+// For tests and benchmarks (shared_tier_bench); never in a product binary.
 #pragma once
 
 #include <fcntl.h>
@@ -39,7 +39,8 @@ class RedisClusterProcess {
 
   RedisClusterProcess(int masters, int replicas, std::string password = "")
       : masters_(masters), replicas_(replicas), password_(std::move(password)) {
-    dir_ = absl::StrCat(::testing::TempDir(), "/redis-cluster-", getpid(), "-", FreeLoopbackPort());
+    dir_ = absl::StrCat(std::filesystem::temp_directory_path().string(), "/redis-cluster-",
+                        getpid(), "-", FreeLoopbackPort());
     std::filesystem::remove_all(dir_);
     std::filesystem::create_directories(dir_);
   }

@@ -1,0 +1,241 @@
+// The shared tier (kvstore/shared_tier.h) on a Redis Cluster this program starts on loopback (3
+// masters, Debian's redis-server): Put and Get throughput and latency per block size, against
+// redis-benchmark's SET and GET at the same value size on the same cluster in the same run (the
+// anchor: what Redis itself sustains here). Blocks are real fp16 blocks (checksums verified on
+// every Get, as the store's promotion does); each client thread pipelines a batch of distinct
+// blocks per call, as a Lookup's promotion does.
+//
+//   shared_tier_bench [--out DIR] [--commit C] [--threads N] [--batch B] [--seconds S]
+// Prints a table; with --out writes DIR/shared_tier_bench-DATE-COMMIT.{txt,json}.
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "bench/bench_util.h"
+#include "common/block_reader.h"
+#include "kernels/codec.h"
+#include "kvstore/shared_tier.h"
+#include "kvstore/testing/redis_cluster_process.h"
+
+namespace {
+
+using strata::AlignedBuffer;
+using strata::BlockName;
+using strata::SharedBytes;
+using strata::kvstore::SharedTier;
+
+constexpr char kUsage[] =
+    "usage: shared_tier_bench [--out DIR] [--commit C] [--threads N] [--batch B] [--seconds S]\n";
+
+// A real fp16 block of `tokens` tokens, 8 KV heads of 128: 4 KiB per token.
+AlignedBuffer Block(uint32_t tokens, uint32_t chunk, uint32_t seed) {
+  std::vector<float> k(size_t{tokens} * 8 * 128), v(k.size());
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> n(0, 1);
+  for (float& x : k) x = n(rng);
+  for (float& x : v) x = n(rng);
+  auto codec = *strata::kernels::Codec::Create("fp16");
+  return *codec->Encode({k.data(), v.data(), strata::SourceDType::kFloat32, tokens, 8, 128},
+                        {.layer = 0, .chunk_index = chunk, .model_fingerprint = 5});
+}
+
+struct Result {
+  double ops_per_s = 0, mb_per_s = 0, p50_ms = 0, p99_ms = 0;
+  uint64_t errors = 0;
+};
+
+// `threads` threads, each calling `call(thread, i)` (one pipelined batch) for `seconds`.
+template <typename F>
+Result Drive(int threads, int batch, double seconds, size_t block_bytes, F call) {
+  std::atomic<uint64_t> calls{0}, errors{0};
+  std::vector<std::vector<double>> lat(threads);
+  std::vector<std::thread> ts;
+  const absl::Time end = absl::Now() + absl::Seconds(seconds);
+  const absl::Time start = absl::Now();
+  for (int t = 0; t < threads; ++t) {
+    ts.emplace_back([&, t] {
+      for (uint64_t i = 0; absl::Now() < end; ++i) {
+        const absl::Time a = absl::Now();
+        errors += call(t, i);
+        lat[t].push_back(absl::ToDoubleMilliseconds(absl::Now() - a));
+        ++calls;
+      }
+    });
+  }
+  for (std::thread& th : ts) th.join();
+  const double elapsed = absl::ToDoubleSeconds(absl::Now() - start);
+  std::vector<double> all;
+  for (auto& l : lat) all.insert(all.end(), l.begin(), l.end());
+  std::sort(all.begin(), all.end());
+  Result r;
+  r.ops_per_s = calls.load() * batch / elapsed;
+  r.mb_per_s = r.ops_per_s * block_bytes / 1e6;
+  r.p50_ms = all.empty() ? 0 : all[all.size() / 2];
+  r.p99_ms = all.empty() ? 0 : all[all.size() * 99 / 100];
+  r.errors = errors.load();
+  return r;
+}
+
+// redis-benchmark's requests per second for SET and GET of `bytes`-byte values on the cluster.
+std::pair<double, double> RedisBenchmark(int port, size_t bytes, int clients, int pipeline) {
+  const std::string out = "/tmp/shared_tier_bench_rb.csv";
+  const std::string cmd =
+      absl::StrCat("redis-benchmark --cluster -p ", port, " -d ", bytes, " -t set,get -n ",
+                   std::max<size_t>(2000, (size_t{2} << 30) / bytes / 4), " -c ", clients, " -P ",
+                   pipeline, " --csv -q > ", out, " 2>/dev/null");
+  double set = 0, get = 0;
+  if (std::system(cmd.c_str()) != 0) return {0, 0};
+  FILE* f = std::fopen(out.c_str(), "r");
+  if (f == nullptr) return {0, 0};
+  char line[512];
+  while (std::fgets(line, sizeof(line), f) != nullptr) {
+    std::vector<std::string> cols = absl::StrSplit(line, ',');
+    if (cols.size() < 2) continue;
+    std::string rps = cols[1];
+    rps.erase(std::remove(rps.begin(), rps.end(), '"'), rps.end());
+    double v = 0;
+    if (!absl::SimpleAtod(rps, &v)) continue;
+    if (cols[0].find("SET") != std::string::npos) set = v;
+    if (cols[0].find("GET") != std::string::npos) get = v;
+  }
+  std::fclose(f);
+  return {set, get};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int exit_code = 0;
+  auto flags = strata::bench::FlagPairs(argc, argv, kUsage, &exit_code);
+  if (!flags) return exit_code;
+  std::string out_dir, commit = "unknown";
+  int threads = 8, batch = 8;
+  double seconds = 3;
+  for (const auto& [k, v] : *flags) {
+    if (k == "--out") {
+      out_dir = v;
+    } else if (k == "--commit") {
+      commit = v;
+    } else if (k == "--threads") {
+      threads = std::max(1, std::atoi(v.c_str()));
+    } else if (k == "--batch") {
+      batch = std::max(1, std::atoi(v.c_str()));
+    } else if (k == "--seconds") {
+      seconds = std::max(0.5, std::atof(v.c_str()));
+    } else {
+      std::fprintf(stderr, "shared_tier_bench: unknown flag %s\n%s", k.c_str(), kUsage);
+      return 2;
+    }
+  }
+  if (!strata::kvstore::testing::RedisClusterProcess::Installed()) {
+    std::fprintf(stderr,
+                 "shared_tier_bench: no redis-server here (scripts/setup.sh installs it)\n");
+    return 1;
+  }
+  strata::kvstore::testing::RedisClusterProcess cluster(3, 0);
+  std::string why;
+  if (!cluster.Start(&why)) {
+    std::fprintf(stderr, "shared_tier_bench: %s\n", why.c_str());
+    return 1;
+  }
+  absl::StatusOr<std::unique_ptr<SharedTier>> tier =
+      SharedTier::Connect({.redis = {.seeds = {cluster.seed()}, .max_idle_per_node = 64}});
+  if (!tier.ok()) {
+    std::fprintf(stderr, "shared_tier_bench: %s\n", tier.status().ToString().c_str());
+    return 1;
+  }
+  const strata::bench::RunInfo info = strata::bench::CollectRunInfo(commit);
+  std::ostringstream txt;
+  txt << "shared_tier_bench: " << info.machine << ", " << info.date << ", commit " << info.commit
+      << "\nRedis Cluster of 3 masters on loopback (redis-server "
+      << "from Debian"
+      << "); " << threads << " client threads, " << batch
+      << " blocks pipelined per call; redis-benchmark --cluster with as many clients and the same "
+         "pipeline depth\n\n";
+  char line[256];
+  std::snprintf(line, sizeof(line), "%-10s %-4s %12s %10s %9s %9s %14s %8s\n", "block", "op",
+                "blocks/s", "MB/s", "p50 ms", "p99 ms", "redis-bench/s", "ratio");
+  txt << line;
+  std::vector<std::string> rows;
+  for (uint32_t tokens : {16u, 64u, 256u}) {  // blocks of 64 KiB, 256 KiB and 1 MiB
+    // Distinct blocks per thread and slot: chunk index fixed, prefix keys distinct.
+    const AlignedBuffer proto = Block(tokens, 1, tokens);
+    const size_t bytes = proto.size();
+    const int keys_per_thread = 64;
+    std::vector<std::vector<SharedTier::Item>> items(threads);
+    for (int t = 0; t < threads; ++t) {
+      for (int i = 0; i < keys_per_thread; ++i) {
+        BlockName n;
+        n.model_fingerprint = 5;
+        n.codec_fingerprint = strata::BlockView::Parse(proto.span())->header().codec_fingerprint;
+        n.key[0] = static_cast<uint8_t>(t);
+        n.key[1] = static_cast<uint8_t>(i);
+        n.key[2] = static_cast<uint8_t>(tokens);
+        AlignedBuffer copy(bytes);
+        std::memcpy(copy.data(), proto.data(), bytes);
+        items[t].push_back({n, 1, SharedBytes::FromBuffer(std::move(copy))});
+      }
+    }
+    const Result put = Drive(threads, batch, seconds, bytes, [&](int t, uint64_t i) {
+      std::vector<SharedTier::Item> b;
+      for (int j = 0; j < batch; ++j) b.push_back(items[t][(i * batch + j) % keys_per_thread]);
+      uint64_t e = 0;
+      for (const absl::Status& s : (*tier)->Put(b)) e += !s.ok();
+      return e;
+    });
+    const Result get = Drive(threads, batch, seconds, bytes, [&](int t, uint64_t i) {
+      std::vector<SharedTier::Key> b;
+      for (int j = 0; j < batch; ++j) {
+        const SharedTier::Item& it = items[t][(i * batch + j) % keys_per_thread];
+        b.push_back({it.name, 1});
+      }
+      uint64_t e = 0;
+      for (const auto& r : (*tier)->Get(b)) e += !r.ok();
+      return e;
+    });
+    const auto [rb_set, rb_get] = RedisBenchmark(cluster.nodes()[0].port, bytes, threads, batch);
+    for (const auto& [op, r, anchor] :
+         {std::tuple{"put", put, rb_set}, std::tuple{"get", get, rb_get}}) {
+      std::snprintf(line, sizeof(line), "%-10s %-4s %12.0f %10.1f %9.2f %9.2f %14.0f %7.2fx\n",
+                    absl::StrCat(bytes / 1024, " KiB").c_str(), op, r.ops_per_s, r.mb_per_s,
+                    r.p50_ms, r.p99_ms, anchor, anchor > 0 ? r.ops_per_s / anchor : 0.0);
+      txt << line;
+      rows.push_back(strata::bench::Json()
+                         .Num("block_bytes", static_cast<double>(bytes))
+                         .Str("op", op)
+                         .Num("blocks_per_s", r.ops_per_s)
+                         .Num("mb_per_s", r.mb_per_s)
+                         .Num("p50_ms", r.p50_ms)
+                         .Num("p99_ms", r.p99_ms)
+                         .Num("errors", static_cast<double>(r.errors))
+                         .Num("redis_benchmark_per_s", anchor)
+                         .Done());
+    }
+  }
+  const strata::kvstore::SharedTierStats st = (*tier)->Stats();
+  txt << "\nshared tier: " << st.hits << " hits, " << st.misses << " misses, " << st.damaged
+      << " damaged, " << st.put_errors << " put errors, " << st.get_errors << " get errors\n";
+  std::fputs(txt.str().c_str(), stdout);
+  if (!out_dir.empty()) {
+    const std::string path = strata::bench::ResultPath(out_dir, "shared_tier_bench", info);
+    strata::bench::WriteResultFile(path + ".txt", txt.str());
+    strata::bench::WriteResultFile(path + ".json",
+                                   strata::bench::ResultJson("shared_tier_bench", info)
+                                       .Num("threads", threads)
+                                       .Num("batch", batch)
+                                       .Raw("rows", strata::bench::JsonArray(rows))
+                                       .Done());
+  }
+  return 0;
+}
