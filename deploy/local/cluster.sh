@@ -8,6 +8,8 @@
 #                                [--kv-budget BYTES] [--max-batch N] [--store-ram BYTES]
 #                                [--store-disk BYTES (0: no disk tier)] [--router-flag F]...
 #                                [--node-flag F]... (passed to every prefill and decode node)
+#                                [--decode-flag F]... (to every decode node) [--decode-bin PATH]
+#                                (another decode binary: the fault tests' strata-decode-faulty)
 #                                [--prefill-local-ram BYTES] [--decode-local-ram BYTES] (each
 #                                node's own RAM tier in front of the store; 0: none)
 #                                [--etcd HOST:PORT [--etcd-ttl S]] (membership in a running etcd:
@@ -72,6 +74,8 @@ shared_tier=0
 shared_tier_memory="256mb"
 extra_router=()
 extra_node=()
+extra_decode=()
+decode_bin=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --dir) dir="$2"; shift ;;
@@ -97,7 +101,9 @@ while [ $# -gt 0 ]; do
     --shared-tier-memory) shared_tier_memory="$2"; shift ;;
     --router-flag) extra_router+=("$2"); shift ;;
     --node-flag) extra_node+=("$2"); shift ;;
-    -h|--help) sed -n '2,43p' "$0"; exit 0 ;;
+    --decode-flag) extra_decode+=("$2"); shift ;;
+    --decode-bin) decode_bin="$2"; shift ;;
+    -h|--help) sed -n '2,45p' "$0"; exit 0 ;;
     *) echo "cluster.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -295,9 +301,10 @@ case "$cmd" in
         "${extra_node[@]}"
     done
     for i in $(seq 0 $((n_decode - 1))); do
-      start "decode-$i" "$bin/decode_node/strata-decode" --cluster "$dir/cluster.json" --node "decode-$i" \
-        --kv_budget "$kv_budget" --max_batch "$max_batch" --local_ram_bytes "$decode_local" \
-        "${node_etcd[@]}" "${node_net[@]}" "${sec[@]}" "${extra_node[@]}"
+      start "decode-$i" "${decode_bin:-$bin/decode_node/strata-decode}" --cluster "$dir/cluster.json" \
+        --node "decode-$i" --kv_budget "$kv_budget" --max_batch "$max_batch" \
+        --local_ram_bytes "$decode_local" "${node_etcd[@]}" "${node_net[@]}" "${sec[@]}" \
+        "${extra_node[@]}" "${extra_decode[@]}"
     done
     start router "$bin/router/strata-router" --cluster "$dir/cluster.json" "${extra_router[@]}" \
       "${router_sec[@]}"

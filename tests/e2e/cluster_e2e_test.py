@@ -1065,11 +1065,13 @@ class FaultTest(unittest.TestCase):
             c.down()
 
     def test_blocks_damaged_in_transit_are_refused_and_sent_again(self):
-        # The decode node's failpoint flips a byte of the first copy of every 5th block after UCX
+        # The fault tests' decode binary (strata-decode-faulty: the decode node with a failpoint)
+        # flips a byte of the first copy of every 5th block after UCX
         # delivered it: the receiver refuses it (CRC-32C), the prefill node sends it again, and
         # the output is the undamaged one.
         c = Cluster("kivi:k4v4:g32", prefill=1, decode=1,
-                    env={"STRATA_FAILPOINT_DAMAGE_RECEIVED_BLOCKS": "5"})
+                    extra=["--decode-bin", os.path.join(BUILD, "tests/e2e/strata-decode-faulty"),
+                           "--decode-flag", "--damage_received_blocks=5"])
         try:
             prompt = PROMPTS[1] + LONG * 2
             text, _, _ = complete(c, prompt, 12, salt="damaged")

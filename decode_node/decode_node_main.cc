@@ -1,0 +1,269 @@
+// A decode node's process (decode_node_main.h): its flags, and RunDecodeNode, which strata-decode
+// (decode_main.cc) runs and which a test binary runs with a transport hook.
+#include "decode_node/decode_node_main.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <iostream>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/status/status.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "cluster/cluster_file.h"
+#include "cluster/node_flags.h"
+#include "cluster/node_process.h"
+#include "common/byte_size.h"
+#include "common/host_port.h"
+#include "decode_node/decode_engine.h"
+#include "decode_node/decode_service.h"
+#include "kernels/codec.h"
+#include "kvstore/store_client.h"
+#include "transport/ucx/ucx_transport.h"
+
+ABSL_FLAG(std::string, transport, "",
+          "block transport (UCX) address (default: the node's transport in the file)");
+ABSL_FLAG(int, max_batch, 32,
+          "sequences stepped together (up to 64, each gets the logits it would get alone)");
+ABSL_FLAG(std::string, kv_budget, "1G", "KV bytes (compressed) of running sequences");
+ABSL_FLAG(int, max_waiting, 0,
+          "registered requests not yet running (waiting for their KV or a place in the batch); "
+          "more: refused (429 at the router). 0: 4 x --max_batch");
+ABSL_FLAG(int, kv_timeout_ms, 60000,
+          "registration to the end of the KV transfer, for a request without a deadline (the "
+          "router gives every request one: the KV is awaited until then)");
+ABSL_FLAG(bool, put_to_store, true, "Put generated chunks (and preempted sequences) in the store");
+ABSL_FLAG(std::string, local_ram_bytes, "0",
+          "the node's own RAM tier of blocks, in front of the shared store (0: none): a preempted "
+          "sequence resumes from it, also while the store is away");
+ABSL_FLAG(int, drain_timeout_s, 30,
+          "on SIGTERM / SIGINT, leave the cluster (deregister, take nothing new) and let running "
+          "sequences finish for up to this long; then hand the rest off (their KV to the store, "
+          "the router continues them on another node). A second signal hands off at once");
+ABSL_FLAG(int, listen_wait_s, 90,
+          "when the transport's port is still held by a previous run's connections (TIME_WAIT), "
+          "retry this long before giving up");
+
+namespace {
+
+int Fail(const std::string& what, const absl::Status& s, int code = 1) {
+  std::cerr << "strata-decode: " << what << ": " << s << "\n";
+  return code;
+}
+
+}  // namespace
+
+namespace strata::decode {
+
+int RunDecodeNode(int argc, char** argv, const TransportHook& hook) {
+  strata::cluster::BlockTerminationSignals();
+  strata::cluster::ConfigureFlagsUsage();
+  absl::SetProgramUsageMessage(
+      "a Strata decode node.\n  strata-decode --cluster cluster.json --node decode-0");
+  absl::ParseCommandLine(argc, argv);
+  namespace cl = strata::cluster;
+  if (absl::GetFlag(FLAGS_cluster).empty() || absl::GetFlag(FLAGS_node).empty()) {
+    std::cerr << "strata-decode: --cluster and --node are required (see --help)\n";
+    return 2;
+  }
+  absl::StatusOr<cl::ClusterSpec> spec = cl::LoadClusterFile(absl::GetFlag(FLAGS_cluster));
+  if (!spec.ok()) return Fail("cluster file", spec.status(), 2);
+  absl::StatusOr<cl::NodeSpec> node = cl::SelfNode(
+      *spec, absl::GetFlag(FLAGS_node), cl::Role::kDecode, !absl::GetFlag(FLAGS_etcd).empty(),
+      absl::GetFlag(FLAGS_listen), absl::GetFlag(FLAGS_transport));
+  if (!node.ok()) return Fail("flags", node.status(), 2);
+  const cl::NodeSpec* self = &*node;
+  uint64_t kv_budget = 0;
+  if (!strata::ParseByteSize(absl::GetFlag(FLAGS_kv_budget), &kv_budget) || kv_budget == 0) {
+    std::cerr << "strata-decode: --kv_budget: '" << absl::GetFlag(FLAGS_kv_budget)
+              << "' is not a byte count (e.g. 512M, 8G)\n";
+    return 2;
+  }
+  if (absl::GetFlag(FLAGS_max_batch) < 1 || absl::GetFlag(FLAGS_max_waiting) < 0 ||
+      absl::GetFlag(FLAGS_kv_timeout_ms) < 1) {
+    std::cerr
+        << "strata-decode: --max_batch and --kv_timeout_ms must be >= 1, --max_waiting >= 0\n";
+    return 2;
+  }
+  if (absl::GetFlag(FLAGS_listen_wait_s) < 0) {
+    std::cerr << "strata-decode: --listen_wait_s must be >= 0\n";
+    return 2;
+  }
+  const std::string listen =
+      absl::GetFlag(FLAGS_listen).empty() ? self->grpc : absl::GetFlag(FLAGS_listen);
+  const std::string transport_address =
+      absl::GetFlag(FLAGS_transport).empty() ? self->transport : absl::GetFlag(FLAGS_transport);
+  if (absl::Status s = cl::ValidateHostPort(transport_address, "--transport"); !s.ok()) {
+    return Fail("flags", s, 2);
+  }
+  std::string metrics_address =
+      absl::GetFlag(FLAGS_metrics).empty() ? self->metrics : absl::GetFlag(FLAGS_metrics);
+  if (metrics_address == "off") metrics_address.clear();
+  cl::SetLogIdentity("strata-decode", self->id);
+  absl::StatusOr<std::shared_ptr<const strata::kvstore::GrpcSecurity>> security =
+      cl::NodeSecurityFromFlags();
+  if (!security.ok()) return Fail("flags", security.status(), 2);
+
+  absl::StatusOr<strata::model::Device> device = cl::NodeDeviceFromFlags();
+  if (!device.ok()) return Fail("flags", device.status(), 2);
+  absl::StatusOr<cl::ServedModel> served =
+      cl::LoadServedModel(spec->model, spec->calibration, *device);
+  if (!served.ok()) return Fail("model", served.status());
+
+  uint64_t local_bytes = 0;
+  if (!strata::ParseByteSize(absl::GetFlag(FLAGS_local_ram_bytes), &local_bytes)) {
+    std::cerr << "strata-decode: --local_ram_bytes: '" << absl::GetFlag(FLAGS_local_ram_bytes)
+              << "' is not a byte count (e.g. 0, 512M, 8G)\n";
+    return 2;
+  }
+  absl::StatusOr<cl::StoreConnection> store = cl::ConnectStore(*spec, *security, local_bytes);
+  if (!store.ok()) return Fail("store", store.status());
+
+  strata::transport::UcxTransportOptions to;
+  const strata::HostPort tp = *strata::ParseHostPort(transport_address);  // validated above
+  to.listen_host = tp.host;
+  to.listen_port = tp.port;
+  to.tls = absl::GetFlag(FLAGS_ucx_tls);
+  // A decode node restarted on its fixed port finds it held by the connections of its previous
+  // run (TIME_WAIT; UCX's listener sets no SO_REUSEADDR): wait for them, bounded. Port 0 in the
+  // cluster file avoids this (the node announces its address with every request).
+  absl::StatusOr<std::unique_ptr<strata::transport::Transport>> transport =
+      strata::transport::CreateUcxTransport(to);
+  const absl::Time give_up = absl::Now() + absl::Seconds(absl::GetFlag(FLAGS_listen_wait_s));
+  for (bool logged = false; !transport.ok() && absl::IsUnavailable(transport.status()) &&
+                            absl::StrContains(transport.status().message(), "port is in use") &&
+                            absl::Now() < give_up;) {
+    if (!logged) {
+      cl::Log("", absl::StrCat(transport.status().message(), "; retrying for up to ",
+                               absl::GetFlag(FLAGS_listen_wait_s), " s"));
+      logged = true;
+    }
+    absl::SleepFor(absl::Seconds(1));
+    transport = strata::transport::CreateUcxTransport(to);
+  }
+  if (!transport.ok()) return Fail("UCX transport", transport.status());
+  // A test binary's wrapper around the transport (fault injection); none in strata-decode.
+  std::unique_ptr<strata::transport::Transport> wrapped;
+  strata::transport::Transport* receiving = transport->get();
+  if (hook) {
+    absl::StatusOr<std::unique_ptr<strata::transport::Transport>> w = hook(transport->get());
+    if (!w.ok()) return Fail("flags", w.status(), 2);
+    wrapped = *std::move(w);
+    if (wrapped != nullptr) receiving = wrapped.get();
+  }
+
+  strata::decode::DecodeEngineOptions eo;
+  eo.format = cl::FormatOf(*spec, *served);
+  eo.max_batch = static_cast<uint32_t>(absl::GetFlag(FLAGS_max_batch));
+  eo.kv_budget_bytes = kv_budget;
+  eo.max_waiting = static_cast<uint32_t>(absl::GetFlag(FLAGS_max_waiting));
+  eo.kv_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_kv_timeout_ms));
+  eo.put_to_store = absl::GetFlag(FLAGS_put_to_store);
+  absl::StatusOr<std::unique_ptr<strata::decode::DecodeEngine>> engine =
+      strata::decode::DecodeEngine::Create(eo, served->model.get(), served->tokenizer.get(),
+                                           receiving, store->blocks());
+  if (!engine.ok()) return Fail("engine", engine.status(), 2);
+
+  // The router reserves KV by this estimate: the codec's exact block size per token.
+  const strata::model::ModelConfig& config = served->model->config();
+  double bits = 16;
+  if (absl::StatusOr<std::unique_ptr<strata::kernels::Codec>> codec =
+          strata::kernels::Codec::Create(spec->codec, served->calibration);
+      codec.ok()) {
+    if (absl::StatusOr<double> b =
+            (*codec)->BitsPerElement(spec->chunk_tokens, config.num_kv_heads, config.head_dim);
+        b.ok()) {
+      bits = *b;
+    }
+  }
+  const double kv_bytes_per_token =
+      bits / 8.0 * 2.0 * config.num_layers * config.num_kv_heads * config.head_dim;
+
+  auto registry = std::make_shared<prometheus::Registry>();
+  strata::decode::DecodeService service(engine->get(),
+                                        {.node_id = self->id,
+                                         .model_name = served->name,
+                                         .incarnation = cl::NewIncarnation(),
+                                         .kv_bytes_per_token = kv_bytes_per_token},
+                                        registry.get());
+  int port = 0;
+  absl::StatusOr<std::unique_ptr<grpc::Server>> server =
+      cl::StartGrpcServer(&service, listen, **security, &port);
+  if (!server.ok()) return Fail("gRPC", server.status());
+  std::unique_ptr<prometheus::Exposer> exposer;
+  if (!metrics_address.empty()) {
+    absl::StatusOr<std::unique_ptr<prometheus::Exposer>> e =
+        cl::StartMetrics(metrics_address, registry);
+    if (!e.ok()) return Fail("metrics", e.status());
+    exposer = *std::move(e);
+  }
+  std::atomic<bool> stop{false};
+  std::thread refresher([&] {
+    while (!stop.load()) {
+      service.Refresh();
+      std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    }
+  });
+  cl::Log("", absl::StrCat(
+                  "serving ", served->name, " (codec ", spec->codec, ", ",
+                  absl::StrFormat("%.0f", kv_bytes_per_token), " KV bytes/token) on port ", port,
+                  "; blocks arrive at ", (*transport)->address(), "; store ",
+                  spec->store.empty() ? "none" : spec->store, "; metrics ",
+                  metrics_address.empty() ? "off" : metrics_address, "; ",
+                  (*security)->insecure() ? "INSECURE (--insecure)" : (*security)->Describe()));
+  // Registered once serving (a router that follows etcd then finds a node that answers), and
+  // deregistered first when stopping (routers stop choosing it before it goes).
+  cl::NodeSpec announce = *self;
+  announce.grpc = strata::JoinHostPort(strata::ParseHostPort(listen)->host, port);
+  announce.metrics = metrics_address;
+  announce.transport = (*transport)->address();
+  absl::StatusOr<std::unique_ptr<cl::EtcdRegistration>> registration =
+      cl::RegisterWithEtcd(absl::GetFlag(FLAGS_etcd), absl::GetFlag(FLAGS_etcd_prefix), announce,
+                           absl::Seconds(std::max(1, absl::GetFlag(FLAGS_etcd_ttl_s))));
+  if (!registration.ok()) return Fail("etcd", registration.status());
+  std::cout << "strata-decode: serving on port " << port << std::endl;
+  const int sig = cl::WaitForTermination();
+  // Drain: deregistered (routers following etcd drop it), reported `draining` to the routers that
+  // poll it, new requests refused (routed elsewhere); running sequences finish, or are handed
+  // off at the deadline.
+  const absl::Duration drain = absl::Seconds(std::max(0, absl::GetFlag(FLAGS_drain_timeout_s)));
+  cl::Log("", absl::StrCat("signal ", sig, ": draining for up to ", absl::FormatDuration(drain),
+                           " (a second signal hands off at once)"));
+  registration->reset();
+  std::atomic<bool> drained{false};
+  uint64_t handed_off = 0;
+  std::thread drainer([&] {
+    handed_off = (*engine)->Drain(absl::Now() + drain);
+    drained = true;
+  });
+  while (!drained.load()) {
+    if (cl::WaitForTerminationFor(absl::Milliseconds(100)) != 0) {
+      cl::Log("", "second signal: handing off now");
+      (*engine)->Drain(absl::Now());
+    }
+  }
+  drainer.join();
+  cl::Log("", absl::StrCat("drained: ", (*engine)->stats().handed_off,
+                           " sequences handed off to other nodes (", handed_off,
+                           " at the deadline); stopping"));
+  service.Refresh();
+  service.Stop();  // open streams end with UNAVAILABLE: their clients learn at once
+  (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  stop = true;
+  refresher.join();
+  engine->reset();
+  std::cout << "strata-decode: stopped" << std::endl;
+  return 0;
+}
+
+}  // namespace strata::decode
