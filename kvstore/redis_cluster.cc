@@ -263,6 +263,14 @@ RedisClusterStats RedisCluster::Stats() const {
 
 std::vector<absl::StatusOr<RedisReply>> RedisCluster::Run(absl::Span<const RedisCommand> commands,
                                                           absl::Time deadline) {
+  std::vector<RedisCommandView> views;
+  views.reserve(commands.size());
+  for (const RedisCommand& c : commands) views.emplace_back(c.begin(), c.end());
+  return RunViews(views, deadline);
+}
+
+std::vector<absl::StatusOr<RedisReply>> RedisCluster::RunViews(
+    absl::Span<const RedisCommandView> commands, absl::Time deadline) {
   const size_t n = commands.size();
   std::vector<absl::StatusOr<RedisReply>> out(
       n, absl::DeadlineExceededError("redis cluster: the deadline passed before a reply"));
@@ -322,7 +330,7 @@ std::vector<absl::StatusOr<RedisReply>> RedisCluster::Run(absl::Span<const Redis
         }
         std::vector<const char*> argv;
         std::vector<size_t> len;
-        for (const std::string& a : commands[i]) {
+        for (absl::string_view a : commands[i]) {
           argv.push_back(a.data());
           len.push_back(a.size());
         }

@@ -47,6 +47,8 @@ struct RedisClusterOptions {
 };
 
 using RedisCommand = std::vector<std::string>;  // argv; binary-safe
+// The same without copies: views of bytes the caller keeps alive for the call (a block's value).
+using RedisCommandView = std::vector<absl::string_view>;
 
 struct RedisReply {
   enum class Type { kNil, kString, kStatus, kInteger, kArray };
@@ -79,6 +81,8 @@ class RedisCluster {
 
   std::vector<absl::StatusOr<RedisReply>> Run(absl::Span<const RedisCommand> commands,
                                               absl::Time deadline);
+  std::vector<absl::StatusOr<RedisReply>> RunViews(absl::Span<const RedisCommandView> commands,
+                                                   absl::Time deadline);
 
   // The hash slot of `key` (CRC16 of the key or its {hash tag}, modulo 16384).
   static uint16_t Slot(absl::string_view key);

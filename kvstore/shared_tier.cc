@@ -44,8 +44,11 @@ absl::Status SharedTier::Check(const BlockName& name, uint32_t chunk_index,
 std::vector<absl::Status> SharedTier::Put(absl::Span<const Item> items) {
   const absl::Time start = absl::Now();
   std::vector<absl::Status> out(items.size());
-  std::vector<RedisCommand> cmds;
+  // The values go to hiredis as views of the blocks' own bytes (no copy before its buffer).
+  std::vector<std::string> keys, ttls;
   std::vector<size_t> sent;
+  keys.reserve(items.size());
+  ttls.reserve(items.size());
   uint64_t bytes = 0;
   for (size_t i = 0; i < items.size(); ++i) {
     const Item& it = items[i];
@@ -53,15 +56,20 @@ std::vector<absl::Status> SharedTier::Put(absl::Span<const Item> items) {
       out[i] = s;
       continue;
     }
-    const int64_t ms = absl::ToInt64Milliseconds(TtlFor(it.chunk_index));
-    cmds.push_back({"SET", KeyOf(it.name),
-                    std::string(reinterpret_cast<const char*>(it.block.data()), it.block.size()),
-                    "PX", absl::StrCat(ms)});
+    keys.push_back(KeyOf(it.name));
+    ttls.push_back(absl::StrCat(absl::ToInt64Milliseconds(TtlFor(it.chunk_index))));
     sent.push_back(i);
     bytes += it.block.size();
   }
+  std::vector<RedisCommandView> cmds;
+  for (size_t k = 0; k < sent.size(); ++k) {
+    const SharedBytes& b = items[sent[k]].block;
+    cmds.push_back({"SET", keys[k],
+                    absl::string_view(reinterpret_cast<const char*>(b.data()), b.size()), "PX",
+                    ttls[k]});
+  }
   std::vector<absl::StatusOr<RedisReply>> replies =
-      redis_->Run(cmds, absl::Now() + options_.timeout);
+      redis_->RunViews(cmds, absl::Now() + options_.timeout);
   uint64_t errors = 0;
   for (size_t k = 0; k < sent.size(); ++k) {
     if (!replies[k].ok()) {
