@@ -4,6 +4,7 @@
 #include <sys/time.h>
 
 #include <algorithm>
+#include <cstring>
 #include <map>
 #include <thread>
 
@@ -23,12 +24,18 @@ constexpr uint16_t kUnassigned = 0xffff;
 
 timeval TimevalOf(absl::Duration d) { return absl::ToTimeval(std::max(d, absl::Milliseconds(1))); }
 
-RedisReply Convert(const redisReply* r) {
+RedisReply Convert(const redisReply* r, bool aligned_strings = false) {
   RedisReply out;
   switch (r->type) {
     case REDIS_REPLY_STRING:
       out.type = RedisReply::Type::kString;
-      out.str.assign(r->str, r->len);
+      if (aligned_strings) {
+        AlignedBuffer b(r->len);
+        if (r->len > 0) std::memcpy(b.data(), r->str, r->len);
+        out.bytes = SharedBytes::FromBuffer(std::move(b));
+      } else {
+        out.str.assign(r->str, r->len);
+      }
       break;
     case REDIS_REPLY_STATUS:
       out.type = RedisReply::Type::kStatus;
@@ -270,7 +277,7 @@ std::vector<absl::StatusOr<RedisReply>> RedisCluster::Run(absl::Span<const Redis
 }
 
 std::vector<absl::StatusOr<RedisReply>> RedisCluster::RunViews(
-    absl::Span<const RedisCommandView> commands, absl::Time deadline) {
+    absl::Span<const RedisCommandView> commands, absl::Time deadline, bool aligned_strings) {
   const size_t n = commands.size();
   std::vector<absl::StatusOr<RedisReply>> out(
       n, absl::DeadlineExceededError("redis cluster: the deadline passed before a reply"));
@@ -360,7 +367,7 @@ std::vector<absl::StatusOr<RedisReply>> RedisCluster::RunViews(
         reached_any = true;
         redisReply* r = static_cast<redisReply*>(raw);
         if (r->type != REDIS_REPLY_ERROR) {
-          out[i] = Convert(r);
+          out[i] = Convert(r, aligned_strings);
           freeReplyObject(r);
           continue;
         }

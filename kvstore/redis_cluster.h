@@ -29,6 +29,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "common/shared_bytes.h"
 
 struct redisContext;
 
@@ -53,7 +54,8 @@ using RedisCommandView = std::vector<absl::string_view>;
 struct RedisReply {
   enum class Type { kNil, kString, kStatus, kInteger, kArray };
   Type type = Type::kNil;
-  std::string str;  // kString, kStatus
+  std::string str;    // kString (unless RunViews put it in `bytes`), kStatus
+  SharedBytes bytes;  // kString with RunViews(..., aligned_strings): 64-byte aligned, no `str`
   int64_t integer = 0;
   std::vector<RedisReply> elements;  // kArray
 };
@@ -81,8 +83,11 @@ class RedisCluster {
 
   std::vector<absl::StatusOr<RedisReply>> Run(absl::Span<const RedisCommand> commands,
                                               absl::Time deadline);
+  // `aligned_strings`: string replies land in RedisReply::bytes (an aligned buffer, copied once
+  // from hiredis's reply) instead of `str` — a block read is then ready to parse as it is.
   std::vector<absl::StatusOr<RedisReply>> RunViews(absl::Span<const RedisCommandView> commands,
-                                                   absl::Time deadline);
+                                                   absl::Time deadline,
+                                                   bool aligned_strings = false);
 
   // The hash slot of `key` (CRC16 of the key or its {hash tag}, modulo 16384).
   static uint16_t Slot(absl::string_view key);

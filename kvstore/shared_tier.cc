@@ -87,13 +87,18 @@ std::vector<absl::Status> SharedTier::Put(absl::Span<const Item> items) {
 
 std::vector<absl::StatusOr<SharedBytes>> SharedTier::Get(absl::Span<const Key> keys) {
   const absl::Time start = absl::Now();
-  std::vector<RedisCommand> cmds;
+  std::vector<std::string> names, ttls;
+  names.reserve(keys.size());
+  ttls.reserve(keys.size());
+  std::vector<RedisCommandView> cmds;
   for (const Key& k : keys) {
-    cmds.push_back({"GETEX", KeyOf(k.name), "PX",
-                    absl::StrCat(absl::ToInt64Milliseconds(TtlFor(k.chunk_index)))});
+    names.push_back(KeyOf(k.name));
+    ttls.push_back(absl::StrCat(absl::ToInt64Milliseconds(TtlFor(k.chunk_index))));
   }
+  for (size_t i = 0; i < keys.size(); ++i) cmds.push_back({"GETEX", names[i], "PX", ttls[i]});
+  // Values straight into aligned buffers: parsed and kept as they arrive.
   std::vector<absl::StatusOr<RedisReply>> replies =
-      redis_->Run(cmds, absl::Now() + options_.timeout);
+      redis_->RunViews(cmds, absl::Now() + options_.timeout, /*aligned_strings=*/true);
   std::vector<absl::StatusOr<SharedBytes>> out;
   out.reserve(keys.size());
   uint64_t hits = 0, misses = 0, damaged = 0, errors = 0, bytes = 0;
@@ -108,10 +113,8 @@ std::vector<absl::StatusOr<SharedBytes>> SharedTier::Get(absl::Span<const Key> k
       ++misses;
       continue;
     }
-    const std::string& v = replies[i]->str;
-    AlignedBuffer buf(v.size());
-    std::memcpy(buf.data(), v.data(), v.size());
-    if (absl::Status s = Check(keys[i].name, keys[i].chunk_index, buf.span()); !s.ok()) {
+    SharedBytes& v = replies[i]->bytes;
+    if (absl::Status s = Check(keys[i].name, keys[i].chunk_index, v.span()); !s.ok()) {
       out.push_back(absl::NotFoundError(absl::StrCat("shared tier: a damaged value under ",
                                                      keys[i].name.ToString(), ": ", s.message())));
       ++damaged;
@@ -120,7 +123,7 @@ std::vector<absl::StatusOr<SharedBytes>> SharedTier::Get(absl::Span<const Key> k
     }
     bytes += v.size();
     ++hits;
-    out.push_back(SharedBytes::FromBuffer(std::move(buf)));
+    out.push_back(std::move(v));
   }
   std::lock_guard<std::mutex> lock(mu_);
   stats_.gets += keys.size();
