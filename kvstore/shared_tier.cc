@@ -26,8 +26,9 @@ absl::StatusOr<std::unique_ptr<SharedTier>> SharedTier::Connect(SharedTierOption
 }
 
 absl::Status SharedTier::Check(const BlockName& name, uint32_t chunk_index,
-                               absl::Span<const uint8_t> bytes) const {
-  absl::StatusOr<BlockView> view = BlockView::Parse(bytes);  // structure and CRC-32C
+                               absl::Span<const uint8_t> bytes, bool checksum_verified) const {
+  // Structure, and the CRC-32C unless verified already.
+  absl::StatusOr<BlockView> view = BlockView::Parse(bytes, {.verify_checksum = !checksum_verified});
   if (!view.ok()) return view.status();
   const BlockHeader& h = view->header();
   if (h.layer != name.layer || h.chunk_index != chunk_index ||
@@ -52,7 +53,8 @@ std::vector<absl::Status> SharedTier::Put(absl::Span<const Item> items) {
   uint64_t bytes = 0;
   for (size_t i = 0; i < items.size(); ++i) {
     const Item& it = items[i];
-    if (absl::Status s = Check(it.name, it.chunk_index, it.block.span()); !s.ok()) {
+    if (absl::Status s = Check(it.name, it.chunk_index, it.block.span(), it.checksum_verified);
+        !s.ok()) {
       out[i] = s;
       continue;
     }

@@ -67,7 +67,10 @@ class SharedTier {
   struct Item {
     BlockName name;
     uint32_t chunk_index = 0;
-    SharedBytes block;
+    SharedBytes block;  // read during the call only: borrowed bytes will do
+    // The bytes' CRC was verified where they arrived in this process (a store's Put): the
+    // structure and the name are still checked, the CRC is not computed again.
+    bool checksum_verified = false;
   };
   // Writes the blocks (pipelined): each one's status. A block that does not parse, fails its
   // checksum or disagrees with its name (layer, fingerprints, chunk index) is refused
@@ -91,8 +94,8 @@ class SharedTier {
   SharedTier(SharedTierOptions options, std::unique_ptr<RedisCluster> redis)
       : options_(std::move(options)), redis_(std::move(redis)) {}
   // OK when `bytes` is a sound block named `name` at `chunk_index`.
-  absl::Status Check(const BlockName& name, uint32_t chunk_index,
-                     absl::Span<const uint8_t> bytes) const;
+  absl::Status Check(const BlockName& name, uint32_t chunk_index, absl::Span<const uint8_t> bytes,
+                     bool checksum_verified = false) const;
 
   const SharedTierOptions options_;
   std::unique_ptr<RedisCluster> redis_;

@@ -113,6 +113,24 @@ TEST_F(SharedTierStoreTest, AChainPutOnOneHostIsFoundAndPromotedOnAnother) {
   EXPECT_NE(metrics.find("strata_store_shared_hits_total 15"), std::string::npos);
 }
 
+// A second block under a name already stored (two writers whose KV differed in rounding) is
+// refused by the store, and the shared tier keeps the first writer's bytes too.
+TEST_F(SharedTierStoreTest, AConflictingBlockIsNotWrittenThrough) {
+  PutChain(a_, 1);
+  const AlignedBuffer other = test_blocks::MakeBlock(kModel, 0, 0, 12345);
+  ASSERT_EQ(test_blocks::Name(other, chain_[0]), Name(0, 0));
+  ASSERT_FALSE(other.span() == Block(0, 0).span());
+  strata::v1::PutRequest req;
+  req.set_name(Name(0, 0).Encode());
+  req.set_block(std::string(reinterpret_cast<const char*>(other.data()), other.size()));
+  strata::v1::PutResponse resp;
+  EXPECT_EQ(a_.service->Put(nullptr, &req, &resp).error_code(), grpc::StatusCode::ALREADY_EXISTS);
+  std::vector<absl::StatusOr<SharedBytes>> got = a_.tier->Get({{Name(0, 0), 0}});
+  ASSERT_TRUE(got[0].ok()) << got[0].status();
+  EXPECT_TRUE(got[0]->span() == Block(0, 0).span());  // the first writer's
+  EXPECT_EQ(a_.tier->Stats().puts, kLayers);
+}
+
 TEST_F(SharedTierStoreTest, PromotionStopsAtTheFirstIncompleteOrDamagedChunk) {
   PutChain(a_, kChunks);
   // Chunk 3 layer 1 gone from Redis; chunk 2 layer 2 damaged there.

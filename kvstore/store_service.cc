@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -245,16 +244,18 @@ absl::Status StoreService::PutOne(const strata::v1::PutRequest& req) {
   // A corrupt block is a bad argument of this call (the store's kDataLoss is about its own
   // bytes).
   if (s.code() == absl::StatusCode::kDataLoss) return absl::InvalidArgumentError(s.message());
-  if (shared_ != nullptr && (s.ok() || s.code() == absl::StatusCode::kAlreadyExists)) {
-    // Written through to the cluster's tier; its failure is counted there, not this call's.
+  if (shared_ != nullptr && s.ok()) {
+    // Written through to the cluster's tier; its failure is counted there, not this call's. Only
+    // bytes the store took (and verified): a conflicting block (kAlreadyExists) would replace the
+    // first writer's in Redis. The request's bytes, borrowed: Put reads them during the call.
     const absl::Span<const uint8_t> bytes(reinterpret_cast<const uint8_t*>(req.block().data()),
                                           req.block().size());
     absl::StatusOr<BlockView> view = BlockView::Parse(bytes, {.verify_checksum = false});
     if (view.ok()) {
-      AlignedBuffer copy(bytes.size());
-      std::memcpy(copy.data(), bytes.data(), bytes.size());
-      (void)shared_->Put(
-          {{*name, view->header().chunk_index, SharedBytes::FromBuffer(std::move(copy))}});
+      (void)shared_->Put({{.name = *name,
+                           .chunk_index = view->header().chunk_index,
+                           .block = SharedBytes(bytes, nullptr),
+                           .checksum_verified = true}});
     }
   }
   return s;
