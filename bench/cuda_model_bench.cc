@@ -5,10 +5,12 @@
 //   - decode: one DecodePaged step (every layer's attention over pages of 256-token blocks read in
 //     place, plus the window) at batch 1 / 16 / 64 x context 4k / 32k, KV fp16 / kivi 4-bit /
 //     kivi 2-bit, against its memory floor: (weight bytes + KV bytes read) / copy rate. A shape
-//     whose pages do not fit the device is a row of the capacity table instead.
+//     whose pages do not fit the device is a row of the capacity table instead. Each step is
+//     timed as served (a CUDA graph replayed) and with every kernel launched by itself.
 //   - capacity: the largest batch whose pages fit at 32k context, per codec.
-//   - prefill: a 4k prompt through Step (dense attention, full-precision KV) in tokens/s, and its
-//     matrix products' share of the GEMM rate (the model's flops, attention included).
+//   - prefill: a 4k prompt through Step (dense attention on the tensor cores, full-precision KV)
+//     in tokens/s, and its share of the GEMM rate (the model's flops, attention included); and
+//     the same with the exact fp32 attention kernel.
 // Times are medians of CUDA-event-timed runs. bench/cuda_model_torch.py times PyTorch at the same
 // shapes (the reference a user would otherwise write); run both in one call.
 //
@@ -105,6 +107,7 @@ struct DecodeRow {
   int batch = 0, context = 0;
   bool fits = true;
   double ms = 0, floor_ms = 0, gbytes = 0, tokens_per_s = 0;
+  double eager_ms = 0;  // the same step with every kernel launched by itself (no CUDA graph)
 };
 
 }  // namespace
@@ -276,6 +279,10 @@ int main(int argc, char** argv) {
         step.slots = batch;
         step.max_window = kMaxWindow;
         row.ms = MedianMs(runs, [&] { Check((*model)->DecodePaged(step).status(), "decode"); });
+        (*model)->SetCudaGraphs(false);
+        row.eager_ms =
+            MedianMs(runs, [&] { Check((*model)->DecodePaged(step).status(), "decode"); });
+        (*model)->SetCudaGraphs(true);
         const double kv_read = double(pages) * section_bytes;
         row.gbytes = (weight_bytes + kv_read) / 1e9;
         row.floor_ms = (weight_bytes + kv_read) / (copy_gbps * 1e9) * 1e3;
@@ -288,7 +295,7 @@ int main(int argc, char** argv) {
 
   // Prefill: a 4k prompt through Step (dense attention over full-precision KV).
   const int prompt = 4096;
-  double prefill_ms = 0, prefill_tflops = 0;
+  double prefill_ms = 0, prefill_tflops = 0, prefill_exact_ms = 0;
   {
     absl::StatusOr<std::unique_ptr<CudaLlamaModel::DenseKv>> kv = (*model)->NewKv(prompt);
     Check(kv.status(), "prefill KV");
@@ -298,6 +305,13 @@ int main(int argc, char** argv) {
       (*kv)->Clear();  // the same memory each run: no allocation timed
       Check((*model)->Step(ids, kv->get()).status(), "prefill");
     });
+    // The exact (fp32 SIMT) attention for comparison, three runs.
+    (*model)->SetExactAttention(true);
+    prefill_exact_ms = MedianMs(3, [&] {
+      (*kv)->Clear();
+      Check((*model)->Step(ids, kv->get()).status(), "prefill");
+    });
+    (*model)->SetExactAttention(false);
     // The layers' products for every token (weights less the embedding and the vocabulary
     // matrix, at 2 bytes a parameter), the vocabulary for the last token only, and attention
     // (QK^T and PV over the causal half).
@@ -319,8 +333,8 @@ int main(int argc, char** argv) {
       << " GB/s (read + write); bf16 GEMM " << gemm_tflops << " TFLOP/s; medians of " << runs
       << " runs\n\ndecode step (pages of " << kPage << " tokens read in place + window):\n";
   char line[256];
-  std::snprintf(line, sizeof(line), "%-16s %6s %8s %10s %10s %10s %9s %12s\n", "KV", "batch",
-                "context", "time ms", "floor ms", "x floor", "GB read", "tokens/s");
+  std::snprintf(line, sizeof(line), "%-16s %6s %8s %10s %10s %10s %9s %12s %12s\n", "KV", "batch",
+                "context", "time ms", "floor ms", "x floor", "GB read", "tokens/s", "no graph ms");
   txt << line;
   for (const DecodeRow& r : rows) {
     if (!r.fits) {
@@ -328,9 +342,9 @@ int main(int argc, char** argv) {
                     "%-16s %6d %8d   does not fit the device (capacity table)\n", r.codec.c_str(),
                     r.batch, r.context);
     } else {
-      std::snprintf(line, sizeof(line), "%-16s %6d %8d %10.3f %10.3f %9.2fx %9.2f %12.1f\n",
+      std::snprintf(line, sizeof(line), "%-16s %6d %8d %10.3f %10.3f %9.2fx %9.2f %12.1f %12.3f\n",
                     r.codec.c_str(), r.batch, r.context, r.ms, r.floor_ms, r.ms / r.floor_ms,
-                    r.gbytes, r.tokens_per_s);
+                    r.gbytes, r.tokens_per_s, r.eager_ms);
     }
     txt << line;
   }
@@ -341,10 +355,11 @@ int main(int argc, char** argv) {
     txt << line;
   }
   std::snprintf(line, sizeof(line),
-                "\nprefill of %d tokens (dense attention): %.1f ms, %.0f tokens/s, %.1f TFLOP/s "
-                "(%.0f%% of the GEMM rate)\n",
+                "\nprefill of %d tokens (dense attention on the tensor cores): %.1f ms, %.0f "
+                "tokens/s, %.1f TFLOP/s (%.0f%% of the GEMM rate); with the exact fp32 "
+                "attention: %.1f ms\n",
                 prompt, prefill_ms, prompt / (prefill_ms * 1e-3), prefill_tflops,
-                100 * prefill_tflops / gemm_tflops);
+                100 * prefill_tflops / gemm_tflops, prefill_exact_ms);
   txt << line;
   std::fputs(txt.str().c_str(), stdout);
   if (!out_dir.empty()) {
@@ -364,7 +379,8 @@ int main(int argc, char** argv) {
       json << (i ? ", " : "") << "{\"kv\": \"" << r.codec << "\", \"batch\": " << r.batch
            << ", \"context\": " << r.context << ", \"fits\": " << (r.fits ? "true" : "false")
            << ", \"ms\": " << r.ms << ", \"floor_ms\": " << r.floor_ms
-           << ", \"tokens_per_s\": " << r.tokens_per_s << "}";
+           << ", \"tokens_per_s\": " << r.tokens_per_s << ", \"no_graph_ms\": " << r.eager_ms
+           << "}";
     }
     json << "], \"capacity_32k\": [";
     for (size_t i = 0; i < capacity.size(); ++i) {
@@ -372,7 +388,8 @@ int main(int argc, char** argv) {
            << "\", \"max_batch\": " << capacity[i].max_batch << "}";
     }
     json << "], \"prefill\": {\"tokens\": " << prompt << ", \"ms\": " << prefill_ms
-         << ", \"tflops\": " << prefill_tflops << "}}\n";
+         << ", \"tflops\": " << prefill_tflops << ", \"exact_attention_ms\": " << prefill_exact_ms
+         << "}}\n";
   }
   return 0;
 }

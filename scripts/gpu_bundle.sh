@@ -49,6 +49,8 @@ for t in "${targets[@]+"${targets[@]}"}"; do gather "$t" "$out"; done
 for t in "${cpu_targets[@]}"; do gather "$t" "$out/cpu"; done
 
 cp bench/cuda_sdpa_bench.py bench/cuda_model_torch.py "$out/"
+# session.sh: everything above in one call under a deadline, logs back through $OUT.
+cp scripts/gpu_session.sh "$out/session.sh"
 
 cat > "$out/run.sh" <<'EOF'
 #!/usr/bin/env bash
@@ -241,9 +243,9 @@ chmod +x "$out/model.sh"
 
 # Everything but the scripts, packed (the binaries and Debian's libraries are several times the
 # carry limit unpacked).
-(cd "$out" && tar -cf - --exclude=run.sh --exclude=quick.sh --exclude=model.sh --exclude='*.py' . |
+(cd "$out" && tar -cf - --exclude=run.sh --exclude=quick.sh --exclude=model.sh --exclude=session.sh --exclude='*.py' . |
   xz -T0 -6 > bundle.tar.xz.tmp)
-find "$out" -mindepth 1 -maxdepth 1 ! -name run.sh ! -name quick.sh ! -name model.sh ! -name '*.py' \
+find "$out" -mindepth 1 -maxdepth 1 ! -name run.sh ! -name quick.sh ! -name model.sh ! -name session.sh ! -name '*.py' \
   ! -name bundle.tar.xz.tmp -exec rm -rf {} +
 mv "$out/bundle.tar.xz.tmp" "$out/bundle.tar.xz"
 du -sh "$out"

@@ -3,6 +3,7 @@
 #include <type_traits>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cuda/mma_ptx.cuh"
 #include "kernels/cuda/model_ops.h"
 
 namespace strata::kernels::cuda {
@@ -163,6 +164,173 @@ __global__ void DenseAttentionKernel(DenseAttentionArgs a) {
   for (int i = 0; i < per; ++i) o[lane + i * kWarp] = acc[i] / l;
 }
 
+// Dense causal attention on the tensor cores (model_ops.h, DenseAttentionArgs). Block: 4 warps,
+// 64 query rows of one query head (warp w: rows 16w..16w+15); keys in tiles of kTileKeys,
+// converted to fp16 into shared memory (rows padded by 16 bytes: the B-fragment loads and
+// ldmatrix hit 32 distinct banks). Per tile and warp: S[16 x 64] = Q.K^T (D/16 k-steps x 8
+// n-tiles), masked, scaled into log2 units; the online softmax per row (each lane holds two rows'
+// partial sums over its columns, reduced over the quad at the end); P rounded to fp16 straight
+// from the accumulators into A fragments; O[16 x D] += P.V with V's B fragments by ldmatrix.trans.
+// Blocks are taken last rows first (the causal mask makes them the longest).
+constexpr int kTileRows = 64, kTileKeys = 64;
+
+template <int D>
+__global__ void __launch_bounds__(128) DenseAttentionMmaKernel(DenseAttentionArgs a) {
+  constexpr int kLd = D + 8;  // halves per shared-memory row
+  __shared__ __align__(16) __half ks[kTileKeys * kLd];
+  __shared__ __align__(16) __half vs[kTileKeys * kLd];
+  __shared__ int kv_end;
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int g = lane / 4, t = lane % 4;
+  const int h = blockIdx.y;
+  const int kvh = h / (a.q_heads / a.kv_heads);
+  const int row0 = (gridDim.x - 1 - blockIdx.x) * kTileRows + warp * 16;
+  const int r_lo = row0 + g, r_hi = row0 + g + 8;
+  const int pos_lo = r_lo < a.rows ? a.positions[r_lo] : -1;
+  const int pos_hi = r_hi < a.rows ? a.positions[r_hi] : -1;
+  if (threadIdx.x == 0) kv_end = 0;
+  __syncthreads();
+  atomicMax(&kv_end, max(pos_lo, pos_hi) + 1);
+
+  // Q's A fragments, fp16, for the warp's 16 rows (rows past the end read as zeros).
+  uint32_t qf[D / 16][4];
+  {
+    const float* q_lo = a.q + (static_cast<size_t>(r_lo) * a.q_heads + h) * D;
+    const float* q_hi = a.q + (static_cast<size_t>(r_hi) * a.q_heads + h) * D;
+    const float2 zero = make_float2(0.f, 0.f);
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const int c = kk * 16 + 2 * t;
+      const float2 lo0 = r_lo < a.rows ? *reinterpret_cast<const float2*>(q_lo + c) : zero;
+      const float2 hi0 = r_hi < a.rows ? *reinterpret_cast<const float2*>(q_hi + c) : zero;
+      const float2 lo1 = r_lo < a.rows ? *reinterpret_cast<const float2*>(q_lo + c + 8) : zero;
+      const float2 hi1 = r_hi < a.rows ? *reinterpret_cast<const float2*>(q_hi + c + 8) : zero;
+      qf[kk][0] = HalfBits2(__floats2half2_rn(lo0.x, lo0.y));
+      qf[kk][1] = HalfBits2(__floats2half2_rn(hi0.x, hi0.y));
+      qf[kk][2] = HalfBits2(__floats2half2_rn(lo1.x, lo1.y));
+      qf[kk][3] = HalfBits2(__floats2half2_rn(hi1.x, hi1.y));
+    }
+  }
+  float acc[D / 8][4];
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+  float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.f, l_hi = 0.f;
+  const float scale = rsqrtf(static_cast<float>(D)) * 1.4426950408889634f;  // log2(e)
+  __syncthreads();                                                          // kv_end complete
+  const int end = kv_end;
+  const float* kh = a.k + static_cast<size_t>(kvh) * a.capacity * D;
+  const float* vh = a.v + static_cast<size_t>(kvh) * a.capacity * D;
+  for (int kb = 0; kb < end; kb += kTileKeys) {
+    // Stage the tile: 4 floats per thread and step, keys past `end` as zeros (P is 0 there, but
+    // 0 x garbage could be NaN).
+    for (int i = threadIdx.x; i < kTileKeys * D / 4; i += blockDim.x) {
+      const int key = i / (D / 4), c = (i % (D / 4)) * 4;
+      float4 kv4 = make_float4(0.f, 0.f, 0.f, 0.f), vv4 = kv4;
+      if (kb + key < end) {
+        kv4 = *reinterpret_cast<const float4*>(kh + static_cast<size_t>(kb + key) * D + c);
+        vv4 = *reinterpret_cast<const float4*>(vh + static_cast<size_t>(kb + key) * D + c);
+      }
+      __half2* kd = reinterpret_cast<__half2*>(ks + key * kLd + c);
+      __half2* vd = reinterpret_cast<__half2*>(vs + key * kLd + c);
+      kd[0] = __floats2half2_rn(kv4.x, kv4.y);
+      kd[1] = __floats2half2_rn(kv4.z, kv4.w);
+      vd[0] = __floats2half2_rn(vv4.x, vv4.y);
+      vd[1] = __floats2half2_rn(vv4.z, vv4.w);
+    }
+    __syncthreads();
+    float sc[kTileKeys / 8][4];
+#pragma unroll
+    for (int j = 0; j < kTileKeys / 8; ++j) {
+      sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
+      const __half* krow = ks + (8 * j + g) * kLd + 2 * t;
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const uint32_t b0 = *reinterpret_cast<const uint32_t*>(krow + kk * 16);
+        const uint32_t b1 = *reinterpret_cast<const uint32_t*>(krow + kk * 16 + 8);
+        Mma(sc[j], qf[kk], b0, b1);
+      }
+    }
+    // Mask, scale, the rows' new maxima.
+    float tile_lo = -INFINITY, tile_hi = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < kTileKeys / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = kb + 8 * j + 2 * t + (e & 1);
+        const bool hi = e >= 2;
+        const float x = key <= (hi ? pos_hi : pos_lo) ? sc[j][e] * scale : -INFINITY;
+        sc[j][e] = x;
+        if (hi) {
+          tile_hi = fmaxf(tile_hi, x);
+        } else {
+          tile_lo = fmaxf(tile_lo, x);
+        }
+      }
+    }
+#pragma unroll
+    for (int o = 1; o <= 2; o <<= 1) {
+      tile_lo = fmaxf(tile_lo, __shfl_xor_sync(0xffffffffu, tile_lo, o));
+      tile_hi = fmaxf(tile_hi, __shfl_xor_sync(0xffffffffu, tile_hi, o));
+    }
+    const float new_lo = fmaxf(m_lo, tile_lo), new_hi = fmaxf(m_hi, tile_hi);
+    const float base_lo = new_lo == -INFINITY ? 0.f : new_lo;
+    const float base_hi = new_hi == -INFINITY ? 0.f : new_hi;
+    const float corr_lo = exp2f(m_lo - base_lo), corr_hi = exp2f(m_hi - base_hi);
+    m_lo = new_lo;
+    m_hi = new_hi;
+    l_lo *= corr_lo;
+    l_hi *= corr_hi;
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+      acc[j][0] *= corr_lo;
+      acc[j][1] *= corr_lo;
+      acc[j][2] *= corr_hi;
+      acc[j][3] *= corr_hi;
+    }
+    uint32_t pf[kTileKeys / 16][4];
+#pragma unroll
+    for (int j = 0; j < kTileKeys / 8; ++j) {
+      const float p0 = exp2f(sc[j][0] - base_lo), p1 = exp2f(sc[j][1] - base_lo);
+      const float p2 = exp2f(sc[j][2] - base_hi), p3 = exp2f(sc[j][3] - base_hi);
+      l_lo += p0 + p1;
+      l_hi += p2 + p3;
+      pf[j / 2][(j % 2) * 2 + 0] = HalfBits2(__floats2half2_rn(p0, p1));
+      pf[j / 2][(j % 2) * 2 + 1] = HalfBits2(__floats2half2_rn(p2, p3));
+    }
+    // O += P.V: ldmatrix.trans gives two n-tiles' B fragments per 16 keys.
+    const int v_key = (lane % 8) + ((lane / 8) % 2) * 8, v_col = (lane / 16) * 8;
+#pragma unroll
+    for (int kk = 0; kk < kTileKeys / 16; ++kk) {
+#pragma unroll
+      for (int j = 0; j < D / 8; j += 2) {
+        uint32_t b[4];
+        Ldmatrix4Trans(b, vs + (kk * 16 + v_key) * kLd + j * 8 + v_col);
+        Mma(acc[j], pf[kk], b[0], b[1]);
+        Mma(acc[j + 1], pf[kk], b[2], b[3]);
+      }
+    }
+    __syncthreads();  // the tile is read by every warp before the next overwrites it
+  }
+#pragma unroll
+  for (int o = 1; o <= 2; o <<= 1) {
+    l_lo += __shfl_xor_sync(0xffffffffu, l_lo, o);
+    l_hi += __shfl_xor_sync(0xffffffffu, l_hi, o);
+  }
+  const float inv_lo = l_lo > 0.f ? 1.f / l_lo : 0.f, inv_hi = l_hi > 0.f ? 1.f / l_hi : 0.f;
+  float* o_lo = a.out + (static_cast<size_t>(r_lo) * a.q_heads + h) * D;
+  float* o_hi = a.out + (static_cast<size_t>(r_hi) * a.q_heads + h) * D;
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) {
+    const int c = j * 8 + 2 * t;
+    if (r_lo < a.rows) {
+      *reinterpret_cast<float2*>(o_lo + c) = make_float2(acc[j][0] * inv_lo, acc[j][1] * inv_lo);
+    }
+    if (r_hi < a.rows) {
+      *reinterpret_cast<float2*>(o_hi + c) = make_float2(acc[j][2] * inv_hi, acc[j][3] * inv_hi);
+    }
+  }
+}
+
 __global__ void WriteKvKernel(const float* k, const float* v, const int32_t* positions,
                               int kv_heads, int head_dim, int capacity, float* ck, float* cv) {
   const int r = blockIdx.x;
@@ -302,6 +470,15 @@ absl::Status DenseAttention(const DenseAttentionArgs& a, cudaStream_t stream) {
                                                    a.q_heads, " over ", a.kv_heads));
   }
   if (a.rows < 1) return absl::OkStatus();
+  if (!a.exact && (a.head_dim == 64 || a.head_dim == 128)) {
+    const dim3 grid((a.rows + kTileRows - 1) / kTileRows, a.q_heads);
+    if (a.head_dim == 64) {
+      DenseAttentionMmaKernel<64><<<grid, 128, 0, stream>>>(a);
+    } else {
+      DenseAttentionMmaKernel<128><<<grid, 128, 0, stream>>>(a);
+    }
+    return Launched("dense attention (tensor cores)");
+  }
   constexpr int kWarps = 4;
   const int items = a.rows * a.q_heads;
   DenseAttentionKernel<<<(items + kWarps - 1) / kWarps, kWarps * kWarp, 0, stream>>>(a);

@@ -51,9 +51,16 @@ absl::Status Narrow(const float* in, size_t n, T* out, cudaStream_t stream);
 // Causal attention of `rows` query tokens over a sequence's full-precision KV: query row r (at
 // position positions[r]) attends to keys 0..positions[r]. q [rows][q_heads][D], k and v
 // [kv_heads][capacity][D] (the cache, every position up to the largest written), out
-// [rows][q_heads][D]; GQA groups of q_heads / kv_heads. Softmax scale 1/sqrt(D). One warp per
-// (row, query head), an online softmax in fp32: exact, not fast (the paged kernels are the fast
-// path).
+// [rows][q_heads][D]; GQA groups of q_heads / kv_heads. Softmax scale 1/sqrt(D).
+// Two kernels:
+//   - tensor cores (head_dim 64 or 128, unless `exact`): 64 query rows x one head per block,
+//     keys in tiles of 64 through shared memory, Q.K^T and P.V by mma.sync m16n8k16 on fp16
+//     operands with fp32 sums, an online softmax in fp32 (FlashAttention-2's scheme). Operands
+//     rounded to fp16: relative error ~1e-3.
+//   - exact (any head_dim a multiple of 32 up to 256): one warp per (row, head), fp32 throughout;
+//     slow (every key read once per row and head), the reference.
+// Either way a row's output depends only on its query, its position and the keys: the same bits
+// whatever other rows share the launch (a decode step equals the same token in a prefill).
 struct DenseAttentionArgs {
   const float* q = nullptr;
   const float* k = nullptr;
@@ -61,6 +68,7 @@ struct DenseAttentionArgs {
   const int32_t* positions = nullptr;
   float* out = nullptr;
   int rows = 0, q_heads = 0, kv_heads = 0, head_dim = 0, capacity = 0;
+  bool exact = false;  // the fp32 SIMT kernel even where the tensor-core one applies
 };
 absl::Status DenseAttention(const DenseAttentionArgs& args, cudaStream_t stream);
 

@@ -4,6 +4,7 @@
 #include <string_view>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cuda/mma_ptx.cuh"
 #include "kernels/cuda/page_tiles.h"
 #include "kernels/cuda/paged_decode.h"
 

@@ -1,5 +1,6 @@
 // The tensor-core path of the paged decode attention (included by paged_decode.cu inside its
-// anonymous namespace; uses its StageAsync, CpAsync16, CpAsync* and kWarp).
+// anonymous namespace; uses its StageAsync, CpAsync16, CpAsync* and kWarp, and mma_ptx.cuh's
+// instructions).
 //
 // One block per (split, KV head, sequence), four warps. Each warp takes its own 16-token slices
 // of every page (warp w: tokens 16w.., 16(w+4).., ...) and keeps its own online softmax; the
@@ -28,35 +29,6 @@
 
 constexpr int kMmaWarps = 4;
 constexpr int kSlice = 16;  // tokens of one warp step
-
-__device__ __forceinline__ void Mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                    uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ void Ldmatrix4(uint32_t (&r)[4], const void* p) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(s)
-               : "memory");
-}
-
-__device__ __forceinline__ void Ldmatrix4Trans(uint32_t (&r)[4], const void* p) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(s)
-               : "memory");
-}
-
-__device__ __forceinline__ uint32_t HalfBits2(__half2 h) {
-  return *reinterpret_cast<uint32_t*>(&h);
-}
 
 // x and y as an fp16 pair (hi) and the fp16 pair of what it missed (lo).
 __device__ __forceinline__ void SplitHiLo(float x, float y, uint32_t* hi, uint32_t* lo) {

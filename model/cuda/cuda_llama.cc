@@ -54,6 +54,7 @@ struct CudaLlamaModel::Scratch {
 };
 
 CudaLlamaModel::~CudaLlamaModel() {
+  if (graph_ != nullptr) cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(graph_));
   scratch_.reset();
   cudaFree(paged_);
   for (void* p : allocations_) cudaFree(p);
@@ -91,7 +92,11 @@ absl::Status CudaLlamaModel::Init(const ModelConfig& c, const CudaModelOptions& 
   cublasHandle_t handle = nullptr;
   STRATA_RETURN_IF_ERROR(CublasError(cublasCreate(&handle), "cuBLAS"));
   cublas_ = handle;
-  return CublasError(cublasSetStream(handle, stream), "cuBLAS stream");
+  STRATA_RETURN_IF_ERROR(CublasError(cublasSetStream(handle, stream), "cuBLAS stream"));
+  // cuBLAS's workspace given, not allocated by it: a captured graph may hold no allocation.
+  constexpr size_t kCublasWorkspace = size_t{32} << 20;
+  STRATA_ASSIGN_OR_RETURN(void* workspace, Alloc(kCublasWorkspace, "cuBLAS workspace"));
+  return CublasError(cublasSetWorkspace(handle, workspace, kCublasWorkspace), "cuBLAS workspace");
 }
 
 absl::StatusOr<void*> CudaLlamaModel::Alloc(size_t bytes, absl::string_view what) {
@@ -339,9 +344,28 @@ struct Ops {
 
 }  // namespace
 
+absl::Status CudaLlamaModel::EnsureLogits(int out_rows) const {
+  Scratch& s = *scratch_;
+  if (s.logit_rows >= static_cast<uint32_t>(out_rows)) return absl::OkStatus();
+  cudaFree(s.logits);
+  s.logits = nullptr;
+  s.logit_rows = 0;
+  STRATA_RETURN_IF_ERROR(CudaError(cudaMalloc(&s.logits, size_t(out_rows) * config_.vocab_size * 4),
+                                   absl::StrCat(out_rows, " rows of logits")));
+  s.logit_rows = static_cast<uint32_t>(out_rows);
+  return absl::OkStatus();
+}
+
 template <typename Attend>
 absl::Status CudaLlamaModel::Forward(int n, int out_rows, const Attend& attend,
                                      std::vector<int32_t>* next, std::vector<float>* logits) const {
+  STRATA_RETURN_IF_ERROR(EnsureLogits(out_rows));
+  STRATA_RETURN_IF_ERROR(ForwardOnDevice(n, out_rows, attend));
+  return Collect(out_rows, next, logits);
+}
+
+template <typename Attend>
+absl::Status CudaLlamaModel::ForwardOnDevice(int n, int out_rows, const Attend& attend) const {
   const ModelConfig& c = config_;
   Scratch& s = *scratch_;
   cudaStream_t st = Stream(stream_);
@@ -377,19 +401,18 @@ absl::Status CudaLlamaModel::Forward(int n, int out_rows, const Attend& attend,
     STRATA_RETURN_IF_ERROR(kc::AddInPlace(s.x, s.o, size_t(n) * hs, st));
   }
   // The final norm and the vocabulary over the last out_rows rows; their greedy tokens.
-  if (s.logit_rows < static_cast<uint32_t>(out_rows)) {
-    cudaFree(s.logits);
-    s.logits = nullptr;
-    s.logit_rows = 0;
-    STRATA_RETURN_IF_ERROR(CudaError(cudaMalloc(&s.logits, size_t(out_rows) * vocab * 4),
-                                     absl::StrCat(out_rows, " rows of logits")));
-    s.logit_rows = static_cast<uint32_t>(out_rows);
-  }
   const int first = n - out_rows;
   STRATA_RETURN_IF_ERROR(
       norm(s.x + size_t(first) * hs, norm_, out_rows, hs, c.rms_norm_eps, s.h, st));
   STRATA_RETURN_IF_ERROR(Gemm(s.h, out_rows, hs, lm_head_, vocab, s.logits));
-  STRATA_RETURN_IF_ERROR(kc::ArgmaxRows(s.logits, out_rows, vocab, s.next, st));
+  return kc::ArgmaxRows(s.logits, out_rows, vocab, s.next, st);
+}
+
+absl::Status CudaLlamaModel::Collect(int out_rows, std::vector<int32_t>* next,
+                                     std::vector<float>* logits) const {
+  Scratch& s = *scratch_;
+  cudaStream_t st = Stream(stream_);
+  const int vocab = static_cast<int>(config_.vocab_size);
   next->resize(out_rows);
   STRATA_RETURN_IF_ERROR(CudaError(
       cudaMemcpyAsync(next->data(), s.next, out_rows * 4, cudaMemcpyDeviceToHost, st), "tokens"));
@@ -462,7 +485,8 @@ absl::StatusOr<uint32_t> CudaLlamaModel::Step(absl::Span<const uint32_t> tokens,
                                .q_heads = static_cast<int>(c.num_heads),
                                .kv_heads = KH,
                                .head_dim = D,
-                               .capacity = static_cast<int>(kv->capacity_)},
+                               .capacity = static_cast<int>(kv->capacity_),
+                               .exact = options_.exact_attention},
                               st);
   };
   std::vector<int32_t> next;
@@ -540,8 +564,6 @@ absl::StatusOr<std::vector<uint32_t>> CudaLlamaModel::DecodePaged(
       CudaError(cudaMemcpyAsync(s.positions, p.positions.data(), n * 4, cudaMemcpyHostToDevice, st),
                 "positions"));
   const bool bf16 = options_.weights == WeightType::kBf16;
-  STRATA_RETURN_IF_ERROR((bf16 ? Ops<__nv_bfloat16>::Embed : Ops<__half>::Embed)(
-      embed_, s.ids, n, static_cast<int>(c.hidden_size), s.x, st));
   const size_t layer_window = size_t(p.slots) * KH * p.max_window * D;
   a.page_counts = p.page_counts;
   a.pages = p.pages;
@@ -562,8 +584,73 @@ absl::StatusOr<std::vector<uint32_t>> CudaLlamaModel::DecodePaged(
     la.window_v = wv;
     return kc::PagedDecode(p.layout, la, p.max_pages_in_batch, st);
   };
+  auto on_device = [&]() -> absl::Status {
+    STRATA_RETURN_IF_ERROR((bf16 ? Ops<__nv_bfloat16>::Embed : Ops<__half>::Embed)(
+        embed_, s.ids, n, static_cast<int>(c.hidden_size), s.x, st));
+    return ForwardOnDevice(n, n, attend);
+  };
+  STRATA_RETURN_IF_ERROR(EnsureLogits(n));
+  if (!options_.cuda_graphs) {
+    STRATA_RETURN_IF_ERROR(on_device());
+  } else {
+    // What the captured kernels hold: the shapes and every buffer's address.
+    std::vector<uint64_t> key = {uint64_t(n),
+                                 uint64_t(splits),
+                                 uint64_t(p.max_pages_in_batch),
+                                 uint64_t(p.max_pages),
+                                 uint64_t(p.slots),
+                                 uint64_t(p.max_window),
+                                 reinterpret_cast<uint64_t>(p.pages),
+                                 reinterpret_cast<uint64_t>(p.page_counts),
+                                 reinterpret_cast<uint64_t>(p.window_k),
+                                 reinterpret_cast<uint64_t>(p.window_v),
+                                 reinterpret_cast<uint64_t>(paged_),
+                                 reinterpret_cast<uint64_t>(s.block),
+                                 reinterpret_cast<uint64_t>(s.logits),
+                                 uint64_t(p.layout.format),
+                                 uint64_t(p.layout.page_tokens),
+                                 uint64_t(p.layout.key_bits),
+                                 uint64_t(p.layout.value_bits),
+                                 uint64_t(p.layout.k_group),
+                                 uint64_t(p.layout.v_group),
+                                 uint64_t(p.layout.key_codes),
+                                 uint64_t(p.layout.key_scales),
+                                 uint64_t(p.layout.key_zeros),
+                                 uint64_t(p.layout.value_codes),
+                                 uint64_t(p.layout.value_scales),
+                                 uint64_t(p.layout.value_zeros),
+                                 uint64_t(p.layout.page_bytes)};
+    for (const int32_t* t : p.block_tables) key.push_back(reinterpret_cast<uint64_t>(t));
+    if (graph_ == nullptr || key != graph_key_) {
+      if (graph_ != nullptr) cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(graph_));
+      graph_ = nullptr;
+      graph_key_.clear();
+      STRATA_RETURN_IF_ERROR(CudaError(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal),
+                                       "begin graph capture"));
+      const absl::Status captured = on_device();
+      cudaGraph_t graph = nullptr;
+      const cudaError_t ended = cudaStreamEndCapture(st, &graph);
+      if (!captured.ok() || ended != cudaSuccess) {
+        if (graph != nullptr) cudaGraphDestroy(graph);
+        cudaGetLastError();  // the capture's error is reported here, not left for the next call
+        if (!captured.ok()) return captured;
+        return CudaError(ended, "graph capture of the decode step");
+      }
+      cudaGraphExec_t exec = nullptr;
+      const cudaError_t made = cudaGraphInstantiate(&exec, graph, 0);
+      cudaGraphDestroy(graph);
+      STRATA_RETURN_IF_ERROR(CudaError(made, "instantiate the decode step's graph"));
+      graph_ = exec;
+      graph_key_ = std::move(key);
+      ++graph_captures_;
+    } else {
+      ++graph_replays_;
+    }
+    STRATA_RETURN_IF_ERROR(
+        CudaError(cudaGraphLaunch(static_cast<cudaGraphExec_t>(graph_), st), "decode step graph"));
+  }
   std::vector<int32_t> next;
-  STRATA_RETURN_IF_ERROR(Forward(n, n, attend, &next, logits));
+  STRATA_RETURN_IF_ERROR(Collect(n, &next, logits));
   return std::vector<uint32_t>(next.begin(), next.end());
 }
 

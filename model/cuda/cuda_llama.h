@@ -31,6 +31,13 @@ enum class WeightType { kBf16, kFp16 };
 struct CudaModelOptions {
   int device = 0;                          // CUDA device index
   WeightType weights = WeightType::kBf16;  // the products' input type
+  // Step's attention by the fp32 SIMT kernel instead of the tensor cores (fp16 operands): the
+  // reference, slow (model_ops.h, DenseAttentionArgs::exact).
+  bool exact_attention = false;
+  // DecodePaged captures its step (every kernel and product from the embedding to the argmax) as
+  // a CUDA graph and replays it while the batch's shape and buffers repeat: one launch per step
+  // instead of ~20 per layer. Captured again when they change.
+  bool cuda_graphs = true;
 };
 
 class CudaLlamaModel {
@@ -109,6 +116,12 @@ class CudaLlamaModel {
   // model's shape.
   absl::StatusOr<std::vector<uint32_t>> DecodePaged(const PagedStep& step,
                                                     std::vector<float>* logits = nullptr) const;
+  // CudaModelOptions' switches, changed between steps (the benchmarks time both ways).
+  void SetCudaGraphs(bool on) { options_.cuda_graphs = on; }
+  void SetExactAttention(bool on) { options_.exact_attention = on; }
+  // DecodePaged's steps that replayed a captured graph, and its captures (CudaModelOptions).
+  uint64_t graph_replays() const { return graph_replays_; }
+  uint64_t graph_captures() const { return graph_captures_; }
 
  private:
   struct Layer {
@@ -128,6 +141,12 @@ class CudaLlamaModel {
   template <typename Attend>
   absl::Status Forward(int n, int out_rows, const Attend& attend, std::vector<int32_t>* next,
                        std::vector<float>* logits) const;
+  // Forward's parts: room for out_rows rows of logits (before a capture: no allocation may happen
+  // inside one); the device work, stream-ordered only (capturable); the copies back and the wait.
+  absl::Status EnsureLogits(int out_rows) const;
+  template <typename Attend>
+  absl::Status ForwardOnDevice(int n, int out_rows, const Attend& attend) const;
+  absl::Status Collect(int out_rows, std::vector<int32_t>* next, std::vector<float>* logits) const;
   absl::Status Gemm(const void* x, int rows, int in, const void* w, int out, float* y) const;
 
   ModelConfig config_;
@@ -144,6 +163,9 @@ class CudaLlamaModel {
   mutable std::unique_ptr<Scratch> scratch_;
   mutable void* paged_ = nullptr;  // DecodePaged's own buffers (workspace, slots, lengths)
   mutable size_t paged_bytes_ = 0;
+  mutable void* graph_ = nullptr;  // cudaGraphExec_t of DecodePaged's step, for graph_key_
+  mutable std::vector<uint64_t> graph_key_;
+  mutable uint64_t graph_replays_ = 0, graph_captures_ = 0;
 };
 
 }  // namespace strata::model::cuda

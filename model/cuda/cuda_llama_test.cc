@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -57,12 +58,14 @@ class CudaLlamaGpuTest : public testing::Test {
 
 // Logits of a prompt on the GPU against the CPU's Forward, and greedy agreement where the CPU's
 // top two are further apart than the largest difference seen.
-void CheckAgainstCpu(const std::string& dir, WeightType type, double rel_tolerance) {
-  SCOPED_TRACE(absl::StrCat(dir, type == WeightType::kBf16 ? " bf16" : " fp16"));
+void CheckAgainstCpu(const std::string& dir, WeightType type, bool exact_attention,
+                     double rel_tolerance) {
+  SCOPED_TRACE(absl::StrCat(dir, type == WeightType::kBf16 ? " bf16" : " fp16",
+                            exact_attention ? ", exact attention" : ", tensor-core attention"));
   absl::StatusOr<std::unique_ptr<LlamaModel>> host = LlamaModel::Load(dir);
   ASSERT_TRUE(host.ok()) << host.status();
   absl::StatusOr<std::unique_ptr<CudaLlamaModel>> gpu =
-      CudaLlamaModel::Upload(**host, {.weights = type});
+      CudaLlamaModel::Upload(**host, {.weights = type, .exact_attention = exact_attention});
   ASSERT_TRUE(gpu.ok()) << gpu.status();
   const ModelConfig& c = (*host)->config();
   const std::vector<uint32_t> ids = Prompt(c, 45, 3);
@@ -79,6 +82,9 @@ void CheckAgainstCpu(const std::string& dir, WeightType type, double rel_toleran
     max_abs = std::max(max_abs, std::fabs(double{want[i]}));
   }
   EXPECT_LT(max_err, rel_tolerance * std::max(1.0, max_abs)) << "max |error| " << max_err;
+  std::printf("%s %s, %s attention: logits max |error| %.3g (largest |logit| %.3g)\n", dir.c_str(),
+              type == WeightType::kBf16 ? "bf16" : "fp16",
+              exact_attention ? "exact" : "tensor-core", max_err, max_abs);
   const uint32_t V = c.vocab_size;
   int clear = 0;
   for (size_t t = 0; t < ids.size(); ++t) {
@@ -98,8 +104,11 @@ void CheckAgainstCpu(const std::string& dir, WeightType type, double rel_toleran
 
 TEST_F(CudaLlamaGpuTest, LogitsTrackTheCpuEngineOnEveryBundledCheckpoint) {
   for (const char* rel : {"models/strata-tiny", "tests/data/tiny-llama", "tests/data/tiny-qwen2"}) {
-    CheckAgainstCpu(Dir(rel), WeightType::kFp16, 5e-3);
-    CheckAgainstCpu(Dir(rel), WeightType::kBf16, 4e-2);
+    CheckAgainstCpu(Dir(rel), WeightType::kFp16, /*exact_attention=*/true, 5e-3);
+    CheckAgainstCpu(Dir(rel), WeightType::kBf16, /*exact_attention=*/true, 4e-2);
+    // The tensor cores' attention rounds Q, K, V and P to fp16 besides.
+    CheckAgainstCpu(Dir(rel), WeightType::kFp16, /*exact_attention=*/false, 1e-2);
+    CheckAgainstCpu(Dir(rel), WeightType::kBf16, /*exact_attention=*/false, 4e-2);
   }
 }
 
@@ -251,9 +260,26 @@ TEST_F(CudaLlamaGpuTest, APagedDecodeStepOverTheCpuEnginesBlocksFollowsTheCpu) {
     step.slots = batch;
     step.max_window = max_window;
     std::vector<float> got;
+    const uint64_t captures = gpu->graph_captures(), replays = gpu->graph_replays();
     absl::StatusOr<std::vector<uint32_t>> next = gpu->DecodePaged(step, &got);
+    // The same step again replays the captured graph (the window's append rewrites the same
+    // row), and a model that launches each kernel itself gives the same bits.
+    std::vector<float> replayed, eager;
+    absl::StatusOr<std::vector<uint32_t>> again = gpu->DecodePaged(step, &replayed);
+    auto plain =
+        *CudaLlamaModel::Upload(**host, {.weights = WeightType::kFp16, .cuda_graphs = false});
+    absl::StatusOr<std::vector<uint32_t>> eager_next = plain->DecodePaged(step, &eager);
     for (void* p : {d_pool, d_wk, d_wv, d_counts, d_tables}) cudaFree(p);
     ASSERT_TRUE(next.ok()) << next.status();
+    ASSERT_TRUE(again.ok()) << again.status();
+    ASSERT_TRUE(eager_next.ok()) << eager_next.status();
+    EXPECT_EQ(gpu->graph_captures(), captures + 1);
+    EXPECT_EQ(gpu->graph_replays(), replays + 1);
+    EXPECT_EQ(plain->graph_captures() + plain->graph_replays(), 0u);
+    EXPECT_TRUE(replayed == got) << "the replayed graph's logits differ";
+    EXPECT_TRUE(eager == got) << "the graph's logits differ from the kernels launched one by one";
+    EXPECT_EQ(*again, *next);
+    EXPECT_EQ(*eager_next, *next);
     const uint32_t V = c.vocab_size;
     ASSERT_EQ(got.size(), size_t(batch) * V);
     for (int b = 0; b < batch; ++b) {
