@@ -4,7 +4,7 @@
 # session.sh. There (carry build/gpu-bundle):
 #   STRATA_COMMIT=<commit> STRATA_DEADLINE_S=420 build/gpu-bundle/session.sh [STEP...]
 # STEPs (default: all, in this order): pages mma model common simt decode sdpa mbench mtorch
-# memcheck racecheck mmemcheck. A step starts only with >= 20 s left and is cut at the deadline.
+# memcheck racecheck opsmem opsrace mmemcheck. A step starts only with >= 20 s left and is cut at the deadline.
 # $OUT gets log.txt (every step's output) and results.tar.gz (the benchmarks' tables and JSON):
 # the device tool returns at most 8 files.
 set -uo pipefail
@@ -45,7 +45,7 @@ step() {
   [ "$r" = 0 ] || rc=1
 }
 steps=("$@")
-[ "${#steps[@]}" -gt 0 ] || steps=(pages mma model common simt decode sdpa mbench mtorch memcheck racecheck mmemcheck)
+[ "${#steps[@]}" -gt 0 ] || steps=(pages mma model common simt decode sdpa mbench mtorch memcheck racecheck opsmem opsrace mmemcheck)
 nvidia-smi -L >> "$log" 2>&1 || true
 for s in "${steps[@]}"; do
   case "$s" in
@@ -63,6 +63,10 @@ for s in "${steps[@]}"; do
                 --gtest_filter='PagedDecodeGpuTest.*' --gtest_brief=1 ;;
     racecheck) step racecheck 120 "$cs" --tool racecheck --error-exitcode 1 "$u/kernels_cuda_test" \
                  --gtest_filter='PagedDecodeGpuTest.*' --gtest_brief=1 ;;
+    opsmem) step opsmem 120 "$cs" --tool memcheck --error-exitcode 1 "$u/kernels_cuda_test" \
+              --gtest_filter='ModelOps*' --gtest_brief=1 ;;
+    opsrace) step opsrace 120 "$cs" --tool racecheck --error-exitcode 1 "$u/kernels_cuda_test" \
+               --gtest_filter='ModelOps*' --gtest_brief=1 ;;
     mmemcheck) step mmemcheck 150 "$cs" --tool memcheck --error-exitcode 1 "$u/model_cuda_test" \
                  --gtest_brief=1 ;;
     *) summary+=("$s: unknown step") ; rc=1 ;;
