@@ -1,12 +1,23 @@
 #!/usr/bin/env bash
-# One lent-GPU call that runs everything the bundle holds, most important first, inside a
-# deadline, and always returns its logs: scripts/gpu_bundle.sh copies it beside the bundle as
-# session.sh. There (carry build/gpu-bundle):
+# The one runner of the GPU bundle: runs the steps asked for (default: all), most important first,
+# inside a deadline, and always returns its logs. scripts/gpu_bundle.sh copies it beside the
+# bundle as session.sh (and writes quick.sh, model.sh and run.sh: this with chosen steps). There
+# (carry build/gpu-bundle):
 #   STRATA_COMMIT=<commit> STRATA_DEADLINE_S=420 build/gpu-bundle/session.sh [STEP...]
-# STEPs (default: all, in this order): pages mma model common simt decode sdpa mbench mtorch
-# memcheck racecheck opsmem opsrace mmemcheck. A step starts only with >= 20 s left and is cut at the deadline.
-# $OUT gets log.txt (every step's output) and results.tar.gz (the benchmarks' tables and JSON):
-# the device tool returns at most 8 files.
+# STEPs, in the default order:
+#   pages kernels model common   the GPU tests (kernels_cuda_test runs both paged decode kernels)
+#   decode sdpa                  cuda_decode_bench, and PyTorch's SDPA at the same shapes
+#   mbench mtorch                cuda_model_bench (8B shape), and PyTorch at the same shapes
+#   memcheck racecheck           compute-sanitizer on the paged decode tests
+#   opsmem opsrace               ... on the model ops' tests
+#   mmemcheck                    memcheck on the model's and the backend's tests
+#   nccl                         nccl_transport_test and nccl_bench (NCCL from /usr/local/cuda,
+#                                $NCCL_LIB_DIR or Python's nvidia.nccl)
+#   cpu                          where the CPU has AVX512-VNNI: kernels_test at 256 and 512 bits,
+#                                codec_bench's attention tables per integer path (not in the default)
+# A step starts only with >= 20 s left and is cut at the deadline. $OUT gets log.txt (every step's
+# output) and results.tar.gz (the benchmarks' tables and JSON): the device tool returns at most 8
+# files. The output's end: the benchmarks' tables, failures' lines, a line per step.
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 deadline="${STRATA_DEADLINE_S:-420}"
@@ -18,11 +29,16 @@ if [ ! -f "$u/.complete" ] || [ "$here/bundle.tar.xz" -nt "$u/.complete" ]; then
     { echo "session: cannot unpack $here/bundle.tar.xz" >&2; exit 1; }
 fi
 cp "$here"/*.py "$u/"
+# NCCL and cuBLAS are not in the bundle (hundreds of MB): the machine's own.
+nccl="${NCCL_LIB_DIR:-}"
+if [ -z "$nccl" ] && [ ! -e /usr/local/cuda/lib/libnccl.so.2 ]; then
+  nccl="$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null || true)"
+fi
 cublas="${CUBLAS_LIB_DIR:-}"
 if [ -z "$cublas" ] && [ ! -e /usr/local/cuda/lib64/libcublas.so.13 ]; then
   cublas="$(python3 -c 'import nvidia.cublas, os; print(os.path.join(list(nvidia.cublas.__path__)[0], "lib"))' 2>/dev/null || true)"
 fi
-export LD_LIBRARY_PATH="$u/lib${cublas:+:$cublas}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export LD_LIBRARY_PATH="$u/lib${nccl:+:$nccl}${cublas:+:$cublas}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 out="${OUT:-$here/out}"
 res="$out/results"
 mkdir -p "$res"
@@ -36,6 +52,13 @@ step() {
   local name="$1" limit="$2"; shift 2
   local left=$((deadline - SECONDS))
   if [ "$left" -lt 20 ]; then summary+=("$name: skipped (deadline)"); return; fi
+  local arg
+  for arg in "$@"; do  # a binary this bundle lacks (scripts/gpu_bundle.sh --cpu)
+    if [[ "$arg" == "$u/"* ]] && [ ! -e "$arg" ]; then
+      summary+=("$name: skipped (not in this bundle)")
+      return
+    fi
+  done
   [ "$limit" -gt "$left" ] && limit="$left"
   local t0=$SECONDS
   echo "== $name ($*)" >> "$log"
@@ -44,36 +67,64 @@ step() {
   summary+=("$name: exit $r, $((SECONDS - t0)) s")
   [ "$r" = 0 ] || rc=1
 }
+sanitize() {  # NAME TOOL BINARY FILTER
+  if [ ! -x "$cs" ]; then summary+=("$1: skipped (no compute-sanitizer)"); return; fi
+  step "$1" 150 "$cs" --tool "$2" --error-exitcode 1 "$u/$3" --gtest_filter="$4" --gtest_brief=1
+}
+torch() {  # NAME SCRIPT
+  if ! python3 -c 'import torch' 2>/dev/null; then summary+=("$1: skipped (no PyTorch)"); return; fi
+  step "$1" 150 python3 "$u/$2" --out "$res"
+}
+# The CPU's attention kernels where it has AVX512-VNNI: kernels_test as dispatched and with the
+# 512-bit kernels (bit for bit against AVX2); the attention table at 8k tokens per integer path
+# (AVX2, 256-bit VNNI, 512-bit), the compression table, 32k with VNNI and 512-bit.
+cpu_checks() {
+  if ! grep -qw avx512_vnni /proc/cpuinfo; then
+    summary+=("cpu: skipped (no AVX512-VNNI here)")
+    return
+  fi
+  echo "== cpu: $(grep -m1 'model name' /proc/cpuinfo), $(nproc) threads" >> "$log"
+  local zmm
+  for zmm in 0 1; do step "cpu kernels_test zmm=$zmm" 120 env STRATA_ZMM=$zmm "$u/cpu/kernels_test"; done
+  local run name envs args
+  for run in "avx2-8k|STRATA_ISA=avx2|--tables 2 --contexts 8192" \
+             "vnni-8k|STRATA_ZMM=0|--tables 2 --contexts 8192" \
+             "zmm-8k|STRATA_ZMM=1|--tables 2 --contexts 8192" \
+             "compress||--tables 1" \
+             "zmm-32k|STRATA_ZMM=1|--tables 2 --contexts 32768" \
+             "vnni-32k|STRATA_ZMM=0|--tables 2 --contexts 32768"; do
+    IFS='|' read -r name envs args <<< "$run"
+    mkdir -p "$res/$name"
+    # shellcheck disable=SC2086  # args and envs are word lists
+    step "cpu codec_bench $name" 300 env $envs "$u/cpu/codec_bench" $args --out "$res/$name" \
+      --commit "${STRATA_COMMIT:-unknown}"
+  done
+}
 steps=("$@")
-[ "${#steps[@]}" -gt 0 ] || steps=(pages mma model common simt decode sdpa mbench mtorch memcheck racecheck opsmem opsrace mmemcheck)
+[ "${#steps[@]}" -gt 0 ] || steps=(pages kernels model common decode sdpa mbench mtorch memcheck racecheck opsmem opsrace mmemcheck nccl)
 nvidia-smi -L >> "$log" 2>&1 || true
 for s in "${steps[@]}"; do
   case "$s" in
     pages) step pages 60 "$u/kernels_cuda_pages_test" --gtest_brief=1 ;;
-    mma) step mma 120 env STRATA_CUDA_DECODE=mma "$u/kernels_cuda_test" --gtest_brief=1 ;;
-    simt) step simt 120 env STRATA_CUDA_DECODE=simt "$u/kernels_cuda_test" --gtest_brief=1 \
-            --gtest_filter='PagedDecode*' ;;
-    model) step model 150 "$u/model_cuda_test" --gtest_brief=1 ;;
+    kernels) step kernels 180 "$u/kernels_cuda_test" --gtest_brief=1 ;;
+    model) step model 180 "$u/model_cuda_test" --gtest_brief=1 ;;
     common) step common 60 "$u/common_cuda_test" --gtest_brief=1 ;;
     decode) step decode 150 "$u/cuda_decode_bench" --out "$res" ;;
-    sdpa) step sdpa 120 python3 "$u/cuda_sdpa_bench.py" --out "$res" ;;
+    sdpa) torch sdpa cuda_sdpa_bench.py ;;
     mbench) step mbench 180 "$u/cuda_model_bench" --out "$res" ;;
-    mtorch) step mtorch 150 python3 "$u/cuda_model_torch.py" --out "$res" ;;
-    memcheck) step memcheck 120 "$cs" --tool memcheck --error-exitcode 1 "$u/kernels_cuda_test" \
-                --gtest_filter='PagedDecodeGpuTest.*' --gtest_brief=1 ;;
-    racecheck) step racecheck 120 "$cs" --tool racecheck --error-exitcode 1 "$u/kernels_cuda_test" \
-                 --gtest_filter='PagedDecodeGpuTest.*' --gtest_brief=1 ;;
-    opsmem) step opsmem 120 "$cs" --tool memcheck --error-exitcode 1 "$u/kernels_cuda_test" \
-              --gtest_filter='ModelOps*' --gtest_brief=1 ;;
-    opsrace) step opsrace 120 "$cs" --tool racecheck --error-exitcode 1 "$u/kernels_cuda_test" \
-               --gtest_filter='ModelOps*' --gtest_brief=1 ;;
-    mmemcheck) step mmemcheck 150 "$cs" --tool memcheck --error-exitcode 1 "$u/model_cuda_test" \
-                 --gtest_brief=1 ;;
-    *) summary+=("$s: unknown step") ; rc=1 ;;
+    mtorch) torch mtorch cuda_model_torch.py ;;
+    memcheck) sanitize memcheck memcheck kernels_cuda_test 'PagedDecodeGpuTest.*' ;;
+    racecheck) sanitize racecheck racecheck kernels_cuda_test 'PagedDecodeGpuTest.*' ;;
+    opsmem) sanitize opsmem memcheck kernels_cuda_test 'ModelOps*' ;;
+    opsrace) sanitize opsrace racecheck kernels_cuda_test 'ModelOps*' ;;
+    mmemcheck) sanitize mmemcheck memcheck model_cuda_test '*' ;;
+    nccl)
+      step nccl_test 120 "$u/nccl_transport_test" --gtest_brief=1
+      step nccl_bench 120 "$u/nccl_bench" --out "$res" --commit "${STRATA_COMMIT:-unknown}" ;;
+    cpu) cpu_checks ;;
+    *) summary+=("$s: unknown step"); rc=1 ;;
   esac
 done
-# The benchmarks' tables, shortened, then the failures' lines and the summary (the device tool's
-# reply holds the output's end).
 for f in "$res"/*.txt; do [ -f "$f" ] && { echo "-- $(basename "$f")"; grep -v '^ *$' "$f" | head -n 30; }; done
 tar -C "$out" -czf "$out/results.tar.gz" results && rm -rf "$res"
 grep -E '^\[  FAILED  \]|Failure|error:|Error|ERROR|nan|mismatch' "$log" | grep -v '^\[  FAILED  \] *[0-9]* test' | head -n 60

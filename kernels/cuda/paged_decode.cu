@@ -1,7 +1,5 @@
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
-#include <string_view>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/mma_ptx.cuh"
@@ -403,15 +401,11 @@ absl::Status AllowSharedBytes(KernelFn kernel, size_t smem) {
 #include "kernels/cuda/paged_decode_mma.cuh"
 
 // The tensor-core kernel takes tiles of whole 16-token slices, key groups of whole slices and
-// value groups of whole 32-channel blocks; other layouts (and STRATA_CUDA_DECODE=simt, for
+// value groups of whole 32-channel blocks; other layouts (and PagedKernel::kSimt, for
 // comparison) take the one-warp-per-query-head kernel.
-bool UseMma(const PagedKvLayout& L) {
-  static const bool simt = [] {
-    const char* e = std::getenv("STRATA_CUDA_DECODE");
-    return e != nullptr && std::string_view(e) == "simt";
-  }();
+bool UseMma(const PagedKvLayout& L, PagedKernel kernel) {
   const TileLayout T(L);
-  if (simt || T.tokens % kSlice != 0) return false;
+  if (kernel == PagedKernel::kSimt || T.tokens % kSlice != 0) return false;
   return L.format == PageFormat::kFp16 || (T.k_group % kSlice == 0 && L.v_group % 32 == 0);
 }
 
@@ -430,8 +424,8 @@ struct Plan {
 // The kernel for (D, F, KB, VB) and `L`, its shared memory and threads, with the kernel's
 // dynamic shared-memory limit raised to that.
 template <int D, PageFormat F, int KB, int VB>
-absl::Status MakePlan(const PagedKvLayout& L, int group, Plan* plan) {
-  if (UseMma(L)) {
+absl::Status MakePlan(const PagedKvLayout& L, int group, PagedKernel kernel, Plan* plan) {
+  if (UseMma(L, kernel)) {
     constexpr int kStages = MmaStages<F>();
     plan->kernel = MmaDecodeKernel<D, F, KB, VB, kStages>;
     plan->smem = MmaSmem<D>(TileLayout(L), kStages, group).total;
@@ -449,7 +443,7 @@ absl::Status Launch(const PagedKvLayout& L, const PagedDecodeArgs& a, int splits
                     cudaStream_t stream) {
   const int group = a.q_heads / L.kv_heads;
   Plan plan;
-  if (absl::Status s = MakePlan<D, F, KB, VB>(L, group, &plan); !s.ok()) return s;
+  if (absl::Status s = MakePlan<D, F, KB, VB>(L, group, a.kernel, &plan); !s.ok()) return s;
   float* part_acc = static_cast<float*>(a.workspace);
   float* part_ml = part_acc + static_cast<size_t>(a.batch) * a.q_heads * splits * D;
   const dim3 grid(splits, L.kv_heads, a.batch);
@@ -464,10 +458,10 @@ absl::Status Launch(const PagedKvLayout& L, const PagedDecodeArgs& a, int splits
 
 // Blocks of the (D, F, KB, VB) kernel that fit on one multiprocessor at once (0 if unknown).
 template <int D, PageFormat F, int KB, int VB>
-int ResidentBlocks(const PagedKvLayout& L, int group) {
+int ResidentBlocks(const PagedKvLayout& L, int group, PagedKernel kernel) {
   Plan plan;
   int blocks = 0;
-  if (!MakePlan<D, F, KB, VB>(L, group, &plan).ok() ||
+  if (!MakePlan<D, F, KB, VB>(L, group, kernel, &plan).ok() ||
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, plan.kernel, plan.threads,
                                                     plan.smem) != cudaSuccess) {
     return 0;
@@ -580,7 +574,7 @@ int ChooseSplits(const PagedKvLayout& layout, const PagedDecodeArgs& args, int m
   int per_sm = 0;
   if (layout.Validate().ok()) {
     auto resident = [&]<int D, PageFormat F, int KB, int VB>() {
-      return ResidentBlocks<D, F, KB, VB>(layout, group);
+      return ResidentBlocks<D, F, KB, VB>(layout, group, args.kernel);
     };
     per_sm = layout.head_dim == 64 ? DispatchBits<64>(layout, resident)
                                    : DispatchBits<128>(layout, resident);

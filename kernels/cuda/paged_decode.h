@@ -19,7 +19,7 @@
 // log-sum-exp in a second kernel. Two kernels: on the tensor cores (paged_decode_mma.cuh: four
 // warps over 16-token slices, the group's heads as rows of mma.sync products) for tiles of
 // 16-token multiples, key groups of 16-token multiples and value groups of 32-channel multiples;
-// otherwise, or with STRATA_CUDA_DECODE=simt, one warp per query head.
+// otherwise, or when asked (PagedDecodeArgs::kernel), one warp per query head.
 //
 // Device memory is the caller's: every pointer below is a device pointer. Launches go on `stream`
 // and report launch errors (cudaGetLastError) as absl::Status; they do not synchronize.
@@ -107,6 +107,10 @@ struct PagedKvLayout {
 // Codes pack low bits first: code i of a row sits in byte i * bits / 8 at bit (i * bits) % 8.
 // A dequantized key is k = scale * code + zero (fp32 arithmetic on the fp16 scale and zero).
 
+// Which kernel runs: the tensor cores' where the layout allows (kAuto), or the one-warp-per-query-
+// head kernel everywhere (kSimt: the tests run both; benchmarks compare them).
+enum class PagedKernel { kAuto, kSimt };
+
 struct PagedDecodeArgs {
   const uint8_t* pages = nullptr;      // the page pool: page p at pages + p * PageBytes()
   const int32_t* block_table = nullptr;  // [batch][max_pages]: page ids
@@ -129,6 +133,7 @@ struct PagedDecodeArgs {
   // WorkspaceBytes(batch, q_heads, head_dim, splits) bytes.
   int splits = 0;
   void* workspace = nullptr;
+  PagedKernel kernel = PagedKernel::kAuto;
 };
 
 size_t WorkspaceBytes(int batch, int q_heads, int head_dim, int splits);

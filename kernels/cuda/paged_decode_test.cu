@@ -2,7 +2,8 @@
 // codes dequantized exactly as the layout defines them), on fresh random inputs each run: pages
 // in a shuffled pool, sequences of different lengths (none, part of one split, many pages),
 // windows of every size, splits chosen and forced, GQA groups of 1 to 8, both head sizes, fp16
-// and 2/4-bit codes. Outputs are poisoned (NaN) before each run. Tests that need a GPU skip, and
+// and 2/4-bit codes, each case through both kernels (the tensor cores' where the layout allows, and
+// the SIMT one). Outputs are poisoned (NaN) before each run. Tests that need a GPU skip, and
 // say why, without one; the layout checks run everywhere.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -145,7 +146,7 @@ void FillHead(const PagedKvLayout& L, uint8_t* page, int h, std::mt19937& rng) {
   }
 }
 
-void RunCase(const Case& c, uint32_t seed) {
+void RunCaseWith(const Case& c, uint32_t seed, PagedKernel kernel) {
   const PagedKvLayout& L = c.layout;
   ASSERT_TRUE(L.Validate().ok()) << L.Validate();
   std::mt19937 rng(seed);
@@ -189,6 +190,7 @@ void RunCase(const Case& c, uint32_t seed) {
   Device<float> d_q(q.size()), d_out(q.size());
   const int max_pages_in_batch = *std::max_element(c.pages_per_seq.begin(), c.pages_per_seq.end());
   PagedDecodeArgs a;
+  a.kernel = kernel;
   a.batch = c.batch;
   a.q_heads = c.q_heads;
   a.max_pages = max_pages;
@@ -275,6 +277,14 @@ void RunCase(const Case& c, uint32_t seed) {
   const double nmse = ref2 > 0 ? err2 / ref2 : err2;
   EXPECT_LT(nmse, 1e-6) << "splits " << splits << ", worst |error| " << worst;
   EXPECT_LT(worst, 2e-3) << "splits " << splits;
+}
+
+// Both kernels on the same data: the tensor cores' (where the layout allows) and the SIMT one.
+void RunCase(const Case& c, uint32_t seed) {
+  for (PagedKernel kernel : {PagedKernel::kAuto, PagedKernel::kSimt}) {
+    SCOPED_TRACE(kernel == PagedKernel::kAuto ? "kernel: auto" : "kernel: simt");
+    RunCaseWith(c, seed, kernel);
+  }
 }
 
 PagedKvLayout Layout(PageFormat f, int head_dim, int kb = 4, int vb = 4) {
