@@ -3,6 +3,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "absl/synchronization/mutex.h"
 #include "model/cpu_backend.h"
 
 namespace strata::model {
@@ -24,15 +25,29 @@ absl::StatusOr<Device> ParseDevice(absl::string_view text) {
       absl::StrCat("device '", text, "': expected cpu, cuda or cuda:N"));
 }
 
+namespace {
+absl::Mutex cuda_loader_mu(absl::kConstInit);
+BackendLoader* const cuda_loader = new BackendLoader();  // guarded by cuda_loader_mu
+}  // namespace
+
+void SetCudaBackendLoader(BackendLoader loader) {
+  absl::MutexLock lock(&cuda_loader_mu);
+  *cuda_loader = std::move(loader);
+}
+
 absl::StatusOr<std::unique_ptr<ComputeBackend>> LoadComputeBackend(const std::string& model_dir,
                                                                    const Device& device) {
   if (device.kind == Device::Kind::kCuda) {
-    // The CUDA kernels (kernels/cuda/) exist; the model's forward pass and the device KV cache
-    // on them do not yet (issue 41).
+    BackendLoader loader;
+    {
+      absl::MutexLock lock(&cuda_loader_mu);
+      loader = *cuda_loader;
+    }
+    if (loader) return loader(model_dir, device);
     return absl::UnimplementedError(absl::StrCat(
         "device ", device.ToString(),
-        ": this version runs the model on the CPU only (the CUDA backend is not written yet); "
-        "use --device cpu"));
+        ": this binary has no CUDA backend (built without nvcc, or a tool that runs the model on "
+        "the CPU only); use --device cpu"));
   }
   absl::StatusOr<std::unique_ptr<LlamaModel>> model = LlamaModel::Load(model_dir);
   if (!model.ok()) return model.status();

@@ -112,9 +112,17 @@ class ComputeBackend {
       const LayerHook& hook = nullptr) const = 0;
 };
 
-// Loads the model in `model_dir` (config.json + safetensors) onto `device`. kUnimplemented for a
-// device this build or this version cannot run the model on, saying which and what to use.
+// Loads the model in `model_dir` (config.json + safetensors) onto `device`: the CPU backend, or
+// for a CUDA device the loader a binary linking the CUDA backend registered
+// (SetCudaBackendLoader; cluster/node_flags.cc does for the node mains). kUnimplemented for a
+// CUDA device without one, saying so and what to use.
 absl::StatusOr<std::unique_ptr<ComputeBackend>> LoadComputeBackend(const std::string& model_dir,
                                                                    const Device& device);
+
+using BackendLoader = std::function<absl::StatusOr<std::unique_ptr<ComputeBackend>>(
+    const std::string& model_dir, const Device& device)>;
+// The loader LoadComputeBackend uses for CUDA devices (model/cuda/cuda_backend.h's
+// LoadCudaBackend with the process's options); null: none. Thread-safe.
+void SetCudaBackendLoader(BackendLoader loader);
 
 }  // namespace strata::model

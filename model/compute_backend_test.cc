@@ -1,6 +1,6 @@
 // The compute backend seam: devices parse or are refused by name, the CPU backend computes what
 // LlamaModel computes (it is the reference), refuses caches of another device, and a CUDA device
-// is refused saying this version runs the model on the CPU only.
+// is refused, saying what to use, unless a CUDA loader is registered.
 #include "model/compute_backend.h"
 
 #include <memory>
@@ -37,6 +37,24 @@ TEST(ComputeBackendTest, ACudaDeviceIsRefusedSayingWhatToUse) {
   EXPECT_EQ(b.status().code(), absl::StatusCode::kUnimplemented);
   EXPECT_NE(b.status().message().find("cuda:1"), std::string::npos) << b.status();
   EXPECT_NE(b.status().message().find("--device cpu"), std::string::npos) << b.status();
+}
+
+// A registered CUDA loader gets CUDA devices (and only them); unregistered, the refusal again.
+TEST(ComputeBackendTest, ARegisteredCudaLoaderLoadsCudaDevices) {
+  std::vector<std::string> asked;
+  SetCudaBackendLoader([&](const std::string& dir,
+                           const Device& d) -> absl::StatusOr<std::unique_ptr<ComputeBackend>> {
+    asked.push_back(absl::StrCat(dir, " on ", d.ToString()));
+    return absl::ResourceExhaustedError("the loader ran");
+  });
+  EXPECT_EQ(LoadComputeBackend(kModel, *ParseDevice("cuda:2")).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(LoadComputeBackend(kModel, Device{}).ok());
+  ASSERT_EQ(asked.size(), 1u);
+  EXPECT_EQ(asked[0], absl::StrCat(kModel, " on cuda:2"));
+  SetCudaBackendLoader(nullptr);
+  EXPECT_EQ(LoadComputeBackend(kModel, *ParseDevice("cuda:2")).status().code(),
+            absl::StatusCode::kUnimplemented);
 }
 
 TEST(ComputeBackendTest, TheCpuBackendComputesWhatTheModelComputes) {

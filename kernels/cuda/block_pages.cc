@@ -103,13 +103,28 @@ absl::StatusOr<PagedKvLayout> PageLayoutForCodec(absl::string_view spec, uint32_
   absl::StatusOr<std::unique_ptr<Codec>> codec = Codec::Create(spec);
   if (!codec.ok()) return codec.status();
   const std::vector<float> zeros(static_cast<size_t>(tokens) * kv_heads * head_dim, 0.f);
-  absl::StatusOr<AlignedBuffer> block = (*codec)->Encode(
-      {zeros.data(), zeros.data(), SourceDType::kFloat32, tokens, kv_heads, head_dim},
-      {.layer = 0, .chunk_index = 1});  // not chunk 0: a sink would make parts
-  if (!block.ok()) return block.status();
-  absl::StatusOr<BlockView> view = BlockView::Parse(block->span());
-  if (!view.ok()) return view.status();
-  return PageLayoutFor(*view);
+  // Chunk 1's layout, then chunk 0's block checked against it: a codec whose first chunk is laid
+  // out otherwise (attention sinks make it two parts) cannot fill one pool.
+  absl::StatusOr<PagedKvLayout> layout;
+  for (const uint32_t chunk : {1u, 0u}) {
+    absl::StatusOr<AlignedBuffer> block = (*codec)->Encode(
+        {zeros.data(), zeros.data(), SourceDType::kFloat32, tokens, kv_heads, head_dim},
+        {.layer = 0, .chunk_index = chunk});
+    if (!block.ok()) return block.status();
+    absl::StatusOr<BlockView> view = BlockView::Parse(block->span());
+    if (!view.ok()) return view.status();
+    if (chunk == 1) {
+      layout = PageLayoutFor(*view);
+      if (!layout.ok()) return layout.status();
+    } else if (absl::StatusOr<PagedKvLayout> first = PageLayoutFor(*view); !first.ok()) {
+      return absl::UnimplementedError(absl::StrCat(
+          "GPU pages: ", spec, ": its first chunk's block: ", first.status().message()));
+    } else if (absl::Status s = CheckPage(*view, *layout); !s.ok()) {
+      return absl::UnimplementedError(
+          absl::StrCat("GPU pages: ", spec, ": its first chunk's block: ", s.message()));
+    }
+  }
+  return layout;
 }
 
 absl::Status CheckPage(const BlockView& block, const PagedKvLayout& layout) {

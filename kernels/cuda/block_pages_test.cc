@@ -185,6 +185,12 @@ TEST(BlockPagesTest, BlocksTheKernelsCannotReadAreRefusedSayingWhy) {
   absl::StatusOr<PagedKvLayout> S = PageLayoutFor(sinks->view());
   EXPECT_EQ(S.status().code(), absl::StatusCode::kUnimplemented);
   EXPECT_NE(S.status().message().find("parts"), std::string::npos) << S.status();
+  // A pool for such a codec is refused too, though its later chunks alone would fit one.
+  absl::StatusOr<PagedKvLayout> sink_pool =
+      PageLayoutForCodec("kivi:k4v4:g32:sink4", kTokens, kHeads, kDim);
+  EXPECT_EQ(sink_pool.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_NE(sink_pool.status().message().find("first chunk"), std::string::npos)
+      << sink_pool.status();
   // A page of another pool's layout is refused; one of the same codec and shape is not.
   std::unique_ptr<Block> kivi = Encode("kivi:k4v4:g32", 1, 5);
   absl::StatusOr<PagedKvLayout> same = PageLayoutForCodec("kivi:k4v4:g32", kTokens, kHeads, kDim);

@@ -365,7 +365,9 @@ absl::Status CudaLlamaModel::Forward(int n, int out_rows, const Attend& attend,
 }
 
 template <typename Attend>
-absl::Status CudaLlamaModel::ForwardOnDevice(int n, int out_rows, const Attend& attend) const {
+absl::Status CudaLlamaModel::ForwardOnDevice(
+    int n, int out_rows, const Attend& attend,
+    const std::function<absl::Status(uint32_t)>* after_layer) const {
   const ModelConfig& c = config_;
   Scratch& s = *scratch_;
   cudaStream_t st = Stream(stream_);
@@ -399,6 +401,10 @@ absl::Status CudaLlamaModel::ForwardOnDevice(int n, int out_rows, const Attend& 
     STRATA_RETURN_IF_ERROR(glu(s.g, s.u, size_t(n) * ff, s.h, st));
     STRATA_RETURN_IF_ERROR(Gemm(s.h, n, ff, l.w_down, hs, s.o));
     STRATA_RETURN_IF_ERROR(kc::AddInPlace(s.x, s.o, size_t(n) * hs, st));
+    if (after_layer != nullptr && *after_layer) {
+      STRATA_RETURN_IF_ERROR(CudaError(cudaStreamSynchronize(st), "layer"));
+      STRATA_RETURN_IF_ERROR((*after_layer)(li));
+    }
   }
   // The final norm and the vocabulary over the last out_rows rows; their greedy tokens.
   const int first = n - out_rows;
@@ -578,23 +584,35 @@ absl::StatusOr<std::vector<uint32_t>> CudaLlamaModel::DecodePaged(
     __half* wv = p.window_v + li * layer_window;
     STRATA_RETURN_IF_ERROR(
         kc::AppendWindow(s.k, s.v, d_slots, d_lens, n, KH, D, p.max_window, wk, wv, st));
+    if (p.save_kv != nullptr) {
+      const size_t rows_kv = size_t(n) * KH * D;
+      float* dst = p.save_kv + size_t(li) * 2 * rows_kv;
+      STRATA_RETURN_IF_ERROR(CudaError(
+          cudaMemcpyAsync(dst, s.k, rows_kv * 4, cudaMemcpyDeviceToDevice, st), "save K"));
+      STRATA_RETURN_IF_ERROR(
+          CudaError(cudaMemcpyAsync(dst + rows_kv, s.v, rows_kv * 4, cudaMemcpyDeviceToDevice, st),
+                    "save V"));
+    }
     kc::PagedDecodeArgs la = a;
     la.block_table = p.block_tables[li];
     la.window_k = wk;
     la.window_v = wv;
     return kc::PagedDecode(p.layout, la, p.max_pages_in_batch, st);
   };
+  const int out_rows = p.last_row_only ? 1 : n;
   auto on_device = [&]() -> absl::Status {
     STRATA_RETURN_IF_ERROR((bf16 ? Ops<__nv_bfloat16>::Embed : Ops<__half>::Embed)(
         embed_, s.ids, n, static_cast<int>(c.hidden_size), s.x, st));
-    return ForwardOnDevice(n, n, attend);
+    return ForwardOnDevice(n, out_rows, attend, &p.after_layer);
   };
-  STRATA_RETURN_IF_ERROR(EnsureLogits(n));
-  if (!options_.cuda_graphs) {
+  STRATA_RETURN_IF_ERROR(EnsureLogits(out_rows));
+  if (!options_.cuda_graphs || !p.graph || p.after_layer) {
     STRATA_RETURN_IF_ERROR(on_device());
   } else {
     // What the captured kernels hold: the shapes and every buffer's address.
     std::vector<uint64_t> key = {uint64_t(n),
+                                 uint64_t(out_rows),
+                                 reinterpret_cast<uint64_t>(p.save_kv),
                                  uint64_t(splits),
                                  uint64_t(p.max_pages_in_batch),
                                  uint64_t(p.max_pages),
@@ -606,7 +624,9 @@ absl::StatusOr<std::vector<uint32_t>> CudaLlamaModel::DecodePaged(
                                  reinterpret_cast<uint64_t>(p.window_v),
                                  reinterpret_cast<uint64_t>(paged_),
                                  reinterpret_cast<uint64_t>(s.block),
+                                 uint64_t(s.rows),
                                  reinterpret_cast<uint64_t>(s.logits),
+                                 uint64_t(s.logit_rows),
                                  uint64_t(p.layout.format),
                                  uint64_t(p.layout.page_tokens),
                                  uint64_t(p.layout.key_bits),
@@ -650,7 +670,7 @@ absl::StatusOr<std::vector<uint32_t>> CudaLlamaModel::DecodePaged(
         CudaError(cudaGraphLaunch(static_cast<cudaGraphExec_t>(graph_), st), "decode step graph"));
   }
   std::vector<int32_t> next;
-  STRATA_RETURN_IF_ERROR(Collect(n, &next, logits));
+  STRATA_RETURN_IF_ERROR(Collect(out_rows, &next, logits));
   return std::vector<uint32_t>(next.begin(), next.end());
 }
 

@@ -15,6 +15,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -110,12 +111,29 @@ class CudaLlamaModel {
     __half* window_k = nullptr;  // [layers][slots][kv_heads][max_window][head_dim]
     __half* window_v = nullptr;
     int slots = 0, max_window = 0;
+    // Where each layer's new K (after RoPE) and V rows go, when not null: device memory
+    // [layers][2][tokens][kv_heads * head_dim] fp32 (what a host-side cache appends).
+    float* save_kv = nullptr;
+    // Called after each layer, the stream synchronized (save_kv holds that layer's rows): a
+    // prefill node's per-layer compression. An error ends the step. Steps with it are never
+    // captured as graphs.
+    std::function<absl::Status(uint32_t layer)> after_layer;
+    bool last_row_only = false;  // logits (and the greedy token) of the last row only
+    // Capture the step as a CUDA graph (CudaModelOptions::cuda_graphs) and replay it while the
+    // shapes and buffers repeat: for decode steps, not for prefill pieces of changing sizes.
+    bool graph = true;
   };
-  // Returns each sequence's greedy next token; `logits`, when not null, gets [batch, vocab].
+  // Rows may repeat a sequence (its block table and window slot) with consecutive positions and
+  // window lengths: a prefill piece, each row attending to the window up to itself.
+  // Returns each row's greedy next token; `logits`, when not null, gets [rows, vocab] ([vocab]
+  // with last_row_only).
   // kInvalidArgument for inconsistent spans, a window with no room, or a layout that is not this
   // model's shape.
   absl::StatusOr<std::vector<uint32_t>> DecodePaged(const PagedStep& step,
                                                     std::vector<float>* logits = nullptr) const;
+  // The stream every step runs on (a cudaStream_t): a caller's copies into buffers that a step
+  // reads (pages, block tables, windows) go on it, so the step sees them.
+  void* stream() const { return stream_; }
   // CudaModelOptions' switches, changed between steps (the benchmarks time both ways).
   void SetCudaGraphs(bool on) { options_.cuda_graphs = on; }
   void SetExactAttention(bool on) { options_.exact_attention = on; }
@@ -145,7 +163,9 @@ class CudaLlamaModel {
   // inside one); the device work, stream-ordered only (capturable); the copies back and the wait.
   absl::Status EnsureLogits(int out_rows) const;
   template <typename Attend>
-  absl::Status ForwardOnDevice(int n, int out_rows, const Attend& attend) const;
+  absl::Status ForwardOnDevice(
+      int n, int out_rows, const Attend& attend,
+      const std::function<absl::Status(uint32_t)>* after_layer = nullptr) const;
   absl::Status Collect(int out_rows, std::vector<int32_t>* next, std::vector<float>* logits) const;
   absl::Status Gemm(const void* x, int rows, int in, const void* w, int out, float* y) const;
 
