@@ -34,6 +34,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "bench/eight_b_config.h"
 #include "kernels/cuda/block_pages.h"
 #include "kernels/cuda/model_ops.h"
 #include "model/config.h"
@@ -59,24 +60,6 @@ void Check(const absl::Status& s, const char* what) {
     std::fprintf(stderr, "cuda_model_bench: %s: %s\n", what, std::string(s.ToString()).c_str());
     std::exit(1);
   }
-}
-
-ModelConfig EightB() {
-  ModelConfig c;
-  c.vocab_size = 128256;
-  c.hidden_size = 4096;
-  c.intermediate_size = 14336;
-  c.num_layers = 32;
-  c.num_heads = 32;
-  c.num_kv_heads = 8;
-  c.head_dim = 128;
-  c.max_position_embeddings = 131072;
-  c.rope_theta = 500000;
-  c.rms_norm_eps = 1e-5;
-  c.torch_dtype = "bfloat16";
-  c.bos_token_id = 128000;
-  c.eos_token_id = 128001;
-  return c;
 }
 
 // Median milliseconds of `runs` runs of `fn` after 2 warm-up runs, timed with CUDA events on the
@@ -182,7 +165,7 @@ int main(int argc, char** argv) {
     cudaFree(C);
   }
 
-  const ModelConfig cfg = EightB();
+  const ModelConfig cfg = strata::bench::EightBConfig();
   absl::StatusOr<std::unique_ptr<CudaLlamaModel>> model = CudaLlamaModel::Random(cfg, {});
   Check(model.status(), "the 8B-shaped model");
   const double weight_bytes = static_cast<double>((*model)->weight_bytes());

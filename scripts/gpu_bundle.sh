@@ -17,7 +17,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 targets=(common_cuda_test kernels_cuda_test kernels_cuda_pages_test model_cuda_test
-         nccl_transport_test nccl_bench cuda_decode_bench cuda_model_bench)
+         nccl_transport_test nccl_bench cuda_decode_bench cuda_model_bench cuda_backend_bench)
 case "${1:-}" in
   --cpu) targets=() ;;
   "") ;;
@@ -61,10 +61,10 @@ wrapper() {  # NAME STEPS...
   printf '#!/usr/bin/env bash\nexec "$(dirname "$0")/session.sh" %s "$@"\n' "$*" > "$out/$name"
   chmod +x "$out/$name"
 }
-wrapper run.sh pages kernels model common decode sdpa mbench mtorch memcheck racecheck opsmem \
-  opsrace mmemcheck nccl cpu
+wrapper run.sh pages kernels model common decode sdpa mbench mtorch bbench memcheck racecheck \
+  opsmem opsrace mmemcheck nccl cpu
 wrapper quick.sh pages kernels memcheck racecheck decode sdpa
-wrapper model.sh model kernels mmemcheck mbench mtorch
+wrapper model.sh model kernels mmemcheck mbench mtorch bbench
 
 # Everything but the scripts, packed (the binaries and Debian's libraries are several times the
 # carry limit unpacked).

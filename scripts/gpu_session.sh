@@ -8,6 +8,8 @@
 #   pages kernels model common   the GPU tests (kernels_cuda_test runs both paged decode kernels)
 #   decode sdpa                  cuda_decode_bench, and PyTorch's SDPA at the same shapes
 #   mbench mtorch                cuda_model_bench (8B shape), and PyTorch at the same shapes
+#   bbench                       cuda_backend_bench: the serving path (TTFT with an adopted prefix,
+#                                prefill in chunk pieces, StepBatch decode) at the 8B shape
 #   memcheck racecheck           compute-sanitizer on the paged decode tests
 #   opsmem opsrace               ... on the model ops' tests
 #   mmemcheck                    memcheck on the model's and the backend's tests
@@ -101,7 +103,7 @@ cpu_checks() {
   done
 }
 steps=("$@")
-[ "${#steps[@]}" -gt 0 ] || steps=(pages kernels model common decode sdpa mbench mtorch memcheck racecheck opsmem opsrace mmemcheck nccl)
+[ "${#steps[@]}" -gt 0 ] || steps=(pages kernels model common decode sdpa mbench mtorch bbench memcheck racecheck opsmem opsrace mmemcheck nccl)
 nvidia-smi -L >> "$log" 2>&1 || true
 for s in "${steps[@]}"; do
   case "$s" in
@@ -113,6 +115,7 @@ for s in "${steps[@]}"; do
     sdpa) torch sdpa cuda_sdpa_bench.py ;;
     mbench) step mbench 180 "$u/cuda_model_bench" --out "$res" ;;
     mtorch) torch mtorch cuda_model_torch.py ;;
+    bbench) step bbench 240 "$u/cuda_backend_bench" --out "$res" ;;
     memcheck) sanitize memcheck memcheck kernels_cuda_test 'PagedDecodeGpuTest.*' ;;
     racecheck) sanitize racecheck racecheck kernels_cuda_test 'PagedDecodeGpuTest.*' ;;
     opsmem) sanitize opsmem memcheck kernels_cuda_test 'ModelOps*' ;;

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <mutex>
 #include <utility>
 #include <vector>
@@ -94,11 +95,14 @@ class CudaKvCache final : public KvCache {
 
 class CudaBackend final : public ComputeBackend {
  public:
-  static absl::StatusOr<std::unique_ptr<CudaBackend>> Make(const LlamaModel& host,
-                                                           const CudaBackendOptions& options) {
+  // The backend over the model `make` uploads or makes (once the shape is checked), of
+  // `config`'s shape, whose blocks are named by `fingerprint`.
+  static absl::StatusOr<std::unique_ptr<CudaBackend>> Make(
+      const ModelConfig& config, uint64_t fingerprint, const CudaBackendOptions& options,
+      const std::function<absl::StatusOr<std::unique_ptr<CudaLlamaModel>>()>& make) {
     std::unique_ptr<CudaBackend> b(new CudaBackend());
-    b->config_ = host.config();
-    b->fingerprint_ = host.fingerprint();
+    b->config_ = config;
+    b->fingerprint_ = fingerprint;
     b->options_ = options;
     const ModelConfig& c = b->config_;
     if (c.head_dim != 64 && c.head_dim != 128) {
@@ -114,10 +118,7 @@ class CudaBackend final : public ComputeBackend {
     if (options.max_sequences == 0) {
       return absl::InvalidArgumentError("cuda backend: max_sequences must be at least 1");
     }
-    STRATA_ASSIGN_OR_RETURN(b->gpu_,
-                            CudaLlamaModel::Upload(host, {.device = options.device,
-                                                          .weights = options.weights,
-                                                          .cuda_graphs = options.cuda_graphs}));
+    STRATA_ASSIGN_OR_RETURN(b->gpu_, make());
     return b;
   }
   ~CudaBackend() override {
@@ -610,9 +611,27 @@ void CudaKvCache::Clear() {
 
 }  // namespace
 
+namespace {
+CudaModelOptions ModelOptions(const CudaBackendOptions& o) {
+  return {.device = o.device, .weights = o.weights, .cuda_graphs = o.cuda_graphs};
+}
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<ComputeBackend>> MakeCudaBackend(const LlamaModel& host,
                                                                 const CudaBackendOptions& options) {
-  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<CudaBackend> b, CudaBackend::Make(host, options));
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<CudaBackend> b,
+                          CudaBackend::Make(host.config(), host.fingerprint(), options, [&] {
+                            return CudaLlamaModel::Upload(host, ModelOptions(options));
+                          }));
+  return std::unique_ptr<ComputeBackend>(std::move(b));
+}
+
+absl::StatusOr<std::unique_ptr<ComputeBackend>> MakeRandomCudaBackend(
+    const ModelConfig& config, const CudaBackendOptions& options, uint64_t seed) {
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<CudaBackend> b,
+                          CudaBackend::Make(config, /*fingerprint=*/seed, options, [&] {
+                            return CudaLlamaModel::Random(config, ModelOptions(options), seed);
+                          }));
   return std::unique_ptr<ComputeBackend>(std::move(b));
 }
 

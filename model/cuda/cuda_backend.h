@@ -58,6 +58,11 @@ struct CudaBackendOptions {
 absl::StatusOr<std::unique_ptr<ComputeBackend>> MakeCudaBackend(const LlamaModel& host,
                                                                 const CudaBackendOptions& options);
 
+// A backend over a model of `config`'s shape with pseudo-random weights made on the device (the
+// benchmarks' 8B shape needs no checkpoint); its blocks are named by `seed`. Errors as above.
+absl::StatusOr<std::unique_ptr<ComputeBackend>> MakeRandomCudaBackend(
+    const ModelConfig& config, const CudaBackendOptions& options, uint64_t seed = 1);
+
 // Loads the checkpoint in `model_dir` and makes the backend on `device` (options.device is
 // replaced by device.index).
 absl::StatusOr<std::unique_ptr<ComputeBackend>> LoadCudaBackend(const std::string& model_dir,
