@@ -28,6 +28,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "bench/bench_util.h"
+#include "common/cpu_features.h"
 #include "common/half.h"
 #include "common/status_macros.h"
 #include "common/thread_pool.h"
@@ -183,7 +184,10 @@ constexpr char kUsage[] =
     "                   [--contexts 8192,32768] [--codecs a,b,...] [--tables 1,2,3]\n"
     "                   [--threads N (the 'all threads' runs; default one per hardware thread)]\n"
     "                   [--split TOKENS (attention's flash-decoding part size; default the "
-    "kernel's)]\n";
+    "kernel's)]\n"
+    "                   [--isa native|avx2|portable (hide the CPU's features above it)]\n"
+    "                   [--integer_dot auto|avx2+vpmaddubsw|avx2+avx-vnni|avx2+avx512-vnni|"
+    "avx512-vnni-zmm]\n";
 
 int Main(int argc, char** argv) {
   // Keep freed memory in the heap: codecs allocate per-chunk scratch, and glibc's default of
@@ -196,6 +200,7 @@ int Main(int argc, char** argv) {
   bool table[4] = {false, true, true, true};
   int threads = 0;
   uint32_t split = kernels::DecodeAttentionOptions{}.tokens_per_split;
+  std::string isa = "native", integer_dot = "auto";
   int exit_code = 0;
   const auto flags = FlagPairs(argc, argv, kUsage, &exit_code);
   if (!flags) return exit_code;
@@ -226,6 +231,10 @@ int Main(int argc, char** argv) {
         std::fprintf(stderr, "bad --split '%s' (tokens, >= 1)\n", val.c_str());
         return 2;
       }
+    } else if (flag == "--isa") {
+      isa = val;
+    } else if (flag == "--integer_dot") {
+      integer_dot = val;
     } else if (flag == "--contexts") {
       contexts.clear();
       for (absl::string_view s : absl::StrSplit(val, ',')) {
@@ -240,6 +249,17 @@ int Main(int argc, char** argv) {
       std::fprintf(stderr, "unknown flag %s\n%s", flag.c_str(), kUsage);
       return 2;
     }
+  }
+  // Before any kernel reads the CPU's features.
+  IsaCap cap;
+  if (!ParseIsaCap(isa, &cap)) {
+    std::fprintf(stderr, "bad --isa '%s' (native, avx2 or portable)\n", isa.c_str());
+    return 2;
+  }
+  CapCpuFeatures(cap);
+  if (!kernels::SelectIntegerDot(integer_dot)) {
+    std::fprintf(stderr, "--integer_dot '%s': not a path this CPU runs\n", integer_dot.c_str());
+    return 2;
   }
   const RunInfo info = CollectRunInfo(commit);
   ThreadPool pool(threads), one(1);
@@ -485,10 +505,9 @@ int Main(int argc, char** argv) {
                                .Raw("attention", JsonArray(j_attention))
                                .Raw("error", JsonArray(j_error))
                                .Done();
-  // A run with the CPU features capped (STRATA_ISA=avx2), or with the 512-bit integer kernels
-  // (the path "avx512-vnni-zmm": STRATA_ZMM=1 on an AVX512-VNNI CPU), gets a file of its own.
-  const char* isa = std::getenv("STRATA_ISA");
-  std::string tag = isa != nullptr && *isa != '\0' ? absl::StrCat("isa-", isa) : "";
+  // A run with the CPU features capped (--isa avx2), or with the 512-bit integer kernels (the
+  // path "avx512-vnni-zmm": --integer_dot on an AVX512-VNNI CPU), gets a file of its own.
+  std::string tag = isa != "native" ? absl::StrCat("isa-", isa) : "";
   if (std::string_view(kernels::DecodeAttentionPath()) == "avx512-vnni-zmm") {
     absl::StrAppend(&tag, tag.empty() ? "" : "-", "zmm");
   }

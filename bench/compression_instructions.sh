@@ -20,8 +20,8 @@ out="$(mktemp -d)"
 trap 'rm -rf "$out"' EXIT
 # count BIN CODEC: the run's instructions (Ir).
 count() {
-  STRATA_ISA="${STRATA_ISA:-avx2}" valgrind --tool=callgrind --callgrind-out-file="$out/cg" \
-    "$1" --tables 1 --codecs "$2" --out "$out" >/dev/null 2>"$out/valgrind.txt"
+  valgrind --tool=callgrind --callgrind-out-file="$out/cg" \
+    "$1" --tables 1 --codecs "$2" --isa "${ISA:-avx2}" --out "$out" >/dev/null 2>"$out/valgrind.txt"
   grep -o 'refs: *[0-9,]*' "$out/valgrind.txt" | tr -d 'refs:, '
 }
 echo "# codec_bench --tables 1 under callgrind, instructions less the fp16 run's; $(date -u +%F)"

@@ -22,9 +22,9 @@ out="$(mktemp -d)"
 trap 'rm -rf "$out"' EXIT
 echo "# codec_bench --tables 2 --codecs $codecs --contexts 2048 under callgrind;"
 echo "# collected in: $pattern; commit $(git rev-parse --short HEAD)$(git diff --quiet || echo +)"
-STRATA_ISA="${STRATA_ISA:-avx2}" valgrind --tool=callgrind --callgrind-out-file="$out/cg" \
+valgrind --tool=callgrind --callgrind-out-file="$out/cg" \
   --toggle-collect="$pattern" "$build/bench/codec_bench" --tables 2 --codecs "$codecs" \
-  --contexts 2048 --out "$out" >"$out/bench.txt" 2>"$out/valgrind.txt"
+  --contexts 2048 --isa "${ISA:-avx2}" --out "$out" >"$out/bench.txt" 2>"$out/valgrind.txt"
 # Each line of callgrind_annotate is "Ir  file:function [object]"; sum by function.
 callgrind_annotate --show-percs=no --inclusive=no --auto=no "$out/cg" |
   grep -E '^ *[0-9,]+ +[^ ]' |

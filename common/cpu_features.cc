@@ -4,9 +4,8 @@
 #include <cpuid.h>
 #endif
 
+#include <atomic>
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
 #include <string_view>
 
 namespace strata {
@@ -47,27 +46,40 @@ CpuFeatures Detect() {
     if (family < 0x19) f.fast_pext = false;
   }
 #endif
-  // STRATA_ISA caps what the kernels may use, to measure a slower path on a faster machine:
-  // "portable" (none of these), "avx2" (AVX2+FMA+F16C, no VNNI, no AVX-512).
-  if (const char* cap = std::getenv("STRATA_ISA"); cap != nullptr) {
-    const std::string_view v(cap);
-    if (v == "portable" || v == "avx2") {
-      f.avx512f = f.avx512bw = f.avx512vl = f.avx512vnni = f.avx_vnni = false;
-      if (v == "portable") f.bmi2 = f.fast_pext = false;
-    }
-    if (v == "portable") f.avx = f.avx2 = f.fma = f.f16c = false;
-    if (v != "portable" && v != "avx2" && !v.empty()) {
-      std::fprintf(stderr, "STRATA_ISA=%s ignored (portable or avx2)\n", cap);
-    }
-  }
+  return f;
+}
+
+std::atomic<int> isa_cap{static_cast<int>(IsaCap::kNative)};
+
+CpuFeatures Capped(CpuFeatures f, IsaCap cap) {
+  if (cap == IsaCap::kNative) return f;
+  f.avx512f = f.avx512bw = f.avx512vl = f.avx512vnni = f.avx_vnni = false;
+  if (cap == IsaCap::kPortable) f.avx = f.avx2 = f.fma = f.f16c = f.bmi2 = f.fast_pext = false;
   return f;
 }
 
 }  // namespace
 
-const CpuFeatures& GetCpuFeatures() {
-  static const CpuFeatures features = Detect();
-  return features;
+CpuFeatures GetCpuFeatures() {
+  static const CpuFeatures detected = Detect();
+  return Capped(detected, CpuFeaturesCap());
 }
+
+bool ParseIsaCap(std::string_view text, IsaCap* cap) {
+  if (text == "native") {
+    *cap = IsaCap::kNative;
+  } else if (text == "avx2") {
+    *cap = IsaCap::kAvx2;
+  } else if (text == "portable") {
+    *cap = IsaCap::kPortable;
+  } else {
+    return false;
+  }
+  return true;
+}
+
+IsaCap CpuFeaturesCap() { return static_cast<IsaCap>(isa_cap.load()); }
+
+void CapCpuFeatures(IsaCap cap) { isa_cap.store(static_cast<int>(cap)); }
 
 }  // namespace strata

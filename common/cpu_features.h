@@ -3,6 +3,8 @@
 // registers (XSAVE state enabled), so "avx2" means usable, not merely present.
 #pragma once
 
+#include <string_view>
+
 namespace strata {
 
 struct CpuFeatures {
@@ -21,10 +23,22 @@ struct CpuFeatures {
                             // microcodes them at hundreds of cycles each)
 };
 
-// The environment variable STRATA_ISA=avx2 (or =portable) hides the features above it, so that a
-// benchmark can measure the slower kernels on a machine that has more.
+// Detected once (on first use), with the cap below applied; thread-safe.
+CpuFeatures GetCpuFeatures();
 
-// Detected on first use; thread-safe.
-const CpuFeatures& GetCpuFeatures();
+// Hiding features the CPU has, so that a benchmark measures (codec_bench --isa) or a test runs
+// (kernels_test --strata_isa) the slower kernels on a machine that has faster ones:
+//   kNative: nothing hidden;
+//   kAvx2: AVX2 + FMA + F16C + BMI2, no VNNI, no AVX-512;
+//   kPortable: none of the vector features or BMI2.
+enum class IsaCap { kNative, kAvx2, kPortable };
+// "native", "avx2" or "portable"; false for anything else.
+bool ParseIsaCap(std::string_view text, IsaCap* cap);
+// Caps what GetCpuFeatures reports from now on. Call at start (a process's flags), before any
+// kernel runs: the kernels read the features once, at their first use. (The fp16 conversions and
+// CRC-32C read theirs before main; they give the same bits either way.)
+void CapCpuFeatures(IsaCap cap);
+// The cap in effect (kNative unless CapCpuFeatures set another).
+IsaCap CpuFeaturesCap();
 
 }  // namespace strata

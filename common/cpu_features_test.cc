@@ -29,5 +29,30 @@ TEST(CpuFeaturesTest, AgreesWithTheCompilerRuntime) {
   }
 }
 
+// The cap is named by text and hides what it names; native again shows everything.
+TEST(CpuFeaturesTest, ACapHidesTheFeaturesAboveIt) {
+  IsaCap cap = IsaCap::kPortable;
+  ASSERT_TRUE(ParseIsaCap("native", &cap));
+  EXPECT_EQ(cap, IsaCap::kNative);
+  ASSERT_TRUE(ParseIsaCap("avx2", &cap));
+  EXPECT_EQ(cap, IsaCap::kAvx2);
+  ASSERT_TRUE(ParseIsaCap("portable", &cap));
+  EXPECT_EQ(cap, IsaCap::kPortable);
+  for (const char* bad : {"", "AVX2", "avx512", "sse"}) EXPECT_FALSE(ParseIsaCap(bad, &cap)) << bad;
+  const CpuFeatures native = GetCpuFeatures();
+  CapCpuFeatures(IsaCap::kAvx2);
+  const CpuFeatures avx2 = GetCpuFeatures();
+  CapCpuFeatures(IsaCap::kPortable);
+  const CpuFeatures portable = GetCpuFeatures();
+  CapCpuFeatures(IsaCap::kNative);
+  EXPECT_EQ(CpuFeaturesCap(), IsaCap::kNative);
+  EXPECT_EQ(GetCpuFeatures().avx512f, native.avx512f);
+  EXPECT_EQ(avx2.avx2, native.avx2);
+  EXPECT_EQ(avx2.bmi2, native.bmi2);
+  EXPECT_FALSE(avx2.avx512f || avx2.avx512vnni || avx2.avx_vnni);
+  EXPECT_FALSE(portable.avx || portable.avx2 || portable.fma || portable.f16c || portable.bmi2);
+  EXPECT_EQ(portable.sse42, native.sse42);
+}
+
 }  // namespace
 }  // namespace strata

@@ -791,6 +791,20 @@ const char* DecodeAttentionPath() {
   return "avx2+vpmaddubsw";
 }
 
+bool SelectIntegerDot(std::string_view name) {
+  using internal::IntegerIsa;
+  if (name == "auto") return internal::SetIntegerIsa(std::nullopt);
+  const std::pair<std::string_view, IntegerIsa> names[] = {
+      {"avx2+vpmaddubsw", IntegerIsa::kAvx2},
+      {"avx2+avx-vnni", IntegerIsa::kAvxVnni},
+      {"avx2+avx512-vnni", IntegerIsa::kAvx512Vnni},
+      {"avx512-vnni-zmm", IntegerIsa::kAvx512Zmm}};
+  for (const auto& [n, isa] : names) {
+    if (n == name) return HaveAvx2() && internal::SetIntegerIsa(isa);
+  }
+  return false;
+}
+
 absl::Status DecodeAttention(const DecodeAttentionParams& params,
                              absl::Span<const DecodeSequence> batch,
                              const DecodeAttentionOptions& options) {

@@ -25,6 +25,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string_view>
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
@@ -114,9 +115,15 @@ bool DecodeAttentionUsesAvx2();
 
 // The kernels kAuto runs on this CPU, for benchmarks to record: "portable", or "avx2" and the
 // integer dot product of the int8-query key scores ("avx2+vpmaddubsw", "avx2+avx-vnni",
-// "avx2+avx512-vnni", or with STRATA_ZMM=1 on such a CPU "avx512-vnni-zmm": the 2- and 4-bit
-// integer kernels in 512-bit registers). STRATA_ISA=avx2 in the environment caps it at
-// "avx2+vpmaddubsw".
+// "avx2+avx512-vnni", or where selected on such a CPU "avx512-vnni-zmm": the 2- and 4-bit integer
+// kernels in 512-bit registers). A cap on the CPU's features (CapCpuFeatures, IsaCap::kAvx2)
+// makes it "avx2+vpmaddubsw".
 const char* DecodeAttentionPath();
+
+// The integer dot product the kernels use from now on, by DecodeAttentionPath's name of it
+// ("avx2+vpmaddubsw", "avx2+avx-vnni", "avx2+avx512-vnni", "avx512-vnni-zmm"), or "auto" for the
+// CPU's best: benchmarks compare the paths (codec_bench --integer_dot). False, changing nothing,
+// for a name this CPU cannot run or that is none of these. Not while attention runs elsewhere.
+bool SelectIntegerDot(std::string_view name);
 
 }  // namespace strata::kernels

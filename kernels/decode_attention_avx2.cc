@@ -1130,7 +1130,7 @@ bool IntegerValues(const Segment& seg, const HeadGroupState& st) {
 }  // namespace
 
 namespace {
-// SetIntegerIsaForTesting's choice (an IntegerIsa), or -1 for the CPU's best.
+// SetIntegerIsa's choice (an IntegerIsa), or -1 for the CPU's best.
 std::atomic<int> integer_isa_override{-1};
 }  // namespace
 
@@ -1151,7 +1151,7 @@ bool IntegerIsaRuns(IntegerIsa isa) {
   return false;
 }
 
-bool SetIntegerIsaForTesting(std::optional<IntegerIsa> isa) {
+bool SetIntegerIsa(std::optional<IntegerIsa> isa) {
   if (isa.has_value() && !IntegerIsaRuns(*isa)) return false;
   integer_isa_override.store(isa.has_value() ? static_cast<int>(*isa) : -1,
                              std::memory_order_relaxed);
@@ -1162,14 +1162,8 @@ IntegerIsa IntegerDotIsa() {
   if (const int o = integer_isa_override.load(std::memory_order_relaxed); o >= 0) {
     return static_cast<IntegerIsa>(o);
   }
-  if (IntegerIsaRuns(IntegerIsa::kAvx512Vnni)) {
-    // The 512-bit kernels only where asked for (see IntegerIsa), read once.
-    static const bool zmm = [] {
-      const char* v = std::getenv("STRATA_ZMM");
-      return v != nullptr && std::string_view(v) == "1";
-    }();
-    return zmm ? IntegerIsa::kAvx512Zmm : IntegerIsa::kAvx512Vnni;
-  }
+  // The 512-bit kernels only where asked for (see IntegerIsa).
+  if (IntegerIsaRuns(IntegerIsa::kAvx512Vnni)) return IntegerIsa::kAvx512Vnni;
   if (IntegerIsaRuns(IntegerIsa::kAvxVnni)) return IntegerIsa::kAvxVnni;
   return IntegerIsa::kAvx2;
 }

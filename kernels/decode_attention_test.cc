@@ -9,8 +9,10 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <string_view>
 #include <vector>
 
+#include "common/cpu_features.h"
 #include "common/thread_pool.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -478,6 +480,28 @@ TEST(DecodeAttentionTest, TadaHeadMeansAreReadOncePerBlockForAllKvHeads) {
   }
 }
 
+// Under a cap on the CPU's features (the CTest entry kernels.decode_attention_avx2_only runs
+// these tests with --strata_isa=avx2) the kernels are the capped ones; as dispatched, never the
+// 512-bit integer kernels unless selected. SelectIntegerDot takes the paths' names.
+TEST(DecodeAttentionTest, TheKernelsFollowTheCapAndTheSelection) {
+  const std::string_view path = DecodeAttentionPath();
+  if (CpuFeaturesCap() == IsaCap::kAvx2) {
+    EXPECT_TRUE(path == "avx2+vpmaddubsw" || path == "portable") << path;
+  }
+  if (CpuFeaturesCap() == IsaCap::kPortable) {
+    EXPECT_EQ(path, "portable");
+  }
+  EXPECT_NE(path, "avx512-vnni-zmm");
+  EXPECT_FALSE(SelectIntegerDot("vnni"));
+  EXPECT_EQ(DecodeAttentionPath(), path);
+  if (path != "portable") {
+    ASSERT_TRUE(SelectIntegerDot("avx2+vpmaddubsw"));
+    EXPECT_EQ(std::string_view(DecodeAttentionPath()), "avx2+vpmaddubsw");
+    EXPECT_TRUE(SelectIntegerDot("auto"));
+    EXPECT_EQ(DecodeAttentionPath(), path);
+  }
+}
+
 TEST(DecodeAttentionTest, IntegerKernelsAreTheSameBitsOnEveryInstructionSet) {
   // The integer kernels sum the same integers with vpmaddubsw (AVX2), with vpdpbusd / vpdpwssd
   // (VNNI) and in 512-bit registers, then take the same float steps: their outputs are the same
@@ -486,7 +510,7 @@ TEST(DecodeAttentionTest, IntegerKernelsAreTheSameBitsOnEveryInstructionSet) {
   // machine tests their code, and each with the instructions themselves where the CPU has them.
   if (!DecodeAttentionUsesAvx2()) GTEST_SKIP() << "no AVX2: no integer kernels on this CPU";
   struct Reset {
-    ~Reset() { internal::SetIntegerIsaForTesting(std::nullopt); }
+    ~Reset() { internal::SetIntegerIsa(std::nullopt); }
   } reset;
   using internal::IntegerIsa;
   std::vector<IntegerIsa> isas = {IntegerIsa::kEmulatedVnni, IntegerIsa::kEmulatedZmm};
@@ -521,7 +545,7 @@ TEST(DecodeAttentionTest, IntegerKernelsAreTheSameBitsOnEveryInstructionSet) {
           batch.push_back(s->seq);
           batch.back().out = outs.back().data();
         }
-        EXPECT_TRUE(internal::SetIntegerIsaForTesting(isa.value_or(IntegerIsa::kAvx2)));
+        EXPECT_TRUE(internal::SetIntegerIsa(isa.value_or(IntegerIsa::kAvx2)));
         const absl::Status st = DecodeAttention(
             params, batch, {AttentionImpl::kAvx2, 40, &pool, /*integer_dot=*/isa.has_value()});
         EXPECT_TRUE(st.ok()) << st;

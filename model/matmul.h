@@ -31,7 +31,7 @@ inline constexpr int kRowInvariantRows = 64;
 void MatMul(const float* x, int rows, int in, const float* w, int out, float* y, ThreadPool& pool);
 
 // Every row's result independent of the other rows, for any number of rows. Takes the AVX2+FMA
-// code where the CPU has it (and STRATA_ISA does not hide it), the portable code otherwise: the
+// code where the CPU has it (and CapCpuFeatures does not hide it), the portable code otherwise: the
 // two give the same bits.
 void MatMulRowInvariant(const float* x, int rows, int in, const float* w, int out, float* y,
                         ThreadPool& pool);

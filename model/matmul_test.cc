@@ -61,7 +61,8 @@ TEST(MatMulTest, MatchesDoubleReference) {
 // The vector code follows the specification bit for bit, on one thread or split over several.
 TEST(MatMulTest, RowInvariantVectorCodeEqualsPortable) {
   if (!GetCpuFeatures().avx2 || !GetCpuFeatures().fma) {
-    GTEST_SKIP() << "no AVX2+FMA here (or STRATA_ISA hides it): only the portable code runs";
+    GTEST_SKIP() << "no AVX2+FMA here (or a cap on the CPU's features hides it): only the portable "
+                    "code runs";
   }
   std::mt19937 rng(2);
   ThreadPool one(1), three(3);

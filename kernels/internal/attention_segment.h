@@ -65,19 +65,21 @@ void ScoresAvx2(const Segment& seg, HeadGroupState& st);
 
 // Which integer dot product the AVX2 kernels' integer paths (keys and values) use on this CPU.
 // kAvx512Vnni runs the VNNI kernels on 256-bit registers; kAvx512Zmm the 2- and 4-bit keys and
-// values on 512-bit ones (the rest as kAvx512Vnni), picked only where STRATA_ZMM=1 is in the
-// environment until a machine with AVX-512 has measured it against kAvx512Vnni.
+// values on 512-bit ones (the rest as kAvx512Vnni), picked only when asked for
+// (SelectIntegerDot, codec_bench --integer_dot avx512-vnni-zmm) until a machine with AVX-512 has
+// measured it against kAvx512Vnni.
 // kEmulatedVnni and kEmulatedZmm are never picked: they run the VNNI kernels with vpdpbusd /
 // vpdpwssd done exactly in AVX2, and the 512-bit ones with each AVX-512 operation done exactly on
 // two AVX2 registers (zmm_ops.h), so that machines without VNNI or AVX-512 test their code
-// (SetIntegerIsaForTesting).
+// (SetIntegerIsa).
 enum class IntegerIsa { kAvx2, kAvxVnni, kAvx512Vnni, kEmulatedVnni, kAvx512Zmm, kEmulatedZmm };
 IntegerIsa IntegerDotIsa();
 // Whether this CPU runs `isa`'s kernels.
 bool IntegerIsaRuns(IntegerIsa isa);
-// Makes IntegerDotIsa return `isa` (nullopt: the CPU's best again), for tests; false, changing
-// nothing, when the CPU cannot run it. Not for use while attention runs on other threads.
-bool SetIntegerIsaForTesting(std::optional<IntegerIsa> isa);
+// Makes IntegerDotIsa return `isa` (nullopt: the CPU's best again), for tests and
+// SelectIntegerDot; false, changing nothing, when the CPU cannot run it. Not for use while
+// attention runs on other threads.
+bool SetIntegerIsa(std::optional<IntegerIsa> isa);
 void AccumulateAvx2(const Segment& seg, HeadGroupState& st);
 
 struct Kernels {
