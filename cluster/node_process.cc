@@ -20,6 +20,8 @@
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
 #include "kvstore/grpc_keepalive.h"
+#include "model/config.h"
+#include "model/llama.h"
 
 namespace strata::cluster {
 namespace {
@@ -110,16 +112,13 @@ model::ServedFormat FormatOf(const ClusterSpec& spec, const ServedModel& served,
   return f;
 }
 
-absl::StatusOr<ServedModel> LoadServedModel(const std::string& model_dir,
-                                            const std::string& calibration_path,
-                                            const model::Device& device) {
+absl::StatusOr<ServedModel> LoadServedModelIdentity(const std::string& model_dir,
+                                                    const std::string& calibration_path) {
   ServedModel m;
   m.name = std::filesystem::path(model_dir).lexically_normal().filename().string();
   if (m.name.empty()) m.name = std::filesystem::path(model_dir).parent_path().filename().string();
-  absl::StatusOr<std::unique_ptr<model::ComputeBackend>> model =
-      model::LoadComputeBackend(model_dir, device);
-  if (!model.ok()) return model.status();
-  m.model = *std::move(model);
+  STRATA_ASSIGN_OR_RETURN(m.config, model::LoadModelConfig(model_dir));
+  STRATA_ASSIGN_OR_RETURN(m.fingerprint, model::ModelFingerprint(model_dir));
   absl::StatusOr<std::unique_ptr<model::Tokenizer>> tok = model::Tokenizer::Load(model_dir);
   if (!tok.ok()) return tok.status();
   m.tokenizer = *std::move(tok);
@@ -128,6 +127,17 @@ absl::StatusOr<ServedModel> LoadServedModel(const std::string& model_dir,
     if (!c.ok()) return c.status();
     m.calibration = std::make_shared<kernels::Calibration>(*std::move(c));
   }
+  return m;
+}
+
+absl::StatusOr<ServedModel> LoadServedModel(const std::string& model_dir,
+                                            const std::string& calibration_path,
+                                            const model::Device& device) {
+  STRATA_ASSIGN_OR_RETURN(ServedModel m, LoadServedModelIdentity(model_dir, calibration_path));
+  absl::StatusOr<std::unique_ptr<model::ComputeBackend>> model =
+      model::LoadComputeBackend(model_dir, device);
+  if (!model.ok()) return model.status();
+  m.model = *std::move(model);
   return m;
 }
 

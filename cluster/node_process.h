@@ -58,7 +58,10 @@ absl::StatusOr<std::unique_ptr<prometheus::Exposer>> StartMetrics(
 // What a node serves, as the cluster file names it.
 struct ServedModel {
   std::string name;  // the model folder's name
-  std::unique_ptr<model::ComputeBackend> model;  // on the node's device
+  model::ModelConfig config;
+  uint64_t fingerprint = 0;                      // names its blocks (model::ModelFingerprint)
+  std::unique_ptr<model::ComputeBackend> model;  // on the node's device; null from
+                                                 // LoadServedModelIdentity
   std::unique_ptr<model::Tokenizer> tokenizer;
   std::shared_ptr<const kernels::Calibration> calibration;  // null when the spec names none
 };
@@ -71,6 +74,10 @@ model::ServedFormat FormatOf(const ClusterSpec& spec, const ServedModel& served,
 absl::StatusOr<ServedModel> LoadServedModel(const std::string& model_dir,
                                             const std::string& calibration_path,
                                             const model::Device& device = {});
+// The same without the weights (no backend: `model` null): what a router needs to name blocks
+// and tokenize, read from the checkpoint's config, headers and tokenizer.
+absl::StatusOr<ServedModel> LoadServedModelIdentity(const std::string& model_dir,
+                                                    const std::string& calibration_path);
 
 // The store the cluster file names, and with `local_ram_bytes` > 0 the node's own RAM tier in
 // front of it (kvstore::TieredBlockSource); blocks() is what the engines take (null with

@@ -69,6 +69,18 @@ void RmsNorm(const float* x, int n, int d, const std::vector<float>& w, double e
 
 }  // namespace
 
+namespace {
+uint64_t FingerprintOf(const ModelConfig& c, const Checkpoint& ck) {
+  return Fingerprint64(absl::StrCat(c.Fingerprint(), ":", ck.ContentDigest()));
+}
+}  // namespace
+
+absl::StatusOr<uint64_t> ModelFingerprint(const std::string& dir) {
+  STRATA_ASSIGN_OR_RETURN(const ModelConfig c, LoadModelConfig(dir));
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Checkpoint> ck, Checkpoint::Open(dir));
+  return FingerprintOf(c, *ck);
+}
+
 absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const std::string& dir) {
   std::unique_ptr<LlamaModel> m(new LlamaModel());
   STRATA_ASSIGN_OR_RETURN(m->config_, LoadModelConfig(dir));
@@ -105,7 +117,7 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const std::string& 
     STRATA_RETURN_IF_ERROR(ReadTensor(*ck, p + "mlp.up_proj.weight", {ff, hs}, &l.w_up));
     STRATA_RETURN_IF_ERROR(ReadTensor(*ck, p + "mlp.down_proj.weight", {hs, ff}, &l.w_down));
   }
-  m->fingerprint_ = Fingerprint64(absl::StrCat(c.Fingerprint(), ":", ck->ContentDigest()));
+  m->fingerprint_ = FingerprintOf(c, *ck);
   // RoPE frequencies, with Llama 3's long-context scaling when configured.
   const uint32_t half = c.head_dim / 2;
   m->inv_freq_.resize(half);

@@ -41,6 +41,7 @@ class LlamaModel {
   const ModelConfig& config() const { return config_; }
   // Names this model's KV blocks: covers the config's shape and the checkpoint (tensor headers
   // and the first MiB of each shard's data), so a fine-tune never shares blocks with its base.
+  // ModelFingerprint(dir) computes the same without loading the weights.
   uint64_t fingerprint() const { return fingerprint_; }
 
   // Logits [tokens, vocab] of a prompt from position 0, all in full precision. `kv`
@@ -110,5 +111,9 @@ class LlamaModel {
   std::vector<Layer> layers_;
   std::vector<float> inv_freq_;  // [head_dim / 2], with rope scaling applied
 };
+
+// LlamaModel::fingerprint() of the checkpoint in `dir`, from its config and its shards' headers
+// and first MiB, without reading the weights (a router names blocks with it).
+absl::StatusOr<uint64_t> ModelFingerprint(const std::string& dir);
 
 }  // namespace strata::model

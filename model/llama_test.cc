@@ -80,6 +80,24 @@ TEST(LlamaModelTest, MatchesPyTorchLogitsOnTheBundledModel) {
   CheckAgainstFixture(dir);
 }
 
+// The fingerprint read from the headers alone is the loaded model's, and it tells checkpoints
+// apart; a folder that is no checkpoint is an error naming it.
+TEST(LlamaModelTest, TheFingerprintNeedsNoWeights) {
+  std::vector<uint64_t> seen;
+  for (const char* rel :
+       {"/models/strata-tiny", "/tests/data/tiny-llama", "/tests/data/tiny-qwen2"}) {
+    const std::string dir = absl::StrCat(STRATA_SOURCE_DIR, rel);
+    absl::StatusOr<uint64_t> fp = ModelFingerprint(dir);
+    ASSERT_TRUE(fp.ok()) << fp.status();
+    EXPECT_EQ(*fp, (*LlamaModel::Load(dir))->fingerprint()) << rel;
+    EXPECT_EQ(std::count(seen.begin(), seen.end(), *fp), 0) << rel;
+    seen.push_back(*fp);
+  }
+  absl::StatusOr<uint64_t> none = ModelFingerprint(absl::StrCat(STRATA_SOURCE_DIR, "/docs"));
+  EXPECT_FALSE(none.ok());
+  EXPECT_NE(none.status().message().find("docs"), std::string::npos) << none.status();
+}
+
 TEST(LlamaModelTest, BadInputsAreRejected) {
   absl::StatusOr<std::unique_ptr<LlamaModel>> model =
       LlamaModel::Load(absl::StrCat(STRATA_SOURCE_DIR, "/tests/data/tiny-llama"));

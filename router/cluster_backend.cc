@@ -19,6 +19,7 @@
 #include "common/status_macros.h"
 #include "grpcpp/support/client_callback.h"
 #include "kvstore/grpc_status.h"
+#include "model/kv_cache.h"
 #include "model/llama.h"
 #include "prometheus/text_serializer.h"
 #include "router/chat_template.h"
@@ -254,12 +255,11 @@ absl::StatusOr<std::unique_ptr<ClusterBackend>> ClusterBackend::Create(
 
 absl::Status ClusterBackend::Init() {
   const cluster::ClusterSpec& spec = options_.spec;
-  // The weights are read for the fingerprint that names the model's blocks (LlamaModel covers
-  // the checkpoint in it) and released at the end of this function.
+  // The model's identity (config, the fingerprint that names its blocks, tokenizer): no weights.
   STRATA_ASSIGN_OR_RETURN(cluster::ServedModel served,
-                          cluster::LoadServedModel(spec.model, spec.calibration));
+                          cluster::LoadServedModelIdentity(spec.model, spec.calibration));
   model_name_ = options_.model_name.empty() ? served.name : options_.model_name;
-  config_ = served.model->config();
+  config_ = served.config;
   context_tokens_ = config_.max_position_embeddings;
   if (config_.sliding_window > 0)
     context_tokens_ = std::min(context_tokens_, config_.sliding_window);
@@ -278,8 +278,11 @@ absl::Status ClusterBackend::Init() {
     chat_template_ = *std::move(t);
   }
   format_ = cluster::FormatOf(spec, served, options_.keys);
-  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<model::KvCache> cache,
-                          served.model->NewCache(format_.CacheOptions()));
+  model::KvCacheOptions cache_options = format_.CacheOptions();
+  cache_options.model_fingerprint = served.fingerprint;
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<model::SequenceKvCache> cache,
+                          model::SequenceKvCache::Create(cache_options, config_.num_layers,
+                                                         config_.num_kv_heads, config_.head_dim));
   for (uint32_t l = 0; l < config_.num_layers; ++l) {
     layer_names_.push_back(cache->NameOf(l, BlockHash{}));
   }
