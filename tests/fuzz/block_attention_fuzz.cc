@@ -80,8 +80,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   for (IntegerIsa isa :
        {IntegerIsa::kAvx2, IntegerIsa::kAvxVnni, IntegerIsa::kAvx512Vnni, IntegerIsa::kAvx512Zmm,
         IntegerIsa::kEmulatedVnni, IntegerIsa::kEmulatedZmm}) {
-    if (internal::SetIntegerIsaForTesting(isa)) attend(AttentionImpl::kAvx2, true);
+    if (internal::SetIntegerIsa(isa)) attend(AttentionImpl::kAvx2, true);
   }
-  internal::SetIntegerIsaForTesting(std::nullopt);
+  internal::SetIntegerIsa(std::nullopt);
   return 0;
 }
