@@ -1,12 +1,7 @@
 #include "cluster/node_flags.h"
 
 #include "absl/flags/flag.h"
-#include "absl/strings/str_cat.h"
 #include "cluster/node_process.h"
-#include "common/byte_size.h"
-#ifdef STRATA_WITH_CUDA_MODEL
-#include "model/cuda/cuda_backend.h"
-#endif
 
 ABSL_FLAG(std::string, cluster, "", "the cluster file (required)");
 ABSL_FLAG(std::string, node, "", "this node's id in the cluster file (required)");
@@ -33,38 +28,13 @@ ABSL_FLAG(bool, insecure, false,
           "warning)");
 
 ABSL_FLAG(std::string, device, "cpu",
-          "where the node runs the model: cpu, or cuda[:N] (codecs with GPU pages: fp16, kivi, "
-          "kcvt; the others say so at start)");
-ABSL_FLAG(std::string, gpu_kv_bytes, "0",
-          "with --device cuda: device memory for KV pages (e.g. 20G); 0: 90% of what is free "
-          "once the weights are in");
-ABSL_FLAG(int, gpu_max_sequences, 64,
-          "with --device cuda: sequences holding a cache at once (each a window on the device)");
+          "where the node runs the model: cpu, or cuda[:N] (not in these binaries yet: they say "
+          "so at start)");
 
 namespace strata::cluster {
 
 absl::StatusOr<model::Device> NodeDeviceFromFlags() {
-  absl::StatusOr<model::Device> device = model::ParseDevice(absl::GetFlag(FLAGS_device));
-  if (!device.ok() || device->kind != model::Device::Kind::kCuda) return device;
-#ifdef STRATA_WITH_CUDA_MODEL
-  uint64_t kv_bytes = 0;
-  if (!ParseByteSize(absl::GetFlag(FLAGS_gpu_kv_bytes), &kv_bytes)) {
-    return absl::InvalidArgumentError(absl::StrCat("--gpu_kv_bytes: '",
-                                                   absl::GetFlag(FLAGS_gpu_kv_bytes),
-                                                   "' is not a byte count (e.g. 0, 512M, 20G)"));
-  }
-  const int sequences = absl::GetFlag(FLAGS_gpu_max_sequences);
-  if (sequences < 1 || sequences > 65536) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--gpu_max_sequences: ", sequences, " (1 to 65536)"));
-  }
-  model::SetCudaBackendLoader(
-      [kv_bytes, sequences](const std::string& dir, const model::Device& d) {
-        return model::cuda::LoadCudaBackend(
-            dir, d, {.kv_pool_bytes = kv_bytes, .max_sequences = static_cast<uint32_t>(sequences)});
-      });
-#endif
-  return device;
+  return model::ParseDevice(absl::GetFlag(FLAGS_device));
 }
 
 absl::StatusOr<std::shared_ptr<const kvstore::GrpcSecurity>> NodeSecurityFromFlags() {

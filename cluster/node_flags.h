@@ -26,8 +26,6 @@ ABSL_DECLARE_FLAG(std::string, tls_ca);
 ABSL_DECLARE_FLAG(std::string, cluster_token_file);
 ABSL_DECLARE_FLAG(bool, insecure);
 ABSL_DECLARE_FLAG(std::string, device);
-ABSL_DECLARE_FLAG(std::string, gpu_kv_bytes);
-ABSL_DECLARE_FLAG(int, gpu_max_sequences);
 
 namespace strata::cluster {
 
@@ -35,9 +33,7 @@ namespace strata::cluster {
 // --insecure (LoadGrpcSecurity: its errors, and its log line).
 absl::StatusOr<std::shared_ptr<const kvstore::GrpcSecurity>> NodeSecurityFromFlags();
 
-// Where the node runs the model, from --device (model::ParseDevice: its errors). For a CUDA
-// device in a build with the CUDA backend, also registers its loader (model::SetCudaBackendLoader)
-// with --gpu_kv_bytes and --gpu_max_sequences; kInvalidArgument naming a bad one.
+// Where the node runs the model, from --device (model::ParseDevice: its errors).
 absl::StatusOr<model::Device> NodeDeviceFromFlags();
 
 }  // namespace strata::cluster

@@ -15,12 +15,12 @@
 // compressed before later tokens attend to it, as on the CPU: the same bytes whether this node
 // computed it or adopted it.
 //
-// What it does not do yet (issue 41): compression on the GPU (compress.cu writes KIVI pages; the
-// host codec runs here so that every codec's bytes stay the CPU's), codecs without a page layout
-// (GEAR, ZipCache, SKVQ, TaDA, int8, fp8, sinks, the Strata mix: refused at NewCache, naming the
-// codec),
-// attention splits fixed per sequence (a row's logits can differ in the last bits with the batch
-// it runs in), sampling on the device.
+// Not linked into the node binaries yet (cluster/CMakeLists.txt says why: thread-local storage);
+// they are to load it as a plugin. What it does not do yet (issue 41): compression on the GPU
+// (compress.cu writes KIVI pages; the host codec runs here so that every codec's bytes stay the
+// CPU's), codecs without a page layout (GEAR, ZipCache, SKVQ, TaDA, int8, fp8, sinks, the Strata
+// mix: refused at NewCache, naming the codec), attention splits fixed per sequence (a row's logits
+// can differ in the last bits with the batch it runs in), sampling on the device.
 //
 // Thread-safe: steps run one at a time on the device (a mutex); caches may be created and dropped
 // from any thread. A step holds the backend's lock while it calls its LayerHook: the hook may call

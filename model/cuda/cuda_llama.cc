@@ -13,6 +13,7 @@
 #include "common/half.h"
 #include "common/status_macros.h"
 #include "kernels/cuda/model_ops.h"
+#include "model/cuda/cublas_library.h"
 
 namespace strata::model::cuda {
 namespace kc = strata::kernels::cuda;
@@ -23,9 +24,9 @@ absl::Status CudaError(cudaError_t e, absl::string_view what) {
   return absl::InternalError(absl::StrCat("cuda model: ", what, ": ", cudaGetErrorString(e)));
 }
 
-absl::Status CublasError(cublasStatus_t s, absl::string_view what) {
+absl::Status CublasError(const CublasLibrary& lib, cublasStatus_t s, absl::string_view what) {
   if (s == CUBLAS_STATUS_SUCCESS) return absl::OkStatus();
-  return absl::InternalError(absl::StrCat("cuda model: ", what, ": ", cublasGetStatusString(s)));
+  return absl::InternalError(absl::StrCat("cuda model: ", what, ": ", lib.status_string(s)));
 }
 
 cudaStream_t Stream(void* s) { return static_cast<cudaStream_t>(s); }
@@ -58,7 +59,7 @@ CudaLlamaModel::~CudaLlamaModel() {
   scratch_.reset();
   cudaFree(paged_);
   for (void* p : allocations_) cudaFree(p);
-  if (cublas_ != nullptr) cublasDestroy(Cublas(cublas_));
+  if (cublas_ != nullptr) blas_->destroy(Cublas(cublas_));
   if (stream_ != nullptr) cudaStreamDestroy(Stream(stream_));
 }
 
@@ -90,13 +91,15 @@ absl::Status CudaLlamaModel::Init(const ModelConfig& c, const CudaModelOptions& 
       CudaError(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream"));
   stream_ = stream;
   cublasHandle_t handle = nullptr;
-  STRATA_RETURN_IF_ERROR(CublasError(cublasCreate(&handle), "cuBLAS"));
+  STRATA_ASSIGN_OR_RETURN(blas_, LoadCublas());
+  STRATA_RETURN_IF_ERROR(CublasError(*blas_, blas_->create(&handle), "cuBLAS"));
   cublas_ = handle;
-  STRATA_RETURN_IF_ERROR(CublasError(cublasSetStream(handle, stream), "cuBLAS stream"));
+  STRATA_RETURN_IF_ERROR(CublasError(*blas_, blas_->set_stream(handle, stream), "cuBLAS stream"));
   // cuBLAS's workspace given, not allocated by it: a captured graph may hold no allocation.
   constexpr size_t kCublasWorkspace = size_t{32} << 20;
   STRATA_ASSIGN_OR_RETURN(void* workspace, Alloc(kCublasWorkspace, "cuBLAS workspace"));
-  return CublasError(cublasSetWorkspace(handle, workspace, kCublasWorkspace), "cuBLAS workspace");
+  return CublasError(*blas_, blas_->set_workspace(handle, workspace, kCublasWorkspace),
+                     "cuBLAS workspace");
 }
 
 absl::StatusOr<void*> CudaLlamaModel::Alloc(size_t bytes, absl::string_view what) {
@@ -316,8 +319,9 @@ absl::Status CudaLlamaModel::Gemm(const void* x, int rows, int in, const void* w
   const float alpha = 1, beta = 0;
   const cudaDataType t = options_.weights == WeightType::kBf16 ? CUDA_R_16BF : CUDA_R_16F;
   return CublasError(
-      cublasGemmEx(Cublas(cublas_), CUBLAS_OP_T, CUBLAS_OP_N, out, rows, in, &alpha, w, t, in, x, t,
-                   in, &beta, y, CUDA_R_32F, out, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+      *blas_,
+      blas_->gemm_ex(Cublas(cublas_), CUBLAS_OP_T, CUBLAS_OP_N, out, rows, in, &alpha, w, t, in, x,
+                     t, in, &beta, y, CUDA_R_32F, out, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
       "GEMM");
 }
 

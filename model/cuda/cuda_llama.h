@@ -27,6 +27,8 @@
 
 namespace strata::model::cuda {
 
+struct CublasLibrary;  // cublas_library.h
+
 enum class WeightType { kBf16, kFp16 };
 
 struct CudaModelOptions {
@@ -173,6 +175,7 @@ class CudaLlamaModel {
   CudaModelOptions options_;
   void* stream_ = nullptr;  // cudaStream_t
   void* cublas_ = nullptr;  // cublasHandle_t
+  const CublasLibrary* blas_ = nullptr;  // cublas_library.h: loaded, not linked
   std::vector<void*> allocations_;
   size_t weight_bytes_ = 0;
   const void* embed_ = nullptr;    // [vocab, hidden], weight type
