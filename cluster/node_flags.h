@@ -1,7 +1,8 @@
 // The flags every serving node (strata-prefill, strata-decode) takes alike, defined once here
 // (cluster/node_flags.cc, listed by --help through ConfigureFlagsUsage) and read by both mains:
 // the cluster file and the node's entry, its addresses, etcd membership, UCX transports and
-// transport security. Flags whose meaning differs by role stay in each main.
+// transport security (kvstore/grpc_security_flags.h's, shared with the store and the router).
+// Flags whose meaning differs by role stay in each main.
 #pragma once
 
 #include <memory>
@@ -10,6 +11,7 @@
 #include "absl/flags/declare.h"
 #include "absl/status/statusor.h"
 #include "kvstore/grpc_security.h"
+#include "kvstore/grpc_security_flags.h"  // the security flags, defined there
 #include "model/compute_backend.h"
 
 ABSL_DECLARE_FLAG(std::string, cluster);
@@ -20,11 +22,6 @@ ABSL_DECLARE_FLAG(std::string, etcd);
 ABSL_DECLARE_FLAG(std::string, etcd_prefix);
 ABSL_DECLARE_FLAG(int, etcd_ttl_s);
 ABSL_DECLARE_FLAG(std::string, ucx_tls);
-ABSL_DECLARE_FLAG(std::string, tls_cert);
-ABSL_DECLARE_FLAG(std::string, tls_key);
-ABSL_DECLARE_FLAG(std::string, tls_ca);
-ABSL_DECLARE_FLAG(std::string, cluster_token_file);
-ABSL_DECLARE_FLAG(bool, insecure);
 ABSL_DECLARE_FLAG(std::string, device);
 
 namespace strata::cluster {

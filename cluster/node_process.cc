@@ -20,6 +20,7 @@
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
 #include "kvstore/grpc_keepalive.h"
+#include "kvstore/grpc_security_flags.h"
 #include "model/config.h"
 #include "model/llama.h"
 
@@ -51,7 +52,8 @@ void Log(absl::string_view request_id, absl::string_view message) {
 void ConfigureFlagsUsage() {
   absl::FlagsUsageConfig config;
   auto ours = [](absl::string_view file) {
-    return absl::EndsWith(file, "_main.cc") || absl::StrContains(file, "/cluster/");
+    return absl::EndsWith(file, "_main.cc") || absl::StrContains(file, "/cluster/") ||
+           absl::EndsWith(file, kvstore::kGrpcSecurityFlagsFile);
   };
   config.contains_help_flags = ours;
   config.contains_helpshort_flags = ours;

@@ -18,6 +18,7 @@
 #include "common/byte_size.h"
 #include "kvstore/block_store.h"
 #include "kvstore/grpc_security.h"
+#include "kvstore/grpc_security_flags.h"
 #include "kvstore/store_service.h"
 #include "prometheus/exposer.h"
 
@@ -35,15 +36,6 @@ ABSL_FLAG(bool, repair, false,
           "healthy index is left as it is");
 ABSL_FLAG(int, metrics_port, 9464, "Prometheus metrics at http://HOST:PORT/metrics (-1: off)");
 ABSL_FLAG(std::string, metrics_host, "127.0.0.1", "address the metrics endpoint listens on");
-ABSL_FLAG(std::string, tls_cert, "", "PEM certificate this store presents (mutual TLS; see --tls_ca)");
-ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
-ABSL_FLAG(std::string, tls_ca, "",
-          "PEM CA certificate: clients must present a certificate it signed");
-ABSL_FLAG(std::string, cluster_token_file, "",
-          "file holding the cluster token every call must carry (UNAUTHENTICATED otherwise)");
-ABSL_FLAG(bool, insecure, false,
-          "serve plaintext gRPC without a token (instead of the four TLS flags); logged as a "
-          "warning");
 
 ABSL_FLAG(std::string, shared_tier, "",
           "Redis Cluster nodes (host:port,...) of the cluster-wide tier behind this store: every "
@@ -69,18 +61,14 @@ int main(int argc, char** argv) {
   // --help lists this file's flags (Abseil's default looks for a file named after the binary).
   absl::FlagsUsageConfig usage;
   usage.contains_help_flags = [](absl::string_view file) {
-    return absl::EndsWith(file, "store_main.cc");
+    return absl::EndsWith(file, "store_main.cc") ||
+           absl::EndsWith(file, strata::kvstore::kGrpcSecurityFlagsFile);
   };
   usage.contains_helpshort_flags = usage.contains_help_flags;
   absl::SetFlagsUsageConfig(usage);
   absl::ParseCommandLine(argc, argv);
   absl::StatusOr<std::shared_ptr<const strata::kvstore::GrpcSecurity>> security =
-      strata::kvstore::GrpcSecurity::Load({.tls_cert = absl::GetFlag(FLAGS_tls_cert),
-                                           .tls_key = absl::GetFlag(FLAGS_tls_key),
-                                           .tls_ca = absl::GetFlag(FLAGS_tls_ca),
-                                           .cluster_token_file =
-                                               absl::GetFlag(FLAGS_cluster_token_file),
-                                           .insecure = absl::GetFlag(FLAGS_insecure)});
+      strata::kvstore::GrpcSecurity::Load(strata::kvstore::GrpcSecurityOptionsFromFlags());
   if (!security.ok()) {
     std::cerr << "strata-store: " << security.status().message() << "\n";
     return 2;

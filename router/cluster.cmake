@@ -13,8 +13,8 @@ strata_add_library(router_cluster
     strata::proto strata::model prometheus-cpp::core)
 
 add_executable(strata-router router_main.cc)
-target_link_libraries(strata-router PRIVATE strata::router_cluster absl::flags absl::flags_parse
-  absl::flags_usage)
+target_link_libraries(strata-router PRIVATE strata::router_cluster strata::kvstore_security_flags
+  absl::flags absl::flags_parse absl::flags_usage)
 strata_configure_target(strata-router)
 
 # Against real gRPC servers on loopback (fake nodes, a real store). Not under TSan: Debian's gRPC

@@ -14,6 +14,7 @@
 #include "cluster/etcd_membership.h"
 #include "cluster/node_process.h"
 #include "common/host_port.h"
+#include "kvstore/grpc_security_flags.h"
 #include "router/cluster_backend.h"
 #include "router/http_server.h"
 
@@ -36,21 +37,10 @@ ABSL_FLAG(std::string, api_keys, "",
 ABSL_FLAG(int, max_in_flight_per_tenant, 0,
           "with --api_keys: requests in flight per tenant at most; more are answered 429 (0: no "
           "limit)");
-ABSL_FLAG(std::string, tls_cert, "",
-          "PEM certificate the router presents to the nodes and the store (mutual TLS; "
-          "scripts/make_certs.sh makes node.crt)");
-ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
-ABSL_FLAG(std::string, tls_ca, "",
-          "PEM CA certificate the nodes' and the store's certificates are verified against");
-ABSL_FLAG(std::string, cluster_token_file, "",
-          "file holding the cluster token, sent on every gRPC call to the nodes and the store");
 ABSL_FLAG(std::string, http_tls_cert, "",
           "PEM certificate (chain) of the HTTPS endpoint (scripts/make_certs.sh makes "
           "router-http.crt)");
 ABSL_FLAG(std::string, http_tls_key, "", "PEM private key of --http_tls_cert");
-ABSL_FLAG(bool, insecure, false,
-          "plaintext gRPC without a cluster token and plain HTTP, instead of the TLS flags "
-          "(logged as a warning)");
 
 namespace {
 
@@ -98,11 +88,7 @@ int main(int argc, char** argv) {
   }
   cl::SetLogIdentity("strata-router", "");
   absl::StatusOr<std::shared_ptr<const strata::kvstore::GrpcSecurity>> security =
-      cl::LoadGrpcSecurity({.tls_cert = absl::GetFlag(FLAGS_tls_cert),
-                            .tls_key = absl::GetFlag(FLAGS_tls_key),
-                            .tls_ca = absl::GetFlag(FLAGS_tls_ca),
-                            .cluster_token_file = absl::GetFlag(FLAGS_cluster_token_file),
-                            .insecure = absl::GetFlag(FLAGS_insecure)});
+      cl::LoadGrpcSecurity(strata::kvstore::GrpcSecurityOptionsFromFlags());
   if (!security.ok()) return Fail("flags", security.status(), 2);
   const bool https =
       !absl::GetFlag(FLAGS_http_tls_cert).empty() || !absl::GetFlag(FLAGS_http_tls_key).empty();
