@@ -1,7 +1,5 @@
 // The block protocol's receiving side: BlockReceiver, which lands, verifies and hands on the
 // blocks a BlockSender ships, and lends same-host senders rings of its memory.
-#include "transport/block_protocol.h"
-
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
@@ -21,6 +19,8 @@
 #include "common/crc32c.h"
 #include "common/metrics.h"
 #include "common/status_macros.h"
+#include "common/task_queue.h"
+#include "transport/block_protocol.h"
 #include "transport/internal/block_common.h"
 
 namespace strata::transport {
@@ -61,58 +61,6 @@ absl::StatusOr<std::shared_ptr<RegisteredBuffer>> AcquireRegistered(
                           transport.Register(b->buffer.data(), capacity, MemoryKind::kHost));
   return pool.Track(std::move(b));
 }
-
-// A few threads running queued tasks in order of arrival.
-class TaskThreads {
- public:
-  explicit TaskThreads(int n) {
-    for (int i = 0; i < n; ++i) threads_.emplace_back([this] { Loop(); });
-  }
-  ~TaskThreads() { Stop(); }
-
-  // False once stopped (the task is not run).
-  bool Post(std::function<void()> task) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (stop_) return false;
-      tasks_.push_back(std::move(task));
-    }
-    cv_.notify_one();
-    return true;
-  }
-
-  // Runs what is queued, then joins.
-  void Stop() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (stop_) return;
-      stop_ = true;
-    }
-    cv_.notify_all();
-    for (auto& t : threads_) t.join();
-  }
-
- private:
-  void Loop() {
-    for (;;) {
-      std::function<void()> task;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [&] { return stop_ || !tasks_.empty(); });
-        if (tasks_.empty()) return;
-        task = std::move(tasks_.front());
-        tasks_.pop_front();
-      }
-      task();
-    }
-  }
-
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> tasks_;
-  bool stop_ = false;
-  std::vector<std::thread> threads_;
-};
 
 // `retryable`: the receiver's own passing refusal (bytes damaged on the way, no room now).
 void Reply(const std::shared_ptr<Endpoint>& ep, uint64_t seq, const absl::Status& status,
@@ -864,7 +812,7 @@ class BlockReceiver::Impl : public std::enable_shared_from_this<BlockReceiver::I
   // Pieced blocks arriving, by sender connection and sequence number.
   absl::flat_hash_map<std::pair<const Endpoint*, uint64_t>, std::shared_ptr<Pieces>> pieces_;
   std::thread watcher_;  // WatchStalls, joined in Shutdown
-  TaskThreads tasks_;    // last: joined first in the destructor
+  TaskQueue tasks_;      // last: joined first in the destructor
 };
 
 absl::StatusOr<std::unique_ptr<BlockReceiver>> BlockReceiver::Create(
