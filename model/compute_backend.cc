@@ -1,5 +1,7 @@
 #include "model/compute_backend.h"
 
+#include <algorithm>
+
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
@@ -33,6 +35,35 @@ BackendLoader* const cuda_loader = new BackendLoader();  // guarded by cuda_load
 void SetCudaBackendLoader(BackendLoader loader) {
   absl::MutexLock lock(&cuda_loader_mu);
   *cuda_loader = std::move(loader);
+}
+
+absl::StatusOr<std::vector<float>> PrefillInPieces(absl::Span<const uint32_t> tokens,
+                                                   uint32_t position, uint32_t chunk_tokens,
+                                                   uint32_t vocab, const RunPiece& run,
+                                                   const ComputeBackend::PieceLogits& piece_logits,
+                                                   absl::string_view who) {
+  std::vector<float> last;
+  size_t done = 0;
+  while (done < tokens.size()) {
+    // Up to the next chunk boundary of the sequence.
+    const size_t to_boundary = chunk_tokens - (position + done) % chunk_tokens;
+    const size_t n = std::min(to_boundary, tokens.size() - done);
+    absl::StatusOr<std::vector<float>> logits =
+        run(tokens.subspan(done, n), /*last_only=*/piece_logits == nullptr);
+    if (!logits.ok()) return logits.status();
+    if (piece_logits != nullptr) {
+      if (logits->size() != n * vocab) {
+        return absl::InternalError(
+            absl::StrCat(who, ": Prefill got logits of an unexpected size"));
+      }
+      piece_logits(done, *logits);
+      last.assign(logits->end() - static_cast<ptrdiff_t>(vocab), logits->end());
+    } else {
+      last = *std::move(logits);
+    }
+    done += n;
+  }
+  return last;
 }
 
 absl::StatusOr<std::unique_ptr<ComputeBackend>> LoadComputeBackend(const std::string& model_dir,

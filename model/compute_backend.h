@@ -112,6 +112,20 @@ class ComputeBackend {
       const LayerHook& hook = nullptr) const = 0;
 };
 
+// Prefill's pieces, for every backend alike: `tokens`, whose first sits at position `position`
+// of its sequence, cut at the sequence's `chunk_tokens` boundaries (the last piece may end short).
+// `run(piece, last_only)` computes and commits one piece and returns its logits: [piece tokens,
+// vocab], or with last_only the last token's [vocab]. `piece_logits` (when set) gets each piece's
+// as ComputeBackend::Prefill says; returns the last token's logits. `who` names the backend in
+// errors.
+using RunPiece = std::function<absl::StatusOr<std::vector<float>>(
+    absl::Span<const uint32_t> piece, bool last_only)>;
+absl::StatusOr<std::vector<float>> PrefillInPieces(absl::Span<const uint32_t> tokens,
+                                                   uint32_t position, uint32_t chunk_tokens,
+                                                   uint32_t vocab, const RunPiece& run,
+                                                   const ComputeBackend::PieceLogits& piece_logits,
+                                                   absl::string_view who);
+
 // Loads the model in `model_dir` (config.json + safetensors) onto `device`: the CPU backend, or
 // for a CUDA device the loader a binary linking the CUDA backend registered
 // (SetCudaBackendLoader; cluster/node_flags.cc does for the node mains). kUnimplemented for a

@@ -201,31 +201,16 @@ absl::StatusOr<std::vector<float>> LlamaModel::Prefill(absl::Span<const uint32_t
     return absl::InvalidArgumentError(
         "model: Prefill needs a cache without a full-precision window (window_tokens 0)");
   }
-  const uint32_t c = o.chunk_tokens;
-  std::vector<float> last;
-  size_t done = 0;
-  while (done < tokens.size()) {
-    // Up to the next chunk boundary of the sequence.
-    const size_t to_boundary = c - cache->tokens() % c;
-    const size_t n = std::min(to_boundary, tokens.size() - done);
-    const absl::Span<const uint32_t> one[] = {tokens.subspan(done, n)};
-    SequenceKvCache* const caches[] = {cache};
-    STRATA_ASSIGN_OR_RETURN(
-        std::vector<std::vector<float>> logits,
-        RunBatch(one, caches, nullptr, hook, /*last_only=*/piece_logits == nullptr));
-    if (piece_logits != nullptr) {
-      const size_t vocab = config_.vocab_size;
-      if (logits[0].size() != n * vocab) {
-        return absl::InternalError("model: Prefill got logits of an unexpected size");
-      }
-      piece_logits(done, logits[0]);
-      last.assign(logits[0].end() - static_cast<ptrdiff_t>(vocab), logits[0].end());
-    } else {
-      last = std::move(logits[0]);
-    }
-    done += n;
-  }
-  return last;
+  SequenceKvCache* const caches[] = {cache};
+  return PrefillInPieces(
+      tokens, cache->tokens(), o.chunk_tokens, config_.vocab_size,
+      [&](absl::Span<const uint32_t> piece, bool last_only) -> absl::StatusOr<std::vector<float>> {
+        const absl::Span<const uint32_t> one[] = {piece};
+        STRATA_ASSIGN_OR_RETURN(std::vector<std::vector<float>> logits,
+                                RunBatch(one, caches, nullptr, hook, last_only));
+        return std::move(logits[0]);
+      },
+      piece_logits, "model");
 }
 
 absl::StatusOr<std::vector<std::vector<float>>> LlamaModel::StepBatch(

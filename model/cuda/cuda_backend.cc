@@ -163,29 +163,17 @@ class CudaBackend final : public ComputeBackend {
       return absl::InvalidArgumentError(
           "cuda backend: Prefill needs a cache without a full-precision window (window_tokens 0)");
     }
-    // In pieces up to the sequence's chunk boundaries, as LlamaModel::Prefill.
-    const uint32_t chunk = c->options().chunk_tokens;
-    std::vector<float> last;
-    size_t done = 0;
-    while (done < tokens.size()) {
-      const size_t n = std::min<size_t>(chunk - c->tokens() % chunk, tokens.size() - done);
-      const absl::Span<const uint32_t> one[] = {tokens.subspan(done, n)};
-      CudaKvCache* const caches[] = {c};
-      STRATA_ASSIGN_OR_RETURN(std::vector<std::vector<float>> logits,
-                              Run(one, caches, hook, /*last_only=*/piece_logits == nullptr));
-      const size_t vocab = config_.vocab_size;
-      if (piece_logits != nullptr) {
-        if (logits[0].size() != n * vocab) {
-          return absl::InternalError("cuda backend: Prefill got logits of an unexpected size");
-        }
-        piece_logits(done, logits[0]);
-        last.assign(logits[0].end() - static_cast<ptrdiff_t>(vocab), logits[0].end());
-      } else {
-        last = std::move(logits[0]);
-      }
-      done += n;
-    }
-    return last;
+    CudaKvCache* const caches[] = {c};
+    return PrefillInPieces(
+        tokens, c->tokens(), c->options().chunk_tokens, config_.vocab_size,
+        [&](absl::Span<const uint32_t> piece,
+            bool last_only) -> absl::StatusOr<std::vector<float>> {
+          const absl::Span<const uint32_t> one[] = {piece};
+          STRATA_ASSIGN_OR_RETURN(std::vector<std::vector<float>> logits,
+                                  Run(one, caches, hook, last_only));
+          return std::move(logits[0]);
+        },
+        piece_logits, "cuda backend");
   }
 
   absl::StatusOr<std::vector<std::vector<float>>> StepBatch(
