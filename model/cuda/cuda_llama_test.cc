@@ -19,24 +19,15 @@
 #include "common/testing/cuda_device.h"
 #include "gtest/gtest.h"
 #include "kernels/cuda/block_pages.h"
+#include "model/cuda/test_helpers.h"
 #include "model/kv_cache.h"
 #include "model/llama.h"
 
 namespace strata::model::cuda {
 namespace {
 
-// The checkout: $STRATA_SOURCE_DIR where the binary runs away from its build (a lent GPU machine,
-// scripts/gpu_bundle.sh), else where it was built.
-std::string Dir(const char* rel) {
-  const char* env = std::getenv("STRATA_SOURCE_DIR");
-  return absl::StrCat(env != nullptr && *env != '\0' ? env : STRATA_SOURCE_DIR, "/", rel);
-}
-
-std::vector<uint32_t> Prompt(const ModelConfig& c, uint32_t n, uint32_t seed) {
-  std::vector<uint32_t> ids = {static_cast<uint32_t>(c.bos_token_id)};
-  for (uint32_t i = 1; i < n; ++i) ids.push_back(1 + (seed + i * 7919) % (c.vocab_size - 1));
-  return ids;
-}
+using testing_helpers::Dir;
+using testing_helpers::Prompt;
 
 TEST(CudaLlamaTest, WithoutAGpuUploadSaysWhy) {
   std::string why;
