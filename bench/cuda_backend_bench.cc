@@ -30,6 +30,7 @@
 
 #include "absl/status/statusor.h"
 #include "bench/eight_b_config.h"
+#include "bench/gpu_run_info.h"
 #include "model/compute_backend.h"
 #include "model/cuda/cuda_backend.h"
 #include "model/kv_cache.h"
@@ -167,15 +168,10 @@ int main(int argc, char** argv) {
     decode.push_back({batch, ms});
   }
 
-  char date[16];
-  const std::time_t now = std::time(nullptr);
-  std::strftime(date, sizeof(date), "%Y-%m-%d", std::gmtime(&now));
-  const char* commit = std::getenv("STRATA_COMMIT");
+  const strata::bench::GpuRunInfo info = strata::bench::CollectGpuRunInfo(prop, driver);
   std::ostringstream txt;
   char line[256];
-  txt << "cuda_backend_bench: " << prop.name << " (" << prop.multiProcessorCount << " SMs, driver "
-      << driver / 1000 << "." << (driver % 1000) / 10 << "), " << date << ", commit "
-      << (commit != nullptr ? commit : "unknown") << "\n";
+  txt << info.Header("cuda_backend_bench") << "\n";
   txt << "8B shape, random bf16 weights; kivi:k4v4:g32 blocks of " << kChunk
       << " tokens; medians of " << runs << " runs\n";
   std::snprintf(line, sizeof(line),
@@ -197,20 +193,14 @@ int main(int argc, char** argv) {
   }
   std::fputs(txt.str().c_str(), stdout);
   if (!out_dir.empty()) {
-    std::filesystem::create_directories(out_dir);
-    std::string device = prop.name;
-    std::replace(device.begin(), device.end(), ' ', '_');
-    const std::string base = out_dir + "/cuda_backend_bench-" + device + "-" + date + "-" +
-                             (commit != nullptr ? commit : "unknown");
+    const std::string base = info.ResultBase(out_dir, "cuda_backend_bench");
     std::ofstream(base + ".txt") << txt.str();
     std::ofstream json(base + ".json");
-    json << "{\"device\": \"" << prop.name << "\", \"driver\": " << driver << ", \"date\": \""
-         << date << "\", \"commit\": \"" << (commit != nullptr ? commit : "unknown")
-         << "\", \"codec\": \"" << o.codec << "\", \"chunk_tokens\": " << kChunk
-         << ", \"ttft\": {\"prefix\": " << kPrefix << ", \"suffix\": " << kSuffix
-         << ", \"recompute_ms\": " << recompute_ms << ", \"adopted_ms\": " << reuse_ms
-         << "}, \"prefill\": {\"tokens\": " << kPrefix + kSuffix << ", \"ms\": " << recompute_ms
-         << ", \"encode_ms\": " << encode_ms << "}, \"decode\": [";
+    json << "{" << info.JsonFields() << ", \"codec\": \"" << o.codec
+         << "\", \"chunk_tokens\": " << kChunk << ", \"ttft\": {\"prefix\": " << kPrefix
+         << ", \"suffix\": " << kSuffix << ", \"recompute_ms\": " << recompute_ms
+         << ", \"adopted_ms\": " << reuse_ms << "}, \"prefill\": {\"tokens\": " << kPrefix + kSuffix
+         << ", \"ms\": " << recompute_ms << ", \"encode_ms\": " << encode_ms << "}, \"decode\": [";
     for (size_t i = 0; i < decode.size(); ++i) {
       json << (i ? ", " : "") << "{\"batch\": " << decode[i].batch << ", \"context\": " << kPrefix
            << ", \"ms\": " << decode[i].ms << "}";

@@ -27,6 +27,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
+#include "bench/gpu_run_info.h"
 #include "kernels/cuda/block_pages.h"
 #include "kernels/cuda/compress.h"
 #include "kernels/cuda/paged_decode.h"
@@ -313,14 +314,9 @@ int main(int argc, char** argv) {
     }
   }
 
-  char date[16];
-  const std::time_t now = std::time(nullptr);
-  std::strftime(date, sizeof(date), "%Y-%m-%d", std::gmtime(&now));
-  const char* commit = std::getenv("STRATA_COMMIT");
+  const strata::bench::GpuRunInfo info = strata::bench::CollectGpuRunInfo(prop, driver);
   std::ostringstream txt;
-  txt << "cuda_decode_bench: " << prop.name << " (" << prop.multiProcessorCount << " SMs, driver "
-      << driver / 1000 << "." << (driver % 1000) / 10 << "), " << date << ", commit "
-      << (commit != nullptr ? commit : "unknown") << "\n";
+  txt << info.Header("cuda_decode_bench") << "\n";
   txt << "device-to-device copy: " << copy_gbps << " GB/s (read + write); median of " << runs
       << " runs, L2 flushed before each\n";
   txt << "head dim 128, 32 query heads over 8 KV heads; pages are blocks read in place\n\n";
@@ -344,16 +340,10 @@ int main(int argc, char** argv) {
   }
   std::fputs(txt.str().c_str(), stdout);
   if (!out_dir.empty()) {
-    std::filesystem::create_directories(out_dir);
-    std::string device = prop.name;
-    std::replace(device.begin(), device.end(), ' ', '_');
-    const std::string base = out_dir + "/cuda_decode_bench-" + device + "-" + date + "-" +
-                             (commit != nullptr ? commit : "unknown");
+    const std::string base = info.ResultBase(out_dir, "cuda_decode_bench");
     std::ofstream(base + ".txt") << txt.str();
     std::ofstream json(base + ".json");
-    json << "{\"device\": \"" << prop.name << "\", \"driver\": " << driver << ", \"date\": \"" << date
-         << "\", \"commit\": \"" << (commit != nullptr ? commit : "unknown")
-         << "\", \"copy_gbps\": " << copy_gbps << ", \"rows\": [";
+    json << "{" << info.JsonFields() << ", \"copy_gbps\": " << copy_gbps << ", \"rows\": [";
     for (size_t i = 0; i < rows.size(); ++i) {
       const Row& r = rows[i];
       json << (i ? ", " : "") << "{\"kernel\": \"" << r.kernel << "\", \"page\": " << r.page

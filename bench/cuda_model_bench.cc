@@ -35,6 +35,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "bench/eight_b_config.h"
+#include "bench/gpu_run_info.h"
 #include "kernels/cuda/block_pages.h"
 #include "kernels/cuda/model_ops.h"
 #include "model/config.h"
@@ -304,14 +305,9 @@ int main(int argc, char** argv) {
                      (prefill_ms * 1e-3) / 1e12;
   }
 
-  char date[16];
-  const std::time_t now = std::time(nullptr);
-  std::strftime(date, sizeof(date), "%Y-%m-%d", std::gmtime(&now));
-  const char* commit = std::getenv("STRATA_COMMIT");
+  const strata::bench::GpuRunInfo info = strata::bench::CollectGpuRunInfo(prop, driver);
   std::ostringstream txt;
-  txt << "cuda_model_bench: " << prop.name << " (" << prop.multiProcessorCount << " SMs, driver "
-      << driver / 1000 << "." << (driver % 1000) / 10 << "), " << date << ", commit "
-      << (commit != nullptr ? commit : "unknown") << "\n";
+  txt << info.Header("cuda_model_bench") << "\n";
   txt << "8B shape, random bf16 weights (" << weight_bytes / 1e9 << " GB); copy " << copy_gbps
       << " GB/s (read + write); bf16 GEMM " << gemm_tflops << " TFLOP/s; medians of " << runs
       << " runs\n\ndecode step (pages of " << kPage << " tokens read in place + window):\n";
@@ -346,17 +342,12 @@ int main(int argc, char** argv) {
   txt << line;
   std::fputs(txt.str().c_str(), stdout);
   if (!out_dir.empty()) {
-    std::filesystem::create_directories(out_dir);
-    std::string device = prop.name;
-    std::replace(device.begin(), device.end(), ' ', '_');
-    const std::string base = out_dir + "/cuda_model_bench-" + device + "-" + date + "-" +
-                             (commit != nullptr ? commit : "unknown");
+    const std::string base = info.ResultBase(out_dir, "cuda_model_bench");
     std::ofstream(base + ".txt") << txt.str();
     std::ofstream json(base + ".json");
-    json << "{\"device\": \"" << prop.name << "\", \"driver\": " << driver << ", \"date\": \""
-         << date << "\", \"commit\": \"" << (commit != nullptr ? commit : "unknown")
-         << "\", \"copy_gbps\": " << copy_gbps << ", \"gemm_tflops\": " << gemm_tflops
-         << ", \"weight_bytes\": " << weight_bytes << ", \"decode\": [";
+    json << "{" << info.JsonFields() << ", \"copy_gbps\": " << copy_gbps
+         << ", \"gemm_tflops\": " << gemm_tflops << ", \"weight_bytes\": " << weight_bytes
+         << ", \"decode\": [";
     for (size_t i = 0; i < rows.size(); ++i) {
       const DecodeRow& r = rows[i];
       json << (i ? ", " : "") << "{\"kv\": \"" << r.codec << "\", \"batch\": " << r.batch
