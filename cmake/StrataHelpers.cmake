@@ -59,6 +59,9 @@ function(strata_add_test name)
   add_executable(${name} ${ARG_SOURCES})
   target_link_libraries(${name} PRIVATE ${ARG_DEPS} GTest::gmock GTest::gtest_main)
   strata_configure_target(${name})
+  if("unit" IN_LIST ARG_LABELS)
+    set_property(GLOBAL APPEND PROPERTY STRATA_UNIT_TESTS ${name})
+  endif()
   include(GoogleTest)
   gtest_discover_tests(${name}
     WORKING_DIRECTORY ${PROJECT_SOURCE_DIR}

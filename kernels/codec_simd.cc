@@ -15,6 +15,7 @@
 #include "common/fp8.h"
 #include "common/half.h"
 #include "kernels/bit_pack.h"
+#include "kernels/internal/force_inline.h"
 #include "kernels/internal/vector_exp.h"
 
 #define STRATA_CODEC_AVX2 __attribute__((target("avx2,f16c")))
@@ -818,7 +819,7 @@ namespace {
 // ProbeDotsAvx2 for kV vectors of eight tokens from t and the query heads [g0, g0 + kG): one
 // fused multiply-add chain per token and head, d ascending.
 template <uint32_t kV, uint32_t kG>
-__attribute__((target("avx2,fma,f16c"), always_inline)) inline void ProbeTile(
+__attribute__((target("avx2,fma,f16c"))) STRATA_FORCE_INLINE inline void ProbeTile(
     const float* kt, uint32_t T, uint32_t D, const float* q, uint32_t g0, uint32_t t, float* out) {
   __m256 acc[kG][kV];
   for (uint32_t g = 0; g < kG; ++g) {

@@ -28,11 +28,12 @@
 #include "common/half.h"
 #include "kernels/internal/attention_segment.h"
 #include "kernels/internal/codec_simd.h"
+#include "kernels/internal/force_inline.h"
 #include "kernels/internal/vector_exp.h"
 #include "kernels/internal/zmm_ops.h"
 
 #define STRATA_AVX2 __attribute__((target("avx2,fma,f16c")))
-#define STRATA_AVX2_INLINE __attribute__((target("avx2,fma,f16c"), always_inline)) inline
+#define STRATA_AVX2_INLINE __attribute__((target("avx2,fma,f16c"))) STRATA_FORCE_INLINE inline
 #define STRATA_AVX2_LAMBDA __attribute__((target("avx2,fma,f16c")))
 
 namespace strata::kernels::internal {

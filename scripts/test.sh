@@ -13,12 +13,12 @@ jobs="$(nproc)"
 ./scripts/setup.sh
 start=$SECONDS
 if [ "$sanitizers" = 1 ]; then
-  ./scripts/build.sh --asan --cpu-only
+  ./scripts/build.sh --asan --cpu-only --target strata_unit_tests
   echo "== ASan+UBSan build: unit tests"
   (cd build-asan-cpu && ASAN_OPTIONS=detect_leaks=1 \
      UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
      ctest -L unit --output-on-failure -j "$jobs")
-  ./scripts/build.sh --tsan --cpu-only
+  ./scripts/build.sh --tsan --cpu-only --target strata_unit_tests
   echo "== TSan build: unit tests"
   (cd build-tsan-cpu && TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/../tests/tsan_suppressions.txt" \
      ctest -L unit --output-on-failure -j "$jobs")

@@ -10,9 +10,11 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kernels/internal/force_inline.h"
+
 namespace strata::kernels::internal {
 
-__attribute__((target("avx2,fma"), always_inline)) inline __m256 ExpAvx2(__m256 x) {
+__attribute__((target("avx2,fma"))) STRATA_FORCE_INLINE inline __m256 ExpAvx2(__m256 x) {
   const __m256 visible = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_GE_OQ);  // -inf -> 0
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
   const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),

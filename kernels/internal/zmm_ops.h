@@ -12,12 +12,14 @@
 
 #include <cstdint>
 
+#include "kernels/internal/force_inline.h"
+
 namespace strata::kernels::internal {
 
-#define STRATA_ZMM_AVX2 __attribute__((target("avx2,fma,f16c"), always_inline)) inline
-#define STRATA_ZMM_AVX512                                                      \
-  __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni"), \
-                 always_inline)) inline
+#define STRATA_ZMM_AVX2 __attribute__((target("avx2,fma,f16c"))) STRATA_FORCE_INLINE inline
+#define STRATA_ZMM_AVX512                                                       \
+  __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni"))) \
+  STRATA_FORCE_INLINE inline
 
 // vpdpbusd's sum on 256 bits, exactly, in AVX2: acc + per int32 lane the four products of u8 a
 // and s8 b bytes. The even and the odd bytes as int16 (u8 a, s8 b): each vpmaddwd lane is two
