@@ -48,6 +48,7 @@ std::string Resolve(const std::string& base_dir, const std::string& p) {
 
 bool ValidNodeId(const std::string& id) {
   if (id.empty() || id.size() > 64) return false;
+  if (id == "store" || id == "shared-tier") return false;  // the router's holder ids
   for (char c : id) {
     if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-')) {
       return false;
@@ -129,19 +130,20 @@ absl::StatusOr<ClusterSpec> ParseClusterFile(const std::string& text, const std:
     const json& n = (*nodes)[i];
     const std::string where = absl::StrCat("nodes[", i, "].");
     if (!n.is_object()) return Bad(path, absl::StrCat("nodes[", i, "]"), "must be an object");
-    if (absl::Status s = CheckKeys(n, {"id", "role", "grpc", "transport", "metrics"}, path, where);
+    if (absl::Status s =
+            CheckKeys(n, {"id", "role", "grpc", "transport", "metrics", "store"}, path, where);
         !s.ok()) {
       return s;
     }
     NodeSpec node;
     std::string role;
-    for (auto [key, dst] :
-         {std::pair{"id", &node.id}, std::pair{"role", &role}, std::pair{"grpc", &node.grpc},
-          std::pair{"transport", &node.transport}, std::pair{"metrics", &node.metrics}}) {
+    for (auto [key, dst] : {std::pair{"id", &node.id}, std::pair{"role", &role},
+                            std::pair{"grpc", &node.grpc}, std::pair{"transport", &node.transport},
+                            std::pair{"metrics", &node.metrics}, std::pair{"store", &node.store}}) {
       if (absl::Status s = GetString(n, key, path, where, dst); !s.ok()) return s;
     }
     if (!ValidNodeId(node.id)) {
-      return Bad(path, where + "id", "must be 1..64 characters of [A-Za-z0-9._-]");
+      return Bad(path, where + "id", kNodeIdRule);
     }
     if (!ids.insert(node.id).second) return Bad(path, where + "id", "'" + node.id + "' repeats");
     if (role == "prefill") {
@@ -163,6 +165,11 @@ absl::StatusOr<ClusterSpec> ParseClusterFile(const std::string& text, const std:
     if (!node.metrics.empty()) {
       if (absl::Status s = ValidateHostPort(node.metrics, path + ": " + where + "metrics");
           !s.ok()) {
+        return s;
+      }
+    }
+    if (!node.store.empty()) {
+      if (absl::Status s = ValidateHostPort(node.store, path + ": " + where + "store"); !s.ok()) {
         return s;
       }
     }

@@ -13,14 +13,18 @@
 //       {"id": "prefill-0", "role": "prefill", "grpc": "127.0.0.1:7101",
 //        "metrics": "127.0.0.1:9101"},
 //       {"id": "decode-0", "role": "decode", "grpc": "127.0.0.1:7201",
-//        "transport": "127.0.0.1:7301", "metrics": "127.0.0.1:9201"}
+//        "transport": "127.0.0.1:7301", "metrics": "127.0.0.1:9201",
+//        "store": "127.0.0.1:7071"}     // optional: the store of the node's host
 //     ],
 //     "router": {"http": "127.0.0.1:8000"}
 //   }
 //
 // `transport` (decode nodes): where the node's block transport (UCX) listens; the prefill node
 // learns it per request from the decode node (GenerateEvent.registered), so only the decode node
-// reads it. `metrics`: where the node serves Prometheus /metrics ("" = off).
+// reads it. `metrics`: where the node serves Prometheus /metrics ("" = off). `store`: where
+// every host runs a store of its own (its RAM and NVMe), the one on the node's host; the router
+// watches each store named and credits a node with its own store's chunks (and the shared
+// tier's), not with other hosts'.
 #pragma once
 
 #include <cstdint>
@@ -34,8 +38,11 @@ namespace strata::cluster {
 
 enum class Role { kPrefill, kDecode };
 const char* RoleName(Role role);
-// 1..64 characters of [A-Za-z0-9._-].
+// 1..64 characters of [A-Za-z0-9._-], other than "store" and "shared-tier" (the router's
+// prefix index names the stores and the shared tier so, beside the nodes).
 bool ValidNodeId(const std::string& id);
+inline constexpr char kNodeIdRule[] =
+    "must be 1..64 characters of [A-Za-z0-9._-], not \"store\" or \"shared-tier\"";
 
 struct NodeSpec {
   std::string id = "";         // [A-Za-z0-9._-], 1..64 chars, unique
@@ -43,6 +50,9 @@ struct NodeSpec {
   std::string grpc = "";       // host:port of the node's gRPC service
   std::string transport = "";  // decode: host:port the block transport listens on
   std::string metrics = "";    // host:port of /metrics; "" = off
+  // host:port of the store this node reads and writes: its host's, where every host runs one;
+  // "" = the cluster's (ClusterSpec::store).
+  std::string store = "";
 };
 
 struct ClusterSpec {

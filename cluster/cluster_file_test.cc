@@ -17,7 +17,8 @@ constexpr char kGood[] = R"({
   "store": "127.0.0.1:7070",
   "nodes": [
     {"id": "prefill-0", "role": "prefill", "grpc": "127.0.0.1:7101", "metrics": "127.0.0.1:9101"},
-    {"id": "decode-0", "role": "decode", "grpc": "127.0.0.1:7201", "transport": "127.0.0.1:7301"}
+    {"id": "decode-0", "role": "decode", "grpc": "127.0.0.1:7201", "transport": "127.0.0.1:7301",
+     "store": "127.0.0.1:7071"}
   ],
   "router": {"http": "127.0.0.1:8000"}
 })";
@@ -33,6 +34,8 @@ TEST(ClusterFileTest, ParsesNodesAndResolvesPathsAgainstTheFile) {
   EXPECT_EQ(spec->WithRole(Role::kDecode).at(0).transport, "127.0.0.1:7301");
   ASSERT_NE(spec->Find("prefill-0"), nullptr);
   EXPECT_EQ(spec->Find("prefill-0")->metrics, "127.0.0.1:9101");
+  EXPECT_EQ(spec->Find("prefill-0")->store, "");               // the cluster's
+  EXPECT_EQ(spec->Find("decode-0")->store, "127.0.0.1:7071");  // its host's
   EXPECT_EQ(spec->Find("nobody"), nullptr);
   EXPECT_EQ(spec->router_http, "127.0.0.1:8000");
   EXPECT_EQ(StaticMembership(*spec).Nodes().size(), 2u);
@@ -64,8 +67,11 @@ TEST(ClusterFileTest, RefusesMalformedFilesNamingTheField) {
       {file("", node_p + R"(, {"id": "d", "role": "decode", "grpc": "h:2"})"),
        "nodes[1].transport: '' is not host:port"},
       {file("", R"({"id": "a b", "role": "prefill", "grpc": "h:1"},)" + node_d), "nodes[0].id"},
-      {file("", R"({"id": "p", "role": "prefill", "grpc": "h:99999"},)" + node_d),
-       "nodes[0].grpc"},
+      {file("", R"({"id": "shared-tier", "role": "prefill", "grpc": "h:1"},)" + node_d),
+       "nodes[0].id: must be"},
+      {file("", R"({"id": "p", "role": "prefill", "grpc": "h:99999"},)" + node_d), "nodes[0].grpc"},
+      {file("", R"({"id": "p", "role": "prefill", "grpc": "h:1", "store": "h"},)" + node_d),
+       "nodes[0].store: 'h' is not host:port"},
   };
   for (const BadCase& c : cases) {
     absl::StatusOr<ClusterSpec> spec = ParseClusterFile(c.text, "c.json");

@@ -16,11 +16,9 @@ std::string NodesPrefix(const std::string& prefix) { return prefix + "nodes/"; }
 }  // namespace
 
 std::string NodeToJson(const NodeSpec& node) {
-  return json{{"id", node.id},
-              {"role", RoleName(node.role)},
-              {"grpc", node.grpc},
-              {"transport", node.transport},
-              {"metrics", node.metrics}}
+  return json{{"id", node.id},           {"role", RoleName(node.role)},
+              {"grpc", node.grpc},       {"transport", node.transport},
+              {"metrics", node.metrics}, {"store", node.store}}
       .dump();
 }
 
@@ -34,7 +32,7 @@ absl::StatusOr<NodeSpec> NodeFromJson(const std::string& text) {
   NodeSpec n;
   n.id = str("id");
   if (!ValidNodeId(n.id)) {
-    return absl::InvalidArgumentError("node registration: id must be 1..64 characters of [A-Za-z0-9._-]");
+    return absl::InvalidArgumentError(absl::StrCat("node registration: id ", kNodeIdRule));
   }
   const std::string role = str("role");
   if (role != "prefill" && role != "decode") {
@@ -45,9 +43,17 @@ absl::StatusOr<NodeSpec> NodeFromJson(const std::string& text) {
   n.grpc = str("grpc");
   n.transport = str("transport");
   n.metrics = str("metrics");
+  n.store = str("store");
   if (absl::Status s = ValidateHostPort(n.grpc, absl::StrCat("node registration ", n.id, ": grpc"));
       !s.ok()) {
     return s;
+  }
+  if (!n.store.empty()) {
+    if (absl::Status s =
+            ValidateHostPort(n.store, absl::StrCat("node registration ", n.id, ": store"));
+        !s.ok()) {
+      return s;
+    }
   }
   return n;
 }

@@ -236,6 +236,7 @@ TEST_F(EtcdTest, EtcdLostAndBack) {
 TEST(NodeJsonTest, RoundTripsAndRefusesBadRegistrations) {
   NodeSpec n = Node("decode-3", Role::kDecode, 7033);
   n.metrics = "127.0.0.1:7053";
+  n.store = "10.0.0.3:7070";
   absl::StatusOr<NodeSpec> back = NodeFromJson(NodeToJson(n));
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_EQ(back->id, n.id);
@@ -243,10 +244,12 @@ TEST(NodeJsonTest, RoundTripsAndRefusesBadRegistrations) {
   EXPECT_EQ(back->grpc, n.grpc);
   EXPECT_EQ(back->transport, n.transport);
   EXPECT_EQ(back->metrics, n.metrics);
+  EXPECT_EQ(back->store, n.store);
   EXPECT_FALSE(NodeFromJson("[1]").ok());
   EXPECT_FALSE(NodeFromJson(R"({"id":"a b","role":"decode","grpc":"h:1"})").ok());
   EXPECT_FALSE(NodeFromJson(R"({"id":"a","role":"cook","grpc":"h:1"})").ok());
   EXPECT_FALSE(NodeFromJson(R"({"id":"a","role":"decode","grpc":"nohost"})").ok());
+  EXPECT_FALSE(NodeFromJson(R"({"id":"a","role":"decode","grpc":"h:1","store":"h"})").ok());
 }
 
 }  // namespace

@@ -18,7 +18,22 @@ ABSL_FLAG(std::string, device, "cpu",
           "where the node runs the model: cpu, or cuda[:N] (not in these binaries yet: they say "
           "so at start)");
 
+ABSL_FLAG(std::string, store, "",
+          "the store this node reads and writes (host:port), where every host runs a store of "
+          "its own: its host's (default: the node's \"store\" in the cluster file, else the "
+          "cluster's); registered in etcd with the node, so that the router credits the node with "
+          "that store's chunks");
+
 namespace strata::cluster {
+
+absl::Status UseNodeStoreFromFlags(ClusterSpec* spec, NodeSpec* self) {
+  if (const std::string flag = absl::GetFlag(FLAGS_store); !flag.empty()) {
+    if (absl::Status s = ValidateHostPort(flag, "--store"); !s.ok()) return s;
+    self->store = flag;
+  }
+  if (!self->store.empty()) spec->store = self->store;
+  return absl::OkStatus();
+}
 
 absl::StatusOr<model::Device> NodeDeviceFromFlags() {
   return model::ParseDevice(absl::GetFlag(FLAGS_device));

@@ -10,6 +10,7 @@
 
 #include "absl/flags/declare.h"
 #include "absl/status/statusor.h"
+#include "cluster/cluster_file.h"
 #include "kvstore/grpc_security.h"
 #include "kvstore/grpc_security_flags.h"  // the security flags, defined there
 #include "model/compute_backend.h"
@@ -23,12 +24,19 @@ ABSL_DECLARE_FLAG(std::string, etcd_prefix);
 ABSL_DECLARE_FLAG(int, etcd_ttl_s);
 ABSL_DECLARE_FLAG(std::string, ucx_tls);
 ABSL_DECLARE_FLAG(std::string, device);
+ABSL_DECLARE_FLAG(std::string, store);
 
 namespace strata::cluster {
 
 // The node's gRPC security from --tls_cert, --tls_key, --tls_ca, --cluster_token_file and
 // --insecure (LoadGrpcSecurity: its errors, and its log line).
 absl::StatusOr<std::shared_ptr<const kvstore::GrpcSecurity>> NodeSecurityFromFlags();
+
+// The store the node reads and writes: --store, else its entry's (NodeSpec::store), else the
+// cluster's. Sets self->store to it when the node names one (its etcd registration says so) and
+// spec->store to it (what ConnectStore connects to). kInvalidArgument when --store is not
+// host:port.
+absl::Status UseNodeStoreFromFlags(ClusterSpec* spec, NodeSpec* self);
 
 // Where the node runs the model, from --device (model::ParseDevice: its errors).
 absl::StatusOr<model::Device> NodeDeviceFromFlags();

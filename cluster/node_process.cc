@@ -20,7 +20,6 @@
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
 #include "kvstore/grpc_keepalive.h"
-#include "kvstore/grpc_security_flags.h"
 #include "model/config.h"
 #include "model/llama.h"
 
@@ -52,8 +51,9 @@ void Log(absl::string_view request_id, absl::string_view message) {
 void ConfigureFlagsUsage() {
   absl::FlagsUsageConfig config;
   auto ours = [](absl::string_view file) {
+    // Mains, cluster/, and the flag sets shared by several processes (kvstore/*_flags.cc).
     return absl::EndsWith(file, "_main.cc") || absl::StrContains(file, "/cluster/") ||
-           absl::EndsWith(file, kvstore::kGrpcSecurityFlagsFile);
+           absl::EndsWith(file, "_flags.cc");
   };
   config.contains_help_flags = ours;
   config.contains_helpshort_flags = ours;
@@ -206,8 +206,7 @@ absl::StatusOr<NodeSpec> SelfNode(const ClusterSpec& spec, const std::string& id
   absl::StatusOr<NodeSpec> listed = FindNode(spec, id, role);
   if (listed.ok() || !etcd || spec.Find(id) != nullptr) return listed;
   if (!ValidNodeId(id)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--node: '", id, "' must be 1..64 characters of [A-Za-z0-9._-]"));
+    return absl::InvalidArgumentError(absl::StrCat("--node: '", id, "' ", kNodeIdRule));
   }
   if (listen.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(

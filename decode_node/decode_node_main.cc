@@ -82,6 +82,9 @@ int RunDecodeNode(int argc, char** argv, const TransportHook& hook) {
       *spec, absl::GetFlag(FLAGS_node), cl::Role::kDecode, !absl::GetFlag(FLAGS_etcd).empty(),
       absl::GetFlag(FLAGS_listen), absl::GetFlag(FLAGS_transport));
   if (!node.ok()) return Fail("flags", node.status(), 2);
+  if (absl::Status s = cl::UseNodeStoreFromFlags(&*spec, &*node); !s.ok()) {
+    return Fail("flags", s, 2);
+  }
   const cl::NodeSpec* self = &*node;
   uint64_t kv_budget = 0;
   if (!strata::ParseByteSize(absl::GetFlag(FLAGS_kv_budget), &kv_budget) || kv_budget == 0) {

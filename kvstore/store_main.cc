@@ -4,7 +4,9 @@
 #include <fstream>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -15,10 +17,13 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "common/byte_size.h"
 #include "kvstore/block_store.h"
 #include "kvstore/grpc_security.h"
 #include "kvstore/grpc_security_flags.h"
+#include "kvstore/shared_tier_flags.h"
 #include "kvstore/store_service.h"
 #include "prometheus/exposer.h"
 
@@ -37,18 +42,10 @@ ABSL_FLAG(bool, repair, false,
 ABSL_FLAG(int, metrics_port, 9464, "Prometheus metrics at http://HOST:PORT/metrics (-1: off)");
 ABSL_FLAG(std::string, metrics_host, "127.0.0.1", "address the metrics endpoint listens on");
 
-ABSL_FLAG(std::string, shared_tier, "",
-          "Redis Cluster nodes (host:port,...) of the cluster-wide tier behind this store: every "
-          "block put here is written through to it, and lookups past what this store holds "
-          "read it and promote what they find (empty: none)");
-ABSL_FLAG(std::string, shared_tier_user, "", "Redis ACL user for --shared_tier (empty: default)");
-ABSL_FLAG(std::string, shared_tier_password_file, "",
-          "file holding the Redis password (AUTH) for --shared_tier");
-ABSL_FLAG(int, shared_tier_ttl_s, 3600,
-          "seconds a block lives in the shared tier unread (the root chunk twice as long; a read "
-          "renews it)");
-
 namespace {
+
+// How often a shared tier that did not answer at start is tried again.
+constexpr absl::Duration kSharedRetry = absl::Seconds(5);
 
 volatile std::sig_atomic_t g_stop = 0;
 
@@ -62,7 +59,8 @@ int main(int argc, char** argv) {
   absl::FlagsUsageConfig usage;
   usage.contains_help_flags = [](absl::string_view file) {
     return absl::EndsWith(file, "store_main.cc") ||
-           absl::EndsWith(file, strata::kvstore::kGrpcSecurityFlagsFile);
+           absl::EndsWith(file, strata::kvstore::kGrpcSecurityFlagsFile) ||
+           absl::EndsWith(file, strata::kvstore::kSharedTierFlagsFile);
   };
   usage.contains_helpshort_flags = usage.contains_help_flags;
   absl::SetFlagsUsageConfig(usage);
@@ -103,35 +101,28 @@ int main(int argc, char** argv) {
     return 1;
   }
   // The shared tier: a bad flag stops the store; a Redis Cluster that does not answer at start
-  // leaves this store serving alone (said once), as it would serve through a Redis outage.
+  // leaves this store serving alone (said once) and is tried again every kSharedRetry in the
+  // background, the service taking it once it answers.
   std::unique_ptr<strata::kvstore::SharedTier> shared;
-  if (!absl::GetFlag(FLAGS_shared_tier).empty()) {
-    strata::kvstore::SharedTierOptions so;
-    so.redis.seeds = absl::StrSplit(absl::GetFlag(FLAGS_shared_tier), ',', absl::SkipEmpty());
-    so.redis.user = absl::GetFlag(FLAGS_shared_tier_user);
-    if (!absl::GetFlag(FLAGS_shared_tier_password_file).empty()) {
-      std::ifstream in(absl::GetFlag(FLAGS_shared_tier_password_file));
-      if (!in || !std::getline(in, so.redis.password) || so.redis.password.empty()) {
-        std::cerr << "strata-store: --shared_tier_password_file: cannot read a password from "
-                  << absl::GetFlag(FLAGS_shared_tier_password_file) << "\n";
-        return 2;
-      }
-    }
-    if (absl::GetFlag(FLAGS_shared_tier_ttl_s) < 1) {
-      std::cerr << "strata-store: --shared_tier_ttl_s must be >= 1\n";
-      return 2;
-    }
-    so.ttl = absl::Seconds(absl::GetFlag(FLAGS_shared_tier_ttl_s));
-    so.root_bonus = so.ttl;
+  bool retry_shared = false;
+  absl::StatusOr<std::optional<strata::kvstore::SharedTierOptions>> shared_options =
+      strata::kvstore::SharedTierOptionsFromFlags();
+  if (!shared_options.ok()) {
+    std::cerr << "strata-store: " << shared_options.status().message() << "\n";
+    return 2;
+  }
+  if (shared_options->has_value()) {
     absl::StatusOr<std::unique_ptr<strata::kvstore::SharedTier>> t =
-        strata::kvstore::SharedTier::Connect(so);
+        strata::kvstore::SharedTier::Connect(**shared_options);
     if (!t.ok() && t.status().code() != absl::StatusCode::kUnavailable) {
       std::cerr << "strata-store: --shared_tier: " << t.status() << "\n";
       return 2;
     }
     if (!t.ok()) {
       std::cerr << "strata-store: --shared_tier: " << t.status().message()
-                << "; serving without the shared tier" << std::endl;
+                << "; serving without the shared tier until it answers (tried every "
+                << absl::FormatDuration(kSharedRetry) << ")" << std::endl;
+      retry_shared = true;
     } else {
       shared = *std::move(t);
       std::cout << "strata-store: shared tier on " << absl::GetFlag(FLAGS_shared_tier) << std::endl;
@@ -165,7 +156,35 @@ int main(int argc, char** argv) {
             << (*security)->Describe() << ")" << std::endl;
   std::signal(SIGINT, [](int) { g_stop = 1; });
   std::signal(SIGTERM, [](int) { g_stop = 1; });
+  std::thread shared_retry;
+  if (retry_shared) {
+    shared_retry = std::thread([&] {
+      bool told = false;
+      while (!g_stop) {
+        for (absl::Duration slept; slept < kSharedRetry && !g_stop;
+             slept += absl::Milliseconds(100)) {
+          absl::SleepFor(absl::Milliseconds(100));
+        }
+        if (g_stop) return;
+        absl::StatusOr<std::unique_ptr<strata::kvstore::SharedTier>> t =
+            strata::kvstore::SharedTier::Connect(**shared_options);
+        if (!t.ok()) {
+          if (t.status().code() != absl::StatusCode::kUnavailable && !told) {
+            told = true;  // e.g. a password the cluster refuses: said once, tried on
+            std::cerr << "strata-store: --shared_tier: " << t.status() << std::endl;
+          }
+          continue;
+        }
+        shared = *std::move(t);
+        service.SetSharedTier(shared.get());
+        std::cout << "strata-store: shared tier on " << absl::GetFlag(FLAGS_shared_tier)
+                  << " (it answers now)" << std::endl;
+        return;
+      }
+    });
+  }
   while (!g_stop) pause();
+  if (shared_retry.joinable()) shared_retry.join();
   strata::kvstore::StopStoreServer(server->get(), &service);  // open Watch streams end too
   std::cout << "strata-store: stopped" << std::endl;
   return 0;

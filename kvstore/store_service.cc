@@ -86,7 +86,7 @@ prometheus::MetricFamily Family(const std::string& name, const std::string& help
 // The store's counters and gauges, read at each scrape, and the RPC latency histograms.
 class StoreService::Metrics final : public prometheus::Collectable {
  public:
-  Metrics(BlockStore* store, SharedTier* shared) : store_(store), shared_(shared) {
+  Metrics(BlockStore* store, SharedTier* shared) : shared(shared), store_(store) {
     prometheus::Family<prometheus::Histogram>& rpc = prometheus::BuildHistogram()
                                                          .Name("strata_store_rpc_seconds")
                                                          .Help("Store RPC latency")
@@ -132,8 +132,8 @@ class StoreService::Metrics final : public prometheus::Collectable {
       out.push_back(Family(absl::StrCat("strata_store_", name), absl::StrCat("store ", name),
                            prometheus::MetricType::Gauge, static_cast<double>(v)));
     }
-    if (shared_ != nullptr) {
-      const SharedTierStats t = shared_->Stats();
+    if (const SharedTier* tier = shared.load(std::memory_order_acquire); tier != nullptr) {
+      const SharedTierStats t = tier->Stats();
       const std::pair<const char*, double> shared[] = {
           {"hits", t.hits},
           {"misses", t.misses},
@@ -160,10 +160,10 @@ class StoreService::Metrics final : public prometheus::Collectable {
 
   std::vector<prometheus::Histogram*> latency;  // by Op
   std::atomic<uint64_t> promoted_blocks{0};     // from the shared tier into this store
+  std::atomic<SharedTier*> shared;              // as StoreService::shared_
 
  private:
   BlockStore* const store_;
-  SharedTier* const shared_;
   prometheus::Registry registry_;
 };
 
@@ -173,6 +173,11 @@ StoreService::StoreService(BlockStore* store, size_t max_block_bytes, SharedTier
       max_block_bytes_(max_block_bytes),
       shared_(shared) {
   for (int i = 0; i < kOps; ++i) latency_[i] = metrics_->latency[i];
+}
+
+void StoreService::SetSharedTier(SharedTier* shared) {
+  metrics_->shared.store(shared, std::memory_order_release);
+  shared_.store(shared, std::memory_order_release);
 }
 
 std::shared_ptr<prometheus::Collectable> StoreService::metrics() const { return metrics_; }
@@ -216,7 +221,8 @@ grpc::Status StoreService::Lookup(grpc::ServerContext*, const strata::v1::Lookup
                                             req->layer_codec_fingerprints().end())
                     : std::vector<uint64_t>(req->layers(), req->codec_fingerprint());
   LookupResult r = store_->Lookup(prefix, chain, fps);
-  if (shared_ != nullptr && r.chunks < chain.size() && Promote(prefix, chain, fps, r.chunks) > 0) {
+  if (shared_.load(std::memory_order_acquire) != nullptr && r.chunks < chain.size() &&
+      Promote(prefix, chain, fps, r.chunks) > 0) {
     r = store_->Lookup(prefix, chain, fps);  // now with the promoted chunks
   }
   resp->set_chunks(r.chunks);
@@ -244,7 +250,8 @@ absl::Status StoreService::PutOne(const strata::v1::PutRequest& req) {
   // A corrupt block is a bad argument of this call (the store's kDataLoss is about its own
   // bytes).
   if (s.code() == absl::StatusCode::kDataLoss) return absl::InvalidArgumentError(s.message());
-  if (shared_ != nullptr && s.ok()) {
+  SharedTier* const shared = shared_.load(std::memory_order_acquire);
+  if (shared != nullptr && s.ok()) {
     // Written through to the cluster's tier; its failure is counted there, not this call's. Only
     // bytes the store took (and verified): a conflicting block (kAlreadyExists) would replace the
     // first writer's in Redis. The request's bytes, borrowed: Put reads them during the call.
@@ -252,10 +259,10 @@ absl::Status StoreService::PutOne(const strata::v1::PutRequest& req) {
                                           req.block().size());
     absl::StatusOr<BlockView> view = BlockView::Parse(bytes, {.verify_checksum = false});
     if (view.ok()) {
-      (void)shared_->Put({{.name = *name,
-                           .chunk_index = view->header().chunk_index,
-                           .block = SharedBytes(bytes, nullptr),
-                           .checksum_verified = true}});
+      (void)shared->Put({{.name = *name,
+                          .chunk_index = view->header().chunk_index,
+                          .block = SharedBytes(bytes, nullptr),
+                          .checksum_verified = true}});
     }
   }
   return s;
@@ -274,7 +281,7 @@ size_t StoreService::Promote(const BlockName& prefix, absl::Span<const BlockHash
       keys.push_back({n, static_cast<uint32_t>(c)});
     }
   }
-  std::vector<absl::StatusOr<SharedBytes>> got = shared_->Get(keys);
+  std::vector<absl::StatusOr<SharedBytes>> got = shared_.load(std::memory_order_acquire)->Get(keys);
   size_t promoted = 0;
   for (size_t c = first; c < end; ++c) {
     const size_t base = (c - first) * fps.size();

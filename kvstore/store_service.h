@@ -41,6 +41,11 @@ class StoreService final : public strata::v1::Store::Service {
   StoreService(BlockStore* store, size_t max_block_bytes, SharedTier* shared = nullptr);
   static constexpr size_t kMaxPromotedChunks = 64;
 
+  // Installs the shared tier once it answers (a store started while Redis was away serves alone
+  // until then): from the next call on, Puts write through and Lookups read it. `shared` must
+  // outlive the service; once installed it stays. Thread-safe.
+  void SetSharedTier(SharedTier* shared);
+
   grpc::Status Lookup(grpc::ServerContext*, const strata::v1::LookupRequest* req,
                       strata::v1::LookupResponse* resp) override;
   grpc::Status Put(grpc::ServerContext*, const strata::v1::PutRequest* req,
@@ -81,7 +86,7 @@ class StoreService final : public strata::v1::Store::Service {
   prometheus::Histogram* latency_[kOps] = {};
   BlockStore* store_;
   size_t max_block_bytes_;
-  SharedTier* shared_;
+  std::atomic<SharedTier*> shared_;
   std::atomic<bool> stopping_{false};
 };
 

@@ -66,6 +66,9 @@ int main(int argc, char** argv) {
       cl::SelfNode(*spec, absl::GetFlag(FLAGS_node), cl::Role::kPrefill,
                    !absl::GetFlag(FLAGS_etcd).empty(), absl::GetFlag(FLAGS_listen), "");
   if (!node.ok()) return Fail("flags", node.status(), 2);
+  if (absl::Status s = cl::UseNodeStoreFromFlags(&*spec, &*node); !s.ok()) {
+    return Fail("flags", s, 2);
+  }
   const cl::NodeSpec* self = &*node;
   if (absl::GetFlag(FLAGS_max_concurrent) < 1 || absl::GetFlag(FLAGS_max_queued_tokens) < 1 ||
       absl::GetFlag(FLAGS_ship_timeout_ms) < 1) {

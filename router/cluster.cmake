@@ -7,6 +7,7 @@ strata_add_library(router_cluster
   SOURCES
     cluster_backend.cc
     node_pool.cc
+    shared_tier_probe.cc
     store_feed.cc
   DEPS
     strata::router_http strata::router_routing strata::cluster strata::kvstore_service
@@ -14,6 +15,7 @@ strata_add_library(router_cluster
 
 add_executable(strata-router router_main.cc)
 target_link_libraries(strata-router PRIVATE strata::router_cluster strata::kvstore_security_flags
+  strata::kvstore_shared_tier_flags
   absl::flags absl::flags_parse absl::flags_usage)
 strata_configure_target(strata-router)
 

@@ -66,6 +66,15 @@ absl::Status ClusterBackendOptions::Validate() const {
   if (absl::Status s = format.Validate(); !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("cluster backend: ", s.message()));
   }
+  if (shared_tier.has_value()) {
+    if (absl::Status s = shared_tier->Validate(); !s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("cluster backend: ", s.message()));
+    }
+    if (shared_tier_probe_chunks < 1) {
+      return absl::InvalidArgumentError("cluster backend: shared_tier_probe_chunks must be >= 1");
+    }
+    STRATA_RETURN_IF_ERROR(Positive(shared_tier_probe_timeout, "shared_tier_probe_timeout"));
+  }
   STRATA_RETURN_IF_ERROR(routing.Validate());
   return index.Validate();
 }
@@ -250,6 +259,9 @@ absl::StatusOr<std::unique_ptr<ClusterBackend>> ClusterBackend::Create(
   std::unique_ptr<ClusterBackend> b(new ClusterBackend(std::move(options)));
   STRATA_RETURN_IF_ERROR(b->Init());
   b->poller_ = std::thread([p = b.get()] { p->PollLoop(); });
+  if (b->options_.shared_tier.has_value()) {
+    b->shared_connector_ = std::thread([p = b.get()] { p->ConnectSharedTierLoop(); });
+  }
   return b;
 }
 
@@ -338,7 +350,21 @@ absl::Status ClusterBackend::Init() {
                              "router_in_flight, prefill_queue, decode_queue, node")
                          .Register(reg);
   store_connected_ = &cluster::AddGauge(&reg, "strata_router_store_connected",
-                                        "1 while the store's block events stream in");
+                                        "1 while every store's block events stream in");
+  if (options_.shared_tier.has_value()) {
+    shared_probes_ =
+        &cluster::AddCounter(&reg, "strata_router_shared_tier_probes_total",
+                             "Prompts whose chunks past the store's were asked of the shared tier");
+    shared_chunks_ =
+        &cluster::AddCounter(&reg, "strata_router_shared_tier_chunks_total",
+                             "Chunks the shared tier held past the store's, as routing found them");
+    shared_errors_ = &cluster::AddCounter(
+        &reg, "strata_router_shared_tier_errors_total",
+        "Shared tier probes that the tier did not answer in full (routed without it)");
+    shared_probe_seconds_ = &cluster::AddHistogram(
+        &reg, "strata_router_shared_tier_probe_seconds",
+        "Time to ask the shared tier for a prompt's chunks", cluster::LatencyBuckets());
+  }
 
   std::shared_ptr<const cluster::Membership> membership =
       options_.membership != nullptr ? options_.membership
@@ -348,12 +374,16 @@ absl::Status ClusterBackend::Init() {
   po.model_name = served.name;  // nodes report the folder's name, whatever clients call it
   po.format = format_;
   po.prefill_reads_store = !spec.store.empty();
+  po.cluster_store = spec.store;
   po.security = options_.security;
   STRATA_RETURN_IF_ERROR(po.Validate());
   pool_ = std::make_unique<NodePool>(po, std::move(membership), registry_.get());
   if (!spec.store.empty()) {
-    store_feed_ = std::make_unique<StoreFeed>(index_.get(), "store", layer_names_);
-    STRATA_RETURN_IF_ERROR(store_feed_->status());
+    StoreLink& link = stores_[spec.store];
+    link.feed = std::make_unique<StoreFeed>(index_.get(), StoreHolderId(spec.store, spec.store),
+                                            layer_names_);
+    STRATA_RETURN_IF_ERROR(link.feed->status());
+    store_feed_ = link.feed.get();
   }
   cluster::Log("", absl::StrCat("serving ", model_name_, " (context ", context_tokens_,
                                 " tokens, codec ", format_.codec, ", chunk ", format_.chunk_tokens,
@@ -369,8 +399,8 @@ ClusterBackend::~ClusterBackend() {
   }
   poll_cv_.notify_all();
   if (poller_.joinable()) poller_.join();
-  store_watch_.reset();
-  store_client_.reset();
+  if (shared_connector_.joinable()) shared_connector_.join();
+  stores_.clear();
   node_feeds_.clear();
   // Cancel what is left (the HTTP server was stopped first, so nothing new arrives) without
   // holding calls_mu_: a cancellation may run the calls' callbacks on this thread.
@@ -401,7 +431,7 @@ void ClusterBackend::PollLoop() {
   while (!stop_) {
     lock.unlock();
     pool_->PollOnce();
-    MaybeConnectStore();
+    MaybeConnectStores();
     MaybeWatchNodeTiers();
     std::vector<std::shared_ptr<const NodeConnection>> retired;
     {
@@ -416,35 +446,128 @@ void ClusterBackend::PollLoop() {
   }
 }
 
-void ClusterBackend::MaybeConnectStore() {
-  if (store_feed_ == nullptr) return;
-  auto watch = [this] {
-    StoreFeed* feed = store_feed_.get();
-    store_watch_ =
-        store_client_->Watch(0, [feed](const kvstore::WatchUpdate& u) { feed->OnUpdate(u); });
+void ClusterBackend::MaybeConnectStores() {
+  for (const NodeStatus& s : pool_->Status()) {
+    if (s.spec.store.empty() || stores_.contains(s.spec.store)) continue;
+    StoreLink& link = stores_[s.spec.store];
+    link.feed = std::make_unique<StoreFeed>(
+        index_.get(), StoreHolderId(s.spec.store, options_.spec.store), layer_names_);
+    if (!link.feed->status().ok()) {
+      cluster::Log("", absl::StrCat("store ", s.spec.store, ": ", link.feed->status().ToString()));
+    }
+    cluster::Log("", absl::StrCat("node ", s.spec.id, " uses the store ", s.spec.store,
+                                  " (its host's); watching its blocks too"));
+  }
+  bool all_connected = !stores_.empty();
+  for (auto& [address, link] : stores_) {
+    MaybeConnectStore(address, link);
+    all_connected = all_connected && link.feed->connected();
+  }
+  store_connected_->Set(all_connected ? 1 : 0);
+}
+
+void ClusterBackend::MaybeConnectStore(const std::string& address, StoreLink& link) {
+  if (!link.feed->status().ok()) return;  // logged when the feed was made
+  auto watch = [&link] {
+    StoreFeed* feed = link.feed.get();
+    link.watch =
+        link.client->Watch(0, [feed](const kvstore::WatchUpdate& u) { feed->OnUpdate(u); });
   };
-  if (store_watch_ != nullptr && store_feed_->resync_needed()) {
-    store_watch_.reset();  // joins the watch thread: no update is delivered meanwhile
-    store_feed_->ClearResync();
+  if (link.watch != nullptr && link.feed->resync_needed()) {
+    link.watch.reset();  // joins the watch thread: no update is delivered meanwhile
+    link.feed->ClearResync();
     watch();
   }
-  store_connected_->Set(store_feed_->connected() ? 1 : 0);
-  if (store_client_ != nullptr || absl::Now() < next_store_attempt_) return;
+  if (link.client != nullptr || absl::Now() < link.next_attempt) return;
   absl::StatusOr<std::unique_ptr<kvstore::StoreClient>> c = kvstore::StoreClient::Connect(
-      options_.spec.store, options_.store_connect_timeout, {.security = options_.security});
+      address, options_.store_connect_timeout, {.security = options_.security});
   if (!c.ok()) {
-    next_store_attempt_ = absl::Now() + options_.store_retry_interval;
-    if (!store_down_logged_) {
-      store_down_logged_ = true;
+    link.next_attempt = absl::Now() + options_.store_retry_interval;
+    if (!link.down_logged) {
+      link.down_logged = true;
       cluster::Log("", absl::StrCat(c.status().message(), "; retrying every ",
                                     absl::FormatDuration(options_.store_retry_interval),
                                     " (routing ignores the store meanwhile)"));
     }
     return;
   }
-  store_client_ = *std::move(c);
-  cluster::Log("", absl::StrCat("store ", options_.spec.store, " connected; watching its blocks"));
+  link.client = *std::move(c);
+  cluster::Log("", absl::StrCat("store ", address, " connected; watching its blocks"));
   watch();
+}
+
+void ClusterBackend::ConnectSharedTierLoop() {
+  kvstore::SharedTierOptions o = *options_.shared_tier;
+  const absl::Duration wait = options_.shared_tier_probe_timeout;
+  o.timeout = std::min(o.timeout, wait);
+  o.redis.io_timeout = std::min(o.redis.io_timeout, wait);
+  o.redis.connect_timeout = std::min(o.redis.connect_timeout, wait);
+  bool logged = false;
+  std::unique_lock<std::mutex> lock(poll_mu_);
+  while (!stop_) {
+    lock.unlock();
+    absl::StatusOr<std::unique_ptr<kvstore::SharedTier>> tier = kvstore::SharedTier::Connect(o);
+    if (tier.ok()) {
+      auto probe = std::make_shared<SharedTierProbe>(*std::move(tier), layer_names_,
+                                                     options_.shared_tier_probe_chunks);
+      {
+        std::lock_guard<std::mutex> shared_lock(shared_mu_);
+        shared_probe_ = std::move(probe);
+      }
+      cluster::Log("", "shared tier connected; routing counts the chunks it holds");
+      return;
+    }
+    if (!logged) {
+      logged = true;
+      cluster::Log("", absl::StrCat("shared tier: ", tier.status().message(), "; retrying every ",
+                                    absl::FormatDuration(options_.store_retry_interval),
+                                    " (routing counts the stores only meanwhile)"));
+    }
+    lock.lock();
+    poll_cv_.wait_for(lock, absl::ToChronoMilliseconds(options_.store_retry_interval),
+                      [this] { return stop_; });
+  }
+}
+
+std::shared_ptr<SharedTierProbe> ClusterBackend::shared_probe() const {
+  std::lock_guard<std::mutex> lock(shared_mu_);
+  return shared_probe_;
+}
+
+bool ClusterBackend::shared_tier_connected() const { return shared_probe() != nullptr; }
+
+OverlapResult ClusterBackend::CachedOverlap(absl::Span<const BlockHash> chain,
+                                            absl::Time now) const {
+  OverlapResult overlap = index_->Overlap(chain, now);
+  const std::shared_ptr<SharedTierProbe> probe = shared_probe();
+  if (probe == nullptr) return overlap;
+  // Redis is asked from the first chunk (up to shared_tier_probe_chunks): what the stores hold
+  // says nothing certain of the tier (a store that met the tier late never wrote its older
+  // blocks through; Redis evicts on its own). A store promotes at most that many chunks past its
+  // own per Lookup, so no node is credited with more from the tier than it can read.
+  uint32_t held = 0;
+  // After a probe the tier did not answer, requests are routed without asking it for
+  // store_retry_interval: an outage must not add the probe's timeout to every request.
+  if (!chain.empty() && absl::FromUnixNanos(shared_quiet_until_ns_.load()) <= now) {
+    SharedTierProbeStats call;
+    held = probe->LeadingChunks(chain, 0, &call);
+    shared_probes_->Increment();
+    shared_chunks_->Increment(static_cast<double>(call.chunks_found));
+    shared_errors_->Increment(static_cast<double>(call.errors));
+    shared_probe_seconds_->Observe(call.seconds);
+    if (call.errors > 0) {
+      shared_quiet_until_ns_.store(absl::ToUnixNanos(absl::Now() + options_.store_retry_interval));
+    }
+  }
+  if (held > 0) {
+    HolderOverlap& h = overlap.holders.emplace_back();
+    h.holder_id = kSharedTierHolder;
+    h.kind = HolderKind::kStore;
+    h.chunks = held;
+    // Behind the network: filed as the slowest tier (routing credits store chunks alike).
+    h.tier_chunks[static_cast<size_t>(HolderTier::kDisk)] = held;
+  }
+  return overlap;
 }
 
 void ClusterBackend::MaybeWatchNodeTiers() {
@@ -727,7 +850,7 @@ void ClusterBackend::StartLater(const std::shared_ptr<ChoiceSet>& later) {
 
 absl::Status ClusterBackend::Launch(const std::shared_ptr<Request>& r, const std::string& avoid) {
   const absl::Time now = absl::Now();
-  const OverlapResult overlap = index_->Overlap(r->chain, now);
+  const OverlapResult overlap = CachedOverlap(r->chain, now);
   std::vector<NodeLoad> nodes = pool_->Loads();
   tracker_.Overlay(absl::MakeSpan(nodes));
   for (NodeLoad& n : nodes) {

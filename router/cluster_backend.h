@@ -43,6 +43,8 @@
 // that fails is not routed to until it answers again) and sweeps the index. When the cluster has a
 // store, its Watch stream feeds the index (StoreFeed) as the holder "store"; a store that is down
 // at start is retried every store_retry_interval, and the watch reconnects on its own after.
+// With a shared tier (ClusterBackendOptions::shared_tier), the chunks past the store's are asked
+// of Redis as each request is routed (SharedTierProbe, CachedOverlap).
 //
 // Metrics (RenderMetrics, Prometheus text): strata_router_requests_total{status} (every request
 // Start saw, by outcome: "ok", "cancelled", or the error code in lower case),
@@ -53,7 +55,10 @@
 // strata_router_routed_total{prefill,decode}, strata_router_node_healthy{node,role},
 // strata_router_store_connected, strata_router_rejected_total{reason} (429s: router_in_flight,
 // prefill_queue, decode_queue, node), strata_router_retries_total and
-// strata_router_retries_throttled_total (lost nodes whose request the budget did not retry).
+// strata_router_retries_throttled_total (lost nodes whose request the budget did not retry),
+// strata_router_shared_tier_probes_total, strata_router_shared_tier_chunks_total (chunks found
+// beyond the store's), strata_router_shared_tier_errors_total and
+// strata_router_shared_tier_probe_seconds (with a shared tier).
 //
 // Logs (cluster::Log, with the request id): one line at routing (RouteDecision::Explain) and one
 // at the end (status, tokens, TTFT).
@@ -70,6 +75,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -95,6 +101,7 @@
 #include "router/prefix_index.h"
 #include "router/retry_budget.h"
 #include "router/routing_policy.h"
+#include "router/shared_tier_probe.h"
 #include "router/store_feed.h"
 
 namespace strata::router {
@@ -134,6 +141,17 @@ struct ClusterBackendOptions {
   // TLS and the cluster token of every gRPC call to the nodes and the store
   // (kvstore/grpc_security.h); null: insecure (plaintext, no token).
   std::shared_ptr<const kvstore::GrpcSecurity> security = nullptr;
+  // The shared tier behind the stores (kvstore/shared_tier.h), when the stores have one: the
+  // router asks it, as it routes a prompt, for the chunks beyond those the store holds
+  // (SharedTierProbe), and credits them as store chunks to every node that reads a store (the
+  // nodes read the shared tier through their store). A tier that does not answer at start is
+  // tried again every store_retry_interval; routing ignores it meanwhile.
+  std::optional<kvstore::SharedTierOptions> shared_tier = std::nullopt;
+  // Chunks asked of the shared tier per request at most (a store promotes at most
+  // StoreService::kMaxPromotedChunks past its own per Lookup: no more should be credited), and
+  // how long routing waits for the answer (it replaces the tier's own timeouts where longer).
+  uint32_t shared_tier_probe_chunks = 64;
+  absl::Duration shared_tier_probe_timeout = absl::Milliseconds(100);
 
   // INVALID_ARGUMENT naming the field.
   absl::Status Validate() const;
@@ -173,11 +191,19 @@ class ClusterBackend final : public Backend {
   absl::StatusOr<std::vector<BlockHash>> ChunkKeys(const std::vector<uint32_t>& tokens,
                                                    const std::string& cache_salt) const;
   // Null when the cluster has no store.
-  const StoreFeed* store_feed() const { return store_feed_.get(); }
+  const StoreFeed* store_feed() const { return store_feed_; }
+  // What routing counts as cached for `chain`: the index's overlap, plus, with a shared tier
+  // that answers, a kStore holder kSharedTierHolder with the leading chunks Redis holds (asked
+  // in one round trip, up to shared_tier_probe_chunks; not asked for store_retry_interval after
+  // a probe the tier did not answer). Nodes on any host read it through their own store.
+  OverlapResult CachedOverlap(absl::Span<const BlockHash> chain, absl::Time now) const;
+  // True once the shared tier answered its connection (false without one).
+  bool shared_tier_connected() const;
 
  private:
   struct Request;
   struct HandleCell;
+  struct StoreLink;
   struct ChoiceSet;
   class Handle;
   class GenerateReactor;
@@ -185,7 +211,12 @@ class ClusterBackend final : public Backend {
   explicit ClusterBackend(ClusterBackendOptions options);
   absl::Status Init();
   void PollLoop();
-  void MaybeConnectStore();
+  void MaybeConnectStores();
+  void MaybeConnectStore(const std::string& address, StoreLink& link);
+  // The shared tier's connection, on a thread of its own (attempts can take the probe timeout
+  // per seed: the poller must not wait on them): until it connects or the backend stops.
+  void ConnectSharedTierLoop();
+  std::shared_ptr<SharedTierProbe> shared_probe() const;
   void MaybeWatchNodeTiers();
 
   // Tokenization and the context check: the prompt tokens; *max_tokens resolved.
@@ -273,21 +304,34 @@ class ClusterBackend final : public Backend {
   prometheus::Counter* retries_throttled_ = nullptr;
   prometheus::Family<prometheus::Counter>* rejected_total_ = nullptr;
   prometheus::Counter* handoffs_ = nullptr;
+  prometheus::Counter* shared_probes_ = nullptr;
+  prometheus::Counter* shared_chunks_ = nullptr;
+  prometheus::Counter* shared_errors_ = nullptr;
+  prometheus::Histogram* shared_probe_seconds_ = nullptr;
 
   std::unique_ptr<PrefixIndex> index_;
   std::unique_ptr<RoutingPolicy> policy_;
   LoadTracker tracker_;
   std::unique_ptr<NodePool> pool_;
-  std::unique_ptr<StoreFeed> store_feed_;
+  const StoreFeed* store_feed_ = nullptr;  // the cluster store's (stores_[spec.store].feed)
   std::atomic<size_t> in_flight_{0};
   RetryBudget retry_budget_;
 
   mutable std::mutex seed_mu_;  // guards seed_rng_
   std::mt19937_64 seed_rng_;    // seeds of requests that name none
 
-  // Store connection: the poller thread's alone.
-  std::unique_ptr<kvstore::StoreClient> store_client_;
-  std::unique_ptr<kvstore::StoreWatch> store_watch_;
+  // The stores whose events feed the index: the cluster's (spec.store, holder "store") and
+  // every other store a node names as its host's (NodeSpec::store, holder "store@ADDRESS").
+  // Created by Init (the cluster's) and the poller thread (the others); the poller thread's alone
+  // after Init.
+  struct StoreLink {
+    std::unique_ptr<StoreFeed> feed;
+    std::unique_ptr<kvstore::StoreClient> client;
+    std::unique_ptr<kvstore::StoreWatch> watch;  // declared last: stopped first
+    absl::Time next_attempt = absl::InfinitePast();
+    bool down_logged = false;
+  };
+  std::map<std::string, StoreLink> stores_;  // by address
   // Prefill nodes with their own RAM tier (NodeLoad.local_tier_bytes): the watch of each feeds
   // the index as a kNode holder named by the node's id. Poller thread only.
   struct NodeFeed {
@@ -296,14 +340,17 @@ class ClusterBackend final : public Backend {
     std::unique_ptr<kvstore::StoreWatch> watch;  // declared last: stopped first
   };
   std::map<std::string, NodeFeed> node_feeds_;
-  absl::Time next_store_attempt_ = absl::InfinitePast();
-  bool store_down_logged_ = false;
+  mutable std::mutex shared_mu_;                   // guards shared_probe_
+  std::shared_ptr<SharedTierProbe> shared_probe_;  // null until connected
+  mutable std::atomic<int64_t> shared_quiet_until_ns_{
+      0};  // no probe before (Unix ns): after an error
 
   // Poller thread.
-  std::mutex poll_mu_;  // guards stop_
+  std::mutex poll_mu_;  // guards stop_ (the poller and shared_connector_ wait on poll_cv_)
   std::condition_variable poll_cv_;
   bool stop_ = false;
   std::thread poller_;
+  std::thread shared_connector_;  // ConnectSharedTierLoop; stops with stop_ too
 
   // Requests alive (their gRPC calls own them), for the destructor, which cancels them and waits
   // for them all to be gone.

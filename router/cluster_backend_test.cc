@@ -13,6 +13,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -26,7 +27,9 @@
 #include "gtest/gtest.h"
 #include "kernels/codec.h"
 #include "kvstore/block_store.h"
+#include "kvstore/shared_tier.h"
 #include "kvstore/store_service.h"
+#include "kvstore/testing/redis_cluster_process.h"
 #include "model/llama.h"
 #include "router/openai_api.h"
 
@@ -977,6 +980,176 @@ TEST(ClusterBackendStoreTest, StoreThatStartsLaterFeedsTheIndex) {
   ASSERT_TRUE(WaitFor(
       [&] { return backend->prefix_index().Overlap(*chain, absl::Now()).StoreChunks() == 1; }));
   backend.reset();
+  kvstore::StopStoreServer(server->get(), &service);
+}
+
+// The blocks of chain[0..chunks), every layer, as a prefill node names and encodes them (fp16).
+std::vector<std::pair<BlockName, AlignedBuffer>> EncodeChunks(const model::LlamaModel& model,
+                                                              const model::SequenceKvCache& cache,
+                                                              const std::vector<BlockHash>& chain,
+                                                              uint32_t chunks) {
+  auto codec = *kernels::Codec::Create("fp16");
+  const model::ModelConfig& c = model.config();
+  std::vector<float> k(size_t{64} * c.num_kv_heads * c.head_dim, 0.25f), v(k.size(), -0.5f);
+  std::vector<std::pair<BlockName, AlignedBuffer>> out;
+  for (uint32_t chunk = 0; chunk < chunks; ++chunk) {
+    for (uint32_t l = 0; l < c.num_layers; ++l) {
+      absl::StatusOr<AlignedBuffer> block = codec->Encode(
+          {k.data(), v.data(), SourceDType::kFloat32, 64, c.num_kv_heads, c.head_dim},
+          {.layer = l, .chunk_index = chunk, .model_fingerprint = model.fingerprint()});
+      EXPECT_TRUE(block.ok()) << block.status();
+      out.emplace_back(cache.NameOf(l, chain[chunk]), *std::move(block));
+    }
+  }
+  return out;
+}
+
+// A node that names a store of its own (its host's) gets that store watched too, under a holder
+// of its own ("store@ADDRESS"): its chunks are not the cluster store's.
+TEST(ClusterBackendStoreTest, AStoreANodeNamesAsItsHostsIsWatchedUnderItsOwnHolder) {
+  struct Store {
+    std::unique_ptr<kvstore::BlockStore> blocks;
+    std::unique_ptr<kvstore::StoreService> service;
+    std::unique_ptr<grpc::Server> server;
+    std::string address;
+  };
+  Store stores[2];
+  for (Store& st : stores) {
+    st.blocks = *kvstore::BlockStore::Open({.ram_bytes = size_t{64} << 20});
+    st.service = std::make_unique<kvstore::StoreService>(st.blocks.get(), size_t{1} << 20);
+    int port = 0;
+    absl::StatusOr<std::unique_ptr<grpc::Server>> server =
+        kvstore::StartStoreServer(st.service.get(), "127.0.0.1:0", size_t{1} << 20, &port);
+    ASSERT_TRUE(server.ok()) << server.status();
+    st.server = *std::move(server);
+    st.address = absl::StrCat("127.0.0.1:", port);
+  }
+  cluster::ClusterSpec spec = Spec("127.0.0.1:1", stores[0].address);
+  spec.nodes[0].store = stores[1].address;  // prefill-0's host runs a store of its own
+  std::unique_ptr<ClusterBackend> backend = MakeBackend(spec);
+  ASSERT_NE(backend, nullptr);
+
+  absl::StatusOr<std::unique_ptr<model::LlamaModel>> model = model::LlamaModel::Load(ModelDir());
+  ASSERT_TRUE(model.ok()) << model.status();
+  absl::StatusOr<std::unique_ptr<model::SequenceKvCache>> cache =
+      (*model)->NewCache({.codec = "fp16", .chunk_tokens = 64});
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  std::vector<uint32_t> prompt(140);
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<uint32_t>(500 + i);
+  absl::StatusOr<std::vector<BlockHash>> chain = backend->ChunkKeys(prompt, "");
+  ASSERT_TRUE(chain.ok());
+  ASSERT_EQ(chain->size(), 2u);
+  const uint32_t layers = (*model)->config().num_layers;
+  uint32_t i = 0;
+  for (auto& [name, block] : EncodeChunks(**model, **cache, *chain, 2)) {
+    const uint32_t c = i++ / layers;
+    const BlockHash* parent = c > 0 ? &(*chain)[c - 1] : nullptr;
+    ASSERT_TRUE(stores[1].blocks->Put(name, parent, block.span()).ok());
+  }
+  const std::string holder = StoreHolderId(stores[1].address, stores[0].address);
+  ASSERT_TRUE(WaitFor([&] {
+    const HolderOverlap* h = backend->prefix_index().Overlap(*chain, absl::Now()).Find(holder);
+    return h != nullptr && h->chunks == 2;
+  }));
+  EXPECT_EQ(backend->prefix_index().Overlap(*chain, absl::Now()).Find("store"), nullptr);
+  EXPECT_TRUE(WaitFor([&] {
+    return absl::StrContains(backend->RenderMetrics(), "strata_router_store_connected 1");
+  }));
+  backend.reset();
+  for (Store& st : stores) kvstore::StopStoreServer(st.server.get(), st.service.get());
+}
+
+// ---- the shared tier ---------------------------------------------------------------------------
+
+// Host A's store wrote a prompt's three chunks through to the shared tier; this router's store
+// (host B's) holds only the first. Routing counts all three as store chunks, asking Redis; a
+// chunk missing from Redis ends the run there; another tenant's keys find nothing; a Redis
+// Cluster that is gone leaves the store's count, the error counted.
+TEST(ClusterBackendSharedTierTest, ChunksOnlyTheSharedTierHoldsCountAsStoreChunks) {
+  if (!kvstore::testing::RedisClusterProcess::Installed()) {
+    GTEST_SKIP() << "skipped: no redis-server (scripts/setup.sh installs it)";
+  }
+  kvstore::testing::RedisClusterProcess redis(3, 0);
+  std::string why;
+  ASSERT_TRUE(redis.Start(&why)) << why;
+  const kvstore::SharedTierOptions tier_options{.redis = {.seeds = {redis.seed()}}};
+
+  absl::StatusOr<std::unique_ptr<kvstore::BlockStore>> store =
+      kvstore::BlockStore::Open({.ram_bytes = size_t{64} << 20});
+  ASSERT_TRUE(store.ok()) << store.status();
+  kvstore::StoreService service(store->get(), size_t{1} << 20);
+  int port = 0;
+  absl::StatusOr<std::unique_ptr<grpc::Server>> server =
+      kvstore::StartStoreServer(&service, "127.0.0.1:0", size_t{1} << 20, &port);
+  ASSERT_TRUE(server.ok()) << server.status();
+
+  ClusterBackendOptions o;
+  o.spec = Spec("127.0.0.1:1", absl::StrCat("127.0.0.1:", port));
+  o.load_poll_interval = absl::Milliseconds(20);
+  o.store_retry_interval = absl::Milliseconds(100);
+  o.shared_tier = tier_options;
+  o.shared_tier_probe_timeout = absl::Seconds(2);  // a loaded test machine
+  absl::StatusOr<std::unique_ptr<ClusterBackend>> backend = ClusterBackend::Create(o);
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  ASSERT_TRUE(WaitFor([&] { return (*backend)->shared_tier_connected(); }));
+
+  absl::StatusOr<std::unique_ptr<model::LlamaModel>> model = model::LlamaModel::Load(ModelDir());
+  ASSERT_TRUE(model.ok()) << model.status();
+  absl::StatusOr<std::unique_ptr<model::SequenceKvCache>> cache =
+      (*model)->NewCache({.codec = "fp16", .chunk_tokens = 64});
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  std::vector<uint32_t> prompt(200);
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<uint32_t>(300 + i);
+  absl::StatusOr<std::vector<BlockHash>> chain = (*backend)->ChunkKeys(prompt, "");
+  ASSERT_TRUE(chain.ok());
+  ASSERT_EQ(chain->size(), 3u);
+  const uint32_t layers = (*model)->config().num_layers;
+  absl::StatusOr<std::unique_ptr<kvstore::SharedTier>> host_a =
+      kvstore::SharedTier::Connect(tier_options);
+  ASSERT_TRUE(host_a.ok()) << host_a.status();
+  uint32_t i = 0;
+  for (auto& [name, block] : EncodeChunks(**model, **cache, *chain, 3)) {
+    const uint32_t c = i++ / layers;
+    if (c == 0) {
+      ASSERT_TRUE((*store)->Put(name, nullptr, block.span()).ok());
+    }
+    const std::vector<absl::Status> put =
+        (*host_a)->Put({{name, c, SharedBytes::FromBuffer(std::move(block))}});
+    ASSERT_TRUE(put[0].ok()) << put[0];
+  }
+  ASSERT_TRUE(WaitFor(
+      [&] { return (*backend)->prefix_index().Overlap(*chain, absl::Now()).StoreChunks() == 1; }));
+  OverlapResult o3 = (*backend)->CachedOverlap(*chain, absl::Now());
+  EXPECT_EQ(o3.StoreChunks(), 3u);
+  const HolderOverlap* shared = o3.Find(kSharedTierHolder);
+  ASSERT_NE(shared, nullptr);
+  EXPECT_EQ(shared->kind, HolderKind::kStore);
+  EXPECT_EQ(shared->chunks, 3u);
+  const std::string metrics = (*backend)->RenderMetrics();
+  EXPECT_THAT(metrics, ::testing::HasSubstr("strata_router_shared_tier_probes_total 1"));
+  EXPECT_THAT(metrics, ::testing::HasSubstr("strata_router_shared_tier_chunks_total 3"));
+
+  // Another tenant's salt keys other chunks: nothing anywhere.
+  absl::StatusOr<std::vector<BlockHash>> salted = (*backend)->ChunkKeys(prompt, "tenant-b");
+  ASSERT_TRUE(salted.ok());
+  EXPECT_EQ((*backend)->CachedOverlap(*salted, absl::Now()).StoreChunks(), 0u);
+
+  // Chunk 1's last layer gone from Redis: the run stops at the store's chunk.
+  const std::string gone = (*host_a)->KeyOf((*cache)->NameOf(layers - 1, (*chain)[1]));
+  ASSERT_TRUE((*host_a)->redis().Run({{"DEL", gone}}, absl::Now() + absl::Seconds(5))[0].ok());
+  OverlapResult o1 = (*backend)->CachedOverlap(*chain, absl::Now());
+  EXPECT_EQ(o1.StoreChunks(), 1u);
+  ASSERT_NE(o1.Find(kSharedTierHolder), nullptr);  // chunk 0 is still there
+  EXPECT_EQ(o1.Find(kSharedTierHolder)->chunks, 1u);
+
+  // The whole Redis Cluster gone: the store's chunk still counts; the failed probe is counted.
+  for (const auto& n : std::vector<kvstore::testing::RedisClusterProcess::Node>(redis.nodes())) {
+    redis.Kill(*redis.Find(absl::StrCat("127.0.0.1:", n.port)));
+  }
+  EXPECT_EQ((*backend)->CachedOverlap(*chain, absl::Now()).StoreChunks(), 1u);
+  EXPECT_THAT((*backend)->RenderMetrics(),
+              ::testing::HasSubstr("strata_router_shared_tier_errors_total 1"));
+  backend->reset();
   kvstore::StopStoreServer(server->get(), &service);
 }
 

@@ -10,8 +10,9 @@
 #include "cluster/node_process.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
-#include "kvstore/grpc_status.h"
 #include "kvstore/grpc_keepalive.h"
+#include "kvstore/grpc_status.h"
+#include "router/routing_policy.h"
 
 namespace strata::router {
 namespace {
@@ -250,7 +251,9 @@ std::vector<NodeLoad> NodePool::Loads() const {
     l.max_waiting = r.max_waiting();
     l.max_queued_prefill_tokens = r.max_queued_prefill_tokens();
     l.prefill_tokens_per_second = r.prefill_tokens_per_second();
-    l.reads_store = options_.prefill_reads_store;
+    l.reads_store = options_.prefill_reads_store || !s.spec.store.empty();
+    const std::string& store = s.spec.store.empty() ? options_.cluster_store : s.spec.store;
+    if (!store.empty()) l.store_holder = StoreHolderId(store, options_.cluster_store);
     l.reported_at = s.reported_at;
     out.push_back(std::move(l));
   }

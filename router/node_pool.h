@@ -52,8 +52,11 @@ struct NodePoolOptions {
   // empty model or codec, or chunk size 0, is not checked either.
   std::string model_name = "";
   model::ServedFormat format = {.codec = "", .chunk_tokens = 0};
-  // NodeLoad::reads_store of every prefill node (the cluster has a store).
+  // NodeLoad::reads_store of every prefill node (the cluster has a store); a node that names a
+  // store of its own (NodeSpec::store) reads that one in any case.
   bool prefill_reads_store = false;
+  // The cluster's store (ClusterSpec::store): NodeLoad::store_holder of a node that names none.
+  std::string cluster_store = "";
   // TLS and the cluster token of the nodes' channels; null: insecure (plaintext, no token).
   std::shared_ptr<const kvstore::GrpcSecurity> security = nullptr;
 

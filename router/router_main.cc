@@ -2,6 +2,7 @@
 // (model, nodes, store, the router's HTTP address); flags override.
 //   strata-router --cluster cluster.json [--listen 0.0.0.0:8000]
 #include <iostream>
+#include <optional>
 #include <string>
 
 #include "absl/flags/flag.h"
@@ -15,6 +16,7 @@
 #include "cluster/node_process.h"
 #include "common/host_port.h"
 #include "kvstore/grpc_security_flags.h"
+#include "kvstore/shared_tier_flags.h"
 #include "router/cluster_backend.h"
 #include "router/http_server.h"
 
@@ -108,6 +110,10 @@ int main(int argc, char** argv) {
   o.max_in_flight = static_cast<uint32_t>(absl::GetFlag(FLAGS_max_in_flight));
   o.load_poll_interval = absl::Milliseconds(absl::GetFlag(FLAGS_poll_ms));
   o.security = *security;
+  absl::StatusOr<std::optional<strata::kvstore::SharedTierOptions>> shared =
+      strata::kvstore::SharedTierOptionsFromFlags();
+  if (!shared.ok()) return Fail("flags", shared.status(), 2);
+  o.shared_tier = *std::move(shared);
   if (!absl::GetFlag(FLAGS_etcd).empty()) {
     absl::StatusOr<std::unique_ptr<cl::EtcdMembership>> m = cl::EtcdMembership::Start(
         cl::NewHttpEtcdClient(absl::GetFlag(FLAGS_etcd)), absl::GetFlag(FLAGS_etcd_prefix),

@@ -10,6 +10,10 @@
 #include "absl/strings/str_join.h"
 
 namespace strata::router {
+
+std::string StoreHolderId(const std::string& address, const std::string& cluster_store) {
+  return address == cluster_store ? std::string("store") : absl::StrCat("store@", address);
+}
 namespace {
 
 bool ValidWeight(double w) { return std::isfinite(w) && w >= 0; }
@@ -154,7 +158,17 @@ absl::StatusOr<RouteDecision> RoutingPolicy::Route(const RouteRequest& request,
       std::copy(std::begin(local->tier_chunks), std::end(local->tier_chunks),
                 std::begin(c.tier_chunks));
     }
-    c.store_chunks = node.reads_store && store > c.local_chunks ? store - c.local_chunks : 0;
+    uint32_t readable = store;  // leading chunks in the stores this node reads
+    if (!node.store_holder.empty()) {
+      readable = 0;
+      for (absl::string_view holder :
+           {absl::string_view(node.store_holder), absl::string_view(kSharedTierHolder)}) {
+        if (const HolderOverlap* h = overlap.Find(holder); h != nullptr) {
+          readable = std::max(readable, std::min(h->chunks, chain_chunks));
+        }
+      }
+    }
+    c.store_chunks = node.reads_store && readable > c.local_chunks ? readable - c.local_chunks : 0;
     const uint64_t cached_tokens =
         (uint64_t{c.local_chunks} + c.store_chunks) * request.chunk_tokens;
     c.uncached_tokens =

@@ -66,6 +66,14 @@
 
 namespace strata::router {
 
+// The index holder id of the store at `address`: "store" for the cluster's store
+// (`cluster_store`, the cluster file's), "store@ADDRESS" for a store a node names as its host's
+// (cluster::NodeSpec::store).
+std::string StoreHolderId(const std::string& address, const std::string& cluster_store);
+// The holder id of the shared tier behind the stores (kvstore/shared_tier.h), whose chunks every
+// node that reads a store can have.
+inline constexpr char kSharedTierHolder[] = "shared-tier";
+
 enum class NodeRole : uint8_t { kPrefill, kDecode };
 // How Route's kResourceExhausted messages begin, by the role that has no room.
 inline constexpr char kNoPrefillRoom[] = "no prefill node can take the request";
@@ -88,6 +96,9 @@ struct NodeLoad {
   uint64_t max_queued_prefill_tokens = 0;
   double prefill_tokens_per_second = 0;
   bool reads_store = true;             // prefill: can fetch chunks from the shared store
+  // prefill: the holder of the store it reads (StoreHolderId), whose chunks (and the shared
+  // tier's, kSharedTierHolder) it is credited with; "": every kStore holder's (one store).
+  std::string store_holder = "";
   // When the report was taken, in the router's clock; LoadTracker adds only what was routed
   // after it. InfinitePast: nothing routed is reflected yet.
   absl::Time reported_at = absl::InfinitePast();

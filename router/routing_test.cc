@@ -404,6 +404,42 @@ TEST(RoutingPolicyTest, TierAndStoreHitsEarnLessThanDeviceHits) {
   EXPECT_EQ(d->prefill_candidates[2].store_chunks, 0u);
 }
 
+// Every host runs a store: a node is credited with its own host's store's chunks and the shared
+// tier's, never with another host's store.
+TEST(RoutingPolicyTest, ANodeIsCreditedWithItsOwnHostsStoreAndTheSharedTierOnly) {
+  EXPECT_EQ(StoreHolderId("10.0.0.1:7070", "10.0.0.1:7070"), "store");
+  EXPECT_EQ(StoreHolderId("10.0.0.2:7070", "10.0.0.1:7070"), "store@10.0.0.2:7070");
+  auto policy = MakePolicy();
+  auto store = [](std::string id, uint32_t chunks) {
+    HolderOverlap h;
+    h.holder_id = std::move(id);
+    h.kind = HolderKind::kStore;
+    h.chunks = chunks;
+    return h;
+  };
+  std::vector<NodeLoad> nodes = {Prefill("a0"), Prefill("b0"), Decode("d0")};
+  nodes[0].store_holder = "store@a:1";
+  nodes[1].store_holder = "store@b:1";
+  // Host A's store holds 30 chunks, host B's 5: each node sees its own.
+  OverlapResult overlap{40, {store("store@a:1", 30), store("store@b:1", 5)}};
+  absl::StatusOr<RouteDecision> d = policy->Route(Request(40), overlap, nodes);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->prefill_id, "a0");
+  EXPECT_EQ(d->prefill_candidates[0].store_chunks, 30u);
+  EXPECT_EQ(d->prefill_candidates[1].store_chunks, 5u);
+  // The shared tier holds 20: B reads them through its store; A still has more of its own.
+  overlap.holders.push_back(store(kSharedTierHolder, 20));
+  d = policy->Route(Request(40), overlap, nodes);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->prefill_candidates[0].store_chunks, 30u);
+  EXPECT_EQ(d->prefill_candidates[1].store_chunks, 20u);
+  // A node naming no store of its own is credited with the longest of every store (one store).
+  nodes[1].store_holder = "";
+  d = policy->Route(Request(40), overlap, nodes);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->prefill_candidates[1].store_chunks, 30u);
+}
+
 TEST(RoutingPolicyTest, PredictionRoutesTheNextTurnToTheSameNode) {
   for (uint64_t seed = 1; seed <= 8; ++seed) {
     auto policy = MakePolicy(RoutingOptions{.seed = seed});

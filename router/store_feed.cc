@@ -4,7 +4,6 @@
 #include <utility>
 
 #include "absl/hash/hash.h"
-#include "absl/strings/str_cat.h"
 #include "cluster/node_process.h"
 
 namespace strata::router {

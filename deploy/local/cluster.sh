@@ -21,8 +21,15 @@
 #                                [--shared-tier N [--shared-tier-memory BYTES]] (a Redis Cluster
 #                                of N masters and N replicas on loopback, ports PORT-BASE+200..,
 #                                each master holding at most BYTES (256mb; volatile-lru), as the
-#                                store's shared tier: strata-store --shared_tier. Not with
+#                                store's shared tier: strata-store --shared_tier, and the
+#                                router's, which counts its chunks as it routes. Not with
 #                                --netns yet)
+#                                [--host-stores] (a store per host, as on separate machines:
+#                                host I runs prefill-I and decode-I, host 0 the cluster's store,
+#                                host I > 0 a store of its own, store-I (ports PORT-BASE+100+I,
+#                                metrics +150+I), which its nodes use (cluster file: nodes[].store).
+#                                With --shared-tier, what one host's store holds is found on every
+#                                other through it. Not with --netns yet)
 #                                [--tls DIR] (mutual TLS between every process and the cluster
 #                                token, HTTPS at the router, with the files of
 #                                scripts/make_certs.sh in DIR, made there when DIR has no ca.crt;
@@ -72,6 +79,7 @@ netns=""
 tls=""
 shared_tier=0
 shared_tier_memory="256mb"
+host_stores=0
 extra_router=()
 extra_node=()
 extra_decode=()
@@ -99,6 +107,7 @@ while [ $# -gt 0 ]; do
     --tls) tls="$2"; shift ;;
     --shared-tier) shared_tier="$2"; shift ;;
     --shared-tier-memory) shared_tier_memory="$2"; shift ;;
+    --host-stores) host_stores=1 ;;
     --router-flag) extra_router+=("$2"); shift ;;
     --node-flag) extra_node+=("$2"); shift ;;
     --decode-flag) extra_decode+=("$2"); shift ;;
@@ -108,6 +117,13 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
+
+if [ "$host_stores" = 1 ] && [ -n "$netns" ]; then
+  echo "cluster.sh: --host-stores runs on loopback only (not with --netns yet)" >&2; exit 2
+fi
+if [ "$host_stores" = 1 ] && [ "$n_prefill" -gt 50 -o "$n_decode" -gt 50 ]; then
+  echo "cluster.sh: --host-stores takes at most 50 hosts" >&2; exit 2
+fi
 
 stop_all() {
   [ -f "$dir/pids" ] || return 0
@@ -188,6 +204,12 @@ case "$cmd" in
       done
       echo "$netns $own_hub$hosts" >"$dir/netns"
     fi
+    # --host-stores: the "store" of a node on host I > 0 (its host's store-I); "" otherwise.
+    store_field() {
+      if [ "$host_stores" = 1 ] && [ "$1" -gt 0 ]; then
+        printf ', "store": "127.0.0.1:%d"' $((port_base + 100 + $1))
+      fi
+    }
     {
       echo "{"
       echo "  \"model\": \"$model\","
@@ -199,16 +221,16 @@ case "$cmd" in
       sep=""
       for i in $(seq 0 $((n_prefill - 1))); do
         h="$(host_of "prefill-$i")"
-        printf '%s    {"id": "prefill-%d", "role": "prefill", "grpc": "%s:%d", "metrics": "%s:%d"}' \
-          "$sep" "$i" "$h" $((port_base + 10 + i)) "$h" $((port_base + 20 + i))
+        printf '%s    {"id": "prefill-%d", "role": "prefill", "grpc": "%s:%d", "metrics": "%s:%d"%s}' \
+          "$sep" "$i" "$h" $((port_base + 10 + i)) "$h" $((port_base + 20 + i)) "$(store_field "$i")"
         sep=$',\n'
       done
       for i in $(seq 0 $((n_decode - 1))); do
         # The UCX transport on any free port: the node announces its address with every request,
         # and a restarted node never waits for its old connections' TIME_WAIT.
         h="$(host_of "decode-$i")"
-        printf '%s    {"id": "decode-%d", "role": "decode", "grpc": "%s:%d", "transport": "%s:0", "metrics": "%s:%d"}' \
-          "$sep" "$i" "$h" $((port_base + 30 + i)) "$h" "$h" $((port_base + 50 + i))
+        printf '%s    {"id": "decode-%d", "role": "decode", "grpc": "%s:%d", "transport": "%s:0", "metrics": "%s:%d"%s}' \
+          "$sep" "$i" "$h" $((port_base + 30 + i)) "$h" "$h" $((port_base + 50 + i)) "$(store_field "$i")"
       done
       echo ""
       echo "  ],"
@@ -295,6 +317,19 @@ case "$cmd" in
     start store "$bin/kvstore/strata-store" --listen "$(host_of store):$store_port" "${store_tiers[@]}" \
       --metrics_host "$(host_of store)" --metrics_port $((port_base + 1)) "${sec[@]}" \
       "${store_shared[@]}"
+    if [ "$host_stores" = 1 ]; then
+      hosts_n=$(( n_prefill > n_decode ? n_prefill : n_decode ))
+      for i in $(seq 1 $((hosts_n - 1))); do
+        tiers=(--ram_bytes "$store_ram")
+        if [ "$store_disk" != "0" ]; then
+          rm -rf "$dir/store-$i"
+          tiers+=(--disk_path "$dir/store-$i" --disk_bytes "$store_disk")
+        fi
+        start "store-$i" "$bin/kvstore/strata-store" --listen "127.0.0.1:$((port_base + 100 + i))" \
+          "${tiers[@]}" --metrics_host 127.0.0.1 --metrics_port $((port_base + 150 + i)) "${sec[@]}" \
+          "${store_shared[@]}"
+      done
+    fi
     for i in $(seq 0 $((n_prefill - 1))); do
       start "prefill-$i" "$bin/prefill_node/strata-prefill" --cluster "$dir/cluster.json" --node "prefill-$i" \
         --local_ram_bytes "$prefill_local" "${node_etcd[@]}" "${node_net[@]}" "${sec[@]}" \
@@ -307,7 +342,7 @@ case "$cmd" in
         "${extra_node[@]}" "${extra_decode[@]}"
     done
     start router "$bin/router/strata-router" --cluster "$dir/cluster.json" "${extra_router[@]}" \
-      "${router_sec[@]}"
+      "${router_sec[@]}" "${store_shared[@]}"
     router_url="$scheme://$(host_of router):$http_port"
     for _ in $(seq 100); do
       if client curl -sf "${curl_tls[@]}" "$router_url/health" >/dev/null; then

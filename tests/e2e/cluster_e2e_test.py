@@ -48,12 +48,20 @@ LONG = (" The library keeps maps of the coast, the logs of the fishing boats sin
 
 
 def free_port_base():
-    """A base port with 60 free ports above it (cluster.sh uses base .. base+59)."""
+    """A base port with free ports above it (cluster.sh uses base .. base+60, and with
+    --host-stores and --shared-tier base+100.., base+150.., base+200.. and Redis's bus +10000).
+
+    Below Linux's ephemeral range (32768-60999, /proc/sys/net/ipv4/ip_local_port_range), where
+    the kernel picks the source ports of outgoing connections: a fixed port there can be taken
+    by any process's connection between this check and the server's bind (a decode node's
+    metrics port was, once). The shared tier's Redis ports (base+200.., their cluster bus
+    +10000) stay below it too."""
     for _ in range(50):
-        base = random.randrange(20000, 60000, 100)
+        base = random.randrange(10000, 22000, 100)
         ok = True
         for p in (base, base + 1, base + 10, base + 11, base + 20, base + 21, base + 30,
-                  base + 31, base + 40, base + 41, base + 50, base + 51, base + 60):
+                  base + 31, base + 40, base + 41, base + 50, base + 51, base + 60,
+                  base + 101, base + 151, base + 200, base + 205, base + 10200, base + 10205):
             with socket.socket() as s:
                 try:
                     s.bind(("127.0.0.1", p))
@@ -1163,6 +1171,66 @@ class FaultTest(unittest.TestCase):
             store.wait()
             _, usage, _ = complete(c, prompt + " Without the store.", 8)
             self.assertEqual(usage["prompt_tokens_details"]["cached_tokens"], 0)
+        except Exception:
+            print(c.logs())
+            raise
+        finally:
+            c.down()
+
+
+@unittest.skipIf(shutil.which("redis-server") is None,
+                 "skipped: no redis-server (scripts/setup.sh installs it)")
+class SharedTierTest(unittest.TestCase):
+    """A store per host (cluster.sh --host-stores) over one shared tier on a Redis Cluster."""
+
+    def test_a_prefix_computed_on_one_host_is_reused_on_another_through_the_shared_tier(self):
+        # Host 0 runs prefill-0 and the cluster's store, host 1 prefill-1 and store-1. The first
+        # request is computed on one host; that host's prefill node is then killed, so the same
+        # prompt is served on the other host, whose own store never saw it: its store finds the
+        # chunks in the shared tier and promotes them, and the request gets every cached token
+        # one store would give (all chunks but the one holding the last prompt token).
+        c = Cluster("kivi:k4v4:g32", prefill=2, decode=2,
+                    extra=["--shared-tier", "3", "--host-stores"])
+        try:
+            stores = {0: c.store_metrics(), 1: "127.0.0.1:%d" % (c.port_base + 151)}
+            self.assertEqual(c.node("prefill-1")["store"], "127.0.0.1:%d" % (c.port_base + 101))
+            self.assertNotIn("store", c.node("prefill-0"))
+            prompt = "Across hosts." + LONG * 2
+            _, usage, events = complete(c, prompt, 8, stream=True, salt="hosts")
+            self.assertEqual(usage["prompt_tokens_details"]["cached_tokens"], 0)
+            first = routed_decode(c, json.loads(events[0])["id"], "prefill")
+            first_host = int(first.rsplit("-", 1)[1])
+            other = "prefill-%d" % (1 - first_host)
+            # The first host's store wrote the chunks through (the Puts land after the reply):
+            # until its count of blocks written through holds still.
+            deadline = time.time() + 30
+            last = -1
+            while True:
+                puts = metric(scrape(stores[first_host]), "strata_store_shared_puts_total")
+                if puts > 0 and puts == last:
+                    break
+                self.assertLess(time.time(), deadline, "the write-through did not settle")
+                last = puts
+                time.sleep(0.5)
+            os.kill(c.pids()[first], signal.SIGKILL)
+            wait_exit(c.pids()[first])
+            deadline = time.time() + 30
+            while metric(scrape(c.spec["router"]["http"]), "strata_router_node_healthy",
+                         'node="%s"' % first) != 0:
+                self.assertLess(time.time(), deadline, "the router still counts %s" % first)
+                time.sleep(0.1)
+            before = scrape(stores[1 - first_host])
+            _, usage, events = complete(c, prompt, 8, stream=True, salt="hosts")
+            self.assertEqual(routed_decode(c, json.loads(events[0])["id"], "prefill"), other)
+            n = usage["prompt_tokens"]
+            self.assertEqual(usage["prompt_tokens_details"]["cached_tokens"],
+                             (n - 1) // CHUNK * CHUNK)
+            after = scrape(stores[1 - first_host])
+            self.assertGreater(metric(after, "strata_store_shared_hits_total"),
+                               metric(before, "strata_store_shared_hits_total"))
+            # The router asked the shared tier as it routed (the first request).
+            self.assertGreater(metric(scrape(c.spec["router"]["http"]),
+                                      "strata_router_shared_tier_probes_total"), 0)
         except Exception:
             print(c.logs())
             raise
