@@ -4,11 +4,11 @@
 # against the Kubernetes schema of its kind (a kind without one is an error), for fields no schema
 # has, and for what schemas do not see: Service selectors and ports, ConfigMaps and Secrets
 # referred to, probe ports, $(VAR)s in flags, files the flags name in mounted ConfigMaps and
-# Secrets, the cluster file's addresses, the house rules (non-root, read-only root file system,
-# requests and limits). The kustomization files must stay within what kustomize v2.0.3 (Debian's
-# kubectl 1.20) reads. Then the check that the checks can fail: tests/k8s/good.yaml must pass, and
-# every tests/k8s/bad/*.yaml and bad/*/kustomization.yaml (each broken in one way) must be
-# rejected with the errors it names.
+# Secrets, the cluster file's addresses and the shared tier's (STRATA_SHARED_TIER), the house
+# rules (non-root, read-only root file system, requests and limits). The kustomization files must
+# stay within what kustomize v2.0.3 (Debian's kubectl 1.20) reads. Then the check that the checks
+# can fail: tests/k8s/good.yaml must pass, and every tests/k8s/bad/*.yaml and
+# bad/*/kustomization.yaml (each broken in one way) must be rejected with the errors it names.
 #
 #   scripts/validate_k8s.sh        (KUBECTL=/path/to/kubectl to use another kubectl)
 #

@@ -6,8 +6,10 @@
 //       every document against the Kubernetes schema of its kind (npm kubernetes-models; a kind
 //       it does not know is an error), fields the schema does not know (a misspelled optional
 //       field passes the schema alone), then what no schema sees: references between documents,
-//       ports, $(VAR)s, Strata's cluster file, and the house rules (non-root, read-only root
-//       file system, requests and limits). One line "ok ..." or "FAIL ..." and the errors.
+//       ports, $(VAR)s, Strata's cluster file and shared tier's nodes (and that NetworkPolicies
+//       let the processes given --shared_tier reach them), and the house rules (non-root,
+//       read-only root file system, requests and limits). One line "ok ..." or "FAIL ..." and
+//       the errors.
 //   node tests/k8s/validate.js --kustomization DIR
 //       DIR/kustomization.yaml uses only what kustomize v2.0.3 (Debian's kubectl 1.20) reads.
 //   node tests/k8s/validate.js --expect-reject FILE_OR_DIR...
@@ -546,8 +548,205 @@ function serviceAddressError(docs, ns, address) {
   return null;
 }
 
+// One Redis Cluster node of STRATA_SHARED_TIER (the store's --shared_tier). A host that names a
+// StatefulSet's pod of the render, <statefulset>-<ordinal>.<service>[.<namespace>...], must be
+// one of its pods, under its headless Service, on a port that Service serves; a host whose
+// second label is a Service of the render is held to that too; a host that names a Service of
+// the render (<service>[.<namespace>...]), to that Service and port. Any other host is outside
+// the render (a Redis Cluster run elsewhere) and left alone.
+function sharedTierAddressError(docs, ns, address) {
+  const m = /^([a-z0-9.-]+):([0-9]+)$/.exec(address);
+  if (!m) return `'${address}' is not host:port`;
+  const labels = m[1].split('.');
+  const pod = /^([a-z0-9-]+)-([0-9]+)$/.exec(labels[0]);
+  const podNs = labels[2] || ns;
+  const sts = pod && find(docs, 'StatefulSet', podNs, pod[1]);
+  if (!sts && !(labels.length > 1 && find(docs, 'Service', podNs, labels[1]))) {
+    return find(docs, 'Service', labels[1] || ns, labels[0])
+      ? serviceAddressError(docs, ns, address)
+      : null;
+  }
+  if (!sts) {
+    return (
+      `'${address}': no StatefulSet '${pod ? pod[1] : labels[0]}' in the render has pods ` +
+      `under Service '${labels[1]}'`
+    );
+  }
+  const spec = sts.spec || {};
+  const replicas = spec.replicas === undefined ? 1 : spec.replicas;
+  if (Number(pod[2]) >= replicas) {
+    return (
+      `'${address}': StatefulSet '${pod[1]}' has ${replicas} pods ` +
+      `(${pod[1]}-0 to ${pod[1]}-${replicas - 1})`
+    );
+  }
+  if (labels[1] !== spec.serviceName) {
+    return (
+      `'${address}': the pods of StatefulSet '${pod[1]}' are named under Service ` +
+      `'${spec.serviceName}', not '${labels[1] || ''}'`
+    );
+  }
+  const svc = find(docs, 'Service', podNs, spec.serviceName);
+  if (svc && !((svc.spec && svc.spec.ports) || []).some((sp) => sp.port === Number(m[2]))) {
+    return `'${address}': Service '${spec.serviceName}' has no port ${m[2]}`;
+  }
+  return null;
+}
+
+// The environment a container's $(VAR)s expand from, as far as the render says: envFrom's
+// ConfigMaps in order (a later one wins), then env's values and ConfigMap keys (env wins).
+function containerEnv(docs, ns, c) {
+  const env = new Map();
+  for (const e of c.envFrom || []) {
+    const doc = e.configMapRef && find(docs, 'ConfigMap', ns, e.configMapRef.name);
+    if (!doc) continue;
+    for (const k of keysOf(doc)) env.set((e.prefix || '') + k, valueOf(doc, k));
+  }
+  for (const e of c.env || []) {
+    const ref = e.valueFrom && e.valueFrom.configMapKeyRef;
+    const doc = ref && find(docs, 'ConfigMap', ns, ref.name);
+    if (e.value !== undefined) env.set(e.name, String(e.value));
+    else if (doc) env.set(e.name, valueOf(doc, ref.key));
+    else env.delete(e.name); // from a Secret or the pod: unknown here
+  }
+  return env;
+}
+
+// The pods of the render that a shared tier node (host:port) names, as {doc, labels, spec, ns,
+// port}: a StatefulSet's pod (<statefulset>-<ordinal>.<service>...), on that port, or the pods
+// a Service (<service>[.<namespace>...]) selects, on the port's target. [] for a node outside
+// the render (sharedTierAddressError reports the ones that look inside it but are not).
+function sharedTierTargets(docs, ns, address) {
+  const m = /^([a-z0-9.-]+):([0-9]+)$/.exec(address);
+  if (!m) return [];
+  const labels = m[1].split('.');
+  const pod = /^([a-z0-9-]+)-([0-9]+)$/.exec(labels[0]);
+  const pods = podTemplates(docs);
+  const sts = pod && find(docs, 'StatefulSet', labels[2] || ns, pod[1]);
+  if (sts) {
+    return pods.filter((p) => p.doc === sts).map((p) => ({ ...p, port: Number(m[2]) }));
+  }
+  const svc = find(docs, 'Service', labels[1] || ns, labels[0]);
+  const sp = svc && ((svc.spec && svc.spec.ports) || []).find((x) => x.port === Number(m[2]));
+  if (!sp || !svc.spec.selector) return [];
+  const target = sp.targetPort === undefined ? sp.port : sp.targetPort;
+  const out = [];
+  const selected = pods.filter(
+    (q) => q.ns === nsOf(svc) && selectsMap(svc.spec.selector, q.labels),
+  );
+  for (const p of selected) {
+    let port = target;
+    if (typeof target === 'string') {
+      const cp = (p.spec.containers || [])
+        .flatMap((c) => c.ports || [])
+        .find((x) => x.name === target);
+      if (!cp) continue; // reported with the Service
+      port = cp.containerPort;
+    }
+    out.push({ ...p, port });
+  }
+  return out;
+}
+
+// Whether a NetworkPolicy rule's ports (a list; none: every port) take TCP `port` of `pod`.
+function policyPortsAllow(rulePorts, pod, port) {
+  if (!rulePorts || rulePorts.length === 0) return true;
+  return rulePorts.some((rp) => {
+    if ((rp.protocol || 'TCP') !== 'TCP') return false;
+    if (rp.port === undefined) return true;
+    if (typeof rp.port === 'string') {
+      return (pod.spec.containers || []).some((c) =>
+        (c.ports || []).some((cp) => cp.name === rp.port && cp.containerPort === port),
+      );
+    }
+    return rp.endPort ? port >= rp.port && port <= rp.endPort : rp.port === port;
+  });
+}
+
+// Whether one of a rule's peers (from or to; none: everyone) is `pod`. A namespaceSelector or an
+// ipBlock is taken as letting it through: the render does not say which namespaces or addresses
+// they match.
+function policyPeersAllow(peers, policy, pod) {
+  if (!peers || peers.length === 0) return true;
+  return peers.some((peer) => {
+    if (peer.ipBlock || peer.namespaceSelector) {
+      return !peer.podSelector || selects(peer.podSelector, pod.labels);
+    }
+    return nsOf(policy) === pod.ns && selects(peer.podSelector, pod.labels);
+  });
+}
+
+// The NetworkPolicies that isolate `pod` for `type` (Ingress or Egress), and whether any of them
+// lets `peer` through on `port` of `portPod` (the pod that listens).
+function policyVerdict(docs, pod, type, peer, portPod, port) {
+  const field = type === 'Ingress' ? 'ingress' : 'egress';
+  const isolating = docs.filter((np) => {
+    if (np.kind !== 'NetworkPolicy' || nsOf(np) !== pod.ns) return false;
+    const spec = np.spec || {};
+    const types = spec.policyTypes || (spec.egress ? ['Ingress', 'Egress'] : ['Ingress']);
+    return types.includes(type) && selects(spec.podSelector, pod.labels);
+  });
+  const allowed = isolating.some((np) =>
+    ((np.spec || {})[field] || []).some(
+      (rule) =>
+        policyPeersAllow(type === 'Ingress' ? rule.from : rule.to, np, peer) &&
+        policyPortsAllow(rule.ports, portPod, port),
+    ),
+  );
+  return { isolating: isolating.map(nameOf), allowed: isolating.length === 0 || allowed };
+}
+
+// A process given the shared tier (--shared_tier: the store, the router) must reach its nodes:
+// where they are pods of the render, the NetworkPolicies must let it out (Egress) and let it in
+// to them (Ingress) on their port. Redis behind a policy that forgets one of them is no error
+// the process stops on: the store serves without the tier, the router routes without it.
+function sharedTierPolicyErrors(docs) {
+  const errors = [];
+  for (const p of podTemplates(docs)) {
+    for (const c of p.spec.containers || []) {
+      const args = (c.args || []).map(String);
+      const i = args.findIndex((a) => /^--?shared_tier(=|$)/.test(a));
+      if (i < 0) continue;
+      const env = containerEnv(docs, p.ns, c);
+      const flag = args[i].includes('=') ? args[i].slice(args[i].indexOf('=') + 1) : args[i + 1];
+      const value = String(flag || '').replace(/\$\(([^)]*)\)/g, (all, name) =>
+        env.has(name) ? env.get(name) : all,
+      );
+      if (value.includes('$(')) continue; // reported by the $(VAR) check
+      const where =
+        `${idOf(p.doc)}: ${p.where ? p.where + '.' : ''}` +
+        `spec.containers[${c.name}].args[${i}]`;
+      const seen = new Set();
+      for (const address of value.split(',').map((a) => a.trim()).filter(Boolean)) {
+        for (const t of sharedTierTargets(docs, p.ns, address)) {
+          const key = `${idOf(t.doc)}:${t.port}`;
+          if (seen.has(key)) continue;
+          seen.add(key);
+          const to = `${idOf(t.doc)}'s pods on port ${t.port}`;
+          const egress = policyVerdict(docs, p, 'Egress', t, t, t.port);
+          if (!egress.allowed) {
+            errors.push(
+              `${where}: --shared_tier: no NetworkPolicy lets this pod out to ${to} ` +
+                `(its egress is isolated by NetworkPolicy ${egress.isolating.join(', ')})`,
+            );
+          }
+          const ingress = policyVerdict(docs, t, 'Ingress', p, t, t.port);
+          if (!ingress.allowed) {
+            errors.push(
+              `${where}: --shared_tier: no NetworkPolicy lets this pod in to ${to} ` +
+                `(their ingress is isolated by NetworkPolicy ${ingress.isolating.join(', ')})`,
+            );
+          }
+        }
+      }
+    }
+  }
+  return errors;
+}
+
 // The cluster file (a ConfigMap key cluster.json) and the shared settings (STRATA_ETCD) name
-// Services that the render has, on ports they serve.
+// Services that the render has, on ports they serve; the shared tier's nodes (STRATA_SHARED_TIER)
+// are pods or Services of the render, or outside it.
 function strataErrors(docs) {
   const errors = [];
   for (const cm of docs.filter((d) => d.kind === 'ConfigMap')) {
@@ -584,6 +783,11 @@ function strataErrors(docs) {
       const e = serviceAddressError(docs, nsOf(cm), etcd);
       if (e) errors.push(`${where}.STRATA_ETCD: ${e}`);
     }
+    const shared = valueOf(cm, 'STRATA_SHARED_TIER');
+    for (const address of (shared || '').split(',').filter(Boolean)) {
+      const e = sharedTierAddressError(docs, nsOf(cm), address.trim());
+      if (e) errors.push(`${where}.STRATA_SHARED_TIER: ${e}`);
+    }
   }
   return errors;
 }
@@ -611,7 +815,7 @@ function check(text) {
   if (docs.length === 0) errors.push('no documents');
   // The cross-checks read documents the schema may have refused: an exception there is one more
   // error, never a pass.
-  for (const checks of [crossReferenceErrors, strataErrors]) {
+  for (const checks of [crossReferenceErrors, strataErrors, sharedTierPolicyErrors]) {
     try {
       errors.push(...checks(docs));
     } catch (e) {
