@@ -1048,7 +1048,8 @@ TEST(ClusterBackendStoreTest, AStoreANodeNamesAsItsHostsIsWatchedUnderItsOwnHold
   }
   const std::string holder = StoreHolderId(stores[1].address, stores[0].address);
   ASSERT_TRUE(WaitFor([&] {
-    const HolderOverlap* h = backend->prefix_index().Overlap(*chain, absl::Now()).Find(holder);
+    const OverlapResult o = backend->prefix_index().Overlap(*chain, absl::Now());
+    const HolderOverlap* h = o.Find(holder);
     return h != nullptr && h->chunks == 2;
   }));
   EXPECT_EQ(backend->prefix_index().Overlap(*chain, absl::Now()).Find("store"), nullptr);
