@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Sets up, builds and runs Strata's whole test suite: the unit tests under ASan+UBSan and under
-# TSan (CPU code), then every test of the default build (CUDA targets too when nvcc is present;
-# GPU tests skip without a GPU and say why). The last line is ctest's summary for the default
-# build.
+# TSan (CPU code, built with clang), then every test of the default build (CUDA targets too when
+# nvcc is present; GPU tests skip without a GPU and say why). The last line is ctest's summary
+# for the default build.
 #   scripts/test.sh [--no-sanitizers]
 set -euo pipefail
 cd "$(dirname "$0")/.."
