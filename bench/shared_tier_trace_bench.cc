@@ -10,11 +10,12 @@
 // prefix) yet holds memory. Reported per run: chunk and token hit rates, the blocks Redis
 // evicted, and at the end how many of the blocks still present are orphans. Two orders in which
 // Redis renews a chain's blocks are compared on the same trace, each on a fresh cluster: root
-// last (SharedTier::Get sends a chain asked root first in reverse, so that its root is its most
-// recently used block: the product's) and root first (the keys handed to Get reversed: what Get
-// did before). Each hash id (512 trace tokens) is one block of --block_tokens tokens: the bytes
-// are scaled down so that the cluster's maxmemory is the pressure, not this machine's RAM; hit
-// rates in tokens count 512 per hash id, as the trace does.
+// first (the chain's order, as a store's promotion asks: the product's) and root last (the chain
+// reversed, so that its root is its most recently used block). Redis's LRU is sampled (5 keys)
+// and its clock ticks once a second, so the orders differ little and runs vary widely: run it
+// several times before reading a difference into one. Each hash id (512 trace tokens) is one block
+// of --block_tokens tokens: the bytes are scaled down so that the cluster's maxmemory is the
+// pressure, not this machine's RAM; hit rates in tokens count 512 per hash id, as the trace does.
 //
 //   shared_tier_trace_bench --trace FILE [--requests N] [--maxmemory 16mb] [--block_tokens 16]
 //                           [--out DIR] [--commit C]
@@ -111,8 +112,7 @@ RunResult Run(const std::vector<TraceRequest>& trace, const std::vector<AlignedB
     std::vector<SharedTier::Key> keys;
     for (size_t c = 0; c < n; ++c) keys.push_back({name_of(q.hash_ids[c]), uint32_t(c)});
     std::vector<size_t> order(n);
-    // Get sends the keys in reverse: the chain's order renews the root last.
-    for (size_t c = 0; c < n; ++c) order[c] = root_last ? c : n - 1 - c;
+    for (size_t c = 0; c < n; ++c) order[c] = root_last ? n - 1 - c : c;
     std::vector<SharedTier::Key> asked;
     for (size_t c : order) asked.push_back(keys[c]);
     const std::vector<absl::StatusOr<SharedBytes>> got = tier.Get(asked);

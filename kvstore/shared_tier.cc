@@ -1,6 +1,5 @@
 #include "kvstore/shared_tier.h"
 
-#include <algorithm>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -98,18 +97,13 @@ std::vector<absl::StatusOr<SharedBytes>> SharedTier::Get(absl::Span<const Key> k
     names.push_back(KeyOf(k.name));
     ttls.push_back(absl::StrCat(absl::ToInt64Milliseconds(TtlFor(k.chunk_index))));
   }
-  // Sent in the reverse of the keys' order: of a chain asked root first (as a store's promotion
-  // asks), the root is renewed last, the chain's most recently used block, and Redis's LRU takes
-  // a chain from its leaves rather than orphaning them (shared_tier_trace_bench, 3 masters with
-  // maxmemory 64 MB: 29 % of the blocks left were orphans, against 52 % root first).
-  for (size_t i = keys.size(); i-- > 0;) cmds.push_back({"GETEX", names[i], "PX", ttls[i]});
+  for (size_t i = 0; i < keys.size(); ++i) cmds.push_back({"GETEX", names[i], "PX", ttls[i]});
   // Values straight into aligned buffers: parsed and kept as they arrive.
   std::vector<absl::StatusOr<RedisReply>> replies =
       redis_->RunViews(cmds, absl::Now() + options_.timeout, /*aligned_strings=*/true);
   std::vector<absl::StatusOr<SharedBytes>> out;
   out.reserve(keys.size());
   uint64_t hits = 0, misses = 0, damaged = 0, errors = 0, bytes = 0;
-  std::reverse(replies.begin(), replies.end());  // back in the keys' order
   for (size_t i = 0; i < keys.size(); ++i) {
     if (!replies[i].ok()) {
       out.push_back(replies[i].status());
