@@ -919,6 +919,27 @@ TEST_F(FakeClusterTest, ManyConcurrentRequestsAllEnd) {
 
 // ---- the store's events ----------------------------------------------------------------------
 
+// The blocks of chain[0..chunks), every layer, as a prefill node names and encodes them (fp16).
+std::vector<std::pair<BlockName, AlignedBuffer>> EncodeChunks(const model::LlamaModel& model,
+                                                              const model::SequenceKvCache& cache,
+                                                              const std::vector<BlockHash>& chain,
+                                                              uint32_t chunks) {
+  auto codec = *kernels::Codec::Create("fp16");
+  const model::ModelConfig& c = model.config();
+  std::vector<float> k(size_t{64} * c.num_kv_heads * c.head_dim, 0.25f), v(k.size(), -0.5f);
+  std::vector<std::pair<BlockName, AlignedBuffer>> out;
+  for (uint32_t chunk = 0; chunk < chunks; ++chunk) {
+    for (uint32_t l = 0; l < c.num_layers; ++l) {
+      absl::StatusOr<AlignedBuffer> block = codec->Encode(
+          {k.data(), v.data(), SourceDType::kFloat32, 64, c.num_kv_heads, c.head_dim},
+          {.layer = l, .chunk_index = chunk, .model_fingerprint = model.fingerprint()});
+      EXPECT_TRUE(block.ok()) << block.status();
+      out.emplace_back(cache.NameOf(l, chain[chunk]), *std::move(block));
+    }
+  }
+  return out;
+}
+
 TEST(ClusterBackendStoreTest, StoreThatStartsLaterFeedsTheIndex) {
   const int port = FreePort();
   const std::string address = absl::StrCat("127.0.0.1:", port);
@@ -949,19 +970,12 @@ TEST(ClusterBackendStoreTest, StoreThatStartsLaterFeedsTheIndex) {
   absl::StatusOr<std::vector<BlockHash>> chain = backend->ChunkKeys(prompt, "");
   ASSERT_TRUE(chain.ok());
   ASSERT_EQ(chain->size(), 2u);
-  auto codec = *kernels::Codec::Create("fp16");
   const uint32_t layers = (*model)->config().num_layers;
-  const uint32_t kv_heads = (*model)->config().num_kv_heads, head_dim = (*model)->config().head_dim;
-  std::vector<float> k(size_t{64} * kv_heads * head_dim, 0.25f), v(k.size(), -0.5f);
-  for (uint32_t c = 0; c < 2; ++c) {
-    for (uint32_t l = 0; l < layers; ++l) {
-      absl::StatusOr<AlignedBuffer> block = codec->Encode(
-          {k.data(), v.data(), SourceDType::kFloat32, 64, kv_heads, head_dim},
-          {.layer = l, .chunk_index = c, .model_fingerprint = (*model)->fingerprint()});
-      ASSERT_TRUE(block.ok()) << block.status();
-      const BlockHash* parent = c > 0 ? &(*chain)[c - 1] : nullptr;
-      ASSERT_TRUE((*store)->Put((*cache)->NameOf(l, (*chain)[c]), parent, block->span()).ok());
-    }
+  uint32_t i = 0;
+  for (auto& [name, block] : EncodeChunks(**model, **cache, *chain, 2)) {
+    const uint32_t c = i++ / layers;
+    const BlockHash* parent = c > 0 ? &(*chain)[c - 1] : nullptr;
+    ASSERT_TRUE((*store)->Put(name, parent, block.span()).ok());
   }
   ASSERT_TRUE(WaitFor([&] {
     return backend->prefix_index().Overlap(*chain, absl::Now()).StoreChunks() == 2;
@@ -981,27 +995,6 @@ TEST(ClusterBackendStoreTest, StoreThatStartsLaterFeedsTheIndex) {
       [&] { return backend->prefix_index().Overlap(*chain, absl::Now()).StoreChunks() == 1; }));
   backend.reset();
   kvstore::StopStoreServer(server->get(), &service);
-}
-
-// The blocks of chain[0..chunks), every layer, as a prefill node names and encodes them (fp16).
-std::vector<std::pair<BlockName, AlignedBuffer>> EncodeChunks(const model::LlamaModel& model,
-                                                              const model::SequenceKvCache& cache,
-                                                              const std::vector<BlockHash>& chain,
-                                                              uint32_t chunks) {
-  auto codec = *kernels::Codec::Create("fp16");
-  const model::ModelConfig& c = model.config();
-  std::vector<float> k(size_t{64} * c.num_kv_heads * c.head_dim, 0.25f), v(k.size(), -0.5f);
-  std::vector<std::pair<BlockName, AlignedBuffer>> out;
-  for (uint32_t chunk = 0; chunk < chunks; ++chunk) {
-    for (uint32_t l = 0; l < c.num_layers; ++l) {
-      absl::StatusOr<AlignedBuffer> block = codec->Encode(
-          {k.data(), v.data(), SourceDType::kFloat32, 64, c.num_kv_heads, c.head_dim},
-          {.layer = l, .chunk_index = chunk, .model_fingerprint = model.fingerprint()});
-      EXPECT_TRUE(block.ok()) << block.status();
-      out.emplace_back(cache.NameOf(l, chain[chunk]), *std::move(block));
-    }
-  }
-  return out;
 }
 
 // A node that names a store of its own (its host's) gets that store watched too, under a holder

@@ -46,18 +46,7 @@ uint32_t SharedTierProbe::LeadingChunks(absl::Span<const BlockHash> chain, uint3
     ++run;
   }
   call->chunks_found = run;
-  probes_.fetch_add(1);
-  errors_.fetch_add(call->errors);
-  chunks_found_.fetch_add(run);
-  nanos_.fetch_add(static_cast<uint64_t>(absl::ToInt64Nanoseconds(took)));
   return known + run;
-}
-
-SharedTierProbeStats SharedTierProbe::Stats() const {
-  return {.probes = probes_.load(),
-          .chunks_found = chunks_found_.load(),
-          .errors = errors_.load(),
-          .seconds = static_cast<double>(nanos_.load()) * 1e-9};
 }
 
 }  // namespace strata::router

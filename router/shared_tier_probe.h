@@ -22,7 +22,6 @@
 // Thread-safe (SharedTier is).
 #pragma once
 
-#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -33,11 +32,12 @@
 
 namespace strata::router {
 
+// One call's figures (the caller counts them: ClusterBackend's metrics).
 struct SharedTierProbeStats {
-  uint64_t probes = 0;        // calls that asked Redis
-  uint64_t chunks_found = 0;  // chunks beyond `known` found, summed
-  uint64_t errors = 0;        // calls the tier did not answer in full
-  double seconds = 0;         // summed over calls that asked
+  uint64_t probes = 0;        // 1 when the call asked Redis
+  uint64_t chunks_found = 0;  // chunks beyond `known` found
+  uint64_t errors = 0;        // 1 when the tier did not answer in full
+  double seconds = 0;         // the ask's duration
 };
 
 class SharedTierProbe {
@@ -53,14 +53,10 @@ class SharedTierProbe {
   uint32_t LeadingChunks(absl::Span<const BlockHash> chain, uint32_t known,
                          SharedTierProbeStats* call = nullptr);
 
-  SharedTierProbeStats Stats() const;
-  kvstore::SharedTier& tier() { return *tier_; }
-
  private:
   const std::unique_ptr<kvstore::SharedTier> tier_;
   const std::vector<BlockName> layer_names_;
   const uint32_t max_chunks_;
-  std::atomic<uint64_t> probes_{0}, chunks_found_{0}, errors_{0}, nanos_{0};
 };
 
 }  // namespace strata::router
