@@ -1,7 +1,10 @@
 #include "cluster/node_flags.h"
 
 #include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
 #include "cluster/node_process.h"
+#include "common/byte_size.h"
+#include "model/cuda_plugin.h"
 
 ABSL_FLAG(std::string, cluster, "", "the cluster file (required)");
 ABSL_FLAG(std::string, node, "", "this node's id in the cluster file (required)");
@@ -15,8 +18,17 @@ ABSL_FLAG(int, etcd_ttl_s, 6, "the registration lease, in seconds (renewed at ha
 ABSL_FLAG(std::string, ucx_tls, "", "UCX transports (UCX_TLS), e.g. tcp; empty: UCX's choice");
 
 ABSL_FLAG(std::string, device, "cpu",
-          "where the node runs the model: cpu, or cuda[:N] (not in these binaries yet: they say "
-          "so at start)");
+          "where the node runs the model: cpu, or cuda[:N] (the CUDA plugin, --cuda_plugin; codecs "
+          "with GPU pages: fp16, kivi, kcvt; the others say so at start)");
+ABSL_FLAG(std::string, cuda_plugin, "",
+          "with --device cuda: the CUDA plugin (libstrata_cuda.so) to open; empty: lib/ beside "
+          "the binary's folder, else beside the binary");
+ABSL_FLAG(std::string, gpu_kv_bytes, "0",
+          "with --device cuda: device memory for KV pages (e.g. 20G); 0: 90% of what is free "
+          "once the weights are in");
+ABSL_FLAG(int, gpu_max_sequences, 64,
+          "with --device cuda: sequences holding a cache at once (each a window on the device)");
+ABSL_FLAG(bool, cuda_graphs, true, "with --device cuda: replay decode steps as CUDA graphs");
 
 ABSL_FLAG(std::string, store, "",
           "the store this node reads and writes (host:port), where every host runs a store of "
@@ -36,7 +48,32 @@ absl::Status UseNodeStoreFromFlags(ClusterSpec* spec, NodeSpec* self) {
 }
 
 absl::StatusOr<model::Device> NodeDeviceFromFlags() {
-  return model::ParseDevice(absl::GetFlag(FLAGS_device));
+  absl::StatusOr<model::Device> device = model::ParseDevice(absl::GetFlag(FLAGS_device));
+  if (!device.ok() || device->kind != model::Device::Kind::kCuda) return device;
+  model::CudaPluginOptions options;
+  if (!ParseByteSize(absl::GetFlag(FLAGS_gpu_kv_bytes), &options.kv_pool_bytes)) {
+    return absl::InvalidArgumentError(absl::StrCat("--gpu_kv_bytes: '",
+                                                   absl::GetFlag(FLAGS_gpu_kv_bytes),
+                                                   "' is not a byte count (e.g. 0, 512M, 20G)"));
+  }
+  const int sequences = absl::GetFlag(FLAGS_gpu_max_sequences);
+  if (sequences < 1 || sequences > 65536) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--gpu_max_sequences: ", sequences, " (1 to 65536)"));
+  }
+  options.max_sequences = static_cast<uint32_t>(sequences);
+  options.cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs);
+  const std::string path = absl::GetFlag(FLAGS_cuda_plugin).empty()
+                               ? model::DefaultCudaPluginPath()
+                               : absl::GetFlag(FLAGS_cuda_plugin);
+  absl::StatusOr<model::BackendLoader> loader = model::OpenCudaPlugin(path, options);
+  if (!loader.ok()) {
+    return absl::Status(loader.status().code(),
+                        absl::StrCat("device ", device->ToString(), ": ", loader.status().message(),
+                                     "; or use --device cpu"));
+  }
+  model::SetCudaBackendLoader(*std::move(loader));
+  return device;
 }
 
 absl::StatusOr<std::shared_ptr<const kvstore::GrpcSecurity>> NodeSecurityFromFlags() {

@@ -38,7 +38,10 @@ absl::StatusOr<std::shared_ptr<const kvstore::GrpcSecurity>> NodeSecurityFromFla
 // host:port.
 absl::Status UseNodeStoreFromFlags(ClusterSpec* spec, NodeSpec* self);
 
-// Where the node runs the model, from --device (model::ParseDevice: its errors).
+// Where the node runs the model, from --device (model::ParseDevice: its errors). For a CUDA
+// device it opens the CUDA plugin (--cuda_plugin, model/cuda_plugin.h) with the --gpu_* options and
+// registers it as the CUDA backend loader; a plugin missing, not opening or of another build is an
+// error naming the device and the plugin.
 absl::StatusOr<model::Device> NodeDeviceFromFlags();
 
 }  // namespace strata::cluster

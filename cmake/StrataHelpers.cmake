@@ -79,3 +79,34 @@ function(strata_add_benchmark name)
   target_link_libraries(${name} PRIVATE ${ARG_DEPS} benchmark::benchmark_main)
   strata_configure_target(${name})
 endfunction()
+
+# strata_plugin_code(targets...): the targets' code goes into plugins (shared objects opened with
+# dlopen) as well as into executables, so it is compiled position-independent; without semantic
+# interposition, so that -fPIC optimizes as -fPIE does (calls within the code stay inlinable).
+function(strata_plugin_code)
+  foreach(target IN LISTS ARGN)
+    set_target_properties(${target} PROPERTIES POSITION_INDEPENDENT_CODE ON)
+    target_compile_options(${target} PRIVATE
+      $<$<COMPILE_LANGUAGE:CXX>:-fno-semantic-interposition>
+      $<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=-fno-semantic-interposition>)
+  endforeach()
+endfunction()
+
+# strata_add_plugin(name SOURCES ... DEPS ... OUTPUT_DIRECTORY dir): a shared object opened with
+# dlopen (lib<name>.so in dir). It carries its own copy of the static libraries it links, their
+# symbols hidden (--exclude-libs), and exports only what its sources mark visibility("default");
+# every symbol must resolve when it is linked (-z defs; not under sanitizers).
+function(strata_add_plugin name)
+  cmake_parse_arguments(ARG "" "OUTPUT_DIRECTORY" "SOURCES;DEPS" ${ARGN})
+  add_library(${name} MODULE ${ARG_SOURCES})
+  target_link_libraries(${name} PRIVATE ${ARG_DEPS})
+  set_target_properties(${name} PROPERTIES
+    LIBRARY_OUTPUT_DIRECTORY ${ARG_OUTPUT_DIRECTORY}
+    CXX_VISIBILITY_PRESET hidden
+    VISIBILITY_INLINES_HIDDEN ON)
+  target_link_options(${name} PRIVATE -Wl,--exclude-libs,ALL)
+  if(STRATA_SANITIZE STREQUAL "")  # sanitizer runtimes live in the executable
+    target_link_options(${name} PRIVATE -Wl,-z,defs)
+  endif()
+  strata_configure_target(${name})
+endfunction()

@@ -16,7 +16,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-targets=(common_cuda_test kernels_cuda_test kernels_cuda_pages_test model_cuda_test
+targets=(common_cuda_test kernels_cuda_test kernels_cuda_pages_test model_cuda_test strata_cuda_plugin
          nccl_transport_test nccl_bench cuda_decode_bench cuda_model_bench cuda_backend_bench)
 case "${1:-}" in
   --cpu) targets=() ;;
@@ -45,7 +45,13 @@ gather() {
     { grep -vE '/(libc|libm|libstdc\+\+|libgcc_s|libpthread|libdl|librt|libcuda|libnccl|libcublas|libcublasLt)\.so' || true; } |
     while read -r lib; do cp -L "$lib" "$out/lib/"; done
 }
-for t in "${targets[@]+"${targets[@]}"}"; do gather "$t" "$out"; done
+for t in "${targets[@]+"${targets[@]}"}"; do
+  case "$t" in
+    # The node binaries' CUDA plugin, beside model_cuda_test (which opens it there).
+    strata_cuda_plugin) gather libstrata_cuda.so "$out" ;;
+    *) gather "$t" "$out" ;;
+  esac
+done
 for t in "${cpu_targets[@]}"; do gather "$t" "$out/cpu"; done
 
 cp bench/cuda_sdpa_bench.py bench/cuda_model_torch.py "$out/"

@@ -15,8 +15,8 @@
 // compressed before later tokens attend to it, as on the CPU: the same bytes whether this node
 // computed it or adopted it.
 //
-// Not linked into the node binaries yet (cluster/CMakeLists.txt says why: thread-local storage);
-// they are to load it as a plugin. What it does not do yet (issue 41): compression on the GPU
+// The node binaries do not link it: they open it as a plugin, libstrata_cuda.so (model/cuda_plugin.h;
+// cluster/CMakeLists.txt says why: thread-local storage). What it does not do yet (issue 41): compression on the GPU
 // (compress.cu writes KIVI pages; the host codec runs here so that every codec's bytes stay the
 // CPU's), codecs without a page layout (GEAR, ZipCache, SKVQ, TaDA, int8, fp8, sinks, the Strata
 // mix: refused at NewCache, naming the codec), attention splits fixed per sequence (a row's logits

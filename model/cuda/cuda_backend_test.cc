@@ -17,6 +17,7 @@
 #include "gtest/gtest.h"
 #include "model/cpu_backend.h"
 #include "model/cuda/test_helpers.h"
+#include "model/cuda_plugin.h"
 #include "model/kv_cache.h"
 #include "model/llama.h"
 
@@ -126,6 +127,49 @@ TEST_F(CudaBackendTest, PrefillAndDecodeAcrossAChunkBoundaryFollowTheCpu) {
     EXPECT_EQ((*got_cache)->blocks_per_layer(), 4u);
     EXPECT_EQ((*got_cache)->window_tokens(), 3u);
   }
+}
+
+// The plugin the node binaries open (libstrata_cuda.so, model/cuda_plugin.h: lib/ beside this
+// binary's folder, or beside it in the GPU bundle) makes the same backend as the one linked here:
+// the same logits (bf16 weights, both) and blocks of the same sizes, through objects made on the
+// plugin's side of the boundary.
+TEST_F(CudaBackendTest, ThePluginMakesTheBackendLinkedHere) {
+  const std::string path = DefaultCudaPluginPath();
+  absl::StatusOr<BackendLoader> loader =
+      OpenCudaPlugin(path, {.kv_pool_bytes = uint64_t{64} << 20, .max_sequences = 8});
+  ASSERT_TRUE(loader.ok()) << loader.status();
+  absl::StatusOr<std::unique_ptr<ComputeBackend>> plugged =
+      (*loader)(Dir("models/strata-tiny"), *ParseDevice("cuda:0"));
+  ASSERT_TRUE(plugged.ok()) << plugged.status();
+  absl::StatusOr<std::unique_ptr<ComputeBackend>> linked = MakeCudaBackend(
+      *host_,
+      {.weights = WeightType::kBf16, .kv_pool_bytes = uint64_t{64} << 20, .max_sequences = 8});
+  ASSERT_TRUE(linked.ok()) << linked.status();
+  EXPECT_EQ((*plugged)->device().ToString(), "cuda:0");
+  EXPECT_EQ((*plugged)->fingerprint(), (*linked)->fingerprint());
+  const KvCacheOptions o{.codec = "kivi:k4v4:g16", .chunk_tokens = 16};
+  absl::StatusOr<std::unique_ptr<KvCache>> a = (*plugged)->NewCache(o);
+  absl::StatusOr<std::unique_ptr<KvCache>> b = (*linked)->NewCache(o);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(b.ok()) << b.status();
+  const std::vector<uint32_t> prompt = Prompt(config(), 41, 3);
+  absl::StatusOr<std::vector<float>> got = (*plugged)->Prefill(prompt, a->get());
+  absl::StatusOr<std::vector<float>> want = (*linked)->Prefill(prompt, b->get());
+  ASSERT_TRUE(got.ok()) << got.status();
+  ASSERT_TRUE(want.ok()) << want.status();
+  EXPECT_LT(RelErr(*got, *want), 1e-4);
+  EXPECT_EQ((*a)->tokens(), 41u);
+  ASSERT_EQ((*a)->blocks_per_layer(), (*b)->blocks_per_layer());
+  EXPECT_EQ((*a)->block_bytes(), (*b)->block_bytes());
+  const uint32_t next = Argmax(*got);
+  const absl::Span<const uint32_t> one[] = {{&next, 1}};
+  KvCache* const ca[] = {a->get()};
+  KvCache* const cb[] = {b->get()};
+  absl::StatusOr<std::vector<std::vector<float>>> g = (*plugged)->StepBatch(one, ca);
+  absl::StatusOr<std::vector<std::vector<float>>> w = (*linked)->StepBatch(one, cb);
+  ASSERT_TRUE(g.ok()) << g.status();
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_LT(RelErr((*g)[0], (*w)[0]), 1e-4);
 }
 
 TEST_F(CudaBackendTest, APrefillNodesLayerHookShipsEachLayersBlocksAsTheyAreMade) {

@@ -1340,10 +1340,20 @@ class TlsTest(unittest.TestCase):
 
 
 class DeviceTest(unittest.TestCase):
-    """--device cuda on the node binaries, which do not carry the CUDA backend yet: each node
-    stops at start saying so and what to use, instead of running on the CPU unasked."""
+    """--device cuda on the node binaries, which open the CUDA plugin (lib/libstrata_cuda.so,
+    model/cuda_plugin.h): where it cannot serve (no plugin in a build without nvcc, no GPU here,
+    a plugin that is not there), each node stops at start saying why and what to use, instead of
+    running on the CPU unasked; a bad GPU flag is named."""
 
-    def test_nodes_asked_for_a_gpu_stop_saying_why(self):
+    def run_node(self, spec, binary, node, *flags):
+        return subprocess.run([os.path.join(BUILD, binary), "--cluster", spec, "--node", node,
+                               "--insecure", "--metrics", "off", "--device", "cuda", *flags],
+                              capture_output=True, text=True, timeout=60)
+
+    def test_nodes_asked_for_a_gpu_they_cannot_use_stop_saying_why(self):
+        gpu_here = subprocess.run(["sh", "-c", "nvidia-smi -L"],
+                                  capture_output=True).returncode == 0
+        plugin = os.path.join(BUILD, "lib", "libstrata_cuda.so")
         with tempfile.TemporaryDirectory() as d:
             spec = os.path.join(d, "cluster.json")
             with open(spec, "w") as f:
@@ -1354,12 +1364,30 @@ class DeviceTest(unittest.TestCase):
                                       "transport": "127.0.0.1:1"}]}, f)
             for binary, node in (("prefill_node/strata-prefill", "p"),
                                  ("decode_node/strata-decode", "d")):
-                r = subprocess.run([os.path.join(BUILD, binary), "--cluster", spec, "--node",
-                                    node, "--insecure", "--metrics", "off", "--device", "cuda"],
-                                   capture_output=True, text=True, timeout=60)
-                self.assertNotEqual(r.returncode, 0, r.stderr)
-                self.assertIn("cuda:0", r.stderr)
+                # The build's own plugin: opened (the same build), then no GPU to run on.
+                if os.path.exists(plugin):
+                    if not gpu_here:
+                        r = self.run_node(spec, binary, node)
+                        self.assertNotEqual(r.returncode, 0, r.stderr)
+                        self.assertIn("no usable GPU", r.stderr)
+                else:
+                    r = self.run_node(spec, binary, node)
+                    self.assertNotEqual(r.returncode, 0, r.stderr)
+                    self.assertIn("no CUDA plugin at " + plugin, r.stderr)
+                # A plugin named where there is none.
+                r = self.run_node(spec, binary, node, "--cuda_plugin",
+                                  os.path.join(d, "libstrata_cuda.so"))
+                self.assertEqual(r.returncode, 2, r.stderr)
+                self.assertIn("device cuda:0: no CUDA plugin at " +
+                              os.path.join(d, "libstrata_cuda.so"), r.stderr)
                 self.assertIn("--device cpu", r.stderr)
+                # Bad GPU flags, before anything is opened.
+                r = self.run_node(spec, binary, node, "--gpu_kv_bytes", "lots")
+                self.assertEqual(r.returncode, 2, r.stderr)
+                self.assertIn("--gpu_kv_bytes: 'lots'", r.stderr)
+                r = self.run_node(spec, binary, node, "--gpu_max_sequences", "0")
+                self.assertEqual(r.returncode, 2, r.stderr)
+                self.assertIn("--gpu_max_sequences: 0", r.stderr)
 
 
 def routed_decode(c, request_id, role="decode"):
