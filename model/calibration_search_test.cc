@@ -1,6 +1,7 @@
 #include "model/calibration_search.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <random>
@@ -13,6 +14,7 @@
 #include "kernels/calibration.h"
 #include "kernels/codec.h"
 #include "kernels/codec_spec.h"
+#include "model/cpu_backend.h"
 #include "model/kv_cache.h"
 #include "model/kv_evaluation.h"
 #include "model/llama.h"
@@ -142,6 +144,44 @@ TEST(KvEvaluationTest, KlToItsOwnReferenceIsZeroAndGrowsWithCompression) {
   ASSERT_TRUE(coarse.ok()) << coarse.status();
   EXPECT_GT(coarse->kl, 1e-5);
   EXPECT_LT(coarse->bits(), base->bits());
+}
+
+// Perplexity is the mean negative log-likelihood of each window run chunk by chunk with
+// LlamaModel::Step, whatever backend computes it (here the CPU's, as ppl and eval call it).
+TEST(KvEvaluationTest, PerplexityIsTheStepByStepNllOnTheBackend) {
+  std::unique_ptr<LlamaModel> model = TinyModel();
+  ASSERT_NE(model, nullptr);
+  const std::vector<uint32_t> ids = Tokens(*model, 150);
+  const KvCacheOptions kivi{.codec = "kivi:k4v4:g16", .chunk_tokens = 32, .window_tokens = 8};
+  const uint32_t context = 100, V = model->config().vocab_size;
+  double nll = 0;
+  size_t scored = 0;
+  for (size_t start = 0; start + 1 < ids.size(); start += context) {
+    const size_t end = std::min(ids.size(), start + context);
+    std::unique_ptr<SequenceKvCache> cache = *model->NewCache(kivi);
+    for (size_t s = start; s < end; s += 32) {
+      const size_t e = std::min(end, s + 32);
+      const std::vector<float> logits =
+          *model->Step(absl::MakeConstSpan(ids).subspan(s, e - s), cache.get());
+      for (size_t t = s; t < e && t + 1 < end; ++t) {
+        const float* row = &logits[(t - s) * V];
+        const float mx = *std::max_element(row, row + V);
+        double sum = 0;
+        for (uint32_t v = 0; v < V; ++v) sum += std::exp(double{row[v]} - mx);
+        nll += -(row[ids[t + 1]] - (mx + std::log(sum)));
+        ++scored;
+      }
+    }
+  }
+  const CpuBackend backend(model.get());
+  absl::StatusOr<PerplexityResult> r = Perplexity(backend, ids, kivi, context, 0);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->scored, scored);
+  EXPECT_EQ(r->windows, 2u);
+  EXPECT_DOUBLE_EQ(r->ppl, std::exp(nll / scored));
+  absl::StatusOr<PerplexityResult> same = Perplexity(*model, ids, kivi, context, 0);
+  ASSERT_TRUE(same.ok()) << same.status();
+  EXPECT_EQ(same->ppl, r->ppl);
 }
 
 TEST(KvEvaluationTest, LayerErrorsAreSmallForFp16AndLargerFor2Bits) {

@@ -144,6 +144,7 @@ TEST(CudaPluginTest, ABackendMadeInsideAPluginComputesAsTheBinarysOwn) {
   EXPECT_NE(bad.status().message().find("nonsense"), std::string::npos) << bad.status();
 }
 
+#ifdef STRATA_CUDA_PLUGIN
 void* Nothing(void*) { return nullptr; }
 
 // Whether a thread with a stack of `bytes` starts (glibc refuses one too small for the static
@@ -158,6 +159,7 @@ bool ThreadStarts(size_t bytes) {
   pthread_attr_destroy(&attr);
   return ok;
 }
+#endif
 
 // The plugin this build makes (libstrata_cuda.so): it opens (same stamp), and a CUDA device comes
 // up, or without a GPU is refused saying so. Opening it leaves the smallest stack a thread could

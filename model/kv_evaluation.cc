@@ -13,6 +13,7 @@
 #include "common/status_macros.h"
 #include "kernels/block_operands.h"
 #include "kernels/decode_attention.h"
+#include "model/cpu_backend.h"
 
 namespace strata::model {
 namespace {
@@ -39,6 +40,16 @@ absl::StatusOr<PerplexityResult> Perplexity(const LlamaModel& model,
                                             uint32_t max_windows, size_t kl_tokens,
                                             std::vector<float>* record,
                                             const std::vector<float>* reference) {
+  return Perplexity(CpuBackend(&model), ids, cache_options, context, max_windows, kl_tokens, record,
+                    reference);
+}
+
+absl::StatusOr<PerplexityResult> Perplexity(const ComputeBackend& model,
+                                            const std::vector<uint32_t>& ids,
+                                            const KvCacheOptions& cache_options, uint32_t context,
+                                            uint32_t max_windows, size_t kl_tokens,
+                                            std::vector<float>* record,
+                                            const std::vector<float>* reference) {
   const ModelConfig& c = model.config();
   if (ids.size() < 2) return absl::InvalidArgumentError("ppl: the text has fewer than 2 tokens");
   if (context < 2) return absl::InvalidArgumentError("ppl: --context must be >= 2");
@@ -52,11 +63,13 @@ absl::StatusOr<PerplexityResult> Perplexity(const LlamaModel& model,
   for (size_t start = 0; start + 1 < ids.size(); start += context) {
     if (max_windows != 0 && r.windows == max_windows) break;
     const size_t end = std::min(ids.size(), start + context);
-    STRATA_ASSIGN_OR_RETURN(auto cache, model.NewCache(cache_options));
+    STRATA_ASSIGN_OR_RETURN(std::unique_ptr<KvCache> cache, model.NewCache(cache_options));
+    KvCache* const caches[] = {cache.get()};
     for (size_t s = start; s < end; s += chunk_tokens) {
       const size_t e = std::min(end, s + chunk_tokens);
-      STRATA_ASSIGN_OR_RETURN(std::vector<float> logits,
-                              model.Step(absl::MakeConstSpan(ids).subspan(s, e - s), cache.get()));
+      const absl::Span<const uint32_t> piece[] = {absl::MakeConstSpan(ids).subspan(s, e - s)};
+      STRATA_ASSIGN_OR_RETURN(std::vector<std::vector<float>> step, model.StepBatch(piece, caches));
+      const std::vector<float>& logits = step[0];
       for (size_t t = s; t < e && t + 1 < end; ++t) {
         const float* row = &logits[(t - s) * c.vocab_size];
         const float mx = *std::max_element(row, row + c.vocab_size);

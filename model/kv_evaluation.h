@@ -13,6 +13,7 @@
 
 #include "absl/status/statusor.h"
 #include "kernels/codec.h"
+#include "model/compute_backend.h"
 #include "model/config.h"
 #include "model/kv_cache.h"
 #include "model/llama.h"
@@ -29,7 +30,8 @@ struct PerplexityResult {
 };
 
 // Perplexity of `ids` with the KV cache compressed as in serving (`cache`: codec, chunk, window,
-// calibration): each window of `context` tokens prefilled chunk by chunk, each chunk attending
+// calibration), on any compute backend (the CPU's, or a GPU's: `strata ppl --device cuda`): each
+// window of `context` tokens prefilled chunk by chunk, each chunk attending
 // over the compressed earlier chunks (+ the full-precision window); at most `max_windows`
 // windows (0: the whole text).
 // Optional: `record` gets the log-probabilities of the first `kl_tokens` scored positions
@@ -38,6 +40,13 @@ struct PerplexityResult {
 // unlike perplexity cannot improve by accident.
 // Errors: kInvalidArgument for fewer than 2 ids or a context below 2; the cache's and the
 // model's errors otherwise.
+absl::StatusOr<PerplexityResult> Perplexity(const ComputeBackend& model,
+                                            const std::vector<uint32_t>& ids,
+                                            const KvCacheOptions& cache, uint32_t context,
+                                            uint32_t max_windows, size_t kl_tokens = 0,
+                                            std::vector<float>* record = nullptr,
+                                            const std::vector<float>* reference = nullptr);
+// The same on the CPU backend over `model`.
 absl::StatusOr<PerplexityResult> Perplexity(const LlamaModel& model,
                                             const std::vector<uint32_t>& ids,
                                             const KvCacheOptions& cache, uint32_t context,

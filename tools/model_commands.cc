@@ -22,9 +22,11 @@
 #include "model/calibration_search.h"
 #include "model/compute_backend.h"
 #include "model/config.h"
+#include "model/cpu_backend.h"
 #include "model/kv_cache.h"
 #include "model/kv_evaluation.h"
 #ifdef STRATA_WITH_CUDA_MODEL
+#include "model/cuda/cuda_backend.h"
 #include "model/cuda/cuda_llama.h"
 #endif
 #include "model/llama.h"
@@ -75,6 +77,32 @@ model::KvCacheOptions CacheOptions(const ModelCommandOptions& o) {
           .chunk_tokens = o.chunk_tokens,
           .window_tokens = o.window_tokens,
           .calibration = o.calibration};
+}
+
+// The backend ppl and eval compute on: the CPU's over the loaded model, or the CUDA backend on
+// `device` (weights uploaded from it, bf16 as served; one sequence at a time, which may add
+// `step_tokens` tokens in one step). A CUDA backend serves one block format: one per codec.
+absl::StatusOr<std::unique_ptr<model::ComputeBackend>> BackendFor(const Loaded& l,
+                                                                  const model::Device& device,
+                                                                  uint32_t step_tokens) {
+  if (device.kind == model::Device::Kind::kCpu) {
+    return std::make_unique<model::CpuBackend>(l.model.get());
+  }
+#ifdef STRATA_WITH_CUDA_MODEL
+  return model::cuda::MakeCudaBackend(
+      *l.model, {.device = device.index, .max_sequences = 1, .max_step_tokens = step_tokens});
+#else
+  (void)step_tokens;
+  return absl::UnimplementedError(
+      absl::StrCat("--device ", device.ToString(), ": this build of strata has no CUDA"));
+#endif
+}
+
+// calibrate and dump-kv read the model's full-precision K and V on the CPU.
+absl::Status CpuOnly(const ModelCommandOptions& o, absl::string_view command) {
+  if (o.device == "cpu") return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(command, " runs on the CPU (--device ", o.device,
+                                                 " is for generate, ppl and eval)"));
 }
 
 }  // namespace
@@ -205,21 +233,26 @@ absl::Status RunGenerate(const GenerateOptions& o, std::ostream& out, std::ostre
 }
 
 absl::Status RunPpl(const PplOptions& o, std::ostream& out) {
+  STRATA_ASSIGN_OR_RETURN(const model::Device device, model::ParseDevice(o.device));
   STRATA_ASSIGN_OR_RETURN(Loaded l, Load(o));
   const model::ModelConfig& c = l.model->config();
   STRATA_ASSIGN_OR_RETURN(std::string text, ReadText(o.text_file));
   const std::vector<uint32_t> ids = WithBos(c, l.tokenizer->Encode(text, false));
-  STRATA_ASSIGN_OR_RETURN(model::PerplexityResult r,
-                          model::Perplexity(*l.model, ids, CacheOptions(o), o.context,
-                                            o.max_windows));
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<model::ComputeBackend> backend,
+                          BackendFor(l, device, o.chunk_tokens));
+  STRATA_ASSIGN_OR_RETURN(
+      model::PerplexityResult r,
+      model::Perplexity(*backend, ids, CacheOptions(o), o.context, o.max_windows));
   out << absl::StrFormat(
       "perplexity %.4f over %d tokens (%d windows of up to %d) with KV codec %s at %.3f bits "
-      "per element (%d-token chunks, all metadata counted); %.1f s\n",
-      r.ppl, r.scored, r.windows, o.context, o.codec, r.bits(), o.chunk_tokens, r.seconds);
+      "per element (%d-token chunks, all metadata counted); %.1f s on %s\n",
+      r.ppl, r.scored, r.windows, o.context, o.codec, r.bits(), o.chunk_tokens, r.seconds,
+      device.ToString());
   return absl::OkStatus();
 }
 
 absl::Status RunCalibrate(const CalibrateOptions& o, std::ostream& out) {
+  STRATA_RETURN_IF_ERROR(CpuOnly(o, "calibrate"));
   STRATA_ASSIGN_OR_RETURN(Loaded l, Load(o));
   STRATA_ASSIGN_OR_RETURN(std::string text, ReadText(o.text_file));
   const std::vector<uint32_t> ids = WithBos(l.model->config(), l.tokenizer->Encode(text, false));
@@ -257,15 +290,20 @@ absl::Status RunCalibrate(const CalibrateOptions& o, std::ostream& out) {
 
 namespace {
 
-// Greedy continuation of each prompt with the given cache codec.
+// Greedy continuation of each prompt with the given cache codec: the prompt in one step (its
+// tokens attend to each other at full precision), then a token a step.
 absl::StatusOr<std::vector<std::vector<uint32_t>>> Continue(
-    const Loaded& l, const std::vector<std::vector<uint32_t>>& prompts,
+    const model::ComputeBackend& backend, const std::vector<std::vector<uint32_t>>& prompts,
     const model::KvCacheOptions& opts, uint32_t n) {
-  const model::ModelConfig& c = l.model->config();
+  const model::ModelConfig& c = backend.config();
   std::vector<std::vector<uint32_t>> out;
   for (const std::vector<uint32_t>& p : prompts) {
-    STRATA_ASSIGN_OR_RETURN(auto cache, l.model->NewCache(opts));
-    STRATA_ASSIGN_OR_RETURN(std::vector<float> logits, l.model->Step(p, cache.get()));
+    STRATA_ASSIGN_OR_RETURN(std::unique_ptr<model::KvCache> cache, backend.NewCache(opts));
+    model::KvCache* const caches[] = {cache.get()};
+    const absl::Span<const uint32_t> prompt[] = {p};
+    STRATA_ASSIGN_OR_RETURN(std::vector<std::vector<float>> step,
+                            backend.StepBatch(prompt, caches));
+    std::vector<float> logits = std::move(step[0]);
     std::vector<uint32_t> gen;
     for (uint32_t i = 0; i < n; ++i) {
       const float* last = &logits[logits.size() - c.vocab_size];
@@ -273,7 +311,9 @@ absl::StatusOr<std::vector<std::vector<uint32_t>>> Continue(
           static_cast<uint32_t>(std::max_element(last, last + c.vocab_size) - last);
       gen.push_back(next);
       if (i + 1 == n) break;
-      STRATA_ASSIGN_OR_RETURN(logits, l.model->Step({&next, 1}, cache.get()));
+      const absl::Span<const uint32_t> one[] = {{&next, 1}};
+      STRATA_ASSIGN_OR_RETURN(step, backend.StepBatch(one, caches));
+      logits = std::move(step[0]);
     }
     out.push_back(std::move(gen));
   }
@@ -297,10 +337,13 @@ absl::Status RunEval(const EvalOptions& o, std::ostream& out) {
   for (const std::string& spec : o.codecs) {
     STRATA_RETURN_IF_ERROR(kernels::CodecSpec::Parse(spec).status());
   }
+  STRATA_ASSIGN_OR_RETURN(const model::Device device, model::ParseDevice(o.device));
   STRATA_ASSIGN_OR_RETURN(Loaded l, Load(o));
   const model::ModelConfig& c = l.model->config();
   STRATA_ASSIGN_OR_RETURN(std::string text, ReadText(o.text_file));
   const std::vector<uint32_t> ids = WithBos(c, l.tokenizer->Encode(text, false));
+  // A step holds a whole continuation prompt, or a chunk of a perplexity window.
+  const uint32_t step_tokens = std::max(o.prompt_tokens + 1, o.chunk_tokens);
   if (ids.size() < size_t{o.prompt_tokens} + o.generate_tokens + 2 || ids.size() < o.context) {
     return absl::InvalidArgumentError(absl::StrCat(
         "eval: the text has ", ids.size(), " tokens; it needs at least --context (", o.context,
@@ -323,31 +366,36 @@ absl::Status RunEval(const EvalOptions& o, std::ostream& out) {
   }
   model::KvCacheOptions base_opts{.codec = "fp16", .chunk_tokens = o.chunk_tokens,
                                   .window_tokens = o.window_tokens};
+  // The fp16 baseline on the device the codecs run on; a CUDA backend per codec (one block
+  // format each), made as its codec's turn comes and released after it.
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<model::ComputeBackend> backend,
+                          BackendFor(l, device, step_tokens));
   STRATA_ASSIGN_OR_RETURN(auto baseline_gen,
-                          Continue(l, prompts, base_opts, o.generate_tokens));
+                          Continue(*backend, prompts, base_opts, o.generate_tokens));
   model::KvCacheOptions fp16 = CacheOptions(o);
   fp16.codec = "fp16";
   // KL to fp16 over the first two windows (the reference log-probabilities are vocab-sized).
   const size_t kl_tokens = 2 * size_t{o.context};
   std::vector<float> reference;
-  STRATA_ASSIGN_OR_RETURN(model::PerplexityResult base,
-                          model::Perplexity(*l.model, ids, fp16, o.context, o.max_windows,
-                                            kl_tokens, &reference));
+  STRATA_ASSIGN_OR_RETURN(
+      model::PerplexityResult base,
+      model::Perplexity(*backend, ids, fp16, o.context, o.max_windows, kl_tokens, &reference));
+  backend.reset();
 
-  nlohmann::json report = {
-      {"model", o.model_dir},
-      {"text", o.text_file},
-      {"context", o.context},
-      {"windows", base.windows},
-      {"kl_tokens", std::min(kl_tokens, base.scored)},
-      {"scored_tokens", base.scored},
-      {"chunk_tokens", o.chunk_tokens},
-      {"window_tokens", o.window_tokens},
-      {"continuations", o.continuations},
-      {"prompt_tokens", o.prompt_tokens},
-      {"generate_tokens", o.generate_tokens},
-      {"fp16_perplexity", base.ppl},
-      {"codecs", nlohmann::json::array()}};
+  nlohmann::json report = {{"model", o.model_dir},
+                           {"text", o.text_file},
+                           {"context", o.context},
+                           {"windows", base.windows},
+                           {"kl_tokens", std::min(kl_tokens, base.scored)},
+                           {"scored_tokens", base.scored},
+                           {"chunk_tokens", o.chunk_tokens},
+                           {"window_tokens", o.window_tokens},
+                           {"continuations", o.continuations},
+                           {"prompt_tokens", o.prompt_tokens},
+                           {"generate_tokens", o.generate_tokens},
+                           {"fp16_perplexity", base.ppl},
+                           {"device", device.ToString()},
+                           {"codecs", nlohmann::json::array()}};
   out << absl::StrFormat(
       "model %s, text %s: perplexity over %d tokens (%d windows of %d), errors on the first %d "
       "tokens (last %d queries), %d greedy continuations of %d tokens after %d-token prompts; "
@@ -399,16 +447,26 @@ absl::Status RunEval(const EvalOptions& o, std::ostream& out) {
       }
     }
     STRATA_ASSIGN_OR_RETURN(auto codec, kernels::Codec::Create(spec, mo.calibration));
-    STRATA_ASSIGN_OR_RETURN(model::PerplexityResult r,
-                            model::Perplexity(*l.model, ids, CacheOptions(mo), o.context,
-                                              o.max_windows, kl_tokens, nullptr, &reference));
+    STRATA_ASSIGN_OR_RETURN(backend, BackendFor(l, device, step_tokens));
+    absl::StatusOr<model::PerplexityResult> r = model::Perplexity(
+        *backend, ids, CacheOptions(mo), o.context, o.max_windows, kl_tokens, nullptr, &reference);
+    if (!r.ok() && device.kind != model::Device::Kind::kCpu &&
+        r.status().code() == absl::StatusCode::kUnimplemented) {
+      // A codec the GPU path does not take yet: say so, go on with the others.
+      out << absl::StrFormat("%-32s %s\n", spec, r.status().ToString()) << std::flush;
+      report["codecs"].push_back({{"codec", spec}, {"error", r.status().ToString()}});
+      progress.Advance(1, spec);
+      continue;
+    }
+    if (!r.ok()) return r.status();
     STRATA_ASSIGN_OR_RETURN(model::LayerErrors e,
                             model::MeasureLayerErrors(c, kv, o.context, *codec, o.chunk_tokens,
                                                       o.error_queries));
     model::KvCacheOptions opts = base_opts;
     opts.codec = spec;
     opts.calibration = mo.calibration;
-    STRATA_ASSIGN_OR_RETURN(auto gen, Continue(l, prompts, opts, o.generate_tokens));
+    STRATA_ASSIGN_OR_RETURN(auto gen, Continue(*backend, prompts, opts, o.generate_tokens));
+    backend.reset();
     double same = 0, prefix = 0;
     for (size_t i = 0; i < gen.size(); ++i) {
       size_t p = 0;
@@ -420,25 +478,26 @@ absl::Status RunEval(const EvalOptions& o, std::ostream& out) {
     const double agreement = total > 0 ? same / total : 1.0;
     const double mean_prefix = gen.empty() ? 0 : prefix / gen.size();
     const double mbps = e.encode_seconds > 0 ? e.encoded_bytes_in / e.encode_seconds / 1e6 : 0;
-    const double dppl = 100.0 * (r.ppl / base.ppl - 1.0);
+    const double dppl = 100.0 * (r->ppl / base.ppl - 1.0);
     out << absl::StrFormat(
-        "%-32s %6.3f %9.3f %+8.2f %8.5f %8.4f %8.4f %8.4f %8.4f %8.4f %6.1f%% %7.1f %8.1f\n", spec,
-        r.bits(), r.ppl, dppl, r.kl, Mean(e.k), Max(e.k), Mean(e.v), Max(e.v), Mean(e.attn),
-        100 * agreement, mean_prefix, mbps)
+               "%-32s %6.3f %9.3f %+8.2f %8.5f %8.4f %8.4f %8.4f %8.4f %8.4f %6.1f%% %7.1f %8.1f\n",
+               spec, r->bits(), r->ppl, dppl, r->kl, Mean(e.k), Max(e.k), Mean(e.v), Max(e.v),
+               Mean(e.attn), 100 * agreement, mean_prefix, mbps)
         << std::flush;
     progress.Advance(1, spec);
-    report["codecs"].push_back({{"codec", spec},
-                                {"bits_per_element", r.bits()},
-                                {"perplexity", r.ppl},
-                                {"perplexity_change_percent", dppl},
-                                {"kl_to_fp16_nats", r.kl},
-                                {"k_rel_error", {{"per_layer", e.k}, {"mean", Mean(e.k)}, {"worst", Max(e.k)}}},
-                                {"v_rel_error", {{"per_layer", e.v}, {"mean", Mean(e.v)}, {"worst", Max(e.v)}}},
-                                {"attn_rel_error",
-                                 {{"per_layer", e.attn}, {"mean", Mean(e.attn)}, {"worst", Max(e.attn)}}},
-                                {"greedy_agreement", agreement},
-                                {"greedy_common_prefix_tokens", mean_prefix},
-                                {"encode_mb_per_s_one_thread", mbps}});
+    report["codecs"].push_back(
+        {{"codec", spec},
+         {"bits_per_element", r->bits()},
+         {"perplexity", r->ppl},
+         {"perplexity_change_percent", dppl},
+         {"kl_to_fp16_nats", r->kl},
+         {"k_rel_error", {{"per_layer", e.k}, {"mean", Mean(e.k)}, {"worst", Max(e.k)}}},
+         {"v_rel_error", {{"per_layer", e.v}, {"mean", Mean(e.v)}, {"worst", Max(e.v)}}},
+         {"attn_rel_error",
+          {{"per_layer", e.attn}, {"mean", Mean(e.attn)}, {"worst", Max(e.attn)}}},
+         {"greedy_agreement", agreement},
+         {"greedy_common_prefix_tokens", mean_prefix},
+         {"encode_mb_per_s_one_thread", mbps}});
     if (auto lc = layer_choices.find(spec); lc != layer_choices.end()) {
       report["codecs"].back()["layer_codecs"] = lc->second;
     }
@@ -453,6 +512,7 @@ absl::Status RunEval(const EvalOptions& o, std::ostream& out) {
 }
 
 absl::Status RunDumpKv(const DumpKvOptions& o, std::ostream& out) {
+  STRATA_RETURN_IF_ERROR(CpuOnly(o, "dump-kv"));
   STRATA_ASSIGN_OR_RETURN(Loaded l, Load(o));
   const model::ModelConfig& c = l.model->config();
   STRATA_ASSIGN_OR_RETURN(std::string text, ReadText(o.text_file));

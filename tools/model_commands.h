@@ -20,6 +20,12 @@ struct ModelCommandOptions {
   uint32_t window_tokens = 0;   // newest tokens always kept at full precision
   // For codecs that need one (strata calibrate --out FILE; --calibration FILE).
   std::shared_ptr<const kernels::Calibration> calibration;
+  // Where the model runs: "cpu", or "cuda[:N]" (a CUDA build). generate: the forward pass on the
+  // GPU with a full-precision KV cache there (codec fp16 only), sampling on the host. ppl and
+  // eval: the CUDA compute backend (model/cuda/cuda_backend.h) with the codec's blocks as device
+  // pages, for the codecs that have a GPU page layout (eval reports the others as refused);
+  // eval's per-layer errors and calibration searches stay on the CPU. calibrate, dump-kv: cpu.
+  std::string device = "cpu";
 };
 
 struct GenerateOptions : ModelCommandOptions {
@@ -33,9 +39,6 @@ struct GenerateOptions : ModelCommandOptions {
   float frequency_penalty = 0.0f;
   float repetition_penalty = 1.0f;
   uint64_t seed = 1;
-  // Where the model runs: "cpu", or "cuda[:N]" (a CUDA build: the forward pass on the GPU with a
-  // full-precision KV cache there, so only codec fp16; sampling on the host from the logits).
-  std::string device = "cpu";
 };
 
 struct PplOptions : ModelCommandOptions {

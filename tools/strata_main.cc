@@ -3,7 +3,7 @@
 //   strata inspect FILE            print a block's header and sections
 //   strata demo [--out DIR] ...    the end-to-end demo on this machine
 //   strata generate --prompt TEXT [--model DIR] [--codec SPEC] [--max_tokens N] [--device cuda]
-//   strata ppl --text FILE [--model DIR] [--codec SPEC] [--context N]
+//   strata ppl --text FILE [--model DIR] [--codec SPEC] [--context N] [--device cuda]
 //   strata dump-kv --text FILE --out DIR [--model DIR]
 //
 // Flags are parsed here and only here; each subcommand gets an Options struct.
@@ -41,8 +41,8 @@ ABSL_FLAG(uint32_t, max_tokens, 64, "generate: tokens to generate");
 ABSL_FLAG(float, temperature, 0.0f, "generate: sampling temperature (0: greedy)");
 ABSL_FLAG(uint64_t, seed, 1, "generate: sampling seed");
 ABSL_FLAG(std::string, device, "cpu",
-          "generate: where the model runs: cpu, or cuda[:N] (a CUDA build; KV at full precision "
-          "on the device, codec fp16 only)");
+          "generate/ppl/eval: where the model runs: cpu, or cuda[:N] (a CUDA build; generate: KV "
+          "at full precision on the device, codec fp16 only; ppl/eval: codecs with GPU pages)");
 ABSL_FLAG(uint32_t, top_k, 0, "generate: sample from the k most likely tokens (0: all)");
 ABSL_FLAG(float, top_p, 1.0f, "generate: nucleus sampling mass in (0, 1]");
 ABSL_FLAG(float, min_p, 0.0f, "generate: keep tokens at least this fraction as likely as the top");
@@ -137,6 +137,7 @@ int main(int argc, char** argv) {
     if (!absl::GetFlag(FLAGS_codec).empty()) o.codec = absl::GetFlag(FLAGS_codec);
     o.chunk_tokens = absl::GetFlag(FLAGS_kv_chunk_tokens);
     o.window_tokens = absl::GetFlag(FLAGS_kv_window);
+    o.device = absl::GetFlag(FLAGS_device);
     if (!absl::GetFlag(FLAGS_calibration).empty()) {
       absl::StatusOr<strata::kernels::Calibration> c =
           strata::kernels::Calibration::Load(absl::GetFlag(FLAGS_calibration));
@@ -174,7 +175,6 @@ int main(int argc, char** argv) {
     o.presence_penalty = absl::GetFlag(FLAGS_presence_penalty);
     o.frequency_penalty = absl::GetFlag(FLAGS_frequency_penalty);
     o.repetition_penalty = absl::GetFlag(FLAGS_repetition_penalty);
-    o.device = absl::GetFlag(FLAGS_device);
     const absl::Status s = strata::tools::RunGenerate(o, std::cout, std::cerr);
     return s.ok() ? 0 : Fail(s);
   }

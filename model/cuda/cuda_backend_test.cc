@@ -19,6 +19,7 @@
 #include "model/cuda/test_helpers.h"
 #include "model/cuda_plugin.h"
 #include "model/kv_cache.h"
+#include "model/kv_evaluation.h"
 #include "model/llama.h"
 
 namespace strata::model::cuda {
@@ -170,6 +171,31 @@ TEST_F(CudaBackendTest, ThePluginMakesTheBackendLinkedHere) {
   ASSERT_TRUE(g.ok()) << g.status();
   ASSERT_TRUE(w.ok()) << w.status();
   EXPECT_LT(RelErr((*g)[0], (*w)[0]), 1e-4);
+}
+
+// strata ppl --device cuda: perplexity over the GPU backend (windows chunk by chunk, KIVI pages and
+// a full-precision window) follows the CPU's within the fp16 weights' rounding.
+TEST_F(CudaBackendTest, PerplexityOnTheGpuFollowsTheCpu) {
+  const std::vector<uint32_t> ids = Prompt(config(), 300, 11);
+  for (const std::string codec : {"fp16", "kivi:k4v4:g16"}) {
+    SCOPED_TRACE(codec);
+    // Steps of a chunk (32 tokens) on top of a window of up to 8 + 31: spare rows for a chunk.
+    absl::StatusOr<std::unique_ptr<ComputeBackend>> made =
+        MakeCudaBackend(*host_, {.weights = WeightType::kFp16,
+                                 .kv_pool_bytes = uint64_t{64} << 20,
+                                 .max_sequences = 1,
+                                 .max_step_tokens = 32});
+    ASSERT_TRUE(made.ok()) << made.status();
+    std::unique_ptr<ComputeBackend> gpu = *std::move(made);
+    const KvCacheOptions o{.codec = codec, .chunk_tokens = 32, .window_tokens = 8};
+    absl::StatusOr<PerplexityResult> want = Perplexity(*cpu_, ids, o, 128, 0);
+    absl::StatusOr<PerplexityResult> got = Perplexity(*gpu, ids, o, 128, 0);
+    ASSERT_TRUE(want.ok()) << want.status();
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(got->scored, want->scored);
+    EXPECT_EQ(got->block_bytes, want->block_bytes);
+    EXPECT_NEAR(got->ppl, want->ppl, 0.01 * want->ppl);
+  }
 }
 
 TEST_F(CudaBackendTest, APrefillNodesLayerHookShipsEachLayersBlocksAsTheyAreMade) {
