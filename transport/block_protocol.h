@@ -185,9 +185,9 @@ struct BlockReceiverOptions {
   // Threads that verify checksums and run the consumer (>= 1).
   int verify_threads = 1;
   // Blocks up to this size are verified and consumed on the transport's thread as they land:
-  // the bytes are still in cache and no thread hand-off is paid (+30 % throughput at 1 MiB on
-  // the benchmark machine). Only for a consumer that returns quickly (hands the block on, copies
-  // it into RAM): the transport receives nothing else meanwhile. 0: always a verify thread.
+  // the bytes are still in cache and no thread hand-off is paid (docs/transport.md measures it).
+  // Only for a consumer that returns quickly (hands the block on, copies it into RAM): the
+  // transport receives nothing else meanwhile. 0: always a verify thread.
   uint64_t inline_max_bytes = 0;
   // Direct placement: bytes of memory lent to each same-host sender that asks (0: never), and
   // how many senders may hold one at once (more are refused and send as payload). The default
@@ -250,17 +250,16 @@ struct BlockSenderOptions {
   // Per-transfer limit from Send until the acknowledgement, unless SendOptions says otherwise.
   absl::Duration timeout = absl::Seconds(30);
   // Direct placement into a same-host receiver's ring (when the transport can map it) for blocks
-  // of at least this many bytes; smaller ones ride in the message. 0: never place. (On the
-  // benchmark machine placement gained from 1 MiB up and not clearly below: docs/transport.md.)
+  // of at least this many bytes; smaller ones ride in the message. 0: never place. (The default
+  // is where placement starts to pay: docs/transport.md.)
   uint64_t placement_min_bytes = 1 << 20;
   // Placed blocks of at least this many bytes are streamed: header first, then the copy in
   // pieces that the receiver checks as they land (see block_protocol.h). 0: never.
   uint64_t stream_min_bytes = 1 << 20;
   // Blocks that travel as payload and are larger than this go in pieces of this many bytes, each
   // its own message; the receiver checks each piece's CRC on the transport's thread as it lands,
-  // still in cache, instead of reading the whole block again afterwards (over TCP on the
-  // benchmark machine, where that second read cost a third of the throughput:
-  // docs/transport.md). 0: always whole.
+  // still in cache, instead of reading the whole block again afterwards (docs/transport.md
+  // measures the difference). 0: always whole.
   uint64_t piece_bytes = 1 << 20;
   // Ring space of a placed block whose transfer ended without the receiver's answer (timed out,
   // cancelled, its header lost) is presumed lost after this long: if a block does not fit the

@@ -1,7 +1,5 @@
 // The block protocol's sending side: BlockSender and its Transfers, which ship blocks to a
 // BlockReceiver (as payload, in pieces, or placed in a ring it lends) and retry, time out, cancel.
-#include "transport/block_protocol.h"
-
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
@@ -17,12 +15,16 @@
 #include "absl/strings/str_cat.h"
 #include "common/crc32c.h"
 #include "common/metrics.h"
+#include "transport/block_protocol.h"
 #include "transport/internal/block_common.h"
+#include "transport/internal/sender_ring.h"
+#include "transport/internal/timer_queue.h"
 
 namespace strata::transport {
 
 using internal::HandlerList;
 using internal::InstallHandlers;
+using internal::SenderRing;
 using internal::SendMessage;
 using internal::SendRelease;
 using internal::UninstallHandlers;
@@ -134,180 +136,245 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
   // Sends a block (once: a retry is another attempt); returns the attempt's sequence number. A
   // later attempt does not wait for room in the peer's window: its transfer kept its room
   // (FinishLocked), so the retry thread never waits behind one peer's window.
+  //
+  // Its steps: under the lock, admit it to the peer's window (AdmitLocked), choose where it goes
+  // (PlaceLocked) and register it as pending (RegisterLocked); then, without the lock, swap the
+  // peer's ring if asked (SwapRings), copy a placed block (CopyBeforeHeader), post its messages
+  // (PostMessages), stream a streamed block's bytes (StreamIntoRing), and hand the posted sends
+  // to whatever outcome came meanwhile (EndPosting).
   uint64_t Attempt(Job job) {
     const uint64_t seq = next_seq_.fetch_add(1) + 1;
     const bool holds_room = job.attempt > 1;
-    const std::shared_ptr<Endpoint> ep = job.ep;
-    const absl::Time deadline = job.deadline;
-    // What is left of the transfer's time (a later attempt's; the watchdog ends it at the deadline).
-    const absl::Duration timeout = std::max(deadline - absl::Now(), absl::Nanoseconds(1));
-    auto fail_now = [&](absl::Status s) {  // (called without mu_)
-      if (job.attempt > 1) {  // a first attempt that fails at once is not counted, as before
-        std::lock_guard<std::mutex> lock(mu_);
-        ++stats_.failed;
-      }
-      Complete(job.state, std::move(job.done), Attempted(s, job.attempt));
-      return seq;
-    };
-    if (ep == nullptr) return fail_now(absl::InvalidArgumentError("Send: null endpoint"));
-    if (job.block_id.size() > kMaxBlockIdBytes) {
-      return fail_now(absl::InvalidArgumentError(absl::StrCat(
-          "block id of ", job.block_id.size(), " bytes exceeds ", kMaxBlockIdBytes)));
+    if (job.ep == nullptr) {
+      return FailAttempt(seq, std::move(job), absl::InvalidArgumentError("Send: null endpoint"));
     }
+    if (job.block_id.size() > kMaxBlockIdBytes) {
+      const size_t n = job.block_id.size();
+      return FailAttempt(seq, std::move(job),
+                         absl::InvalidArgumentError(
+                             absl::StrCat("block id of ", n, " bytes exceeds ", kMaxBlockIdBytes)));
+    }
+    const std::shared_ptr<Endpoint> ep = job.ep;
     Payload payload = job.payload;
     const uint64_t size = payload.bytes.size();
     const uint8_t* const src = payload.bytes.data();
-    BlockDataHeader header_fields{
-        .seq = seq, .size = size, .crc32c = job.crc32c, .block_id = job.block_id};
+    // What is left of the transfer's time (a later attempt's; the watchdog ends it at the
+    // deadline).
+    const absl::Duration timeout = std::max(job.deadline - absl::Now(), absl::Nanoseconds(1));
+    Plan plan{.header = {.seq = seq, .size = size, .crc32c = job.crc32c, .block_id = job.block_id}};
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      if (absl::Status refused = AdmitLocked(seq, job, holds_room, timeout, lock); !refused.ok()) {
+        lock.unlock();  // the caller's callback runs without the sender's lock
+        return FailAttempt(seq, std::move(job), std::move(refused));
+      }
+      PlaceLocked(seq, ep, &plan);
+      RegisterLocked(seq, std::move(job), holds_room, plan);
+    }
+    watchdog_cv_.notify_one();
+    SwapRings(ep, plan);
+    CopyBeforeHeader(plan, src, &payload);
+    std::vector<uint64_t> tids;
+    const uint64_t posted_to = PostMessages(seq, ep, plan.header, payload, timeout, &tids);
+    if (plan.header.streamed) StreamIntoRing(seq, plan, src);
+    EndPosting(seq, ep, plan.header, posted_to, tids);
+    return seq;
+  }
+
+ private:
+  // What an attempt decided under the lock, for what it does after.
+  struct Plan {
+    BlockDataHeader header;  // the block's header, placement and pieces included
+    std::shared_ptr<SenderRing> ring = nullptr;  // where the block goes, if placed
+    std::shared_ptr<SenderRing> ask = nullptr;   // a ring to ask the peer for
+    std::shared_ptr<SenderRing> replaced =
+        nullptr;  // a ring (or refusal) to forget: `ask` replaces it
+  };
+
+  // An attempt refused before anything was sent: the transfer completes with `why`.
+  uint64_t FailAttempt(uint64_t seq, Job job, absl::Status why) {
+    if (job.attempt > 1) {  // a first attempt that fails at once is not counted, as before
+      std::lock_guard<std::mutex> lock(mu_);
+      ++stats_.failed;
+    }
+    Complete(job.state, std::move(job.done), Attempted(why, job.attempt));
+    return seq;
+  }
+
+  // Registers the attempt with its peer (the first with a peer installs its failure callback)
+  // and waits, until the transfer's deadline, for room in the peer's window. Returns why the
+  // attempt may not go (shut down, cancelled, the peer failed, no room in time, no time left),
+  // having then given back what the transfer held; OK when it may.
+  absl::Status AdmitLocked(uint64_t seq, const Job& job, bool holds_room, absl::Duration timeout,
+                           std::unique_lock<std::mutex>& lock) {
+    const std::shared_ptr<Endpoint>& ep = job.ep;
+    const uint64_t size = job.payload.bytes.size();
+    job.state->seq = seq;
+    Peer& peer = peers_[ep.get()];
+    const bool need_failure_callback = peer.ep == nullptr;
+    if (need_failure_callback) peer.ep = ep;
+    ++peer.users;  // keeps the entry while this call waits
+    const auto room = [&] {
+      return holds_room || shutting_down_ || job.state->cancelled || !peer.failed.ok() ||
+             peer.in_flight == 0 || peer.in_flight + size <= options_.max_bytes_in_flight;
+    };
+    if (need_failure_callback) {
+      lock.unlock();
+      const uint64_t handle =
+          ep->OnFailure([weak = weak_from_this(), key = ep.get()](const absl::Status& s) {
+            if (auto self = weak.lock()) self->PeerFailed(key, s);
+          });
+      lock.lock();
+      peer.failure_handle = handle;
+    }
+    while (!room()) {
+      if (window_cv_.wait_until(lock, absl::ToChronoTime(job.deadline)) ==
+              std::cv_status::timeout &&
+          !room()) {
+        break;
+      }
+    }
+    absl::Status refuse;
+    if (shutting_down_) {
+      refuse = absl::CancelledError("block sender shut down");
+    } else if (job.state->cancelled) {
+      refuse = absl::CancelledError(absl::StrCat("block transfer ", seq, " cancelled"));
+    } else if (!peer.failed.ok()) {
+      refuse = absl::UnavailableError(peer.failed.message());
+    } else if (!room()) {
+      refuse = absl::DeadlineExceededError(absl::StrCat(
+          "block transfer ", seq, ": the peer's window (", options_.max_bytes_in_flight,
+          " bytes in flight) did not open within ", absl::FormatDuration(timeout)));
+    } else if (holds_room && job.deadline <= absl::Now()) {
+      refuse = absl::DeadlineExceededError(absl::StrCat(
+          "block transfer ", seq, ": no time left to send again after: ", job.last.message()));
+    }
+    --peer.users;
+    if (!refuse.ok()) {
+      if (holds_room) {
+        ReleaseRoomLocked(ep.get(), size, lock);
+      } else {
+        MaybeDropPeerLocked(ep.get(), lock);
+      }
+    }
+    return refuse;
+  }
+
+  // Where the block goes: placed in the peer's ring when the transport maps peer memory, the
+  // block is large enough and the ring has room (the ring is renewed when only space presumed
+  // lost keeps the block out; a ring is asked for where there is none, or a refusal has expired);
+  // else as payload, in pieces when larger than a piece.
+  void PlaceLocked(uint64_t seq, const std::shared_ptr<Endpoint>& ep, Plan* plan) {
+    BlockDataHeader& h = plan->header;
+    const uint64_t size = h.size;
     const bool may_place = options_.placement_min_bytes > 0 &&
                            size >= options_.placement_min_bytes &&
                            transport_->capabilities().maps_peer_memory;
-    std::shared_ptr<SenderRing> ring;  // where the block goes, if placed
-    std::shared_ptr<SenderRing> ask;   // a ring to ask the peer for
-    std::shared_ptr<SenderRing> replaced;  // a ring (or refusal) to forget: `ask` replaces it
+    if (may_place) {
+      std::shared_ptr<SenderRing>& r = rings_by_ep_[ep.get()];
+      if (r != nullptr && r->ep.lock() != ep) {  // an earlier endpoint's, at the same address
+        rings_.erase(r->token);
+        r = nullptr;
+      }
+      if (r != nullptr && r->state == SenderRing::State::kRefused &&
+          absl::Now() >= r->ask_again) {  // refused for now: ask again
+        plan->replaced = std::move(r);
+        rings_.erase(plan->replaced->token);
+      }
+      if (r != nullptr && r->state == SenderRing::State::kReady) {
+        if (std::optional<uint64_t> at = r->Allocate(size, seq)) {
+          h.placed = RingPlace{.token = r->token, .offset = *at};
+          h.streamed = options_.stream_min_bytes > 0 && size >= options_.stream_min_bytes;
+          if (h.streamed) r->CopyStarted(*at);  // copied after the header
+          ++r->unsettled;
+          plan->ring = r;
+        } else if (r->unsettled == 0 &&
+                   r->FitsIfReclaimed(size, absl::Now() - options_.reclaim_after)) {
+          // What keeps this block out is space presumed lost (doubtful, sender_ring.h): return
+          // the ring and ask for a new one. (The receiver keeps the old one's memory while
+          // blocks in it are used, and refuses headers that name it.)
+          plan->replaced = std::move(r);
+          rings_.erase(plan->replaced->token);
+          ++stats_.rings_renewed;
+        }
+      }
+      if (r == nullptr) {
+        r = std::make_shared<SenderRing>();
+        r->token = NewTokenLocked();
+        r->ep = ep;
+        rings_[r->token] = r;
+        plan->ask = r;
+      }
+    }
+    // A block going as payload and larger than a piece goes in pieces: the header with the
+    // first, then the rest in order (each its own message, checked by the receiver as it lands).
+    h.pieced = plan->ring == nullptr && options_.piece_bytes > 0 && size > options_.piece_bytes;
+  }
 
-    bool need_failure_callback = false;
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      job.state->seq = seq;
-      Peer& peer = peers_[ep.get()];
-      if (peer.ep == nullptr) {
-        peer.ep = ep;
-        need_failure_callback = true;
-      }
-      ++peer.users;  // keeps the entry while this call waits
-      const auto room = [&] {
-        return holds_room || shutting_down_ || job.state->cancelled || !peer.failed.ok() ||
-               peer.in_flight == 0 || peer.in_flight + size <= options_.max_bytes_in_flight;
-      };
-      if (need_failure_callback) {
-        lock.unlock();
-        const uint64_t handle = ep->OnFailure(
-            [weak = weak_from_this(), key = ep.get()](const absl::Status& s) {
-              if (auto self = weak.lock()) self->PeerFailed(key, s);
-            });
-        lock.lock();
-        peer.failure_handle = handle;
-      }
-      while (!room()) {
-        if (window_cv_.wait_until(lock, absl::ToChronoTime(deadline)) ==
-                std::cv_status::timeout &&
-            !room()) {
-          break;
-        }
-      }
-      absl::Status refuse;
-      if (shutting_down_) {
-        refuse = absl::CancelledError("block sender shut down");
-      } else if (job.state->cancelled) {
-        refuse = absl::CancelledError(absl::StrCat("block transfer ", seq, " cancelled"));
-      } else if (!peer.failed.ok()) {
-        refuse = absl::UnavailableError(peer.failed.message());
-      } else if (!room()) {
-        refuse = absl::DeadlineExceededError(absl::StrCat(
-            "block transfer ", seq, ": the peer's window (", options_.max_bytes_in_flight,
-            " bytes in flight) did not open within ", absl::FormatDuration(timeout)));
-      } else if (holds_room && deadline <= absl::Now()) {
-        refuse = absl::DeadlineExceededError(absl::StrCat(
-            "block transfer ", seq, ": no time left to send again after: ", job.last.message()));
-      }
-      if (!refuse.ok()) {
-        --peer.users;
-        if (holds_room) {
-          ReleaseRoomLocked(ep.get(), size, lock);
-        } else {
-          MaybeDropPeerLocked(ep.get(), lock);
-        }
-        lock.unlock();  // the caller's callback runs without the sender's lock
-        return fail_now(std::move(refuse));
-      }
-      --peer.users;
-      if (may_place) {
-        std::shared_ptr<SenderRing>& r = rings_by_ep_[ep.get()];
-        if (r != nullptr && r->ep.lock() != ep) {  // an earlier endpoint's, at the same address
-          rings_.erase(r->token);
-          r = nullptr;
-        }
-        if (r != nullptr && r->state == SenderRing::State::kRefused &&
-            absl::Now() >= r->ask_again) {  // refused for now: ask again
-          replaced = std::move(r);
-          rings_.erase(replaced->token);
-        }
-        if (r != nullptr && r->state == SenderRing::State::kReady) {
-          if (std::optional<uint64_t> at = r->Allocate(size, seq)) {
-            header_fields.placed = RingPlace{.token = r->token, .offset = *at};
-            header_fields.streamed =
-                options_.stream_min_bytes > 0 && size >= options_.stream_min_bytes;
-            if (header_fields.streamed) r->copying[*at] = false;  // copied after the header
-            ++r->unsettled;
-            ring = r;
-          } else if (r->unsettled == 0 &&
-                     r->FitsIfReclaimed(size, absl::Now() - options_.reclaim_after)) {
-            // What keeps this block out is space presumed lost (SenderRing::doubtful): return
-            // the ring and ask for a new one. (The receiver keeps the old one's memory while
-            // blocks in it are used, and refuses headers that name it.)
-            replaced = std::move(r);
-            rings_.erase(replaced->token);
-            ++stats_.rings_renewed;
-          }
-        }
-        if (r == nullptr) {
-          r = std::make_shared<SenderRing>();
-          r->token = NewTokenLocked();
-          r->ep = ep;
-          rings_[r->token] = r;
-          ask = r;
-        }
-      }
-      // A block going as payload and larger than a piece goes in pieces: the header with the
-      // first, then the rest in order (each its own message, checked by the receiver as it lands).
-      header_fields.pieced =
-          ring == nullptr && options_.piece_bytes > 0 && size > options_.piece_bytes;
-      if (!holds_room) {
-        peer.in_flight += size;
-        ++peer.pending;
-      }
-      stats_.max_bytes_in_flight = std::max(stats_.max_bytes_in_flight, peer.in_flight);
-      Pending& p = pending_[seq];
-      p.size = size;
-      p.placed = ring != nullptr;
-      if (p.placed) p.place = *header_fields.placed;
-      p.copying = header_fields.streamed;
-      p.pieced = header_fields.pieced;
-      p.job = std::move(job);  // (ep and deadline are copies)
-      p.start = absl::Now();
-      deadlines_.emplace(deadline, seq);
+  // The attempt is pending: its bytes in the peer's window (a later attempt's already are), its
+  // deadline with the watchdog.
+  void RegisterLocked(uint64_t seq, Job job, bool holds_room, const Plan& plan) {
+    const uint64_t size = plan.header.size;
+    Peer& peer = peers_[job.ep.get()];
+    if (!holds_room) {
+      peer.in_flight += size;
+      ++peer.pending;
     }
-    watchdog_cv_.notify_one();
-    if (replaced != nullptr) {
-      ep->RemoveFailureCallback(replaced->failure_handle);
-      if (replaced->state == SenderRing::State::kReady) {
-        SendRelease(ep, kBlockRingReturnMessage, {.token = replaced->token, .drop = true});
+    stats_.max_bytes_in_flight = std::max(stats_.max_bytes_in_flight, peer.in_flight);
+    const absl::Time deadline = job.deadline;
+    Pending& p = pending_[seq];
+    p.size = size;
+    p.placed = plan.ring != nullptr;
+    if (p.placed) p.place = *plan.header.placed;
+    p.copying = plan.header.streamed;
+    p.pieced = plan.header.pieced;
+    p.job = std::move(job);
+    p.start = absl::Now();
+    deadlines_.Add(deadline, seq);
+  }
+
+  // Forgets the ring (or refusal) the attempt replaced, giving a lent one back, and asks for the
+  // new one.
+  void SwapRings(const std::shared_ptr<Endpoint>& ep, const Plan& plan) {
+    if (plan.replaced != nullptr) {
+      ep->RemoveFailureCallback(plan.replaced->failure_handle);
+      if (plan.replaced->state == SenderRing::State::kReady) {
+        SendRelease(ep, kBlockRingReturnMessage, {.token = plan.replaced->token, .drop = true});
       }
     }
-    if (ask != nullptr) AskForRing(ep, ask);
-    // The one copy goes straight into the receiver's memory (mapped while we hold `ep`): all of
-    // it before the header, or, streamed, after it, chunk by chunk behind the progress word.
-    uint8_t* place = ring != nullptr ? ring->mem.data() + header_fields.placed->offset : nullptr;
-    std::optional<std::atomic_ref<uint64_t>> progress;
-    if (place != nullptr) {
-      payload = {};
-      if (header_fields.streamed) {
-        progress.emplace(*reinterpret_cast<uint64_t*>(place - kPlacedPrefixBytes));
-        progress->store(0, std::memory_order_release);
-      } else {
-        std::memcpy(place, src, size);
-        StoreFence();
-      }
+    if (plan.ask != nullptr) AskForRing(ep, plan.ask);
+  }
+
+  // The one copy of a placed block goes straight into the receiver's memory (mapped while we hold
+  // the endpoint): all of it before the header; a streamed one after it (StreamIntoRing), its
+  // progress word zeroed here. The messages then carry no payload.
+  static void CopyBeforeHeader(const Plan& plan, const uint8_t* src, Payload* payload) {
+    if (plan.ring == nullptr) return;
+    *payload = {};
+    uint8_t* place = plan.ring->mem.data() + plan.header.placed->offset;
+    if (plan.header.streamed) {
+      std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(place - kPlacedPrefixBytes))
+          .store(0, std::memory_order_release);
+    } else {
+      std::memcpy(place, src, plan.header.size);
+      StoreFence();
     }
-    std::vector<uint64_t> tids;
-    auto post = [&](uint16_t id, const std::string& h, Payload part) {
+  }
+
+  // Posts the header (with the payload, or its first piece) and a pieced block's further pieces,
+  // until the outcome is known; returns where posting stopped (the size when all went). `tids`
+  // gets the backend's ids of the sends.
+  uint64_t PostMessages(uint64_t seq, const std::shared_ptr<Endpoint>& ep, const BlockDataHeader& h,
+                        const Payload& payload, absl::Duration timeout,
+                        std::vector<uint64_t>* tids) {
+    auto post = [&](uint16_t id, const std::string& header, Payload part) {
       {
         std::lock_guard<std::mutex> lock(mu_);
         ++pending_.at(seq).sends_left;  // (the entry stays while `posting`)
       }
-      tids.push_back(ep->Send(
-          id, std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(h.data()), h.size()),
+      tids->push_back(ep->Send(
+          id,
+          std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(header.data()), header.size()),
           part, timeout, [weak = weak_from_this(), seq](absl::Status s) {
             if (auto self = weak.lock()) self->SendDone(seq, std::move(s));
           }));
@@ -315,30 +382,42 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     auto piece = [&](uint64_t at, uint64_t n) {
       return Payload{.bytes = payload.bytes.subspan(at, n), .region = payload.region};
     };
-    post(kBlockDataMessage, EncodeBlockDataHeader(header_fields),
-         header_fields.pieced ? piece(0, options_.piece_bytes) : payload);
-    uint64_t posted_to = size;  // where a pieced block's posting stopped
-    if (header_fields.pieced) {
-      posted_to = options_.piece_bytes;
-      for (; posted_to < size && !OutcomeKnown(seq); posted_to += options_.piece_bytes) {
-        post(kBlockPieceMessage, EncodeBlockPieceHeader({.seq = seq, .offset = posted_to}),
-             piece(posted_to, std::min(options_.piece_bytes, size - posted_to)));
-      }
+    post(kBlockDataMessage, EncodeBlockDataHeader(h),
+         h.pieced ? piece(0, options_.piece_bytes) : payload);
+    if (!h.pieced) return h.size;
+    uint64_t posted_to = options_.piece_bytes;
+    for (; posted_to < h.size && !OutcomeKnown(seq); posted_to += options_.piece_bytes) {
+      post(kBlockPieceMessage, EncodeBlockPieceHeader({.seq = seq, .offset = posted_to}),
+           piece(posted_to, std::min(options_.piece_bytes, h.size - posted_to)));
     }
-    if (progress.has_value()) {
-      // The transfer cannot complete, nor its space come back, until this copy has stopped
-      // (`copying`): the caller's payload and the ring stay untouched after completion. An
-      // outcome arriving meanwhile (the receiver gave up, cancel, timeout) stops it early.
-      for (uint64_t done = 0; done < size;) {
-        const uint64_t n = std::min<uint64_t>(kStreamChunk, size - done);
-        std::memcpy(place + done, src + done, n);
-        done += n;
-        StoreFence();
-        progress->store(done, std::memory_order_release);
-        if (done < size && OutcomeKnown(seq)) break;
-      }
-      CopyDone(seq, ring, header_fields.placed->offset);
+    return posted_to;
+  }
+
+  // A streamed block's bytes, chunk by chunk behind the progress word. The transfer cannot
+  // complete, nor its space come back, until this copy has stopped (`copying`): the caller's
+  // payload and the ring stay untouched after completion. An outcome arriving meanwhile (the
+  // receiver gave up, cancel, timeout) stops it early.
+  void StreamIntoRing(uint64_t seq, const Plan& plan, const uint8_t* src) {
+    const uint64_t size = plan.header.size;
+    uint8_t* place = plan.ring->mem.data() + plan.header.placed->offset;
+    std::atomic_ref<uint64_t> progress(*reinterpret_cast<uint64_t*>(place - kPlacedPrefixBytes));
+    for (uint64_t done = 0; done < size;) {
+      const uint64_t n = std::min<uint64_t>(kStreamChunk, size - done);
+      std::memcpy(place + done, src + done, n);
+      done += n;
+      StoreFence();
+      progress.store(done, std::memory_order_release);
+      if (done < size && OutcomeKnown(seq)) break;
     }
+    CopyDone(seq, plan.ring, plan.header.placed->offset);
+  }
+
+  // Posting is over: the sends' ids go to the pending entry, and an outcome that came meanwhile
+  // finishes the transfer (cancelling its sends if it was cancelled or timed out while they were
+  // under way). Posting stopped early (failed, cancelled, timed out: the rest stays here) or what
+  // was posted is being cancelled: the receiver lets a pieced block go.
+  void EndPosting(uint64_t seq, const std::shared_ptr<Endpoint>& ep, const BlockDataHeader& h,
+                  uint64_t posted_to, const std::vector<uint64_t>& tids) {
     bool cancel = false;
     {
       std::unique_lock<std::mutex> lock(mu_);
@@ -346,7 +425,6 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
       if (it != pending_.end()) {
         it->second.backend_ids = tids;
         it->second.posting = false;
-        // Cancelled or timed out while posting, with sends still under way.
         cancel = it->second.cancel_requested && it->second.sends_left > 0;
         if (it->second.outcome.has_value()) FinishLocked(it, lock);
       }
@@ -354,12 +432,10 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     if (cancel) {
       for (uint64_t tid : tids) ep->Cancel(tid);
     }
-    // Posting stopped early (failed, cancelled, timed out: the rest stays here) or what was
-    // posted is being cancelled: the receiver lets the block go.
-    if (header_fields.pieced && (posted_to < size || cancel)) Abandon(ep, seq, posted_to);
-    return seq;
+    if (h.pieced && (posted_to < h.size || cancel)) Abandon(ep, seq, posted_to);
   }
 
+ public:
   // Transfer::Cancel: the current attempt, or the transfer waiting for its next one.
   void Cancel(Transfer::State& state) {
     uint64_t seq = 0;
@@ -454,9 +530,7 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (mem.ok() && !shutting_down_) {
-        ring->mem = *mem;
-        ring->free[0] = mem->size();
-        ring->state = SenderRing::State::kReady;
+        ring->Lend(*mem);
         return;
       }
       // The entry stays: not asked again, or, where the receiver lends all the rings it may
@@ -582,108 +656,6 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     uint64_t failure_handle = 0;
     absl::Status failed;
   };
-  // A ring of a same-host receiver's memory, lent to this sender (see block_protocol.h).
-  struct SenderRing {
-    enum class State { kRequested, kReady, kRefused };
-    uint64_t token = 0;
-    std::weak_ptr<Endpoint> ep;
-    State state = State::kRequested;
-    std::span<uint8_t> mem;                       // mapped while the endpoint is held
-    std::map<uint64_t, uint64_t> free;            // offset -> bytes, coalesced
-    struct Used {
-      uint64_t bytes, seq;  // the space taken (with the progress word), and whose
-    };
-    std::unordered_map<uint64_t, Used> used;  // offset -> placed and not given back
-    // Streamed blocks still being written -> given back meanwhile (freed when the copy stops).
-    std::unordered_map<uint64_t, bool> copying;
-    // Placed blocks whose transfer is not complete, and the offsets of blocks whose transfer
-    // completed without the receiver's answer (timed out, cancelled, the header's send failed),
-    // with when: if the header never arrived, nothing gives their space back; if it did, a
-    // release still may.
-    size_t unsettled = 0;
-    std::unordered_map<uint64_t, absl::Time> doubtful;
-    absl::Time ask_again = absl::InfiniteFuture();  // kRefused: when to ask again
-    uint64_t failure_handle = 0;
-
-    // The mapping goes with the last holder (the sender's maps, or a Send still copying).
-    ~SenderRing() {
-      if (mem.empty()) return;
-      if (std::shared_ptr<Endpoint> e = ep.lock()) e->Unmap(mem.data());
-    }
-
-    // Lowest free space of `size` bytes (256-byte aligned): blocks given back quickly are
-    // followed by blocks in the same, cache-warm, memory.
-    // Returns the block's offset; its progress word is the kPlacedPrefixBytes before it.
-    static uint64_t Need(uint64_t size) {
-      return (kPlacedPrefixBytes + std::max<uint64_t>(size, 1) + 255) / 256 * 256;
-    }
-    std::optional<uint64_t> Allocate(uint64_t size, uint64_t seq) {
-      const uint64_t need = Need(size);
-      for (auto it = free.begin(); it != free.end(); ++it) {
-        if (it->second < need) continue;
-        const uint64_t at = it->first;
-        const uint64_t left = it->second - need;
-        free.erase(it);
-        if (left > 0) free[at + need] = left;
-        used[at + kPlacedPrefixBytes] = {.bytes = need, .seq = seq};
-        return at + kPlacedPrefixBytes;
-      }
-      return std::nullopt;
-    }
-
-    // Whether `size` bytes would fit if the space of blocks doubtful since before `before` came
-    // back (false if there is none).
-    bool FitsIfReclaimed(uint64_t size, absl::Time before) const {
-      std::map<uint64_t, uint64_t> space = free;
-      bool any = false;
-      for (const auto& [offset, since] : doubtful) {
-        if (since > before) continue;
-        space[offset - kPlacedPrefixBytes] = used.at(offset).bytes;
-        any = true;
-      }
-      uint64_t run_start = 0, run = 0;
-      for (const auto& [at, len] : space) {  // longest run of adjacent extents
-        if (run == 0 || at != run_start + run) {
-          run_start = at;
-          run = 0;
-        }
-        run += len;
-        if (any && run >= Need(size)) return true;
-      }
-      return false;
-    }
-
-    // False for an offset that is not placed (a confused or stale peer): ignored. Space still
-    // being written is freed when its copy stops.
-    bool Release(uint64_t offset) {
-      if (auto c = copying.find(offset); c != copying.end()) {
-        c->second = true;
-        return true;
-      }
-      auto u = used.find(offset);
-      if (u == used.end()) return false;
-      uint64_t start = offset - kPlacedPrefixBytes, len = u->second.bytes;
-      used.erase(u);
-      doubtful.erase(offset);
-      auto next = free.find(start + len);
-      if (next != free.end()) {
-        len += next->second;
-        free.erase(next);
-      }
-      auto after = free.lower_bound(start);
-      if (after != free.begin()) {
-        auto prev = std::prev(after);
-        if (prev->first + prev->second == start) {
-          start = prev->first;
-          len += prev->second;
-          free.erase(prev);
-        }
-      }
-      free[start] = len;
-      return true;
-    }
-  };
-
   struct Pending {
     Job job;  // the transfer (its caller's state and callback; all another attempt needs)
     uint64_t size = 0;
@@ -719,11 +691,7 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
   // A streamed block's copy has stopped: its space may come back, the transfer may complete.
   void CopyDone(uint64_t seq, const std::shared_ptr<SenderRing>& ring, uint64_t offset) {
     std::unique_lock<std::mutex> lock(mu_);
-    if (auto c = ring->copying.find(offset); c != ring->copying.end()) {
-      const bool released = c->second;
-      ring->copying.erase(c);
-      if (released) ring->Release(offset);
-    }
+    ring->CopyStopped(offset);
     auto it = pending_.find(seq);
     if (it == pending_.end()) return;
     it->second.copying = false;
@@ -793,21 +761,12 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     const uint64_t seq = it->first;
     Pending p = std::move(it->second);
     pending_.erase(it);
-    auto range = deadlines_.equal_range(p.job.deadline);
-    for (auto d = range.first; d != range.second; ++d) {
-      if (d->second == seq) {
-        deadlines_.erase(d);
-        break;
-      }
-    }
+    deadlines_.Remove(p.job.deadline, seq);
     if (p.placed) {
       if (auto r = rings_.find(p.place.token); r != rings_.end()) {
         SenderRing& ring = *r->second;
         --ring.unsettled;
-        auto u = ring.used.find(p.place.offset);
-        if (!p.answered && u != ring.used.end() && u->second.seq == seq) {
-          ring.doubtful[p.place.offset] = absl::Now();
-        }
+        if (!p.answered) ring.Unanswered(p.place.offset, seq, absl::Now());
       }
     }
     const absl::Status status = *p.outcome;
@@ -824,7 +783,7 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     if (retry) {
       Job& queued = queued_[seq] = std::move(p.job);
       queued.last = status;
-      retry_times_.emplace(again, seq);
+      retry_times_.Add(again, seq);
       retry_cv_.notify_one();
     } else if (status.ok()) {
       ++stats_.sent;
@@ -858,7 +817,7 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     const auto queued = [this](uint64_t seq) { return queued_.contains(seq); };  // not cancelled
     std::unique_lock<std::mutex> lock(mu_);
     while (!shutting_down_) {
-      const std::optional<uint64_t> seq = TakeDueLocked(retry_times_, queued, retry_cv_, lock);
+      const std::optional<uint64_t> seq = retry_times_.TakeDue(queued, retry_cv_, lock);
       if (!seq.has_value()) continue;
       auto q = queued_.find(*seq);
       Job job = std::move(q->second);
@@ -984,26 +943,6 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     for (uint64_t at : offsets) it->second->Release(at);
   }
 
-  // Waits on `cv` until the first of `timers` still `live` (the others are dropped) is due, and
-  // takes it; nullopt when woken before then (the caller checks why, and calls again).
-  static std::optional<uint64_t> TakeDueLocked(std::multimap<absl::Time, uint64_t>& timers,
-                                               const std::function<bool(uint64_t)>& live,
-                                               std::condition_variable& cv,
-                                               std::unique_lock<std::mutex>& lock) {
-    while (!timers.empty() && !live(timers.begin()->second)) timers.erase(timers.begin());
-    if (timers.empty()) {
-      cv.wait(lock);
-      return std::nullopt;
-    }
-    const auto [when, seq] = *timers.begin();
-    if (absl::Now() < when) {
-      cv.wait_until(lock, absl::ToChronoTime(when));
-      return std::nullopt;
-    }
-    timers.erase(timers.begin());
-    return seq;
-  }
-
   // Fires the deadlines of transfers not finished by then.
   void Watchdog() {
     const auto unfinished = [this](uint64_t seq) {
@@ -1012,7 +951,7 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     };
     std::unique_lock<std::mutex> lock(mu_);
     while (!stop_watchdog_) {
-      const std::optional<uint64_t> seq = TakeDueLocked(deadlines_, unfinished, watchdog_cv_, lock);
+      const std::optional<uint64_t> seq = deadlines_.TakeDue(unfinished, watchdog_cv_, lock);
       if (!seq.has_value()) continue;
       lock.unlock();
       Abort(*seq, absl::DeadlineExceededError(absl::StrCat(
@@ -1021,27 +960,40 @@ class BlockSender::Impl : public std::enable_shared_from_this<BlockSender::Impl>
     }
   }
 
+  // Set at construction.
   Transport* transport_;
   const BlockSenderOptions options_;
-  std::atomic<uint64_t> next_seq_{0};
+  std::atomic<uint64_t> next_seq_{0};  // the last attempt's sequence number
+  LatencyHistogram latency_;           // thread-safe itself
+
+  // mu_ guards everything below it but the threads. It is never held while the sender calls out:
+  // the caller's callbacks (Complete), the endpoint's OnFailure and RemoveFailureCallback, and
+  // sends (the backend may call SendDone on the calling thread).
   mutable std::mutex mu_;
-  std::condition_variable window_cv_;
-  std::condition_variable idle_cv_;
-  std::condition_variable watchdog_cv_;
+  // Transfers: an attempt in progress (posted, or being posted) by its sequence number, and the
+  // deadlines of those not finished (the watchdog's); transfers waiting to be sent again, by
+  // their failed attempt's number, and when (the retry thread's; entries of cancelled ones linger).
   PendingMap pending_;
-  std::multimap<absl::Time, uint64_t> deadlines_;
+  internal::TimerQueue deadlines_;
+  std::map<uint64_t, Job> queued_;
+  internal::TimerQueue retry_times_;
+  // Peers: each one's window (bytes in flight) and failure; the rings they lent, by token and by
+  // endpoint, and the tokens' source.
   std::unordered_map<Endpoint*, Peer> peers_;
-  std::unordered_map<uint64_t, std::shared_ptr<SenderRing>> rings_;       // by token
+  std::unordered_map<uint64_t, std::shared_ptr<SenderRing>> rings_;
   std::unordered_map<Endpoint*, std::shared_ptr<SenderRing>> rings_by_ep_;
   uint64_t token_base_ = 0;
   uint64_t tokens_made_ = 0;
   Stats stats_;
-  LatencyHistogram latency_;
   bool shutting_down_ = false;
   bool stop_watchdog_ = false;
-  std::map<uint64_t, Job> queued_;                  // to be sent again, by the failed attempt's seq
-  std::multimap<absl::Time, uint64_t> retry_times_;  // when (entries of cancelled ones linger)
+  // Waits under mu_: for room in a peer's window (Attempt), for no transfer pending (Shutdown),
+  // for the next deadline (Watchdog) and the next retry (Retrier).
+  std::condition_variable window_cv_;
+  std::condition_variable idle_cv_;
+  std::condition_variable watchdog_cv_;
   std::condition_variable retry_cv_;
+
   std::thread watchdog_;  // last: started after the members they use
   std::thread retrier_;
 };
