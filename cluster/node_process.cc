@@ -6,8 +6,6 @@
 
 #include <chrono>
 #include <filesystem>
-#include <iostream>
-#include <mutex>
 #include <random>
 
 #include "absl/flags/usage_config.h"
@@ -24,29 +22,6 @@
 #include "model/llama.h"
 
 namespace strata::cluster {
-namespace {
-
-std::mutex g_log_mu;
-std::string g_process = "strata";  // guarded by g_log_mu
-std::string g_node;                // guarded by g_log_mu
-
-}  // namespace
-
-void SetLogIdentity(std::string process, std::string node_id) {
-  std::lock_guard<std::mutex> lock(g_log_mu);
-  g_process = std::move(process);
-  g_node = std::move(node_id);
-}
-
-void Log(absl::string_view request_id, absl::string_view message) {
-  const std::string time =
-      absl::FormatTime("%Y-%m-%dT%H:%M:%E3SZ", absl::Now(), absl::UTCTimeZone());
-  std::lock_guard<std::mutex> lock(g_log_mu);
-  std::string line = absl::StrCat(time, " ", g_process, g_node.empty() ? "" : " ", g_node);
-  if (!request_id.empty()) absl::StrAppend(&line, " [", request_id, "]");
-  absl::StrAppend(&line, " ", message, "\n");
-  std::cerr << line << std::flush;
-}
 
 void ConfigureFlagsUsage() {
   absl::FlagsUsageConfig config;

@@ -13,6 +13,7 @@
 #include "absl/time/time.h"
 #include "cluster/cluster_file.h"
 #include "cluster/etcd_membership.h"
+#include "common/log.h"
 #include "grpcpp/impl/service_type.h"
 #include "grpcpp/server.h"
 #include "grpcpp/server_context.h"
@@ -33,11 +34,9 @@
 
 namespace strata::cluster {
 
-// One log line to stderr: "2026-11-25T10:00:00.123Z strata-decode decode-0 [req-id] message".
-// `request_id` may be empty. Thread-safe (one write per line).
-void Log(absl::string_view request_id, absl::string_view message);
-// Sets the process name and node id Log prefixes every line with.
-void SetLogIdentity(std::string process, std::string node_id);
+// The process's logger (common/log.h), which the services' code calls as cluster::Log.
+using ::strata::Log;
+using ::strata::SetLogIdentity;
 
 // Makes --help list the flags defined in the binary's *_main.cc (absl matches the program's
 // name otherwise, and strata-prefill's flags live in prefill_main.cc). Call before parsing.

@@ -2,11 +2,11 @@
 
 #include <algorithm>
 #include <chrono>
-#include <iostream>
 #include <optional>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "common/log.h"
 #include "common/status_macros.h"
 #include "decode_node/batch_planner.h"
 #include "model/text_stream.h"
@@ -196,8 +196,7 @@ void DecodeEngine::HandOffAll() {
         }
       }
       if (!st.ok()) {  // the continuation computes them again: slower, not wrong
-        std::cerr << "decode: request " << s->req.request_id << ": hand-off Put failed: " << st
-                  << "\n";
+        Log(s->req.request_id, absl::StrCat("decode: hand-off Put failed: ", st.ToString()));
       }
     }
     s->sink->HandOff(static_cast<uint32_t>(s->generated.size()), s->text->Finish());
@@ -506,7 +505,7 @@ void DecodeEngine::PutGenerated(Sequence& s) {
   if (!st.ok()) {
     std::lock_guard<std::mutex> lock(mu_);
     ++stats_.store_put_errors;
-    std::cerr << "decode: request " << s.req.request_id << ": store Put failed: " << st << "\n";
+    Log(s.req.request_id, absl::StrCat("decode: store Put failed: ", st.ToString()));
   }
 }
 
@@ -713,7 +712,7 @@ std::vector<std::shared_ptr<DecodeEngine::Sequence>> DecodeEngine::PreemptOverBu
   for (size_t i = live.size(); i > keep; --i) {
     const std::shared_ptr<Sequence>& victim = live[i - 1];
     if (absl::Status st = Preempt(*victim); !st.ok()) {
-      std::cerr << "decode: could not preempt " << victim->req.request_id << ": " << st << "\n";
+      Log(victim->req.request_id, absl::StrCat("decode: could not preempt: ", st.ToString()));
       break;
     }
     preempted.push_back(victim);

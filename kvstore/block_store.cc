@@ -8,13 +8,13 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
-#include <iostream>
 #include <random>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "common/block_reader.h"
 #include "common/endian.h"
+#include "common/log.h"
 #include "common/status_macros.h"
 #include "rocksdb/db.h"
 #include "rocksdb/options.h"
@@ -293,8 +293,8 @@ absl::StatusOr<std::string> BlockStore::SetIndexAside() {
 absl::Status BlockStore::RebuildIndex(absl::string_view why) {
   db_.reset();
   STRATA_ASSIGN_OR_RETURN(const std::string aside, SetIndexAside());
-  std::cerr << "store: " << options_.disk_path << ": " << why << "; its files are in " << aside
-            << "; rebuilding it from the block log\n";
+  Log("", absl::StrCat("store: ", options_.disk_path, ": ", why, "; its files are in ", aside,
+                       "; rebuilding it from the block log"));
   repaired_ = true;
   rocksdb::DB* db = nullptr;
   const rocksdb::Status opened = rocksdb::DB::Open(IndexOptions(), options_.disk_path, &db);
@@ -487,18 +487,19 @@ absl::Status BlockStore::ReindexLocked(std::vector<BlockLog::Record> found,
     const char* why = repaired_ ? "a rebuilt index"
                                 : "a damaged or cut-short write-ahead log, or a crash between a "
                                   "block's write and its record";
-    std::cerr << "store: " << options_.disk_path << ": " << recovered + lost
-              << " blocks in the block log had no index record (" << why << "): " << recovered
-              << " indexed again from their log records, ";
+    std::string line = absl::StrCat("store: ", options_.disk_path, ": ", recovered + lost,
+                                    " blocks in the block log had no index record (", why,
+                                    "): ", recovered, " indexed again from their log records, ");
     if (lost == 0) {
-      std::cerr << "none dropped";
+      absl::StrAppend(&line, "none dropped");
     } else {
-      std::cerr << lost << " dropped (" << unverified << " whose bytes do not verify; "
-                << lost - unverified << ", " << lost_bytes
-                << " bytes, with no name in the log or no parent)";
+      absl::StrAppend(&line, lost, " dropped (", unverified, " whose bytes do not verify; ",
+                      lost - unverified, ", ", lost_bytes,
+                      " bytes, with no name in the log or no parent)");
     }
-    std::cerr << "; strata_store_index_recovered_blocks_total, "
-                 "strata_store_index_lost_blocks_total\n";
+    Log("", absl::StrCat(line,
+                         "; strata_store_index_recovered_blocks_total, "
+                         "strata_store_index_lost_blocks_total"));
   }
   return absl::OkStatus();
 }
@@ -526,8 +527,8 @@ absl::Status BlockStore::IndexDiskLocked(const std::string& key, const std::stri
 
 void BlockStore::NoteIndexErrorLocked(absl::string_view what, const rocksdb::Status& s) {
   if (stats_.index_errors++ == 0) {  // the first one; the rest are counted
-    std::cerr << "store: " << options_.disk_path << ": index " << what << ": " << IndexErrorText(s)
-              << " (further index errors: strata_store_index_errors_total)\n";
+    Log("", absl::StrCat("store: ", options_.disk_path, ": index ", what, ": ", IndexErrorText(s),
+                         " (further index errors: strata_store_index_errors_total)"));
   }
 }
 

@@ -20,6 +20,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/byte_size.h"
+#include "common/log.h"
 #include "kvstore/block_store.h"
 #include "kvstore/grpc_security.h"
 #include "kvstore/grpc_security_flags.h"
@@ -65,15 +66,14 @@ int main(int argc, char** argv) {
   usage.contains_helpshort_flags = usage.contains_help_flags;
   absl::SetFlagsUsageConfig(usage);
   absl::ParseCommandLine(argc, argv);
+  strata::SetLogIdentity("strata-store", "");
   absl::StatusOr<std::shared_ptr<const strata::kvstore::GrpcSecurity>> security =
       strata::kvstore::GrpcSecurity::Load(strata::kvstore::GrpcSecurityOptionsFromFlags());
   if (!security.ok()) {
     std::cerr << "strata-store: " << security.status().message() << "\n";
     return 2;
   }
-  if ((*security)->insecure()) {
-    std::cerr << "strata-store: " << strata::kvstore::kInsecureWarning << std::endl;
-  }
+  if ((*security)->insecure()) strata::Log("", strata::kvstore::kInsecureWarning);
   strata::kvstore::StoreOptions o;
   o.disk_path = absl::GetFlag(FLAGS_disk_path);
   o.durable_puts = absl::GetFlag(FLAGS_durable_puts);
@@ -119,9 +119,10 @@ int main(int argc, char** argv) {
       return 2;
     }
     if (!t.ok()) {
-      std::cerr << "strata-store: --shared_tier: " << t.status().message()
-                << "; serving without the shared tier until it answers (tried every "
-                << absl::FormatDuration(kSharedRetry) << ")" << std::endl;
+      strata::Log("", absl::StrCat("--shared_tier: ", t.status().message(),
+                                   "; serving without the shared tier until it answers (tried "
+                                   "every ",
+                                   absl::FormatDuration(kSharedRetry), ")"));
       retry_shared = true;
     } else {
       shared = *std::move(t);
@@ -171,7 +172,7 @@ int main(int argc, char** argv) {
         if (!t.ok()) {
           if (t.status().code() != absl::StatusCode::kUnavailable && !told) {
             told = true;  // e.g. a password the cluster refuses: said once, tried on
-            std::cerr << "strata-store: --shared_tier: " << t.status() << std::endl;
+            strata::Log("", absl::StrCat("--shared_tier: ", t.status().ToString()));
           }
           continue;
         }

@@ -2,10 +2,10 @@
 
 #include <algorithm>
 #include <chrono>
-#include <iostream>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/log.h"
 #include "common/status_macros.h"
 #include "prefill_node/kv_shipment.h"
 #include "transport/shipment.h"
@@ -286,8 +286,8 @@ absl::StatusOr<PrefillResult> PrefillEngine::Run(const PrefillRequest& r,
     }
   }
   if (!adopted.ok()) {  // a damaged or foreign block from the store: compute it all instead
-    std::cerr << "prefill: request " << r.request_id << ": cached prefix unusable, computing it: "
-              << adopted << "\n";
+    Log(r.request_id,
+        absl::StrCat("prefill: cached prefix unusable, computing it: ", adopted.ToString()));
     STRATA_ASSIGN_OR_RETURN(cache, model_->NewCache(cache->options()));
     hit = 0;
     fetched.clear();
@@ -386,7 +386,7 @@ absl::StatusOr<PrefillResult> PrefillEngine::Run(const PrefillRequest& r,
     if (!failed.ok()) {
       std::lock_guard<std::mutex> lock(mu_);
       ++stats_.store_put_errors;
-      std::cerr << "prefill: request " << r.request_id << ": store Put failed: " << failed << "\n";
+      Log(r.request_id, absl::StrCat("prefill: store Put failed: ", failed.ToString()));
     }
   }
   return res;

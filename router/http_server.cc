@@ -4,7 +4,6 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
-#include <iostream>
 #include <optional>
 #include <random>
 #include <string>
@@ -24,6 +23,7 @@
 #include "boost/asio/ssl.hpp"
 #include "boost/beast/core.hpp"
 #include "boost/beast/http.hpp"
+#include "common/log.h"
 #include "router/chat_template.h"
 #include "router/openai_api.h"
 
@@ -56,12 +56,6 @@ std::string NewId(absl::string_view prefix) {
     return (uint64_t{rd()} << 32) ^ rd();
   }()};
   return absl::StrFormat("%s%016x%016x", prefix, rng(), rng());
-}
-
-void LogLine(const std::string& line) {
-  static absl::Mutex mu(absl::kConstInit);
-  absl::MutexLock lock(&mu);
-  std::cerr << line << '\n';
 }
 
 class Connection;
@@ -1027,8 +1021,8 @@ bool Connection::Authenticate(const Request& request) {
 void Connection::RequestDone() {
   if (!in_flight_) return;
   if (server_->options().log_requests) {
-    LogLine(absl::StrFormat("strata-router: %s %s %d %.1fms", request_id_, route_, status_,
-                            absl::ToDoubleMilliseconds(absl::Now() - start_)));
+    Log(request_id_, absl::StrFormat("%s %d %.1fms", route_, status_,
+                                     absl::ToDoubleMilliseconds(absl::Now() - start_)));
   }
   in_flight_ = false;
   ReleaseTenantSlot();
