@@ -49,6 +49,7 @@ std::vector<CodecSpec> CodecSpec::PartSpecs() const {
   std::vector<CodecSpec> out;
   CodecSpec plain = *this;
   plain.sink_tokens = 0;
+  plain.rotate = false;  // a cache-level stage: parts encode what they are given
   if (sink_tokens > 0) {
     CodecSpec fp;
     fp.id = CodecId::kFp16;
@@ -82,6 +83,18 @@ absl::StatusOr<CodecSpec> CodecSpec::Parse(absl::string_view text) {
       s.fp8_meta = true;
       ++i;
     }
+    if (i < f.size() && f[i] == "rot") {
+      if (s.id == CodecId::kFp16 || s.id == CodecId::kBf16) {
+        return Bad(text, "rot is for quantizing codecs (fp16/bf16 lose nothing to rotate away)");
+      }
+      if (s.needs_calibration()) {
+        return Bad(text,
+                   "rot is not for calibrated codecs yet (their calibration reads unrotated "
+                   "K and V)");
+      }
+      s.rotate = true;
+      ++i;
+    }
     if (i < f.size() && absl::StartsWith(f[i], "sink")) {
       if (s.id == CodecId::kFp16 || s.id == CodecId::kBf16) {
         return Bad(text, "sinks are for quantizing codecs (fp16/bf16 keep every token)");
@@ -98,8 +111,8 @@ absl::StatusOr<CodecSpec> CodecSpec::Parse(absl::string_view text) {
   auto no_fields = [&](CodecId id) -> absl::StatusOr<CodecSpec> {
     s.id = id;
     if (id == CodecId::kInt8 || id == CodecId::kFp8E4M3) s.k_bits = s.v_bits = 8;
-    if (f.size() > 1 && !absl::StartsWith(f[1], "sink")) {
-      return Bad(text, absl::StrCat(name, " takes no parameters but sinkN"));
+    if (f.size() > 1 && !absl::StartsWith(f[1], "sink") && f[1] != "rot") {
+      return Bad(text, absl::StrCat(name, " takes no parameters but rot and sinkN"));
     }
     return options(1);
   };
@@ -208,7 +221,7 @@ absl::StatusOr<CodecSpec> CodecSpec::Parse(absl::string_view text) {
 std::string CodecSpec::ToString() const {
   if (id == CodecId::kStrata) return absl::StrCat("strata:b", budget_bits);
   std::vector<std::string> f = {CodecIdName(id)};
-  const std::string sinks = absl::StrCat(fp8_meta ? ":m8" : "",
+  const std::string sinks = absl::StrCat(fp8_meta ? ":m8" : "", rotate ? ":rot" : "",
                                          sink_tokens > 0 ? absl::StrCat(":sink", sink_tokens) : "");
   if (!is_affine()) return absl::StrCat(f[0], sinks);  // fp16, bf16, int8, fp8e4m3
   f.push_back(absl::StrCat("k", k_bits, "v", v_bits));

@@ -18,7 +18,8 @@
 //
 //   tada:k2v2:g32                   TaDA: per token the mean over KV heads at fp16, each head's
 //   tada:k2v2:kcvt                    deviation from it quantized as KIVI (gN) or KCVT
-//   strata:b3                       the Strata mix: each layer's codec chosen by calibration (strata
+//   strata:b3                       the Strata mix: each layer's codec chosen by calibration
+//   (strata
 //                                   calibrate) among all the methods above to minimize the loss
 //                                   at an average of b bits per element, metadata included;
 //                                   blocks carry their layer's own spec
@@ -31,6 +32,10 @@
 // points in fp8 e4m3 instead of fp16 (as SKVQ stores them), each set relative to one fp32
 // multiplier per tensor and block (so any range fits), zero points rounded down and scales up so
 // every value stays in range; e.g. skvq:k2v2:g32:m8.
+//
+// Every quantizing codec but the calibrated ones (skvq, strata) takes `rot`: the rotation stage
+// (rotation.h), K and V of each head through a random-sign Walsh-Hadamard transform before the
+// backbone quantizes them, e.g. kivi:k2v2:g32:rot; no bits are stored for it.
 //
 // Every quantizing codec takes a trailing `sinkN`: the first N tokens of a sequence (attention
 // sinks) stay at fp16 inside the first chunk's block, e.g. kivi:k2v2:g32:sink4.
@@ -63,6 +68,7 @@ struct CodecSpec {
   int sink_tokens = 0;  // first tokens of a sequence kept at fp16 (chunk 0 only)
   double budget_bits = 0;  // strata: average bits per element of the mix
   bool fp8_meta = false;   // m8: affine scales and zero points in fp8 e4m3
+  bool rotate = false;     // rot: K and V rotated per head before quantization (rotation.h)
   // ZipCache
   int hi_bits = 0;                // bits of salient tokens
   double salient_percent = 0;     // share of tokens that are salient

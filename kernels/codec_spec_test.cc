@@ -11,13 +11,39 @@ namespace {
 using testing::HasSubstr;
 
 TEST(CodecSpecTest, CanonicalSpecsRoundTrip) {
-  for (const char* text :
-       {"fp16", "bf16", "int8", "fp8e4m3", "kivi:k2v2:g32", "kivi:k4v2:g128", "kivi:k3v3:g64",
-        "kivi:k8v8:g16", "kcvt:k2v2", "kcvt:k4v4", "gear:k2v2:g32:r4:s2", "gear:k4v4:kcvt:r4:s2",
-        "gear:k2v2:g64:r2:s0.5:i5", "gearl:k2v2:g32:r4", "gearl:k3v2:kcvt:r8:i1",
-        "zipcache:k2v2:h4:s10", "zipcache:k3v2:h8:s12.5:p10", "kivi:k2v2:g32:sink4",
-        "int8:sink1", "gear:k2v2:g32:r4:s2:i5:sink8", "zipcache:k2v2:h4:s10:sink4", "tada:k2v2:g32", "tada:k4v2:kcvt:sink2",
-        "skvq:k2v2:g16", "kivi:k2v2:g32:m8:sink4", "strata:b3", "strata:b2.25"}) {
+  for (const char* text : {"fp16",
+                           "bf16",
+                           "int8",
+                           "fp8e4m3",
+                           "kivi:k2v2:g32",
+                           "kivi:k4v2:g128",
+                           "kivi:k3v3:g64",
+                           "kivi:k8v8:g16",
+                           "kcvt:k2v2",
+                           "kcvt:k4v4",
+                           "gear:k2v2:g32:r4:s2",
+                           "gear:k4v4:kcvt:r4:s2",
+                           "gear:k2v2:g64:r2:s0.5:i5",
+                           "gearl:k2v2:g32:r4",
+                           "gearl:k3v2:kcvt:r8:i1",
+                           "zipcache:k2v2:h4:s10",
+                           "zipcache:k3v2:h8:s12.5:p10",
+                           "kivi:k2v2:g32:sink4",
+                           "int8:sink1",
+                           "gear:k2v2:g32:r4:s2:i5:sink8",
+                           "zipcache:k2v2:h4:s10:sink4",
+                           "tada:k2v2:g32",
+                           "tada:k4v2:kcvt:sink2",
+                           "skvq:k2v2:g16",
+                           "kivi:k2v2:g32:m8:sink4",
+                           "strata:b3",
+                           "strata:b2.25",
+                           "kivi:k2v2:g32:rot",
+                           "int8:rot",
+                           "fp8e4m3:rot:sink4",
+                           "gear:k2v2:g32:r4:s2:m8:rot:sink4",
+                           "tada:k2v2:g32:rot",
+                           "zipcache:k2v2:h4:s10:rot"}) {
     absl::StatusOr<CodecSpec> s = CodecSpec::Parse(text);
     ASSERT_TRUE(s.ok()) << text << ": " << s.status();
     EXPECT_EQ(s->ToString(), text);
@@ -75,7 +101,10 @@ TEST(CodecSpecTest, BadSpecsSayWhatIsWrong) {
       {"gearl:k2v2:g32:r4:i0", "power iterations"},
       {"kcvt:k2v2:g32", "unexpected field 'g32'"},
       {"fp16:sink4", "sinks are for quantizing codecs"},
-      {"int8:m8", "int8 takes no parameters but sinkN"},
+      {"int8:m8", "int8 takes no parameters but rot and sinkN"},
+      {"fp16:rot", "rot is for quantizing codecs"},
+      {"skvq:k2v2:g32:rot", "rot is not for calibrated codecs"},
+      {"kivi:k2v2:g32:sink4:rot", "unexpected field 'rot'"},
       {"kivi:k2v2:g32:sink4:m8", "unexpected field 'm8'"},
       {"strata", "strata takes one field bX"},
       {"strata:b1", "strata takes one field bX"},

@@ -106,22 +106,24 @@ absl::Status CalibrateSkvq(const LlamaModel& model, const std::string& skvq_spec
   return absl::OkStatus();
 }
 
-// The Strata mix's menu: every method, at several sizes, each with fp16 sinks.
+// The Strata mix's menu: every method, at several sizes, each with fp16 sinks, and the rotation
+// stage.
 constexpr char kStrataSkvq[] = "skvq:k2v2:g32";
 const char* const kStrataMenu[] = {
-    "kivi:k2v2:g64:sink4",     "kivi:k2v2:g32:sink4",        "kivi:k3v3:g32:sink4",
-    "kivi:k4v4:g32:sink4",     "kivi:k4v2:g32:sink4",        "kivi:k2v4:g32:sink4",
-    "kivi:k8v8:g32:sink4",     "kcvt:k2v2:sink4",            "kcvt:k4v4:sink4",
-    "gear:k2v2:kcvt:r2:s1:sink4", "gear:k2v2:g64:r2:s1:sink4", "gear:k3v3:kcvt:r2:s1:sink4",
-    "gear:k4v4:kcvt:r2:s1:sink4", "zipcache:k2v2:h4:s10:sink4", "zipcache:k2v2:h8:s10:sink4",
-    "zipcache:k3v3:h8:s10:sink4", "skvq:k2v2:g32:sink4",     "skvq:k3v3:g32:sink4",
-    "skvq:k4v4:g32:sink4",     "tada:k2v2:g32:sink4",        "tada:k4v4:g32:sink4",
-    "kcvt:k2v2:m8:sink4",      "kivi:k2v2:g64:m8:sink4",     "kivi:k2v2:g32:m8:sink4",
-    "kivi:k3v3:g64:m8:sink4",  "skvq:k2v2:g32:m8:sink4",     "skvq:k3v3:g32:m8:sink4",
+    "kivi:k2v2:g64:sink4", "kivi:k2v2:g32:sink4", "kivi:k3v3:g32:sink4", "kivi:k4v4:g32:sink4",
+    "kivi:k4v2:g32:sink4", "kivi:k2v4:g32:sink4", "kivi:k8v8:g32:sink4", "kcvt:k2v2:sink4",
+    "kcvt:k4v4:sink4", "gear:k2v2:kcvt:r2:s1:sink4", "gear:k2v2:g64:r2:s1:sink4",
+    "gear:k3v3:kcvt:r2:s1:sink4", "gear:k4v4:kcvt:r2:s1:sink4", "zipcache:k2v2:h4:s10:sink4",
+    "zipcache:k2v2:h8:s10:sink4", "zipcache:k3v3:h8:s10:sink4", "skvq:k2v2:g32:sink4",
+    "skvq:k3v3:g32:sink4", "skvq:k4v4:g32:sink4", "tada:k2v2:g32:sink4", "tada:k4v4:g32:sink4",
+    "kcvt:k2v2:m8:sink4", "kivi:k2v2:g64:m8:sink4", "kivi:k2v2:g32:m8:sink4",
+    "kivi:k3v3:g64:m8:sink4", "skvq:k2v2:g32:m8:sink4", "skvq:k3v3:g32:m8:sink4",
     "gear:k2v2:kcvt:r2:s1:m8:sink4", "zipcache:k2v2:h4:s10:m8:sink4", "skvq:k2v2:g64:sink4",
-    "skvq:k2v2:g64:m8:sink4",  "kcvt:k2v2:m8",               "kcvt:k2v2",
-    "skvq:k2v2:g64:m8",        "skvq:k2v2:g64",              "kivi:k2v2:g64:m8",
-    "zipcache:k2v2:h4:s10:m8", "fp16"};
+    "skvq:k2v2:g64:m8:sink4", "kcvt:k2v2:m8", "kcvt:k2v2", "skvq:k2v2:g64:m8", "skvq:k2v2:g64",
+    "kivi:k2v2:g64:m8", "zipcache:k2v2:h4:s10:m8", "fp16",
+    // The rotation stage (kernels/rotation.h) on the backbones it helps most.
+    "kivi:k2v2:g64:rot:sink4", "kivi:k2v2:g32:rot:sink4", "kivi:k4v4:g32:rot:sink4",
+    "kcvt:k2v2:rot:sink4", "kcvt:k2v2:m8:rot"};
 
 // Per-layer codecs for a budget (TaDA's precision search; the Strata mix): the loss increase of
 // each candidate with only that layer compressed (log perplexity on the calibration text, the

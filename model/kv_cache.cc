@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/sha256.h"
 #include "common/status_macros.h"
+#include "kernels/codec_spec.h"
 
 namespace strata::model {
 
@@ -34,6 +35,17 @@ absl::StatusOr<std::unique_ptr<SequenceKvCache>> SequenceKvCache::Create(
   c->kv_heads_ = kv_heads;
   c->head_dim_ = head_dim;
   c->layers_.resize(layers);
+  for (uint32_t l = 0; l < layers; ++l) {
+    const std::string spec = c->codec_->LayerSpec(l);
+    STRATA_ASSIGN_OR_RETURN(const kernels::CodecSpec parsed, kernels::CodecSpec::Parse(spec));
+    if (!parsed.rotate) continue;
+    absl::StatusOr<kernels::HadamardRotation> r = kernels::HadamardRotation::Make(head_dim, l);
+    if (!r.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("kv cache: codec ", spec, " rotates: ", r.status().message()));
+    }
+    c->layers_[l].rotation = *std::move(r);
+  }
   return c;
 }
 
@@ -68,10 +80,19 @@ void SequenceKvCache::AppendWindow(uint32_t layer, const float* k, const float* 
   const size_t row = size_t{kv_heads_} * head_dim_;
   l.window_k.insert(l.window_k.end(), k, k + n * row);
   l.window_v.insert(l.window_v.end(), v, v + n * row);
+  if (l.rotation.has_value()) {
+    const size_t rows = size_t{n} * kv_heads_;
+    l.rotation->Apply(l.window_k.data() + l.window_k.size() - rows * head_dim_, rows);
+    l.rotation->Apply(l.window_v.data() + l.window_v.size() - rows * head_dim_, rows);
+  }
   if (codec_->wants_queries() && q != nullptr && q_heads > 0 &&
       (l.window_q.empty() || q_heads == l.q_heads)) {
     l.q_heads = q_heads;
     l.window_q.insert(l.window_q.end(), q, q + size_t{n} * q_heads * head_dim_);
+    if (l.rotation.has_value()) {
+      const size_t rows = size_t{n} * q_heads;
+      l.rotation->Apply(l.window_q.data() + l.window_q.size() - rows * head_dim_, rows);
+    }
   }
 }
 

@@ -21,6 +21,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -32,6 +33,7 @@
 #include "kernels/block_operands.h"
 #include "kernels/codec.h"
 #include "kernels/decode_attention.h"
+#include "kernels/rotation.h"
 #include "model/compute_backend.h"
 
 namespace strata::model {
@@ -64,7 +66,8 @@ class SequenceKvCache final : public KvCache {
 
   // Appends `n` tokens of one layer to its window: k, v [n, kv_heads, head_dim], and their
   // queries q [n, q_heads, head_dim] (kept only when the codec uses them: ZipCache's probes; may
-  // be null). Every layer must receive the same tokens before Commit.
+  // be null), all rotated first when the layer's codec rotates (rotation()). Every layer must
+  // receive the same tokens before Commit.
   void AppendWindow(uint32_t layer, const float* k, const float* v, uint32_t n,
                     const float* q = nullptr, uint32_t q_heads = 0);
   // Accounts the appended tokens and compresses every full chunk of the window into blocks.
@@ -111,6 +114,13 @@ class SequenceKvCache final : public KvCache {
   // The attention input for `layer`: blocks + window (the window's last query_tokens are new).
   kernels::DecodeSequence View(uint32_t layer) const;
 
+  // The rotation stage of `layer` (its codec spec's `rot`, kernels/rotation.h), or null. A rotated
+  // layer holds K and V rotated, window and blocks: AppendWindow rotates what it is given, and
+  // whoever attends over View must rotate the queries and invert the rotation of the output.
+  const kernels::HadamardRotation* rotation(uint32_t layer) const {
+    return layers_[layer].rotation.has_value() ? &*layers_[layer].rotation : nullptr;
+  }
+
   // The blocks of one layer, for a store or the transport.
   const std::vector<SharedBytes>& layer_blocks(uint32_t layer) const override {
     return layers_[layer].buffers;
@@ -134,6 +144,7 @@ class SequenceKvCache final : public KvCache {
     std::vector<float> window_q;  // [window, q_heads, head_dim] when the codec wants it
     uint32_t q_heads = 0;
     std::vector<SharedBytes> pending;  // CompressLayer's blocks for the next Commit
+    std::optional<kernels::HadamardRotation> rotation;  // the layer's codec rotates (`rot`)
   };
   SequenceKvCache() = default;
   absl::Status AddBlock(Layer& l, SharedBytes block, bool checksum_verified);

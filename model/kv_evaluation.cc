@@ -12,7 +12,9 @@
 #include "common/block_reader.h"
 #include "common/status_macros.h"
 #include "kernels/block_operands.h"
+#include "kernels/codec_spec.h"
 #include "kernels/decode_attention.h"
+#include "kernels/rotation.h"
 #include "model/cpu_backend.h"
 
 namespace strata::model {
@@ -122,7 +124,21 @@ absl::StatusOr<LayerErrors> MeasureLayerErrors(const ModelConfig& c,
   std::vector<float> k_dec(n), v_dec(n), out(queries * qrow), ref(out.size());
   for (uint32_t li = 0; li < kv.size(); ++li) {
     if (only_layer >= 0 && li != static_cast<uint32_t>(only_layer)) continue;
-    const LayerKv& lk = kv[li];
+    // A rotating codec (`rot`) quantizes K and V rotated, and attention runs on rotated queries:
+    // measured there, as the cache holds them. The transform is orthonormal, so each relative
+    // error is what it would be in the original space.
+    STRATA_ASSIGN_OR_RETURN(const kernels::CodecSpec spec,
+                            kernels::CodecSpec::Parse(codec.LayerSpec(li)));
+    LayerKv rotated;
+    if (spec.rotate) {
+      STRATA_ASSIGN_OR_RETURN(const kernels::HadamardRotation r,
+                              kernels::HadamardRotation::Make(D, li));
+      rotated = kv[li];
+      r.Apply(rotated.k.data(), rotated.k.size() / D);
+      r.Apply(rotated.v.data(), rotated.v.size() / D);
+      r.Apply(rotated.q.data(), rotated.q.size() / D);
+    }
+    const LayerKv& lk = spec.rotate ? rotated : kv[li];
     std::vector<AlignedBuffer> buffers;
     std::vector<kernels::PreparedBlock> prepared;
     for (uint32_t b = 0; b < blocks; ++b) {

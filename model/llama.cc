@@ -295,6 +295,10 @@ absl::StatusOr<std::vector<std::vector<float>>> LlamaModel::RunBatch(
       if (cached) {
         caches[s]->AppendWindow(li, ks, vs, rows, qs, c.num_heads);
         seq = caches[s]->View(li);
+        // A rotated layer (`rot`): its keys are rotated, so the queries are too.
+        if (const kernels::HadamardRotation* r = caches[s]->rotation(li)) {
+          r->Apply(qs, size_t{rows} * c.num_heads);
+        }
       } else {
         seq = {};
         seq.window = {ks, vs, rows};
@@ -312,6 +316,12 @@ absl::StatusOr<std::vector<std::vector<float>>> LlamaModel::RunBatch(
     if (!attn.ok()) {
       discard();
       return attn;
+    }
+    // A rotated layer's values are rotated, and so is what attention made of them.
+    for (size_t s = 0; cached && s < seqs.size(); ++s) {
+      if (const kernels::HadamardRotation* r = caches[s]->rotation(li)) {
+        r->Invert(&att[size_t{row0[s]} * qd], size_t{row0[s + 1] - row0[s]} * c.num_heads);
+      }
     }
     Linear(att.data(), n, qd, l.wo, l.bo, hs, o.data());
     for (size_t i = 0; i < x.size(); ++i) x[i] += o[i];

@@ -258,7 +258,7 @@ std::vector<uint32_t> TestIds(const LlamaModel& model, uint32_t n, uint32_t mul,
 TEST(LlamaModelTest, ChunkAlignedPrefillIsTheSameWhetherThePrefixIsAdoptedOrComputed) {
   auto model = *LlamaModel::Load(absl::StrCat(STRATA_SOURCE_DIR, "/tests/data/tiny-llama"));
   const std::vector<uint32_t> ids = TestIds(*model, 70, 37, 11);
-  for (const char* codec : {"kivi:k2v2:g16", "gear:k2v2:kcvt:r2:s2", "fp16"}) {
+  for (const char* codec : {"kivi:k2v2:g16", "gear:k2v2:kcvt:r2:s2", "fp16", "kivi:k2v2:g16:rot"}) {
     const KvCacheOptions opts{.codec = codec, .chunk_tokens = 16};
     auto a = *model->NewCache(opts);
     // Computed whole: 4 full chunks and a 6-token tail.
@@ -285,6 +285,39 @@ TEST(LlamaModelTest, ChunkAlignedPrefillIsTheSameWhetherThePrefixIsAdoptedOrComp
       }
     }
   }
+}
+
+// The rotation stage (`rot`, kernels/rotation.h): the cache holds K and V rotated and the model
+// rotates queries and un-rotates outputs, so decoding over rotated 8-bit blocks follows the full
+// forward as closely as over unrotated ones; the blocks themselves hold other codes.
+TEST(LlamaModelTest, DecodingOverRotatedBlocksFollowsTheFullForward) {
+  auto model = *LlamaModel::Load(absl::StrCat(STRATA_SOURCE_DIR, "/tests/data/tiny-llama"));
+  const std::vector<uint32_t> ids = TestIds(*model, 70, 37, 11);
+  const std::vector<float> full = *model->Forward(ids);
+  auto decode = [&](const char* codec, std::unique_ptr<SequenceKvCache>* out) {
+    auto cache = *model->NewCache({.codec = codec, .chunk_tokens = 16});
+    std::vector<float> stepped = *model->Step(absl::MakeSpan(ids).first(20), cache.get());
+    for (size_t t = 20; t < ids.size(); ++t) {
+      std::vector<float> l = *model->Step(absl::MakeSpan(ids).subspan(t, 1), cache.get());
+      stepped.insert(stepped.end(), l.begin(), l.end());
+    }
+    EXPECT_EQ(cache->blocks_per_layer(), 4u);
+    *out = std::move(cache);
+    return MaxRelDiff(stepped, full);
+  };
+  std::unique_ptr<SequenceKvCache> plain, rotated;
+  const double plain_err = decode("kivi:k8v8:g16", &plain);
+  const double rotated_err = decode("kivi:k8v8:g16:rot", &rotated);
+  EXPECT_LT(rotated_err, 0.05);
+  EXPECT_LT(rotated_err, 3 * plain_err + 1e-3) << plain_err;
+  ASSERT_NE(rotated->rotation(0), nullptr);
+  EXPECT_EQ(plain->rotation(0), nullptr);
+  const auto x = plain->layer_blocks(0)[0].span(), y = rotated->layer_blocks(0)[0].span();
+  EXPECT_FALSE(std::equal(x.begin(), x.end(), y.begin(), y.end()));
+  // A head dim the transform does not take is refused when the cache is made.
+  EXPECT_EQ(
+      SequenceKvCache::Create({.codec = "int8:rot", .chunk_tokens = 16}, 2, 2, 48).status().code(),
+      absl::StatusCode::kInvalidArgument);
 }
 
 // The per-layer hook sees each layer done, and the blocks CompressLayer makes there are the ones

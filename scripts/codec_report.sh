@@ -21,6 +21,7 @@ codecs=(fp16 int8 fp8e4m3
         skvq:k2v2:g32 skvq:k2v2:g64 skvq:k2v2:g32:m8 skvq:k3v3:g32:m8 skvq:k4v4:g32
         tada:k2v2:g32 tada:k4v4:g32 tada:k3v3:g32
         kivi:k2v2:g32:sink4 skvq:k2v2:g32:sink4
+        int8:rot kivi:k4v4:g32:rot kivi:k2v2:g32:rot kcvt:k2v2:rot
         strata:b2.25 strata:b2.5 strata:b3 strata:b4)
 IFS=,
 {

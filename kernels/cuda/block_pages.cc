@@ -40,6 +40,11 @@ absl::StatusOr<PagedKvLayout> PageLayoutFor(const BlockView& block) {
     return prepared.status();
   }
   const CodecSpec& spec = prepared->spec;
+  if (spec.rotate) {
+    return Unsupported(spec,
+                       "no rotation stage in GPU pages yet (queries and outputs would need "
+                       "the transform on the device)");
+  }
   if (prepared->parts.size() != 1 || prepared->parts[0].tokens != prepared->tokens) {
     return Unsupported(spec, "no parts (sinks, mixed precision) in GPU pages yet");
   }
