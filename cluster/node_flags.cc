@@ -4,6 +4,7 @@
 #include "absl/strings/str_cat.h"
 #include "cluster/node_process.h"
 #include "common/byte_size.h"
+#include "kvstore/shared_tier_flags.h"
 #include "model/cuda_plugin.h"
 
 ABSL_FLAG(std::string, cluster, "", "the cluster file (required)");
@@ -45,6 +46,15 @@ absl::Status UseNodeStoreFromFlags(ClusterSpec* spec, NodeSpec* self) {
   }
   if (!self->store.empty()) spec->store = self->store;
   return absl::OkStatus();
+}
+
+absl::StatusOr<StoreConnection> ConnectStoreFromFlags(
+    const ClusterSpec& spec, std::shared_ptr<const kvstore::GrpcSecurity> security,
+    uint64_t local_ram_bytes) {
+  absl::StatusOr<std::optional<kvstore::SharedTierOptions>> shared =
+      kvstore::SharedTierOptionsFromFlags();
+  if (!shared.ok()) return shared.status();
+  return ConnectStore(spec, std::move(security), local_ram_bytes, *shared);
 }
 
 absl::StatusOr<model::Device> NodeDeviceFromFlags() {

@@ -11,6 +11,7 @@
 #include "absl/flags/declare.h"
 #include "absl/status/statusor.h"
 #include "cluster/cluster_file.h"
+#include "cluster/node_process.h"
 #include "kvstore/grpc_security.h"
 #include "kvstore/grpc_security_flags.h"  // the security flags, defined there
 #include "model/compute_backend.h"
@@ -37,6 +38,12 @@ absl::StatusOr<std::shared_ptr<const kvstore::GrpcSecurity>> NodeSecurityFromFla
 // spec->store to it (what ConnectStore connects to). kInvalidArgument when --store is not
 // host:port.
 absl::Status UseNodeStoreFromFlags(ClusterSpec* spec, NodeSpec* self);
+
+// ConnectStore with the node's --shared_tier flags (kvstore/shared_tier_flags.h, the store's and
+// the router's too): with them, the store fails over to the shared tier while it cannot answer.
+absl::StatusOr<StoreConnection> ConnectStoreFromFlags(
+    const ClusterSpec& spec, std::shared_ptr<const kvstore::GrpcSecurity> security,
+    uint64_t local_ram_bytes);
 
 // Where the node runs the model, from --device (model::ParseDevice: its errors). For a CUDA
 // device it opens the CUDA plugin (--cuda_plugin, model/cuda_plugin.h) with the --gpu_* options and

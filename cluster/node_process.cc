@@ -120,7 +120,7 @@ absl::StatusOr<ServedModel> LoadServedModel(const std::string& model_dir,
 
 absl::StatusOr<StoreConnection> ConnectStore(
     const ClusterSpec& spec, std::shared_ptr<const kvstore::GrpcSecurity> security,
-    uint64_t local_ram_bytes) {
+    uint64_t local_ram_bytes, const std::optional<kvstore::SharedTierOptions>& shared_tier) {
   StoreConnection c;
   if (!spec.store.empty()) {
     absl::StatusOr<std::unique_ptr<kvstore::StoreClient>> client =
@@ -135,13 +135,19 @@ absl::StatusOr<StoreConnection> ConnectStore(
     if (!client.ok()) return client.status();
     c.client = *std::move(client);
     c.source = std::make_unique<kvstore::StoreClientBlockSource>(c.client.get());
+    if (shared_tier.has_value()) {
+      c.shared = std::make_unique<kvstore::SharedTierBlockSource>(*shared_tier);
+      c.failover = std::make_unique<kvstore::FailoverBlockSource>(c.source.get(), c.shared.get());
+      Log("",
+          absl::StrCat("store ", spec.store, "; while it cannot answer, ", c.shared->Describe()));
+    }
   }
   if (local_ram_bytes > 0) {
     absl::StatusOr<std::unique_ptr<kvstore::BlockStore>> local =
         kvstore::BlockStore::Open({.ram_bytes = local_ram_bytes});
     if (!local.ok()) return local.status();
     c.local = *std::move(local);
-    c.tiered = std::make_unique<kvstore::TieredBlockSource>(c.local.get(), c.source.get());
+    c.tiered = std::make_unique<kvstore::TieredBlockSource>(c.local.get(), c.remote());
   }
   return c;
 }

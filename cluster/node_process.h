@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -19,6 +20,7 @@
 #include "grpcpp/server_context.h"
 #include "kernels/calibration.h"
 #include "kvstore/grpc_security.h"
+#include "kvstore/shared_tier_source.h"
 #include "kvstore/store_client.h"
 #include "model/compute_backend.h"
 #include "model/logprobs.h"
@@ -85,15 +87,30 @@ absl::StatusOr<ServedModel> LoadServedModelIdentity(const std::string& model_dir
 struct StoreConnection {
   std::unique_ptr<kvstore::StoreClient> client;             // null when the file names no store
   std::unique_ptr<kvstore::StoreClientBlockSource> source;  // over `client`
-  std::unique_ptr<kvstore::BlockStore> local;               // the node's own tier, or null
-  std::unique_ptr<kvstore::TieredBlockSource> tiered;       // `local` in front of `source`
+  // With a shared tier: the tier, and `source` failing over to it while the store cannot answer.
+  std::unique_ptr<kvstore::SharedTierBlockSource> shared;
+  std::unique_ptr<kvstore::FailoverBlockSource> failover;
+  std::unique_ptr<kvstore::BlockStore> local;          // the node's own tier, or null
+  std::unique_ptr<kvstore::TieredBlockSource> tiered;  // `local` in front of the remote
+  // What the store is to the node's engines: the local tier in front of the remote (the store,
+  // failing over to the shared tier), whichever of these the node has.
+  kvstore::BlockSource* remote() const {
+    return failover != nullptr ? static_cast<kvstore::BlockSource*>(failover.get())
+                               : static_cast<kvstore::BlockSource*>(source.get());
+  }
   kvstore::BlockSource* blocks() const {
-    return tiered != nullptr ? static_cast<kvstore::BlockSource*>(tiered.get()) : source.get();
+    return tiered != nullptr ? static_cast<kvstore::BlockSource*>(tiered.get()) : remote();
   }
 };
+// Connects to the cluster's store (spec.store; see UseNodeStoreFromFlags) with the node's own RAM
+// tier of `local_ram_bytes` in front (0: none). With `shared_tier` (the --shared_tier flags), the
+// store fails over to the shared tier while it cannot answer: a node whose host store is lost
+// still finds what any host put in the shared tier, and recomputes only what nobody has. The tier
+// is connected on first need (its Redis may come later).
 absl::StatusOr<StoreConnection> ConnectStore(
     const ClusterSpec& spec, std::shared_ptr<const kvstore::GrpcSecurity> security,
-    uint64_t local_ram_bytes = 0);
+    uint64_t local_ram_bytes = 0,
+    const std::optional<kvstore::SharedTierOptions>& shared_tier = std::nullopt);
 
 // GrpcSecurity::Load, and one log line saying what it is (with --insecure, the warning).
 absl::StatusOr<std::shared_ptr<const kvstore::GrpcSecurity>> LoadGrpcSecurity(

@@ -129,7 +129,8 @@ int RunDecodeNode(int argc, char** argv, const TransportHook& hook) {
               << "' is not a byte count (e.g. 0, 512M, 8G)\n";
     return 2;
   }
-  absl::StatusOr<cl::StoreConnection> store = cl::ConnectStore(*spec, *security, local_bytes);
+  absl::StatusOr<cl::StoreConnection> store =
+      cl::ConnectStoreFromFlags(*spec, *security, local_bytes);
   if (!store.ok()) return Fail("store", store.status());
 
   strata::transport::UcxTransportOptions to;

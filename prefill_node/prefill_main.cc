@@ -104,7 +104,8 @@ int main(int argc, char** argv) {
               << "' is not a byte count (e.g. 0, 512M, 8G)\n";
     return 2;
   }
-  absl::StatusOr<cl::StoreConnection> store = cl::ConnectStore(*spec, *security, local_bytes);
+  absl::StatusOr<cl::StoreConnection> store =
+      cl::ConnectStoreFromFlags(*spec, *security, local_bytes);
   if (!store.ok()) return Fail("store", store.status());
   std::unique_ptr<strata::kvstore::StoreService> local_service;
   if (store->local != nullptr) {

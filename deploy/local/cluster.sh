@@ -21,9 +21,10 @@
 #                                [--shared-tier N [--shared-tier-memory BYTES]] (a Redis Cluster
 #                                of N masters and N replicas on loopback, ports PORT-BASE+200..,
 #                                each master holding at most BYTES (256mb; volatile-lru), as the
-#                                store's shared tier: strata-store --shared_tier, and the
-#                                router's, which counts its chunks as it routes. Not with
-#                                --netns yet)
+#                                store's shared tier: strata-store --shared_tier, the
+#                                router's, which counts its chunks as it routes, and the
+#                                nodes', which read it while their store cannot answer. Not
+#                                with --netns yet)
 #                                [--host-stores] (a store per host, as on separate machines:
 #                                host I runs prefill-I and decode-I, host 0 the cluster's store,
 #                                host I > 0 a store of its own, store-I (ports PORT-BASE+100+I,
@@ -333,13 +334,13 @@ case "$cmd" in
     for i in $(seq 0 $((n_prefill - 1))); do
       start "prefill-$i" "$bin/prefill_node/strata-prefill" --cluster "$dir/cluster.json" --node "prefill-$i" \
         --local_ram_bytes "$prefill_local" "${node_etcd[@]}" "${node_net[@]}" "${sec[@]}" \
-        "${extra_node[@]}"
+        "${store_shared[@]}" "${extra_node[@]}"
     done
     for i in $(seq 0 $((n_decode - 1))); do
       start "decode-$i" "${decode_bin:-$bin/decode_node/strata-decode}" --cluster "$dir/cluster.json" \
         --node "decode-$i" --kv_budget "$kv_budget" --max_batch "$max_batch" \
         --local_ram_bytes "$decode_local" "${node_etcd[@]}" "${node_net[@]}" "${sec[@]}" \
-        "${extra_node[@]}" "${extra_decode[@]}"
+        "${store_shared[@]}" "${extra_node[@]}" "${extra_decode[@]}"
     done
     start router "$bin/router/strata-router" --cluster "$dir/cluster.json" "${extra_router[@]}" \
       "${router_sec[@]}" "${store_shared[@]}"

@@ -1238,6 +1238,63 @@ class SharedTierTest(unittest.TestCase):
             c.down()
 
 
+class StoreHostLostTest(unittest.TestCase):
+    """A store host lost: its nodes read the shared tier instead (cluster.sh --shared-tier, the
+    nodes' --shared_tier), and recompute only what nobody has; no request fails."""
+
+    def test_a_node_whose_store_is_gone_finds_the_prefix_in_the_shared_tier(self):
+        # Host 0 runs prefill-0 and the cluster's store, host 1 prefill-1 and store-1. The first
+        # request is computed on one host and written through to the shared tier. Then that
+        # host's prefill node and the other host's store are killed: the same prompt is served by
+        # the other host's prefill node, whose store no longer answers; it finds the chunks in
+        # the shared tier itself.
+        c = Cluster("kivi:k4v4:g32", prefill=2, decode=2,
+                    extra=["--shared-tier", "3", "--host-stores"])
+        try:
+            stores = {0: c.store_metrics(), 1: "127.0.0.1:%d" % (c.port_base + 151)}
+            prompt = "Lost store." + LONG * 2
+            _, usage, events = complete(c, prompt, 8, stream=True, salt="lost")
+            self.assertEqual(usage["prompt_tokens_details"]["cached_tokens"], 0)
+            first = routed_decode(c, json.loads(events[0])["id"], "prefill")
+            first_host = int(first.rsplit("-", 1)[1])
+            other = "prefill-%d" % (1 - first_host)
+            deadline = time.time() + 30
+            last = -1
+            while True:
+                puts = metric(scrape(stores[first_host]), "strata_store_shared_puts_total")
+                if puts > 0 and puts == last:
+                    break
+                self.assertLess(time.time(), deadline, "the write-through did not settle")
+                last = puts
+                time.sleep(0.5)
+            lost_store = "store" if first_host == 1 else "store-1"
+            for name in (first, lost_store):
+                os.kill(c.pids()[name], signal.SIGKILL)
+                wait_exit(c.pids()[name])
+            deadline = time.time() + 30
+            while metric(scrape(c.spec["router"]["http"]), "strata_router_node_healthy",
+                         'node="%s"' % first) != 0:
+                self.assertLess(time.time(), deadline, "the router still counts %s" % first)
+                time.sleep(0.1)
+            text, usage, events = complete(c, prompt, 8, stream=True, salt="lost")
+            self.assertEqual(routed_decode(c, json.loads(events[0])["id"], "prefill"), other)
+            self.assertTrue(text)
+            n = usage["prompt_tokens"]
+            self.assertEqual(usage["prompt_tokens_details"]["cached_tokens"],
+                             (n - 1) // CHUNK * CHUNK)
+            with open(os.path.join(c.dir, "logs", other + ".log")) as f:
+                self.assertIn("while it cannot answer, shared tier on", f.read())
+            # A prompt nobody computed: recomputed whole, and it still succeeds.
+            text, usage, _ = complete(c, "Never seen." + LONG, 8, stream=True, salt="lost")
+            self.assertTrue(text)
+            self.assertEqual(usage["prompt_tokens_details"]["cached_tokens"], 0)
+        except Exception:
+            print(c.logs())
+            raise
+        finally:
+            c.down()
+
+
 def https_json(url, body, context, timeout=60):
     """(status, parsed JSON) of a request over HTTPS verified by `context` (GET without body)."""
     data = json.dumps(body).encode() if body is not None else None

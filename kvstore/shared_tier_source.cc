@@ -1,0 +1,178 @@
+#include "kvstore/shared_tier_source.h"
+
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/block_reader.h"
+
+namespace strata::kvstore {
+namespace {
+
+// Prefix keys remembered for Get: a request's chain is looked up just before its blocks are read,
+// so a modest number covers every request in flight.
+constexpr size_t kMaxRemembered = 1 << 16;
+
+}  // namespace
+
+SharedTierBlockSource::SharedTierBlockSource(SharedTierOptions options, absl::Duration retry_after)
+    : options_(std::move(options)), retry_after_(retry_after) {}
+
+absl::StatusOr<SharedTier*> SharedTierBlockSource::Tier() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (tier_ != nullptr) return tier_.get();
+  if (absl::Now() < next_attempt_) {
+    return absl::UnavailableError(
+        absl::StrCat("shared tier: not connected (", last_error_.message(), ")"));
+  }
+  // One attempt at a time, under the lock: callers meanwhile wait for its outcome.
+  absl::StatusOr<std::unique_ptr<SharedTier>> t = SharedTier::Connect(options_);
+  if (!t.ok()) {
+    last_error_ = t.status();
+    next_attempt_ = absl::Now() + retry_after_;
+    return absl::UnavailableError(absl::StrCat("shared tier: ", t.status().message()));
+  }
+  tier_ = *std::move(t);
+  return tier_.get();
+}
+
+SharedTier* SharedTierBlockSource::tier() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return tier_.get();
+}
+
+void SharedTierBlockSource::Remember(const BlockHash& key, uint32_t chunk) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (chunk_of_.size() >= kMaxRemembered) chunk_of_.clear();
+  chunk_of_[key] = chunk;
+}
+
+absl::StatusOr<uint32_t> SharedTierBlockSource::Lookup(
+    const BlockName& prefix, absl::Span<const BlockHash> chain,
+    absl::Span<const uint64_t> layer_codec_fingerprints) {
+  absl::StatusOr<SharedTier*> tier = Tier();
+  if (!tier.ok()) return tier.status();
+  uint32_t found = 0;
+  // A chunk at a time (every layer pipelined), from the first: a chunk counts only when its whole
+  // prefix does.
+  for (uint32_t c = 0; c < chain.size(); ++c) {
+    std::vector<SharedTier::Key> keys;
+    for (uint32_t l = 0; l < layer_codec_fingerprints.size(); ++l) {
+      BlockName n = prefix;
+      n.key = chain[c];
+      n.layer = l;
+      n.codec_fingerprint = layer_codec_fingerprints[l];
+      keys.push_back({.name = n, .chunk_index = c});
+    }
+    const std::vector<absl::StatusOr<bool>> present = (*tier)->Contains(keys);
+    bool all = !keys.empty();
+    for (const absl::StatusOr<bool>& p : present) {
+      if (!p.ok()) return c == 0 ? p.status() : absl::StatusOr<uint32_t>(found);
+      all = all && *p;
+    }
+    if (!all) break;
+    Remember(chain[c], c);
+    found = c + 1;
+  }
+  return found;
+}
+
+absl::StatusOr<SharedBytes> SharedTierBlockSource::Get(const BlockName& name) {
+  uint32_t chunk = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = chunk_of_.find(name.key);
+    if (it == chunk_of_.end()) {
+      return absl::NotFoundError(absl::StrCat("shared tier: ", name.ToString(),
+                                              " was not looked up (its chunk index is "
+                                              "unknown)"));
+    }
+    chunk = it->second;
+  }
+  absl::StatusOr<SharedTier*> tier = Tier();
+  if (!tier.ok()) return tier.status();
+  std::vector<absl::StatusOr<SharedBytes>> got =
+      (*tier)->Get({{.name = name, .chunk_index = chunk}});
+  return std::move(got[0]);
+}
+
+absl::Status SharedTierBlockSource::Put(const BlockName& name, const BlockHash* parent,
+                                        SharedBytes block) {
+  (void)parent;  // the tier keeps no parent links: its TTLs keep chains together
+  absl::StatusOr<BlockView> view = BlockView::Parse(block.span(), {.verify_checksum = false});
+  if (!view.ok()) return view.status();
+  const uint32_t chunk = view->header().chunk_index;
+  absl::StatusOr<SharedTier*> tier = Tier();
+  if (!tier.ok()) return tier.status();
+  std::vector<absl::Status> put =
+      (*tier)->Put({{.name = name, .chunk_index = chunk, .block = std::move(block)}});
+  if (put[0].ok()) Remember(name.key, chunk);
+  return put[0];
+}
+
+std::string SharedTierBlockSource::Describe() const {
+  return absl::StrCat("shared tier on ", absl::StrJoin(options_.redis.seeds, ","));
+}
+
+bool FailoverBlockSource::Unreachable(const absl::Status& s) {
+  return absl::IsUnavailable(s) || absl::IsDeadlineExceeded(s);
+}
+
+absl::StatusOr<uint32_t> FailoverBlockSource::Lookup(
+    const BlockName& prefix, absl::Span<const BlockHash> chain,
+    absl::Span<const uint64_t> layer_codec_fingerprints) {
+  absl::StatusOr<uint32_t> r = primary_->Lookup(prefix, chain, layer_codec_fingerprints);
+  if (r.ok() || !Unreachable(r.status())) return r;
+  absl::StatusOr<uint32_t> f = fallback_->Lookup(prefix, chain, layer_codec_fingerprints);
+  (f.ok() ? lookups_ : failed_).fetch_add(1, std::memory_order_relaxed);
+  return f.ok() ? f : r;
+}
+
+absl::StatusOr<SharedBytes> FailoverBlockSource::Get(const BlockName& name) {
+  absl::StatusOr<SharedBytes> r = primary_->Get(name);
+  if (r.ok() || !Unreachable(r.status())) return r;
+  absl::StatusOr<SharedBytes> f = fallback_->Get(name);
+  (f.ok() ? gets_ : failed_).fetch_add(1, std::memory_order_relaxed);
+  return f.ok() ? f : r;
+}
+
+absl::Status FailoverBlockSource::Put(const BlockName& name, const BlockHash* parent,
+                                      SharedBytes block) {
+  absl::Status r = primary_->Put(name, parent, block);
+  if (r.ok() || !Unreachable(r)) return r;
+  absl::Status f = fallback_->Put(name, parent, std::move(block));
+  (f.ok() ? puts_ : failed_).fetch_add(1, std::memory_order_relaxed);
+  return f.ok() ? f : r;
+}
+
+absl::StatusOr<std::vector<absl::Status>> FailoverBlockSource::PutMany(
+    absl::Span<const PutItem> items) {
+  absl::StatusOr<std::vector<absl::Status>> r = primary_->PutMany(items);
+  if (!r.ok() && !Unreachable(r.status())) return r;
+  std::vector<absl::Status> out =
+      r.ok() ? *std::move(r) : std::vector<absl::Status>(items.size(), r.status());
+  for (size_t i = 0; i < items.size() && i < out.size(); ++i) {
+    if (!Unreachable(out[i])) continue;
+    const PutItem& item = items[i];
+    absl::Status f =
+        fallback_->Put(item.name, item.parent.has_value() ? &*item.parent : nullptr, item.block);
+    (f.ok() ? puts_ : failed_).fetch_add(1, std::memory_order_relaxed);
+    if (f.ok()) out[i] = f;
+  }
+  return out;
+}
+
+std::string FailoverBlockSource::Describe() const {
+  return absl::StrCat(primary_->Describe(), ", then ", fallback_->Describe(),
+                      " while it cannot answer");
+}
+
+FailoverBlockSource::Stats FailoverBlockSource::stats() const {
+  return {.lookups = lookups_.load(),
+          .gets = gets_.load(),
+          .puts = puts_.load(),
+          .failed = failed_.load()};
+}
+
+}  // namespace strata::kvstore
