@@ -548,7 +548,7 @@ function serviceAddressError(docs, ns, address) {
   return null;
 }
 
-// One Redis Cluster node of STRATA_SHARED_TIER (the store's --shared_tier). A host that names a
+// One Redis Cluster node of STRATA_SHARED_TIER (the value of --shared_tier). A host that names a
 // StatefulSet's pod of the render, <statefulset>-<ordinal>.<service>[.<namespace>...], must be
 // one of its pods, under its headless Service, on a port that Service serves; a host whose
 // second label is a Service of the render is held to that too; a host that names a Service of
@@ -696,10 +696,11 @@ function policyVerdict(docs, pod, type, peer, portPod, port) {
   return { isolating: isolating.map(nameOf), allowed: isolating.length === 0 || allowed };
 }
 
-// A process given the shared tier (--shared_tier: the store, the router) must reach its nodes:
-// where they are pods of the render, the NetworkPolicies must let it out (Egress) and let it in
-// to them (Ingress) on their port. Redis behind a policy that forgets one of them is no error
-// the process stops on: the store serves without the tier, the router routes without it.
+// A process given the shared tier (--shared_tier: the store, the router, the prefill and decode
+// nodes) must reach its nodes: where they are pods of the render, the NetworkPolicies must let it
+// out (Egress) and let it in to them (Ingress) on their port. Redis behind a policy that forgets
+// one of them is no error the process stops on: the store serves without the tier, the router
+// routes without it, a node whose store is lost recomputes.
 function sharedTierPolicyErrors(docs) {
   const errors = [];
   for (const p of podTemplates(docs)) {
