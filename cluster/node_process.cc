@@ -35,35 +35,6 @@ void ConfigureFlagsUsage() {
   absl::SetFlagsUsageConfig(config);
 }
 
-void BlockTerminationSignals() {
-  sigset_t set;
-  sigemptyset(&set);
-  sigaddset(&set, SIGTERM);
-  sigaddset(&set, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &set, nullptr);
-}
-
-int WaitForTermination() {
-  sigset_t set;
-  sigemptyset(&set);
-  sigaddset(&set, SIGTERM);
-  sigaddset(&set, SIGINT);
-  int sig = 0;
-  while (sigwait(&set, &sig) != 0) {
-  }
-  return sig;
-}
-
-int WaitForTerminationFor(absl::Duration timeout) {
-  sigset_t set;
-  sigemptyset(&set);
-  sigaddset(&set, SIGTERM);
-  sigaddset(&set, SIGINT);
-  const timespec ts = absl::ToTimespec(timeout);
-  const int sig = sigtimedwait(&set, nullptr, &ts);
-  return sig > 0 ? sig : 0;
-}
-
 absl::StatusOr<std::unique_ptr<prometheus::Exposer>> StartMetrics(
     const std::string& address, const std::shared_ptr<prometheus::Registry>& registry) {
   if (absl::Status s = ValidateHostPort(address, "metrics address"); !s.ok()) return s;

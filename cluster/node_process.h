@@ -15,6 +15,7 @@
 #include "cluster/cluster_file.h"
 #include "cluster/etcd_membership.h"
 #include "common/log.h"
+#include "common/signals.h"
 #include "grpcpp/impl/service_type.h"
 #include "grpcpp/server.h"
 #include "grpcpp/server_context.h"
@@ -44,12 +45,10 @@ using ::strata::SetLogIdentity;
 // name otherwise, and strata-prefill's flags live in prefill_main.cc). Call before parsing.
 void ConfigureFlagsUsage();
 
-// Blocks SIGTERM and SIGINT in the calling thread and every thread it starts later: call it
-// first in main, before any thread exists. Then WaitForTermination() returns the signal.
-void BlockTerminationSignals();
-int WaitForTermination();
-// The same for at most `timeout`: the signal, or 0.
-int WaitForTerminationFor(absl::Duration timeout);
+// How the processes stop (common/signals.h), which the mains call as cluster::.
+using ::strata::BlockTerminationSignals;
+using ::strata::WaitForTermination;
+using ::strata::WaitForTerminationFor;
 
 // Serves `registry` at http://`address`/metrics. kInvalidArgument for a bad address,
 // kUnavailable when the port cannot be bound.

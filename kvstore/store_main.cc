@@ -1,6 +1,6 @@
 // strata-store: the KV store as a service.
 //   strata-store --listen 0.0.0.0:7070 --ram_bytes 8G --disk_path /nvme/strata --disk_bytes 1T
-#include <csignal>
+#include <atomic>
 #include <fstream>
 #include <iostream>
 #include <memory>
@@ -21,6 +21,7 @@
 #include "absl/time/time.h"
 #include "common/byte_size.h"
 #include "common/log.h"
+#include "common/signals.h"
 #include "kvstore/block_store.h"
 #include "kvstore/grpc_security.h"
 #include "kvstore/grpc_security_flags.h"
@@ -48,11 +49,10 @@ namespace {
 // How often a shared tier that did not answer at start is tried again.
 constexpr absl::Duration kSharedRetry = absl::Seconds(5);
 
-volatile std::sig_atomic_t g_stop = 0;
-
 }  // namespace
 
 int main(int argc, char** argv) {
+  strata::BlockTerminationSignals();  // first: every thread started later has them blocked
   absl::SetProgramUsageMessage(
       "the Strata KV block store as a gRPC service\n"
       "  strata-store --listen ADDR --ram_bytes N [--disk_path DIR --disk_bytes N]");
@@ -155,18 +155,17 @@ int main(int argc, char** argv) {
   std::cout << "strata-store: serving on port " << port << " (RAM " << o.ram_bytes
             << " bytes, disk " << (o.disk_path.empty() ? "none" : o.disk_path) << "; "
             << (*security)->Describe() << ")" << std::endl;
-  std::signal(SIGINT, [](int) { g_stop = 1; });
-  std::signal(SIGTERM, [](int) { g_stop = 1; });
+  std::atomic<bool> stop{false};
   std::thread shared_retry;
   if (retry_shared) {
     shared_retry = std::thread([&] {
       bool told = false;
-      while (!g_stop) {
-        for (absl::Duration slept; slept < kSharedRetry && !g_stop;
+      while (!stop) {
+        for (absl::Duration slept; slept < kSharedRetry && !stop;
              slept += absl::Milliseconds(100)) {
           absl::SleepFor(absl::Milliseconds(100));
         }
-        if (g_stop) return;
+        if (stop) return;
         absl::StatusOr<std::unique_ptr<strata::kvstore::SharedTier>> t =
             strata::kvstore::SharedTier::Connect(**shared_options);
         if (!t.ok()) {
@@ -184,7 +183,8 @@ int main(int argc, char** argv) {
       }
     });
   }
-  while (!g_stop) pause();
+  strata::WaitForTermination();
+  stop = true;
   if (shared_retry.joinable()) shared_retry.join();
   strata::kvstore::StopStoreServer(server->get(), &service);  // open Watch streams end too
   std::cout << "strata-store: stopped" << std::endl;
