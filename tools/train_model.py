@@ -11,6 +11,12 @@ Runs on Debian's python3-torch (CPU) or on a GPU's PyTorch when one is present (
 
   /usr/bin/python3 tools/train_model.py --out models/strata-tiny --minutes 60
   /usr/bin/python3 tools/train_model.py --out /tmp/m --preset smoke --steps 20   # pipeline check
+  # The second model: data prepared here (no PyTorch needed), trained where a GPU is
+  # (scripts/second_model.sh runs both halves).
+  /usr/bin/python3 tools/train_model.py --out build/strata-small-data --preset strata-small \
+      --prepare-only
+  /usr/bin/python3 tools/train_model.py --out OUT --preset strata-small \
+      --data build/strata-small-data --device cuda --minutes 8 --dtype BF16
 
 Outputs in --out: config.json, model.safetensors, tokenizer.json, tokenizer_config.json,
 heldout.txt (the held-out split, never trained on), fixture.safetensors (token ids and PyTorch
@@ -153,6 +159,65 @@ def collect_corpus(max_bytes):
         total += len(text)
         if total >= max_bytes:
             break
+    return docs
+
+
+GCIDE = "/usr/share/dictd/gcide.dict.dz"  # Debian's dict-gcide: Webster's 1913 + WordNet
+_GCIDE_MARKUP = re.compile(r"<[^>]{1,40}>|\{[^}]{0,40}\}")
+
+
+def gcide_docs(piece_bytes=1 << 16):
+    """The GCIDE dictionary (dictzip is gzip) as documents of about piece_bytes each, cut between
+    entries and named GCIDE#n (so that the held-out split takes whole pieces)."""
+    if not os.path.exists(GCIDE):
+        return []
+    with gzip.open(GCIDE, "rb") as f:
+        text = f.read().decode("utf-8", errors="replace")
+    text = _GCIDE_MARKUP.sub("", text)
+    start = text.find("\n\nA\n")  # the first entry, after the database's own header
+    entries = text[start if start >= 0 else 0:].split("\n\n")
+    docs, cur, n = [], [], 0
+    for e in entries:
+        cur.append(e)
+        n += len(e) + 2
+        if n >= piece_bytes:
+            docs.append((f"{GCIDE}#{len(docs)}", _clean("\n\n".join(cur))))
+            cur, n = [], 0
+    if cur:
+        docs.append((f"{GCIDE}#{len(docs)}", _clean("\n\n".join(cur))))
+    return docs
+
+
+CORPORA = {
+    # Package documentation, manual and info pages (the bundled strata-tiny's).
+    "debian-docs": ("docs",),
+    # The same, then the GCIDE dictionary (dict-gcide) and whatever other documentation the
+    # packages scripts/setup_training.sh installs put under /usr/share/doc (python3-doc's reST
+    # sources, read as docs): a wider vocabulary than software documentation alone.
+    "debian-docs+dict": ("docs", "gcide"),
+}
+
+
+def collect(corpus, max_bytes):
+    """(path, text) of `corpus` (a CORPORA key), up to max_bytes: each source in order gets an
+    equal share of what is left, so that a later source is not crowded out."""
+    docs, total = [], 0
+    sources = CORPORA[corpus]
+    for i, source in enumerate(sources):
+        share = (max_bytes - total) // (len(sources) - i)
+        if share <= 0:
+            break
+        if source == "docs":
+            part = collect_corpus(share)
+        else:
+            part, n = [], 0
+            for path, text in gcide_docs():
+                if n >= share:
+                    break
+                part.append((path, text))
+                n += len(text)
+        docs += part
+        total += sum(len(t) for _, t in part)
     return docs
 
 
@@ -341,6 +406,15 @@ PRESETS = {
                         max_position_embeddings=4096, rope_theta=1000000.0,
                         rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=True,
                         seq_len=256),
+    # The second bundled model (issue 44): attention shaped as a modern LLM's — head_dim 128,
+    # 4 query heads per KV head, RoPE theta 500000, SwiGLU, pre-norm — at ~31.5 M parameters
+    # (63 MB at bf16: small enough to ship), trained on a GPU for hundreds of millions of token
+    # passes over data prepared here (--prepare-only, then --data there).
+    "strata-small": dict(hidden_size=1024, intermediate_size=1024, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=2, vocab_size=8192,
+                         max_position_embeddings=4096, rope_theta=500000.0, rms_norm_eps=1e-5,
+                         tie_word_embeddings=True, attention_bias=False, seq_len=1024,
+                         corpus="debian-docs+dict", corpus_bytes=120 << 20),
     # Pipeline check: tiny and fast.
     "smoke": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
@@ -543,12 +617,129 @@ def reproduce_argv(steps):
     return " ".join(out)
 
 
+def prepare(args, cfg, corpus, specials, t0):
+    """Collects `corpus`, trains the tokenizer on the training split and encodes both splits:
+    the dict write_prepared saves and the training reads (token ids as lists)."""
+    docs = collect(corpus, args.corpus_bytes)
+    train_docs = [t for p, t in docs if not is_heldout(p, args.heldout)]
+    held_docs = [t for p, t in docs if is_heldout(p, args.heldout)]
+    print(f"corpus {corpus}: {len(docs)} documents, {sum(map(len, train_docs))} train and "
+          f"{sum(map(len, held_docs))} held-out characters ({time.time() - t0:.0f} s)",
+          flush=True)
+    tok_text, n = [], 0
+    for t in train_docs:
+        tok_text.append(t)
+        n += len(t)
+        if n >= args.tokenizer_bytes:
+            break
+    vocab, merges = train_bpe(tok_text, cfg["vocab_size"], specials)
+    tok = Tokenizer(vocab, merges)
+    bos, eos = vocab[specials[0]], vocab[specials[1]]
+    print(f"tokenizer: {len(vocab)} tokens, {len(merges)} merges ({time.time() - t0:.0f} s)",
+          flush=True)
+
+    def encode_docs(texts):
+        ids = []
+        for t in texts:
+            ids += [bos] + tok.encode(t) + [eos]
+        return ids
+
+    cal_path = os.path.join(args.out, ".calibration.tmp")
+    write_calibration_text(docs, args.heldout, cal_path)
+    with open(cal_path, encoding="utf-8") as f:
+        calibration_text = f.read()
+    os.remove(cal_path)
+    return {
+        "vocab": vocab, "merges": merges, "specials": specials,
+        "train_ids": encode_docs(train_docs), "held_ids": encode_docs(held_docs),
+        "heldout_text": "\n\n".join(held_docs[:200]), "calibration_text": calibration_text,
+        "stats": {"corpus": corpus, "corpus_bytes": args.corpus_bytes, "seed": args.seed,
+                  "heldout_fraction": args.heldout, "documents": len(docs),
+                  "train_chars": sum(map(len, train_docs)),
+                  "heldout_chars": sum(map(len, held_docs))},
+    }
+
+
+def _u16_bytes(ids):
+    import array
+    if ids and max(ids) > 0xFFFF:
+        raise ValueError("token ids beyond 16 bits: the prepared format holds uint16")
+    a = array.array("H", ids)
+    if sys.byteorder != "little":
+        a.byteswap()
+    return a.tobytes()
+
+
+def _u16_ids(raw):
+    import array
+    a = array.array("H")
+    a.frombytes(raw)
+    if sys.byteorder != "little":
+        a.byteswap()
+    return a.tolist()
+
+
+def write_prepared(out, data):
+    """The prepared data in `out`: token ids as little-endian uint16 (the training split
+    xz-compressed: the form a lent GPU machine is carried), the tokenizer, the texts, and
+    data.json (what was collected, how; token counts; the files' SHA-256)."""
+    import lzma
+    files = {
+        "train.u16.xz": lzma.compress(_u16_bytes(data["train_ids"]), preset=6),
+        "heldout.u16": _u16_bytes(data["held_ids"]),
+        "tokenizer.json": json.dumps(tokenizer_json(data["vocab"], data["merges"],
+                                                    data["specials"]),
+                                     ensure_ascii=False).encode("utf-8"),
+        "heldout.txt": data["heldout_text"].encode("utf-8"),
+        "calibration.txt": data["calibration_text"].encode("utf-8"),
+    }
+    meta = dict(data["stats"])
+    meta.update({"train_tokens": len(data["train_ids"]), "heldout_tokens": len(data["held_ids"]),
+                 "specials": data["specials"],
+                 "sha256": {name: hashlib.sha256(b).hexdigest() for name, b in files.items()}})
+    for name, b in files.items():
+        with open(os.path.join(out, name), "wb") as f:
+            f.write(b)
+    with open(os.path.join(out, "data.json"), "w") as f:
+        json.dump(meta, f, indent=1, sort_keys=True)
+
+
+def load_prepared(folder):
+    """What write_prepared wrote, checked against data.json's hashes."""
+    import lzma
+    with open(os.path.join(folder, "data.json")) as f:
+        meta = json.load(f)
+    raw = {}
+    for name, want in meta["sha256"].items():
+        with open(os.path.join(folder, name), "rb") as f:
+            raw[name] = f.read()
+        if hashlib.sha256(raw[name]).hexdigest() != want:
+            raise SystemExit(f"{folder}/{name}: its SHA-256 is not the one data.json records")
+    tj = json.loads(raw["tokenizer.json"].decode("utf-8"))
+    vocab = dict(tj["model"]["vocab"])
+    for t in tj.get("added_tokens", []):
+        vocab[t["content"]] = t["id"]
+    merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m)
+              for m in tj["model"]["merges"]]
+    train_ids = _u16_ids(lzma.decompress(raw["train.u16.xz"]))
+    held_ids = _u16_ids(raw["heldout.u16"])
+    if len(train_ids) != meta["train_tokens"] or len(held_ids) != meta["heldout_tokens"]:
+        raise SystemExit(f"{folder}: token counts differ from data.json")
+    return {"vocab": vocab, "merges": merges, "specials": meta["specials"],
+            "train_ids": train_ids, "held_ids": held_ids,
+            "heldout_text": raw["heldout.txt"].decode("utf-8"),
+            "calibration_text": raw["calibration.txt"].decode("utf-8"),
+            "stats": {k: meta[k] for k in ("corpus", "corpus_bytes", "seed", "heldout_fraction",
+                                            "documents", "train_chars", "heldout_chars")}}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--corpus-bytes", type=int, default=40 << 20)
+    ap.add_argument("--corpus-bytes", type=int, default=0,
+                    help="characters of text to collect (default: the preset's, else 40 Mi)")
     ap.add_argument("--tokenizer-bytes", type=int, default=6 << 20,
                     help="text used to train the tokenizer")
     ap.add_argument("--heldout", type=float, default=0.05)
@@ -568,57 +759,58 @@ def main():
     ap.add_argument("--calibration-text-only", action="store_true",
                     help="write OUT/calibration.txt (training-split text for codec calibration, "
                          "disjoint from heldout.txt) and stop")
+    ap.add_argument("--corpus", default="", choices=[""] + sorted(CORPORA),
+                    help="the text to train on (default: the preset's)")
+    ap.add_argument("--prepare-only", action="store_true",
+                    help="collect the corpus, train the tokenizer, encode both splits, write the "
+                         "data to OUT (data.json, tokenizer.json, train.u16.xz, heldout.u16, "
+                         "heldout.txt, calibration.txt) and stop; needs no PyTorch. A GPU "
+                         "machine without Debian's documentation trains from it (--data)")
+    ap.add_argument("--data", default="",
+                    help="train from what --prepare-only wrote in this folder instead of "
+                         "collecting the corpus here")
     args = ap.parse_args()
+    cfg = dict(PRESETS[args.preset])
+    seq_len = cfg.pop("seq_len")
+    corpus = args.corpus or cfg.get("corpus", "debian-docs")
+    cfg.pop("corpus", None)
+    args.corpus_bytes = args.corpus_bytes or cfg.get("corpus_bytes", 40 << 20)
+    cfg.pop("corpus_bytes", None)
+    if args.seq_len:
+        seq_len = args.seq_len
+    if args.vocab:
+        cfg["vocab_size"] = args.vocab
     if args.calibration_text_only:
         os.makedirs(args.out, exist_ok=True)
-        docs = collect_corpus(args.corpus_bytes)
+        docs = collect(corpus, args.corpus_bytes)
         write_calibration_text(docs, args.heldout, os.path.join(args.out, "calibration.txt"))
         return 0
-    if not args.minutes and not args.steps:
+    if not args.prepare_only and not args.minutes and not args.steps:
         ap.error("give --minutes or --steps")
+    os.makedirs(args.out, exist_ok=True)
+    t0 = time.time()
+
+    specials = ["<|begin_of_text|>", "<|end_of_text|>"]
+    if args.data:
+        data = load_prepared(args.data)
+    else:
+        data = prepare(args, cfg, corpus, specials, t0)
+    if args.prepare_only:
+        write_prepared(args.out, data)
+        print(f"prepared {args.out}: {len(data['train_ids'])} train and {len(data['held_ids'])} "
+              f"held-out tokens ({time.time() - t0:.0f} s)", flush=True)
+        return 0
+    vocab, merges = data["vocab"], data["merges"]
+    cfg["vocab_size"] = len(vocab)
+    bos, eos = vocab[specials[0]], vocab[specials[1]]
+    stats = data["stats"]
 
     import torch
     torch.manual_seed(args.seed)
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = dict(PRESETS[args.preset])
-    seq_len = cfg.pop("seq_len")
-    if args.seq_len:
-        seq_len = args.seq_len
-    if args.vocab:
-        cfg["vocab_size"] = args.vocab
-    os.makedirs(args.out, exist_ok=True)
-    t0 = time.time()
-
-    docs = collect_corpus(args.corpus_bytes)
-    train_docs = [t for p, t in docs if not is_heldout(p, args.heldout)]
-    held_docs = [t for p, t in docs if is_heldout(p, args.heldout)]
-    print(f"corpus: {len(docs)} documents, {sum(map(len, train_docs))} train and "
-          f"{sum(map(len, held_docs))} held-out characters ({time.time() - t0:.0f} s)",
-          flush=True)
-
-    specials = ["<|begin_of_text|>", "<|end_of_text|>"]
-    tok_text, n = [], 0
-    for t in train_docs:
-        tok_text.append(t)
-        n += len(t)
-        if n >= args.tokenizer_bytes:
-            break
-    vocab, merges = train_bpe(tok_text, cfg["vocab_size"], specials)
-    cfg["vocab_size"] = len(vocab)
-    tok = Tokenizer(vocab, merges)
-    bos, eos = vocab[specials[0]], vocab[specials[1]]
-    print(f"tokenizer: {len(vocab)} tokens, {len(merges)} merges ({time.time() - t0:.0f} s)",
-          flush=True)
-
-    def encode_docs(texts):
-        ids = []
-        for t in texts:
-            ids += [bos] + tok.encode(t) + [eos]
-        return torch.tensor(ids, dtype=torch.long)
-
-    train_ids = encode_docs(train_docs)
-    held_ids = encode_docs(held_docs)
+    train_ids = torch.tensor(data["train_ids"], dtype=torch.long)
+    held_ids = torch.tensor(data["held_ids"], dtype=torch.long)
     print(f"tokens: {len(train_ids)} train, {len(held_ids)} held-out ({time.time() - t0:.0f} s)",
           flush=True)
 
@@ -705,8 +897,9 @@ def main():
         json.dump({"bos_token": specials[0], "eos_token": specials[1],
                    "model_max_length": cfg["max_position_embeddings"]}, f, indent=2)
     with open(os.path.join(args.out, "heldout.txt"), "w", encoding="utf-8") as f:
-        f.write("\n\n".join(held_docs[:200]))
-    write_calibration_text(docs, args.heldout, os.path.join(args.out, "calibration.txt"))
+        f.write(data["heldout_text"])
+    with open(os.path.join(args.out, "calibration.txt"), "w", encoding="utf-8") as f:
+        f.write(data["calibration_text"])
 
     # Fixture: logits of the exported (rounded) weights for a few held-out sequences.
     import torch.nn.functional as F  # noqa: F401
@@ -725,7 +918,7 @@ def main():
     write_safetensors(os.path.join(args.out, "fixture.safetensors"), fixture, None)
 
     with open(os.path.join(args.out, "train_log.json"), "w") as f:
-        json.dump({"preset": args.preset, "seed": args.seed, "config": hf,
+        json.dump({"preset": args.preset, "seed": args.seed, "config": hf, "data": stats,
                    "parameters": n_params, "steps": step, "tokens_seen": tokens_seen,
                    "train_tokens_available": len(train_ids), "heldout_tokens": len(held_ids),
                    "heldout_perplexity": ppl, "device": str(device),
@@ -738,8 +931,8 @@ def main():
             heads=cfg["num_attention_heads"], kv=cfg["num_key_value_heads"],
             head_dim=cfg["hidden_size"] // cfg["num_attention_heads"],
             ffn=cfg["intermediate_size"], vocab=cfg["vocab_size"], ctx=cfg["max_position_embeddings"],
-            theta=cfg["rope_theta"], docs=len(docs), train_chars=sum(map(len, train_docs)),
-            held_chars=sum(map(len, held_docs)), train_tokens=len(train_ids),
+            theta=cfg["rope_theta"], docs=stats["documents"], train_chars=stats["train_chars"],
+            held_chars=stats["heldout_chars"], train_tokens=len(train_ids),
             held_tokens=len(held_ids), steps=step, tokens=tokens_seen, batch=args.batch,
             seq=seq_len, lr=args.lr, eval_len=eval_len,
             long=(f", the last {args.long_fraction:.0%} of the time at {args.long_seq_len} tokens"
