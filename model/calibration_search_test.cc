@@ -210,6 +210,51 @@ TEST(KvEvaluationTest, RotationCutsTheErrorOfAnOutlierChannel) {
   }
 }
 
+// The KV structure probe on a synthetic layer whose answers are known: K with one channel 30x the
+// rest (a spread near 30, flattened by the rotation), V without (a spread near 1), and queries
+// that all point along the first token's key (nearly all their attention on it); then a second
+// layer with none of that.
+TEST(KvEvaluationTest, TheKvStructureProbeFindsOutlierChannelsAndSinks) {
+  ModelConfig c;
+  c.num_layers = 2;
+  c.num_heads = 4;
+  c.num_kv_heads = 2;
+  c.head_dim = 64;
+  const uint32_t T = 64, row = 2 * 64, qrow = 4 * 64;
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<float> u(0.5f, 1.0f);
+  std::vector<LayerKv> kv(2);
+  for (LayerKv& l : kv) {
+    l.k.resize(T * row);
+    l.v.resize(T * row);
+    l.q.resize(T * qrow);
+    for (float& x : l.k) x = u(rng) * (rng() % 2 ? 1 : -1);
+    for (float& x : l.v) x = u(rng) * (rng() % 2 ? 1 : -1);
+    for (float& x : l.q) x = 0.01f * u(rng);
+  }
+  for (uint32_t t = 0; t < T; ++t) kv[0].k[t * row + 64 + 9] = 30.0f;  // head 1, channel 9
+  for (uint32_t t = 0; t < T; ++t) {  // every query along its KV head's key of token 0
+    for (uint32_t qh = 0; qh < 4; ++qh) {
+      for (uint32_t i = 0; i < 64; ++i) {
+        kv[0].q[t * qrow + qh * 64 + i] = 4.0f * kv[0].k[(qh / 2) * 64 + i];
+      }
+    }
+  }
+  absl::StatusOr<KvStructure> s = MeasureKvStructure(c, kv, T, 16);
+  ASSERT_TRUE(s.ok()) << s.status();
+  ASSERT_EQ(s->layers.size(), 2u);
+  const KvStructure::Layer& a = s->layers[0];
+  const KvStructure::Layer& b = s->layers[1];
+  EXPECT_GT(a.k_spread, 20.0);
+  EXPECT_EQ(a.k_top_channel, 64u + 9u);
+  EXPECT_LT(a.k_spread_rotated, a.k_spread / 3);
+  EXPECT_LT(a.v_spread, 3.0);
+  EXPECT_GT(a.first_token_mass, 0.9);
+  EXPECT_LT(b.k_spread, 3.0);
+  EXPECT_LT(b.first_token_mass, 0.2);  // about uniform over 17..64 keys
+  EXPECT_EQ(MeasureKvStructure(c, kv, T, T).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST(KvEvaluationTest, LayerErrorsAreSmallForFp16AndLargerFor2Bits) {
   std::unique_ptr<LlamaModel> model = TinyModel();
   ASSERT_NE(model, nullptr);

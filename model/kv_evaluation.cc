@@ -187,4 +187,82 @@ absl::StatusOr<LayerErrors> MeasureLayerErrors(const ModelConfig& c,
   return e;
 }
 
+namespace {
+
+// max over channels / median over channels of each channel's max |x| over the rows.
+// x: [rows, channels]. `top` gets the largest channel's index.
+double Spread(const float* x, size_t rows, size_t channels, uint32_t* top) {
+  std::vector<double> peak(channels, 0.0);
+  for (size_t r = 0; r < rows; ++r) {
+    for (size_t c = 0; c < channels; ++c) {
+      peak[c] = std::max(peak[c], static_cast<double>(std::fabs(x[r * channels + c])));
+    }
+  }
+  if (top != nullptr) {
+    *top = static_cast<uint32_t>(std::max_element(peak.begin(), peak.end()) - peak.begin());
+  }
+  const double mx = *std::max_element(peak.begin(), peak.end());
+  std::nth_element(peak.begin(), peak.begin() + channels / 2, peak.end());
+  const double median = peak[channels / 2];
+  return median > 0 ? mx / median : 0;
+}
+
+}  // namespace
+
+absl::StatusOr<KvStructure> MeasureKvStructure(const ModelConfig& c, const std::vector<LayerKv>& kv,
+                                               uint32_t tokens, uint32_t sink_from) {
+  const uint32_t H = c.num_kv_heads, D = c.head_dim, QH = c.num_heads;
+  if (tokens == 0 || sink_from >= tokens) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "kv structure: ", tokens, " tokens leave no query from token ", sink_from, " on"));
+  }
+  const size_t row = size_t{H} * D, qrow = size_t{QH} * D;
+  KvStructure out;
+  out.tokens = tokens;
+  for (uint32_t li = 0; li < kv.size(); ++li) {
+    const LayerKv& lk = kv[li];
+    if (lk.k.size() < tokens * row || lk.v.size() < tokens * row || lk.q.size() < tokens * qrow) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("kv structure: layer ", li, " holds fewer than ", tokens, " tokens"));
+    }
+    KvStructure::Layer l;
+    l.k_spread = Spread(lk.k.data(), tokens, row, &l.k_top_channel);
+    l.v_spread = Spread(lk.v.data(), tokens, row, nullptr);
+    STRATA_ASSIGN_OR_RETURN(const kernels::HadamardRotation r,
+                            kernels::HadamardRotation::Make(D, li));
+    std::vector<float> k(lk.k.begin(), lk.k.begin() + tokens * row);
+    std::vector<float> v(lk.v.begin(), lk.v.begin() + tokens * row);
+    r.Apply(k.data(), k.size() / D);
+    r.Apply(v.data(), v.size() / D);
+    l.k_spread_rotated = Spread(k.data(), tokens, row, nullptr);
+    l.v_spread_rotated = Spread(v.data(), tokens, row, nullptr);
+    // Causal softmax of each query over the keys up to it: the weight on key 0.
+    const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+    double mass = 0;
+    size_t n = 0;
+    std::vector<double> s(tokens);
+    for (uint32_t t = sink_from; t < tokens; ++t) {
+      for (uint32_t qh = 0; qh < QH; ++qh) {
+        const float* q = &lk.q[t * qrow + size_t{qh} * D];
+        const uint32_t h = qh / (QH / H);
+        double mx = -1e300;
+        for (uint32_t j = 0; j <= t; ++j) {
+          const float* kj = &lk.k[j * row + size_t{h} * D];
+          double d = 0;
+          for (uint32_t i = 0; i < D; ++i) d += double{q[i]} * kj[i];
+          s[j] = d * scale;
+          mx = std::max(mx, s[j]);
+        }
+        double sum = 0;
+        for (uint32_t j = 0; j <= t; ++j) sum += std::exp(s[j] - mx);
+        mass += std::exp(s[0] - mx) / sum;
+        ++n;
+      }
+    }
+    l.first_token_mass = mass / static_cast<double>(n);
+    out.layers.push_back(l);
+  }
+  return out;
+}
+
 }  // namespace strata::model

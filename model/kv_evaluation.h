@@ -73,4 +73,27 @@ absl::StatusOr<LayerErrors> MeasureLayerErrors(const ModelConfig& config,
                                                const kernels::Codec& codec, uint32_t chunk,
                                                uint32_t queries, int only_layer = -1);
 
+// The structure of a model's KV that decides how hard it is to compress (issue 44 asks for it
+// before any codec is ranked on a model): per layer, how far the largest channel of K (and V)
+// stands above the typical one — max over channels of each channel's max |x| over tokens and
+// heads, over the median of the same — before and after the rotation stage's transform
+// (kernels/rotation.h), and the attention mass the queries put on the first token (attention
+// sinks), averaged over query heads and over the queries from `sink_from` on.
+struct KvStructure {
+  struct Layer {
+    double k_spread = 0, v_spread = 0;                  // max / median of per-channel max |x|
+    double k_spread_rotated = 0, v_spread_rotated = 0;  // the same after the rotation
+    double first_token_mass = 0;                        // mean attention weight on token 0
+    uint32_t k_top_channel = 0;                         // the channel (head * D + c) of K's max
+  };
+  std::vector<Layer> layers;
+  uint32_t tokens = 0;
+};
+
+// From a window's K/V/q as LlamaModel::Forward returns them for `tokens` tokens. Errors:
+// kInvalidArgument for no tokens, sink_from >= tokens, or a head dim the rotation does not take.
+absl::StatusOr<KvStructure> MeasureKvStructure(const ModelConfig& config,
+                                               const std::vector<LayerKv>& kv, uint32_t tokens,
+                                               uint32_t sink_from = 16);
+
 }  // namespace strata::model

@@ -511,6 +511,55 @@ absl::Status RunEval(const EvalOptions& o, std::ostream& out) {
   return absl::OkStatus();
 }
 
+absl::Status RunKvStructure(const KvStructureOptions& o, std::ostream& out) {
+  STRATA_RETURN_IF_ERROR(CpuOnly(o, "kv-structure"));
+  STRATA_ASSIGN_OR_RETURN(Loaded l, Load(o));
+  const model::ModelConfig& c = l.model->config();
+  STRATA_ASSIGN_OR_RETURN(std::string text, ReadText(o.text_file));
+  std::vector<uint32_t> ids = WithBos(c, l.tokenizer->Encode(text, false));
+  if (ids.size() > o.context) ids.resize(o.context);
+  std::vector<model::LayerKv> kv;
+  STRATA_RETURN_IF_ERROR(l.model->Forward(ids, &kv).status());
+  STRATA_ASSIGN_OR_RETURN(
+      model::KvStructure st,
+      model::MeasureKvStructure(c, kv, static_cast<uint32_t>(ids.size()),
+                                std::min<uint32_t>(16, static_cast<uint32_t>(ids.size()) - 1)));
+  out << absl::StrFormat(
+      "model %s, text %s: %d tokens; per layer, the largest channel's max |x| over the median "
+      "channel's (K, V), the same after the rotation stage, and the mean attention weight on the "
+      "first token (queries from token 16 on)\n",
+      o.model_dir, o.text_file, st.tokens);
+  out << absl::StrFormat("%5s %9s %9s %9s %9s %11s %12s\n", "layer", "K spread", "K rot",
+                         "V spread", "V rot", "first-token", "K top (h,c)");
+  nlohmann::json layers = nlohmann::json::array();
+  for (size_t li = 0; li < st.layers.size(); ++li) {
+    const model::KvStructure::Layer& x = st.layers[li];
+    out << absl::StrFormat("%5d %9.2f %9.2f %9.2f %9.2f %11.4f %8d,%-3d\n", li, x.k_spread,
+                           x.k_spread_rotated, x.v_spread, x.v_spread_rotated, x.first_token_mass,
+                           x.k_top_channel / c.head_dim, x.k_top_channel % c.head_dim);
+    layers.push_back({{"layer", li},
+                      {"k_spread", x.k_spread},
+                      {"k_spread_rotated", x.k_spread_rotated},
+                      {"v_spread", x.v_spread},
+                      {"v_spread_rotated", x.v_spread_rotated},
+                      {"first_token_mass", x.first_token_mass},
+                      {"k_top_head", x.k_top_channel / c.head_dim},
+                      {"k_top_channel", x.k_top_channel % c.head_dim}});
+  }
+  if (!o.json_out.empty()) {
+    std::ofstream f(o.json_out);
+    f << nlohmann::json{{"model", o.model_dir},
+                        {"text", o.text_file},
+                        {"tokens", st.tokens},
+                        {"layers", layers}}
+             .dump(1)
+      << "\n";
+    if (!f) return absl::InternalError(absl::StrCat("kv-structure: cannot write ", o.json_out));
+    out << "wrote " << o.json_out << "\n";
+  }
+  return absl::OkStatus();
+}
+
 absl::Status RunDumpKv(const DumpKvOptions& o, std::ostream& out) {
   STRATA_RETURN_IF_ERROR(CpuOnly(o, "dump-kv"));
   STRATA_ASSIGN_OR_RETURN(Loaded l, Load(o));

@@ -80,7 +80,17 @@ struct CalibrateOptions : ModelCommandOptions {
   std::string source;           // recorded in the file ("" = the text file's name)
 };
 
+// `strata kv-structure`: what makes a model's KV hard to compress, per layer (MeasureKvStructure
+// in model/kv_evaluation.h): K's and V's largest channel over the median one, before and after
+// the rotation stage, and the attention mass on the first token; as a table and as JSON.
+struct KvStructureOptions : ModelCommandOptions {
+  std::string text_file;
+  uint32_t context = 2048;  // tokens of the text run
+  std::string json_out;     // "" = don't
+};
+
 absl::Status RunCalibrate(const CalibrateOptions& o, std::ostream& out);
+absl::Status RunKvStructure(const KvStructureOptions& o, std::ostream& out);
 
 absl::Status RunEval(const EvalOptions& o, std::ostream& out);
 

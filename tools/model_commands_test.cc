@@ -301,6 +301,30 @@ TEST(ModelCommandsTest, PplAndEvalOnADeviceTheyCannotUseSayWhy) {
   EXPECT_THAT(ds.message(), HasSubstr("dump-kv runs on the CPU"));
 }
 
+TEST(ModelCommandsTest, KvStructureReportsEveryLayerAndWritesJson) {
+  KvStructureOptions o;
+  o.model_dir = kModel;
+  o.text_file = WriteText();
+  o.context = 96;
+  o.json_out = absl::StrCat(testing::TempDir(), "/kv-structure.json");
+  std::ostringstream out;
+  const absl::Status s = RunKvStructure(o, out);
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_THAT(out.str(), HasSubstr("K spread"));
+  std::ifstream f(o.json_out);
+  const nlohmann::json j = nlohmann::json::parse(f);
+  EXPECT_EQ(j["tokens"], 96);
+  ASSERT_EQ(j["layers"].size(), 2u);  // tiny-llama's
+  for (const auto& l : j["layers"]) {
+    EXPECT_GE(l["k_spread"].get<double>(), 1.0);
+    EXPECT_GE(l["k_spread_rotated"].get<double>(), 1.0);
+    EXPECT_GT(l["first_token_mass"].get<double>(), 0.0);
+    EXPECT_LT(l["first_token_mass"].get<double>(), 1.0);
+  }
+  o.device = "cuda";
+  EXPECT_EQ(RunKvStructure(o, out).code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST(ModelCommandsTest, MissingModelIsNotFound) {
   GenerateOptions o;
   o.model_dir = "/nonexistent-model";

@@ -5,6 +5,7 @@
 //   strata generate --prompt TEXT [--model DIR] [--codec SPEC] [--max_tokens N] [--device cuda]
 //   strata ppl --text FILE [--model DIR] [--codec SPEC] [--context N] [--device cuda]
 //   strata dump-kv --text FILE --out DIR [--model DIR]
+//   strata kv-structure FILE [--model DIR] [--context N] [--json FILE]
 //
 // Flags are parsed here and only here; each subcommand gets an Options struct.
 #include <iostream>
@@ -91,6 +92,8 @@ constexpr char kUsage[] =
     "  eval FILE      quality report of --codecs on a text (errors, perplexity, greedy "
     "agreement)\n"
     "  dump-kv FILE   write each layer's K and V for a text to --out/kv.safetensors\n"
+    "  kv-structure FILE  per layer: K's and V's outlier channels (before and after rotation) "
+    "and the attention on the first token (--context, --json)\n"
     "  calibrate FILE calibration of --codec on a text, written to --out FILE\n"
     "  replay TRACE   offload-capacity sweep of a Mooncake trace (--codecs, --ram_sizes, ...)\n";
 
@@ -232,6 +235,16 @@ int main(int argc, char** argv) {
       return 2;
     }
     const absl::Status s = strata::tools::RunReplay(o, std::cout);
+    return s.ok() ? 0 : Fail(s);
+  }
+  if (command == "kv-structure") {
+    strata::tools::KvStructureOptions o;
+    if (absl::Status s = model_options(o); !s.ok()) return Fail(s);
+    o.text_file = absl::GetFlag(FLAGS_text);
+    if (args.size() > 2) o.text_file = args[2];
+    o.context = absl::GetFlag(FLAGS_context);
+    o.json_out = absl::GetFlag(FLAGS_json);
+    const absl::Status s = strata::tools::RunKvStructure(o, std::cout);
     return s.ok() ? 0 : Fail(s);
   }
   if (command == "dump-kv") {
