@@ -1203,22 +1203,10 @@ class SharedTierTest(unittest.TestCase):
             other = "prefill-%d" % (1 - first_host)
             # The first host's store wrote the chunks through (the Puts land after the reply):
             # until its count of blocks written through holds still.
-            deadline = time.time() + 30
-            last = -1
-            while True:
-                puts = metric(scrape(stores[first_host]), "strata_store_shared_puts_total")
-                if puts > 0 and puts == last:
-                    break
-                self.assertLess(time.time(), deadline, "the write-through did not settle")
-                last = puts
-                time.sleep(0.5)
+            wait_write_through(stores[first_host])
             os.kill(c.pids()[first], signal.SIGKILL)
             wait_exit(c.pids()[first])
-            deadline = time.time() + 30
-            while metric(scrape(c.spec["router"]["http"]), "strata_router_node_healthy",
-                         'node="%s"' % first) != 0:
-                self.assertLess(time.time(), deadline, "the router still counts %s" % first)
-                time.sleep(0.1)
+            wait_router_drops(c, first)
             before = scrape(stores[1 - first_host])
             _, usage, events = complete(c, prompt, 8, stream=True, salt="hosts")
             self.assertEqual(routed_decode(c, json.loads(events[0])["id"], "prefill"), other)
@@ -1335,24 +1323,12 @@ class StoreHostLostTest(unittest.TestCase):
             first = routed_decode(c, json.loads(events[0])["id"], "prefill")
             first_host = int(first.rsplit("-", 1)[1])
             other = "prefill-%d" % (1 - first_host)
-            deadline = time.time() + 30
-            last = -1
-            while True:
-                puts = metric(scrape(stores[first_host]), "strata_store_shared_puts_total")
-                if puts > 0 and puts == last:
-                    break
-                self.assertLess(time.time(), deadline, "the write-through did not settle")
-                last = puts
-                time.sleep(0.5)
+            wait_write_through(stores[first_host])
             lost_store = "store" if first_host == 1 else "store-1"
             for name in (first, lost_store):
                 os.kill(c.pids()[name], signal.SIGKILL)
                 wait_exit(c.pids()[name])
-            deadline = time.time() + 30
-            while metric(scrape(c.spec["router"]["http"]), "strata_router_node_healthy",
-                         'node="%s"' % first) != 0:
-                self.assertLess(time.time(), deadline, "the router still counts %s" % first)
-                time.sleep(0.1)
+            wait_router_drops(c, first)
             text, usage, events = complete(c, prompt, 8, stream=True, salt="lost")
             self.assertEqual(routed_decode(c, json.loads(events[0])["id"], "prefill"), other)
             self.assertTrue(text)
@@ -1370,6 +1346,31 @@ class StoreHostLostTest(unittest.TestCase):
             raise
         finally:
             c.down()
+
+
+def wait_write_through(store_metrics, timeout=30):
+    """Until the store at `store_metrics` has written blocks through to the shared tier and its
+    count holds still (the Puts land after the reply)."""
+    deadline = time.time() + timeout
+    last = -1
+    while True:
+        puts = metric(scrape(store_metrics), "strata_store_shared_puts_total")
+        if puts > 0 and puts == last:
+            return
+        if time.time() > deadline:
+            raise AssertionError("the write-through did not settle")
+        last = puts
+        time.sleep(0.5)
+
+
+def wait_router_drops(c, node, timeout=30):
+    """Until the router counts `node` unhealthy."""
+    deadline = time.time() + timeout
+    while metric(scrape(c.spec["router"]["http"]), "strata_router_node_healthy",
+                 'node="%s"' % node) != 0:
+        if time.time() > deadline:
+            raise AssertionError("the router still counts %s" % node)
+        time.sleep(0.1)
 
 
 def https_json(url, body, context, timeout=60):
