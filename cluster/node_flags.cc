@@ -48,6 +48,55 @@ absl::Status UseNodeStoreFromFlags(ClusterSpec* spec, NodeSpec* self) {
   return absl::OkStatus();
 }
 
+absl::Status StartNodeFromFlags(const NodeStartOptions& o, NodeStart* n, NodeStartError* error) {
+  auto fail = [&](const char* what, absl::Status s, int code) {
+    error->what = what;
+    error->status = s;
+    error->exit_code = code;
+    return s;
+  };
+  if (absl::GetFlag(FLAGS_cluster).empty() || absl::GetFlag(FLAGS_node).empty()) {
+    return fail("flags",
+                absl::InvalidArgumentError("--cluster and --node are required (see --help)"), 2);
+  }
+  absl::StatusOr<ClusterSpec> spec = LoadClusterFile(absl::GetFlag(FLAGS_cluster));
+  if (!spec.ok()) return fail("cluster file", spec.status(), 2);
+  n->spec = *std::move(spec);
+  absl::StatusOr<NodeSpec> self =
+      SelfNode(n->spec, absl::GetFlag(FLAGS_node), o.role, !absl::GetFlag(FLAGS_etcd).empty(),
+               absl::GetFlag(FLAGS_listen), o.transport);
+  if (!self.ok()) return fail("flags", self.status(), 2);
+  n->self = *std::move(self);
+  if (absl::Status s = UseNodeStoreFromFlags(&n->spec, &n->self); !s.ok()) {
+    return fail("flags", s, 2);
+  }
+  n->listen = absl::GetFlag(FLAGS_listen).empty() ? n->self.grpc : absl::GetFlag(FLAGS_listen);
+  n->metrics =
+      absl::GetFlag(FLAGS_metrics).empty() ? n->self.metrics : absl::GetFlag(FLAGS_metrics);
+  if (n->metrics == "off") n->metrics.clear();
+  if (!ParseByteSize(o.local_ram_bytes, &n->local_ram_bytes)) {
+    return fail(
+        "flags",
+        absl::InvalidArgumentError(absl::StrCat("--local_ram_bytes: '", o.local_ram_bytes,
+                                                "' is not a byte count (e.g. 0, 512M, 8G)")),
+        2);
+  }
+  SetLogIdentity(o.process, n->self.id);
+  absl::StatusOr<std::shared_ptr<const kvstore::GrpcSecurity>> security = NodeSecurityFromFlags();
+  if (!security.ok()) return fail("flags", security.status(), 2);
+  n->security = *std::move(security);
+  absl::StatusOr<model::Device> device = NodeDeviceFromFlags();
+  if (!device.ok()) return fail("flags", device.status(), 2);
+  absl::StatusOr<ServedModel> served = LoadServedModel(n->spec.model, n->spec.calibration, *device);
+  if (!served.ok()) return fail("model", served.status(), 1);
+  n->served = *std::move(served);
+  absl::StatusOr<StoreConnection> store =
+      ConnectStoreFromFlags(n->spec, n->security, n->local_ram_bytes);
+  if (!store.ok()) return fail("store", store.status(), 1);
+  n->store = *std::move(store);
+  return absl::OkStatus();
+}
+
 absl::StatusOr<StoreConnection> ConnectStoreFromFlags(
     const ClusterSpec& spec, std::shared_ptr<const kvstore::GrpcSecurity> security,
     uint64_t local_ram_bytes) {

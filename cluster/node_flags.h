@@ -39,6 +39,36 @@ absl::StatusOr<std::shared_ptr<const kvstore::GrpcSecurity>> NodeSecurityFromFla
 // host:port.
 absl::Status UseNodeStoreFromFlags(ClusterSpec* spec, NodeSpec* self);
 
+// The start every serving node shares, from the node flags (after ParseCommandLine): the
+// cluster file and this node's entry in it, its gRPC and metrics addresses, the log identity,
+// gRPC security, the model on its --device, and the store connection with the node's own RAM tier
+// in front. Each main then builds its engine and service on it (flags -> options -> run).
+struct NodeStartOptions {
+  const char* process = "strata-node";  // the log identity and the messages' prefix
+  Role role = Role::kPrefill;
+  std::string transport = "";   // the decode node's --transport flag ("" for a prefill node)
+  std::string local_ram_bytes = "0";  // the node's --local_ram_bytes flag
+};
+struct NodeStart {
+  ClusterSpec spec;
+  NodeSpec self;
+  std::string listen;   // gRPC address (--listen, else the node's entry)
+  std::string metrics;  // /metrics address; "" = off
+  std::shared_ptr<const kvstore::GrpcSecurity> security;
+  ServedModel served;
+  uint64_t local_ram_bytes = 0;
+  StoreConnection store;
+};
+// What stopped a node's start: the step (for the process's message) and the exit code (2 for
+// bad flags or a bad cluster file, 1 for what failed at run time).
+struct NodeStartError {
+  std::string what;
+  absl::Status status;
+  int exit_code = 1;
+};
+absl::Status StartNodeFromFlags(const NodeStartOptions& options, NodeStart* out,
+                                NodeStartError* error);
+
 // ConnectStore with the node's --shared_tier flags (kvstore/shared_tier_flags.h, the store's and
 // the router's too): with them, the store fails over to the shared tier while it cannot answer.
 absl::StatusOr<StoreConnection> ConnectStoreFromFlags(

@@ -72,20 +72,6 @@ int RunDecodeNode(int argc, char** argv, const TransportHook& hook) {
       "a Strata decode node.\n  strata-decode --cluster cluster.json --node decode-0");
   absl::ParseCommandLine(argc, argv);
   namespace cl = strata::cluster;
-  if (absl::GetFlag(FLAGS_cluster).empty() || absl::GetFlag(FLAGS_node).empty()) {
-    std::cerr << "strata-decode: --cluster and --node are required (see --help)\n";
-    return 2;
-  }
-  absl::StatusOr<cl::ClusterSpec> spec = cl::LoadClusterFile(absl::GetFlag(FLAGS_cluster));
-  if (!spec.ok()) return Fail("cluster file", spec.status(), 2);
-  absl::StatusOr<cl::NodeSpec> node = cl::SelfNode(
-      *spec, absl::GetFlag(FLAGS_node), cl::Role::kDecode, !absl::GetFlag(FLAGS_etcd).empty(),
-      absl::GetFlag(FLAGS_listen), absl::GetFlag(FLAGS_transport));
-  if (!node.ok()) return Fail("flags", node.status(), 2);
-  if (absl::Status s = cl::UseNodeStoreFromFlags(&*spec, &*node); !s.ok()) {
-    return Fail("flags", s, 2);
-  }
-  const cl::NodeSpec* self = &*node;
   uint64_t kv_budget = 0;
   if (!strata::ParseByteSize(absl::GetFlag(FLAGS_kv_budget), &kv_budget) || kv_budget == 0) {
     std::cerr << "strata-decode: --kv_budget: '" << absl::GetFlag(FLAGS_kv_budget)
@@ -102,36 +88,28 @@ int RunDecodeNode(int argc, char** argv, const TransportHook& hook) {
     std::cerr << "strata-decode: --listen_wait_s must be >= 0\n";
     return 2;
   }
-  const std::string listen =
-      absl::GetFlag(FLAGS_listen).empty() ? self->grpc : absl::GetFlag(FLAGS_listen);
+  cl::NodeStart n;
+  cl::NodeStartError failed;
+  if (!cl::StartNodeFromFlags({.process = "strata-decode",
+                               .role = cl::Role::kDecode,
+                               .transport = absl::GetFlag(FLAGS_transport),
+                               .local_ram_bytes = absl::GetFlag(FLAGS_local_ram_bytes)},
+                              &n, &failed)
+           .ok()) {
+    return Fail(failed.what, failed.status, failed.exit_code);
+  }
+  const cl::ClusterSpec* spec = &n.spec;
+  const cl::NodeSpec* self = &n.self;
+  const std::string& listen = n.listen;
+  const std::string& metrics_address = n.metrics;
+  const std::shared_ptr<const strata::kvstore::GrpcSecurity>* security = &n.security;
+  cl::ServedModel* served = &n.served;
+  cl::StoreConnection* store = &n.store;
   const std::string transport_address =
       absl::GetFlag(FLAGS_transport).empty() ? self->transport : absl::GetFlag(FLAGS_transport);
   if (absl::Status s = cl::ValidateHostPort(transport_address, "--transport"); !s.ok()) {
     return Fail("flags", s, 2);
   }
-  std::string metrics_address =
-      absl::GetFlag(FLAGS_metrics).empty() ? self->metrics : absl::GetFlag(FLAGS_metrics);
-  if (metrics_address == "off") metrics_address.clear();
-  cl::SetLogIdentity("strata-decode", self->id);
-  absl::StatusOr<std::shared_ptr<const strata::kvstore::GrpcSecurity>> security =
-      cl::NodeSecurityFromFlags();
-  if (!security.ok()) return Fail("flags", security.status(), 2);
-
-  absl::StatusOr<strata::model::Device> device = cl::NodeDeviceFromFlags();
-  if (!device.ok()) return Fail("flags", device.status(), 2);
-  absl::StatusOr<cl::ServedModel> served =
-      cl::LoadServedModel(spec->model, spec->calibration, *device);
-  if (!served.ok()) return Fail("model", served.status());
-
-  uint64_t local_bytes = 0;
-  if (!strata::ParseByteSize(absl::GetFlag(FLAGS_local_ram_bytes), &local_bytes)) {
-    std::cerr << "strata-decode: --local_ram_bytes: '" << absl::GetFlag(FLAGS_local_ram_bytes)
-              << "' is not a byte count (e.g. 0, 512M, 8G)\n";
-    return 2;
-  }
-  absl::StatusOr<cl::StoreConnection> store =
-      cl::ConnectStoreFromFlags(*spec, *security, local_bytes);
-  if (!store.ok()) return Fail("store", store.status());
 
   strata::transport::UcxTransportOptions to;
   const strata::HostPort tp = *strata::ParseHostPort(transport_address);  // validated above

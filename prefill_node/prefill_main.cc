@@ -56,20 +56,6 @@ int main(int argc, char** argv) {
       "a Strata prefill node.\n  strata-prefill --cluster cluster.json --node prefill-0");
   absl::ParseCommandLine(argc, argv);
   namespace cl = strata::cluster;
-  if (absl::GetFlag(FLAGS_cluster).empty() || absl::GetFlag(FLAGS_node).empty()) {
-    std::cerr << "strata-prefill: --cluster and --node are required (see --help)\n";
-    return 2;
-  }
-  absl::StatusOr<cl::ClusterSpec> spec = cl::LoadClusterFile(absl::GetFlag(FLAGS_cluster));
-  if (!spec.ok()) return Fail("cluster file", spec.status(), 2);
-  absl::StatusOr<cl::NodeSpec> node =
-      cl::SelfNode(*spec, absl::GetFlag(FLAGS_node), cl::Role::kPrefill,
-                   !absl::GetFlag(FLAGS_etcd).empty(), absl::GetFlag(FLAGS_listen), "");
-  if (!node.ok()) return Fail("flags", node.status(), 2);
-  if (absl::Status s = cl::UseNodeStoreFromFlags(&*spec, &*node); !s.ok()) {
-    return Fail("flags", s, 2);
-  }
-  const cl::NodeSpec* self = &*node;
   if (absl::GetFlag(FLAGS_max_concurrent) < 1 || absl::GetFlag(FLAGS_max_queued_tokens) < 1 ||
       absl::GetFlag(FLAGS_ship_timeout_ms) < 1) {
     std::cerr << "strata-prefill: --max_concurrent, --max_queued_tokens and --ship_timeout_ms "
@@ -80,33 +66,25 @@ int main(int argc, char** argv) {
     std::cerr << "strata-prefill: --max_queue_ms must be >= 0 and --measure_tokens >= -1\n";
     return 2;
   }
-  const std::string listen =
-      absl::GetFlag(FLAGS_listen).empty() ? self->grpc : absl::GetFlag(FLAGS_listen);
-  std::string metrics_address = absl::GetFlag(FLAGS_metrics).empty() ? self->metrics
-                                                                      : absl::GetFlag(FLAGS_metrics);
-  if (metrics_address == "off") metrics_address.clear();
-  cl::SetLogIdentity("strata-prefill", self->id);
-  absl::StatusOr<std::shared_ptr<const strata::kvstore::GrpcSecurity>> security =
-      cl::NodeSecurityFromFlags();
-  if (!security.ok()) return Fail("flags", security.status(), 2);
-
-  absl::StatusOr<strata::model::Device> device = cl::NodeDeviceFromFlags();
-  if (!device.ok()) return Fail("flags", device.status(), 2);
-  absl::StatusOr<cl::ServedModel> served =
-      cl::LoadServedModel(spec->model, spec->calibration, *device);
-  if (!served.ok()) return Fail("model", served.status());
-
-  // The node's own RAM tier (when asked for) in front of the shared store, served (Store service)
-  // on the node's gRPC port so that the router's prefix index knows what this node holds.
-  uint64_t local_bytes = 0;
-  if (!strata::ParseByteSize(absl::GetFlag(FLAGS_local_ram_bytes), &local_bytes)) {
-    std::cerr << "strata-prefill: --local_ram_bytes: '" << absl::GetFlag(FLAGS_local_ram_bytes)
-              << "' is not a byte count (e.g. 0, 512M, 8G)\n";
-    return 2;
+  cl::NodeStart n;
+  cl::NodeStartError failed;
+  if (!cl::StartNodeFromFlags({.process = "strata-prefill",
+                               .role = cl::Role::kPrefill,
+                               .local_ram_bytes = absl::GetFlag(FLAGS_local_ram_bytes)},
+                              &n, &failed)
+           .ok()) {
+    return Fail(failed.what, failed.status, failed.exit_code);
   }
-  absl::StatusOr<cl::StoreConnection> store =
-      cl::ConnectStoreFromFlags(*spec, *security, local_bytes);
-  if (!store.ok()) return Fail("store", store.status());
+  const cl::ClusterSpec* spec = &n.spec;
+  const cl::NodeSpec* self = &n.self;
+  const std::string& listen = n.listen;
+  const std::string& metrics_address = n.metrics;
+  const std::shared_ptr<const strata::kvstore::GrpcSecurity>* security = &n.security;
+  cl::ServedModel* served = &n.served;
+  cl::StoreConnection* store = &n.store;
+  const uint64_t local_bytes = n.local_ram_bytes;
+  // The node's own RAM tier (when asked for), served (Store service) on the node's gRPC port so
+  // that the router's prefix index knows what this node holds.
   std::unique_ptr<strata::kvstore::StoreService> local_service;
   if (store->local != nullptr) {
     local_service =
