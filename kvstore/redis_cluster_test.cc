@@ -82,14 +82,25 @@ class RedisClusterTest : public ::testing::Test {
                 const std::string& key) {
     RedisClusterProcess::Node* t = cluster_->Find(target);
     if (t == nullptr) return false;
-    cluster_->Cli(t->port, {"CLUSTER", "SETSLOT", absl::StrCat(slot), "NODE", target_id});
-    cluster_->Cli(t->port, {"CLUSTER", "BUMPEPOCH"});
-    for (const auto& n : cluster_->nodes()) {
-      if (n.pid > 0 && n.port != t->port) {
-        cluster_->Cli(n.port, {"CLUSTER", "SETSLOT", absl::StrCat(slot), "NODE", target_id});
+    // Told to every node, and told again every 2 s until they agree: gossip from a node that
+    // had not heard yet can undo the move on another (seen once under TSan on 2 busy cores).
+    auto tell = [&] {
+      cluster_->Cli(t->port, {"CLUSTER", "SETSLOT", absl::StrCat(slot), "NODE", target_id});
+      cluster_->Cli(t->port, {"CLUSTER", "BUMPEPOCH"});
+      for (const auto& n : cluster_->nodes()) {
+        if (n.pid > 0 && n.port != t->port) {
+          cluster_->Cli(n.port, {"CLUSTER", "SETSLOT", absl::StrCat(slot), "NODE", target_id});
+        }
       }
-    }
-    for (int i = 0; i < 200; ++i) {
+    };
+    tell();
+    const absl::Time deadline = absl::Now() + absl::Seconds(60);
+    absl::Time retell = absl::Now() + absl::Seconds(2);
+    while (absl::Now() < deadline) {
+      if (absl::Now() >= retell) {
+        tell();
+        retell = absl::Now() + absl::Seconds(2);
+      }
       bool agree = true;
       for (const auto& n : cluster_->nodes()) {
         if (n.pid <= 0) continue;
