@@ -1,9 +1,13 @@
 #include "cluster/node_flags.h"
 
+#include <algorithm>
+#include <iostream>
+
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
 #include "cluster/node_process.h"
 #include "common/byte_size.h"
+#include "common/host_port.h"
 #include "kvstore/shared_tier_flags.h"
 #include "model/cuda_plugin.h"
 
@@ -94,6 +98,41 @@ absl::Status StartNodeFromFlags(const NodeStartOptions& o, NodeStart* n, NodeSta
       ConnectStoreFromFlags(n->spec, n->security, n->local_ram_bytes);
   if (!store.ok()) return fail("store", store.status(), 1);
   n->store = *std::move(store);
+  return absl::OkStatus();
+}
+
+absl::Status ServeNode(const NodeStart& n, const char* process,
+                       const std::vector<grpc::Service*>& services,
+                       const std::shared_ptr<prometheus::Registry>& registry,
+                       const std::string& transport,
+                       const std::function<std::string(int port)>& serving_line, NodeServing* out,
+                       NodeStartError* error) {
+  auto fail = [&](const char* what, absl::Status s) {
+    error->what = what;
+    error->status = s;
+    error->exit_code = 1;
+    return s;
+  };
+  absl::StatusOr<std::unique_ptr<grpc::Server>> server =
+      StartGrpcServer(services, n.listen, *n.security, &out->port);
+  if (!server.ok()) return fail("gRPC", server.status());
+  out->server = *std::move(server);
+  if (!n.metrics.empty()) {
+    absl::StatusOr<std::unique_ptr<prometheus::Exposer>> e = StartMetrics(n.metrics, registry);
+    if (!e.ok()) return fail("metrics", e.status());
+    out->metrics = *std::move(e);
+  }
+  Log("", serving_line(out->port));
+  NodeSpec announce = n.self;
+  announce.grpc = JoinHostPort(ParseHostPort(n.listen)->host, out->port);
+  announce.metrics = n.metrics;
+  if (!transport.empty()) announce.transport = transport;
+  absl::StatusOr<std::unique_ptr<EtcdRegistration>> registration =
+      RegisterWithEtcd(absl::GetFlag(FLAGS_etcd), absl::GetFlag(FLAGS_etcd_prefix), announce,
+                       absl::Seconds(std::max(1, absl::GetFlag(FLAGS_etcd_ttl_s))));
+  if (!registration.ok()) return fail("etcd", registration.status());
+  out->registration = *std::move(registration);
+  std::cout << process << ": serving on port " << out->port << std::endl;
   return absl::OkStatus();
 }
 

@@ -5,8 +5,10 @@
 // Flags whose meaning differs by role stay in each main.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/flags/declare.h"
 #include "absl/status/statusor.h"
@@ -68,6 +70,25 @@ struct NodeStartError {
 };
 absl::Status StartNodeFromFlags(const NodeStartOptions& options, NodeStart* out,
                                 NodeStartError* error);
+
+// The serving every node shares once its services exist: `services` on the node's gRPC address,
+// `registry` on its /metrics address, the node's line in the log (`serving_line`, given the
+// bound port), its entry registered in etcd (with --etcd: the bound port, the metrics address and
+// `transport`, a decode node's block address), and "PROCESS: serving on port N" on stdout.
+// Registered last, so that a router following etcd finds a node that answers; destroying the
+// registration first when stopping deregisters it before anything else goes.
+struct NodeServing {
+  int port = 0;
+  std::unique_ptr<grpc::Server> server;
+  std::unique_ptr<prometheus::Exposer> metrics;
+  std::unique_ptr<EtcdRegistration> registration;
+};
+absl::Status ServeNode(const NodeStart& n, const char* process,
+                       const std::vector<grpc::Service*>& services,
+                       const std::shared_ptr<prometheus::Registry>& registry,
+                       const std::string& transport,
+                       const std::function<std::string(int port)>& serving_line, NodeServing* out,
+                       NodeStartError* error);
 
 // ConnectStore with the node's --shared_tier flags (kvstore/shared_tier_flags.h, the store's and
 // the router's too): with them, the store fails over to the shared tier while it cannot answer.

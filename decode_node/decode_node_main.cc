@@ -98,15 +98,8 @@ int RunDecodeNode(int argc, char** argv, const TransportHook& hook) {
            .ok()) {
     return Fail(failed.what, failed.status, failed.exit_code);
   }
-  const cl::ClusterSpec* spec = &n.spec;
-  const cl::NodeSpec* self = &n.self;
-  const std::string& listen = n.listen;
-  const std::string& metrics_address = n.metrics;
-  const std::shared_ptr<const strata::kvstore::GrpcSecurity>* security = &n.security;
-  cl::ServedModel* served = &n.served;
-  cl::StoreConnection* store = &n.store;
   const std::string transport_address =
-      absl::GetFlag(FLAGS_transport).empty() ? self->transport : absl::GetFlag(FLAGS_transport);
+      absl::GetFlag(FLAGS_transport).empty() ? n.self.transport : absl::GetFlag(FLAGS_transport);
   if (absl::Status s = cl::ValidateHostPort(transport_address, "--transport"); !s.ok()) {
     return Fail("flags", s, 2);
   }
@@ -145,25 +138,25 @@ int RunDecodeNode(int argc, char** argv, const TransportHook& hook) {
   }
 
   strata::decode::DecodeEngineOptions eo;
-  eo.format = cl::FormatOf(*spec, *served);
+  eo.format = cl::FormatOf(n.spec, n.served);
   eo.max_batch = static_cast<uint32_t>(absl::GetFlag(FLAGS_max_batch));
   eo.kv_budget_bytes = kv_budget;
   eo.max_waiting = static_cast<uint32_t>(absl::GetFlag(FLAGS_max_waiting));
   eo.kv_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_kv_timeout_ms));
   eo.put_to_store = absl::GetFlag(FLAGS_put_to_store);
   absl::StatusOr<std::unique_ptr<strata::decode::DecodeEngine>> engine =
-      strata::decode::DecodeEngine::Create(eo, served->model.get(), served->tokenizer.get(),
-                                           receiving, store->blocks());
+      strata::decode::DecodeEngine::Create(eo, n.served.model.get(), n.served.tokenizer.get(),
+                                           receiving, n.store.blocks());
   if (!engine.ok()) return Fail("engine", engine.status(), 2);
 
   // The router reserves KV by this estimate: the codec's exact block size per token.
-  const strata::model::ModelConfig& config = served->model->config();
+  const strata::model::ModelConfig& config = n.served.model->config();
   double bits = 16;
   if (absl::StatusOr<std::unique_ptr<strata::kernels::Codec>> codec =
-          strata::kernels::Codec::Create(spec->codec, served->calibration);
+          strata::kernels::Codec::Create(n.spec.codec, n.served.calibration);
       codec.ok()) {
     if (absl::StatusOr<double> b =
-            (*codec)->BitsPerElement(spec->chunk_tokens, config.num_kv_heads, config.head_dim);
+            (*codec)->BitsPerElement(n.spec.chunk_tokens, config.num_kv_heads, config.head_dim);
         b.ok()) {
       bits = *b;
     }
@@ -173,22 +166,29 @@ int RunDecodeNode(int argc, char** argv, const TransportHook& hook) {
 
   auto registry = std::make_shared<prometheus::Registry>();
   strata::decode::DecodeService service(engine->get(),
-                                        {.node_id = self->id,
-                                         .model_name = served->name,
+                                        {.node_id = n.self.id,
+                                         .model_name = n.served.name,
                                          .incarnation = cl::NewIncarnation(),
                                          .kv_bytes_per_token = kv_bytes_per_token},
                                         registry.get());
-  int port = 0;
-  absl::StatusOr<std::unique_ptr<grpc::Server>> server =
-      cl::StartGrpcServer(&service, listen, **security, &port);
-  if (!server.ok()) return Fail("gRPC", server.status());
-  std::unique_ptr<prometheus::Exposer> exposer;
-  if (!metrics_address.empty()) {
-    absl::StatusOr<std::unique_ptr<prometheus::Exposer>> e =
-        cl::StartMetrics(metrics_address, registry);
-    if (!e.ok()) return Fail("metrics", e.status());
-    exposer = *std::move(e);
+  service.Refresh();  // the load routers read from the first call on
+  cl::NodeServing serving;
+  if (!cl::ServeNode(
+           n, "strata-decode", {&service}, registry, (*transport)->address(),
+           [&](int port) {
+             return absl::StrCat(
+                 "serving ", n.served.name, " (codec ", n.spec.codec, ", ",
+                 absl::StrFormat("%.0f", kv_bytes_per_token), " KV bytes/token) on port ", port,
+                 "; blocks arrive at ", (*transport)->address(), "; store ",
+                 n.spec.store.empty() ? "none" : n.spec.store, "; metrics ",
+                 n.metrics.empty() ? "off" : n.metrics, "; ",
+                 n.security->insecure() ? "INSECURE (--insecure)" : n.security->Describe());
+           },
+           &serving, &failed)
+           .ok()) {
+    return Fail(failed.what, failed.status, failed.exit_code);
   }
+  // The load the routers poll, kept fresh.
   std::atomic<bool> stop{false};
   std::thread refresher([&] {
     while (!stop.load()) {
@@ -196,24 +196,6 @@ int RunDecodeNode(int argc, char** argv, const TransportHook& hook) {
       std::this_thread::sleep_for(std::chrono::milliseconds(500));
     }
   });
-  cl::Log("", absl::StrCat(
-                  "serving ", served->name, " (codec ", spec->codec, ", ",
-                  absl::StrFormat("%.0f", kv_bytes_per_token), " KV bytes/token) on port ", port,
-                  "; blocks arrive at ", (*transport)->address(), "; store ",
-                  spec->store.empty() ? "none" : spec->store, "; metrics ",
-                  metrics_address.empty() ? "off" : metrics_address, "; ",
-                  (*security)->insecure() ? "INSECURE (--insecure)" : (*security)->Describe()));
-  // Registered once serving (a router that follows etcd then finds a node that answers), and
-  // deregistered first when stopping (routers stop choosing it before it goes).
-  cl::NodeSpec announce = *self;
-  announce.grpc = strata::JoinHostPort(strata::ParseHostPort(listen)->host, port);
-  announce.metrics = metrics_address;
-  announce.transport = (*transport)->address();
-  absl::StatusOr<std::unique_ptr<cl::EtcdRegistration>> registration =
-      cl::RegisterWithEtcd(absl::GetFlag(FLAGS_etcd), absl::GetFlag(FLAGS_etcd_prefix), announce,
-                           absl::Seconds(std::max(1, absl::GetFlag(FLAGS_etcd_ttl_s))));
-  if (!registration.ok()) return Fail("etcd", registration.status());
-  std::cout << "strata-decode: serving on port " << port << std::endl;
   const int sig = cl::WaitForTermination();
   // Drain: deregistered (routers following etcd drop it), reported `draining` to the routers that
   // poll it, new requests refused (routed elsewhere); running sequences finish, or are handed
@@ -221,7 +203,7 @@ int RunDecodeNode(int argc, char** argv, const TransportHook& hook) {
   const absl::Duration drain = absl::Seconds(std::max(0, absl::GetFlag(FLAGS_drain_timeout_s)));
   cl::Log("", absl::StrCat("signal ", sig, ": draining for up to ", absl::FormatDuration(drain),
                            " (a second signal hands off at once)"));
-  registration->reset();
+  serving.registration.reset();
   std::atomic<bool> drained{false};
   uint64_t handed_off = 0;
   std::thread drainer([&] {
@@ -240,7 +222,7 @@ int RunDecodeNode(int argc, char** argv, const TransportHook& hook) {
                            " at the deadline); stopping"));
   service.Refresh();
   service.Stop();  // open streams end with UNAVAILABLE: their clients learn at once
-  (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  serving.server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   stop = true;
   refresher.join();
   engine->reset();

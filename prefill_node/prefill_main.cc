@@ -75,22 +75,14 @@ int main(int argc, char** argv) {
            .ok()) {
     return Fail(failed.what, failed.status, failed.exit_code);
   }
-  const cl::ClusterSpec* spec = &n.spec;
-  const cl::NodeSpec* self = &n.self;
-  const std::string& listen = n.listen;
-  const std::string& metrics_address = n.metrics;
-  const std::shared_ptr<const strata::kvstore::GrpcSecurity>* security = &n.security;
-  cl::ServedModel* served = &n.served;
-  cl::StoreConnection* store = &n.store;
-  const uint64_t local_bytes = n.local_ram_bytes;
   // The node's own RAM tier (when asked for), served (Store service) on the node's gRPC port so
   // that the router's prefix index knows what this node holds.
   std::unique_ptr<strata::kvstore::StoreService> local_service;
-  if (store->local != nullptr) {
+  if (n.store.local != nullptr) {
     local_service =
-        std::make_unique<strata::kvstore::StoreService>(store->local.get(), size_t{64} << 20);
+        std::make_unique<strata::kvstore::StoreService>(n.store.local.get(), size_t{64} << 20);
   }
-  strata::kvstore::BlockSource* blocks = store->blocks();
+  strata::kvstore::BlockSource* blocks = n.store.blocks();
 
   strata::transport::UcxTransportOptions to;
   to.listen_host = "";  // a prefill node only connects to decode nodes
@@ -100,18 +92,18 @@ int main(int argc, char** argv) {
   if (!transport.ok()) return Fail("UCX transport", transport.status());
 
   strata::prefill::PrefillEngineOptions eo;
-  eo.format = cl::FormatOf(*spec, *served);
+  eo.format = cl::FormatOf(n.spec, n.served);
   eo.max_concurrent = absl::GetFlag(FLAGS_max_concurrent);
   eo.max_queued_tokens = static_cast<uint64_t>(absl::GetFlag(FLAGS_max_queued_tokens));
   eo.max_queue_time = absl::Milliseconds(absl::GetFlag(FLAGS_max_queue_ms));
   eo.ship_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_ship_timeout_ms));
   eo.put_to_store = absl::GetFlag(FLAGS_put_to_store);
   absl::StatusOr<std::unique_ptr<strata::prefill::PrefillEngine>> engine =
-      strata::prefill::PrefillEngine::Create(eo, served->model.get(), transport->get(), blocks);
+      strata::prefill::PrefillEngine::Create(eo, n.served.model.get(), transport->get(), blocks);
   if (!engine.ok()) return Fail("engine", engine.status(), 2);
   const int measure = absl::GetFlag(FLAGS_measure_tokens);
   if (measure != 0) {
-    const uint32_t tokens = measure < 0 ? spec->chunk_tokens : static_cast<uint32_t>(measure);
+    const uint32_t tokens = measure < 0 ? n.spec.chunk_tokens : static_cast<uint32_t>(measure);
     if (absl::Status s = (*engine)->MeasureThroughput(tokens); !s.ok()) {
       return Fail("measuring the prefill rate", s);
     }
@@ -122,47 +114,33 @@ int main(int argc, char** argv) {
   }
 
   auto registry = std::make_shared<prometheus::Registry>();
-  strata::prefill::PrefillService service(
-      engine->get(),
-      {.node_id = self->id,
-       .model_name = served->name,
-       .incarnation = cl::NewIncarnation(),
-       .local_tier_bytes = local_bytes},
-      registry.get());
-  int port = 0;
-  absl::StatusOr<std::unique_ptr<grpc::Server>> server =
-      cl::StartGrpcServer({&service, local_service.get()}, listen, **security, &port);
-  if (!server.ok()) return Fail("gRPC", server.status());
-  std::unique_ptr<prometheus::Exposer> exposer;
-  if (!metrics_address.empty()) {
-    absl::StatusOr<std::unique_ptr<prometheus::Exposer>> e =
-        cl::StartMetrics(metrics_address, registry);
-    if (!e.ok()) return Fail("metrics", e.status());
-    exposer = *std::move(e);
+  strata::prefill::PrefillService service(engine->get(),
+                                          {.node_id = n.self.id,
+                                           .model_name = n.served.name,
+                                           .incarnation = cl::NewIncarnation(),
+                                           .local_tier_bytes = n.local_ram_bytes},
+                                          registry.get());
+  cl::NodeServing serving;
+  if (!cl::ServeNode(
+           n, "strata-prefill", {&service, local_service.get()}, registry, "",
+           [&](int port) {
+             return absl::StrCat(
+                 "serving ", n.served.name, " (codec ", n.spec.codec, ", chunk ",
+                 n.spec.chunk_tokens, ") on port ", port, "; store ",
+                 n.spec.store.empty() ? "none" : n.spec.store, "; local tier ",
+                 n.local_ram_bytes > 0 ? absl::StrCat(n.local_ram_bytes >> 20, " MiB") : "none",
+                 "; metrics ", n.metrics.empty() ? "off" : n.metrics, "; ",
+                 n.security->insecure() ? "INSECURE (--insecure)" : n.security->Describe());
+           },
+           &serving, &failed)
+           .ok()) {
+    return Fail(failed.what, failed.status, failed.exit_code);
   }
-  cl::Log("", absl::StrCat("serving ", served->name, " (codec ", spec->codec, ", chunk ",
-                           spec->chunk_tokens, ") on port ", port, "; store ",
-                           spec->store.empty() ? "none" : spec->store, "; local tier ",
-                           local_bytes > 0 ? absl::StrCat(local_bytes >> 20, " MiB") : "none",
-                           "; metrics ",
-                           metrics_address.empty() ? "off" : metrics_address, "; ",
-                           (*security)->insecure() ? "INSECURE (--insecure)"
-                                                   : (*security)->Describe()));
-  // Registered once serving (a router that follows etcd then finds a node that answers), and
-  // deregistered first when stopping (routers stop choosing it before it goes).
-  cl::NodeSpec announce = *self;
-  announce.grpc = strata::JoinHostPort(strata::ParseHostPort(listen)->host, port);
-  announce.metrics = metrics_address;
-  absl::StatusOr<std::unique_ptr<cl::EtcdRegistration>> registration =
-      cl::RegisterWithEtcd(absl::GetFlag(FLAGS_etcd), absl::GetFlag(FLAGS_etcd_prefix), announce,
-                           absl::Seconds(std::max(1, absl::GetFlag(FLAGS_etcd_ttl_s))));
-  if (!registration.ok()) return Fail("etcd", registration.status());
-  std::cout << "strata-prefill: serving on port " << port << std::endl;
   const int sig = cl::WaitForTermination();
   const absl::Duration drain = absl::Seconds(std::max(0, absl::GetFlag(FLAGS_drain_timeout_s)));
   cl::Log("", absl::StrCat("signal ", sig, ": draining for up to ", absl::FormatDuration(drain),
                            " (a second signal stops at once)"));
-  registration->reset();
+  serving.registration.reset();
   service.StartDraining();
   for (const absl::Time deadline = absl::Now() + drain;
        service.active() > 0 && absl::Now() < deadline;) {
@@ -171,7 +149,7 @@ int main(int argc, char** argv) {
   cl::Log("", absl::StrCat("drained (", service.active(), " requests left); stopping"));
   // Requests under way get a few seconds to finish; the rest are cancelled (their decode nodes
   // are told to drop them by the engine's abort shipment).
-  (*server)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  serving.server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
   engine->reset();
   std::cout << "strata-prefill: stopped" << std::endl;
   return 0;
