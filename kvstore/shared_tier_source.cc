@@ -10,8 +10,8 @@
 namespace strata::kvstore {
 namespace {
 
-// Prefix keys remembered for Get: a request's chain is looked up just before its blocks are read,
-// so a modest number covers every request in flight.
+// Prefix keys remembered for Get, per generation: a request's chain is looked up just before its
+// blocks are read, so two generations of this many cover every request in flight.
 constexpr size_t kMaxRemembered = 1 << 16;
 
 }  // namespace
@@ -20,14 +20,18 @@ SharedTierBlockSource::SharedTierBlockSource(SharedTierOptions options, absl::Du
     : options_(std::move(options)), retry_after_(retry_after) {}
 
 absl::StatusOr<SharedTier*> SharedTierBlockSource::Tier() {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (tier_ != nullptr) return tier_.get();
-  if (absl::Now() < next_attempt_) {
-    return absl::UnavailableError(
-        absl::StrCat("shared tier: not connected (", last_error_.message(), ")"));
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (tier_ != nullptr) return tier_.get();
+    if (connecting_ || absl::Now() < next_attempt_) {
+      return absl::UnavailableError(absl::StrCat(
+          "shared tier: not connected (", connecting_ ? "connecting" : last_error_.message(), ")"));
+    }
+    connecting_ = true;  // this caller connects; the others are told so meanwhile
   }
-  // One attempt at a time, under the lock: callers meanwhile wait for its outcome.
   absl::StatusOr<std::unique_ptr<SharedTier>> t = SharedTier::Connect(options_);
+  std::lock_guard<std::mutex> lock(mu_);
+  connecting_ = false;
   if (!t.ok()) {
     last_error_ = t.status();
     next_attempt_ = absl::Now() + retry_after_;
@@ -43,8 +47,11 @@ SharedTier* SharedTierBlockSource::tier() {
 }
 
 void SharedTierBlockSource::Remember(const BlockHash& key, uint32_t chunk) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (chunk_of_.size() >= kMaxRemembered) chunk_of_.clear();
+  std::lock_guard<std::mutex> lock(keys_mu_);
+  if (chunk_of_.size() >= kMaxRemembered) {
+    older_ = std::move(chunk_of_);
+    chunk_of_.clear();
+  }
   chunk_of_[key] = chunk;
 }
 
@@ -81,14 +88,16 @@ absl::StatusOr<uint32_t> SharedTierBlockSource::Lookup(
 absl::StatusOr<SharedBytes> SharedTierBlockSource::Get(const BlockName& name) {
   uint32_t chunk = 0;
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = chunk_of_.find(name.key);
-    if (it == chunk_of_.end()) {
+    std::lock_guard<std::mutex> lock(keys_mu_);
+    if (auto it = chunk_of_.find(name.key); it != chunk_of_.end()) {
+      chunk = it->second;
+    } else if (auto old = older_.find(name.key); old != older_.end()) {
+      chunk = old->second;
+    } else {
       return absl::NotFoundError(absl::StrCat("shared tier: ", name.ToString(),
                                               " was not looked up (its chunk index is "
                                               "unknown)"));
     }
-    chunk = it->second;
   }
   absl::StatusOr<SharedTier*> tier = Tier();
   if (!tier.ok()) return tier.status();

@@ -5,8 +5,9 @@
 // from its first chunk while every layer's block is in Redis; Get reads a block Lookup found
 // (the tier needs the chunk's index, to check the block and renew its TTL: a name no Lookup
 // walked is a miss); Put writes through. It connects lazily, and after a failed attempt tries
-// again no sooner than `retry_after`, so a node whose Redis is away too pays one short attempt
-// now and then, not one per request.
+// again no sooner than `retry_after`, so a node whose Redis is away too pays one attempt now and
+// then, not one per request; while one caller's attempt runs (seconds, when Redis does not
+// answer), the others are told UNAVAILABLE at once rather than wait for it.
 //
 // FailoverBlockSource puts a primary (the host's store) in front of a fallback (the shared tier):
 // each call goes to the primary, and to the fallback only when the primary cannot answer
@@ -54,12 +55,19 @@ class SharedTierBlockSource final : public BlockSource {
 
   const SharedTierOptions options_;
   const absl::Duration retry_after_;
+  // The connection. An attempt runs without the lock (it may take seconds when Redis is away);
+  // callers meanwhile are told UNAVAILABLE at once.
   std::mutex mu_;
   std::unique_ptr<SharedTier> tier_;                // guarded by mu_ (set once)
+  bool connecting_ = false;                         // guarded by mu_
   absl::Time next_attempt_ = absl::InfinitePast();  // guarded by mu_
   absl::Status last_error_;                         // guarded by mu_
-  // Chunk index of each prefix key a Lookup walked, for Get (bounded: cleared when full).
-  absl::flat_hash_map<BlockHash, uint32_t> chunk_of_;  // guarded by mu_
+  // Chunk index of each prefix key a Lookup walked (or a Put wrote), for Get. Bounded by two
+  // generations: when the current one fills it becomes the previous one, so a request between
+  // its Lookup and its Gets keeps its entries.
+  std::mutex keys_mu_;
+  absl::flat_hash_map<BlockHash, uint32_t> chunk_of_;  // guarded by keys_mu_
+  absl::flat_hash_map<BlockHash, uint32_t> older_;     // guarded by keys_mu_
 };
 
 class FailoverBlockSource final : public BlockSource {
