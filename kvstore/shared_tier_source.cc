@@ -1,5 +1,6 @@
 #include "kvstore/shared_tier_source.h"
 
+#include <algorithm>
 #include <utility>
 #include <vector>
 
@@ -60,27 +61,35 @@ absl::StatusOr<uint32_t> SharedTierBlockSource::Lookup(
     absl::Span<const uint64_t> layer_codec_fingerprints) {
   absl::StatusOr<SharedTier*> tier = Tier();
   if (!tier.ok()) return tier.status();
+  // Every layer of up to kChunksPerCall chunks in one pipelined call, from the first chunk: a
+  // chunk counts only when its whole prefix does, so the walk stops at the first one missing.
+  constexpr uint32_t kChunksPerCall = 64;
+  const uint32_t layers = static_cast<uint32_t>(layer_codec_fingerprints.size());
+  if (layers == 0) return 0u;
   uint32_t found = 0;
-  // A chunk at a time (every layer pipelined), from the first: a chunk counts only when its whole
-  // prefix does.
-  for (uint32_t c = 0; c < chain.size(); ++c) {
+  for (uint32_t first = 0; first < chain.size(); first += kChunksPerCall) {
+    const uint32_t end = std::min<uint32_t>(static_cast<uint32_t>(chain.size()),
+                                            first + kChunksPerCall);
     std::vector<SharedTier::Key> keys;
-    for (uint32_t l = 0; l < layer_codec_fingerprints.size(); ++l) {
-      BlockName n = prefix;
-      n.key = chain[c];
-      n.layer = l;
-      n.codec_fingerprint = layer_codec_fingerprints[l];
-      keys.push_back({.name = n, .chunk_index = c});
+    for (uint32_t c = first; c < end; ++c) {
+      for (uint32_t l = 0; l < layers; ++l) {
+        BlockName n = prefix;
+        n.key = chain[c];
+        n.layer = l;
+        n.codec_fingerprint = layer_codec_fingerprints[l];
+        keys.push_back({.name = n, .chunk_index = c});
+      }
     }
     const std::vector<absl::StatusOr<bool>> present = (*tier)->Contains(keys);
-    bool all = !keys.empty();
-    for (const absl::StatusOr<bool>& p : present) {
-      if (!p.ok()) return c == 0 ? p.status() : absl::StatusOr<uint32_t>(found);
-      all = all && *p;
+    for (uint32_t c = first; c < end; ++c) {
+      for (uint32_t l = 0; l < layers; ++l) {
+        const absl::StatusOr<bool>& p = present[(c - first) * layers + l];
+        if (!p.ok()) return c == 0 ? absl::StatusOr<uint32_t>(p.status()) : found;
+        if (!*p) return found;
+      }
+      Remember(chain[c], c);
+      found = c + 1;
     }
-    if (!all) break;
-    Remember(chain[c], c);
-    found = c + 1;
   }
   return found;
 }
