@@ -27,7 +27,8 @@ case "${1:-}" in
     "$python" -c "import torch; assert torch.cuda.is_available(), 'no GPU'" ||
       { echo "second_model.sh: train wants PyTorch with a GPU (STRATA_TRAIN_PYTHON names its python)" >&2; exit 2; }
     "$python" tools/train_model.py --out "$out" --preset strata-small --data "$data" \
-      --device cuda --minutes "$minutes" --dtype BF16 --batch 32
+      --device cuda --minutes "$minutes" --dtype BF16 --batch 32 --lr 1.5e-3 \
+      --long-seq-len 4096 --long-fraction 0.2
     ;;
   check)
     dir="${2:?check DIR}"

@@ -25,6 +25,7 @@ seen, held-out perplexity), README.md (the model card).
 """
 import argparse
 import collections
+import contextlib
 import gzip
 import hashlib
 import json
@@ -472,11 +473,13 @@ def build_model(cfg):
             q, k = rope(q, pos), rope(k, pos)
             k = k.repeat_interleave(H // KV, dim=1)
             v = v.repeat_interleave(H // KV, dim=1)
-            # Causal attention, written out (Debian's PyTorch 1.13 has no SDPA).
-            s = (q @ k.transpose(-1, -2)) / math.sqrt(D)
-            s = s.masked_fill(torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1),
-                              float("-inf"))
-            a = torch.softmax(s.float(), -1).to(q.dtype) @ v
+            if hasattr(F, "scaled_dot_product_attention"):  # PyTorch >= 2: a fused kernel
+                a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            else:  # causal attention, written out (Debian's PyTorch 1.13 has no SDPA)
+                s = (q @ k.transpose(-1, -2)) / math.sqrt(D)
+                s = s.masked_fill(torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1),
+                                  float("-inf"))
+                a = torch.softmax(s.float(), -1).to(q.dtype) @ v
             x = x + self.o_proj(a.transpose(1, 2).reshape(B, T, H * D))
             h = self.post_attention_layernorm(x)
             return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
@@ -816,6 +819,15 @@ def main():
 
     device = torch.device(args.device)
     model = build_model(cfg).to(device)
+    # On a GPU: the matrix products in bf16 (the weights and the optimizer stay fp32) and fp32
+    # products on TF32 tensor cores; the token stream lives on the device.
+    on_gpu = device.type == "cuda"
+    if on_gpu:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        train_ids = train_ids.to(device)
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if on_gpu else (
+        lambda: contextlib.nullcontext())
     n_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
                             weight_decay=0.1)
@@ -823,9 +835,9 @@ def main():
 
     def batch(ids, n, seq_len):
         starts = torch.randint(0, len(ids) - seq_len - 1, (n,), generator=gen)
-        x = torch.stack([ids[s:s + seq_len] for s in starts])
-        y = torch.stack([ids[s + 1:s + seq_len + 1] for s in starts])
-        return x.to(device), y.to(device)
+        at = starts.to(ids.device)[:, None] + torch.arange(seq_len + 1, device=ids.device)
+        window = ids[at]
+        return window[:, :-1].to(device), window[:, 1:].to(device)
 
     eval_len = args.long_seq_len or seq_len
 
@@ -836,8 +848,10 @@ def main():
         for w in range(min(max_windows, (len(held_ids) - 1) // eval_len)):
             x = held_ids[w * eval_len:(w + 1) * eval_len][None].to(device)
             y = held_ids[w * eval_len + 1:(w + 1) * eval_len + 1][None].to(device)
+            with autocast():
+                logits = model(x)
             losses.append(torch.nn.functional.cross_entropy(
-                model(x).flatten(0, 1), y.flatten()).item())
+                logits.float().flatten(0, 1), y.flatten()).item())
         model.train()
         return math.exp(sum(losses) / len(losses))
 
@@ -859,7 +873,9 @@ def main():
                          args.long_seq_len)
         else:
             x, y = batch(train_ids, args.batch, seq_len)
-        loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        with autocast():
+            logits = model(x)
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
