@@ -559,6 +559,35 @@ def write_safetensors(path, tensors, dtype):
             f.write(b)
 
 
+def read_safetensors(path):
+    """{name: float32 tensor} of a safetensors file write_safetensors wrote (F16, BF16, F32)."""
+    import numpy as np
+    import torch
+    with open(path, "rb") as f:
+        raw = f.read()
+    if len(raw) < 8:
+        raise ValueError(f"{path}: shorter than a safetensors header")
+    n = struct.unpack("<Q", raw[:8])[0]
+    if 8 + n > len(raw):
+        raise ValueError(f"{path}: header length {n} runs past the file ({len(raw)} bytes)")
+    header, base, out = json.loads(raw[8:8 + n]), 8 + n, {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        a, b = meta["data_offsets"]
+        if not 0 <= a <= b <= len(raw) - base:
+            raise ValueError(f"{path}: {name}'s data [{a}, {b}) is outside the file")
+        buf = raw[base + a:base + b]
+        if meta["dtype"] == "BF16":
+            arr = (np.frombuffer(buf, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+        elif meta["dtype"] in ("F16", "F32"):
+            arr = np.frombuffer(buf, dtype=np.float16 if meta["dtype"] == "F16" else np.float32)
+        else:
+            raise ValueError(f"{path}: {name} has dtype {meta['dtype']}, not a weight's")
+        out[name] = torch.from_numpy(arr.astype(np.float32).reshape(meta["shape"]))
+    return out
+
+
 MODEL_CARD = """# {name}
 
 A small Llama-architecture language model trained by Strata's own `tools/train_model.py`, so that
@@ -570,8 +599,8 @@ Strata runs end to end on a laptop-class CPU with a model whose KV cache is real
 | parameters | {params:,} ({mib:.1f} MiB at {dtype}) |
 | shape | {layers} layers, hidden {hidden}, {heads} query heads over {kv} KV heads, head dim {head_dim}, SwiGLU {ffn}, RoPE theta {theta:g}, context {ctx} |
 | tokenizer | byte-level BPE, {vocab} tokens, trained by the script on the training split |
-| data | {docs} documents from Debian's /usr/share/doc (READMEs, .txt/.md/.rst), GNU info manuals and English manual pages, kept when mostly prose (the Google Cloud SDK's generated per-command pages left out): {train_chars:,} training and {held_chars:,} held-out characters ({train_tokens:,} / {held_tokens:,} tokens); held-out documents chosen by a hash of their path, never trained on; calibration.txt (for codecs that calibrate) is training-split text |
-| training | {steps} steps of batch {batch} x {seq} tokens{long} ({tokens:,} tokens seen), AdamW, peak lr {lr:g}, cosine schedule, {minutes:.1f} min on {device}, PyTorch {torch}, seed {seed} |
+| data | {docs} documents from Debian's /usr/share/doc (READMEs, .txt/.md/.rst), GNU info manuals and English manual pages, kept when mostly prose (the Google Cloud SDK's generated per-command pages left out){dict_note} (corpus `{corpus}`): {train_chars:,} training and {held_chars:,} held-out characters ({train_tokens:,} / {held_tokens:,} tokens); held-out documents chosen by a hash of their path, never trained on; calibration.txt (for codecs that calibrate) is training-split text |
+| training | {steps} steps of batch {batch} x {seq} tokens{long}{bos} ({tokens:,} tokens seen), AdamW, peak lr {lr:g}, cosine schedule, {minutes:.1f} min on {device}, PyTorch {torch}, seed {seed}{init} |
 | loss | {first:.3f} at the first logged step, {last:.3f} at the last (curve in train_log.json) |
 | held-out perplexity | {ppl:.2f} (windows of {eval_len} tokens) |
 
@@ -769,6 +798,12 @@ def main():
                          "data to OUT (data.json, tokenizer.json, train.u16.xz, heldout.u16, "
                          "heldout.txt, calibration.txt) and stop; needs no PyTorch. A GPU "
                          "machine without Debian's documentation trains from it (--data)")
+    ap.add_argument("--init", default="",
+                    help="start from the weights of a model this script exported to this folder "
+                         "(same preset) instead of a random initialization: a second phase")
+    ap.add_argument("--bos-windows", action="store_true",
+                    help="every training window begins with <|begin_of_text|> (as every prompt "
+                         "Strata serves does), so position 0 is always the same token")
     ap.add_argument("--data", default="",
                     help="train from what --prepare-only wrote in this folder instead of "
                          "collecting the corpus here")
@@ -818,7 +853,26 @@ def main():
           flush=True)
 
     device = torch.device(args.device)
-    model = build_model(cfg).to(device)
+    model = build_model(cfg)
+    init_note = ""
+    if args.init:
+        weights = read_safetensors(os.path.join(args.init, "model.safetensors"))
+        names = list(hf_state_dict(model).keys())
+        missing = [n for n in names if n not in weights]
+        if missing:
+            raise SystemExit(f"--init {args.init}: its model.safetensors lacks {missing[0]} "
+                             f"(and {len(missing) - 1} more): not a {args.preset} model")
+        model.load_state_dict({k: weights[n] for k, n in zip(model.state_dict().keys(), names)})
+        init_note = f"; continued from {args.init}"
+        try:
+            with open(os.path.join(args.init, "train_log.json")) as f:
+                prior = json.load(f)
+            init_note += (f" (itself {prior['steps']} steps, {prior['tokens_seen']:,} tokens"
+                          f"{', ' + prior['init'] if prior.get('init') else ''})")
+        except (OSError, KeyError, ValueError):
+            pass
+        print(f"initialized from {args.init}", flush=True)
+    model = model.to(device)
     # On a GPU: the matrix products in bf16 (the weights and the optimizer stay fp32) and fp32
     # products on TF32 tensor cores; the token stream lives on the device.
     on_gpu = device.type == "cuda"
@@ -837,6 +891,9 @@ def main():
         starts = torch.randint(0, len(ids) - seq_len - 1, (n,), generator=gen)
         at = starts.to(ids.device)[:, None] + torch.arange(seq_len + 1, device=ids.device)
         window = ids[at]
+        if args.bos_windows:  # <|begin_of_text|>, then seq_len tokens of the stream
+            window = torch.cat([torch.full((n, 1), bos, dtype=window.dtype,
+                                           device=window.device), window[:, :-1]], 1)
         return window[:, :-1].to(device), window[:, 1:].to(device)
 
     eval_len = args.long_seq_len or seq_len
@@ -848,6 +905,10 @@ def main():
         for w in range(min(max_windows, (len(held_ids) - 1) // eval_len)):
             x = held_ids[w * eval_len:(w + 1) * eval_len][None].to(device)
             y = held_ids[w * eval_len + 1:(w + 1) * eval_len + 1][None].to(device)
+            if args.bos_windows:  # as trained: <|begin_of_text|> first, every token predicted
+                y = x
+                x = torch.cat([torch.full((1, 1), bos, dtype=x.dtype, device=device),
+                               x[:, :-1]], 1)
             with autocast():
                 logits = model(x)
             losses.append(torch.nn.functional.cross_entropy(
@@ -938,6 +999,7 @@ def main():
                    "parameters": n_params, "steps": step, "tokens_seen": tokens_seen,
                    "train_tokens_available": len(train_ids), "heldout_tokens": len(held_ids),
                    "heldout_perplexity": ppl, "device": str(device),
+                   "init": init_note.lstrip("; "), "bos_windows": args.bos_windows,
                    "torch": torch.__version__, "curve": log}, f, indent=1)
     with open(os.path.join(args.out, "README.md"), "w") as f:
         f.write(MODEL_CARD.format(
@@ -947,13 +1009,16 @@ def main():
             heads=cfg["num_attention_heads"], kv=cfg["num_key_value_heads"],
             head_dim=cfg["hidden_size"] // cfg["num_attention_heads"],
             ffn=cfg["intermediate_size"], vocab=cfg["vocab_size"], ctx=cfg["max_position_embeddings"],
-            theta=cfg["rope_theta"], docs=stats["documents"], train_chars=stats["train_chars"],
+            theta=cfg["rope_theta"], docs=stats["documents"], corpus=stats.get("corpus", "?"),
+            dict_note=(", then the GCIDE dictionary (dict-gcide) in 64 KiB pieces"
+                       if "dict" in stats.get("corpus", "") else ""), train_chars=stats["train_chars"],
             held_chars=stats["heldout_chars"], train_tokens=len(train_ids),
             held_tokens=len(held_ids), steps=step, tokens=tokens_seen, batch=args.batch,
             seq=seq_len, lr=args.lr, eval_len=eval_len,
             long=(f", the last {args.long_fraction:.0%} of the time at {args.long_seq_len} tokens"
                   if args.long_seq_len else ""), ppl=ppl, device=device, torch=torch.__version__,
-            seed=args.seed, minutes=(time.time() - train_start) / 60,
+            seed=args.seed, minutes=(time.time() - train_start) / 60, init=init_note,
+            bos=", each window opening with <|begin_of_text|>" if args.bos_windows else "",
             first=log[0]["loss"] if log else float("nan"),
             last=log[-1]["loss"] if log else float("nan"), argv=reproduce_argv(step)))
     print(f"exported to {args.out} ({time.time() - t0:.0f} s in all)", flush=True)

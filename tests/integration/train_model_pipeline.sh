@@ -20,6 +20,18 @@ done
   { echo "skipped after prepare: no python3-torch (scripts/setup_training.sh)"; exit 77; }
 /usr/bin/python3 tools/train_model.py --out "$dir/model" --preset smoke --data "$dir/data" \
   --steps 3 --batch 2
+# A second phase from the exported weights, each window opening with <|begin_of_text|>: the card
+# says what it continued from.
+/usr/bin/python3 tools/train_model.py --out "$dir/model2" --preset smoke --data "$dir/data" \
+  --init "$dir/model" --bos-windows --steps 2 --batch 2
+grep -q "continued from $dir/model (itself 3 steps" "$dir/model2/README.md" ||
+  { echo "the second phase's card does not say what it continued from"; exit 1; }
+# Weights of another shape are refused, naming what is missing.
+if /usr/bin/python3 tools/train_model.py --out "$dir/bad" --preset strata-small --data "$dir/data" \
+     --init "$dir/model" --steps 1 2>"$dir/err"; then
+  echo "weights of another preset were taken"; exit 1
+fi
+grep -q "not a strata-small model" "$dir/err" || { cat "$dir/err"; exit 1; }
 # A damaged prepared file is refused, naming it.
 printf 'x' >>"$dir/data/heldout.u16"
 if /usr/bin/python3 tools/train_model.py --out "$dir/bad" --preset smoke --data "$dir/data" \
