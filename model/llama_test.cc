@@ -80,6 +80,16 @@ TEST(LlamaModelTest, MatchesPyTorchLogitsOnTheBundledModel) {
   CheckAgainstFixture(dir);
 }
 
+// The second bundled model (head dim 128, GQA 4, RoPE theta 500000: the attention of a modern
+// LLM), against the logits PyTorch computed from its exported bf16 weights.
+TEST(LlamaModelTest, MatchesPyTorchLogitsOnTheSecondBundledModel) {
+  const std::string dir = absl::StrCat(STRATA_SOURCE_DIR, "/models/strata-small");
+  if (!std::ifstream(dir + "/fixture.safetensors")) {
+    GTEST_SKIP() << "skipped: no " << dir << " (scripts/lean_tree.sh hides it)";
+  }
+  CheckAgainstFixture(dir);
+}
+
 // The fingerprint read from the headers alone is the loaded model's, and it tells checkpoints
 // apart; a folder that is no checkpoint is an error naming it.
 TEST(LlamaModelTest, TheFingerprintNeedsNoWeights) {
