@@ -12,7 +12,7 @@ windows="${3:-4}"
 ./scripts/setup_training.sh >/dev/null  # python3-matplotlib for the chart
 ./scripts/build.sh --target strata >/dev/null
 commit="$(git rev-parse --short HEAD)$(git diff --quiet || echo -dirty)"
-base="bench/results/codec-report-$(date -u +%Y-%m-%d)-${commit}"
+base="bench/results/codec-report-$(basename "$model")-$(date -u +%Y-%m-%d)-${commit}"
 codecs=(fp16 int8 fp8e4m3
         kivi:k4v4:g32 kivi:k3v3:g32 kivi:k2v2:g32 kivi:k2v2:g64 kivi:k2v2:g32:m8
         kcvt:k4v4 kcvt:k2v2 kcvt:k2v2:m8
