@@ -145,8 +145,7 @@ uint64_t NewStoreId() {
 BlockStore::BlockStore(const StoreOptions& o)
     : options_(o),
       pool_(BufferPool<AlignedBuffer>::Create(o.ram_bytes / 4)),
-      ram_policy_(MakePolicy(o.ram_policy, o.ram_bytes)),
-      disk_policy_(MakePolicy(PolicyKind::kLru, o.disk_bytes)),
+      ledger_(o.ram_bytes, o.disk_bytes, /*disk_tier=*/!o.disk_path.empty(), o.ram_policy),
       store_id_(NewStoreId()) {}
 
 absl::StatusOr<std::unique_ptr<BlockStore>> BlockStore::Open(const StoreOptions& options) {
@@ -175,18 +174,18 @@ BlockStore::~BlockStore() {
     std::vector<std::pair<std::string, Held>> ram_only;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      for (const auto& [key, e] : entries_) {
+      for (const auto& [key, e] : ledger_.entries()) {
         if (e.ram && !e.on_disk) ram_only.emplace_back(key, e.ram);
       }
     }
     for (auto& [key, bytes] : ram_only) {
       std::lock_guard<std::mutex> lock(mu_);
-      auto it = entries_.find(key);
-      if (it == entries_.end() || it->second.on_disk) continue;
-      if (disk_used_ + bytes->size() > options_.disk_bytes) break;
-      absl::StatusOr<Extent> where = log_->Append(bytes->span(), LogTag(key, it->second.parent));
-      if (!where.ok() || !IndexDiskLocked(key, it->second.parent, *where).ok()) break;
-      AddDiskLocked(key, it->second, *where);
+      const Entry* e = ledger_.Find(key);
+      if (e == nullptr || e->on_disk) continue;
+      if (ledger_.disk_used() + bytes->size() > options_.disk_bytes) break;
+      absl::StatusOr<Extent> where = log_->Append(bytes->span(), LogTag(key, e->parent));
+      if (!where.ok() || !IndexDiskLocked(key, e->parent, *where).ok()) break;
+      AddDiskLocked(key, *where);
     }
     log_->Sync().IgnoreError();  // (a clean shutdown also survives power loss, as far as it can)
     db_->Flush(rocksdb::FlushOptions());
@@ -338,10 +337,7 @@ absl::Status BlockStore::OpenDisk() {
     // The index opened but reading it met damage (a table's block failing its checksum, a
     // record RocksDB cannot read): what was read may be partial, so none of it is kept. The
     // whole index is rebuilt from the block log, as for one that would not open.
-    entries_.clear();
-    children_.clear();
-    disk_ids_.clear();
-    disk_used_ = 0;
+    ledger_.Clear();
     bad.clear();
     named.clear();
     STRATA_RETURN_IF_ERROR(
@@ -367,21 +363,18 @@ absl::Status BlockStore::OpenDisk() {
   std::vector<BlockLog::Record> damaged;
   std::vector<BlockLog::Record> found = log_->FindUnindexed(named, &damaged);
   STRATA_RETURN_IF_ERROR(ReindexLocked(std::move(found), damaged, &named));
-  for (const auto& [key, e] : entries_) {  // the disk policy holds leaves only
-    if (!HasChildrenLocked(key)) disk_policy_->Insert(e.id, e.bytes);
-  }
   log_->Recover(named);  // space nothing names goes back
   // Chunks whose parent did not survive (a crash between them) can never be used.
   std::vector<std::string> orphans;
-  for (const auto& [key, e] : entries_) {
-    if (!e.parent.empty() && !entries_.contains(e.parent)) orphans.push_back(key);
+  for (const auto& [key, e] : ledger_.entries()) {
+    if (e.has_parent && !ledger_.Contains(e.parent)) orphans.push_back(key);
   }
   for (const std::string& k : orphans) {
-    if (entries_.contains(k)) DropLocked(k);
+    if (ledger_.Contains(k)) DropLocked(k);
   }
   EvictDiskLocked(0);
   // What survived is the first snapshot's; only what happens from here on is an event.
-  for (auto& [key, e] : entries_) e.announced = true;
+  for (auto& [key, e] : ledger_.entries()) e.announced = true;
   return absl::OkStatus();
 }
 
@@ -403,15 +396,8 @@ rocksdb::Status BlockStore::LoadIndexLocked(std::vector<std::string>* bad,
       bad->push_back(key);  // undecodable, or naming a log file that is gone
       continue;
     }
-    Entry& e = entries_[key];
-    e.parent = parent;
-    e.id = next_id_++;
-    e.bytes = size;
-    e.on_disk = true;
-    e.where = where;
-    disk_ids_[e.id] = key;
-    disk_used_ += e.bytes;
-    if (!parent.empty()) children_[parent].insert(key);
+    ledger_.Add(key, parent.empty() ? nullptr : &parent, size);
+    AddDiskLocked(key, where);
   }
   return it->status();
 }
@@ -438,7 +424,7 @@ absl::Status BlockStore::ReindexLocked(std::vector<BlockLog::Record> found,
       ok = view.ok() && HeaderMatches(view->header(), *name) &&
            (view->header().chunk_index > 0) == (r.tag.size() == 2 * n);
     }
-    if (ok && entries_.contains(r.tag.substr(0, n))) continue;  // an older copy: space only
+    if (ok && ledger_.Contains(r.tag.substr(0, n))) continue;  // an older copy: space only
     if (!ok) {
       ++lost;
       lost_bytes += r.where.size;
@@ -450,20 +436,13 @@ absl::Status BlockStore::ReindexLocked(std::vector<BlockLog::Record> found,
   for (bool progress = true; progress;) {  // parents first
     progress = false;
     for (Candidate& c : candidates) {
-      if (c.key.empty() || entries_.contains(c.key)) continue;
-      if (!c.parent.empty() && !entries_.contains(c.parent)) continue;
+      if (c.key.empty() || ledger_.Contains(c.key)) continue;
+      if (!c.parent.empty() && !ledger_.Contains(c.parent)) continue;
       // A record that cannot be written fails the Open, before Recover: no block's bytes are
       // given back for want of an index that works.
       STRATA_RETURN_IF_ERROR(WriteIndexRecordLocked(c.key, c.parent, c.where));
-      Entry& e = entries_[c.key];
-      e.parent = c.parent;
-      e.id = next_id_++;
-      e.bytes = c.where.size;
-      e.on_disk = true;
-      e.where = c.where;
-      disk_ids_[e.id] = c.key;
-      disk_used_ += e.bytes;
-      if (!c.parent.empty()) children_[c.parent].insert(c.key);
+      ledger_.Add(c.key, c.parent.empty() ? nullptr : &c.parent, c.where.size);
+      AddDiskLocked(c.key, c.where);
       named->push_back(c.where);
       ++recovered;
       c.key.clear();
@@ -478,7 +457,7 @@ absl::Status BlockStore::ReindexLocked(std::vector<BlockLog::Record> found,
   uint64_t unverified = 0;  // named by their log record, but their bytes do not verify
   for (const BlockLog::Record& r : damaged) {
     const std::string key = r.tag.substr(0, std::min(r.tag.size(), BlockName::kEncodedBytes));
-    if (!entries_.contains(key)) ++unverified;  // (else an older copy of a block still held)
+    if (!ledger_.Contains(key)) ++unverified;  // (else an older copy of a block still held)
   }
   lost += unverified;
   stats_.index_recovered_blocks += recovered;
@@ -607,19 +586,18 @@ absl::Status BlockStore::PutBytes(const BlockName& name, const BlockHash* parent
   {
     std::lock_guard<std::mutex> lock(mu_);
     ++stats_.puts;
-    if (auto it = entries_.find(key); it != entries_.end()) {
-      if (it->second.bytes != block.size() ||
-          (it->second.crc32c != 0 && it->second.crc32c != crc)) {
+    if (const Entry* e = ledger_.Find(key); e != nullptr) {
+      if (e->bytes != block.size() || (e->crc32c != 0 && e->crc32c != crc)) {
         ++stats_.put_conflicts;
-        return absl::AlreadyExistsError(absl::StrCat(
-            "store: ", name.ToString(), " holds another block already (", it->second.bytes,
-            " bytes); the first writer's stays"));
+        return absl::AlreadyExistsError(absl::StrCat("store: ", name.ToString(),
+                                                     " holds another block already (", e->bytes,
+                                                     " bytes); the first writer's stays"));
       }
       ++stats_.duplicate_puts;
-      if (it->second.ram) ram_policy_->Access(it->second.id);
+      ledger_.TouchRam(key);
       return absl::OkStatus();
     }
-    if (!parent_key.empty() && !entries_.contains(parent_key)) {
+    if (!parent_key.empty() && !ledger_.Contains(parent_key)) {
       ++stats_.refused_puts;
       return absl::FailedPreconditionError(
           absl::StrCat("store: the parent of ", name.ToString(), " is not stored"));
@@ -639,12 +617,11 @@ absl::Status BlockStore::PutBytes(const BlockName& name, const BlockHash* parent
   std::vector<std::pair<std::string, Held>> write_through;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (entries_.contains(key) || (!parent_key.empty() && !entries_.contains(parent_key))) {
+    if (ledger_.Contains(key) || (!parent_key.empty() && !ledger_.Contains(parent_key))) {
       // Raced with another Put of the same block, or the parent left meanwhile.
       if (through) log_->Free(where);
-      if (auto it = entries_.find(key); it != entries_.end()) {
-        if (it->second.bytes != block.size() ||
-            (it->second.crc32c != 0 && it->second.crc32c != crc)) {
+      if (const Entry* e = ledger_.Find(key); e != nullptr) {
+        if (e->bytes != block.size() || (e->crc32c != 0 && e->crc32c != crc)) {
           ++stats_.put_conflicts;
           return absl::AlreadyExistsError(absl::StrCat(
               "store: ", name.ToString(), " holds another block already; the first writer's "
@@ -658,39 +635,34 @@ absl::Status BlockStore::PutBytes(const BlockName& name, const BlockHash* parent
     if (through) {
       STRATA_RETURN_IF_ERROR(IndexDiskLocked(key, parent_key, where));
     }
-    Entry& fresh = entries_[key];
-    fresh.parent = parent_key;
-    fresh.id = next_id_++;
-    fresh.bytes = block.size();
-    fresh.crc32c = crc;
-    if (!parent_key.empty()) AddChildLocked(parent_key, key);
+    ledger_.Add(key, parent_key.empty() ? nullptr : &parent_key, block.size()).crc32c = crc;
     if (through) {
-      AddDiskLocked(key, entries_[key], where);
+      AddDiskLocked(key, where);
       EvictDiskLocked(0);
-      if (!entries_.contains(key)) return absl::OkStatus();  // larger than the disk tier
+      if (!ledger_.Contains(key)) return absl::OkStatus();  // larger than the disk tier
     }
-    const absl::Status s = InsertRamLocked(key, entries_[key], held, &write_through);
-    if (!s.ok() && !entries_[key].on_disk) {
+    const absl::Status s = InsertRamLocked(key, *ledger_.Find(key), held, &write_through);
+    if (Entry* e = ledger_.Find(key); !s.ok() && e != nullptr && !e->on_disk) {
       if (db_ == nullptr) {
         DropLocked(key);
         return s;
       }
       // RAM cannot take it (leased full, or too large): straight to disk.
-      entries_[key].spilling = held;
+      e->spilling = held;
       write_through.emplace_back(key, held);
     }
-    if (auto it = entries_.find(key); it != entries_.end()) {
-      it->second.announced = true;
-      EmitLocked(BlockEventKind::kStored, key, TierOf(it->second));
+    if (Entry* e = ledger_.Find(key); e != nullptr) {
+      e->announced = true;
+      EmitLocked(BlockEventKind::kStored, key, TierOf(*e));
     }
   }
   for (auto& [k, b] : write_through) {  // the write-back queue was full: write it ourselves
     std::string tag;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      auto it = entries_.find(k);
-      if (it == entries_.end()) continue;
-      tag = LogTag(k, it->second.parent);
+      const Entry* e = ledger_.Find(k);
+      if (e == nullptr) continue;
+      tag = LogTag(k, e->parent);
     }
     const absl::StatusOr<Extent> s = log_->Append(b->span(), tag);
     std::lock_guard<std::mutex> lock(mu_);
@@ -702,17 +674,17 @@ absl::Status BlockStore::PutBytes(const BlockName& name, const BlockHash* parent
 void BlockStore::FinishWriteBackLocked(const std::string& key,
                                        const Held& bytes,
                                        const absl::StatusOr<Extent>& written) {
-  auto it = entries_.find(key);
-  if (it == entries_.end() || it->second.spilling != bytes) {
+  Entry* e = ledger_.Find(key);
+  if (e == nullptr || e->spilling != bytes) {
     if (written.ok()) log_->Free(*written);  // deleted or superseded meanwhile: never indexed
     return;
   }
-  it->second.spilling = nullptr;
-  if (written.ok() && IndexDiskLocked(key, it->second.parent, *written).ok()) {
-    AddDiskLocked(key, it->second, *written);
+  e->spilling = nullptr;
+  if (written.ok() && IndexDiskLocked(key, e->parent, *written).ok()) {
+    AddDiskLocked(key, *written);
     ++stats_.spills;
     EvictDiskLocked(0);
-  } else if (!it->second.ram) {
+  } else if (!e->ram) {
     DropLocked(key);  // in no tier any more
   }
 }
@@ -725,134 +697,59 @@ absl::Status BlockStore::InsertRamLocked(
                                                      " bytes does not fit in RAM of ",
                                                      options_.ram_bytes));
   }
-  // Leased blocks stay. (Without a disk tier, blocks with descendants are not in the policy at
-  // all: leaves go first, as in any prefix cache.)
-  auto pinned = [&](uint64_t id) {
-    auto it = ram_ids_.find(id);
-    return it != ram_ids_.end() && entries_[it->second].ram.use_count() > 1;
-  };
-  while (ram_used_ + e.bytes > options_.ram_bytes) {
-    const std::optional<uint64_t> victim = ram_policy_->Victim(pinned);
-    if (!victim) {
-      return absl::ResourceExhaustedError(
-          "store: RAM is full of leased blocks and prefixes of resident blocks");
-    }
-    const std::string vkey = ram_ids_[*victim];
-    Entry& v = entries_[vkey];
-    ram_policy_->Evict(*victim);
-    ram_ids_.erase(*victim);
-    ram_used_ -= v.bytes;
-    ++stats_.ram_evictions;
-    Held vbytes = std::move(v.ram);
-    v.ram = nullptr;
-    if (v.on_disk) continue;  // the disk has a copy
-    if (db_ == nullptr) {     // no lower tier: gone, and its descendants with it
-      DropLocked(vkey);
-      continue;
-    }
-    v.spilling = vbytes;
-    if (spill_queued_bytes_ + v.bytes <= options_.spill_queue_bytes) {
-      spill_queue_.emplace_back(vkey, std::move(vbytes));
-      spill_queued_bytes_ += v.bytes;
-      spill_cv_.notify_one();
-    } else {
-      write_through->emplace_back(vkey, std::move(vbytes));
-    }
+  // Leased blocks stay (the ledger keeps prefixes of resident blocks out of reach itself).
+  auto leased = [&](const std::string& k) { return ledger_.Find(k)->ram.use_count() > 1; };
+  const bool room =
+      ledger_.EvictRam(e.bytes, leased, [&](const std::string& vkey, Entry& v, RamFate fate) {
+        ++stats_.ram_evictions;
+        Held vbytes = std::move(v.ram);
+        v.ram = nullptr;
+        switch (fate) {
+          case RamFate::kOnDisk:  // the disk has a copy
+            return;
+          case RamFate::kDrop:  // no lower tier: gone, and its descendants with it
+            DropLocked(vkey);
+            return;
+          case RamFate::kSpill:
+            v.spilling = vbytes;
+            if (spill_queued_bytes_ + v.bytes <= options_.spill_queue_bytes) {
+              spill_queued_bytes_ += v.bytes;
+              spill_queue_.emplace_back(vkey, std::move(vbytes));
+              spill_cv_.notify_one();
+            } else {
+              write_through->emplace_back(vkey, std::move(vbytes));
+            }
+            return;
+        }
+      });
+  if (!room) {
+    return absl::ResourceExhaustedError(
+        "store: RAM is full of leased blocks and prefixes of resident blocks");
   }
   e.ram = std::move(bytes);
-  ram_ids_[e.id] = key;
-  if (db_ != nullptr || !HasChildrenLocked(key)) ram_policy_->Insert(e.id, e.bytes);
-  ram_used_ += e.bytes;
+  ledger_.AddToRam(key);
   return absl::OkStatus();
 }
 
 void BlockStore::EvictDiskLocked(size_t incoming) {
-  while (disk_used_ + incoming > options_.disk_bytes && disk_policy_->size() > 0) {
-    // The disk policy holds leaves only: a block with descendants stays while they do.
-    const std::optional<uint64_t> victim = disk_policy_->Victim([](uint64_t) { return false; });
-    if (!victim) return;
-    const std::string key = disk_ids_[*victim];
-    Entry& e = entries_[key];
-    disk_policy_->Evict(*victim);
-    disk_ids_.erase(*victim);
-    disk_used_ -= e.bytes;
-    e.on_disk = false;
+  // The disk's policy holds leaves only: a block with descendants stays while they do.
+  ledger_.EvictDisk(incoming, [&](const std::string& key, Entry& e) {
     DeleteDisk(key, e.where);
     ++stats_.disk_evictions;
     if (!e.ram && !e.spilling) DropLocked(key);  // in no tier any more
-  }
+  });
 }
 
-bool BlockStore::HasChildrenLocked(const std::string& key) const {
-  auto it = children_.find(key);
-  return it != children_.end() && !it->second.empty();
-}
-
-void BlockStore::AddDiskLocked(const std::string& key, Entry& e, const Extent& where) {
-  e.on_disk = true;
-  e.where = where;
-  disk_ids_[e.id] = key;
-  if (!HasChildrenLocked(key)) disk_policy_->Insert(e.id, e.bytes);
-  disk_used_ += e.bytes;
-}
-
-// The policies hold only what may go: a block that gains its first child leaves the disk policy
-// (and, without a disk tier, the RAM policy); when its last child goes it comes back.
-void BlockStore::AddChildLocked(const std::string& parent, const std::string& child) {
-  auto& kids = children_[parent];
-  const bool was_leaf = kids.empty();
-  kids.insert(child);
-  if (!was_leaf) return;
-  auto it = entries_.find(parent);
-  if (it == entries_.end()) return;
-  if (it->second.ram && db_ == nullptr) ram_policy_->Erase(it->second.id);
-  if (it->second.on_disk) disk_policy_->Erase(it->second.id);
-}
-
-void BlockStore::RemoveChildLocked(const std::string& parent, const std::string& child) {
-  auto c = children_.find(parent);
-  if (c == children_.end()) return;
-  c->second.erase(child);
-  if (!c->second.empty()) return;
-  children_.erase(c);
-  auto it = entries_.find(parent);
-  if (it == entries_.end()) return;
-  if (it->second.ram && db_ == nullptr) ram_policy_->Insert(it->second.id, it->second.bytes);
-  if (it->second.on_disk) disk_policy_->Insert(it->second.id, it->second.bytes);
+void BlockStore::AddDiskLocked(const std::string& key, const Extent& where) {
+  ledger_.Find(key)->where = where;
+  ledger_.AddToDisk(key);
 }
 
 void BlockStore::DropLocked(const std::string& root) {
-  std::vector<std::string> stack = {root};
-  bool first = true;
-  while (!stack.empty()) {
-    const std::string key = stack.back();
-    stack.pop_back();
-    auto it = entries_.find(key);
-    if (it == entries_.end()) continue;
-    if (auto c = children_.find(key); c != children_.end()) {
-      for (const std::string& child : c->second) stack.push_back(child);
-      children_.erase(c);
-    }
-    Entry& e = it->second;
-    if (e.ram) {
-      ram_policy_->Erase(e.id);
-      ram_ids_.erase(e.id);
-      ram_used_ -= e.bytes;
-    }
-    if (e.on_disk) {
-      disk_policy_->Erase(e.id);
-      disk_ids_.erase(e.id);
-      disk_used_ -= e.bytes;
-      DeleteDisk(key, e.where);
-    }
-    const std::string parent = e.parent;
-    const bool announced = e.announced;
-    entries_.erase(it);
-    if (announced) EmitLocked(BlockEventKind::kRemoved, key, Tier::kNone);
-    if (!parent.empty()) RemoveChildLocked(parent, key);
-    if (!first) ++stats_.orphans_dropped;
-    first = false;
-  }
+  stats_.orphans_dropped += ledger_.Drop(root, [&](const std::string& key, Entry& e) {
+    if (e.on_disk) DeleteDisk(key, e.where);
+    if (e.announced) EmitLocked(BlockEventKind::kRemoved, key, Tier::kNone);
+  });
 }
 
 void BlockStore::SpillLoop() {
@@ -863,9 +760,9 @@ void BlockStore::SpillLoop() {
     auto [key, bytes] = std::move(spill_queue_.front());
     spill_queue_.pop_front();
     spill_busy_ = true;
-    auto it = entries_.find(key);
-    const bool live = it != entries_.end() && it->second.spilling == bytes;
-    const std::string tag = live ? LogTag(key, it->second.parent) : "";
+    const Entry* e = ledger_.Find(key);
+    const bool live = e != nullptr && e->spilling == bytes;
+    const std::string tag = live ? LogTag(key, e->parent) : "";
     lock.unlock();
     const absl::StatusOr<Extent> s =
         live ? log_->Append(bytes->span(), tag) : absl::StatusOr<Extent>(Extent{});
@@ -888,14 +785,14 @@ absl::StatusOr<Lease> BlockStore::Get(const BlockName& name) {
   Extent where;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = entries_.find(key);
-    if (it == entries_.end()) {
+    const Entry* found = ledger_.Find(key);
+    if (found == nullptr) {
       ++stats_.misses;
       return absl::NotFoundError(absl::StrCat("store: no block ", name.ToString()));
     }
-    Entry& e = it->second;
+    const Entry& e = *found;
     if (e.ram) {
-      ram_policy_->Access(e.id);
+      ledger_.TouchRam(key);
       ++stats_.ram_hits;
       return Lease(e.ram, Tier::kRam);
     }
@@ -903,7 +800,7 @@ absl::StatusOr<Lease> BlockStore::Get(const BlockName& name) {
       ++stats_.ram_hits;
       return Lease(e.spilling, Tier::kRam);
     }
-    disk_policy_->Access(e.id);
+    ledger_.TouchDisk(key);
     expected_size = e.bytes;
     where = e.where;
   }
@@ -938,14 +835,13 @@ absl::StatusOr<Lease> BlockStore::Get(const BlockName& name) {
     }
   }
   std::lock_guard<std::mutex> lock(mu_);
-  auto it = entries_.find(key);
+  Entry* it = ledger_.Find(key);
   if (!index_error.ok()) NoteIndexErrorLocked("read", index_error);
   if (!read.ok()) {
     ++stats_.misses;
     // Evicted or deleted while being read (its space freed): a miss, not a corruption.
-    const bool same = it != entries_.end() && it->second.on_disk && !it->second.ram &&
-                      it->second.where.file == where.file &&
-                      it->second.where.offset == where.offset;
+    const bool same = it != nullptr && it->on_disk && !it->ram && it->where.file == where.file &&
+                      it->where.offset == where.offset;
     if (!same) {
       return absl::NotFoundError(absl::StrCat("store: no block ", name.ToString()));
     }
@@ -956,9 +852,9 @@ absl::StatusOr<Lease> BlockStore::Get(const BlockName& name) {
                                             read.message(), ")"));
   }
   ++stats_.disk_hits;
-  if (it != entries_.end() && !it->second.ram && !it->second.spilling) {  // promote
+  if (it != nullptr && !it->ram && !it->spilling) {  // promote
     std::vector<std::pair<std::string, Held>> write_through;
-    if (InsertRamLocked(key, it->second, held, &write_through).ok()) ++stats_.promotions;
+    if (InsertRamLocked(key, *it, held, &write_through).ok()) ++stats_.promotions;
     // A promotion only evicts; anything that had to be written through stays queued.
     for (auto& [k, b] : write_through) {
       spill_queue_.emplace_back(k, std::move(b));
@@ -987,9 +883,9 @@ LookupResult BlockStore::Lookup(const BlockName& prefix, absl::Span<const BlockH
     for (uint32_t layer = 0; layer < layer_codec_fingerprints.size(); ++layer) {
       n.layer = layer;
       n.codec_fingerprint = layer_codec_fingerprints[layer];
-      auto it = entries_.find(n.Encode());
-      if (it == entries_.end()) return r;
-      all_ram &= it->second.ram != nullptr || it->second.spilling != nullptr;
+      const Entry* e = ledger_.Find(n.Encode());
+      if (e == nullptr) return r;
+      all_ram &= e->ram != nullptr || e->spilling != nullptr;
     }
     ++r.chunks;
     r.tiers.push_back(all_ram ? Tier::kRam : Tier::kDisk);
@@ -1047,8 +943,8 @@ StoreSnapshot BlockStore::Snapshot() const {
     std::lock_guard<std::mutex> events_lock(events_mu_);
     s.event_id = last_event_id_;
   }
-  s.blocks.reserve(entries_.size());
-  for (const auto& [key, e] : entries_) {
+  s.blocks.reserve(ledger_.entries().size());
+  for (const auto& [key, e] : ledger_.entries()) {
     s.blocks.push_back({*BlockName::Decode(key), TierOf(e)});
   }
   return s;
@@ -1057,7 +953,7 @@ StoreSnapshot BlockStore::Snapshot() const {
 bool BlockStore::Delete(const BlockName& name) {
   std::lock_guard<std::mutex> lock(mu_);
   const std::string key = name.Encode();
-  if (!entries_.contains(key)) return false;
+  if (!ledger_.Contains(key)) return false;
   DropLocked(key);
   ++stats_.deletes;
   return true;
@@ -1066,10 +962,10 @@ bool BlockStore::Delete(const BlockName& name) {
 StoreStats BlockStore::Stats() const {
   std::lock_guard<std::mutex> lock(mu_);
   StoreStats s = stats_;
-  s.ram_blocks = ram_ids_.size();
-  s.ram_bytes = ram_used_;
-  s.disk_blocks = disk_ids_.size();
-  s.disk_bytes = disk_used_;
+  s.ram_blocks = ledger_.ram_blocks();
+  s.ram_bytes = ledger_.ram_used();
+  s.disk_blocks = ledger_.disk_blocks();
+  s.disk_bytes = ledger_.disk_used();
   s.spill_queue_bytes = spill_queued_bytes_;
   s.pool_idle_bytes = pool_->idle_bytes();
   s.pool_reuses = pool_->reused();

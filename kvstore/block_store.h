@@ -80,8 +80,6 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/container/flat_hash_map.h"
-#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
@@ -93,6 +91,7 @@
 #include "common/shared_bytes.h"
 #include "kvstore/block_log.h"
 #include "kvstore/eviction_policy.h"
+#include "kvstore/tier_ledger.h"
 
 namespace rocksdb {
 class DB;
@@ -245,17 +244,17 @@ class BlockStore {
   // one means leased (or queued for write-back); the caller's own copies of the SharedBytes do
   // not count.
   using Held = std::shared_ptr<const SharedBytes>;
-  struct Entry {
-    std::string parent;  // encoded name of the parent block, "" for chunk 0
-    uint64_t id = 0;
-    size_t bytes = 0;
-    Held ram;  // set while in RAM
-    bool on_disk = false;
+  // What the store keeps of a block beside the ledger's sizes and tiers (tier_ledger.h: parent,
+  // bytes, in_ram, on_disk), keyed by its encoded name (parent: "" for chunk 0).
+  struct Copies {
+    Held ram;      // set exactly while the ledger has it in RAM
     Extent where;  // its bytes in the block log, while on_disk (file 0: in RocksDB, an old store)
     Held spilling;  // queued for write-back (still servable)
     bool announced = false;  // a kStored event (or the snapshot at Open) made it known
     uint32_t crc32c = 0;     // the block's checksum (its header); 0: not known (loaded at Open)
   };
+  using Ledger = TierLedger<std::string, Copies>;
+  using Entry = Ledger::Entry;
   explicit BlockStore(const StoreOptions& o);
   absl::Status OpenDisk();
   // Takes disk_path's lock file (disk_lock_fd_); kFailedPrecondition when another store holds it.
@@ -277,10 +276,8 @@ class BlockStore {
                                std::vector<std::pair<std::string, Held>>* write_through);
   void EvictDiskLocked(size_t incoming);
   void DropLocked(const std::string& key);  // from every tier, with descendants
-  bool HasChildrenLocked(const std::string& key) const;
-  void AddDiskLocked(const std::string& key, Entry& e, const Extent& where);
-  void AddChildLocked(const std::string& parent, const std::string& child);
-  void RemoveChildLocked(const std::string& parent, const std::string& child);
+  // `key`'s bytes are at `where` in the block log (indexed): the disk tier has it.
+  void AddDiskLocked(const std::string& key, const Extent& where);
   void SpillLoop();
   // Indexes again the blocks FindUnindexed found that their log records name (parents first),
   // adding their extents to *named; counts and logs the rest, and the `damaged` records (their
@@ -321,12 +318,7 @@ class BlockStore {
   mutable std::mutex mu_;
   std::mutex disk_write_mu_;  // after mu_ when both are held
   std::condition_variable spill_cv_, spill_done_cv_;
-  absl::flat_hash_map<std::string, Entry> entries_;
-  absl::flat_hash_map<std::string, absl::flat_hash_set<std::string>> children_;
-  absl::flat_hash_map<uint64_t, std::string> ram_ids_, disk_ids_;
-  std::unique_ptr<EvictionPolicy> ram_policy_, disk_policy_;
-  uint64_t next_id_ = 1;
-  size_t ram_used_ = 0, disk_used_ = 0;
+  Ledger ledger_;  // every block: its tiers, sizes, parent and bytes
   std::deque<std::pair<std::string, Held>> spill_queue_;
   size_t spill_queued_bytes_ = 0;
   bool spill_busy_ = false;

@@ -3,9 +3,8 @@
 #include <fstream>
 #include <memory>
 
-#include "absl/container/flat_hash_map.h"
-#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "kvstore/tier_ledger.h"
 #include "nlohmann/json.hpp"
 
 namespace strata::kvstore {
@@ -41,162 +40,85 @@ absl::StatusOr<std::vector<TraceRequest>> LoadMooncakeTrace(const std::string& p
 
 namespace {
 
+// The store's tiers over sizes alone: BlockStore's own ledger (tier_ledger.h), driven in the
+// order BlockStore drives it (a Put written through to disk first when puts are durable, then
+// into RAM; a RAM victim spilled, kept or dropped as the ledger says; the disk trimmed after each
+// block it takes; a disk hit promoted to RAM, its disk copy kept).
 class TierModel {
  public:
   explicit TierModel(const ReplayConfig& c)
-      : c_(c), ram_(MakePolicy(c.ram_policy, c.ram_bytes)),
-        disk_(MakePolicy(PolicyKind::kLru, c.disk_bytes)) {}
+      : c_(c), ledger_(c.ram_bytes, c.disk_bytes, c.disk_bytes > 0, c.ram_policy) {}
 
   // The tier holding `id`: 0 none, 1 RAM, 2 disk.
   int Where(uint64_t id) const {
-    auto it = e_.find(id);
-    if (it == e_.end()) return 0;
-    return it->second.ram ? 1 : 2;
+    const auto* e = ledger_.Find(id);
+    if (e == nullptr) return 0;
+    return e->in_ram ? 1 : 2;
   }
 
   void Hit(uint64_t id, ReplayResult& r) {
-    Entry& e = e_[id];
-    if (e.ram) {
-      if (InRamPolicy(id)) ram_->Access(id);
+    if (ledger_.Find(id)->in_ram) {
+      ledger_.TouchRam(id);
       r.bytes_read_ram += c_.chunk_bytes;
       return;
     }
-    if (!HasChildren(id)) disk_->Access(id);
+    ledger_.TouchDisk(id);
     r.bytes_read_disk += c_.chunk_bytes;
-    ++r.promotions;
-    InsertRam(id, r);  // the disk copy stays
+    if (InsertRam(id, r)) ++r.promotions;  // the disk copy stays
   }
 
   // A newly prefilled chunk; false when its parent is gone (it could never be found).
   bool Put(uint64_t id, uint64_t parent, bool has_parent, ReplayResult& r) {
-    if (e_.contains(id)) return true;
-    if (has_parent && !e_.contains(parent)) return false;
-    Entry& e = e_[id];
-    e.parent = parent;
-    e.has_parent = has_parent;
-    if (has_parent) AddChild(parent, id);
-    InsertRam(id, r);
-    return e_.contains(id);
+    if (ledger_.Contains(id)) return true;
+    if (has_parent && !ledger_.Contains(parent)) return false;
+    ledger_.Add(id, has_parent ? &parent : nullptr, c_.chunk_bytes);
+    if (c_.durable_puts && ledger_.disk_tier()) {
+      WriteToDisk(id, r);
+      if (!ledger_.Contains(id)) return false;  // larger than the disk tier
+    }
+    if (!InsertRam(id, r) && !ledger_.Find(id)->on_disk) {
+      if (ledger_.disk_tier()) {
+        WriteToDisk(id, r);  // RAM cannot take it: straight to disk
+      } else {
+        Drop(id, r);
+      }
+    }
+    return ledger_.Contains(id);
   }
 
  private:
-  struct Entry {
-    uint64_t parent = 0;
-    bool has_parent = false;
-    bool ram = false, disk = false;
-  };
-
-  // Eviction is leaf-first: the policies only hold entries that can go. Without a disk, a chunk
-  // in RAM with descendants stays (evicting it would drop them); on disk the same always holds.
-  bool HasChildren(uint64_t id) const {
-    auto it = children_.find(id);
-    return it != children_.end() && !it->second.empty();
-  }
-  bool InRamPolicy(uint64_t id) const { return c_.disk_bytes > 0 || !HasChildren(id); }
-
-  void AddChild(uint64_t parent, uint64_t child) {
-    auto& kids = children_[parent];
-    const bool was_leaf = kids.empty();
-    kids.insert(child);
-    if (!was_leaf) return;
-    const Entry& p = e_[parent];
-    if (p.ram && c_.disk_bytes == 0) ram_->Erase(parent);
-    if (p.disk) disk_->Erase(parent);
+  // False when RAM cannot take it (smaller than a block, or full of prefixes of resident blocks).
+  bool InsertRam(uint64_t id, ReplayResult& r) {
+    if (c_.chunk_bytes > c_.ram_bytes) return false;
+    const bool room = ledger_.EvictRam(
+        c_.chunk_bytes, [](uint64_t) { return false; },
+        [&](uint64_t victim, const Ledger::Entry&, RamFate fate) {
+          ++r.ram_evictions;
+          if (fate == RamFate::kSpill) WriteToDisk(victim, r);
+          if (fate == RamFate::kDrop) Drop(victim, r);
+        });
+    if (!room || !ledger_.Contains(id)) return false;
+    ledger_.AddToRam(id);
+    return true;
   }
 
-  void RemoveChild(uint64_t parent, uint64_t child) {
-    auto it = children_.find(parent);
-    if (it == children_.end()) return;
-    it->second.erase(child);
-    if (!it->second.empty()) return;
-    children_.erase(it);
-    auto pe = e_.find(parent);
-    if (pe == e_.end()) return;
-    if (pe->second.ram && c_.disk_bytes == 0) ram_->Insert(parent, c_.chunk_bytes);
-    if (pe->second.disk) disk_->Insert(parent, c_.chunk_bytes);
-  }
-
-  void InsertRam(uint64_t id, ReplayResult& r) {
-    const bool fits = c_.chunk_bytes <= c_.ram_bytes;
-    while (fits && ram_used_ + c_.chunk_bytes > c_.ram_bytes) {
-      auto v = ram_->Victim([](uint64_t) { return false; });
-      if (!v) break;
-      ram_->Evict(*v);
-      ram_used_ -= c_.chunk_bytes;
-      ++r.ram_evictions;
-      Entry& ve = e_[*v];
-      ve.ram = false;
-      if (ve.disk) continue;
-      if (c_.disk_bytes >= c_.chunk_bytes) {
-        ToDisk(*v, r);
-      } else {
-        Drop(*v, r);
-      }
-    }
-    auto it = e_.find(id);
-    if (it == e_.end()) return;  // dropped meanwhile
-    if (!fits || ram_used_ + c_.chunk_bytes > c_.ram_bytes) {  // RAM cannot take it
-      if (!it->second.disk && c_.disk_bytes >= c_.chunk_bytes) ToDisk(id, r);
-      if (e_.contains(id) && !e_[id].disk) Drop(id, r);
-      return;
-    }
-    it->second.ram = true;
-    if (InRamPolicy(id)) ram_->Insert(id, c_.chunk_bytes);
-    ram_used_ += c_.chunk_bytes;
-  }
-
-  void ToDisk(uint64_t id, ReplayResult& r) {
-    while (disk_used_ + c_.chunk_bytes > c_.disk_bytes) {
-      auto v = disk_->Victim([](uint64_t) { return false; });
-      if (!v) return;
-      disk_->Evict(*v);
-      disk_used_ -= c_.chunk_bytes;
-      ++r.disk_evictions;
-      e_[*v].disk = false;
-      if (!e_[*v].ram) Drop(*v, r);
-    }
-    if (!e_.contains(id)) return;
-    e_[id].disk = true;
-    if (!HasChildren(id)) disk_->Insert(id, c_.chunk_bytes);
-    disk_used_ += c_.chunk_bytes;
+  void WriteToDisk(uint64_t id, ReplayResult& r) {
+    ledger_.AddToDisk(id);
     r.bytes_written_disk += c_.chunk_bytes;
+    ledger_.EvictDisk(0, [&](uint64_t victim, const Ledger::Entry& e) {
+      ++r.disk_evictions;
+      if (!e.in_ram) Drop(victim, r);  // in no tier any more
+    });
   }
 
-  // Removes `root` from every tier, and its descendants (counted as orphans).
-  void Drop(uint64_t root, ReplayResult& r) {
-    std::vector<uint64_t> stack = {root};
-    bool first = true;
-    while (!stack.empty()) {
-      const uint64_t id = stack.back();
-      stack.pop_back();
-      auto it = e_.find(id);
-      if (it == e_.end()) continue;
-      if (auto ch = children_.find(id); ch != children_.end()) {
-        for (uint64_t c : ch->second) stack.push_back(c);
-        children_.erase(ch);
-      }
-      if (it->second.ram) {
-        ram_->Erase(id);
-        ram_used_ -= c_.chunk_bytes;
-      }
-      if (it->second.disk) {
-        disk_->Erase(id);
-        disk_used_ -= c_.chunk_bytes;
-      }
-      const bool has_parent = it->second.has_parent;
-      const uint64_t parent = it->second.parent;
-      e_.erase(it);
-      if (has_parent) RemoveChild(parent, id);
-      if (!first) ++r.orphans_dropped;
-      first = false;
-    }
+  void Drop(uint64_t id, ReplayResult& r) {
+    r.orphans_dropped += ledger_.Drop(id, [](uint64_t, const Ledger::Entry&) {});
   }
 
+  struct NoBytes {};
+  using Ledger = TierLedger<uint64_t, NoBytes>;
   const ReplayConfig c_;
-  std::unique_ptr<EvictionPolicy> ram_, disk_;
-  uint64_t ram_used_ = 0, disk_used_ = 0;
-  absl::flat_hash_map<uint64_t, Entry> e_;
-  absl::flat_hash_map<uint64_t, absl::flat_hash_set<uint64_t>> children_;
+  Ledger ledger_;
 };
 
 }  // namespace

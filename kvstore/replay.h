@@ -1,10 +1,8 @@
 // Offload-capacity replay: a request trace (Mooncake format: 512-token prefix blocks named by
-// hash ids) against a model of the store's tiers — the same eviction policies
-// (eviction_policy.h), the same rules (a chunk is only found after its whole prefix; a chunk
-// whose parent has left every tier is dropped; RAM evictions spill to disk, disk evictions are
-// final, disk hits are promoted to RAM) — with sizes only, so that terabyte-scale tier sweeps
-// run in seconds. Each chunk carries all layers of one block_tokens-token chunk: chunk_bytes =
-// layers x the codec's block size.
+// hash ids) against the store's own tier ledger (tier_ledger.h: its eviction policies and rules,
+// written once for both) with sizes only, so that terabyte-scale tier sweeps run in seconds.
+// ReplayTest checks its hits against a real BlockStore fed the same trace. Each chunk carries all
+// layers of one block_tokens-token chunk: chunk_bytes = layers x the codec's block size.
 #pragma once
 
 #include <cstdint>
@@ -32,6 +30,10 @@ struct ReplayConfig {
   uint64_t ram_bytes = 0;
   uint64_t disk_bytes = 0;  // 0: no disk tier
   PolicyKind ram_policy = PolicyKind::kS3Fifo;
+  // As StoreOptions::durable_puts (the store's default with a disk tier): every new chunk is
+  // written to disk as it arrives, so RAM evictions never spill and the disk holds everything
+  // (as far as it can). False: write-back, chunks reach the disk only when RAM evicts them.
+  bool durable_puts = true;
 };
 
 struct ReplayResult {

@@ -1,10 +1,16 @@
 #include "kvstore/replay.h"
 
+#include <unistd.h>
+
+#include <filesystem>
 #include <fstream>
+#include <random>
 
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kvstore/block_store.h"
+#include "kvstore/test_blocks.h"
 
 namespace strata::kvstore {
 namespace {
@@ -78,6 +84,123 @@ TEST(ReplayTest, SmallRamSpillsToDiskAndNoTierMeansNoHits) {
   // RAM smaller than one chunk and no disk: nothing is ever found.
   const ReplayResult none = Replay(trace, {.chunk_bytes = 100, .ram_bytes = 50});
   EXPECT_EQ(none.chunk_hits_ram + none.chunk_hits_disk, 0u);
+}
+
+// Conversations picked at random: each request continues one (1 or 2 new chunks) or re-sends an
+// earlier point of its history.
+std::vector<TraceRequest> RandomConversations(int n, int requests, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<std::vector<uint64_t>> hist(n, std::vector<uint64_t>{0, 1});
+  uint64_t next = 100;
+  std::vector<TraceRequest> t;
+  for (int i = 0; i < requests; ++i) {
+    std::vector<uint64_t>& h = hist[rng() % n];
+    TraceRequest r;
+    if (rng() % 4 == 0 && h.size() > 3) {
+      r.hash_ids.assign(h.begin(), h.begin() + 2 + rng() % (h.size() - 2));
+    } else {
+      for (uint32_t k = 1 + rng() % 2; k > 0; --k) h.push_back(next++);
+      r.hash_ids = h;
+    }
+    r.input_tokens = static_cast<uint32_t>(r.hash_ids.size() * 512);
+    t.push_back(r);
+  }
+  return t;
+}
+
+// The trace fed to a real BlockStore the way a node uses it (Get each chunk found, in order, then
+// Put the rest under their parents), with one-layer blocks of one size. What the store counts.
+ReplayResult FeedStore(const std::vector<TraceRequest>& trace, const StoreOptions& o) {
+  absl::StatusOr<std::unique_ptr<BlockStore>> store = BlockStore::Open(o);
+  EXPECT_TRUE(store.ok()) << store.status();
+  if (!store.ok()) return {};
+  BlockStore& s = **store;
+  ReplayResult r;
+  auto name = [](uint64_t id, uint32_t chunk) {
+    return test_blocks::Name(test_blocks::MakeBlock(7, 0, chunk, 1, 16),
+                             test_blocks::Key(static_cast<uint32_t>(id), 0x3c));
+  };
+  for (const TraceRequest& q : trace) {
+    ++r.requests;
+    const size_t full = std::min<size_t>(q.hash_ids.size(), q.input_tokens / 512);
+    r.chunks_requested += full;
+    size_t hits = 0;
+    for (; hits < full; ++hits) {
+      absl::StatusOr<Lease> lease = s.Get(name(q.hash_ids[hits], hits));
+      if (!lease.ok()) break;
+      (lease->served_from() == Tier::kRam ? r.chunk_hits_ram : r.chunk_hits_disk)++;
+      s.Flush();  // a promotion's spills too
+    }
+    for (size_t i = hits; i < full; ++i) {
+      const AlignedBuffer b = test_blocks::MakeBlock(7, 0, static_cast<uint32_t>(i), 1, 16);
+      const BlockHash parent =
+          test_blocks::Key(static_cast<uint32_t>(i > 0 ? q.hash_ids[i - 1] : 0), 0x3c);
+      const absl::Status put = s.Put(name(q.hash_ids[i], i), i > 0 ? &parent : nullptr, b.span());
+      // The parent is gone, or RAM alone is full of this chain's own prefixes: the replay stops
+      // there too.
+      if (absl::IsFailedPrecondition(put) || absl::IsResourceExhausted(put)) break;
+      EXPECT_TRUE(put.ok()) << put;
+      s.Flush();  // spills land before the next step, as the replay has them at once
+    }
+  }
+  const StoreStats st = s.Stats();
+  r.ram_evictions = st.ram_evictions;
+  r.disk_evictions = st.disk_evictions;
+  r.promotions = st.promotions;
+  r.orphans_dropped = st.orphans_dropped;
+  return r;
+}
+
+// `strata replay`'s figures are the store's: the same trace through the replay and through a real
+// BlockStore (RocksDB and the block log on disk) finds the same chunks in the same tiers, with the
+// same evictions, promotions and orphans, for RAM alone and for RAM over a disk, written through
+// or back.
+TEST(ReplayTest, TheReplayFindsWhatARealStoreFedTheSameTraceFinds) {
+  const std::vector<TraceRequest> trace = RandomConversations(12, 300, 42);
+  const uint64_t block = test_blocks::MakeBlock(7, 0, 1, 1, 16).size();
+  struct Case {
+    const char* what;
+    uint64_t ram_blocks, disk_blocks;
+    PolicyKind policy;
+    bool durable;
+  };
+  const Case cases[] = {{"RAM alone, LRU", 40, 0, PolicyKind::kLru, true},
+                        {"RAM alone, S3-FIFO", 40, 0, PolicyKind::kS3Fifo, true},
+                        {"RAM over disk, written through", 20, 120, PolicyKind::kS3Fifo, true},
+                        {"RAM over disk, written back", 20, 120, PolicyKind::kLru, false}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    const ReplayResult want = Replay(trace, {.block_tokens = 512,
+                                             .chunk_bytes = block,
+                                             .ram_bytes = c.ram_blocks * block,
+                                             .disk_bytes = c.disk_blocks * block,
+                                             .ram_policy = c.policy,
+                                             .durable_puts = c.durable});
+    StoreOptions o{
+        .ram_bytes = c.ram_blocks * block, .ram_policy = c.policy, .durable_puts = c.durable};
+    const std::string dir = absl::StrCat(testing::TempDir(), "/replay-store-", getpid());
+    std::filesystem::remove_all(dir);
+    if (c.disk_blocks > 0) {
+      o.disk_path = dir;
+      o.disk_bytes = c.disk_blocks * block;
+    }
+    const ReplayResult got = FeedStore(trace, o);
+    std::filesystem::remove_all(dir);
+    EXPECT_EQ(got.chunks_requested, want.chunks_requested);
+    EXPECT_EQ(got.chunk_hits_ram, want.chunk_hits_ram);
+    EXPECT_EQ(got.chunk_hits_disk, want.chunk_hits_disk);
+    EXPECT_EQ(got.ram_evictions, want.ram_evictions);
+    EXPECT_EQ(got.disk_evictions, want.disk_evictions);
+    EXPECT_EQ(got.promotions, want.promotions);
+    EXPECT_EQ(got.orphans_dropped, want.orphans_dropped);
+    // The trace exercises what it should: hits, evictions, and (with a disk) both tiers.
+    EXPECT_GT(want.chunk_hits_ram, 0u);
+    EXPECT_GT(want.ram_evictions, 0u);
+    if (c.disk_blocks > 0) {
+      EXPECT_GT(want.chunk_hits_disk, 0u);
+      EXPECT_GT(want.disk_evictions, 0u);
+    }
+  }
 }
 
 TEST(ReplayTest, TraceFilesAreValidatedLineByLine) {

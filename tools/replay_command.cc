@@ -30,10 +30,12 @@ absl::Status RunReplay(const ReplayOptions& o, std::ostream& out) {
                            {"head_dim", o.head_dim},
                            {"block_tokens", o.block_tokens},
                            {"disk_bytes", o.disk_bytes},
+                           {"durable_puts", o.durable_puts},
                            {"runs", nlohmann::json::array()}};
   out << absl::StrFormat(
-      "trace %s: %d requests; model %d layers x %d KV heads x %d dims; %d-token chunks\n",
-      o.trace_file, trace.size(), o.layers, o.kv_heads, o.head_dim, o.block_tokens);
+      "trace %s: %d requests; model %d layers x %d KV heads x %d dims; %d-token chunks; disk %s\n",
+      o.trace_file, trace.size(), o.layers, o.kv_heads, o.head_dim, o.block_tokens,
+      o.durable_puts ? "written through (durable puts)" : "written back (on eviction)");
   out << absl::StrFormat("%-16s %6s %8s %6s %6s %7s | %7s %7s %9s %9s %9s %9s %8s %8s\n",
                          "codec", "bits", "chunk MB", "RAM", "disk", "policy", "chunk%",
                          "token%", "saved Mtok", "RAM GB rd", "disk GB rd", "disk GB wr",
@@ -55,9 +57,12 @@ absl::Status RunReplay(const ReplayOptions& o, std::ostream& out) {
       for (const std::string& pol : o.policies) {
         STRATA_ASSIGN_OR_RETURN(kvstore::PolicyKind policy, kvstore::ParsePolicy(pol));
         for (uint64_t ram : o.ram_bytes) {
-          const kvstore::ReplayResult r = kvstore::Replay(
-              trace, {.block_tokens = o.block_tokens, .chunk_bytes = chunk_bytes,
-                      .ram_bytes = ram, .disk_bytes = disk, .ram_policy = policy});
+          const kvstore::ReplayResult r = kvstore::Replay(trace, {.block_tokens = o.block_tokens,
+                                                                  .chunk_bytes = chunk_bytes,
+                                                                  .ram_bytes = ram,
+                                                                  .disk_bytes = disk,
+                                                                  .ram_policy = policy,
+                                                                  .durable_puts = o.durable_puts});
           out << absl::StrFormat(
               "%-16s %6.3f %8.2f %6s %6s %7s | %6.2f%% %6.2f%% %9.2f %9.1f %9.1f %9.1f %8d %8d\n",
               spec, bits, chunk_bytes / 1e6, Gib(ram), disk ? Gib(disk) : "-", pol,

@@ -20,6 +20,8 @@ struct ReplayOptions {
   std::vector<uint64_t> ram_bytes;                     // the sweep
   uint64_t disk_bytes = 0;                             // the disk tier of the "with disk" runs
   std::vector<std::string> policies = {"lru", "s3fifo"};
+  // The store's --durable_puts (its default with a disk): every chunk written to disk on arrival.
+  bool durable_puts = true;
   std::string json_out;
 };
 

@@ -63,6 +63,9 @@ ABSL_FLAG(std::vector<std::string>, ram_sizes,
           std::vector<std::string>({"8G", "16G", "32G", "64G", "128G", "256G", "512G", "1T"}),
           "replay: RAM tier sizes to sweep");
 ABSL_FLAG(std::string, disk_size, "4T", "replay: disk tier of the runs with a disk (0: none)");
+ABSL_FLAG(bool, durable_puts, true,
+          "replay: as strata-store's --durable_puts (its default with a disk): every chunk is "
+          "written to disk as it arrives; false: only when RAM evicts it");
 ABSL_FLAG(uint32_t, model_layers, 32, "replay: layers of the model whose KV is stored");
 ABSL_FLAG(uint32_t, model_kv_heads, 8, "replay: KV heads");
 ABSL_FLAG(uint32_t, model_head_dim, 128, "replay: head dimension");
@@ -230,6 +233,7 @@ int main(int argc, char** argv) {
       }
       o.ram_bytes.push_back(b);
     }
+    o.durable_puts = absl::GetFlag(FLAGS_durable_puts);
     if (!strata::ParseByteSize(absl::GetFlag(FLAGS_disk_size), &o.disk_bytes)) {
       std::cerr << "strata: --disk_size: not a size like 4T\n";
       return 2;
