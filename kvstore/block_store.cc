@@ -1,135 +1,26 @@
 #include "kvstore/block_store.h"
 
-#include <fcntl.h>
-#include <sys/file.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <cstring>
-#include <filesystem>
 #include <random>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "common/block_reader.h"
 #include "common/endian.h"
-#include "common/log.h"
 #include "common/status_macros.h"
+#include "kvstore/internal/store_index.h"
 #include "rocksdb/db.h"
 #include "rocksdb/options.h"
-#include "rocksdb/write_batch.h"
 
 namespace strata::kvstore {
-namespace {
 
-// On disk, per block: its bytes in the block log (block_log.h, `<disk_path>/blocks/`), and in
-// RocksDB 'M' + name -> its index record ("SKV2", parent name length (0 or
-// BlockName::kEncodedBytes), parent name, block size as 8 bytes, log file number as 4, offset as
-// 8; little-endian), small enough to stay in the LSM tree, so a restart scans only these. Stores
-// written before the block log have "SKV1" records (no file and offset) and the bytes under
-// 'B' + name (in RocksDB's blob files); they are still read, and deleted as before.
-constexpr char kMagicV1[4] = {'S', 'K', 'V', '1'};
-constexpr char kMagicV2[4] = {'S', 'K', 'V', '2'};
-
-std::string MetaKey(const std::string& key) { return "M" + key; }
-std::string BlockKey(const std::string& key) { return "B" + key; }
-
-std::string EncodeMeta(const std::string& parent, uint64_t size, const Extent& where) {
-  std::string v(kMagicV2, 4);
-  v.push_back(static_cast<char>(parent.size()));
-  v += parent;
-  const size_t at = v.size();
-  v.resize(at + 20);
-  auto* p = reinterpret_cast<uint8_t*>(v.data()) + at;
-  StoreLE<uint64_t>(p, size);
-  StoreLE<uint32_t>(p + 8, where.file);
-  StoreLE<uint64_t>(p + 12, where.offset);
-  return v;
-}
-
-// false when `v` is not an index record. `where->file` is 0 for a block kept in RocksDB.
-bool DecodeMeta(absl::string_view v, std::string* parent, uint64_t* size, Extent* where) {
-  if (v.size() < 5) return false;
-  const bool v1 = std::memcmp(v.data(), kMagicV1, 4) == 0;
-  if (!v1 && std::memcmp(v.data(), kMagicV2, 4) != 0) return false;
-  const size_t n = static_cast<uint8_t>(v[4]);
-  if ((n != 0 && n != BlockName::kEncodedBytes) || v.size() != 5 + n + (v1 ? 8 : 20)) {
-    return false;
-  }
-  *parent = std::string(v.substr(5, n));
-  const auto* p = reinterpret_cast<const uint8_t*>(v.data()) + 5 + n;
-  *size = LoadLE<uint64_t>(p);
-  *where = Extent{};
-  if (!v1) {
-    where->file = LoadLE<uint32_t>(p + 8);
-    where->offset = LoadLE<uint64_t>(p + 12);
-    where->size = *size;
-    // A block starts 64-byte aligned: on a kAlign boundary, or after its log tag there.
-    if (where->file == 0 || where->file > BlockLog::kMaxFile || where->offset % 64 != 0) {
-      return false;
-    }
-  }
-  return true;
-}
-
-// Whether a block's header is that of the block `name` stands for (its key aside, which the
-// header does not carry).
-// What the block log keeps before a block: its encoded name and its parent's (none for a first
-// chunk), so that an index lost or damaged can be rebuilt from the log alone.
-std::string LogTag(const std::string& key, const std::string& parent) { return key + parent; }
-
-bool HeaderMatches(const BlockHeader& h, const BlockName& name) {
-  return h.layer == name.layer && h.model_fingerprint == name.model_fingerprint &&
-         h.codec_fingerprint == name.codec_fingerprint &&
-         h.calibration_fingerprint == name.calibration_fingerprint;
-}
-
-// The lock file a store holds on its disk_path (flock) while open: two stores must never share
-// a block log, and --repair must never set aside the index of a store that is running.
-constexpr char kLockFile[] = "store.lock";
-constexpr char kAsidePrefix[] = "damaged-index-";
-
-constexpr char kRepairHint[] =
-    "run strata-store with --repair to rebuild the index from the block log (every block whose "
-    "bytes verify comes back)";
-
-// The index (RocksDB) failed at Open, without `repair`: DATA_LOSS when RocksDB found its files
-// damaged (a Corruption), UNAVAILABLE for anything else (missing or unreadable files, I/O
-// errors). Either way the message names the fix.
-absl::Status IndexFailure(const std::string& dir, absl::string_view what,
-                          const rocksdb::Status& s) {
-  const std::string msg = absl::StrCat(
-      "store: ", dir, ": ", what, " (", s.ToString(), "); ",
-      s.IsCorruption() ? "its files are damaged: " : "if its files are damaged or missing, ",
-      kRepairHint);
-  return s.IsCorruption() ? absl::DataLossError(msg) : absl::UnavailableError(msg);
-}
-
-// A RocksDB error met after Open, as a message: a Corruption names the fix.
-std::string IndexErrorText(const rocksdb::Status& s) {
-  return absl::StrCat(s.ToString(), s.IsCorruption()
-                                        ? "; the index is damaged: restart strata-store with "
-                                          "--repair to rebuild it from the block log"
-                                        : "");
-}
-
-}  // namespace
-
-const char* TierName(Tier t) {
-  switch (t) {
-    case Tier::kRam:
-      return "ram";
-    case Tier::kDisk:
-      return "disk";
-    default:
-      return "none";
-  }
-}
-
-const char* BlockEventKindName(BlockEventKind k) {
-  return k == BlockEventKind::kStored ? "stored" : "removed";
-}
+using internal::BlockKey;
+using internal::HeaderMatches;
+using internal::IndexErrorText;
+using internal::LogTag;
 
 namespace {
 
@@ -146,7 +37,8 @@ BlockStore::BlockStore(const StoreOptions& o)
     : options_(o),
       pool_(BufferPool<AlignedBuffer>::Create(o.ram_bytes / 4)),
       ledger_(o.ram_bytes, o.disk_bytes, /*disk_tier=*/!o.disk_path.empty(), o.ram_policy),
-      store_id_(NewStoreId()) {}
+      store_id_(NewStoreId()),
+      events_(o.event_ring) {}
 
 absl::StatusOr<std::unique_ptr<BlockStore>> BlockStore::Open(const StoreOptions& options) {
   if (!options.disk_path.empty() && options.disk_bytes == 0) {
@@ -199,331 +91,6 @@ BlockStore::~BlockStore() {
   db_.reset();  // before the lock goes: no other store opens the index while this one has it
   log_.reset();
   if (disk_lock_fd_ >= 0) close(disk_lock_fd_);
-}
-
-namespace {
-
-rocksdb::Options IndexOptions() {
-  rocksdb::Options o;
-  o.create_if_missing = true;
-  // Stop replaying the WAL at its first damaged record (never skip one and replay later ones:
-  // the index would hold a child without its parent), and check what is read; what that drops
-  // is indexed again from the block log's records (ReindexLocked) or counted.
-  o.wal_recovery_mode = rocksdb::WALRecoveryMode::kPointInTimeRecovery;
-  o.paranoid_checks = true;
-  o.compression = rocksdb::kNoCompression;
-  // Index records only (tens of bytes). The blob settings serve the blocks of stores written
-  // before the block log, which RocksDB kept in blob files: read, deleted, garbage-collected.
-  o.enable_blob_files = true;
-  o.min_blob_size = 4096;
-  o.blob_file_size = size_t{256} << 20;
-  o.enable_blob_garbage_collection = true;
-  o.write_buffer_size = size_t{16} << 20;
-  return o;
-}
-
-// Whether `dir` holds an index's files but not its CURRENT (lost, or never written by a crash
-// in the index's creation). RocksDB would take the folder for a new index (create_if_missing) —
-// and a failed attempt leaves a new CURRENT behind, so that the next open finds an empty index
-// where the old one was: such a folder is an index that will not open.
-bool IndexLostItsCurrent(const std::string& dir) {
-  std::error_code ec;
-  if (std::filesystem::exists(std::filesystem::path(dir) / "CURRENT", ec)) return false;
-  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
-    const std::string name = entry.path().filename().string();
-    if (name.starts_with("MANIFEST-") || name.ends_with(".sst") || name.ends_with(".ldb") ||
-        name.ends_with(".blob") || (name.ends_with(".log") && entry.is_regular_file(ec))) {
-      return true;
-    }
-  }
-  return false;
-}
-
-}  // namespace
-
-absl::Status BlockStore::LockDisk() {
-  const std::string& dir = options_.disk_path;
-  std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  if (ec) return absl::UnavailableError(absl::StrCat("store: create ", dir, ": ", ec.message()));
-  const std::string path = (std::filesystem::path(dir) / kLockFile).string();
-  const int fd = open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-  if (fd < 0) {
-    return absl::UnavailableError(absl::StrCat("store: open ", path, ": ", std::strerror(errno)));
-  }
-  if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
-    const int err = errno;
-    close(fd);
-    if (err == EWOULDBLOCK) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("store: ", dir, " is in use by another store (", path, " is locked)"));
-    }
-    return absl::UnavailableError(absl::StrCat("store: lock ", path, ": ", std::strerror(err)));
-  }
-  disk_lock_fd_ = fd;
-  return absl::OkStatus();
-}
-
-absl::StatusOr<std::string> BlockStore::SetIndexAside() {
-  const std::string& dir = options_.disk_path;
-  const std::string base = absl::StrCat(dir, "/", kAsidePrefix, absl::ToUnixSeconds(absl::Now()));
-  std::string aside = base;
-  for (int n = 2; std::filesystem::exists(aside); ++n) aside = absl::StrCat(base, "-", n);
-  std::error_code ec;
-  std::filesystem::create_directories(aside, ec);
-  if (ec) return absl::UnavailableError(absl::StrCat("store: create ", aside, ": ", ec.message()));
-  std::vector<std::filesystem::path> index_files;  // listed first, moved after
-  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
-    const std::string name = entry.path().filename().string();
-    if (name == "blocks" || name == kLockFile || name.starts_with(kAsidePrefix)) continue;
-    index_files.push_back(entry.path());
-  }
-  if (ec) return absl::UnavailableError(absl::StrCat("store: list ", dir, ": ", ec.message()));
-  for (const std::filesystem::path& f : index_files) {
-    std::filesystem::rename(f, std::filesystem::path(aside) / f.filename(), ec);
-    if (ec) {
-      return absl::UnavailableError(
-          absl::StrCat("store: move ", f.string(), " into ", aside, ": ", ec.message()));
-    }
-  }
-  return aside;
-}
-
-absl::Status BlockStore::RebuildIndex(absl::string_view why) {
-  db_.reset();
-  STRATA_ASSIGN_OR_RETURN(const std::string aside, SetIndexAside());
-  Log("", absl::StrCat("store: ", options_.disk_path, ": ", why, "; its files are in ", aside,
-                       "; rebuilding it from the block log"));
-  repaired_ = true;
-  rocksdb::DB* db = nullptr;
-  const rocksdb::Status opened = rocksdb::DB::Open(IndexOptions(), options_.disk_path, &db);
-  if (!opened.ok()) {
-    return absl::UnavailableError(absl::StrCat("store: ", options_.disk_path,
-                                               ": a new index will not open either (",
-                                               opened.ToString(), "); the old one is in ", aside));
-  }
-  db_.reset(db);
-  return absl::OkStatus();
-}
-
-absl::Status BlockStore::OpenDisk() {
-  STRATA_RETURN_IF_ERROR(LockDisk());
-  const std::string& dir = options_.disk_path;
-  rocksdb::DB* db = nullptr;
-  const rocksdb::Status opened =
-      IndexLostItsCurrent(dir)
-          ? rocksdb::Status::Corruption(
-                absl::StrCat(dir, "/CURRENT is missing, and the index's other files are there"))
-          : rocksdb::DB::Open(IndexOptions(), dir, &db);
-  if (opened.ok()) {
-    db_.reset(db);
-  } else if (options_.repair) {
-    // The index cannot be opened: set its files aside and rebuild it from the block log, whose
-    // records carry each block's name and parent.
-    STRATA_RETURN_IF_ERROR(
-        RebuildIndex(absl::StrCat("the index would not open (", opened.ToString(), ")")));
-  } else {
-    return IndexFailure(dir, "the index (RocksDB) will not open", opened);
-  }
-  absl::StatusOr<std::unique_ptr<BlockLog>> log =
-      BlockLog::Open((std::filesystem::path(dir) / "blocks").string());
-  if (!log.ok()) return log.status();
-  log_ = std::move(*log);
-  std::vector<std::string> bad;
-  std::vector<Extent> named;
-  std::lock_guard<std::mutex> lock(mu_);
-  rocksdb::Status scanned = LoadIndexLocked(&bad, &named);
-  if (!scanned.ok() && options_.repair && !repaired_) {
-    // The index opened but reading it met damage (a table's block failing its checksum, a
-    // record RocksDB cannot read): what was read may be partial, so none of it is kept. The
-    // whole index is rebuilt from the block log, as for one that would not open.
-    ledger_.Clear();
-    bad.clear();
-    named.clear();
-    STRATA_RETURN_IF_ERROR(
-        RebuildIndex(absl::StrCat("reading the index met an error (", scanned.ToString(), ")")));
-    scanned = LoadIndexLocked(&bad, &named);
-  }
-  if (!scanned.ok()) {
-    if (repaired_) {
-      return absl::UnavailableError(
-          absl::StrCat("store: ", dir, ": reading the new index: ", scanned.ToString()));
-    }
-    return IndexFailure(dir, "reading the index (RocksDB) met an error", scanned);
-  }
-  // Records that do not decode, or name a log file that is gone, leave the index first, so that
-  // a block the log still holds can be indexed again below without its new record being deleted.
-  for (const std::string& k : bad) {
-    DeleteDisk(k, Extent{});
-    ++stats_.corruptions;
-  }
-  // Blocks the log holds that the index does not name (a damaged or cut-short write-ahead log, a
-  // crash between a block's append and its record, or a rebuilt index): indexed again when their
-  // record names them and their parent is there, parents first; counted as lost otherwise.
-  std::vector<BlockLog::Record> damaged;
-  std::vector<BlockLog::Record> found = log_->FindUnindexed(named, &damaged);
-  STRATA_RETURN_IF_ERROR(ReindexLocked(std::move(found), damaged, &named));
-  log_->Recover(named);  // space nothing names goes back
-  // Chunks whose parent did not survive (a crash between them) can never be used.
-  std::vector<std::string> orphans;
-  for (const auto& [key, e] : ledger_.entries()) {
-    if (e.has_parent && !ledger_.Contains(e.parent)) orphans.push_back(key);
-  }
-  for (const std::string& k : orphans) {
-    if (ledger_.Contains(k)) DropLocked(k);
-  }
-  EvictDiskLocked(0);
-  // What survived is the first snapshot's; only what happens from here on is an event.
-  for (auto& [key, e] : ledger_.entries()) e.announced = true;
-  return absl::OkStatus();
-}
-
-rocksdb::Status BlockStore::LoadIndexLocked(std::vector<std::string>* bad,
-                                            std::vector<Extent>* named) {
-  // Every key, its parent, size and extent (blocks are verified when read).
-  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
-  for (it->Seek("M"); it->Valid() && it->key().starts_with("M"); it->Next()) {
-    const std::string key = it->key().ToString().substr(1);
-    std::string parent;
-    uint64_t size = 0;
-    Extent where;
-    const bool decoded =
-        DecodeMeta(absl::string_view(it->value().data(), it->value().size()), &parent, &size,
-                   &where);
-    if (decoded && where.file != 0) named->push_back(where);  // (new files are numbered past it)
-    if (key.size() != BlockName::kEncodedBytes || !decoded || size > options_.max_block_bytes ||
-        (where.file != 0 && !log_->Has(where.file))) {
-      bad->push_back(key);  // undecodable, or naming a log file that is gone
-      continue;
-    }
-    ledger_.Add(key, parent.empty() ? nullptr : &parent, size);
-    AddDiskLocked(key, where);
-  }
-  return it->status();
-}
-
-absl::Status BlockStore::ReindexLocked(std::vector<BlockLog::Record> found,
-                                       const std::vector<BlockLog::Record>& damaged,
-                                       std::vector<Extent>* named) {
-  struct Candidate {
-    std::string key, parent;
-    Extent where;
-  };
-  std::vector<Candidate> candidates;
-  uint64_t lost = 0, lost_bytes = 0;
-  std::vector<uint8_t> bytes;
-  for (BlockLog::Record& r : found) {
-    const size_t n = BlockName::kEncodedBytes;
-    bool ok = r.tag.size() == n || r.tag.size() == 2 * n;
-    absl::StatusOr<BlockName> name = BlockName::Decode(absl::string_view(r.tag).substr(0, n));
-    ok = ok && name.ok() && r.where.size <= options_.max_block_bytes;
-    if (ok) {  // the block is the one its record names (FindUnindexed verified its checksum)
-      bytes.resize(r.where.size);
-      absl::StatusOr<BlockView> view = absl::InternalError("unread");
-      if (log_->Read(r.where, absl::MakeSpan(bytes)).ok()) view = BlockView::Parse(bytes);
-      ok = view.ok() && HeaderMatches(view->header(), *name) &&
-           (view->header().chunk_index > 0) == (r.tag.size() == 2 * n);
-    }
-    if (ok && ledger_.Contains(r.tag.substr(0, n))) continue;  // an older copy: space only
-    if (!ok) {
-      ++lost;
-      lost_bytes += r.where.size;
-      continue;
-    }
-    candidates.push_back({r.tag.substr(0, n), r.tag.substr(n), r.where});
-  }
-  uint64_t recovered = 0;
-  for (bool progress = true; progress;) {  // parents first
-    progress = false;
-    for (Candidate& c : candidates) {
-      if (c.key.empty() || ledger_.Contains(c.key)) continue;
-      if (!c.parent.empty() && !ledger_.Contains(c.parent)) continue;
-      // A record that cannot be written fails the Open, before Recover: no block's bytes are
-      // given back for want of an index that works.
-      STRATA_RETURN_IF_ERROR(WriteIndexRecordLocked(c.key, c.parent, c.where));
-      ledger_.Add(c.key, c.parent.empty() ? nullptr : &c.parent, c.where.size);
-      AddDiskLocked(c.key, c.where);
-      named->push_back(c.where);
-      ++recovered;
-      c.key.clear();
-      progress = true;
-    }
-  }
-  for (const Candidate& c : candidates) {
-    if (c.key.empty()) continue;
-    ++lost;  // its parent is nowhere: an orphan
-    lost_bytes += c.where.size;
-  }
-  uint64_t unverified = 0;  // named by their log record, but their bytes do not verify
-  for (const BlockLog::Record& r : damaged) {
-    const std::string key = r.tag.substr(0, std::min(r.tag.size(), BlockName::kEncodedBytes));
-    if (!ledger_.Contains(key)) ++unverified;  // (else an older copy of a block still held)
-  }
-  lost += unverified;
-  stats_.index_recovered_blocks += recovered;
-  stats_.index_lost_blocks += lost;
-  if (recovered > 0 || lost > 0) {
-    const char* why = repaired_ ? "a rebuilt index"
-                                : "a damaged or cut-short write-ahead log, or a crash between a "
-                                  "block's write and its record";
-    std::string line = absl::StrCat("store: ", options_.disk_path, ": ", recovered + lost,
-                                    " blocks in the block log had no index record (", why,
-                                    "): ", recovered, " indexed again from their log records, ");
-    if (lost == 0) {
-      absl::StrAppend(&line, "none dropped");
-    } else {
-      absl::StrAppend(&line, lost, " dropped (", unverified, " whose bytes do not verify; ",
-                      lost - unverified, ", ", lost_bytes,
-                      " bytes, with no name in the log or no parent)");
-    }
-    Log("", absl::StrCat(line,
-                         "; strata_store_index_recovered_blocks_total, "
-                         "strata_store_index_lost_blocks_total"));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status BlockStore::WriteIndexRecordLocked(const std::string& key, const std::string& parent,
-                                                const Extent& where) {
-  // One index writer at a time: RocksDB would group concurrent writes anyway, and its lock-free
-  // write groups are invisible to ThreadSanitizer. (Block bytes are appended in parallel.)
-  rocksdb::Status s;
-  {
-    std::lock_guard<std::mutex> lock(disk_write_mu_);
-    s = db_->Put(rocksdb::WriteOptions(), MetaKey(key), EncodeMeta(parent, where.size, where));
-  }
-  if (s.ok()) return absl::OkStatus();
-  NoteIndexErrorLocked("write", s);
-  return absl::UnavailableError(absl::StrCat("store: index write: ", IndexErrorText(s)));
-}
-
-absl::Status BlockStore::IndexDiskLocked(const std::string& key, const std::string& parent,
-                                         const Extent& where) {
-  const absl::Status s = WriteIndexRecordLocked(key, parent, where);
-  if (!s.ok()) log_->Free(where);
-  return s;
-}
-
-void BlockStore::NoteIndexErrorLocked(absl::string_view what, const rocksdb::Status& s) {
-  if (stats_.index_errors++ == 0) {  // the first one; the rest are counted
-    Log("", absl::StrCat("store: ", options_.disk_path, ": index ", what, ": ", IndexErrorText(s),
-                         " (further index errors: strata_store_index_errors_total)"));
-  }
-}
-
-void BlockStore::DeleteDisk(const std::string& key, const Extent& where) {
-  rocksdb::WriteBatch batch;
-  batch.Delete(MetaKey(key));  // first: an index entry never names freed space for long
-  if (where.file == 0) batch.Delete(BlockKey(key));  // an older store's block
-  rocksdb::Status st;
-  {
-    std::lock_guard<std::mutex> lock(disk_write_mu_);
-    st = db_->Write(rocksdb::WriteOptions(), &batch);
-  }
-  // Bytes the index may still name are kept (leaked until the next open's Recover, which frees
-  // what the index no longer names).
-  if (!st.ok()) NoteIndexErrorLocked("delete", st);
-  if (st.ok() && where.file != 0) log_->Free(where);
 }
 
 absl::Status BlockStore::Put(const BlockName& name, const BlockHash* parent,
@@ -899,50 +466,17 @@ Tier BlockStore::TierOf(const Entry& e) {
 }
 
 void BlockStore::EmitLocked(BlockEventKind kind, const std::string& key, Tier tier) {
-  BlockEvent ev;
-  ev.kind = kind;
-  ev.name = *BlockName::Decode(key);  // keys are encoded names by construction
-  ev.tier = tier;
-  {
-    std::lock_guard<std::mutex> lock(events_mu_);
-    ev.id = ++last_event_id_;
-    events_.push_back(std::move(ev));
-    if (events_.size() > options_.event_ring) events_.pop_front();
-  }
-  events_cv_.notify_all();
+  events_.Append(kind, *BlockName::Decode(key), tier);  // keys are encoded names by construction
 }
 
 EventRead BlockStore::ReadEvents(uint64_t after_id, size_t max, absl::Duration timeout) const {
-  EventRead r;
-  std::unique_lock<std::mutex> lock(events_mu_);
-  auto first_available = [&] {
-    return events_.empty() ? last_event_id_ + 1 : events_.front().id;
-  };
-  auto gap = [&] { return after_id > last_event_id_ || after_id + 1 < first_available(); };
-  auto ready = [&] { return last_event_id_ > after_id || gap(); };
-  if (timeout == absl::InfiniteDuration()) {
-    events_cv_.wait(lock, ready);
-  } else if (timeout > absl::ZeroDuration()) {
-    events_cv_.wait_for(lock, absl::ToChronoNanoseconds(std::min(timeout, absl::Hours(24))), ready);
-  }
-  r.first_available_id = first_available();
-  r.last_id = last_event_id_;
-  r.gap = gap();
-  if (r.gap || last_event_id_ <= after_id) return r;
-  // Ids are consecutive: the event after `after_id` sits at a known index.
-  const size_t from = static_cast<size_t>(after_id + 1 - r.first_available_id);
-  const size_t n = std::min(max, events_.size() - from);
-  r.events.assign(events_.begin() + from, events_.begin() + from + n);
-  return r;
+  return events_.Read(after_id, max, timeout);
 }
 
 StoreSnapshot BlockStore::Snapshot() const {
   StoreSnapshot s;
   std::lock_guard<std::mutex> lock(mu_);  // no event is emitted while it is held
-  {
-    std::lock_guard<std::mutex> events_lock(events_mu_);
-    s.event_id = last_event_id_;
-  }
+  s.event_id = events_.last_id();
   s.blocks.reserve(ledger_.entries().size());
   for (const auto& [key, e] : ledger_.entries()) {
     s.blocks.push_back({*BlockName::Decode(key), TierOf(e)});

@@ -90,6 +90,7 @@
 #include "common/prefix_key.h"
 #include "common/shared_bytes.h"
 #include "kvstore/block_log.h"
+#include "kvstore/event_feed.h"
 #include "kvstore/eviction_policy.h"
 #include "kvstore/tier_ledger.h"
 
@@ -99,9 +100,6 @@ class Status;
 }
 
 namespace strata::kvstore {
-
-enum class Tier : uint8_t { kNone = 0, kRam = 1, kDisk = 2 };
-const char* TierName(Tier t);
 
 struct StoreOptions {
   size_t ram_bytes = size_t{1} << 30;
@@ -169,25 +167,6 @@ class Lease {
 struct LookupResult {
   uint32_t chunks = 0;      // leading chunks of the chain present for every layer
   std::vector<Tier> tiers;  // per present chunk: kRam if every layer is in RAM, else kDisk
-};
-
-enum class BlockEventKind : uint8_t { kStored = 1, kRemoved = 2 };
-const char* BlockEventKindName(BlockEventKind k);
-
-struct BlockEvent {
-  uint64_t id = 0;  // consecutive from 1 per incarnation of the store
-  BlockEventKind kind = BlockEventKind::kStored;
-  BlockName name;
-  Tier tier = Tier::kNone;  // kStored: the fastest tier holding it; kRemoved: kNone
-};
-
-struct EventRead {
-  std::vector<BlockEvent> events;  // ids after_id + 1, after_id + 2, ... (none on a gap)
-  uint64_t first_available_id = 1;  // oldest id the ring holds (last_id + 1 when it holds none)
-  uint64_t last_id = 0;             // newest id so far (0: none yet)
-  // The events after `after_id` are no longer all in the ring, or after_id is beyond last_id
-  // (ids of another incarnation): the reader lost events and must take a Snapshot().
-  bool gap = false;
 };
 
 struct StoredBlock {
@@ -326,13 +305,7 @@ class BlockStore {
   StoreStats stats_;
   std::thread spill_thread_;
   const uint64_t store_id_;
-  // The event feed, after mu_ when both are held.
-  // std::mutex, not absl::Mutex: Debian's Abseil is not built for TSan, which then reports the
-  // readers' waits as races.
-  mutable std::mutex events_mu_;
-  mutable std::condition_variable events_cv_;
-  std::deque<BlockEvent> events_;  // the last event_ring events (guarded by events_mu_)
-  uint64_t last_event_id_ = 0;     // (guarded by events_mu_)
+  EventFeed events_;  // appended to under mu_ only (its own lock after mu_)
 };
 
 }  // namespace strata::kvstore

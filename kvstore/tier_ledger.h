@@ -35,6 +35,19 @@
 
 namespace strata::kvstore {
 
+// A store's tiers, fastest first (kNone: in none).
+enum class Tier : uint8_t { kNone = 0, kRam = 1, kDisk = 2 };
+inline const char* TierName(Tier t) {
+  switch (t) {
+    case Tier::kRam:
+      return "ram";
+    case Tier::kDisk:
+      return "disk";
+    default:
+      return "none";
+  }
+}
+
 // What becomes of a block RAM evicts.
 enum class RamFate {
   kOnDisk,  // the disk tier holds a copy already: nothing to do
