@@ -73,6 +73,8 @@ const char* CodecIdName(CodecId id) {
       return "tada";
     case CodecId::kStrata:
       return "strata";
+    case CodecId::kCq:
+      return "cq";
   }
   return "?";
 }
@@ -115,8 +117,29 @@ const char* SectionKindName(SectionKind k) {
       return "channel_normalizers";
     case SectionKind::kTokenBits:
       return "token_bits";
+    case SectionKind::kCodesPer2:
+      return "codes_per_2";
+    case SectionKind::kCodesPer4:
+      return "codes_per_4";
+    case SectionKind::kCodesPer8:
+      return "codes_per_8";
   }
   return "?";
+}
+
+uint32_t ElementsPerCode(SectionKind k) {
+  switch (k) {
+    case SectionKind::kCodes:
+      return 1;
+    case SectionKind::kCodesPer2:
+      return 2;
+    case SectionKind::kCodesPer4:
+      return 4;
+    case SectionKind::kCodesPer8:
+      return 8;
+    default:
+      return 0;
+  }
 }
 
 const char* TensorName(Tensor t) {
@@ -169,9 +192,11 @@ const char* ElemTypeName(ElemType t) {
   return "?";
 }
 
-bool IsKnownCodecId(uint16_t v) { return v >= 1 && v <= 12; }
+bool IsKnownCodecId(uint16_t v) { return v >= 1 && v <= static_cast<uint16_t>(CodecId::kCq); }
 bool IsKnownSourceDType(uint8_t v) { return v >= 1 && v <= 3; }
-bool IsKnownSectionKind(uint8_t v) { return v >= 1 && v <= 12; }
+bool IsKnownSectionKind(uint8_t v) {
+  return v >= 1 && v <= static_cast<uint8_t>(SectionKind::kCodesPer8);
+}
 bool IsKnownTensor(uint8_t v) { return v <= 2; }
 bool IsKnownElemType(uint8_t v) { return ElemBits(static_cast<ElemType>(v)) != 0; }
 
@@ -196,8 +221,8 @@ std::string Describe(int i, const SectionEntry& s) {
 
 // Per-tensor (K, V, shared) element totals of each kind.
 struct KindTotals {
-  std::array<std::array<uint64_t, 13>, 3> count{};
-  std::array<std::array<int, 13>, 3> sections{};
+  std::array<std::array<uint64_t, 16>, 3> count{};
+  std::array<std::array<int, 16>, 3> sections{};
   uint64_t& at(Tensor t, SectionKind k) { return count[static_cast<int>(t)][static_cast<int>(k)]; }
   int& n(Tensor t, SectionKind k) { return sections[static_cast<int>(t)][static_cast<int>(k)]; }
 };
@@ -291,7 +316,7 @@ absl::Status ValidateBlockStructure(const BlockHeader& h, absl::Span<const Secti
       return fail(what, ": needs a floating-point element type, not ", ElemTypeName(s.elem));
     }
     if (s.tensor == Tensor::kShared &&
-        (s.kind == SectionKind::kCodes || s.kind == SectionKind::kFullPrecisionValues)) {
+        (ElementsPerCode(s.kind) > 0 || s.kind == SectionKind::kFullPrecisionValues)) {
       return fail(what, ": codes and full-precision values belong to K or V, not shared");
     }
     totals.at(s.tensor, s.kind) += s.count;
@@ -318,11 +343,15 @@ absl::Status ValidateBlockStructure(const BlockHeader& h, absl::Span<const Secti
   for (Tensor t : {Tensor::kKey, Tensor::kValue}) {
     const char* tn = TensorName(t);
     const uint64_t fp_values = totals.at(t, SectionKind::kFullPrecisionValues);
-    const uint64_t covered = totals.at(t, SectionKind::kCodes) + fp_values;
+    uint64_t codes = 0;
+    for (SectionKind k : {SectionKind::kCodes, SectionKind::kCodesPer2, SectionKind::kCodesPer4,
+                          SectionKind::kCodesPer8}) {
+      codes += totals.at(t, k) * ElementsPerCode(k);
+    }
+    const uint64_t covered = codes + fp_values;
     if (covered != elements) {
-      return fail(tn, ": codes (", totals.at(t, SectionKind::kCodes),
-                  ") plus full-precision values (", fp_values, ") cover ", covered,
-                  " elements, but tokens x heads x head dim = ", elements);
+      return fail(tn, ": codes (", codes, ") plus full-precision values (", fp_values, ") cover ",
+                  covered, " elements, but tokens x heads x head dim = ", elements);
     }
     if (fp_values % hd != 0) {
       return fail(tn, ": ", fp_values, " full-precision values are not whole tokens of ", hd);

@@ -75,6 +75,7 @@ enum class CodecId : uint16_t {
   kSkvq = 10,     // channel reordering, clipped group quantization
   kTada = 11,     // mean-centered, per-layer precision
   kStrata = 12,   // the combination
+  kCq = 13,       // coupled quantization: channel groups as codebook indices (calibrated)
 };
 
 enum class SourceDType : uint8_t { kFloat32 = 1, kFloat16 = 2, kBFloat16 = 3 };
@@ -92,7 +93,15 @@ enum class SectionKind : uint8_t {
   kHeadMean = 10,            // per-token mean over KV heads (mean-centering)
   kChannelNormalizers = 11,  // per-channel normalizers (channel-separable quantization)
   kTokenBits = 12,           // per-token precision map (mixed precision)
+  // Codes of coupled channels (coupled quantization): each stands for 2, 4 or 8 elements.
+  kCodesPer2 = 13,
+  kCodesPer4 = 14,
+  kCodesPer8 = 15,
 };
+
+// Elements one element of a codes section stands for: 1 for kCodes, 2/4/8 for kCodesPerN, 0
+// for a section that holds no codes.
+uint32_t ElementsPerCode(SectionKind k);
 
 // Which tensor a section belongs to; kShared for metadata used by both K and V.
 enum class Tensor : uint8_t { kKey = 0, kValue = 1, kShared = 2 };

@@ -141,6 +141,27 @@ TEST(BlockFormatTest, FullPrecisionTokensAndSharedMetadataAreAccepted) {
   EXPECT_EQ(v->section(0).data.size(), ((kT - 2) * hd * 3 + 7) / 8);  // 3-bit packing rounds up
 }
 
+// Codes of coupled channels (CQ) stand for 2, 4 or 8 elements each: a K of one code per 4
+// channels and a V of one per 8 cover the block; one code short does not.
+TEST(BlockFormatTest, CodesOfCoupledChannelsCoverSeveralElementsEach) {
+  BlockHeader h = SampleHeader();
+  h.codec = CodecId::kCq;
+  h.codec_spec = "cq:c4:b6";
+  const uint32_t hd = kH * kD;
+  std::vector<SectionDesc> s = {
+      {SectionKind::kCodesPer4, Tensor::kKey, ElemType::kUInt6, kT * hd / 4},
+      {SectionKind::kCodesPer8, Tensor::kValue, ElemType::kUInt8, kT * hd / 8},
+  };
+  absl::StatusOr<BlockLayout> ok = BlockLayout::Plan(h, s);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  s[1].count -= 1;
+  absl::StatusOr<BlockLayout> short_v = BlockLayout::Plan(h, s);
+  EXPECT_EQ(short_v.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(short_v.status().message()), HasSubstr("V: codes"));
+  EXPECT_EQ(ElementsPerCode(SectionKind::kCodesPer2), 2u);
+  EXPECT_EQ(ElementsPerCode(SectionKind::kScales), 0u);
+}
+
 TEST(BlockWriterTest, RejectsImpossibleDescriptionsWithInvalidArgument) {
   struct Case {
     const char* why;

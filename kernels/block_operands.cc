@@ -25,6 +25,8 @@ CodeKind KindOf(CodecId id) {
       return CodeKind::kInt8;
     case CodecId::kFp8E4M3:
       return CodeKind::kFp8E4M3;
+    case CodecId::kCq:
+      return CodeKind::kCodebook;
     default:
       return CodeKind::kAffine;
   }
@@ -47,6 +49,13 @@ absl::Status FillPart(const BlockView& block, int i, const CodecLayout& layout, 
     t.codes = block.section(i).data.data();
     t.row_bytes = static_cast<uint32_t>(PackedBytes(D, t.bits));
     ++i;
+    if (t.kind == CodeKind::kCodebook) {  // the codebook comes from the calibration (below)
+      t.token_groups = true;
+      t.groups = tl.groups;
+      t.group_size = tl.group_size;
+      t.row_bytes = static_cast<uint32_t>(PackedBytes(tl.groups, t.bits));
+      continue;
+    }
     auto u16 = [&](int idx) {
       return reinterpret_cast<const uint16_t*>(block.section(idx).data.data());
     };
@@ -234,6 +243,21 @@ absl::StatusOr<PreparedBlock> PrepareBlock(const BlockView& block,
       }
       ops.mean_ops = std::move(mean);
     }
+    if (part_specs[p].id == CodecId::kCq) {
+      const size_t want = size_t{h.kv_heads} * h.head_dim * (size_t{1} << part_specs[p].k_bits);
+      if (layer_cal == nullptr || layer_cal->k_codebook.size() != want ||
+          layer_cal->v_codebook.size() != want) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("block: codec ", h.codec_spec, ": its calibration holds no codebooks of ",
+                         want, " entries for layer ", h.layer));
+      }
+      if ((h.head_dim / part_specs[p].group) * part_specs[p].k_bits % 8 != 0) {
+        return absl::DataLossError(absl::StrCat("block: codec ", h.codec_spec, " with head_dim ",
+                                                h.head_dim, ": its code rows are not whole bytes"));
+      }
+      ops.k.codebook = layer_cal->k_codebook.data();
+      ops.v.codebook = layer_cal->v_codebook.data();
+    }
     if (layer_cal != nullptr && part_specs[p].id == CodecId::kSkvq) {
       if (!layer_cal->k_perm.empty()) ops.k.channel_perm = layer_cal->k_perm.data();
       if (!layer_cal->v_perm.empty()) ops.v.channel_perm = layer_cal->v_perm.data();
@@ -279,6 +303,14 @@ absl::Status DecodeOperandsRef(const BlockOperands& ops, float* k, float* v) {
             case CodeKind::kFp8E4M3:
               x = Fp8E4M3ToFloat(codes[d]) * t.tensor_scale;
               break;
+            case CodeKind::kCodebook: {
+              const uint32_t g = d / t.group_size, entries = 1u << t.bits;
+              const uint32_t code = UnpackBit(codes, g, t.bits);
+              x = HalfBitsToFloat(
+                  t.codebook[((size_t{h} * t.groups + g) * entries + code) * t.group_size +
+                             d % t.group_size]);
+              break;
+            }
             case CodeKind::kAffine: {
               const size_t p = !t.token_groups
                                    ? (size_t{h} * t.groups + tok / t.group_size) * D + d

@@ -24,6 +24,9 @@
 //   tada          kivi / kcvt of each head's deviation from the mean over heads, plus
 //                 head_mean f16 [T, D] per tensor, added to every head (exposed as mean_ops,
 //                 an fp16 one-head block the kernels attend over alongside the deviations).
+//   cq            codes uB [H, T, D / c]: per token, each run of c channels as an index into
+//                 the calibration's codebook for (layer, head, run), fp16 [H, D / c, 2^B, c]
+//                 (exposed as `codebook`).
 //   zipcache      a part: K as kcvt (per channel over the part's tokens); V per token with one
 //                 group, plus channel_normalizers f16 [H, D] that multiply every dequantized
 //                 element of their channel (channel-separable tokenwise quantization).
@@ -45,7 +48,7 @@
 
 namespace strata::kernels {
 
-enum class CodeKind { kFloat16, kBFloat16, kInt8, kFp8E4M3, kAffine };
+enum class CodeKind { kFloat16, kBFloat16, kInt8, kFp8E4M3, kAffine, kCodebook };
 
 struct TensorOperands {
   CodeKind kind = CodeKind::kFloat16;
@@ -75,6 +78,9 @@ struct TensorOperands {
   const uint16_t* channel_perm = nullptr;
   // TaDA: fp16 [T, D] added to every head's dequantized row; nullptr when absent.
   const uint16_t* head_mean = nullptr;
+  // kCodebook (CQ): codes [H, T, groups] of `bits` each, one per run of group_size channels,
+  // indexing codebook fp16 [H, groups, 2^bits, group_size] (the calibration's, for this layer).
+  const uint16_t* codebook = nullptr;
 
   uint32_t OutlierIndex(size_t i) const {
     return outlier_index8 != nullptr ? outlier_index8[i] : outlier_index16[i];

@@ -6,6 +6,7 @@
 #include <numeric>
 #include <sstream>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "common/sha256.h"
 #include "common/status_macros.h"
@@ -23,6 +24,16 @@ absl::Status Bad(const std::string& what) {
 
 bool ValidBits(int b) { return b == 0 || b == 2 || b == 3 || b == 4 || b == 8; }
 
+// A codebook's bytes, little-endian.
+std::string CodebookBytes(const std::vector<uint16_t>& book) {
+  std::string out(book.size() * 2, '\0');
+  for (size_t i = 0; i < book.size(); ++i) {
+    out[2 * i] = static_cast<char>(book[i] & 0xff);
+    out[2 * i + 1] = static_cast<char>(book[i] >> 8);
+  }
+  return out;
+}
+
 }  // namespace
 
 std::string Calibration::Serialize() const {
@@ -35,13 +46,14 @@ std::string Calibration::Serialize() const {
   j["source"] = source;
   j["layers"] = Json::array();
   for (const LayerCalibration& l : layers) {
-    j["layers"].push_back({{"k_perm", l.k_perm},
-                           {"v_perm", l.v_perm},
-                           {"k_clip", l.k_clip},
-                           {"v_clip", l.v_clip},
-                           {"k_bits", l.k_bits},
-                           {"v_bits", l.v_bits},
-                           {"spec", l.spec}});
+    Json lj = {{"k_perm", l.k_perm}, {"v_perm", l.v_perm}, {"k_clip", l.k_clip},
+               {"v_clip", l.v_clip}, {"k_bits", l.k_bits}, {"v_bits", l.v_bits},
+               {"spec", l.spec}};
+    for (const auto& [name, book] :
+         {std::pair{"k_codebook", &l.k_codebook}, std::pair{"v_codebook", &l.v_codebook}}) {
+      if (!book->empty()) lj[name] = absl::Base64Escape(CodebookBytes(*book));
+    }
+    j["layers"].push_back(std::move(lj));
   }
   return j.dump(1);
 }
@@ -56,6 +68,10 @@ uint64_t Calibration::fingerprint() const {
                     " ", l.k_bits, " ", l.v_bits, " ", l.spec, "\n");
     bytes.append(reinterpret_cast<const char*>(l.k_perm.data()), l.k_perm.size() * 2);
     bytes.append(reinterpret_cast<const char*>(l.v_perm.data()), l.v_perm.size() * 2);
+    if (!l.k_codebook.empty() || !l.v_codebook.empty()) {
+      absl::StrAppend(&bytes, "codebooks ", l.k_codebook.size(), " ", l.v_codebook.size(), "\n",
+                      CodebookBytes(l.k_codebook), CodebookBytes(l.v_codebook));
+    }
   }
   const uint64_t f = Fingerprint64(bytes);
   return f == 0 ? 1 : f;
@@ -93,6 +109,35 @@ absl::StatusOr<Calibration> Calibration::Parse(absl::string_view text) {
       l.k_bits = lj.at("k_bits").get<int>();
       l.v_bits = lj.at("v_bits").get<int>();
       l.spec = lj.value("spec", "");
+      for (const auto& [name, book] :
+           {std::pair{"k_codebook", &l.k_codebook}, std::pair{"v_codebook", &l.v_codebook}}) {
+        if (!lj.contains(name)) continue;
+        std::string raw;
+        if (!lj.at(name).is_string() ||
+            !absl::Base64Unescape(lj.at(name).get<std::string>(), &raw) || raw.size() % 2 != 0) {
+          return Bad(absl::StrCat("layer ", i, " ", name, " is not base64 of 16-bit values"));
+        }
+        book->resize(raw.size() / 2);
+        for (size_t e = 0; e < book->size(); ++e) {
+          (*book)[e] = static_cast<uint16_t>(static_cast<uint8_t>(raw[2 * e]) |
+                                             (static_cast<uint8_t>(raw[2 * e + 1]) << 8));
+        }
+        // Every codebook entry is a finite fp16 value.
+        for (uint16_t h : *book) {
+          if ((h & 0x7c00) == 0x7c00) {
+            return Bad(absl::StrCat("layer ", i, " ", name, " holds a value that is not finite"));
+          }
+        }
+        absl::StatusOr<CodecSpec> cs = CodecSpec::Parse(c.codec);
+        const size_t want = cs.ok() && cs->is_codebook()
+                                ? size_t{c.kv_heads} * c.head_dim * (size_t{1} << cs->k_bits)
+                                : 0;
+        if (book->size() != want) {
+          return Bad(absl::StrCat("layer ", i, " ", name, " has ", book->size(),
+                                  " entries, not the ", want, " of codec ", c.codec,
+                                  " (kv_heads x head_dim x 2^b)"));
+        }
+      }
       if (!l.spec.empty()) {
         absl::StatusOr<CodecSpec> ls = CodecSpec::Parse(l.spec);
         if (!ls.ok()) return Bad(absl::StrCat("layer ", i, " spec: ", ls.status().message()));

@@ -27,6 +27,9 @@ struct LayerCalibration {
   float k_clip = 1.0f, v_clip = 1.0f;
   // Bits of this layer (0: the spec's).
   int k_bits = 0, v_bits = 0;
+  // CQ's codebooks (codebook.h), fp16 bits [kv_heads, head_dim / c, 2^b, c]; empty for other
+  // codecs. Stored in the file as base64 of their little-endian bytes.
+  std::vector<uint16_t> k_codebook, v_codebook;
   // This layer's own codec (per-layer precision and the Strata mix); empty: the file's codec.
   // Blocks of the layer carry this spec in their header.
   std::string spec;

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <memory>
 #include <numeric>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -15,6 +16,7 @@
 #include "common/half.h"
 #include "common/status_macros.h"
 #include "kernels/bit_pack.h"
+#include "kernels/codebook.h"
 #include "kernels/codec_layout.h"
 #include "kernels/internal/codec_simd.h"
 #include "kernels/internal/vector_exp.h"
@@ -582,6 +584,11 @@ absl::Status CheckShape(const CodecSpec& s, const KvChunkView& c) {
     return absl::InvalidArgumentError(
         absl::StrCat("codec ", s.ToString(), ": head_dim ", c.head_dim, " is not a multiple of 8"));
   }
+  if (s.is_codebook() && (c.head_dim / s.group) * s.k_bits % 8 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("codec ", s.ToString(), ": ", c.head_dim / s.group, " codes of ", s.k_bits,
+                     " bits per token do not fill whole bytes (head_dim ", c.head_dim, ")"));
+  }
   return absl::OkStatus();
 }
 
@@ -598,6 +605,40 @@ absl::Status WriteIdentity(const CodecSpec& s, const CodecLayout& layout, const 
     } else {
       FloatToBFloat16(m.x.data(), b.section_as<BFloat16>(section), m.x.size());
     }
+    section += layout.k_section_count;
+  }
+  return absl::OkStatus();
+}
+
+// CQ: each token's runs of `group` channels as the index of the nearest centroid of the layer's
+// codebook for that head and run (codebook.h).
+absl::Status WriteCodebook(const CodecSpec& s, const CodecLayout& layout, const KvChunkView& c,
+                           BlockBuilder& b, int first, const LayerCalibration* cal) {
+  const int coupled = s.group, bits = s.k_bits;
+  const uint32_t G = c.head_dim / coupled, K = 1u << bits;
+  int section = first;
+  for (const auto& [src, name, book] :
+       {std::tuple{c.k, "K", cal != nullptr ? &cal->k_codebook : nullptr},
+        std::tuple{c.v, "V", cal != nullptr ? &cal->v_codebook : nullptr}}) {
+    if (book == nullptr || book->size() != size_t{c.kv_heads} * c.head_dim * K) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "codec ", s.ToString(), ": the calibration holds no ", name, " codebooks for ",
+          c.kv_heads, " heads of ", c.head_dim, " (strata calibrate makes them)"));
+    }
+    STRATA_ASSIGN_OR_RETURN(HeadMajor m, ToHeadMajor(c, src, name, kMetadataLimit));
+    std::vector<uint8_t> codes(size_t{c.kv_heads} * c.tokens * G);
+    std::vector<float> cent(size_t{K} * coupled);
+    for (uint32_t h = 0; h < c.kv_heads; ++h) {
+      for (uint32_t g = 0; g < G; ++g) {
+        const uint16_t* src_book = &(*book)[(size_t{h} * G + g) * K * coupled];
+        for (size_t e = 0; e < cent.size(); ++e) cent[e] = F32(src_book[e]);
+        for (uint32_t t = 0; t < c.tokens; ++t) {
+          codes[(size_t{h} * c.tokens + t) * G + g] = static_cast<uint8_t>(
+              NearestCentroid(&m.at(h, t, g * coupled), cent.data(), K, coupled));
+        }
+      }
+    }
+    PackBits(codes.data(), codes.size(), bits, b.section(section).data());
     section += layout.k_section_count;
   }
   return absl::OkStatus();
@@ -950,6 +991,7 @@ absl::StatusOr<std::unique_ptr<Codec>> Codec::Create(
     case CodecId::kZipCache:
     case CodecId::kSkvq:
     case CodecId::kTada:
+    case CodecId::kCq:
       return std::make_unique<Codec>(s, std::move(calibration));
     default:
       break;
@@ -1064,6 +1106,9 @@ absl::StatusOr<BlockBuilder> Codec::Build(const KvChunkView& c, const BlockConte
         break;
       case CodecId::kFp8E4M3:
         STRATA_RETURN_IF_ERROR(WriteFp8(ps, pl, part, b, first));
+        break;
+      case CodecId::kCq:
+        STRATA_RETURN_IF_ERROR(WriteCodebook(ps, pl, part, b, first, layer_cal));
         break;
       default:
         STRATA_RETURN_IF_ERROR(

@@ -39,6 +39,17 @@ CodecLayout MakeCodecLayout(const CodecSpec& s, uint32_t t, uint32_t h, uint32_t
     const bool is_k = tensor == Tensor::kKey;
     TensorLayout& tl = is_k ? out.k : out.v;
     const int bits = is_k ? s.k_bits : s.v_bits;
+    if (s.is_codebook()) {  // one code of `bits` per group of `group` channels, per token
+      tl.token_groups = true;
+      tl.group_size = static_cast<uint32_t>(s.group);
+      tl.groups = d / tl.group_size;
+      const SectionKind kind = s.group == 2   ? SectionKind::kCodesPer2
+                               : s.group == 4 ? SectionKind::kCodesPer4
+                                              : SectionKind::kCodesPer8;
+      out.sections.push_back({kind, tensor, CodeType(s, bits), h * t * tl.groups, 64});
+      if (is_k) out.k_section_count = static_cast<int>(out.sections.size());
+      continue;
+    }
     out.sections.push_back({SectionKind::kCodes, tensor, CodeType(s, bits), n, 64});
     if (s.id == CodecId::kInt8) {
       out.sections.push_back({SectionKind::kScales, tensor, ElemType::kFloat16, h * t});

@@ -69,6 +69,7 @@ std::vector<CodecSpec> CodecSpec::PartSpecs() const {
 
 double CodecSpec::nominal_bits() const {
   if (id == CodecId::kInt8 || id == CodecId::kFp8E4M3) return 8;
+  if (id == CodecId::kCq) return static_cast<double>(k_bits) / group;
   return (k_bits + v_bits) / 2.0;
 }
 
@@ -121,6 +122,20 @@ absl::StatusOr<CodecSpec> CodecSpec::Parse(absl::string_view text) {
   if (name == "int8") return no_fields(CodecId::kInt8);
   if (name == "fp8e4m3") return no_fields(CodecId::kFp8E4M3);
 
+  if (name == "cq") {
+    s.id = CodecId::kCq;
+    if (f.size() < 3 || !ParseIntField(f[1], 'c', &s.group) ||
+        (s.group != 2 && s.group != 4 && s.group != 8)) {
+      return Bad(text,
+                 "cq needs the channels coupled, c2, c4 or c8, then the codebook bits, e.g. "
+                 "cq:c4:b6");
+    }
+    if (!ParseIntField(f[2], 'b', &s.k_bits) || s.k_bits < 4 || s.k_bits > 8) {
+      return Bad(text, "cq's codebook bits bN need N in 4..8 (2^N centroids), e.g. cq:c4:b6");
+    }
+    s.v_bits = s.k_bits;
+    return options(3);
+  }
   if (name == "kivi") {
     s.id = CodecId::kKivi;
   } else if (name == "kcvt") {
@@ -147,7 +162,7 @@ absl::StatusOr<CodecSpec> CodecSpec::Parse(absl::string_view text) {
   } else {
     return Bad(text, absl::StrCat("unknown codec '", name,
                                   "' (known: fp16, bf16, int8, fp8e4m3, kivi, kcvt, gear, gearl, "
-                                  "zipcache, skvq, tada, strata)"));
+                                  "zipcache, skvq, tada, cq, strata)"));
   }
   size_t i = 1;
   if (i >= f.size() || !ParseBits(f[i], &s.k_bits, &s.v_bits)) {
@@ -223,6 +238,7 @@ std::string CodecSpec::ToString() const {
   std::vector<std::string> f = {CodecIdName(id)};
   const std::string sinks = absl::StrCat(fp8_meta ? ":m8" : "", rotate ? ":rot" : "",
                                          sink_tokens > 0 ? absl::StrCat(":sink", sink_tokens) : "");
+  if (id == CodecId::kCq) return absl::StrCat("cq:c", group, ":b", k_bits, sinks);
   if (!is_affine()) return absl::StrCat(f[0], sinks);  // fp16, bf16, int8, fp8e4m3
   f.push_back(absl::StrCat("k", k_bits, "v", v_bits));
   if (id == CodecId::kZipCache) {

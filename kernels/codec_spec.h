@@ -23,6 +23,11 @@
 //                                   calibrate) among all the methods above to minimize the loss
 //                                   at an average of b bits per element, metadata included;
 //                                   blocks carry their layer's own spec
+//   cq:c4:b6                        coupled quantization (CQ): every c adjacent channels of a
+//                                   head (2, 4 or 8) stored as the index of the nearest of 2^b
+//                                   centroids (b in 4..8) of a codebook learned offline per layer,
+//                                   head and channel group; b / c bits per element (c4:b6: 1.5,
+//                                   c8:b8: 1), no scales; needs a calibration file (its codebooks)
 //   skvq:k2v2:g32                   SKVQ: channels reordered (calibrated permutation) so similar
 //                                   channels share a group, then per-token groups of g channels
 //                                   for K and V, min/max clipped by calibrated ratios; needs a
@@ -78,7 +83,11 @@ struct CodecSpec {
   std::string ToString() const;
 
   bool is_affine() const;  // affine backbone codes (kivi, kcvt, gear, gearl, zipcache)
-  bool needs_calibration() const { return id == CodecId::kSkvq || id == CodecId::kStrata; }
+  bool needs_calibration() const {
+    return id == CodecId::kSkvq || id == CodecId::kStrata || id == CodecId::kCq;
+  }
+  // cq: group is the channels coupled (c), k_bits = v_bits the codebook's bits (b).
+  bool is_codebook() const { return id == CodecId::kCq; }
   // Codecs whose per-layer choice a calibration may make (TaDA's precision search, the mix).
   bool searches_layers() const { return id == CodecId::kTada || id == CodecId::kStrata; }
   // K quantized per token in channel groups (like V) rather than per channel over tokens.

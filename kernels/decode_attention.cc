@@ -541,6 +541,72 @@ static void UnpackRow(const TensorOperands& t, size_t row_index, uint32_t D, flo
     case CodeKind::kAffine:
       for (uint32_t d = 0; d < D; ++d) row[d] = static_cast<float>(UnpackBit(c, d, t.bits));
       return;
+    case CodeKind::kCodebook:  // read through tables (ScoresCodebook, AccumulateCodebook)
+      std::fill(row, row + D, 0.0f);
+      return;
+  }
+}
+
+// CQ's keys (codebook.h): per query row, a table of its dot products with every centroid of
+// every channel run; a token's score is the sum of its runs' entries. 2^b x D multiply-adds per
+// row and block, then one lookup per run and token.
+static void ScoresCodebook(const Segment& seg, HeadGroupState& st) {
+  const TensorOperands& k = seg.block->k;
+  const uint32_t G = st.g, D = st.d, T = seg.tokens;
+  const uint32_t runs = k.groups, c = k.group_size, E = 1u << k.bits;
+  float* lut = st.Work(size_t{G} * runs * E + size_t{E} * c);
+  float* cent = lut + size_t{G} * runs * E;
+  for (uint32_t g = 0; g < runs; ++g) {
+    const uint16_t* book = k.codebook + (size_t{seg.head} * runs + g) * E * c;
+    for (size_t e = 0; e < size_t{E} * c; ++e) cent[e] = HalfBitsToFloat(book[e]);
+    for (uint32_t j = 0; j < G; ++j) {
+      const float* q = &st.q[size_t{j} * D + size_t{g} * c];
+      float* dst = &lut[(size_t{j} * runs + g) * E];
+      for (uint32_t e = 0; e < E; ++e) {
+        float s = 0;
+        for (uint32_t i = 0; i < c; ++i) s += q[i] * cent[size_t{e} * c + i];
+        dst[e] = s;
+      }
+    }
+  }
+  for (uint32_t t = 0; t < T; ++t) {
+    const uint8_t* codes = k.codes + (size_t{seg.head} * T + t) * k.row_bytes;
+    for (uint32_t j = 0; j < G; ++j) {
+      const float* l = &lut[size_t{j} * runs * E];
+      float s = 0;
+      for (uint32_t g = 0; g < runs; ++g) s += l[size_t{g} * E + UnpackBit(codes, g, k.bits)];
+      st.scores[size_t{j} * T + t] = s;
+    }
+  }
+}
+
+// CQ's values: per query row, the probability mass each centroid of each run received, then
+// the centroids weighted by it.
+static void AccumulateCodebook(const Segment& seg, HeadGroupState& st) {
+  const TensorOperands& v = seg.block->v;
+  const uint32_t G = st.g, D = st.d, T = seg.tokens;
+  const uint32_t runs = v.groups, c = v.group_size, E = 1u << v.bits;
+  float* mass = st.Work(size_t{G} * runs * E);
+  std::fill(mass, mass + size_t{G} * runs * E, 0.0f);
+  for (uint32_t t = 0; t < T; ++t) {
+    const uint8_t* codes = v.codes + (size_t{seg.head} * T + t) * v.row_bytes;
+    for (uint32_t g = 0; g < runs; ++g) {
+      const uint32_t code = UnpackBit(codes, g, v.bits);
+      for (uint32_t j = 0; j < G; ++j) {
+        mass[(size_t{j} * runs + g) * E + code] += st.scores[size_t{j} * T + t];
+      }
+    }
+  }
+  for (uint32_t g = 0; g < runs; ++g) {
+    const uint16_t* book = v.codebook + (size_t{seg.head} * runs + g) * E * c;
+    for (uint32_t e = 0; e < E; ++e) {
+      for (uint32_t j = 0; j < G; ++j) {
+        const float w = mass[(size_t{j} * runs + g) * E + e];
+        if (w == 0.0f) continue;
+        float* acc = &st.acc[size_t{j} * D + size_t{g} * c];
+        for (uint32_t i = 0; i < c; ++i) acc[i] += w * HalfBitsToFloat(book[size_t{e} * c + i]);
+      }
+    }
   }
 }
 
@@ -559,6 +625,7 @@ void ScoresPortable(const Segment& seg, HeadGroupState& st) {
     return;
   }
   const TensorOperands& k = seg.block->k;
+  if (k.kind == CodeKind::kCodebook) return ScoresCodebook(seg, st);  // no corrections
   float* row = st.Work(size_t{D} + size_t{G} * D + G);
   float* qf = row + D;               // [G, D] q with this token group's scales folded in
   float* bias = qf + size_t{G} * D;  // [G]
@@ -645,6 +712,7 @@ void AccumulatePortable(const Segment& seg, HeadGroupState& st) {
     return;
   }
   const TensorOperands& v = seg.block->v;
+  if (v.kind == CodeKind::kCodebook) return AccumulateCodebook(seg, st);
   float* row = st.Work(D);
   for (uint32_t t = 0; t < T; ++t) {
     const size_t r = size_t{seg.head} * T + t;

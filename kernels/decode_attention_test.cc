@@ -130,7 +130,10 @@ const char* kCodecs[] = {"fp16",
                          "gear:k2v2:g32:r4:s2",
                          "gear:k4v4:kcvt:r2:s1",
                          "gear:k2v2:kcvt:r2:s1",
-                         "gear:k2v2:g32:r3:s1"};
+                         "gear:k2v2:g32:r3:s1",
+                         "cq:c4:b6",
+                         "cq:c8:b8:sink2",
+                         "cq:c2:b4"};
 
 struct Shape {
   uint32_t q_heads, kv_heads, dim;

@@ -5,6 +5,8 @@
 #include <numeric>
 #include <random>
 
+#include "kernels/codebook.h"
+
 namespace strata::kernels {
 
 SyntheticKv MakeSyntheticKv(uint32_t tokens, uint32_t kv_heads, uint32_t head_dim, uint64_t seed,
@@ -72,6 +74,15 @@ std::shared_ptr<Calibration> MakeSyntheticCalibration(const CodecSpec& spec, uin
   c->kv_heads = kv_heads;
   c->head_dim = head_dim;
   LayerCalibration l;
+  if (spec.is_codebook()) {  // codebooks learned on synthetic KV of the same shape
+    const SyntheticKv kv = MakeSyntheticKv(512, kv_heads, head_dim, seed ^ 0x5eed, 0);
+    l.k_codebook = TrainCodebooks(kv.k.data(), kv.tokens, kv_heads, head_dim, spec.group,
+                                  spec.k_bits, static_cast<uint32_t>(seed), 10);
+    l.v_codebook = TrainCodebooks(kv.v.data(), kv.tokens, kv_heads, head_dim, spec.group,
+                                  spec.v_bits, static_cast<uint32_t>(seed) + 1, 10);
+    c->layers.push_back(std::move(l));
+    return c;
+  }
   std::mt19937 rng(seed);
   for (std::vector<uint16_t>* perm : {&l.k_perm, &l.v_perm}) {
     for (uint32_t h = 0; h < kv_heads; ++h) {

@@ -25,10 +25,11 @@ struct SyntheticKv {
 SyntheticKv MakeSyntheticKv(uint32_t tokens, uint32_t kv_heads, uint32_t head_dim, uint64_t seed,
                             uint32_t position0 = 0);
 
-// A stand-in calibration of layer 0 for codecs that need one (SKVQ, for tests and benchmarks):
-// random channel orders per head (std::shuffle with std::mt19937(seed)), clipping at 0.95 (K) and
-// 0.9 (V), for `spec` without its sinks. Not what calibration would learn: the channel orders
-// carry no information.
+// A stand-in calibration of layer 0 for codecs that need one (SKVQ, CQ; for tests and
+// benchmarks), for `spec` without its sinks. SKVQ: random channel orders per head (std::shuffle
+// with std::mt19937(seed)), clipping at 0.95 (K) and 0.9 (V) — not what calibration would learn:
+// the orders carry no information. CQ: codebooks learned on 512 tokens of synthetic KV (another
+// seed than the tests' own KV).
 std::shared_ptr<Calibration> MakeSyntheticCalibration(const CodecSpec& spec, uint32_t kv_heads,
                                                       uint32_t head_dim, uint64_t seed);
 

@@ -17,6 +17,7 @@
 #include "common/block_format.h"
 #include "common/sha256.h"
 #include "common/status_macros.h"
+#include "kernels/codebook.h"
 #include "kernels/codec.h"
 #include "kernels/codec_spec.h"
 #include "model/config.h"
@@ -104,6 +105,22 @@ absl::Status CalibrateSkvq(const LlamaModel& model, const std::string& skvq_spec
   }
   cal.codec = codec;
   return absl::OkStatus();
+}
+
+// CQ's codebooks: per layer, head and run of coupled channels, k-means over every calibration
+// token's K and V (kernels/codebook.h).
+void CalibrateCq(const ModelConfig& c, const kernels::CodecSpec& spec,
+                 const std::vector<LayerKv>& kv, uint32_t tokens, const CalibrationSearchOptions& o,
+                 kernels::Calibration& cal) {
+  for (uint32_t li = 0; li < c.num_layers; ++li) {
+    cal.layers[li].k_codebook = kernels::TrainCodebooks(kv[li].k.data(), tokens, c.num_kv_heads,
+                                                        c.head_dim, spec.group, spec.k_bits,
+                                                        /*seed=*/2 * li + 1);
+    cal.layers[li].v_codebook = kernels::TrainCodebooks(kv[li].v.data(), tokens, c.num_kv_heads,
+                                                        c.head_dim, spec.group, spec.v_bits,
+                                                        /*seed=*/2 * li + 2);
+    if (o.progress) o.progress("CQ codebooks", li + 1, c.num_layers);
+  }
 }
 
 // The Strata mix's menu: every method, at several sizes, each with fp16 sinks, and the rotation
@@ -270,7 +287,9 @@ absl::StatusOr<kernels::Calibration> SearchCalibration(const LlamaModel& model,
       static_cast<uint32_t>(kv[0].k.size() / (size_t{c.num_kv_heads} * c.head_dim));
   cal.source = absl::StrCat(o.source, ", ", tokens, " tokens");
   cal.layers.resize(c.num_layers);
-  if (spec.id == CodecId::kSkvq) {
+  if (spec.id == CodecId::kCq) {
+    CalibrateCq(c, main, kv, tokens, o, cal);
+  } else if (spec.id == CodecId::kSkvq) {
     STRATA_RETURN_IF_ERROR(CalibrateSkvq(model, cal.codec, kv, tokens, o, cal));
   } else if (spec.id == CodecId::kStrata) {  // SKVQ is on the menu
     STRATA_RETURN_IF_ERROR(CalibrateSkvq(model, kStrataSkvq, kv, tokens, o, cal));

@@ -14,6 +14,7 @@
 #include "kernels/calibration.h"
 #include "kernels/codec.h"
 #include "kernels/codec_spec.h"
+#include "kernels/synthetic_kv.h"
 #include "model/cpu_backend.h"
 #include "model/kv_cache.h"
 #include "model/kv_evaluation.h"
@@ -83,6 +84,43 @@ TEST(CalibrationSearchTest, SkvqLearnsChannelOrdersAndClipRatios) {
   // What it made is a calibration the codec accepts.
   EXPECT_TRUE(
       kernels::Codec::Create("skvq:k2v2:g32", std::make_shared<kernels::Calibration>(*cal)).ok());
+}
+
+// CQ's codebooks come from the model's own KV: every layer gets K and V codebooks of the right
+// size, and on the model's KV they err less than codebooks learned on synthetic KV.
+TEST(CalibrationSearchTest, CqLearnsCodebooksFromTheModelsKv) {
+  std::unique_ptr<LlamaModel> model = TinyModel();
+  ASSERT_NE(model, nullptr);
+  const ModelConfig& c = model->config();
+  const std::vector<uint32_t> ids = Tokens(*model, 200);
+  absl::StatusOr<kernels::Calibration> cal =
+      SearchCalibration(*model, ids, "cq:c4:b6:sink2", SmallOptions());
+  ASSERT_TRUE(cal.ok()) << cal.status();
+  EXPECT_EQ(cal->codec, "cq:c4:b6");
+  ASSERT_EQ(cal->layers.size(), c.num_layers);
+  for (const kernels::LayerCalibration& layer : cal->layers) {
+    EXPECT_EQ(layer.k_codebook.size(), size_t{c.num_kv_heads} * c.head_dim * 64);
+    EXPECT_EQ(layer.v_codebook.size(), size_t{c.num_kv_heads} * c.head_dim * 64);
+  }
+  auto learned = std::make_shared<kernels::Calibration>(*cal);
+  auto synthetic = std::make_shared<kernels::Calibration>(*cal);
+  for (kernels::LayerCalibration& layer : synthetic->layers) {
+    const auto s = kernels::MakeSyntheticCalibration(*kernels::CodecSpec::Parse("cq:c4:b6"),
+                                                     c.num_kv_heads, c.head_dim, 3);
+    layer.k_codebook = s->layers[0].k_codebook;
+    layer.v_codebook = s->layers[0].v_codebook;
+  }
+  std::vector<LayerKv> kv;
+  ASSERT_TRUE(model->Forward(std::vector<uint32_t>(ids.begin(), ids.begin() + 128), &kv).ok());
+  auto errors = [&](std::shared_ptr<kernels::Calibration> calibration) {
+    auto codec = *kernels::Codec::Create("cq:c4:b6", calibration);
+    return *MeasureLayerErrors(c, kv, 128, *codec, 32, 16);
+  };
+  const LayerErrors own = errors(learned), other = errors(synthetic);
+  for (uint32_t l = 0; l < c.num_layers; ++l) {
+    EXPECT_LT(own.k[l], other.k[l]) << "layer " << l;
+    EXPECT_LT(own.v[l], other.v[l]) << "layer " << l;
+  }
 }
 
 TEST(CalibrationSearchTest, StrataMixChoosesMenuCodecsWithinTheBudget) {

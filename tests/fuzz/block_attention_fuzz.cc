@@ -17,6 +17,7 @@
 #include "kernels/block_operands.h"
 #include "kernels/decode_attention.h"
 #include "kernels/internal/attention_segment.h"
+#include "tests/fuzz/fuzz_calibration.h"
 
 extern "C" size_t LLVMFuzzerMutate(uint8_t* data, size_t size, size_t max_size);
 
@@ -34,7 +35,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   absl::StatusOr<strata::BlockView> view =
       strata::BlockView::Parse(absl::MakeConstSpan(data, size));
   if (!view.ok()) return 0;
-  absl::StatusOr<PreparedBlock> ops = PrepareBlock(*view);
+  // Blocks made with the seeds' calibration (CQ's codebooks) reach the codec checks and kernels.
+  const Calibration* cal = &strata::fuzz::CqCalibration();
+  absl::StatusOr<PreparedBlock> ops = PrepareBlock(*view, cal);
   if (!ops.ok()) {
     if (ops.status().message().empty()) __builtin_trap();
     return 0;
@@ -56,7 +59,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const DecodeAttentionParams params{q_heads, ops->kv_heads, ops->head_dim};
   // A second sequence over the same bytes (its own operands, as another cache would parse
   // them) then the block again: the batch shares a prefix, which is read once for both.
-  absl::StatusOr<PreparedBlock> again = PrepareBlock(*view);
+  absl::StatusOr<PreparedBlock> again = PrepareBlock(*view, cal);
   if (!again.ok()) __builtin_trap();
   std::vector<const BlockOperands*> ptrs2;
   for (const BlockOperands& p : again->parts) ptrs2.push_back(&p);

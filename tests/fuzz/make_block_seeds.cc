@@ -1,17 +1,17 @@
 // Writes a few valid blocks of different shapes into a directory, as the fuzzer's seed corpus.
 //   make_block_seeds DIR
 #include <cstdio>
+#include <filesystem>
 #include <random>
 #include <string>
 #include <vector>
 
-#include <filesystem>
-
 #include "common/block_reader.h"
 #include "common/block_writer.h"
-#include "kvstore/block_store.h"
 #include "kernels/codec.h"
 #include "kernels/synthetic_kv.h"
+#include "kvstore/block_store.h"
+#include "tests/fuzz/fuzz_calibration.h"
 
 namespace {
 
@@ -119,6 +119,33 @@ int main(int argc, char** argv) {
   }
   for (const char* spec : integer_specs) {
     if (!encode(spec, 1, 64)) return 1;
+  }
+  // CQ blocks, made with the calibration the attention fuzzer holds; and that calibration as a
+  // seed of the calibration-file fuzzer.
+  auto cal = std::make_shared<kernels::Calibration>(fuzz::CqCalibration());
+  for (const std::string spec :
+       {std::string(fuzz::kCqSpec), std::string(fuzz::kCqSpec) + ":sink2"}) {
+    const kernels::SyntheticKv kv =
+        kernels::MakeSyntheticKv(9, fuzz::kCqKvHeads, fuzz::kCqHeadDim, 3);
+    absl::StatusOr<std::unique_ptr<kernels::Codec>> codec = kernels::Codec::Create(spec, cal);
+    absl::StatusOr<AlignedBuffer> b =
+        codec.ok() ? (*codec)->Encode({kv.k.data(), kv.v.data(), SourceDType::kFloat32, 9,
+                                       fuzz::kCqKvHeads, fuzz::kCqHeadDim},
+                                      {})
+                   : codec.status();
+    if (!b.ok() || !Write(std::string(argv[1]) + "/codec" + std::to_string(i++) + ".blk", *b)) {
+      std::fprintf(stderr, "%s: cannot make a seed\n", spec.c_str());
+      return 1;
+    }
+  }
+  {
+    const std::string text = cal->Serialize();
+    FILE* f = std::fopen((std::string(argv[1]) + "/calibration.json").c_str(), "wb");
+    if (f == nullptr || std::fwrite(text.data(), 1, text.size(), f) != text.size() ||
+        std::fclose(f) != 0) {
+      std::perror(argv[1]);
+      return 1;
+    }
   }
   // A safetensors file and a config.json for the model-file fuzzer.
   const std::string header =

@@ -1,0 +1,128 @@
+#include "kernels/codebook.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <random>
+
+#include "common/half.h"
+
+namespace strata::kernels {
+namespace {
+
+float Distance(const float* a, const float* b, int c) {
+  float d = 0;
+  for (int i = 0; i < c; ++i) d += (a[i] - b[i]) * (a[i] - b[i]);
+  return d;
+}
+
+// One group's codebook from its n points (n x c), fp32 [k, c].
+std::vector<float> KMeans(const std::vector<float>& pts, size_t n, int c, uint32_t k,
+                          std::mt19937& rng, int iterations) {
+  std::vector<float> cent(size_t{k} * c, 0.0f);
+  if (n == 0) return cent;
+  // k-means++: each next centroid drawn with probability proportional to the squared distance
+  // to the nearest one chosen so far.
+  std::vector<float> nearest(n, std::numeric_limits<float>::infinity());
+  std::uniform_real_distribution<double> uniform(0.0, 1.0);
+  size_t pick = rng() % n;
+  for (uint32_t j = 0; j < k; ++j) {
+    std::copy_n(&pts[pick * c], c, &cent[size_t{j} * c]);
+    double total = 0;
+    for (size_t i = 0; i < n; ++i) {
+      nearest[i] = std::min(nearest[i], Distance(&pts[i * c], &cent[size_t{j} * c], c));
+      total += nearest[i];
+    }
+    if (total <= 0) {  // every point is a centroid already: repeat points
+      pick = (pick + 1) % n;
+      continue;
+    }
+    double r = uniform(rng) * total;
+    pick = n - 1;
+    for (size_t i = 0; i < n; ++i) {
+      r -= nearest[i];
+      if (r <= 0) {
+        pick = i;
+        break;
+      }
+    }
+  }
+  // Lloyd iterations.
+  std::vector<uint32_t> assign(n, k);
+  std::vector<double> sum(size_t{k} * c);
+  std::vector<uint32_t> count(k);
+  for (int it = 0; it < iterations; ++it) {
+    bool moved = false;
+    for (size_t i = 0; i < n; ++i) {
+      const uint32_t a = NearestCentroid(&pts[i * c], cent.data(), k, c);
+      moved |= a != assign[i];
+      assign[i] = a;
+    }
+    if (!moved) break;
+    std::fill(sum.begin(), sum.end(), 0.0);
+    std::fill(count.begin(), count.end(), 0u);
+    for (size_t i = 0; i < n; ++i) {
+      ++count[assign[i]];
+      for (int d = 0; d < c; ++d) sum[size_t{assign[i]} * c + d] += pts[i * c + d];
+    }
+    for (uint32_t j = 0; j < k; ++j) {
+      if (count[j] == 0) {  // empty: the point worst served by its centroid
+        size_t worst = 0;
+        float worst_d = -1;
+        for (size_t i = 0; i < n; ++i) {
+          const float d = Distance(&pts[i * c], &cent[size_t{assign[i]} * c], c);
+          if (d > worst_d) {
+            worst_d = d;
+            worst = i;
+          }
+        }
+        std::copy_n(&pts[worst * c], c, &cent[size_t{j} * c]);
+        continue;
+      }
+      for (int d = 0; d < c; ++d) {
+        cent[size_t{j} * c + d] = static_cast<float>(sum[size_t{j} * c + d] / count[j]);
+      }
+    }
+  }
+  return cent;
+}
+
+}  // namespace
+
+uint32_t NearestCentroid(const float* point, const float* centroids, uint32_t entries,
+                         int coupled) {
+  uint32_t best = 0;
+  float best_d = std::numeric_limits<float>::infinity();
+  for (uint32_t j = 0; j < entries; ++j) {
+    const float d = Distance(point, centroids + size_t{j} * coupled, coupled);
+    if (d < best_d) {
+      best_d = d;
+      best = j;
+    }
+  }
+  return best;
+}
+
+std::vector<uint16_t> TrainCodebooks(const float* x, uint32_t tokens, uint32_t heads,
+                                     uint32_t head_dim, int coupled, int bits, uint32_t seed,
+                                     int iterations) {
+  const uint32_t groups = head_dim / coupled;
+  const uint32_t k = 1u << bits;
+  std::vector<uint16_t> out(size_t{heads} * groups * k * coupled);
+  std::vector<float> pts(size_t{tokens} * coupled);
+  for (uint32_t h = 0; h < heads; ++h) {
+    for (uint32_t g = 0; g < groups; ++g) {
+      for (uint32_t t = 0; t < tokens; ++t) {
+        std::copy_n(x + (size_t{t} * heads + h) * head_dim + size_t{g} * coupled, coupled,
+                    &pts[size_t{t} * coupled]);
+      }
+      std::mt19937 rng(seed * 1000003u + h * 7919u + g);
+      const std::vector<float> cent = KMeans(pts, tokens, coupled, k, rng, iterations);
+      uint16_t* dst = &out[(size_t{h} * groups + g) * k * coupled];
+      for (size_t i = 0; i < cent.size(); ++i) dst[i] = FloatToHalfBits(cent[i]);
+    }
+  }
+  return out;
+}
+
+}  // namespace strata::kernels

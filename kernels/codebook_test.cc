@@ -1,0 +1,180 @@
+#include "kernels/codebook.h"
+
+#include <cmath>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "common/block_reader.h"
+#include "common/half.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/block_operands.h"
+#include "kernels/calibration.h"
+#include "kernels/codec.h"
+#include "kernels/synthetic_kv.h"
+
+namespace strata::kernels {
+namespace {
+
+using testing::HasSubstr;
+
+// Points drawn tightly around 4 centers in 4 dimensions: a 2-bit codebook finds every center.
+TEST(CodebookTest, KMeansFindsSeparatedClusters) {
+  const float centers[4][4] = {{1, 0, 0, 0}, {0, -2, 0, 0}, {0, 0, 3, 1}, {-1, -1, -1, 4}};
+  std::mt19937 rng(7);
+  std::normal_distribution<float> noise(0, 0.01f);
+  const uint32_t tokens = 400;
+  std::vector<float> x(size_t{tokens} * 4);  // one head of 4 channels, one run
+  for (uint32_t t = 0; t < tokens; ++t) {
+    for (int d = 0; d < 4; ++d) x[t * 4 + d] = centers[t % 4][d] + noise(rng);
+  }
+  const std::vector<uint16_t> book = TrainCodebooks(x.data(), tokens, 1, 4, 4, 2);
+  ASSERT_EQ(book.size(), 4u * 4);
+  for (const auto& c : centers) {
+    float best = INFINITY;
+    for (int e = 0; e < 4; ++e) {
+      float d2 = 0;
+      for (int d = 0; d < 4; ++d) {
+        const float diff = HalfBitsToFloat(book[e * 4 + d]) - c[d];
+        d2 += diff * diff;
+      }
+      best = std::min(best, d2);
+    }
+    EXPECT_LT(std::sqrt(best), 0.02f);
+  }
+}
+
+// Fewer distinct points than centroids: the spare centroids repeat points, nothing is NaN.
+TEST(CodebookTest, FewPointsGiveFiniteCodebooks) {
+  const std::vector<float> x = {1, 2, 3, 4, 1, 2, 3, 4};  // two identical tokens, 4 channels
+  const std::vector<uint16_t> book = TrainCodebooks(x.data(), 2, 1, 4, 2, 4);
+  ASSERT_EQ(book.size(), 2u * 16 * 2);
+  for (uint16_t h : book) EXPECT_TRUE(std::isfinite(HalfBitsToFloat(h)));
+}
+
+// Every run of a token's channels decodes to the centroid nearest to it, and the bits per
+// element are b / c plus the block's header.
+TEST(CodebookTest, EachRunDecodesToItsNearestCentroid) {
+  for (const char* text : {"cq:c4:b6", "cq:c8:b8", "cq:c2:b4"}) {
+    const CodecSpec spec = *CodecSpec::Parse(text);
+    const uint32_t T = 64, H = 2, D = 64;
+    std::shared_ptr<Calibration> cal = MakeSyntheticCalibration(spec, H, D, 3);
+    auto codec = *Codec::Create(text, cal);
+    const SyntheticKv kv = MakeSyntheticKv(T, H, D, 11);
+    absl::StatusOr<AlignedBuffer> block =
+        codec->Encode({kv.k.data(), kv.v.data(), SourceDType::kFloat32, T, H, D}, {});
+    ASSERT_TRUE(block.ok()) << block.status();
+    std::vector<float> k(kv.k.size()), v(kv.v.size());
+    ASSERT_TRUE(
+        DecodeBlockRef(*BlockView::Parse(block->span()), k.data(), v.data(), cal.get()).ok());
+    const uint32_t c = spec.group, E = 1u << spec.k_bits, runs = D / c;
+    for (const auto& [src, got, book] : {std::tuple{&kv.k, &k, &cal->layers[0].k_codebook},
+                                         std::tuple{&kv.v, &v, &cal->layers[0].v_codebook}}) {
+      std::vector<float> cent(size_t{E} * c);
+      for (uint32_t h = 0; h < H; ++h) {
+        for (uint32_t g = 0; g < runs; ++g) {
+          for (size_t e = 0; e < cent.size(); ++e) {
+            cent[e] = HalfBitsToFloat((*book)[(size_t{h} * runs + g) * E * c + e]);
+          }
+          for (uint32_t t = 0; t < T; ++t) {
+            const size_t at = (size_t{t} * H + h) * D + g * c;
+            const uint32_t want = NearestCentroid(&(*src)[at], cent.data(), E, c);
+            for (uint32_t i = 0; i < c; ++i) {
+              ASSERT_EQ((*got)[at + i], cent[size_t{want} * c + i]) << text << " t=" << t;
+            }
+          }
+        }
+      }
+    }
+    const double bits = *codec->BitsPerElement(256, 8, 128);
+    EXPECT_GT(bits, spec.nominal_bits());
+    EXPECT_LT(bits, spec.nominal_bits() + 0.05) << text;
+  }
+}
+
+// Coupling pays: at the same 2 bits per element, 4 channels on 8 bits (256 centroids) err less on
+// keys than 2 channels on 4 bits (16 centroids).
+TEST(CodebookTest, CouplingMoreChannelsErrsLessAtTheSameBits) {
+  const uint32_t T = 256, H = 2, D = 64;
+  const SyntheticKv kv = MakeSyntheticKv(T, H, D, 21);
+  auto error = [&](const char* text) {
+    const CodecSpec spec = *CodecSpec::Parse(text);
+    auto cal = std::make_shared<Calibration>(*MakeSyntheticCalibration(spec, H, D, 5));
+    cal->layers[0].k_codebook = TrainCodebooks(kv.k.data(), T, H, D, spec.group, spec.k_bits);
+    auto codec = *Codec::Create(text, cal);
+    const AlignedBuffer block =
+        *codec->Encode({kv.k.data(), kv.v.data(), SourceDType::kFloat32, T, H, D}, {});
+    std::vector<float> k(kv.k.size()), v(kv.v.size());
+    EXPECT_TRUE(
+        DecodeBlockRef(*BlockView::Parse(block.span()), k.data(), v.data(), cal.get()).ok());
+    double err = 0, norm = 0;
+    for (size_t i = 0; i < k.size(); ++i) {
+      err += (k[i] - kv.k[i]) * (k[i] - kv.k[i]);
+      norm += kv.k[i] * kv.k[i];
+    }
+    return std::sqrt(err / norm);
+  };
+  const double c4 = error("cq:c4:b8"), c2 = error("cq:c2:b4");
+  EXPECT_LT(c4, c2);
+  EXPECT_LT(c4, 0.5);
+}
+
+// The codebooks travel in the calibration file and count in its fingerprint; a codebook of the
+// wrong size, or not base64, is refused naming the layer and the field.
+TEST(CodebookTest, CalibrationFilesCarryTheCodebooks) {
+  const CodecSpec spec = *CodecSpec::Parse("cq:c4:b6");
+  const Calibration cal = *MakeSyntheticCalibration(spec, 2, 64, 9);
+  const std::string text = cal.Serialize();
+  absl::StatusOr<Calibration> back = Calibration::Parse(text);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(*back, cal);
+  EXPECT_EQ(back->fingerprint(), cal.fingerprint());
+  Calibration other = cal;
+  other.layers[0].v_codebook[5] ^= 1;
+  EXPECT_NE(other.fingerprint(), cal.fingerprint());
+  Calibration short_book = cal;
+  short_book.layers[0].k_codebook.pop_back();
+  absl::StatusOr<Calibration> bad = Calibration::Parse(short_book.Serialize());
+  ASSERT_FALSE(bad.ok());
+  EXPECT_THAT(bad.status().message(), HasSubstr("layer 0 k_codebook has"));
+  std::string garbled = text;
+  garbled.replace(garbled.find("\"v_codebook\": \"") + 15, 4, "!!!!");
+  bad = Calibration::Parse(garbled);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_THAT(bad.status().message(), HasSubstr("v_codebook is not base64"));
+}
+
+// A CQ block read with a calibration that has no codebooks (or none at all) is refused.
+TEST(CodebookTest, BlocksNeedTheirCodebooks) {
+  const CodecSpec spec = *CodecSpec::Parse("cq:c4:b6");
+  std::shared_ptr<Calibration> cal = MakeSyntheticCalibration(spec, 2, 64, 4);
+  EXPECT_EQ(Codec::Create("cq:c4:b6").status().code(), absl::StatusCode::kFailedPrecondition);
+  auto codec = *Codec::Create("cq:c4:b6", cal);
+  const SyntheticKv kv = MakeSyntheticKv(32, 2, 64, 1);
+  const AlignedBuffer block =
+      *codec->Encode({kv.k.data(), kv.v.data(), SourceDType::kFloat32, 32, 2, 64}, {});
+  const BlockView view = *BlockView::Parse(block.span());
+  EXPECT_EQ(PrepareBlock(view, nullptr).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(PrepareBlock(view, cal.get()).ok());
+  // A calibration without codebooks cannot encode either.
+  auto empty = std::make_shared<Calibration>(*cal);
+  empty->layers[0].k_codebook.clear();
+  absl::StatusOr<AlignedBuffer> refused =
+      (*Codec::Create("cq:c4:b6", empty))
+          ->Encode({kv.k.data(), kv.v.data(), SourceDType::kFloat32, 32, 2, 64}, {});
+  ASSERT_FALSE(refused.ok());
+  EXPECT_THAT(refused.status().message(), HasSubstr("no K codebooks"));
+  // Rows of codes must fill whole bytes: 9 runs of 5 bits do not.
+  std::shared_ptr<Calibration> odd =
+      MakeSyntheticCalibration(*CodecSpec::Parse("cq:c8:b5"), 1, 72, 4);
+  const SyntheticKv kv72 = MakeSyntheticKv(8, 1, 72, 1);
+  absl::StatusOr<AlignedBuffer> unaligned =
+      (*Codec::Create("cq:c8:b5", odd))
+          ->Encode({kv72.k.data(), kv72.v.data(), SourceDType::kFloat32, 8, 1, 72}, {});
+  ASSERT_FALSE(unaligned.ok());
+  EXPECT_THAT(unaligned.status().message(), HasSubstr("whole bytes"));
+}
+
+}  // namespace
+}  // namespace strata::kernels
