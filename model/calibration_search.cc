@@ -282,7 +282,9 @@ absl::StatusOr<kernels::Calibration> SearchCalibration(const LlamaModel& model,
   cal.kv_heads = c.num_kv_heads;
   cal.head_dim = c.head_dim;
   if (!spec.needs_calibration() && !spec.searches_layers()) return cal;
-  STRATA_ASSIGN_OR_RETURN(std::vector<LayerKv> kv, RunWindows(model, ids, o.context, o.windows));
+  const uint32_t windows =
+      spec.id == CodecId::kCq ? std::max(o.windows, o.codebook_windows) : o.windows;
+  STRATA_ASSIGN_OR_RETURN(std::vector<LayerKv> kv, RunWindows(model, ids, o.context, windows));
   const uint32_t tokens =
       static_cast<uint32_t>(kv[0].k.size() / (size_t{c.num_kv_heads} * c.head_dim));
   cal.source = absl::StrCat(o.source, ", ", tokens, " tokens");

@@ -25,6 +25,9 @@ struct CalibrationSearchOptions {
   uint32_t window_tokens = 0;    // full-precision window, as the cache will use (layer search)
   uint32_t context = 1024;       // tokens per forward window
   uint32_t windows = 2;          // windows of calibration text
+  // CQ's k-means takes at least this many windows (as far as the text goes): 2^b centroids per
+  // channel run need many more points than channel orders or clip ratios do.
+  uint32_t codebook_windows = 8;
   uint32_t error_queries = 64;   // queries whose attention output the clip search minimizes
   std::string source;            // recorded in the calibration (with the token count)
   // Called after each layer of each search stage ("SKVQ clip ratios", "layer choices"): the
