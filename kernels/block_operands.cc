@@ -54,6 +54,8 @@ absl::Status FillPart(const BlockView& block, int i, const CodecLayout& layout, 
       t.groups = tl.groups;
       t.group_size = tl.group_size;
       t.row_bytes = static_cast<uint32_t>(PackedBytes(tl.groups, t.bits));
+      if (ops.spec.token_norm)
+        t.scales = reinterpret_cast<const uint16_t*>(block.section(i++).data.data());
       continue;
     }
     auto u16 = [&](int idx) {
@@ -309,6 +311,7 @@ absl::Status DecodeOperandsRef(const BlockOperands& ops, float* k, float* v) {
               x = HalfBitsToFloat(
                   t.codebook[((size_t{h} * t.groups + g) * entries + code) * t.group_size +
                              d % t.group_size]);
+              if (t.scales != nullptr) x *= HalfBitsToFloat(t.scales[row]);
               break;
             }
             case CodeKind::kAffine: {

@@ -26,7 +26,7 @@
 //                 an fp16 one-head block the kernels attend over alongside the deviations).
 //   cq            codes uB [H, T, D / c]: per token, each run of c channels as an index into
 //                 the calibration's codebook for (layer, head, run), fp16 [H, D / c, 2^B, c]
-//                 (exposed as `codebook`).
+//                 (exposed as `codebook`); with norm, plus scales f16 [H, T] (each row's RMS).
 //   zipcache      a part: K as kcvt (per channel over the part's tokens); V per token with one
 //                 group, plus channel_normalizers f16 [H, D] that multiply every dequantized
 //                 element of their channel (channel-separable tokenwise quantization).
@@ -79,7 +79,8 @@ struct TensorOperands {
   // TaDA: fp16 [T, D] added to every head's dequantized row; nullptr when absent.
   const uint16_t* head_mean = nullptr;
   // kCodebook (CQ): codes [H, T, groups] of `bits` each, one per run of group_size channels,
-  // indexing codebook fp16 [H, groups, 2^bits, group_size] (the calibration's, for this layer).
+  // indexing codebook fp16 [H, groups, 2^bits, group_size] (the calibration's, for this layer);
+  // with cq's norm, `scales` [H, T] multiply each token's decoded row.
   const uint16_t* codebook = nullptr;
 
   uint32_t OutlierIndex(size_t i) const {

@@ -89,6 +89,22 @@ std::vector<float> KMeans(const std::vector<float>& pts, size_t n, int c, uint32
 
 }  // namespace
 
+void NormalizeRows(float* x, uint32_t tokens, uint32_t heads, uint32_t head_dim, uint16_t* rms) {
+  for (uint32_t t = 0; t < tokens; ++t) {
+    for (uint32_t h = 0; h < heads; ++h) {
+      float* row = x + (size_t{t} * heads + h) * head_dim;
+      double sq = 0;
+      for (uint32_t d = 0; d < head_dim; ++d) sq += double{row[d]} * row[d];
+      const uint16_t bits = FloatToHalfBits(static_cast<float>(std::sqrt(sq / head_dim)));
+      const float r = HalfBitsToFloat(bits);
+      if (rms != nullptr) rms[size_t{h} * tokens + t] = bits;
+      if (r > 0) {
+        for (uint32_t d = 0; d < head_dim; ++d) row[d] /= r;
+      }
+    }
+  }
+}
+
 uint32_t NearestCentroid(const float* point, const float* centroids, uint32_t entries,
                          int coupled) {
   uint32_t best = 0;

@@ -26,6 +26,12 @@ std::vector<uint16_t> TrainCodebooks(const float* x, uint32_t tokens, uint32_t h
                                      uint32_t head_dim, int coupled, int bits, uint32_t seed = 1,
                                      int iterations = 30);
 
+// cq's norm: divides each row of x [tokens, heads, head_dim] by its RMS rounded to fp16 (the
+// value blocks keep; a row of zeros keeps its zeros, scale 0), writing the fp16 bits to
+// rms[head * tokens + token] when rms is not null. Calibration and encoding both normalize
+// through it, so the codebooks learn the rows the encoder quantizes.
+void NormalizeRows(float* x, uint32_t tokens, uint32_t heads, uint32_t head_dim, uint16_t* rms);
+
 // Index of the centroid nearest `point` (squared distance) among `entries` centroids, fp32
 // [entries, coupled]; the lowest index on a tie.
 uint32_t NearestCentroid(const float* point, const float* centroids, uint32_t entries, int coupled);

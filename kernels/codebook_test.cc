@@ -56,7 +56,7 @@ TEST(CodebookTest, FewPointsGiveFiniteCodebooks) {
 // Every run of a token's channels decodes to the centroid nearest to it, and the bits per
 // element are b / c plus the block's header.
 TEST(CodebookTest, EachRunDecodesToItsNearestCentroid) {
-  for (const char* text : {"cq:c4:b6", "cq:c8:b8", "cq:c2:b4"}) {
+  for (const char* text : {"cq:c4:b6", "cq:c8:b8", "cq:c2:b4", "cq:c4:b6:norm"}) {
     const CodecSpec spec = *CodecSpec::Parse(text);
     const uint32_t T = 64, H = 2, D = 64;
     std::shared_ptr<Calibration> cal = MakeSyntheticCalibration(spec, H, D, 3);
@@ -79,9 +79,17 @@ TEST(CodebookTest, EachRunDecodesToItsNearestCentroid) {
           }
           for (uint32_t t = 0; t < T; ++t) {
             const size_t at = (size_t{t} * H + h) * D + g * c;
-            const uint32_t want = NearestCentroid(&(*src)[at], cent.data(), E, c);
+            // With norm, the row divided by its RMS (as fp16) picks the centroid, then the RMS
+            // scales it back.
+            std::vector<float> row(&(*src)[(size_t{t} * H + h) * D],
+                                   &(*src)[(size_t{t} * H + h) * D] + D);
+            uint16_t rms = 0;
+            if (spec.token_norm) NormalizeRows(row.data(), 1, 1, D, &rms);
+            const float scale = spec.token_norm ? HalfBitsToFloat(rms) : 1.0f;
+            const uint32_t want = NearestCentroid(&row[g * c], cent.data(), E, c);
             for (uint32_t i = 0; i < c; ++i) {
-              ASSERT_EQ((*got)[at + i], cent[size_t{want} * c + i]) << text << " t=" << t;
+              ASSERT_FLOAT_EQ((*got)[at + i], cent[size_t{want} * c + i] * scale)
+                  << text << " t=" << t;
             }
           }
         }
@@ -89,7 +97,8 @@ TEST(CodebookTest, EachRunDecodesToItsNearestCentroid) {
     }
     const double bits = *codec->BitsPerElement(256, 8, 128);
     EXPECT_GT(bits, spec.nominal_bits());
-    EXPECT_LT(bits, spec.nominal_bits() + 0.05) << text;
+    // norm's fp16 RMS per token and head: 16 / head_dim bits more.
+    EXPECT_LT(bits, spec.nominal_bits() + (spec.token_norm ? 16.0 / 128 : 0) + 0.05) << text;
   }
 }
 

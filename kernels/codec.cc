@@ -626,6 +626,10 @@ absl::Status WriteCodebook(const CodecSpec& s, const CodecLayout& layout, const 
           c.kv_heads, " heads of ", c.head_dim, " (strata calibrate makes them)"));
     }
     STRATA_ASSIGN_OR_RETURN(HeadMajor m, ToHeadMajor(c, src, name, kMetadataLimit));
+    if (s.token_norm) {  // head-major rows [H, T, D]: one "token" per (head, token)
+      NormalizeRows(m.x.data(), c.kv_heads * c.tokens, 1, c.head_dim,
+                    b.section_as<uint16_t>(section + 1));
+    }
     std::vector<uint8_t> codes(size_t{c.kv_heads} * c.tokens * G);
     std::vector<float> cent(size_t{K} * coupled);
     for (uint32_t h = 0; h < c.kv_heads; ++h) {

@@ -47,6 +47,8 @@ CodecLayout MakeCodecLayout(const CodecSpec& s, uint32_t t, uint32_t h, uint32_t
                                : s.group == 4 ? SectionKind::kCodesPer4
                                               : SectionKind::kCodesPer8;
       out.sections.push_back({kind, tensor, CodeType(s, bits), h * t * tl.groups, 64});
+      if (s.token_norm)
+        out.sections.push_back({SectionKind::kScales, tensor, ElemType::kFloat16, h * t});
       if (is_k) out.k_section_count = static_cast<int>(out.sections.size());
       continue;
     }

@@ -134,7 +134,12 @@ absl::StatusOr<CodecSpec> CodecSpec::Parse(absl::string_view text) {
       return Bad(text, "cq's codebook bits bN need N in 4..8 (2^N centroids), e.g. cq:c4:b6");
     }
     s.v_bits = s.k_bits;
-    return options(3);
+    size_t i = 3;
+    if (i < f.size() && f[i] == "norm") {
+      s.token_norm = true;
+      ++i;
+    }
+    return options(i);
   }
   if (name == "kivi") {
     s.id = CodecId::kKivi;
@@ -238,7 +243,9 @@ std::string CodecSpec::ToString() const {
   std::vector<std::string> f = {CodecIdName(id)};
   const std::string sinks = absl::StrCat(fp8_meta ? ":m8" : "", rotate ? ":rot" : "",
                                          sink_tokens > 0 ? absl::StrCat(":sink", sink_tokens) : "");
-  if (id == CodecId::kCq) return absl::StrCat("cq:c", group, ":b", k_bits, sinks);
+  if (id == CodecId::kCq) {
+    return absl::StrCat("cq:c", group, ":b", k_bits, token_norm ? ":norm" : "", sinks);
+  }
   if (!is_affine()) return absl::StrCat(f[0], sinks);  // fp16, bf16, int8, fp8e4m3
   f.push_back(absl::StrCat("k", k_bits, "v", v_bits));
   if (id == CodecId::kZipCache) {

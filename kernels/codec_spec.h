@@ -27,7 +27,10 @@
 //                                   head (2, 4 or 8) stored as the index of the nearest of 2^b
 //                                   centroids (b in 4..8) of a codebook learned offline per layer,
 //                                   head and channel group; b / c bits per element (c4:b6: 1.5,
-//                                   c8:b8: 1), no scales; needs a calibration file (its codebooks)
+//                                   c8:b8: 1), no scales; needs a calibration file (its codebooks);
+//   cq:c4:b6:norm                     with `norm`, each token's row of each head is divided by its
+//                                   RMS (kept at fp16: 16 / head_dim bits per element) before
+//                                   the codebook (gain-shape: the codebook learns directions)
 //   skvq:k2v2:g32                   SKVQ: channels reordered (calibrated permutation) so similar
 //                                   channels share a group, then per-token groups of g channels
 //                                   for K and V, min/max clipped by calibrated ratios; needs a
@@ -74,6 +77,7 @@ struct CodecSpec {
   double budget_bits = 0;  // strata: average bits per element of the mix
   bool fp8_meta = false;   // m8: affine scales and zero points in fp8 e4m3
   bool rotate = false;     // rot: K and V rotated per head before quantization (rotation.h)
+  bool token_norm = false;  // cq's norm: rows divided by their RMS (fp16 per token and head)
   // ZipCache
   int hi_bits = 0;                // bits of salient tokens
   double salient_percent = 0;     // share of tokens that are salient

@@ -24,6 +24,7 @@ TEST(CodecSpecTest, CanonicalSpecsRoundTrip) {
                            "cq:c4:b6",
                            "cq:c8:b8:sink4",
                            "cq:c2:b4",
+                           "cq:c4:b6:norm",
                            "gear:k2v2:g32:r4:s2",
                            "gear:k4v4:kcvt:r4:s2",
                            "gear:k2v2:g64:r2:s0.5:i5",

@@ -548,7 +548,8 @@ static void UnpackRow(const TensorOperands& t, size_t row_index, uint32_t D, flo
 }
 
 // CQ's keys (codebook.h): per query row, a table of its dot products with every centroid of
-// every channel run; a token's score is the sum of its runs' entries. 2^b x D multiply-adds per
+// every channel run; a token's score is the sum of its runs' entries (times its row's RMS with
+// cq's norm). 2^b x D multiply-adds per
 // row and block, then one lookup per run and token.
 static void ScoresCodebook(const Segment& seg, HeadGroupState& st) {
   const TensorOperands& k = seg.block->k;
@@ -575,6 +576,7 @@ static void ScoresCodebook(const Segment& seg, HeadGroupState& st) {
       const float* l = &lut[size_t{j} * runs * E];
       float s = 0;
       for (uint32_t g = 0; g < runs; ++g) s += l[size_t{g} * E + UnpackBit(codes, g, k.bits)];
+      if (k.scales != nullptr) s *= HalfBitsToFloat(k.scales[size_t{seg.head} * T + t]);  // norm
       st.scores[size_t{j} * T + t] = s;
     }
   }
@@ -590,10 +592,12 @@ static void AccumulateCodebook(const Segment& seg, HeadGroupState& st) {
   std::fill(mass, mass + size_t{G} * runs * E, 0.0f);
   for (uint32_t t = 0; t < T; ++t) {
     const uint8_t* codes = v.codes + (size_t{seg.head} * T + t) * v.row_bytes;
+    const float scale =
+        v.scales != nullptr ? HalfBitsToFloat(v.scales[size_t{seg.head} * T + t]) : 1.0f;  // norm
     for (uint32_t g = 0; g < runs; ++g) {
       const uint32_t code = UnpackBit(codes, g, v.bits);
       for (uint32_t j = 0; j < G; ++j) {
-        mass[(size_t{j} * runs + g) * E + code] += st.scores[size_t{j} * T + t];
+        mass[(size_t{j} * runs + g) * E + code] += st.scores[size_t{j} * T + t] * scale;
       }
     }
   }

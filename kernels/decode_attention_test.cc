@@ -133,7 +133,8 @@ const char* kCodecs[] = {"fp16",
                          "gear:k2v2:g32:r3:s1",
                          "cq:c4:b6",
                          "cq:c8:b8:sink2",
-                         "cq:c2:b4"};
+                         "cq:c2:b4",
+                         "cq:c4:b8:norm:sink2"};
 
 struct Shape {
   uint32_t q_heads, kv_heads, dim;

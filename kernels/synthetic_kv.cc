@@ -75,7 +75,11 @@ std::shared_ptr<Calibration> MakeSyntheticCalibration(const CodecSpec& spec, uin
   c->head_dim = head_dim;
   LayerCalibration l;
   if (spec.is_codebook()) {  // codebooks learned on synthetic KV of the same shape
-    const SyntheticKv kv = MakeSyntheticKv(512, kv_heads, head_dim, seed ^ 0x5eed, 0);
+    SyntheticKv kv = MakeSyntheticKv(512, kv_heads, head_dim, seed ^ 0x5eed, 0);
+    if (spec.token_norm) {
+      NormalizeRows(kv.k.data(), kv.tokens, kv_heads, head_dim, nullptr);
+      NormalizeRows(kv.v.data(), kv.tokens, kv_heads, head_dim, nullptr);
+    }
     l.k_codebook = TrainCodebooks(kv.k.data(), kv.tokens, kv_heads, head_dim, spec.group,
                                   spec.k_bits, static_cast<uint32_t>(seed), 10);
     l.v_codebook = TrainCodebooks(kv.v.data(), kv.tokens, kv_heads, head_dim, spec.group,

@@ -113,10 +113,15 @@ void CalibrateCq(const ModelConfig& c, const kernels::CodecSpec& spec,
                  const std::vector<LayerKv>& kv, uint32_t tokens, const CalibrationSearchOptions& o,
                  kernels::Calibration& cal) {
   for (uint32_t li = 0; li < c.num_layers; ++li) {
-    cal.layers[li].k_codebook = kernels::TrainCodebooks(kv[li].k.data(), tokens, c.num_kv_heads,
+    std::vector<float> k = kv[li].k, v = kv[li].v;
+    if (spec.token_norm) {  // the codebooks learn the rows the encoder will quantize
+      kernels::NormalizeRows(k.data(), tokens, c.num_kv_heads, c.head_dim, nullptr);
+      kernels::NormalizeRows(v.data(), tokens, c.num_kv_heads, c.head_dim, nullptr);
+    }
+    cal.layers[li].k_codebook = kernels::TrainCodebooks(k.data(), tokens, c.num_kv_heads,
                                                         c.head_dim, spec.group, spec.k_bits,
                                                         /*seed=*/2 * li + 1);
-    cal.layers[li].v_codebook = kernels::TrainCodebooks(kv[li].v.data(), tokens, c.num_kv_heads,
+    cal.layers[li].v_codebook = kernels::TrainCodebooks(v.data(), tokens, c.num_kv_heads,
                                                         c.head_dim, spec.group, spec.v_bits,
                                                         /*seed=*/2 * li + 2);
     if (o.progress) o.progress("CQ codebooks", li + 1, c.num_layers);
