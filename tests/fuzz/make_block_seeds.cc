@@ -123,7 +123,7 @@ int main(int argc, char** argv) {
   // CQ blocks, made with the calibration the attention fuzzer holds; and that calibration as a
   // seed of the calibration-file fuzzer.
   auto cal = std::make_shared<kernels::Calibration>(fuzz::CqCalibration());
-  for (const std::string spec :
+  for (const std::string& spec :
        {std::string(fuzz::kCqSpec), std::string(fuzz::kCqSpec) + ":sink2"}) {
     const kernels::SyntheticKv kv =
         kernels::MakeSyntheticKv(9, fuzz::kCqKvHeads, fuzz::kCqHeadDim, 3);
