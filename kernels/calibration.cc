@@ -97,6 +97,12 @@ absl::StatusOr<Calibration> Calibration::Parse(absl::string_view text) {
     if (c.kv_heads < 1 || c.kv_heads > 1024 || c.head_dim < 1 || c.head_dim > 1024) {
       return Bad(absl::StrCat("shape ", c.kv_heads, " x ", c.head_dim, " out of range"));
     }
+    // CQ's codebooks hold kv_heads x head_dim x 2^b entries; other codecs' hold none.
+    const absl::StatusOr<CodecSpec> spec = CodecSpec::Parse(c.codec);
+    const size_t codebook_entries =
+        spec.ok() && spec->is_codebook()
+            ? size_t{c.kv_heads} * c.head_dim * (size_t{1} << spec->k_bits)
+            : 0;
     const Json& layers = j.at("layers");
     if (!layers.is_array() || layers.size() > 4096) return Bad("layers must be an array");
     for (size_t i = 0; i < layers.size(); ++i) {
@@ -128,13 +134,9 @@ absl::StatusOr<Calibration> Calibration::Parse(absl::string_view text) {
             return Bad(absl::StrCat("layer ", i, " ", name, " holds a value that is not finite"));
           }
         }
-        absl::StatusOr<CodecSpec> cs = CodecSpec::Parse(c.codec);
-        const size_t want = cs.ok() && cs->is_codebook()
-                                ? size_t{c.kv_heads} * c.head_dim * (size_t{1} << cs->k_bits)
-                                : 0;
-        if (book->size() != want) {
+        if (book->size() != codebook_entries) {
           return Bad(absl::StrCat("layer ", i, " ", name, " has ", book->size(),
-                                  " entries, not the ", want, " of codec ", c.codec,
+                                  " entries, not the ", codebook_entries, " of codec ", c.codec,
                                   " (kv_heads x head_dim x 2^b)"));
         }
       }

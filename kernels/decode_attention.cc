@@ -604,11 +604,13 @@ static void AccumulateCodebook(const Segment& seg, HeadGroupState& st) {
   for (uint32_t g = 0; g < runs; ++g) {
     const uint16_t* book = v.codebook + (size_t{seg.head} * runs + g) * E * c;
     for (uint32_t e = 0; e < E; ++e) {
+      float centroid[8];  // c <= 8, widened once for every row
+      for (uint32_t i = 0; i < c; ++i) centroid[i] = HalfBitsToFloat(book[size_t{e} * c + i]);
       for (uint32_t j = 0; j < G; ++j) {
         const float w = mass[(size_t{j} * runs + g) * E + e];
         if (w == 0.0f) continue;
         float* acc = &st.acc[size_t{j} * D + size_t{g} * c];
-        for (uint32_t i = 0; i < c; ++i) acc[i] += w * HalfBitsToFloat(book[size_t{e} * c + i]);
+        for (uint32_t i = 0; i < c; ++i) acc[i] += w * centroid[i];
       }
     }
   }
