@@ -1,12 +1,13 @@
-// GPU decode attention over paged KV (kernels/cuda/paged_decode.h): our fp16 kernel and the 4-bit
-// and 2-bit affine (KIVI-style) kernels, against the device-to-device copy bandwidth measured in
-// the same run. Shapes of an 8B model's attention: head dim 128, 32 query heads over 8 KV heads;
-// batch 1 / 16 / 64; context 4k / 32k / 128k (128k up to batch 16). Each time is the median of
-// runs timed with CUDA events, L2 flushed before each (a 256 MiB memset outside the timed region);
-// the bytes are those the kernel must read (every section of every page of every sequence), so the
-// bandwidth is an effective one. Pages are blocks in the Strata block format, read in place
-// (block_pages.h), of 64 and 256 tokens (256: the default chunk). Data is random (finite fp16
-// values, random codes), never zeros.
+// GPU decode attention over paged KV (kernels/cuda/paged_decode.h): our fp16 kernel, the 4-bit
+// and 2-bit affine (KIVI-style) kernels, and the general kernel (every other codec's pages, read
+// through a descriptor: over KIVI k4v4 pages beside the affine kernel, and over int8, GEAR, SKVQ
+// and CQ pages), against the device-to-device copy bandwidth measured in the same run. Shapes of an
+// 8B model's attention: head dim 128, 32 query heads over 8 KV heads; batch 1 / 16 / 64; context 4k
+// / 32k / 128k (128k up to batch 16). Each time is the median of runs timed with CUDA events, L2
+// flushed before each (a 256 MiB memset outside the timed region); the bytes are those the kernel
+// must read (every section of every page of every sequence), so the bandwidth is an effective one.
+// Pages are blocks in the Strata block format, read in place (block_pages.h), of 64 and 256 tokens
+// (256: the default chunk). Data is random (finite fp16 values, random codes), never zeros.
 //
 //   cuda_decode_bench [--out DIR] [--runs N] [--quick] [--splits N] [--page_tokens N[,N...]]
 // (--quick: batch 16 at 32k only; --splits: force the split count instead of ChooseSplits')
@@ -28,9 +29,12 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "bench/gpu_run_info.h"
+#include "kernels/codec.h"
+#include "kernels/codec_spec.h"
 #include "kernels/cuda/block_pages.h"
 #include "kernels/cuda/compress.h"
 #include "kernels/cuda/paged_decode.h"
+#include "kernels/synthetic_kv.h"
 
 namespace {
 
@@ -112,6 +116,55 @@ PagedKvLayout LayoutOf(const char* spec, int tokens) {
     std::exit(1);
   }
   return *L;
+}
+
+// What the general kernel needs beside a pool of `spec`'s pages: one real block's descriptor
+// (every page of the pool uses it: the data is random, the addressing real) and the calibration
+// constants (a synthetic calibration for SKVQ and CQ). `force_general`: the general kernel over a
+// codec whose pages the fast kernels take (to compare the two on the same pages).
+struct General {
+  PagedKvLayout layout;
+  strata::kernels::cuda::PageDesc desc;
+  std::vector<uint8_t> constants;
+  double block_bytes = 0;  // one block's bytes, header included
+};
+
+General GeneralOf(const char* spec, int tokens, bool force_general) {
+  namespace sk = strata::kernels;
+  const sk::CodecSpec parsed = *sk::CodecSpec::Parse(spec);
+  std::shared_ptr<sk::Calibration> cal;
+  if (parsed.needs_calibration()) cal = sk::MakeSyntheticCalibration(parsed, 8, 128, 5);
+  auto codec = sk::Codec::Create(spec, cal);
+  const sk::SyntheticKv kv = sk::MakeSyntheticKv(tokens, 8, 128, 3);
+  absl::StatusOr<strata::AlignedBuffer> block =
+      (*codec)->Encode({kv.k.data(), kv.v.data(), strata::SourceDType::kFloat32,
+                        static_cast<uint32_t>(tokens), 8, 128},
+                       {.layer = 0, .chunk_index = 1});
+  if (!block.ok()) {
+    std::fprintf(stderr, "cuda_decode_bench: %s\n", std::string(block.status().message()).c_str());
+    std::exit(1);
+  }
+  const strata::BlockView view = *strata::BlockView::Parse(block->span());
+  const strata::kernels::cuda::PageConstants constants =
+      strata::kernels::cuda::PageConstants::For(cal.get());
+  absl::StatusOr<strata::kernels::cuda::PageDesc> desc =
+      strata::kernels::cuda::DescribePage(view, cal.get(), &constants);
+  absl::StatusOr<PagedKvLayout> L = strata::kernels::cuda::PageLayoutFor(view, cal.get());
+  if (!desc.ok() || !L.ok()) {
+    std::fprintf(stderr, "cuda_decode_bench: %s: %s\n", spec,
+                 std::string((desc.ok() ? L.status() : desc.status()).message()).c_str());
+    std::exit(1);
+  }
+  General g;
+  g.layout = *L;
+  if (force_general) {
+    g.layout.format = PageFormat::kGeneral;
+    g.layout.page_tokens = tokens;
+  }
+  g.desc = *desc;
+  g.constants = constants.bytes();
+  g.block_bytes = static_cast<double>(block->size());
+  return g;
 }
 
 // Bytes of a page's sections (what the kernels read of it).
@@ -201,9 +254,18 @@ int main(int argc, char** argv) {
   struct Kernel {
     const char* name;
     const char* spec;
+    bool general = false;  // the general kernel (PageFormat::kGeneral), through descriptors
   };
-  const Kernel kernels[] = {
-      {"fp16", "fp16"}, {"affine k4v4 g32", "kivi:k4v4:g32"}, {"affine k2v2 g32", "kivi:k2v2:g32"}};
+  // The general kernel: over KIVI pages (against the affine kernel on the same pages) and over
+  // codecs only it reads. Its rows' bytes are whole blocks.
+  const Kernel kernels[] = {{"fp16", "fp16"},
+                            {"affine k4v4 g32", "kivi:k4v4:g32"},
+                            {"affine k2v2 g32", "kivi:k2v2:g32"},
+                            {"general k4v4 g32", "kivi:k4v4:g32", true},
+                            {"general int8", "int8", true},
+                            {"general gear k4 r4", "gear:k4v4:g32:r4:s2", true},
+                            {"general skvq k4v4", "skvq:k4v4:g32", true},
+                            {"general cq c4 b8", "cq:c4:b8", true}};
   std::vector<int> batches = {1, 16, 64}, contexts = {4096, 32768, 131072};
   if (quick) {
     batches = {16};
@@ -216,7 +278,13 @@ int main(int argc, char** argv) {
         if (context > 32768 && batch > 16) continue;  // 128k at batch 64: 32 GiB of fp16 KV
         double fp16_ms = 0;
         for (const Kernel& k : kernels) {
-          const PagedKvLayout L = LayoutOf(k.spec, page);
+          General g;
+          if (k.general) {
+            g = GeneralOf(k.spec, page, true);
+          } else {
+            g.layout = LayoutOf(k.spec, page);
+          }
+          const PagedKvLayout& L = g.layout;
           const int pages_per_seq = context / L.page_tokens;
           const size_t pages = static_cast<size_t>(batch) * pages_per_seq;
           const size_t pool_bytes = pages * L.PageBytes();
@@ -245,6 +313,21 @@ int main(int argc, char** argv) {
           a.q_heads = 32;
           a.out = static_cast<float*>(o);
           a.splits = forced_splits;
+          void *descs = nullptr, *desc_ids = nullptr, *consts = nullptr;
+          if (k.general) {
+            CHECK_CUDA(cudaMalloc(&descs, sizeof(g.desc)));
+            CHECK_CUDA(cudaMemcpy(descs, &g.desc, sizeof(g.desc), cudaMemcpyHostToDevice));
+            CHECK_CUDA(cudaMalloc(&desc_ids, pages * 2));
+            CHECK_CUDA(cudaMemset(desc_ids, 0, pages * 2));
+            CHECK_CUDA(cudaMalloc(&consts, std::max<size_t>(16, g.constants.size())));
+            if (!g.constants.empty()) {
+              CHECK_CUDA(cudaMemcpy(consts, g.constants.data(), g.constants.size(),
+                                    cudaMemcpyHostToDevice));
+            }
+            a.page_descs = static_cast<const strata::kernels::cuda::PageDesc*>(descs);
+            a.page_desc_ids = static_cast<const uint16_t*>(desc_ids);
+            a.constants = static_cast<const uint8_t*>(consts);
+          }
           const int splits = strata::kernels::cuda::ChooseSplits(L, a, pages_per_seq);
           CHECK_CUDA(
               cudaMalloc(&work, strata::kernels::cuda::WorkspaceBytes(batch, 32, 128, splits)));
@@ -259,14 +342,14 @@ int main(int argc, char** argv) {
           row.batch = batch;
           row.context = context;
           row.ms = ms;
-          row.bytes = static_cast<double>(pages) * SectionBytes(L);
+          row.bytes = static_cast<double>(pages) * (k.general ? g.block_bytes : SectionBytes(L));
           row.gbps = row.bytes / (row.ms * 1e-3) / 1e9;
           row.of_copy = row.gbps / copy_gbps;
           if (L.format == PageFormat::kFp16) fp16_ms = row.ms;
           row.speedup = fp16_ms > 0 ? fp16_ms / row.ms : 0;
           row.splits = splits;
           rows.push_back(row);
-          for (void* p : {pool, q, o, work, table, counts}) cudaFree(p);
+          for (void* p : {pool, q, o, work, table, counts, descs, desc_ids, consts}) cudaFree(p);
         }
       }
     }

@@ -58,6 +58,11 @@ struct TensorOperands {
   // kAffine: per group; kInt8: [H, T]; kFp8E4M3: tensor_scale only.
   const uint16_t* scales = nullptr;  // fp16 bits
   const uint16_t* zeros = nullptr;   // fp16 bits
+  // m8: the stored fp8 e4m3 scales and zeros (scales/zeros above are them widened to fp16,
+  // times meta_mult) for kernels that read a block in place; nullptr otherwise.
+  const uint8_t* scales_fp8 = nullptr;
+  const uint8_t* zeros_fp8 = nullptr;
+  float meta_mult[2] = {1.0f, 1.0f};
   bool token_groups = false;         // params per (head, token, channel group), as V's; else
                                      // per (head, token group, channel), as KIVI's K
   uint32_t groups = 1;               // G: token groups (K) or channel groups (V) per vector

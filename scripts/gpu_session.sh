@@ -11,6 +11,7 @@
 #   bbench                       cuda_backend_bench: the serving path (TTFT with an adopted prefix,
 #                                prefill in chunk pieces, StepBatch decode) at the 8B shape
 #   memcheck racecheck           compute-sanitizer on the paged decode tests
+#   pmemcheck pracecheck         ... on the general kernel's parity test (every codec's pages)
 #   opsmem opsrace               ... on the model ops' tests
 #   mmemcheck                    memcheck on the model's and the backend's tests
 #   nccl                         nccl_transport_test and nccl_bench (NCCL from /usr/local/cuda,
@@ -103,7 +104,7 @@ cpu_checks() {
   done
 }
 steps=("$@")
-[ "${#steps[@]}" -gt 0 ] || steps=(pages kernels model common decode sdpa mbench mtorch bbench memcheck racecheck opsmem opsrace mmemcheck nccl)
+[ "${#steps[@]}" -gt 0 ] || steps=(pages kernels model common decode sdpa mbench mtorch bbench memcheck racecheck pmemcheck pracecheck opsmem opsrace mmemcheck nccl)
 nvidia-smi -L >> "$log" 2>&1 || true
 for s in "${steps[@]}"; do
   case "$s" in
@@ -111,13 +112,15 @@ for s in "${steps[@]}"; do
     kernels) step kernels 180 "$u/kernels_cuda_test" --gtest_brief=1 ;;
     model) step model 180 "$u/model_cuda_test" --gtest_brief=1 ;;
     common) step common 60 "$u/common_cuda_test" --gtest_brief=1 ;;
-    decode) step decode 150 "$u/cuda_decode_bench" --out "$res" ;;
+    decode) step decode 240 "$u/cuda_decode_bench" --out "$res" ;;
     sdpa) torch sdpa cuda_sdpa_bench.py ;;
     mbench) step mbench 180 "$u/cuda_model_bench" --out "$res" ;;
     mtorch) torch mtorch cuda_model_torch.py ;;
     bbench) step bbench 240 "$u/cuda_backend_bench" --out "$res" ;;
     memcheck) sanitize memcheck memcheck kernels_cuda_test 'PagedDecodeGpuTest.*' ;;
     racecheck) sanitize racecheck racecheck kernels_cuda_test 'PagedDecodeGpuTest.*' ;;
+    pmemcheck) sanitize pmemcheck memcheck kernels_cuda_pages_test 'BlockPagesGpuTest.General*' ;;
+    pracecheck) sanitize pracecheck racecheck kernels_cuda_pages_test 'BlockPagesGpuTest.General*' ;;
     opsmem) sanitize opsmem memcheck kernels_cuda_test 'ModelOps*' ;;
     opsrace) sanitize opsrace racecheck kernels_cuda_test 'ModelOps*' ;;
     mmemcheck) sanitize mmemcheck memcheck model_cuda_test '*' ;;

@@ -1,10 +1,14 @@
 #include "kernels/cuda/block_pages.h"
 
+#include <algorithm>
 #include <cstring>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/block_operands.h"
+#include "kernels/calibration.h"
 #include "kernels/codec.h"
 
 namespace strata::kernels::cuda {
@@ -27,24 +31,13 @@ absl::StatusOr<uint32_t> OffsetOf(const BlockView& block, const CodecSpec& spec,
   return static_cast<uint32_t>(x - b);
 }
 
-}  // namespace
-
-absl::StatusOr<PagedKvLayout> PageLayoutFor(const BlockView& block) {
-  absl::StatusOr<PreparedBlock> prepared = PrepareBlock(block);
-  if (!prepared.ok()) {
-    if (prepared.status().code() == absl::StatusCode::kFailedPrecondition) {
-      return absl::UnimplementedError(absl::StrCat("GPU pages: ", block.header().codec_spec,
-                                                   " blocks: no calibrated codecs yet (",
-                                                   prepared.status().message(), ")"));
-    }
-    return prepared.status();
-  }
+// The layout of a page the specialized kernels read (fp16, or KIVI codes of 2 or 4 bits without
+// extra terms); kUnimplemented naming what they lack otherwise.
+absl::StatusOr<PagedKvLayout> FastPageLayoutFor(const BlockView& block,
+                                                const Calibration* calibration) {
+  absl::StatusOr<PreparedBlock> prepared = PrepareBlock(block, calibration);
+  if (!prepared.ok()) return prepared.status();
   const CodecSpec& spec = prepared->spec;
-  if (spec.rotate) {
-    return Unsupported(spec,
-                       "no rotation stage in GPU pages yet (queries and outputs would need "
-                       "the transform on the device)");
-  }
   if (prepared->parts.size() != 1 || prepared->parts[0].tokens != prepared->tokens) {
     return Unsupported(spec, "no parts (sinks, mixed precision) in GPU pages yet");
   }
@@ -61,8 +54,8 @@ absl::StatusOr<PagedKvLayout> PageLayoutFor(const BlockView& block) {
   }
   if (k.channel_norm != nullptr || k.channel_perm != nullptr || k.head_mean != nullptr ||
       v.channel_norm != nullptr || v.channel_perm != nullptr || v.head_mean != nullptr ||
-      ops.mean_ops != nullptr) {
-    return Unsupported(spec, "no channel normalizers, permutations or head means in GPU pages yet");
+      ops.mean_ops != nullptr || k.scales_fp8 != nullptr || v.scales_fp8 != nullptr) {
+    return Unsupported(spec, "channel normalizers, permutations, head means or fp8 metadata");
   }
   auto offset = [&](const void* p, absl::string_view what, uint32_t* out) {
     absl::StatusOr<uint32_t> o = OffsetOf(block, spec, p, what);
@@ -103,55 +96,270 @@ absl::StatusOr<PagedKvLayout> PageLayoutFor(const BlockView& block) {
   return L;
 }
 
-absl::StatusOr<PagedKvLayout> PageLayoutForCodec(absl::string_view spec, uint32_t tokens,
-                                                 uint32_t kv_heads, uint32_t head_dim) {
-  absl::StatusOr<std::unique_ptr<Codec>> codec = Codec::Create(spec);
-  if (!codec.ok()) return codec.status();
-  const std::vector<float> zeros(static_cast<size_t>(tokens) * kv_heads * head_dim, 0.f);
-  // Chunk 1's layout, then chunk 0's block checked against it: a codec whose first chunk is laid
-  // out otherwise (attention sinks make it two parts) cannot fill one pool.
-  absl::StatusOr<PagedKvLayout> layout;
-  for (const uint32_t chunk : {1u, 0u}) {
-    absl::StatusOr<AlignedBuffer> block = (*codec)->Encode(
-        {zeros.data(), zeros.data(), SourceDType::kFloat32, tokens, kv_heads, head_dim},
-        {.layer = 0, .chunk_index = chunk});
-    if (!block.ok()) return block.status();
-    absl::StatusOr<BlockView> view = BlockView::Parse(block->span());
-    if (!view.ok()) return view.status();
-    if (chunk == 1) {
-      layout = PageLayoutFor(*view);
-      if (!layout.ok()) return layout.status();
-    } else if (absl::StatusOr<PagedKvLayout> first = PageLayoutFor(*view); !first.ok()) {
-      return absl::UnimplementedError(absl::StrCat(
-          "GPU pages: ", spec, ": its first chunk's block: ", first.status().message()));
-    } else if (absl::Status s = CheckPage(*view, *layout); !s.ok()) {
-      return absl::UnimplementedError(
-          absl::StrCat("GPU pages: ", spec, ": its first chunk's block: ", s.message()));
-    }
-  }
-  return layout;
+bool SameFastLayout(const PagedKvLayout& w, const PagedKvLayout& layout) {
+  return w.format == layout.format && w.kv_heads == layout.kv_heads &&
+         w.head_dim == layout.head_dim && w.page_tokens == layout.page_tokens &&
+         (w.format == PageFormat::kFp16 ||
+          (w.key_bits == layout.key_bits && w.value_bits == layout.value_bits &&
+           w.k_group == layout.k_group && w.v_group == layout.v_group &&
+           w.key_scales == layout.key_scales && w.key_zeros == layout.key_zeros &&
+           w.value_scales == layout.value_scales && w.value_zeros == layout.value_zeros)) &&
+         w.key_codes == layout.key_codes && w.value_codes == layout.value_codes;
 }
 
-absl::Status CheckPage(const BlockView& block, const PagedKvLayout& layout) {
-  absl::StatusOr<PagedKvLayout> want = PageLayoutFor(block);
-  if (!want.ok()) return want.status();
-  const PagedKvLayout& w = *want;
-  const bool same =
-      w.format == layout.format && w.kv_heads == layout.kv_heads && w.head_dim == layout.head_dim &&
-      w.page_tokens == layout.page_tokens &&
-      (w.format == PageFormat::kFp16 ||
-       (w.key_bits == layout.key_bits && w.value_bits == layout.value_bits &&
-        w.k_group == layout.k_group && w.v_group == layout.v_group &&
-        w.key_scales == layout.key_scales && w.key_zeros == layout.key_zeros &&
-        w.value_scales == layout.value_scales && w.value_zeros == layout.value_zeros)) &&
-      w.key_codes == layout.key_codes && w.value_codes == layout.value_codes &&
-      block.bytes().size() <= layout.page_bytes;
-  if (!same) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "GPU pages: a ", block.header().codec_spec, " block of ", block.header().token_count,
-        " tokens (", block.bytes().size(), " bytes) is not a page of this pool's layout"));
+uint32_t RoundToPage(size_t bytes) {
+  return static_cast<uint32_t>((bytes + kPageAlignment - 1) / kPageAlignment * kPageAlignment);
+}
+
+// What the general kernel reads of a block (PrepareBlock has checked its sections): its shape.
+absl::Status CheckGeneral(const BlockView& block, const PreparedBlock& p) {
+  if (p.head_dim != 64 && p.head_dim != 128) {
+    return absl::UnimplementedError(absl::StrCat("GPU pages: ", block.header().codec_spec,
+                                                 " blocks of head_dim ", p.head_dim,
+                                                 ": the kernels take 64 or 128"));
+  }
+  if (p.parts.size() > static_cast<size_t>(kMaxPageParts)) {
+    return absl::UnimplementedError(absl::StrCat("GPU pages: ", block.header().codec_spec,
+                                                 " blocks of ", p.parts.size(),
+                                                 " parts: the kernels take up to ", kMaxPageParts));
   }
   return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<PagedKvLayout> PageLayoutFor(const BlockView& block,
+                                            const Calibration* calibration) {
+  absl::StatusOr<PagedKvLayout> fast = FastPageLayoutFor(block, calibration);
+  if (fast.ok() || fast.status().code() != absl::StatusCode::kUnimplemented) return fast;
+  absl::StatusOr<PreparedBlock> prepared = PrepareBlock(block, calibration);
+  if (!prepared.ok()) return prepared.status();
+  if (absl::Status s = CheckGeneral(block, *prepared); !s.ok()) return s;
+  PagedKvLayout L;
+  L.format = PageFormat::kGeneral;
+  L.kv_heads = static_cast<int>(prepared->kv_heads);
+  L.head_dim = static_cast<int>(prepared->head_dim);
+  L.page_tokens = static_cast<int>(prepared->tokens);
+  L.page_bytes = RoundToPage(block.bytes().size());
+  if (absl::Status s = L.Validate(); !s.ok()) {
+    return absl::UnimplementedError(
+        absl::StrCat("GPU pages: ", block.header().codec_spec, " blocks: ", s.message()));
+  }
+  return L;
+}
+
+absl::StatusOr<PagedKvLayout> PageLayoutForCodec(absl::string_view spec, uint32_t tokens,
+                                                 uint32_t kv_heads, uint32_t head_dim,
+                                                 std::shared_ptr<const Calibration> calibration,
+                                                 uint32_t layers) {
+  absl::StatusOr<std::unique_ptr<Codec>> codec = Codec::Create(spec, calibration);
+  if (!codec.ok()) return codec.status();
+  absl::StatusOr<CodecSpec> parsed = CodecSpec::Parse(spec);
+  if (!parsed.ok()) return parsed.status();
+  const std::vector<float> zeros(static_cast<size_t>(tokens) * kv_heads * head_dim, 0.f);
+  const PageConstants constants = PageConstants::For(calibration.get());
+  // Every layer's blocks when the codec is chosen per layer (the Strata mix), layer 0's
+  // otherwise; chunk 1's and chunk 0's (attention sinks make the first chunk's another layout).
+  // One fast layout for all of them, or a general pool whose pages hold the largest.
+  const uint32_t per_layer = parsed->id == CodecId::kStrata ? std::max(layers, 1u) : 1u;
+  std::optional<PagedKvLayout> fast;
+  bool general = false;
+  uint32_t page_bytes = 0;
+  for (uint32_t layer = 0; layer < per_layer; ++layer) {
+    for (const uint32_t chunk : {1u, 0u}) {
+      absl::StatusOr<AlignedBuffer> block = (*codec)->Encode(
+          {zeros.data(), zeros.data(), SourceDType::kFloat32, tokens, kv_heads, head_dim},
+          {.layer = layer, .chunk_index = chunk});
+      if (!block.ok()) return block.status();
+      absl::StatusOr<BlockView> view = BlockView::Parse(block->span());
+      if (!view.ok()) return view.status();
+      absl::StatusOr<PagedKvLayout> L = PageLayoutFor(*view, calibration.get());
+      if (!L.ok()) {
+        return absl::Status(L.status().code(),
+                            absl::StrCat("GPU pages: ", spec, ": layer ", layer, " chunk ", chunk,
+                                         ": ", L.status().message()));
+      }
+      if (absl::StatusOr<PageDesc> d = DescribePage(*view, calibration.get(), &constants);
+          !d.ok()) {
+        return d.status();
+      }
+      page_bytes = std::max(page_bytes, L->page_bytes);
+      if (L->format == PageFormat::kGeneral) {
+        general = true;
+      } else if (!fast.has_value()) {
+        fast = *L;
+      } else if (!SameFastLayout(*L, *fast) || L->page_bytes != fast->page_bytes) {
+        general = true;  // two fast layouts (sinks, a mix of codecs): one general pool
+      }
+    }
+  }
+  if (!general) return *fast;
+  PagedKvLayout L;
+  L.format = PageFormat::kGeneral;
+  L.kv_heads = static_cast<int>(kv_heads);
+  L.head_dim = static_cast<int>(head_dim);
+  L.page_tokens = static_cast<int>(tokens);
+  L.page_bytes = page_bytes;
+  if (absl::Status s = L.Validate(); !s.ok()) {
+    return absl::UnimplementedError(absl::StrCat("GPU pages: ", spec, ": ", s.message()));
+  }
+  return L;
+}
+
+absl::Status CheckPage(const BlockView& block, const PagedKvLayout& layout,
+                       const Calibration* calibration) {
+  const BlockHeader& h = block.header();
+  auto mismatch = [&](absl::string_view why) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("GPU pages: a ", h.codec_spec, " block of ", h.token_count, " tokens (",
+                     block.bytes().size(), " bytes) is not a page of this pool's layout: ", why));
+  };
+  if (block.bytes().size() > layout.page_bytes) {
+    return mismatch(absl::StrCat("pages hold ", layout.page_bytes, " bytes"));
+  }
+  if (layout.format == PageFormat::kGeneral) {
+    if (static_cast<int>(h.kv_heads) != layout.kv_heads ||
+        static_cast<int>(h.head_dim) != layout.head_dim ||
+        static_cast<int>(h.token_count) != layout.page_tokens) {
+      return mismatch(absl::StrCat("the pool's pages are ", layout.page_tokens, " tokens of ",
+                                   layout.kv_heads, "x", layout.head_dim));
+    }
+    absl::StatusOr<PreparedBlock> prepared = PrepareBlock(block, calibration);
+    if (!prepared.ok()) return prepared.status();
+    return CheckGeneral(block, *prepared);
+  }
+  absl::StatusOr<PagedKvLayout> want = FastPageLayoutFor(block, calibration);
+  if (!want.ok()) return want.status();
+  if (!SameFastLayout(*want, layout)) return mismatch("its sections are elsewhere");
+  return absl::OkStatus();
+}
+
+PageConstants PageConstants::For(const Calibration* calibration) {
+  PageConstants c;
+  if (calibration == nullptr) return c;
+  for (const LayerCalibration& l : calibration->layers) {
+    for (const std::vector<uint16_t>* v : {&l.k_perm, &l.v_perm, &l.k_codebook, &l.v_codebook}) {
+      if (v->empty()) continue;
+      const size_t at = (c.bytes_.size() + 15) / 16 * 16;
+      c.bytes_.resize(at + v->size() * sizeof(uint16_t));
+      std::memcpy(c.bytes_.data() + at, v->data(), v->size() * sizeof(uint16_t));
+      c.where_.push_back({v->data(), static_cast<uint32_t>(at)});
+    }
+  }
+  return c;
+}
+
+std::optional<uint32_t> PageConstants::AddressOf(const void* p) const {
+  for (const auto& [ptr, at] : where_) {
+    if (ptr == p) return kInConstants | at;
+  }
+  return std::nullopt;
+}
+
+absl::StatusOr<PageDesc> DescribePage(const BlockView& block, const Calibration* calibration,
+                                      const PageConstants* constants) {
+  absl::StatusOr<PreparedBlock> prepared = PrepareBlock(block, calibration);
+  if (!prepared.ok()) return prepared.status();
+  if (absl::Status s = CheckGeneral(block, *prepared); !s.ok()) return s;
+  const uint8_t* b = block.bytes().data();
+  const size_t size = block.bytes().size();
+  absl::Status error;
+  auto addr = [&](const void* p, absl::string_view what) -> uint32_t {
+    if (p == nullptr) return 0;
+    const uint8_t* x = static_cast<const uint8_t*>(p);
+    if (x > b && x < b + size) return static_cast<uint32_t>(x - b);
+    if (constants != nullptr) {
+      if (std::optional<uint32_t> at = constants->AddressOf(p)) return *at;
+    }
+    if (error.ok()) {
+      error = absl::UnimplementedError(
+          absl::StrCat("GPU pages: ", block.header().codec_spec, " blocks: ", what,
+                       " are neither in the block nor in the pool's calibration constants"));
+    }
+    return 0;
+  };
+  PageDesc d;
+  d.parts = static_cast<uint32_t>(prepared->parts.size());
+  for (size_t i = 0; i < prepared->parts.size(); ++i) {
+    const BlockOperands& ops = prepared->parts[i];
+    d.part[i].tokens = ops.tokens;
+    for (const bool is_k : {true, false}) {
+      const TensorOperands& t = is_k ? ops.k : ops.v;
+      PageTensorDesc& o = is_k ? d.part[i].k : d.part[i].v;
+      switch (t.kind) {
+        case CodeKind::kFloat16:
+          o.kind = PageCode::kFp16;
+          break;
+        case CodeKind::kBFloat16:
+          o.kind = PageCode::kBf16;
+          break;
+        case CodeKind::kInt8:
+          o.kind = PageCode::kInt8;
+          break;
+        case CodeKind::kFp8E4M3:
+          o.kind = PageCode::kFp8E4M3;
+          break;
+        case CodeKind::kAffine:
+          o.kind = PageCode::kAffine;
+          break;
+        case CodeKind::kCodebook:
+          o.kind = PageCode::kCodebook;
+          break;
+      }
+      o.bits = static_cast<uint8_t>(t.bits);
+      o.token_groups = t.token_groups ? 1 : 0;
+      o.codes = addr(t.codes, "codes");
+      o.row_bytes = t.row_bytes;
+      if (t.scales_fp8 != nullptr) {
+        o.meta_fp8 = 1;
+        o.scales = addr(t.scales_fp8, "fp8 scales");
+        o.zeros = addr(t.zeros_fp8, "fp8 zero points");
+        o.meta_mult[0] = t.meta_mult[0];
+        o.meta_mult[1] = t.meta_mult[1];
+      } else {
+        o.scales = addr(t.scales, "scales");
+        o.zeros = addr(t.zeros, "zero points");
+      }
+      o.groups = t.groups;
+      o.group_size = t.group_size;
+      o.tensor_scale = t.tensor_scale;
+      o.rank = t.rank;
+      o.lowrank_a = addr(t.lowrank_a, "low-rank factors");
+      o.lowrank_b = addr(t.lowrank_b, "low-rank factors");
+      if (t.outliers_per_vector > 0) {  // (the sections of a spec without outliers are empty)
+        o.outliers = t.outliers_per_vector;
+        o.outlier_values = addr(t.outlier_values, "outlier values");
+        o.index_bytes = t.outlier_index16 != nullptr ? 2 : 1;
+        o.outlier_index =
+            addr(t.outlier_index16 != nullptr ? static_cast<const void*>(t.outlier_index16)
+                                              : static_cast<const void*>(t.outlier_index8),
+                 "outlier indices");
+      }
+      o.channel_norm = addr(t.channel_norm, "channel normalizers");
+      o.channel_perm = addr(t.channel_perm, "channel orders");
+      o.head_mean = addr(t.head_mean, "head means");
+      o.codebook = addr(t.codebook, "codebooks");
+    }
+  }
+  if (!error.ok()) return error;
+  return d;
+}
+
+PageDescTable::PageDescTable(size_t capacity) : capacity_(capacity) {}
+
+absl::StatusOr<uint16_t> PageDescTable::Intern(const PageDesc& desc, bool* added) {
+  std::string key(reinterpret_cast<const char*>(&desc), sizeof(desc));
+  if (added != nullptr) *added = false;
+  if (auto it = index_.find(key); it != index_.end()) return it->second;
+  if (descs_.size() >= capacity_ || descs_.size() > 0xffff) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("GPU pages: more than ", capacity_, " distinct page layouts in one pool"));
+  }
+  const uint16_t id = static_cast<uint16_t>(descs_.size());
+  descs_.push_back(desc);
+  index_.emplace(std::move(key), id);
+  if (added != nullptr) *added = true;
+  return id;
 }
 
 }  // namespace strata::kernels::cuda

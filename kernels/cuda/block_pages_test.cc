@@ -19,7 +19,9 @@
 #include "common/testing/cuda_device.h"
 #include "gtest/gtest.h"
 #include "kernels/block_operands.h"
+#include "kernels/calibration.h"
 #include "kernels/codec.h"
+#include "kernels/codec_spec.h"
 #include "kernels/cuda/compress.h"
 #include "kernels/cuda/page_tiles.h"
 #include "kernels/decode_attention.h"
@@ -175,26 +177,40 @@ TEST(BlockPagesTest, TheKernelsSlicesOfAPageHoldTheCpusValuesOfTheirTokens) {
 }
 
 TEST(BlockPagesTest, BlocksTheKernelsCannotReadAreRefusedSayingWhy) {
-  std::unique_ptr<Block> gear = Encode("gear:k4v4:g32:r2:s2", 1, 5);
-  absl::StatusOr<PagedKvLayout> L = PageLayoutFor(gear->view());
-  EXPECT_EQ(L.status().code(), absl::StatusCode::kUnimplemented);
-  EXPECT_NE(L.status().message().find("low-rank"), std::string::npos) << L.status();
-  std::unique_ptr<Block> int8 = Encode("int8", 1, 5);
-  EXPECT_EQ(PageLayoutFor(int8->view()).status().code(), absl::StatusCode::kUnimplemented);
-  std::unique_ptr<Block> sinks = Encode("kivi:k4v4:g32:sink4", 0, 5);
-  absl::StatusOr<PagedKvLayout> S = PageLayoutFor(sinks->view());
-  EXPECT_EQ(S.status().code(), absl::StatusCode::kUnimplemented);
-  EXPECT_NE(S.status().message().find("parts"), std::string::npos) << S.status();
-  // A pool for such a codec is refused too, though its later chunks alone would fit one.
-  absl::StatusOr<PagedKvLayout> sink_pool =
-      PageLayoutForCodec("kivi:k4v4:g32:sink4", kTokens, kHeads, kDim);
-  EXPECT_EQ(sink_pool.status().code(), absl::StatusCode::kUnimplemented);
-  EXPECT_NE(sink_pool.status().message().find("first chunk"), std::string::npos)
-      << sink_pool.status();
+  // head_dim 96: no kernel takes it.
+  {
+    auto codec = *Codec::Create("kivi:k4v4:g32");
+    const SyntheticKv kv = MakeSyntheticKv(kTokens, kHeads, 96, 5);
+    absl::StatusOr<AlignedBuffer> b =
+        codec->Encode({kv.k.data(), kv.v.data(), SourceDType::kFloat32, kTokens, kHeads, 96}, {});
+    ASSERT_TRUE(b.ok()) << b.status();
+    absl::StatusOr<PagedKvLayout> L = PageLayoutFor(*BlockView::Parse(b->span()));
+    EXPECT_EQ(L.status().code(), absl::StatusCode::kUnimplemented);
+    EXPECT_NE(L.status().message().find("head_dim 96"), std::string::npos) << L.status();
+  }
+  // A calibrated codec's blocks without their calibration, and described without the constants
+  // that hold its channel orders.
+  const CodecSpec skvq = *CodecSpec::Parse("skvq:k2v2:g32");
+  std::shared_ptr<Calibration> cal = MakeSyntheticCalibration(skvq, kHeads, kDim, 3);
+  auto codec = *Codec::Create("skvq:k2v2:g32", cal);
+  const SyntheticKv kv = MakeSyntheticKv(kTokens, kHeads, kDim, 5);
+  absl::StatusOr<AlignedBuffer> b =
+      codec->Encode({kv.k.data(), kv.v.data(), SourceDType::kFloat32, kTokens, kHeads, kDim}, {});
+  ASSERT_TRUE(b.ok()) << b.status();
+  const BlockView view = *BlockView::Parse(b->span());
+  EXPECT_EQ(PageLayoutFor(view).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(PageLayoutFor(view, cal.get())->format, PageFormat::kGeneral);
+  absl::StatusOr<PageDesc> no_constants = DescribePage(view, cal.get(), nullptr);
+  EXPECT_EQ(no_constants.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_NE(no_constants.status().message().find("channel orders"), std::string::npos)
+      << no_constants.status();
+  const PageConstants constants = PageConstants::For(cal.get());
+  EXPECT_TRUE(DescribePage(view, cal.get(), &constants).ok());
   // A page of another pool's layout is refused; one of the same codec and shape is not.
   std::unique_ptr<Block> kivi = Encode("kivi:k4v4:g32", 1, 5);
   absl::StatusOr<PagedKvLayout> same = PageLayoutForCodec("kivi:k4v4:g32", kTokens, kHeads, kDim);
   ASSERT_TRUE(same.ok()) << same.status();
+  EXPECT_EQ(same->format, PageFormat::kAffine);
   EXPECT_TRUE(CheckPage(kivi->view(), *same).ok()) << CheckPage(kivi->view(), *same);
   PagedKvLayout other = *same;
   other.key_bits = 2;
@@ -203,6 +219,14 @@ TEST(BlockPagesTest, BlocksTheKernelsCannotReadAreRefusedSayingWhy) {
       PageLayoutForCodec("kivi:k4v4:g32", 2 * kTokens, kHeads, kDim);
   ASSERT_TRUE(longer.ok()) << longer.status();
   EXPECT_EQ(CheckPage(kivi->view(), *longer).code(), absl::StatusCode::kInvalidArgument);
+  // A general pool takes any codec's pages of its shape, not another shape's.
+  absl::StatusOr<PagedKvLayout> general =
+      PageLayoutForCodec("gear:k4v4:g32:r2:s2", kTokens, kHeads, kDim);
+  ASSERT_TRUE(general.ok()) << general.status();
+  EXPECT_EQ(general->format, PageFormat::kGeneral);
+  EXPECT_TRUE(CheckPage(Encode("gear:k4v4:g32:r2:s2", 1, 5)->view(), *general).ok());
+  EXPECT_EQ(CheckPage(Encode("gear:k4v4:g32:r2:s2", 1, 5, 2 * kTokens)->view(), *general).code(),
+            absl::StatusCode::kInvalidArgument);
   // A layout whose sections overlap or leave the page is refused by the kernels' own check.
   PagedKvLayout bad = *same;
   bad.value_codes = bad.key_codes + 16;
@@ -213,6 +237,139 @@ TEST(BlockPagesTest, BlocksTheKernelsCannotReadAreRefusedSayingWhy) {
   bad = *same;
   bad.key_scales += 8;
   EXPECT_EQ(bad.Validate().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// Every codec family, with sinks, fp8 metadata, rotation, 3- and 8-bit codes, calibrations.
+constexpr const char* kGeneralSpecs[] = {"bf16",
+                                         "int8",
+                                         "fp8e4m3",
+                                         "kivi:k3v3:g64",
+                                         "kivi:k8v8:g16",
+                                         "kivi:k2v2:g32:m8",
+                                         "kivi:k2v2:g32:sink4",
+                                         "kivi:k3v3:g32:rot",
+                                         "kcvt:k3v3",
+                                         "gearl:k2v2:g32:r4",
+                                         "gear:k2v2:g32:r4:s2",
+                                         "gear:k4v4:kcvt:r2:s1",
+                                         "gear:k2v2:g32:r4:s2:sink2",
+                                         "zipcache:k2v2:h4:s10",
+                                         "zipcache:k2v2:h4:s10:sink2",
+                                         "skvq:k2v2:g32",
+                                         "skvq:k2v2:g32:m8",
+                                         "skvq:k4v4:g16:sink2",
+                                         "tada:k2v2:g32",
+                                         "tada:k2v2:g32:sink2",
+                                         "cq:c4:b6",
+                                         "cq:c8:b8:sink2",
+                                         "cq:c4:b8:norm:sink2"};
+
+struct CodecBlocks {
+  std::shared_ptr<Calibration> calibration;
+  std::vector<AlignedBuffer> blocks;  // chunk i of the sequence
+};
+
+CodecBlocks EncodeChunks(const std::string& spec, uint32_t chunks, uint32_t tokens, uint64_t seed) {
+  CodecBlocks out;
+  const CodecSpec parsed = *CodecSpec::Parse(spec);
+  if (parsed.needs_calibration()) {
+    out.calibration = MakeSyntheticCalibration(parsed, kHeads, kDim, seed);
+  }
+  auto codec = Codec::Create(spec, out.calibration);
+  EXPECT_TRUE(codec.ok()) << codec.status();
+  for (uint32_t c = 0; c < chunks; ++c) {
+    const SyntheticKv kv = MakeSyntheticKv(tokens, kHeads, kDim, seed + c, c * tokens);
+    absl::StatusOr<AlignedBuffer> b =
+        (*codec)->Encode({kv.k.data(), kv.v.data(), SourceDType::kFloat32, tokens, kHeads, kDim},
+                         {.layer = 0, .chunk_index = c});
+    EXPECT_TRUE(b.ok()) << b.status();
+    out.blocks.push_back(*std::move(b));
+  }
+  return out;
+}
+
+// Each part of each page, decoded element by element through its descriptor (the general
+// kernel's own functions, run on the CPU), equals the CPU reference decoder's values of that part,
+// at the original channels.
+TEST(BlockPagesTest, EveryCodecsPageDecodesThroughItsDescriptorAsTheCpuDecodesIt) {
+  for (const char* spec : kGeneralSpecs) {
+    for (uint32_t tokens : {64u, 256u}) {
+      SCOPED_TRACE(absl::StrCat(spec, " at ", tokens, " tokens"));
+      CodecBlocks cb = EncodeChunks(spec, 2, tokens, 31);
+      const PageConstants constants = PageConstants::For(cb.calibration.get());
+      absl::StatusOr<PagedKvLayout> pool =
+          PageLayoutForCodec(spec, tokens, kHeads, kDim, cb.calibration);
+      ASSERT_TRUE(pool.ok()) << pool.status();
+      EXPECT_EQ(pool->format, PageFormat::kGeneral);
+      for (const AlignedBuffer& block : cb.blocks) {
+        const BlockView view = *BlockView::Parse(block.span());
+        EXPECT_TRUE(CheckPage(view, *pool, cb.calibration.get()).ok())
+            << CheckPage(view, *pool, cb.calibration.get());
+        absl::StatusOr<PageDesc> desc = DescribePage(view, cb.calibration.get(), &constants);
+        ASSERT_TRUE(desc.ok()) << desc.status();
+        absl::StatusOr<PreparedBlock> prepared = PrepareBlock(view, cb.calibration.get());
+        ASSERT_TRUE(prepared.ok()) << prepared.status();
+        ASSERT_EQ(desc->parts, prepared->parts.size());
+        double worst = 0, scale = 0;
+        for (uint32_t p = 0; p < desc->parts; ++p) {
+          const BlockOperands& ops = prepared->parts[p];
+          const PagePartDesc& pd = desc->part[p];
+          ASSERT_EQ(pd.tokens, ops.tokens);
+          std::vector<float> k(static_cast<size_t>(ops.tokens) * kHeads * kDim), v(k.size());
+          ASSERT_TRUE(DecodeOperandsRef(ops, k.data(), v.data()).ok());
+          for (uint32_t h = 0; h < kHeads; ++h) {
+            for (uint32_t t = 0; t < ops.tokens; ++t) {
+              for (uint32_t d = 0; d < kDim; ++d) {
+                for (const bool is_k : {true, false}) {
+                  const PageTensorDesc& td = is_k ? pd.k : pd.v;
+                  const float x = PageElement(block.data(), constants.bytes().data(), td, is_k,
+                                              ops.tokens, kDim, h, t, d);
+                  const uint32_t c = PageChannel(constants.bytes().data(), td, kDim, h, d);
+                  ASSERT_LT(c, kDim);
+                  const float want =
+                      (is_k ? k : v)[(static_cast<size_t>(t) * kHeads + h) * kDim + c];
+                  worst = std::max(worst, std::abs(static_cast<double>(x) - want));
+                  scale = std::max(scale, std::abs(static_cast<double>(want)));
+                }
+              }
+            }
+          }
+        }
+        EXPECT_LE(worst, 1e-6 * std::max(1.0, scale));  // the same arithmetic, term for term
+      }
+    }
+  }
+}
+
+// A pool of blocks with two layouts (the sinks' first chunk) or several codecs (the mix) is
+// general; a codec's blocks with one fast layout stay on the fast kernels; descriptors of equal
+// pages are one entry of the table.
+TEST(BlockPagesTest, APoolIsGeneralOnlyWhereItsPagesNeedIt) {
+  EXPECT_EQ(PageLayoutForCodec("kivi:k2v2:g32", kTokens, kHeads, kDim)->format,
+            PageFormat::kAffine);
+  EXPECT_EQ(PageLayoutForCodec("fp16", kTokens, kHeads, kDim)->format, PageFormat::kFp16);
+  absl::StatusOr<PagedKvLayout> sinks =
+      PageLayoutForCodec("kivi:k4v4:g32:sink4", kTokens, kHeads, kDim);
+  ASSERT_TRUE(sinks.ok()) << sinks.status();
+  EXPECT_EQ(sinks->format, PageFormat::kGeneral);
+  CodecBlocks cb = EncodeChunks("kivi:k4v4:g32:sink4", 4, kTokens, 7);
+  PageDescTable table(8);
+  std::vector<uint16_t> ids;
+  for (const AlignedBuffer& b : cb.blocks) {
+    EXPECT_LE(b.size(), sinks->PageBytes());
+    absl::StatusOr<PageDesc> d = DescribePage(*BlockView::Parse(b.span()), nullptr, nullptr);
+    ASSERT_TRUE(d.ok()) << d.status();
+    absl::StatusOr<uint16_t> id = table.Intern(*d);
+    ASSERT_TRUE(id.ok()) << id.status();
+    ids.push_back(*id);
+  }
+  EXPECT_EQ(table.descs().size(), 2u);  // the first chunk's, and every later one's
+  EXPECT_EQ(table.descs()[0].parts, 2u);
+  EXPECT_EQ(table.descs()[1].parts, 1u);
+  EXPECT_EQ(ids, (std::vector<uint16_t>{0, 1, 1, 1}));
+  PageDescTable tiny(1);
+  ASSERT_TRUE(tiny.Intern(table.descs()[0]).ok());
+  EXPECT_EQ(tiny.Intern(table.descs()[1]).status().code(), absl::StatusCode::kResourceExhausted);
 }
 
 // The GPU over blocks copied into device memory as they are, against the CPU's reference
@@ -321,6 +478,137 @@ TEST(BlockPagesGpuTest, GpuAttentionOverCodecBlocksEqualsTheCpuReference) {
       ref2 += want[i] * want[i];
     }
     EXPECT_LT(err2 / ref2, 1e-6);
+  }
+}
+
+// The general kernel over every codec's pages (the blocks' bytes in a pool, in scattered order,
+// each page naming its descriptor; calibration constants beside them) against the CPU reference
+// attention over the same blocks and an fp16 window: 8 query heads over 2 KV heads, chunk sizes
+// of 64 and 256, two sequences of different lengths in one batch, split along the sequence.
+TEST(BlockPagesGpuTest, GeneralKernelOverEveryCodecsPagesEqualsTheCpuReference) {
+  std::string why;
+  if (!HaveCudaDevice(&why)) GTEST_SKIP() << "skipped, no GPU: " << why;
+  constexpr int kQHeads = 8, kWindow = 21, kBatch = 2;
+  const int chunks_of[kBatch] = {5, 3};
+  for (const char* spec : kGeneralSpecs) {
+    for (uint32_t tokens : {64u, 256u}) {
+      SCOPED_TRACE(absl::StrCat(spec, " at ", tokens, " tokens"));
+      std::vector<CodecBlocks> seqs;
+      for (int b = 0; b < kBatch; ++b) seqs.push_back(EncodeChunks(spec, chunks_of[b], tokens, 60));
+      // Both sequences' blocks share one calibration only if they share the seed: they do.
+      const Calibration* cal = seqs[0].calibration.get();
+      const PageConstants constants = PageConstants::For(cal);
+      absl::StatusOr<PagedKvLayout> L =
+          PageLayoutForCodec(spec, tokens, kHeads, kDim, seqs[0].calibration);
+      ASSERT_TRUE(L.ok()) << L.status();
+      ASSERT_EQ(L->format, PageFormat::kGeneral);
+      const int pages = chunks_of[0] + chunks_of[1];
+      std::vector<uint8_t> pool(static_cast<size_t>(L->PageBytes()) * pages, 0);
+      std::vector<int32_t> table(kBatch * chunks_of[0], 0);
+      std::vector<uint16_t> desc_ids(pages);
+      PageDescTable descs(16);
+      int next = pages - 1;  // pages handed out from the end
+      for (int b = 0; b < kBatch; ++b) {
+        for (int c = 0; c < chunks_of[b]; ++c, --next) {
+          const AlignedBuffer& block = seqs[b].blocks[c];
+          const BlockView view = *BlockView::Parse(block.span());
+          ASSERT_TRUE(CheckPage(view, *L, cal).ok()) << CheckPage(view, *L, cal);
+          std::memcpy(pool.data() + static_cast<size_t>(next) * L->PageBytes(), block.data(),
+                      block.size());
+          absl::StatusOr<PageDesc> d = DescribePage(view, cal, &constants);
+          ASSERT_TRUE(d.ok()) << d.status();
+          absl::StatusOr<uint16_t> id = descs.Intern(*d);
+          ASSERT_TRUE(id.ok()) << id.status();
+          desc_ids[next] = *id;
+          table[b * chunks_of[0] + c] = next;
+        }
+      }
+      // Windows at fp16 (the GPU's), the same values widened for the CPU; queries.
+      std::vector<uint16_t> wk(static_cast<size_t>(kBatch) * kHeads * kWindow * kDim),
+          wv(wk.size());
+      std::vector<std::vector<float>> cpu_wk(kBatch), cpu_wv(kBatch);
+      std::mt19937 rng(11);
+      std::normal_distribution<float> normal(0, 1);
+      std::vector<float> q(kBatch * kQHeads * kDim), want(q.size()), got(q.size(), NAN);
+      for (float& x : q) x = normal(rng);
+      std::vector<PreparedBlock> prepared;
+      prepared.reserve(pages);
+      for (int b = 0; b < kBatch; ++b) {
+        const SyntheticKv w = MakeSyntheticKv(kWindow, kHeads, kDim, 90 + b, chunks_of[b] * tokens);
+        cpu_wk[b].resize(w.k.size());
+        cpu_wv[b].resize(w.v.size());
+        for (int t = 0; t < kWindow; ++t) {
+          for (uint32_t h = 0; h < kHeads; ++h) {
+            for (uint32_t d = 0; d < kDim; ++d) {
+              const size_t src = (static_cast<size_t>(t) * kHeads + h) * kDim + d;
+              const size_t dst = ((static_cast<size_t>(b) * kHeads + h) * kWindow + t) * kDim + d;
+              wk[dst] = FloatToHalfBits(w.k[src]);
+              wv[dst] = FloatToHalfBits(w.v[src]);
+              cpu_wk[b][src] = HalfBitsToFloat(wk[dst]);
+              cpu_wv[b][src] = HalfBitsToFloat(wv[dst]);
+            }
+          }
+        }
+        std::vector<const BlockOperands*> ops;
+        for (const AlignedBuffer& block : seqs[b].blocks) {
+          absl::StatusOr<PreparedBlock> p = PrepareBlock(*BlockView::Parse(block.span()), cal);
+          ASSERT_TRUE(p.ok()) << p.status();
+          prepared.push_back(*std::move(p));
+          for (const BlockOperands& part : prepared.back().parts) ops.push_back(&part);
+        }
+        DecodeSequence seq;
+        seq.q = q.data() + b * kQHeads * kDim;
+        seq.blocks = ops;
+        seq.window = {cpu_wk[b].data(), cpu_wv[b].data(), kWindow};
+        seq.out = want.data() + b * kQHeads * kDim;
+        ASSERT_TRUE(DecodeAttentionRef({.q_heads = kQHeads, .kv_heads = kHeads, .head_dim = kDim},
+                                       {&seq, 1})
+                        .ok());
+      }
+      const int32_t counts[kBatch] = {chunks_of[0], chunks_of[1]};
+      const int32_t wlens[kBatch] = {kWindow, kWindow};
+      constexpr int kSplits = 3;
+      std::vector<void*> owned;
+      auto upload = [&](const void* host, size_t bytes) -> void* {
+        void* d = nullptr;
+        EXPECT_EQ(cudaMalloc(&d, std::max<size_t>(bytes, 16)), cudaSuccess);
+        if (host != nullptr && bytes > 0) cudaMemcpy(d, host, bytes, cudaMemcpyHostToDevice);
+        owned.push_back(d);
+        return d;
+      };
+      PagedDecodeArgs a;
+      a.pages = static_cast<const uint8_t*>(upload(pool.data(), pool.size()));
+      a.block_table = static_cast<const int32_t*>(upload(table.data(), table.size() * 4));
+      a.max_pages = chunks_of[0];
+      a.page_counts = static_cast<const int32_t*>(upload(counts, sizeof(counts)));
+      a.window_k = static_cast<const __half*>(upload(wk.data(), wk.size() * 2));
+      a.window_v = static_cast<const __half*>(upload(wv.data(), wv.size() * 2));
+      a.window_lens = static_cast<const int32_t*>(upload(wlens, sizeof(wlens)));
+      a.max_window = kWindow;
+      a.q = static_cast<const float*>(upload(q.data(), q.size() * 4));
+      a.batch = kBatch;
+      a.q_heads = kQHeads;
+      float* d_out = static_cast<float*>(upload(got.data(), got.size() * 4));
+      a.out = d_out;
+      a.splits = kSplits;
+      a.workspace = upload(nullptr, WorkspaceBytes(kBatch, kQHeads, kDim, kSplits));
+      a.page_descs = static_cast<const PageDesc*>(
+          upload(descs.descs().data(), descs.descs().size() * sizeof(PageDesc)));
+      a.page_desc_ids = static_cast<const uint16_t*>(upload(desc_ids.data(), desc_ids.size() * 2));
+      a.constants =
+          static_cast<const uint8_t*>(upload(constants.bytes().data(), constants.bytes().size()));
+      ASSERT_TRUE(PagedDecode(*L, a, chunks_of[0], nullptr).ok());
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      cudaMemcpy(got.data(), d_out, got.size() * 4, cudaMemcpyDeviceToHost);
+      for (void* p : owned) cudaFree(p);
+      double err2 = 0, ref2 = 0;
+      for (size_t i = 0; i < got.size(); ++i) {
+        ASSERT_FALSE(std::isnan(got[i])) << i;
+        err2 += (got[i] - want[i]) * (got[i] - want[i]);
+        ref2 += want[i] * want[i];
+      }
+      EXPECT_LT(err2 / ref2, 1e-10);  // fp32 on both sides, the same decoded values
+    }
   }
 }
 

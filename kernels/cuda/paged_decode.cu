@@ -3,6 +3,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/mma_ptx.cuh"
+#include "kernels/cuda/page_desc.h"
 #include "kernels/cuda/page_tiles.h"
 #include "kernels/cuda/paged_decode.h"
 
@@ -398,6 +399,7 @@ absl::Status AllowSharedBytes(KernelFn kernel, size_t smem) {
   return absl::OkStatus();
 }
 
+#include "kernels/cuda/paged_decode_general.cuh"
 #include "kernels/cuda/paged_decode_mma.cuh"
 
 // The tensor-core kernel takes tiles of whole 16-token slices, key groups of whole slices and
@@ -502,6 +504,15 @@ absl::Status PagedKvLayout::Validate() const {
   };
   if (head_dim != 64 && head_dim != 128) return bad("head_dim must be 64 or 128, got ", head_dim);
   if (kv_heads < 1 || kv_heads > 1024) return bad("kv_heads must be in [1, 1024], got ", kv_heads);
+  if (format == PageFormat::kGeneral) {  // each page's sections are its descriptor's
+    if (page_tokens < 1 || page_tokens > 65536) {
+      return bad("page_tokens must be in [1, 65536], got ", page_tokens);
+    }
+    if (page_bytes == 0 || page_bytes % 16 != 0) {
+      return bad("page_bytes must be a positive multiple of 16, got ", page_bytes);
+    }
+    return absl::OkStatus();
+  }
   if (page_tokens < 8 || page_tokens > 512 || page_tokens % 8 != 0 ||
       (page_tokens > 128 && page_tokens % 64 != 0)) {
     return bad("page_tokens must be a multiple of 8 up to 128 or of 64 up to 512, got ",
@@ -572,7 +583,10 @@ int ChooseSplits(const PagedKvLayout& layout, const PagedDecodeArgs& args, int m
                         ? std::min(8, args.q_heads / layout.kv_heads)
                         : 4;
   int per_sm = 0;
-  if (layout.Validate().ok()) {
+  if (layout.format == PageFormat::kGeneral && layout.Validate().ok()) {
+    per_sm = layout.head_dim == 64 ? GeneralResidentBlocks<64>(group)
+                                   : GeneralResidentBlocks<128>(group);
+  } else if (layout.Validate().ok()) {
     auto resident = [&]<int D, PageFormat F, int KB, int VB>() {
       return ResidentBlocks<D, F, KB, VB>(layout, group, args.kernel);
     };
@@ -584,7 +598,7 @@ int ChooseSplits(const PagedKvLayout& layout, const PagedDecodeArgs& args, int m
   const int slots = sms * std::max(1, per_sm);
   const int blocks = std::max(1, args.batch * layout.kv_heads);
   int splits = std::max(1, (4 * slots + blocks - 1) / blocks);
-  const int tiles = layout.page_tokens > 0
+  const int tiles = layout.page_tokens > 0 && layout.format != PageFormat::kGeneral
                         ? max_pages_in_batch * (layout.page_tokens / layout.TileTokens())
                         : max_pages_in_batch;
   splits = std::min(splits, std::max(1, tiles / 4));
@@ -611,7 +625,16 @@ absl::Status PagedDecode(const PagedKvLayout& layout, const PagedDecodeArgs& arg
       (args.window_k == nullptr || args.window_v == nullptr || args.max_window < 1)) {
     return absl::InvalidArgumentError("paged decode: window_lens without window_k/v/max_window");
   }
+  if (layout.format == PageFormat::kGeneral &&
+      (args.page_descs == nullptr || args.page_desc_ids == nullptr)) {
+    return absl::InvalidArgumentError(
+        "paged decode: general pages need page_descs and page_desc_ids");
+  }
   const int splits = ChooseSplits(layout, args, max_pages_in_batch);
+  if (layout.format == PageFormat::kGeneral) {
+    return layout.head_dim == 64 ? LaunchGeneral<64>(layout, args, splits, stream)
+                                 : LaunchGeneral<128>(layout, args, splits, stream);
+  }
   return layout.head_dim == 64 ? LaunchFor<64>(layout, args, splits, stream)
                                : LaunchFor<128>(layout, args, splits, stream);
 }

@@ -3,6 +3,7 @@
 // in place (PagedKvLayout). Two codings share one kernel structure:
 //
 //   fp16   the baseline (what fp16 users get): K and V as fp16 [page_tokens][head_dim] per KV head.
+//   general  any other codec (PageFormat::kGeneral): see PageFormat.
 //   affine KIVI-style codes of 2 or 4 bits, streamed as they are stored and dequantized in
 //          registers: K per channel over groups of `k_group` tokens (an fp16 scale and zero per
 //          channel and group), V per token over groups of `v_group` channels (an fp16 scale and
@@ -43,7 +44,12 @@ namespace strata::kernels::cuda {
 
 STRATA_HOST_DEVICE inline size_t Align16(size_t n) { return (n + 15) / 16 * 16; }
 
-enum class PageFormat { kFp16, kAffine };
+// kGeneral: any codec's block (page_desc.h), each page read through its descriptor and decoded
+// element by element into shared memory by the CPU reference's arithmetic, then attended at fp32
+// (one kernel for every codec; the fp16 and affine kernels are the fast paths).
+enum class PageFormat { kFp16, kAffine, kGeneral };
+
+struct PageDesc;
 
 // A page is one block of the Strata block format (common/block_format.h) copied into device memory
 // as it is: the kernels read its sections in place, and a block moves between host and device by a
@@ -134,6 +140,12 @@ struct PagedDecodeArgs {
   int splits = 0;
   void* workspace = nullptr;
   PagedKernel kernel = PagedKernel::kAuto;
+  // PageFormat::kGeneral: the pool's distinct descriptors, the descriptor of each page (by page
+  // id), and the calibration constants they address (block_pages.h PageConstants; may be null
+  // when no descriptor addresses any).
+  const PageDesc* page_descs = nullptr;
+  const uint16_t* page_desc_ids = nullptr;
+  const uint8_t* constants = nullptr;
 };
 
 size_t WorkspaceBytes(int batch, int q_heads, int head_dim, int splits);

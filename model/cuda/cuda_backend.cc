@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/block_reader.h"
 #include "common/status_macros.h"
+#include "kernels/codec_spec.h"
 #include "kernels/cuda/block_pages.h"
 #include "model/kv_cache.h"
 
@@ -125,7 +126,9 @@ class CudaBackend final : public ComputeBackend {
     cudaSetDevice(options_.device);
     for (void* p :
          {static_cast<void*>(pool_), static_cast<void*>(window_k_), static_cast<void*>(window_v_),
-          static_cast<void*>(tables_), static_cast<void*>(counts_), static_cast<void*>(save_kv_)}) {
+          static_cast<void*>(tables_), static_cast<void*>(counts_), static_cast<void*>(save_kv_),
+          static_cast<void*>(descs_), static_cast<void*>(desc_ids_),
+          static_cast<void*>(constants_)}) {
       cudaFree(p);
     }
   }
@@ -197,7 +200,7 @@ class CudaBackend final : public ComputeBackend {
   absl::Status CheckPage(const BlockView& block) const {
     std::lock_guard<std::mutex> lock(mu_);
     if (pool_ == nullptr) return absl::OkStatus();
-    return kc::CheckPage(block, layout_);
+    return kc::CheckPage(block, layout_, calibration_.get());
   }
 
   // For CudaKvCache: pages and slots back to the pools.
@@ -231,8 +234,15 @@ class CudaBackend final : public ComputeBackend {
   // o.window_tokens + chunk + max_step_tokens rows. One format per backend.
   absl::Status EnsurePools(const KvCacheOptions& o) const {
     const ModelConfig& c = config_;
-    absl::StatusOr<kc::PagedKvLayout> layout =
-        kc::PageLayoutForCodec(o.codec, o.chunk_tokens, c.num_kv_heads, c.head_dim);
+    if (absl::StatusOr<kernels::CodecSpec> spec = kernels::CodecSpec::Parse(o.codec);
+        spec.ok() && spec->rotate) {
+      return absl::UnimplementedError(absl::StrCat(
+          "cuda backend: codec '", o.codec,
+          "' rotates K and V (rot): the CUDA model does not rotate queries and outputs yet; "
+          "serve it with --device cpu"));
+    }
+    absl::StatusOr<kc::PagedKvLayout> layout = kc::PageLayoutForCodec(
+        o.codec, o.chunk_tokens, c.num_kv_heads, c.head_dim, o.calibration, c.num_layers);
     if (!layout.ok()) {
       return absl::UnimplementedError(
           absl::StrCat("cuda backend: codec '", o.codec, "' at ", o.chunk_tokens,
@@ -242,12 +252,13 @@ class CudaBackend final : public ComputeBackend {
     const int max_window =
         static_cast<int>(o.window_tokens + o.chunk_tokens + options_.max_step_tokens);
     if (pool_ != nullptr) {
-      if (o.codec != codec_ || o.chunk_tokens != chunk_tokens_ || max_window != max_window_) {
-        return absl::FailedPreconditionError(
-            absl::StrCat("cuda backend: its device pools hold '", codec_, "' at ", chunk_tokens_,
-                         "-token chunks with windows of ", max_window_, " rows; a cache of '",
-                         o.codec, "' at ", o.chunk_tokens, "-token chunks and window_tokens ",
-                         o.window_tokens, " cannot share them (one format per backend)"));
+      if (o.codec != codec_ || o.chunk_tokens != chunk_tokens_ || max_window != max_window_ ||
+          o.calibration != calibration_) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "cuda backend: its device pools hold '", codec_, "' at ", chunk_tokens_,
+            "-token chunks with windows of ", max_window_, " rows; a cache of '", o.codec, "' at ",
+            o.chunk_tokens, "-token chunks and window_tokens ", o.window_tokens,
+            " (or another calibration) cannot share them (one format per backend)"));
       }
       return absl::OkStatus();
     }
@@ -289,6 +300,37 @@ class CudaBackend final : public ComputeBackend {
                                                        " bytes does not fit (", free_bytes,
                                                        " bytes free)"));
     }
+    if (layout->format == kc::PageFormat::kGeneral) {
+      // General pages: a table of distinct descriptors, one index per page, and the
+      // calibration's channel orders and codebooks, all allocated once (their addresses are part
+      // of captured graphs).
+      const kc::PageConstants constants = kc::PageConstants::For(o.calibration.get());
+      void *descs = nullptr, *ids = nullptr, *consts = nullptr;
+      const size_t const_bytes = std::max<size_t>(16, constants.bytes().size());
+      if (cudaMalloc(&descs, kMaxPageDescs * sizeof(kc::PageDesc)) != cudaSuccess ||
+          cudaMalloc(&ids, pages * sizeof(uint16_t)) != cudaSuccess ||
+          cudaMalloc(&consts, const_bytes) != cudaSuccess) {
+        for (void* p : {pool, static_cast<void*>(wk), static_cast<void*>(wv), descs, ids, consts}) {
+          cudaFree(p);
+        }
+        cudaGetLastError();
+        return absl::ResourceExhaustedError(
+            "cuda backend: no device memory for the general pages' descriptors");
+      }
+      descs_ = static_cast<kc::PageDesc*>(descs);
+      desc_ids_ = static_cast<uint16_t*>(ids);
+      constants_ = static_cast<uint8_t*>(consts);
+      if (!constants.bytes().empty()) {
+        STRATA_RETURN_IF_ERROR(
+            CudaError(cudaMemcpy(constants_, constants.bytes().data(), constants.bytes().size(),
+                                 cudaMemcpyHostToDevice),
+                      "calibration constants"));
+      }
+      page_constants_ = std::make_unique<kc::PageConstants>(constants);
+      desc_table_ = std::make_unique<kc::PageDescTable>(kMaxPageDescs);
+      desc_ids_host_.assign(pages, 0);
+    }
+    calibration_ = o.calibration;
     pool_ = static_cast<uint8_t*>(pool);
     pool_pages_ = pages;
     window_k_ = static_cast<__half*>(wk);
@@ -339,10 +381,24 @@ class CudaBackend final : public ComputeBackend {
         absl::StatusOr<BlockView> view =
             BlockView::Parse(blocks[i].span(), {.verify_checksum = false});
         if (!view.ok()) return view.status();
-        STRATA_RETURN_IF_ERROR(kc::CheckPage(*view, layout_));
+        STRATA_RETURN_IF_ERROR(kc::CheckPage(*view, layout_, calibration_.get()));
         const int32_t page = free_pages_.back();
         STRATA_RETURN_IF_ERROR(Upload(pool_ + size_t(page) * layout_.PageBytes(), blocks[i].data(),
                                       blocks[i].size(), stream, "block to page"));
+        if (layout_.format == kc::PageFormat::kGeneral) {
+          STRATA_ASSIGN_OR_RETURN(
+              const kc::PageDesc desc,
+              kc::DescribePage(*view, calibration_.get(), page_constants_.get()));
+          bool added = false;
+          STRATA_ASSIGN_OR_RETURN(const uint16_t id, desc_table_->Intern(desc, &added));
+          if (added) {  // (a pageable source is staged before the upload returns)
+            STRATA_RETURN_IF_ERROR(Upload(descs_ + id, &desc_table_->descs()[id],
+                                          sizeof(kc::PageDesc), stream, "page descriptor"));
+          }
+          desc_ids_host_[page] = id;
+          STRATA_RETURN_IF_ERROR(Upload(desc_ids_ + page, &desc_ids_host_[page], sizeof(uint16_t),
+                                        stream, "page descriptor index"));
+        }
         free_pages_.pop_back();
         pages.push_back(page);
         src.push_back(blocks[i].data());
@@ -478,6 +534,9 @@ class CudaBackend final : public ComputeBackend {
     step.window_lens = lens;
     step.layout = layout_;
     step.pages = pool_;
+    step.page_descs = descs_;
+    step.page_desc_ids = desc_ids_;
+    step.constants = constants_;
     step.block_tables = table_ptrs;
     step.max_pages = max_pages;
     step.page_counts = counts_;
@@ -573,6 +632,17 @@ class CudaBackend final : public ComputeBackend {
   mutable float* save_kv_ = nullptr;
   mutable size_t save_kv_cap_ = 0;
   mutable std::vector<float> kv_host_;
+  // General pages (layout_.format kGeneral): the calibration the blocks were made with, the
+  // distinct descriptors (host table and device copy), each page's descriptor index (device, and
+  // the host's copy it is uploaded from), the calibration constants.
+  static constexpr size_t kMaxPageDescs = 1024;
+  mutable std::shared_ptr<const kernels::Calibration> calibration_;
+  mutable std::unique_ptr<kc::PageConstants> page_constants_;
+  mutable std::unique_ptr<kc::PageDescTable> desc_table_;
+  mutable kc::PageDesc* descs_ = nullptr;
+  mutable uint16_t* desc_ids_ = nullptr;
+  mutable std::vector<uint16_t> desc_ids_host_;
+  mutable uint8_t* constants_ = nullptr;
 };
 
 CudaKvCache::~CudaKvCache() { backend_->Release(&pages_, slot_); }

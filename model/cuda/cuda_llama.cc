@@ -577,6 +577,9 @@ absl::StatusOr<std::vector<uint32_t>> CudaLlamaModel::DecodePaged(
   const size_t layer_window = size_t(p.slots) * KH * p.max_window * D;
   a.page_counts = p.page_counts;
   a.pages = p.pages;
+  a.page_descs = p.page_descs;
+  a.page_desc_ids = p.page_desc_ids;
+  a.constants = p.constants;
   a.window_lens = d_lens_after;
   a.window_slots = d_slots;
   a.q = s.q;
@@ -623,6 +626,9 @@ absl::StatusOr<std::vector<uint32_t>> CudaLlamaModel::DecodePaged(
                                  uint64_t(p.slots),
                                  uint64_t(p.max_window),
                                  reinterpret_cast<uint64_t>(p.pages),
+                                 reinterpret_cast<uint64_t>(p.page_descs),
+                                 reinterpret_cast<uint64_t>(p.page_desc_ids),
+                                 reinterpret_cast<uint64_t>(p.constants),
                                  reinterpret_cast<uint64_t>(p.page_counts),
                                  reinterpret_cast<uint64_t>(p.window_k),
                                  reinterpret_cast<uint64_t>(p.window_v),

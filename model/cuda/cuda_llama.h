@@ -106,6 +106,11 @@ class CudaLlamaModel {
     absl::Span<const int32_t> window_lens;          // tokens in each window before the step
     kernels::cuda::PagedKvLayout layout;            // every layer's pages
     const uint8_t* pages = nullptr;                 // the pool
+    // General pages (layout.format kGeneral): descriptors, each page's index, calibration
+    // constants (kernels/cuda/paged_decode.h PagedDecodeArgs).
+    const kernels::cuda::PageDesc* page_descs = nullptr;
+    const uint16_t* page_desc_ids = nullptr;
+    const uint8_t* constants = nullptr;
     absl::Span<const int32_t* const> block_tables;  // per layer: [batch][max_pages]
     int max_pages = 0;
     const int32_t* page_counts = nullptr;  // [batch]
