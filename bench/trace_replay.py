@@ -13,12 +13,19 @@ scaled trace is written next to the results: it is what `strata replay` models, 
 chunk size, the model's KV shape, the cluster's codec and the store's RAM size (no disk tier in
 either), policy s3fifo (the store's).
 
+Store layouts (--layouts, issue "Beyond one store machine"): `central` (one store for the
+cluster), `per-host` (cluster.sh --host-stores: host I runs prefill-I and decode-I and uses its
+own store), `shared-tier` (per-host stores and a Redis Cluster of --shared_masters masters behind
+them, --shared_memory each); the model runs `strata replay --layouts` over as many hosts as the
+cluster has prefill nodes, with the tier's total memory.
+
 What may separate the two: the cluster serves requests concurrently (a request that arrives while
 an earlier one with its prefix is still in prefill misses, as in any serving system), its decode
 nodes also store the chunks of generated text (more bytes competing for the RAM tier), and its
 block sizes are the real ones, headers included.
 
   bench/trace_replay.py [--trace F] [--requests 500] [--store_ram 512M,16M] [--speedup 2]
+                        [--layouts central,per-host,shared-tier] [--shared_memory 64mb]
 Standard library only (Debian's /usr/bin/python3). Needs the built binaries.
 """
 import argparse
@@ -110,24 +117,43 @@ def pct(values, p):
     return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))]
 
 
-def model_hit_rate(build, scaled_path, block, cfg, codec, ram):
+def parse_bytes(text):
+    """'64mb', '512M', '1G' -> bytes."""
+    t = text.strip().lower().rstrip("b")
+    mult = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}.get(t[-1:], 1)
+    return int(float(t[:-1] if t[-1:] in "kmgt" else t) * mult)
+
+
+def model_hit_rate(build, scaled_path, block, cfg, codec, ram, layout="central", hosts=1,
+                   shared_bytes=0, prefill_rate=0):
     out = subprocess.run(
         [os.path.join(build, "tools/strata"), "replay", "--trace", scaled_path,
          "--trace_block_tokens", str(block), "--model_layers", str(cfg["num_hidden_layers"]),
          "--model_kv_heads", str(cfg["num_key_value_heads"]),
          "--model_head_dim", str(cfg["head_dim"]), "--codecs", codec, "--ram_sizes", ram,
-         "--disk_size", "0", "--policies", "s3fifo"],
+         "--disk_size", "0", "--policies", "s3fifo", "--layouts", layout, "--hosts", str(hosts),
+         "--shared_size", str(shared_bytes), "--host_prefill_tokens_per_s", str(prefill_rate)],
         capture_output=True, text=True, check=True).stdout
-    # "codec bits chunkMB RAM disk policy | chunk% token% ..."
-    row = [line for line in out.splitlines() if line.startswith(codec + " ")][-1]
+    # "codec bits chunkMB RAM disk policy layout | chunk% token% ..."
+    row = [line for line in out.splitlines()
+           if line.startswith(codec + " ") and line.split("|", 1)[0].split()[-1] == layout][-1]
     right = row.split("|", 1)[1].split()
     return float(right[1].rstrip("%")) / 100, out
 
 
-def replay_once(args, scaled, vocab_limit, ram):
+def layout_flags(layout, args):
+    if layout == "per-host":
+        return ["--host-stores"]
+    if layout == "shared-tier":
+        return ["--host-stores", "--shared-tier", str(args.shared_masters),
+                "--shared-tier-memory", args.shared_memory]
+    return []
+
+
+def replay_once(args, scaled, vocab_limit, ram, layout="central"):
     c = e2e.Cluster(args.codec, prefill=args.prefill, decode=args.decode, chunk=args.block_tokens,
                     extra=["--store-ram", ram, "--store-disk", "0",
-                           "--router-flag", "--max_in_flight=1024"])
+                           "--router-flag", "--max_in_flight=1024"] + layout_flags(layout, args))
     results = [None] * len(scaled)
     try:
         t_start = time.monotonic()
@@ -170,6 +196,13 @@ def main():
     ap.add_argument("--prefill", type=int, default=2)
     ap.add_argument("--decode", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--layouts", default="central",
+                    help="store layouts, one run each: central, per-host, shared-tier")
+    ap.add_argument("--shared_masters", type=int, default=3, help="shared tier: Redis masters")
+    ap.add_argument("--shared_memory", default="64mb", help="shared tier: each master's maxmemory")
+    ap.add_argument("--model_prefill_tokens_per_s", type=float, default=0,
+                    help="the model's router load term (strata replay "
+                         "--host_prefill_tokens_per_s); 0: overlap alone")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     args = ap.parse_args()
     e2e.BUILD = os.path.abspath(args.build)
@@ -201,19 +234,29 @@ def main():
             report["trace"], len(scaled), span, args.speedup, args.block_tokens,
             statistics.mean(r["input_length"] for r in scaled),
             statistics.mean(r["output_length"] for r in scaled)),
-        "cluster: store (RAM tier only) + %d prefill + %d decode + router on loopback, codec %s, "
-        "%d-token chunks, bundled model; scaled trace: %s" % (
+        "cluster: store(s) (RAM tier only) + %d prefill + %d decode + router on loopback, codec "
+        "%s, %d-token chunks, bundled model; scaled trace: %s" % (
             args.prefill, args.decode, args.codec, args.block_tokens,
             os.path.relpath(scaled_path, ROOT)),
+        "layouts: %s; per-host and shared-tier: %d hosts (host I: prefill-I, decode-I, its own "
+        "store); shared tier: %d Redis masters (+ replicas) of %s each" % (
+            args.layouts, args.prefill, args.shared_masters, args.shared_memory),
         "",
-        "%-6s | %7s %8s %6s | %9s %9s | %8s %8s %8s | %8s %8s | %7s %7s" % (
-            "RAM", "sent", "errors", "wall s", "token hit", "model hit", "TTFT p50", "p90",
-            "p99", "E2E p50", "p99", "req/s", "out t/s"),
+        "%-6s %-11s | %7s %8s %6s | %9s %9s | %8s %8s %8s | %8s %8s | %7s %7s" % (
+            "RAM", "layout", "sent", "errors", "wall s", "token hit", "model hit", "TTFT p50",
+            "p90", "p99", "E2E p50", "p99", "req/s", "out t/s"),
     ]
-    for ram in args.store_ram.split(","):
-        model_hit, model_out = model_hit_rate(args.build, scaled_path, args.block_tokens, cfg,
-                                              args.codec, ram)
-        results, wall, _ = replay_once(args, scaled, vocab_limit, ram)
+    report["layouts"] = args.layouts
+    report["shared_masters"] = args.shared_masters
+    report["shared_memory"] = args.shared_memory
+    report["model_prefill_tokens_per_s"] = args.model_prefill_tokens_per_s
+    for ram, layout in [(r, l) for r in args.store_ram.split(",")
+                        for l in args.layouts.split(",")]:
+        model_hit, model_out = model_hit_rate(
+            args.build, scaled_path, args.block_tokens, cfg, args.codec, ram, layout,
+            args.prefill, args.shared_masters * parse_bytes(args.shared_memory),
+            args.model_prefill_tokens_per_s)
+        results, wall, _ = replay_once(args, scaled, vocab_limit, ram, layout)
         ok = [r for r in results if r and "error" not in r]
         errors = [r["error"] for r in results if not r or "error" in r]
         prompt = sum(r["usage"]["prompt_tokens"] for r in ok)
@@ -222,13 +265,14 @@ def main():
         ttft = [r["ttft"] * 1e3 for r in ok]
         total = [r["total"] * 1e3 for r in ok]
         hit = cached / prompt if prompt else 0.0
-        lines.append("%-6s | %7d %8d %6.1f | %8.2f%% %8.2f%% | %8.1f %8.1f %8.1f | %8.1f %8.1f |"
-                     " %7.2f %7.1f" % (ram, len(results), len(errors), wall, 100 * hit,
+        lines.append("%-6s %-11s | %7d %8d %6.1f | %8.2f%% %8.2f%% | %8.1f %8.1f %8.1f | %8.1f "
+                     "%8.1f | %7.2f %7.1f" % (ram, layout, len(results), len(errors), wall,
+                                              100 * hit,
                                        100 * model_hit, pct(ttft, 50), pct(ttft, 90),
                                        pct(ttft, 99), pct(total, 50), pct(total, 99),
                                        len(ok) / wall, out_tokens / wall))
         report["runs"].append({
-            "store_ram": ram, "sent": len(results), "errors": len(errors),
+            "store_ram": ram, "layout": layout, "sent": len(results), "errors": len(errors),
             "error_samples": errors[:5], "wall_s": wall, "prompt_tokens": prompt,
             "cached_tokens": cached, "token_hit_rate": hit, "model_token_hit_rate": model_hit,
             "completion_tokens": out_tokens,
@@ -241,7 +285,7 @@ def main():
             print("  error:", e)
     lines += ["", "token hit: cached prompt tokens / prompt tokens over the run, from each "
               "response's usage; model hit: `strata replay` on the scaled trace, same chunk, "
-              "codec and RAM size, s3fifo, no disk. TTFT and E2E: ms as the client saw them."]
+              "codec, RAM size and layout, s3fifo, no disk. TTFT and E2E: ms as the client saw them."]
     text = "\n".join(lines) + "\n"
     print(text)
     with open(stem + ".txt", "w") as f:

@@ -1,7 +1,10 @@
 #include "kvstore/replay.h"
 
+#include <algorithm>
 #include <fstream>
 #include <memory>
+#include <optional>
+#include <random>
 
 #include "absl/strings/str_cat.h"
 #include "kvstore/tier_ledger.h"
@@ -121,7 +124,164 @@ class TierModel {
   Ledger ledger_;
 };
 
+// The shared tier: Redis under maxmemory with an LRU policy. Chunks enter with no parent (Redis
+// knows no chains), so the ledger evicts by recency alone; parents are remembered to count the
+// orphans left.
+class SharedTierModel {
+ public:
+  SharedTierModel(uint64_t bytes, uint64_t chunk_bytes)
+      : chunk_bytes_(chunk_bytes), ledger_(bytes, 0, false, PolicyKind::kLru) {}
+
+  bool Contains(uint64_t id) const { return ledger_.Contains(id); }
+
+  void Hit(uint64_t id, ReplayResult& r) {  // GETEX: read, and recent again
+    ledger_.TouchRam(id);
+    r.bytes_read_shared += chunk_bytes_;
+  }
+
+  void Put(uint64_t id, uint64_t parent, bool has_parent, ReplayResult& r) {
+    if (ledger_.Contains(id)) {
+      ledger_.TouchRam(id);
+      return;
+    }
+    if (chunk_bytes_ > ledger_.ram_capacity()) return;
+    ledger_.Add(id, nullptr, chunk_bytes_);
+    const bool room = ledger_.EvictRam(
+        chunk_bytes_, [](uint64_t) { return false; },
+        [&](uint64_t victim, const Ledger::Entry&, RamFate) {
+          ++r.shared_evictions;
+          parents_.erase(victim);
+          ledger_.Drop(victim, [](uint64_t, const Ledger::Entry&) {});
+        });
+    if (!room) {
+      ledger_.Drop(id, [](uint64_t, const Ledger::Entry&) {});
+      return;
+    }
+    ledger_.AddToRam(id);
+    r.bytes_written_shared += chunk_bytes_;
+    if (has_parent) parents_[id] = parent;
+  }
+
+  void Finish(ReplayResult& r) const {
+    r.shared_chunks = ledger_.ram_blocks();
+    for (const auto& [id, parent] : parents_) {
+      if (!ledger_.Contains(parent)) ++r.shared_orphans;
+    }
+  }
+
+ private:
+  struct NoBytes {};
+  using Ledger = TierLedger<uint64_t, NoBytes>;
+  const uint64_t chunk_bytes_;
+  Ledger ledger_;
+  absl::flat_hash_map<uint64_t, uint64_t> parents_;  // of chunks in the tier with a parent
+};
+
 }  // namespace
+
+absl::StatusOr<StoreLayout> ParseStoreLayout(absl::string_view name) {
+  if (name == "central") return StoreLayout::kCentral;
+  if (name == "per-host") return StoreLayout::kPerHost;
+  if (name == "shared-tier") return StoreLayout::kSharedTier;
+  return absl::InvalidArgumentError(absl::StrCat("replay: store layout '", name,
+                                                 "' is not one of central, per-host, shared-tier"));
+}
+
+const char* StoreLayoutName(StoreLayout layout) {
+  switch (layout) {
+    case StoreLayout::kPerHost:
+      return "per-host";
+    case StoreLayout::kSharedTier:
+      return "shared-tier";
+    default:
+      return "central";
+  }
+}
+
+ReplayResult ReplayCluster(const std::vector<TraceRequest>& trace,
+                           const ClusterReplayConfig& config) {
+  const ReplayConfig& sc = config.store;
+  if (config.layout == StoreLayout::kCentral || config.hosts <= 1) {
+    ReplayResult r = Replay(trace, sc);
+    r.host_requests = {r.requests};
+    return r;
+  }
+  ReplayResult r;
+  r.host_requests.assign(config.hosts, 0);
+  std::vector<std::unique_ptr<TierModel>> stores;
+  for (uint32_t h = 0; h < config.hosts; ++h) stores.push_back(std::make_unique<TierModel>(sc));
+  std::optional<SharedTierModel> shared;
+  if (config.layout == StoreLayout::kSharedTier)
+    shared.emplace(config.shared_bytes, sc.chunk_bytes);
+  std::vector<double> queue(config.hosts, 0);
+  double last_ms = trace.empty() ? 0 : trace.front().timestamp_ms;
+  std::mt19937_64 rng(config.seed);
+  std::vector<size_t> own(config.hosts);
+  for (const TraceRequest& q : trace) {
+    ++r.requests;
+    const size_t full = std::min<size_t>(q.hash_ids.size(), q.input_tokens / sc.block_tokens);
+    r.chunks_requested += full;
+    r.tokens_requested += q.input_tokens;
+    // The queues drain between arrivals.
+    if (config.prefill_tokens_per_s > 0) {
+      const double drained =
+          std::max(0.0, q.timestamp_ms - last_ms) / 1e3 * config.prefill_tokens_per_s;
+      for (double& x : queue) x = std::max(0.0, x - drained);
+    }
+    last_ms = std::max(last_ms, q.timestamp_ms);
+    // The router's pick: each host's leading overlap in its store, the shared tier's.
+    size_t in_shared = 0;
+    while (shared && in_shared < full && shared->Contains(q.hash_ids[in_shared])) ++in_shared;
+    double best = 0;
+    std::vector<uint32_t> ties;
+    for (uint32_t h = 0; h < config.hosts; ++h) {
+      own[h] = 0;
+      while (own[h] < full && stores[h]->Where(q.hash_ids[own[h]]) != 0) ++own[h];
+      const double credit =
+          own[h] + config.store_credit * (in_shared > own[h] ? double(in_shared - own[h]) : 0.0);
+      const double cost = std::max(0.0, (queue[h] + q.input_tokens) / sc.block_tokens - credit);
+      if (ties.empty() || cost < best) {
+        best = cost;
+        ties = {h};
+      } else if (cost == best) {
+        ties.push_back(h);
+      }
+    }
+    const uint32_t h = ties[rng() % ties.size()];
+    ++r.host_requests[h];
+    TierModel& store = *stores[h];
+    size_t hits = 0;
+    for (; hits < full; ++hits) {
+      const uint64_t id = q.hash_ids[hits];
+      const int where = store.Where(id);
+      if (where != 0) {
+        (where == 1 ? r.chunk_hits_ram : r.chunk_hits_disk)++;
+        store.Hit(id, r);
+        continue;
+      }
+      if (!shared || !shared->Contains(id)) break;
+      ++r.chunk_hits_shared;
+      shared->Hit(id, r);
+      // Promoted into the host's store (not written back to the tier it came from).
+      if (!store.Put(id, hits > 0 ? q.hash_ids[hits - 1] : 0, hits > 0, r)) {
+        ++hits;
+        break;
+      }
+    }
+    r.tokens_saved += hits * sc.block_tokens;
+    if (config.prefill_tokens_per_s > 0) {
+      queue[h] += q.input_tokens - std::min<double>(q.input_tokens, hits * sc.block_tokens);
+    }
+    for (size_t i = hits; i < full; ++i) {
+      const uint64_t id = q.hash_ids[i];
+      const uint64_t parent = i > 0 ? q.hash_ids[i - 1] : 0;
+      if (!store.Put(id, parent, i > 0, r)) break;
+      if (shared) shared->Put(id, parent, i > 0, r);  // the store writes every put through
+    }
+  }
+  if (shared) shared->Finish(r);
+  return r;
+}
 
 ReplayResult Replay(const std::vector<TraceRequest>& trace, const ReplayConfig& config) {
   ReplayResult r;

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "kvstore/eviction_policy.h"
 
 namespace strata::kvstore {
@@ -39,11 +40,19 @@ struct ReplayConfig {
 struct ReplayResult {
   uint64_t requests = 0;
   uint64_t chunks_requested = 0, chunk_hits_ram = 0, chunk_hits_disk = 0;
+  // ReplayCluster with a shared tier: chunks found there (and promoted into the host's store),
+  // bytes it served and took, its evictions, and at the end the chunks it holds and how many of
+  // them are orphans (their parent gone from the tier: unreachable by a lookup there).
+  uint64_t chunk_hits_shared = 0, bytes_read_shared = 0, bytes_written_shared = 0;
+  uint64_t shared_evictions = 0, shared_chunks = 0, shared_orphans = 0;
+  std::vector<uint64_t> host_requests;              // ReplayCluster: requests routed to each host
   uint64_t tokens_requested = 0, tokens_saved = 0;  // prompt tokens; those not prefilled
   uint64_t bytes_read_ram = 0, bytes_read_disk = 0, bytes_written_disk = 0;
   uint64_t ram_evictions = 0, disk_evictions = 0, promotions = 0, orphans_dropped = 0;
   double chunk_hit_rate() const {
-    return chunks_requested ? double(chunk_hits_ram + chunk_hits_disk) / chunks_requested : 0;
+    return chunks_requested
+               ? double(chunk_hits_ram + chunk_hits_disk + chunk_hits_shared) / chunks_requested
+               : 0;
   }
   double token_hit_rate() const {
     return tokens_requested ? double(tokens_saved) / tokens_requested : 0;
@@ -51,5 +60,36 @@ struct ReplayResult {
 };
 
 ReplayResult Replay(const std::vector<TraceRequest>& trace, const ReplayConfig& config);
+
+// Where a cluster's stores are (issue "Beyond one store machine"):
+//   kCentral     one strata-store every host's nodes share: one machine's RAM and disk (Replay).
+//   kPerHost     a store per host, each host's nodes using their own (cluster.sh --host-stores).
+//   kSharedTier  a store per host and a Redis Cluster behind them all (--shared-tier): every
+//                chunk a store takes is written through to it; a lookup that misses the host's
+//                store walks on into it, and what it finds is promoted into the host's store.
+//                The tier is modelled as Redis under maxmemory with an LRU policy, which knows no
+//                chains: its evictions leave orphans (counted); TTLs are not modelled.
+enum class StoreLayout { kCentral, kPerHost, kSharedTier };
+absl::StatusOr<StoreLayout> ParseStoreLayout(
+    absl::string_view name);  // central|per-host|shared-tier
+const char* StoreLayoutName(StoreLayout layout);
+
+struct ClusterReplayConfig {
+  ReplayConfig store;  // each store's tiers (one machine's)
+  StoreLayout layout = StoreLayout::kCentral;
+  uint32_t hosts = 4;
+  uint64_t shared_bytes = 0;  // kSharedTier: the tier's memory, all masters together
+  // The router's pick among hosts (routing_policy.h's prefill cost, with stores only):
+  //   cost_h = max(0, (queue_h + prompt) / C - (own_h + store_credit * max(0, shared - own_h)))
+  // own_h: leading chunks in host h's store; shared: in the shared tier; queue_h: tokens host h
+  // still has to prefill, drained at prefill_tokens_per_s between requests (trace timestamps;
+  // 0: no queue). The lowest cost wins, ties at random (seeded).
+  double prefill_tokens_per_s = 0;
+  double store_credit = 0.5;
+  uint64_t seed = 1;
+};
+
+ReplayResult ReplayCluster(const std::vector<TraceRequest>& trace,
+                           const ClusterReplayConfig& config);
 
 }  // namespace strata::kvstore

@@ -219,5 +219,85 @@ TEST(ReplayTest, TraceFilesAreValidatedLineByLine) {
   EXPECT_EQ(LoadMooncakeTrace("/nonexistent").status().code(), absl::StatusCode::kNotFound);
 }
 
+// Conversations that arrive over time (one turn of each every `gap_ms`), for the router's load.
+std::vector<TraceRequest> TimedConversations(int n, int turns, double gap_ms) {
+  std::vector<TraceRequest> t = Conversations(n, turns);
+  for (size_t i = 0; i < t.size(); ++i) t[i].timestamp_ms = static_cast<double>(i) * gap_ms;
+  return t;
+}
+
+// With room for everything: the shared tier finds every chunk one central store finds (a chunk
+// computed on any host is written through and found from every other); per-host stores with
+// routing by overlap alone send each conversation back to its history and find as much too,
+// except where the router spreads them by load.
+TEST(ReplayClusterTest, TheSharedTierFindsWhatOneCentralStoreFinds) {
+  const std::vector<TraceRequest> trace = TimedConversations(24, 6, 10);
+  const ReplayConfig big{.chunk_bytes = 100, .ram_bytes = 1 << 30};
+  const ReplayResult central = ReplayCluster(trace, {.store = big});
+  // Heavily loaded hosts: the router spreads turns across hosts, so histories are on another
+  // host's store more often than not.
+  const ClusterReplayConfig loaded{.store = big,
+                                   .layout = StoreLayout::kPerHost,
+                                   .hosts = 4,
+                                   .shared_bytes = 1 << 30,
+                                   .prefill_tokens_per_s = 1000};
+  const ReplayResult per_host = ReplayCluster(trace, loaded);
+  ClusterReplayConfig with_tier = loaded;
+  with_tier.layout = StoreLayout::kSharedTier;
+  const ReplayResult shared = ReplayCluster(trace, with_tier);
+  EXPECT_GT(central.chunk_hit_rate(), 0.5);
+  EXPECT_LT(per_host.chunk_hit_rate(), central.chunk_hit_rate());
+  EXPECT_EQ(shared.chunk_hits_ram + shared.chunk_hits_disk + shared.chunk_hits_shared,
+            central.chunk_hits_ram + central.chunk_hits_disk);
+  EXPECT_GT(shared.chunk_hits_shared, 0u);
+  EXPECT_EQ(shared.bytes_read_shared, shared.chunk_hits_shared * 100);
+  EXPECT_EQ(shared.shared_evictions, 0u);
+  EXPECT_EQ(shared.shared_orphans, 0u);
+  // Every host served some of the load.
+  ASSERT_EQ(per_host.host_requests.size(), 4u);
+  for (uint64_t n : per_host.host_requests) EXPECT_GT(n, 0u);
+  // Routing by overlap alone keeps every conversation on the host holding its history (and the
+  // shared system prompt draws every new one there too): as good as one store.
+  ClusterReplayConfig affinity = loaded;
+  affinity.prefill_tokens_per_s = 0;
+  EXPECT_EQ(ReplayCluster(trace, affinity).chunk_hit_rate(), central.chunk_hit_rate());
+}
+
+// A shared tier with no room changes nothing (the same routing, the same stores); a small one
+// evicts by recency alone, as Redis does, and leaves orphans that are counted.
+TEST(ReplayClusterTest, ASmallSharedTierEvictsByRecencyAndCountsItsOrphans) {
+  const std::vector<TraceRequest> trace = TimedConversations(30, 5, 10);
+  const ClusterReplayConfig per_host{.store = {.chunk_bytes = 100, .ram_bytes = 3000},
+                                     .layout = StoreLayout::kPerHost,
+                                     .hosts = 3,
+                                     .prefill_tokens_per_s = 1000};
+  const ReplayResult a = ReplayCluster(trace, per_host);
+  ClusterReplayConfig none = per_host;
+  none.layout = StoreLayout::kSharedTier;
+  none.shared_bytes = 0;
+  const ReplayResult b = ReplayCluster(trace, none);
+  EXPECT_EQ(b.chunk_hits_shared, 0u);
+  EXPECT_EQ(b.chunk_hit_rate(), a.chunk_hit_rate());
+  EXPECT_EQ(b.host_requests, a.host_requests);
+  ClusterReplayConfig small = none;
+  small.shared_bytes = 5000;  // 50 chunks of the ~600 the trace computes
+  const ReplayResult c = ReplayCluster(trace, small);
+  EXPECT_GT(c.shared_evictions, 0u);
+  EXPECT_LE(c.shared_chunks, 50u);
+  EXPECT_GT(c.shared_orphans, 0u);
+  EXPECT_LE(c.shared_orphans, c.shared_chunks);
+  EXPECT_GT(c.chunk_hits_shared, 0u);
+  EXPECT_GE(c.chunk_hit_rate(), a.chunk_hit_rate());
+}
+
+TEST(ReplayClusterTest, LayoutNamesParseAndUnknownOnesAreRefused) {
+  for (StoreLayout l : {StoreLayout::kCentral, StoreLayout::kPerHost, StoreLayout::kSharedTier}) {
+    EXPECT_EQ(*ParseStoreLayout(StoreLayoutName(l)), l);
+  }
+  absl::StatusOr<StoreLayout> bad = ParseStoreLayout("mesh");
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad.status().message(), HasSubstr("mesh"));
+}
+
 }  // namespace
 }  // namespace strata::kvstore

@@ -1,6 +1,7 @@
 // `strata replay`: offload-capacity experiments — a Mooncake trace replayed against the store's
 // tiers for a sweep of RAM sizes, with and without a disk tier, fp16 vs compressed blocks, LRU vs
-// S3-FIFO; a table on stdout and JSON for the chart (tools/replay_chart.py).
+// S3-FIFO, and where the stores are (one for the cluster, one per host, one per host with a shared
+// tier behind them); a table on stdout and JSON for the chart (tools/replay_chart.py).
 #pragma once
 
 #include <cstdint>
@@ -22,6 +23,11 @@ struct ReplayOptions {
   std::vector<std::string> policies = {"lru", "s3fifo"};
   // The store's --durable_puts (its default with a disk): every chunk written to disk on arrival.
   bool durable_puts = true;
+  // Where the stores are (kvstore/replay.h StoreLayout): each run repeated per layout.
+  std::vector<std::string> layouts = {"central"};
+  uint32_t hosts = 4;               // per-host and shared-tier layouts
+  uint64_t shared_bytes = 0;        // the shared tier's memory
+  double prefill_tokens_per_s = 0;  // each host's, for the router's load term
   std::string json_out;
 };
 

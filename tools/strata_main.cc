@@ -72,6 +72,16 @@ ABSL_FLAG(uint32_t, model_head_dim, 128, "replay: head dimension");
 ABSL_FLAG(uint32_t, trace_block_tokens, 512,
           "replay: tokens per hash id of the trace (Mooncake's: 512; a trace scaled down to a "
           "small model's context has fewer)");
+ABSL_FLAG(std::vector<std::string>, layouts, std::vector<std::string>({"central"}),
+          "replay: where the stores are: central (one store for the cluster), per-host (a store "
+          "per host), shared-tier (a store per host and a Redis Cluster behind them); a list "
+          "compares them");
+ABSL_FLAG(uint32_t, hosts, 4, "replay: hosts of the per-host and shared-tier layouts");
+ABSL_FLAG(std::string, shared_size, "256G",
+          "replay: the shared tier's memory (all Redis masters together)");
+ABSL_FLAG(double, host_prefill_tokens_per_s, 0,
+          "replay: each host's prefill rate, for the router's load term (0: route by overlap "
+          "alone)");
 ABSL_FLAG(std::vector<std::string>, policies, {},
           "replay: RAM eviction policies to compare (default lru,s3fifo)");
 ABSL_FLAG(std::string, calibration, "",
@@ -234,6 +244,13 @@ int main(int argc, char** argv) {
       o.ram_bytes.push_back(b);
     }
     o.durable_puts = absl::GetFlag(FLAGS_durable_puts);
+    o.layouts = absl::GetFlag(FLAGS_layouts);
+    o.hosts = absl::GetFlag(FLAGS_hosts);
+    o.prefill_tokens_per_s = absl::GetFlag(FLAGS_host_prefill_tokens_per_s);
+    if (!strata::ParseByteSize(absl::GetFlag(FLAGS_shared_size), &o.shared_bytes)) {
+      std::cerr << "strata: --shared_size: not a size like 256G\n";
+      return 2;
+    }
     if (!strata::ParseByteSize(absl::GetFlag(FLAGS_disk_size), &o.disk_bytes)) {
       std::cerr << "strata: --disk_size: not a size like 4T\n";
       return 2;
