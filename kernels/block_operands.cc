@@ -64,6 +64,7 @@ absl::Status FillPart(const BlockView& block, int i, const CodecLayout& layout, 
     if (t.kind == CodeKind::kInt8) {
       t.scales = u16(i++);
     } else if (t.kind == CodeKind::kFp8E4M3) {
+      t.tensor_scale_at = block.section(i).data.data();
       std::memcpy(&t.tensor_scale, block.section(i++).data.data(), sizeof(float));
     } else if (t.kind == CodeKind::kAffine) {
       t.token_groups = tl.token_groups;
@@ -73,6 +74,7 @@ absl::Status FillPart(const BlockView& block, int i, const CodecLayout& layout, 
       i += 2;
       float mult[2] = {1.0f, 1.0f};
       if (ops.spec.fp8_meta) {
+        t.meta_mult_at = block.section(i).data.data();
         std::memcpy(mult, block.section(i++).data.data(), sizeof(mult));
         for (float m : mult) {
           if (!(m > 0.0f && m < 1e30f)) {

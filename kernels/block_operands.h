@@ -63,11 +63,13 @@ struct TensorOperands {
   const uint8_t* scales_fp8 = nullptr;
   const uint8_t* zeros_fp8 = nullptr;
   float meta_mult[2] = {1.0f, 1.0f};
+  const uint8_t* meta_mult_at = nullptr;  // m8: where the two multipliers (f32) are stored
   bool token_groups = false;         // params per (head, token, channel group), as V's; else
                                      // per (head, token group, channel), as KIVI's K
   uint32_t groups = 1;               // G: token groups (K) or channel groups (V) per vector
   uint32_t group_size = 0;           // tokens (K) or channels (V) per group
   float tensor_scale = 1.0f;
+  const uint8_t* tensor_scale_at = nullptr;  // kFp8E4M3: where tensor_scale (f32) is stored
   // Low-rank correction; rank 0 when absent.
   uint32_t rank = 0;
   const uint16_t* lowrank_a = nullptr;  // [H, T, r] fp16 bits

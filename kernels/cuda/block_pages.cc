@@ -314,15 +314,14 @@ absl::StatusOr<PageDesc> DescribePage(const BlockView& block, const Calibration*
         o.meta_fp8 = 1;
         o.scales = addr(t.scales_fp8, "fp8 scales");
         o.zeros = addr(t.zeros_fp8, "fp8 zero points");
-        o.meta_mult[0] = t.meta_mult[0];
-        o.meta_mult[1] = t.meta_mult[1];
+        o.meta_mult = addr(t.meta_mult_at, "fp8 metadata multipliers");
       } else {
         o.scales = addr(t.scales, "scales");
         o.zeros = addr(t.zeros, "zero points");
       }
       o.groups = t.groups;
       o.group_size = t.group_size;
-      o.tensor_scale = t.tensor_scale;
+      if (t.kind == CodeKind::kFp8E4M3) o.tensor_scale = addr(t.tensor_scale_at, "tensor scales");
       o.rank = t.rank;
       o.lowrank_a = addr(t.lowrank_a, "low-rank factors");
       o.lowrank_b = addr(t.lowrank_b, "low-rank factors");

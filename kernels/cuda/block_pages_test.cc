@@ -269,11 +269,14 @@ struct CodecBlocks {
   std::vector<AlignedBuffer> blocks;  // chunk i of the sequence
 };
 
-CodecBlocks EncodeChunks(const std::string& spec, uint32_t chunks, uint32_t tokens, uint64_t seed) {
+// Chunks of synthetic KV from `seed`; the calibration (for codecs that need one) from `cal_seed`
+// (blocks of different data under one calibration: give them one cal_seed).
+CodecBlocks EncodeChunks(const std::string& spec, uint32_t chunks, uint32_t tokens, uint64_t seed,
+                         uint64_t cal_seed = 0) {
   CodecBlocks out;
   const CodecSpec parsed = *CodecSpec::Parse(spec);
   if (parsed.needs_calibration()) {
-    out.calibration = MakeSyntheticCalibration(parsed, kHeads, kDim, seed);
+    out.calibration = MakeSyntheticCalibration(parsed, kHeads, kDim, cal_seed ? cal_seed : seed);
   }
   auto codec = Codec::Create(spec, out.calibration);
   EXPECT_TRUE(codec.ok()) << codec.status();
@@ -367,6 +370,21 @@ TEST(BlockPagesTest, APoolIsGeneralOnlyWhereItsPagesNeedIt) {
   EXPECT_EQ(table.descs()[0].parts, 2u);
   EXPECT_EQ(table.descs()[1].parts, 1u);
   EXPECT_EQ(ids, (std::vector<uint16_t>{0, 1, 1, 1}));
+  // Blocks whose per-block numbers differ (fp8's tensor scale, m8's metadata multipliers) share
+  // one descriptor: it holds where those numbers are, not the numbers.
+  for (const char* spec : {"fp8e4m3", "kivi:k2v2:g32:m8", "skvq:k2v2:g32:m8"}) {
+    SCOPED_TRACE(spec);
+    CodecBlocks many = EncodeChunks(spec, 12, kTokens, 3);
+    const PageConstants constants = PageConstants::For(many.calibration.get());
+    PageDescTable one(4);
+    for (const AlignedBuffer& b : many.blocks) {
+      absl::StatusOr<PageDesc> d =
+          DescribePage(*BlockView::Parse(b.span()), many.calibration.get(), &constants);
+      ASSERT_TRUE(d.ok()) << d.status();
+      ASSERT_TRUE(one.Intern(*d).ok());
+    }
+    EXPECT_EQ(one.descs().size(), 1u);
+  }
   PageDescTable tiny(1);
   ASSERT_TRUE(tiny.Intern(table.descs()[0]).ok());
   EXPECT_EQ(tiny.Intern(table.descs()[1]).status().code(), absl::StatusCode::kResourceExhausted);
@@ -494,8 +512,11 @@ TEST(BlockPagesGpuTest, GeneralKernelOverEveryCodecsPagesEqualsTheCpuReference) 
     for (uint32_t tokens : {64u, 256u}) {
       SCOPED_TRACE(absl::StrCat(spec, " at ", tokens, " tokens"));
       std::vector<CodecBlocks> seqs;
-      for (int b = 0; b < kBatch; ++b) seqs.push_back(EncodeChunks(spec, chunks_of[b], tokens, 60));
-      // Both sequences' blocks share one calibration only if they share the seed: they do.
+      // Different data per sequence (a kernel reading the wrong block table row fails), one
+      // calibration: the same cal_seed makes the same calibration.
+      for (int b = 0; b < kBatch; ++b) {
+        seqs.push_back(EncodeChunks(spec, chunks_of[b], tokens, 60 + 100 * b, /*cal_seed=*/7));
+      }
       const Calibration* cal = seqs[0].calibration.get();
       const PageConstants constants = PageConstants::For(cal);
       absl::StatusOr<PagedKvLayout> L =
@@ -607,7 +628,9 @@ TEST(BlockPagesGpuTest, GeneralKernelOverEveryCodecsPagesEqualsTheCpuReference) 
         err2 += (got[i] - want[i]) * (got[i] - want[i]);
         ref2 += want[i] * want[i];
       }
-      EXPECT_LT(err2 / ref2, 1e-10);  // fp32 on both sides, the same decoded values
+      // The same decoded values; fp32 sums on the GPU against the reference's doubles, with
+      // __expf and another order of summation.
+      EXPECT_LT(err2 / ref2, 1e-8);
     }
   }
 }

@@ -1,8 +1,9 @@
 // Pages of any codec for the GPU's general decode kernel (paged_decode.h, PageFormat::kGeneral):
 // where each section of a page (a block of the Strata block format, read in place) is, and how
 // one element of K or V is decoded from them. The arithmetic is the CPU reference decoder's
-// (kernels/block_operands.cc DecodeOperandsRef), term for term and in its order, so that the GPU
-// attends over the values the CPU attends over:
+// (kernels/block_operands.cc DecodeOperandsRef), term for term and in its order (the device may
+// fuse a multiply and an add: within an ulp), so that the GPU attends over the values the CPU
+// attends over:
 //
 //   x = backbone(code)          fp16, bf16, int8 * per-token scale, fp8 * tensor scale,
 //                               affine zero + code * scale (per channel over token groups, or per
@@ -58,7 +59,8 @@ struct PageTensorDesc {
   uint8_t bits = 16;         // code bits
   uint8_t token_groups = 0;  // affine: params per (head, token, channel group); else per
                              // (head, token group, channel)
-  uint8_t meta_fp8 = 0;      // affine: scales and zeros stored as fp8 e4m3 times meta_mult
+  uint8_t meta_fp8 = 0;      // affine: scales and zeros stored as fp8 e4m3 times the block's
+                             // two multipliers (f32 at meta_mult: scales', zeros')
   uint8_t index_bytes = 1;   // outlier indices: 1 or 2 bytes
   uint8_t pad[3] = {0, 0, 0};
   uint32_t codes = 0;  // [H][T][row_bytes]
@@ -66,8 +68,11 @@ struct PageTensorDesc {
   uint32_t scales = 0;  // affine: per group; int8 and CQ's norm: [H][T]
   uint32_t zeros = 0;
   uint32_t groups = 1, group_size = 0;
-  float tensor_scale = 1.0f;                        // fp8 codes
-  float meta_mult[2] = {1.0f, 1.0f};                // fp8 metadata: scales, zeros
+  // Per-block numbers stay in the block (a descriptor holds addresses only, so that every block
+  // of one codec and shape shares one): fp8 codes' tensor scale (f32), fp8 metadata's two
+  // multipliers (f32 x 2).
+  uint32_t tensor_scale = 0;
+  uint32_t meta_mult = 0;
   uint32_t rank = 0, lowrank_a = 0, lowrank_b = 0;  // A [H][T][r], B [H][D][r] fp16
   uint32_t outliers = 0;                            // per vector (K: per channel, V: per token)
   uint32_t outlier_values = 0, outlier_index = 0;
@@ -139,6 +144,16 @@ STRATA_PAGE_HD inline uint16_t PageU16(const uint8_t* base, size_t i) {
   return reinterpret_cast<const uint16_t*>(base)[i];
 }
 
+STRATA_PAGE_HD inline float PageF32(const uint8_t* base, size_t i) {
+#ifdef __CUDA_ARCH__
+  return reinterpret_cast<const float*>(base)[i];
+#else
+  float f;
+  std::memcpy(&f, base + 4 * i, 4);
+  return f;
+#endif
+}
+
 // Code i of a row packed low bits first (codes may straddle a byte; rows are whole bytes).
 STRATA_PAGE_HD inline uint32_t PageCodeAt(const uint8_t* row, uint32_t i, uint32_t bits) {
   const uint32_t bit = i * bits;
@@ -152,7 +167,7 @@ STRATA_PAGE_HD inline float PageMeta(const uint8_t* page, const uint8_t* constan
                                      const PageTensorDesc& t, int which, size_t p) {
   const uint8_t* base = PageAddr(page, constants, which == 0 ? t.scales : t.zeros);
   if (t.meta_fp8 == 0) return PageHalf(PageU16(base, p));
-  return PageRoundHalf(PageFp8(base[p]) * t.meta_mult[which]);
+  return PageRoundHalf(PageFp8(base[p]) * PageF32(PageAddr(page, constants, t.meta_mult), which));
 }
 
 // Stored channel d of token `tok` (of T) of KV head h, D channels: the value attention sees at
@@ -175,7 +190,7 @@ STRATA_PAGE_HD inline float PageElement(const uint8_t* page, const uint8_t* cons
           PageHalf(PageU16(PageAddr(page, constants, t.scales), row));
       break;
     case PageCode::kFp8E4M3:
-      x = PageFp8(codes[d]) * t.tensor_scale;
+      x = PageFp8(codes[d]) * PageF32(PageAddr(page, constants, t.tensor_scale), 0);
       break;
     case PageCode::kCodebook: {
       const uint32_t g = d / t.group_size, entries = 1u << t.bits;

@@ -317,15 +317,20 @@ class CudaBackend final : public ComputeBackend {
         return absl::ResourceExhaustedError(
             "cuda backend: no device memory for the general pages' descriptors");
       }
+      if (!constants.bytes().empty()) {
+        if (const cudaError_t e = cudaMemcpy(consts, constants.bytes().data(),
+                                             constants.bytes().size(), cudaMemcpyHostToDevice);
+            e != cudaSuccess) {
+          for (void* p :
+               {pool, static_cast<void*>(wk), static_cast<void*>(wv), descs, ids, consts}) {
+            cudaFree(p);
+          }
+          return CudaError(e, "calibration constants");
+        }
+      }
       descs_ = static_cast<kc::PageDesc*>(descs);
       desc_ids_ = static_cast<uint16_t*>(ids);
       constants_ = static_cast<uint8_t*>(consts);
-      if (!constants.bytes().empty()) {
-        STRATA_RETURN_IF_ERROR(
-            CudaError(cudaMemcpy(constants_, constants.bytes().data(), constants.bytes().size(),
-                                 cudaMemcpyHostToDevice),
-                      "calibration constants"));
-      }
       page_constants_ = std::make_unique<kc::PageConstants>(constants);
       desc_table_ = std::make_unique<kc::PageDescTable>(kMaxPageDescs);
       desc_ids_host_.assign(pages, 0);
