@@ -150,6 +150,28 @@ def layout_flags(layout, args):
     return []
 
 
+def redis_stats(port_base, masters):
+    """The shared tier's masters, summed: keys, bytes used (all, dataset), evictions, expiries."""
+    total = {"masters": 0, "keys": 0, "used_memory": 0, "used_memory_dataset": 0,
+             "evicted_keys": 0, "expired_keys": 0}
+    for i in range(2 * masters):
+        def info(section, port=port_base + 200 + i):
+            out = subprocess.run(["redis-cli", "-p", str(port), "INFO", section],
+                                 capture_output=True, text=True, timeout=10).stdout
+            return dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+        if info("replication").get("role") != "master":
+            continue
+        total["masters"] += 1
+        memory, stats, keyspace = info("memory"), info("stats"), info("keyspace")
+        for k in ("used_memory", "used_memory_dataset"):
+            total[k] += int(memory.get(k, 0))
+        for k in ("evicted_keys", "expired_keys"):
+            total[k] += int(stats.get(k, 0))
+        db = keyspace.get("db0", "")
+        total["keys"] += int(db.split(",")[0].split("=")[1]) if db.startswith("keys=") else 0
+    return total
+
+
 def replay_once(args, scaled, vocab_limit, ram, layout="central"):
     c = e2e.Cluster(args.codec, prefill=args.prefill, decode=args.decode, chunk=args.block_tokens,
                     extra=["--store-ram", ram, "--store-disk", "0",
@@ -177,6 +199,8 @@ def replay_once(args, scaled, vocab_limit, ram, layout="central"):
                 pool.submit(run, i)
         wall = time.monotonic() - t_start
         store = e2e.scrape(c.spec["store_metrics"]) if "store_metrics" in c.spec else {}
+        if layout == "shared-tier":
+            store["redis"] = redis_stats(c.port_base, args.shared_masters)
     finally:
         c.down()
     return results, wall, store
@@ -256,7 +280,7 @@ def main():
             args.build, scaled_path, args.block_tokens, cfg, args.codec, ram, layout,
             args.prefill, args.shared_masters * parse_bytes(args.shared_memory),
             args.model_prefill_tokens_per_s)
-        results, wall, _ = replay_once(args, scaled, vocab_limit, ram, layout)
+        results, wall, store = replay_once(args, scaled, vocab_limit, ram, layout)
         ok = [r for r in results if r and "error" not in r]
         errors = [r["error"] for r in results if not r or "error" in r]
         prompt = sum(r["usage"]["prompt_tokens"] for r in ok)
@@ -279,8 +303,10 @@ def main():
             "ttft_ms": {p: pct(ttft, p) for p in (50, 90, 99)},
             "e2e_ms": {p: pct(total, p) for p in (50, 90, 99)},
             "requests_per_s": len(ok) / wall, "output_tokens_per_s": out_tokens / wall,
-            "model_output": model_out})
+            "model_output": model_out, "redis": store.get("redis")})
         print(lines[-1], flush=True)
+        if store.get("redis"):
+            print("  shared tier:", store["redis"], flush=True)
         for e in errors[:5]:
             print("  error:", e)
     lines += ["", "token hit: cached prompt tokens / prompt tokens over the run, from each "
