@@ -274,14 +274,21 @@ TEST_F(RedisClusterTest, SharedTierKeepsBlocksWithTheirChecksumsAndRefusesDamage
   std::vector<absl::Status> bad = (*tier)->Put({{items[1].name, 2, items[1].block}});
   EXPECT_EQ(bad[0].code(), absl::StatusCode::kInvalidArgument) << bad[0];
   // Damage inside Redis: one byte flipped, one value truncated, one replaced by another block.
+  // (A chunk is a hash, the layer its field: SharedTier::KeyOf, FieldOf.)
   RedisCluster& redis = (*tier)->redis();
-  const std::string k2 = (*tier)->KeyOf(keys[2].name), k3 = (*tier)->KeyOf(keys[3].name),
-                    k4 = (*tier)->KeyOf(keys[4].name);
-  ASSERT_TRUE(redis.Run({{"SETRANGE", k2, "200", "\x7f"}}, Soon())[0].ok());
+  auto hset = [&](size_t i, const std::string& value) {
+    return redis.Run({{"HSET", (*tier)->KeyOf(keys[i].name), SharedTier::FieldOf(keys[i].name),
+                       value}},
+                     Soon())[0]
+        .ok();
+  };
+  std::string flipped(reinterpret_cast<const char*>(blocks[2].data()), blocks[2].size());
+  flipped[200] ^= 0x7f;
+  ASSERT_TRUE(hset(2, flipped));
   std::string half(reinterpret_cast<const char*>(blocks[3].data()), blocks[3].size() / 2);
-  ASSERT_TRUE(redis.Run({{"SET", k3, half}}, Soon())[0].ok());
+  ASSERT_TRUE(hset(3, half));
   std::string other(reinterpret_cast<const char*>(blocks[5].data()), blocks[5].size());
-  ASSERT_TRUE(redis.Run({{"SET", k4, other}}, Soon())[0].ok());
+  ASSERT_TRUE(hset(4, other));
   got = (*tier)->Get(keys);
   for (size_t i : {2, 3, 4}) {
     EXPECT_EQ(got[i].status().code(), absl::StatusCode::kNotFound) << i;

@@ -18,6 +18,14 @@ absl::Status SharedTierOptions::Validate() const {
   return absl::OkStatus();
 }
 
+std::string SharedTier::KeyOf(const BlockName& name) const {
+  BlockName chunk = name;
+  chunk.layer = 0;
+  return absl::StrCat(options_.key_prefix, "c:", chunk.Encode());
+}
+
+std::string SharedTier::FieldOf(const BlockName& name) { return absl::StrCat(name.layer); }
+
 absl::StatusOr<std::unique_ptr<SharedTier>> SharedTier::Connect(SharedTierOptions options) {
   if (absl::Status s = options.Validate(); !s.ok()) return s;
   absl::StatusOr<std::unique_ptr<RedisCluster>> redis = RedisCluster::Connect(options.redis);
@@ -46,9 +54,10 @@ std::vector<absl::Status> SharedTier::Put(absl::Span<const Item> items) {
   const absl::Time start = absl::Now();
   std::vector<absl::Status> out(items.size());
   // The values go to hiredis as views of the blocks' own bytes (no copy before its buffer).
-  std::vector<std::string> keys, ttls;
+  std::vector<std::string> keys, fields, ttls;
   std::vector<size_t> sent;
   keys.reserve(items.size());
+  fields.reserve(items.size());
   ttls.reserve(items.size());
   uint64_t bytes = 0;
   for (size_t i = 0; i < items.size(); ++i) {
@@ -59,23 +68,26 @@ std::vector<absl::Status> SharedTier::Put(absl::Span<const Item> items) {
       continue;
     }
     keys.push_back(KeyOf(it.name));
+    fields.push_back(FieldOf(it.name));
     ttls.push_back(absl::StrCat(absl::ToInt64Milliseconds(TtlFor(it.chunk_index))));
     sent.push_back(i);
     bytes += it.block.size();
   }
+  // HSET then PEXPIRE per block: the chunk's TTL set (again) by each of its layers.
   std::vector<RedisCommandView> cmds;
   for (size_t k = 0; k < sent.size(); ++k) {
     const SharedBytes& b = items[sent[k]].block;
-    cmds.push_back({"SET", keys[k],
-                    absl::string_view(reinterpret_cast<const char*>(b.data()), b.size()), "PX",
-                    ttls[k]});
+    cmds.push_back({"HSET", keys[k], fields[k],
+                    absl::string_view(reinterpret_cast<const char*>(b.data()), b.size())});
+    cmds.push_back({"PEXPIRE", keys[k], ttls[k]});
   }
   std::vector<absl::StatusOr<RedisReply>> replies =
       redis_->RunViews(cmds, absl::Now() + options_.timeout);
   uint64_t errors = 0;
   for (size_t k = 0; k < sent.size(); ++k) {
-    if (!replies[k].ok()) {
-      out[sent[k]] = replies[k].status();
+    const absl::Status s = !replies[2 * k].ok() ? replies[2 * k].status() : replies[2 * k + 1].status();
+    if (!s.ok()) {
+      out[sent[k]] = s;
       ++errors;
     }
   }
@@ -89,18 +101,27 @@ std::vector<absl::Status> SharedTier::Put(absl::Span<const Item> items) {
 
 std::vector<absl::StatusOr<SharedBytes>> SharedTier::Get(absl::Span<const Key> keys) {
   const absl::Time start = absl::Now();
-  std::vector<std::string> names, ttls;
+  std::vector<std::string> names, fields, ttls;
   names.reserve(keys.size());
+  fields.reserve(keys.size());
   ttls.reserve(keys.size());
   std::vector<RedisCommandView> cmds;
   for (const Key& k : keys) {
     names.push_back(KeyOf(k.name));
+    fields.push_back(FieldOf(k.name));
     ttls.push_back(absl::StrCat(absl::ToInt64Milliseconds(TtlFor(k.chunk_index))));
   }
-  for (size_t i = 0; i < keys.size(); ++i) cmds.push_back({"GETEX", names[i], "PX", ttls[i]});
+  // HGET, and PEXPIRE to renew the chunk (a no-op on a key that is not there).
+  std::vector<absl::StatusOr<RedisReply>> all;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    cmds.push_back({"HGET", names[i], fields[i]});
+    cmds.push_back({"PEXPIRE", names[i], ttls[i]});
+  }
   // Values straight into aligned buffers: parsed and kept as they arrive.
-  std::vector<absl::StatusOr<RedisReply>> replies =
-      redis_->RunViews(cmds, absl::Now() + options_.timeout, /*aligned_strings=*/true);
+  all = redis_->RunViews(cmds, absl::Now() + options_.timeout, /*aligned_strings=*/true);
+  std::vector<absl::StatusOr<RedisReply>> replies;
+  replies.reserve(keys.size());
+  for (size_t i = 0; i < keys.size(); ++i) replies.push_back(std::move(all[2 * i]));
   std::vector<absl::StatusOr<SharedBytes>> out;
   out.reserve(keys.size());
   uint64_t hits = 0, misses = 0, damaged = 0, errors = 0, bytes = 0;
@@ -140,7 +161,7 @@ std::vector<absl::StatusOr<SharedBytes>> SharedTier::Get(absl::Span<const Key> k
 
 std::vector<absl::StatusOr<bool>> SharedTier::Contains(absl::Span<const Key> keys) {
   std::vector<RedisCommand> cmds;
-  for (const Key& k : keys) cmds.push_back({"EXISTS", KeyOf(k.name)});
+  for (const Key& k : keys) cmds.push_back({"HEXISTS", KeyOf(k.name), FieldOf(k.name)});
   std::vector<absl::StatusOr<RedisReply>> replies =
       redis_->Run(cmds, absl::Now() + options_.timeout);
   std::vector<absl::StatusOr<bool>> out;

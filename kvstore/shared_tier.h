@@ -3,9 +3,15 @@
 // to end: Redis is not trusted with integrity, so a value that is not the block its key names
 // (damaged, truncated, another block's bytes) is a miss, counted (`damaged`), never served.
 //
-// Keys are `key_prefix` + BlockName::Encode() (model, codec and calibration fingerprints, the
-// chunk's prefix key — which carries a tenant's cache salt — and the layer): binary, 60 bytes
-// after the prefix. Values are the blocks' bytes as they are.
+// A chunk is one Redis hash, its layers the fields: the key is `key_prefix` + "c:" + the chunk's
+// BlockName::Encode() with layer 0 (model, codec and calibration fingerprints, and the chunk's
+// prefix key, which carries a tenant's cache salt: binary, 60 bytes after the prefix), the field
+// the layer's number, the value the block's bytes as they are. One key per chunk, not per layer:
+// Redis evicts whole keys, and a chunk missing any layer is a miss, so with a key per layer an
+// eviction could leave a chunk's other layers holding memory that no lookup can use. (Measured on
+// a scaled trace: token hit 7.78 % with a key per layer, 8.20 % with a hash per chunk, one run
+// each: bench/results/trace_replay-shared-{redis,hash}-2026-11-28-*.txt.) A per-layer codec (the
+// Strata mix) puts each codec's layers under a key of their own.
 //
 // Eviction that keeps chains useful: Redis evicts by its own LRU (or TTL) and knows nothing of
 // prefixes, and a chunk is only useful after its whole prefix. So every block gets a TTL that
@@ -83,7 +89,9 @@ class SharedTier {
   // Whether each block is present (without reading or renewing it).
   std::vector<absl::StatusOr<bool>> Contains(absl::Span<const Key> keys);
 
-  std::string KeyOf(const BlockName& name) const { return options_.key_prefix + name.Encode(); }
+  // The chunk's key and the block's field in it.
+  std::string KeyOf(const BlockName& name) const;
+  static std::string FieldOf(const BlockName& name);
   absl::Duration TtlFor(uint32_t chunk_index) const {
     return options_.ttl + options_.root_bonus / (static_cast<int64_t>(chunk_index) + 1);
   }

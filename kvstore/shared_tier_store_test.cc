@@ -136,8 +136,14 @@ TEST_F(SharedTierStoreTest, PromotionStopsAtTheFirstIncompleteOrDamagedChunk) {
   // Chunk 3 layer 1 gone from Redis; chunk 2 layer 2 damaged there.
   RedisCluster& redis = a_.tier->redis();
   const absl::Time soon = absl::Now() + absl::Seconds(5);
-  ASSERT_TRUE(redis.Run({{"DEL", a_.tier->KeyOf(Name(3, 1))}}, soon)[0].ok());
-  ASSERT_TRUE(redis.Run({{"SETRANGE", a_.tier->KeyOf(Name(2, 2)), "300", "\x55"}}, soon)[0].ok());
+  // (A chunk is a hash, the layer its field: SharedTier::KeyOf, FieldOf.)
+  const std::string k3 = a_.tier->KeyOf(Name(3, 1)), k2 = a_.tier->KeyOf(Name(2, 2));
+  ASSERT_TRUE(redis.Run({{"HDEL", k3, SharedTier::FieldOf(Name(3, 1))}}, soon)[0].ok());
+  absl::StatusOr<RedisReply> v = redis.Run({{"HGET", k2, SharedTier::FieldOf(Name(2, 2))}}, soon)[0];
+  ASSERT_TRUE(v.ok() && v->type == RedisReply::Type::kString) << v.status();
+  std::string damaged = v->str;
+  damaged[300] ^= 0x55;
+  ASSERT_TRUE(redis.Run({{"HSET", k2, SharedTier::FieldOf(Name(2, 2)), damaged}}, soon)[0].ok());
   EXPECT_EQ(Lookup(b_), 2u);  // chunks 0 and 1 whole; chunk 2 has a damaged layer
   EXPECT_EQ(b_.tier->Stats().damaged, 1u);
   EXPECT_EQ(b_.store->Stats().puts, 2u * kLayers);
