@@ -2,13 +2,13 @@
 // reads in place: K per channel
 // over groups of k_group tokens, V per token over groups of v_group channels, asymmetric, with
 // fp16 scale and zero point, codes rounded half up and packed low bits first. The arithmetic is
-// the CPU codec's (kernels/codec.cc QuantizeAffine: scale = fp16((max - min) / qmax), zero =
-// fp16(min), code = min(floor((x - zero) / scale + 0.5), qmax), no fused multiply-adds), so the
-// sections written here are byte for byte the CPU codec's block of the same chunk. Only the
-// sections: a page's header (the block's first bytes up to its first section) is left as it is,
-// so its CRC-32C no longer covers the new sections: the host computes it again (and fills the
-// chunk index) when a GPU-compressed block leaves the device; until then a page read back as a
-// block fails its checksum.
+// the CPU codec's (QuantizeAffine in kernels/internal/affine_stage.cc: scale =
+// fp16((max - min) / qmax), zero = fp16(min), code = min(floor((x - zero) / scale + 0.5), qmax),
+// no fused multiply-adds), so the sections written here are byte for byte the CPU codec's block
+// of the same chunk. Only the sections: a page's header (the block's first bytes up to its first
+// section) is left as it is, so its CRC-32C no longer covers the new sections: the host computes
+// it again (and fills the chunk index) when a GPU-compressed block leaves the device; until then a
+// page read back as a block fails its checksum.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -1,6 +1,8 @@
-// Internal to kernels/: AVX2 loops of the affine quantizer (codec.cc), each equal bit for bit to
-// the portable loop it replaces (same operations in the same order, no FMA contraction), so that
-// a block's bytes do not depend on the machine that made it. Call only when HaveCodecSimd().
+// Internal to kernels/: AVX2 loops of the encoders (codec.cc and the stages it calls: the affine
+// quantizer in affine_stage.cc, head_major.cc, outlier_stage.cc, saliency_stage.cc), each equal
+// bit for bit to the portable loop it replaces (same operations in the same order, no FMA
+// contraction), so that a block's bytes do not depend on the machine that made it. Call only when
+// HaveCodecSimd().
 #pragma once
 
 #include <algorithm>
