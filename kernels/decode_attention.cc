@@ -6,6 +6,7 @@
 #include <limits>
 #include <vector>
 
+#include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "common/cpu_features.h"
 #include "common/fp8.h"
@@ -260,66 +261,87 @@ bool HasHeadMeans(absl::Span<const BlockOperands* const> blocks) {
   return false;
 }
 
-absl::Status Run(const DecodeAttentionParams& p, absl::Span<const DecodeSequence> batch,
-                 const DecodeAttentionOptions& o, const internal::Kernels& kernels) {
-  if (o.tokens_per_split == 0) {
-    return absl::InvalidArgumentError("attention: tokens_per_split must be >= 1");
-  }
-  const uint32_t G = p.q_heads / p.kv_heads, D = p.head_dim;
-  const float scale = SoftmaxScale(p);
-  ThreadPool& pool = o.pool != nullptr ? *o.pool : ThreadPool::Default();
+// The work of one call, planned before any of it runs: the groups of rows, the tasks that run
+// them (segments [begin, end) for some groups' units, each unit written to a part) and the
+// segments the units point into. Move-only: units point into shared_segs' and segs' elements,
+// which a move keeps where they are and a copy would not.
+struct Plan {
+  Plan() = default;
+  Plan(const Plan&) = delete;
+  Plan& operator=(const Plan&) = delete;
+  Plan(Plan&&) = default;
+  Plan& operator=(Plan&&) = default;
+
+  ThreadPool* pool = nullptr;  // runs the tasks; its size sets how finely they are split
   // The rows of one KV head are (query token, query head of the group) pairs. They are run in
   // batches of whole tokens, up to 8 rows, so the kernels' GQA specializations apply.
-  const uint32_t tokens_per_batch = std::max<uint32_t>(1, 8 / G);
+  uint32_t tokens_per_batch = 1;
+  size_t rows_max = 0;  // tokens_per_batch * G: the rows of a part
   std::vector<Group> groups;
-  std::vector<size_t> first_group(batch.size() * p.kv_heads + 1);  // per (seq, head)
+  std::vector<size_t> first_group;  // [sequences * kv_heads + 1]: per (seq, head), then the end
+  std::vector<std::vector<size_t>> group_parts;  // per group, the parts to merge
+  size_t parts = 0;
+  std::vector<Task> tasks;
+  std::vector<std::vector<Segment>> shared_segs;  // per (shared prefix, KV head)
+  std::vector<std::vector<Segment>> segs;         // per (sequence, KV head): its own segments
+};
+
+uint64_t TokensOf(const std::vector<Segment>& segs) {
+  uint64_t n = 0;
+  for (const Segment& sg : segs) n += sg.tokens;
+  return n;
+}
+
+// Tasks for `units`, whose segments have the boundaries of `segs`, in parts of about
+// `per_split` tokens (flash-decoding).
+void AddTasks(const std::vector<Segment>& segs, bool last_is_window, const std::vector<Unit>& units,
+              uint64_t per_split, Plan& plan) {
+  size_t begin = 0;
+  uint64_t acc_tokens = 0;
+  for (size_t i = 0; i < segs.size(); ++i) {
+    acc_tokens += segs[i].tokens;
+    if (acc_tokens >= per_split || i + 1 == segs.size()) {
+      Task t{begin, i + 1, last_is_window, units};
+      for (Unit& u : t.units) {
+        u.part = plan.parts++;
+        plan.group_parts[u.group].push_back(u.part);
+      }
+      plan.tasks.push_back(std::move(t));
+      begin = i + 1;
+      acc_tokens = 0;
+    }
+  }
+}
+
+// The groups of rows of every (sequence, KV head), in order.
+void PlanGroups(const DecodeAttentionParams& p, absl::Span<const DecodeSequence> batch,
+                Plan& plan) {
+  plan.first_group.resize(batch.size() * p.kv_heads + 1);
   for (size_t s = 0; s < batch.size(); ++s) {
     for (uint32_t h = 0; h < p.kv_heads; ++h) {
-      first_group[s * p.kv_heads + h] = groups.size();
-      for (uint32_t t0 = 0; t0 < batch[s].query_tokens; t0 += tokens_per_batch) {
-        groups.push_back({s, h, t0, std::min(tokens_per_batch, batch[s].query_tokens - t0)});
+      plan.first_group[s * p.kv_heads + h] = plan.groups.size();
+      for (uint32_t t0 = 0; t0 < batch[s].query_tokens; t0 += plan.tokens_per_batch) {
+        plan.groups.push_back(
+            {s, h, t0, std::min(plan.tokens_per_batch, batch[s].query_tokens - t0)});
       }
     }
   }
-  first_group.back() = groups.size();
-  std::vector<std::vector<size_t>> group_parts(groups.size());
-  size_t parts = 0;
-  std::vector<Task> tasks;
-  // Tasks for `units`, whose segments have the boundaries of `segs`, in parts of about
-  // `per_split` tokens (flash-decoding).
-  auto split = [&](const std::vector<Segment>& segs, bool last_is_window,
-                   const std::vector<Unit>& units, uint64_t per_split) {
-    size_t begin = 0;
-    uint64_t acc_tokens = 0;
-    for (size_t i = 0; i < segs.size(); ++i) {
-      acc_tokens += segs[i].tokens;
-      if (acc_tokens >= per_split || i + 1 == segs.size()) {
-        Task t{begin, i + 1, last_is_window, units};
-        for (Unit& u : t.units) {
-          u.part = parts++;
-          group_parts[u.group].push_back(u.part);
-        }
-        tasks.push_back(std::move(t));
-        begin = i + 1;
-        acc_tokens = 0;
-      }
-    }
-  };
-  auto tokens_of = [](const std::vector<Segment>& segs) {
-    uint64_t n = 0;
-    for (const Segment& sg : segs) n += sg.tokens;
-    return n;
-  };
-  // Two tasks per thread keep the pool busy.
-  const size_t want = 2 * static_cast<size_t>(pool.size());
-  // A prefix of blocks that several sequences share is read once per KV head for all of their
-  // rows: a task takes each block in turn for all of their groups. (Taking every KV head in one
-  // task, as sequences with TaDA's head means do below, measured slower here: a batch has enough
-  // rows per head to keep the means in cache, and fewer, larger tasks balance worse.)
+  plan.first_group.back() = plan.groups.size();
+  plan.group_parts.resize(plan.groups.size());
+}
+
+// A prefix of blocks that several sequences share is read once per KV head for all of their
+// rows: a task takes each block in turn for all of their groups. (Taking every KV head in one
+// task, as sequences with TaDA's head means do in PlanOwnSegments, measured slower here: a batch
+// has enough rows per head to keep the means in cache, and fewer, larger tasks balance worse.)
+// Returns per sequence the blocks of its shared prefix, which its own segments leave out.
+std::vector<size_t> PlanSharedPrefixes(const DecodeAttentionParams& p,
+                                       absl::Span<const DecodeSequence> batch,
+                                       const DecodeAttentionOptions& o, size_t want, Plan& plan) {
   const std::vector<SharedPrefix> shared =
       o.share_prefixes ? SharedPrefixes(batch) : std::vector<SharedPrefix>{};
   std::vector<size_t> skip(batch.size(), 0);
-  std::vector<std::vector<Segment>> shared_segs(shared.size() * p.kv_heads);
+  plan.shared_segs.resize(shared.size() * p.kv_heads);
   for (const SharedPrefix& c : shared) {
     for (size_t s : c.seqs) skip[s] = c.blocks;
   }
@@ -327,44 +349,50 @@ absl::Status Run(const DecodeAttentionParams& p, absl::Span<const DecodeSequence
     const SharedPrefix& c = shared[ci];
     const DecodeSequence& first = batch[c.seqs[0]];
     for (uint32_t h = 0; h < p.kv_heads; ++h) {
-      std::vector<Segment>& segs = shared_segs[ci * p.kv_heads + h];
+      std::vector<Segment>& segs = plan.shared_segs[ci * p.kv_heads + h];
       for (size_t b = 0; b < c.blocks; ++b) segs.push_back(BlockSegment(first.blocks[b], h));
       std::vector<Unit> units;
       for (size_t s : c.seqs) {
-        for (size_t g = first_group[s * p.kv_heads + h]; g < first_group[s * p.kv_heads + h + 1];
-             ++g) {
+        const size_t sh = s * p.kv_heads + h;
+        for (size_t g = plan.first_group[sh]; g < plan.first_group[sh + 1]; ++g) {
           units.push_back({g, &segs});
         }
       }
       const size_t splits =
-          std::max<uint64_t>(1, (tokens_of(segs) + o.tokens_per_split - 1) / o.tokens_per_split);
+          std::max<uint64_t>(1, (TokensOf(segs) + o.tokens_per_split - 1) / o.tokens_per_split);
       // Units are dealt to several tasks when there would be fewer than two tasks per thread
       // over all prefixes and heads.
       const size_t have = splits * p.kv_heads * shared.size();
       const size_t chunks = std::min(units.size(), std::max<size_t>(1, (want + have - 1) / have));
       const size_t per = (units.size() + chunks - 1) / chunks;
       for (size_t u0 = 0; u0 < units.size(); u0 += per) {
-        split(
+        AddTasks(
             segs, false,
             std::vector<Unit>(units.begin() + u0, units.begin() + std::min(units.size(), u0 + per)),
-            o.tokens_per_split);
+            o.tokens_per_split, plan);
       }
     }
   }
-  // Every sequence's own segments: sinks, the blocks after a shared prefix, the window. With
-  // TaDA's head means, one task takes every KV head's groups over a part, so each part's means
-  // come from memory once (then from L2 for the other heads), not once per KV head; the parts
-  // are made smaller (down to a block) so that there are still two tasks per thread.
-  std::vector<std::vector<Segment>> segs(batch.size() * p.kv_heads);
+  return skip;
+}
+
+// Every sequence's own segments: sinks, the blocks after a shared prefix (`skip` of them), the
+// window. With TaDA's head means, one task takes every KV head's groups over a part, so each
+// part's means come from memory once (then from L2 for the other heads), not once per KV head;
+// the parts are made smaller (down to a block) so that there are still two tasks per thread.
+void PlanOwnSegments(const DecodeAttentionParams& p, absl::Span<const DecodeSequence> batch,
+                     const DecodeAttentionOptions& o, const std::vector<size_t>& skip, size_t want,
+                     Plan& plan) {
+  plan.segs.resize(batch.size() * p.kv_heads);
   std::vector<bool> all_heads(batch.size());
   uint64_t own_tokens = 0;  // over every group that takes one KV head per task
   for (size_t s = 0; s < batch.size(); ++s) {
     all_heads[s] = p.kv_heads > 1 && HasHeadMeans(batch[s].blocks.subspan(skip[s]));
     for (uint32_t h = 0; h < p.kv_heads; ++h) {
       const size_t sh = s * p.kv_heads + h;
-      segs[sh] = Segments(p, batch[s], h, skip[s]);
+      plan.segs[sh] = Segments(p, batch[s], h, skip[s]);
       if (!all_heads[s])
-        own_tokens += tokens_of(segs[sh]) * (first_group[sh + 1] - first_group[sh]);
+        own_tokens += TokensOf(plan.segs[sh]) * (plan.first_group[sh + 1] - plan.first_group[sh]);
     }
   }
   // Short contexts on many threads: parts of tokens_per_split would leave threads idle (2k tokens
@@ -372,7 +400,7 @@ absl::Status Run(const DecodeAttentionParams& p, absl::Span<const DecodeSequence
   // kMinSplit tokens. (On 16 threads, 2k tokens in 1024-token parts took 0.14-0.17 ms for fp16
   // against 0.25-0.28 in 4096-token ones; at 32k, parts below 4096 were slower: per-task work.)
   constexpr uint64_t kMinSplit = 256;
-  const uint64_t threads = static_cast<uint64_t>(pool.size());
+  const uint64_t threads = static_cast<uint64_t>(plan.pool->size());
   const uint64_t per_split = std::min<uint64_t>(
       o.tokens_per_split, std::max<uint64_t>(kMinSplit, (own_tokens + threads - 1) / threads));
   for (size_t s = 0; s < batch.size(); ++s) {
@@ -380,102 +408,163 @@ absl::Status Run(const DecodeAttentionParams& p, absl::Span<const DecodeSequence
     std::vector<Unit> units;
     for (uint32_t h = 0; h < p.kv_heads; ++h) {
       const size_t sh = s * p.kv_heads + h;
-      for (size_t g = first_group[sh]; g < first_group[sh + 1]; ++g) {
+      for (size_t g = plan.first_group[sh]; g < plan.first_group[sh + 1]; ++g) {
         if (all_heads[s]) {
-          units.push_back({g, &segs[sh]});
+          units.push_back({g, &plan.segs[sh]});
         } else {
-          split(segs[sh], window, {Unit{g, &segs[sh]}}, per_split);
+          AddTasks(plan.segs[sh], window, {Unit{g, &plan.segs[sh]}}, per_split, plan);
         }
       }
     }
     if (all_heads[s]) {
-      const std::vector<Segment>& segs0 = segs[s * p.kv_heads];
+      const std::vector<Segment>& segs0 = plan.segs[s * p.kv_heads];
       const uint64_t per_seq = (want + batch.size() - 1) / batch.size();
-      split(segs0, window, units,
-            std::clamp<uint64_t>(tokens_of(segs0) / per_seq, 1, o.tokens_per_split));
+      AddTasks(segs0, window, units,
+               std::clamp<uint64_t>(TokensOf(segs0) / per_seq, 1, o.tokens_per_split), plan);
     }
   }
-  if (o.stats != nullptr) {
-    *o.stats = {};
-    o.stats->tasks = tasks.size();
-    for (const Task& t : tasks) {
-      for (size_t i = t.begin; i < t.end; ++i) {
-        bool means = false;
-        for (size_t ui = 0; ui < t.units.size(); ++ui) {
-          const std::vector<Segment>& us = *t.units[ui].segs;
-          means |= us[i].block != nullptr && us[i].block->mean_ops != nullptr;
-          if (us[i].block == nullptr) continue;
-          // Units of one KV head are consecutive and share its segments.
-          if (ui == 0 || t.units[ui - 1].segs != &us) ++o.stats->blocks_read;
-          ++o.stats->blocks_attended;
-        }
-        o.stats->head_means_read += means;
-      }
-    }
+}
+
+// Plans a call (the batch is validated already): kInvalidArgument for options it cannot run.
+absl::StatusOr<Plan> PlanAttention(const DecodeAttentionParams& p,
+                                   absl::Span<const DecodeSequence> batch,
+                                   const DecodeAttentionOptions& o) {
+  if (o.tokens_per_split == 0) {
+    return absl::InvalidArgumentError("attention: tokens_per_split must be >= 1");
   }
-  const size_t rows_max = size_t{tokens_per_batch} * G;
-  std::vector<float> part_m(parts * rows_max), part_l(parts * rows_max),
-      part_acc(parts * rows_max * D);
-  pool.ParallelFor(tasks.size(), [&](size_t ti) {
-    const Task& t = tasks[ti];
-    std::vector<HeadGroupState> states(t.units.size());
-    std::vector<std::vector<uint32_t>> window_limit(t.units.size());
-    for (size_t ui = 0; ui < t.units.size(); ++ui) {
-      const Group& gr = groups[t.units[ui].group];
-      const DecodeSequence& seq = batch[gr.seq];
-      const uint32_t rows = gr.tokens * G;
-      HeadGroupState& st = states[ui];
-      st.g = rows;
-      st.d = D;
-      st.integer_dot = o.integer_dot;
-      st.q.resize(size_t{rows} * D);
-      window_limit[ui].resize(rows);
-      for (uint32_t r = 0; r < rows; ++r) {
-        const uint32_t token = gr.token0 + r / G, j = r % G;
-        const float* q = seq.q + (size_t{token} * p.q_heads + size_t{gr.head} * G + j) * D;
-        for (uint32_t d = 0; d < D; ++d) st.q[size_t{r} * D + d] = q[d] * scale;
-        window_limit[ui][r] = seq.window.tokens - (seq.query_tokens - 1 - token);
-      }
-      st.m.assign(rows, kNegInf);
-      st.l.assign(rows, 0.0f);
-      st.acc.assign(size_t{rows} * D, 0.0f);
-    }
+  const uint32_t G = p.q_heads / p.kv_heads;
+  Plan plan;
+  plan.pool = o.pool != nullptr ? o.pool : &ThreadPool::Default();
+  plan.tokens_per_batch = std::max<uint32_t>(1, 8 / G);
+  plan.rows_max = size_t{plan.tokens_per_batch} * G;
+  PlanGroups(p, batch, plan);
+  // Two tasks per thread keep the pool busy.
+  const size_t want = 2 * static_cast<size_t>(plan.pool->size());
+  const std::vector<size_t> skip = PlanSharedPrefixes(p, batch, o, want, plan);
+  PlanOwnSegments(p, batch, o, skip, want, plan);
+  return plan;
+}
+
+// What running a plan reads.
+DecodeAttentionStats CountReads(const Plan& plan) {
+  DecodeAttentionStats stats;
+  stats.tasks = plan.tasks.size();
+  for (const Task& t : plan.tasks) {
     for (size_t i = t.begin; i < t.end; ++i) {
+      bool means = false;
       for (size_t ui = 0; ui < t.units.size(); ++ui) {
-        RunSegments(*t.units[ui].segs, i, i + 1, t.last_is_window, window_limit[ui], states[ui],
-                    kernels);
+        const std::vector<Segment>& us = *t.units[ui].segs;
+        means |= us[i].block != nullptr && us[i].block->mean_ops != nullptr;
+        if (us[i].block == nullptr) continue;
+        // Units of one KV head are consecutive and share its segments.
+        if (ui == 0 || t.units[ui - 1].segs != &us) ++stats.blocks_read;
+        ++stats.blocks_attended;
       }
+      stats.head_means_read += means;
     }
+  }
+  return stats;
+}
+
+// Every unit's partial result, at its part: the online softmax's running max and sum and the
+// unnormalized output of each of its rows (a part holds rows_max rows; smaller groups use fewer).
+struct PartResults {
+  std::vector<float> m, l;  // [parts, rows_max]
+  std::vector<float> acc;   // [parts, rows_max, head_dim]
+};
+
+// Runs one task: each of its segments for every unit in turn, each unit's result to its part.
+void RunTask(const Plan& plan, const Task& t, const DecodeAttentionParams& p,
+             absl::Span<const DecodeSequence> batch, bool integer_dot,
+             const internal::Kernels& kernels, PartResults& out) {
+  const uint32_t G = p.q_heads / p.kv_heads, D = p.head_dim;
+  const float scale = SoftmaxScale(p);
+  const size_t rows_max = plan.rows_max;
+  std::vector<HeadGroupState> states(t.units.size());
+  std::vector<std::vector<uint32_t>> window_limit(t.units.size());
+  for (size_t ui = 0; ui < t.units.size(); ++ui) {
+    const Group& gr = plan.groups[t.units[ui].group];
+    const DecodeSequence& seq = batch[gr.seq];
+    const uint32_t rows = gr.tokens * G;
+    HeadGroupState& st = states[ui];
+    st.g = rows;
+    st.d = D;
+    st.integer_dot = integer_dot;
+    st.q.resize(size_t{rows} * D);
+    window_limit[ui].resize(rows);
+    for (uint32_t r = 0; r < rows; ++r) {
+      const uint32_t token = gr.token0 + r / G, j = r % G;
+      const float* q = seq.q + (size_t{token} * p.q_heads + size_t{gr.head} * G + j) * D;
+      for (uint32_t d = 0; d < D; ++d) st.q[size_t{r} * D + d] = q[d] * scale;
+      window_limit[ui][r] = seq.window.tokens - (seq.query_tokens - 1 - token);
+    }
+    st.m.assign(rows, kNegInf);
+    st.l.assign(rows, 0.0f);
+    st.acc.assign(size_t{rows} * D, 0.0f);
+  }
+  for (size_t i = t.begin; i < t.end; ++i) {
     for (size_t ui = 0; ui < t.units.size(); ++ui) {
-      const HeadGroupState& st = states[ui];
-      const size_t part = t.units[ui].part;
-      std::memcpy(&part_m[part * rows_max], st.m.data(), st.g * sizeof(float));
-      std::memcpy(&part_l[part * rows_max], st.l.data(), st.g * sizeof(float));
-      std::memcpy(&part_acc[part * rows_max * D], st.acc.data(), size_t{st.g} * D * sizeof(float));
+      RunSegments(*t.units[ui].segs, i, i + 1, t.last_is_window, window_limit[ui], states[ui],
+                  kernels);
     }
-  });
-  // Log-sum-exp merge of the parts of each group.
-  for (size_t g = 0; g < groups.size(); ++g) {
-    const Group& gr = groups[g];
+  }
+  for (size_t ui = 0; ui < t.units.size(); ++ui) {
+    const HeadGroupState& st = states[ui];
+    const size_t part = t.units[ui].part;
+    std::memcpy(&out.m[part * rows_max], st.m.data(), st.g * sizeof(float));
+    std::memcpy(&out.l[part * rows_max], st.l.data(), st.g * sizeof(float));
+    std::memcpy(&out.acc[part * rows_max * D], st.acc.data(), size_t{st.g} * D * sizeof(float));
+  }
+}
+
+// Log-sum-exp merge of the parts of each group, into its rows of the outputs.
+void MergeParts(const Plan& plan, const DecodeAttentionParams& p,
+                absl::Span<const DecodeSequence> batch, const PartResults& parts) {
+  const uint32_t G = p.q_heads / p.kv_heads, D = p.head_dim;
+  const size_t rows_max = plan.rows_max;
+  for (size_t g = 0; g < plan.groups.size(); ++g) {
+    const Group& gr = plan.groups[g];
     const DecodeSequence& seq = batch[gr.seq];
     for (uint32_t r = 0; r < gr.tokens * G; ++r) {
       const uint32_t token = gr.token0 + r / G, j = r % G;
       float m = kNegInf;
-      for (size_t part : group_parts[g]) m = std::max(m, part_m[part * rows_max + r]);
+      for (size_t part : plan.group_parts[g]) m = std::max(m, parts.m[part * rows_max + r]);
       float l = 0;
       float* out = seq.out + (size_t{token} * p.q_heads + size_t{gr.head} * G + j) * D;
       std::fill(out, out + D, 0.0f);
-      for (size_t part : group_parts[g]) {
-        const float pm = part_m[part * rows_max + r];
+      for (size_t part : plan.group_parts[g]) {
+        const float pm = parts.m[part * rows_max + r];
         const float w = pm == kNegInf ? 0.0f : std::exp(pm - m);
-        l += part_l[part * rows_max + r] * w;
-        const float* acc = &part_acc[(part * rows_max + r) * D];
+        l += parts.l[part * rows_max + r] * w;
+        const float* acc = &parts.acc[(part * rows_max + r) * D];
         for (uint32_t d = 0; d < D; ++d) out[d] += acc[d] * w;
       }
       const float inv = l > 0 ? 1.0f / l : 0.0f;
       for (uint32_t d = 0; d < D; ++d) out[d] *= inv;
     }
   }
+}
+
+// Runs a plan's tasks in parallel, then merges each group's parts into the outputs.
+void RunPlan(const Plan& plan, const DecodeAttentionParams& p,
+             absl::Span<const DecodeSequence> batch, const DecodeAttentionOptions& o,
+             const internal::Kernels& kernels) {
+  PartResults parts;
+  parts.m.resize(plan.parts * plan.rows_max);
+  parts.l.resize(plan.parts * plan.rows_max);
+  parts.acc.resize(plan.parts * plan.rows_max * p.head_dim);
+  plan.pool->ParallelFor(plan.tasks.size(), [&](size_t ti) {
+    RunTask(plan, plan.tasks[ti], p, batch, o.integer_dot, kernels, parts);
+  });
+  MergeParts(plan, p, batch, parts);
+}
+
+// Plans the call, then runs the plan.
+absl::Status Run(const DecodeAttentionParams& p, absl::Span<const DecodeSequence> batch,
+                 const DecodeAttentionOptions& o, const internal::Kernels& kernels) {
+  STRATA_ASSIGN_OR_RETURN(const Plan plan, PlanAttention(p, batch, o));
+  if (o.stats != nullptr) *o.stats = CountReads(plan);
+  RunPlan(plan, p, batch, o, kernels);
   return absl::OkStatus();
 }
 
