@@ -142,6 +142,17 @@ def run_info():
     return commit, now, "%s / %s / %d cores" % (platform.node(), cpu, os.cpu_count())
 
 
+def write_results(out_dir, name, now, commit, text, report):
+    """out_dir/name-DATE-COMMIT.{txt,json}: the table and the report; returns the stem."""
+    os.makedirs(out_dir, exist_ok=True)
+    stem = os.path.join(out_dir, "%s-%s-%s" % (name, now.strftime("%Y-%m-%d"), commit))
+    with open(stem + ".txt", "w") as f:
+        f.write(text)
+    with open(stem + ".json", "w") as f:
+        json.dump(report, f, indent=1)
+    return stem
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--build", default=os.path.join(ROOT, "build"))
@@ -296,12 +307,7 @@ def main():
                  "at fp16 over it; blocks only: the codec's own ratio over the full chunks")
     text = "\n".join(lines) + "\n"
     print(text)
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, "cluster_bench-%s-%s" % (now.strftime("%Y-%m-%d"), commit))
-    with open(stem + ".txt", "w") as f:
-        f.write(text)
-    with open(stem + ".json", "w") as f:
-        json.dump(report, f, indent=1)
+    stem = write_results(args.out, "cluster_bench", now, commit, text, report)
     print("wrote %s.{txt,json}" % stem)
 
 

@@ -27,37 +27,20 @@ import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests", "e2e"))
 import cluster_e2e_test as e2e  # noqa: E402  (the e2e tests' Cluster and metric helpers)
-from cluster_bench import run_info  # noqa: E402  (commit, date and machine of a results file)
+from cluster_bench import run_info, write_results  # noqa: E402  (results files' name and header)
+import trace_replay  # noqa: E402  (its streamed request)
 
 
 def send(c, prompt):
     """Streams 4 tokens of `prompt` (token ids): (ttft seconds, usage)."""
-    body = {"model": "strata-tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0,
-            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
-    req = urllib.request.Request(c.base + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    t0 = time.monotonic()
-    first, usage = None, None
-    with urllib.request.urlopen(req, timeout=300) as resp:
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                raise RuntimeError("stream error: %s" % event["error"])
-            if first is None and event.get("choices"):
-                first = time.monotonic()
-            if event.get("usage"):
-                usage = event["usage"]
-    if usage is None:
-        raise RuntimeError("no usage: the stream ended early")
-    return (first or time.monotonic()) - t0, usage
+    r = trace_replay.send(c.base, prompt, 4, timeout=300)
+    if "error" in r:
+        raise RuntimeError(r["error"])
+    return r["ttft"], r["usage"]
 
 
 def restart_all(c):
@@ -151,12 +134,7 @@ def main():
               "vs recompute: the recompute row's median over this row's."]
     text = "\n".join(lines) + "\n"
     print(text)
-    stem = os.path.join(args.out, "shared_tier_ttft-%s-%s" % (now.strftime("%Y-%m-%d"), commit))
-    os.makedirs(args.out, exist_ok=True)
-    with open(stem + ".txt", "w") as f:
-        f.write(text)
-    with open(stem + ".json", "w") as f:
-        json.dump(report, f, indent=1)
+    stem = write_results(args.out, "shared_tier_ttft", now, commit, text, report)
     print("wrote %s.{txt,json}" % stem)
 
 

@@ -44,7 +44,7 @@ import urllib.request
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests", "e2e"))
 import cluster_e2e_test as e2e  # noqa: E402  (the e2e tests' Cluster and metric helpers)
-from cluster_bench import run_info  # noqa: E402  (commit, date and machine of a results file)
+from cluster_bench import run_info, write_results  # noqa: E402  (results files' name and header)
 
 TRACE = os.path.join(ROOT, "..", "shared", "data", "traces", "mooncake_conversation_trace.jsonl")
 MOONCAKE_BLOCK = 512
@@ -314,10 +314,7 @@ def main():
               "codec, RAM size and layout, s3fifo, no disk. TTFT and E2E: ms as the client saw them."]
     text = "\n".join(lines) + "\n"
     print(text)
-    with open(stem + ".txt", "w") as f:
-        f.write(text)
-    with open(stem + ".json", "w") as f:
-        json.dump(report, f, indent=1)
+    write_results(args.out, "trace_replay", now, commit, text, report)
     print("wrote %s.{txt,json,scaled.jsonl}" % stem)
 
 
