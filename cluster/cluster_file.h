@@ -55,6 +55,16 @@ struct NodeSpec {
   std::string store = "";
 };
 
+// A store that registers itself in etcd (strata-store --etcd): one per host, where every host
+// runs one; nodes started with `--store host` use the one on their own host.
+struct StoreSpec {
+  std::string id = "";       // [A-Za-z0-9._-], 1..64 chars, unique
+  std::string grpc = "";     // host:port of its gRPC service
+  std::string metrics = "";  // host:port of /metrics; "" = off
+
+  friend bool operator==(const StoreSpec&, const StoreSpec&) = default;
+};
+
 struct ClusterSpec {
   std::string path = "";          // the file it was read from
   std::string model = "";         // absolute or relative to the current directory (resolved)
@@ -86,6 +96,8 @@ class Membership {
   virtual ~Membership() = default;
   // The nodes currently members. Thread-safe.
   virtual std::vector<NodeSpec> Nodes() const = 0;
+  // The stores registered on their own (etcd); none for a cluster file. Thread-safe.
+  virtual std::vector<StoreSpec> Stores() const { return {}; }
   virtual std::string Describe() const = 0;
 };
 

@@ -2,8 +2,11 @@
 
 #include <utility>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "cluster/node_process.h"
+#include "common/host_port.h"
 #include "nlohmann/json.hpp"
 
 namespace strata::cluster {
@@ -12,8 +15,100 @@ namespace {
 using nlohmann::json;
 
 std::string NodesPrefix(const std::string& prefix) { return prefix + "nodes/"; }
+std::string StoresPrefix(const std::string& prefix) { return prefix + "stores/"; }
 
 }  // namespace
+
+std::string StoreToJson(const StoreSpec& store) {
+  return json{{"id", store.id}, {"grpc", store.grpc}, {"metrics", store.metrics}}.dump();
+}
+
+absl::StatusOr<StoreSpec> StoreFromJson(const std::string& text) {
+  const json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object()) return absl::InvalidArgumentError("store registration: not a JSON object");
+  auto str = [&](const char* field) -> std::string {
+    auto it = j.find(field);
+    return it != j.end() && it->is_string() ? it->get<std::string>() : "";
+  };
+  StoreSpec s;
+  s.id = str("id");
+  if (!ValidNodeId(s.id)) {
+    return absl::InvalidArgumentError(absl::StrCat("store registration: id ", kNodeIdRule));
+  }
+  s.grpc = str("grpc");
+  s.metrics = str("metrics");
+  if (absl::Status st =
+          ValidateHostPort(s.grpc, absl::StrCat("store registration ", s.id, ": grpc"));
+      !st.ok()) {
+    return st;
+  }
+  return s;
+}
+
+absl::StatusOr<StoreSpec> StoreSpecFromFlags(const std::string& listen, int port,
+                                             const std::string& advertise, const std::string& id,
+                                             const std::string& metrics) {
+  StoreSpec s;
+  s.metrics = metrics;
+  if (!advertise.empty()) {
+    if (absl::Status st = ValidateHostPort(advertise, "--advertise"); !st.ok()) return st;
+    s.grpc = advertise;
+  } else {
+    absl::StatusOr<HostPort> hp = ParseHostPort(listen);
+    if (!hp.ok()) return hp.status();
+    if (hp->host.empty() || hp->host == "0.0.0.0" || hp->host == "::") {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--listen ", listen, " names no host others can reach: give --advertise HOST:PORT"));
+    }
+    s.grpc = JoinHostPort(hp->host, port);
+  }
+  s.id = id;
+  if (s.id.empty()) {
+    s.id = "store-" + s.grpc;
+    for (char& c : s.id) {
+      if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '.' && c != '_' && c != '-') {
+        c = '-';
+      }
+    }
+  }
+  if (!ValidNodeId(s.id)) {
+    return absl::InvalidArgumentError(absl::StrCat("--store_id '", s.id, "': ", kNodeIdRule));
+  }
+  return s;
+}
+
+absl::StatusOr<StoreSpec> HostStore(EtcdClient& client, const std::string& prefix,
+                                    const std::string& host, absl::Duration wait) {
+  const absl::Time until = absl::Now() + wait;
+  while (true) {
+    absl::StatusOr<EtcdRange> range = client.RangePrefix(StoresPrefix(prefix));
+    if (!range.ok()) return range.status();
+    std::vector<StoreSpec> here;
+    std::vector<std::string> all;
+    for (const EtcdKeyValue& kv : range->kvs) {
+      absl::StatusOr<StoreSpec> s = StoreFromJson(kv.value);
+      if (!s.ok()) continue;
+      all.push_back(absl::StrCat(s->id, " at ", s->grpc));
+      absl::StatusOr<HostPort> hp = ParseHostPort(s->grpc);
+      if (hp.ok() && hp->host == host) here.push_back(*std::move(s));
+    }
+    if (here.size() > 1) {
+      std::vector<std::string> names;
+      for (const StoreSpec& s : here) names.push_back(absl::StrCat(s.id, " at ", s.grpc));
+      return absl::FailedPreconditionError(absl::StrCat("several stores are registered on host ",
+                                                        host, " (", absl::StrJoin(names, ", "),
+                                                        "): give the node --store HOST:PORT"));
+    }
+    if (here.size() == 1) return here[0];
+    if (absl::Now() >= until) {
+      return absl::NotFoundError(absl::StrCat(
+          "no store is registered in etcd ", StoresPrefix(prefix), " on host ", host,
+          all.empty() ? std::string(" (none is registered)")
+                      : absl::StrCat(" (registered: ", absl::StrJoin(all, ", "), ")")));
+    }
+    absl::SleepFor(absl::Milliseconds(200));
+  }
+}
 
 std::string NodeToJson(const NodeSpec& node) {
   return json{{"id", node.id},           {"role", RoleName(node.role)},
@@ -91,7 +186,15 @@ std::vector<NodeSpec> EtcdMembership::Nodes() const {
   return out;
 }
 
+std::vector<StoreSpec> EtcdMembership::Stores() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<StoreSpec> out;
+  for (const auto& [key, s] : stores_) out.push_back(s);
+  return out;
+}
+
 void EtcdMembership::RemoveLocked(const std::string& key, absl::Time now) {
+  if (stores_.erase(key) > 0) return;
   auto it = nodes_.find(key);
   if (it == nodes_.end()) return;
   if (grace_ <= absl::ZeroDuration()) {
@@ -102,14 +205,25 @@ void EtcdMembership::RemoveLocked(const std::string& key, absl::Time now) {
 }
 
 std::string EtcdMembership::Describe() const {
-  return absl::StrCat("etcd ", NodesPrefix(prefix_), "*");
+  return absl::StrCat("etcd ", NodesPrefix(prefix_), "* (and ", StoresPrefix(prefix_), "*)");
 }
 
 absl::Status EtcdMembership::Read() {
-  absl::StatusOr<EtcdRange> range = client_->RangePrefix(NodesPrefix(prefix_));
+  absl::StatusOr<EtcdRange> range = client_->RangePrefix(prefix_);
   if (!range.ok()) return range.status();
   std::map<std::string, NodeSpec> nodes;
+  std::map<std::string, StoreSpec> stores;
   for (const EtcdKeyValue& kv : range->kvs) {
+    if (kv.key.starts_with(StoresPrefix(prefix_))) {
+      absl::StatusOr<StoreSpec> s = StoreFromJson(kv.value);
+      if (!s.ok()) {
+        Log("", absl::StrCat("membership: ", kv.key, ": ", s.status().message(), "; ignored"));
+      } else {
+        stores[kv.key] = *std::move(s);
+      }
+      continue;
+    }
+    if (!kv.key.starts_with(NodesPrefix(prefix_))) continue;
     absl::StatusOr<NodeSpec> n = NodeFromJson(kv.value);
     if (!n.ok()) {
       Log("", absl::StrCat("membership: ", kv.key, ": ", n.status().message(), "; ignored"));
@@ -126,6 +240,7 @@ absl::Status EtcdMembership::Read() {
     }
     for (const std::string& key : gone) RemoveLocked(key, now);
     for (auto& [key, node] : nodes) nodes_[key] = Entry{.node = std::move(node)};
+    stores_ = std::move(stores);
   }
   revision_ = range->revision;
   return absl::OkStatus();
@@ -137,6 +252,17 @@ void EtcdMembership::Apply(const EtcdKeyValue& kv, bool deleted) {
     RemoveLocked(kv.key, absl::Now());
     return;
   }
+  if (kv.key.starts_with(StoresPrefix(prefix_))) {
+    absl::StatusOr<StoreSpec> s = StoreFromJson(kv.value);
+    if (!s.ok()) {
+      Log("", absl::StrCat("membership: ", kv.key, ": ", s.status().message(), "; ignored"));
+      stores_.erase(kv.key);
+    } else {
+      stores_[kv.key] = *std::move(s);
+    }
+    return;
+  }
+  if (!kv.key.starts_with(NodesPrefix(prefix_))) return;
   absl::StatusOr<NodeSpec> n = NodeFromJson(kv.value);
   if (!n.ok()) {
     Log("", absl::StrCat("membership: ", kv.key, ": ", n.status().message(), "; ignored"));
@@ -164,7 +290,7 @@ void EtcdMembership::Loop() {
     }
     connected_.store(true);
     absl::Status s = client_->Watch(
-        NodesPrefix(prefix_), revision_ + 1,
+        prefix_, revision_ + 1,
         [this](int64_t revision, const std::vector<EtcdEvent>& events) {
           for (const EtcdEvent& e : events) Apply(e.kv, e.deleted);
           if (revision > revision_) revision_ = revision;
@@ -188,9 +314,19 @@ void EtcdMembership::Loop() {
 
 absl::StatusOr<std::unique_ptr<EtcdRegistration>> EtcdRegistration::Start(
     std::unique_ptr<EtcdClient> client, std::string prefix, NodeSpec self, absl::Duration ttl) {
+  return StartKey(std::move(client), NodesPrefix(prefix) + self.id, NodeToJson(self), ttl);
+}
+
+absl::StatusOr<std::unique_ptr<EtcdRegistration>> EtcdRegistration::StartStore(
+    std::unique_ptr<EtcdClient> client, std::string prefix, StoreSpec self, absl::Duration ttl) {
+  return StartKey(std::move(client), StoresPrefix(prefix) + self.id, StoreToJson(self), ttl);
+}
+
+absl::StatusOr<std::unique_ptr<EtcdRegistration>> EtcdRegistration::StartKey(
+    std::unique_ptr<EtcdClient> client, std::string key, std::string value, absl::Duration ttl) {
   if (ttl < absl::Seconds(1)) return absl::InvalidArgumentError("registration TTL must be >= 1 s");
-  std::unique_ptr<EtcdRegistration> r(new EtcdRegistration(
-      std::move(client), NodesPrefix(prefix) + self.id, NodeToJson(self), ttl));
+  std::unique_ptr<EtcdRegistration> r(
+      new EtcdRegistration(std::move(client), std::move(key), std::move(value), ttl));
   if (absl::Status s = r->Register(); !s.ok()) return s;
   r->thread_ = std::thread([p = r.get()] { p->Loop(); });
   return r;

@@ -1,7 +1,12 @@
-// Membership in etcd: nodes register themselves under a lease (EtcdRegistration), and routers
-// follow the registrations (EtcdMembership).
+// Membership in etcd: nodes and stores register themselves under a lease (EtcdRegistration), and
+// routers follow the registrations (EtcdMembership).
 //
-//   <prefix>nodes/<id>  ->  {"id":..,"role":"prefill"|"decode","grpc":..,"transport":..,"metrics":..}
+//   <prefix>nodes/<id>   ->
+//   {"id":..,"role":"prefill"|"decode","grpc":..,"transport":..,"metrics":..} <prefix>stores/<id>
+//   ->  {"id":..,"grpc":..,"metrics":..}
+//
+// A node started with `--store host` reads the stores once at start (HostStore) and uses the one
+// registered on its own host.
 //
 // A node's key lives on a lease of `ttl` (a few seconds) renewed at half of it: a node that dies
 // (or is cut off) leaves the membership within the TTL, and one that stops cleanly revokes its
@@ -29,6 +34,22 @@ namespace strata::cluster {
 // A node's registration as JSON, and back (errors name the field).
 std::string NodeToJson(const NodeSpec& node);
 absl::StatusOr<NodeSpec> NodeFromJson(const std::string& text);
+// A store's registration as JSON, and back (errors name the field).
+std::string StoreToJson(const StoreSpec& store);
+absl::StatusOr<StoreSpec> StoreFromJson(const std::string& text);
+
+// What a store registers: its id (`id`, or store-HOST-PORT) and gRPC address (`advertise`, or
+// `listen`'s host with the port it got: kInvalidArgument when that host is a wildcard).
+absl::StatusOr<StoreSpec> StoreSpecFromFlags(const std::string& listen, int port,
+                                             const std::string& advertise, const std::string& id,
+                                             const std::string& metrics);
+
+// The store registered under `prefix` whose gRPC host is `host` (a node's own), waiting up to
+// `wait` for one to register. kNotFound naming the stores registered when none is there;
+// kFailedPrecondition when several are (hosts on one address: give the node --store HOST:PORT);
+// kUnavailable when etcd cannot be read.
+absl::StatusOr<StoreSpec> HostStore(EtcdClient& client, const std::string& prefix,
+                                    const std::string& host, absl::Duration wait);
 
 class EtcdMembership final : public Membership {
  public:
@@ -45,6 +66,7 @@ class EtcdMembership final : public Membership {
   ~EtcdMembership() override;
 
   std::vector<NodeSpec> Nodes() const override;
+  std::vector<StoreSpec> Stores() const override;
   std::string Describe() const override;
   // Whether the watch is live now (false while etcd is unreachable).
   bool connected() const { return connected_.load(); }
@@ -67,6 +89,8 @@ class EtcdMembership final : public Membership {
   const absl::Duration grace_;
   mutable std::mutex mu_;
   mutable std::map<std::string, Entry> nodes_;  // by key; guarded by mu_
+  std::map<std::string, StoreSpec> stores_;     // by key; guarded by mu_ (no grace: routing
+                                                // does not depend on them)
   int64_t revision_ = 0;                   // the last revision applied; watch thread only
   std::atomic<bool> connected_{false};
   std::atomic<bool> stop_{false};
@@ -80,6 +104,9 @@ class EtcdRegistration {
   static absl::StatusOr<std::unique_ptr<EtcdRegistration>> Start(std::unique_ptr<EtcdClient> client,
                                                                  std::string prefix, NodeSpec self,
                                                                  absl::Duration ttl);
+  // A store's: under <prefix>stores/<id>.
+  static absl::StatusOr<std::unique_ptr<EtcdRegistration>> StartStore(
+      std::unique_ptr<EtcdClient> client, std::string prefix, StoreSpec self, absl::Duration ttl);
   // Deregisters: revokes the lease (the key goes with it).
   ~EtcdRegistration();
   int64_t lease() const { return lease_.load(); }
@@ -88,6 +115,8 @@ class EtcdRegistration {
   EtcdRegistration(std::unique_ptr<EtcdClient> client, std::string key, std::string value,
                    absl::Duration ttl)
       : client_(std::move(client)), key_(std::move(key)), value_(std::move(value)), ttl_(ttl) {}
+  static absl::StatusOr<std::unique_ptr<EtcdRegistration>> StartKey(
+      std::unique_ptr<EtcdClient> client, std::string key, std::string value, absl::Duration ttl);
   absl::Status Register();
   void Loop();
 

@@ -252,5 +252,68 @@ TEST(NodeJsonTest, RoundTripsAndRefusesBadRegistrations) {
   EXPECT_FALSE(NodeFromJson(R"({"id":"a","role":"decode","grpc":"h:1","store":"h"})").ok());
 }
 
+// Stores register beside the nodes: the membership lists them (and still only nodes as nodes),
+// a node's `--store host` finds the one on its own host, and a store that stops leaves.
+TEST_F(EtcdTest, StoresRegisterAndANodeFindsItsHostsStore) {
+  absl::StatusOr<std::unique_ptr<EtcdMembership>> m =
+      EtcdMembership::Start(Client(), "/s/", absl::ZeroDuration());
+  ASSERT_TRUE(m.ok()) << m.status();
+  auto node = EtcdRegistration::Start(Client(), "/s/", Node("prefill-0", Role::kPrefill, 7010),
+                                      absl::Seconds(2));
+  ASSERT_TRUE(node.ok()) << node.status();
+  absl::StatusOr<StoreSpec> a = StoreSpecFromFlags("10.0.0.1:0", 7070, "", "", "10.0.0.1:7071");
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(a->id, "store-10.0.0.1-7070");
+  EXPECT_EQ(a->grpc, "10.0.0.1:7070");
+  auto ra = EtcdRegistration::StartStore(Client(), "/s/", *a, absl::Seconds(2));
+  ASSERT_TRUE(ra.ok()) << ra.status();
+  auto rb = EtcdRegistration::StartStore(
+      Client(), "/s/", {.id = "store-b", .grpc = "10.0.0.2:7070"}, absl::Seconds(2));
+  ASSERT_TRUE(rb.ok()) << rb.status();
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  while ((*m)->Stores().size() < 2 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(20));
+  const std::vector<StoreSpec> stores = (*m)->Stores();
+  ASSERT_EQ(stores.size(), 2u);
+  EXPECT_EQ(stores[0], *a);
+  EXPECT_EQ(stores[1].id, "store-b");
+  EXPECT_TRUE(Eventually(**m, {"prefill-0"}, absl::Milliseconds(10)));  // stores are not nodes
+  auto c = Client();
+  absl::StatusOr<StoreSpec> mine = HostStore(*c, "/s/", "10.0.0.2", absl::ZeroDuration());
+  ASSERT_TRUE(mine.ok()) << mine.status();
+  EXPECT_EQ(mine->grpc, "10.0.0.2:7070");
+  absl::StatusOr<StoreSpec> none = HostStore(*c, "/s/", "10.0.0.9", absl::Milliseconds(300));
+  EXPECT_EQ(none.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(none.status().message().find("store-b at 10.0.0.2:7070"), std::string::npos)
+      << none.status();
+  // Two stores on one host: the node must be told which.
+  auto rc = EtcdRegistration::StartStore(
+      Client(), "/s/", {.id = "store-c", .grpc = "10.0.0.2:7080"}, absl::Seconds(2));
+  ASSERT_TRUE(rc.ok()) << rc.status();
+  EXPECT_EQ(HostStore(*c, "/s/", "10.0.0.2", absl::ZeroDuration()).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  // A store that stops leaves at once; a node waiting for its host's store finds one that
+  // registers meanwhile.
+  rc->reset();
+  rb->reset();
+  std::thread later([&] {
+    absl::SleepFor(absl::Milliseconds(500));
+    auto again = EtcdRegistration::StartStore(
+        Client(), "/s/", {.id = "store-b", .grpc = "10.0.0.2:7070"}, absl::Seconds(2));
+    EXPECT_TRUE(again.ok());
+    absl::SleepFor(absl::Seconds(1));
+  });
+  absl::StatusOr<StoreSpec> waited = HostStore(*c, "/s/", "10.0.0.2", absl::Seconds(10));
+  later.join();
+  ASSERT_TRUE(waited.ok()) << waited.status();
+  EXPECT_EQ(waited->id, "store-b");
+  // A wildcard listen address cannot be registered without --advertise.
+  EXPECT_EQ(StoreSpecFromFlags("0.0.0.0:7070", 7070, "", "", "").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(StoreSpecFromFlags("0.0.0.0:7070", 7070, "10.0.0.5:7070", "", "")->grpc,
+            "10.0.0.5:7070");
+  EXPECT_FALSE(StoreFromJson(R"({"id":"s","grpc":"nohost"})").ok());
+  EXPECT_FALSE(StoreFromJson(R"({"id":"bad id","grpc":"h:1"})").ok());
+}
+
 }  // namespace
 }  // namespace strata::cluster

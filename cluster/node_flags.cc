@@ -5,6 +5,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
+#include "cluster/etcd_membership.h"
 #include "cluster/node_process.h"
 #include "common/byte_size.h"
 #include "common/host_port.h"
@@ -38,13 +39,33 @@ ABSL_FLAG(bool, cuda_graphs, true, "with --device cuda: replay decode steps as C
 ABSL_FLAG(std::string, store, "",
           "the store this node reads and writes (host:port), where every host runs a store of "
           "its own: its host's (default: the node's \"store\" in the cluster file, else the "
-          "cluster's); registered in etcd with the node, so that the router credits the node with "
-          "that store's chunks");
+          "cluster's); `host`: with --etcd, the store registered there (strata-store --etcd) on "
+          "this node's own host, waited for up to 30 s at start; registered in etcd with the "
+          "node, so that the router credits the node with that store's chunks");
 
 namespace strata::cluster {
 
 absl::Status UseNodeStoreFromFlags(ClusterSpec* spec, NodeSpec* self) {
-  if (const std::string flag = absl::GetFlag(FLAGS_store); !flag.empty()) {
+  if (const std::string flag = absl::GetFlag(FLAGS_store); flag == "host") {
+    const std::string etcd = absl::GetFlag(FLAGS_etcd);
+    if (etcd.empty()) {
+      return absl::InvalidArgumentError("--store host needs --etcd (the stores register there)");
+    }
+    const std::string listen =
+        absl::GetFlag(FLAGS_listen).empty() ? self->grpc : absl::GetFlag(FLAGS_listen);
+    absl::StatusOr<HostPort> hp = ParseHostPort(listen);
+    if (!hp.ok()) return hp.status();
+    std::unique_ptr<EtcdClient> client = NewHttpEtcdClient(etcd);
+    absl::StatusOr<StoreSpec> store =
+        HostStore(*client, absl::GetFlag(FLAGS_etcd_prefix), hp->host, absl::Seconds(30));
+    if (!store.ok()) {
+      return absl::Status(store.status().code(),
+                          absl::StrCat("--store host: ", store.status().message()));
+    }
+    Log("", absl::StrCat("--store host: using store ", store->id, " at ", store->grpc,
+                         " (registered in etcd ", etcd, ")"));
+    self->store = store->grpc;
+  } else if (!flag.empty()) {
     if (absl::Status s = ValidateHostPort(flag, "--store"); !s.ok()) return s;
     self->store = flag;
   }

@@ -19,6 +19,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "cluster/etcd_membership.h"
 #include "common/byte_size.h"
 #include "common/log.h"
 #include "common/signals.h"
@@ -43,6 +44,16 @@ ABSL_FLAG(bool, repair, false,
           "healthy index is left as it is");
 ABSL_FLAG(int, metrics_port, 9464, "Prometheus metrics at http://HOST:PORT/metrics (-1: off)");
 ABSL_FLAG(std::string, metrics_host, "127.0.0.1", "address the metrics endpoint listens on");
+ABSL_FLAG(std::string, etcd, "",
+          "etcd's client address (host:port): register this store there under a lease, so that "
+          "routers list it and nodes started with --store host find it (empty: no registration)");
+ABSL_FLAG(std::string, etcd_prefix, "/strata/", "the cluster's key prefix in etcd");
+ABSL_FLAG(int, etcd_ttl_s, 6, "the registration lease, in seconds (renewed at half of it)");
+ABSL_FLAG(std::string, store_id, "",
+          "the store's id in etcd ([A-Za-z0-9._-]; default: store-HOST-PORT of its address)");
+ABSL_FLAG(std::string, advertise, "",
+          "the gRPC address registered in etcd (default: --listen's, with the port it got; "
+          "required when --listen's host is 0.0.0.0 or ::)");
 
 namespace {
 
@@ -152,6 +163,30 @@ int main(int argc, char** argv) {
     std::cout << "strata-store: metrics on port " << (ports.empty() ? -1 : ports.front())
               << std::endl;
   }
+  std::unique_ptr<strata::cluster::EtcdRegistration> registration;
+  if (const std::string etcd = absl::GetFlag(FLAGS_etcd); !etcd.empty()) {
+    absl::StatusOr<strata::cluster::StoreSpec> self = strata::cluster::StoreSpecFromFlags(
+        absl::GetFlag(FLAGS_listen), port, absl::GetFlag(FLAGS_advertise),
+        absl::GetFlag(FLAGS_store_id),
+        absl::GetFlag(FLAGS_metrics_port) >= 0
+            ? absl::StrCat(absl::GetFlag(FLAGS_metrics_host), ":",
+                           absl::GetFlag(FLAGS_metrics_port))
+            : "");
+    absl::StatusOr<std::unique_ptr<strata::cluster::EtcdRegistration>> r =
+        self.ok() ? strata::cluster::EtcdRegistration::StartStore(
+                        strata::cluster::NewHttpEtcdClient(etcd), absl::GetFlag(FLAGS_etcd_prefix),
+                        *self, absl::Seconds(absl::GetFlag(FLAGS_etcd_ttl_s)))
+                  : self.status();
+    if (!r.ok()) {
+      std::cerr << "strata-store: --etcd " << etcd << ": " << r.status() << "\n";
+      strata::kvstore::StopStoreServer(server->get(), &service);
+      return 1;
+    }
+    registration = *std::move(r);
+    std::cout << "strata-store: registered in etcd " << etcd << " as "
+              << absl::GetFlag(FLAGS_etcd_prefix) << "stores/" << self->id << " (" << self->grpc
+              << ")" << std::endl;
+  }
   std::cout << "strata-store: serving on port " << port << " (RAM " << o.ram_bytes
             << " bytes, disk " << (o.disk_path.empty() ? "none" : o.disk_path) << "; "
             << (*security)->Describe() << ")" << std::endl;
@@ -184,6 +219,7 @@ int main(int argc, char** argv) {
     });
   }
   strata::WaitForTermination();
+  registration.reset();  // out of etcd first: nodes and routers stop counting on it
   stop = true;
   if (shared_retry.joinable()) shared_retry.join();
   strata::kvstore::StopStoreServer(server->get(), &service);  // open Watch streams end too

@@ -458,6 +458,20 @@ void ClusterBackend::MaybeConnectStores() {
     cluster::Log("", absl::StrCat("node ", s.spec.id, " uses the store ", s.spec.store,
                                   " (its host's); watching its blocks too"));
   }
+  // Stores registered in etcd on their own, before (or without) a node naming them.
+  if (options_.membership != nullptr) {
+    for (const cluster::StoreSpec& s : options_.membership->Stores()) {
+      if (stores_.contains(s.grpc)) continue;
+      StoreLink& link = stores_[s.grpc];
+      link.feed = std::make_unique<StoreFeed>(
+          index_.get(), StoreHolderId(s.grpc, options_.spec.store), layer_names_);
+      if (!link.feed->status().ok()) {
+        cluster::Log("", absl::StrCat("store ", s.grpc, ": ", link.feed->status().ToString()));
+      }
+      cluster::Log("", absl::StrCat("store ", s.id, " at ", s.grpc,
+                                    " registered in etcd; watching its blocks"));
+    }
+  }
   bool all_connected = !stores_.empty();
   for (auto& [address, link] : stores_) {
     MaybeConnectStore(address, link);

@@ -13,7 +13,7 @@
 #                                [--prefill-local-ram BYTES] [--decode-local-ram BYTES] (each
 #                                node's own RAM tier in front of the store; 0: none)
 #                                [--etcd HOST:PORT [--etcd-ttl S]] (membership in a running etcd:
-#                                nodes register there, the router follows it)
+#                                nodes and stores register there, the router follows it)
 #                                [--netns HUB] (every process on a host of its own: a network
 #                                namespace HUB-PORTBASE-NAME with address 10.77.B.N on HUB's
 #                                bridge, made by deploy/netns/hosts.sh; clients run in HUB:
@@ -252,12 +252,14 @@ case "$cmd" in
       store_tiers+=(--disk_path "$dir/store" --disk_bytes "$store_disk")
     fi
     node_etcd=()
+    store_etcd=()
     # Separate hosts share no memory: UCX over TCP, blocks crossing the veth links (on one host
     # UCX would pick shared memory even across namespaces).
     node_net=()
     if [ -n "$netns" ]; then node_net=(--ucx_tls tcp); fi
     if [ -n "$etcd" ]; then
       node_etcd=(--etcd "$etcd" --etcd_prefix "/strata/$(basename "$dir")/" --etcd_ttl_s "$etcd_ttl")
+      store_etcd=("${node_etcd[@]}")  # the stores register too (stores/<id>)
       extra_router+=(--etcd "$etcd" --etcd_prefix "/strata/$(basename "$dir")/")
     fi
     # Transport security (docs/deploy.md, "Security"): mutual TLS and the cluster token, or
@@ -317,7 +319,7 @@ case "$cmd" in
     fi
     start store "$bin/kvstore/strata-store" --listen "$(host_of store):$store_port" "${store_tiers[@]}" \
       --metrics_host "$(host_of store)" --metrics_port $((port_base + 1)) "${sec[@]}" \
-      "${store_shared[@]}"
+      "${store_shared[@]}" "${store_etcd[@]}"
     if [ "$host_stores" = 1 ]; then
       hosts_n=$(( n_prefill > n_decode ? n_prefill : n_decode ))
       for i in $(seq 1 $((hosts_n - 1))); do
@@ -328,7 +330,7 @@ case "$cmd" in
         fi
         start "store-$i" "$bin/kvstore/strata-store" --listen "127.0.0.1:$((port_base + 100 + i))" \
           "${tiers[@]}" --metrics_host 127.0.0.1 --metrics_port $((port_base + 150 + i)) "${sec[@]}" \
-          "${store_shared[@]}"
+          "${store_shared[@]}" "${store_etcd[@]}"
       done
     fi
     for i in $(seq 0 $((n_prefill - 1))); do

@@ -928,6 +928,73 @@ class MembershipTest(unittest.TestCase):
                 c.down()
             etcd.down()
 
+    def test_stores_register_in_etcd_and_a_node_finds_its_hosts_store(self):
+        # Stores register under stores/ (strata-store --etcd) and the router lists one no node
+        # names; a prefill node the file does not list, started with --store host, is refused
+        # while two stores share its host, then finds the one left and serves with it; a store
+        # that stops leaves etcd at once.
+        etcd = Etcd()
+        c = None
+        try:
+            c = Cluster("kivi:k4v4:g32", prefill=1, decode=1, extra=["--etcd", etcd.address])
+            base = "/strata/%s/" % os.path.basename(c.dir)
+            host, port = c.spec["store"].rsplit(":", 1)
+            store_key = base + "stores/store-%s-%s" % (host.replace(":", "-"), port)
+            self.assertEqual(etcd.keys(base + "stores/"), [store_key])
+            sp = free_port()
+            with open(os.path.join(c.dir, "logs", "store-9.log"), "w") as log:
+                store9 = subprocess.Popen(
+                    [os.path.join(BUILD, "kvstore/strata-store"), "--listen", "%s:%d" % (HERE, sp),
+                     "--ram_bytes", "64M", "--metrics_port", "-1", "--etcd", etcd.address,
+                     "--etcd_prefix", base, "--etcd_ttl_s", "2", "--store_id", "store-9",
+                     "--insecure"], stdout=log, stderr=subprocess.STDOUT)
+            t0 = time.monotonic()
+            while True:
+                with open(os.path.join(c.dir, "logs", "router.log")) as f:
+                    if "store store-9 at %s:%d registered in etcd" % (HERE, sp) in f.read():
+                        break
+                self.assertLess(time.monotonic() - t0, 15, "the router never listed store-9")
+                time.sleep(0.1)
+
+            def prefill9():
+                return [os.path.join(BUILD, "prefill_node/strata-prefill"), "--cluster",
+                        os.path.join(c.dir, "cluster.json"), "--node", "prefill-9", "--listen",
+                        "%s:%d" % (HERE, free_port()), "--metrics", "off", "--etcd",
+                        etcd.address, "--etcd_prefix", base, "--etcd_ttl_s", "2", "--store",
+                        "host", "--insecure"]
+            refused = subprocess.run(prefill9(), capture_output=True, text=True, timeout=60)
+            self.assertNotEqual(refused.returncode, 0)
+            self.assertIn("several stores are registered on host", refused.stdout + refused.stderr)
+            store9.terminate()
+            store9.wait(timeout=30)
+            self.assertEqual(etcd.keys(base + "stores/"), [store_key])  # left at once
+            with open(os.path.join(c.dir, "logs", "prefill-9.log"), "w") as log:
+                extra = subprocess.Popen(prefill9(), stdout=log, stderr=subprocess.STDOUT)
+            try:
+                t0 = time.monotonic()
+                while base + "nodes/prefill-9" not in (etcd.keys(base + "nodes/") or []):
+                    self.assertLess(time.monotonic() - t0, 30, "prefill-9 never registered")
+                    time.sleep(0.1)
+                with open(os.path.join(c.dir, "logs", "prefill-9.log")) as f:
+                    self.assertIn("--store host: using store %s" % store_key.rsplit("/", 1)[1],
+                                  f.read())
+            finally:
+                extra.terminate()
+                extra.wait(timeout=30)
+            os.kill(c.pids()["store"], signal.SIGTERM)
+            t0 = time.monotonic()
+            while etcd.keys(base + "stores/"):
+                self.assertLess(time.monotonic() - t0, 10, "the store did not deregister")
+                time.sleep(0.05)
+        except Exception:
+            if c is not None:
+                print(c.logs())
+            raise
+        finally:
+            if c is not None:
+                c.down()
+            etcd.down()
+
 
 class DrainTest(unittest.TestCase):
     def test_a_drained_decode_node_hands_its_streams_off_and_leaves(self):
