@@ -92,7 +92,6 @@ absl::Status FillPart(const BlockView& block, int i, const CodecLayout& layout, 
           continue;
         }
         (which == 0 ? t.scales_fp8 : t.zeros_fp8) = sv.data.data();
-        t.meta_mult[which] = mult[which];
         auto w = std::make_shared<std::vector<uint16_t>>(sv.entry.count);
         for (uint32_t e = 0; e < sv.entry.count; ++e) {
           const float x = Fp8E4M3ToFloat(sv.data[e]) * mult[which];

@@ -58,11 +58,10 @@ struct TensorOperands {
   // kAffine: per group; kInt8: [H, T]; kFp8E4M3: tensor_scale only.
   const uint16_t* scales = nullptr;  // fp16 bits
   const uint16_t* zeros = nullptr;   // fp16 bits
-  // m8: the stored fp8 e4m3 scales and zeros (scales/zeros above are them widened to fp16,
-  // times meta_mult) for kernels that read a block in place; nullptr otherwise.
+  // m8: the stored fp8 e4m3 scales and zeros (scales/zeros above are them times the block's two
+  // multipliers, widened to fp16) for kernels that read a block in place; nullptr otherwise.
   const uint8_t* scales_fp8 = nullptr;
   const uint8_t* zeros_fp8 = nullptr;
-  float meta_mult[2] = {1.0f, 1.0f};
   const uint8_t* meta_mult_at = nullptr;  // m8: where the two multipliers (f32) are stored
   bool token_groups = false;         // params per (head, token, channel group), as V's; else
                                      // per (head, token group, channel), as KIVI's K

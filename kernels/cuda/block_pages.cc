@@ -32,16 +32,14 @@ absl::StatusOr<uint32_t> OffsetOf(const BlockView& block, const CodecSpec& spec,
 }
 
 // The layout of a page the specialized kernels read (fp16, or KIVI codes of 2 or 4 bits without
-// extra terms); kUnimplemented naming what they lack otherwise.
+// extra terms), from the block and its operands; kUnimplemented naming what they lack otherwise.
 absl::StatusOr<PagedKvLayout> FastPageLayoutFor(const BlockView& block,
-                                                const Calibration* calibration) {
-  absl::StatusOr<PreparedBlock> prepared = PrepareBlock(block, calibration);
-  if (!prepared.ok()) return prepared.status();
-  const CodecSpec& spec = prepared->spec;
-  if (prepared->parts.size() != 1 || prepared->parts[0].tokens != prepared->tokens) {
+                                                const PreparedBlock& prepared) {
+  const CodecSpec& spec = prepared.spec;
+  if (prepared.parts.size() != 1 || prepared.parts[0].tokens != prepared.tokens) {
     return Unsupported(spec, "no parts (sinks, mixed precision) in GPU pages yet");
   }
-  const BlockOperands& ops = prepared->parts[0];
+  const BlockOperands& ops = prepared.parts[0];
   PagedKvLayout L;
   L.kv_heads = static_cast<int>(ops.kv_heads);
   L.head_dim = static_cast<int>(ops.head_dim);
@@ -130,10 +128,10 @@ absl::Status CheckGeneral(const BlockView& block, const PreparedBlock& p) {
 
 absl::StatusOr<PagedKvLayout> PageLayoutFor(const BlockView& block,
                                             const Calibration* calibration) {
-  absl::StatusOr<PagedKvLayout> fast = FastPageLayoutFor(block, calibration);
-  if (fast.ok() || fast.status().code() != absl::StatusCode::kUnimplemented) return fast;
   absl::StatusOr<PreparedBlock> prepared = PrepareBlock(block, calibration);
   if (!prepared.ok()) return prepared.status();
+  absl::StatusOr<PagedKvLayout> fast = FastPageLayoutFor(block, *prepared);
+  if (fast.ok() || fast.status().code() != absl::StatusCode::kUnimplemented) return fast;
   if (absl::Status s = CheckGeneral(block, *prepared); !s.ok()) return s;
   PagedKvLayout L;
   L.format = PageFormat::kGeneral;
@@ -228,7 +226,9 @@ absl::Status CheckPage(const BlockView& block, const PagedKvLayout& layout,
     if (!prepared.ok()) return prepared.status();
     return CheckGeneral(block, *prepared);
   }
-  absl::StatusOr<PagedKvLayout> want = FastPageLayoutFor(block, calibration);
+  absl::StatusOr<PreparedBlock> prepared = PrepareBlock(block, calibration);
+  if (!prepared.ok()) return prepared.status();
+  absl::StatusOr<PagedKvLayout> want = FastPageLayoutFor(block, *prepared);
   if (!want.ok()) return want.status();
   if (!SameFastLayout(*want, layout)) return mismatch("its sections are elsewhere");
   return absl::OkStatus();
