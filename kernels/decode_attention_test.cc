@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <iterator>
 #include <memory>
 #include <optional>
 #include <random>
@@ -12,6 +13,7 @@
 #include <string_view>
 #include <vector>
 
+#include "absl/strings/ascii.h"
 #include "common/cpu_features.h"
 #include "common/thread_pool.h"
 #include "gmock/gmock.h"
@@ -161,12 +163,17 @@ std::vector<Variant> Variants() {
   return v;
 }
 
-TEST(DecodeAttentionTest, FusedMatchesReferenceForEveryCodecShapeAndImpl) {
+// One test per codec, so that ctest spreads them over the cores (under a sanitizer the whole
+// sweep took 50-90 s in one process).
+class FusedDecodeTest : public ::testing::TestWithParam<size_t> {};
+
+TEST_P(FusedDecodeTest, MatchesReferenceForEveryShapeAndImpl) {
   const Shape shapes[] = {{4, 4, 64},  {8, 2, 128}, {8, 2, 64},
                           {16, 2, 64}, {8, 1, 128}, {6, 2, 64}};
   ThreadPool pool(2);
-  uint64_t seed = 1;
-  for (const char* spec : kCodecs) {
+  const char* spec = kCodecs[GetParam()];
+  uint64_t seed = 1 + 3 * std::size(shapes) * GetParam();  // as when one test swept them all
+  {
     for (const Shape& sh : shapes) {
       // Two sequences of different lengths: odd chunk sizes, with and without sinks/window.
       std::vector<std::unique_ptr<TestSequence>> seqs;
@@ -202,6 +209,16 @@ TEST(DecodeAttentionTest, FusedMatchesReferenceForEveryCodecShapeAndImpl) {
     }
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(EveryCodec, FusedDecodeTest,
+                         ::testing::Range<size_t>(0, std::size(kCodecs)),
+                         [](const ::testing::TestParamInfo<size_t>& info) {
+                           std::string name = kCodecs[info.param];
+                           for (char& c : name) {
+                             if (!absl::ascii_isalnum(static_cast<unsigned char>(c))) c = '_';
+                           }
+                           return name;
+                         });
 
 double RelativeL2(const std::vector<float>& out, const std::vector<float>& ref) {
   double num = 0, den = 0;

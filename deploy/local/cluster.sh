@@ -299,7 +299,7 @@ case "$cmd" in
         rm -rf "$dir/redis-$i" && mkdir -p "$dir/redis-$i"
         redis-server --port "$p" --bind 127.0.0.1 --cluster-enabled yes \
           --cluster-config-file "$dir/redis-$i/nodes.conf" --dir "$dir/redis-$i" \
-          --cluster-node-timeout 2000 --save '' --appendonly no --protected-mode no \
+          --cluster-node-timeout 2000 --save '' --appendonly no --repl-diskless-sync-delay 0 --protected-mode no \
           --maxmemory "$shared_tier_memory" --maxmemory-policy volatile-lru \
           --logfile "$dir/logs/redis-$i.log" </dev/null >/dev/null 2>&1 &
         echo "redis-$i $!" >>"$dir/pids"

@@ -64,8 +64,8 @@ class RedisClusterProcess {
           dir_, "--cluster-node-timeout", "1000",
           // a replica always takes over from a dead master
           "--cluster-replica-validity-factor", "0", "--repl-ping-replica-period", "1", "--save", "",
-          "--appendonly", "no", "--protected-mode", "no", "--logfile",
-          absl::StrCat(dir_, "/", n.port, ".log")};
+          "--appendonly", "no", "--repl-diskless-sync-delay", "0", "--protected-mode", "no",
+          "--logfile", absl::StrCat(dir_, "/", n.port, ".log")};
       if (!password_.empty()) {
         args.insert(args.end(), {"--requirepass", password_, "--masterauth", password_});
       }
