@@ -20,15 +20,15 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "cluster/cluster_file.h"
-#include "cluster/node_flags.h"
-#include "cluster/node_process.h"
 #include "common/byte_size.h"
 #include "common/host_port.h"
 #include "decode_node/decode_engine.h"
 #include "decode_node/decode_service.h"
 #include "kernels/codec.h"
 #include "kvstore/store_client.h"
+#include "membership/cluster_file.h"
+#include "serving/node_flags.h"
+#include "serving/node_process.h"
 #include "transport/ucx/ucx_transport.h"
 
 ABSL_FLAG(std::string, transport, "",
@@ -66,12 +66,13 @@ int Fail(const std::string& what, const absl::Status& s, int code = 1) {
 namespace strata::decode {
 
 int RunDecodeNode(int argc, char** argv, const TransportHook& hook) {
-  strata::cluster::BlockTerminationSignals();
-  strata::cluster::ConfigureFlagsUsage();
+  strata::serving::BlockTerminationSignals();
+  strata::serving::ConfigureFlagsUsage();
   absl::SetProgramUsageMessage(
       "a Strata decode node.\n  strata-decode --cluster cluster.json --node decode-0");
   absl::ParseCommandLine(argc, argv);
-  namespace cl = strata::cluster;
+  namespace serving = strata::serving;
+  namespace membership = strata::membership;
   uint64_t kv_budget = 0;
   if (!strata::ParseByteSize(absl::GetFlag(FLAGS_kv_budget), &kv_budget) || kv_budget == 0) {
     std::cerr << "strata-decode: --kv_budget: '" << absl::GetFlag(FLAGS_kv_budget)
@@ -88,19 +89,19 @@ int RunDecodeNode(int argc, char** argv, const TransportHook& hook) {
     std::cerr << "strata-decode: --listen_wait_s must be >= 0\n";
     return 2;
   }
-  cl::NodeStart n;
-  cl::NodeStartError failed;
-  if (!cl::StartNodeFromFlags({.process = "strata-decode",
-                               .role = cl::Role::kDecode,
-                               .transport = absl::GetFlag(FLAGS_transport),
-                               .local_ram_bytes = absl::GetFlag(FLAGS_local_ram_bytes)},
-                              &n, &failed)
+  serving::NodeStart n;
+  serving::NodeStartError failed;
+  if (!serving::StartNodeFromFlags({.process = "strata-decode",
+                                    .role = membership::Role::kDecode,
+                                    .transport = absl::GetFlag(FLAGS_transport),
+                                    .local_ram_bytes = absl::GetFlag(FLAGS_local_ram_bytes)},
+                                   &n, &failed)
            .ok()) {
     return Fail(failed.what, failed.status, failed.exit_code);
   }
   const std::string transport_address =
       absl::GetFlag(FLAGS_transport).empty() ? n.self.transport : absl::GetFlag(FLAGS_transport);
-  if (absl::Status s = cl::ValidateHostPort(transport_address, "--transport"); !s.ok()) {
+  if (absl::Status s = membership::ValidateHostPort(transport_address, "--transport"); !s.ok()) {
     return Fail("flags", s, 2);
   }
 
@@ -119,8 +120,8 @@ int RunDecodeNode(int argc, char** argv, const TransportHook& hook) {
                             absl::StrContains(transport.status().message(), "port is in use") &&
                             absl::Now() < give_up;) {
     if (!logged) {
-      cl::Log("", absl::StrCat(transport.status().message(), "; retrying for up to ",
-                               absl::GetFlag(FLAGS_listen_wait_s), " s"));
+      serving::Log("", absl::StrCat(transport.status().message(), "; retrying for up to ",
+                                    absl::GetFlag(FLAGS_listen_wait_s), " s"));
       logged = true;
     }
     absl::SleepFor(absl::Seconds(1));
@@ -138,7 +139,7 @@ int RunDecodeNode(int argc, char** argv, const TransportHook& hook) {
   }
 
   strata::decode::DecodeEngineOptions eo;
-  eo.format = cl::FormatOf(n.spec, n.served);
+  eo.format = serving::FormatOf(n.spec, n.served);
   eo.max_batch = static_cast<uint32_t>(absl::GetFlag(FLAGS_max_batch));
   eo.kv_budget_bytes = kv_budget;
   eo.max_waiting = static_cast<uint32_t>(absl::GetFlag(FLAGS_max_waiting));
@@ -168,12 +169,12 @@ int RunDecodeNode(int argc, char** argv, const TransportHook& hook) {
   strata::decode::DecodeService service(engine->get(),
                                         {.node_id = n.self.id,
                                          .model_name = n.served.name,
-                                         .incarnation = cl::NewIncarnation(),
+                                         .incarnation = serving::NewIncarnation(),
                                          .kv_bytes_per_token = kv_bytes_per_token},
                                         registry.get());
   service.Refresh();  // the load routers read from the first call on
-  cl::NodeServing serving;
-  if (!cl::ServeNode(
+  serving::NodeServing running;
+  if (!serving::ServeNode(
            n, "strata-decode", {&service}, registry, (*transport)->address(),
            [&](int port) {
              return absl::StrCat(
@@ -184,7 +185,7 @@ int RunDecodeNode(int argc, char** argv, const TransportHook& hook) {
                  n.metrics.empty() ? "off" : n.metrics, "; ",
                  n.security->insecure() ? "INSECURE (--insecure)" : n.security->Describe());
            },
-           &serving, &failed)
+           &running, &failed)
            .ok()) {
     return Fail(failed.what, failed.status, failed.exit_code);
   }
@@ -196,14 +197,15 @@ int RunDecodeNode(int argc, char** argv, const TransportHook& hook) {
       std::this_thread::sleep_for(std::chrono::milliseconds(500));
     }
   });
-  const int sig = cl::WaitForTermination();
+  const int sig = serving::WaitForTermination();
   // Drain: deregistered (routers following etcd drop it), reported `draining` to the routers that
   // poll it, new requests refused (routed elsewhere); running sequences finish, or are handed
   // off at the deadline.
   const absl::Duration drain = absl::Seconds(std::max(0, absl::GetFlag(FLAGS_drain_timeout_s)));
-  cl::Log("", absl::StrCat("signal ", sig, ": draining for up to ", absl::FormatDuration(drain),
-                           " (a second signal hands off at once)"));
-  serving.registration.reset();
+  serving::Log("",
+               absl::StrCat("signal ", sig, ": draining for up to ", absl::FormatDuration(drain),
+                            " (a second signal hands off at once)"));
+  running.registration.reset();
   std::atomic<bool> drained{false};
   uint64_t handed_off = 0;
   std::thread drainer([&] {
@@ -211,18 +213,18 @@ int RunDecodeNode(int argc, char** argv, const TransportHook& hook) {
     drained = true;
   });
   while (!drained.load()) {
-    if (cl::WaitForTerminationFor(absl::Milliseconds(100)) != 0) {
-      cl::Log("", "second signal: handing off now");
+    if (serving::WaitForTerminationFor(absl::Milliseconds(100)) != 0) {
+      serving::Log("", "second signal: handing off now");
       (*engine)->Drain(absl::Now());
     }
   }
   drainer.join();
-  cl::Log("", absl::StrCat("drained: ", (*engine)->stats().handed_off,
-                           " sequences handed off to other nodes (", handed_off,
-                           " at the deadline); stopping"));
+  serving::Log("", absl::StrCat("drained: ", (*engine)->stats().handed_off,
+                                " sequences handed off to other nodes (", handed_off,
+                                " at the deadline); stopping"));
   service.Refresh();
   service.Stop();  // open streams end with UNAVAILABLE: their clients learn at once
-  serving.server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  running.server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   stop = true;
   refresher.join();
   engine->reset();

@@ -8,8 +8,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "cluster/node_process.h"
-#include "kvstore/grpc_status.h"
+#include "rpc/grpc_status.h"
+#include "serving/node_process.h"
 
 namespace strata::decode {
 namespace {
@@ -34,7 +34,7 @@ class QueueSink final : public TokenSink {
     strata::v1::GenerateEvent e;
     e.mutable_token()->set_token(token);
     e.mutable_token()->set_text(text);
-    cluster::LogprobsToProto(logprobs, e.mutable_token()->mutable_logprobs());
+    serving::LogprobsToProto(logprobs, e.mutable_token()->mutable_logprobs());
     PushToken(std::move(e));
   }
   void PushToken(strata::v1::GenerateEvent e) {
@@ -102,9 +102,9 @@ class QueueSink final : public TokenSink {
   absl::Status status_;                           // guarded by mu_
 };
 
-using cluster::AddCounter;
-using cluster::AddGauge;
-using cluster::AddHistogram;
+using serving::AddCounter;
+using serving::AddGauge;
+using serving::AddHistogram;
 
 }  // namespace
 
@@ -121,10 +121,10 @@ DecodeService::DecodeService(DecodeEngine* engine, DecodeServiceOptions options,
                                 "Prompt tokens of finished requests adopted from the store")),
       first_token_seconds_(AddHistogram(registry, "strata_decode_first_token_seconds",
                                         "Registration to first token (KV transfer, admission)",
-                                        cluster::LatencyBuckets())),
+                                        serving::LatencyBuckets())),
       inter_token_seconds_(AddHistogram(registry, "strata_decode_inter_token_seconds",
                                         "Time between a sequence's tokens",
-                                        cluster::LatencyBuckets())),
+                                        serving::LatencyBuckets())),
       batch_size_(AddHistogram(registry, "strata_decode_batch_size",
                                "Mean sequences per step over each refresh interval",
                                {1, 2, 4, 8, 16, 32, 64, 128, 256})),
@@ -181,11 +181,11 @@ grpc::Status DecodeService::Generate(grpc::ServerContext* context,
   r.request_id = request->request_id();
   r.prompt.assign(request->prompt().begin(), request->prompt().end());
   r.cache_salt = request->cache_salt();
-  r.sampling = cluster::SamplingFromProto(request->sampling());
+  r.sampling = serving::SamplingFromProto(request->sampling());
   r.max_tokens = request->max_tokens();
   r.stop.assign(request->stop().begin(), request->stop().end());
   r.ignore_eos = request->ignore_eos();
-  r.deadline = cluster::CallDeadline(*context);
+  r.deadline = serving::CallDeadline(*context);
   r.logprobs = request->logprobs();
   r.top_logprobs = request->top_logprobs();
   if (r.top_logprobs > model::kMaxTopLogprobs) {
@@ -198,9 +198,9 @@ grpc::Status DecodeService::Generate(grpc::ServerContext* context,
   }
   auto sink = std::make_shared<QueueSink>(&first_token_seconds_, &inter_token_seconds_);
   if (absl::Status s = engine_->Start(r, sink); !s.ok()) {
-    requests_.Add({{"result", cluster::ResultLabel(s.code())}}).Increment();
-    cluster::Log(r.request_id, absl::StrCat("refused: ", s.ToString()));
-    return kvstore::ToGrpc(s);
+    requests_.Add({{"result", serving::ResultLabel(s.code())}}).Increment();
+    serving::Log(r.request_id, absl::StrCat("refused: ", s.ToString()));
+    return rpc::ToGrpc(s);
   }
   strata::v1::GenerateEvent registered;
   registered.mutable_registered()->set_transport_address(engine_->transport_address());
@@ -209,7 +209,7 @@ grpc::Status DecodeService::Generate(grpc::ServerContext* context,
   auto cancel = [&](const char* why) {
     engine_->Cancel(r.request_id);
     requests_.Add({{"result", "cancelled"}}).Increment();
-    cluster::Log(r.request_id, absl::StrCat("cancelled: ", why));
+    serving::Log(r.request_id, absl::StrCat("cancelled: ", why));
     return grpc::Status(grpc::StatusCode::CANCELLED, why);
   };
   if (!writer->Write(registered)) return cancel("the caller went away");
@@ -239,21 +239,21 @@ grpc::Status DecodeService::Generate(grpc::ServerContext* context,
       return grpc::Status(grpc::StatusCode::UNAVAILABLE, "decode node is shutting down");
     }
   }
-  requests_.Add({{"result", handed_off ? "handed_off" : cluster::ResultLabel(outcome.code())}})
+  requests_.Add({{"result", handed_off ? "handed_off" : serving::ResultLabel(outcome.code())}})
       .Increment();
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
   if (!outcome.ok()) {
-    cluster::Log(r.request_id, absl::StrCat("failed: ", outcome.ToString()));
-    return kvstore::ToGrpc(outcome);
+    serving::Log(r.request_id, absl::StrCat("failed: ", outcome.ToString()));
+    return rpc::ToGrpc(outcome);
   }
   tokens_.Increment(completion);
   cached_tokens_.Increment(cached);
   if (handed_off) {
-    cluster::Log(r.request_id, absl::StrFormat("handed off after %u tokens (draining) in %.1f ms",
+    serving::Log(r.request_id, absl::StrFormat("handed off after %u tokens (draining) in %.1f ms",
                                                completion, seconds * 1e3));
     return grpc::Status::OK;
   }
-  cluster::Log(r.request_id, absl::StrFormat("generated %u tokens (%u prompt tokens cached) in "
+  serving::Log(r.request_id, absl::StrFormat("generated %u tokens (%u prompt tokens cached) in "
                                              "%.1f ms",
                                              completion, cached, seconds * 1e3));
   return grpc::Status::OK;

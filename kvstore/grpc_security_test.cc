@@ -1,4 +1,4 @@
-#include "kvstore/grpc_security.h"
+#include "rpc/grpc_security.h"
 
 #include <cstdlib>
 #include <filesystem>
@@ -19,6 +19,8 @@
 namespace strata::kvstore {
 namespace {
 
+using ::strata::rpc::GrpcSecurity;
+using ::strata::rpc::GrpcSecurityOptions;
 using testing::HasSubstr;
 using testing::Not;
 

@@ -11,8 +11,8 @@
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/channel_arguments.h"
-#include "kvstore/grpc_status.h"
-#include "kvstore/grpc_keepalive.h"
+#include "rpc/grpc_keepalive.h"
+#include "rpc/grpc_status.h"
 
 namespace strata::kvstore {
 namespace {
@@ -70,7 +70,7 @@ absl::StatusOr<std::unique_ptr<StoreClient>> StoreClient::Connect(const std::str
                                                                   StoreClientOptions options) {
   STRATA_RETURN_IF_ERROR(options.Validate());
   grpc::ChannelArguments args;
-  SetClientKeepalive(&args);
+  rpc::SetClientKeepalive(&args);
   const int limit =
       static_cast<int>(std::min<size_t>(options.max_block_bytes + (size_t{1} << 20), INT32_MAX));
   args.SetMaxReceiveMessageSize(limit);
@@ -94,7 +94,7 @@ absl::StatusOr<std::unique_ptr<StoreClient>> StoreClient::Connect(const std::str
 }
 
 absl::Status StoreClient::Error(const grpc::Status& s) const {
-  return FromGrpc(s, absl::StrCat("store ", address_));
+  return rpc::FromGrpc(s, absl::StrCat("store ", address_));
 }
 
 void StoreClient::SetDeadline(grpc::ClientContext* ctx) const {

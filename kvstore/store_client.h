@@ -35,8 +35,8 @@
 #include "grpcpp/client_context.h"
 #include "kvstore/block_source.h"
 #include "kvstore/block_store.h"
-#include "kvstore/grpc_security.h"
 #include "proto/store.grpc.pb.h"
+#include "rpc/grpc_security.h"
 
 namespace strata::kvstore {
 
@@ -53,7 +53,7 @@ struct StoreClientOptions {
   // A Watch whose stream broke retries after this (doubling up to 8x).
   absl::Duration watch_retry = absl::Milliseconds(200);
   // TLS and the cluster token (grpc_security.h); null: insecure (plaintext, no token).
-  std::shared_ptr<const GrpcSecurity> security = nullptr;
+  std::shared_ptr<const rpc::GrpcSecurity> security = nullptr;
 
   absl::Status Validate() const;
 };

@@ -19,16 +19,16 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "cluster/etcd_membership.h"
 #include "common/byte_size.h"
 #include "common/log.h"
 #include "common/signals.h"
 #include "kvstore/block_store.h"
-#include "kvstore/grpc_security.h"
-#include "kvstore/grpc_security_flags.h"
 #include "kvstore/shared_tier_flags.h"
 #include "kvstore/store_service.h"
+#include "membership/etcd_membership.h"
 #include "prometheus/exposer.h"
+#include "rpc/grpc_security.h"
+#include "rpc/grpc_security_flags.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:7070", "address to serve gRPC on (port 0: any)");
 ABSL_FLAG(std::string, ram_bytes, "1G", "RAM tier capacity (suffixes K, M, G, T: powers of 1024)");
@@ -71,20 +71,20 @@ int main(int argc, char** argv) {
   absl::FlagsUsageConfig usage;
   usage.contains_help_flags = [](absl::string_view file) {
     return absl::EndsWith(file, "store_main.cc") ||
-           absl::EndsWith(file, strata::kvstore::kGrpcSecurityFlagsFile) ||
+           absl::EndsWith(file, strata::rpc::kGrpcSecurityFlagsFile) ||
            absl::EndsWith(file, strata::kvstore::kSharedTierFlagsFile);
   };
   usage.contains_helpshort_flags = usage.contains_help_flags;
   absl::SetFlagsUsageConfig(usage);
   absl::ParseCommandLine(argc, argv);
   strata::SetLogIdentity("strata-store", "");
-  absl::StatusOr<std::shared_ptr<const strata::kvstore::GrpcSecurity>> security =
-      strata::kvstore::GrpcSecurity::Load(strata::kvstore::GrpcSecurityOptionsFromFlags());
+  absl::StatusOr<std::shared_ptr<const strata::rpc::GrpcSecurity>> security =
+      strata::rpc::GrpcSecurity::Load(strata::rpc::GrpcSecurityOptionsFromFlags());
   if (!security.ok()) {
     std::cerr << "strata-store: " << security.status().message() << "\n";
     return 2;
   }
-  if ((*security)->insecure()) strata::Log("", strata::kvstore::kInsecureWarning);
+  if ((*security)->insecure()) strata::Log("", strata::rpc::kInsecureWarning);
   strata::kvstore::StoreOptions o;
   o.disk_path = absl::GetFlag(FLAGS_disk_path);
   o.durable_puts = absl::GetFlag(FLAGS_durable_puts);
@@ -163,20 +163,21 @@ int main(int argc, char** argv) {
     std::cout << "strata-store: metrics on port " << (ports.empty() ? -1 : ports.front())
               << std::endl;
   }
-  std::unique_ptr<strata::cluster::EtcdRegistration> registration;
+  std::unique_ptr<strata::membership::EtcdRegistration> registration;
   if (const std::string etcd = absl::GetFlag(FLAGS_etcd); !etcd.empty()) {
-    absl::StatusOr<strata::cluster::StoreSpec> self = strata::cluster::StoreSpecFromFlags(
+    absl::StatusOr<strata::membership::StoreSpec> self = strata::membership::StoreSpecFromFlags(
         absl::GetFlag(FLAGS_listen), port, absl::GetFlag(FLAGS_advertise),
         absl::GetFlag(FLAGS_store_id),
         absl::GetFlag(FLAGS_metrics_port) >= 0
             ? absl::StrCat(absl::GetFlag(FLAGS_metrics_host), ":",
                            absl::GetFlag(FLAGS_metrics_port))
             : "");
-    absl::StatusOr<std::unique_ptr<strata::cluster::EtcdRegistration>> r =
-        self.ok() ? strata::cluster::EtcdRegistration::StartStore(
-                        strata::cluster::NewHttpEtcdClient(etcd), absl::GetFlag(FLAGS_etcd_prefix),
-                        *self, absl::Seconds(absl::GetFlag(FLAGS_etcd_ttl_s)))
-                  : self.status();
+    absl::StatusOr<std::unique_ptr<strata::membership::EtcdRegistration>> r =
+        self.ok()
+            ? strata::membership::EtcdRegistration::StartStore(
+                  strata::membership::NewHttpEtcdClient(etcd), absl::GetFlag(FLAGS_etcd_prefix),
+                  *self, absl::Seconds(absl::GetFlag(FLAGS_etcd_ttl_s)))
+            : self.status();
     if (!r.ok()) {
       std::cerr << "strata-store: --etcd " << etcd << ": " << r.status() << "\n";
       strata::kvstore::StopStoreServer(server->get(), &service);

@@ -8,11 +8,11 @@
 #include "absl/time/clock.h"
 #include "common/block_reader.h"
 #include "grpcpp/server_builder.h"
-#include "kvstore/grpc_keepalive.h"
 #include "prometheus/family.h"
 #include "prometheus/metric_family.h"
 #include "prometheus/registry.h"
 #include "prometheus/text_serializer.h"
+#include "rpc/grpc_keepalive.h"
 
 namespace strata::kvstore {
 namespace {
@@ -304,7 +304,7 @@ size_t StoreService::Promote(const BlockName& prefix, absl::Span<const BlockHash
 grpc::Status StoreService::Put(grpc::ServerContext*, const strata::v1::PutRequest* req,
                                strata::v1::PutResponse*) {
   Timer timer(latency_[kPut]);
-  return ToGrpc(PutOne(*req));
+  return rpc::ToGrpc(PutOne(*req));
 }
 
 grpc::Status StoreService::PutStream(grpc::ServerContext*,
@@ -330,7 +330,7 @@ grpc::Status StoreService::Get(grpc::ServerContext* ctx, const strata::v1::GetRe
   absl::StatusOr<BlockName> name = ParseName(req->name(), "get: name");
   if (!name.ok()) return Invalid(std::string(name.status().message()));
   absl::StatusOr<Lease> lease = store_->Get(*name);
-  if (!lease.ok()) return ToGrpc(lease.status());
+  if (!lease.ok()) return rpc::ToGrpc(lease.status());
   const size_t piece = req->max_chunk_bytes() == 0 ? size_t{1} << 20
                                                    : std::max<size_t>(4096, req->max_chunk_bytes());
   const absl::Span<const uint8_t> bytes = lease->bytes();
@@ -441,11 +441,12 @@ grpc::Status StoreService::Watch(grpc::ServerContext* ctx, const strata::v1::Wat
   return gone;
 }
 
-absl::StatusOr<std::unique_ptr<grpc::Server>> StartStoreServer(
-    StoreService* service, const std::string& address, size_t max_block_bytes, int* port,
-    const GrpcSecurity* security) {
+absl::StatusOr<std::unique_ptr<grpc::Server>> StartStoreServer(StoreService* service,
+                                                               const std::string& address,
+                                                               size_t max_block_bytes, int* port,
+                                                               const rpc::GrpcSecurity* security) {
   grpc::ServerBuilder b;
-  AcceptClientKeepalive(&b);
+  rpc::AcceptClientKeepalive(&b);
   b.AddListeningPort(address,
                      security != nullptr ? security->ServerCredentials()
                                          : grpc::InsecureServerCredentials(),

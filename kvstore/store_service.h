@@ -22,12 +22,12 @@
 #include "absl/time/time.h"
 #include "grpcpp/server.h"
 #include "kvstore/block_store.h"
-#include "kvstore/grpc_security.h"
-#include "kvstore/grpc_status.h"
 #include "kvstore/shared_tier.h"
 #include "prometheus/collectable.h"
 #include "prometheus/histogram.h"
 #include "proto/store.grpc.pb.h"
+#include "rpc/grpc_security.h"
+#include "rpc/grpc_status.h"
 
 namespace strata::kvstore {
 
@@ -96,7 +96,7 @@ class StoreService final : public strata::v1::Store::Service {
 // the cluster token (UNAUTHENTICATED without), Puts and Gets as every other RPC.
 absl::StatusOr<std::unique_ptr<grpc::Server>> StartStoreServer(
     StoreService* service, const std::string& address, size_t max_block_bytes, int* port,
-    const GrpcSecurity* security = nullptr);
+    const rpc::GrpcSecurity* security = nullptr);
 
 // Stops `service`'s Watch streams and shuts `server` down, cancelling calls still running after
 // `grace`. Returns once every handler has returned.

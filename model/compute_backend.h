@@ -128,7 +128,7 @@ absl::StatusOr<std::vector<float>> PrefillInPieces(absl::Span<const uint32_t> to
 
 // Loads the model in `model_dir` (config.json + safetensors) onto `device`: the CPU backend, or
 // for a CUDA device the loader a binary linking the CUDA backend registered
-// (SetCudaBackendLoader; cluster/node_flags.cc does for the node mains). kUnimplemented for a
+// (SetCudaBackendLoader; serving/node_flags.cc does for the node mains). kUnimplemented for a
 // CUDA device without one, saying so and what to use.
 absl::StatusOr<std::unique_ptr<ComputeBackend>> LoadComputeBackend(const std::string& model_dir,
                                                                    const Device& device);

@@ -1,7 +1,7 @@
 // ServedFormat: the one description of what a cluster's blocks are, which every node that makes,
 // moves or reads them must agree on: the codec (spec string), the chunk size, the calibration a
 // codec may need, and how chunks are keyed (vLLM's prefix keys). The prefill and decode engines
-// take one; the cluster file names one (cluster::ClusterSpec's codec, chunk and calibration).
+// take one; the cluster file names one (membership::ClusterSpec's codec, chunk and calibration).
 //
 //   model::ServedFormat f{.codec = "kivi:k4v4:g32", .chunk_tokens = 64};
 //   STRATA_RETURN_IF_ERROR(f.Validate());

@@ -10,17 +10,17 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "cluster/cluster_file.h"
-#include "cluster/node_flags.h"
-#include "cluster/node_process.h"
 #include "common/byte_size.h"
 #include "common/host_port.h"
 #include "kvstore/block_source.h"
 #include "kvstore/block_store.h"
 #include "kvstore/store_client.h"
 #include "kvstore/store_service.h"
+#include "membership/cluster_file.h"
 #include "prefill_node/prefill_engine.h"
 #include "prefill_node/prefill_service.h"
+#include "serving/node_flags.h"
+#include "serving/node_process.h"
 #include "transport/ucx/ucx_transport.h"
 
 ABSL_FLAG(int, max_concurrent, 1, "prompts computed at once");
@@ -50,12 +50,13 @@ int Fail(const std::string& what, const absl::Status& s, int code = 1) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  strata::cluster::BlockTerminationSignals();
-  strata::cluster::ConfigureFlagsUsage();
+  strata::serving::BlockTerminationSignals();
+  strata::serving::ConfigureFlagsUsage();
   absl::SetProgramUsageMessage(
       "a Strata prefill node.\n  strata-prefill --cluster cluster.json --node prefill-0");
   absl::ParseCommandLine(argc, argv);
-  namespace cl = strata::cluster;
+  namespace serving = strata::serving;
+  namespace membership = strata::membership;
   if (absl::GetFlag(FLAGS_max_concurrent) < 1 || absl::GetFlag(FLAGS_max_queued_tokens) < 1 ||
       absl::GetFlag(FLAGS_ship_timeout_ms) < 1) {
     std::cerr << "strata-prefill: --max_concurrent, --max_queued_tokens and --ship_timeout_ms "
@@ -66,12 +67,12 @@ int main(int argc, char** argv) {
     std::cerr << "strata-prefill: --max_queue_ms must be >= 0 and --measure_tokens >= -1\n";
     return 2;
   }
-  cl::NodeStart n;
-  cl::NodeStartError failed;
-  if (!cl::StartNodeFromFlags({.process = "strata-prefill",
-                               .role = cl::Role::kPrefill,
-                               .local_ram_bytes = absl::GetFlag(FLAGS_local_ram_bytes)},
-                              &n, &failed)
+  serving::NodeStart n;
+  serving::NodeStartError failed;
+  if (!serving::StartNodeFromFlags({.process = "strata-prefill",
+                                    .role = membership::Role::kPrefill,
+                                    .local_ram_bytes = absl::GetFlag(FLAGS_local_ram_bytes)},
+                                   &n, &failed)
            .ok()) {
     return Fail(failed.what, failed.status, failed.exit_code);
   }
@@ -92,7 +93,7 @@ int main(int argc, char** argv) {
   if (!transport.ok()) return Fail("UCX transport", transport.status());
 
   strata::prefill::PrefillEngineOptions eo;
-  eo.format = cl::FormatOf(n.spec, n.served);
+  eo.format = serving::FormatOf(n.spec, n.served);
   eo.max_concurrent = absl::GetFlag(FLAGS_max_concurrent);
   eo.max_queued_tokens = static_cast<uint64_t>(absl::GetFlag(FLAGS_max_queued_tokens));
   eo.max_queue_time = absl::Milliseconds(absl::GetFlag(FLAGS_max_queue_ms));
@@ -108,20 +109,21 @@ int main(int argc, char** argv) {
       return Fail("measuring the prefill rate", s);
     }
     const strata::prefill::PrefillLoad load = (*engine)->load();
-    cl::Log("", absl::StrFormat("prefill rate %.0f prompt tokens/s (%u tokens timed): the queue "
-                                "takes up to %u tokens",
-                                load.tokens_per_second, tokens, load.max_queued_tokens));
+    serving::Log("",
+                 absl::StrFormat("prefill rate %.0f prompt tokens/s (%u tokens timed): the queue "
+                                 "takes up to %u tokens",
+                                 load.tokens_per_second, tokens, load.max_queued_tokens));
   }
 
   auto registry = std::make_shared<prometheus::Registry>();
   strata::prefill::PrefillService service(engine->get(),
                                           {.node_id = n.self.id,
                                            .model_name = n.served.name,
-                                           .incarnation = cl::NewIncarnation(),
+                                           .incarnation = serving::NewIncarnation(),
                                            .local_tier_bytes = n.local_ram_bytes},
                                           registry.get());
-  cl::NodeServing serving;
-  if (!cl::ServeNode(
+  serving::NodeServing running;
+  if (!serving::ServeNode(
            n, "strata-prefill", {&service, local_service.get()}, registry, "",
            [&](int port) {
              return absl::StrCat(
@@ -132,24 +134,24 @@ int main(int argc, char** argv) {
                  "; metrics ", n.metrics.empty() ? "off" : n.metrics, "; ",
                  n.security->insecure() ? "INSECURE (--insecure)" : n.security->Describe());
            },
-           &serving, &failed)
+           &running, &failed)
            .ok()) {
     return Fail(failed.what, failed.status, failed.exit_code);
   }
-  const int sig = cl::WaitForTermination();
+  const int sig = serving::WaitForTermination();
   const absl::Duration drain = absl::Seconds(std::max(0, absl::GetFlag(FLAGS_drain_timeout_s)));
-  cl::Log("", absl::StrCat("signal ", sig, ": draining for up to ", absl::FormatDuration(drain),
-                           " (a second signal stops at once)"));
-  serving.registration.reset();
+  serving::Log("", absl::StrCat("signal ", sig, ": draining for up to ",
+                                absl::FormatDuration(drain), " (a second signal stops at once)"));
+  running.registration.reset();
   service.StartDraining();
   for (const absl::Time deadline = absl::Now() + drain;
        service.active() > 0 && absl::Now() < deadline;) {
-    if (cl::WaitForTerminationFor(absl::Milliseconds(50)) != 0) break;
+    if (serving::WaitForTerminationFor(absl::Milliseconds(50)) != 0) break;
   }
-  cl::Log("", absl::StrCat("drained (", service.active(), " requests left); stopping"));
+  serving::Log("", absl::StrCat("drained (", service.active(), " requests left); stopping"));
   // Requests under way get a few seconds to finish; the rest are cancelled (their decode nodes
   // are told to drop them by the engine's abort shipment).
-  serving.server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  running.server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
   engine->reset();
   std::cout << "strata-prefill: stopped" << std::endl;
   return 0;

@@ -1,23 +1,22 @@
 #include "prefill_node/prefill_service.h"
 
 #include <algorithm>
-
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "cluster/node_process.h"
-#include "kvstore/grpc_status.h"
+#include "rpc/grpc_status.h"
+#include "serving/node_process.h"
 
 namespace strata::prefill {
 namespace {
 
-using cluster::AddCounter;
-using cluster::AddGauge;
+using serving::AddCounter;
+using serving::AddGauge;
 
 prometheus::Histogram& PhaseHistogram(prometheus::Registry* registry, const char* phase) {
-  return cluster::AddHistogram(registry, "strata_prefill_seconds", "Prefill time by phase",
-                               cluster::LatencyBuckets(), {{"phase", phase}});
+  return serving::AddHistogram(registry, "strata_prefill_seconds", "Prefill time by phase",
+                               serving::LatencyBuckets(), {{"phase", phase}});
 }
 
 }  // namespace
@@ -81,8 +80,8 @@ grpc::Status PrefillService::Prefill(grpc::ServerContext* context,
   r.tokens.assign(request->tokens().begin(), request->tokens().end());
   r.cache_salt = request->cache_salt();
   r.decode_address = request->decode_address();
-  r.sampling = cluster::SamplingFromProto(request->sampling());
-  r.deadline = cluster::CallDeadline(*context);
+  r.sampling = serving::SamplingFromProto(request->sampling());
+  r.deadline = serving::CallDeadline(*context);
   r.logprobs = request->logprobs();
   r.top_logprobs = request->top_logprobs();
   r.prompt_logprobs = request->prompt_logprobs();
@@ -93,16 +92,16 @@ grpc::Status PrefillService::Prefill(grpc::ServerContext* context,
   }
   if (absl::Status s = r.sampling.Validate(); !s.ok()) {
     requests_.Add({{"result", "invalid"}}).Increment();
-    return kvstore::ToGrpc(s);
+    return rpc::ToGrpc(s);
   }
   UpdateGauges();
   absl::StatusOr<PrefillResult> result =
       engine_->Prefill(r, [context] { return context->IsCancelled(); });
   UpdateGauges();
-  requests_.Add({{"result", cluster::ResultLabel(result.status().code())}}).Increment();
+  requests_.Add({{"result", serving::ResultLabel(result.status().code())}}).Increment();
   if (!result.ok()) {
-    cluster::Log(r.request_id, absl::StrCat("prefill failed: ", result.status().ToString()));
-    return kvstore::ToGrpc(result.status());
+    serving::Log(r.request_id, absl::StrCat("prefill failed: ", result.status().ToString()));
+    return rpc::ToGrpc(result.status());
   }
   prompt_tokens_.Increment(result->prompt_tokens);
   cached_tokens_.Increment(result->cached_tokens);
@@ -115,10 +114,11 @@ grpc::Status PrefillService::Prefill(grpc::ServerContext* context,
   queue_seconds_.Observe(result->queue_seconds);
   compute_seconds_.Observe(result->compute_seconds);
   total_seconds_.Observe(result->total_seconds);
-  cluster::Log(r.request_id,
-               absl::StrCat("prefilled ", result->prompt_tokens, " tokens (", result->cached_tokens,
-                            " cached) in ", absl::StrFormat("%.1f", result->total_seconds * 1e3),
-                            " ms; shipped ", result->bytes_shipped, " bytes to ", r.decode_address));
+  serving::Log(
+      r.request_id,
+      absl::StrCat("prefilled ", result->prompt_tokens, " tokens (", result->cached_tokens,
+                   " cached) in ", absl::StrFormat("%.1f", result->total_seconds * 1e3),
+                   " ms; shipped ", result->bytes_shipped, " bytes to ", r.decode_address));
   response->set_first_token(result->first_token);
   response->set_prompt_tokens(result->prompt_tokens);
   response->set_cached_tokens(result->cached_tokens);
@@ -134,11 +134,11 @@ grpc::Status PrefillService::Prefill(grpc::ServerContext* context,
   response->set_node_id(options_.node_id);
   response->set_layer0_acked_early(result->layer0_acked_early);
   if (r.logprobs) {
-    cluster::LogprobsToProto(result->first_token_logprobs,
+    serving::LogprobsToProto(result->first_token_logprobs,
                              response->mutable_first_token_logprobs());
   }
   for (const model::TokenLogprobs& lp : result->prompt_logprobs) {
-    cluster::LogprobsToProto(lp, response->add_prompt_logprobs());
+    serving::LogprobsToProto(lp, response->add_prompt_logprobs());
   }
   return grpc::Status::OK;
 }

@@ -1,6 +1,6 @@
 // The PrefillNode gRPC service (proto/serving.proto): a thin adapter over PrefillEngine. It
 // converts messages, turns the caller's cancellation (ServerContext) into the engine's
-// `cancelled`, maps Status codes one to one (kvstore/grpc_status.h), and keeps the node's
+// `cancelled`, maps Status codes one to one (rpc/grpc_status.h), and keeps the node's
 // Prometheus metrics.
 //
 // Metrics (registry given at construction):

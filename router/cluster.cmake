@@ -10,11 +10,11 @@ strata_add_library(router_cluster
     shared_tier_probe.cc
     store_feed.cc
   DEPS
-    strata::router_http strata::router_routing strata::cluster strata::kvstore_service
+    strata::router_http strata::router_routing strata::serving strata::kvstore_service
     strata::proto strata::model prometheus-cpp::core)
 
 add_executable(strata-router router_main.cc)
-target_link_libraries(strata-router PRIVATE strata::router_cluster strata::kvstore_security_flags
+target_link_libraries(strata-router PRIVATE strata::router_cluster strata::rpc_flags
   strata::kvstore_shared_tier_flags
   absl::flags absl::flags_parse absl::flags_usage)
 strata_configure_target(strata-router)

@@ -15,15 +15,15 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
-#include "cluster/node_process.h"
 #include "common/status_macros.h"
 #include "grpcpp/support/client_callback.h"
-#include "kvstore/grpc_status.h"
 #include "model/kv_cache.h"
 #include "model/llama.h"
 #include "prometheus/text_serializer.h"
 #include "router/chat_template.h"
 #include "router/openai_api.h"
+#include "rpc/grpc_status.h"
+#include "serving/node_process.h"
 
 namespace strata::router {
 namespace {
@@ -266,10 +266,10 @@ absl::StatusOr<std::unique_ptr<ClusterBackend>> ClusterBackend::Create(
 }
 
 absl::Status ClusterBackend::Init() {
-  const cluster::ClusterSpec& spec = options_.spec;
+  const membership::ClusterSpec& spec = options_.spec;
   // The model's identity (config, the fingerprint that names its blocks, tokenizer): no weights.
-  STRATA_ASSIGN_OR_RETURN(cluster::ServedModel served,
-                          cluster::LoadServedModelIdentity(spec.model, spec.calibration));
+  STRATA_ASSIGN_OR_RETURN(serving::ServedModel served,
+                          serving::LoadServedModelIdentity(spec.model, spec.calibration));
   model_name_ = options_.model_name.empty() ? served.name : options_.model_name;
   config_ = served.config;
   context_tokens_ = config_.max_position_embeddings;
@@ -289,7 +289,7 @@ absl::Status ClusterBackend::Init() {
     }
     chat_template_ = *std::move(t);
   }
-  format_ = cluster::FormatOf(spec, served, options_.keys);
+  format_ = serving::FormatOf(spec, served, options_.keys);
   model::KvCacheOptions cache_options = format_.CacheOptions();
   cache_options.model_fingerprint = served.fingerprint;
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<model::SequenceKvCache> cache,
@@ -313,34 +313,34 @@ absl::Status ClusterBackend::Init() {
                        .Name("strata_router_routed_total")
                        .Help("Requests routed, by prefill and decode node")
                        .Register(reg);
-  ttft_ = &cluster::AddHistogram(&reg, "strata_router_ttft_seconds",
+  ttft_ = &serving::AddHistogram(&reg, "strata_router_ttft_seconds",
                                  "Time from a request's arrival to its first token",
-                                 cluster::LatencyBuckets());
-  inter_token_ = &cluster::AddHistogram(&reg, "strata_router_inter_token_seconds",
+                                 serving::LatencyBuckets());
+  inter_token_ = &serving::AddHistogram(&reg, "strata_router_inter_token_seconds",
                                         "Time between consecutive tokens of a request",
-                                        cluster::LatencyBuckets());
-  token_relay_ = &cluster::AddHistogram(
+                                        serving::LatencyBuckets());
+  token_relay_ = &serving::AddHistogram(
       &reg, "strata_router_token_relay_seconds",
       "Per streamed token, from its arrival from the decode node to the end of the socket write to "
       "the client: the router's added latency",
       prometheus::Histogram::BucketBoundaries{25e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3,
                                               5e-3, 10e-3, 50e-3, 0.25, 1});
-  prompt_tokens_ = &cluster::AddCounter(&reg, "strata_router_prompt_tokens_total",
+  prompt_tokens_ = &serving::AddCounter(&reg, "strata_router_prompt_tokens_total",
                                         "Prompt tokens of routed requests");
   cached_tokens_ =
-      &cluster::AddCounter(&reg, "strata_router_cached_tokens_total",
+      &serving::AddCounter(&reg, "strata_router_cached_tokens_total",
                            "Prompt tokens served from cache, as the decode nodes report");
-  completion_tokens_ = &cluster::AddCounter(&reg, "strata_router_completion_tokens_total",
+  completion_tokens_ = &serving::AddCounter(&reg, "strata_router_completion_tokens_total",
                                             "Tokens streamed to clients");
-  in_flight_gauge_ = &cluster::AddGauge(&reg, "strata_router_in_flight", "Requests in flight");
+  in_flight_gauge_ = &serving::AddGauge(&reg, "strata_router_in_flight", "Requests in flight");
   handoffs_ =
-      &cluster::AddCounter(&reg, "strata_router_handoffs_total",
+      &serving::AddCounter(&reg, "strata_router_handoffs_total",
                            "Requests continued on another decode node after theirs was drained");
-  retries_ = &cluster::AddCounter(
+  retries_ = &serving::AddCounter(
       &reg, "strata_router_retries_total",
       "Requests routed again, once, after their prefill or decode node was lost before the first "
       "token");
-  retries_throttled_ = &cluster::AddCounter(
+  retries_throttled_ = &serving::AddCounter(
       &reg, "strata_router_retries_throttled_total",
       "Requests whose node was lost and that the retry budget did not send again (failed instead)");
   rejected_total_ = &prometheus::BuildCounter()
@@ -349,26 +349,26 @@ absl::Status ClusterBackend::Init() {
                              "Requests refused with 429 before any KV moved, by reason: "
                              "router_in_flight, prefill_queue, decode_queue, node")
                          .Register(reg);
-  store_connected_ = &cluster::AddGauge(&reg, "strata_router_store_connected",
+  store_connected_ = &serving::AddGauge(&reg, "strata_router_store_connected",
                                         "1 while every store's block events stream in");
   if (options_.shared_tier.has_value()) {
     shared_probes_ =
-        &cluster::AddCounter(&reg, "strata_router_shared_tier_probes_total",
+        &serving::AddCounter(&reg, "strata_router_shared_tier_probes_total",
                              "Prompts whose chunks past the store's were asked of the shared tier");
     shared_chunks_ =
-        &cluster::AddCounter(&reg, "strata_router_shared_tier_chunks_total",
+        &serving::AddCounter(&reg, "strata_router_shared_tier_chunks_total",
                              "Chunks the shared tier held past the store's, as routing found them");
-    shared_errors_ = &cluster::AddCounter(
+    shared_errors_ = &serving::AddCounter(
         &reg, "strata_router_shared_tier_errors_total",
         "Shared tier probes that the tier did not answer in full (routed without it)");
-    shared_probe_seconds_ = &cluster::AddHistogram(
+    shared_probe_seconds_ = &serving::AddHistogram(
         &reg, "strata_router_shared_tier_probe_seconds",
-        "Time to ask the shared tier for a prompt's chunks", cluster::LatencyBuckets());
+        "Time to ask the shared tier for a prompt's chunks", serving::LatencyBuckets());
   }
 
-  std::shared_ptr<const cluster::Membership> membership =
+  std::shared_ptr<const membership::Membership> membership =
       options_.membership != nullptr ? options_.membership
-                                     : std::make_shared<cluster::StaticMembership>(spec);
+                                     : std::make_shared<membership::StaticMembership>(spec);
   NodePoolOptions po;
   po.load_timeout = options_.load_timeout;
   po.model_name = served.name;  // nodes report the folder's name, whatever clients call it
@@ -385,7 +385,7 @@ absl::Status ClusterBackend::Init() {
     STRATA_RETURN_IF_ERROR(link.feed->status());
     store_feed_ = link.feed.get();
   }
-  cluster::Log("", absl::StrCat("serving ", model_name_, " (context ", context_tokens_,
+  serving::Log("", absl::StrCat("serving ", model_name_, " (context ", context_tokens_,
                                 " tokens, codec ", format_.codec, ", chunk ", format_.chunk_tokens,
                                 " tokens) through ", pool_->Status().size(), " nodes",
                                 spec.store.empty() ? "" : ", store " + spec.store));
@@ -453,22 +453,22 @@ void ClusterBackend::MaybeConnectStores() {
     link.feed = std::make_unique<StoreFeed>(
         index_.get(), StoreHolderId(s.spec.store, options_.spec.store), layer_names_);
     if (!link.feed->status().ok()) {
-      cluster::Log("", absl::StrCat("store ", s.spec.store, ": ", link.feed->status().ToString()));
+      serving::Log("", absl::StrCat("store ", s.spec.store, ": ", link.feed->status().ToString()));
     }
-    cluster::Log("", absl::StrCat("node ", s.spec.id, " uses the store ", s.spec.store,
+    serving::Log("", absl::StrCat("node ", s.spec.id, " uses the store ", s.spec.store,
                                   " (its host's); watching its blocks too"));
   }
   // Stores registered in etcd on their own, before (or without) a node naming them.
   if (options_.membership != nullptr) {
-    for (const cluster::StoreSpec& s : options_.membership->Stores()) {
+    for (const membership::StoreSpec& s : options_.membership->Stores()) {
       if (stores_.contains(s.grpc)) continue;
       StoreLink& link = stores_[s.grpc];
       link.feed = std::make_unique<StoreFeed>(
           index_.get(), StoreHolderId(s.grpc, options_.spec.store), layer_names_);
       if (!link.feed->status().ok()) {
-        cluster::Log("", absl::StrCat("store ", s.grpc, ": ", link.feed->status().ToString()));
+        serving::Log("", absl::StrCat("store ", s.grpc, ": ", link.feed->status().ToString()));
       }
-      cluster::Log("", absl::StrCat("store ", s.id, " at ", s.grpc,
+      serving::Log("", absl::StrCat("store ", s.id, " at ", s.grpc,
                                     " registered in etcd; watching its blocks"));
     }
   }
@@ -499,14 +499,14 @@ void ClusterBackend::MaybeConnectStore(const std::string& address, StoreLink& li
     link.next_attempt = absl::Now() + options_.store_retry_interval;
     if (!link.down_logged) {
       link.down_logged = true;
-      cluster::Log("", absl::StrCat(c.status().message(), "; retrying every ",
+      serving::Log("", absl::StrCat(c.status().message(), "; retrying every ",
                                     absl::FormatDuration(options_.store_retry_interval),
                                     " (routing ignores the store meanwhile)"));
     }
     return;
   }
   link.client = *std::move(c);
-  cluster::Log("", absl::StrCat("store ", address, " connected; watching its blocks"));
+  serving::Log("", absl::StrCat("store ", address, " connected; watching its blocks"));
   watch();
 }
 
@@ -528,12 +528,12 @@ void ClusterBackend::ConnectSharedTierLoop() {
         std::lock_guard<std::mutex> shared_lock(shared_mu_);
         shared_probe_ = std::move(probe);
       }
-      cluster::Log("", "shared tier connected; routing counts the chunks it holds");
+      serving::Log("", "shared tier connected; routing counts the chunks it holds");
       return;
     }
     if (!logged) {
       logged = true;
-      cluster::Log("", absl::StrCat("shared tier: ", tier.status().message(), "; retrying every ",
+      serving::Log("", absl::StrCat("shared tier: ", tier.status().message(), "; retrying every ",
                                     absl::FormatDuration(options_.store_retry_interval),
                                     " (routing counts the stores only meanwhile)"));
     }
@@ -586,7 +586,8 @@ OverlapResult ClusterBackend::CachedOverlap(absl::Span<const BlockHash> chain,
 
 void ClusterBackend::MaybeWatchNodeTiers() {
   for (const NodeStatus& s : pool_->Status()) {
-    if (s.spec.role != cluster::Role::kPrefill || !s.healthy || s.report.local_tier_bytes() == 0) {
+    if (s.spec.role != membership::Role::kPrefill || !s.healthy ||
+        s.report.local_tier_bytes() == 0) {
       continue;
     }
     NodeFeed& f = node_feeds_[s.spec.id];
@@ -594,7 +595,7 @@ void ClusterBackend::MaybeWatchNodeTiers() {
       f.feed =
           std::make_unique<StoreFeed>(index_.get(), s.spec.id, layer_names_, HolderKind::kNode);
       if (!f.feed->status().ok()) {
-        cluster::Log("",
+        serving::Log("",
                      absl::StrCat("prefill node ", s.spec.id, ": ", f.feed->status().ToString()));
       }
     }
@@ -605,7 +606,7 @@ void ClusterBackend::MaybeWatchNodeTiers() {
       f.client = *std::move(c);
       StoreFeed* feed = f.feed.get();
       f.watch = f.client->Watch(0, [feed](const kvstore::WatchUpdate& u) { feed->OnUpdate(u); });
-      cluster::Log("",
+      serving::Log("",
                    absl::StrCat("prefill node ", s.spec.id, " has its own tier of ",
                                 s.report.local_tier_bytes() >> 20, " MiB; watching its blocks"));
     } else if (f.feed->resync_needed()) {
@@ -728,7 +729,7 @@ absl::StatusOr<std::unique_ptr<RequestHandle>> ClusterBackend::Start(
   const absl::Time now = absl::Now();
   auto refuse = [&](absl::Status s) {
     CountOutcome(s);
-    cluster::Log(request.request_id, absl::StrCat("refused: ", s.ToString()));
+    serving::Log(request.request_id, absl::StrCat("refused: ", s.ToString()));
     return s;
   };
   if (request.model != model_name_) {
@@ -855,7 +856,7 @@ void ClusterBackend::StartLater(const std::shared_ptr<ChoiceSet>& later) {
     if (!s.ok()) {
       in_flight_.fetch_sub(1);
       CountOutcome(s);
-      cluster::Log(later->requests[i].request_id,
+      serving::Log(later->requests[i].request_id,
                    absl::StrCat("choice failed to start: ", s.ToString()));
       later->streams[i]->Fail(s);  // fails the whole request; its handle cancels the others
     }
@@ -912,7 +913,7 @@ absl::Status ClusterBackend::Launch(const std::shared_ptr<Request>& r, const std
   r->generate_ctx->set_deadline(absl::ToChronoTime(r->deadline));
 
   routed_total_->Add({{"prefill", d.prefill_id}, {"decode", d.decode_id}}).Increment();
-  cluster::Log(
+  serving::Log(
       r->id,
       absl::StrCat(
           r->node_request_id.empty() ? "routed " : absl::StrCat(r->node_request_id, ": routed "),
@@ -935,7 +936,7 @@ bool ClusterBackend::MaybeRetry(const std::shared_ptr<Request>& r, const absl::S
   }
   if (!retry_budget_.TryWithdraw(absl::Now())) {
     retries_throttled_->Increment();
-    cluster::Log(r->id, absl::StrCat("lost ", lost, " before the first token (", error.ToString(),
+    serving::Log(r->id, absl::StrCat("lost ", lost, " before the first token (", error.ToString(),
                                      "): not retried, the retry budget is spent"));
     return false;
   }
@@ -948,7 +949,7 @@ bool ClusterBackend::MaybeRetry(const std::shared_ptr<Request>& r, const absl::S
     stream = std::move(r->stream);
   }
   retries_->Increment();
-  cluster::Log(r->id, absl::StrCat("lost ", lost, " before the first token (", error.ToString(),
+  serving::Log(r->id, absl::StrCat("lost ", lost, " before the first token (", error.ToString(),
                                    "): retrying once on other nodes"));
   auto next = NextAttempt(r, std::move(stream));
   next->attempt = r->attempt + 1;
@@ -1001,10 +1002,10 @@ void ClusterBackend::OnHandedOff(const std::shared_ptr<Request>& r,
                                                   .completion_tokens = completion});
     }
     CountOutcome(outcome);
-    cluster::Log(r->id, absl::StrCat(from, " handed the request off with nothing left to do"));
+    serving::Log(r->id, absl::StrCat(from, " handed the request off with nothing left to do"));
     return;
   }
-  cluster::Log(r->id, absl::StrCat(from, " is draining and handed the request off after ",
+  serving::Log(r->id, absl::StrCat(from, " is draining and handed the request off after ",
                                    generated.size(), " tokens: continuing on another node"));
   auto next = NextAttempt(r, std::move(stream));
   next->hop = r->hop + 1;  // a hand-off is no failure: the retry stays available
@@ -1084,7 +1085,7 @@ void ClusterBackend::StartNext(const std::shared_ptr<Request>& r,
   in_flight_.fetch_sub(1);
   in_flight_gauge_->Decrement();
   CountOutcome(outcome);
-  cluster::Log(r->id, absl::StrCat("failed: ", outcome.ToString()));
+  serving::Log(r->id, absl::StrCat("failed: ", outcome.ToString()));
 }
 
 void ClusterBackend::OnRegistered(const std::shared_ptr<Request>& r,
@@ -1254,7 +1255,7 @@ void ClusterBackend::OnGenerateDone(const std::shared_ptr<Request>& r, const grp
     End(r, absl::CancelledError("cancelled by the client"));
     return;
   }
-  absl::Status error = kvstore::FromGrpc(status, r->decode_node->description);
+  absl::Status error = rpc::FromGrpc(status, r->decode_node->description);
   {
     std::lock_guard<std::mutex> lock(r->mu);
     if (r->ended.load()) return;
@@ -1316,7 +1317,7 @@ void ClusterBackend::OnPrefillDone(const std::shared_ptr<Request>& r, const grpc
     End(r, absl::CancelledError("cancelled by the client"));
     return;
   }
-  const absl::Status error = kvstore::FromGrpc(status, r->prefill_node->description);
+  const absl::Status error = rpc::FromGrpc(status, r->prefill_node->description);
   if (MaybeRetry(r, error, r->prefill_node->spec.id)) return;
   End(r, error);
 }
@@ -1372,7 +1373,7 @@ void ClusterBackend::End(const std::shared_ptr<Request>& r, const absl::Status& 
   absl::StrAppend(&line, ", ", Millis(now - r->arrival), " total; prefill ",
                   r->prefill_node->spec.id, ", decode ", r->decode_node->spec.id);
   if (!prefill_summary.empty()) absl::StrAppend(&line, "; ", prefill_summary);
-  cluster::Log(r->id, line);
+  serving::Log(r->id, line);
 }
 
 void ClusterBackend::RequestGone(Request* r, std::shared_ptr<const NodeConnection> prefill,
@@ -1393,7 +1394,7 @@ bool ClusterBackend::Healthy(std::string* detail) const {
   std::vector<std::string> unhealthy;
   for (const NodeStatus& s : pool_->Status()) {
     if (s.healthy) {
-      ++(s.spec.role == cluster::Role::kPrefill ? prefill : decode);
+      ++(s.spec.role == membership::Role::kPrefill ? prefill : decode);
     } else {
       unhealthy.push_back(absl::StrCat(s.spec.id, " (", s.problem, ")"));
     }

@@ -2,7 +2,7 @@
 // cluster's prefill and decode nodes over gRPC (proto/serving.proto).
 //
 //   ClusterBackendOptions o;
-//   o.spec = *cluster::LoadClusterFile("cluster.json");
+//   o.spec = *membership::LoadClusterFile("cluster.json");
 //   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<ClusterBackend> backend, ClusterBackend::Create(o));
 //   STRATA_ASSIGN_OR_RETURN(auto server, HttpServer::Start(http_options, backend.get()));
 //
@@ -60,7 +60,7 @@
 // beyond the store's), strata_router_shared_tier_errors_total and
 // strata_router_shared_tier_probe_seconds (with a shared tier).
 //
-// Logs (cluster::Log, with the request id): one line at routing (RouteDecision::Explain) and one
+// Logs (serving::Log, with the request id): one line at routing (RouteDecision::Explain) and one
 // at the end (status, tokens, TTFT).
 //
 // Thread safety: as backend.h requires. Destroying the backend stops the poller and the store
@@ -85,10 +85,10 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "cluster/cluster_file.h"
 #include "common/prefix_key.h"
 #include "grpcpp/support/status.h"
 #include "kvstore/store_client.h"
+#include "membership/cluster_file.h"
 #include "model/config.h"
 #include "model/tokenizer.h"
 #include "prometheus/counter.h"
@@ -108,12 +108,12 @@ namespace strata::router {
 
 struct ClusterBackendOptions {
   // The cluster: model folder, codec, chunk size, calibration, store, nodes
-  // (cluster::LoadClusterFile). spec.model must name a model folder (config.json,
+  // (membership::LoadClusterFile). spec.model must name a model folder (config.json,
   // tokenizer.json, weights: the weights are read once, for the fingerprint that names the
   // model's blocks in the store, then released).
-  cluster::ClusterSpec spec = {};
-  // Who is in the cluster; null: the spec's nodes, fixed (cluster::StaticMembership).
-  std::shared_ptr<const cluster::Membership> membership = nullptr;
+  membership::ClusterSpec spec = {};
+  // Who is in the cluster; null: the spec's nodes, fixed (membership::StaticMembership).
+  std::shared_ptr<const membership::Membership> membership = nullptr;
   // The model name clients ask for ("model"); "" = the model folder's name (as the nodes report).
   std::string model_name = "";
   // Requests in flight at most (Start to Finish / Fail / cancellation); over it Start answers
@@ -139,8 +139,8 @@ struct ClusterBackendOptions {
   RoutingOptions routing = {};
   PrefixIndexOptions index = {};
   // TLS and the cluster token of every gRPC call to the nodes and the store
-  // (kvstore/grpc_security.h); null: insecure (plaintext, no token).
-  std::shared_ptr<const kvstore::GrpcSecurity> security = nullptr;
+  // (rpc/grpc_security.h); null: insecure (plaintext, no token).
+  std::shared_ptr<const rpc::GrpcSecurity> security = nullptr;
   // The shared tier behind the stores (kvstore/shared_tier.h), when the stores have one: the
   // router asks it, as it routes a prompt, for the chunks beyond those the store holds
   // (SharedTierProbe), and credits them as store chunks to every node that reads a store (the
@@ -287,7 +287,7 @@ class ClusterBackend final : public Backend {
   std::vector<BlockName> layer_names_;    // per layer: this model's block namespace in the store
   int64_t created_ = 0;                   // Unix seconds, for ModelCard
   std::unique_ptr<PrefixHasher> hasher_;  // no cache salt; salted requests make their own
-  model::ServedFormat format_;            // the cluster's (cluster::FormatOf)
+  model::ServedFormat format_;            // the cluster's (serving::FormatOf)
 
   std::shared_ptr<prometheus::Registry> registry_;
   prometheus::Family<prometheus::Counter>* requests_total_ = nullptr;

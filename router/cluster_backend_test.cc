@@ -306,22 +306,23 @@ int FreePort() {
   return port;
 }
 
-cluster::ClusterSpec Spec(const std::string& address, const std::string& store = "") {
-  cluster::ClusterSpec spec;
+membership::ClusterSpec Spec(const std::string& address, const std::string& store = "") {
+  membership::ClusterSpec spec;
   spec.path = "test";
   spec.model = ModelDir();
   spec.codec = "fp16";
   spec.chunk_tokens = 64;
   spec.store = store;
-  spec.nodes = {{.id = "prefill-0", .role = cluster::Role::kPrefill, .grpc = address},
+  spec.nodes = {{.id = "prefill-0", .role = membership::Role::kPrefill, .grpc = address},
                 {.id = "decode-0",
-                 .role = cluster::Role::kDecode,
+                 .role = membership::Role::kDecode,
                  .grpc = address,
                  .transport = "127.0.0.1:7301"}};
   return spec;
 }
 
-std::unique_ptr<ClusterBackend> MakeBackend(cluster::ClusterSpec spec, uint32_t max_in_flight = 16,
+std::unique_ptr<ClusterBackend> MakeBackend(membership::ClusterSpec spec,
+                                            uint32_t max_in_flight = 16,
                                             RetryBudgetOptions retry_budget = {}) {
   ClusterBackendOptions o;
   o.spec = std::move(spec);
@@ -608,7 +609,7 @@ TEST_F(FakeClusterTest, PrefillErrorFailsTheRequestAndCancelsTheDecode) {
 
 // prefill-0 (preferred: idle) on `lost` answers UNAVAILABLE, as a lost host does; prefill-1
 // (busy) and decode-0 on `good` work.
-cluster::ClusterSpec LostPrefillNodeSpec(FakeNodes& lost, FakeNodes& good) {
+membership::ClusterSpec LostPrefillNodeSpec(FakeNodes& lost, FakeNodes& good) {
   {
     std::lock_guard<std::mutex> lock(lost.state.mu);
     lost.state.prefill_fails = true;
@@ -619,11 +620,11 @@ cluster::ClusterSpec LostPrefillNodeSpec(FakeNodes& lost, FakeNodes& good) {
     good.state.prefill_id = "prefill-1";
     good.state.prefill_queued_tokens = 100000;
   }
-  cluster::ClusterSpec spec = Spec(good.address());
-  spec.nodes = {{.id = "prefill-0", .role = cluster::Role::kPrefill, .grpc = lost.address()},
-                {.id = "prefill-1", .role = cluster::Role::kPrefill, .grpc = good.address()},
+  membership::ClusterSpec spec = Spec(good.address());
+  spec.nodes = {{.id = "prefill-0", .role = membership::Role::kPrefill, .grpc = lost.address()},
+                {.id = "prefill-1", .role = membership::Role::kPrefill, .grpc = good.address()},
                 {.id = "decode-0",
-                 .role = cluster::Role::kDecode,
+                 .role = membership::Role::kDecode,
                  .grpc = good.address(),
                  .transport = "127.0.0.1:7301"}};
   return spec;
@@ -633,7 +634,7 @@ TEST(ClusterBackendRetryTest, PrefillNodeLostBeforeTheFirstTokenIsRetriedOnceEls
   // The request is routed again, once, avoiding prefill-0, and succeeds; the decode node's first
   // attempt is cancelled.
   FakeNodes lost, good;
-  cluster::ClusterSpec spec = LostPrefillNodeSpec(lost, good);
+  membership::ClusterSpec spec = LostPrefillNodeSpec(lost, good);
   std::unique_ptr<ClusterBackend> backend = MakeBackend(spec);
   ASSERT_NE(backend, nullptr);
   ASSERT_TRUE(WaitForEveryNodeHealthy(*backend));
@@ -675,7 +676,7 @@ TEST(ClusterBackendRetryTest, ASpentRetryBudgetFailsInsteadOfRetrying) {
   // As above, but a budget of no retries at all: the lost node's request fails (UNAVAILABLE)
   // and is counted as throttled.
   FakeNodes lost, good;
-  cluster::ClusterSpec spec = LostPrefillNodeSpec(lost, good);
+  membership::ClusterSpec spec = LostPrefillNodeSpec(lost, good);
   std::unique_ptr<ClusterBackend> backend =
       MakeBackend(spec, 16, RetryBudgetOptions{.ratio = 0, .min_per_second = 0});
   ASSERT_NE(backend, nullptr);
@@ -707,14 +708,14 @@ TEST(ClusterBackendHandOffTest, HandedOffRequestsContinueElsewhereWithTheStreame
     std::lock_guard<std::mutex> lock(shared.mu);
     shared.handoffs_left = 2;
   }
-  cluster::ClusterSpec spec = Spec(a.address());
-  spec.nodes = {{.id = "prefill-0", .role = cluster::Role::kPrefill, .grpc = a.address()},
+  membership::ClusterSpec spec = Spec(a.address());
+  spec.nodes = {{.id = "prefill-0", .role = membership::Role::kPrefill, .grpc = a.address()},
                 {.id = "decode-0",
-                 .role = cluster::Role::kDecode,
+                 .role = membership::Role::kDecode,
                  .grpc = a.address(),
                  .transport = "127.0.0.1:7301"},
                 {.id = "decode-1",
-                 .role = cluster::Role::kDecode,
+                 .role = membership::Role::kDecode,
                  .grpc = b.address(),
                  .transport = "127.0.0.1:7302"}};
   std::unique_ptr<ClusterBackend> backend = MakeBackend(spec);
@@ -1017,7 +1018,7 @@ TEST(ClusterBackendStoreTest, AStoreANodeNamesAsItsHostsIsWatchedUnderItsOwnHold
     st.server = *std::move(server);
     st.address = absl::StrCat("127.0.0.1:", port);
   }
-  cluster::ClusterSpec spec = Spec("127.0.0.1:1", stores[0].address);
+  membership::ClusterSpec spec = Spec("127.0.0.1:1", stores[0].address);
   spec.nodes[0].store = stores[1].address;  // prefill-0's host runs a store of its own
   std::unique_ptr<ClusterBackend> backend = MakeBackend(spec);
   ASSERT_NE(backend, nullptr);

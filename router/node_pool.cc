@@ -7,12 +7,12 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "cluster/node_process.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
-#include "kvstore/grpc_keepalive.h"
-#include "kvstore/grpc_status.h"
 #include "router/routing_policy.h"
+#include "rpc/grpc_keepalive.h"
+#include "rpc/grpc_status.h"
+#include "serving/node_process.h"
 
 namespace strata::router {
 namespace {
@@ -21,8 +21,8 @@ int Millis(absl::Duration d) {
   return static_cast<int>(std::clamp<int64_t>(absl::ToInt64Milliseconds(d), 1, INT32_MAX));
 }
 
-NodeRole RoleOf(cluster::Role role) {
-  return role == cluster::Role::kPrefill ? NodeRole::kPrefill : NodeRole::kDecode;
+NodeRole RoleOf(membership::Role role) {
+  return role == membership::Role::kPrefill ? NodeRole::kPrefill : NodeRole::kDecode;
 }
 
 }  // namespace
@@ -47,7 +47,8 @@ struct NodePool::Probe {
   absl::Time answered_at;
 };
 
-NodePool::NodePool(NodePoolOptions options, std::shared_ptr<const cluster::Membership> membership,
+NodePool::NodePool(NodePoolOptions options,
+                   std::shared_ptr<const membership::Membership> membership,
                    prometheus::Registry* registry)
     : options_(std::move(options)), membership_(std::move(membership)) {
   if (registry != nullptr) {
@@ -61,13 +62,13 @@ NodePool::NodePool(NodePoolOptions options, std::shared_ptr<const cluster::Membe
 
 NodePool::~NodePool() = default;
 
-std::shared_ptr<const NodeConnection> NodePool::Connect(const cluster::NodeSpec& spec) const {
+std::shared_ptr<const NodeConnection> NodePool::Connect(const membership::NodeSpec& spec) const {
   auto c = std::make_shared<NodeConnection>();
   c->spec = spec;
   c->description =
-      absl::StrCat(cluster::RoleName(spec.role), " node ", spec.id, " (", spec.grpc, ")");
+      absl::StrCat(membership::RoleName(spec.role), " node ", spec.id, " (", spec.grpc, ")");
   grpc::ChannelArguments args;
-  kvstore::SetClientKeepalive(&args);
+  rpc::SetClientKeepalive(&args);
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, Millis(options_.max_reconnect_backoff));
@@ -76,7 +77,7 @@ std::shared_ptr<const NodeConnection> NodePool::Connect(const cluster::NodeSpec&
   c->channel = options_.security != nullptr
                    ? options_.security->CreateChannel(spec.grpc, args)
                    : grpc::CreateCustomChannel(spec.grpc, grpc::InsecureChannelCredentials(), args);
-  if (spec.role == cluster::Role::kPrefill) {
+  if (spec.role == membership::Role::kPrefill) {
     c->prefill = strata::v1::PrefillNode::NewStub(c->channel);
   } else {
     c->decode = strata::v1::DecodeNode::NewStub(c->channel);
@@ -85,13 +86,13 @@ std::shared_ptr<const NodeConnection> NodePool::Connect(const cluster::NodeSpec&
 }
 
 std::vector<std::unique_ptr<NodePool::Probe>> NodePool::SyncMembership() {
-  const std::vector<cluster::NodeSpec> members = membership_->Nodes();
+  const std::vector<membership::NodeSpec> members = membership_->Nodes();
   std::vector<std::unique_ptr<Probe>> probes;
   std::vector<std::string> logs;
   {
     std::lock_guard<std::mutex> lock(mu_);
     absl::flat_hash_set<std::string> ids;
-    for (const cluster::NodeSpec& m : members) ids.insert(m.id);
+    for (const membership::NodeSpec& m : members) ids.insert(m.id);
     for (auto it = nodes_.begin(); it != nodes_.end();) {
       if (ids.contains(it->first)) {
         ++it;
@@ -102,7 +103,7 @@ std::vector<std::unique_ptr<NodePool::Probe>> NodePool::SyncMembership() {
       it = nodes_.erase(it);
     }
     order_.clear();
-    for (const cluster::NodeSpec& m : members) {
+    for (const membership::NodeSpec& m : members) {
       auto it = nodes_.find(m.id);
       if (it != nodes_.end() && (it->second.connection->spec.grpc != m.grpc ||
                                  it->second.connection->spec.role != m.role)) {
@@ -116,7 +117,7 @@ std::vector<std::unique_ptr<NodePool::Probe>> NodePool::SyncMembership() {
         n.status.spec = m;
         if (health_family_ != nullptr) {
           n.health_gauge =
-              &health_family_->Add({{"node", m.id}, {"role", cluster::RoleName(m.role)}});
+              &health_family_->Add({{"node", m.id}, {"role", membership::RoleName(m.role)}});
           n.health_gauge->Set(0);
         }
         logs.push_back(
@@ -130,7 +131,7 @@ std::vector<std::unique_ptr<NodePool::Probe>> NodePool::SyncMembership() {
       probes.push_back(std::move(probe));
     }
   }
-  for (const std::string& line : logs) cluster::Log("", line);
+  for (const std::string& line : logs) serving::Log("", line);
   return probes;
 }
 
@@ -166,9 +167,9 @@ void NodePool::PollOnce() {
   for (const std::unique_ptr<Probe>& p : probes) Record(p->id, *p);
 }
 
-std::string NodePool::Contradiction(const cluster::NodeSpec& spec,
+std::string NodePool::Contradiction(const membership::NodeSpec& spec,
                                     const strata::v1::NodeLoad& report) const {
-  const std::string role = cluster::RoleName(spec.role);
+  const std::string role = membership::RoleName(spec.role);
   if (!report.role().empty() && report.role() != role) {
     return absl::StrCat("answers as a ", report.role(), " node, the cluster file says ", role);
   }
@@ -204,7 +205,7 @@ void NodePool::Record(const std::string& id, const Probe& probe) {
     const NodeConnection& c = *n.connection;
     std::string problem;
     if (!probe.status.ok()) {
-      problem = std::string(kvstore::FromGrpc(probe.status, "Load").message());
+      problem = std::string(rpc::FromGrpc(probe.status, "Load").message());
     } else {
       problem = Contradiction(c.spec, probe.response);
       // Leaving the cluster: nothing new goes there (what it runs finishes or is handed off).
@@ -228,7 +229,7 @@ void NodePool::Record(const std::string& id, const Probe& probe) {
     s.problem = problem;
     if (n.health_gauge != nullptr) n.health_gauge->Set(s.healthy ? 1 : 0);
   }
-  if (!line.empty()) cluster::Log("", line);
+  if (!line.empty()) serving::Log("", line);
 }
 
 std::vector<NodeLoad> NodePool::Loads() const {
@@ -264,7 +265,7 @@ double NodePool::DecodeKvBytesPerToken() const {
   std::lock_guard<std::mutex> lock(mu_);
   double most = 0;
   for (const auto& [id, n] : nodes_) {
-    if (n.status.healthy && n.status.spec.role == cluster::Role::kDecode) {
+    if (n.status.healthy && n.status.spec.role == membership::Role::kDecode) {
       most = std::max(most, n.status.report.kv_bytes_per_token());
     }
   }

@@ -13,7 +13,7 @@
 // its first good answer until a Load fails; a node that has never answered is unhealthy. An
 // answer that contradicts the cluster (another role, another node id, another model or chunk
 // size than the router's) also makes the node unhealthy: routing to it would be wrong. Every
-// transition is logged (cluster::Log) and mirrored in the gauge strata_router_node_healthy{node,
+// transition is logged (serving::Log) and mirrored in the gauge strata_router_node_healthy{node,
 // role}. Channels reconnect within max_reconnect_backoff once a node is back.
 //
 // Thread safety: every method is thread-safe; PollOnce is meant to run on one thread at a time
@@ -29,15 +29,15 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
-#include "cluster/cluster_file.h"
 #include "grpcpp/channel.h"
-#include "kvstore/grpc_security.h"
+#include "membership/cluster_file.h"
 #include "model/served_format.h"
 #include "prometheus/family.h"
 #include "prometheus/gauge.h"
 #include "prometheus/registry.h"
 #include "proto/serving.grpc.pb.h"
 #include "router/routing_policy.h"
+#include "rpc/grpc_security.h"
 
 namespace strata::router {
 
@@ -58,14 +58,14 @@ struct NodePoolOptions {
   // The cluster's store (ClusterSpec::store): NodeLoad::store_holder of a node that names none.
   std::string cluster_store = "";
   // TLS and the cluster token of the nodes' channels; null: insecure (plaintext, no token).
-  std::shared_ptr<const kvstore::GrpcSecurity> security = nullptr;
+  std::shared_ptr<const rpc::GrpcSecurity> security = nullptr;
 
   absl::Status Validate() const;
 };
 
 // One node's channel and stub (the one its role serves). Immutable; shared with requests in flight.
 struct NodeConnection {
-  cluster::NodeSpec spec = {};
+  membership::NodeSpec spec = {};
   std::shared_ptr<grpc::Channel> channel = nullptr;
   std::unique_ptr<strata::v1::PrefillNode::Stub> prefill = nullptr;  // role prefill
   std::unique_ptr<strata::v1::DecodeNode::Stub> decode = nullptr;    // role decode
@@ -75,7 +75,7 @@ struct NodeConnection {
 
 // What the pool knows of one node.
 struct NodeStatus {
-  cluster::NodeSpec spec = {};
+  membership::NodeSpec spec = {};
   bool healthy = false;
   std::string problem = "never answered";         // why it is unhealthy; "" when healthy
   strata::v1::NodeLoad report = {};               // the last good answer (empty before one)
@@ -86,7 +86,7 @@ class NodePool {
  public:
   // `membership` must not be null; `registry` (optional; must outlive the pool) receives
   // strata_router_node_healthy. Options must be valid (Validate).
-  NodePool(NodePoolOptions options, std::shared_ptr<const cluster::Membership> membership,
+  NodePool(NodePoolOptions options, std::shared_ptr<const membership::Membership> membership,
            prometheus::Registry* registry);
   ~NodePool();
   NodePool(const NodePool&) = delete;
@@ -114,18 +114,18 @@ class NodePool {
   // One Load in flight (PollOnce).
   struct Probe;
 
-  std::shared_ptr<const NodeConnection> Connect(const cluster::NodeSpec& spec) const;
+  std::shared_ptr<const NodeConnection> Connect(const membership::NodeSpec& spec) const;
   // Follows the membership (connects new nodes, drops departed ones); returns one unstarted
   // probe per member.
   std::vector<std::unique_ptr<Probe>> SyncMembership();
   // Updates `id`'s status from a finished probe; logs and sets the gauge on a change.
   void Record(const std::string& id, const Probe& probe);
   // "" when the report fits the cluster, else why not.
-  std::string Contradiction(const cluster::NodeSpec& spec,
+  std::string Contradiction(const membership::NodeSpec& spec,
                             const strata::v1::NodeLoad& report) const;
 
   const NodePoolOptions options_;
-  const std::shared_ptr<const cluster::Membership> membership_;
+  const std::shared_ptr<const membership::Membership> membership_;
   prometheus::Family<prometheus::Gauge>* health_family_ = nullptr;
 
   mutable std::mutex mu_;  // guards nodes_ and order_

@@ -11,14 +11,14 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "cluster/cluster_file.h"
-#include "cluster/etcd_membership.h"
-#include "cluster/node_process.h"
 #include "common/host_port.h"
-#include "kvstore/grpc_security_flags.h"
 #include "kvstore/shared_tier_flags.h"
+#include "membership/cluster_file.h"
+#include "membership/etcd_membership.h"
 #include "router/cluster_backend.h"
 #include "router/http_server.h"
+#include "rpc/grpc_security_flags.h"
+#include "serving/node_process.h"
 
 ABSL_FLAG(std::string, cluster, "", "the cluster file (required)");
 ABSL_FLAG(std::string, listen, "", "HTTP address HOST:PORT (default: the file's router.http)");
@@ -54,13 +54,14 @@ int Fail(const std::string& what, const absl::Status& s, int code = 1) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  strata::cluster::BlockTerminationSignals();
-  strata::cluster::ConfigureFlagsUsage();
+  strata::serving::BlockTerminationSignals();
+  strata::serving::ConfigureFlagsUsage();
   absl::SetProgramUsageMessage(
       "the Strata router: OpenAI-compatible HTTP in front of a cluster's prefill and decode "
       "nodes.\n  strata-router --cluster cluster.json [--listen 0.0.0.0:8000]");
   absl::ParseCommandLine(argc, argv);
-  namespace cl = strata::cluster;
+  namespace serving = strata::serving;
+  namespace membership = strata::membership;
   namespace rt = strata::router;
   if (absl::GetFlag(FLAGS_cluster).empty()) {
     std::cerr << "strata-router: --cluster is required (see --help)\n";
@@ -81,16 +82,17 @@ int main(int argc, char** argv) {
               << "\n";
     return 2;
   }
-  absl::StatusOr<cl::ClusterSpec> spec = cl::LoadClusterFile(absl::GetFlag(FLAGS_cluster));
+  absl::StatusOr<membership::ClusterSpec> spec =
+      membership::LoadClusterFile(absl::GetFlag(FLAGS_cluster));
   if (!spec.ok()) return Fail("cluster file", spec.status(), 2);
   const std::string listen =
       absl::GetFlag(FLAGS_listen).empty() ? spec->router_http : absl::GetFlag(FLAGS_listen);
-  if (absl::Status s = cl::ValidateHostPort(listen, "--listen"); !s.ok()) {
+  if (absl::Status s = membership::ValidateHostPort(listen, "--listen"); !s.ok()) {
     return Fail("flags", s, 2);
   }
-  cl::SetLogIdentity("strata-router", "");
-  absl::StatusOr<std::shared_ptr<const strata::kvstore::GrpcSecurity>> security =
-      cl::LoadGrpcSecurity(strata::kvstore::GrpcSecurityOptionsFromFlags());
+  serving::SetLogIdentity("strata-router", "");
+  absl::StatusOr<std::shared_ptr<const strata::rpc::GrpcSecurity>> security =
+      serving::LoadGrpcSecurity(strata::rpc::GrpcSecurityOptionsFromFlags());
   if (!security.ok()) return Fail("flags", security.status(), 2);
   const bool https =
       !absl::GetFlag(FLAGS_http_tls_cert).empty() || !absl::GetFlag(FLAGS_http_tls_key).empty();
@@ -115,13 +117,16 @@ int main(int argc, char** argv) {
   if (!shared.ok()) return Fail("flags", shared.status(), 2);
   o.shared_tier = *std::move(shared);
   if (!absl::GetFlag(FLAGS_etcd).empty()) {
-    absl::StatusOr<std::unique_ptr<cl::EtcdMembership>> m = cl::EtcdMembership::Start(
-        cl::NewHttpEtcdClient(absl::GetFlag(FLAGS_etcd)), absl::GetFlag(FLAGS_etcd_prefix),
-        absl::Seconds(std::max(0, absl::GetFlag(FLAGS_etcd_removal_grace_s))));
+    absl::StatusOr<std::unique_ptr<membership::EtcdMembership>> m =
+        membership::EtcdMembership::Start(
+            membership::NewHttpEtcdClient(absl::GetFlag(FLAGS_etcd)),
+            absl::GetFlag(FLAGS_etcd_prefix),
+            absl::Seconds(std::max(0, absl::GetFlag(FLAGS_etcd_removal_grace_s))));
     if (!m.ok()) return Fail("etcd", m.status());
-    cl::Log("", absl::StrCat("membership: ", (*m)->Describe(), " at ", absl::GetFlag(FLAGS_etcd),
-                             ", ", (*m)->Nodes().size(), " nodes now"));
-    o.membership = std::shared_ptr<const cl::Membership>(*std::move(m));
+    serving::Log(
+        "", absl::StrCat("membership: ", (*m)->Describe(), " at ", absl::GetFlag(FLAGS_etcd), ", ",
+                         (*m)->Nodes().size(), " nodes now"));
+    o.membership = std::shared_ptr<const membership::Membership>(*std::move(m));
   }
   absl::StatusOr<std::unique_ptr<rt::ClusterBackend>> backend = rt::ClusterBackend::Create(o);
   if (!backend.ok()) return Fail("backend", backend.status());
@@ -138,8 +143,8 @@ int main(int argc, char** argv) {
     absl::StatusOr<rt::ApiKeys> keys = rt::ApiKeys::Load(absl::GetFlag(FLAGS_api_keys));
     if (!keys.ok()) return Fail("--api_keys", keys.status(), 2);
     h.api_keys = std::make_shared<const rt::ApiKeys>(*std::move(keys));
-    cl::Log("", absl::StrCat("API keys: ", h.api_keys->size(), " keys from ",
-                             absl::GetFlag(FLAGS_api_keys), "; /v1/* needs one"));
+    serving::Log("", absl::StrCat("API keys: ", h.api_keys->size(), " keys from ",
+                                  absl::GetFlag(FLAGS_api_keys), "; /v1/* needs one"));
   }
   if (absl::GetFlag(FLAGS_max_in_flight_per_tenant) < 0) {
     std::cerr << "strata-router: --max_in_flight_per_tenant must be >= 0\n";
@@ -149,14 +154,14 @@ int main(int argc, char** argv) {
   absl::StatusOr<std::unique_ptr<rt::HttpServer>> server = rt::HttpServer::Start(h, backend->get());
   if (!server.ok()) return Fail("HTTP", server.status());
   const std::string shown = absl::StrContains(h.host, ':') ? "[" + h.host + "]" : h.host;
-  if (!https) cl::Log("", "WARNING: --insecure: the HTTP API is plain HTTP (no TLS)");
+  if (!https) serving::Log("", "WARNING: --insecure: the HTTP API is plain HTTP (no TLS)");
   std::cout << "strata-router: serving on " << (https ? "https://" : "http://") << shown << ":"
             << (*server)->port()
             << ((*security)->insecure() ? " (INSECURE: --insecure, plaintext gRPC and HTTP)" : "")
             << std::endl;
 
-  const int signal = cl::WaitForTermination();
-  cl::Log("", absl::StrCat("signal ", signal, ": stopping"));
+  const int signal = serving::WaitForTermination();
+  serving::Log("", absl::StrCat("signal ", signal, ": stopping"));
   (*server)->Stop();  // cancels the open streams
   server->reset();
   backend->reset();  // waits for the cancelled calls to end

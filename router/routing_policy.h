@@ -68,7 +68,7 @@ namespace strata::router {
 
 // The index holder id of the store at `address`: "store" for the cluster's store
 // (`cluster_store`, the cluster file's), "store@ADDRESS" for a store a node names as its host's
-// (cluster::NodeSpec::store).
+// (membership::NodeSpec::store).
 std::string StoreHolderId(const std::string& address, const std::string& cluster_store);
 // The holder id of the shared tier behind the stores (kvstore/shared_tier.h), whose chunks every
 // node that reads a store can have.

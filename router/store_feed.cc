@@ -4,7 +4,7 @@
 #include <utility>
 
 #include "absl/hash/hash.h"
-#include "cluster/node_process.h"
+#include "serving/node_process.h"
 
 namespace strata::router {
 
@@ -38,13 +38,13 @@ uint64_t StoreFeed::IncarnationOf(uint64_t store_id) {
 
 void StoreFeed::Check(const absl::StatusOr<EventOutcome>& outcome) {
   if (!outcome.ok()) {
-    cluster::Log("", absl::StrCat("store feed: ", outcome.status().ToString()));
+    serving::Log("", absl::StrCat("store feed: ", outcome.status().ToString()));
     return;
   }
   if (*outcome == EventOutcome::kGap) {
     gaps_.fetch_add(1);
     if (!resync_.exchange(true)) {
-      cluster::Log("", "store feed: events were lost; asking the store for a snapshot");
+      serving::Log("", "store feed: events were lost; asking the store for a snapshot");
     }
   }
 }
@@ -108,7 +108,7 @@ void StoreFeed::OnUpdate(const kvstore::WatchUpdate& u) {
       in_snapshot_ = false;
       disconnects_.fetch_add(1);
       if (connected_.exchange(false)) {
-        cluster::Log("", absl::StrCat("store feed: disconnected: ", u.status.ToString()));
+        serving::Log("", absl::StrCat("store feed: disconnected: ", u.status.ToString()));
       }
       return;
   }

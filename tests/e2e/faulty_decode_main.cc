@@ -9,8 +9,8 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
-#include "cluster/node_process.h"
 #include "decode_node/decode_node_main.h"
+#include "serving/node_process.h"
 #include "transport/testing/fault_injecting_transport.h"
 
 ABSL_FLAG(int, damage_received_blocks, 0,
@@ -34,7 +34,7 @@ int main(int argc, char** argv) {
               std::lock_guard<std::mutex> lock(*mu);
               return seen->insert(std::string(id)).second && seen->size() % n == 0;
             };
-        strata::cluster::Log("", absl::StrCat("FAILPOINT: damaging every ", n,
+        strata::serving::Log("", absl::StrCat("FAILPOINT: damaging every ", n,
                                               "th block that arrives (--damage_received_blocks)"));
         return std::unique_ptr<strata::transport::Transport>(std::move(damaging));
       });

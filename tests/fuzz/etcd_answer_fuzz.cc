@@ -1,17 +1,17 @@
 // libFuzzer target for what Strata reads from etcd: any bytes, as a node's registration value
-// (cluster::NodeFromJson), as a line of a watch stream, as a range answer and as the body of an
+// (membership::NodeFromJson), as a line of a watch stream, as a range answer and as the body of an
 // HTTP error answer, give a value or a clear error, never a crash; whatever NodeFromJson accepts
 // must hold its invariants and survive a NodeToJson round trip.
 #include <cstddef>
 #include <cstdint>
 #include <string>
 
-#include "cluster/cluster_file.h"
-#include "cluster/etcd_client.h"
-#include "cluster/etcd_membership.h"
+#include "membership/cluster_file.h"
+#include "membership/etcd_client.h"
+#include "membership/etcd_membership.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  using namespace strata::cluster;
+  using namespace strata::membership;
   const std::string text(reinterpret_cast<const char*>(data), size);
   absl::StatusOr<NodeSpec> node = NodeFromJson(text);
   if (node.ok()) {

@@ -513,7 +513,7 @@ function podRunsAsNonRoot(spec, container) {
 
 // ---- Strata's own configuration -----------------------------------------------------------------
 
-// JSON with // and /* */ comments (what cluster/cluster_file.cc accepts) as plain JSON.
+// JSON with // and /* */ comments (what membership/cluster_file.cc accepts) as plain JSON.
 function stripJsonComments(text) {
   let out = '';
   for (let i = 0; i < text.length; i++) {

@@ -26,10 +26,10 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "cluster/cluster_file.h"
-#include "cluster/etcd_client.h"
+#include "membership/cluster_file.h"
+#include "membership/etcd_client.h"
 
-namespace strata::cluster {
+namespace strata::membership {
 
 // A node's registration as JSON, and back (errors name the field).
 std::string NodeToJson(const NodeSpec& node);
@@ -91,7 +91,7 @@ class EtcdMembership final : public Membership {
   mutable std::map<std::string, Entry> nodes_;  // by key; guarded by mu_
   std::map<std::string, StoreSpec> stores_;     // by key; guarded by mu_ (no grace: routing
                                                 // does not depend on them)
-  int64_t revision_ = 0;                   // the last revision applied; watch thread only
+  int64_t revision_ = 0;                        // the last revision applied; watch thread only
   std::atomic<bool> connected_{false};
   std::atomic<bool> stop_{false};
   std::thread thread_;
@@ -130,4 +130,4 @@ class EtcdRegistration {
   std::thread thread_;
 };
 
-}  // namespace strata::cluster
+}  // namespace strata::membership

@@ -1,4 +1,4 @@
-#include "kvstore/grpc_security_flags.h"
+#include "rpc/grpc_security_flags.h"
 
 #include "absl/flags/flag.h"
 
@@ -16,7 +16,7 @@ ABSL_FLAG(bool, insecure, false,
           "plaintext gRPC without a cluster token, instead of the four TLS flags (logged as a "
           "warning; the router's HTTP API is then plain HTTP too)");
 
-namespace strata::kvstore {
+namespace strata::rpc {
 
 GrpcSecurityOptions GrpcSecurityOptionsFromFlags() {
   return {.tls_cert = absl::GetFlag(FLAGS_tls_cert),
@@ -26,4 +26,4 @@ GrpcSecurityOptions GrpcSecurityOptionsFromFlags() {
           .insecure = absl::GetFlag(FLAGS_insecure)};
 }
 
-}  // namespace strata::kvstore
+}  // namespace strata::rpc

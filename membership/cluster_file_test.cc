@@ -1,11 +1,11 @@
-#include "cluster/cluster_file.h"
+#include "membership/cluster_file.h"
 
 #include <string>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
-namespace strata::cluster {
+namespace strata::membership {
 namespace {
 
 using ::testing::HasSubstr;
@@ -87,4 +87,4 @@ TEST(ClusterFileTest, MissingFileIsNotFound) {
 }
 
 }  // namespace
-}  // namespace strata::cluster
+}  // namespace strata::membership

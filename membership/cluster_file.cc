@@ -1,4 +1,4 @@
-#include "cluster/cluster_file.h"
+#include "membership/cluster_file.h"
 
 #include <filesystem>
 #include <fstream>
@@ -10,7 +10,7 @@
 #include "common/host_port.h"
 #include "nlohmann/json.hpp"
 
-namespace strata::cluster {
+namespace strata::membership {
 namespace {
 
 using json = nlohmann::json;
@@ -93,9 +93,9 @@ absl::StatusOr<ClusterSpec> ParseClusterFile(const std::string& text, const std:
   ClusterSpec spec;
   spec.path = path;
   const std::string base = std::filesystem::path(path).parent_path().string();
-  for (auto [key, dst] : {std::pair{"model", &spec.model}, std::pair{"codec", &spec.codec},
-                          std::pair{"calibration", &spec.calibration},
-                          std::pair{"store", &spec.store}}) {
+  for (auto [key, dst] :
+       {std::pair{"model", &spec.model}, std::pair{"codec", &spec.codec},
+        std::pair{"calibration", &spec.calibration}, std::pair{"store", &spec.store}}) {
     if (absl::Status s = GetString(doc, key, path, "", dst); !s.ok()) return s;
   }
   if (spec.model.empty()) return Bad(path, "model", "is required (the model's folder)");
@@ -188,4 +188,4 @@ absl::StatusOr<ClusterSpec> LoadClusterFile(const std::string& path) {
   return ParseClusterFile(ss.str(), path);
 }
 
-}  // namespace strata::cluster
+}  // namespace strata::membership

@@ -1,16 +1,16 @@
-#include "cluster/node_flags.h"
+#include "serving/node_flags.h"
 
 #include <algorithm>
 #include <iostream>
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
-#include "cluster/etcd_membership.h"
-#include "cluster/node_process.h"
 #include "common/byte_size.h"
 #include "common/host_port.h"
 #include "kvstore/shared_tier_flags.h"
+#include "membership/etcd_membership.h"
 #include "model/cuda_plugin.h"
+#include "serving/node_process.h"
 
 ABSL_FLAG(std::string, cluster, "", "the cluster file (required)");
 ABSL_FLAG(std::string, node, "", "this node's id in the cluster file (required)");
@@ -43,9 +43,9 @@ ABSL_FLAG(std::string, store, "",
           "this node's own host, waited for up to 30 s at start; registered in etcd with the "
           "node, so that the router credits the node with that store's chunks");
 
-namespace strata::cluster {
+namespace strata::serving {
 
-absl::Status UseNodeStoreFromFlags(ClusterSpec* spec, NodeSpec* self) {
+absl::Status UseNodeStoreFromFlags(membership::ClusterSpec* spec, membership::NodeSpec* self) {
   if (const std::string flag = absl::GetFlag(FLAGS_store); flag == "host") {
     const std::string etcd = absl::GetFlag(FLAGS_etcd);
     if (etcd.empty()) {
@@ -55,9 +55,9 @@ absl::Status UseNodeStoreFromFlags(ClusterSpec* spec, NodeSpec* self) {
         absl::GetFlag(FLAGS_listen).empty() ? self->grpc : absl::GetFlag(FLAGS_listen);
     absl::StatusOr<HostPort> hp = ParseHostPort(listen);
     if (!hp.ok()) return hp.status();
-    std::unique_ptr<EtcdClient> client = NewHttpEtcdClient(etcd);
-    absl::StatusOr<StoreSpec> store =
-        HostStore(*client, absl::GetFlag(FLAGS_etcd_prefix), hp->host, absl::Seconds(30));
+    std::unique_ptr<membership::EtcdClient> client = membership::NewHttpEtcdClient(etcd);
+    absl::StatusOr<membership::StoreSpec> store = membership::HostStore(
+        *client, absl::GetFlag(FLAGS_etcd_prefix), hp->host, absl::Seconds(30));
     if (!store.ok()) {
       return absl::Status(store.status().code(),
                           absl::StrCat("--store host: ", store.status().message()));
@@ -66,7 +66,7 @@ absl::Status UseNodeStoreFromFlags(ClusterSpec* spec, NodeSpec* self) {
                          " (registered in etcd ", etcd, ")"));
     self->store = store->grpc;
   } else if (!flag.empty()) {
-    if (absl::Status s = ValidateHostPort(flag, "--store"); !s.ok()) return s;
+    if (absl::Status s = membership::ValidateHostPort(flag, "--store"); !s.ok()) return s;
     self->store = flag;
   }
   if (!self->store.empty()) spec->store = self->store;
@@ -84,10 +84,11 @@ absl::Status StartNodeFromFlags(const NodeStartOptions& o, NodeStart* n, NodeSta
     return fail("flags",
                 absl::InvalidArgumentError("--cluster and --node are required (see --help)"), 2);
   }
-  absl::StatusOr<ClusterSpec> spec = LoadClusterFile(absl::GetFlag(FLAGS_cluster));
+  absl::StatusOr<membership::ClusterSpec> spec =
+      membership::LoadClusterFile(absl::GetFlag(FLAGS_cluster));
   if (!spec.ok()) return fail("cluster file", spec.status(), 2);
   n->spec = *std::move(spec);
-  absl::StatusOr<NodeSpec> self =
+  absl::StatusOr<membership::NodeSpec> self =
       SelfNode(n->spec, absl::GetFlag(FLAGS_node), o.role, !absl::GetFlag(FLAGS_etcd).empty(),
                absl::GetFlag(FLAGS_listen), o.transport);
   if (!self.ok()) return fail("flags", self.status(), 2);
@@ -107,7 +108,7 @@ absl::Status StartNodeFromFlags(const NodeStartOptions& o, NodeStart* n, NodeSta
         2);
   }
   SetLogIdentity(o.process, n->self.id);
-  absl::StatusOr<std::shared_ptr<const kvstore::GrpcSecurity>> security = NodeSecurityFromFlags();
+  absl::StatusOr<std::shared_ptr<const rpc::GrpcSecurity>> security = NodeSecurityFromFlags();
   if (!security.ok()) return fail("flags", security.status(), 2);
   n->security = *std::move(security);
   absl::StatusOr<model::Device> device = NodeDeviceFromFlags();
@@ -144,11 +145,11 @@ absl::Status ServeNode(const NodeStart& n, const char* process,
     out->metrics = *std::move(e);
   }
   Log("", serving_line(out->port));
-  NodeSpec announce = n.self;
+  membership::NodeSpec announce = n.self;
   announce.grpc = JoinHostPort(ParseHostPort(n.listen)->host, out->port);
   announce.metrics = n.metrics;
   if (!transport.empty()) announce.transport = transport;
-  absl::StatusOr<std::unique_ptr<EtcdRegistration>> registration =
+  absl::StatusOr<std::unique_ptr<membership::EtcdRegistration>> registration =
       RegisterWithEtcd(absl::GetFlag(FLAGS_etcd), absl::GetFlag(FLAGS_etcd_prefix), announce,
                        absl::Seconds(std::max(1, absl::GetFlag(FLAGS_etcd_ttl_s))));
   if (!registration.ok()) return fail("etcd", registration.status());
@@ -158,7 +159,7 @@ absl::Status ServeNode(const NodeStart& n, const char* process,
 }
 
 absl::StatusOr<StoreConnection> ConnectStoreFromFlags(
-    const ClusterSpec& spec, std::shared_ptr<const kvstore::GrpcSecurity> security,
+    const membership::ClusterSpec& spec, std::shared_ptr<const rpc::GrpcSecurity> security,
     uint64_t local_ram_bytes) {
   absl::StatusOr<std::optional<kvstore::SharedTierOptions>> shared =
       kvstore::SharedTierOptionsFromFlags();
@@ -195,8 +196,8 @@ absl::StatusOr<model::Device> NodeDeviceFromFlags() {
   return device;
 }
 
-absl::StatusOr<std::shared_ptr<const kvstore::GrpcSecurity>> NodeSecurityFromFlags() {
-  return LoadGrpcSecurity(kvstore::GrpcSecurityOptionsFromFlags());
+absl::StatusOr<std::shared_ptr<const rpc::GrpcSecurity>> NodeSecurityFromFlags() {
+  return LoadGrpcSecurity(rpc::GrpcSecurityOptionsFromFlags());
 }
 
-}  // namespace strata::cluster
+}  // namespace strata::serving

@@ -1,4 +1,4 @@
-#include "cluster/node_process.h"
+#include "serving/node_process.h"
 
 #include <pthread.h>
 #include <signal.h>
@@ -17,17 +17,17 @@
 #include "common/status_macros.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
-#include "kvstore/grpc_keepalive.h"
 #include "model/config.h"
 #include "model/llama.h"
+#include "rpc/grpc_keepalive.h"
 
-namespace strata::cluster {
+namespace strata::serving {
 
 void ConfigureFlagsUsage() {
   absl::FlagsUsageConfig config;
   auto ours = [](absl::string_view file) {
-    // Mains, cluster/, and the flag sets shared by several processes (kvstore/*_flags.cc).
-    return absl::EndsWith(file, "_main.cc") || absl::StrContains(file, "/cluster/") ||
+    // Mains, serving/, and the flag sets shared by several processes (rpc/, kvstore/ *_flags.cc).
+    return absl::EndsWith(file, "_main.cc") || absl::StrContains(file, "/serving/") ||
            absl::EndsWith(file, "_flags.cc");
   };
   config.contains_help_flags = ours;
@@ -37,7 +37,7 @@ void ConfigureFlagsUsage() {
 
 absl::StatusOr<std::unique_ptr<prometheus::Exposer>> StartMetrics(
     const std::string& address, const std::shared_ptr<prometheus::Registry>& registry) {
-  if (absl::Status s = ValidateHostPort(address, "metrics address"); !s.ok()) return s;
+  if (absl::Status s = membership::ValidateHostPort(address, "metrics address"); !s.ok()) return s;
   try {
     auto exposer = std::make_unique<prometheus::Exposer>(address, /*num_threads=*/1);
     exposer->RegisterCollectable(registry);
@@ -49,7 +49,7 @@ absl::StatusOr<std::unique_ptr<prometheus::Exposer>> StartMetrics(
   }
 }
 
-model::ServedFormat FormatOf(const ClusterSpec& spec, const ServedModel& served,
+model::ServedFormat FormatOf(const membership::ClusterSpec& spec, const ServedModel& served,
                              const PrefixKeyOptions& keys) {
   model::ServedFormat f{.codec = spec.codec,
                         .chunk_tokens = spec.chunk_tokens,
@@ -90,7 +90,7 @@ absl::StatusOr<ServedModel> LoadServedModel(const std::string& model_dir,
 }
 
 absl::StatusOr<StoreConnection> ConnectStore(
-    const ClusterSpec& spec, std::shared_ptr<const kvstore::GrpcSecurity> security,
+    const membership::ClusterSpec& spec, std::shared_ptr<const rpc::GrpcSecurity> security,
     uint64_t local_ram_bytes, const std::optional<kvstore::SharedTierOptions>& shared_tier) {
   StoreConnection c;
   if (!spec.store.empty()) {
@@ -123,16 +123,15 @@ absl::StatusOr<StoreConnection> ConnectStore(
   return c;
 }
 
-absl::StatusOr<std::unique_ptr<EtcdRegistration>> RegisterWithEtcd(const std::string& etcd,
-                                                                   const std::string& prefix,
-                                                                   const NodeSpec& self,
-                                                                   absl::Duration ttl) {
+absl::StatusOr<std::unique_ptr<membership::EtcdRegistration>> RegisterWithEtcd(
+    const std::string& etcd, const std::string& prefix, const membership::NodeSpec& self,
+    absl::Duration ttl) {
   if (etcd.empty()) return nullptr;
-  absl::StatusOr<std::unique_ptr<EtcdRegistration>> r =
-      EtcdRegistration::Start(NewHttpEtcdClient(etcd), prefix, self, ttl);
+  absl::StatusOr<std::unique_ptr<membership::EtcdRegistration>> r =
+      membership::EtcdRegistration::Start(membership::NewHttpEtcdClient(etcd), prefix, self, ttl);
   if (r.ok()) {
-    Log("", absl::StrCat("registered in etcd ", etcd, " as ", prefix, "nodes/", self.id,
-                         " (lease ", absl::FormatDuration(ttl), ")"));
+    Log("", absl::StrCat("registered in etcd ", etcd, " as ", prefix, "nodes/", self.id, " (lease ",
+                         absl::FormatDuration(ttl), ")"));
   }
   return r;
 }
@@ -143,59 +142,61 @@ prometheus::Histogram::BucketBoundaries LatencyBuckets() {
   return b;
 }
 
-absl::StatusOr<NodeSpec> FindNode(const ClusterSpec& spec, const std::string& id, Role role) {
-  const NodeSpec* node = spec.Find(id);
+absl::StatusOr<membership::NodeSpec> FindNode(const membership::ClusterSpec& spec,
+                                              const std::string& id, membership::Role role) {
+  const membership::NodeSpec* node = spec.Find(id);
   if (node == nullptr || node->role != role) {
-    return absl::InvalidArgumentError(absl::StrCat("--node: '", id, "' is not a ", RoleName(role),
-                                                   " node of ", spec.path));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--node: '", id, "' is not a ", membership::RoleName(role), " node of ", spec.path));
   }
   return *node;
 }
 
-absl::StatusOr<NodeSpec> SelfNode(const ClusterSpec& spec, const std::string& id, Role role,
-                                  bool etcd, const std::string& listen,
-                                  const std::string& transport) {
-  absl::StatusOr<NodeSpec> listed = FindNode(spec, id, role);
+absl::StatusOr<membership::NodeSpec> SelfNode(const membership::ClusterSpec& spec,
+                                              const std::string& id, membership::Role role,
+                                              bool etcd, const std::string& listen,
+                                              const std::string& transport) {
+  absl::StatusOr<membership::NodeSpec> listed = FindNode(spec, id, role);
   if (listed.ok() || !etcd || spec.Find(id) != nullptr) return listed;
-  if (!ValidNodeId(id)) {
-    return absl::InvalidArgumentError(absl::StrCat("--node: '", id, "' ", kNodeIdRule));
+  if (!membership::ValidNodeId(id)) {
+    return absl::InvalidArgumentError(absl::StrCat("--node: '", id, "' ", membership::kNodeIdRule));
   }
   if (listen.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--node: '", id, "' is not in ", spec.path,
         "; to join through etcd alone, give its gRPC address with --listen HOST:PORT"));
   }
-  STRATA_RETURN_IF_ERROR(ValidateHostPort(listen, "--listen"));
-  NodeSpec n;
+  STRATA_RETURN_IF_ERROR(membership::ValidateHostPort(listen, "--listen"));
+  membership::NodeSpec n;
   n.id = id;
   n.role = role;
   n.grpc = listen;
-  if (role == Role::kDecode) {
+  if (role == membership::Role::kDecode) {
     n.transport = transport.empty() ? JoinHostPort(ParseHostPort(listen)->host, 0) : transport;
   }
   return n;
 }
 
-absl::StatusOr<std::shared_ptr<const kvstore::GrpcSecurity>> LoadGrpcSecurity(
-    const kvstore::GrpcSecurityOptions& options) {
-  absl::StatusOr<std::shared_ptr<const kvstore::GrpcSecurity>> s =
-      kvstore::GrpcSecurity::Load(options);
+absl::StatusOr<std::shared_ptr<const rpc::GrpcSecurity>> LoadGrpcSecurity(
+    const rpc::GrpcSecurityOptions& options) {
+  absl::StatusOr<std::shared_ptr<const rpc::GrpcSecurity>> s = rpc::GrpcSecurity::Load(options);
   if (s.ok()) Log("", (*s)->insecure() ? (*s)->Describe() : "security: " + (*s)->Describe());
   return s;
 }
 
-absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(
-    grpc::Service* service, const std::string& address, const kvstore::GrpcSecurity& security,
-    int* port) {
+absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(grpc::Service* service,
+                                                              const std::string& address,
+                                                              const rpc::GrpcSecurity& security,
+                                                              int* port) {
   return StartGrpcServer(std::vector<grpc::Service*>{service}, address, security, port);
 }
 
 absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(
     const std::vector<grpc::Service*>& services, const std::string& address,
-    const kvstore::GrpcSecurity& security, int* port) {
+    const rpc::GrpcSecurity& security, int* port) {
   if (security.insecure()) Log("", absl::StrCat(security.Describe(), " (gRPC on ", address, ")"));
   grpc::ServerBuilder b;
-  kvstore::AcceptClientKeepalive(&b);
+  rpc::AcceptClientKeepalive(&b);
   b.AddListeningPort(address, security.ServerCredentials(), port);
   for (grpc::Service* service : services) {
     if (service != nullptr) b.RegisterService(service);
@@ -281,4 +282,4 @@ uint64_t NewIncarnation() {
   return v;
 }
 
-}  // namespace strata::cluster
+}  // namespace strata::serving

@@ -35,7 +35,7 @@
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/support/channel_arguments.h"
 
-namespace strata::kvstore {
+namespace strata::rpc {
 
 // The metadata key the cluster token travels under.
 inline constexpr char kClusterTokenHeader[] = "x-strata-cluster-token";
@@ -98,4 +98,4 @@ class GrpcSecurity {
   std::string description_ = kInsecureWarning;
 };
 
-}  // namespace strata::kvstore
+}  // namespace strata::rpc

@@ -1,4 +1,4 @@
-#include "kvstore/grpc_security.h"
+#include "rpc/grpc_security.h"
 
 #include <openssl/bio.h>
 #include <openssl/crypto.h>
@@ -18,7 +18,7 @@
 #include "grpcpp/security/auth_metadata_processor.h"
 #include "grpcpp/security/credentials.h"
 
-namespace strata::kvstore {
+namespace strata::rpc {
 namespace {
 
 absl::StatusOr<std::string> ReadFile(const std::string& path, const char* flag) {
@@ -224,4 +224,4 @@ std::shared_ptr<grpc::Channel> GrpcSecurity::CreateChannel(
   return grpc::CreateCustomChannel(address, creds, args);
 }
 
-}  // namespace strata::kvstore
+}  // namespace strata::rpc

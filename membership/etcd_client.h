@@ -20,7 +20,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 
-namespace strata::cluster {
+namespace strata::membership {
 
 struct EtcdKeyValue {
   std::string key, value;
@@ -54,10 +54,10 @@ class EtcdClient {
   // the stream breaks (its status returned), etcd cancels it (a compacted revision:
   // FAILED_PRECONDITION naming the compact revision), or `stop` turns true (CANCELLED, within
   // about a second).
-  virtual absl::Status Watch(const std::string& prefix, int64_t start_revision,
-                             const std::function<void(int64_t revision,
-                                                      const std::vector<EtcdEvent>& events)>& on,
-                             const std::atomic<bool>& stop) = 0;
+  virtual absl::Status Watch(
+      const std::string& prefix, int64_t start_revision,
+      const std::function<void(int64_t revision, const std::vector<EtcdEvent>& events)>& on,
+      const std::atomic<bool>& stop) = 0;
 };
 
 // One line of a watch stream: the batch's revision and its events.
@@ -83,4 +83,4 @@ absl::Status EtcdAnswerStatus(int http_status, const std::string& body, const st
 std::unique_ptr<EtcdClient> NewHttpEtcdClient(const std::string& endpoint,
                                               absl::Duration timeout = absl::Seconds(5));
 
-}  // namespace strata::cluster
+}  // namespace strata::membership

@@ -6,7 +6,7 @@
 #include <string>
 
 #include "absl/flags/declare.h"
-#include "kvstore/grpc_security.h"
+#include "rpc/grpc_security.h"
 
 ABSL_DECLARE_FLAG(std::string, tls_cert);
 ABSL_DECLARE_FLAG(std::string, tls_key);
@@ -14,11 +14,11 @@ ABSL_DECLARE_FLAG(std::string, tls_ca);
 ABSL_DECLARE_FLAG(std::string, cluster_token_file);
 ABSL_DECLARE_FLAG(bool, insecure);
 
-namespace strata::kvstore {
+namespace strata::rpc {
 
 // --tls_cert, --tls_key, --tls_ca, --cluster_token_file and --insecure, as GrpcSecurity takes them.
 GrpcSecurityOptions GrpcSecurityOptionsFromFlags();
 
 inline constexpr char kGrpcSecurityFlagsFile[] = "grpc_security_flags.cc";
 
-}  // namespace strata::kvstore
+}  // namespace strata::rpc

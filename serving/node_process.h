@@ -12,17 +12,16 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
-#include "cluster/cluster_file.h"
-#include "cluster/etcd_membership.h"
 #include "common/log.h"
 #include "common/signals.h"
 #include "grpcpp/impl/service_type.h"
 #include "grpcpp/server.h"
 #include "grpcpp/server_context.h"
 #include "kernels/calibration.h"
-#include "kvstore/grpc_security.h"
 #include "kvstore/shared_tier_source.h"
 #include "kvstore/store_client.h"
+#include "membership/cluster_file.h"
+#include "membership/etcd_membership.h"
 #include "model/compute_backend.h"
 #include "model/logprobs.h"
 #include "model/sampler.h"
@@ -34,10 +33,11 @@
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
 #include "proto/serving.pb.h"
+#include "rpc/grpc_security.h"
 
-namespace strata::cluster {
+namespace strata::serving {
 
-// The process's logger (common/log.h), which the services' code calls as cluster::Log.
+// The process's logger (common/log.h), which the services' code calls as serving::Log.
 using ::strata::Log;
 using ::strata::SetLogIdentity;
 
@@ -45,7 +45,7 @@ using ::strata::SetLogIdentity;
 // name otherwise, and strata-prefill's flags live in prefill_main.cc). Call before parsing.
 void ConfigureFlagsUsage();
 
-// How the processes stop (common/signals.h), which the mains call as cluster::.
+// How the processes stop (common/signals.h), which the mains call as serving::.
 using ::strata::BlockTerminationSignals;
 using ::strata::WaitForTermination;
 using ::strata::WaitForTerminationFor;
@@ -68,7 +68,7 @@ struct ServedModel {
 // The format the cluster file names (codec, chunk, the served model's calibration) with the
 // prefix keys `keys` (its chunk_tokens and cache salt ignored): what every node and the router
 // of the cluster serve.
-model::ServedFormat FormatOf(const ClusterSpec& spec, const ServedModel& served,
+model::ServedFormat FormatOf(const membership::ClusterSpec& spec, const ServedModel& served,
                              const PrefixKeyOptions& keys = {});
 
 absl::StatusOr<ServedModel> LoadServedModel(const std::string& model_dir,
@@ -107,46 +107,48 @@ struct StoreConnection {
 // still finds what any host put in the shared tier, and recomputes only what nobody has. The tier
 // is connected on first need (its Redis may come later).
 absl::StatusOr<StoreConnection> ConnectStore(
-    const ClusterSpec& spec, std::shared_ptr<const kvstore::GrpcSecurity> security,
+    const membership::ClusterSpec& spec, std::shared_ptr<const rpc::GrpcSecurity> security,
     uint64_t local_ram_bytes = 0,
     const std::optional<kvstore::SharedTierOptions>& shared_tier = std::nullopt);
 
 // GrpcSecurity::Load, and one log line saying what it is (with --insecure, the warning).
-absl::StatusOr<std::shared_ptr<const kvstore::GrpcSecurity>> LoadGrpcSecurity(
-    const kvstore::GrpcSecurityOptions& options);
+absl::StatusOr<std::shared_ptr<const rpc::GrpcSecurity>> LoadGrpcSecurity(
+    const rpc::GrpcSecurityOptions& options);
 
 // With `etcd` (host:port of its client URL) set, registers `self` under `prefix` with a lease of
 // `ttl` renewed at half of it, and logs it; destroying the result deregisters. Null when `etcd`
 // is empty (the cluster file is the membership).
-absl::StatusOr<std::unique_ptr<EtcdRegistration>> RegisterWithEtcd(const std::string& etcd,
-                                                                   const std::string& prefix,
-                                                                   const NodeSpec& self,
-                                                                   absl::Duration ttl);
+absl::StatusOr<std::unique_ptr<membership::EtcdRegistration>> RegisterWithEtcd(
+    const std::string& etcd, const std::string& prefix, const membership::NodeSpec& self,
+    absl::Duration ttl);
 
 // Exponential histogram buckets in seconds, 100 us .. ~100 s (for TTFT, inter-token, prefill).
 prometheus::Histogram::BucketBoundaries LatencyBuckets();
 
 // This process's entry in the cluster file: kInvalidArgument naming --node when `id` is not a
 // node of `role` there.
-absl::StatusOr<NodeSpec> FindNode(const ClusterSpec& spec, const std::string& id, Role role);
+absl::StatusOr<membership::NodeSpec> FindNode(const membership::ClusterSpec& spec,
+                                              const std::string& id, membership::Role role);
 // This node's entry: the cluster file's (FindNode). With etcd (`etcd` true), a node the file
 // does not list joins from its flags: `listen` (required then) is its gRPC address, and a decode
 // node's transport is `transport`, or the listen host on any port.
-absl::StatusOr<NodeSpec> SelfNode(const ClusterSpec& spec, const std::string& id, Role role,
-                                  bool etcd, const std::string& listen,
-                                  const std::string& transport);
+absl::StatusOr<membership::NodeSpec> SelfNode(const membership::ClusterSpec& spec,
+                                              const std::string& id, membership::Role role,
+                                              bool etcd, const std::string& listen,
+                                              const std::string& transport);
 
 // Builds and starts a gRPC server for `service` on `address` ("host:port", port 0: any), secured
 // by `security` (mutual TLS and the cluster token on every call, or with --insecure plaintext:
 // then the warning is logged for this port); *port gets the port taken. kUnavailable when it
 // cannot listen.
-absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(
-    grpc::Service* service, const std::string& address, const kvstore::GrpcSecurity& security,
-    int* port);
+absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(grpc::Service* service,
+                                                              const std::string& address,
+                                                              const rpc::GrpcSecurity& security,
+                                                              int* port);
 // The same with several services on one port (null entries skipped).
 absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(
     const std::vector<grpc::Service*>& services, const std::string& address,
-    const kvstore::GrpcSecurity& security, int* port);
+    const rpc::GrpcSecurity& security, int* port);
 
 // The sampling options of a serving request (top_p 0, proto3's unset, reads as 1).
 model::SamplingOptions SamplingFromProto(const strata::v1::Sampling& sampling);
@@ -174,4 +176,4 @@ prometheus::Histogram& AddHistogram(prometheus::Registry* registry, const std::s
 // A random nonzero number identifying this process's life (NodeLoad.incarnation).
 uint64_t NewIncarnation();
 
-}  // namespace strata::cluster
+}  // namespace strata::serving

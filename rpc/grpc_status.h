@@ -10,7 +10,7 @@
 #include "absl/strings/string_view.h"
 #include "grpcpp/support/status.h"
 
-namespace strata::kvstore {
+namespace strata::rpc {
 
 inline grpc::Status ToGrpc(const absl::Status& s) {
   if (s.ok()) return grpc::Status::OK;
@@ -25,4 +25,4 @@ inline absl::Status FromGrpc(const grpc::Status& s, absl::string_view where) {
       code, absl::StrCat(where, ": ", absl::StatusCodeToString(code), ": ", s.error_message()));
 }
 
-}  // namespace strata::kvstore
+}  // namespace strata::rpc

@@ -8,7 +8,7 @@
 #include "grpcpp/server_builder.h"
 #include "grpcpp/support/channel_arguments.h"
 
-namespace strata::kvstore {
+namespace strata::rpc {
 
 inline constexpr int kKeepaliveTimeMs = 2000;
 inline constexpr int kKeepaliveTimeoutMs = 2000;
@@ -21,9 +21,10 @@ inline void SetClientKeepalive(grpc::ChannelArguments* args) {
 }
 
 inline void AcceptClientKeepalive(grpc::ServerBuilder* b) {
-  b->AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, kKeepaliveTimeMs / 2);
+  b->AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
+                        kKeepaliveTimeMs / 2);
   b->AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
   b->AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
 }
 
-}  // namespace strata::kvstore
+}  // namespace strata::rpc

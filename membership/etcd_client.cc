@@ -1,4 +1,4 @@
-#include "cluster/etcd_client.h"
+#include "membership/etcd_client.h"
 
 #include <poll.h>
 
@@ -15,7 +15,7 @@
 #include "common/host_port.h"
 #include "nlohmann/json.hpp"
 
-namespace strata::cluster {
+namespace strata::membership {
 namespace {
 
 namespace beast = boost::beast;
@@ -120,8 +120,8 @@ class HttpEtcdClient final : public EtcdClient {
     if (!r.ok()) return r.status();
     const int64_t id = Int(Field(*r, "ID"));
     if (id == 0) {
-      return absl::InternalError(absl::StrCat("etcd ", endpoint_, ": lease grant without an ID: ",
-                                              Field(*r, "error").dump()));
+      return absl::InternalError(absl::StrCat(
+          "etcd ", endpoint_, ": lease grant without an ID: ", Field(*r, "error").dump()));
     }
     return id;
   }
@@ -258,7 +258,8 @@ class HttpEtcdClient final : public EtcdClient {
     }
     json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
     if (j.is_discarded()) {
-      return Unavailable(path.c_str(), absl::StrCat("an answer that is not JSON: ", text.substr(0, 200)));
+      return Unavailable(path.c_str(),
+                         absl::StrCat("an answer that is not JSON: ", text.substr(0, 200)));
     }
     return j;
   }
@@ -274,16 +275,17 @@ absl::StatusOr<EtcdWatchBatch> ParseEtcdWatchLine(const std::string& line,
                                                   const std::string& endpoint) {
   const json j = json::parse(line, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) {
-    return absl::UnavailableError(absl::StrCat("etcd ", endpoint, ": watch: a line that is not JSON"));
+    return absl::UnavailableError(
+        absl::StrCat("etcd ", endpoint, ": watch: a line that is not JSON"));
   }
   if (const json& err = Field(j, "error"); !err.is_null()) {
     return absl::UnavailableError(absl::StrCat("etcd ", endpoint, ": watch: ", err.dump()));
   }
   const json& result = Field(j, "result");
   if (Field(result, "canceled").is_boolean() && Field(result, "canceled").get<bool>()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("etcd ", endpoint, ": watch canceled (compact revision ",
-                     Int(Field(result, "compact_revision")), ")"));
+    return absl::FailedPreconditionError(absl::StrCat("etcd ", endpoint,
+                                                      ": watch canceled (compact revision ",
+                                                      Int(Field(result, "compact_revision")), ")"));
   }
   EtcdWatchBatch batch;
   batch.revision = Int(Field(Field(result, "header"), "revision"));
@@ -301,7 +303,8 @@ absl::StatusOr<EtcdWatchBatch> ParseEtcdWatchLine(const std::string& line,
 absl::StatusOr<EtcdRange> ParseEtcdRange(const std::string& body, const std::string& endpoint) {
   const json j = json::parse(body, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) {
-    return absl::UnavailableError(absl::StrCat("etcd ", endpoint, ": range: an answer that is not JSON"));
+    return absl::UnavailableError(
+        absl::StrCat("etcd ", endpoint, ": range: an answer that is not JSON"));
   }
   return RangeOf(j);
 }
@@ -309,7 +312,8 @@ absl::StatusOr<EtcdRange> ParseEtcdRange(const std::string& body, const std::str
 absl::Status EtcdAnswerStatus(int http_status, const std::string& body, const std::string& where) {
   if (http_status < 400) return absl::OkStatus();
   const std::string shown = body.substr(0, 200);
-  if (http_status >= 500) return absl::UnavailableError(absl::StrCat(where, ": HTTP ", http_status, " ", shown));
+  if (http_status >= 500)
+    return absl::UnavailableError(absl::StrCat(where, ": HTTP ", http_status, " ", shown));
   const json j = json::parse(body, nullptr, /*allow_exceptions=*/false);
   const json& c = Field(j, "code");
   int code = c.is_number_integer() ? c.get<int>() : static_cast<int>(absl::StatusCode::kUnknown);
@@ -324,4 +328,4 @@ std::unique_ptr<EtcdClient> NewHttpEtcdClient(const std::string& endpoint, absl:
   return std::make_unique<HttpEtcdClient>(endpoint, timeout);
 }
 
-}  // namespace strata::cluster
+}  // namespace strata::membership

@@ -1,11 +1,11 @@
 // EtcdClient, EtcdMembership and EtcdRegistration against a real, throwaway etcd (Debian's
 // etcd-server; scripts/setup.sh installs it) on free loopback ports. Skipped, saying so, when no
 // etcd binary is installed.
+#include <netinet/in.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
-#include <netinet/in.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -16,14 +16,14 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "cluster/etcd_client.h"
-#include "cluster/etcd_membership.h"
 #include "common/testing/free_port.h"
 #include "gtest/gtest.h"
+#include "membership/etcd_client.h"
+#include "membership/etcd_membership.h"
 
 extern char** environ;
 
-namespace strata::cluster {
+namespace strata::membership {
 namespace {
 
 constexpr char kEtcd[] = "/usr/bin/etcd";
@@ -46,11 +46,25 @@ class Etcd {
   bool Start() {
     const std::string client = absl::StrCat("http://127.0.0.1:", client_port_);
     const std::string peer = absl::StrCat("http://127.0.0.1:", peer_port_);
-    std::vector<std::string> args = {kEtcd, "--data-dir", dir_, "--listen-client-urls", client,
-                                     "--advertise-client-urls", client, "--listen-peer-urls", peer,
-                                     "--initial-advertise-peer-urls", peer, "--initial-cluster",
-                                     "default=" + peer, "--heartbeat-interval", "10",
-                                     "--election-timeout", "100", "--log-level", "error"};
+    std::vector<std::string> args = {kEtcd,
+                                     "--data-dir",
+                                     dir_,
+                                     "--listen-client-urls",
+                                     client,
+                                     "--advertise-client-urls",
+                                     client,
+                                     "--listen-peer-urls",
+                                     peer,
+                                     "--initial-advertise-peer-urls",
+                                     peer,
+                                     "--initial-cluster",
+                                     "default=" + peer,
+                                     "--heartbeat-interval",
+                                     "10",
+                                     "--election-timeout",
+                                     "100",
+                                     "--log-level",
+                                     "error"};
     std::vector<char*> argv;
     for (std::string& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -129,14 +143,15 @@ TEST_F(EtcdTest, KeyValuesLeasesAndAWatch) {
   std::vector<std::string> seen;
   std::mutex mu;
   std::thread watcher([&] {
-    c->Watch("/t/", r->revision + 1,
-             [&](int64_t, const std::vector<EtcdEvent>& events) {
-               std::lock_guard<std::mutex> lock(mu);
-               for (const EtcdEvent& e : events) {
-                 seen.push_back(absl::StrCat(e.deleted ? "-" : "+", e.kv.key));
-               }
-             },
-             stop)
+    c->Watch(
+         "/t/", r->revision + 1,
+         [&](int64_t, const std::vector<EtcdEvent>& events) {
+           std::lock_guard<std::mutex> lock(mu);
+           for (const EtcdEvent& e : events) {
+             seen.push_back(absl::StrCat(e.deleted ? "-" : "+", e.kv.key));
+           }
+         },
+         stop)
         .IgnoreError();
   });
   ASSERT_TRUE(c->Delete("/t/a").ok());
@@ -176,9 +191,9 @@ TEST_F(EtcdTest, MembershipFollowsRegistrationsAndLeases) {
   auto c = Client();
   absl::StatusOr<int64_t> lease = c->Grant(absl::Seconds(1));
   ASSERT_TRUE(lease.ok());
-  ASSERT_TRUE(c->Put("/strata/x/nodes/decode-9", NodeToJson(Node("decode-9", Role::kDecode, 7039)),
-                     *lease)
-                  .ok());
+  ASSERT_TRUE(
+      c->Put("/strata/x/nodes/decode-9", NodeToJson(Node("decode-9", Role::kDecode, 7039)), *lease)
+          .ok());
   ASSERT_TRUE(Eventually(**m, {"decode-9", "prefill-0"}, absl::Seconds(2)));
   ASSERT_TRUE(Eventually(**m, {"prefill-0"}, absl::Seconds(5)));
   // A registration that is not a node is ignored, with a log line.
@@ -316,4 +331,4 @@ TEST_F(EtcdTest, StoresRegisterAndANodeFindsItsHostsStore) {
 }
 
 }  // namespace
-}  // namespace strata::cluster
+}  // namespace strata::membership

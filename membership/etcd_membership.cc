@@ -1,15 +1,15 @@
-#include "cluster/etcd_membership.h"
+#include "membership/etcd_membership.h"
 
 #include <utility>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "cluster/node_process.h"
 #include "common/host_port.h"
+#include "common/log.h"
 #include "nlohmann/json.hpp"
 
-namespace strata::cluster {
+namespace strata::membership {
 namespace {
 
 using nlohmann::json;
@@ -131,8 +131,8 @@ absl::StatusOr<NodeSpec> NodeFromJson(const std::string& text) {
   }
   const std::string role = str("role");
   if (role != "prefill" && role != "decode") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("node registration ", n.id, ": role must be prefill or decode, got '", role, "'"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "node registration ", n.id, ": role must be prefill or decode, got '", role, "'"));
   }
   n.role = role == "prefill" ? Role::kPrefill : Role::kDecode;
   n.grpc = str("grpc");
@@ -372,4 +372,4 @@ void EtcdRegistration::Loop() {
   }
 }
 
-}  // namespace strata::cluster
+}  // namespace strata::membership

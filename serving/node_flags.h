@@ -1,7 +1,7 @@
 // The flags every serving node (strata-prefill, strata-decode) takes alike, defined once here
-// (cluster/node_flags.cc, listed by --help through ConfigureFlagsUsage) and read by both mains:
+// (serving/node_flags.cc, listed by --help through ConfigureFlagsUsage) and read by both mains:
 // the cluster file and the node's entry, its addresses, etcd membership, UCX transports and
-// transport security (kvstore/grpc_security_flags.h's, shared with the store and the router).
+// transport security (rpc/grpc_security_flags.h's, shared with the store and the router).
 // Flags whose meaning differs by role stay in each main.
 #pragma once
 
@@ -12,11 +12,11 @@
 
 #include "absl/flags/declare.h"
 #include "absl/status/statusor.h"
-#include "cluster/cluster_file.h"
-#include "cluster/node_process.h"
-#include "kvstore/grpc_security.h"
-#include "kvstore/grpc_security_flags.h"  // the security flags, defined there
+#include "membership/cluster_file.h"
 #include "model/compute_backend.h"
+#include "rpc/grpc_security.h"
+#include "rpc/grpc_security_flags.h"  // the security flags, defined there
+#include "serving/node_process.h"
 
 ABSL_DECLARE_FLAG(std::string, cluster);
 ABSL_DECLARE_FLAG(std::string, node);
@@ -29,17 +29,17 @@ ABSL_DECLARE_FLAG(std::string, ucx_tls);
 ABSL_DECLARE_FLAG(std::string, device);
 ABSL_DECLARE_FLAG(std::string, store);
 
-namespace strata::cluster {
+namespace strata::serving {
 
 // The node's gRPC security from --tls_cert, --tls_key, --tls_ca, --cluster_token_file and
 // --insecure (LoadGrpcSecurity: its errors, and its log line).
-absl::StatusOr<std::shared_ptr<const kvstore::GrpcSecurity>> NodeSecurityFromFlags();
+absl::StatusOr<std::shared_ptr<const rpc::GrpcSecurity>> NodeSecurityFromFlags();
 
-// The store the node reads and writes: --store, else its entry's (NodeSpec::store), else the
-// cluster's. Sets self->store to it when the node names one (its etcd registration says so) and
-// spec->store to it (what ConnectStore connects to). kInvalidArgument when --store is not
+// The store the node reads and writes: --store, else its entry's (membership::NodeSpec::store),
+// else the cluster's. Sets self->store to it when the node names one (its etcd registration says
+// so) and spec->store to it (what ConnectStore connects to). kInvalidArgument when --store is not
 // host:port.
-absl::Status UseNodeStoreFromFlags(ClusterSpec* spec, NodeSpec* self);
+absl::Status UseNodeStoreFromFlags(membership::ClusterSpec* spec, membership::NodeSpec* self);
 
 // The start every serving node shares, from the node flags (after ParseCommandLine): the
 // cluster file and this node's entry in it, its gRPC and metrics addresses, the log identity,
@@ -47,16 +47,16 @@ absl::Status UseNodeStoreFromFlags(ClusterSpec* spec, NodeSpec* self);
 // in front. Each main then builds its engine and service on it (flags -> options -> run).
 struct NodeStartOptions {
   const char* process = "strata-node";  // the log identity and the messages' prefix
-  Role role = Role::kPrefill;
-  std::string transport = "";   // the decode node's --transport flag ("" for a prefill node)
+  membership::Role role = membership::Role::kPrefill;
+  std::string transport = "";         // the decode node's --transport flag ("" for a prefill node)
   std::string local_ram_bytes = "0";  // the node's --local_ram_bytes flag
 };
 struct NodeStart {
-  ClusterSpec spec;
-  NodeSpec self;
+  membership::ClusterSpec spec;
+  membership::NodeSpec self;
   std::string listen;   // gRPC address (--listen, else the node's entry)
   std::string metrics;  // /metrics address; "" = off
-  std::shared_ptr<const kvstore::GrpcSecurity> security;
+  std::shared_ptr<const rpc::GrpcSecurity> security;
   ServedModel served;
   uint64_t local_ram_bytes = 0;
   StoreConnection store;
@@ -81,7 +81,7 @@ struct NodeServing {
   int port = 0;
   std::unique_ptr<grpc::Server> server;
   std::unique_ptr<prometheus::Exposer> metrics;
-  std::unique_ptr<EtcdRegistration> registration;
+  std::unique_ptr<membership::EtcdRegistration> registration;
 };
 absl::Status ServeNode(const NodeStart& n, const char* process,
                        const std::vector<grpc::Service*>& services,
@@ -93,7 +93,7 @@ absl::Status ServeNode(const NodeStart& n, const char* process,
 // ConnectStore with the node's --shared_tier flags (kvstore/shared_tier_flags.h, the store's and
 // the router's too): with them, the store fails over to the shared tier while it cannot answer.
 absl::StatusOr<StoreConnection> ConnectStoreFromFlags(
-    const ClusterSpec& spec, std::shared_ptr<const kvstore::GrpcSecurity> security,
+    const membership::ClusterSpec& spec, std::shared_ptr<const rpc::GrpcSecurity> security,
     uint64_t local_ram_bytes);
 
 // Where the node runs the model, from --device (model::ParseDevice: its errors). For a CUDA
@@ -102,4 +102,4 @@ absl::StatusOr<StoreConnection> ConnectStoreFromFlags(
 // error naming the device and the plugin.
 absl::StatusOr<model::Device> NodeDeviceFromFlags();
 
-}  // namespace strata::cluster
+}  // namespace strata::serving

@@ -1,7 +1,7 @@
 // The cluster file: which nodes a Strata cluster has, their roles and addresses, and what they
 // all serve (model, codec, chunk size). Every process reads it: a node finds its own entry by id,
 // the router lists the nodes it routes to. Membership is the interface the router uses: the file
-// (StaticMembership) or etcd (cluster/etcd_membership.h), the router the same either way.
+// (StaticMembership) or etcd (membership/etcd_membership.h), the router the same either way.
 //
 //   {
 //     "model": "../models/strata-tiny",     // relative paths are relative to the file
@@ -34,7 +34,7 @@
 
 #include "absl/status/statusor.h"
 
-namespace strata::cluster {
+namespace strata::membership {
 
 enum class Role { kPrefill, kDecode };
 const char* RoleName(Role role);
@@ -45,7 +45,7 @@ inline constexpr char kNodeIdRule[] =
     "must be 1..64 characters of [A-Za-z0-9._-], not \"store\" or \"shared-tier\"";
 
 struct NodeSpec {
-  std::string id = "";         // [A-Za-z0-9._-], 1..64 chars, unique
+  std::string id = "";  // [A-Za-z0-9._-], 1..64 chars, unique
   Role role = Role::kPrefill;
   std::string grpc = "";       // host:port of the node's gRPC service
   std::string transport = "";  // decode: host:port the block transport listens on
@@ -66,12 +66,12 @@ struct StoreSpec {
 };
 
 struct ClusterSpec {
-  std::string path = "";          // the file it was read from
-  std::string model = "";         // absolute or relative to the current directory (resolved)
+  std::string path = "";   // the file it was read from
+  std::string model = "";  // absolute or relative to the current directory (resolved)
   std::string codec = "fp16";
   uint32_t chunk_tokens = 256;
-  std::string calibration = "";   // resolved like model; "" = none
-  std::string store = "";         // host:port; "" = no store
+  std::string calibration = "";  // resolved like model; "" = none
+  std::string store = "";        // host:port; "" = no store
   std::vector<NodeSpec> nodes = {};
   std::string router_http = "127.0.0.1:8000";
 
@@ -90,7 +90,7 @@ absl::StatusOr<ClusterSpec> LoadClusterFile(const std::string& path);
 absl::Status ValidateHostPort(const std::string& address, const std::string& what);
 
 // Who is in the cluster, as the router sees it: the cluster file's nodes (StaticMembership) or
-// the nodes registered in etcd (EtcdMembership, cluster/etcd_membership.h).
+// the nodes registered in etcd (EtcdMembership, membership/etcd_membership.h).
 class Membership {
  public:
   virtual ~Membership() = default;
@@ -112,4 +112,4 @@ class StaticMembership final : public Membership {
   const ClusterSpec spec_;
 };
 
-}  // namespace strata::cluster
+}  // namespace strata::membership
