@@ -1,25 +1,21 @@
-// One conformance suite for every transport backend this build has: the block shipping protocol
-// (block_protocol.h) and the raw transport contract, each backend for real — UCX over loopback
-// TCP and over shared memory (posix/sysv/cma), the in-process backend in memory. Backends that
-// reach other processes are also tested against a peer process killed with SIGKILL.
+// The block shipping protocol (block_protocol.h) over every transport backend this build has, for
+// real: blocks of every size intact and verified, windows, retries, cancels and timeouts, damage
+// caught, same-host placement in the receiver's ring, pieced and streamed blocks, and a peer
+// process killed with SIGKILL (for backends that reach other processes).
 #include <fcntl.h>
-#include <spawn.h>
 #include <signal.h>
+#include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <gmock/gmock.h>
-#include <gtest/gtest.h>
-
 #include <atomic>
-#include <condition_variable>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <iostream>
 #include <future>
+#include <iostream>
 #include <map>
-#include <mutex>
 #include <random>
 #include <string>
 #include <thread>
@@ -27,166 +23,22 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/crc32c.h"
-#include "transport/block_protocol.h"
-#include "transport/testing/fault_injecting_transport.h"
-#include "transport/inproc/inproc_transport.h"
-#include "transport/ucx/ucx_transport.h"
+#include "transport/testing/backend_fixture.h"
 
 extern char** environ;
 
 namespace strata::transport {
 namespace {
 
+using testing::Gate;
 using ::testing::HasSubstr;
+using testing::RandomBytes;
+using testing::Sink;
+using testing::View;
 
-struct Backend {
-  std::string name;
-  std::string tls;  // UCX only
-};
+class BlockProtocolTest : public testing::BackendTest {};
 
-void PrintTo(const Backend& b, std::ostream* os) { *os << b.name; }
-
-absl::StatusOr<std::unique_ptr<Transport>> MakeTransport(const Backend& b) {
-  if (b.name == "inproc") return CreateInprocTransport({});
-  return CreateUcxTransport({.tls = b.tls});
-}
-
-std::vector<uint8_t> RandomBytes(size_t n, uint32_t seed) {
-  std::vector<uint8_t> v(n);
-  std::mt19937_64 rng(seed);
-  size_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const uint64_t x = rng();
-    std::memcpy(v.data() + i, &x, 8);
-  }
-  for (; i < n; ++i) v[i] = static_cast<uint8_t>(rng());
-  return v;
-}
-
-Payload View(const std::vector<uint8_t>& v) { return {.bytes = {v.data(), v.size()}}; }
-
-// A latch the tests use to hold a consumer.
-class Gate {
- public:
-  void Open() {
-    std::lock_guard<std::mutex> lock(mu_);
-    open_ = true;
-    cv_.notify_all();
-  }
-  void Wait() {
-    std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait(lock, [&] { return open_; });
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool open_ = false;
-};
-
-// Blocks the consumer received, by id (copies, checked against what was sent).
-class Sink {
- public:
-  absl::Status Take(const ReceivedBlock& b) {
-    std::lock_guard<std::mutex> lock(mu_);
-    got_[b.id] = std::vector<uint8_t>(b.bytes.begin(), b.bytes.end());
-    order_.push_back(b.id);
-    cv_.notify_all();
-    return absl::OkStatus();
-  }
-  bool WaitFor(const std::string& id, absl::Duration timeout) {
-    std::unique_lock<std::mutex> lock(mu_);
-    return cv_.wait_for(lock, absl::ToChronoNanoseconds(timeout),
-                        [&] { return got_.contains(id); });
-  }
-  std::vector<uint8_t> Get(const std::string& id) {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = got_.find(id);
-    return it == got_.end() ? std::vector<uint8_t>{} : it->second;
-  }
-  size_t count() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return got_.size();
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::map<std::string, std::vector<uint8_t>> got_;
-  std::vector<std::string> order_;
-};
-
-class TransportConformanceTest : public ::testing::TestWithParam<Backend> {
- protected:
-  void SetUp() override {
-    auto a = MakeTransport(GetParam());
-    ASSERT_TRUE(a.ok()) << a.status();
-    auto b = MakeTransport(GetParam());
-    ASSERT_TRUE(b.ok()) << b.status();
-    sender_transport_ = std::move(*a);
-    receiver_transport_ = std::move(*b);
-  }
-
-  // A receiver whose consumer is `consumer` (default: the sink), and a sender connected to it.
-  // The receiver listens on the receiving transport, or through faulty_ when a test set it.
-  void Start(BlockReceiverOptions ro = {}, BlockSenderOptions so = {},
-             BlockConsumer consumer = nullptr) {
-    if (!consumer) consumer = [this](ReceivedBlock b) { return sink_.Take(b); };
-    sender_.reset();  // one sender and one receiver per transport at a time
-    receiver_.reset();
-    Transport* receiving =
-        faulty_ != nullptr ? static_cast<Transport*>(faulty_.get()) : receiver_transport_.get();
-    auto r = BlockReceiver::Create(receiving, ro, std::move(consumer));
-    ASSERT_TRUE(r.ok()) << r.status();
-    receiver_ = std::move(*r);
-    auto s = BlockSender::Create(sender_transport_.get(), so);
-    ASSERT_TRUE(s.ok()) << s.status();
-    sender_ = std::move(*s);
-    auto ep = sender_transport_->Connect(receiving->address(), absl::Seconds(10));
-    ASSERT_TRUE(ep.ok()) << ep.status();
-    peer_ = std::move(*ep);
-  }
-
-  // A receiver whose first block arrives damaged and a sender that waits 5 s before sending a
-  // block again; sends block "x" (100 KB of `seed`) and returns once the sender has its DATA_LOSS
-  // answer, the transfer waiting for its next attempt.
-  void SendOneDamagedOnce(uint32_t seed, std::shared_ptr<Transfer>* t) {
-    faulty_ = std::make_unique<FaultInjectingTransport>(receiver_transport_.get());
-    faulty_->corrupt = [](int n) { return n == 1; };
-    ASSERT_NO_FATAL_FAILURE(Start({}, {.max_attempts = 3, .retry_backoff = absl::Seconds(5)}));
-    sent_ = RandomBytes(100000, seed);
-    *t = sender_->Send(peer_, "x", View(sent_));
-    const absl::Time until = absl::Now() + absl::Seconds(10);
-    while (receiver_->stats().checksum_failures == 0 && absl::Now() < until) {
-      absl::SleepFor(absl::Milliseconds(1));
-    }
-    absl::SleepFor(absl::Milliseconds(500));  // (the DATA_LOSS ack reaches the sender)
-    ASSERT_FALSE((*t)->done()) << (*t)->status();
-  }
-
-  void TearDown() override {
-    hold_.Open();  // a failed test may have left a consumer waiting
-    sender_.reset();
-    receiver_.reset();
-    faulty_.reset();
-    peer_.reset();
-    sender_transport_.reset();
-    receiver_transport_.reset();
-  }
-
-  // Gates and the sink outlive the receiver (whose consumers use them): members, not locals.
-  Gate hold_;
-  Sink sink_;
-  std::unique_ptr<Transport> sender_transport_;
-  std::unique_ptr<Transport> receiver_transport_;
-  std::unique_ptr<FaultInjectingTransport> faulty_;  // wraps receiver_transport_ when set
-  std::unique_ptr<BlockReceiver> receiver_;
-  std::unique_ptr<BlockSender> sender_;
-  std::shared_ptr<Endpoint> peer_;
-  std::vector<uint8_t> sent_;  // SendOneDamagedOnce's block (alive while it is sent)
-};
-
-TEST_P(TransportConformanceTest, BlocksOfEverySizeArriveIntactAndVerified) {
+TEST_P(BlockProtocolTest, BlocksOfEverySizeArriveIntactAndVerified) {
   Start();
   const size_t sizes[] = {0, 1, 7, 4096, 65537, 1 << 20, 64 << 20};
   uint32_t seed = 1;
@@ -202,7 +54,7 @@ TEST_P(TransportConformanceTest, BlocksOfEverySizeArriveIntactAndVerified) {
   EXPECT_EQ(receiver_->stats().checksum_failures, 0u);
 }
 
-TEST_P(TransportConformanceTest, ManyConcurrentTransfersAllComplete) {
+TEST_P(BlockProtocolTest, ManyConcurrentTransfersAllComplete) {
   Start({}, {.max_bytes_in_flight = 4 << 20});
   constexpr int kBlocks = 300;
   std::vector<std::vector<uint8_t>> data;
@@ -228,7 +80,7 @@ TEST_P(TransportConformanceTest, ManyConcurrentTransfersAllComplete) {
 
 // Several prefill nodes ship to one decode node at once: every block arrives, each sender's
 // window holds, and the acknowledgements find their way back to the right sender.
-TEST_P(TransportConformanceTest, SeveralSendersToOneReceiver) {
+TEST_P(BlockProtocolTest, SeveralSendersToOneReceiver) {
   Start();
   constexpr int kSenders = 3, kBlocks = 40;
   std::vector<std::unique_ptr<Transport>> transports;
@@ -272,7 +124,7 @@ TEST_P(TransportConformanceTest, SeveralSendersToOneReceiver) {
   eps.clear();
 }
 
-TEST_P(TransportConformanceTest, TransfersCompleteOutOfOrder) {
+TEST_P(BlockProtocolTest, TransfersCompleteOutOfOrder) {
   Start({.verify_threads = 2}, {}, [&](ReceivedBlock b) {
     if (b.id == "a") hold_.Wait();
     return sink_.Take(b);
@@ -287,7 +139,7 @@ TEST_P(TransportConformanceTest, TransfersCompleteOutOfOrder) {
   EXPECT_EQ(sink_.Get("a"), a_data);
 }
 
-TEST_P(TransportConformanceTest, ChecksumMismatchIsDataLossAndNeverHandedOn) {
+TEST_P(BlockProtocolTest, ChecksumMismatchIsDataLossAndNeverHandedOn) {
   Start();
   const auto data = RandomBytes(300000, 3);
   const uint32_t wrong = Crc32c(data.data(), data.size()) ^ 1;
@@ -307,7 +159,7 @@ TEST_P(TransportConformanceTest, ChecksumMismatchIsDataLossAndNeverHandedOn) {
 // Blocks verified on the transport's thread (BlockReceiverOptions::inline_max_bytes) behave the
 // same: intact ones delivered, corrupt ones refused with DATA_LOSS; larger ones still go through
 // the verify threads.
-TEST_P(TransportConformanceTest, InlineVerificationDeliversAndRefusesAlike) {
+TEST_P(BlockProtocolTest, InlineVerificationDeliversAndRefusesAlike) {
   Start({.inline_max_bytes = 100000});
   const auto small = RandomBytes(50000, 20), large = RandomBytes(300000, 21);
   EXPECT_TRUE(sender_->Send(peer_, "small", View(small))->Wait().ok());
@@ -322,7 +174,7 @@ TEST_P(TransportConformanceTest, InlineVerificationDeliversAndRefusesAlike) {
 }
 
 // What a node's /metrics shows: the counters and the transfer-time histogram follow the traffic.
-TEST_P(TransportConformanceTest, MetricsCountWhatHappened) {
+TEST_P(BlockProtocolTest, MetricsCountWhatHappened) {
   Start();
   const auto data = RandomBytes(70000, 70);
   EXPECT_TRUE(sender_->Send(peer_, "m1", View(data))->Wait().ok());
@@ -340,7 +192,7 @@ TEST_P(TransportConformanceTest, MetricsCountWhatHappened) {
   EXPECT_THAT(received, HasSubstr("\nstrata_transport_received_pending_bytes 0\n"));
 }
 
-TEST_P(TransportConformanceTest, ConsumerRefusalAndSizeLimitComeBackToTheSender) {
+TEST_P(BlockProtocolTest, ConsumerRefusalAndSizeLimitComeBackToTheSender) {
   Start({.max_block_bytes = 1 << 20}, {}, [&](ReceivedBlock b) -> absl::Status {
     if (b.id == "dup") return absl::AlreadyExistsError("have it");
     return sink_.Take(b);
@@ -355,7 +207,7 @@ TEST_P(TransportConformanceTest, ConsumerRefusalAndSizeLimitComeBackToTheSender)
   EXPECT_EQ(receiver_->stats().refused, 1u);
 }
 
-TEST_P(TransportConformanceTest, CancelCompletesPromptlyWithCancelled) {
+TEST_P(BlockProtocolTest, CancelCompletesPromptlyWithCancelled) {
   Start({}, {}, [&](ReceivedBlock b) {
     hold_.Wait();
     return sink_.Take(b);
@@ -373,7 +225,7 @@ TEST_P(TransportConformanceTest, CancelCompletesPromptlyWithCancelled) {
   EXPECT_TRUE(sender_->Send(peer_, "y", View(data))->Wait().ok());
 }
 
-TEST_P(TransportConformanceTest, UnacknowledgedTransferTimesOut) {
+TEST_P(BlockProtocolTest, UnacknowledgedTransferTimesOut) {
   Start({}, {}, [&](ReceivedBlock b) {
     hold_.Wait();
     return sink_.Take(b);
@@ -386,11 +238,12 @@ TEST_P(TransportConformanceTest, UnacknowledgedTransferTimesOut) {
   EXPECT_LT(absl::Now() - start, absl::Seconds(5));
   hold_.Open();
   // The late acknowledgement is counted, not delivered to anybody.
-  for (int i = 0; i < 500 && sender_->stats().late_acks == 0; ++i) absl::SleepFor(absl::Milliseconds(10));
+  for (int i = 0; i < 500 && sender_->stats().late_acks == 0; ++i)
+    absl::SleepFor(absl::Milliseconds(10));
   EXPECT_EQ(sender_->stats().late_acks, 1u);
 }
 
-TEST_P(TransportConformanceTest, SlowConsumerSlowsTheSenderWithinItsWindow) {
+TEST_P(BlockProtocolTest, SlowConsumerSlowsTheSenderWithinItsWindow) {
   constexpr uint64_t kWindow = 256 << 10;
   Start({}, {.max_bytes_in_flight = kWindow}, [&](ReceivedBlock b) {
     absl::SleepFor(absl::Milliseconds(3));
@@ -406,7 +259,7 @@ TEST_P(TransportConformanceTest, SlowConsumerSlowsTheSenderWithinItsWindow) {
   EXPECT_EQ(sink_.count(), 40u);
 }
 
-TEST_P(TransportConformanceTest, WindowThatNeverOpensTimesOutWithoutSending) {
+TEST_P(BlockProtocolTest, WindowThatNeverOpensTimesOutWithoutSending) {
   Start({}, {.max_bytes_in_flight = 1000}, [&](ReceivedBlock b) {
     hold_.Wait();
     return sink_.Take(b);
@@ -424,13 +277,13 @@ TEST_P(TransportConformanceTest, WindowThatNeverOpensTimesOutWithoutSending) {
 
 // Corruption after the backend placed the payload (the header's CRC is right): the receiver's
 // check catches it, the sender gets DATA_LOSS, the consumer never sees those bytes.
-TEST_P(TransportConformanceTest, PayloadCorruptedInFlightIsCaughtAndNeverHandedOn) {
+TEST_P(BlockProtocolTest, PayloadCorruptedInFlightIsCaughtAndNeverHandedOn) {
   faulty_ = std::make_unique<FaultInjectingTransport>(receiver_transport_.get());
   faulty_->corrupt = [](int n) { return n % 3 == 0; };
   // (On ucx_shm the later blocks are placed in the receiver's ring; from 256 KiB on, streamed.
   // One attempt each: DamagedBlockIsSentAgain… covers the next.)
-  ASSERT_NO_FATAL_FAILURE(Start(
-      {}, {.placement_min_bytes = 1, .stream_min_bytes = 256 << 10, .max_attempts = 1}));
+  ASSERT_NO_FATAL_FAILURE(
+      Start({}, {.placement_min_bytes = 1, .stream_min_bytes = 256 << 10, .max_attempts = 1}));
   std::vector<std::vector<uint8_t>> data;
   for (int i = 0; i < 9; ++i) data.push_back(RandomBytes(1000 + 70000 * i, 50 + i));
   for (int i = 0; i < 9; ++i) {
@@ -452,11 +305,10 @@ TEST_P(TransportConformanceTest, PayloadCorruptedInFlightIsCaughtAndNeverHandedO
 // A block damaged on the way is sent again (the receiver's DATA_LOSS is a passing refusal): it
 // arrives intact and the damaged copy is never handed on. One damaged on every attempt fails
 // with DATA_LOSS saying which attempt was the last.
-TEST_P(TransportConformanceTest, DamagedBlockIsSentAgainAndArrivesIntact) {
+TEST_P(BlockProtocolTest, DamagedBlockIsSentAgainAndArrivesIntact) {
   faulty_ = std::make_unique<FaultInjectingTransport>(receiver_transport_.get());
   faulty_->corrupt = [](int n) { return n == 1 || (n >= 3 && n <= 5); };
-  ASSERT_NO_FATAL_FAILURE(
-      Start({}, {.max_attempts = 3, .retry_backoff = absl::Milliseconds(1)}));
+  ASSERT_NO_FATAL_FAILURE(Start({}, {.max_attempts = 3, .retry_backoff = absl::Milliseconds(1)}));
   const auto a = RandomBytes(200000, 61), b = RandomBytes(200000, 62), c = RandomBytes(5000, 63);
   absl::Status st = sender_->Send(peer_, "a", View(a))->Wait();  // messages 1 (damaged) and 2
   EXPECT_TRUE(st.ok()) << st;
@@ -479,15 +331,15 @@ TEST_P(TransportConformanceTest, DamagedBlockIsSentAgainAndArrivesIntact) {
 // A receiver that holds its limit of pending bytes refuses a block for now (RESOURCE_EXHAUSTED,
 // retryable): the sender sends it again after its backoff, and it goes through once there is
 // room. A consumer's own refusal is never retried.
-TEST_P(TransportConformanceTest, RefusedForNowIsSentAgainOnceThereIsRoom) {
-  ASSERT_NO_FATAL_FAILURE(Start(
-      {.max_block_bytes = 256 << 10, .max_pending_bytes = 256 << 10},
-      {.placement_min_bytes = 0, .max_attempts = 5, .retry_backoff = absl::Milliseconds(200)},
-      [this](ReceivedBlock b) -> absl::Status {
-        if (b.id == "first") hold_.Wait();
-        if (b.id == "dup") return absl::AlreadyExistsError("have it");
-        return sink_.Take(b);
-      }));
+TEST_P(BlockProtocolTest, RefusedForNowIsSentAgainOnceThereIsRoom) {
+  ASSERT_NO_FATAL_FAILURE(
+      Start({.max_block_bytes = 256 << 10, .max_pending_bytes = 256 << 10},
+            {.placement_min_bytes = 0, .max_attempts = 5, .retry_backoff = absl::Milliseconds(200)},
+            [this](ReceivedBlock b) -> absl::Status {
+              if (b.id == "first") hold_.Wait();
+              if (b.id == "dup") return absl::AlreadyExistsError("have it");
+              return sink_.Take(b);
+            }));
   const auto data = RandomBytes(200000, 64);
   auto first = sender_->Send(peer_, "first", View(data));
   auto second = sender_->Send(peer_, "second", View(data));
@@ -509,7 +361,7 @@ TEST_P(TransportConformanceTest, RefusedForNowIsSentAgainOnceThereIsRoom) {
 }
 
 // Cancel reaches a transfer waiting for its next attempt.
-TEST_P(TransportConformanceTest, CancelBetweenAttemptsCompletesWithCancelled) {
+TEST_P(BlockProtocolTest, CancelBetweenAttemptsCompletesWithCancelled) {
   std::shared_ptr<Transfer> t;
   ASSERT_NO_FATAL_FAILURE(SendOneDamagedOnce(65, &t));
   const absl::Time cancelled = absl::Now();
@@ -528,27 +380,28 @@ TEST_P(TransportConformanceTest, CancelBetweenAttemptsCompletesWithCancelled) {
 // holds, a damaged block waiting for its retry, a third block waiting for room that the consumer
 // will hold too) while peer B's damaged block is sent again and arrives. (When a retry gave its
 // room up, the third block took it, and the retry thread waited for A's consumer.)
-TEST_P(TransportConformanceTest, ARetryKeepsItsWindowRoomAndNeverWaitsBehindAnotherPeer) {
+TEST_P(BlockProtocolTest, ARetryKeepsItsWindowRoomAndNeverWaitsBehindAnotherPeer) {
   faulty_ = std::make_unique<FaultInjectingTransport>(receiver_transport_.get());
   faulty_->corrupt = [](int n) { return n == 2; };  // A's second block, first attempt
   constexpr size_t kSize = 100000;
-  ASSERT_NO_FATAL_FAILURE(Start(
-      {.verify_threads = 2},
-      {.max_bytes_in_flight = 2 * kSize, .placement_min_bytes = 0, .max_attempts = 3,
-       .retry_backoff = absl::Milliseconds(200)},
-      [this](ReceivedBlock b) -> absl::Status {
-        if (b.id == "a1" || b.id == "a3") hold_.Wait();  // each holds one of A's two threads
-        return sink_.Take(b);
-      }));
+  ASSERT_NO_FATAL_FAILURE(Start({.verify_threads = 2},
+                                {.max_bytes_in_flight = 2 * kSize,
+                                 .placement_min_bytes = 0,
+                                 .max_attempts = 3,
+                                 .retry_backoff = absl::Milliseconds(200)},
+                                [this](ReceivedBlock b) -> absl::Status {
+                                  if (b.id == "a1" || b.id == "a3")
+                                    hold_.Wait();  // each holds one of A's two threads
+                                  return sink_.Take(b);
+                                }));
   // Peer B: its own transport and receiver; its first block arrives damaged.
   auto b_transport = MakeTransport(GetParam());
   ASSERT_TRUE(b_transport.ok()) << b_transport.status();
   FaultInjectingTransport b_faulty(b_transport->get());
   b_faulty.corrupt = [](int n) { return n == 1; };
   Sink b_sink;
-  auto b_receiver = BlockReceiver::Create(&b_faulty, {}, [&](ReceivedBlock b) {
-    return b_sink.Take(b);
-  });
+  auto b_receiver =
+      BlockReceiver::Create(&b_faulty, {}, [&](ReceivedBlock b) { return b_sink.Take(b); });
   ASSERT_TRUE(b_receiver.ok()) << b_receiver.status();
   auto b_peer = sender_transport_->Connect(b_faulty.address(), absl::Seconds(10));
   ASSERT_TRUE(b_peer.ok()) << b_peer.status();
@@ -587,7 +440,7 @@ TEST_P(TransportConformanceTest, ARetryKeepsItsWindowRoomAndNeverWaitsBehindAnot
 
 // A peer that fails while a block waits to be sent to it again fails that block at once, with
 // UNAVAILABLE, rather than at its next attempt.
-TEST_P(TransportConformanceTest, PeerFailingWhileABlockWaitsToBeSentAgainFailsItAtOnce) {
+TEST_P(BlockProtocolTest, PeerFailingWhileABlockWaitsToBeSentAgainFailsItAtOnce) {
   std::shared_ptr<Transfer> t;
   ASSERT_NO_FATAL_FAILURE(SendOneDamagedOnce(66, &t));
   const absl::Time gone = absl::Now();
@@ -603,7 +456,7 @@ TEST_P(TransportConformanceTest, PeerFailingWhileABlockWaitsToBeSentAgainFailsIt
 }
 
 // A lost message: that transfer times out, the next one on the same connection goes through.
-TEST_P(TransportConformanceTest, LostMessageTimesOutAndTheNextGoesThrough) {
+TEST_P(BlockProtocolTest, LostMessageTimesOutAndTheNextGoesThrough) {
   faulty_ = std::make_unique<FaultInjectingTransport>(receiver_transport_.get());
   faulty_->drop = [](int n) { return n == 1; };
   ASSERT_NO_FATAL_FAILURE(Start());
@@ -617,7 +470,7 @@ TEST_P(TransportConformanceTest, LostMessageTimesOutAndTheNextGoesThrough) {
 }
 
 // A prefill node sends layer by layer: the consumer has layer 0 before layer 1 is even sent.
-TEST_P(TransportConformanceTest, LayersStreamOneByOne) {
+TEST_P(BlockProtocolTest, LayersStreamOneByOne) {
   Start();
   constexpr int kLayers = 4;
   std::vector<std::vector<uint8_t>> layers;
@@ -632,79 +485,6 @@ TEST_P(TransportConformanceTest, LayersStreamOneByOne) {
   for (auto& t : ts) EXPECT_TRUE(t->Wait().ok());
 }
 
-// The endpoint says what it runs over; the UCX variants run over the transports they name.
-TEST_P(TransportConformanceTest, DescribesWhatTheConnectionRunsOver) {
-  Start();
-  const std::string d = peer_->Describe();
-  std::cout << GetParam().name << ": " << d << "\n";
-  EXPECT_THAT(d, HasSubstr(receiver_transport_->address()));
-  if (GetParam().name == "ucx_tcp") {
-    EXPECT_THAT(d, HasSubstr("tcp"));
-  }
-  if (GetParam().name == "ucx_shm") {
-    EXPECT_THAT(d, ::testing::ContainsRegex("posix|sysv|cma"));
-  }
-}
-
-// The raw transport: one-sided Put where the backend has it.
-TEST_P(TransportConformanceTest, PutWritesIntoThePeersRegisteredRegion) {
-  if (!sender_transport_->capabilities().one_sided) GTEST_SKIP() << "backend is not one-sided";
-  Start();
-  std::vector<uint8_t> target(1 << 20, 0);
-  auto region = receiver_transport_->Register(target.data(), target.size(), MemoryKind::kHost);
-  ASSERT_TRUE(region.ok()) << region.status();
-  auto desc = (*region)->RemoteDescriptor();
-  ASSERT_TRUE(desc.ok()) << desc.status();
-  const auto data = RandomBytes(300000, 10);
-  auto src = sender_transport_->Register(const_cast<uint8_t*>(data.data()), data.size(),
-                                         MemoryKind::kHost);
-  ASSERT_TRUE(src.ok());
-  std::promise<absl::Status> done;
-  peer_->Put({.bytes = {data.data(), data.size()}, .region = src->get()}, *desc, 4096,
-             absl::Seconds(10), [&](absl::Status s) { done.set_value(s); });
-  ASSERT_TRUE(done.get_future().get().ok());
-  EXPECT_TRUE(std::equal(data.begin(), data.end(), target.begin() + 4096));
-  EXPECT_EQ(target[4095], 0);
-  EXPECT_EQ(target[4096 + data.size()], 0);
-
-  std::promise<absl::Status> overrun;
-  peer_->Put({.bytes = {data.data(), data.size()}}, *desc, target.size() - 10, absl::Seconds(10),
-             [&](absl::Status s) { overrun.set_value(s); });
-  EXPECT_EQ(overrun.get_future().get().code(), absl::StatusCode::kOutOfRange);
-  std::promise<absl::Status> garbage;
-  peer_->Put({.bytes = {data.data(), 10}}, "not a descriptor", 0, absl::Seconds(10),
-             [&](absl::Status s) { garbage.set_value(s); });
-  EXPECT_EQ(garbage.get_future().get().code(), absl::StatusCode::kInvalidArgument);
-}
-
-TEST_P(TransportConformanceTest, MapGivesSameHostSharedMemoryOrSaysItCannot) {
-  Start();
-  auto region = receiver_transport_->Allocate(1 << 20, MemoryKind::kHost);
-  ASSERT_TRUE(region.ok()) << region.status();
-  auto desc = (*region)->RemoteDescriptor();
-  if (!desc.ok()) {
-    EXPECT_EQ(desc.status().code(), absl::StatusCode::kUnimplemented) << desc.status();
-    EXPECT_EQ(peer_->Map("x").status().code(), absl::StatusCode::kUnimplemented);
-    return;
-  }
-  absl::StatusOr<std::span<uint8_t>> mapped = peer_->Map(*desc);
-  if (GetParam().name != "ucx_shm") {  // another transport or no shared memory: refused cleanly
-    EXPECT_EQ(mapped.status().code(), absl::StatusCode::kUnimplemented) << mapped.status();
-    return;
-  }
-  ASSERT_TRUE(mapped.ok()) << mapped.status();
-  ASSERT_EQ(mapped->size(), size_t{1} << 20);
-  const auto data = RandomBytes(mapped->size(), 12);
-  std::memcpy(mapped->data(), data.data(), data.size());
-  EXPECT_EQ(std::memcmp((*region)->data(), data.data(), data.size()), 0)
-      << "stores through the mapping are the peer's memory";
-  EXPECT_EQ(peer_->Map("not a descriptor").status().code(), absl::StatusCode::kInvalidArgument);
-  // The mapping outlives the peer's region (the memory stays attached while we hold the
-  // endpoint): writing after the peer freed it must not fault.
-  region->reset();
-  (*mapped)[0] = 1;
-}
-
 // Sends a small block and waits for the sender to map the receiver's ring (true), or gives up
 // after `wait` (false: this backend or peer has none).
 bool WaitForRing(BlockSender& sender, const std::shared_ptr<Endpoint>& peer, absl::Duration wait) {
@@ -717,7 +497,7 @@ bool WaitForRing(BlockSender& sender, const std::shared_ptr<Endpoint>& peer, abs
 
 // Same-host UCX peers: blocks go straight into the receiver's lent ring (one copy), up to the
 // ring's size; larger ones, and every block on other backends, travel as payload. All intact.
-TEST_P(TransportConformanceTest, SameHostBlocksArePlacedInTheReceiversRing) {
+TEST_P(BlockProtocolTest, SameHostBlocksArePlacedInTheReceiversRing) {
   Start({.ring_bytes = 4 << 20}, {.placement_min_bytes = 1});
   const bool shm = GetParam().name == "ucx_shm";
   ASSERT_EQ(WaitForRing(*sender_, peer_, shm ? absl::Seconds(10) : absl::Milliseconds(300)), shm);
@@ -740,7 +520,7 @@ TEST_P(TransportConformanceTest, SameHostBlocksArePlacedInTheReceiversRing) {
 
 // A consumer that keeps blocks keeps their ring space: later blocks never overwrite them (they
 // travel as payload while the ring is full) and are placed again once the space comes back.
-TEST_P(TransportConformanceTest, HeldBlocksKeepTheirRingSpaceUntilLetGo) {
+TEST_P(BlockProtocolTest, HeldBlocksKeepTheirRingSpaceUntilLetGo) {
   if (GetParam().name != "ucx_shm") GTEST_SKIP() << "no direct placement on " << GetParam().name;
   std::mutex mu;
   std::vector<ReceivedBlock> kept;
@@ -777,7 +557,7 @@ TEST_P(TransportConformanceTest, HeldBlocksKeepTheirRingSpaceUntilLetGo) {
 }
 
 // A receiver replaced on the same transport takes its rings back; the sender asks the new one.
-TEST_P(TransportConformanceTest, ANewReceiverLendsANewRing) {
+TEST_P(BlockProtocolTest, ANewReceiverLendsANewRing) {
   if (GetParam().name != "ucx_shm") GTEST_SKIP() << "no direct placement on " << GetParam().name;
   Start({}, {.placement_min_bytes = 1});
   ASSERT_TRUE(WaitForRing(*sender_, peer_, absl::Seconds(10)));
@@ -799,7 +579,7 @@ TEST_P(TransportConformanceTest, ANewReceiverLendsANewRing) {
 // ring space that no answer will give back. When, after reclaim_after, that is what keeps a block
 // out of the ring, the sender gives the ring back and asks for a new one: later blocks are placed
 // again.
-TEST_P(TransportConformanceTest, SpaceOfLostPlacedBlocksComesBackWithANewRing) {
+TEST_P(BlockProtocolTest, SpaceOfLostPlacedBlocksComesBackWithANewRing) {
   if (GetParam().name != "ucx_shm") GTEST_SKIP() << "no direct placement on " << GetParam().name;
   faulty_ = std::make_unique<FaultInjectingTransport>(receiver_transport_.get());
   faulty_->drop = [](int n) { return n >= 2 && n <= 5; };  // (1 is the warm-up)
@@ -840,16 +620,15 @@ TEST_P(TransportConformanceTest, SpaceOfLostPlacedBlocksComesBackWithANewRing) {
 // A ring taken back while a block in it is held still counts toward max_rings (lent memory stays
 // within ring_bytes * max_rings): a sender asking meanwhile is refused, and asks again, and gets
 // one, once that memory is free.
-TEST_P(TransportConformanceTest, HeldRingsCountTowardTheLimitAndARefusedSenderAsksAgain) {
+TEST_P(BlockProtocolTest, HeldRingsCountTowardTheLimitAndARefusedSenderAsksAgain) {
   if (GetParam().name != "ucx_shm") GTEST_SKIP() << "no direct placement on " << GetParam().name;
   std::mutex mu;
   std::vector<ReceivedBlock> kept;
-  Start({.ring_bytes = 1 << 20, .max_rings = 1}, {.placement_min_bytes = 1},
-        [&](ReceivedBlock b) {
-          std::lock_guard<std::mutex> lock(mu);
-          kept.push_back(std::move(b));
-          return absl::OkStatus();
-        });
+  Start({.ring_bytes = 1 << 20, .max_rings = 1}, {.placement_min_bytes = 1}, [&](ReceivedBlock b) {
+    std::lock_guard<std::mutex> lock(mu);
+    kept.push_back(std::move(b));
+    return absl::OkStatus();
+  });
   ASSERT_TRUE(WaitForRing(*sender_, peer_, absl::Seconds(10)));
   const auto data = RandomBytes(100000, 32);
   ASSERT_TRUE(sender_->Send(peer_, "held", View(data))->Wait().ok());
@@ -882,7 +661,7 @@ TEST_P(TransportConformanceTest, HeldRingsCountTowardTheLimitAndARefusedSenderAs
 // Placed blocks lie in the ring lent for them, not in the receiver's own buffers: they do not
 // count toward max_pending_bytes. With the consumer held, placed blocks far past the limit queue
 // and complete; payload blocks past it are refused.
-TEST_P(TransportConformanceTest, PlacedBlocksDoNotCountTowardThePendingLimit) {
+TEST_P(BlockProtocolTest, PlacedBlocksDoNotCountTowardThePendingLimit) {
   if (GetParam().name != "ucx_shm") GTEST_SKIP() << "no direct placement on " << GetParam().name;
   Start({.max_block_bytes = 256 << 10, .max_pending_bytes = 256 << 10, .ring_bytes = 1 << 20},
         {.placement_min_bytes = 1, .max_attempts = 1}, [this](ReceivedBlock b) {
@@ -893,8 +672,8 @@ TEST_P(TransportConformanceTest, PlacedBlocksDoNotCountTowardThePendingLimit) {
   const auto data = RandomBytes(240 << 10, 33);
   std::vector<std::shared_ptr<Transfer>> t;
   for (int i = 0; i < 6; ++i) {  // four fill the ring; the fifth and sixth go as payload
-    t.push_back(sender_->Send(peer_, absl::StrCat("q", i), View(data),
-                              {.timeout = absl::Seconds(20)}));
+    t.push_back(
+        sender_->Send(peer_, absl::StrCat("q", i), View(data), {.timeout = absl::Seconds(20)}));
   }
   EXPECT_EQ(t[5]->Wait().code(), absl::StatusCode::kResourceExhausted) << t[5]->status();
   for (int i = 0; i < 5; ++i) EXPECT_FALSE(t[i]->done()) << i;  // all held or queued
@@ -994,7 +773,7 @@ class HandMadeSender {
 // Blocks that travel as payload and are larger than a piece come in pieces, each checked as it
 // lands: intact, counted as pieced; a corrupted piece is DATA_LOSS for its block alone, a lost
 // one fails its block as soon as the next piece shows the gap.
-TEST_P(TransportConformanceTest, PiecedBlocksArriveIntactAndAFaultyPieceFailsOnlyItsBlock) {
+TEST_P(BlockProtocolTest, PiecedBlocksArriveIntactAndAFaultyPieceFailsOnlyItsBlock) {
   faulty_ = std::make_unique<FaultInjectingTransport>(receiver_transport_.get());
   // Messages: 3 blocks of 4 pieces (1-12), then one of 4 whose 3rd is corrupted (15), then one
   // of 4 whose 2nd is lost (18), then whole and pieced blocks that go through.
@@ -1003,14 +782,15 @@ TEST_P(TransportConformanceTest, PiecedBlocksArriveIntactAndAFaultyPieceFailsOnl
   ASSERT_NO_FATAL_FAILURE(
       Start({}, {.placement_min_bytes = 0, .piece_bytes = 64 << 10, .max_attempts = 1}));
   std::vector<std::vector<uint8_t>> data;
-  for (size_t n : {(3 << 16) + 1, 4 << 16, (3 << 16) + 100, 4 << 16, 4 << 16, 64 << 10,
-                   (1 << 20) + 3}) {
+  for (size_t n :
+       {(3 << 16) + 1, 4 << 16, (3 << 16) + 100, 4 << 16, 4 << 16, 64 << 10, (1 << 20) + 3}) {
     data.push_back(RandomBytes(n, 90 + static_cast<uint32_t>(data.size())));
   }
   std::vector<absl::Status> got;
   for (size_t i = 0; i < data.size(); ++i) {
-    got.push_back(sender_->Send(peer_, absl::StrCat("p", i), View(data[i]),
-                                {.timeout = absl::Seconds(10)})->Wait());
+    got.push_back(
+        sender_->Send(peer_, absl::StrCat("p", i), View(data[i]), {.timeout = absl::Seconds(10)})
+            ->Wait());
   }
   for (size_t i : {0, 1, 2, 5, 6}) {
     EXPECT_TRUE(got[i].ok()) << i << ": " << got[i];
@@ -1033,7 +813,7 @@ TEST_P(TransportConformanceTest, PiecedBlocksArriveIntactAndAFaultyPieceFailsOnl
 // the whole block are refused with a reason; pieces of a block already failed are dropped; a
 // block that a new one under the same sequence number supersedes, one the sender abandons and
 // one whose sender's connection goes before its last piece are freed (aborted), never handed on.
-TEST_P(TransportConformanceTest, HandMadePiecesAreCheckedAndAnUnfinishedBlockIsFreed) {
+TEST_P(BlockProtocolTest, HandMadePiecesAreCheckedAndAnUnfinishedBlockIsFreed) {
   Start();
   sender_.reset();  // this transport's handlers are the hand-made sender's now
   auto hand = std::make_unique<HandMadeSender>(sender_transport_.get(), peer_);
@@ -1042,8 +822,11 @@ TEST_P(TransportConformanceTest, HandMadePiecesAreCheckedAndAnUnfinishedBlockIsF
   const uint64_t size = 3 * 4096;
   const uint32_t crc = Crc32c(data.data(), size);
   auto header = [&](uint64_t seq) {
-    return EncodeBlockDataHeader({.seq = seq, .size = size, .crc32c = crc,
-                                  .block_id = absl::StrCat("h", seq), .pieced = true});
+    return EncodeBlockDataHeader({.seq = seq,
+                                  .size = size,
+                                  .crc32c = crc,
+                                  .block_id = absl::StrCat("h", seq),
+                                  .pieced = true});
   };
   auto piece = [](uint64_t seq, uint64_t at) {
     return EncodeBlockPieceHeader({.seq = seq, .offset = at});
@@ -1110,7 +893,7 @@ TEST_P(TransportConformanceTest, HandMadePiecesAreCheckedAndAnUnfinishedBlockIsF
 // A pieced block whose sender stops sending pieces while its connection stays up is given up
 // after the receiver's piece_timeout (DEADLINE_EXCEEDED, its buffer freed, nothing handed on);
 // its late pieces are dropped and the next block goes through.
-TEST_P(TransportConformanceTest, StalledPiecedBlockIsGivenUpAfterThePieceTimeout) {
+TEST_P(BlockProtocolTest, StalledPiecedBlockIsGivenUpAfterThePieceTimeout) {
   Start({.piece_timeout = absl::Seconds(1)});
   sender_.reset();  // this transport's handlers are the hand-made sender's now
   HandMadeSender hand(sender_transport_.get(), peer_);
@@ -1118,8 +901,11 @@ TEST_P(TransportConformanceTest, StalledPiecedBlockIsGivenUpAfterThePieceTimeout
   const std::span<const uint8_t> all(data);
   const uint32_t crc = Crc32c(data.data(), data.size());
   auto header = [&](uint64_t seq) {
-    return EncodeBlockDataHeader({.seq = seq, .size = data.size(), .crc32c = crc,
-                                  .block_id = absl::StrCat("s", seq), .pieced = true});
+    return EncodeBlockDataHeader({.seq = seq,
+                                  .size = data.size(),
+                                  .crc32c = crc,
+                                  .block_id = absl::StrCat("s", seq),
+                                  .pieced = true});
   };
   const absl::Time start = absl::Now();
   hand.Send(kBlockDataMessage, header(1), all.subspan(0, 4096));
@@ -1152,16 +938,18 @@ TEST_P(TransportConformanceTest, StalledPiecedBlockIsGivenUpAfterThePieceTimeout
 // Blocks sent as payload are refused with RESOURCE_EXHAUSTED, before any byte moves, while they
 // would take the bytes the receiver holds past max_pending_bytes; once the held block is done,
 // the next one is taken.
-TEST_P(TransportConformanceTest, ReceiverHoldingItsLimitRefusesMoreUntilItHasRoom) {
+TEST_P(BlockProtocolTest, ReceiverHoldingItsLimitRefusesMoreUntilItHasRoom) {
   Start({.max_block_bytes = 64 << 10, .max_pending_bytes = 64 << 10});
   sender_.reset();
   HandMadeSender hand(sender_transport_.get(), peer_);
   const std::vector<uint8_t> data = RandomBytes(48 << 10, 8);
   const std::span<const uint8_t> all(data);
   auto header = [&](uint64_t seq, uint64_t size, bool pieced) {
-    return EncodeBlockDataHeader({.seq = seq, .size = size,
+    return EncodeBlockDataHeader({.seq = seq,
+                                  .size = size,
                                   .crc32c = Crc32c(data.data(), size),
-                                  .block_id = absl::StrCat("o", seq), .pieced = pieced});
+                                  .block_id = absl::StrCat("o", seq),
+                                  .pieced = pieced});
   };
   // Block 1 (48 KiB) starts and holds its buffer while its pieces come.
   hand.Send(kBlockDataMessage, header(1, 48 << 10, true), all.subspan(0, 16 << 10));
@@ -1199,7 +987,7 @@ TEST_P(TransportConformanceTest, ReceiverHoldingItsLimitRefusesMoreUntilItHasRoo
 // A same-host sender that announces a streamed block and stops writing it halfway: the receiver
 // gives up after its stall limit (2 s) with DEADLINE_EXCEEDED, never hands the block on, and
 // then serves other senders again. One that claims more bytes than the block has is DATA_LOSS.
-TEST_P(TransportConformanceTest, StalledOrLyingStreamedSenderFailsItsBlockOnly) {
+TEST_P(BlockProtocolTest, StalledOrLyingStreamedSenderFailsItsBlockOnly) {
   if (GetParam().name != "ucx_shm") GTEST_SKIP() << "no direct placement on " << GetParam().name;
   Start({.inline_max_bytes = 4 << 20}, {});
   sender_.reset();  // this transport's handlers are the hand-made sender's now
@@ -1256,7 +1044,7 @@ TEST_P(TransportConformanceTest, StalledOrLyingStreamedSenderFailsItsBlockOnly) 
 // has passed before the copy starts; the sender's watchdog notices during it): the copy stops
 // early, the transfer completes with DEADLINE_EXCEEDED, the receiver (left with part of a
 // block) never hands on a partial block, and the ring space comes back for later blocks.
-TEST_P(TransportConformanceTest, TimeoutDuringAStreamedCopyFreesItsSpaceAndHandsOnNoPart) {
+TEST_P(BlockProtocolTest, TimeoutDuringAStreamedCopyFreesItsSpaceAndHandsOnNoPart) {
   if (GetParam().name != "ucx_shm") GTEST_SKIP() << "no direct placement on " << GetParam().name;
   Start({.ring_bytes = 80 << 20}, {.placement_min_bytes = 1});
   ASSERT_TRUE(WaitForRing(*sender_, peer_, absl::Seconds(10)));
@@ -1285,19 +1073,9 @@ TEST_P(TransportConformanceTest, TimeoutDuringAStreamedCopyFreesItsSpaceAndHands
   }
 }
 
-TEST_P(TransportConformanceTest, ConnectToNobodyIsUnavailableAndBadAddressInvalid) {
-  Start();
-  const std::string nobody = GetParam().name == "inproc" ? "inproc://nobody-here"
-                                                         : "ucx://127.0.0.1:1";
-  auto ep = sender_transport_->Connect(nobody, absl::Seconds(5));
-  EXPECT_EQ(ep.status().code(), absl::StatusCode::kUnavailable) << ep.status();
-  auto bad = sender_transport_->Connect("no-scheme-no-port", absl::Seconds(1));
-  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << bad.status();
-}
-
 // A send that is refused before it goes (no endpoint, an id too long) fails with the reason and
 // does not read the payload: here bytes that are not there, which a checksum would fault on.
-TEST_P(TransportConformanceTest, ASendRefusedAtOnceNeverReadsItsPayload) {
+TEST_P(BlockProtocolTest, ASendRefusedAtOnceNeverReadsItsPayload) {
   Start();
   const Payload unreadable{.bytes = {reinterpret_cast<const uint8_t*>(uintptr_t{4096}), 1 << 20}};
   absl::Status s = sender_->Send(nullptr, "x", unreadable)->Wait();
@@ -1310,7 +1088,7 @@ TEST_P(TransportConformanceTest, ASendRefusedAtOnceNeverReadsItsPayload) {
 
 // A peer that takes payloads but never answers, then shuts down: pending transfers fail with
 // UNAVAILABLE (well before their timeout), the endpoint reports it, a new peer can be reached.
-TEST_P(TransportConformanceTest, PeerShutdownFailsPendingTransfersAndReconnectWorks) {
+TEST_P(BlockProtocolTest, PeerShutdownFailsPendingTransfersAndReconnectWorks) {
   Start();
   auto hung = MakeTransport(GetParam());
   ASSERT_TRUE(hung.ok());
@@ -1329,7 +1107,8 @@ TEST_P(TransportConformanceTest, PeerShutdownFailsPendingTransfersAndReconnectWo
   const auto data = RandomBytes(2 << 20, 11);
   std::vector<std::shared_ptr<Transfer>> ts;
   for (int i = 0; i < 3; ++i) {
-    ts.push_back(sender_->Send(*ep, absl::StrCat("h", i), View(data), {.timeout = absl::Seconds(60)}));
+    ts.push_back(
+        sender_->Send(*ep, absl::StrCat("h", i), View(data), {.timeout = absl::Seconds(60)}));
   }
   for (int i = 0; i < 1000 && arrived.load() < 3; ++i) absl::SleepFor(absl::Milliseconds(5));
   const absl::Time start = absl::Now();
@@ -1342,8 +1121,7 @@ TEST_P(TransportConformanceTest, PeerShutdownFailsPendingTransfersAndReconnectWo
   for (int i = 0; i < 500 && (*ep)->health().ok(); ++i) absl::SleepFor(absl::Milliseconds(10));
   EXPECT_EQ((*ep)->health().code(), absl::StatusCode::kUnavailable);
   // The sender refuses at once on a failed endpoint.
-  EXPECT_EQ(sender_->Send(*ep, "after", View(data))->Wait().code(),
-            absl::StatusCode::kUnavailable);
+  EXPECT_EQ(sender_->Send(*ep, "after", View(data))->Wait().code(), absl::StatusCode::kUnavailable);
   // And the healthy peer is unaffected.
   EXPECT_TRUE(sender_->Send(peer_, "still", View(data))->Wait().ok());
 }
@@ -1354,8 +1132,8 @@ TEST(InprocTransportTest, APeerRestartedUnderTheSameNameIsAnsweredAgain) {
   auto receiver_t = CreateInprocTransport({.name = "restart-receiver"});
   ASSERT_TRUE(receiver_t.ok());
   Sink sink;
-  auto receiver = BlockReceiver::Create(receiver_t->get(), {},
-                                        [&](ReceivedBlock b) { return sink.Take(b); });
+  auto receiver =
+      BlockReceiver::Create(receiver_t->get(), {}, [&](ReceivedBlock b) { return sink.Take(b); });
   ASSERT_TRUE(receiver.ok());
   const auto data = RandomBytes(1000, 40);
   for (int life = 0; life < 2; ++life) {
@@ -1386,22 +1164,20 @@ TEST(TransportChild, DISABLED_StallingReceiver) {
     return absl::OkStatus();
   });
   if (!r.ok()) _exit(3);
-  {
-    std::ofstream(std::string(dir) + "/address.tmp") << (*t)->address() << std::flush;
-  }
+  { std::ofstream(std::string(dir) + "/address.tmp") << (*t)->address() << std::flush; }
   std::filesystem::rename(std::string(dir) + "/address.tmp", std::string(dir) + "/address");
   for (;;) pause();
 }
 
-TEST_P(TransportConformanceTest, KilledPeerProcessFailsPendingTransfersWithUnavailable) {
+TEST_P(BlockProtocolTest, KilledPeerProcessFailsPendingTransfersWithUnavailable) {
   if (!sender_transport_->capabilities().cross_process) {
     GTEST_SKIP() << GetParam().name << " does not reach other processes";
   }
   auto s = BlockSender::Create(sender_transport_.get(), {});
   ASSERT_TRUE(s.ok());
   sender_ = std::move(*s);
-  const std::string dir = absl::StrCat(::testing::TempDir(), "/transport-child-", getpid(), "-",
-                                       GetParam().name);
+  const std::string dir =
+      absl::StrCat(::testing::TempDir(), "/transport-child-", getpid(), "-", GetParam().name);
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
   const std::string self = std::filesystem::read_symlink("/proc/self/exe");
@@ -1430,7 +1206,8 @@ TEST_P(TransportConformanceTest, KilledPeerProcessFailsPendingTransfersWithUnava
   const auto data = RandomBytes(4 << 20, 12);
   std::vector<std::shared_ptr<Transfer>> ts;
   for (int i = 0; i < 3; ++i) {
-    ts.push_back(sender_->Send(*ep, absl::StrCat("k", i), View(data), {.timeout = absl::Seconds(60)}));
+    ts.push_back(
+        sender_->Send(*ep, absl::StrCat("k", i), View(data), {.timeout = absl::Seconds(60)}));
   }
   for (int i = 0; i < 2000 && !std::filesystem::exists(dir + "/got"); ++i) {
     absl::SleepFor(absl::Milliseconds(5));
@@ -1454,12 +1231,8 @@ TEST_P(TransportConformanceTest, KilledPeerProcessFailsPendingTransfersWithUnava
   std::filesystem::remove_all(dir);
 }
 
-INSTANTIATE_TEST_SUITE_P(Backends, TransportConformanceTest,
-                         ::testing::Values(Backend{"inproc", ""}, Backend{"ucx_tcp", "tcp"},
-                                           Backend{"ucx_shm", "posix,sysv,cma,tcp"}),
-                         [](const ::testing::TestParamInfo<Backend>& info) {
-                           return info.param.name;
-                         });
+INSTANTIATE_TEST_SUITE_P(Backends, BlockProtocolTest, ::testing::ValuesIn(testing::AllBackends()),
+                         testing::BackendName);
 
 }  // namespace
 }  // namespace strata::transport
