@@ -14,7 +14,6 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/status/status.h"
-#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -24,7 +23,6 @@
 #include "common/host_port.h"
 #include "decode_node/decode_engine.h"
 #include "decode_node/decode_service.h"
-#include "kernels/codec.h"
 #include "kvstore/store_client.h"
 #include "membership/cluster_file.h"
 #include "serving/node_flags.h"
@@ -110,23 +108,12 @@ int RunDecodeNode(int argc, char** argv, const TransportHook& hook) {
   to.listen_host = tp.host;
   to.listen_port = tp.port;
   to.tls = absl::GetFlag(FLAGS_ucx_tls);
-  // A decode node restarted on its fixed port finds it held by the connections of its previous
-  // run (TIME_WAIT; UCX's listener sets no SO_REUSEADDR): wait for them, bounded. Port 0 in the
-  // cluster file avoids this (the node announces its address with every request).
   absl::StatusOr<std::unique_ptr<strata::transport::Transport>> transport =
-      strata::transport::CreateUcxTransport(to);
-  const absl::Time give_up = absl::Now() + absl::Seconds(absl::GetFlag(FLAGS_listen_wait_s));
-  for (bool logged = false; !transport.ok() && absl::IsUnavailable(transport.status()) &&
-                            absl::StrContains(transport.status().message(), "port is in use") &&
-                            absl::Now() < give_up;) {
-    if (!logged) {
-      serving::Log("", absl::StrCat(transport.status().message(), "; retrying for up to ",
-                                    absl::GetFlag(FLAGS_listen_wait_s), " s"));
-      logged = true;
-    }
-    absl::SleepFor(absl::Seconds(1));
-    transport = strata::transport::CreateUcxTransport(to);
-  }
+      strata::transport::CreateUcxTransportWaitingForPort(
+          to, absl::Seconds(absl::GetFlag(FLAGS_listen_wait_s)), [](const absl::Status& s) {
+            serving::Log("", absl::StrCat(s.message(), "; retrying for up to ",
+                                          absl::GetFlag(FLAGS_listen_wait_s), " s"));
+          });
   if (!transport.ok()) return Fail("UCX transport", transport.status());
   // A test binary's wrapper around the transport (fault injection); none in strata-decode.
   std::unique_ptr<strata::transport::Transport> wrapped;
@@ -151,19 +138,7 @@ int RunDecodeNode(int argc, char** argv, const TransportHook& hook) {
   if (!engine.ok()) return Fail("engine", engine.status(), 2);
 
   // The router reserves KV by this estimate: the codec's exact block size per token.
-  const strata::model::ModelConfig& config = n.served.model->config();
-  double bits = 16;
-  if (absl::StatusOr<std::unique_ptr<strata::kernels::Codec>> codec =
-          strata::kernels::Codec::Create(n.spec.codec, n.served.calibration);
-      codec.ok()) {
-    if (absl::StatusOr<double> b =
-            (*codec)->BitsPerElement(n.spec.chunk_tokens, config.num_kv_heads, config.head_dim);
-        b.ok()) {
-      bits = *b;
-    }
-  }
-  const double kv_bytes_per_token =
-      bits / 8.0 * 2.0 * config.num_layers * config.num_kv_heads * config.head_dim;
+  const double kv_bytes_per_token = serving::KvBytesPerToken(n.spec, n.served);
 
   auto registry = std::make_shared<prometheus::Registry>();
   strata::decode::DecodeService service(engine->get(),

@@ -17,6 +17,7 @@
 #include "common/status_macros.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
+#include "kernels/codec.h"
 #include "model/config.h"
 #include "model/llama.h"
 #include "rpc/grpc_keepalive.h"
@@ -58,6 +59,21 @@ model::ServedFormat FormatOf(const membership::ClusterSpec& spec, const ServedMo
   f.keys.chunk_tokens = spec.chunk_tokens;
   f.keys.cache_salt.clear();
   return f;
+}
+
+double KvBytesPerToken(const membership::ClusterSpec& spec, const ServedModel& served) {
+  const model::ModelConfig& config = served.config;
+  double bits = 16;
+  if (absl::StatusOr<std::unique_ptr<kernels::Codec>> codec =
+          kernels::Codec::Create(spec.codec, served.calibration);
+      codec.ok()) {
+    if (absl::StatusOr<double> b =
+            (*codec)->BitsPerElement(spec.chunk_tokens, config.num_kv_heads, config.head_dim);
+        b.ok()) {
+      bits = *b;
+    }
+  }
+  return bits / 8.0 * 2.0 * config.num_layers * config.num_kv_heads * config.head_dim;
 }
 
 absl::StatusOr<ServedModel> LoadServedModelIdentity(const std::string& model_dir,

@@ -71,6 +71,10 @@ struct ServedModel {
 model::ServedFormat FormatOf(const membership::ClusterSpec& spec, const ServedModel& served,
                              const PrefixKeyOptions& keys = {});
 
+// The KV bytes one token takes in the cluster's codec (every layer, K and V, metadata included):
+// what a decode node announces and the router reserves by. fp16's when the codec cannot say.
+double KvBytesPerToken(const membership::ClusterSpec& spec, const ServedModel& served);
+
 absl::StatusOr<ServedModel> LoadServedModel(const std::string& model_dir,
                                             const std::string& calibration_path,
                                             const model::Device& device = {});

@@ -7,6 +7,7 @@
 #include <sys/socket.h>
 #include <ucp/api/ucp.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
@@ -1349,6 +1350,23 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateUcxTransport(UcxTransportOption
   if (absl::Status s = engine->Init(); !s.ok()) return s;
   engine->Start();
   return std::unique_ptr<Transport>(new UcxTransport(std::move(engine)));
+}
+
+absl::StatusOr<std::unique_ptr<Transport>> CreateUcxTransportWaitingForPort(
+    const UcxTransportOptions& options, absl::Duration wait,
+    const std::function<void(const absl::Status&)>& waiting) {
+  const absl::Time give_up = absl::Now() + wait;
+  absl::StatusOr<std::unique_ptr<Transport>> t = CreateUcxTransport(options);
+  for (bool told = false; !t.ok() && absl::IsUnavailable(t.status()) &&
+                          absl::StrContains(t.status().message(), "port is in use") &&
+                          absl::Now() < give_up;) {
+    if (!told && waiting) waiting(t.status());
+    told = true;
+    absl::SleepFor(
+        std::min(absl::Seconds(1), std::max(absl::ZeroDuration(), give_up - absl::Now())));
+    t = CreateUcxTransport(options);
+  }
+  return t;
 }
 
 std::string UcxVersion() { return ucp_get_version_string(); }

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -44,6 +45,14 @@ struct UcxTransportOptions {
 };
 
 absl::StatusOr<std::unique_ptr<Transport>> CreateUcxTransport(UcxTransportOptions options);
+
+// CreateUcxTransport, tried again every second for up to `wait` while its listening port is still
+// held: a node restarted on its fixed port finds it held by its previous run's connections
+// (TIME_WAIT; UCX's listener sets no SO_REUSEADDR). `waiting`, when given, is called once, with
+// the first refusal, if it waits at all. Any other error returns at once.
+absl::StatusOr<std::unique_ptr<Transport>> CreateUcxTransportWaitingForPort(
+    const UcxTransportOptions& options, absl::Duration wait,
+    const std::function<void(const absl::Status&)>& waiting = nullptr);
 
 // The UCX library version this binary runs with ("1.13.1").
 std::string UcxVersion();
