@@ -12,7 +12,6 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
-#include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -29,6 +28,7 @@
 #include "prometheus/exposer.h"
 #include "rpc/grpc_security.h"
 #include "rpc/grpc_security_flags.h"
+#include "serving/node_process.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:7070", "address to serve gRPC on (port 0: any)");
 ABSL_FLAG(std::string, ram_bytes, "1G", "RAM tier capacity (suffixes K, M, G, T: powers of 1024)");
@@ -57,35 +57,21 @@ ABSL_FLAG(std::string, advertise, "",
 
 namespace {
 
+namespace kv = strata::kvstore;
+namespace membership = strata::membership;
+
 // How often a shared tier that did not answer at start is tried again.
 constexpr absl::Duration kSharedRetry = absl::Seconds(5);
 
-}  // namespace
+// A usage error: said on stderr, exit code 2.
+int Usage(const absl::Status& s) {
+  std::cerr << "strata-store: " << s.message() << "\n";
+  return 2;
+}
 
-int main(int argc, char** argv) {
-  strata::BlockTerminationSignals();  // first: every thread started later has them blocked
-  absl::SetProgramUsageMessage(
-      "the Strata KV block store as a gRPC service\n"
-      "  strata-store --listen ADDR --ram_bytes N [--disk_path DIR --disk_bytes N]");
-  // --help lists this file's flags (Abseil's default looks for a file named after the binary).
-  absl::FlagsUsageConfig usage;
-  usage.contains_help_flags = [](absl::string_view file) {
-    return absl::EndsWith(file, "store_main.cc") ||
-           absl::EndsWith(file, strata::rpc::kGrpcSecurityFlagsFile) ||
-           absl::EndsWith(file, strata::kvstore::kSharedTierFlagsFile);
-  };
-  usage.contains_helpshort_flags = usage.contains_help_flags;
-  absl::SetFlagsUsageConfig(usage);
-  absl::ParseCommandLine(argc, argv);
-  strata::SetLogIdentity("strata-store", "");
-  absl::StatusOr<std::shared_ptr<const strata::rpc::GrpcSecurity>> security =
-      strata::rpc::GrpcSecurity::Load(strata::rpc::GrpcSecurityOptionsFromFlags());
-  if (!security.ok()) {
-    std::cerr << "strata-store: " << security.status().message() << "\n";
-    return 2;
-  }
-  if ((*security)->insecure()) strata::Log("", strata::rpc::kInsecureWarning);
-  strata::kvstore::StoreOptions o;
+// --ram_bytes, --disk_path, --disk_bytes, --policy, --max_block_bytes, --durable_puts, --repair.
+absl::StatusOr<kv::StoreOptions> StoreOptionsFromFlags() {
+  kv::StoreOptions o;
   o.disk_path = absl::GetFlag(FLAGS_disk_path);
   o.durable_puts = absl::GetFlag(FLAGS_durable_puts);
   o.repair = absl::GetFlag(FLAGS_repair);
@@ -94,136 +80,178 @@ int main(int argc, char** argv) {
                                   std::pair{absl::GetFlag(FLAGS_max_block_bytes), &o.max_block_bytes}}) {
     uint64_t n = 0;
     if (!strata::ParseByteSize(flag, &n)) {
-      std::cerr << "strata-store: '" << flag << "' is not a byte count (e.g. 512M, 8G)\n";
-      return 2;
+      return absl::InvalidArgumentError(
+          absl::StrCat("'", flag, "' is not a byte count (e.g. 512M, 8G)"));
     }
     *dst = n;
   }
-  absl::StatusOr<strata::kvstore::PolicyKind> policy =
-      strata::kvstore::ParsePolicy(absl::GetFlag(FLAGS_policy));
-  if (!policy.ok()) {
-    std::cerr << "strata-store: " << policy.status() << "\n";
-    return 2;
-  }
+  absl::StatusOr<kv::PolicyKind> policy = kv::ParsePolicy(absl::GetFlag(FLAGS_policy));
+  if (!policy.ok()) return policy.status();
   o.ram_policy = *policy;
-  auto store = strata::kvstore::BlockStore::Open(o);
-  if (!store.ok()) {
-    std::cerr << "strata-store: " << store.status() << "\n";
-    return 1;
-  }
-  // The shared tier: a bad flag stops the store; a Redis Cluster that does not answer at start
-  // leaves this store serving alone (said once) and is tried again every kSharedRetry in the
-  // background, the service taking it once it answers.
-  std::unique_ptr<strata::kvstore::SharedTier> shared;
-  bool retry_shared = false;
-  absl::StatusOr<std::optional<strata::kvstore::SharedTierOptions>> shared_options =
-      strata::kvstore::SharedTierOptionsFromFlags();
-  if (!shared_options.ok()) {
-    std::cerr << "strata-store: " << shared_options.status().message() << "\n";
-    return 2;
-  }
-  if (shared_options->has_value()) {
-    absl::StatusOr<std::unique_ptr<strata::kvstore::SharedTier>> t =
-        strata::kvstore::SharedTier::Connect(**shared_options);
+  return o;
+}
+
+// The shared tier behind the service (--shared_tier). A bad flag stops the store; a Redis Cluster
+// that does not answer at start leaves the store serving alone (said once) and is tried again
+// every kSharedRetry in the background, the service taking it once it answers.
+class SharedTierLink {
+ public:
+  ~SharedTierLink() { Stop(); }
+
+  // Connects at once, or says it will retry; an error only for flags that cannot work.
+  absl::Status Connect() {
+    absl::StatusOr<std::optional<kv::SharedTierOptions>> options = kv::SharedTierOptionsFromFlags();
+    if (!options.ok()) return options.status();
+    if (!options->has_value()) return absl::OkStatus();
+    options_ = **options;
+    absl::StatusOr<std::unique_ptr<kv::SharedTier>> t = kv::SharedTier::Connect(options_);
     if (!t.ok() && t.status().code() != absl::StatusCode::kUnavailable) {
-      std::cerr << "strata-store: --shared_tier: " << t.status() << "\n";
-      return 2;
+      return absl::InvalidArgumentError(absl::StrCat("--shared_tier: ", t.status().ToString()));
     }
     if (!t.ok()) {
       strata::Log("", absl::StrCat("--shared_tier: ", t.status().message(),
                                    "; serving without the shared tier until it answers (tried "
                                    "every ",
                                    absl::FormatDuration(kSharedRetry), ")"));
-      retry_shared = true;
-    } else {
-      shared = *std::move(t);
-      std::cout << "strata-store: shared tier on " << absl::GetFlag(FLAGS_shared_tier) << std::endl;
+      retry_later_ = true;
+      return absl::OkStatus();
+    }
+    tier_ = *std::move(t);
+    std::cout << "strata-store: shared tier on " << absl::GetFlag(FLAGS_shared_tier) << std::endl;
+    return absl::OkStatus();
+  }
+  kv::SharedTier* tier() const { return tier_.get(); }
+
+  // Ends the retries (before the service they hand the tier to goes).
+  void Stop() {
+    stop_ = true;
+    if (retry_.joinable()) retry_.join();
+  }
+
+  // When Connect left it for later: retries in the background, handing it to `service`.
+  void RetryInto(kv::StoreService* service) {
+    if (!retry_later_) return;
+    retry_ = std::thread([this, service] { Retry(service); });
+  }
+
+ private:
+  void Retry(kv::StoreService* service) {
+    bool told = false;
+    while (!stop_) {
+      for (absl::Duration slept; slept < kSharedRetry && !stop_; slept += absl::Milliseconds(100)) {
+        absl::SleepFor(absl::Milliseconds(100));
+      }
+      if (stop_) return;
+      absl::StatusOr<std::unique_ptr<kv::SharedTier>> t = kv::SharedTier::Connect(options_);
+      if (!t.ok()) {
+        if (t.status().code() != absl::StatusCode::kUnavailable && !told) {
+          told = true;  // e.g. a password the cluster refuses: said once, tried on
+          strata::Log("", absl::StrCat("--shared_tier: ", t.status().ToString()));
+        }
+        continue;
+      }
+      tier_ = *std::move(t);
+      service->SetSharedTier(tier_.get());
+      std::cout << "strata-store: shared tier on " << absl::GetFlag(FLAGS_shared_tier)
+                << " (it answers now)" << std::endl;
+      return;
     }
   }
-  strata::kvstore::StoreService service(store->get(), o.max_block_bytes, shared.get());
+
+  kv::SharedTierOptions options_;
+  bool retry_later_ = false;
+  std::unique_ptr<kv::SharedTier> tier_;  // written by the retry thread once, before it ends
+  std::atomic<bool> stop_{false};
+  std::thread retry_;
+};
+
+// --metrics_host:--metrics_port, or "" when --metrics_port is -1.
+std::string MetricsAddress() {
+  if (absl::GetFlag(FLAGS_metrics_port) < 0) return "";
+  return absl::StrCat(absl::GetFlag(FLAGS_metrics_host), ":", absl::GetFlag(FLAGS_metrics_port));
+}
+
+// With --etcd, registers the store serving on `port` (null without --etcd).
+absl::StatusOr<std::unique_ptr<membership::EtcdRegistration>> RegisterStore(int port) {
+  const std::string etcd = absl::GetFlag(FLAGS_etcd);
+  if (etcd.empty()) return nullptr;
+  absl::StatusOr<membership::StoreSpec> self = membership::StoreSpecFromFlags(
+      absl::GetFlag(FLAGS_listen), port, absl::GetFlag(FLAGS_advertise),
+      absl::GetFlag(FLAGS_store_id), MetricsAddress());
+  if (!self.ok()) return self.status();
+  absl::StatusOr<std::unique_ptr<membership::EtcdRegistration>> r =
+      membership::EtcdRegistration::StartStore(membership::NewHttpEtcdClient(etcd),
+                                               absl::GetFlag(FLAGS_etcd_prefix), *self,
+                                               absl::Seconds(absl::GetFlag(FLAGS_etcd_ttl_s)));
+  if (r.ok()) {
+    std::cout << "strata-store: registered in etcd " << etcd << " as "
+              << absl::GetFlag(FLAGS_etcd_prefix) << "stores/" << self->id << " (" << self->grpc
+              << ")" << std::endl;
+  }
+  return r;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  strata::BlockTerminationSignals();  // first: every thread started later has them blocked
+  strata::serving::ConfigureFlagsUsage();
+  absl::SetProgramUsageMessage(
+      "the Strata KV block store as a gRPC service\n"
+      "  strata-store --listen ADDR --ram_bytes N [--disk_path DIR --disk_bytes N]");
+  absl::ParseCommandLine(argc, argv);
+  strata::SetLogIdentity("strata-store", "");
+  absl::StatusOr<std::shared_ptr<const strata::rpc::GrpcSecurity>> security =
+      strata::serving::LoadGrpcSecurity(strata::rpc::GrpcSecurityOptionsFromFlags());
+  if (!security.ok()) return Usage(security.status());
+  absl::StatusOr<kv::StoreOptions> o = StoreOptionsFromFlags();
+  if (!o.ok()) return Usage(o.status());
+  SharedTierLink shared;
+  if (absl::Status s = shared.Connect(); !s.ok()) return Usage(s);
+
+  auto store = kv::BlockStore::Open(*o);
+  if (!store.ok()) {
+    std::cerr << "strata-store: " << store.status() << "\n";
+    return 1;
+  }
+  kv::StoreService service(store->get(), o->max_block_bytes, shared.tier());
   int port = 0;
-  auto server = strata::kvstore::StartStoreServer(&service, absl::GetFlag(FLAGS_listen),
-                                                  o.max_block_bytes, &port, security->get());
+  auto server = kv::StartStoreServer(&service, absl::GetFlag(FLAGS_listen), o->max_block_bytes,
+                                     &port, security->get());
   if (!server.ok()) {
     std::cerr << server.status() << "\n";
     return 1;
   }
   std::unique_ptr<prometheus::Exposer> metrics;
-  if (absl::GetFlag(FLAGS_metrics_port) >= 0) {
-    const std::string address =
-        absl::StrCat(absl::GetFlag(FLAGS_metrics_host), ":", absl::GetFlag(FLAGS_metrics_port));
-    try {
-      metrics = std::make_unique<prometheus::Exposer>(address);
-    } catch (const std::exception& e) {
-      std::cerr << "strata-store: metrics on " << address << ": " << e.what() << "\n";
+  if (const std::string address = MetricsAddress(); !address.empty()) {
+    absl::StatusOr<std::unique_ptr<prometheus::Exposer>> m =
+        strata::serving::StartMetrics(address, service.metrics());
+    if (!m.ok()) {
+      std::cerr << "strata-store: " << m.status().message() << "\n";
+      kv::StopStoreServer(server->get(), &service);
       return 1;
     }
-    metrics->RegisterCollectable(service.metrics());
+    metrics = *std::move(m);
     const std::vector<int> ports = metrics->GetListeningPorts();
     std::cout << "strata-store: metrics on port " << (ports.empty() ? -1 : ports.front())
               << std::endl;
   }
-  std::unique_ptr<strata::membership::EtcdRegistration> registration;
-  if (const std::string etcd = absl::GetFlag(FLAGS_etcd); !etcd.empty()) {
-    absl::StatusOr<strata::membership::StoreSpec> self = strata::membership::StoreSpecFromFlags(
-        absl::GetFlag(FLAGS_listen), port, absl::GetFlag(FLAGS_advertise),
-        absl::GetFlag(FLAGS_store_id),
-        absl::GetFlag(FLAGS_metrics_port) >= 0
-            ? absl::StrCat(absl::GetFlag(FLAGS_metrics_host), ":",
-                           absl::GetFlag(FLAGS_metrics_port))
-            : "");
-    absl::StatusOr<std::unique_ptr<strata::membership::EtcdRegistration>> r =
-        self.ok()
-            ? strata::membership::EtcdRegistration::StartStore(
-                  strata::membership::NewHttpEtcdClient(etcd), absl::GetFlag(FLAGS_etcd_prefix),
-                  *self, absl::Seconds(absl::GetFlag(FLAGS_etcd_ttl_s)))
-            : self.status();
-    if (!r.ok()) {
-      std::cerr << "strata-store: --etcd " << etcd << ": " << r.status() << "\n";
-      strata::kvstore::StopStoreServer(server->get(), &service);
-      return 1;
-    }
-    registration = *std::move(r);
-    std::cout << "strata-store: registered in etcd " << etcd << " as "
-              << absl::GetFlag(FLAGS_etcd_prefix) << "stores/" << self->id << " (" << self->grpc
-              << ")" << std::endl;
+  absl::StatusOr<std::unique_ptr<membership::EtcdRegistration>> registration = RegisterStore(port);
+  if (!registration.ok()) {
+    std::cerr << "strata-store: --etcd " << absl::GetFlag(FLAGS_etcd) << ": "
+              << registration.status() << "\n";
+    kv::StopStoreServer(server->get(), &service);
+    return 1;
   }
-  std::cout << "strata-store: serving on port " << port << " (RAM " << o.ram_bytes
-            << " bytes, disk " << (o.disk_path.empty() ? "none" : o.disk_path) << "; "
+  std::cout << "strata-store: serving on port " << port << " (RAM " << o->ram_bytes
+            << " bytes, disk " << (o->disk_path.empty() ? "none" : o->disk_path) << "; "
             << (*security)->Describe() << ")" << std::endl;
-  std::atomic<bool> stop{false};
-  std::thread shared_retry;
-  if (retry_shared) {
-    shared_retry = std::thread([&] {
-      bool told = false;
-      while (!stop) {
-        for (absl::Duration slept; slept < kSharedRetry && !stop;
-             slept += absl::Milliseconds(100)) {
-          absl::SleepFor(absl::Milliseconds(100));
-        }
-        if (stop) return;
-        absl::StatusOr<std::unique_ptr<strata::kvstore::SharedTier>> t =
-            strata::kvstore::SharedTier::Connect(**shared_options);
-        if (!t.ok()) {
-          if (t.status().code() != absl::StatusCode::kUnavailable && !told) {
-            told = true;  // e.g. a password the cluster refuses: said once, tried on
-            strata::Log("", absl::StrCat("--shared_tier: ", t.status().ToString()));
-          }
-          continue;
-        }
-        shared = *std::move(t);
-        service.SetSharedTier(shared.get());
-        std::cout << "strata-store: shared tier on " << absl::GetFlag(FLAGS_shared_tier)
-                  << " (it answers now)" << std::endl;
-        return;
-      }
-    });
-  }
+  shared.RetryInto(&service);
+
   strata::WaitForTermination();
-  registration.reset();  // out of etcd first: nodes and routers stop counting on it
-  stop = true;
-  if (shared_retry.joinable()) shared_retry.join();
-  strata::kvstore::StopStoreServer(server->get(), &service);  // open Watch streams end too
+  registration->reset();  // out of etcd first: nodes and routers stop counting on it
+  shared.Stop();
+  kv::StopStoreServer(server->get(), &service);  // open Watch streams end too
   std::cout << "strata-store: stopped" << std::endl;
   return 0;
 }

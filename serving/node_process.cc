@@ -37,7 +37,7 @@ void ConfigureFlagsUsage() {
 }
 
 absl::StatusOr<std::unique_ptr<prometheus::Exposer>> StartMetrics(
-    const std::string& address, const std::shared_ptr<prometheus::Registry>& registry) {
+    const std::string& address, const std::shared_ptr<prometheus::Collectable>& registry) {
   if (absl::Status s = membership::ValidateHostPort(address, "metrics address"); !s.ok()) return s;
   try {
     auto exposer = std::make_unique<prometheus::Exposer>(address, /*num_threads=*/1);

@@ -53,7 +53,7 @@ using ::strata::WaitForTerminationFor;
 // Serves `registry` at http://`address`/metrics. kInvalidArgument for a bad address,
 // kUnavailable when the port cannot be bound.
 absl::StatusOr<std::unique_ptr<prometheus::Exposer>> StartMetrics(
-    const std::string& address, const std::shared_ptr<prometheus::Registry>& registry);
+    const std::string& address, const std::shared_ptr<prometheus::Collectable>& registry);
 
 // What a node serves, as the cluster file names it.
 struct ServedModel {
