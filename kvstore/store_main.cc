@@ -51,6 +51,10 @@ ABSL_FLAG(std::string, etcd_prefix, "/strata/", "the cluster's key prefix in etc
 ABSL_FLAG(int, etcd_ttl_s, 6, "the registration lease, in seconds (renewed at half of it)");
 ABSL_FLAG(std::string, store_id, "",
           "the store's id in etcd ([A-Za-z0-9._-]; default: store-HOST-PORT of its address)");
+ABSL_FLAG(std::string, host_name, "",
+          "the machine this store serves, as registered in etcd: nodes started with --store host "
+          "and the same --host_name use it (default: the host of its registered address; in "
+          "Kubernetes, where pods have addresses of their own, the node's name)");
 ABSL_FLAG(std::string, advertise, "",
           "the gRPC address registered in etcd (default: --listen's, with the port it got; "
           "required when --listen's host is 0.0.0.0 or ::)");
@@ -75,9 +79,10 @@ absl::StatusOr<kv::StoreOptions> StoreOptionsFromFlags() {
   o.disk_path = absl::GetFlag(FLAGS_disk_path);
   o.durable_puts = absl::GetFlag(FLAGS_durable_puts);
   o.repair = absl::GetFlag(FLAGS_repair);
-  for (const auto& [flag, dst] : {std::pair{absl::GetFlag(FLAGS_ram_bytes), &o.ram_bytes},
-                                  std::pair{absl::GetFlag(FLAGS_disk_bytes), &o.disk_bytes},
-                                  std::pair{absl::GetFlag(FLAGS_max_block_bytes), &o.max_block_bytes}}) {
+  for (const auto& [flag, dst] :
+       {std::pair{absl::GetFlag(FLAGS_ram_bytes), &o.ram_bytes},
+        std::pair{absl::GetFlag(FLAGS_disk_bytes), &o.disk_bytes},
+        std::pair{absl::GetFlag(FLAGS_max_block_bytes), &o.max_block_bytes}}) {
     uint64_t n = 0;
     if (!strata::ParseByteSize(flag, &n)) {
       return absl::InvalidArgumentError(
@@ -186,7 +191,7 @@ absl::StatusOr<std::unique_ptr<membership::EtcdRegistration>> RegisterStore(int 
   if (r.ok()) {
     std::cout << "strata-store: registered in etcd " << etcd << " as "
               << absl::GetFlag(FLAGS_etcd_prefix) << "stores/" << self->id << " (" << self->grpc
-              << ")" << std::endl;
+              << ", host " << membership::StoreHost(*self) << ")" << std::endl;
   }
   return r;
 }

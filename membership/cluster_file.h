@@ -61,6 +61,9 @@ struct StoreSpec {
   std::string id = "";       // [A-Za-z0-9._-], 1..64 chars, unique
   std::string grpc = "";     // host:port of its gRPC service
   std::string metrics = "";  // host:port of /metrics; "" = off
+  // The machine whose store it is, as nodes started with --store host name theirs: "" = the
+  // host of `grpc`. Where addresses do not name machines (Kubernetes pods), the machine's name.
+  std::string host = "";
 
   friend bool operator==(const StoreSpec&, const StoreSpec&) = default;
 };

@@ -20,7 +20,15 @@ std::string StoresPrefix(const std::string& prefix) { return prefix + "stores/";
 }  // namespace
 
 std::string StoreToJson(const StoreSpec& store) {
-  return json{{"id", store.id}, {"grpc", store.grpc}, {"metrics", store.metrics}}.dump();
+  json j{{"id", store.id}, {"grpc", store.grpc}, {"metrics", store.metrics}};
+  if (!store.host.empty()) j["host"] = store.host;
+  return j.dump();
+}
+
+std::string StoreHost(const StoreSpec& store) {
+  if (!store.host.empty()) return store.host;
+  absl::StatusOr<HostPort> hp = ParseHostPort(store.grpc);
+  return hp.ok() ? hp->host : "";
 }
 
 absl::StatusOr<StoreSpec> StoreFromJson(const std::string& text) {
@@ -37,19 +45,26 @@ absl::StatusOr<StoreSpec> StoreFromJson(const std::string& text) {
   }
   s.grpc = str("grpc");
   s.metrics = str("metrics");
+  s.host = str("host");
   if (absl::Status st =
           ValidateHostPort(s.grpc, absl::StrCat("store registration ", s.id, ": grpc"));
       !st.ok()) {
     return st;
+  }
+  if (s.host.size() > 253) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("store registration ", s.id, ": host is longer than 253 characters"));
   }
   return s;
 }
 
 absl::StatusOr<StoreSpec> StoreSpecFromFlags(const std::string& listen, int port,
                                              const std::string& advertise, const std::string& id,
-                                             const std::string& metrics) {
+                                             const std::string& metrics,
+                                             const std::string& host_name) {
   StoreSpec s;
   s.metrics = metrics;
+  s.host = host_name;
   if (!advertise.empty()) {
     if (absl::Status st = ValidateHostPort(advertise, "--advertise"); !st.ok()) return st;
     s.grpc = advertise;
@@ -89,8 +104,7 @@ absl::StatusOr<StoreSpec> HostStore(EtcdClient& client, const std::string& prefi
       absl::StatusOr<StoreSpec> s = StoreFromJson(kv.value);
       if (!s.ok()) continue;
       all.push_back(absl::StrCat(s->id, " at ", s->grpc));
-      absl::StatusOr<HostPort> hp = ParseHostPort(s->grpc);
-      if (hp.ok() && hp->host == host) here.push_back(*std::move(s));
+      if (StoreHost(*s) == host) here.push_back(*std::move(s));
     }
     if (here.size() > 1) {
       std::vector<std::string> names;

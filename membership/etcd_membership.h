@@ -3,10 +3,10 @@
 //
 //   <prefix>nodes/<id>   ->
 //   {"id":..,"role":"prefill"|"decode","grpc":..,"transport":..,"metrics":..} <prefix>stores/<id>
-//   ->  {"id":..,"grpc":..,"metrics":..}
+//   ->  {"id":..,"grpc":..,"metrics":..[,"host":..]}
 //
 // A node started with `--store host` reads the stores once at start (HostStore) and uses the one
-// registered on its own host.
+// registered for its own host (StoreHost: the store's "host", else its address's host).
 //
 // A node's key lives on a lease of `ttl` (a few seconds) renewed at half of it: a node that dies
 // (or is cut off) leaves the membership within the TTL, and one that stops cleanly revokes its
@@ -38,13 +38,18 @@ absl::StatusOr<NodeSpec> NodeFromJson(const std::string& text);
 std::string StoreToJson(const StoreSpec& store);
 absl::StatusOr<StoreSpec> StoreFromJson(const std::string& text);
 
-// What a store registers: its id (`id`, or store-HOST-PORT) and gRPC address (`advertise`, or
-// `listen`'s host with the port it got: kInvalidArgument when that host is a wildcard).
+// What a store registers: its id (`id`, or store-HOST-PORT), gRPC address (`advertise`, or
+// `listen`'s host with the port it got: kInvalidArgument when that host is a wildcard) and the
+// machine it serves (`host_name`; "" = its address's host).
 absl::StatusOr<StoreSpec> StoreSpecFromFlags(const std::string& listen, int port,
                                              const std::string& advertise, const std::string& id,
-                                             const std::string& metrics);
+                                             const std::string& metrics,
+                                             const std::string& host_name = "");
 
-// The store registered under `prefix` whose gRPC host is `host` (a node's own), waiting up to
+// The machine a store serves: its `host`, else its gRPC address's host.
+std::string StoreHost(const StoreSpec& store);
+
+// The store registered under `prefix` for machine `host` (a node's own; StoreHost), waiting up to
 // `wait` for one to register. kNotFound naming the stores registered when none is there;
 // kFailedPrecondition when several are (hosts on one address: give the node --store HOST:PORT);
 // kUnavailable when etcd cannot be read.

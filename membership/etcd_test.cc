@@ -330,5 +330,35 @@ TEST_F(EtcdTest, StoresRegisterAndANodeFindsItsHostsStore) {
   EXPECT_FALSE(StoreFromJson(R"({"id":"bad id","grpc":"h:1"})").ok());
 }
 
+// Where addresses do not name machines (Kubernetes: a store pod and a node pod on one machine
+// have addresses of their own), a store registers the machine's name and nodes match that.
+TEST_F(EtcdTest, AStoreRegisteredForAMachineByNameIsThatMachinesStore) {
+  absl::StatusOr<StoreSpec> a =
+      StoreSpecFromFlags("0.0.0.0:7700", 7700, "10.1.0.7:7700", "store-a", "", "worker-3");
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(StoreHost(*a), "worker-3");
+  EXPECT_EQ(StoreHost({.id = "b", .grpc = "10.1.0.9:7700"}), "10.1.0.9");
+  // The name travels through etcd's JSON and back.
+  absl::StatusOr<StoreSpec> back = StoreFromJson(StoreToJson(*a));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(*back, *a);
+  auto ra = EtcdRegistration::StartStore(Client(), "/m/", *a, absl::Seconds(2));
+  ASSERT_TRUE(ra.ok()) << ra.status();
+  auto rb = EtcdRegistration::StartStore(
+      Client(), "/m/", {.id = "store-b", .grpc = "10.1.0.9:7700", .host = "worker-4"},
+      absl::Seconds(2));
+  ASSERT_TRUE(rb.ok()) << rb.status();
+  auto c = Client();
+  absl::StatusOr<StoreSpec> mine = HostStore(*c, "/m/", "worker-3", absl::Seconds(5));
+  ASSERT_TRUE(mine.ok()) << mine.status();
+  EXPECT_EQ(mine->grpc, "10.1.0.7:7700");
+  // Its address no longer names its machine: a node looking by address finds no store there.
+  EXPECT_EQ(HostStore(*c, "/m/", "10.1.0.7", absl::Milliseconds(200)).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_FALSE(StoreFromJson(
+                   absl::StrCat(R"({"id":"s","grpc":"h:1","host":")", std::string(300, 'x'), "\"}"))
+                   .ok());
+}
+
 }  // namespace
 }  // namespace strata::membership

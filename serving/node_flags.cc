@@ -36,6 +36,10 @@ ABSL_FLAG(int, gpu_max_sequences, 64,
           "with --device cuda: sequences holding a cache at once (each a window on the device)");
 ABSL_FLAG(bool, cuda_graphs, true, "with --device cuda: replay decode steps as CUDA graphs");
 
+ABSL_FLAG(std::string, host_name, "",
+          "with --store host: the machine whose store to use, as the stores registered it "
+          "(strata-store --host_name; default: the host of this node's --listen address; in "
+          "Kubernetes, the node's name)");
 ABSL_FLAG(std::string, store, "",
           "the store this node reads and writes (host:port), where every host runs a store of "
           "its own: its host's (default: the node's \"store\" in the cluster file, else the "
@@ -51,13 +55,17 @@ absl::Status UseNodeStoreFromFlags(membership::ClusterSpec* spec, membership::No
     if (etcd.empty()) {
       return absl::InvalidArgumentError("--store host needs --etcd (the stores register there)");
     }
-    const std::string listen =
-        absl::GetFlag(FLAGS_listen).empty() ? self->grpc : absl::GetFlag(FLAGS_listen);
-    absl::StatusOr<HostPort> hp = ParseHostPort(listen);
-    if (!hp.ok()) return hp.status();
+    std::string host = absl::GetFlag(FLAGS_host_name);
+    if (host.empty()) {
+      const std::string listen =
+          absl::GetFlag(FLAGS_listen).empty() ? self->grpc : absl::GetFlag(FLAGS_listen);
+      absl::StatusOr<HostPort> hp = ParseHostPort(listen);
+      if (!hp.ok()) return hp.status();
+      host = hp->host;
+    }
     std::unique_ptr<membership::EtcdClient> client = membership::NewHttpEtcdClient(etcd);
-    absl::StatusOr<membership::StoreSpec> store = membership::HostStore(
-        *client, absl::GetFlag(FLAGS_etcd_prefix), hp->host, absl::Seconds(30));
+    absl::StatusOr<membership::StoreSpec> store =
+        membership::HostStore(*client, absl::GetFlag(FLAGS_etcd_prefix), host, absl::Seconds(30));
     if (!store.ok()) {
       return absl::Status(store.status().code(),
                           absl::StrCat("--store host: ", store.status().message()));

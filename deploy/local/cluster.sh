@@ -23,14 +23,16 @@
 #                                each master holding at most BYTES (256mb; volatile-lru), as the
 #                                store's shared tier: strata-store --shared_tier, the
 #                                router's, which counts its chunks as it routes, and the
-#                                nodes', which read it while their store cannot answer. Not
-#                                with --netns yet)
+#                                nodes', which read it while their store cannot answer. With
+#                                --netns the Redis Cluster is a host of its own, "redis")
 #                                [--host-stores] (a store per host, as on separate machines:
 #                                host I runs prefill-I and decode-I, host 0 the cluster's store,
 #                                host I > 0 a store of its own, store-I (ports PORT-BASE+100+I,
 #                                metrics +150+I), which its nodes use (cluster file: nodes[].store).
 #                                With --shared-tier, what one host's store holds is found on every
-#                                other through it. Not with --netns yet)
+#                                other through it. With --netns, host I is one namespace holding
+#                                prefill-I, decode-I and store-I; DIR/hosts says where each
+#                                process runs)
 #                                [--tls DIR] (mutual TLS between every process and the cluster
 #                                token, HTTPS at the router, with the files of
 #                                scripts/make_certs.sh in DIR, made there when DIR has no ca.crt;
@@ -119,9 +121,6 @@ while [ $# -gt 0 ]; do
   shift
 done
 
-if [ "$host_stores" = 1 ] && [ -n "$netns" ]; then
-  echo "cluster.sh: --host-stores runs on loopback only (not with --netns yet)" >&2; exit 2
-fi
 if [ "$host_stores" = 1 ] && [ "$n_prefill" -gt 50 -o "$n_decode" -gt 50 ]; then
   echo "cluster.sh: --host-stores takes at most 50 hosts" >&2; exit 2
 fi
@@ -149,20 +148,37 @@ stop_all() {
   fi
 }
 
-# Where NAME (store, prefill-I, decode-I, router) runs: 127.0.0.1, or with --netns its own host's
-# address (10.77.B.N, B from the port base so that clusters on one hub differ).
+# The host NAME runs on. With --host-stores, host I holds prefill-I, decode-I and store-I (host 0
+# the cluster's store); otherwise each process is a host of its own. The Redis Cluster of
+# --shared-tier is one more host, "redis".
+host_key() {
+  if [ "$host_stores" = 1 ]; then
+    case "$1" in
+      store) echo host-0; return ;;
+      prefill-*) echo "host-${1#prefill-}"; return ;;
+      decode-*) echo "host-${1#decode-}"; return ;;
+      store-*) echo "host-${1#store-}"; return ;;
+    esac
+  fi
+  echo "$1"
+}
+# Where NAME (store, store-I, prefill-I, decode-I, router, redis) runs: 127.0.0.1, or with --netns
+# its host's address (10.77.B.N, B from the port base so that clusters on one hub differ).
 host_of() {
   if [ -z "$netns" ]; then echo 127.0.0.1; return; fi
-  local n
-  case "$1" in
+  local n key
+  key="$(host_key "$1")"
+  case "$key" in
     store) n=2 ;;
     router) n=3 ;;
-    prefill-*) n=$((10 + ${1#prefill-})) ;;
-    decode-*) n=$((100 + ${1#decode-})) ;;
+    redis) n=4 ;;
+    prefill-*) n=$((10 + ${key#prefill-})) ;;
+    decode-*) n=$((100 + ${key#decode-})) ;;
+    host-*) n=$((10 + ${key#host-})) ;;
   esac
   echo "10.77.$(( (port_base / 100) % 250 + 1 )).$n"
 }
-ns_of() { echo "$netns-$port_base-$1"; }
+ns_of() { echo "$netns-$port_base-$(host_key "$1")"; }
 # Runs CMD in the namespace clients use (the hub), or here.
 client() { if [ -n "$netns" ]; then ip netns exec "$netns" "$@"; else "$@"; fi; }
 
@@ -193,6 +209,16 @@ case "$cmd" in
     names=(store router)
     for i in $(seq 0 $((n_prefill - 1))); do names+=("prefill-$i"); done
     for i in $(seq 0 $((n_decode - 1))); do names+=("decode-$i"); done
+    hosts_n=$(( n_prefill > n_decode ? n_prefill : n_decode ))
+    if [ "$host_stores" = 1 ]; then
+      for i in $(seq 1 $((hosts_n - 1))); do names+=("store-$i"); done
+    fi
+    [ "$shared_tier" -gt 0 ] && names+=(redis)
+    # Where each process runs (NAME NAMESPACE ADDRESS; the namespace is "-" on loopback): for
+    # tests and for `ip netns exec`.
+    for name in "${names[@]}"; do
+      echo "$name $([ -n "$netns" ] && ns_of "$name" || echo -) $(host_of "$name")"
+    done >"$dir/hosts"
     if [ -n "$netns" ]; then
       "$root/deploy/netns/hosts.sh" check
       own_hub=0  # a hub made here goes with the cluster; one made before (tests run in it) stays
@@ -200,6 +226,7 @@ case "$cmd" in
       "$root/deploy/netns/hosts.sh" hub "$netns"
       hosts=""
       for name in "${names[@]}"; do
+        case " $hosts " in *" $(ns_of "$name") "*) continue ;; esac  # a host of several processes
         "$root/deploy/netns/hosts.sh" add "$netns" "$(ns_of "$name")" "$(host_of "$name")"
         hosts="$hosts $(ns_of "$name")"
       done
@@ -208,7 +235,7 @@ case "$cmd" in
     # --host-stores: the "store" of a node on host I > 0 (its host's store-I); "" otherwise.
     store_field() {
       if [ "$host_stores" = 1 ] && [ "$1" -gt 0 ]; then
-        printf ', "store": "127.0.0.1:%d"' $((port_base + 100 + $1))
+        printf ', "store": "%s:%d"' "$(host_of "store-$1")" $((port_base + 100 + $1))
       fi
     }
     {
@@ -290,29 +317,33 @@ case "$cmd" in
     # The shared tier: a Redis Cluster of N masters with a replica each, before the store.
     store_shared=()
     if [ "$shared_tier" -gt 0 ]; then
-      [ -z "$netns" ] || { echo "cluster.sh: --shared-tier runs on loopback only (not with --netns yet)" >&2; stop_all; exit 2; }
       command -v redis-server >/dev/null && command -v redis-cli >/dev/null ||
         { echo "cluster.sh: --shared-tier needs redis-server and redis-cli (scripts/setup.sh installs them)" >&2; stop_all; exit 1; }
+      redis_host="$(host_of redis)"
+      # A command prefix, not a function: `$!` must be redis-server's own pid (ip netns exec
+      # execs it), for `down` and for tests that kill a master.
+      on_redis=()
+      if [ -n "$netns" ]; then on_redis=(ip netns exec "$(ns_of redis)"); fi
       redis_addrs=()
       for i in $(seq 0 $((2 * shared_tier - 1))); do
         p=$((port_base + 200 + i))
         rm -rf "$dir/redis-$i" && mkdir -p "$dir/redis-$i"
-        redis-server --port "$p" --bind 127.0.0.1 --cluster-enabled yes \
+        "${on_redis[@]}" redis-server --port "$p" --bind "$redis_host" --cluster-enabled yes \
           --cluster-config-file "$dir/redis-$i/nodes.conf" --dir "$dir/redis-$i" \
           --cluster-node-timeout 2000 --save '' --appendonly no --repl-diskless-sync-delay 0 --protected-mode no \
           --maxmemory "$shared_tier_memory" --maxmemory-policy volatile-lru \
           --logfile "$dir/logs/redis-$i.log" </dev/null >/dev/null 2>&1 &
         echo "redis-$i $!" >>"$dir/pids"
-        redis_addrs+=("127.0.0.1:$p")
+        redis_addrs+=("$redis_host:$p")
       done
       for a in "${redis_addrs[@]}"; do
-        for _ in $(seq 100); do redis-cli -p "${a##*:}" PING 2>/dev/null | grep -q PONG && break; sleep 0.05; done
+        for _ in $(seq 100); do "${on_redis[@]}" redis-cli -h "$redis_host" -p "${a##*:}" PING 2>/dev/null | grep -q PONG && break; sleep 0.05; done
       done
-      redis-cli --cluster create "${redis_addrs[@]}" --cluster-replicas 1 --cluster-yes \
+      "${on_redis[@]}" redis-cli --cluster create "${redis_addrs[@]}" --cluster-replicas 1 --cluster-yes \
         >"$dir/logs/redis-create.log" 2>&1 ||
         { echo "cluster.sh: redis-cli --cluster create failed ($dir/logs/redis-create.log)" >&2; stop_all; exit 1; }
       for _ in $(seq 200); do
-        redis-cli -p "${redis_addrs[0]##*:}" CLUSTER INFO 2>/dev/null | grep -q cluster_state:ok && break
+        "${on_redis[@]}" redis-cli -h "$redis_host" -p "${redis_addrs[0]##*:}" CLUSTER INFO 2>/dev/null | grep -q cluster_state:ok && break
         sleep 0.05
       done
       store_shared=(--shared_tier "$(IFS=,; echo "${redis_addrs[*]}")")
@@ -321,15 +352,14 @@ case "$cmd" in
       --metrics_host "$(host_of store)" --metrics_port $((port_base + 1)) "${sec[@]}" \
       "${store_shared[@]}" "${store_etcd[@]}"
     if [ "$host_stores" = 1 ]; then
-      hosts_n=$(( n_prefill > n_decode ? n_prefill : n_decode ))
       for i in $(seq 1 $((hosts_n - 1))); do
         tiers=(--ram_bytes "$store_ram")
         if [ "$store_disk" != "0" ]; then
           rm -rf "$dir/store-$i"
           tiers+=(--disk_path "$dir/store-$i" --disk_bytes "$store_disk")
         fi
-        start "store-$i" "$bin/kvstore/strata-store" --listen "127.0.0.1:$((port_base + 100 + i))" \
-          "${tiers[@]}" --metrics_host 127.0.0.1 --metrics_port $((port_base + 150 + i)) "${sec[@]}" \
+        start "store-$i" "$bin/kvstore/strata-store" --listen "$(host_of "store-$i"):$((port_base + 100 + i))" \
+          "${tiers[@]}" --metrics_host "$(host_of "store-$i")" --metrics_port $((port_base + 150 + i)) "${sec[@]}" \
           "${store_shared[@]}" "${store_etcd[@]}"
       done
     fi

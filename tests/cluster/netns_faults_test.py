@@ -169,7 +169,7 @@ def router_metric(c, name, label=""):
 
 
 def ns(c, name):
-    return "%s-%d-%s" % (e2e.NETNS, c.port_base, name)
+    return c.hosts()[name][0]
 
 
 def wait_for(predicate, timeout, what):

@@ -118,11 +118,24 @@ class Cluster:
         host, port = self.spec["store"].rsplit(":", 1)
         return "%s:%d" % (host, int(port) + 1)
 
+    def hosts(self):
+        """Where each process runs, as cluster.sh wrote it: name -> (namespace or "-", address)."""
+        out = {}
+        with open(os.path.join(self.dir, "hosts")) as f:
+            for line in f:
+                name, ns, address = line.split()
+                out[name] = (ns, address)
+        return out
+
+    def address_of(self, name):
+        """The address process `name` (store, store-1, redis, decode-0, ...) listens on."""
+        return self.hosts()[name][1]
+
     def on_host(self, name, argv):
         """`argv` as it runs on the host of process `name` (store, router, decode-0, ...)."""
         if not NETNS:
             return list(argv)
-        return ["ip", "netns", "exec", "%s-%d-%s" % (NETNS, self.port_base, name)] + list(argv)
+        return ["ip", "netns", "exec", self.hosts()[name][0]] + list(argv)
 
     def node(self, node_id):
         return next(n for n in self.spec["nodes"] if n["id"] == node_id)
@@ -1268,8 +1281,9 @@ class SharedTierTest(unittest.TestCase):
         c = Cluster("kivi:k4v4:g32", prefill=2, decode=2,
                     extra=["--shared-tier", "3", "--host-stores"])
         try:
-            stores = {0: c.store_metrics(), 1: "127.0.0.1:%d" % (c.port_base + 151)}
-            self.assertEqual(c.node("prefill-1")["store"], "127.0.0.1:%d" % (c.port_base + 101))
+            stores = {0: c.store_metrics(), 1: "%s:%d" % (c.address_of("store-1"), c.port_base + 151)}
+            self.assertEqual(c.node("prefill-1")["store"],
+                             "%s:%d" % (c.address_of("store-1"), c.port_base + 101))
             self.assertNotIn("store", c.node("prefill-0"))
             prompt = "Across hosts." + LONG * 2
             _, usage, events = complete(c, prompt, 8, stream=True, salt="hosts")
@@ -1314,7 +1328,8 @@ class SharedTierTest(unittest.TestCase):
             ports = [c.port_base + 200 + i for i in range(6)]
 
             def redis(port, *args):
-                return subprocess.run(["redis-cli", "-p", str(port)] + list(args),
+                return subprocess.run(["redis-cli", "-h", c.address_of("redis"), "-p", str(port)] +
+                                      list(args),
                                       capture_output=True, text=True, timeout=10).stdout
 
             deadline = time.time() + 30
@@ -1392,7 +1407,7 @@ class StoreHostLostTest(unittest.TestCase):
         c = Cluster("kivi:k4v4:g32", prefill=2, decode=2,
                     extra=["--shared-tier", "3", "--host-stores"])
         try:
-            stores = {0: c.store_metrics(), 1: "127.0.0.1:%d" % (c.port_base + 151)}
+            stores = {0: c.store_metrics(), 1: "%s:%d" % (c.address_of("store-1"), c.port_base + 151)}
             prompt = "Lost store." + LONG * 2
             _, usage, events = complete(c, prompt, 8, stream=True, salt="lost")
             self.assertEqual(usage["prompt_tokens_details"]["cached_tokens"], 0)
