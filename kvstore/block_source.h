@@ -50,6 +50,10 @@ class BlockSource {
     }
     return out;
   }
+  // `chain`'s leading chunks were found elsewhere (another source's Lookup), and Gets of their
+  // blocks may come here: a source that must walk a chain before it can serve a Get (the shared
+  // tier needs each chunk's index) notes it, without a round trip. Default: nothing.
+  virtual void NoteChain(absl::Span<const BlockHash> chain) { (void)chain; }
   // True when Get's bytes were checksum-verified in this process (an embedded store keeps only
   // verified blocks); false when they crossed a network (the caller verifies once, on use).
   virtual bool verified_on_get() const = 0;

@@ -56,6 +56,10 @@ void SharedTierBlockSource::Remember(const BlockHash& key, uint32_t chunk) {
   chunk_of_[key] = chunk;
 }
 
+void SharedTierBlockSource::NoteChain(absl::Span<const BlockHash> chain) {
+  for (uint32_t c = 0; c < chain.size(); ++c) Remember(chain[c], c);
+}
+
 absl::StatusOr<uint32_t> SharedTierBlockSource::Lookup(
     const BlockName& prefix, absl::Span<const BlockHash> chain,
     absl::Span<const uint64_t> layer_codec_fingerprints) {
@@ -68,8 +72,8 @@ absl::StatusOr<uint32_t> SharedTierBlockSource::Lookup(
   if (layers == 0) return 0u;
   uint32_t found = 0;
   for (uint32_t first = 0; first < chain.size(); first += kChunksPerCall) {
-    const uint32_t end = std::min<uint32_t>(static_cast<uint32_t>(chain.size()),
-                                            first + kChunksPerCall);
+    const uint32_t end =
+        std::min<uint32_t>(static_cast<uint32_t>(chain.size()), first + kChunksPerCall);
     std::vector<SharedTier::Key> keys;
     for (uint32_t c = first; c < end; ++c) {
       for (uint32_t l = 0; l < layers; ++l) {
@@ -141,7 +145,12 @@ absl::StatusOr<uint32_t> FailoverBlockSource::Lookup(
     const BlockName& prefix, absl::Span<const BlockHash> chain,
     absl::Span<const uint64_t> layer_codec_fingerprints) {
   absl::StatusOr<uint32_t> r = primary_->Lookup(prefix, chain, layer_codec_fingerprints);
-  if (r.ok() || !Unreachable(r.status())) return r;
+  if (r.ok()) {
+    // The Gets that follow may find the primary gone: the fallback then serves them.
+    fallback_->NoteChain(chain.first(std::min<size_t>(*r, chain.size())));
+    return r;
+  }
+  if (!Unreachable(r.status())) return r;
   absl::StatusOr<uint32_t> f = fallback_->Lookup(prefix, chain, layer_codec_fingerprints);
   (f.ok() ? lookups_ : failed_).fetch_add(1, std::memory_order_relaxed);
   return f.ok() ? f : r;

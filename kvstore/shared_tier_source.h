@@ -11,7 +11,9 @@
 //
 // FailoverBlockSource puts a primary (the host's store) in front of a fallback (the shared tier):
 // each call goes to the primary, and to the fallback only when the primary cannot answer
-// (kUnavailable, kDeadlineExceeded); a primary's miss or refusal is an answer. Puts the primary
+// (kUnavailable, kDeadlineExceeded); a primary's miss or refusal is an answer. What the primary's
+// Lookup found is noted with the fallback (NoteChain), so a primary lost between a request's
+// Lookup and its Gets still has them served by the fallback. Puts the primary
 // cannot take go to the fallback, so a prefix computed while the store is away still reaches the
 // other hosts. When both fail the caller sees the failure and recomputes: never worse than
 // without a fallback.
@@ -41,6 +43,8 @@ class SharedTierBlockSource final : public BlockSource {
                                   absl::Span<const uint64_t> layer_codec_fingerprints) override;
   absl::StatusOr<SharedBytes> Get(const BlockName& name) override;
   absl::Status Put(const BlockName& name, const BlockHash* parent, SharedBytes block) override;
+  // Remembers chain[i]'s chunk index i, as a Lookup that walked it would.
+  void NoteChain(absl::Span<const BlockHash> chain) override;
   // The tier verifies every block it returns (checksum and name).
   bool verified_on_get() const override { return true; }
   std::string Describe() const override;
@@ -83,6 +87,10 @@ class FailoverBlockSource final : public BlockSource {
   // The primary's batch (one stream to a remote store); the items it could not take for want of
   // an answer, or all of them when the call itself failed so, go to the fallback.
   absl::StatusOr<std::vector<absl::Status>> PutMany(absl::Span<const PutItem> items) override;
+  void NoteChain(absl::Span<const BlockHash> chain) override {
+    primary_->NoteChain(chain);
+    fallback_->NoteChain(chain);
+  }
   bool verified_on_get() const override {
     return primary_->verified_on_get() && fallback_->verified_on_get();
   }

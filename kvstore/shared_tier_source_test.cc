@@ -207,5 +207,42 @@ TEST(FailoverBlockSourceTest, TheFallbackAnswersOnlyWhenThePrimaryCannot) {
   EXPECT_EQ(both_down.stats().failed, 1u);
 }
 
+// The host's store answers a request's Lookup, then is lost before its Gets: the shared tier,
+// told what the store's Lookup found, serves them (before, it knew no chunk index for them and
+// missed, and the request recomputed what Redis held).
+TEST_F(SharedTierSourceTest, AStoreLostBetweenLookupAndGetHasTheGetsServedByTheSharedTier) {
+  const Chain chain = MakeChain(3, 36);
+  std::unique_ptr<BlockStore> host = *BlockStore::Open({.ram_bytes = 1 << 22});
+  EmbeddedBlockSource host_source(host.get());
+  SharedTierBlockSource writer(Options()), reader(Options());
+  for (uint32_t c = 0; c < 3; ++c) {
+    for (uint32_t l = 0; l < kLayers; ++l) {
+      const BlockHash* parent = c > 0 ? &chain.keys[c - 1] : nullptr;
+      ASSERT_TRUE(host_source.Put(chain.Name(c, l), parent, chain.Bytes(c, l)).ok());
+      ASSERT_TRUE(writer.Put(chain.Name(c, l), parent, chain.Bytes(c, l)).ok());
+    }
+  }
+  Scripted primary(&host_source);
+  FailoverBlockSource failover(&primary, &reader);
+  absl::StatusOr<uint32_t> found =
+      failover.Lookup(chain.Name(0, 0), chain.keys, chain.Fingerprints());
+  ASSERT_TRUE(found.ok()) << found.status();
+  EXPECT_EQ(*found, 3u);
+  EXPECT_EQ(failover.stats().lookups, 0u);  // the store answered
+  primary.answer = absl::UnavailableError("store lost");
+  for (uint32_t c = 0; c < 3; ++c) {
+    for (uint32_t l = 0; l < kLayers; ++l) {
+      absl::StatusOr<SharedBytes> got = failover.Get(chain.Name(c, l));
+      ASSERT_TRUE(got.ok()) << "chunk " << c << " layer " << l << ": " << got.status();
+      EXPECT_TRUE(got->span() == chain.Bytes(c, l).span());
+    }
+  }
+  EXPECT_EQ(failover.stats().gets, 3u * kLayers);
+  EXPECT_EQ(failover.stats().failed, 0u);
+  // A chain the store's Lookup did not reach is still unknown to the tier: a miss, not a guess.
+  const Chain other = MakeChain(1, 37);
+  EXPECT_EQ(failover.Get(other.Name(0, 0)).status().code(), absl::StatusCode::kUnavailable);
+}
+
 }  // namespace
 }  // namespace strata::kvstore
