@@ -1,6 +1,7 @@
 #include "kvstore/replay.h"
 
 #include <algorithm>
+#include <bit>
 #include <fstream>
 #include <memory>
 #include <optional>
@@ -126,11 +127,37 @@ class TierModel {
 
 // The shared tier: Redis under maxmemory with an LRU policy. Chunks enter with no parent (Redis
 // knows no chains), so the ledger evicts by recency alone; parents are remembered to count the
-// orphans left.
+// orphans left. Each chunk takes `cost` bytes of the tier's memory (RedisChunkBytes) and moves
+// chunk_bytes.
+}  // namespace
+
+uint64_t JemallocSizeClass(uint64_t n) {
+  if (n <= 8) return 8;
+  if (n <= 128) return (n + 15) / 16 * 16;
+  const uint64_t group = std::bit_floor(n - 1);  // four classes per doubling above 128 B
+  const uint64_t spacing = group / 4;
+  return (n + spacing - 1) / spacing * spacing;
+}
+
+uint64_t RedisChunkBytes(uint64_t chunk_bytes, uint32_t layers) {
+  if (layers == 0) return chunk_bytes;
+  const uint64_t value = (chunk_bytes + layers - 1) / layers;
+  // Per field: the value's sds (a 9-byte header and a NUL), its name's sds, its dictEntry.
+  const uint64_t field =
+      JemallocSizeClass(value + 10) + JemallocSizeClass(16) + JemallocSizeClass(24);
+  // Per key: its dictEntry and sds name in the keyspace, the robj, the hash's dict and table,
+  // the expires dictEntry (every chunk has a TTL).
+  const uint64_t key = JemallocSizeClass(24) + JemallocSizeClass(48) + JemallocSizeClass(16) +
+                       JemallocSizeClass(96) + JemallocSizeClass(24);
+  return layers * field + key;
+}
+
+namespace {
+
 class SharedTierModel {
  public:
-  SharedTierModel(uint64_t bytes, uint64_t chunk_bytes)
-      : chunk_bytes_(chunk_bytes), ledger_(bytes, 0, false, PolicyKind::kLru) {}
+  SharedTierModel(uint64_t bytes, uint64_t chunk_bytes, uint64_t cost)
+      : chunk_bytes_(chunk_bytes), cost_(cost), ledger_(bytes, 0, false, PolicyKind::kLru) {}
 
   bool Contains(uint64_t id) const { return ledger_.Contains(id); }
 
@@ -144,10 +171,10 @@ class SharedTierModel {
       ledger_.TouchRam(id);
       return;
     }
-    if (chunk_bytes_ > ledger_.ram_capacity()) return;
-    ledger_.Add(id, nullptr, chunk_bytes_);
+    if (cost_ > ledger_.ram_capacity()) return;
+    ledger_.Add(id, nullptr, cost_);
     const bool room = ledger_.EvictRam(
-        chunk_bytes_, [](uint64_t) { return false; },
+        cost_, [](uint64_t) { return false; },
         [&](uint64_t victim, const Ledger::Entry&, RamFate) {
           ++r.shared_evictions;
           parents_.erase(victim);
@@ -173,6 +200,7 @@ class SharedTierModel {
   struct NoBytes {};
   using Ledger = TierLedger<uint64_t, NoBytes>;
   const uint64_t chunk_bytes_;
+  const uint64_t cost_;
   Ledger ledger_;
   absl::flat_hash_map<uint64_t, uint64_t> parents_;  // of chunks in the tier with a parent
 };
@@ -212,7 +240,8 @@ ReplayResult ReplayCluster(const std::vector<TraceRequest>& trace,
   for (uint32_t h = 0; h < config.hosts; ++h) stores.push_back(std::make_unique<TierModel>(sc));
   std::optional<SharedTierModel> shared;
   if (config.layout == StoreLayout::kSharedTier)
-    shared.emplace(config.shared_bytes, sc.chunk_bytes);
+    shared.emplace(config.shared_bytes, sc.chunk_bytes,
+                   RedisChunkBytes(sc.chunk_bytes, config.shared_layers));
   std::vector<double> queue(config.hosts, 0);
   double last_ms = trace.empty() ? 0 : trace.front().timestamp_ms;
   std::mt19937_64 rng(config.seed);

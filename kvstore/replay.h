@@ -79,6 +79,10 @@ struct ClusterReplayConfig {
   StoreLayout layout = StoreLayout::kCentral;
   uint32_t hosts = 4;
   uint64_t shared_bytes = 0;  // kSharedTier: the tier's memory, all masters together
+  // kSharedTier: the layers of a chunk, each a field of the chunk's Redis hash (as SharedTier
+  // keeps it). Each chunk then takes what Redis takes for it (RedisChunkBytes); 0: chunk_bytes,
+  // an allocator that wastes nothing.
+  uint32_t shared_layers = 0;
   // The router's pick among hosts (routing_policy.h's prefill cost, with stores only):
   //   cost_h = max(0, (queue_h + prompt) / C - (own_h + store_credit * max(0, shared - own_h)))
   // own_h: leading chunks in host h's store; shared: in the shared tier; queue_h: tokens host h
@@ -91,5 +95,15 @@ struct ClusterReplayConfig {
 
 ReplayResult ReplayCluster(const std::vector<TraceRequest>& trace,
                            const ClusterReplayConfig& config);
+
+// The allocation jemalloc (Redis's allocator) makes for `n` bytes: 16-byte steps to 128 B, then
+// four size classes per doubling (a 5,386-byte value takes 6,144).
+uint64_t JemallocSizeClass(uint64_t n);
+// Redis 7's memory for one chunk of `chunk_bytes` kept as a hash of `layers` fields (values
+// larger than hash-max-listpack-value, so a hashtable): every value, field name and entry
+// rounded up to its size class, and the key's own structures and TTL. 0 layers: chunk_bytes.
+// Checked against Redis's count on a live run (bench/results/trace_replay-shared-redis-*: 19 KB
+// for a 3-layer chunk of 16 KB).
+uint64_t RedisChunkBytes(uint64_t chunk_bytes, uint32_t layers);
 
 }  // namespace strata::kvstore

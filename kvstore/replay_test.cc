@@ -67,9 +67,10 @@ std::vector<TraceRequest> Conversations(int n, int turns) {
 TEST(ReplayTest, SmallRamSpillsToDiskAndNoTierMeansNoHits) {
   const std::vector<TraceRequest> trace = Conversations(20, 5);
   const ReplayResult unlimited = Replay(trace, {.chunk_bytes = 100, .ram_bytes = 1 << 30});
-  const ReplayResult ram_only = Replay(trace, {.chunk_bytes = 100, .ram_bytes = 1000,
-                                               .ram_policy = PolicyKind::kLru});
-  const ReplayResult with_disk = Replay(trace, {.chunk_bytes = 100, .ram_bytes = 1000,
+  const ReplayResult ram_only =
+      Replay(trace, {.chunk_bytes = 100, .ram_bytes = 1000, .ram_policy = PolicyKind::kLru});
+  const ReplayResult with_disk = Replay(trace, {.chunk_bytes = 100,
+                                                .ram_bytes = 1000,
                                                 .disk_bytes = 1 << 30,
                                                 .ram_policy = PolicyKind::kLru});
   // A disk that holds everything finds every chunk unlimited RAM would, some from disk.
@@ -205,13 +206,16 @@ TEST(ReplayTest, TheReplayFindsWhatARealStoreFedTheSameTraceFinds) {
 
 TEST(ReplayTest, TraceFilesAreValidatedLineByLine) {
   const std::string path = absl::StrCat(testing::TempDir(), "/trace.jsonl");
-  std::ofstream(path) << R"({"timestamp": 0, "input_length": 1100, "output_length": 5, "hash_ids": [7, 8, 9]})"
-                      << "\n"
-                      << R"({"timestamp": 1, "input_length": -3, "hash_ids": [1]})" << "\n";
+  std::ofstream(path)
+      << R"({"timestamp": 0, "input_length": 1100, "output_length": 5, "hash_ids": [7, 8, 9]})"
+      << "\n"
+      << R"({"timestamp": 1, "input_length": -3, "hash_ids": [1]})"
+      << "\n";
   absl::StatusOr<std::vector<TraceRequest>> t = LoadMooncakeTrace(path);
   ASSERT_FALSE(t.ok());
   EXPECT_THAT(std::string(t.status().message()), HasSubstr("line 2: input_length"));
-  std::ofstream(path) << R"({"timestamp": 0, "input_length": 1100, "hash_ids": [7, 8, 9]})" << "\n";
+  std::ofstream(path) << R"({"timestamp": 0, "input_length": 1100, "hash_ids": [7, 8, 9]})"
+                      << "\n";
   t = LoadMooncakeTrace(path);
   ASSERT_TRUE(t.ok()) << t.status();
   ASSERT_EQ(t->size(), 1u);
@@ -288,6 +292,47 @@ TEST(ReplayClusterTest, ASmallSharedTierEvictsByRecencyAndCountsItsOrphans) {
   EXPECT_LE(c.shared_orphans, c.shared_chunks);
   EXPECT_GT(c.chunk_hits_shared, 0u);
   EXPECT_GE(c.chunk_hit_rate(), a.chunk_hit_rate());
+}
+
+// What Redis takes for a chunk: jemalloc's classes (16-byte steps to 128 B, then four per
+// doubling), and a hash of the chunk's layers costs more than its bytes; the tier then holds
+// fewer chunks in the same memory.
+TEST(ReplayClusterTest, RedisTakesItsSizeClassesAndStructuresForEachChunk) {
+  EXPECT_EQ(JemallocSizeClass(1), 8u);
+  EXPECT_EQ(JemallocSizeClass(17), 32u);
+  EXPECT_EQ(JemallocSizeClass(128), 128u);
+  EXPECT_EQ(JemallocSizeClass(129), 160u);
+  EXPECT_EQ(JemallocSizeClass(4096), 4096u);
+  EXPECT_EQ(JemallocSizeClass(4097), 5120u);
+  EXPECT_EQ(JemallocSizeClass(5386), 6144u);
+  EXPECT_EQ(JemallocSizeClass((uint64_t{1} << 20) + 1), (uint64_t{1} << 20) + (1 << 18));
+  EXPECT_EQ(RedisChunkBytes(16000, 0), 16000u);
+  // A 3-layer chunk of 16 KB (the bundled model's): about 19 KB, as Redis counted on a live run.
+  const uint64_t cost = RedisChunkBytes(3 * 5376, 3);
+  EXPECT_GT(cost, 18500u);
+  EXPECT_LT(cost, 19500u);
+  // Large blocks are rounded too: an 8B-class fp16 layer block (2 MiB of K and V and a 64-byte
+  // header) takes the next class, 2.5 MiB; one that fits a class loses only the structures.
+  const uint64_t fp16 = (uint64_t{2} << 20) + 64;
+  EXPECT_GE(RedisChunkBytes(32 * fp16, 32), 32 * (uint64_t{5} << 19));
+  const uint64_t fits = (uint64_t{5} << 19) - 1024;
+  EXPECT_LT(RedisChunkBytes(32 * fits, 32), 32 * ((uint64_t{5} << 19) + 64) + 256);
+
+  const std::vector<TraceRequest> trace = TimedConversations(30, 5, 10);
+  ClusterReplayConfig exact{.store = {.chunk_bytes = 300, .ram_bytes = 3000},
+                            .layout = StoreLayout::kSharedTier,
+                            .hosts = 3,
+                            .shared_bytes = 30000,
+                            .prefill_tokens_per_s = 1000};
+  ClusterReplayConfig redis = exact;
+  redis.shared_layers = 3;
+  const ReplayResult e = ReplayCluster(trace, exact);
+  const ReplayResult r = ReplayCluster(trace, redis);
+  EXPECT_LE(e.shared_chunks, 100u);
+  EXPECT_LE(r.shared_chunks, 30000u / RedisChunkBytes(300, 3));
+  EXPECT_LT(r.shared_chunks, e.shared_chunks);
+  EXPECT_GT(r.shared_evictions, e.shared_evictions);
+  EXPECT_EQ(r.bytes_written_shared % 300, 0u);  // what moves is still the chunk's bytes
 }
 
 TEST(ReplayClusterTest, LayoutNamesParseAndUnknownOnesAreRefused) {

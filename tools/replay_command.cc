@@ -49,8 +49,9 @@ absl::Status RunReplay(const ReplayOptions& o, std::ostream& out) {
   const bool clustered = layouts.size() > 1 || layouts[0] != kvstore::StoreLayout::kCentral;
   if (clustered) {
     out << absl::StrFormat(
-        "layouts over %d hosts (RAM and disk per store: one machine's); shared tier %s, LRU; "
-        "router: prefix overlap%s\n",
+        "layouts over %d hosts (RAM and disk per store: one machine's); shared tier %s, LRU, a "
+        "chunk a Redis hash of its layers (jemalloc's size classes and Redis's structures "
+        "counted); router: prefix overlap%s\n",
         o.hosts, Gib(o.shared_bytes),
         o.prefill_tokens_per_s > 0
             ? absl::StrFormat(" and load (%.0f prefill tokens/s per host)", o.prefill_tokens_per_s)
@@ -69,8 +70,8 @@ absl::Status RunReplay(const ReplayOptions& o, std::ostream& out) {
           "replay: ", spec, " needs a calibration; use a codec of the same size that does not"));
     }
     // The block size a real block of this shape has (nominal: chunks other than the first).
-    STRATA_ASSIGN_OR_RETURN(double bits, kernels::Codec(parsed).BitsPerElement(
-                                             o.block_tokens, o.kv_heads, o.head_dim));
+    STRATA_ASSIGN_OR_RETURN(
+        double bits, kernels::Codec(parsed).BitsPerElement(o.block_tokens, o.kv_heads, o.head_dim));
     const uint64_t chunk_bytes = static_cast<uint64_t>(
         bits / 8.0 * 2.0 * o.block_tokens * o.kv_heads * o.head_dim * o.layers + 0.5);
     for (const uint64_t disk : {uint64_t{0}, o.disk_bytes}) {
@@ -88,6 +89,7 @@ absl::Status RunReplay(const ReplayOptions& o, std::ostream& out) {
                                                .layout = layout,
                                                .hosts = o.hosts,
                                                .shared_bytes = o.shared_bytes,
+                                               .shared_layers = o.layers,
                                                .prefill_tokens_per_s = o.prefill_tokens_per_s});
             const uint64_t hits = r.chunk_hits_ram + r.chunk_hits_disk + r.chunk_hits_shared;
             out << absl::StrFormat(
