@@ -9,6 +9,7 @@
 //
 // Flags are parsed here and only here; each subcommand gets an Options struct.
 #include <iostream>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -115,6 +116,171 @@ int Fail(const absl::Status& s) {
   return 1;
 }
 
+// The flags every model command takes (--model, --codec, --kv_chunk_tokens, --kv_window,
+// --device, --calibration).
+absl::Status ModelOptions(strata::tools::ModelCommandOptions& o) {
+  o.model_dir = absl::GetFlag(FLAGS_model);
+  if (!absl::GetFlag(FLAGS_codec).empty()) o.codec = absl::GetFlag(FLAGS_codec);
+  o.chunk_tokens = absl::GetFlag(FLAGS_kv_chunk_tokens);
+  o.window_tokens = absl::GetFlag(FLAGS_kv_window);
+  o.device = absl::GetFlag(FLAGS_device);
+  if (!absl::GetFlag(FLAGS_calibration).empty()) {
+    absl::StatusOr<strata::kernels::Calibration> c =
+        strata::kernels::Calibration::Load(absl::GetFlag(FLAGS_calibration));
+    if (!c.ok()) return c.status();
+    o.calibration = std::make_shared<strata::kernels::Calibration>(*std::move(c));
+  }
+  return absl::OkStatus();
+}
+
+int InspectCommand(const std::vector<char*>& args) {
+  if (args.size() != 3) {
+    std::cerr << "usage: strata inspect FILE\n";
+    return 2;
+  }
+  const absl::Status s = strata::tools::InspectBlockFile(args[2], std::cout);
+  return s.ok() ? 0 : Fail(s);
+}
+
+int DemoCommand(const std::vector<char*>& args) {
+  strata::tools::DemoOptions o;
+  o.out_dir = absl::GetFlag(FLAGS_out);
+  o.layers = absl::GetFlag(FLAGS_layers);
+  o.kv_heads = absl::GetFlag(FLAGS_kv_heads);
+  o.head_dim = absl::GetFlag(FLAGS_head_dim);
+  o.chunk_tokens = absl::GetFlag(FLAGS_chunk_tokens);
+  o.hash_block_tokens = absl::GetFlag(FLAGS_hash_block_tokens);
+  o.prefix_hash = absl::GetFlag(FLAGS_prefix_hash);
+  o.program = args[0];
+  if (!absl::GetFlag(FLAGS_codec).empty()) o.codec = absl::GetFlag(FLAGS_codec);
+  o.q_heads = absl::GetFlag(FLAGS_q_heads);
+  const absl::Status s = strata::tools::RunDemo(o, std::cout);
+  return s.ok() ? 0 : Fail(s);
+}
+
+int CalibrateCommand(const std::vector<char*>& args) {
+  strata::tools::CalibrateOptions o;
+  if (absl::Status s = ModelOptions(o); !s.ok()) return Fail(s);
+  o.text_file = absl::GetFlag(FLAGS_text);
+  if (args.size() > 2) o.text_file = args[2];
+  o.out_file = absl::GetFlag(FLAGS_out);
+  if (o.out_file == kDefaultOut) {
+    std::cerr << "usage: strata calibrate --codec SPEC --out FILE [--model DIR] TEXT\n";
+    return 2;
+  }
+  o.context = absl::GetFlag(FLAGS_context);
+  if (absl::GetFlag(FLAGS_windows) != 0) o.windows = absl::GetFlag(FLAGS_windows);
+  const absl::Status s = strata::tools::RunCalibrate(o, std::cout);
+  return s.ok() ? 0 : Fail(s);
+}
+
+int GenerateCommand(const std::vector<char*>& args) {
+  strata::tools::GenerateOptions o;
+  if (absl::Status s = ModelOptions(o); !s.ok()) return Fail(s);
+  o.prompt = absl::GetFlag(FLAGS_prompt);
+  if (args.size() > 2) o.prompt = args[2];
+  o.max_tokens = absl::GetFlag(FLAGS_max_tokens);
+  o.temperature = absl::GetFlag(FLAGS_temperature);
+  o.seed = absl::GetFlag(FLAGS_seed);
+  o.top_k = absl::GetFlag(FLAGS_top_k);
+  o.top_p = absl::GetFlag(FLAGS_top_p);
+  o.min_p = absl::GetFlag(FLAGS_min_p);
+  o.presence_penalty = absl::GetFlag(FLAGS_presence_penalty);
+  o.frequency_penalty = absl::GetFlag(FLAGS_frequency_penalty);
+  o.repetition_penalty = absl::GetFlag(FLAGS_repetition_penalty);
+  const absl::Status s = strata::tools::RunGenerate(o, std::cout, std::cerr);
+  return s.ok() ? 0 : Fail(s);
+}
+
+int PplCommand(const std::vector<char*>& args) {
+  strata::tools::PplOptions o;
+  if (absl::Status s = ModelOptions(o); !s.ok()) return Fail(s);
+  o.text_file = absl::GetFlag(FLAGS_text);
+  if (args.size() > 2) o.text_file = args[2];
+  o.context = absl::GetFlag(FLAGS_context);
+  o.max_windows = absl::GetFlag(FLAGS_windows);
+  const absl::Status s = strata::tools::RunPpl(o, std::cout);
+  return s.ok() ? 0 : Fail(s);
+}
+
+int EvalCommand(const std::vector<char*>& args) {
+  strata::tools::EvalOptions o;
+  if (absl::Status s = ModelOptions(o); !s.ok()) return Fail(s);
+  o.text_file = absl::GetFlag(FLAGS_text);
+  if (args.size() > 2) o.text_file = args[2];
+  o.codecs = absl::GetFlag(FLAGS_codecs);
+  o.context = absl::GetFlag(FLAGS_context);
+  o.max_windows = absl::GetFlag(FLAGS_windows) == 0 ? 8 : absl::GetFlag(FLAGS_windows);
+  o.continuations = absl::GetFlag(FLAGS_continuations);
+  o.prompt_tokens = absl::GetFlag(FLAGS_prompt_tokens);
+  o.generate_tokens = absl::GetFlag(FLAGS_generate_tokens);
+  o.json_out = absl::GetFlag(FLAGS_json);
+  o.calib_text_file = absl::GetFlag(FLAGS_calib_text);
+  const absl::Status s = strata::tools::RunEval(o, std::cout);
+  return s.ok() ? 0 : Fail(s);
+}
+
+int ReplayCommand(const std::vector<char*>& args) {
+  strata::tools::ReplayOptions o;
+  o.trace_file = absl::GetFlag(FLAGS_trace);
+  if (args.size() > 2) o.trace_file = args[2];
+  if (!absl::GetFlag(FLAGS_codecs).empty()) o.codecs = absl::GetFlag(FLAGS_codecs);
+  o.layers = absl::GetFlag(FLAGS_model_layers);
+  o.kv_heads = absl::GetFlag(FLAGS_model_kv_heads);
+  o.head_dim = absl::GetFlag(FLAGS_model_head_dim);
+  o.json_out = absl::GetFlag(FLAGS_json);
+  o.block_tokens = absl::GetFlag(FLAGS_trace_block_tokens);
+  if (o.block_tokens == 0) {
+    std::cerr << "strata: --trace_block_tokens must be >= 1\n";
+    return 2;
+  }
+  if (!absl::GetFlag(FLAGS_policies).empty()) o.policies = absl::GetFlag(FLAGS_policies);
+  for (const std::string& r : absl::GetFlag(FLAGS_ram_sizes)) {
+    uint64_t b = 0;
+    if (!strata::ParseByteSize(r, &b)) {
+      std::cerr << "strata: --ram_sizes: '" << r << "' is not a size like 64G\n";
+      return 2;
+    }
+    o.ram_bytes.push_back(b);
+  }
+  o.durable_puts = absl::GetFlag(FLAGS_durable_puts);
+  o.layouts = absl::GetFlag(FLAGS_layouts);
+  o.hosts = absl::GetFlag(FLAGS_hosts);
+  o.prefill_tokens_per_s = absl::GetFlag(FLAGS_host_prefill_tokens_per_s);
+  if (!strata::ParseByteSize(absl::GetFlag(FLAGS_shared_size), &o.shared_bytes)) {
+    std::cerr << "strata: --shared_size: not a size like 256G\n";
+    return 2;
+  }
+  if (!strata::ParseByteSize(absl::GetFlag(FLAGS_disk_size), &o.disk_bytes)) {
+    std::cerr << "strata: --disk_size: not a size like 4T\n";
+    return 2;
+  }
+  const absl::Status s = strata::tools::RunReplay(o, std::cout);
+  return s.ok() ? 0 : Fail(s);
+}
+
+int KvStructureCommand(const std::vector<char*>& args) {
+  strata::tools::KvStructureOptions o;
+  if (absl::Status s = ModelOptions(o); !s.ok()) return Fail(s);
+  o.text_file = absl::GetFlag(FLAGS_text);
+  if (args.size() > 2) o.text_file = args[2];
+  o.context = absl::GetFlag(FLAGS_context);
+  o.json_out = absl::GetFlag(FLAGS_json);
+  const absl::Status s = strata::tools::RunKvStructure(o, std::cout);
+  return s.ok() ? 0 : Fail(s);
+}
+
+int DumpKvCommand(const std::vector<char*>& args) {
+  strata::tools::DumpKvOptions o;
+  if (absl::Status s = ModelOptions(o); !s.ok()) return Fail(s);
+  o.text_file = absl::GetFlag(FLAGS_text);
+  if (args.size() > 2) o.text_file = args[2];
+  o.out_dir = absl::GetFlag(FLAGS_out);
+  o.max_tokens = absl::GetFlag(FLAGS_context);
+  const absl::Status s = strata::tools::RunDumpKv(o, std::cout);
+  return s.ok() ? 0 : Fail(s);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -125,159 +291,17 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::string command = args[1];
-  if (command == "inspect") {
-    if (args.size() != 3) {
-      std::cerr << "usage: strata inspect FILE\n";
-      return 2;
-    }
-    const absl::Status s = strata::tools::InspectBlockFile(args[2], std::cout);
-    return s.ok() ? 0 : Fail(s);
-  }
-  if (command == "demo") {
-    strata::tools::DemoOptions o;
-    o.out_dir = absl::GetFlag(FLAGS_out);
-    o.layers = absl::GetFlag(FLAGS_layers);
-    o.kv_heads = absl::GetFlag(FLAGS_kv_heads);
-    o.head_dim = absl::GetFlag(FLAGS_head_dim);
-    o.chunk_tokens = absl::GetFlag(FLAGS_chunk_tokens);
-    o.hash_block_tokens = absl::GetFlag(FLAGS_hash_block_tokens);
-    o.prefix_hash = absl::GetFlag(FLAGS_prefix_hash);
-    o.program = argv[0];
-    if (!absl::GetFlag(FLAGS_codec).empty()) o.codec = absl::GetFlag(FLAGS_codec);
-    o.q_heads = absl::GetFlag(FLAGS_q_heads);
-    const absl::Status s = strata::tools::RunDemo(o, std::cout);
-    return s.ok() ? 0 : Fail(s);
-  }
-  auto model_options = [](strata::tools::ModelCommandOptions& o) -> absl::Status {
-    o.model_dir = absl::GetFlag(FLAGS_model);
-    if (!absl::GetFlag(FLAGS_codec).empty()) o.codec = absl::GetFlag(FLAGS_codec);
-    o.chunk_tokens = absl::GetFlag(FLAGS_kv_chunk_tokens);
-    o.window_tokens = absl::GetFlag(FLAGS_kv_window);
-    o.device = absl::GetFlag(FLAGS_device);
-    if (!absl::GetFlag(FLAGS_calibration).empty()) {
-      absl::StatusOr<strata::kernels::Calibration> c =
-          strata::kernels::Calibration::Load(absl::GetFlag(FLAGS_calibration));
-      if (!c.ok()) return c.status();
-      o.calibration = std::make_shared<strata::kernels::Calibration>(*std::move(c));
-    }
-    return absl::OkStatus();
-  };
-  if (command == "calibrate") {
-    strata::tools::CalibrateOptions o;
-    if (absl::Status s = model_options(o); !s.ok()) return Fail(s);
-    o.text_file = absl::GetFlag(FLAGS_text);
-    if (args.size() > 2) o.text_file = args[2];
-    o.out_file = absl::GetFlag(FLAGS_out);
-    if (o.out_file == kDefaultOut) {
-      std::cerr << "usage: strata calibrate --codec SPEC --out FILE [--model DIR] TEXT\n";
-      return 2;
-    }
-    o.context = absl::GetFlag(FLAGS_context);
-    if (absl::GetFlag(FLAGS_windows) != 0) o.windows = absl::GetFlag(FLAGS_windows);
-    const absl::Status s = strata::tools::RunCalibrate(o, std::cout);
-    return s.ok() ? 0 : Fail(s);
-  }
-  if (command == "generate") {
-    strata::tools::GenerateOptions o;
-    if (absl::Status s = model_options(o); !s.ok()) return Fail(s);
-    o.prompt = absl::GetFlag(FLAGS_prompt);
-    if (args.size() > 2) o.prompt = args[2];
-    o.max_tokens = absl::GetFlag(FLAGS_max_tokens);
-    o.temperature = absl::GetFlag(FLAGS_temperature);
-    o.seed = absl::GetFlag(FLAGS_seed);
-    o.top_k = absl::GetFlag(FLAGS_top_k);
-    o.top_p = absl::GetFlag(FLAGS_top_p);
-    o.min_p = absl::GetFlag(FLAGS_min_p);
-    o.presence_penalty = absl::GetFlag(FLAGS_presence_penalty);
-    o.frequency_penalty = absl::GetFlag(FLAGS_frequency_penalty);
-    o.repetition_penalty = absl::GetFlag(FLAGS_repetition_penalty);
-    const absl::Status s = strata::tools::RunGenerate(o, std::cout, std::cerr);
-    return s.ok() ? 0 : Fail(s);
-  }
-  if (command == "ppl") {
-    strata::tools::PplOptions o;
-    if (absl::Status s = model_options(o); !s.ok()) return Fail(s);
-    o.text_file = absl::GetFlag(FLAGS_text);
-    if (args.size() > 2) o.text_file = args[2];
-    o.context = absl::GetFlag(FLAGS_context);
-    o.max_windows = absl::GetFlag(FLAGS_windows);
-    const absl::Status s = strata::tools::RunPpl(o, std::cout);
-    return s.ok() ? 0 : Fail(s);
-  }
-  if (command == "eval") {
-    strata::tools::EvalOptions o;
-    if (absl::Status s = model_options(o); !s.ok()) return Fail(s);
-    o.text_file = absl::GetFlag(FLAGS_text);
-    if (args.size() > 2) o.text_file = args[2];
-    o.codecs = absl::GetFlag(FLAGS_codecs);
-    o.context = absl::GetFlag(FLAGS_context);
-    o.max_windows = absl::GetFlag(FLAGS_windows) == 0 ? 8 : absl::GetFlag(FLAGS_windows);
-    o.continuations = absl::GetFlag(FLAGS_continuations);
-    o.prompt_tokens = absl::GetFlag(FLAGS_prompt_tokens);
-    o.generate_tokens = absl::GetFlag(FLAGS_generate_tokens);
-    o.json_out = absl::GetFlag(FLAGS_json);
-    o.calib_text_file = absl::GetFlag(FLAGS_calib_text);
-    const absl::Status s = strata::tools::RunEval(o, std::cout);
-    return s.ok() ? 0 : Fail(s);
-  }
-  if (command == "replay") {
-    strata::tools::ReplayOptions o;
-    o.trace_file = absl::GetFlag(FLAGS_trace);
-    if (args.size() > 2) o.trace_file = args[2];
-    if (!absl::GetFlag(FLAGS_codecs).empty()) o.codecs = absl::GetFlag(FLAGS_codecs);
-    o.layers = absl::GetFlag(FLAGS_model_layers);
-    o.kv_heads = absl::GetFlag(FLAGS_model_kv_heads);
-    o.head_dim = absl::GetFlag(FLAGS_model_head_dim);
-    o.json_out = absl::GetFlag(FLAGS_json);
-    o.block_tokens = absl::GetFlag(FLAGS_trace_block_tokens);
-    if (o.block_tokens == 0) {
-      std::cerr << "strata: --trace_block_tokens must be >= 1\n";
-      return 2;
-    }
-    if (!absl::GetFlag(FLAGS_policies).empty()) o.policies = absl::GetFlag(FLAGS_policies);
-    for (const std::string& r : absl::GetFlag(FLAGS_ram_sizes)) {
-      uint64_t b = 0;
-      if (!strata::ParseByteSize(r, &b)) {
-        std::cerr << "strata: --ram_sizes: '" << r << "' is not a size like 64G\n";
-        return 2;
-      }
-      o.ram_bytes.push_back(b);
-    }
-    o.durable_puts = absl::GetFlag(FLAGS_durable_puts);
-    o.layouts = absl::GetFlag(FLAGS_layouts);
-    o.hosts = absl::GetFlag(FLAGS_hosts);
-    o.prefill_tokens_per_s = absl::GetFlag(FLAGS_host_prefill_tokens_per_s);
-    if (!strata::ParseByteSize(absl::GetFlag(FLAGS_shared_size), &o.shared_bytes)) {
-      std::cerr << "strata: --shared_size: not a size like 256G\n";
-      return 2;
-    }
-    if (!strata::ParseByteSize(absl::GetFlag(FLAGS_disk_size), &o.disk_bytes)) {
-      std::cerr << "strata: --disk_size: not a size like 4T\n";
-      return 2;
-    }
-    const absl::Status s = strata::tools::RunReplay(o, std::cout);
-    return s.ok() ? 0 : Fail(s);
-  }
-  if (command == "kv-structure") {
-    strata::tools::KvStructureOptions o;
-    if (absl::Status s = model_options(o); !s.ok()) return Fail(s);
-    o.text_file = absl::GetFlag(FLAGS_text);
-    if (args.size() > 2) o.text_file = args[2];
-    o.context = absl::GetFlag(FLAGS_context);
-    o.json_out = absl::GetFlag(FLAGS_json);
-    const absl::Status s = strata::tools::RunKvStructure(o, std::cout);
-    return s.ok() ? 0 : Fail(s);
-  }
-  if (command == "dump-kv") {
-    strata::tools::DumpKvOptions o;
-    if (absl::Status s = model_options(o); !s.ok()) return Fail(s);
-    o.text_file = absl::GetFlag(FLAGS_text);
-    if (args.size() > 2) o.text_file = args[2];
-    o.out_dir = absl::GetFlag(FLAGS_out);
-    o.max_tokens = absl::GetFlag(FLAGS_context);
-    const absl::Status s = strata::tools::RunDumpKv(o, std::cout);
-    return s.ok() ? 0 : Fail(s);
-  }
+  static const std::map<std::string, int (*)(const std::vector<char*>&)> kCommands = {
+      {"inspect", InspectCommand},
+      {"demo", DemoCommand},
+      {"calibrate", CalibrateCommand},
+      {"generate", GenerateCommand},
+      {"ppl", PplCommand},
+      {"eval", EvalCommand},
+      {"replay", ReplayCommand},
+      {"kv-structure", KvStructureCommand},
+      {"dump-kv", DumpKvCommand}};
+  if (auto it = kCommands.find(command); it != kCommands.end()) return it->second(args);
   std::cerr << "strata: unknown command '" << command << "'\n" << kUsage;
   return 2;
 }
