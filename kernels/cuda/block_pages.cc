@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "kernels/block_operands.h"
 #include "kernels/calibration.h"
 #include "kernels/codec.h"
@@ -204,8 +205,11 @@ absl::StatusOr<PagedKvLayout> PageLayoutForCodec(absl::string_view spec, uint32_
   return L;
 }
 
-absl::Status CheckPage(const BlockView& block, const PagedKvLayout& layout,
-                       const Calibration* calibration) {
+namespace {
+
+// The checks of CheckPage that read no section: the block fits a page and, for a general pool,
+// has the pool's shape.
+absl::Status CheckPageShape(const BlockView& block, const PagedKvLayout& layout) {
   const BlockHeader& h = block.header();
   auto mismatch = [&](absl::string_view why) {
     return absl::InvalidArgumentError(
@@ -215,23 +219,45 @@ absl::Status CheckPage(const BlockView& block, const PagedKvLayout& layout,
   if (block.bytes().size() > layout.page_bytes) {
     return mismatch(absl::StrCat("pages hold ", layout.page_bytes, " bytes"));
   }
-  if (layout.format == PageFormat::kGeneral) {
-    if (static_cast<int>(h.kv_heads) != layout.kv_heads ||
-        static_cast<int>(h.head_dim) != layout.head_dim ||
-        static_cast<int>(h.token_count) != layout.page_tokens) {
-      return mismatch(absl::StrCat("the pool's pages are ", layout.page_tokens, " tokens of ",
-                                   layout.kv_heads, "x", layout.head_dim));
-    }
-    absl::StatusOr<PreparedBlock> prepared = PrepareBlock(block, calibration);
-    if (!prepared.ok()) return prepared.status();
-    return CheckGeneral(block, *prepared);
+  if (layout.format == PageFormat::kGeneral &&
+      (static_cast<int>(h.kv_heads) != layout.kv_heads ||
+       static_cast<int>(h.head_dim) != layout.head_dim ||
+       static_cast<int>(h.token_count) != layout.page_tokens)) {
+    return mismatch(absl::StrCat("the pool's pages are ", layout.page_tokens, " tokens of ",
+                                 layout.kv_heads, "x", layout.head_dim));
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CheckPage(const BlockView& block, const PagedKvLayout& layout,
+                       const Calibration* calibration) {
+  STRATA_RETURN_IF_ERROR(CheckPageShape(block, layout));
   absl::StatusOr<PreparedBlock> prepared = PrepareBlock(block, calibration);
   if (!prepared.ok()) return prepared.status();
+  if (layout.format == PageFormat::kGeneral) return CheckGeneral(block, *prepared);
   absl::StatusOr<PagedKvLayout> want = FastPageLayoutFor(block, *prepared);
   if (!want.ok()) return want.status();
-  if (!SameFastLayout(*want, layout)) return mismatch("its sections are elsewhere");
+  if (!SameFastLayout(*want, layout)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("GPU pages: a ", block.header().codec_spec, " block of ",
+                     block.header().token_count, " tokens (", block.bytes().size(),
+                     " bytes) is not a page of this pool's layout: its sections are elsewhere"));
+  }
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::optional<PageDesc>> CheckAndDescribePage(const BlockView& block,
+                                                             const PagedKvLayout& layout,
+                                                             const Calibration* calibration,
+                                                             const PageConstants* constants) {
+  if (layout.format != PageFormat::kGeneral) {
+    STRATA_RETURN_IF_ERROR(CheckPage(block, layout, calibration));
+    return std::nullopt;
+  }
+  STRATA_RETURN_IF_ERROR(CheckPageShape(block, layout));
+  return DescribePage(block, calibration, constants);  // parses the block once, and checks it
 }
 
 PageConstants PageConstants::For(const Calibration* calibration) {

@@ -77,6 +77,13 @@ class PageConstants {
 absl::StatusOr<PageDesc> DescribePage(const BlockView& block, const Calibration* calibration,
                                       const PageConstants* constants);
 
+// CheckPage and, for a general pool, DescribePage, parsing the block once: the descriptor of a
+// general page (nullopt for a fast layout's), or CheckPage's and DescribePage's errors.
+absl::StatusOr<std::optional<PageDesc>> CheckAndDescribePage(const BlockView& block,
+                                                             const PagedKvLayout& layout,
+                                                             const Calibration* calibration,
+                                                             const PageConstants* constants);
+
 // A pool's distinct page descriptors (a handful: a codec's first chunk, its later ones, each
 // layer's codec in a mix), each page naming its own by index (PagedDecodeArgs::page_desc_ids).
 class PageDescTable {

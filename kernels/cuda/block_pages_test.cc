@@ -227,6 +227,18 @@ TEST(BlockPagesTest, BlocksTheKernelsCannotReadAreRefusedSayingWhy) {
   EXPECT_TRUE(CheckPage(Encode("gear:k4v4:g32:r2:s2", 1, 5)->view(), *general).ok());
   EXPECT_EQ(CheckPage(Encode("gear:k4v4:g32:r2:s2", 1, 5, 2 * kTokens)->view(), *general).code(),
             absl::StatusCode::kInvalidArgument);
+  // Checking and describing at once: the same refusals, no descriptor for a fast layout.
+  absl::StatusOr<std::optional<PageDesc>> fast =
+      CheckAndDescribePage(kivi->view(), *same, nullptr, nullptr);
+  ASSERT_TRUE(fast.ok()) << fast.status();
+  EXPECT_FALSE(fast->has_value());
+  EXPECT_EQ(CheckAndDescribePage(kivi->view(), other, nullptr, nullptr).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(CheckAndDescribePage(Encode("gear:k4v4:g32:r2:s2", 1, 5, 2 * kTokens)->view(), *general,
+                                 nullptr, nullptr)
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
   // A layout whose sections overlap or leave the page is refused by the kernels' own check.
   PagedKvLayout bad = *same;
   bad.value_codes = bad.key_codes + 16;
@@ -310,6 +322,12 @@ TEST(BlockPagesTest, EveryCodecsPageDecodesThroughItsDescriptorAsTheCpuDecodesIt
             << CheckPage(view, *pool, cb.calibration.get());
         absl::StatusOr<PageDesc> desc = DescribePage(view, cb.calibration.get(), &constants);
         ASSERT_TRUE(desc.ok()) << desc.status();
+        // The backend's one-parse path gives the same descriptor.
+        absl::StatusOr<std::optional<PageDesc>> once =
+            CheckAndDescribePage(view, *pool, cb.calibration.get(), &constants);
+        ASSERT_TRUE(once.ok()) << once.status();
+        ASSERT_TRUE(once->has_value());
+        EXPECT_EQ(std::memcmp(&**once, &*desc, sizeof(PageDesc)), 0);
         absl::StatusOr<PreparedBlock> prepared = PrepareBlock(view, cb.calibration.get());
         ASSERT_TRUE(prepared.ok()) << prepared.status();
         ASSERT_EQ(desc->parts, prepared->parts.size());
@@ -447,9 +465,9 @@ TEST(BlockPagesGpuTest, GpuAttentionOverCodecBlocksEqualsTheCpuReference) {
     seq.blocks = ops;
     seq.window = {cpu_wk.data(), cpu_wv.data(), kWindow};
     seq.out = want.data();
-    ASSERT_TRUE(DecodeAttentionRef({.q_heads = kQHeads, .kv_heads = kHeads, .head_dim = kDim},
-                                   {&seq, 1})
-                    .ok());
+    ASSERT_TRUE(
+        DecodeAttentionRef({.q_heads = kQHeads, .kv_heads = kHeads, .head_dim = kDim}, {&seq, 1})
+            .ok());
 
     void *d_pool, *d_table, *d_count, *d_wk, *d_wv, *d_wlen, *d_q, *d_out, *d_work;
     const int32_t count = kChunks, wlen = kWindow;

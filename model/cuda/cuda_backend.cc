@@ -386,14 +386,14 @@ class CudaBackend final : public ComputeBackend {
         absl::StatusOr<BlockView> view =
             BlockView::Parse(blocks[i].span(), {.verify_checksum = false});
         if (!view.ok()) return view.status();
-        STRATA_RETURN_IF_ERROR(kc::CheckPage(*view, layout_, calibration_.get()));
+        STRATA_ASSIGN_OR_RETURN(
+            const std::optional<kc::PageDesc> general,
+            kc::CheckAndDescribePage(*view, layout_, calibration_.get(), page_constants_.get()));
         const int32_t page = free_pages_.back();
         STRATA_RETURN_IF_ERROR(Upload(pool_ + size_t(page) * layout_.PageBytes(), blocks[i].data(),
                                       blocks[i].size(), stream, "block to page"));
-        if (layout_.format == kc::PageFormat::kGeneral) {
-          STRATA_ASSIGN_OR_RETURN(
-              const kc::PageDesc desc,
-              kc::DescribePage(*view, calibration_.get(), page_constants_.get()));
+        if (general.has_value()) {
+          const kc::PageDesc& desc = *general;
           bool added = false;
           STRATA_ASSIGN_OR_RETURN(const uint16_t id, desc_table_->Intern(desc, &added));
           if (added) {  // (a pageable source is staged before the upload returns)
