@@ -5,8 +5,9 @@
 # arch-specific features such as wgmma), plus compute_90 PTX so that newer GPUs can JIT it.
 # STRATA_CUDA_CODE=ptx generates compute_80 PTX only: a third of the compile time (paged_decode.cu:
 # 15 s against 51 s), for a machine with no GPU that only needs CUDA code to compile and its
-# GPU tests to skip (scripts/test.sh there, hence CI); any sm_80+ GPU can still JIT it. It runs no
-# ptxas, so register and shared-memory limits are checked only by full builds (scripts/gpu_bundle.sh).
+# GPU tests to skip (scripts/build.sh's choice where no GPU is visible, hence CI); any sm_80+ GPU
+# can still JIT it. It runs no ptxas, so register and shared-memory limits are checked only by
+# full builds (scripts/gpu_bundle.sh).
 set(STRATA_CUDA_CODE "full" CACHE STRING "CUDA code generated: full (sm_80, sm_90a, compute_90 PTX) or ptx (compute_80 PTX only)")
 set_property(CACHE STRATA_CUDA_CODE PROPERTY STRINGS full ptx)
 

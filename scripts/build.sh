@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # Configures and builds Strata with CMake + Ninja (ccache when present).
-#   scripts/build.sh [--asan | --tsan] [--cpu-only] [--cuda-ptx] [--target T]...
+#   scripts/build.sh [--asan | --tsan] [--cpu-only] [--cuda-code full|ptx] [--target T]...
 # Build folders: build/ (default), build-asan/, build-tsan/. CUDA targets are built when nvcc is
-# found (STRATA_CUDA=AUTO) unless --cpu-only; --cuda-ptx generates compute_80 PTX only (a compile
-# check in a third of the time, for machines with no GPU: cmake/StrataCuda.cmake), otherwise
-# SASS for sm_80 and sm_90a plus PTX. The sanitizer builds use clang when it is installed.
+# found (STRATA_CUDA=AUTO) unless --cpu-only. Their code (cmake/StrataCuda.cmake): full (SASS for
+# sm_80 and sm_90a, plus PTX) where a GPU is visible, else ptx (compute_80 PTX only: a third of the
+# compile time, and any sm_80+ GPU still runs it, compiled at first use); --cuda-code chooses
+# (scripts/gpu_bundle.sh builds full for the GPU it carries the build to). The sanitizer builds use clang when it is installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 dir=build
 cmake_args=(-DCMAKE_BUILD_TYPE=RelWithDebInfo -DSTRATA_CUDA=AUTO)
-cuda_code=full
+cuda_code=ptx
+if nvidia-smi -L >/dev/null 2>&1; then cuda_code=full; fi
 targets=()
 sanitized=0
 while [ $# -gt 0 ]; do
@@ -21,7 +23,9 @@ while [ $# -gt 0 ]; do
     --asan) dir=build-asan; sanitized=1; cmake_args+=(-DSTRATA_SANITIZE=address "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g1" -DSTRATA_BUILD_BENCHMARKS=OFF) ;;
     --tsan) dir=build-tsan; sanitized=1; cmake_args+=(-DSTRATA_SANITIZE=thread "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g1" -DSTRATA_BUILD_BENCHMARKS=OFF) ;;
     --cpu-only) dir="$dir-cpu"; cmake_args+=(-DSTRATA_CUDA=OFF) ;;
-    --cuda-ptx) cuda_code=ptx ;;
+    --cuda-code)
+      case "$2" in full|ptx) cuda_code="$2" ;; *) echo "build.sh: --cuda-code takes full or ptx" >&2; exit 2 ;; esac
+      shift ;;
     --target) targets+=(--target "$2"); shift ;;
     *) echo "build.sh: unknown argument $1" >&2; exit 2 ;;
   esac

@@ -26,7 +26,7 @@ esac
 # CPU binaries for the lent machine's own CPU (often one with AVX-512): run.sh runs the integer
 # attention kernels' tests and benchmark there, 256-bit against 512-bit registers.
 cpu_targets=(kernels_test codec_bench)
-./scripts/build.sh $(printf -- "--target %s " "${targets[@]}" "${cpu_targets[@]}")
+./scripts/build.sh --cuda-code full $(printf -- "--target %s " "${targets[@]}" "${cpu_targets[@]}")
 
 out=build/gpu-bundle
 rm -rf "$out"

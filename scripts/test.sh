@@ -2,8 +2,8 @@
 # Sets up, builds and runs Strata's whole test suite: the unit tests under ASan+UBSan and under
 # TSan (CPU code, built with clang), then every test of the default build (CUDA targets too when
 # nvcc is present; GPU tests skip without a GPU and say why). Where no GPU is visible the CUDA code
-# is compiled as PTX only, a third of the compile time: it checks that it compiles, which is all
-# a machine without a GPU can check. The last line is ctest's summary
+# is compiled as PTX only (scripts/build.sh), a third of the compile time: it checks that it
+# compiles, which is all a machine without a GPU can check. The last line is ctest's summary
 # for the default build.
 #   scripts/test.sh [--no-sanitizers]
 set -euo pipefail
@@ -25,9 +25,7 @@ if [ "$sanitizers" = 1 ]; then
   (cd build-tsan-cpu && TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/../tests/tsan_suppressions.txt" \
      ctest -L unit --output-on-failure -j "$jobs")
 fi
-cuda=()
-nvidia-smi -L >/dev/null 2>&1 || cuda=(--cuda-ptx)
-./scripts/build.sh "${cuda[@]}"
+./scripts/build.sh
 echo "== default build: all tests ($((SECONDS - start)) s so far)"
 log="$(mktemp)"
 set +e
