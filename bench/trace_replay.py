@@ -150,13 +150,14 @@ def layout_flags(layout, args):
     return []
 
 
-def redis_stats(port_base, masters):
+def redis_stats(c, masters):
     """The shared tier's masters, summed: keys, bytes used (all, dataset), evictions, expiries."""
     total = {"masters": 0, "keys": 0, "used_memory": 0, "used_memory_dataset": 0,
              "evicted_keys": 0, "expired_keys": 0}
+    host = c.address_of("redis")
     for i in range(2 * masters):
-        def info(section, port=port_base + 200 + i):
-            out = subprocess.run(["redis-cli", "-p", str(port), "INFO", section],
+        def info(section, port=c.port_base + 200 + i):
+            out = subprocess.run(["redis-cli", "-h", host, "-p", str(port), "INFO", section],
                                  capture_output=True, text=True, timeout=10).stdout
             return dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
         if info("replication").get("role") != "master":
@@ -200,7 +201,7 @@ def replay_once(args, scaled, vocab_limit, ram, layout="central"):
         wall = time.monotonic() - t_start
         store = e2e.scrape(c.spec["store_metrics"]) if "store_metrics" in c.spec else {}
         if layout == "shared-tier":
-            store["redis"] = redis_stats(c.port_base, args.shared_masters)
+            store["redis"] = redis_stats(c, args.shared_masters)
     finally:
         c.down()
     return results, wall, store
@@ -228,8 +229,14 @@ def main():
                     help="the model's router load term (strata replay "
                          "--host_prefill_tokens_per_s); 0: overlap alone")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    ap.add_argument("--netns", default="",
+                    help="every host in a network namespace of its own (cluster.sh --netns; "
+                         "root): blocks between hosts cross real interfaces")
     args = ap.parse_args()
     e2e.BUILD = os.path.abspath(args.build)
+    if args.netns:
+        e2e.enter_hub(args.netns)  # runs this script again in the hub namespace
+        e2e.NETNS, e2e.HERE = args.netns, e2e.HUB_ADDRESS
     cfg = json.load(open(os.path.join(e2e.MODEL, "config.json")))
     context = cfg["max_position_embeddings"]
     vocab_limit = min(t for t in (cfg.get("bos_token_id"), cfg.get("eos_token_id"),
@@ -258,10 +265,11 @@ def main():
             report["trace"], len(scaled), span, args.speedup, args.block_tokens,
             statistics.mean(r["input_length"] for r in scaled),
             statistics.mean(r["output_length"] for r in scaled)),
-        "cluster: store(s) (RAM tier only) + %d prefill + %d decode + router on loopback, codec "
+        "cluster: store(s) (RAM tier only) + %d prefill + %d decode + router on %s, codec "
         "%s, %d-token chunks, bundled model; scaled trace: %s" % (
-            args.prefill, args.decode, args.codec, args.block_tokens,
-            os.path.relpath(scaled_path, ROOT)),
+            args.prefill, args.decode,
+            "network namespaces (a host each)" if args.netns else "loopback", args.codec,
+            args.block_tokens, os.path.relpath(scaled_path, ROOT)),
         "layouts: %s; per-host and shared-tier: %d hosts (host I: prefill-I, decode-I, its own "
         "store); shared tier: %d Redis masters (+ replicas) of %s each" % (
             args.layouts, args.prefill, args.shared_masters, args.shared_memory),
