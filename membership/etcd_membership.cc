@@ -17,6 +17,12 @@ using nlohmann::json;
 std::string NodesPrefix(const std::string& prefix) { return prefix + "nodes/"; }
 std::string StoresPrefix(const std::string& prefix) { return prefix + "stores/"; }
 
+// A registration's string field; "" when it is missing or not a string.
+std::string StringField(const json& j, const char* field) {
+  auto it = j.find(field);
+  return it != j.end() && it->is_string() ? it->get<std::string>() : "";
+}
+
 }  // namespace
 
 std::string StoreToJson(const StoreSpec& store) {
@@ -34,18 +40,14 @@ std::string StoreHost(const StoreSpec& store) {
 absl::StatusOr<StoreSpec> StoreFromJson(const std::string& text) {
   const json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (!j.is_object()) return absl::InvalidArgumentError("store registration: not a JSON object");
-  auto str = [&](const char* field) -> std::string {
-    auto it = j.find(field);
-    return it != j.end() && it->is_string() ? it->get<std::string>() : "";
-  };
   StoreSpec s;
-  s.id = str("id");
+  s.id = StringField(j, "id");
   if (!ValidNodeId(s.id)) {
     return absl::InvalidArgumentError(absl::StrCat("store registration: id ", kNodeIdRule));
   }
-  s.grpc = str("grpc");
-  s.metrics = str("metrics");
-  s.host = str("host");
+  s.grpc = StringField(j, "grpc");
+  s.metrics = StringField(j, "metrics");
+  s.host = StringField(j, "host");
   if (absl::Status st =
           ValidateHostPort(s.grpc, absl::StrCat("store registration ", s.id, ": grpc"));
       !st.ok()) {
@@ -134,25 +136,21 @@ std::string NodeToJson(const NodeSpec& node) {
 absl::StatusOr<NodeSpec> NodeFromJson(const std::string& text) {
   const json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (!j.is_object()) return absl::InvalidArgumentError("node registration: not a JSON object");
-  auto str = [&](const char* field) -> std::string {
-    auto it = j.find(field);
-    return it != j.end() && it->is_string() ? it->get<std::string>() : "";
-  };
   NodeSpec n;
-  n.id = str("id");
+  n.id = StringField(j, "id");
   if (!ValidNodeId(n.id)) {
     return absl::InvalidArgumentError(absl::StrCat("node registration: id ", kNodeIdRule));
   }
-  const std::string role = str("role");
+  const std::string role = StringField(j, "role");
   if (role != "prefill" && role != "decode") {
     return absl::InvalidArgumentError(absl::StrCat(
         "node registration ", n.id, ": role must be prefill or decode, got '", role, "'"));
   }
   n.role = role == "prefill" ? Role::kPrefill : Role::kDecode;
-  n.grpc = str("grpc");
-  n.transport = str("transport");
-  n.metrics = str("metrics");
-  n.store = str("store");
+  n.grpc = StringField(j, "grpc");
+  n.transport = StringField(j, "transport");
+  n.metrics = StringField(j, "metrics");
+  n.store = StringField(j, "store");
   if (absl::Status s = ValidateHostPort(n.grpc, absl::StrCat("node registration ", n.id, ": grpc"));
       !s.ok()) {
     return s;

@@ -207,24 +207,27 @@ absl::StatusOr<PagedKvLayout> PageLayoutForCodec(absl::string_view spec, uint32_
 
 namespace {
 
+// kInvalidArgument: `block` is not a page of the pool's layout, because `why`.
+absl::Status NotAPage(const BlockView& block, absl::string_view why) {
+  const BlockHeader& h = block.header();
+  return absl::InvalidArgumentError(
+      absl::StrCat("GPU pages: a ", h.codec_spec, " block of ", h.token_count, " tokens (",
+                   block.bytes().size(), " bytes) is not a page of this pool's layout: ", why));
+}
+
 // The checks of CheckPage that read no section: the block fits a page and, for a general pool,
 // has the pool's shape.
 absl::Status CheckPageShape(const BlockView& block, const PagedKvLayout& layout) {
   const BlockHeader& h = block.header();
-  auto mismatch = [&](absl::string_view why) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("GPU pages: a ", h.codec_spec, " block of ", h.token_count, " tokens (",
-                     block.bytes().size(), " bytes) is not a page of this pool's layout: ", why));
-  };
   if (block.bytes().size() > layout.page_bytes) {
-    return mismatch(absl::StrCat("pages hold ", layout.page_bytes, " bytes"));
+    return NotAPage(block, absl::StrCat("pages hold ", layout.page_bytes, " bytes"));
   }
   if (layout.format == PageFormat::kGeneral &&
       (static_cast<int>(h.kv_heads) != layout.kv_heads ||
        static_cast<int>(h.head_dim) != layout.head_dim ||
        static_cast<int>(h.token_count) != layout.page_tokens)) {
-    return mismatch(absl::StrCat("the pool's pages are ", layout.page_tokens, " tokens of ",
-                                 layout.kv_heads, "x", layout.head_dim));
+    return NotAPage(block, absl::StrCat("the pool's pages are ", layout.page_tokens, " tokens of ",
+                                        layout.kv_heads, "x", layout.head_dim));
   }
   return absl::OkStatus();
 }
@@ -239,12 +242,7 @@ absl::Status CheckPage(const BlockView& block, const PagedKvLayout& layout,
   if (layout.format == PageFormat::kGeneral) return CheckGeneral(block, *prepared);
   absl::StatusOr<PagedKvLayout> want = FastPageLayoutFor(block, *prepared);
   if (!want.ok()) return want.status();
-  if (!SameFastLayout(*want, layout)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("GPU pages: a ", block.header().codec_spec, " block of ",
-                     block.header().token_count, " tokens (", block.bytes().size(),
-                     " bytes) is not a page of this pool's layout: its sections are elsewhere"));
-  }
+  if (!SameFastLayout(*want, layout)) return NotAPage(block, "its sections are elsewhere");
   return absl::OkStatus();
 }
 

@@ -35,6 +35,9 @@ namespace strata::transport {
 namespace {
 
 constexpr absl::string_view kScheme = "ucx://";
+// What a listener's error says when its port is taken (CreateUcxTransportWaitingForPort waits
+// on it).
+constexpr absl::string_view kPortInUse = "the port is in use";
 // Message ids the transport itself uses (connection handshake).
 // Connecting: the client's connection-manager endpoint (socket address, the liveness channel)
 // carries kHello{nonce}; the server answers kHelloAck{nonce, token, its worker address}. The
@@ -375,9 +378,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
     if (st != UCS_OK) {
       if (st == UCS_ERR_BUSY) {  // bind: EADDRINUSE (UCX sets no SO_REUSEADDR on listeners)
         return absl::UnavailableError(absl::StrCat(
-            "listen on ", options_.listen_host, ":", port,
-            ": the port is in use (another process listens there, or the connections of a "
-            "previous one are in TIME_WAIT for up to a minute)"));
+            "listen on ", options_.listen_host, ":", port, ": ", kPortInUse,
+            " (another process listens there, or the connections of a previous one are in "
+            "TIME_WAIT for up to a minute)"));
       }
       return FromUcs(st, absl::StrCat("listen on ", options_.listen_host, ":", port));
     }
@@ -1358,7 +1361,7 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateUcxTransportWaitingForPort(
   const absl::Time give_up = absl::Now() + wait;
   absl::StatusOr<std::unique_ptr<Transport>> t = CreateUcxTransport(options);
   for (bool told = false; !t.ok() && absl::IsUnavailable(t.status()) &&
-                          absl::StrContains(t.status().message(), "port is in use") &&
+                          absl::StrContains(t.status().message(), kPortInUse) &&
                           absl::Now() < give_up;) {
     if (!told && waiting) waiting(t.status());
     told = true;
