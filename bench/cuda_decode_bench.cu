@@ -10,7 +10,10 @@
 // (256: the default chunk). Data is random (finite fp16 values, random codes), never zeros.
 //
 //   cuda_decode_bench [--out DIR] [--runs N] [--quick] [--splits N] [--page_tokens N[,N...]]
-// (--quick: batch 16 at 32k only; --splits: force the split count instead of ChooseSplits')
+//                     [--kernels NAME[,NAME...]]
+// (--quick: batch 16 at 32k only; --splits: force the split count instead of ChooseSplits';
+// --kernels: only these rows, by the table's kernel names, e.g. "affine k4v4 g32": a profiler
+// then sees only their launches)
 // Prints a table; with --out, writes DIR/cuda_decode_bench-<device>-<date>-<commit>.{txt,json}
 // (commit from $STRATA_COMMIT). Exits 1 without a GPU, saying so.
 #include <cuda_fp16.h>
@@ -38,9 +41,10 @@
 
 namespace {
 
-using strata::kernels::cuda::PageFormat;
 using strata::kernels::cuda::PagedDecodeArgs;
+using strata::kernels::cuda::PagedKernel;
 using strata::kernels::cuda::PagedKvLayout;
+using strata::kernels::cuda::PageFormat;
 
 #define CHECK_CUDA(expr)                                                                  \
   do {                                                                                    \
@@ -191,6 +195,7 @@ int main(int argc, char** argv) {
   bool quick = false;
   int forced_splits = 0;
   std::vector<int> page_sizes = {64, 256};
+  std::vector<std::string> only;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--out" && i + 1 < argc) {
@@ -201,6 +206,8 @@ int main(int argc, char** argv) {
       forced_splits = std::max(1, std::atoi(argv[++i]));
     } else if (a == "--quick") {
       quick = true;
+    } else if (a == "--kernels" && i + 1 < argc) {
+      only = absl::StrSplit(argv[++i], ',');
     } else if (a == "--page_tokens" && i + 1 < argc) {
       page_sizes.clear();
       for (absl::string_view p : absl::StrSplit(argv[++i], ',')) {
@@ -215,7 +222,7 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: cuda_decode_bench [--out DIR] [--runs N] [--quick] [--splits N] "
-                   "[--page_tokens N[,N...]]\n");
+                   "[--page_tokens N[,N...]] [--kernels NAME[,NAME...]]\n");
       return 2;
     }
   }
@@ -255,17 +262,22 @@ int main(int argc, char** argv) {
     const char* name;
     const char* spec;
     bool general = false;  // the general kernel (PageFormat::kGeneral), through descriptors
+    PagedKernel kernel = PagedKernel::kAuto;
   };
   // The general kernel: over KIVI pages (against the affine kernel on the same pages) and over
   // codecs only it reads. Its rows' bytes are whole blocks.
-  const Kernel kernels[] = {{"fp16", "fp16"},
-                            {"affine k4v4 g32", "kivi:k4v4:g32"},
-                            {"affine k2v2 g32", "kivi:k2v2:g32"},
-                            {"general k4v4 g32", "kivi:k4v4:g32", true},
-                            {"general int8", "int8", true},
-                            {"general gear k4 r4", "gear:k4v4:g32:r4:s2", true},
-                            {"general skvq k4v4", "skvq:k4v4:g32", true},
-                            {"general cq c4 b8", "cq:c4:b8", true}};
+  const Kernel kernels[] = {
+      {"fp16", "fp16"},
+      {"affine k4v4 g32", "kivi:k4v4:g32"},
+      {"affine k2v2 g32", "kivi:k2v2:g32"},
+      // Registers capped for four blocks per multiprocessor, not three.
+      {"affine k4v4 4blk", "kivi:k4v4:g32", false, PagedKernel::kMmaFourBlocks},
+      {"affine k2v2 4blk", "kivi:k2v2:g32", false, PagedKernel::kMmaFourBlocks},
+      {"general k4v4 g32", "kivi:k4v4:g32", true},
+      {"general int8", "int8", true},
+      {"general gear k4 r4", "gear:k4v4:g32:r4:s2", true},
+      {"general skvq k4v4", "skvq:k4v4:g32", true},
+      {"general cq c4 b8", "cq:c4:b8", true}};
   std::vector<int> batches = {1, 16, 64}, contexts = {4096, 32768, 131072};
   if (quick) {
     batches = {16};
@@ -278,6 +290,7 @@ int main(int argc, char** argv) {
         if (context > 32768 && batch > 16) continue;  // 128k at batch 64: 32 GiB of fp16 KV
         double fp16_ms = 0;
         for (const Kernel& k : kernels) {
+          if (!only.empty() && std::find(only.begin(), only.end(), k.name) == only.end()) continue;
           General g;
           if (k.general) {
             g = GeneralOf(k.spec, page, true);
@@ -313,6 +326,7 @@ int main(int argc, char** argv) {
           a.q_heads = 32;
           a.out = static_cast<float*>(o);
           a.splits = forced_splits;
+          a.kernel = k.kernel;
           void *descs = nullptr, *desc_ids = nullptr, *consts = nullptr;
           if (k.general) {
             CHECK_CUDA(cudaMalloc(&descs, sizeof(g.desc)));

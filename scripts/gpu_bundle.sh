@@ -74,9 +74,10 @@ wrapper model.sh model kernels mmemcheck mbench mtorch bbench
 
 # Everything but the scripts, packed (the binaries and Debian's libraries are several times the
 # carry limit unpacked).
+# The archive is written beside the folder, not in it: tar would see the folder change under it.
 (cd "$out" && tar -cf - --exclude=run.sh --exclude=quick.sh --exclude=model.sh --exclude=session.sh --exclude='*.py' . |
-  xz -T0 -6 > bundle.tar.xz.tmp)
+  xz -T0 -6 > ../gpu-bundle.tar.xz.tmp)
 find "$out" -mindepth 1 -maxdepth 1 ! -name run.sh ! -name quick.sh ! -name model.sh ! -name session.sh ! -name '*.py' \
-  ! -name bundle.tar.xz.tmp -exec rm -rf {} +
-mv "$out/bundle.tar.xz.tmp" "$out/bundle.tar.xz"
+  -exec rm -rf {} +
+mv build/gpu-bundle.tar.xz.tmp "$out/bundle.tar.xz"
 du -sh "$out"

@@ -14,6 +14,9 @@
 #   pmemcheck pracecheck         ... on the general kernel's parity test (every codec's pages)
 #   opsmem opsrace               ... on the model ops' tests
 #   mmemcheck                    memcheck on the model's and the backend's tests
+#   ncu                          Nsight Compute (--set full, clocks left alone) on one launch each of
+#                                the affine kernel over k4v4 pages and the general kernel over the
+#                                same pages, batch 16 x 32k: results/ncu-*.txt
 #   nccl                         nccl_transport_test and nccl_bench (NCCL from /usr/local/cuda,
 #                                $NCCL_LIB_DIR or Python's nvidia.nccl)
 #   cpu                          where the CPU has AVX512-VNNI: kernels_test at 256 and 512 bits,
@@ -78,6 +81,16 @@ torch() {  # NAME SCRIPT
   if ! python3 -c 'import torch' 2>/dev/null; then summary+=("$1: skipped (no PyTorch)"); return; fi
   step "$1" 150 python3 "$u/$2" --out "$res"
 }
+# profile NAME KERNEL_REGEX BENCH_ROW: ncu's full set on the third launch of the kernel matching
+# KERNEL_REGEX while cuda_decode_bench times only BENCH_ROW (batch 16 x 32k, 64-token pages).
+profile() {
+  local ncu
+  ncu="$(command -v ncu || echo /usr/local/cuda/bin/ncu)"
+  if [ ! -x "$ncu" ]; then summary+=("$1: skipped (no ncu)"); return; fi
+  step "$1" 150 "$ncu" --clock-control none --set full -k "regex:$2" --launch-skip 2 \
+    --launch-count 1 --log-file "$res/$1.txt" "$u/cuda_decode_bench" --quick --page_tokens 64 \
+    --runs 3 --kernels "$3"
+}
 # The CPU's attention kernels where it has AVX512-VNNI: kernels_test (its integer-kernel test
 # compares every path the CPU runs, 512-bit included, bit for bit with AVX2); the attention table
 # at 8k tokens per integer path (AVX2, 256-bit VNNI, 512-bit), the compression table, 32k with
@@ -124,6 +137,9 @@ for s in "${steps[@]}"; do
     opsmem) sanitize opsmem memcheck kernels_cuda_test 'ModelOps*' ;;
     opsrace) sanitize opsrace racecheck kernels_cuda_test 'ModelOps*' ;;
     mmemcheck) sanitize mmemcheck memcheck model_cuda_test '*' ;;
+    ncu)
+      profile ncu-affine-k4v4 MmaDecodeKernel "affine k4v4 g32"
+      profile ncu-general-k4v4 GeneralDecodeKernel "general k4v4 g32" ;;
     nccl)
       step nccl_test 120 "$u/nccl_transport_test" --gtest_brief=1
       step nccl_bench 120 "$u/nccl_bench" --out "$res" --commit "${STRATA_COMMIT:-unknown}" ;;

@@ -248,4 +248,156 @@ STRATA_PAGE_HD inline uint32_t PageChannel(const uint8_t* constants, const PageT
   return PageU16(PageAddr(nullptr, constants, t.channel_perm), static_cast<size_t>(h) * D + d);
 }
 
+// ---- column decoding (the general kernel's path; host and device) -----------------------------
+//
+// PageElement decodes one element and re-derives everything else from the descriptor each time.
+// The kernel decodes a column instead: stored channel d of rows [t0, t0 + n) of a part, every
+// rstep-th row from r0, with what depends on the channel alone (its original channel, its norm,
+// its low-rank row, its group and codebook) computed once, and an affine group's scale and zero
+// read once per group. Outliers are added by a second pass (PageOutlier), so that a column's
+// loop holds no scan. Values equal PageElement's: the same terms in the same order, except that
+// an outlier is added after the channel norm's product, as outlier * norm (within an ulp).
+
+// Up to this rank, a channel's low-rank row B[h][d][:] is held in registers.
+inline constexpr uint32_t kPageHoistedRank = 8;
+
+// Writes stored channel d of rows r = r0, r0 + rstep, ... < n of the part (token t0 + r of T) of
+// KV head h, without outliers, to out[r * stride + PageChannel(d)].
+STRATA_PAGE_HD inline void PageDecodeColumn(const uint8_t* page, const uint8_t* constants,
+                                            const PageTensorDesc& t, uint32_t T, uint32_t D,
+                                            uint32_t h, uint32_t t0, uint32_t n, uint32_t d,
+                                            uint32_t r0, uint32_t rstep, float* out,
+                                            uint32_t stride) {
+  const uint32_t ch = PageChannel(constants, t, D, h, d);
+  const float norm = t.channel_norm != 0
+                         ? PageHalf(PageU16(PageAddr(page, constants, t.channel_norm),
+                                            static_cast<size_t>(h) * D + d))
+                         : 1.f;
+  const size_t row0 = static_cast<size_t>(h) * T + t0;
+  const uint8_t* codes = PageAddr(page, constants, t.codes) + row0 * t.row_bytes;
+  const uint8_t* scales = PageAddr(page, constants, t.scales);
+  const uint32_t rank = t.rank;
+  const uint8_t* lowrank_a = PageAddr(page, constants, t.lowrank_a);
+  const uint8_t* lowrank_b =
+      PageAddr(page, constants, t.lowrank_b) + (static_cast<size_t>(h) * D + d) * rank * 2;
+  float b[kPageHoistedRank];
+#ifdef __CUDA_ARCH__
+#pragma unroll
+#endif
+  for (uint32_t i = 0; i < kPageHoistedRank; ++i) {
+    b[i] = i < rank && rank <= kPageHoistedRank ? PageHalf(PageU16(lowrank_b, i)) : 0.f;
+  }
+  const uint8_t* mean = PageAddr(page, constants, t.head_mean);
+  const float tensor_scale =
+      t.kind == PageCode::kFp8E4M3 ? PageF32(PageAddr(page, constants, t.tensor_scale), 0) : 1.f;
+  // Codebooks: the channel's group and its place in an entry; affine: the channel's group (per
+  // token) or the token group of row r0 (per channel) and where in it.
+  const uint32_t gs = t.group_size > 0 ? t.group_size : 1;
+  const uint32_t channel_group = d / gs, in_group = d % gs;
+  const uint8_t* codebook =
+      t.kind == PageCode::kCodebook
+          ? PageAddr(page, constants, t.codebook) +
+                ((static_cast<size_t>(h) * t.groups + channel_group) << t.bits) * gs * 2
+          : nullptr;
+  uint32_t token_group = (t0 + r0) / gs, token_in_group = (t0 + r0) % gs;
+  size_t meta_at = ~static_cast<size_t>(0);
+  float scale = 0, zero = 0;
+  for (uint32_t r = r0; r < n; r += rstep) {
+    const size_t row = row0 + r;
+    const uint8_t* cr = codes + static_cast<size_t>(r) * t.row_bytes;
+    float x = 0;
+    switch (t.kind) {
+      case PageCode::kFp16:
+        x = PageHalf(PageU16(cr, d));
+        break;
+      case PageCode::kBf16:
+        x = PageBitsToFloat(static_cast<uint32_t>(PageU16(cr, d)) << 16);
+        break;
+      case PageCode::kInt8:
+        x = static_cast<float>(static_cast<int8_t>(cr[d])) * PageHalf(PageU16(scales, row));
+        break;
+      case PageCode::kFp8E4M3:
+        x = PageFp8(cr[d]) * tensor_scale;
+        break;
+      case PageCode::kCodebook:
+        x = PageHalf(PageU16(
+            codebook, static_cast<size_t>(PageCodeAt(cr, channel_group, t.bits)) * gs + in_group));
+        if (t.scales != 0) x *= PageHalf(PageU16(scales, row));
+        break;
+      case PageCode::kAffine: {
+        const size_t p = t.token_groups == 0
+                             ? (static_cast<size_t>(h) * t.groups + token_group) * D + d
+                             : row * t.groups + channel_group;
+        if (p != meta_at) {
+          scale = PageMeta(page, constants, t, 0, p);
+          zero = PageMeta(page, constants, t, 1, p);
+          meta_at = p;
+        }
+        x = zero + static_cast<float>(PageCodeAt(cr, d, t.bits)) * scale;
+        break;
+      }
+    }
+    if (t.head_mean != 0) x += PageHalf(PageU16(mean, static_cast<size_t>(t0 + r) * D + d));
+    if (rank > 0) {
+      const uint8_t* a = lowrank_a + row * rank * 2;
+      if (rank <= kPageHoistedRank) {
+#ifdef __CUDA_ARCH__
+#pragma unroll
+#endif
+        for (uint32_t i = 0; i < kPageHoistedRank; ++i) {
+          if (i < rank) x += PageHalf(PageU16(a, i)) * b[i];
+        }
+      } else {
+        for (uint32_t i = 0; i < rank; ++i) {
+          x += PageHalf(PageU16(a, i)) * PageHalf(PageU16(lowrank_b, i));
+        }
+      }
+    }
+    if (t.channel_norm != 0) x *= norm;
+    out[static_cast<size_t>(r) * stride + ch] = x;
+    token_in_group += rstep;
+    while (token_in_group >= gs) {
+      token_in_group -= gs;
+      ++token_group;
+    }
+  }
+}
+
+// Outliers of one part's tensor in rows [t0, t0 + n): K keeps `outliers` per stored channel,
+// each naming its token; V `outliers` per token, each naming its stored channel. Item i of
+// PageOutlierItems: K (channel i / outliers, entry i % outliers), V (row i / outliers, ...).
+STRATA_PAGE_HD inline uint32_t PageOutlierItems(const PageTensorDesc& t, bool is_k, uint32_t D,
+                                                uint32_t n) {
+  return t.outliers * (is_k ? D : n);
+}
+
+// Adds outlier item i (times its channel's norm) to out[r * stride + original channel] through
+// add(float* at, float x), where it falls in rows [t0, t0 + n); an index outside the block's
+// tokens or channels is ignored.
+template <typename Add>
+STRATA_PAGE_HD inline void PageOutlier(const uint8_t* page, const uint8_t* constants,
+                                       const PageTensorDesc& t, bool is_k, uint32_t T, uint32_t D,
+                                       uint32_t h, uint32_t t0, uint32_t n, uint32_t i, float* out,
+                                       uint32_t stride, Add add) {
+  const uint32_t vec = i / t.outliers, j = i % t.outliers;
+  const size_t e =
+      (static_cast<size_t>(h) * (is_k ? D : T) + (is_k ? vec : t0 + vec)) * t.outliers + j;
+  const uint8_t* idx = PageAddr(page, constants, t.outlier_index);
+  const uint32_t at = t.index_bytes == 1 ? idx[e] : PageU16(idx, e);
+  uint32_t r = vec, d = at;
+  if (is_k) {
+    if (at < t0 || at >= t0 + n) return;
+    r = at - t0;
+    d = vec;
+  } else if (at >= D) {
+    return;
+  }
+  float x = PageHalf(PageU16(PageAddr(page, constants, t.outlier_values), e));
+  if (t.channel_norm != 0) {
+    x *= PageHalf(
+        PageU16(PageAddr(page, constants, t.channel_norm), static_cast<size_t>(h) * D + d));
+  }
+  add(out + static_cast<size_t>(r) * stride + PageChannel(constants, t, D, h, d), x);
+}
+
 }  // namespace strata::kernels::cuda

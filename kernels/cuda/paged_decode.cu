@@ -430,6 +430,10 @@ absl::Status MakePlan(const PagedKvLayout& L, int group, PagedKernel kernel, Pla
   if (UseMma(L, kernel)) {
     constexpr int kStages = MmaStages<F>();
     plan->kernel = MmaDecodeKernel<D, F, KB, VB, kStages>;
+    if constexpr (F == PageFormat::kAffine) {
+      if (kernel == PagedKernel::kMmaFourBlocks)
+        plan->kernel = MmaDecodeKernel<D, F, KB, VB, kStages, 4>;
+    }
     plan->smem = MmaSmem<D>(TileLayout(L), kStages, group).total;
     plan->threads = kMmaWarps * kWarp;
   } else {

@@ -114,8 +114,10 @@ struct PagedKvLayout {
 // A dequantized key is k = scale * code + zero (fp32 arithmetic on the fp16 scale and zero).
 
 // Which kernel runs: the tensor cores' where the layout allows (kAuto), or the one-warp-per-query-
-// head kernel everywhere (kSimt: the tests run both; benchmarks compare them).
-enum class PagedKernel { kAuto, kSimt };
+// head kernel everywhere (kSimt: the tests run both; benchmarks compare them). kMmaFourBlocks:
+// kAuto with the tensor-core kernel's registers capped for four blocks per multiprocessor instead
+// of three on affine pages (more warps, some spills), for benchmarks to compare.
+enum class PagedKernel { kAuto, kSimt, kMmaFourBlocks };
 
 struct PagedDecodeArgs {
   const uint8_t* pages = nullptr;      // the page pool: page p at pages + p * PageBytes()

@@ -3,20 +3,22 @@
 // MergeKernel and the helpers it uses.
 //
 // One block per (split, KV head, sequence), one warp per query head of the GQA group. For each
-// page of the split: its descriptor into shared memory; for each part of the page, 16 tokens at a
-// time, every thread of the block decodes elements of K and V (PageElement: the CPU reference's
-// arithmetic) into fp32 rows in shared memory, each at its original channel; then each warp
-// scores its query against the 16 keys, updates its online softmax and accumulates the values.
-// The full-precision window follows on the last split, as in the other kernels. Correctness
-// first: this kernel is bound by its per-element decoding (an instruction stream per element,
-// not per word), so it makes every codec run on the GPU, not run fast; the fp16 and affine
-// kernels stay the fast paths.
+// page of the split: its descriptor into shared memory (and the next page prefetched into L2);
+// for each part of the page, 16 tokens at a time, each thread decodes whole columns of K and V
+// (PageDecodeColumn: one stored channel over the rows, with what depends on the channel alone
+// computed once; the CPU reference's arithmetic) into fp32 rows in shared memory, each at its
+// original channel, and a second pass adds outliers; then each warp scores its query against
+// the 16 keys, updates its online softmax and accumulates the values. The full-precision window
+// follows on the last split, as in the other kernels. It makes every codec run on the GPU; the
+// fp16 and affine kernels stay the fast paths (cuda_decode_notes.md, versions 5 and 6).
 
 constexpr int kGeneralRows = 16;  // tokens decoded and attended at a time
 
 template <int D>
 struct GeneralSmem {
-  static constexpr int kStride = D + 1;  // fp32 rows padded: column reads of 16 rows miss no bank
+  // fp32 rows padded by 16 bytes: a quarter-warp's 16-byte reads of 8 rows at one column fall in
+  // 8 different groups of 4 banks, and rows stay 16-byte aligned.
+  static constexpr int kStride = D + 4;
   size_t desc = 0, k = 0, v = 0, q = 0, p = 0, total = 0;
   __host__ __device__ explicit GeneralSmem(int group) {
     desc = 0;
@@ -42,16 +44,19 @@ struct GeneralHead {
     const int lane = threadIdx.x % kWarp;
     const int t = lane % kGeneralRows;
     const int half = lane / kGeneralRows;
-    // Lane (t, half) takes half of token t's channels; the second half starts its walk 16
-    // channels on, so that the two halves' reads of one column fall in different banks.
+    // Lane (t, half) takes half of token t's channels, four at a time (16-byte reads; the
+    // query's are the same address across the quarter-warp: one broadcast).
     float s = 0;
     if (t < n) {
-      const float* kr = k + t * kStride + half * kHalf;
-      const float* qr = q + half * kHalf;
+      const float4* kr = reinterpret_cast<const float4*>(k + t * kStride + half * kHalf);
+      const float4* qr = reinterpret_cast<const float4*>(q + half * kHalf);
 #pragma unroll 8
-      for (int j = 0; j < kHalf; ++j) {
-        const int c = (j + half * 16) % kHalf;
-        s = fmaf(qr[c], kr[c], s);
+      for (int j = 0; j < kHalf / 4; ++j) {
+        const float4 x = kr[j], y = qr[j];
+        s = fmaf(x.x, y.x, s);
+        s = fmaf(x.y, y.y, s);
+        s = fmaf(x.z, y.z, s);
+        s = fmaf(x.w, y.w, s);
       }
     }
     s += __shfl_xor_sync(0xffffffffu, s, kGeneralRows);
@@ -81,9 +86,13 @@ struct GeneralHead {
   }
 };
 
+// Registers capped at 128 a thread (two blocks of the largest group, 8 warps; four of the usual
+// 4): without the cap the compiler took 176, two blocks of 4 warps per multiprocessor, too few
+// to cover the columns' load latency.
 template <int D>
-__global__ void GeneralDecodeKernel(PagedKvLayout L, PagedDecodeArgs a, int splits, float* part_acc,
-                                    float* part_ml) {
+__global__ void __launch_bounds__(8 * kWarp, 2)
+    GeneralDecodeKernel(PagedKvLayout L, PagedDecodeArgs a, int splits, float* part_acc,
+                        float* part_ml) {
   extern __shared__ __align__(16) uint8_t smem[];
   constexpr int kStride = GeneralSmem<D>::kStride;
   const int split = blockIdx.x;
@@ -112,9 +121,29 @@ __global__ void GeneralDecodeKernel(PagedKvLayout L, PagedDecodeArgs a, int spli
   const int p1 = min(pages, p0 + per_split);
   const int32_t* table = a.block_table + static_cast<size_t>(seq) * a.max_pages;
   const uint32_t D32 = static_cast<uint32_t>(D);
+  const int64_t page_bytes = static_cast<int64_t>(L.PageBytes());
+  // Column work of this thread: with at least D threads, channel tid % D of every (threads / D)-th
+  // row (threads past a multiple of D idle); with fewer, channels tid, tid + threads, ... of
+  // every row.
+  const int threads = blockDim.x;
+  const int row_step = threads >= D ? threads / D : 1;
+  const bool decodes = threads < D || threadIdx.x < row_step * D;
+  const int first_row = threads >= D ? threadIdx.x / D : 0;
+  auto smem_add = [](float* at, float x) { atomicAdd(at, x); };
   for (int pi = p0; pi < p1; ++pi) {
     const int64_t id = table[pi];
-    const uint8_t* page = a.pages + id * static_cast<int64_t>(L.PageBytes());
+    const uint8_t* page = a.pages + id * page_bytes;
+    // The next page into L2 while this one is decoded: this block's share of it (1 / kv_heads:
+    // the blocks of the page's other KV heads, which run at about the same time, take the rest;
+    // a head's sections are spread over the page, so the shares are slices, not heads).
+    if (pi + 1 < p1) {
+      const uint8_t* next = a.pages + static_cast<int64_t>(table[pi + 1]) * page_bytes;
+      const int64_t share = (page_bytes / L.kv_heads + 127) / 128 * 128;
+      const int64_t end = min(page_bytes, share * (kvh + 1));
+      for (int64_t off = share * kvh + threadIdx.x * 128; off < end; off += threads * 128) {
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(next + off));
+      }
+    }
     __syncthreads();  // the previous page's descriptor and rows are no longer read
     {
       const uint32_t* src = reinterpret_cast<const uint32_t*>(a.page_descs + a.page_desc_ids[id]);
@@ -124,21 +153,39 @@ __global__ void GeneralDecodeKernel(PagedKvLayout L, PagedDecodeArgs a, int spli
       }
     }
     __syncthreads();
-    for (uint32_t part = 0; part < desc->parts; ++part) {
-      const PagePartDesc& pd = desc->part[part];
-      const uint32_t T = pd.tokens;
+    const uint32_t parts = desc->parts;
+    for (uint32_t part = 0; part < parts; ++part) {
+      const uint32_t T = desc->part[part].tokens;
+      const PageTensorDesc tk = desc->part[part].k;
+      const PageTensorDesc tv = desc->part[part].v;
       for (uint32_t t0 = 0; t0 < T; t0 += kGeneralRows) {
-        const int n = static_cast<int>(min(static_cast<uint32_t>(kGeneralRows), T - t0));
+        const uint32_t n = min(static_cast<uint32_t>(kGeneralRows), T - t0);
         __syncthreads();  // the rows of the previous 16 tokens were attended
-        for (int i = threadIdx.x; i < n * D; i += blockDim.x) {
-          const uint32_t r = i / D, d = i % D;
-          ks[r * kStride + PageChannel(a.constants, pd.k, D32, kvh, d)] =
-              PageElement(page, a.constants, pd.k, true, T, D32, kvh, t0 + r, d);
-          vs[r * kStride + PageChannel(a.constants, pd.v, D32, kvh, d)] =
-              PageElement(page, a.constants, pd.v, false, T, D32, kvh, t0 + r, d);
+        if (decodes) {
+          for (int d = threads >= D ? threadIdx.x % D : threadIdx.x; d < D; d += threads) {
+            PageDecodeColumn(page, a.constants, tk, T, D32, kvh, t0, n, d, first_row, row_step, ks,
+                             kStride);
+            PageDecodeColumn(page, a.constants, tv, T, D32, kvh, t0, n, d, first_row, row_step, vs,
+                             kStride);
+            if (threads >= D) break;
+          }
+        }
+        if (tk.outliers > 0 || tv.outliers > 0) {
+          __syncthreads();
+          const uint32_t nk = PageOutlierItems(tk, true, D32, n);
+          const uint32_t nv = PageOutlierItems(tv, false, D32, n);
+          for (uint32_t i = threadIdx.x; i < nk + nv; i += threads) {
+            if (i < nk) {
+              PageOutlier(page, a.constants, tk, true, T, D32, kvh, t0, n, i, ks, kStride,
+                          smem_add);
+            } else {
+              PageOutlier(page, a.constants, tv, false, T, D32, kvh, t0, n, i - nk, vs, kStride,
+                          smem_add);
+            }
+          }
         }
         __syncthreads();
-        if (warp < group) head.Attend(ks, vs, qs + warp * D, ps, n);
+        if (warp < group) head.Attend(ks, vs, qs + warp * D, ps, static_cast<int>(n));
       }
     }
   }

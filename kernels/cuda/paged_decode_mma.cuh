@@ -224,7 +224,7 @@ struct AffinePlan {
 
 // An affine slice: tokens [t0, t0 + 16) of a staged tile (all real), in key group `kgroup`.
 template <int D, int KB, int VB>
-__device__ __forceinline__ void SliceAffine(MmaState<D>& st, const float (&qn)[D / 4],
+__device__ __forceinline__ void SliceAffine(MmaState<D>& st, const float* qn_smem,
                                             float score_scale, const uint8_t* page,
                                             const AffinePlan<D>& L, int t0, int kgroup) {
   const int lane = threadIdx.x % kWarp;
@@ -249,6 +249,12 @@ __device__ __forceinline__ void SliceAffine(MmaState<D>& st, const float (&qn)[D
   for (int i = 0; i < kCpl / 8; ++i) {
     reinterpret_cast<uint4*>(ksh)[i] = reinterpret_cast<const uint4*>(ks)[i];
     reinterpret_cast<uint4*>(kzh)[i] = reinterpret_cast<const uint4*>(kz)[i];
+  }
+  // The lane's kCpl channels of its head's scaled query (QueryBlocks), 16 bytes at a time.
+  float qn[kCpl];
+#pragma unroll
+  for (int i = 0; i < kCpl / 4; ++i) {
+    reinterpret_cast<float4*>(qn)[i] = reinterpret_cast<const float4*>(qn_smem)[i];
   }
   auto half_at = [](const __half2* h, int c) {
     return c % 2 ? __high2float(h[c / 2]) : __low2float(h[c / 2]);
@@ -386,6 +392,17 @@ __device__ __forceinline__ void StageFp16Async(uint8_t* dst, const uint8_t* page
   }
 }
 
+// The affine kernel's scaled query in shared memory, once for the block's four warps instead of
+// 32 registers in every thread: lane (g, q) reads head row g's channels [q D/4, (q + 1) D/4) as
+// 16-byte vectors; each such block is padded by 16 bytes so that the eight lanes of a quarter-warp
+// (two rows, four blocks) fall in eight different groups of four banks.
+template <int D>
+struct QueryBlocks {
+  static constexpr int kBlock = D / 4 + 4;  // floats
+  static constexpr size_t kBytes = static_cast<size_t>(8) * 4 * kBlock * sizeof(float);
+  __device__ static float* At(float* base, int g, int q) { return base + (g * 4 + q) * kBlock; }
+};
+
 // Shared memory of the tensor-core kernel: `stages` slice buffers (an fp16 window tile of
 // window_tile rows fits in them; after the slices, the warps' states for the merge), then the
 // affine slices' parts (WriteAffineParts).
@@ -394,6 +411,7 @@ struct MmaSmem {
   size_t buffer = 0;     // bytes of one slice buffer
   int window_tile = 16;  // rows of fp16 window attended at a time
   size_t parts = 0;      // offset of the affine slices' parts
+  size_t query = 0;      // offset of the affine kernel's query blocks (QueryBlocks)
   size_t total = 0;
   __host__ __device__ MmaSmem(const TileLayout& L, int stages, int group) {
     buffer = L.HeadBytes();
@@ -409,7 +427,8 @@ struct MmaSmem {
     if (merge > total) total = merge;
     parts = Align16(total);
     if (L.format == PageFormat::kAffine) {
-      total = parts + Align16(static_cast<size_t>(L.tiles_per_page) * 18 * sizeof(uint32_t));
+      query = parts + Align16(static_cast<size_t>(L.tiles_per_page) * 18 * sizeof(uint32_t));
+      total = query + QueryBlocks<D>::kBytes;
     }
   }
 };
@@ -418,8 +437,11 @@ struct MmaSmem {
 // that beat the compiler's own choice (185-209) at every shape, 0.67 -> 0.58 ms for fp16 at
 // batch 16 x 32k (cuda_decode_bench-NVIDIA_H200-2026-11-27-a5dce54.txt and its run's
 // comparison).
-template <int D, PageFormat F, int KB, int VB, int S>
-__global__ void __launch_bounds__(kMmaWarps* kWarp, 3)
+// B: blocks per multiprocessor the registers are capped for. 3 (168 a thread) is the default;
+// 4 (128 a thread, PagedKernel::kMmaFourBlocks, affine pages) trades spills for a third more warps
+// in flight, to measure (cuda_decode_notes.md, version 6).
+template <int D, PageFormat F, int KB, int VB, int S, int B = 3>
+__global__ void __launch_bounds__(kMmaWarps* kWarp, B)
     MmaDecodeKernel(PagedKvLayout L, PagedDecodeArgs a, int splits, float* part_acc,
                     float* part_ml) {
   extern __shared__ __align__(16) uint8_t smem[];
@@ -457,14 +479,20 @@ __global__ void __launch_bounds__(kMmaWarps* kWarp, 3)
 #pragma unroll
   for (int i = 0; i < D / 32; ++i) st.z[i] = 0;
 
-  // fp16: Q's fragments once (natural channel order); affine: the lane's channels of q.
+  // fp16: Q's fragments once (natural channel order); affine: the lane's channels of q, written
+  // by the first warp to shared memory (QueryBlocks) for all four (the barrier after the parts
+  // orders them).
   uint32_t qa[D / 16][4];
-  float qn[D / 4];
+  [[maybe_unused]] float* qn_smem = nullptr;
   if constexpr (F == PageFormat::kFp16) {
     NaturalQFragments<D>(qa, qp, q_norm, q, row_used);
   } else {
+    float* blocks = reinterpret_cast<float*>(smem + layout.query);
+    qn_smem = QueryBlocks<D>::At(blocks, g, q);
+    if (warp == 0) {
 #pragma unroll
-    for (int i = 0; i < D / 4; ++i) qn[i] = row_used ? qp[q * (D / 4) + i] * q_norm : 0.f;
+      for (int i = 0; i < D / 4; ++i) qn_smem[i] = row_used ? qp[q * (D / 4) + i] * q_norm : 0.f;
+    }
   }
 
   // The split's slices: each page TileTokens() tokens at a time.
@@ -506,7 +534,7 @@ __global__ void __launch_bounds__(kMmaWarps* kWarp, 3)
       if constexpr (F == PageFormat::kFp16) {
         SliceFp16<D>(st, qa, score_scale, page, page + T.FpValues(), t0, kSlice);
       } else {
-        SliceAffine<D, KB, VB>(st, qn, score_scale, page, plan, t0, t0 / T.k_group);
+        SliceAffine<D, KB, VB>(st, qn_smem, score_scale, page, plan, t0, t0 / T.k_group);
       }
     }
   }

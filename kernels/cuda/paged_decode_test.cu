@@ -279,10 +279,15 @@ void RunCaseWith(const Case& c, uint32_t seed, PagedKernel kernel) {
   EXPECT_LT(worst, 2e-3) << "splits " << splits;
 }
 
-// Both kernels on the same data: the tensor cores' (where the layout allows) and the SIMT one.
+// Every kernel on the same data: the tensor cores' (where the layout allows; its registers
+// capped for three blocks, and for four), and the SIMT one.
 void RunCase(const Case& c, uint32_t seed) {
-  for (PagedKernel kernel : {PagedKernel::kAuto, PagedKernel::kSimt}) {
-    SCOPED_TRACE(kernel == PagedKernel::kAuto ? "kernel: auto" : "kernel: simt");
+  for (PagedKernel kernel : {PagedKernel::kAuto, PagedKernel::kSimt, PagedKernel::kMmaFourBlocks}) {
+    // Four blocks is another kernel on affine pages only; elsewhere it reruns kAuto's.
+    if (kernel == PagedKernel::kMmaFourBlocks && c.layout.format != PageFormat::kAffine) continue;
+    SCOPED_TRACE(kernel == PagedKernel::kAuto   ? "kernel: auto"
+                 : kernel == PagedKernel::kSimt ? "kernel: simt"
+                                                : "kernel: four blocks");
     RunCaseWith(c, seed, kernel);
   }
 }
