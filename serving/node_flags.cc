@@ -24,8 +24,9 @@ ABSL_FLAG(int, etcd_ttl_s, 6, "the registration lease, in seconds (renewed at ha
 ABSL_FLAG(std::string, ucx_tls, "", "UCX transports (UCX_TLS), e.g. tcp; empty: UCX's choice");
 
 ABSL_FLAG(std::string, device, "cpu",
-          "where the node runs the model: cpu, or cuda[:N] (the CUDA plugin, --cuda_plugin; codecs "
-          "with GPU pages: fp16, kivi, kcvt; the others say so at start)");
+          "where the node runs the model: cpu, or cuda[:N] (the CUDA plugin, --cuda_plugin; "
+          "every codec but rotated ones (:rot), which are refused at start; fp16 and 2/4-bit "
+          "kivi/kcvt pages take the fast kernels, the others a general kernel many times slower)");
 ABSL_FLAG(std::string, cuda_plugin, "",
           "with --device cuda: the CUDA plugin (libstrata_cuda.so) to open; empty: lib/ beside "
           "the binary's folder, else beside the binary");
