@@ -115,6 +115,16 @@ absl::StatusOr<Calibration> Calibration::Parse(absl::string_view text) {
       l.k_bits = lj.at("k_bits").get<int>();
       l.v_bits = lj.at("v_bits").get<int>();
       l.spec = lj.value("spec", "");
+      // A layer of a mix that chose CQ holds that shape's codebooks; other layers follow the codec.
+      size_t layer_entries = codebook_entries;
+      if (!l.spec.empty()) {
+        absl::StatusOr<CodecSpec> ls = CodecSpec::Parse(l.spec);
+        if (!ls.ok()) return Bad(absl::StrCat("layer ", i, " spec: ", ls.status().message()));
+        if (ls->id == CodecId::kStrata) return Bad(absl::StrCat("layer ", i, " spec is a mix"));
+        if (ls->is_codebook()) {
+          layer_entries = size_t{c.kv_heads} * c.head_dim * (size_t{1} << ls->k_bits);
+        }
+      }
       for (const auto& [name, book] :
            {std::pair{"k_codebook", &l.k_codebook}, std::pair{"v_codebook", &l.v_codebook}}) {
         if (!lj.contains(name)) continue;
@@ -134,16 +144,12 @@ absl::StatusOr<Calibration> Calibration::Parse(absl::string_view text) {
             return Bad(absl::StrCat("layer ", i, " ", name, " holds a value that is not finite"));
           }
         }
-        if (book->size() != codebook_entries) {
+        if (book->size() != layer_entries) {
           return Bad(absl::StrCat("layer ", i, " ", name, " has ", book->size(),
-                                  " entries, not the ", codebook_entries, " of codec ", c.codec,
+                                  " entries, not the ", layer_entries, " of codec ",
+                                  l.spec.empty() ? c.codec : l.spec,
                                   " (kv_heads x head_dim x 2^b)"));
         }
-      }
-      if (!l.spec.empty()) {
-        absl::StatusOr<CodecSpec> ls = CodecSpec::Parse(l.spec);
-        if (!ls.ok()) return Bad(absl::StrCat("layer ", i, " spec: ", ls.status().message()));
-        if (ls->id == CodecId::kStrata) return Bad(absl::StrCat("layer ", i, " spec is a mix"));
       }
       for (const auto& [name, perm] : {std::pair{"k_perm", &l.k_perm}, std::pair{"v_perm", &l.v_perm}}) {
         if (perm->empty()) continue;

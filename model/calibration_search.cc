@@ -145,7 +145,28 @@ const char* const kStrataMenu[] = {
     "kivi:k2v2:g64:m8", "zipcache:k2v2:h4:s10:m8", "fp16",
     // The rotation stage (kernels/rotation.h) on the backbones it helps most.
     "kivi:k2v2:g64:rot:sink4", "kivi:k2v2:g32:rot:sink4", "kivi:k4v4:g32:rot:sink4",
-    "kcvt:k2v2:rot:sink4", "kcvt:k2v2:m8:rot"};
+    "kcvt:k2v2:rot:sink4", "kcvt:k2v2:m8:rot",
+    // Coupled quantization (CQ): 2, 1.5 and 1 bits per element, codebooks learned per shape.
+    "cq:c4:b8:sink4", "cq:c4:b6:sink4", "cq:c8:b8:sink4", "cq:c4:b6", "cq:c8:b8"};
+
+// The menu's CQ shapes' codebooks, per shape (its spec without sinks) and layer.
+using CqBooks = std::map<std::string, std::vector<kernels::LayerCalibration>>;
+
+// Sets a layer's codec to `candidate`, with the codebooks of its shape where it is CQ (and none
+// where it is not, so that a saved calibration carries only what its layers use).
+void AssignLayer(kernels::LayerCalibration& layer, const std::string& candidate, uint32_t li,
+                 const CqBooks& books) {
+  layer.spec = candidate;
+  layer.k_codebook.clear();
+  layer.v_codebook.clear();
+  kernels::CodecSpec s = *kernels::CodecSpec::Parse(candidate);
+  if (!s.is_codebook()) return;
+  s.sink_tokens = 0;
+  const auto it = books.find(s.ToString());
+  if (it == books.end()) return;  // the codec refuses the layer, naming the missing codebooks
+  layer.k_codebook = it->second[li].k_codebook;
+  layer.v_codebook = it->second[li].v_codebook;
+}
 
 // Per-layer codecs for a budget (TaDA's precision search; the Strata mix): the loss increase of
 // each candidate with only that layer compressed (log perplexity on the calibration text, the
@@ -154,7 +175,7 @@ const char* const kStrataMenu[] = {
 // programming over 1/64-bit steps).
 absl::Status SearchLayers(const LlamaModel& model, const std::vector<uint32_t>& ids,
                           const kernels::CodecSpec& spec, const CalibrationSearchOptions& o,
-                          kernels::Calibration& cal) {
+                          const CqBooks& books, kernels::Calibration& cal) {
   const ModelConfig& c = model.config();
   const uint32_t L = c.num_layers;
   std::vector<std::string> candidates;
@@ -214,16 +235,16 @@ absl::Status SearchLayers(const LlamaModel& model, const std::vector<uint32_t>& 
   }
   if (delta.empty()) {
     kernels::Calibration trial = cal;
-    for (auto& layer : trial.layers) layer.spec = "fp16";
+    for (uint32_t li = 0; li < L; ++li) AssignLayer(trial.layers[li], "fp16", li, books);
     STRATA_ASSIGN_OR_RETURN(const double base, loss(trial));  // records the reference; 0
     delta.assign(L, std::vector<double>(candidates.size()));
     for (uint32_t li = 0; li < L; ++li) {
       for (size_t i = 0; i < candidates.size(); ++i) {
-        trial.layers[li].spec = candidates[i];
+        AssignLayer(trial.layers[li], candidates[i], li, books);
         STRATA_ASSIGN_OR_RETURN(const double x, loss(trial));
         delta[li][i] = x - base;
       }
-      trial.layers[li].spec = "fp16";
+      AssignLayer(trial.layers[li], "fp16", li, books);
       if (o.progress) o.progress("layer choices", li + 1, L);
     }
     std::lock_guard<std::mutex> lock(cache_mu);
@@ -265,7 +286,7 @@ absl::Status SearchLayers(const LlamaModel& model, const std::vector<uint32_t>& 
   }
   for (int li = static_cast<int>(L); li > 0; --li) {
     const int i = pick[li][w_best];
-    cal.layers[li - 1].spec = candidates[i];
+    AssignLayer(cal.layers[li - 1], candidates[i], li - 1, books);
     w_best -= cost[i];
   }
   return absl::OkStatus();
@@ -287,22 +308,43 @@ absl::StatusOr<kernels::Calibration> SearchCalibration(const LlamaModel& model,
   cal.kv_heads = c.num_kv_heads;
   cal.head_dim = c.head_dim;
   if (!spec.needs_calibration() && !spec.searches_layers()) return cal;
-  const uint32_t windows =
-      spec.id == CodecId::kCq ? std::max(o.windows, o.codebook_windows) : o.windows;
+  // CQ's codebooks learn from codebook_windows windows (the mix's menu has CQ too); SKVQ's orders
+  // and clips from the first `windows` of them.
+  const bool cq = spec.id == CodecId::kCq || spec.id == CodecId::kStrata;
+  const uint32_t windows = cq ? std::max(o.windows, o.codebook_windows) : o.windows;
   STRATA_ASSIGN_OR_RETURN(std::vector<LayerKv> kv, RunWindows(model, ids, o.context, windows));
   const uint32_t tokens =
       static_cast<uint32_t>(kv[0].k.size() / (size_t{c.num_kv_heads} * c.head_dim));
   cal.source = absl::StrCat(o.source, ", ", tokens, " tokens");
   cal.layers.resize(c.num_layers);
+  CqBooks books;
   if (spec.id == CodecId::kCq) {
     CalibrateCq(c, main, kv, tokens, o, cal);
   } else if (spec.id == CodecId::kSkvq) {
     STRATA_RETURN_IF_ERROR(CalibrateSkvq(model, cal.codec, kv, tokens, o, cal));
-  } else if (spec.id == CodecId::kStrata) {  // SKVQ is on the menu
-    STRATA_RETURN_IF_ERROR(CalibrateSkvq(model, kStrataSkvq, kv, tokens, o, cal));
+  } else if (spec.id == CodecId::kStrata) {  // SKVQ and CQ are on the menu
+    const uint32_t skvq_tokens = std::min(tokens, o.context * o.windows);
+    std::vector<LayerKv> first(kv.size());
+    for (size_t li = 0; li < kv.size(); ++li) {
+      auto prefix = [&](const std::vector<float>& x) {
+        const size_t per_token = x.size() / tokens;
+        return std::vector<float>(x.begin(), x.begin() + per_token * skvq_tokens);
+      };
+      first[li] = {prefix(kv[li].k), prefix(kv[li].v), prefix(kv[li].q)};
+    }
+    STRATA_RETURN_IF_ERROR(CalibrateSkvq(model, kStrataSkvq, first, skvq_tokens, o, cal));
+    for (const char* candidate : kStrataMenu) {
+      kernels::CodecSpec shape = *kernels::CodecSpec::Parse(candidate);
+      if (!shape.is_codebook()) continue;
+      shape.sink_tokens = 0;
+      kernels::Calibration learned;
+      learned.layers.resize(c.num_layers);
+      CalibrateCq(c, shape, kv, tokens, o, learned);
+      books[shape.ToString()] = std::move(learned.layers);
+    }
   }
   if (spec.searches_layers()) {
-    STRATA_RETURN_IF_ERROR(SearchLayers(model, ids, spec, o, cal));
+    STRATA_RETURN_IF_ERROR(SearchLayers(model, ids, spec, o, books, cal));
   }
   return cal;
 }

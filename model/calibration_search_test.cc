@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <memory>
 #include <random>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -144,8 +145,59 @@ TEST(CalibrationSearchTest, StrataMixChoosesMenuCodecsWithinTheBudget) {
   }
   EXPECT_LE(bits / c.num_layers, 4.0);
   // A budget below every menu entry: said so, not a choice over budget.
-  EXPECT_EQ(SearchCalibration(*model, ids, "strata:b1.5", SmallOptions()).status().code(),
+  EXPECT_EQ(SearchCalibration(*model, ids, "strata:b0.5", SmallOptions()).status().code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+// Below 2 bits only CQ is on the menu: the mix takes it, each such layer with its own shape's
+// codebooks (learned on the model's KV) and the others with none; the file round-trips, and the
+// mix encodes every layer's chunk with it.
+TEST(CalibrationSearchTest, StrataMixTakesCqBelowTwoBitsWithEachShapesCodebooks) {
+  std::unique_ptr<LlamaModel> model = TinyModel();
+  ASSERT_NE(model, nullptr);
+  const ModelConfig& c = model->config();
+  const std::vector<uint32_t> ids = Tokens(*model, 200);
+  absl::StatusOr<kernels::Calibration> cal =
+      SearchCalibration(*model, ids, "strata:b1.75", SmallOptions());
+  ASSERT_TRUE(cal.ok()) << cal.status();
+  ASSERT_EQ(cal->layers.size(), c.num_layers);
+  int cq_layers = 0;
+  for (const kernels::LayerCalibration& layer : cal->layers) {
+    const kernels::CodecSpec spec = *kernels::CodecSpec::Parse(layer.spec);
+    if (spec.is_codebook()) {
+      ++cq_layers;
+      const size_t want = size_t{c.num_kv_heads} * c.head_dim << spec.k_bits;
+      EXPECT_EQ(layer.k_codebook.size(), want) << layer.spec;
+      EXPECT_EQ(layer.v_codebook.size(), want) << layer.spec;
+    } else {
+      EXPECT_TRUE(layer.k_codebook.empty() && layer.v_codebook.empty()) << layer.spec;
+    }
+  }
+  EXPECT_GT(cq_layers, 0);
+  absl::StatusOr<kernels::Calibration> parsed = kernels::Calibration::Parse(cal->Serialize());
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(*parsed, *cal);
+  // A layer's codebooks of the wrong shape are refused, naming the layer's codec.
+  kernels::Calibration wrong = *cal;
+  for (kernels::LayerCalibration& layer : wrong.layers) {
+    if (kernels::CodecSpec::Parse(layer.spec)->is_codebook()) {
+      layer.k_codebook.resize(layer.k_codebook.size() / 2);
+      break;
+    }
+  }
+  absl::StatusOr<kernels::Calibration> refused = kernels::Calibration::Parse(wrong.Serialize());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("cq:"), std::string::npos) << refused.status();
+  // The mix compresses a window with the chosen codecs, every layer through its own.
+  const auto shared = std::make_shared<kernels::Calibration>(*cal);
+  absl::StatusOr<PerplexityResult> r =
+      Perplexity(*model, ids,
+                 {.codec = "strata:b1.75", .chunk_tokens = 32, .window_tokens = 0,
+                  .calibration = shared},
+                 128, 1, 0, nullptr, nullptr);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(std::isfinite(r->ppl));
+  EXPECT_GT(r->block_bytes, 0u);
 }
 
 TEST(CalibrationSearchTest, ShortTextOrBadSpecIsInvalidArgument) {
