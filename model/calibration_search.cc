@@ -220,14 +220,17 @@ absl::Status SearchLayers(const LlamaModel& model, const std::vector<uint32_t>& 
     return r.kl;
   };
   // delta[l][i]: loss increase with layer l alone at candidate i. It does not depend on the
-  // budget, so one process searching several budgets (strata eval) measures it once.
+  // budget, so one process searching several budgets (strata eval) measures it once: the key
+  // holds the calibration without its codec string, which names the budget.
   static std::mutex cache_mu;
   static std::map<std::string, std::vector<std::vector<double>>> cache;
+  kernels::Calibration unnamed = cal;
+  unnamed.codec.clear();
   const std::string cache_key = absl::StrCat(
       model.fingerprint(), "/",
       Fingerprint64(absl::string_view(reinterpret_cast<const char*>(ids.data()), ids.size() * 4)),
       "/", o.context, "/", o.windows, "/", o.chunk_tokens, "/", o.window_tokens, "/",
-      cal.fingerprint(), "/", absl::StrJoin(candidates, ","));
+      unnamed.fingerprint(), "/", absl::StrJoin(candidates, ","));
   std::vector<std::vector<double>> delta;
   {
     std::lock_guard<std::mutex> lock(cache_mu);
