@@ -340,6 +340,7 @@ absl::StatusOr<kernels::Calibration> SearchCalibration(const LlamaModel& model,
       kernels::CodecSpec shape = *kernels::CodecSpec::Parse(candidate);
       if (!shape.is_codebook()) continue;
       shape.sink_tokens = 0;
+      if (books.contains(shape.ToString())) continue;  // the same shape with sinks: learned once
       kernels::Calibration learned;
       learned.layers.resize(c.num_layers);
       CalibrateCq(c, shape, kv, tokens, o, learned);
