@@ -1,7 +1,6 @@
 #include "kvstore/redis_cluster.h"
 
 #include <hiredis/hiredis.h>
-#include <sys/time.h>
 
 #include <algorithm>
 #include <cstring>
@@ -21,8 +20,6 @@ namespace {
 
 constexpr int kSlots = 16384;
 constexpr uint16_t kUnassigned = 0xffff;
-
-timeval TimevalOf(absl::Duration d) { return absl::ToTimeval(std::max(d, absl::Milliseconds(1))); }
 
 RedisReply Convert(const redisReply* r, bool aligned_strings = false) {
   RedisReply out;
@@ -55,23 +52,14 @@ RedisReply Convert(const redisReply* r, bool aligned_strings = false) {
   return out;
 }
 
-// Sends one command and reads its reply (for AUTH and CLUSTER SLOTS).
-absl::StatusOr<RedisReply> Call(redisContext* c, const RedisCommand& cmd, std::string* error) {
-  std::vector<const char*> argv;
-  std::vector<size_t> len;
-  for (const std::string& a : cmd) {
-    argv.push_back(a.data());
-    len.push_back(a.size());
-  }
-  redisReply* r = static_cast<redisReply*>(
-      redisCommandArgv(c, static_cast<int>(argv.size()), argv.data(), len.data()));
-  if (r == nullptr) {
-    return absl::UnavailableError(absl::StrCat("redis: ", c->errstr[0] ? c->errstr : "no reply"));
-  }
-  RedisReply out = Convert(r);
-  if (r->type == REDIS_REPLY_ERROR) error->assign(r->str, r->len);
-  freeReplyObject(r);
-  return out;
+// Sends one command and reads its reply (for AUTH and CLUSTER SLOTS); a Redis error reply is
+// put in `error`.
+absl::StatusOr<RedisReply> Call(RedisConnection& c, const RedisCommand& cmd, std::string* error) {
+  const std::vector<absl::string_view> argv(cmd.begin(), cmd.end());
+  absl::StatusOr<RedisReplyPtr> r = c.Call(argv);
+  if (!r.ok()) return r.status();
+  if ((*r)->type == REDIS_REPLY_ERROR) error->assign((*r)->str, (*r)->len);
+  return Convert(r->get());
 }
 
 }  // namespace
@@ -79,12 +67,7 @@ absl::StatusOr<RedisReply> Call(redisContext* c, const RedisCommand& cmd, std::s
 // Idle connections per node.
 struct RedisCluster::Pool {
   std::mutex mu;
-  std::map<std::string, std::vector<redisContext*>> idle;
-  ~Pool() {
-    for (auto& [node, cs] : idle) {
-      for (redisContext* c : cs) redisFree(c);
-    }
-  }
+  std::map<std::string, std::vector<std::unique_ptr<RedisConnection>>> idle;
 };
 
 absl::Status RedisClusterOptions::Validate() const {
@@ -102,6 +85,10 @@ absl::Status RedisClusterOptions::Validate() const {
   if (max_redirects < 1) return absl::InvalidArgumentError("redis cluster: max_redirects < 1");
   if (!user.empty() && password.empty()) {
     return absl::InvalidArgumentError("redis cluster: a user without a password");
+  }
+  if (!tls.enabled && (!tls.ca_file.empty() || !tls.cert_file.empty() || !tls.key_file.empty() ||
+                       !tls.server_name.empty())) {
+    return absl::InvalidArgumentError("redis cluster: TLS files or a server name without TLS");
   }
   return absl::OkStatus();
 }
@@ -133,31 +120,33 @@ RedisCluster::~RedisCluster() = default;
 
 absl::StatusOr<std::unique_ptr<RedisCluster>> RedisCluster::Connect(RedisClusterOptions options) {
   if (absl::Status s = options.Validate(); !s.ok()) return s;
+  std::shared_ptr<RedisTlsContext> tls;
+  if (options.tls.enabled) {
+    absl::StatusOr<std::shared_ptr<RedisTlsContext>> t = RedisTlsContext::Create(options.tls);
+    if (!t.ok()) return t.status();
+    tls = *std::move(t);
+  }
   std::unique_ptr<RedisCluster> r(new RedisCluster(std::move(options)));
+  r->tls_ = std::move(tls);
   if (absl::Status s = r->Refresh(); !s.ok()) return s;
   return r;
 }
 
-absl::StatusOr<redisContext*> RedisCluster::Take(const std::string& node) {
+absl::StatusOr<std::unique_ptr<RedisConnection>> RedisCluster::Take(const std::string& node) {
   {
     std::lock_guard<std::mutex> lock(pool_->mu);
     auto it = pool_->idle.find(node);
     if (it != pool_->idle.end() && !it->second.empty()) {
-      redisContext* c = it->second.back();
+      std::unique_ptr<RedisConnection> c = std::move(it->second.back());
       it->second.pop_back();
       return c;
     }
   }
   absl::StatusOr<HostPort> hp = ParseHostPort(node);
   if (!hp.ok()) return hp.status();
-  redisContext* c =
-      redisConnectWithTimeout(hp->host.c_str(), hp->port, TimevalOf(options_.connect_timeout));
-  if (c == nullptr || c->err) {
-    const std::string why = c != nullptr ? c->errstr : "out of memory";
-    if (c != nullptr) redisFree(c);
-    return absl::UnavailableError(absl::StrCat("redis ", node, ": ", why));
-  }
-  redisSetTimeout(c, TimevalOf(options_.io_timeout));
+  absl::StatusOr<std::unique_ptr<RedisConnection>> c = RedisConnection::Open(
+      hp->host, hp->port, options_.connect_timeout, options_.io_timeout, tls_.get());
+  if (!c.ok()) return c.status();
   {
     std::lock_guard<std::mutex> lock(mu_);
     ++stats_.connects;
@@ -167,9 +156,8 @@ absl::StatusOr<redisContext*> RedisCluster::Take(const std::string& node) {
     if (!options_.user.empty()) auth.push_back(options_.user);
     auth.push_back(options_.password);
     std::string error;
-    absl::StatusOr<RedisReply> r = Call(c, auth, &error);
+    absl::StatusOr<RedisReply> r = Call(**c, auth, &error);
     if (!r.ok() || !error.empty()) {
-      redisFree(c);
       return r.ok() ? absl::FailedPreconditionError(absl::StrCat("redis ", node, ": AUTH: ", error))
                     : r.status();
     }
@@ -177,14 +165,10 @@ absl::StatusOr<redisContext*> RedisCluster::Take(const std::string& node) {
   return c;
 }
 
-void RedisCluster::Give(const std::string& node, redisContext* c) {
+void RedisCluster::Give(const std::string& node, std::unique_ptr<RedisConnection> c) {
   std::lock_guard<std::mutex> lock(pool_->mu);
-  std::vector<redisContext*>& idle = pool_->idle[node];
-  if (idle.size() < options_.max_idle_per_node) {
-    idle.push_back(c);
-  } else {
-    redisFree(c);
-  }
+  std::vector<std::unique_ptr<RedisConnection>>& idle = pool_->idle[node];
+  if (idle.size() < options_.max_idle_per_node) idle.push_back(std::move(c));
 }
 
 absl::Status RedisCluster::Refresh() {
@@ -201,20 +185,19 @@ absl::Status RedisCluster::Refresh() {
   }
   std::vector<std::string> failures;
   for (const std::string& node : candidates) {
-    absl::StatusOr<redisContext*> c = Take(node);
+    absl::StatusOr<std::unique_ptr<RedisConnection>> c = Take(node);
     if (!c.ok()) {
       if (c.status().code() == absl::StatusCode::kFailedPrecondition) return c.status();
       failures.push_back(std::string(c.status().message()));
       continue;
     }
     std::string error;
-    absl::StatusOr<RedisReply> r = Call(*c, {"CLUSTER", "SLOTS"}, &error);
+    absl::StatusOr<RedisReply> r = Call(**c, {"CLUSTER", "SLOTS"}, &error);
     if (!r.ok()) {
-      redisFree(*c);
       failures.push_back(std::string(r.status().message()));
       continue;
     }
-    Give(node, *c);
+    Give(node, *std::move(c));
     if (!error.empty()) {
       if (absl::StrContains(error, "cluster support disabled")) {
         return absl::FailedPreconditionError(
@@ -315,7 +298,7 @@ std::vector<absl::StatusOr<RedisReply>> RedisCluster::RunViews(
     bool refresh = !unrouted.empty(), retry_later = !unrouted.empty();
     if (!unrouted.empty()) last_problem = "slots not served by any node (cluster down?)";
     for (auto& [node, idx] : by_node) {
-      absl::StatusOr<redisContext*> c = Take(node);
+      absl::StatusOr<std::unique_ptr<RedisConnection>> c = Take(node);
       if (!c.ok()) {
         if (c.status().code() == absl::StatusCode::kFailedPrecondition) {
           for (size_t i : idx) out[i] = c.status();
@@ -329,50 +312,35 @@ std::vector<absl::StatusOr<RedisReply>> RedisCluster::RunViews(
         continue;
       }
       // Pipeline: every command (after ASKING where redirected), then every reply.
-      bool io_ok = true;
+      RedisConnection& conn = **c;
+      static constexpr absl::string_view kAsking[] = {"ASKING"};
       for (size_t i : idx) {
-        if (!ask[i].empty()) {
-          const char* asking = "ASKING";
-          redisAppendCommand(*c, asking);
-        }
-        std::vector<const char*> argv;
-        std::vector<size_t> len;
-        for (absl::string_view a : commands[i]) {
-          argv.push_back(a.data());
-          len.push_back(a.size());
-        }
-        if (redisAppendCommandArgv(*c, static_cast<int>(argv.size()), argv.data(), len.data()) !=
-            REDIS_OK) {
-          io_ok = false;
-          break;
-        }
+        if (!ask[i].empty()) conn.Append(kAsking);
+        conn.Append(commands[i]);
       }
-      for (size_t k = 0; io_ok && k < idx.size(); ++k) {
+      absl::Status io = conn.Flush();
+      for (size_t k = 0; io.ok() && k < idx.size(); ++k) {
         const size_t i = idx[k];
         const bool was_ask = !ask[i].empty();
         ask[i].clear();
-        void* raw = nullptr;
         if (was_ask) {  // ASKING's +OK
-          if (redisGetReply(*c, &raw) != REDIS_OK) {
-            io_ok = false;
+          if (absl::StatusOr<RedisReplyPtr> ok = conn.Read(); !ok.ok()) {
+            io = ok.status();
             break;
           }
-          freeReplyObject(raw);
-          raw = nullptr;
         }
-        if (redisGetReply(*c, &raw) != REDIS_OK || raw == nullptr) {
-          io_ok = false;
+        absl::StatusOr<RedisReplyPtr> reply = conn.Read();
+        if (!reply.ok()) {
+          io = reply.status();
           break;
         }
         reached_any = true;
-        redisReply* r = static_cast<redisReply*>(raw);
+        const redisReply* r = reply->get();
         if (r->type != REDIS_REPLY_ERROR) {
           out[i] = Convert(r, aligned_strings);
-          freeReplyObject(r);
           continue;
         }
         const std::string error(r->str, r->len);
-        freeReplyObject(r);
         const std::vector<std::string> parts = absl::StrSplit(error, ' ');
         const bool moved = parts[0] == "MOVED", asked = parts[0] == "ASK";
         if ((moved || asked) && parts.size() >= 3) {
@@ -412,14 +380,13 @@ std::vector<absl::StatusOr<RedisReply>> RedisCluster::RunViews(
         std::lock_guard<std::mutex> lock(mu_);
         ++stats_.errors;
       }
-      if (io_ok) {
-        Give(node, *c);
+      if (io.ok()) {
+        Give(node, *std::move(c));
         continue;
       }
       // The connection failed mid-pipeline: the commands without a reply go again (a SET or
       // GETEX that ran twice does no harm: the values are content-addressed).
-      last_problem = absl::StrCat("redis ", node, ": ", (*c)->errstr);
-      redisFree(*c);
+      last_problem = std::string(io.message());
       for (size_t i : idx) {
         if (out[i].status().code() == absl::StatusCode::kDeadlineExceeded) again.push_back(i);
       }

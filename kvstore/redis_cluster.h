@@ -3,7 +3,8 @@
 // (ASKING then the command on the importing node) redirections, TRYAGAIN / CLUSTERDOWN / LOADING
 // and lost nodes retried with backoff (a failover: the map refreshed from any node that answers)
 // until the call's deadline, a pool of idle connections per node, AUTH (Redis ACL user or the
-// default user), and a call's commands pipelined per node.
+// default user), TLS (kvstore/redis_connection.h: hiredis parses, OpenSSL encrypts), and a
+// call's commands pipelined per node.
 //
 //   RedisClusterOptions o{.seeds = {"127.0.0.1:7000"}};
 //   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<RedisCluster> redis, RedisCluster::Connect(o));
@@ -13,8 +14,7 @@
 // Every command's second argument is its key (the slot it is routed by). Replies come back in the
 // commands' order; a Redis error reply (other than a redirection or a retryable state) is that
 // command's kFailedPrecondition naming the error; a command still unanswered at the deadline is
-// kDeadlineExceeded (kUnavailable when no node could be reached). No TLS: Debian's hiredis 0.14
-// has none (run the cluster on a private network, or behind a TLS tunnel).
+// kDeadlineExceeded (kUnavailable when no node could be reached).
 //
 // Thread-safe: calls may run concurrently, each on connections of its own.
 #pragma once
@@ -30,8 +30,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "common/shared_bytes.h"
-
-struct redisContext;
+#include "kvstore/redis_connection.h"
 
 namespace strata::kvstore {
 
@@ -43,6 +42,7 @@ struct RedisClusterOptions {
   absl::Duration io_timeout = absl::Seconds(2);  // one reply's wait
   int max_redirects = 8;                         // per command and call
   size_t max_idle_per_node = 8;                  // pooled connections kept per node
+  RedisTlsOptions tls = {};                      // TLS to every node (Redis's tls-port)
 
   absl::Status Validate() const;  // kInvalidArgument naming the field
 };
@@ -100,14 +100,15 @@ class RedisCluster {
   explicit RedisCluster(RedisClusterOptions options);
   // Reloads the slot map from any known node or seed; kUnavailable when none answers.
   absl::Status Refresh();
-  absl::StatusOr<redisContext*> Take(const std::string& node);
-  void Give(const std::string& node, redisContext* c);
+  absl::StatusOr<std::unique_ptr<RedisConnection>> Take(const std::string& node);
+  void Give(const std::string& node, std::unique_ptr<RedisConnection> c);
 
   const RedisClusterOptions options_;
   mutable std::mutex mu_;
   std::vector<std::string> nodes_;  // known masters, "host:port"
   std::vector<uint16_t> slots_;     // slot -> index into nodes_ (65535: unassigned)
   std::unique_ptr<Pool> pool_;
+  std::shared_ptr<RedisTlsContext> tls_;  // null: plain TCP
   RedisClusterStats stats_;
   absl::Time last_refresh_ = absl::InfinitePast();
 };

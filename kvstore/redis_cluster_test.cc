@@ -8,6 +8,7 @@
 
 #include <iostream>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -395,6 +396,88 @@ TEST(RedisClusterAuthTest, AuthIsRequiredAndAWrongPasswordIsRefused) {
   const auto r = (*c)->Run({{"SET", "authed", "1"}, {"GET", "authed"}}, Soon());
   ASSERT_TRUE(r[1].ok()) << r[1].status();
   EXPECT_EQ(r[1]->str, "1");
+}
+
+// Redis serving TLS only (tls-port, with client certificates required): commands and large
+// values across every master over TLS, with AUTH; a server whose certificate does not verify (an
+// untrusted CA, another name), a client without a certificate and a plain-TCP client are refused,
+// each saying why.
+TEST(RedisClusterTlsTest, CommandsRunOverTlsAndWhatDoesNotVerifyIsRefused) {
+  if (!RedisClusterProcess::Installed()) GTEST_SKIP() << "skipped: no redis-server";
+  RedisClusterProcess cluster(3, 0, "tls-pass", /*tls=*/true);
+  std::string why;
+  ASSERT_TRUE(cluster.Start(&why)) << why;
+  const RedisTlsOptions tls = {.enabled = true,
+                               .ca_file = cluster.ca_file(),
+                               .cert_file = cluster.client_cert_file(),
+                               .key_file = cluster.client_key_file()};
+  absl::StatusOr<std::unique_ptr<RedisCluster>> c =
+      RedisCluster::Connect({.seeds = {cluster.seed()}, .password = "tls-pass", .tls = tls});
+  ASSERT_TRUE(c.ok()) << c.status();
+  // Keys on every master; values small, at the large-argument threshold and of 1 MiB.
+  std::vector<RedisCommand> set, get;
+  for (int i = 0; i < 60; ++i) {
+    const size_t size = i % 3 == 0 ? 1 << 20 : i % 3 == 1 ? 16 << 10 : 7 + i;
+    std::string value(size, '\0');
+    for (size_t j = 0; j < size; ++j) value[j] = static_cast<char>((i * 131 + j * 7) & 0xff);
+    set.push_back({"SET", absl::StrCat("tls:", i), value});
+    get.push_back({"GET", absl::StrCat("tls:", i)});
+  }
+  for (const auto& r : (*c)->Run(set, Soon())) ASSERT_TRUE(r.ok()) << r.status();
+  const auto got = (*c)->Run(get, Soon());
+  std::set<std::string> nodes;
+  for (int i = 0; i < 60; ++i) {
+    ASSERT_TRUE(got[i].ok()) << got[i].status();
+    EXPECT_EQ(got[i]->str, set[i][2]) << "key " << i;
+    nodes.insert((*c)->NodeFor(RedisCluster::Slot(get[i][1])));
+  }
+  EXPECT_EQ(nodes.size(), 3u);
+  // What Redis saw: TLS connections (redis-cli over TLS reads the value back too).
+  EXPECT_EQ(cluster.Cli(cluster.Find((*c)->NodeFor(RedisCluster::Slot("tls:1")))->port,
+                        {"STRLEN", "tls:1"}),
+            absl::StrCat(16 << 10, "\n"));
+
+  auto refused = [&](const RedisTlsOptions& t, absl::string_view says) {
+    const RedisClusterOptions o = {.seeds = {cluster.seed()},
+                                   .password = "tls-pass",
+                                   .connect_timeout = absl::Seconds(2),
+                                   .io_timeout = absl::Seconds(2),
+                                   .tls = t};
+    absl::StatusOr<std::unique_ptr<RedisCluster>> r = RedisCluster::Connect(o);
+    ASSERT_FALSE(r.ok()) << says;
+    std::cerr << "refused: " << r.status() << "\n";
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable) << r.status();
+    EXPECT_NE(r.status().message().find(says), absl::string_view::npos) << r.status();
+  };
+  RedisTlsOptions untrusted = tls;
+  untrusted.ca_file = cluster.other_ca_file();
+  refused(untrusted, "does not verify");
+  RedisTlsOptions other_name = tls;
+  other_name.server_name = "redis.example.com";
+  refused(other_name, "does not verify");
+  RedisTlsOptions localhost = tls;  // the certificate's other name verifies
+  localhost.server_name = "localhost";
+  EXPECT_TRUE(
+      RedisCluster::Connect({.seeds = {cluster.seed()}, .password = "tls-pass", .tls = localhost})
+          .ok());
+  RedisTlsOptions no_cert = tls;
+  no_cert.cert_file = no_cert.key_file = "";
+  refused(no_cert, "TLS");  // the server's alert: a certificate is required
+  refused({}, "redis");     // plain TCP to a TLS port
+
+  // Options that cannot work are refused before any connection, naming the file.
+  RedisTlsOptions half = tls;
+  half.key_file = "";
+  absl::Status s = RedisCluster::Connect({.seeds = {cluster.seed()}, .tls = half}).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  RedisTlsOptions missing = tls;
+  missing.ca_file = "/nonexistent/ca.crt";
+  s = RedisCluster::Connect({.seeds = {cluster.seed()}, .tls = missing}).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("/nonexistent/ca.crt"), absl::string_view::npos) << s;
+  s = RedisCluster::Connect({.seeds = {cluster.seed()}, .tls = {.ca_file = cluster.ca_file()}})
+          .status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;  // TLS files without TLS
 }
 
 }  // namespace

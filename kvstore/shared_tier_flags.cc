@@ -14,6 +14,19 @@ ABSL_FLAG(std::string, shared_tier, "",
 ABSL_FLAG(std::string, shared_tier_user, "", "Redis ACL user for --shared_tier (empty: default)");
 ABSL_FLAG(std::string, shared_tier_password_file, "",
           "file holding the Redis password (AUTH) for --shared_tier");
+ABSL_FLAG(bool, shared_tier_tls, false,
+          "speak TLS to --shared_tier's nodes (Redis's tls-port); their certificates are verified "
+          "against --shared_tier_tls_ca (else the system's CAs) and for their address (or "
+          "--shared_tier_tls_server_name)");
+ABSL_FLAG(std::string, shared_tier_tls_ca, "",
+          "PEM file of the CA certificates the Redis nodes' certificates chain to (empty: the "
+          "system's)");
+ABSL_FLAG(std::string, shared_tier_tls_cert, "",
+          "PEM file of this process's client certificate, for nodes that require one (Redis's "
+          "tls-auth-clients, on by default)");
+ABSL_FLAG(std::string, shared_tier_tls_key, "", "PEM file of --shared_tier_tls_cert's key");
+ABSL_FLAG(std::string, shared_tier_tls_server_name, "",
+          "the name every Redis node's certificate must carry (empty: the address connected to)");
 ABSL_FLAG(int, shared_tier_ttl_s, 3600,
           "seconds a block lives in the shared tier unread (the root chunk twice as long; a read "
           "renews it)");
@@ -33,6 +46,11 @@ absl::StatusOr<std::optional<SharedTierOptions>> SharedTierOptionsFromFlags() {
           absl::StrCat("--shared_tier_password_file: cannot read a password from ", file));
     }
   }
+  o.redis.tls = {.enabled = absl::GetFlag(FLAGS_shared_tier_tls),
+                 .ca_file = absl::GetFlag(FLAGS_shared_tier_tls_ca),
+                 .cert_file = absl::GetFlag(FLAGS_shared_tier_tls_cert),
+                 .key_file = absl::GetFlag(FLAGS_shared_tier_tls_key),
+                 .server_name = absl::GetFlag(FLAGS_shared_tier_tls_server_name)};
   const int ttl_s = absl::GetFlag(FLAGS_shared_tier_ttl_s);
   if (ttl_s < 1) {
     return absl::InvalidArgumentError(

@@ -15,7 +15,8 @@ packages=(
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   librocksdb-dev prometheus-cpp-dev curl
   # the shared KV tier on Redis Cluster: its client library, and the servers its tests start
-  libhiredis-dev redis-server redis-tools
+  # (openssl makes the certificates of its TLS test)
+  libhiredis-dev redis-server redis-tools openssl
   # AVX-512 instructions in portable code: the reference the 512-bit kernels' emulation is
   # tested against on machines without AVX-512
   libsimde-dev

@@ -2,6 +2,9 @@
 // setup.sh installs it) on free loopback ports, for tests: `masters` masters with `replicas`
 // replicas each, made a cluster by `redis-cli --cluster create`, ready when every node reports
 // cluster_state:ok. Masters can be killed (a failover) and every process is killed at the end.
+// With `tls`, the nodes serve only TLS (tls-port; the cluster bus and replication too), with
+// certificates made by the openssl command: a CA, the servers' (for 127.0.0.1 and localhost) and
+// a client's, which the servers require (tls-auth-clients).
 // For tests and benchmarks (shared_tier_bench); never in a product binary.
 #pragma once
 
@@ -37,8 +40,8 @@ class RedisClusterProcess {
     pid_t pid = -1;
   };
 
-  RedisClusterProcess(int masters, int replicas, std::string password = "")
-      : masters_(masters), replicas_(replicas), password_(std::move(password)) {
+  RedisClusterProcess(int masters, int replicas, std::string password = "", bool tls = false)
+      : masters_(masters), replicas_(replicas), password_(std::move(password)), tls_(tls) {
     dir_ = absl::StrCat(std::filesystem::temp_directory_path().string(), "/redis-cluster-",
                         getpid(), "-", FreeLoopbackPort());
     std::filesystem::remove_all(dir_);
@@ -52,20 +55,37 @@ class RedisClusterProcess {
     return std::filesystem::exists(kRedisServer) && std::filesystem::exists(kRedisCli);
   }
 
+  // The TLS files (with `tls`): the CA, and the client's certificate and key.
+  std::string ca_file() const { return dir_ + "/ca.crt"; }
+  std::string client_cert_file() const { return dir_ + "/client.crt"; }
+  std::string client_key_file() const { return dir_ + "/client.key"; }
+  // A second CA that signed nothing here (a client trusting it refuses the servers).
+  std::string other_ca_file() const { return dir_ + "/other-ca.crt"; }
+
   // Starts the processes and makes the cluster; false (with `why`) on failure.
   bool Start(std::string* why) {
+    if (tls_ && !MakeCertificates(why)) return false;
     const int total = masters_ * (1 + replicas_);
     for (int i = 0; i < total; ++i) {
       Node n;
       n.port = FreeLoopbackPortWithPartner(10000);  // and the cluster bus at port + 10000
-      std::vector<std::string> args = {
-          kRedisServer, "--port", absl::StrCat(n.port), "--bind", "127.0.0.1", "--cluster-enabled",
-          "yes", "--cluster-config-file", absl::StrCat(dir_, "/nodes-", n.port, ".conf"), "--dir",
-          dir_, "--cluster-node-timeout", "1000",
-          // a replica always takes over from a dead master
-          "--cluster-replica-validity-factor", "0", "--repl-ping-replica-period", "1", "--save", "",
-          "--appendonly", "no", "--repl-diskless-sync-delay", "0", "--protected-mode", "no",
-          "--logfile", absl::StrCat(dir_, "/", n.port, ".log")};
+      std::vector<std::string> args = {kRedisServer};
+      if (tls_) {
+        args.insert(args.end(), {"--port", "0", "--tls-port", absl::StrCat(n.port),
+                                 "--tls-cert-file", dir_ + "/redis.crt", "--tls-key-file",
+                                 dir_ + "/redis.key", "--tls-ca-cert-file", ca_file(),
+                                 "--tls-cluster", "yes", "--tls-replication", "yes"});
+      } else {
+        args.insert(args.end(), {"--port", absl::StrCat(n.port)});
+      }
+      args.insert(args.end(),
+                  {"--bind", "127.0.0.1", "--cluster-enabled", "yes", "--cluster-config-file",
+                   absl::StrCat(dir_, "/nodes-", n.port, ".conf"), "--dir", dir_,
+                   "--cluster-node-timeout", "1000",
+                   // a replica always takes over from a dead master
+                   "--cluster-replica-validity-factor", "0", "--repl-ping-replica-period", "1",
+                   "--save", "", "--appendonly", "no", "--repl-diskless-sync-delay", "0",
+                   "--protected-mode", "no", "--logfile", absl::StrCat(dir_, "/", n.port, ".log")});
       if (!password_.empty()) {
         args.insert(args.end(), {"--requirepass", password_, "--masterauth", password_});
       }
@@ -81,7 +101,9 @@ class RedisClusterProcess {
         return false;
       }
     }
-    std::vector<std::string> create = {kRedisCli, "--cluster", "create"};
+    std::vector<std::string> create = {kRedisCli};
+    AddTlsArgs(create);
+    create.insert(create.end(), {"--cluster", "create"});
     for (Node& n : nodes_) create.push_back(absl::StrCat("127.0.0.1:", n.port));
     create.insert(create.end(), {"--cluster-replicas", absl::StrCat(replicas_), "--cluster-yes"});
     if (!password_.empty()) create.insert(create.end(), {"-a", password_, "--no-auth-warning"});
@@ -146,12 +168,79 @@ class RedisClusterProcess {
   // Runs one command on one node (redis-cli's own connection) and returns its output.
   std::string Cli(int port, const std::vector<std::string>& command) {
     std::vector<std::string> args = {kRedisCli, "-p", absl::StrCat(port), "--no-auth-warning"};
+    AddTlsArgs(args);
     if (!password_.empty()) args.insert(args.end(), {"-a", password_});
     args.insert(args.end(), command.begin(), command.end());
     return Capture(args);
   }
 
  private:
+  void AddTlsArgs(std::vector<std::string>& args) const {
+    if (!tls_) return;
+    args.insert(args.end(), {"--tls", "--cacert", ca_file(), "--cert", client_cert_file(), "--key",
+                             client_key_file()});
+  }
+  // A CA, a server certificate for 127.0.0.1/localhost and a client certificate it signed, and
+  // a second CA (P-256 keys: quick to make).
+  bool MakeCertificates(std::string* why) {
+    const std::string openssl = "/usr/bin/openssl";
+    if (!std::filesystem::exists(openssl)) {
+      *why = "no openssl command (scripts/setup.sh installs it)";
+      return false;
+    }
+    {
+      std::ofstream ext(dir_ + "/server.ext");
+      ext << "subjectAltName=IP:127.0.0.1,DNS:localhost\n";
+    }
+    auto run = [&](std::vector<std::string> args) {
+      args.insert(args.begin(), openssl);
+      pid_t pid = -1;
+      int status = 0;
+      return Spawn(args, &pid, /*quiet=*/true) && waitpid(pid, &status, 0) == pid &&
+             WIFEXITED(status) && WEXITSTATUS(status) == 0;
+    };
+    auto key = [&](const std::string& name) {
+      return std::vector<std::string>{"-newkey",
+                                      "ec",
+                                      "-pkeyopt",
+                                      "ec_paramgen_curve:prime256v1",
+                                      "-nodes",
+                                      "-keyout",
+                                      dir_ + "/" + name + ".key"};
+    };
+    auto self_signed = [&](const std::string& name) {
+      std::vector<std::string> a = {"req",   "-x509",       "-days", "2",
+                                    "-subj", "/CN=" + name, "-out",  dir_ + "/" + name + ".crt"};
+      for (const std::string& k : key(name)) a.push_back(k);
+      return run(a);
+    };
+    auto signed_by_ca = [&](const std::string& name, bool server) {
+      std::vector<std::string> req = {"req", "-subj", "/CN=strata-" + name, "-out",
+                                      dir_ + "/" + name + ".csr"};
+      for (const std::string& k : key(name)) req.push_back(k);
+      std::vector<std::string> sign = {"x509",
+                                       "-req",
+                                       "-days",
+                                       "2",
+                                       "-in",
+                                       dir_ + "/" + name + ".csr",
+                                       "-CA",
+                                       ca_file(),
+                                       "-CAkey",
+                                       dir_ + "/ca.key",
+                                       "-CAcreateserial",
+                                       "-out",
+                                       dir_ + "/" + name + ".crt"};
+      if (server) sign.insert(sign.end(), {"-extfile", dir_ + "/server.ext"});
+      return run(req) && run(sign);
+    };
+    if (!self_signed("ca") || !self_signed("other-ca") || !signed_by_ca("redis", true) ||
+        !signed_by_ca("client", false)) {
+      *why = "openssl could not make the test certificates";
+      return false;
+    }
+    return true;
+  }
   bool Spawn(std::vector<std::string> args, pid_t* pid, bool quiet = false) {
     std::vector<char*> argv;
     for (std::string& a : args) argv.push_back(a.data());
@@ -196,6 +285,7 @@ class RedisClusterProcess {
 
   int masters_, replicas_;
   std::string password_;
+  bool tls_ = false;
   std::string dir_;
   std::vector<Node> nodes_;
 };

@@ -1,0 +1,351 @@
+#include "kvstore/redis_connection.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <hiredis/hiredis.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <openssl/err.h>
+#include <openssl/ssl.h>
+#include <openssl/x509v3.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/host_port.h"
+
+namespace strata::kvstore {
+namespace {
+
+// Arguments at least this long are written from the caller's bytes instead of copied.
+constexpr size_t kLargeArgument = 16 << 10;
+constexpr size_t kReceiveBuffer = 256 << 10;
+constexpr size_t kTlsWriteChunk = 256 << 10;
+
+// Every error OpenSSL queued on this thread, oldest first ("" when none).
+std::string OpenSslErrors() {
+  std::string out;
+  while (const unsigned long e = ERR_get_error()) {
+    char buf[256];
+    ERR_error_string_n(e, buf, sizeof(buf));
+    absl::StrAppend(&out, out.empty() ? "" : "; ", buf);
+  }
+  return out.empty() ? "unknown error" : out;
+}
+
+// poll() until `fd` is ready for `events` or `deadline`: > 0 ready, 0 timed out, < 0 failed.
+int PollUntil(int fd, short events, absl::Time deadline) {
+  while (true) {
+    const int64_t ms = std::max<int64_t>(0, absl::ToInt64Milliseconds(deadline - absl::Now()));
+    pollfd p{fd, events, 0};
+    const int n = poll(&p, 1, static_cast<int>(std::min<int64_t>(ms, 1 << 30)));
+    if (n < 0 && errno == EINTR) continue;
+    return n;
+  }
+}
+
+bool IsIpLiteral(const std::string& host) {
+  in6_addr a6;
+  in_addr a4;
+  return inet_pton(AF_INET, host.c_str(), &a4) == 1 || inet_pton(AF_INET6, host.c_str(), &a6) == 1;
+}
+
+}  // namespace
+
+void RedisReplyDeleter::operator()(redisReply* r) const { freeReplyObject(r); }
+
+absl::StatusOr<std::shared_ptr<RedisTlsContext>> RedisTlsContext::Create(const RedisTlsOptions& o) {
+  ERR_clear_error();
+  SSL_CTX* ctx = SSL_CTX_new(TLS_client_method());
+  if (ctx == nullptr) return absl::InternalError(absl::StrCat("redis TLS: ", OpenSslErrors()));
+  std::shared_ptr<RedisTlsContext> out(new RedisTlsContext(ctx, o.server_name));
+  SSL_CTX_set_min_proto_version(ctx, TLS1_2_VERSION);
+  SSL_CTX_set_verify(ctx, SSL_VERIFY_PEER, nullptr);
+  if (!o.ca_file.empty()) {
+    if (SSL_CTX_load_verify_locations(ctx, o.ca_file.c_str(), nullptr) != 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("redis TLS: CA file '", o.ca_file, "': ", OpenSslErrors()));
+    }
+  } else if (SSL_CTX_set_default_verify_paths(ctx) != 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("redis TLS: the system's CA certificates: ", OpenSslErrors()));
+  }
+  if (o.cert_file.empty() != o.key_file.empty()) {
+    return absl::InvalidArgumentError(
+        "redis TLS: a client certificate and its key go together (both or neither)");
+  }
+  if (!o.cert_file.empty()) {
+    if (SSL_CTX_use_certificate_chain_file(ctx, o.cert_file.c_str()) != 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("redis TLS: certificate file '", o.cert_file, "': ", OpenSslErrors()));
+    }
+    if (SSL_CTX_use_PrivateKey_file(ctx, o.key_file.c_str(), SSL_FILETYPE_PEM) != 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("redis TLS: key file '", o.key_file, "': ", OpenSslErrors()));
+    }
+    if (SSL_CTX_check_private_key(ctx) != 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "redis TLS: key file '", o.key_file, "' does not match certificate '", o.cert_file, "'"));
+    }
+  }
+  return out;
+}
+
+RedisTlsContext::~RedisTlsContext() { SSL_CTX_free(ctx_); }
+
+RedisConnection::RedisConnection(int fd, std::string address, absl::Duration io_timeout)
+    : fd_(fd),
+      address_(std::move(address)),
+      io_timeout_(io_timeout),
+      reader_(redisReaderCreate()),
+      in_(kReceiveBuffer) {}
+
+RedisConnection::~RedisConnection() {
+  if (ssl_ != nullptr) SSL_free(ssl_);  // frees both BIOs
+  if (fd_ >= 0) close(fd_);
+  redisReaderFree(reader_);
+}
+
+absl::StatusOr<std::unique_ptr<RedisConnection>> RedisConnection::Open(
+    const std::string& host, uint16_t port, absl::Duration connect_timeout,
+    absl::Duration io_timeout, const RedisTlsContext* tls) {
+  const std::string address = JoinHostPort(host, port);
+  const absl::Time deadline = absl::Now() + connect_timeout;
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (const int rc = getaddrinfo(host.c_str(), absl::StrCat(port).c_str(), &hints, &found);
+      rc != 0) {
+    return absl::UnavailableError(absl::StrCat("redis ", address, ": ", gai_strerror(rc)));
+  }
+  std::string why = "no address";
+  std::unique_ptr<RedisConnection> conn;
+  for (addrinfo* a = found; a != nullptr && conn == nullptr; a = a->ai_next) {
+    const int fd =
+        socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) {
+      why = std::strerror(errno);
+      continue;
+    }
+    if (connect(fd, a->ai_addr, a->ai_addrlen) != 0 && errno != EINPROGRESS) {
+      why = std::strerror(errno);
+      close(fd);
+      continue;
+    }
+    const int ready = PollUntil(fd, POLLOUT, deadline);
+    int err = 0;
+    socklen_t len = sizeof(err);
+    if (ready <= 0) {
+      why = ready == 0 ? "connect timed out" : std::strerror(errno);
+    } else if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) != 0 || err != 0) {
+      why = std::strerror(err != 0 ? err : errno);
+    } else {
+      const int one = 1;
+      setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+      conn.reset(new RedisConnection(fd, address, io_timeout));
+      break;
+    }
+    close(fd);
+  }
+  freeaddrinfo(found);
+  if (conn == nullptr) return absl::UnavailableError(absl::StrCat("redis ", address, ": ", why));
+  if (conn->reader_ == nullptr) return absl::ResourceExhaustedError("redis: out of memory");
+  if (tls != nullptr) {
+    if (absl::Status s = conn->Handshake(*tls, host, deadline); !s.ok()) return s;
+  }
+  return conn;
+}
+
+absl::Status RedisConnection::Failed(absl::string_view what) {
+  failed_ = true;
+  return absl::UnavailableError(absl::StrCat("redis ", address_, ": ", what));
+}
+
+absl::Status RedisConnection::Handshake(const RedisTlsContext& tls, const std::string& host,
+                                        absl::Time deadline) {
+  ERR_clear_error();
+  ssl_ = SSL_new(tls.ctx());
+  BIO* r = BIO_new(BIO_s_mem());
+  BIO* w = BIO_new(BIO_s_mem());
+  if (ssl_ == nullptr || r == nullptr || w == nullptr) {
+    BIO_free(r);
+    BIO_free(w);
+    return Failed(absl::StrCat("TLS: ", OpenSslErrors()));
+  }
+  SSL_set_bio(ssl_, r, w);
+  rbio_ = r;
+  wbio_ = w;
+  const std::string& name = tls.server_name().empty() ? host : tls.server_name();
+  X509_VERIFY_PARAM* param = SSL_get0_param(ssl_);
+  if (IsIpLiteral(name)) {
+    X509_VERIFY_PARAM_set1_ip_asc(param, name.c_str());
+  } else {
+    X509_VERIFY_PARAM_set_hostflags(param, X509_CHECK_FLAG_NO_PARTIAL_WILDCARDS);
+    X509_VERIFY_PARAM_set1_host(param, name.c_str(), 0);
+    SSL_set_tlsext_host_name(ssl_, name.c_str());
+  }
+  SSL_set_connect_state(ssl_);
+  std::vector<char> buf(16 << 10);
+  while (true) {
+    ERR_clear_error();
+    const int rc = SSL_do_handshake(ssl_);
+    const int e = rc == 1 ? SSL_ERROR_NONE : SSL_get_error(ssl_, rc);
+    const std::string errors = e == SSL_ERROR_NONE ? "" : OpenSslErrors();
+    // What OpenSSL wrote (our flight, or the alert of a failure) goes out first.
+    absl::Status drained = DrainTls(deadline);
+    if (e == SSL_ERROR_NONE) return drained;
+    if (e != SSL_ERROR_WANT_READ) {
+      const long verify = SSL_get_verify_result(ssl_);
+      return Failed(absl::StrCat(
+          "TLS handshake: ",
+          verify != X509_V_OK
+              ? absl::StrCat("the server's certificate for '", name,
+                             "' does not verify: ", X509_verify_cert_error_string(verify))
+              : errors));
+    }
+    if (!drained.ok()) return drained;
+    absl::StatusOr<size_t> n = RecvRaw(buf.data(), buf.size(), deadline);
+    if (!n.ok()) {
+      return Failed(absl::StrCat("TLS handshake: ", n.status().message()));
+    }
+    BIO_write(r, buf.data(), static_cast<int>(*n));
+  }
+}
+
+absl::Status RedisConnection::SendRaw(const char* p, size_t n, absl::Time deadline) {
+  while (n > 0) {
+    const ssize_t k = send(fd_, p, n, MSG_NOSIGNAL);
+    if (k > 0) {
+      p += k;
+      n -= static_cast<size_t>(k);
+      continue;
+    }
+    if (k < 0 && errno == EINTR) continue;
+    if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      const int ready = PollUntil(fd_, POLLOUT, deadline);
+      if (ready == 0) return Failed("a write stalled past the timeout");
+      if (ready < 0) return Failed(absl::StrCat("poll: ", std::strerror(errno)));
+      continue;
+    }
+    return Failed(absl::StrCat("write: ", std::strerror(errno)));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<size_t> RedisConnection::RecvRaw(char* p, size_t n, absl::Time deadline) {
+  while (true) {
+    const ssize_t k = recv(fd_, p, n, 0);
+    if (k > 0) return static_cast<size_t>(k);
+    if (k == 0) return Failed("the server closed the connection");
+    if (errno == EINTR) continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      const int ready = PollUntil(fd_, POLLIN, deadline);
+      if (ready == 0) return Failed("no reply within the timeout");
+      if (ready < 0) return Failed(absl::StrCat("poll: ", std::strerror(errno)));
+      continue;
+    }
+    return Failed(absl::StrCat("read: ", std::strerror(errno)));
+  }
+}
+
+absl::Status RedisConnection::DrainTls(absl::Time deadline) {
+  BIO* w = static_cast<BIO*>(wbio_);
+  char buf[16 << 10];
+  while (BIO_ctrl_pending(w) > 0) {
+    const int n = BIO_read(w, buf, sizeof(buf));
+    if (n <= 0) break;
+    if (absl::Status s = SendRaw(buf, static_cast<size_t>(n), deadline); !s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RedisConnection::Write(const char* p, size_t n, absl::Time deadline) {
+  if (ssl_ == nullptr) return SendRaw(p, n, deadline);
+  while (n > 0) {
+    ERR_clear_error();
+    const int k = SSL_write(ssl_, p, static_cast<int>(std::min(n, kTlsWriteChunk)));
+    if (k <= 0) return Failed(absl::StrCat("TLS write: ", OpenSslErrors()));
+    p += k;
+    n -= static_cast<size_t>(k);
+    if (absl::Status s = DrainTls(deadline); !s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<size_t> RedisConnection::ReadSome(char* p, size_t n, absl::Time deadline) {
+  if (ssl_ == nullptr) return RecvRaw(p, n, deadline);
+  while (true) {
+    ERR_clear_error();
+    const int k = SSL_read(ssl_, p, static_cast<int>(std::min<size_t>(n, 1 << 30)));
+    if (k > 0) return static_cast<size_t>(k);
+    const int e = SSL_get_error(ssl_, k);
+    if (e == SSL_ERROR_ZERO_RETURN) return Failed("the server closed the TLS session");
+    if (e != SSL_ERROR_WANT_READ) return Failed(absl::StrCat("TLS read: ", OpenSslErrors()));
+    if (absl::Status s = DrainTls(deadline); !s.ok()) return s;
+    // The records are received into `p` and copied into OpenSSL's buffer at once.
+    absl::StatusOr<size_t> m = RecvRaw(p, n, deadline);
+    if (!m.ok()) return m.status();
+    BIO_write(static_cast<BIO*>(rbio_), p, static_cast<int>(*m));
+  }
+}
+
+void RedisConnection::Append(absl::Span<const absl::string_view> argv) {
+  absl::StrAppend(&small_, "*", argv.size(), "\r\n");
+  for (absl::string_view a : argv) {
+    absl::StrAppend(&small_, "$", a.size(), "\r\n");
+    if (a.size() >= kLargeArgument) {
+      out_.push_back({std::move(small_), {}});
+      small_.clear();
+      out_.push_back({"", a});
+    } else {
+      small_.append(a.data(), a.size());
+    }
+    small_.append("\r\n");
+  }
+}
+
+absl::Status RedisConnection::Flush() {
+  if (!small_.empty()) out_.push_back({std::move(small_), {}});
+  small_.clear();
+  std::vector<Piece> out = std::move(out_);
+  out_.clear();
+  if (failed_) return absl::UnavailableError(absl::StrCat("redis ", address_, ": closed"));
+  for (const Piece& piece : out) {
+    const absl::string_view b = piece.owned.empty() ? piece.view : piece.owned;
+    if (absl::Status s = Write(b.data(), b.size(), absl::Now() + io_timeout_); !s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<RedisReplyPtr> RedisConnection::Read() {
+  if (failed_) return absl::UnavailableError(absl::StrCat("redis ", address_, ": closed"));
+  while (true) {
+    void* r = nullptr;
+    if (redisReaderGetReply(reader_, &r) != REDIS_OK) {
+      return Failed(absl::StrCat("not a Redis reply: ", reader_->errstr));
+    }
+    if (r != nullptr) return RedisReplyPtr(static_cast<redisReply*>(r));
+    // The timeout bounds each wait for bytes, not the whole reply (a large value may take
+    // several).
+    absl::StatusOr<size_t> n = ReadSome(in_.data(), in_.size(), absl::Now() + io_timeout_);
+    if (!n.ok()) return n.status();
+    if (redisReaderFeed(reader_, in_.data(), *n) != REDIS_OK) {
+      return Failed(absl::StrCat("not a Redis reply: ", reader_->errstr));
+    }
+  }
+}
+
+absl::StatusOr<RedisReplyPtr> RedisConnection::Call(absl::Span<const absl::string_view> argv) {
+  Append(argv);
+  if (absl::Status s = Flush(); !s.ok()) return s;
+  return Read();
+}
+
+}  // namespace strata::kvstore
