@@ -24,6 +24,7 @@
 #include "kvstore/block_store.h"
 #include "kvstore/shared_tier_flags.h"
 #include "kvstore/store_service.h"
+#include "membership/etcd_flags.h"
 #include "membership/etcd_membership.h"
 #include "prometheus/exposer.h"
 #include "rpc/grpc_security.h"
@@ -47,8 +48,6 @@ ABSL_FLAG(std::string, metrics_host, "127.0.0.1", "address the metrics endpoint 
 ABSL_FLAG(std::string, etcd, "",
           "etcd's client address (host:port): register this store there under a lease, so that "
           "routers list it and nodes started with --store host find it (empty: no registration)");
-ABSL_FLAG(std::string, etcd_prefix, "/strata/", "the cluster's key prefix in etcd");
-ABSL_FLAG(int, etcd_ttl_s, 6, "the registration lease, in seconds (renewed at half of it)");
 ABSL_FLAG(std::string, store_id, "",
           "the store's id in etcd ([A-Za-z0-9._-]; default: store-HOST-PORT of its address)");
 ABSL_FLAG(std::string, host_name, "",
@@ -184,14 +183,17 @@ absl::StatusOr<std::unique_ptr<membership::EtcdRegistration>> RegisterStore(int 
       absl::GetFlag(FLAGS_listen), port, absl::GetFlag(FLAGS_advertise),
       absl::GetFlag(FLAGS_store_id), MetricsAddress());
   if (!self.ok()) return self.status();
+  absl::StatusOr<std::string> prefix = membership::EtcdPrefixFromFlags();
+  if (!prefix.ok()) return prefix.status();
+  absl::StatusOr<absl::Duration> lease = membership::EtcdLeaseFromFlags();
+  if (!lease.ok()) return lease.status();
   absl::StatusOr<std::unique_ptr<membership::EtcdRegistration>> r =
-      membership::EtcdRegistration::StartStore(membership::NewHttpEtcdClient(etcd),
-                                               absl::GetFlag(FLAGS_etcd_prefix), *self,
-                                               absl::Seconds(absl::GetFlag(FLAGS_etcd_ttl_s)));
+      membership::EtcdRegistration::StartStore(membership::NewHttpEtcdClient(etcd), *prefix, *self,
+                                               *lease);
   if (r.ok()) {
-    std::cout << "strata-store: registered in etcd " << etcd << " as "
-              << absl::GetFlag(FLAGS_etcd_prefix) << "stores/" << self->id << " (" << self->grpc
-              << ", host " << membership::StoreHost(*self) << ")" << std::endl;
+    std::cout << "strata-store: registered in etcd " << etcd << " as " << *prefix << "stores/"
+              << self->id << " (" << self->grpc << ", host " << membership::StoreHost(*self) << ")"
+              << std::endl;
   }
   return r;
 }

@@ -15,7 +15,7 @@ strata_add_library(router_cluster
 
 add_executable(strata-router router_main.cc)
 target_link_libraries(strata-router PRIVATE strata::router_cluster strata::rpc_flags
-  strata::kvstore_shared_tier_flags
+  strata::kvstore_shared_tier_flags strata::membership_flags
   absl::flags absl::flags_parse absl::flags_usage)
 strata_configure_target(strata-router)
 

@@ -14,6 +14,7 @@
 #include "common/host_port.h"
 #include "kvstore/shared_tier_flags.h"
 #include "membership/cluster_file.h"
+#include "membership/etcd_flags.h"
 #include "membership/etcd_membership.h"
 #include "router/cluster_backend.h"
 #include "router/http_server.h"
@@ -28,7 +29,6 @@ ABSL_FLAG(int, poll_ms, 100, "how often every node's load is polled, in millisec
 ABSL_FLAG(std::string, etcd, "",
           "etcd's client address (host:port): the nodes are those registered there under "
           "--etcd_prefix, followed as they come and go (empty: the cluster file's nodes)");
-ABSL_FLAG(std::string, etcd_prefix, "/strata/", "the cluster's key prefix in etcd");
 ABSL_FLAG(int, etcd_removal_grace_s, 10,
           "how long a node whose registration left etcd stays in the membership, for it to "
           "register again (etcd cut off from the nodes expires every lease); a node that is down "
@@ -117,10 +117,11 @@ int main(int argc, char** argv) {
   if (!shared.ok()) return Fail("flags", shared.status(), 2);
   o.shared_tier = *std::move(shared);
   if (!absl::GetFlag(FLAGS_etcd).empty()) {
+    absl::StatusOr<std::string> prefix = membership::EtcdPrefixFromFlags();
+    if (!prefix.ok()) return Fail("flags", prefix.status(), 2);
     absl::StatusOr<std::unique_ptr<membership::EtcdMembership>> m =
         membership::EtcdMembership::Start(
-            membership::NewHttpEtcdClient(absl::GetFlag(FLAGS_etcd)),
-            absl::GetFlag(FLAGS_etcd_prefix),
+            membership::NewHttpEtcdClient(absl::GetFlag(FLAGS_etcd)), *prefix,
             absl::Seconds(std::max(0, absl::GetFlag(FLAGS_etcd_removal_grace_s))));
     if (!m.ok()) return Fail("etcd", m.status());
     serving::Log(

@@ -8,6 +8,7 @@
 #include "common/byte_size.h"
 #include "common/host_port.h"
 #include "kvstore/shared_tier_flags.h"
+#include "membership/etcd_flags.h"
 #include "membership/etcd_membership.h"
 #include "model/cuda_plugin.h"
 #include "serving/node_process.h"
@@ -19,8 +20,6 @@ ABSL_FLAG(std::string, metrics, "", "Prometheus /metrics address (default: the f
 ABSL_FLAG(std::string, etcd, "",
           "etcd's client address (host:port): register there under a lease, for routers that "
           "follow etcd (empty: the cluster file is the membership)");
-ABSL_FLAG(std::string, etcd_prefix, "/strata/", "the cluster's key prefix in etcd");
-ABSL_FLAG(int, etcd_ttl_s, 6, "the registration lease, in seconds (renewed at half of it)");
 ABSL_FLAG(std::string, ucx_tls, "", "UCX transports (UCX_TLS), e.g. tcp; empty: UCX's choice");
 
 ABSL_FLAG(std::string, device, "cpu",
@@ -64,9 +63,11 @@ absl::Status UseNodeStoreFromFlags(membership::ClusterSpec* spec, membership::No
       if (!hp.ok()) return hp.status();
       host = hp->host;
     }
+    absl::StatusOr<std::string> prefix = membership::EtcdPrefixFromFlags();
+    if (!prefix.ok()) return prefix.status();
     std::unique_ptr<membership::EtcdClient> client = membership::NewHttpEtcdClient(etcd);
     absl::StatusOr<membership::StoreSpec> store =
-        membership::HostStore(*client, absl::GetFlag(FLAGS_etcd_prefix), host, absl::Seconds(30));
+        membership::HostStore(*client, *prefix, host, absl::Seconds(30));
     if (!store.ok()) {
       return absl::Status(store.status().code(),
                           absl::StrCat("--store host: ", store.status().message()));
@@ -92,6 +93,12 @@ absl::Status StartNodeFromFlags(const NodeStartOptions& o, NodeStart* n, NodeSta
   if (absl::GetFlag(FLAGS_cluster).empty() || absl::GetFlag(FLAGS_node).empty()) {
     return fail("flags",
                 absl::InvalidArgumentError("--cluster and --node are required (see --help)"), 2);
+  }
+  if (absl::Status s = membership::EtcdPrefixFromFlags().status(); !s.ok()) {
+    return fail("flags", s, 2);
+  }
+  if (absl::Status s = membership::EtcdLeaseFromFlags().status(); !s.ok()) {
+    return fail("flags", s, 2);
   }
   absl::StatusOr<membership::ClusterSpec> spec =
       membership::LoadClusterFile(absl::GetFlag(FLAGS_cluster));
@@ -158,9 +165,12 @@ absl::Status ServeNode(const NodeStart& n, const char* process,
   announce.grpc = JoinHostPort(ParseHostPort(n.listen)->host, out->port);
   announce.metrics = n.metrics;
   if (!transport.empty()) announce.transport = transport;
+  absl::StatusOr<std::string> prefix = membership::EtcdPrefixFromFlags();
+  if (!prefix.ok()) return fail("flags", prefix.status());
+  absl::StatusOr<absl::Duration> lease = membership::EtcdLeaseFromFlags();
+  if (!lease.ok()) return fail("flags", lease.status());
   absl::StatusOr<std::unique_ptr<membership::EtcdRegistration>> registration =
-      RegisterWithEtcd(absl::GetFlag(FLAGS_etcd), absl::GetFlag(FLAGS_etcd_prefix), announce,
-                       absl::Seconds(std::max(1, absl::GetFlag(FLAGS_etcd_ttl_s))));
+      RegisterWithEtcd(absl::GetFlag(FLAGS_etcd), *prefix, announce, *lease);
   if (!registration.ok()) return fail("etcd", registration.status());
   out->registration = *std::move(registration);
   std::cout << process << ": serving on port " << out->port << std::endl;
