@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <bit>
+#include <cmath>
 #include <fstream>
+#include <list>
 #include <memory>
 #include <optional>
 #include <random>
@@ -125,10 +127,6 @@ class TierModel {
   Ledger ledger_;
 };
 
-// The shared tier: Redis under maxmemory with an LRU policy. Chunks enter with no parent (Redis
-// knows no chains), so the ledger evicts by recency alone; parents are remembered to count the
-// orphans left. Each chunk takes `cost` bytes of the tier's memory (RedisChunkBytes) and moves
-// chunk_bytes.
 }  // namespace
 
 uint64_t JemallocSizeClass(uint64_t n) {
@@ -154,54 +152,67 @@ uint64_t RedisChunkBytes(uint64_t chunk_bytes, uint32_t layers) {
 
 namespace {
 
+// The shared tier: a Redis Cluster's masters, each a RedisMasterModel of an equal share of the
+// memory less what Redis takes before any key, the chunks spread over them by their names' hash
+// (as hash slots spread keys). Chunks enter with no parent (Redis knows no chains); parents are
+// remembered to count the orphans left. Each chunk takes `cost` bytes (RedisChunkBytes) and
+// moves chunk_bytes.
 class SharedTierModel {
  public:
-  SharedTierModel(uint64_t bytes, uint64_t chunk_bytes, uint64_t cost)
-      : chunk_bytes_(chunk_bytes), cost_(cost), ledger_(bytes, 0, false, PolicyKind::kLru) {}
+  SharedTierModel(const ClusterReplayConfig& c, uint64_t chunk_bytes, uint64_t cost)
+      : chunk_bytes_(chunk_bytes), cost_(cost) {
+    const uint32_t masters = std::max<uint32_t>(1, c.shared_masters);
+    const uint64_t share = c.shared_bytes / masters;
+    for (uint32_t m = 0; m < masters; ++m) {
+      masters_.emplace_back(share > c.shared_baseline_bytes ? share - c.shared_baseline_bytes : 0,
+                            c.shared_lru_samples, c.seed + 7919 * (m + 1));
+    }
+  }
 
-  bool Contains(uint64_t id) const { return ledger_.Contains(id); }
+  bool Contains(uint64_t id) const { return Master(id).Contains(id); }
 
-  void Hit(uint64_t id, ReplayResult& r) {  // GETEX: read, and recent again
-    ledger_.TouchRam(id);
+  void Hit(uint64_t id, int64_t now_s, ReplayResult& r) {  // GETEX: read, and recent again
+    Master(id).Touch(id, now_s);
     r.bytes_read_shared += chunk_bytes_;
   }
 
-  void Put(uint64_t id, uint64_t parent, bool has_parent, ReplayResult& r) {
-    if (ledger_.Contains(id)) {
-      ledger_.TouchRam(id);
+  void Put(uint64_t id, uint64_t parent, bool has_parent, int64_t now_s, ReplayResult& r) {
+    RedisMasterModel& m = Master(id);
+    if (m.Contains(id)) {
+      m.Touch(id, now_s);
       return;
     }
-    if (cost_ > ledger_.ram_capacity()) return;
-    ledger_.Add(id, nullptr, cost_);
-    const bool room = ledger_.EvictRam(
-        cost_, [](uint64_t) { return false; },
-        [&](uint64_t victim, const Ledger::Entry&, RamFate) {
+    if (!m.Add(id, cost_, now_s, [&](uint64_t victim) {
           ++r.shared_evictions;
           parents_.erase(victim);
-          ledger_.Drop(victim, [](uint64_t, const Ledger::Entry&) {});
-        });
-    if (!room) {
-      ledger_.Drop(id, [](uint64_t, const Ledger::Entry&) {});
+        })) {
       return;
     }
-    ledger_.AddToRam(id);
     r.bytes_written_shared += chunk_bytes_;
     if (has_parent) parents_[id] = parent;
   }
 
   void Finish(ReplayResult& r) const {
-    r.shared_chunks = ledger_.ram_blocks();
+    r.shared_chunks = 0;
+    for (const RedisMasterModel& m : masters_) r.shared_chunks += m.size();
     for (const auto& [id, parent] : parents_) {
-      if (!ledger_.Contains(parent)) ++r.shared_orphans;
+      if (!Contains(parent)) ++r.shared_orphans;
     }
   }
 
  private:
-  struct NoBytes {};
-  using Ledger = TierLedger<uint64_t, NoBytes>;
+  size_t MasterIndex(uint64_t id) const {
+    uint64_t x = id + 0x9e3779b97f4a7c15ull;  // splitmix64's finalizer: trace ids are small
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return (x ^ (x >> 31)) % masters_.size();
+  }
+  RedisMasterModel& Master(uint64_t id) { return masters_[MasterIndex(id)]; }
+  const RedisMasterModel& Master(uint64_t id) const { return masters_[MasterIndex(id)]; }
+
   const uint64_t chunk_bytes_;
   const uint64_t cost_;
-  Ledger ledger_;
+  std::vector<RedisMasterModel> masters_;
   absl::flat_hash_map<uint64_t, uint64_t> parents_;  // of chunks in the tier with a parent
 };
 
@@ -240,8 +251,7 @@ ReplayResult ReplayCluster(const std::vector<TraceRequest>& trace,
   for (uint32_t h = 0; h < config.hosts; ++h) stores.push_back(std::make_unique<TierModel>(sc));
   std::optional<SharedTierModel> shared;
   if (config.layout == StoreLayout::kSharedTier)
-    shared.emplace(config.shared_bytes, sc.chunk_bytes,
-                   RedisChunkBytes(sc.chunk_bytes, config.shared_layers));
+    shared.emplace(config, sc.chunk_bytes, RedisChunkBytes(sc.chunk_bytes, config.shared_layers));
   std::vector<double> queue(config.hosts, 0);
   double last_ms = trace.empty() ? 0 : trace.front().timestamp_ms;
   std::mt19937_64 rng(config.seed);
@@ -258,6 +268,7 @@ ReplayResult ReplayCluster(const std::vector<TraceRequest>& trace,
       for (double& x : queue) x = std::max(0.0, x - drained);
     }
     last_ms = std::max(last_ms, q.timestamp_ms);
+    const int64_t now_s = static_cast<int64_t>(std::floor(q.timestamp_ms / 1e3));
     // The router's pick: each host's leading overlap in its store, the shared tier's.
     size_t in_shared = 0;
     while (shared && in_shared < full && shared->Contains(q.hash_ids[in_shared])) ++in_shared;
@@ -266,8 +277,7 @@ ReplayResult ReplayCluster(const std::vector<TraceRequest>& trace,
     for (uint32_t h = 0; h < config.hosts; ++h) {
       own[h] = 0;
       while (own[h] < full && stores[h]->Where(q.hash_ids[own[h]]) != 0) ++own[h];
-      const double credit =
-          own[h] + config.store_credit * (in_shared > own[h] ? double(in_shared - own[h]) : 0.0);
+      const double credit = config.store_credit * static_cast<double>(std::max(own[h], in_shared));
       const double cost = std::max(0.0, (queue[h] + q.input_tokens) / sc.block_tokens - credit);
       if (ties.empty() || cost < best) {
         best = cost;
@@ -290,7 +300,7 @@ ReplayResult ReplayCluster(const std::vector<TraceRequest>& trace,
       }
       if (!shared || !shared->Contains(id)) break;
       ++r.chunk_hits_shared;
-      shared->Hit(id, r);
+      shared->Hit(id, now_s, r);
       // Promoted into the host's store (not written back to the tier it came from).
       if (!store.Put(id, hits > 0 ? q.hash_ids[hits - 1] : 0, hits > 0, r)) {
         ++hits;
@@ -305,7 +315,7 @@ ReplayResult ReplayCluster(const std::vector<TraceRequest>& trace,
       const uint64_t id = q.hash_ids[i];
       const uint64_t parent = i > 0 ? q.hash_ids[i - 1] : 0;
       if (!store.Put(id, parent, i > 0, r)) break;
-      if (shared) shared->Put(id, parent, i > 0, r);  // the store writes every put through
+      if (shared) shared->Put(id, parent, i > 0, now_s, r);  // the store writes every put through
     }
   }
   if (shared) shared->Finish(r);

@@ -6,9 +6,13 @@
 #pragma once
 
 #include <cstdint>
+#include <list>
+#include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "kvstore/eviction_policy.h"
@@ -67,8 +71,9 @@ ReplayResult Replay(const std::vector<TraceRequest>& trace, const ReplayConfig& 
 //   kSharedTier  a store per host and a Redis Cluster behind them all (--shared-tier): every
 //                chunk a store takes is written through to it; a lookup that misses the host's
 //                store walks on into it, and what it finds is promoted into the host's store.
-//                The tier is modelled as Redis under maxmemory with an LRU policy, which knows no
-//                chains: its evictions leave orphans (counted); TTLs are not modelled.
+//                The tier is modelled as Redis's masters under maxmemory with its (sampled) LRU
+//                policy, which knows no chains: its evictions leave orphans (counted); TTLs are
+//                not modelled.
 enum class StoreLayout { kCentral, kPerHost, kSharedTier };
 absl::StatusOr<StoreLayout> ParseStoreLayout(
     absl::string_view name);  // central|per-host|shared-tier
@@ -83,11 +88,19 @@ struct ClusterReplayConfig {
   // keeps it). Each chunk then takes what Redis takes for it (RedisChunkBytes); 0: chunk_bytes,
   // an allocator that wastes nothing.
   uint32_t shared_layers = 0;
+  // kSharedTier: the Redis Cluster's masters, each with an equal share of shared_bytes (the
+  // chunks spread over them by hash, as hash slots spread keys); what each takes before any key
+  // (Redis 7.0.15 in cluster mode: 1.6 MB, its used_memory_startup); and its eviction:
+  // maxmemory-samples keys sampled per eviction (Redis's default 5; 0: an exact LRU).
+  uint32_t shared_masters = 1;
+  uint64_t shared_baseline_bytes = 0;
+  uint32_t shared_lru_samples = 0;
   // The router's pick among hosts (routing_policy.h's prefill cost, with stores only):
-  //   cost_h = max(0, (queue_h + prompt) / C - (own_h + store_credit * max(0, shared - own_h)))
-  // own_h: leading chunks in host h's store; shared: in the shared tier; queue_h: tokens host h
-  // still has to prefill, drained at prefill_tokens_per_s between requests (trace timestamps;
-  // 0: no queue). The lowest cost wins, ties at random (seeded).
+  //   cost_h = max(0, (queue_h + prompt) / C - store_credit * max(own_h, shared))
+  // own_h: leading chunks in host h's store; shared: in the shared tier (the live router credits
+  // the chunks a node can read from its store or the tier alike, at its store_hit_weight);
+  // queue_h: tokens host h still has to prefill, drained at prefill_tokens_per_s between
+  // requests (trace timestamps; 0: no queue). The lowest cost wins, ties at random (seeded).
   double prefill_tokens_per_s = 0;
   double store_credit = 0.5;
   uint64_t seed = 1;
@@ -105,5 +118,87 @@ uint64_t JemallocSizeClass(uint64_t n);
 // Checked against Redis's count on a live run (bench/results/trace_replay-shared-redis-*: 19 KB
 // for a 3-layer chunk of 16 KB).
 uint64_t RedisChunkBytes(uint64_t chunk_bytes, uint32_t layers);
+
+// One Redis master under maxmemory (the shared tier's model, ReplayCluster, is one per master)
+// (allkeys-lru or volatile-lru: every chunk has a TTL). With `samples` 0 an exact LRU; else Redis's
+// approximation (evict.c): each eviction samples that many keys at random into a pool of the 16
+// with the longest idle time seen, then evicts the pool's longest-idle key that still exists. Idle
+// times are whole seconds (Redis's LRU clock) taken when a key is sampled, as Redis keeps them.
+class RedisMasterModel {
+ public:
+  RedisMasterModel(uint64_t capacity, uint32_t samples, uint64_t seed)
+      : capacity_(capacity), samples_(samples), rng_(seed) {}
+
+  bool Contains(uint64_t id) const { return entries_.contains(id); }
+  size_t size() const { return entries_.size(); }
+
+  void Touch(uint64_t id, int64_t now_s) {
+    auto it = entries_.find(id);
+    if (it == entries_.end()) return;
+    it->second.access_s = now_s;
+    lru_.splice(lru_.begin(), lru_, it->second.order);
+  }
+
+  // Adds `id` taking `cost` bytes, first evicting as Redis would (each victim to `evicted`);
+  // false when it cannot fit at all.
+  template <typename Evicted>
+  bool Add(uint64_t id, uint64_t cost, int64_t now_s, Evicted&& evicted) {
+    if (cost > capacity_) return false;
+    while (used_ + cost > capacity_ && !entries_.empty()) {
+      const uint64_t victim = samples_ == 0 ? lru_.back() : SampledVictim(now_s);
+      Remove(victim, cost);
+      evicted(victim);
+    }
+    lru_.push_front(id);
+    entries_[id] = {lru_.begin(), keys_.size(), now_s};
+    keys_.push_back(id);
+    used_ += cost;
+    return true;
+  }
+
+ private:
+  struct Entry {
+    std::list<uint64_t>::iterator order;
+    size_t index;  // in keys_
+    int64_t access_s;
+  };
+  uint64_t SampledVictim(int64_t now_s) {
+    constexpr size_t kPool = 16;
+    while (true) {
+      for (uint32_t i = 0; i < samples_; ++i) {
+        const uint64_t key = keys_[rng_() % keys_.size()];
+        const int64_t idle = now_s - entries_.at(key).access_s;
+        if (pool_.size() == kPool && idle <= pool_.front().first) continue;
+        pool_.insert(std::upper_bound(pool_.begin(), pool_.end(), std::make_pair(idle, key)),
+                     {idle, key});
+        if (pool_.size() > kPool) pool_.erase(pool_.begin());
+      }
+      while (!pool_.empty()) {
+        const uint64_t key = pool_.back().second;
+        pool_.pop_back();
+        if (entries_.contains(key)) return key;  // else evicted or gone since it was sampled
+      }
+    }
+  }
+  void Remove(uint64_t id, uint64_t cost) {
+    auto it = entries_.find(id);
+    lru_.erase(it->second.order);
+    const size_t i = it->second.index;
+    keys_[i] = keys_.back();
+    entries_.at(keys_[i]).index = i;
+    keys_.pop_back();
+    entries_.erase(it);
+    used_ -= cost;
+  }
+
+  const uint64_t capacity_;
+  const uint32_t samples_;
+  uint64_t used_ = 0;
+  std::mt19937_64 rng_;
+  std::list<uint64_t> lru_;  // most recent first
+  absl::flat_hash_map<uint64_t, Entry> entries_;
+  std::vector<uint64_t> keys_;                      // for sampling at random
+  std::vector<std::pair<int64_t, uint64_t>> pool_;  // (idle s, key), longest idle last
+};
 
 }  // namespace strata::kvstore

@@ -1,5 +1,6 @@
 #include "tools/replay_command.h"
 
+#include <cmath>
 #include <fstream>
 
 #include "absl/strings/numbers.h"
@@ -15,7 +16,20 @@ namespace strata::tools {
 
 namespace {
 
-std::string Gib(uint64_t b) { return absl::StrFormat("%.0fG", b / double(uint64_t{1} << 30)); }
+// A size in the largest binary unit that leaves at least 1 (16M, 1.6M, 256G), one decimal
+// where it is not whole.
+std::string Gib(uint64_t b) {
+  const char* units = "KMGT";
+  double x = b;
+  int u = -1;
+  while (u < 3 && x >= 1024) {
+    x /= 1024;
+    ++u;
+  }
+  if (u < 0) return absl::StrFormat("%dB", b);
+  return x == std::floor(x) ? absl::StrFormat("%.0f%c", x, units[u])
+                            : absl::StrFormat("%.1f%c", x, units[u]);
+}
 
 }  // namespace
 
@@ -40,6 +54,9 @@ absl::Status RunReplay(const ReplayOptions& o, std::ostream& out) {
                            {"durable_puts", o.durable_puts},
                            {"hosts", o.hosts},
                            {"shared_bytes", o.shared_bytes},
+                           {"shared_masters", o.shared_masters},
+                           {"shared_baseline_bytes", o.shared_baseline_bytes},
+                           {"shared_lru_samples", o.shared_lru_samples},
                            {"prefill_tokens_per_s", o.prefill_tokens_per_s},
                            {"runs", nlohmann::json::array()}};
   out << absl::StrFormat(
@@ -49,10 +66,13 @@ absl::Status RunReplay(const ReplayOptions& o, std::ostream& out) {
   const bool clustered = layouts.size() > 1 || layouts[0] != kvstore::StoreLayout::kCentral;
   if (clustered) {
     out << absl::StrFormat(
-        "layouts over %d hosts (RAM and disk per store: one machine's); shared tier %s, LRU, a "
-        "chunk a Redis hash of its layers (jemalloc's size classes and Redis's structures "
-        "counted); router: prefix overlap%s\n",
-        o.hosts, Gib(o.shared_bytes),
+        "layouts over %d hosts (RAM and disk per store: one machine's); shared tier %s on %d "
+        "masters (%s each before any key), %s, a chunk a Redis hash of its layers (jemalloc's "
+        "size classes and Redis's structures counted); router: prefix overlap%s\n",
+        o.hosts, Gib(o.shared_bytes), o.shared_masters, Gib(o.shared_baseline_bytes),
+        o.shared_lru_samples > 0
+            ? absl::StrFormat("Redis's LRU sampling %d keys per eviction", o.shared_lru_samples)
+            : std::string("exact LRU"),
         o.prefill_tokens_per_s > 0
             ? absl::StrFormat(" and load (%.0f prefill tokens/s per host)", o.prefill_tokens_per_s)
             : std::string(" alone"));
@@ -90,6 +110,9 @@ absl::Status RunReplay(const ReplayOptions& o, std::ostream& out) {
                                                .hosts = o.hosts,
                                                .shared_bytes = o.shared_bytes,
                                                .shared_layers = o.layers,
+                                               .shared_masters = o.shared_masters,
+                                               .shared_baseline_bytes = o.shared_baseline_bytes,
+                                               .shared_lru_samples = o.shared_lru_samples,
                                                .prefill_tokens_per_s = o.prefill_tokens_per_s});
             const uint64_t hits = r.chunk_hits_ram + r.chunk_hits_disk + r.chunk_hits_shared;
             out << absl::StrFormat(

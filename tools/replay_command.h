@@ -27,6 +27,11 @@ struct ReplayOptions {
   std::vector<std::string> layouts = {"central"};
   uint32_t hosts = 4;               // per-host and shared-tier layouts
   uint64_t shared_bytes = 0;        // the shared tier's memory
+  // Its Redis masters, each one's memory before any key, keys sampled per eviction (0: exact
+  // LRU): kvstore/replay.h ClusterReplayConfig.
+  uint32_t shared_masters = 3;
+  uint64_t shared_baseline_bytes = 1600 << 10;
+  uint32_t shared_lru_samples = 5;
   double prefill_tokens_per_s = 0;  // each host's, for the router's load term
   std::string json_out;
 };

@@ -80,6 +80,13 @@ ABSL_FLAG(std::vector<std::string>, layouts, std::vector<std::string>({"central"
 ABSL_FLAG(uint32_t, hosts, 4, "replay: hosts of the per-host and shared-tier layouts");
 ABSL_FLAG(std::string, shared_size, "256G",
           "replay: the shared tier's memory (all Redis masters together)");
+ABSL_FLAG(uint32_t, shared_masters, 3,
+          "replay: the shared tier's Redis masters (--shared_size split evenly among them)");
+ABSL_FLAG(std::string, shared_baseline, "1600K",
+          "replay: what each Redis master takes before any key (its used_memory_startup; Redis "
+          "7.0 in cluster mode: 1.6 MB)");
+ABSL_FLAG(uint32_t, shared_lru_samples, 5,
+          "replay: Redis's maxmemory-samples (keys sampled per eviction; 0: an exact LRU)");
 ABSL_FLAG(double, host_prefill_tokens_per_s, 0,
           "replay: each host's prefill rate, for the router's load term (0: route by overlap "
           "alone)");
@@ -249,6 +256,16 @@ int ReplayCommand(const std::vector<char*>& args) {
   o.prefill_tokens_per_s = absl::GetFlag(FLAGS_host_prefill_tokens_per_s);
   if (!strata::ParseByteSize(absl::GetFlag(FLAGS_shared_size), &o.shared_bytes)) {
     std::cerr << "strata: --shared_size: not a size like 256G\n";
+    return 2;
+  }
+  if (!strata::ParseByteSize(absl::GetFlag(FLAGS_shared_baseline), &o.shared_baseline_bytes)) {
+    std::cerr << "strata: --shared_baseline: not a size like 1600K\n";
+    return 2;
+  }
+  o.shared_masters = absl::GetFlag(FLAGS_shared_masters);
+  o.shared_lru_samples = absl::GetFlag(FLAGS_shared_lru_samples);
+  if (o.shared_masters == 0) {
+    std::cerr << "strata: --shared_masters must be at least 1\n";
     return 2;
   }
   if (!strata::ParseByteSize(absl::GetFlag(FLAGS_disk_size), &o.disk_bytes)) {
