@@ -6,6 +6,7 @@
 #include <random>
 
 #include "common/half.h"
+#include "kernels/internal/codec_simd.h"
 
 namespace strata::kernels {
 namespace {
@@ -53,8 +54,9 @@ std::vector<float> KMeans(const std::vector<float>& pts, size_t n, int c, uint32
   std::vector<uint32_t> count(k);
   for (int it = 0; it < iterations; ++it) {
     bool moved = false;
+    const CentroidSearch search(cent.data(), k, c);
     for (size_t i = 0; i < n; ++i) {
-      const uint32_t a = NearestCentroid(&pts[i * c], cent.data(), k, c);
+      const uint32_t a = search.Nearest(&pts[i * c]);
       moved |= a != assign[i];
       assign[i] = a;
     }
@@ -117,6 +119,60 @@ uint32_t NearestCentroid(const float* point, const float* centroids, uint32_t en
     }
   }
   return best;
+}
+
+CentroidSearch::CentroidSearch(const float* centroids, uint32_t entries, int coupled)
+    : entries_(entries),
+      coupled_(coupled),
+      by_coordinate_(size_t{entries} * coupled),
+      norm_(entries) {
+  for (uint32_t j = 0; j < entries; ++j) {
+    float n = 0;
+    for (int d = 0; d < coupled; ++d) {
+      const float x = centroids[size_t{j} * coupled + d];
+      by_coordinate_[static_cast<size_t>(d) * entries + j] = x;
+      n += x * x;
+    }
+    norm_[j] = n;
+  }
+}
+
+void CentroidSearch::NearestManyPortable(const float* points, size_t n, size_t stride,
+                                         uint8_t* codes, size_t out_stride) const {
+  const uint32_t K = entries_;
+  float m[8];
+  for (size_t i = 0; i < n; ++i) {
+    const float* p = points + i * stride;
+    for (int d = 0; d < coupled_; ++d) m[d] = -2.0f * p[d];
+    uint32_t best = 0;
+    float least = std::numeric_limits<float>::infinity();
+    for (uint32_t j = 0; j < K; ++j) {
+      float s = norm_[j];
+      for (int d = 0; d < coupled_; ++d)
+        s = s + m[d] * by_coordinate_[static_cast<size_t>(d) * K + j];
+      if (s < least) {
+        least = s;
+        best = j;
+      }
+    }
+    codes[i * out_stride] = static_cast<uint8_t>(best);
+  }
+}
+
+void CentroidSearch::NearestMany(const float* points, size_t n, size_t stride, uint8_t* codes,
+                                 size_t out_stride) const {
+  if (internal::HaveCodecSimd() && entries_ % 8 == 0 && entries_ <= 256 && coupled_ <= 8) {
+    internal::NearestCentroidsAvx2(points, n, stride, by_coordinate_.data(), norm_.data(), entries_,
+                                   static_cast<uint32_t>(coupled_), codes, out_stride);
+    return;
+  }
+  NearestManyPortable(points, n, stride, codes, out_stride);
+}
+
+uint32_t CentroidSearch::Nearest(const float* point) const {
+  uint8_t code = 0;
+  NearestMany(point, 1, 0, &code, 1);
+  return code;
 }
 
 std::vector<uint16_t> TrainCodebooks(const float* x, uint32_t tokens, uint32_t heads,

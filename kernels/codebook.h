@@ -12,6 +12,7 @@
 // that chose them. Nothing is decoded to memory.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -33,7 +34,31 @@ std::vector<uint16_t> TrainCodebooks(const float* x, uint32_t tokens, uint32_t h
 void NormalizeRows(float* x, uint32_t tokens, uint32_t heads, uint32_t head_dim, uint16_t* rms);
 
 // Index of the centroid nearest `point` (squared distance) among `entries` centroids, fp32
-// [entries, coupled]; the lowest index on a tie.
+// [entries, coupled]; the lowest index on a tie. The reference CentroidSearch is tested against.
 uint32_t NearestCentroid(const float* point, const float* centroids, uint32_t entries, int coupled);
+
+// The encoder's and k-means' search of one codebook (entries a multiple of 8, at most 256;
+// coupled at most 8): the centroid with the least |c|^2 - 2 p.c, the squared distance less
+// |p|^2, from the centroids laid out by coordinate. The nearest up to fp32 rounding (two centroids
+// nearly as near may come out either way); the lowest index on a tie. AVX2 where the CPU has it,
+// with the same arithmetic in the same order as the portable loop, so codes never depend on the
+// machine.
+class CentroidSearch {
+ public:
+  CentroidSearch(const float* centroids, uint32_t entries, int coupled);
+  uint32_t Nearest(const float* point) const;
+  // codes[i * out_stride] = Nearest(points + i * stride), i in [0, n).
+  void NearestMany(const float* points, size_t n, size_t stride, uint8_t* codes,
+                   size_t out_stride) const;
+  // The portable loop alone (the reference the AVX2 loop is tested against).
+  void NearestManyPortable(const float* points, size_t n, size_t stride, uint8_t* codes,
+                           size_t out_stride) const;
+
+ private:
+  uint32_t entries_;
+  int coupled_;
+  std::vector<float> by_coordinate_;  // [coupled][entries]
+  std::vector<float> norm_;           // |c|^2 per centroid
+};
 
 }  // namespace strata::kernels

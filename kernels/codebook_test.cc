@@ -86,11 +86,21 @@ TEST(CodebookTest, EachRunDecodesToItsNearestCentroid) {
             uint16_t rms = 0;
             if (spec.token_norm) NormalizeRows(row.data(), 1, 1, D, &rms);
             const float scale = spec.token_norm ? HalfBitsToFloat(rms) : 1.0f;
-            const uint32_t want = NearestCentroid(&row[g * c], cent.data(), E, c);
+            const uint32_t want = CentroidSearch(cent.data(), E, c).Nearest(&row[g * c]);
             for (uint32_t i = 0; i < c; ++i) {
               ASSERT_FLOAT_EQ((*got)[at + i], cent[size_t{want} * c + i] * scale)
                   << text << " t=" << t;
             }
+            // The search's choice is the nearest, up to fp32 rounding of |c|^2 - 2 p.c.
+            const uint32_t nearest = NearestCentroid(&row[g * c], cent.data(), E, c);
+            float p2 = 0, d_want = 0, d_nearest = 0;
+            for (uint32_t i = 0; i < c; ++i) {
+              const float x = row[g * c + i];
+              p2 += x * x;
+              d_want += (x - cent[want * c + i]) * (x - cent[want * c + i]);
+              d_nearest += (x - cent[nearest * c + i]) * (x - cent[nearest * c + i]);
+            }
+            ASSERT_LE(d_want, d_nearest + 1e-5f * (1 + p2)) << text << " t=" << t;
           }
         }
       }

@@ -113,10 +113,10 @@ absl::Status WriteCodebook(const CodecSpec& s, const CodecLayout& layout, const 
       for (uint32_t g = 0; g < G; ++g) {
         const uint16_t* src_book = &(*book)[(size_t{h} * G + g) * K * coupled];
         for (size_t e = 0; e < cent.size(); ++e) cent[e] = F32(src_book[e]);
-        for (uint32_t t = 0; t < c.tokens; ++t) {
-          codes[(size_t{h} * c.tokens + t) * G + g] = static_cast<uint8_t>(
-              NearestCentroid(&m.at(h, t, g * coupled), cent.data(), K, coupled));
-        }
+        // Head-major rows: token t's run at m.at(h, t, g * coupled), head_dim floats apart.
+        CentroidSearch(cent.data(), K, coupled)
+            .NearestMany(&m.at(h, 0, g * coupled), c.tokens, c.head_dim,
+                         &codes[size_t{h} * c.tokens * G + g], G);
       }
     }
     PackBits(codes.data(), codes.size(), bits, b.section(section).data());

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <vector>
 
 #include "common/cpu_features.h"
@@ -946,6 +947,45 @@ STRATA_CODEC_AVX2 void ColumnExtremesAvx2(const float* rows, uint32_t n, uint32_
 STRATA_CODEC_AVX2 void RowExtremesAvx2(const float* row, uint32_t D, uint32_t k, float* lo,
                                        float* hi) {
   ByCount<RowExtremesOp>(k, row, D, lo, hi);
+}
+
+STRATA_CODEC_AVX2 void NearestCentroidsAvx2(const float* points, size_t n, size_t stride,
+                                            const float* ct, const float* norm, uint32_t K,
+                                            uint32_t C, uint8_t* codes, size_t out_stride) {
+  __m256 m[8];
+  for (size_t i = 0; i < n; ++i) {
+    const float* p = points + i * stride;
+    for (uint32_t d = 0; d < C; ++d) m[d] = _mm256_set1_ps(-2.0f * p[d]);
+    __m256 best = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+    __m256i best_j = _mm256_setzero_si256();
+    __m256i j8 = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i eight = _mm256_set1_epi32(8);
+    for (uint32_t j = 0; j < K; j += 8) {
+      __m256 s = _mm256_loadu_ps(norm + j);
+      for (uint32_t d = 0; d < C; ++d) {
+        s = _mm256_add_ps(s, _mm256_mul_ps(m[d], _mm256_loadu_ps(ct + size_t{d} * K + j)));
+      }
+      const __m256 less = _mm256_cmp_ps(s, best, _CMP_LT_OQ);
+      best = _mm256_blendv_ps(best, s, less);
+      best_j = _mm256_castps_si256(
+          _mm256_blendv_ps(_mm256_castsi256_ps(best_j), _mm256_castsi256_ps(j8), less));
+      j8 = _mm256_add_epi32(j8, eight);
+    }
+    // Each lane holds the first of its least scores: the least of them, the lowest j on a tie.
+    alignas(32) float v[8];
+    alignas(32) int32_t at[8];
+    _mm256_store_ps(v, best);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(at), best_j);
+    int32_t code = at[0];
+    float least = v[0];
+    for (int l = 1; l < 8; ++l) {
+      if (v[l] < least || (v[l] == least && at[l] < code)) {
+        least = v[l];
+        code = at[l];
+      }
+    }
+    codes[i * out_stride] = static_cast<uint8_t>(code);
+  }
 }
 
 }  // namespace strata::kernels::internal

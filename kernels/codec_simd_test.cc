@@ -12,6 +12,7 @@
 #include "common/half.h"
 #include "gtest/gtest.h"
 #include "kernels/bit_pack.h"
+#include "kernels/codebook.h"
 #include "kernels/codec.h"
 #include "kernels/internal/vector_exp.h"
 #include "kernels/synthetic_kv.h"
@@ -535,6 +536,43 @@ TEST(CodecSimdTest, OutliersAreTheSameWithTiesAndEveryCount) {
         ASSERT_TRUE(codec.ok()) << spec;
         EXPECT_TRUE(SameBytesWithAndWithoutAvx2(**codec, view))
             << spec << " d=" << dim << " grid=" << grid;
+      }
+    }
+  }
+}
+
+// CQ's search: the AVX2 loop picks what the portable loop picks, for every codebook shape the
+// codec takes, with repeated centroids (ties: the lowest index) and points far from all of them.
+TEST(CodecSimdTest, NearestCentroidsAreThePortableLoopsCodes) {
+  if (!HaveCodecSimd()) GTEST_SKIP() << "skipped: no AVX2 and F16C on this CPU";
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0, 1);
+  for (int coupled : {2, 4, 8}) {
+    for (uint32_t entries : {16u, 64u, 256u}) {
+      std::vector<float> cent(size_t{entries} * coupled);
+      for (float& x : cent) x = normal(rng);
+      // A few centroids repeated further on: equal scores, where the first must win.
+      for (uint32_t j = 0; j < 4; ++j) {
+        std::copy_n(&cent[size_t{j} * coupled], coupled, &cent[size_t{entries - 1 - j} * coupled]);
+      }
+      const CentroidSearch search(cent.data(), entries, coupled);
+      const size_t n = 500, stride = coupled + 3;
+      std::vector<float> points(n * stride);
+      for (size_t i = 0; i < n; ++i) {
+        for (int d = 0; d < coupled; ++d) {
+          // Some points on a centroid exactly, some far out.
+          points[i * stride + d] = i % 7 == 0    ? cent[(i % entries) * coupled + d]
+                                   : i % 11 == 0 ? 40.0f * normal(rng)
+                                                 : normal(rng);
+        }
+      }
+      std::vector<uint8_t> simd(2 * n, 0xee), portable(2 * n, 0xee);
+      search.NearestMany(points.data(), n, stride, simd.data(), 2);
+      search.NearestManyPortable(points.data(), n, stride, portable.data(), 2);
+      EXPECT_EQ(simd, portable) << "c" << coupled << " entries " << entries;
+      for (size_t i = 0; i < n; ++i) {
+        EXPECT_EQ(simd[2 * i + 1], 0xee);  // out_stride: nothing written between
+        EXPECT_LT(simd[2 * i], entries - 4) << "a repeated centroid's later copy chosen";
       }
     }
   }

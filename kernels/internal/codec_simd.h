@@ -143,4 +143,12 @@ void ProbeDotsAvx2(const float* kt, uint32_t T, uint32_t D, const float* q, uint
 // PackBits (kernels/bit_pack.h) for 2 and 4 bits; other widths go to it.
 void PackBitsAvx2(const uint8_t* codes, size_t n, int bits, uint8_t* out);
 
+// CQ's nearest centroids (codebook.h, CentroidSearch): for each of n points (C coordinates,
+// `stride` floats apart), codes[i * out_stride] = the j in [0, K) with the least
+// norm[j] + sum over d of (-2 p[d]) * ct[d * K + j], added in order of d (multiply, then add),
+// the lowest j on a tie. K a multiple of 8 and at most 256; C at most 8.
+void NearestCentroidsAvx2(const float* points, size_t n, size_t stride, const float* ct,
+                          const float* norm, uint32_t K, uint32_t C, uint8_t* codes,
+                          size_t out_stride);
+
 }  // namespace strata::kernels::internal
