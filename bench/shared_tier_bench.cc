@@ -5,8 +5,10 @@
 // every Get, as the store's promotion does); each client thread pipelines a batch of distinct
 // blocks per call, as a Lookup's promotion does.
 //
-//   shared_tier_bench [--out DIR] [--commit C] [--threads N] [--batch B] [--seconds S]
-// Prints a table; with --out writes DIR/shared_tier_bench-DATE-COMMIT.{txt,json}.
+//   shared_tier_bench [--out DIR] [--commit C] [--threads N] [--batch B] [--seconds S] [--tls 1]
+// With --tls the cluster serves TLS only (client certificates required), the tier and
+// redis-benchmark both speak it. Prints a table; with --out writes
+// DIR/shared_tier_bench[-tls]-DATE-COMMIT.{txt,json}.
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
@@ -36,7 +38,8 @@ using strata::SharedBytes;
 using strata::kvstore::SharedTier;
 
 constexpr char kUsage[] =
-    "usage: shared_tier_bench [--out DIR] [--commit C] [--threads N] [--batch B] [--seconds S]\n";
+    "usage: shared_tier_bench [--out DIR] [--commit C] [--threads N] [--batch B] [--seconds S] "
+    "[--tls 1]\n";
 
 // A real fp16 block of `tokens` tokens, 8 KV heads of 128: 4 KiB per token.
 AlignedBuffer Block(uint32_t tokens, uint32_t chunk, uint32_t seed) {
@@ -88,12 +91,14 @@ Result Drive(int threads, int batch, double seconds, size_t block_bytes, F call)
 }
 
 // redis-benchmark's requests per second for SET and GET of `bytes`-byte values on the cluster.
-std::pair<double, double> RedisBenchmark(int port, size_t bytes, int clients, int pipeline) {
+// `tls`: redis-benchmark's TLS arguments ("" for plain TCP).
+std::pair<double, double> RedisBenchmark(int port, size_t bytes, int clients, int pipeline,
+                                         const std::string& tls) {
   const std::string out = "/tmp/shared_tier_bench_rb.csv";
   const std::string cmd =
-      absl::StrCat("redis-benchmark --cluster -p ", port, " -d ", bytes, " -t set,get -n ",
-                   std::max<size_t>(2000, (size_t{2} << 30) / bytes / 4), " -c ", clients, " -P ",
-                   pipeline, " --csv -q > ", out, " 2>/dev/null");
+      absl::StrCat("redis-benchmark --cluster ", tls, " -p ", port, " -d ", bytes,
+                   " -t set,get -n ", std::max<size_t>(2000, (size_t{2} << 30) / bytes / 4), " -c ",
+                   clients, " -P ", pipeline, " --csv -q > ", out, " 2>/dev/null");
   double set = 0, get = 0;
   if (std::system(cmd.c_str()) != 0) return {0, 0};
   FILE* f = std::fopen(out.c_str(), "r");
@@ -122,8 +127,11 @@ int main(int argc, char** argv) {
   std::string out_dir, commit = "unknown";
   int threads = 8, batch = 8;
   double seconds = 3;
+  bool tls = false;
   for (const auto& [k, v] : *flags) {
-    if (k == "--out") {
+    if (k == "--tls") {
+      tls = v == "1" || v == "true";
+    } else if (k == "--out") {
       out_dir = v;
     } else if (k == "--commit") {
       commit = v;
@@ -143,14 +151,24 @@ int main(int argc, char** argv) {
                  "shared_tier_bench: no redis-server here (scripts/setup.sh installs it)\n");
     return 1;
   }
-  strata::kvstore::testing::RedisClusterProcess cluster(3, 0);
+  strata::kvstore::testing::RedisClusterProcess cluster(3, 0, "", tls);
   std::string why;
   if (!cluster.Start(&why)) {
     std::fprintf(stderr, "shared_tier_bench: %s\n", why.c_str());
     return 1;
   }
-  absl::StatusOr<std::unique_ptr<SharedTier>> tier =
-      SharedTier::Connect({.redis = {.seeds = {cluster.seed()}, .max_idle_per_node = 64}});
+  strata::kvstore::RedisTlsOptions tls_options;
+  std::string tls_args;
+  if (tls) {
+    tls_options = {.enabled = true,
+                   .ca_file = cluster.ca_file(),
+                   .cert_file = cluster.client_cert_file(),
+                   .key_file = cluster.client_key_file()};
+    tls_args = absl::StrCat("--tls --cacert ", cluster.ca_file(), " --cert ",
+                            cluster.client_cert_file(), " --key ", cluster.client_key_file());
+  }
+  absl::StatusOr<std::unique_ptr<SharedTier>> tier = SharedTier::Connect(
+      {.redis = {.seeds = {cluster.seed()}, .max_idle_per_node = 64, .tls = tls_options}});
   if (!tier.ok()) {
     std::fprintf(stderr, "shared_tier_bench: %s\n", tier.status().ToString().c_str());
     return 1;
@@ -158,8 +176,8 @@ int main(int argc, char** argv) {
   const strata::bench::RunInfo info = strata::bench::CollectRunInfo(commit);
   std::ostringstream txt;
   txt << "shared_tier_bench: " << info.machine << ", " << info.date << ", commit " << info.commit
-      << "\nRedis Cluster of 3 masters on loopback (redis-server "
-      << "from Debian"
+      << "\nRedis Cluster of 3 masters on loopback (redis-server from Debian"
+      << (tls ? ", TLS only: TLS 1.3, P-256 certificates, client certificates required" : "")
       << "); " << threads << " client threads, " << batch
       << " blocks pipelined per call; redis-benchmark --cluster with as many clients and the same "
          "pipeline depth\n\n";
@@ -204,7 +222,8 @@ int main(int argc, char** argv) {
       for (const auto& r : (*tier)->Get(b)) e += !r.ok();
       return e;
     });
-    const auto [rb_set, rb_get] = RedisBenchmark(cluster.nodes()[0].port, bytes, threads, batch);
+    const auto [rb_set, rb_get] =
+        RedisBenchmark(cluster.nodes()[0].port, bytes, threads, batch, tls_args);
     for (const auto& [op, r, anchor] :
          {std::tuple{"put", put, rb_set}, std::tuple{"get", get, rb_get}}) {
       std::snprintf(line, sizeof(line), "%-10s %-4s %12.0f %10.1f %9.2f %9.2f %14.0f %7.2fx\n",
@@ -228,12 +247,14 @@ int main(int argc, char** argv) {
       << " damaged, " << st.put_errors << " put errors, " << st.get_errors << " get errors\n";
   std::fputs(txt.str().c_str(), stdout);
   if (!out_dir.empty()) {
-    const std::string path = strata::bench::ResultPath(out_dir, "shared_tier_bench", info);
+    const std::string path = strata::bench::ResultPath(
+        out_dir, tls ? "shared_tier_bench-tls" : "shared_tier_bench", info);
     strata::bench::WriteResultFile(path + ".txt", txt.str());
     strata::bench::WriteResultFile(path + ".json",
                                    strata::bench::ResultJson("shared_tier_bench", info)
                                        .Num("threads", threads)
                                        .Num("batch", batch)
+                                       .Num("tls", tls ? 1 : 0)
                                        .Raw("rows", strata::bench::JsonArray(rows))
                                        .Done());
   }

@@ -11,9 +11,11 @@
 #include <openssl/x509v3.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <climits>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -261,9 +263,26 @@ absl::Status RedisConnection::DrainTls(absl::Time deadline) {
   while (BIO_ctrl_pending(w) > 0) {
     const int n = BIO_read(w, buf, sizeof(buf));
     if (n <= 0) break;
-    if (absl::Status s = SendRaw(buf, static_cast<size_t>(n), deadline); !s.ok()) return s;
+    if (absl::Status s = SendRaw(buf, static_cast<size_t>(n), deadline); !s.ok()) {
+      // A server that refused us (no client certificate, say) sent an alert before closing:
+      // its reason says more than the reset.
+      const std::string alert = PendingTlsAlert();
+      return alert.empty() ? s
+                           : absl::UnavailableError(absl::StrCat(s.message(), " (", alert, ")"));
+    }
   }
   return absl::OkStatus();
+}
+
+std::string RedisConnection::PendingTlsAlert() {
+  char buf[16 << 10];
+  const ssize_t k = recv(fd_, buf, sizeof(buf), MSG_DONTWAIT);
+  if (k <= 0) return "";
+  BIO_write(static_cast<BIO*>(rbio_), buf, static_cast<int>(k));
+  ERR_clear_error();
+  char one;
+  const int r = SSL_read(ssl_, &one, 1);
+  return r <= 0 && SSL_get_error(ssl_, r) == SSL_ERROR_SSL ? OpenSslErrors() : "";
 }
 
 absl::Status RedisConnection::Write(const char* p, size_t n, absl::Time deadline) {
@@ -317,9 +336,42 @@ absl::Status RedisConnection::Flush() {
   std::vector<Piece> out = std::move(out_);
   out_.clear();
   if (failed_) return absl::UnavailableError(absl::StrCat("redis ", address_, ": closed"));
+  if (ssl_ != nullptr) {
+    for (const Piece& piece : out) {
+      const absl::string_view b = piece.owned.empty() ? piece.view : piece.owned;
+      if (absl::Status s = Write(b.data(), b.size(), absl::Now() + io_timeout_); !s.ok()) {
+        return s;
+      }
+    }
+    return absl::OkStatus();
+  }
+  // Plain TCP: every piece in one gathered write where the socket takes it.
+  std::vector<iovec> iov;
+  iov.reserve(out.size());
   for (const Piece& piece : out) {
     const absl::string_view b = piece.owned.empty() ? piece.view : piece.owned;
-    if (absl::Status s = Write(b.data(), b.size(), absl::Now() + io_timeout_); !s.ok()) return s;
+    if (!b.empty()) iov.push_back({const_cast<char*>(b.data()), b.size()});
+  }
+  size_t first = 0;
+  while (first < iov.size()) {
+    msghdr msg{};
+    msg.msg_iov = &iov[first];
+    msg.msg_iovlen = std::min<size_t>(iov.size() - first, IOV_MAX);
+    const ssize_t k = sendmsg(fd_, &msg, MSG_NOSIGNAL);
+    if (k < 0 && errno == EINTR) continue;
+    if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      const int ready = PollUntil(fd_, POLLOUT, absl::Now() + io_timeout_);
+      if (ready == 0) return Failed("a write stalled past the timeout");
+      if (ready < 0) return Failed(absl::StrCat("poll: ", std::strerror(errno)));
+      continue;
+    }
+    if (k < 0) return Failed(absl::StrCat("write: ", std::strerror(errno)));
+    size_t sent = static_cast<size_t>(k);
+    while (first < iov.size() && sent >= iov[first].iov_len) sent -= iov[first++].iov_len;
+    if (sent > 0) {
+      iov[first].iov_base = static_cast<char*>(iov[first].iov_base) + sent;
+      iov[first].iov_len -= sent;
+    }
   }
   return absl::OkStatus();
 }

@@ -100,6 +100,7 @@ class RedisConnection {
   absl::Status Write(const char* p, size_t n, absl::Time deadline);  // through TLS where on
   absl::StatusOr<size_t> ReadSome(char* p, size_t n, absl::Time deadline);
   absl::Status DrainTls(absl::Time deadline);   // TLS records made, onto the socket
+  std::string PendingTlsAlert();                // the error of an alert already received, or ""
   absl::Status Failed(absl::string_view what);  // closes; kUnavailable naming the address
 
   int fd_;
