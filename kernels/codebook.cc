@@ -17,9 +17,11 @@ float Distance(const float* a, const float* b, int c) {
   return d;
 }
 
-// One group's codebook from its n points (n x c), fp32 [k, c].
+// One group's codebook from its n points (n x c), fp32 [k, c]; `w` the points' weights (null:
+// 1 each).
 std::vector<float> KMeans(const std::vector<float>& pts, size_t n, int c, uint32_t k,
-                          std::mt19937& rng, int iterations) {
+                          std::mt19937& rng, int iterations, const float* w) {
+  auto weight = [&](size_t i) { return w != nullptr ? double{w[i]} : 1.0; };
   std::vector<float> cent(size_t{k} * c, 0.0f);
   if (n == 0) return cent;
   // k-means++: each next centroid drawn with probability proportional to the squared distance
@@ -32,7 +34,7 @@ std::vector<float> KMeans(const std::vector<float>& pts, size_t n, int c, uint32
     double total = 0;
     for (size_t i = 0; i < n; ++i) {
       nearest[i] = std::min(nearest[i], Distance(&pts[i * c], &cent[size_t{j} * c], c));
-      total += nearest[i];
+      total += weight(i) * nearest[i];
     }
     if (total <= 0) {  // every point is a centroid already: repeat points
       pick = (pick + 1) % n;
@@ -41,7 +43,7 @@ std::vector<float> KMeans(const std::vector<float>& pts, size_t n, int c, uint32
     double r = uniform(rng) * total;
     pick = n - 1;
     for (size_t i = 0; i < n; ++i) {
-      r -= nearest[i];
+      r -= weight(i) * nearest[i];
       if (r <= 0) {
         pick = i;
         break;
@@ -51,7 +53,7 @@ std::vector<float> KMeans(const std::vector<float>& pts, size_t n, int c, uint32
   // Lloyd iterations.
   std::vector<uint32_t> assign(n, k);
   std::vector<double> sum(size_t{k} * c);
-  std::vector<uint32_t> count(k);
+  std::vector<double> count(k);
   for (int it = 0; it < iterations; ++it) {
     bool moved = false;
     const CentroidSearch search(cent.data(), k, c);
@@ -62,17 +64,18 @@ std::vector<float> KMeans(const std::vector<float>& pts, size_t n, int c, uint32
     }
     if (!moved) break;
     std::fill(sum.begin(), sum.end(), 0.0);
-    std::fill(count.begin(), count.end(), 0u);
+    std::fill(count.begin(), count.end(), 0.0);
     for (size_t i = 0; i < n; ++i) {
-      ++count[assign[i]];
-      for (int d = 0; d < c; ++d) sum[size_t{assign[i]} * c + d] += pts[i * c + d];
+      const double wi = weight(i);
+      count[assign[i]] += wi;
+      for (int d = 0; d < c; ++d) sum[size_t{assign[i]} * c + d] += wi * pts[i * c + d];
     }
     for (uint32_t j = 0; j < k; ++j) {
-      if (count[j] == 0) {  // empty: the point worst served by its centroid
+      if (count[j] <= 0) {  // empty (or weightless): the point worst served by its centroid
         size_t worst = 0;
-        float worst_d = -1;
+        double worst_d = -1;
         for (size_t i = 0; i < n; ++i) {
-          const float d = Distance(&pts[i * c], &cent[size_t{assign[i]} * c], c);
+          const double d = weight(i) * Distance(&pts[i * c], &cent[size_t{assign[i]} * c], c);
           if (d > worst_d) {
             worst_d = d;
             worst = i;
@@ -177,7 +180,7 @@ uint32_t CentroidSearch::Nearest(const float* point) const {
 
 std::vector<uint16_t> TrainCodebooks(const float* x, uint32_t tokens, uint32_t heads,
                                      uint32_t head_dim, int coupled, int bits, uint32_t seed,
-                                     int iterations) {
+                                     int iterations, const float* weights) {
   const uint32_t groups = head_dim / coupled;
   const uint32_t k = 1u << bits;
   std::vector<uint16_t> out(size_t{heads} * groups * k * coupled);
@@ -189,7 +192,9 @@ std::vector<uint16_t> TrainCodebooks(const float* x, uint32_t tokens, uint32_t h
                     &pts[size_t{t} * coupled]);
       }
       std::mt19937 rng(seed * 1000003u + h * 7919u + g);
-      const std::vector<float> cent = KMeans(pts, tokens, coupled, k, rng, iterations);
+      const std::vector<float> cent =
+          KMeans(pts, tokens, coupled, k, rng, iterations,
+                 weights != nullptr ? weights + size_t{h} * tokens : nullptr);
       uint16_t* dst = &out[(size_t{h} * groups + g) * k * coupled];
       for (size_t i = 0; i < cent.size(); ++i) dst[i] = FloatToHalfBits(cent[i]);
     }

@@ -22,10 +22,14 @@ namespace strata::kernels {
 // from x: [tokens, heads, head_dim] fp32. Per (head, group): k-means++ seeding (deterministic in
 // `seed`), then Lloyd iterations until no point changes centroid or `iterations` ran; a centroid
 // left without points takes the point farthest from its own. With fewer distinct points than
-// centroids the spare centroids repeat points (never NaN).
+// centroids the spare centroids repeat points (never NaN). `weights` ([heads][tokens], or null
+// for 1 each) make it weighted k-means: seeding draws by weight times squared distance, a
+// centroid is its points' weighted mean, so the codebook spends its precision where the
+// weights say errors cost most (CQ's Fisher-guided centroids; the calibration passes the
+// attention each token receives).
 std::vector<uint16_t> TrainCodebooks(const float* x, uint32_t tokens, uint32_t heads,
                                      uint32_t head_dim, int coupled, int bits, uint32_t seed = 1,
-                                     int iterations = 30);
+                                     int iterations = 30, const float* weights = nullptr);
 
 // cq's norm: divides each row of x [tokens, heads, head_dim] by its RMS rounded to fp16 (the
 // value blocks keep; a row of zeros keeps its zeros, scale 0), writing the fp16 bits to

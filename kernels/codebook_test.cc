@@ -53,6 +53,32 @@ TEST(CodebookTest, FewPointsGiveFiniteCodebooks) {
   for (uint16_t h : book) EXPECT_TRUE(std::isfinite(HalfBitsToFloat(h)));
 }
 
+// Weighted k-means spends its centroids where the weight is: points spread evenly along a line,
+// the first tenth weighing 100 times the rest, get several times the centroids there that
+// unweighted k-means gives them.
+TEST(CodebookTest, WeightsDrawTheCentroidsToWhereErrorsCostMore) {
+  const uint32_t T = 2000, c = 2, bits = 4;
+  std::vector<float> x(size_t{T} * c), w(T);
+  for (uint32_t t = 0; t < T; ++t) {
+    x[size_t{t} * c] = static_cast<float>(t) / T;
+    x[size_t{t} * c + 1] = 0.0f;
+    w[t] = t < T / 10 ? 100.0f : 1.0f;
+  }
+  auto in_heavy_part = [&](const std::vector<uint16_t>& book) {
+    int n = 0;
+    for (uint32_t j = 0; j < (1u << bits); ++j) n += HalfBitsToFloat(book[size_t{j} * c]) < 0.1f;
+    return n;
+  };
+  const int uniform = in_heavy_part(TrainCodebooks(x.data(), T, 1, c, c, bits, 1));
+  const int weighted = in_heavy_part(TrainCodebooks(x.data(), T, 1, c, c, bits, 1, 30, w.data()));
+  EXPECT_LE(uniform, 3);  // a tenth of 16 centroids, about
+  EXPECT_GE(weighted, 3 * std::max(uniform, 1));
+  // Weights of 1 are no weights.
+  const std::vector<float> ones(T, 1.0f);
+  EXPECT_EQ(TrainCodebooks(x.data(), T, 1, c, c, bits, 1, 30, ones.data()),
+            TrainCodebooks(x.data(), T, 1, c, c, bits, 1));
+}
+
 // Every run of a token's channels decodes to the centroid nearest to it, and the bits per
 // element are b / c plus the block's header.
 TEST(CodebookTest, EachRunDecodesToItsNearestCentroid) {

@@ -107,23 +107,80 @@ absl::Status CalibrateSkvq(const LlamaModel& model, const std::string& skvq_spec
   return absl::OkStatus();
 }
 
+// The attention each calibration token receives in one layer, per KV head [kv_heads][tokens]:
+// the probabilities its group's query heads give it, summed over every `query_stride`-th query
+// after it in its window of `context` tokens (causal, as the model attends), scaled to mean 1
+// per head. An error in a token's K or V moves the attention output in proportion to it.
+std::vector<float> AttentionMass(const ModelConfig& c, const LayerKv& kv, uint32_t tokens,
+                                 uint32_t context, uint32_t query_stride) {
+  const uint32_t H = c.num_heads, KH = c.num_kv_heads, D = c.head_dim, group = H / KH;
+  std::vector<double> mass(size_t{KH} * tokens, 0.0);
+  std::vector<float> p(context);
+  const float inv_sqrt_d = 1.0f / std::sqrt(static_cast<float>(D));
+  for (uint32_t w0 = 0; w0 < tokens; w0 += context) {
+    const uint32_t n = std::min(context, tokens - w0);
+    for (uint32_t i = query_stride - 1; i < n; i += query_stride) {
+      for (uint32_t h = 0; h < H; ++h) {
+        const uint32_t kh = h / group;
+        const float* q = &kv.q[(size_t{w0 + i} * H + h) * D];
+        float mx = -std::numeric_limits<float>::infinity();
+        for (uint32_t j = 0; j <= i; ++j) {
+          const float* k = &kv.k[(size_t{w0 + j} * KH + kh) * D];
+          float dot = 0;
+          for (uint32_t d = 0; d < D; ++d) dot += q[d] * k[d];
+          p[j] = dot * inv_sqrt_d;
+          mx = std::max(mx, p[j]);
+        }
+        double sum = 0;
+        for (uint32_t j = 0; j <= i; ++j) sum += p[j] = std::exp(p[j] - mx);
+        for (uint32_t j = 0; j <= i; ++j) mass[size_t{kh} * tokens + w0 + j] += p[j] / sum;
+      }
+    }
+  }
+  std::vector<float> out(mass.size());
+  for (uint32_t kh = 0; kh < KH; ++kh) {
+    double total = 0;
+    for (uint32_t t = 0; t < tokens; ++t) total += mass[size_t{kh} * tokens + t];
+    const double scale = total > 0 ? tokens / total : 0;
+    for (uint32_t t = 0; t < tokens; ++t) {
+      out[size_t{kh} * tokens + t] =
+          total > 0 ? static_cast<float>(mass[size_t{kh} * tokens + t] * scale) : 1.0f;
+    }
+  }
+  return out;
+}
+
+// CQ's k-means weights per layer (AttentionMass, every 8th query), or none (1 each) when
+// o.cq_attention_weights is off.
+std::vector<std::vector<float>> CqWeights(const ModelConfig& c, const std::vector<LayerKv>& kv,
+                                          uint32_t tokens, const CalibrationSearchOptions& o) {
+  std::vector<std::vector<float>> w(c.num_layers);
+  if (!o.cq_attention_weights) return w;
+  for (uint32_t li = 0; li < c.num_layers; ++li) {
+    w[li] = AttentionMass(c, kv[li], tokens, o.context, /*query_stride=*/8);
+    if (o.progress) o.progress("CQ token weights", li + 1, c.num_layers);
+  }
+  return w;
+}
+
 // CQ's codebooks: per layer, head and run of coupled channels, k-means over every calibration
-// token's K and V (kernels/codebook.h).
+// token's K and V (kernels/codebook.h), each token weighted by `weights` (CqWeights).
 void CalibrateCq(const ModelConfig& c, const kernels::CodecSpec& spec,
                  const std::vector<LayerKv>& kv, uint32_t tokens, const CalibrationSearchOptions& o,
-                 kernels::Calibration& cal) {
+                 const std::vector<std::vector<float>>& weights, kernels::Calibration& cal) {
   for (uint32_t li = 0; li < c.num_layers; ++li) {
+    const float* w = weights[li].empty() ? nullptr : weights[li].data();
     std::vector<float> k = kv[li].k, v = kv[li].v;
     if (spec.token_norm) {  // the codebooks learn the rows the encoder will quantize
       kernels::NormalizeRows(k.data(), tokens, c.num_kv_heads, c.head_dim, nullptr);
       kernels::NormalizeRows(v.data(), tokens, c.num_kv_heads, c.head_dim, nullptr);
     }
-    cal.layers[li].k_codebook = kernels::TrainCodebooks(k.data(), tokens, c.num_kv_heads,
-                                                        c.head_dim, spec.group, spec.k_bits,
-                                                        /*seed=*/2 * li + 1);
-    cal.layers[li].v_codebook = kernels::TrainCodebooks(v.data(), tokens, c.num_kv_heads,
-                                                        c.head_dim, spec.group, spec.v_bits,
-                                                        /*seed=*/2 * li + 2);
+    cal.layers[li].k_codebook =
+        kernels::TrainCodebooks(k.data(), tokens, c.num_kv_heads, c.head_dim, spec.group,
+                                spec.k_bits, /*seed=*/2 * li + 1, /*iterations=*/30, w);
+    cal.layers[li].v_codebook =
+        kernels::TrainCodebooks(v.data(), tokens, c.num_kv_heads, c.head_dim, spec.group,
+                                spec.v_bits, /*seed=*/2 * li + 2, /*iterations=*/30, w);
     if (o.progress) o.progress("CQ codebooks", li + 1, c.num_layers);
   }
 }
@@ -323,8 +380,10 @@ absl::StatusOr<kernels::Calibration> SearchCalibration(const LlamaModel& model,
   cal.source = absl::StrCat(o.source, ", ", tokens, " tokens");
   cal.layers.resize(c.num_layers);
   CqBooks books;
+  const std::vector<std::vector<float>> cq_weights =
+      cq ? CqWeights(c, kv, tokens, o) : std::vector<std::vector<float>>(c.num_layers);
   if (spec.id == CodecId::kCq) {
-    CalibrateCq(c, main, kv, tokens, o, cal);
+    CalibrateCq(c, main, kv, tokens, o, cq_weights, cal);
   } else if (spec.id == CodecId::kSkvq) {
     STRATA_RETURN_IF_ERROR(CalibrateSkvq(model, cal.codec, kv, tokens, o, cal));
   } else if (spec.id == CodecId::kStrata) {  // SKVQ and CQ are on the menu
@@ -345,7 +404,7 @@ absl::StatusOr<kernels::Calibration> SearchCalibration(const LlamaModel& model,
       if (books.contains(shape.ToString())) continue;  // the same shape with sinks: learned once
       kernels::Calibration learned;
       learned.layers.resize(c.num_layers);
-      CalibrateCq(c, shape, kv, tokens, o, learned);
+      CalibrateCq(c, shape, kv, tokens, o, cq_weights, learned);
       books[shape.ToString()] = std::move(learned.layers);
     }
   }

@@ -29,6 +29,9 @@ struct CalibrationSearchOptions {
   // channel run need many more points than channel orders or clip ratios do.
   uint32_t codebook_windows = 8;
   uint32_t error_queries = 64;   // queries whose attention output the clip search minimizes
+  // CQ's k-means weighs each token's K and V by the attention it receives from the queries after
+  // it in its window (CQ's Fisher-guided centroids, estimated without gradients); false: 1 each.
+  bool cq_attention_weights = true;
   std::string source;            // recorded in the calibration (with the token count)
   // Called after each layer of each search stage ("SKVQ clip ratios", "layer choices"): the
   // layers done and the stage's total, for a progress display. Optional.

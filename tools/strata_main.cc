@@ -97,6 +97,9 @@ ABSL_FLAG(std::string, calibration, "",
 ABSL_FLAG(std::string, calib_text, "",
           "eval: calibration text (disjoint from the evaluated text) for codecs that need it");
 ABSL_FLAG(std::string, json, "", "eval: also write the report as JSON to this file");
+ABSL_FLAG(std::string, cq_weights, "attention",
+          "calibrate/eval: how CQ's k-means weighs each calibration token: attention (by the "
+          "attention it receives, CQ's Fisher-guided centroids estimated) or uniform");
 ABSL_FLAG(uint32_t, continuations, 8, "eval: greedy continuations compared with fp16");
 ABSL_FLAG(uint32_t, prompt_tokens, 600, "eval: prompt tokens of each continuation");
 ABSL_FLAG(uint32_t, generate_tokens, 32, "eval: tokens generated per continuation");
@@ -165,6 +168,16 @@ int DemoCommand(const std::vector<char*>& args) {
   return s.ok() ? 0 : Fail(s);
 }
 
+absl::Status CqWeights(bool* attention) {
+  const std::string w = absl::GetFlag(FLAGS_cq_weights);
+  if (w != "attention" && w != "uniform") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--cq_weights: '", w, "' is not attention or uniform"));
+  }
+  *attention = w == "attention";
+  return absl::OkStatus();
+}
+
 int CalibrateCommand(const std::vector<char*>& args) {
   strata::tools::CalibrateOptions o;
   if (absl::Status s = ModelOptions(o); !s.ok()) return Fail(s);
@@ -177,6 +190,7 @@ int CalibrateCommand(const std::vector<char*>& args) {
   }
   o.context = absl::GetFlag(FLAGS_context);
   if (absl::GetFlag(FLAGS_windows) != 0) o.windows = absl::GetFlag(FLAGS_windows);
+  if (absl::Status s = CqWeights(&o.cq_attention_weights); !s.ok()) return Fail(s);
   const absl::Status s = strata::tools::RunCalibrate(o, std::cout);
   return s.ok() ? 0 : Fail(s);
 }
@@ -223,6 +237,7 @@ int EvalCommand(const std::vector<char*>& args) {
   o.generate_tokens = absl::GetFlag(FLAGS_generate_tokens);
   o.json_out = absl::GetFlag(FLAGS_json);
   o.calib_text_file = absl::GetFlag(FLAGS_calib_text);
+  if (absl::Status s = CqWeights(&o.cq_attention_weights); !s.ok()) return Fail(s);
   const absl::Status s = strata::tools::RunEval(o, std::cout);
   return s.ok() ? 0 : Fail(s);
 }
