@@ -146,11 +146,11 @@ class RedisMasterModel {
     if (cost > capacity_) return false;
     while (used_ + cost > capacity_ && !entries_.empty()) {
       const uint64_t victim = samples_ == 0 ? lru_.back() : SampledVictim(now_s);
-      Remove(victim, cost);
+      Remove(victim);
       evicted(victim);
     }
     lru_.push_front(id);
-    entries_[id] = {lru_.begin(), keys_.size(), now_s};
+    entries_[id] = {lru_.begin(), keys_.size(), now_s, cost};
     keys_.push_back(id);
     used_ += cost;
     return true;
@@ -161,6 +161,7 @@ class RedisMasterModel {
     std::list<uint64_t>::iterator order;
     size_t index;  // in keys_
     int64_t access_s;
+    uint64_t cost;
   };
   uint64_t SampledVictim(int64_t now_s) {
     constexpr size_t kPool = 16;
@@ -180,15 +181,15 @@ class RedisMasterModel {
       }
     }
   }
-  void Remove(uint64_t id, uint64_t cost) {
+  void Remove(uint64_t id) {
     auto it = entries_.find(id);
     lru_.erase(it->second.order);
     const size_t i = it->second.index;
     keys_[i] = keys_.back();
     entries_.at(keys_[i]).index = i;
     keys_.pop_back();
+    used_ -= it->second.cost;
     entries_.erase(it);
-    used_ -= cost;
   }
 
   const uint64_t capacity_;
