@@ -64,6 +64,24 @@ absl::StatusOr<RedisReply> Call(RedisConnection& c, const RedisCommand& cmd, std
 
 }  // namespace
 
+// A redirection's "host:port" as the pool names nodes: Redis writes an IPv6 host without
+// brackets ("fd00::5:7001") and an unknown endpoint as an empty host (":7001", which means the
+// node that answered).
+std::string RedisRedirectTarget(const std::string& target, const std::string& answered_by) {
+  const size_t colon = target.rfind(':');
+  if (colon == std::string::npos) return target;
+  std::string host = target.substr(0, colon);
+  uint32_t port = 0;
+  if (!absl::SimpleAtoi(target.substr(colon + 1), &port) || port > 65535) return target;
+  if (host.empty()) {
+    const absl::StatusOr<HostPort> asked = ParseHostPort(answered_by);
+    if (!asked.ok()) return target;
+    host = asked->host;
+  }
+  if (!host.empty() && host.front() == '[') return target;  // already bracketed
+  return JoinHostPort(host, static_cast<uint16_t>(port));
+}
+
 // Idle connections per node.
 struct RedisCluster::Pool {
   std::mutex mu;
@@ -318,18 +336,18 @@ std::vector<absl::StatusOr<RedisReply>> RedisCluster::RunViews(
         if (!ask[i].empty()) conn.Append(kAsking);
         conn.Append(commands[i]);
       }
-      absl::Status io = conn.Flush();
+      absl::Status io = conn.Flush(deadline);
       for (size_t k = 0; io.ok() && k < idx.size(); ++k) {
         const size_t i = idx[k];
         const bool was_ask = !ask[i].empty();
         ask[i].clear();
         if (was_ask) {  // ASKING's +OK
-          if (absl::StatusOr<RedisReplyPtr> ok = conn.Read(); !ok.ok()) {
+          if (absl::StatusOr<RedisReplyPtr> ok = conn.Read(deadline); !ok.ok()) {
             io = ok.status();
             break;
           }
         }
-        absl::StatusOr<RedisReplyPtr> reply = conn.Read();
+        absl::StatusOr<RedisReplyPtr> reply = conn.Read(deadline);
         if (!reply.ok()) {
           io = reply.status();
           break;
@@ -341,9 +359,10 @@ std::vector<absl::StatusOr<RedisReply>> RedisCluster::RunViews(
           continue;
         }
         const std::string error(r->str, r->len);
-        const std::vector<std::string> parts = absl::StrSplit(error, ' ');
+        std::vector<std::string> parts = absl::StrSplit(error, ' ');
         const bool moved = parts[0] == "MOVED", asked = parts[0] == "ASK";
         if ((moved || asked) && parts.size() >= 3) {
+          parts[2] = RedisRedirectTarget(parts[2], node);
           if (++redirects[i] > options_.max_redirects) {
             out[i] = absl::UnavailableError(absl::StrCat(
                 "redis cluster: more than ", options_.max_redirects, " redirections: ", error));

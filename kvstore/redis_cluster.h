@@ -60,6 +60,11 @@ struct RedisReply {
   std::vector<RedisReply> elements;  // kArray
 };
 
+// A MOVED or ASK target as the client names nodes ("host:port", IPv6 hosts in brackets): Redis
+// writes an IPv6 host bare ("fd00::5:7001") and an unknown endpoint as an empty host (":7001",
+// the node that answered, `answered_by`). Anything else is returned as it is.
+std::string RedisRedirectTarget(const std::string& target, const std::string& answered_by);
+
 struct RedisClusterStats {
   uint64_t commands = 0;
   uint64_t moved = 0;      // MOVED redirections followed

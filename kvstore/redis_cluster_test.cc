@@ -381,6 +381,17 @@ TEST_F(RedisClusterTest, AMasterKilledUnderLoadFailsNothingAndServesNoWrongValue
   }
 }
 
+TEST(RedisRedirectTargetTest, BareIpv6HostsAndEmptyHostsBecomeAddressesThePoolCanDial) {
+  EXPECT_EQ(RedisRedirectTarget("127.0.0.1:7002", "127.0.0.1:7000"), "127.0.0.1:7002");
+  EXPECT_EQ(RedisRedirectTarget("fd00::5:7001", "[fd00::4]:7000"), "[fd00::5]:7001");
+  EXPECT_EQ(RedisRedirectTarget("[fd00::5]:7001", "[fd00::4]:7000"), "[fd00::5]:7001");
+  EXPECT_EQ(RedisRedirectTarget(":7001", "10.0.0.2:7000"), "10.0.0.2:7001");
+  EXPECT_EQ(RedisRedirectTarget(":7001", "[fd00::4]:7000"), "[fd00::4]:7001");
+  EXPECT_EQ(RedisRedirectTarget("redis-2.example:6379", "x:1"), "redis-2.example:6379");
+  EXPECT_EQ(RedisRedirectTarget("nonsense", "10.0.0.2:7000"), "nonsense");
+  EXPECT_EQ(RedisRedirectTarget("host:99999", "10.0.0.2:7000"), "host:99999");
+}
+
 TEST(RedisClusterAuthTest, AuthIsRequiredAndAWrongPasswordIsRefused) {
   if (!RedisClusterProcess::Installed()) GTEST_SKIP() << "skipped: no redis-server";
   RedisClusterProcess cluster(3, 0, "s3cret-pass");

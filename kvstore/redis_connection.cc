@@ -27,7 +27,9 @@ namespace {
 
 // Arguments at least this long are written from the caller's bytes instead of copied.
 constexpr size_t kLargeArgument = 16 << 10;
-constexpr size_t kReceiveBuffer = 256 << 10;
+// hiredis's own read size: its reader moves what is left of its buffer forward after each
+// reply once 1 KiB is consumed, so a larger feed costs more moves with many small replies.
+constexpr size_t kReceiveBuffer = 16 << 10;
 constexpr size_t kTlsWriteChunk = 256 << 10;
 
 // Every error OpenSSL queued on this thread, oldest first ("" when none).
@@ -330,7 +332,8 @@ void RedisConnection::Append(absl::Span<const absl::string_view> argv) {
   }
 }
 
-absl::Status RedisConnection::Flush() {
+absl::Status RedisConnection::Flush(absl::Time not_after) {
+  auto wait_until = [&] { return std::min(absl::Now() + io_timeout_, not_after); };
   if (!small_.empty()) out_.push_back({std::move(small_), {}});
   small_.clear();
   std::vector<Piece> out = std::move(out_);
@@ -339,7 +342,7 @@ absl::Status RedisConnection::Flush() {
   if (ssl_ != nullptr) {
     for (const Piece& piece : out) {
       const absl::string_view b = piece.owned.empty() ? piece.view : piece.owned;
-      if (absl::Status s = Write(b.data(), b.size(), absl::Now() + io_timeout_); !s.ok()) {
+      if (absl::Status s = Write(b.data(), b.size(), wait_until()); !s.ok()) {
         return s;
       }
     }
@@ -360,7 +363,7 @@ absl::Status RedisConnection::Flush() {
     const ssize_t k = sendmsg(fd_, &msg, MSG_NOSIGNAL);
     if (k < 0 && errno == EINTR) continue;
     if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-      const int ready = PollUntil(fd_, POLLOUT, absl::Now() + io_timeout_);
+      const int ready = PollUntil(fd_, POLLOUT, wait_until());
       if (ready == 0) return Failed("a write stalled past the timeout");
       if (ready < 0) return Failed(absl::StrCat("poll: ", std::strerror(errno)));
       continue;
@@ -376,7 +379,7 @@ absl::Status RedisConnection::Flush() {
   return absl::OkStatus();
 }
 
-absl::StatusOr<RedisReplyPtr> RedisConnection::Read() {
+absl::StatusOr<RedisReplyPtr> RedisConnection::Read(absl::Time not_after) {
   if (failed_) return absl::UnavailableError(absl::StrCat("redis ", address_, ": closed"));
   while (true) {
     void* r = nullptr;
@@ -386,7 +389,8 @@ absl::StatusOr<RedisReplyPtr> RedisConnection::Read() {
     if (r != nullptr) return RedisReplyPtr(static_cast<redisReply*>(r));
     // The timeout bounds each wait for bytes, not the whole reply (a large value may take
     // several).
-    absl::StatusOr<size_t> n = ReadSome(in_.data(), in_.size(), absl::Now() + io_timeout_);
+    absl::StatusOr<size_t> n =
+        ReadSome(in_.data(), in_.size(), std::min(absl::Now() + io_timeout_, not_after));
     if (!n.ok()) return n.status();
     if (redisReaderFeed(reader_, in_.data(), *n) != REDIS_OK) {
       return Failed(absl::StrCat("not a Redis reply: ", reader_->errstr));

@@ -83,10 +83,11 @@ class RedisConnection {
   void Append(absl::Span<const absl::string_view> argv);
   // Writes every queued command. kUnavailable when the connection fails or a write stalls past
   // io_timeout.
-  absl::Status Flush();
+  // `not_after` caps every wait (a call's deadline), besides io_timeout.
+  absl::Status Flush(absl::Time not_after = absl::InfiniteFuture());
   // The next reply (a Redis error reply is a reply: type REDIS_REPLY_ERROR). kUnavailable when
   // the connection fails, no reply completes within io_timeout, or the bytes are not RESP.
-  absl::StatusOr<RedisReplyPtr> Read();
+  absl::StatusOr<RedisReplyPtr> Read(absl::Time not_after = absl::InfiniteFuture());
   // Append, Flush and Read for one command.
   absl::StatusOr<RedisReplyPtr> Call(absl::Span<const absl::string_view> argv);
 
