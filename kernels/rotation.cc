@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "common/mix64.h"
 
 namespace strata::kernels {
 namespace {
@@ -21,10 +22,9 @@ void Fwht(float* x, uint32_t n) {
 }
 
 uint64_t SplitMix64(uint64_t& state) {
-  uint64_t z = (state += 0x9e3779b97f4a7c15ull);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
+  const uint64_t z = Mix64(state);
+  state += kSplitMix64Gamma;
+  return z;
 }
 
 }  // namespace

@@ -224,21 +224,33 @@ absl::Status RedisConnection::Handshake(const RedisTlsContext& tls, const std::s
 }
 
 absl::Status RedisConnection::SendRaw(const char* p, size_t n, absl::Time deadline) {
-  while (n > 0) {
-    const ssize_t k = send(fd_, p, n, MSG_NOSIGNAL);
-    if (k > 0) {
-      p += k;
-      n -= static_cast<size_t>(k);
-      continue;
-    }
+  std::vector<iovec> iov = {{const_cast<char*>(p), n}};
+  return SendAll(iov, absl::InfiniteDuration(), deadline);
+}
+
+absl::Status RedisConnection::SendAll(std::vector<iovec>& iov, absl::Duration idle,
+                                      absl::Time not_after) {
+  size_t first = 0;
+  while (first < iov.size() && iov[first].iov_len == 0) ++first;
+  while (first < iov.size()) {
+    msghdr msg{};
+    msg.msg_iov = &iov[first];
+    msg.msg_iovlen = std::min<size_t>(iov.size() - first, IOV_MAX);
+    const ssize_t k = sendmsg(fd_, &msg, MSG_NOSIGNAL);
     if (k < 0 && errno == EINTR) continue;
     if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-      const int ready = PollUntil(fd_, POLLOUT, deadline);
+      const int ready = PollUntil(fd_, POLLOUT, std::min(absl::Now() + idle, not_after));
       if (ready == 0) return Failed("a write stalled past the timeout");
       if (ready < 0) return Failed(absl::StrCat("poll: ", std::strerror(errno)));
       continue;
     }
-    return Failed(absl::StrCat("write: ", std::strerror(errno)));
+    if (k < 0) return Failed(absl::StrCat("write: ", std::strerror(errno)));
+    size_t sent = static_cast<size_t>(k);
+    while (first < iov.size() && sent >= iov[first].iov_len) sent -= iov[first++].iov_len;
+    if (sent > 0) {
+      iov[first].iov_base = static_cast<char*>(iov[first].iov_base) + sent;
+      iov[first].iov_len -= sent;
+    }
   }
   return absl::OkStatus();
 }
@@ -355,28 +367,7 @@ absl::Status RedisConnection::Flush(absl::Time not_after) {
     const absl::string_view b = piece.owned.empty() ? piece.view : piece.owned;
     if (!b.empty()) iov.push_back({const_cast<char*>(b.data()), b.size()});
   }
-  size_t first = 0;
-  while (first < iov.size()) {
-    msghdr msg{};
-    msg.msg_iov = &iov[first];
-    msg.msg_iovlen = std::min<size_t>(iov.size() - first, IOV_MAX);
-    const ssize_t k = sendmsg(fd_, &msg, MSG_NOSIGNAL);
-    if (k < 0 && errno == EINTR) continue;
-    if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-      const int ready = PollUntil(fd_, POLLOUT, wait_until());
-      if (ready == 0) return Failed("a write stalled past the timeout");
-      if (ready < 0) return Failed(absl::StrCat("poll: ", std::strerror(errno)));
-      continue;
-    }
-    if (k < 0) return Failed(absl::StrCat("write: ", std::strerror(errno)));
-    size_t sent = static_cast<size_t>(k);
-    while (first < iov.size() && sent >= iov[first].iov_len) sent -= iov[first++].iov_len;
-    if (sent > 0) {
-      iov[first].iov_base = static_cast<char*>(iov[first].iov_base) + sent;
-      iov[first].iov_len -= sent;
-    }
-  }
-  return absl::OkStatus();
+  return SendAll(iov, io_timeout_, not_after);
 }
 
 absl::StatusOr<RedisReplyPtr> RedisConnection::Read(absl::Time not_after) {

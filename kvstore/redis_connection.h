@@ -23,6 +23,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 
+struct iovec;
 struct redisReader;
 struct redisReply;
 struct ssl_ctx_st;
@@ -97,12 +98,16 @@ class RedisConnection {
   RedisConnection(int fd, std::string address, absl::Duration io_timeout);
   absl::Status Handshake(const RedisTlsContext& tls, const std::string& host, absl::Time deadline);
   absl::Status SendRaw(const char* p, size_t n, absl::Time deadline);
+  // Every byte of `iov` (advanced in place) onto the socket in gathered writes, each wait for
+  // room bounded by `idle` from its start and by `not_after`.
+  absl::Status SendAll(std::vector<iovec>& iov, absl::Duration idle, absl::Time not_after);
   absl::StatusOr<size_t> RecvRaw(char* p, size_t n, absl::Time deadline);
   absl::Status Write(const char* p, size_t n, absl::Time deadline);  // through TLS where on
   absl::StatusOr<size_t> ReadSome(char* p, size_t n, absl::Time deadline);
   absl::Status DrainTls(absl::Time deadline);   // TLS records made, onto the socket
   std::string PendingTlsAlert();                // the error of an alert already received, or ""
-  absl::Status Failed(absl::string_view what);  // closes; kUnavailable naming the address
+  // Marks the connection failed (never used again); kUnavailable naming the address.
+  absl::Status Failed(absl::string_view what);
 
   int fd_;
   const std::string address_;

@@ -10,6 +10,7 @@
 #include <random>
 
 #include "absl/strings/str_cat.h"
+#include "common/mix64.h"
 #include "kvstore/tier_ledger.h"
 #include "nlohmann/json.hpp"
 
@@ -202,10 +203,7 @@ class SharedTierModel {
 
  private:
   size_t MasterIndex(uint64_t id) const {
-    uint64_t x = id + 0x9e3779b97f4a7c15ull;  // splitmix64's finalizer: trace ids are small
-    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-    return (x ^ (x >> 31)) % masters_.size();
+    return Mix64(id) % masters_.size();  // trace ids are small: mixed first
   }
   RedisMasterModel& Master(uint64_t id) { return masters_[MasterIndex(id)]; }
   const RedisMasterModel& Master(uint64_t id) const { return masters_[MasterIndex(id)]; }

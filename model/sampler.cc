@@ -7,19 +7,9 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
+#include "common/mix64.h"
 
 namespace strata::model {
-namespace {
-
-// SplitMix64's finalizer: a well-mixed 64-bit value from (seed, index).
-uint64_t Mix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
-}  // namespace
 
 absl::Status SamplingOptions::Validate() const {
   if (!(temperature >= 0.0f && temperature <= 2.0f)) {
@@ -113,8 +103,8 @@ uint32_t Sampler::Sample(absl::Span<const float> raw, uint64_t index,
   }
   double mass = 0;
   for (uint32_t i = 0; i < keep; ++i) mass += p[i];
-  // A uniform draw in [0, 1) from 53 bits of Mix(seed, index).
-  const uint64_t r = Mix(Mix(options_.seed) ^ Mix(index + 0x632be59bd9b4e019ull));
+  // A uniform draw in [0, 1) from 53 bits of Mix64(seed, index).
+  const uint64_t r = Mix64(Mix64(options_.seed) ^ Mix64(index + 0x632be59bd9b4e019ull));
   const double u = static_cast<double>(r >> 11) * 0x1.0p-53 * mass;
   double acc = 0;
   for (uint32_t i = 0; i < keep; ++i) {

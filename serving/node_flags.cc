@@ -94,12 +94,12 @@ absl::Status StartNodeFromFlags(const NodeStartOptions& o, NodeStart* n, NodeSta
     return fail("flags",
                 absl::InvalidArgumentError("--cluster and --node are required (see --help)"), 2);
   }
-  if (absl::Status s = membership::EtcdPrefixFromFlags().status(); !s.ok()) {
-    return fail("flags", s, 2);
-  }
-  if (absl::Status s = membership::EtcdLeaseFromFlags().status(); !s.ok()) {
-    return fail("flags", s, 2);
-  }
+  absl::StatusOr<std::string> prefix = membership::EtcdPrefixFromFlags();
+  if (!prefix.ok()) return fail("flags", prefix.status(), 2);
+  n->etcd_prefix = *std::move(prefix);
+  absl::StatusOr<absl::Duration> lease = membership::EtcdLeaseFromFlags();
+  if (!lease.ok()) return fail("flags", lease.status(), 2);
+  n->etcd_lease = *lease;
   absl::StatusOr<membership::ClusterSpec> spec =
       membership::LoadClusterFile(absl::GetFlag(FLAGS_cluster));
   if (!spec.ok()) return fail("cluster file", spec.status(), 2);
@@ -165,12 +165,8 @@ absl::Status ServeNode(const NodeStart& n, const char* process,
   announce.grpc = JoinHostPort(ParseHostPort(n.listen)->host, out->port);
   announce.metrics = n.metrics;
   if (!transport.empty()) announce.transport = transport;
-  absl::StatusOr<std::string> prefix = membership::EtcdPrefixFromFlags();
-  if (!prefix.ok()) return fail("flags", prefix.status());
-  absl::StatusOr<absl::Duration> lease = membership::EtcdLeaseFromFlags();
-  if (!lease.ok()) return fail("flags", lease.status());
   absl::StatusOr<std::unique_ptr<membership::EtcdRegistration>> registration =
-      RegisterWithEtcd(absl::GetFlag(FLAGS_etcd), *prefix, announce, *lease);
+      RegisterWithEtcd(absl::GetFlag(FLAGS_etcd), n.etcd_prefix, announce, n.etcd_lease);
   if (!registration.ok()) return fail("etcd", registration.status());
   out->registration = *std::move(registration);
   std::cout << process << ": serving on port " << out->port << std::endl;

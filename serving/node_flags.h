@@ -12,6 +12,7 @@
 
 #include "absl/flags/declare.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "membership/cluster_file.h"
 #include "model/compute_backend.h"
 #include "rpc/grpc_security.h"
@@ -60,6 +61,8 @@ struct NodeStart {
   ServedModel served;
   uint64_t local_ram_bytes = 0;
   StoreConnection store;
+  std::string etcd_prefix;                           // --etcd_prefix, checked
+  absl::Duration etcd_lease = absl::ZeroDuration();  // --etcd_ttl_s
 };
 // What stopped a node's start: the step (for the process's message) and the exit code (2 for
 // bad flags or a bad cluster file, 1 for what failed at run time).

@@ -18,7 +18,7 @@ namespace {
 
 // A size in the largest binary unit that leaves at least 1 (16M, 1.6M, 256G), one decimal
 // where it is not whole.
-std::string Gib(uint64_t b) {
+std::string SizeText(uint64_t b) {
   const char* units = "KMGT";
   double x = b;
   int u = -1;
@@ -69,7 +69,7 @@ absl::Status RunReplay(const ReplayOptions& o, std::ostream& out) {
         "layouts over %d hosts (RAM and disk per store: one machine's); shared tier %s on %d "
         "masters (%s each before any key), %s, a chunk a Redis hash of its layers (jemalloc's "
         "size classes and Redis's structures counted); router: prefix overlap%s\n",
-        o.hosts, Gib(o.shared_bytes), o.shared_masters, Gib(o.shared_baseline_bytes),
+        o.hosts, SizeText(o.shared_bytes), o.shared_masters, SizeText(o.shared_baseline_bytes),
         o.shared_lru_samples > 0
             ? absl::StrFormat("Redis's LRU sampling %d keys per eviction", o.shared_lru_samples)
             : std::string("exact LRU"),
@@ -119,8 +119,8 @@ absl::Status RunReplay(const ReplayOptions& o, std::ostream& out) {
                        "%-16s %6.3f %8.2f %6s %6s %7s %11s | %6.2f%% %6.2f%% %9.2f %9.1f %9.1f "
                        "%9.1f %8d "
                        "%8d %7.1f%% %9s\n",
-                       spec, bits, chunk_bytes / 1e6, Gib(ram), disk ? Gib(disk) : "-", pol,
-                       kvstore::StoreLayoutName(layout), 100 * r.chunk_hit_rate(),
+                       spec, bits, chunk_bytes / 1e6, SizeText(ram), disk ? SizeText(disk) : "-",
+                       pol, kvstore::StoreLayoutName(layout), 100 * r.chunk_hit_rate(),
                        100 * r.token_hit_rate(), r.tokens_saved / 1e6, r.bytes_read_ram / 1e9,
                        r.bytes_read_disk / 1e9, r.bytes_written_disk / 1e9, r.ram_evictions,
                        r.orphans_dropped, hits ? 100.0 * r.chunk_hits_shared / hits : 0.0,
@@ -128,7 +128,7 @@ absl::Status RunReplay(const ReplayOptions& o, std::ostream& out) {
                            ? absl::StrFormat("%d/%d", r.shared_orphans, r.shared_chunks)
                            : std::string("-"))
                 << std::flush;
-            progress.Advance(1, absl::StrCat(spec, " ", Gib(ram), " ", pol, " ",
+            progress.Advance(1, absl::StrCat(spec, " ", SizeText(ram), " ", pol, " ",
                                              kvstore::StoreLayoutName(layout)));
             report["runs"].push_back({{"codec", spec},
                                       {"layout", kvstore::StoreLayoutName(layout)},
