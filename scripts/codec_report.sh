@@ -22,7 +22,8 @@ codecs=(fp16 int8 fp8e4m3
         tada:k2v2:g32 tada:k4v4:g32 tada:k3v3:g32
         kivi:k2v2:g32:sink4 skvq:k2v2:g32:sink4
         int8:rot kivi:k4v4:g32:rot kivi:k2v2:g32:rot kcvt:k2v2:rot
-        strata:b2.25 strata:b2.5 strata:b3 strata:b4)
+        cq:c2:b8:sink4 cq:c2:b6:sink4 cq:c4:b8:sink4 cq:c4:b8 cq:c4:b6 cq:c8:b8
+        strata:b1.6 strata:b2.25 strata:b2.5 strata:b3 strata:b4)
 IFS=,
 {
   echo "machine $(uname -m) $(nproc) cores, $(date -u +%FT%TZ), commit $commit"
