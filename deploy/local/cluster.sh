@@ -36,7 +36,11 @@
 #                                [--tls DIR] (mutual TLS between every process and the cluster
 #                                token, HTTPS at the router, with the files of
 #                                scripts/make_certs.sh in DIR, made there when DIR has no ca.crt;
-#                                without --tls every process runs with --insecure)
+#                                without --tls every process runs with --insecure. With
+#                                --shared-tier, Redis serves TLS only (tls-port, its bus and
+#                                replication too, client certificates required) and a password,
+#                                DIR/redis.password (made when missing): --shared_tier_tls*,
+#                                --shared_tier_password_file)
 #   deploy/local/cluster.sh down   [--dir DIR]
 #   deploy/local/cluster.sh status [--dir DIR]
 #   deploy/local/cluster.sh restart NAME [--dir DIR]   (NAME: store, prefill-0, decode-1, router...;
@@ -300,6 +304,7 @@ case "$cmd" in
                     $(seq -f 'decode-%g' 0 $((n_decode - 1))); do
           sans+=(--san "$(host_of "$name")")
         done
+        if [ "$shared_tier" -gt 0 ]; then sans+=(--san "$(host_of redis)"); fi
         "$root/scripts/make_certs.sh" "$tls" "${sans[@]}" >/dev/null
       fi
       sec=(--tls_cert "$tls/node.crt" --tls_key "$tls/node.key" --tls_ca "$tls/ca.crt"
@@ -324,11 +329,34 @@ case "$cmd" in
       # execs it), for `down` and for tests that kill a master.
       on_redis=()
       if [ -n "$netns" ]; then on_redis=(ip netns exec "$(ns_of redis)"); fi
+      # With --tls: TLS only (the node certificate serves Redis too; clients must present one
+      # signed by the cluster's CA) and AUTH with DIR/redis.password, replicas included.
+      redis_cli=("${on_redis[@]}" redis-cli)
+      tier_sec=()
+      if [ -n "$tls" ]; then
+        if [ ! -s "$tls/redis.password" ]; then
+          (umask 077 && openssl rand -hex 32 >"$tls/redis.password")
+        fi
+        redis_password="$(head -n1 "$tls/redis.password")"
+        redis_cli=("${on_redis[@]}" env REDISCLI_AUTH="$redis_password" redis-cli --tls
+                   --cacert "$tls/ca.crt" --cert "$tls/node.crt" --key "$tls/node.key")
+        tier_sec=(--shared_tier_tls --shared_tier_tls_ca "$tls/ca.crt"
+                  --shared_tier_tls_cert "$tls/node.crt" --shared_tier_tls_key "$tls/node.key"
+                  --shared_tier_password_file "$tls/redis.password")
+      fi
       redis_addrs=()
       for i in $(seq 0 $((2 * shared_tier - 1))); do
         p=$((port_base + 200 + i))
         rm -rf "$dir/redis-$i" && mkdir -p "$dir/redis-$i"
-        "${on_redis[@]}" redis-server --port "$p" --bind "$redis_host" --cluster-enabled yes \
+        if [ -n "$tls" ]; then
+          redis_sec=(--port 0 --tls-port "$p" --tls-cluster yes --tls-replication yes
+                     --tls-cert-file "$tls/node.crt" --tls-key-file "$tls/node.key"
+                     --tls-ca-cert-file "$tls/ca.crt" --tls-auth-clients yes
+                     --requirepass "$redis_password" --masterauth "$redis_password")
+        else
+          redis_sec=(--port "$p")
+        fi
+        "${on_redis[@]}" redis-server "${redis_sec[@]}" --bind "$redis_host" --cluster-enabled yes \
           --cluster-config-file "$dir/redis-$i/nodes.conf" --dir "$dir/redis-$i" \
           --cluster-node-timeout 2000 --save '' --appendonly no --repl-diskless-sync-delay 0 --protected-mode no \
           --maxmemory "$shared_tier_memory" --maxmemory-policy volatile-lru \
@@ -337,16 +365,16 @@ case "$cmd" in
         redis_addrs+=("$redis_host:$p")
       done
       for a in "${redis_addrs[@]}"; do
-        for _ in $(seq 100); do "${on_redis[@]}" redis-cli -h "$redis_host" -p "${a##*:}" PING 2>/dev/null | grep -q PONG && break; sleep 0.05; done
+        for _ in $(seq 100); do "${redis_cli[@]}" -h "$redis_host" -p "${a##*:}" PING 2>/dev/null | grep -q PONG && break; sleep 0.05; done
       done
-      "${on_redis[@]}" redis-cli --cluster create "${redis_addrs[@]}" --cluster-replicas 1 --cluster-yes \
+      "${redis_cli[@]}" --cluster create "${redis_addrs[@]}" --cluster-replicas 1 --cluster-yes \
         >"$dir/logs/redis-create.log" 2>&1 ||
         { echo "cluster.sh: redis-cli --cluster create failed ($dir/logs/redis-create.log)" >&2; stop_all; exit 1; }
       for _ in $(seq 200); do
-        "${on_redis[@]}" redis-cli -h "$redis_host" -p "${redis_addrs[0]##*:}" CLUSTER INFO 2>/dev/null | grep -q cluster_state:ok && break
+        "${redis_cli[@]}" -h "$redis_host" -p "${redis_addrs[0]##*:}" CLUSTER INFO 2>/dev/null | grep -q cluster_state:ok && break
         sleep 0.05
       done
-      store_shared=(--shared_tier "$(IFS=,; echo "${redis_addrs[*]}")")
+      store_shared=(--shared_tier "$(IFS=,; echo "${redis_addrs[*]}")" "${tier_sec[@]}")
     fi
     start store "$bin/kvstore/strata-store" --listen "$(host_of store):$store_port" "${store_tiers[@]}" \
       --metrics_host "$(host_of store)" --metrics_port $((port_base + 1)) "${sec[@]}" \

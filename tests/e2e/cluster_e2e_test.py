@@ -105,6 +105,12 @@ class Cluster:
         with open(os.path.join(self.dir, "cluster.json")) as f:
             self.spec = json.load(f)
         self.base = "%s://%s" % ("https" if tls else "http", self.spec["router"]["http"])
+        # What verifies the router's HTTPS (None over plain HTTP).
+        self.ssl = ssl.create_default_context(cafile=self.ca) if tls else None
+
+    def router_metrics(self):
+        """The router's metrics (on its HTTP port: HTTPS with tls)."""
+        return scrape(self.base, self.ssl)
 
     def pids(self):
         out = {}
@@ -156,12 +162,12 @@ class Cluster:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def http_json(url, body=None, timeout=60, method=None):
+def http_json(url, body=None, timeout=60, method=None, context=None):
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(url, data=data, method=method,
                                  headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
+        with urllib.request.urlopen(req, timeout=timeout, context=context) as r:
             return r.status, json.load(r), dict(r.headers)
     except urllib.error.HTTPError as e:
         return e.code, json.load(e), dict(e.headers)
@@ -177,14 +183,15 @@ def complete(cluster, prompt, max_tokens=16, stream=False, salt=None, timeout=12
         body["cache_salt"] = salt
     body.update(extra)
     if not stream:
-        status, resp, _ = http_json(cluster.base + "/v1/completions", body, timeout)
+        status, resp, _ = http_json(cluster.base + "/v1/completions", body, timeout,
+                                    context=cluster.ssl)
         if status != 200:
             raise RuntimeError("HTTP %d: %s" % (status, resp))
         return resp["choices"][0]["text"], resp["usage"], None
     req = urllib.request.Request(cluster.base + "/v1/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     text, usage, events = "", None, []
-    with urllib.request.urlopen(req, timeout=timeout) as r:
+    with urllib.request.urlopen(req, timeout=timeout, context=cluster.ssl) as r:
         for raw in r:
             line = raw.decode().strip()
             if not line.startswith("data: "):
@@ -217,8 +224,10 @@ def solo(codec, prompt, max_tokens, calibration="", flags=()):
     return out[:-1] if out.endswith("\n") else out
 
 
-def scrape(address):
-    with urllib.request.urlopen("http://%s/metrics" % address, timeout=5) as r:
+def scrape(address, context=None):
+    """The metrics at HOST:PORT over HTTP, or at a URL (https://... with `context`)."""
+    url = address if "://" in address else "http://" + address
+    with urllib.request.urlopen(url + "/metrics", timeout=5, context=context) as r:
         text = r.read().decode()
     values = {}
     for line in text.splitlines():
@@ -1273,14 +1282,27 @@ class SharedTierTest(unittest.TestCase):
     """A store per host (cluster.sh --host-stores) over one shared tier on a Redis Cluster."""
 
     def test_a_prefix_computed_on_one_host_is_reused_on_another_through_the_shared_tier(self):
+        self.reuse_across_hosts(tls=False)
+
+    def test_the_same_over_tls_and_auth_to_redis(self):
+        # cluster.sh --tls --shared-tier: Redis serves TLS only, with client certificates and a
+        # password; every process reaches it with --shared_tier_tls*.
+        self.reuse_across_hosts(tls=True)
+
+    def reuse_across_hosts(self, tls):
         # Host 0 runs prefill-0 and the cluster's store, host 1 prefill-1 and store-1. The first
         # request is computed on one host; that host's prefill node is then killed, so the same
         # prompt is served on the other host, whose own store never saw it: its store finds the
         # chunks in the shared tier and promotes them, and the request gets every cached token
         # one store would give (all chunks but the one holding the last prompt token).
-        c = Cluster("kivi:k4v4:g32", prefill=2, decode=2,
+        c = Cluster("kivi:k4v4:g32", prefill=2, decode=2, tls=tls,
                     extra=["--shared-tier", "3", "--host-stores"])
         try:
+            if tls:  # Redis answers no plain connection (so the tier below did run over TLS)
+                plain = subprocess.run(["redis-cli", "-h", c.address_of("redis"), "-p",
+                                        str(c.port_base + 200), "PING"],
+                                       capture_output=True, text=True, timeout=10)
+                self.assertNotIn("PONG", plain.stdout)
             stores = {0: c.store_metrics(), 1: "%s:%d" % (c.address_of("store-1"), c.port_base + 151)}
             self.assertEqual(c.node("prefill-1")["store"],
                              "%s:%d" % (c.address_of("store-1"), c.port_base + 101))
@@ -1307,7 +1329,7 @@ class SharedTierTest(unittest.TestCase):
             self.assertGreater(metric(after, "strata_store_shared_hits_total"),
                                metric(before, "strata_store_shared_hits_total"))
             # The router asked the shared tier as it routed (the first request).
-            self.assertGreater(metric(scrape(c.spec["router"]["http"]),
+            self.assertGreater(metric(c.router_metrics(),
                                       "strata_router_shared_tier_probes_total"), 0)
         except Exception:
             print(c.logs())
@@ -1379,7 +1401,7 @@ class SharedTierTest(unittest.TestCase):
             # Reused prompts were cached (the store serves them; the tier is behind it).
             self.assertGreater(sum(1 for n in done if n > 0), 0)
             store = scrape(c.store_metrics())
-            router = scrape(c.spec["router"]["http"])
+            router = c.router_metrics()
             seen = {name: metric(store, "strata_store_shared_%s_total" % name)
                     for name in ("puts", "put_errors", "retries", "io_errors", "redirections")}
             seen["router_probe_errors"] = metric(router, "strata_router_shared_tier_errors_total")
@@ -1457,7 +1479,7 @@ def wait_write_through(store_metrics, timeout=30):
 def wait_router_drops(c, node, timeout=30):
     """Until the router counts `node` unhealthy."""
     deadline = time.time() + timeout
-    while metric(scrape(c.spec["router"]["http"]), "strata_router_node_healthy",
+    while metric(c.router_metrics(), "strata_router_node_healthy",
                  'node="%s"' % node) != 0:
         if time.time() > deadline:
             raise AssertionError("the router still counts %s" % node)
