@@ -151,15 +151,28 @@ absl::StatusOr<std::unique_ptr<RedisCluster>> RedisCluster::Connect(RedisCluster
 }
 
 absl::StatusOr<std::unique_ptr<RedisConnection>> RedisCluster::Take(const std::string& node) {
+  // The newest idle connection the server has not closed meanwhile; those it closed (Redis's
+  // `timeout`, a restart) are dropped here rather than failed on a command.
+  uint64_t stale = 0;
+  std::unique_ptr<RedisConnection> pooled;
   {
     std::lock_guard<std::mutex> lock(pool_->mu);
     auto it = pool_->idle.find(node);
-    if (it != pool_->idle.end() && !it->second.empty()) {
+    while (it != pool_->idle.end() && !it->second.empty() && pooled == nullptr) {
       std::unique_ptr<RedisConnection> c = std::move(it->second.back());
       it->second.pop_back();
-      return c;
+      if (c->Reusable()) {
+        pooled = std::move(c);
+      } else {
+        ++stale;
+      }
     }
   }
+  if (stale > 0) {
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.stale += stale;
+  }
+  if (pooled != nullptr) return pooled;
   absl::StatusOr<HostPort> hp = ParseHostPort(node);
   if (!hp.ok()) return hp.status();
   absl::StatusOr<std::unique_ptr<RedisConnection>> c = RedisConnection::Open(

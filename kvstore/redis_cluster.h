@@ -72,6 +72,7 @@ struct RedisClusterStats {
   uint64_t retries = 0;    // TRYAGAIN / CLUSTERDOWN / LOADING / a node lost, retried
   uint64_t refreshes = 0;  // slot map reloads
   uint64_t connects = 0;   // connections opened
+  uint64_t stale = 0;      // pooled connections the server closed while idle, dropped unused
   uint64_t io_errors = 0;  // connections lost or timed out
   uint64_t errors = 0;     // commands that ended in an error
 };

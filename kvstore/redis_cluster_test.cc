@@ -236,6 +236,44 @@ TEST_F(RedisClusterTest, AnAskDuringAMigrationIsFollowedWithAsking) {
   EXPECT_EQ(g[0]->str, "asked");
 }
 
+// Every master closes its clients' connections while they sit idle in the pool (as Redis's
+// `timeout` does): the next commands run on fresh connections at once, with no error, retry or
+// backoff counted, and the closed ones counted stale.
+TEST_F(RedisClusterTest, ConnectionsTheServerClosedWhileIdleAreReplacedNotFailed) {
+  std::unique_ptr<RedisCluster> c = Client();
+  ASSERT_NE(c, nullptr);
+  std::vector<RedisCommand> set, get;
+  std::set<std::string> masters;
+  for (int i = 0; i < 30; ++i) {
+    set.push_back({"SET", absl::StrCat("idle:", i), absl::StrCat("v", i)});
+    get.push_back({"GET", absl::StrCat("idle:", i)});
+    masters.insert(c->NodeFor(RedisCluster::Slot(get.back()[1])));
+  }
+  ASSERT_EQ(masters.size(), 3u);
+  for (const auto& r : c->Run(set, Soon())) ASSERT_TRUE(r.ok()) << r.status();
+  const RedisClusterStats pooled = c->Stats();
+  for (const auto& r : c->Run(get, Soon())) ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(c->Stats().connects, pooled.connects) << "the pool's connections were reused";
+  for (const std::string& m : masters) {
+    EXPECT_NE(cluster_->Cli(cluster_->Find(m)->port,
+                            {"CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes"}),
+              "0\n")
+        << m << " had no client to close";
+  }
+  const RedisClusterStats before = c->Stats();
+  const auto got = c->Run(get, Soon());
+  for (int i = 0; i < 30; ++i) {
+    ASSERT_TRUE(got[i].ok()) << got[i].status();
+    EXPECT_EQ(got[i]->str, absl::StrCat("v", i));
+  }
+  const RedisClusterStats after = c->Stats();
+  EXPECT_EQ(after.io_errors, before.io_errors);
+  EXPECT_EQ(after.retries, before.retries);
+  EXPECT_EQ(after.errors, before.errors);
+  EXPECT_GE(after.stale, before.stale + 3);
+  EXPECT_GE(after.connects, before.connects + 3);
+}
+
 TEST_F(RedisClusterTest, UnreachableSeedsAreUnavailableNamingThem) {
   absl::StatusOr<std::unique_ptr<RedisCluster>> c =
       RedisCluster::Connect({.seeds = {absl::StrCat("127.0.0.1:", FreeLoopbackPort())},
@@ -443,6 +481,18 @@ TEST(RedisClusterTlsTest, CommandsRunOverTlsAndWhatDoesNotVerifyIsRefused) {
     nodes.insert((*c)->NodeFor(RedisCluster::Slot(get[i][1])));
   }
   EXPECT_EQ(nodes.size(), 3u);
+  // Pooled TLS connections are reused (the session tickets servers send after the handshake do
+  // not make them look closed), and those the servers closed while idle are replaced.
+  const RedisClusterStats pooled = (*c)->Stats();
+  for (const auto& r : (*c)->Run(get, Soon())) ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ((*c)->Stats().connects, pooled.connects);
+  EXPECT_EQ((*c)->Stats().stale, 0u);
+  for (const std::string& n : nodes) {
+    cluster.Cli(cluster.Find(n)->port, {"CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes"});
+  }
+  for (const auto& r : (*c)->Run(get, Soon())) ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ((*c)->Stats().io_errors, pooled.io_errors);
+  EXPECT_GE((*c)->Stats().stale, 3u);
   // What Redis saw: TLS connections (redis-cli over TLS reads the value back too).
   EXPECT_EQ(cluster.Cli(cluster.Find((*c)->NodeFor(RedisCluster::Slot("tls:1")))->port,
                         {"STRLEN", "tls:1"}),

@@ -299,6 +299,27 @@ std::string RedisConnection::PendingTlsAlert() {
   return r <= 0 && SSL_get_error(ssl_, r) == SSL_ERROR_SSL ? OpenSslErrors() : "";
 }
 
+bool RedisConnection::Reusable() {
+  if (failed_) return false;
+  char buf[16 << 10];
+  while (true) {
+    const ssize_t k = recv(fd_, buf, sizeof(buf), MSG_DONTWAIT);
+    if (k < 0 && errno == EINTR) continue;
+    if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;  // nothing: still open
+    // EOF, a reset, or plain bytes nobody asked for.
+    if (k <= 0 || ssl_ == nullptr) break;
+    BIO_write(static_cast<BIO*>(rbio_), buf, static_cast<int>(k));
+    ERR_clear_error();
+    char one;
+    const int r = SSL_read(ssl_, &one, 1);
+    // A session ticket leaves OpenSSL wanting more; application data, close_notify or an alert
+    // end the connection's use.
+    if (r > 0 || SSL_get_error(ssl_, r) != SSL_ERROR_WANT_READ) break;
+  }
+  failed_ = true;
+  return false;
+}
+
 absl::Status RedisConnection::Write(const char* p, size_t n, absl::Time deadline) {
   if (ssl_ == nullptr) return SendRaw(p, n, deadline);
   while (n > 0) {

@@ -92,6 +92,12 @@ class RedisConnection {
   // Append, Flush and Read for one command.
   absl::StatusOr<RedisReplyPtr> Call(absl::Span<const absl::string_view> argv);
 
+  // Whether a connection that sat idle (in a pool) can take a command: false when it failed or
+  // the server closed it meanwhile (Redis's `timeout`, CLIENT KILL, a restart). An idle
+  // connection has nothing to read, save over TLS the records a server sends after the
+  // handshake (session tickets), which are taken in here. Never waits.
+  bool Reusable();
+
   const std::string& address() const { return address_; }
 
  private:

@@ -148,6 +148,8 @@ class StoreService::Metrics final : public prometheus::Collectable {
           {"redirections", t.redis.moved + t.redis.ask},
           {"retries", t.redis.retries},
           {"io_errors", t.redis.io_errors},
+          {"connects", t.redis.connects},
+          {"stale_connections", t.redis.stale},
           {"promoted_blocks", promoted_blocks.load()}};
       for (const auto& [name, v] : shared) {
         out.push_back(Family(absl::StrCat("strata_store_shared_", name, "_total"),
