@@ -283,6 +283,26 @@ TEST_F(RedisClusterTest, UnreachableSeedsAreUnavailableNamingThem) {
   EXPECT_EQ(RedisCluster::Connect({}).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(RedisCluster::Connect({.seeds = {"no-port"}}).status().code(),
             absl::StatusCode::kInvalidArgument);
+  // A name that does not resolve: refused within the connect timeout, whether the resolver says
+  // so or does not answer at all, naming it.
+  const absl::Time start = absl::Now();
+  c = RedisCluster::Connect(
+      {.seeds = {"no-such-host.invalid:6379"}, .connect_timeout = absl::Milliseconds(500)});
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(c.status().message().find("resolving no-such-host.invalid"), std::string::npos)
+      << c.status();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+}
+
+// A seed given by name is looked up (the resolver's path, not the address literal's).
+TEST_F(RedisClusterTest, ASeedGivenByNameIsResolved) {
+  const std::string seed = cluster_->seed();
+  absl::StatusOr<std::unique_ptr<RedisCluster>> c =
+      RedisCluster::Connect({.seeds = {absl::StrCat("localhost", seed.substr(seed.rfind(':')))}});
+  ASSERT_TRUE(c.ok()) << c.status();
+  const auto r = (*c)->Run({{"SET", "by-name", "1"}, {"GET", "by-name"}}, Soon());
+  ASSERT_TRUE(r[1].ok()) << r[1].status();
+  EXPECT_EQ(r[1]->str, "1");
 }
 
 // ---- the shared tier -------------------------------------------------------------------------

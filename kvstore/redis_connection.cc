@@ -16,7 +16,10 @@
 
 #include <algorithm>
 #include <climits>
+#include <condition_variable>
 #include <cstring>
+#include <mutex>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -31,6 +34,64 @@ constexpr size_t kLargeArgument = 16 << 10;
 // reply once 1 KiB is consumed, so a larger feed costs more moves with many small replies.
 constexpr size_t kReceiveBuffer = 16 << 10;
 constexpr size_t kTlsWriteChunk = 256 << 10;
+
+struct AddrinfoDeleter {
+  void operator()(addrinfo* a) const { freeaddrinfo(a); }
+};
+using AddrinfoPtr = std::unique_ptr<addrinfo, AddrinfoDeleter>;
+
+// `host`'s addresses, or an error naming it, by `deadline`. An address literal is parsed at once;
+// a name is looked up on a thread of its own (getaddrinfo cannot be bounded: a resolver that
+// does not answer holds it for its timeouts and attempts), which frees what it finds when the
+// caller gave up waiting.
+absl::StatusOr<AddrinfoPtr> Resolve(const std::string& host, uint16_t port, absl::Time deadline) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  const std::string service = absl::StrCat(port);
+  addrinfo* found = nullptr;
+  hints.ai_flags = AI_NUMERICHOST | AI_NUMERICSERV;
+  if (getaddrinfo(host.c_str(), service.c_str(), &hints, &found) == 0) return AddrinfoPtr(found);
+  hints.ai_flags = AI_NUMERICSERV;
+  struct Lookup {
+    std::mutex mu;
+    std::condition_variable done_cv;
+    bool done = false;
+    bool abandoned = false;
+    int rc = 0;
+    addrinfo* found = nullptr;
+  };
+  auto lookup = std::make_shared<Lookup>();
+  try {
+    std::thread([lookup, host, service, hints] {
+      addrinfo* a = nullptr;
+      const int rc = getaddrinfo(host.c_str(), service.c_str(), &hints, &a);
+      std::lock_guard<std::mutex> lock(lookup->mu);
+      if (lookup->abandoned) {
+        if (rc == 0) freeaddrinfo(a);
+        return;
+      }
+      lookup->rc = rc;
+      lookup->found = a;
+      lookup->done = true;
+      lookup->done_cv.notify_one();
+    }).detach();
+  } catch (const std::system_error& e) {
+    return absl::UnavailableError(absl::StrCat("resolving ", host, ": no thread: ", e.what()));
+  }
+  std::unique_lock<std::mutex> lock(lookup->mu);
+  const auto wait =
+      absl::ToChronoNanoseconds(std::max(deadline - absl::Now(), absl::ZeroDuration()));
+  if (!lookup->done_cv.wait_for(lock, wait, [&] { return lookup->done; })) {
+    lookup->abandoned = true;
+    return absl::UnavailableError(
+        absl::StrCat("resolving ", host, ": no answer within the connect timeout"));
+  }
+  if (lookup->rc != 0) {
+    return absl::UnavailableError(absl::StrCat("resolving ", host, ": ", gai_strerror(lookup->rc)));
+  }
+  return AddrinfoPtr(lookup->found);
+}
 
 // Every error OpenSSL queued on this thread, oldest first ("" when none).
 std::string OpenSslErrors() {
@@ -121,17 +182,13 @@ absl::StatusOr<std::unique_ptr<RedisConnection>> RedisConnection::Open(
     absl::Duration io_timeout, const RedisTlsContext* tls) {
   const std::string address = JoinHostPort(host, port);
   const absl::Time deadline = absl::Now() + connect_timeout;
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* found = nullptr;
-  if (const int rc = getaddrinfo(host.c_str(), absl::StrCat(port).c_str(), &hints, &found);
-      rc != 0) {
-    return absl::UnavailableError(absl::StrCat("redis ", address, ": ", gai_strerror(rc)));
+  absl::StatusOr<AddrinfoPtr> found = Resolve(host, port, deadline);
+  if (!found.ok()) {
+    return absl::UnavailableError(absl::StrCat("redis ", address, ": ", found.status().message()));
   }
   std::string why = "no address";
   std::unique_ptr<RedisConnection> conn;
-  for (addrinfo* a = found; a != nullptr && conn == nullptr; a = a->ai_next) {
+  for (addrinfo* a = found->get(); a != nullptr && conn == nullptr; a = a->ai_next) {
     const int fd =
         socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, a->ai_protocol);
     if (fd < 0) {
@@ -158,7 +215,6 @@ absl::StatusOr<std::unique_ptr<RedisConnection>> RedisConnection::Open(
     }
     close(fd);
   }
-  freeaddrinfo(found);
   if (conn == nullptr) return absl::UnavailableError(absl::StrCat("redis ", address, ": ", why));
   if (conn->reader_ == nullptr) return absl::ResourceExhaustedError("redis: out of memory");
   if (tls != nullptr) {
