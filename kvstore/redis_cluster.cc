@@ -54,9 +54,12 @@ RedisReply Convert(const redisReply* r, bool aligned_strings = false) {
 
 // Sends one command and reads its reply (for AUTH and CLUSTER SLOTS); a Redis error reply is
 // put in `error`.
-absl::StatusOr<RedisReply> Call(RedisConnection& c, const RedisCommand& cmd, std::string* error) {
+absl::StatusOr<RedisReply> Call(RedisConnection& c, const RedisCommand& cmd, std::string* error,
+                                absl::Time deadline = absl::InfiniteFuture()) {
   const std::vector<absl::string_view> argv(cmd.begin(), cmd.end());
-  absl::StatusOr<RedisReplyPtr> r = c.Call(argv);
+  c.Append(argv);
+  if (absl::Status s = c.Flush(deadline); !s.ok()) return s;
+  absl::StatusOr<RedisReplyPtr> r = c.Read(deadline);
   if (!r.ok()) return r.status();
   if ((*r)->type == REDIS_REPLY_ERROR) error->assign((*r)->str, (*r)->len);
   return Convert(r->get());
@@ -150,7 +153,8 @@ absl::StatusOr<std::unique_ptr<RedisCluster>> RedisCluster::Connect(RedisCluster
   return r;
 }
 
-absl::StatusOr<std::unique_ptr<RedisConnection>> RedisCluster::Take(const std::string& node) {
+absl::StatusOr<std::unique_ptr<RedisConnection>> RedisCluster::Take(const std::string& node,
+                                                                    absl::Time deadline) {
   // The newest idle connection the server has not closed meanwhile; those it closed (Redis's
   // `timeout`, a restart) are dropped here rather than failed on a command.
   uint64_t stale = 0;
@@ -175,8 +179,13 @@ absl::StatusOr<std::unique_ptr<RedisConnection>> RedisCluster::Take(const std::s
   if (pooled != nullptr) return pooled;
   absl::StatusOr<HostPort> hp = ParseHostPort(node);
   if (!hp.ok()) return hp.status();
-  absl::StatusOr<std::unique_ptr<RedisConnection>> c = RedisConnection::Open(
-      hp->host, hp->port, options_.connect_timeout, options_.io_timeout, tls_.get());
+  const absl::Duration connect_timeout = std::min(options_.connect_timeout, deadline - absl::Now());
+  if (connect_timeout <= absl::ZeroDuration()) {
+    return absl::DeadlineExceededError(
+        absl::StrCat("redis ", node, ": the deadline passed before connecting"));
+  }
+  absl::StatusOr<std::unique_ptr<RedisConnection>> c =
+      RedisConnection::Open(hp->host, hp->port, connect_timeout, options_.io_timeout, tls_.get());
   if (!c.ok()) return c.status();
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -187,7 +196,7 @@ absl::StatusOr<std::unique_ptr<RedisConnection>> RedisCluster::Take(const std::s
     if (!options_.user.empty()) auth.push_back(options_.user);
     auth.push_back(options_.password);
     std::string error;
-    absl::StatusOr<RedisReply> r = Call(**c, auth, &error);
+    absl::StatusOr<RedisReply> r = Call(**c, auth, &error, deadline);
     if (!r.ok() || !error.empty()) {
       return r.ok() ? absl::FailedPreconditionError(absl::StrCat("redis ", node, ": AUTH: ", error))
                     : r.status();
@@ -197,16 +206,27 @@ absl::StatusOr<std::unique_ptr<RedisConnection>> RedisCluster::Take(const std::s
 }
 
 void RedisCluster::Give(const std::string& node, std::unique_ptr<RedisConnection> c) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    suspects_.erase(node);
+  }
   std::lock_guard<std::mutex> lock(pool_->mu);
   std::vector<std::unique_ptr<RedisConnection>>& idle = pool_->idle[node];
   if (idle.size() < options_.max_idle_per_node) idle.push_back(std::move(c));
 }
 
-absl::Status RedisCluster::Refresh() {
+void RedisCluster::Suspect(const std::string& node) {
+  std::lock_guard<std::mutex> lock(mu_);
+  suspects_.insert(node);
+}
+
+absl::Status RedisCluster::Refresh(absl::Time deadline) {
   std::vector<std::string> candidates;
+  std::set<std::string> suspects;
   {
     std::lock_guard<std::mutex> lock(mu_);
     candidates = nodes_;
+    suspects = suspects_;
     ++stats_.refreshes;
   }
   for (const std::string& s : options_.seeds) {
@@ -214,18 +234,28 @@ absl::Status RedisCluster::Refresh() {
       candidates.push_back(s);
     }
   }
+  // A node that just failed (a master lost, a host gone silent) is asked last: each one that
+  // does not answer costs a timeout.
+  std::stable_partition(candidates.begin(), candidates.end(),
+                        [&](const std::string& n) { return suspects.count(n) == 0; });
   std::vector<std::string> failures;
   for (const std::string& node : candidates) {
-    absl::StatusOr<std::unique_ptr<RedisConnection>> c = Take(node);
+    if (absl::Now() >= deadline) {
+      failures.push_back("the deadline passed");
+      break;
+    }
+    absl::StatusOr<std::unique_ptr<RedisConnection>> c = Take(node, deadline);
     if (!c.ok()) {
       if (c.status().code() == absl::StatusCode::kFailedPrecondition) return c.status();
       failures.push_back(std::string(c.status().message()));
+      Suspect(node);
       continue;
     }
     std::string error;
-    absl::StatusOr<RedisReply> r = Call(**c, {"CLUSTER", "SLOTS"}, &error);
+    absl::StatusOr<RedisReply> r = Call(**c, {"CLUSTER", "SLOTS"}, &error, deadline);
     if (!r.ok()) {
       failures.push_back(std::string(r.status().message()));
+      Suspect(node);
       continue;
     }
     Give(node, *std::move(c));
@@ -329,12 +359,13 @@ std::vector<absl::StatusOr<RedisReply>> RedisCluster::RunViews(
     bool refresh = !unrouted.empty(), retry_later = !unrouted.empty();
     if (!unrouted.empty()) last_problem = "slots not served by any node (cluster down?)";
     for (auto& [node, idx] : by_node) {
-      absl::StatusOr<std::unique_ptr<RedisConnection>> c = Take(node);
+      absl::StatusOr<std::unique_ptr<RedisConnection>> c = Take(node, deadline);
       if (!c.ok()) {
         if (c.status().code() == absl::StatusCode::kFailedPrecondition) {
           for (size_t i : idx) out[i] = c.status();
           continue;
         }
+        Suspect(node);
         last_problem = std::string(c.status().message());
         again.insert(again.end(), idx.begin(), idx.end());
         refresh = retry_later = true;
@@ -419,6 +450,7 @@ std::vector<absl::StatusOr<RedisReply>> RedisCluster::RunViews(
       // The connection failed mid-pipeline: the commands without a reply go again (a SET or
       // GETEX that ran twice does no harm: the values are content-addressed).
       last_problem = std::string(io.message());
+      Suspect(node);
       for (size_t i : idx) {
         if (out[i].status().code() == absl::StatusCode::kDeadlineExceeded) again.push_back(i);
       }
@@ -439,7 +471,7 @@ std::vector<absl::StatusOr<RedisReply>> RedisCluster::RunViews(
       absl::SleepFor(backoff);
       backoff = std::min(backoff * 2, absl::Milliseconds(200));
     }
-    if (refresh) (void)Refresh();  // failing is fine: the next attempt tries again
+    if (refresh) (void)Refresh(deadline);  // failing is fine: the next attempt tries again
     if (absl::Now() >= deadline) break;
   }
   for (size_t i : pending) {

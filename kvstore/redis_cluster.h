@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -104,15 +105,22 @@ class RedisCluster {
  private:
   struct Pool;
   explicit RedisCluster(RedisClusterOptions options);
-  // Reloads the slot map from any known node or seed; kUnavailable when none answers.
-  absl::Status Refresh();
-  absl::StatusOr<std::unique_ptr<RedisConnection>> Take(const std::string& node);
+  // Reloads the slot map from any known node or seed, those that failed last tried last, each
+  // wait capped by `deadline`; kUnavailable when none answers in time.
+  absl::Status Refresh(absl::Time deadline = absl::InfiniteFuture());
+  // A pooled connection to `node`, or a new one (connect bounded by the connect timeout and
+  // `deadline`).
+  absl::StatusOr<std::unique_ptr<RedisConnection>> Take(const std::string& node,
+                                                        absl::Time deadline);
+  // Back to the pool after a good exchange (the node is no longer suspect).
   void Give(const std::string& node, std::unique_ptr<RedisConnection> c);
+  void Suspect(const std::string& node);  // it failed: a refresh asks it last
 
   const RedisClusterOptions options_;
   mutable std::mutex mu_;
   std::vector<std::string> nodes_;  // known masters, "host:port"
   std::vector<uint16_t> slots_;     // slot -> index into nodes_ (65535: unassigned)
+  std::set<std::string> suspects_;  // nodes whose last exchange failed
   std::unique_ptr<Pool> pool_;
   std::shared_ptr<RedisTlsContext> tls_;  // null: plain TCP
   RedisClusterStats stats_;

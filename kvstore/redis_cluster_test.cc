@@ -305,6 +305,49 @@ TEST_F(RedisClusterTest, ASeedGivenByNameIsResolved) {
   EXPECT_EQ(r[1]->str, "1");
 }
 
+// A master that hangs (stopped: its kernel still accepts connections, nothing answers). A call
+// for its keys ends at the call's deadline, not at the timeouts of a slot-map refresh that asks
+// it first (it holds slot 0: first in CLUSTER SLOTS); the other masters serve meanwhile, and it
+// serves again once it runs.
+TEST(RedisClusterHungNodeTest, AHungMasterCostsACallItsDeadlineAndNoMore) {
+  if (!RedisClusterProcess::Installed()) GTEST_SKIP() << "skipped: no redis-server";
+  RedisClusterProcess cluster(3, 0);
+  // The others keep serving their slots while it is out, and nobody marks it failed meanwhile.
+  cluster.set_extra_args(
+      {"--cluster-require-full-coverage", "no", "--cluster-node-timeout", "15000"});
+  std::string why;
+  ASSERT_TRUE(cluster.Start(&why)) << why;
+  absl::StatusOr<std::unique_ptr<RedisCluster>> c =
+      RedisCluster::Connect({.seeds = {cluster.seed()}, .io_timeout = absl::Seconds(2)});
+  ASSERT_TRUE(c.ok()) << c.status();
+  const std::string victim = (*c)->NodeFor(0);
+  std::string on_victim, elsewhere;
+  for (int i = 0; on_victim.empty() || elsewhere.empty(); ++i) {
+    const std::string key = absl::StrCat("hung:", i);
+    (((*c)->NodeFor(RedisCluster::Slot(key)) == victim) ? on_victim : elsewhere) = key;
+  }
+  for (const auto& r : (*c)->Run({{"SET", on_victim, "a"}, {"SET", elsewhere, "b"}}, Soon())) {
+    ASSERT_TRUE(r.ok()) << r.status();
+  }
+  const pid_t pid = cluster.Find(victim)->pid;
+  ASSERT_EQ(kill(pid, SIGSTOP), 0);
+  const absl::Time start = absl::Now();
+  // Its reply's wait ends at 2 s (io_timeout); the refresh that follows must not wait on it
+  // another 2 s, past the call's 2.5 s.
+  const auto hung = (*c)->Run({{"GET", on_victim}}, start + absl::Milliseconds(2500));
+  const absl::Duration took = absl::Now() - start;
+  const auto other = (*c)->Run({{"GET", elsewhere}}, Soon());
+  ASSERT_EQ(kill(pid, SIGCONT), 0);
+  EXPECT_FALSE(hung[0].ok());
+  std::cerr << "a call to the hung master: " << hung[0].status() << " after " << took << "\n";
+  EXPECT_LT(took, absl::Milliseconds(3500)) << "the refresh waited on the hung master";
+  ASSERT_TRUE(other[0].ok()) << other[0].status();
+  EXPECT_EQ(other[0]->str, "b");
+  const auto back = (*c)->Run({{"GET", on_victim}}, Soon());
+  ASSERT_TRUE(back[0].ok()) << back[0].status();
+  EXPECT_EQ(back[0]->str, "a");
+}
+
 // ---- the shared tier -------------------------------------------------------------------------
 
 TEST_F(RedisClusterTest, SharedTierKeepsBlocksWithTheirChecksumsAndRefusesDamage) {

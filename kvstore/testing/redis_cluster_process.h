@@ -62,6 +62,9 @@ class RedisClusterProcess {
   // A second CA that signed nothing here (a client trusting it refuses the servers).
   std::string other_ca_file() const { return dir_ + "/other-ca.crt"; }
 
+  // Arguments every redis-server gets after the suite's own (set before Start).
+  void set_extra_args(std::vector<std::string> args) { extra_args_ = std::move(args); }
+
   // Starts the processes and makes the cluster; false (with `why`) on failure.
   bool Start(std::string* why) {
     if (tls_ && !MakeCertificates(why)) return false;
@@ -89,6 +92,7 @@ class RedisClusterProcess {
       if (!password_.empty()) {
         args.insert(args.end(), {"--requirepass", password_, "--masterauth", password_});
       }
+      args.insert(args.end(), extra_args_.begin(), extra_args_.end());
       if (!Spawn(args, &n.pid)) {
         *why = "cannot start redis-server";
         return false;
@@ -285,6 +289,7 @@ class RedisClusterProcess {
 
   int masters_, replicas_;
   std::string password_;
+  std::vector<std::string> extra_args_;
   bool tls_ = false;
   std::string dir_;
   std::vector<Node> nodes_;
