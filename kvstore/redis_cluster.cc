@@ -27,7 +27,7 @@ RedisReply Convert(const redisReply* r, bool aligned_strings = false) {
     case REDIS_REPLY_STRING:
       out.type = RedisReply::Type::kString;
       if (aligned_strings) {
-        AlignedBuffer b(r->len);
+        AlignedBuffer b = AlignedBuffer::Uninitialized(r->len);
         if (r->len > 0) std::memcpy(b.data(), r->str, r->len);
         out.bytes = SharedBytes::FromBuffer(std::move(b));
       } else {
@@ -391,13 +391,21 @@ std::vector<absl::StatusOr<RedisReply>> RedisCluster::RunViews(
             break;
           }
         }
-        absl::StatusOr<RedisReplyPtr> reply = conn.Read(deadline);
+        // Values into aligned buffers: a large one straight from the socket.
+        absl::StatusOr<RedisDirectReply> reply = conn.ReadReply(deadline, aligned_strings);
         if (!reply.ok()) {
           io = reply.status();
           break;
         }
         reached_any = true;
-        const redisReply* r = reply->get();
+        if (reply->bulk.has_value()) {
+          RedisReply value;
+          value.type = RedisReply::Type::kString;
+          value.bytes = SharedBytes::FromBuffer(*std::move(reply->bulk));
+          out[i] = std::move(value);
+          continue;
+        }
+        const redisReply* r = reply->parsed.get();
         if (r->type != REDIS_REPLY_ERROR) {
           out[i] = Convert(r, aligned_strings);
           continue;

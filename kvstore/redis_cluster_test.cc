@@ -6,10 +6,15 @@
 // the root and renewed on a hit.
 #include "kvstore/redis_cluster.h"
 
+#include <hiredis/hiredis.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <iostream>
 #include <map>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -346,6 +351,123 @@ TEST(RedisClusterHungNodeTest, AHungMasterCostsACallItsDeadlineAndNoMore) {
   const auto back = (*c)->Run({{"GET", on_victim}}, Soon());
   ASSERT_TRUE(back[0].ok()) << back[0].status();
   EXPECT_EQ(back[0]->str, "a");
+}
+
+// ---- replies read by the connection
+// --------------------------------------------------------------
+
+// Bytes a server sends, written `piece` bytes at a time from another thread (so that reads end
+// anywhere: inside a length, between CR and LF, inside a value), read by a connection over a
+// socket pair.
+class ReplyStream {
+ public:
+  ReplyStream(std::string bytes, size_t piece) {
+    int fds[2];
+    EXPECT_EQ(socketpair(AF_UNIX, SOCK_STREAM, 0, fds), 0);
+    conn_ = RedisConnection::FromSocket(fds[0], "pair", absl::Seconds(5));
+    writer_ = std::thread([fd = fds[1], bytes = std::move(bytes), piece] {
+      for (size_t at = 0; at < bytes.size(); at += piece) {
+        const size_t n = std::min(piece, bytes.size() - at);
+        if (send(fd, bytes.data() + at, n, MSG_NOSIGNAL) != static_cast<ssize_t>(n)) break;
+      }
+      close(fd);  // end of stream
+    });
+  }
+  ~ReplyStream() { writer_.join(); }
+  RedisConnection& conn() { return *conn_; }
+
+ private:
+  std::unique_ptr<RedisConnection> conn_;
+  std::thread writer_;
+};
+
+std::string Bulk(const std::string& v) { return absl::StrCat("$", v.size(), "\r\n", v, "\r\n"); }
+
+std::string Pattern(size_t n, int seed) {
+  std::string v(n, '\0');
+  for (size_t i = 0; i < n; ++i) v[i] = static_cast<char>((i * 131 + seed * 7 + i / 97) & 0xff);
+  return v;
+}
+
+// Large bulk strings are read straight into aligned buffers wherever the reads end; anything
+// else (small values, nil, a large value inside an array, integers, errors) is hiredis's parse,
+// in order, in the same stream.
+TEST(RedisConnectionTest, LargeBulkStringsAreReadWholeIntoAlignedBuffersAtAnyBoundary) {
+  const std::string big = Pattern(20000, 1), edge = Pattern(RedisConnection::kDirectBulk, 2),
+                    in_array = Pattern(17000, 3),
+                    below = Pattern(RedisConnection::kDirectBulk - 1, 4);
+  const std::string stream =
+      absl::StrCat("+OK\r\n", Bulk("hello"), "$-1\r\n", Bulk(big), Bulk(edge), "*2\r\n",
+                   Bulk("abc"), Bulk(in_array), Bulk(below), ":42\r\n", "-ERR no\r\n", Bulk(big));
+  for (size_t piece : {size_t{1}, size_t{2}, size_t{3}, size_t{7}, size_t{1000}, stream.size()}) {
+    SCOPED_TRACE(absl::StrCat("written ", piece, " bytes at a time"));
+    ReplyStream s(stream, piece);
+    const absl::Time deadline = absl::Now() + absl::Seconds(30);
+    auto next = [&](bool direct) {
+      absl::StatusOr<RedisDirectReply> r = s.conn().ReadReply(deadline, direct);
+      EXPECT_TRUE(r.ok()) << r.status();
+      return r.ok() ? *std::move(r) : RedisDirectReply{};
+    };
+    auto parsed = [&](RedisDirectReply r, int type) {
+      ASSERT_NE(r.parsed, nullptr);
+      EXPECT_FALSE(r.bulk.has_value());
+      EXPECT_EQ(r.parsed->type, type);
+      return;
+    };
+    auto direct = [&](RedisDirectReply r, const std::string& want) {
+      ASSERT_TRUE(r.bulk.has_value());
+      EXPECT_EQ(r.parsed, nullptr);
+      EXPECT_EQ(reinterpret_cast<uintptr_t>(r.bulk->data()) % 64, 0u);
+      EXPECT_EQ(absl::string_view(reinterpret_cast<const char*>(r.bulk->data()), r.bulk->size()),
+                want);
+    };
+    parsed(next(true), REDIS_REPLY_STATUS);
+    RedisDirectReply hello = next(true);
+    ASSERT_NE(hello.parsed, nullptr);
+    EXPECT_EQ(std::string(hello.parsed->str, hello.parsed->len), "hello");
+    parsed(next(true), REDIS_REPLY_NIL);
+    direct(next(true), big);
+    direct(next(true), edge);
+    RedisDirectReply array = next(true);
+    ASSERT_NE(array.parsed, nullptr);
+    ASSERT_EQ(array.parsed->elements, 2u);
+    EXPECT_EQ(std::string(array.parsed->element[1]->str, array.parsed->element[1]->len), in_array);
+    RedisDirectReply small = next(true);
+    ASSERT_NE(small.parsed, nullptr);
+    EXPECT_EQ(std::string(small.parsed->str, small.parsed->len), below);
+    RedisDirectReply integer = next(true);
+    ASSERT_NE(integer.parsed, nullptr);
+    EXPECT_EQ(integer.parsed->integer, 42);
+    parsed(next(true), REDIS_REPLY_ERROR);
+    RedisDirectReply last = next(false);  // not asked: hiredis's, copied
+    ASSERT_NE(last.parsed, nullptr);
+    EXPECT_EQ(std::string(last.parsed->str, last.parsed->len), big);
+    // The stream ended: the connection says so.
+    absl::StatusOr<RedisDirectReply> end = s.conn().ReadReply(deadline, true);
+    EXPECT_EQ(end.status().code(), absl::StatusCode::kUnavailable) << end.status();
+  }
+}
+
+// A large bulk string whose bytes do not frame as RESP, or longer than Redis sends, or cut short
+// by the server, is an error naming the connection; never a value.
+TEST(RedisConnectionTest, LargeBulkStringsThatDoNotFrameAreRefused) {
+  const std::string big = Pattern(20000, 5);
+  const std::pair<std::string, std::string> cases[] = {
+      {absl::StrCat("$20000\r\n", big, "XY"), "not ended by CRLF"},
+      {"$999999999999\r\n", "longer than Redis sends"},
+      {absl::StrCat("$20000\r\n", big.substr(0, 5000)), "closed"},
+      {"$20000\r", "closed"},
+      {"$2x000\r\n", "not a Redis reply"},  // hiredis judges what is not a length
+  };
+  for (const auto& [bytes, says] : cases) {
+    SCOPED_TRACE(says);
+    ReplyStream s(bytes, 3);
+    absl::StatusOr<RedisDirectReply> r = s.conn().ReadReply(absl::Now() + absl::Seconds(30), true);
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable) << r.status();
+    EXPECT_NE(r.status().message().find("redis pair"), absl::string_view::npos) << r.status();
+    EXPECT_NE(r.status().message().find(says), absl::string_view::npos) << r.status();
+  }
 }
 
 // ---- the shared tier -------------------------------------------------------------------------

@@ -35,6 +35,12 @@ constexpr size_t kLargeArgument = 16 << 10;
 constexpr size_t kReceiveBuffer = 16 << 10;
 constexpr size_t kTlsWriteChunk = 256 << 10;
 
+// Whether hiredis's reader holds no byte of a reply: all it was fed is parsed, and no reply is
+// begun (hiredis 0.14 leaves an empty root task, type -1, after a call that found no bytes).
+bool ReaderIdle(const redisReader* r) {
+  return r->pos == r->len && (r->ridx == -1 || (r->ridx == 0 && r->rstack[0].type < 0));
+}
+
 struct AddrinfoDeleter {
   void operator()(addrinfo* a) const { freeaddrinfo(a); }
 };
@@ -356,7 +362,8 @@ std::string RedisConnection::PendingTlsAlert() {
 }
 
 bool RedisConnection::Reusable() {
-  if (failed_) return false;
+  // Bytes of a reply nobody read: not a connection to reuse.
+  if (failed_ || in_pos_ < in_len_ || !ReaderIdle(reader_)) return false;
   char buf[16 << 10];
   while (true) {
     const ssize_t k = recv(fd_, buf, sizeof(buf), MSG_DONTWAIT);
@@ -448,22 +455,147 @@ absl::Status RedisConnection::Flush(absl::Time not_after) {
 }
 
 absl::StatusOr<RedisReplyPtr> RedisConnection::Read(absl::Time not_after) {
+  absl::StatusOr<RedisDirectReply> r = ReadReply(not_after, /*direct=*/false);
+  if (!r.ok()) return r.status();
+  return std::move(r->parsed);
+}
+
+absl::StatusOr<RedisDirectReply> RedisConnection::ReadReply(absl::Time not_after,
+                                                            bool direct_bulk) {
   if (failed_) return absl::UnavailableError(absl::StrCat("redis ", address_, ": closed"));
   while (true) {
     void* r = nullptr;
     if (redisReaderGetReply(reader_, &r) != REDIS_OK) {
       return Failed(absl::StrCat("not a Redis reply: ", reader_->errstr));
     }
-    if (r != nullptr) return RedisReplyPtr(static_cast<redisReply*>(r));
-    // The timeout bounds each wait for bytes, not the whole reply (a large value may take
-    // several).
-    absl::StatusOr<size_t> n =
-        ReadSome(in_.data(), in_.size(), std::min(absl::Now() + io_timeout_, not_after));
-    if (!n.ok()) return n.status();
-    if (redisReaderFeed(reader_, in_.data(), *n) != REDIS_OK) {
+    if (r != nullptr) return RedisDirectReply{RedisReplyPtr(static_cast<redisReply*>(r)), {}};
+    if (in_pos_ == in_len_) {
+      // The timeout bounds each wait for bytes, not the whole reply (a large value may take
+      // several).
+      absl::StatusOr<size_t> n =
+          ReadSome(in_.data(), in_.size(), std::min(absl::Now() + io_timeout_, not_after));
+      if (!n.ok()) return n.status();
+      in_pos_ = 0;
+      in_len_ = *n;
+      continue;
+    }
+    // hiredis is fed one reply at a time where its extent is known (a bulk string's length, a
+    // line's end), so that the next one starts where hiredis holds nothing: a large bulk string
+    // there can be read past it. Arrays and the rest go to hiredis as they come.
+    size_t feed = in_len_ - in_pos_;
+    if (feed_left_ > 0) {
+      feed = std::min(feed, feed_left_);
+      feed_left_ -= feed;
+    } else if (to_newline_) {
+      if (const void* nl = std::memchr(in_.data() + in_pos_, '\n', feed); nl != nullptr) {
+        feed = static_cast<size_t>(static_cast<const char*>(nl) - (in_.data() + in_pos_)) + 1;
+        to_newline_ = false;
+      }
+    } else if (ReaderIdle(reader_)) {  // a reply starts here
+      const char type = in_[in_pos_];
+      std::optional<BulkHeader> bulk;
+      if (type == '$') {
+        absl::StatusOr<std::optional<BulkHeader>> h = ParseBulkHeader(not_after);
+        if (!h.ok()) return h.status();
+        bulk = *h;
+        feed = in_len_ - in_pos_;  // the header's wait may have brought more
+      }
+      if (bulk.has_value() && direct_bulk && bulk->value_bytes >= kDirectBulk) {
+        absl::StatusOr<AlignedBuffer> value = ReadLargeBulk(*bulk, not_after);
+        if (!value.ok()) return value.status();
+        return RedisDirectReply{nullptr, *std::move(value)};
+      }
+      if (bulk.has_value()) {
+        feed_left_ = bulk->header_bytes + bulk->value_bytes + 2;
+        feed = std::min(feed, feed_left_);
+        feed_left_ -= feed;
+      } else if (type == '$' || type == '+' || type == '-' || type == ':') {  // one line
+        to_newline_ = true;
+        continue;  // the branch above feeds it
+      }
+    }
+    if (redisReaderFeed(reader_, in_.data() + in_pos_, feed) != REDIS_OK) {
       return Failed(absl::StrCat("not a Redis reply: ", reader_->errstr));
     }
+    in_pos_ += feed;
+    if (in_pos_ == in_len_) in_pos_ = in_len_ = 0;
   }
+}
+
+absl::Status RedisConnection::FillTo(size_t n, absl::Time not_after) {
+  if (in_pos_ > 0) {
+    std::memmove(in_.data(), in_.data() + in_pos_, in_len_ - in_pos_);
+    in_len_ -= in_pos_;
+    in_pos_ = 0;
+  }
+  while (in_len_ < n) {
+    absl::StatusOr<size_t> k = ReadSome(in_.data() + in_len_, in_.size() - in_len_,
+                                        std::min(absl::Now() + io_timeout_, not_after));
+    if (!k.ok()) return k.status();
+    in_len_ += *k;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::optional<RedisConnection::BulkHeader>> RedisConnection::ParseBulkHeader(
+    absl::Time not_after) {
+  // "$<length>\r\n", a length of at most 20 digits.
+  constexpr size_t kLongestHeader = 24;
+  size_t nl = 0;  // the header's '\n', from in_pos_
+  while (true) {
+    const size_t have = in_len_ - in_pos_;
+    const char* at = static_cast<const char*>(
+        std::memchr(in_.data() + in_pos_, '\n', std::min(have, kLongestHeader)));
+    if (at != nullptr) {
+      nl = static_cast<size_t>(at - (in_.data() + in_pos_));
+      break;
+    }
+    if (have >= kLongestHeader) return std::nullopt;  // not one we read: hiredis judges it
+    if (absl::Status s = FillTo(have + 1, not_after); !s.ok()) return s;
+  }
+  // Digits between the '$' and "\r\n"; anything else ($-1 for nil, junk) is hiredis's.
+  const char* digits = in_.data() + in_pos_ + 1;
+  if (nl < 3 || digits[nl - 2] != '\r') return std::nullopt;
+  size_t length = 0;
+  for (size_t i = 0; i + 2 < nl; ++i) {
+    if (digits[i] < '0' || digits[i] > '9') return std::nullopt;
+    length = std::min(length * 10 + static_cast<size_t>(digits[i] - '0'), kMaxBulk + 1);
+  }
+  if (length > kMaxBulk) {
+    return Failed(absl::StrCat("not a Redis reply: a bulk string longer than Redis sends (",
+                               kMaxBulk, " bytes)"));
+  }
+  return BulkHeader{.header_bytes = nl + 1, .value_bytes = length};
+}
+
+absl::StatusOr<AlignedBuffer> RedisConnection::ReadLargeBulk(const BulkHeader& bulk,
+                                                             absl::Time not_after) {
+  in_pos_ += bulk.header_bytes;
+  const size_t length = bulk.value_bytes;
+  AlignedBuffer value = AlignedBuffer::Uninitialized(length);
+  char* out = reinterpret_cast<char*>(value.data());
+  size_t have = std::min(length, in_len_ - in_pos_);
+  std::memcpy(out, in_.data() + in_pos_, have);
+  in_pos_ += have;
+  while (have < length) {  // the rest from the socket (or out of TLS) into its place
+    absl::StatusOr<size_t> k =
+        ReadSome(out + have, length - have, std::min(absl::Now() + io_timeout_, not_after));
+    if (!k.ok()) return k.status();
+    have += *k;
+  }
+  if (absl::Status s = FillTo(2, not_after); !s.ok()) return s;
+  if (in_[0] != '\r' || in_[1] != '\n') {
+    return Failed(
+        absl::StrCat("not a Redis reply: a bulk string of ", length, " bytes not ended by CRLF"));
+  }
+  in_pos_ += 2;
+  if (in_pos_ == in_len_) in_pos_ = in_len_ = 0;
+  return value;
+}
+
+std::unique_ptr<RedisConnection> RedisConnection::FromSocket(int fd, std::string address,
+                                                             absl::Duration io_timeout) {
+  return std::unique_ptr<RedisConnection>(new RedisConnection(fd, std::move(address), io_timeout));
 }
 
 absl::StatusOr<RedisReplyPtr> RedisConnection::Call(absl::Span<const absl::string_view> argv) {

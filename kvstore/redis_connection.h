@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -22,6 +23,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "common/aligned_buffer.h"
 
 struct iovec;
 struct redisReader;
@@ -66,6 +68,13 @@ struct RedisReplyDeleter {
 };
 using RedisReplyPtr = std::unique_ptr<redisReply, RedisReplyDeleter>;
 
+// A reply read by RedisConnection::ReadDirect: hiredis's parse, or a bulk string of at least
+// RedisConnection::kDirectBulk bytes read straight into an aligned buffer.
+struct RedisDirectReply {
+  RedisReplyPtr parsed;  // null when `bulk` holds the reply
+  std::optional<AlignedBuffer> bulk;
+};
+
 class RedisConnection {
  public:
   // kUnavailable (naming the address and why) when the node cannot be reached in time or the
@@ -89,8 +98,19 @@ class RedisConnection {
   // The next reply (a Redis error reply is a reply: type REDIS_REPLY_ERROR). kUnavailable when
   // the connection fails, no reply completes within io_timeout, or the bytes are not RESP.
   absl::StatusOr<RedisReplyPtr> Read(absl::Time not_after = absl::InfiniteFuture());
+  // Read, but with `direct_bulk` a bulk string of kDirectBulk bytes or more is read from the
+  // socket (or out of TLS) straight into a 64-byte aligned buffer: none of the parser's copies,
+  // nor its buffer's growth. One longer than kMaxBulk (Redis's own limit) is refused:
+  // kUnavailable.
+  absl::StatusOr<RedisDirectReply> ReadReply(absl::Time not_after, bool direct_bulk);
+  static constexpr size_t kDirectBulk = 16 << 10;
+  static constexpr size_t kMaxBulk = size_t{512} << 20;
   // Append, Flush and Read for one command.
   absl::StatusOr<RedisReplyPtr> Call(absl::Span<const absl::string_view> argv);
+
+  // A plain connection over `fd`, a connected stream socket it then owns (tests and fuzzing).
+  static std::unique_ptr<RedisConnection> FromSocket(int fd, std::string address,
+                                                     absl::Duration io_timeout);
 
   // Whether a connection that sat idle (in a pool) can take a command: false when it failed or
   // the server closed it meanwhile (Redis's `timeout`, CLIENT KILL, a restart). An idle
@@ -110,6 +130,17 @@ class RedisConnection {
   absl::StatusOr<size_t> RecvRaw(char* p, size_t n, absl::Time deadline);
   absl::Status Write(const char* p, size_t n, absl::Time deadline);  // through TLS where on
   absl::StatusOr<size_t> ReadSome(char* p, size_t n, absl::Time deadline);
+  struct BulkHeader {
+    size_t header_bytes = 0;  // "$<length>\r\n"
+    size_t value_bytes = 0;
+  };
+  // At a '$' in in_: its length, waiting for the rest of the header if needed; nullopt for what
+  // is not a length (nil, junk: hiredis judges it); kUnavailable past kMaxBulk.
+  absl::StatusOr<std::optional<BulkHeader>> ParseBulkHeader(absl::Time not_after);
+  // The bulk string at in_pos_ (its header parsed), read whole into an aligned buffer.
+  absl::StatusOr<AlignedBuffer> ReadLargeBulk(const BulkHeader& bulk, absl::Time not_after);
+  // Until in_ holds `n` unparsed bytes (n <= its size).
+  absl::Status FillTo(size_t n, absl::Time not_after);
   absl::Status DrainTls(absl::Time deadline);   // TLS records made, onto the socket
   std::string PendingTlsAlert();                // the error of an alert already received, or ""
   // Marks the connection failed (never used again); kUnavailable naming the address.
@@ -129,7 +160,11 @@ class RedisConnection {
   };
   std::vector<Piece> out_;
   std::string small_;
-  std::vector<char> in_;  // receive buffer
+  std::vector<char> in_;  // receive buffer: [in_pos_, in_len_) not yet parsed nor fed to hiredis
+  size_t in_pos_ = 0;
+  size_t in_len_ = 0;
+  size_t feed_left_ = 0;     // bytes of the reply hiredis is being fed still to come
+  bool to_newline_ = false;  // hiredis is being fed a one-line reply up to its '\n'
   bool failed_ = false;
 };
 
