@@ -7,6 +7,7 @@
 #include <list>
 #include <memory>
 #include <optional>
+#include <queue>
 #include <random>
 
 #include "absl/strings/str_cat.h"
@@ -254,7 +255,35 @@ ReplayResult ReplayCluster(const std::vector<TraceRequest>& trace,
   double last_ms = trace.empty() ? 0 : trace.front().timestamp_ms;
   std::mt19937_64 rng(config.seed);
   std::vector<size_t> own(config.hosts);
+  // Chunks a request computed, written to its host's store and through to the shared tier: at
+  // once, or (in_flight) once its host has prefilled it.
+  struct Puts {
+    double ready_ms = 0;
+    uint64_t order = 0;  // arrival order, for equal times
+    uint32_t host = 0;
+    const TraceRequest* q = nullptr;
+    size_t from = 0, to = 0;  // q->hash_ids[from, to)
+    bool operator>(const Puts& o) const {
+      return ready_ms != o.ready_ms ? ready_ms > o.ready_ms : order > o.order;
+    }
+  };
+  std::priority_queue<Puts, std::vector<Puts>, std::greater<Puts>> pending;
+  auto put = [&](const Puts& p) {
+    TierModel& store = *stores[p.host];
+    const int64_t at_s = static_cast<int64_t>(std::floor(p.ready_ms / 1e3));
+    for (size_t i = p.from; i < p.to; ++i) {
+      const uint64_t id = p.q->hash_ids[i];
+      const uint64_t parent = i > 0 ? p.q->hash_ids[i - 1] : 0;
+      if (!store.Put(id, parent, i > 0, r)) break;
+      if (shared) shared->Put(id, parent, i > 0, at_s, r);  // the store writes every put through
+    }
+  };
+  const bool in_flight = config.in_flight && config.prefill_tokens_per_s > 0;
   for (const TraceRequest& q : trace) {
+    while (!pending.empty() && pending.top().ready_ms <= q.timestamp_ms) {
+      put(pending.top());
+      pending.pop();
+    }
     ++r.requests;
     const size_t full = std::min<size_t>(q.hash_ids.size(), q.input_tokens / sc.block_tokens);
     r.chunks_requested += full;
@@ -309,13 +338,21 @@ ReplayResult ReplayCluster(const std::vector<TraceRequest>& trace,
     if (config.prefill_tokens_per_s > 0) {
       queue[h] += q.input_tokens - std::min<double>(q.input_tokens, hits * sc.block_tokens);
     }
-    for (size_t i = hits; i < full; ++i) {
-      const uint64_t id = q.hash_ids[i];
-      const uint64_t parent = i > 0 ? q.hash_ids[i - 1] : 0;
-      if (!store.Put(id, parent, i > 0, r)) break;
-      if (shared) shared->Put(id, parent, i > 0, now_s, r);  // the store writes every put through
+    const Puts p{.ready_ms = in_flight
+                                 ? q.timestamp_ms + 1e3 * queue[h] / config.prefill_tokens_per_s
+                                 : q.timestamp_ms,
+                 .order = r.requests,
+                 .host = h,
+                 .q = &q,
+                 .from = hits,
+                 .to = full};
+    if (in_flight) {
+      pending.push(p);
+    } else {
+      put(p);
     }
   }
+  for (; !pending.empty(); pending.pop()) put(pending.top());
   if (shared) shared->Finish(r);
   return r;
 }

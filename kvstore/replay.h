@@ -104,6 +104,11 @@ struct ClusterReplayConfig {
   double prefill_tokens_per_s = 0;
   double store_credit = 0.5;
   uint64_t seed = 1;
+  // With prefill_tokens_per_s: a request's chunks reach its host's store (and the shared tier)
+  // when its host has prefilled it (its queue, then its own missed tokens, at that rate), not
+  // when it arrives. A request arriving meanwhile misses them, as in a serving cluster, where
+  // requests are in flight together.
+  bool in_flight = false;
 };
 
 ReplayResult ReplayCluster(const std::vector<TraceRequest>& trace,

@@ -397,6 +397,37 @@ TEST(ReplayClusterTest, RedisSampledLruKeepsAHotKeyAsAnExactOneDoes) {
   EXPECT_FALSE(m.Contains(7));
 }
 
+// Requests in flight together: a prompt repeated while its first request is still in prefill
+// misses (its chunks are not stored yet), and hits once that request is done, on the host that
+// computed it or, through the shared tier, on any other.
+TEST(ReplayClusterTest, ARequestArrivingWhileItsPrefixIsInPrefillMissesIt) {
+  std::vector<TraceRequest> t;
+  for (double at : {0.0, 500.0, 5000.0}) {
+    TraceRequest r;
+    r.timestamp_ms = at;
+    r.hash_ids = {1, 2, 3, 4};
+    r.input_tokens = 4 * 512;  // 2.048 s of prefill at 1,000 tokens/s
+    t.push_back(r);
+  }
+  for (const StoreLayout layout : {StoreLayout::kPerHost, StoreLayout::kSharedTier}) {
+    SCOPED_TRACE(StoreLayoutName(layout));
+    ClusterReplayConfig c{.store = {.chunk_bytes = 100, .ram_bytes = 1 << 20},
+                          .layout = layout,
+                          .hosts = 2,
+                          .shared_bytes = 1 << 20,
+                          .prefill_tokens_per_s = 1000,
+                          .store_credit = 10};  // overlap outweighs load: back to the history
+    const ReplayResult at_arrival = ReplayCluster(t, c);
+    c.in_flight = true;
+    const ReplayResult in_flight = ReplayCluster(t, c);
+    // At arrival: the second and third each find all 4 chunks. In flight: the second arrives
+    // 0.5 s into the first's 2 s of prefill and finds none; the third finds all 4.
+    EXPECT_EQ(at_arrival.tokens_saved, 2u * 4 * 512);
+    EXPECT_EQ(in_flight.tokens_saved, 4u * 512);
+    EXPECT_EQ(in_flight.chunks_requested, 12u);
+  }
+}
+
 TEST(ReplayClusterTest, LayoutNamesParseAndUnknownOnesAreRefused) {
   for (StoreLayout l : {StoreLayout::kCentral, StoreLayout::kPerHost, StoreLayout::kSharedTier}) {
     EXPECT_EQ(*ParseStoreLayout(StoreLayoutName(l)), l);

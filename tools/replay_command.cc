@@ -58,6 +58,8 @@ absl::Status RunReplay(const ReplayOptions& o, std::ostream& out) {
                            {"shared_baseline_bytes", o.shared_baseline_bytes},
                            {"shared_lru_samples", o.shared_lru_samples},
                            {"prefill_tokens_per_s", o.prefill_tokens_per_s},
+                           {"in_flight", o.in_flight && o.prefill_tokens_per_s > 0},
+                           {"seed", o.seed},
                            {"runs", nlohmann::json::array()}};
   out << absl::StrFormat(
       "trace %s: %d requests; model %d layers x %d KV heads x %d dims; %d-token chunks; disk %s\n",
@@ -74,7 +76,9 @@ absl::Status RunReplay(const ReplayOptions& o, std::ostream& out) {
             ? absl::StrFormat("Redis's LRU sampling %d keys per eviction", o.shared_lru_samples)
             : std::string("exact LRU"),
         o.prefill_tokens_per_s > 0
-            ? absl::StrFormat(" and load (%.0f prefill tokens/s per host)", o.prefill_tokens_per_s)
+            ? absl::StrFormat(
+                  " and load (%.0f prefill tokens/s per host)%s", o.prefill_tokens_per_s,
+                  o.in_flight ? "; a request's chunks stored once its host prefilled it" : "")
             : std::string(" alone"));
   }
   out << absl::StrFormat(
@@ -113,7 +117,9 @@ absl::Status RunReplay(const ReplayOptions& o, std::ostream& out) {
                                                .shared_masters = o.shared_masters,
                                                .shared_baseline_bytes = o.shared_baseline_bytes,
                                                .shared_lru_samples = o.shared_lru_samples,
-                                               .prefill_tokens_per_s = o.prefill_tokens_per_s});
+                                               .prefill_tokens_per_s = o.prefill_tokens_per_s,
+                                               .seed = o.seed,
+                                               .in_flight = o.in_flight});
             const uint64_t hits = r.chunk_hits_ram + r.chunk_hits_disk + r.chunk_hits_shared;
             out << absl::StrFormat(
                        "%-16s %6.3f %8.2f %6s %6s %7s %11s | %6.2f%% %6.2f%% %9.2f %9.1f %9.1f "

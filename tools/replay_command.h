@@ -33,6 +33,8 @@ struct ReplayOptions {
   uint64_t shared_baseline_bytes = 1600 << 10;
   uint32_t shared_lru_samples = 5;
   double prefill_tokens_per_s = 0;  // each host's, for the router's load term
+  uint64_t seed = 1;                // the router's ties, broken at random
+  bool in_flight = false;           // with it: chunks stored once prefilled (ClusterReplayConfig)
   std::string json_out;
 };
 

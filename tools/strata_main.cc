@@ -41,7 +41,8 @@ ABSL_FLAG(std::string, model, STRATA_DEFAULT_MODEL,
 ABSL_FLAG(std::string, prompt, "", "generate: the prompt");
 ABSL_FLAG(uint32_t, max_tokens, 64, "generate: tokens to generate");
 ABSL_FLAG(float, temperature, 0.0f, "generate: sampling temperature (0: greedy)");
-ABSL_FLAG(uint64_t, seed, 1, "generate: sampling seed");
+ABSL_FLAG(uint64_t, seed, 1,
+          "generate: sampling seed; replay: the seed of the router's ties, broken at random");
 ABSL_FLAG(std::string, device, "cpu",
           "generate/ppl/eval: where the model runs: cpu, or cuda[:N] (a CUDA build; generate: KV "
           "at full precision on the device, codec fp16 only; ppl/eval: codecs with GPU pages)");
@@ -90,6 +91,9 @@ ABSL_FLAG(uint32_t, shared_lru_samples, 5,
 ABSL_FLAG(double, host_prefill_tokens_per_s, 0,
           "replay: each host's prefill rate, for the router's load term (0: route by overlap "
           "alone)");
+ABSL_FLAG(bool, in_flight, false,
+          "replay: with --host_prefill_tokens_per_s, a request's chunks are stored once its host "
+          "has prefilled it (a request arriving meanwhile misses them), not on arrival");
 ABSL_FLAG(std::vector<std::string>, policies, {},
           "replay: RAM eviction policies to compare (default lru,s3fifo)");
 ABSL_FLAG(std::string, calibration, "",
@@ -269,6 +273,8 @@ int ReplayCommand(const std::vector<char*>& args) {
   o.layouts = absl::GetFlag(FLAGS_layouts);
   o.hosts = absl::GetFlag(FLAGS_hosts);
   o.prefill_tokens_per_s = absl::GetFlag(FLAGS_host_prefill_tokens_per_s);
+  o.in_flight = absl::GetFlag(FLAGS_in_flight);
+  o.seed = absl::GetFlag(FLAGS_seed);
   if (!strata::ParseByteSize(absl::GetFlag(FLAGS_shared_size), &o.shared_bytes)) {
     std::cerr << "strata: --shared_size: not a size like 256G\n";
     return 2;
