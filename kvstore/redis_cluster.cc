@@ -157,19 +157,26 @@ absl::StatusOr<std::unique_ptr<RedisConnection>> RedisCluster::Take(const std::s
                                                                     absl::Time deadline) {
   // The newest idle connection the server has not closed meanwhile; those it closed (Redis's
   // `timeout`, a restart) are dropped here rather than failed on a command.
+  // Checked (and the stale closed) outside the pool's lock, which every node shares.
+  if (absl::Now() >= deadline) {
+    return absl::DeadlineExceededError(
+        absl::StrCat("redis ", node, ": the deadline passed before sending"));
+  }
   uint64_t stale = 0;
   std::unique_ptr<RedisConnection> pooled;
-  {
-    std::lock_guard<std::mutex> lock(pool_->mu);
-    auto it = pool_->idle.find(node);
-    while (it != pool_->idle.end() && !it->second.empty() && pooled == nullptr) {
-      std::unique_ptr<RedisConnection> c = std::move(it->second.back());
+  while (pooled == nullptr) {
+    std::unique_ptr<RedisConnection> c;
+    {
+      std::lock_guard<std::mutex> lock(pool_->mu);
+      auto it = pool_->idle.find(node);
+      if (it == pool_->idle.end() || it->second.empty()) break;
+      c = std::move(it->second.back());
       it->second.pop_back();
-      if (c->Reusable()) {
-        pooled = std::move(c);
-      } else {
-        ++stale;
-      }
+    }
+    if (c->Reusable()) {
+      pooled = std::move(c);
+    } else {
+      ++stale;
     }
   }
   if (stale > 0) {
@@ -215,7 +222,8 @@ void RedisCluster::Give(const std::string& node, std::unique_ptr<RedisConnection
   if (idle.size() < options_.max_idle_per_node) idle.push_back(std::move(c));
 }
 
-void RedisCluster::Suspect(const std::string& node) {
+void RedisCluster::SuspectUnlessLate(const std::string& node, absl::Time deadline) {
+  if (absl::Now() >= deadline) return;  // the call's time ran out: not the node's fault
   std::lock_guard<std::mutex> lock(mu_);
   suspects_.insert(node);
 }
@@ -248,14 +256,14 @@ absl::Status RedisCluster::Refresh(absl::Time deadline) {
     if (!c.ok()) {
       if (c.status().code() == absl::StatusCode::kFailedPrecondition) return c.status();
       failures.push_back(std::string(c.status().message()));
-      Suspect(node);
+      SuspectUnlessLate(node, deadline);
       continue;
     }
     std::string error;
     absl::StatusOr<RedisReply> r = Call(**c, {"CLUSTER", "SLOTS"}, &error, deadline);
     if (!r.ok()) {
       failures.push_back(std::string(r.status().message()));
-      Suspect(node);
+      SuspectUnlessLate(node, deadline);
       continue;
     }
     Give(node, *std::move(c));
@@ -295,6 +303,11 @@ absl::Status RedisCluster::Refresh(absl::Time deadline) {
     nodes_ = std::move(nodes);
     slots_ = std::move(slots);
     last_refresh_ = absl::Now();
+    // Suspects that left the cluster are forgotten (hosts come back under new addresses).
+    std::erase_if(suspects_, [&](const std::string& n) {
+      return std::find(nodes_.begin(), nodes_.end(), n) == nodes_.end() &&
+             std::find(options_.seeds.begin(), options_.seeds.end(), n) == options_.seeds.end();
+    });
     return absl::OkStatus();
   }
   return absl::UnavailableError(absl::StrCat("redis cluster: no node answered CLUSTER SLOTS: ",
@@ -360,12 +373,18 @@ std::vector<absl::StatusOr<RedisReply>> RedisCluster::RunViews(
     if (!unrouted.empty()) last_problem = "slots not served by any node (cluster down?)";
     for (auto& [node, idx] : by_node) {
       absl::StatusOr<std::unique_ptr<RedisConnection>> c = Take(node, deadline);
+      if (!c.ok() && c.status().code() == absl::StatusCode::kDeadlineExceeded) {
+        // Nothing more is sent once the call's time is out: these stay pending.
+        if (last_problem.empty()) last_problem = std::string(c.status().message());
+        again.insert(again.end(), idx.begin(), idx.end());
+        continue;
+      }
       if (!c.ok()) {
         if (c.status().code() == absl::StatusCode::kFailedPrecondition) {
           for (size_t i : idx) out[i] = c.status();
           continue;
         }
-        Suspect(node);
+        SuspectUnlessLate(node, deadline);
         last_problem = std::string(c.status().message());
         again.insert(again.end(), idx.begin(), idx.end());
         refresh = retry_later = true;
@@ -458,7 +477,7 @@ std::vector<absl::StatusOr<RedisReply>> RedisCluster::RunViews(
       // The connection failed mid-pipeline: the commands without a reply go again (a SET or
       // GETEX that ran twice does no harm: the values are content-addressed).
       last_problem = std::string(io.message());
-      Suspect(node);
+      SuspectUnlessLate(node, deadline);
       for (size_t i : idx) {
         if (out[i].status().code() == absl::StatusCode::kDeadlineExceeded) again.push_back(i);
       }

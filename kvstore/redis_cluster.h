@@ -114,7 +114,8 @@ class RedisCluster {
                                                         absl::Time deadline);
   // Back to the pool after a good exchange (the node is no longer suspect).
   void Give(const std::string& node, std::unique_ptr<RedisConnection> c);
-  void Suspect(const std::string& node);  // it failed: a refresh asks it last
+  // It failed before `deadline` passed: a refresh asks it last until an exchange succeeds.
+  void SuspectUnlessLate(const std::string& node, absl::Time deadline);
 
   const RedisClusterOptions options_;
   mutable std::mutex mu_;

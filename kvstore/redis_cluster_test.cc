@@ -666,6 +666,16 @@ TEST(RedisClusterTlsTest, CommandsRunOverTlsAndWhatDoesNotVerifyIsRefused) {
     nodes.insert((*c)->NodeFor(RedisCluster::Slot(get[i][1])));
   }
   EXPECT_EQ(nodes.size(), 3u);
+  // The same values straight into aligned buffers (the large ones past the parser), out of TLS.
+  std::vector<RedisCommandView> views;
+  for (const RedisCommand& g : get) views.push_back({g[0], g[1]});
+  const auto aligned = (*c)->RunViews(views, Soon(), /*aligned_strings=*/true);
+  for (int i = 0; i < 60; ++i) {
+    ASSERT_TRUE(aligned[i].ok()) << aligned[i].status();
+    const SharedBytes& b = aligned[i]->bytes;
+    EXPECT_EQ(absl::string_view(reinterpret_cast<const char*>(b.data()), b.size()), set[i][2])
+        << "key " << i;
+  }
   // Pooled TLS connections are reused (the session tickets servers send after the handshake do
   // not make them look closed), and those the servers closed while idle are replaced.
   const RedisClusterStats pooled = (*c)->Stats();

@@ -18,6 +18,7 @@
 #include <climits>
 #include <condition_variable>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <thread>
 
@@ -41,62 +42,93 @@ bool ReaderIdle(const redisReader* r) {
   return r->pos == r->len && (r->ridx == -1 || (r->ridx == 0 && r->rstack[0].type < 0));
 }
 
-struct AddrinfoDeleter {
-  void operator()(addrinfo* a) const { freeaddrinfo(a); }
+using SharedAddrinfo = std::shared_ptr<const addrinfo>;
+
+SharedAddrinfo Own(addrinfo* a) {
+  return SharedAddrinfo(a, [](const addrinfo* p) { freeaddrinfo(const_cast<addrinfo*>(p)); });
+}
+
+// A name being looked up, and what the lookup found.
+struct Lookup {
+  std::mutex mu;
+  std::condition_variable done_cv;
+  bool done = false;
+  int rc = 0;
+  SharedAddrinfo found;
 };
-using AddrinfoPtr = std::unique_ptr<addrinfo, AddrinfoDeleter>;
+
+// Lookups in flight, by host and port: callers of one name wait on one lookup, so a resolver that
+// does not answer holds a thread per name, not one per attempt. (Never destroyed: a lookup's
+// thread may outlive main.)
+std::mutex& LookupsMu() {
+  static auto* mu = new std::mutex;
+  return *mu;
+}
+std::map<std::string, std::shared_ptr<Lookup>>& Lookups() {
+  static auto* lookups = new std::map<std::string, std::shared_ptr<Lookup>>;
+  return *lookups;
+}
 
 // `host`'s addresses, or an error naming it, by `deadline`. An address literal is parsed at once;
 // a name is looked up on a thread of its own (getaddrinfo cannot be bounded: a resolver that
-// does not answer holds it for its timeouts and attempts), which frees what it finds when the
-// caller gave up waiting.
-absl::StatusOr<AddrinfoPtr> Resolve(const std::string& host, uint16_t port, absl::Time deadline) {
+// does not answer holds it for its timeouts and attempts), which the caller stops waiting for at
+// the deadline.
+absl::StatusOr<SharedAddrinfo> Resolve(const std::string& host, uint16_t port,
+                                       absl::Time deadline) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
   const std::string service = absl::StrCat(port);
   addrinfo* found = nullptr;
   hints.ai_flags = AI_NUMERICHOST | AI_NUMERICSERV;
-  if (getaddrinfo(host.c_str(), service.c_str(), &hints, &found) == 0) return AddrinfoPtr(found);
+  if (getaddrinfo(host.c_str(), service.c_str(), &hints, &found) == 0) return Own(found);
   hints.ai_flags = AI_NUMERICSERV;
-  struct Lookup {
-    std::mutex mu;
-    std::condition_variable done_cv;
-    bool done = false;
-    bool abandoned = false;
-    int rc = 0;
-    addrinfo* found = nullptr;
+  const std::string key = absl::StrCat(host, " ", service);
+  std::shared_ptr<Lookup> lookup;
+  bool start = false;
+  {
+    std::lock_guard<std::mutex> lock(LookupsMu());
+    std::shared_ptr<Lookup>& slot = Lookups()[key];
+    if (slot == nullptr) {
+      slot = std::make_shared<Lookup>();
+      start = true;
+    }
+    lookup = slot;
+  }
+  auto finish = [lookup, key](int rc, addrinfo* a) {
+    {
+      std::lock_guard<std::mutex> lock(LookupsMu());
+      Lookups().erase(key);
+    }
+    std::lock_guard<std::mutex> lock(lookup->mu);
+    lookup->rc = rc;
+    if (rc == 0) lookup->found = Own(a);
+    lookup->done = true;
+    lookup->done_cv.notify_all();
   };
-  auto lookup = std::make_shared<Lookup>();
-  try {
-    std::thread([lookup, host, service, hints] {
-      addrinfo* a = nullptr;
-      const int rc = getaddrinfo(host.c_str(), service.c_str(), &hints, &a);
-      std::lock_guard<std::mutex> lock(lookup->mu);
-      if (lookup->abandoned) {
-        if (rc == 0) freeaddrinfo(a);
-        return;
-      }
-      lookup->rc = rc;
-      lookup->found = a;
-      lookup->done = true;
-      lookup->done_cv.notify_one();
-    }).detach();
-  } catch (const std::system_error& e) {
-    return absl::UnavailableError(absl::StrCat("resolving ", host, ": no thread: ", e.what()));
+  if (start) {
+    try {
+      std::thread([finish, host, service, hints] {
+        addrinfo* a = nullptr;
+        const int rc = getaddrinfo(host.c_str(), service.c_str(), &hints, &a);
+        finish(rc, a);
+      }).detach();
+    } catch (const std::system_error& e) {
+      finish(EAI_AGAIN, nullptr);
+      return absl::UnavailableError(absl::StrCat("resolving ", host, ": no thread: ", e.what()));
+    }
   }
   std::unique_lock<std::mutex> lock(lookup->mu);
   const auto wait =
       absl::ToChronoNanoseconds(std::max(deadline - absl::Now(), absl::ZeroDuration()));
   if (!lookup->done_cv.wait_for(lock, wait, [&] { return lookup->done; })) {
-    lookup->abandoned = true;
     return absl::UnavailableError(
         absl::StrCat("resolving ", host, ": no answer within the connect timeout"));
   }
   if (lookup->rc != 0) {
     return absl::UnavailableError(absl::StrCat("resolving ", host, ": ", gai_strerror(lookup->rc)));
   }
-  return AddrinfoPtr(lookup->found);
+  return lookup->found;
 }
 
 // Every error OpenSSL queued on this thread, oldest first ("" when none).
@@ -188,13 +220,13 @@ absl::StatusOr<std::unique_ptr<RedisConnection>> RedisConnection::Open(
     absl::Duration io_timeout, const RedisTlsContext* tls) {
   const std::string address = JoinHostPort(host, port);
   const absl::Time deadline = absl::Now() + connect_timeout;
-  absl::StatusOr<AddrinfoPtr> found = Resolve(host, port, deadline);
+  absl::StatusOr<SharedAddrinfo> found = Resolve(host, port, deadline);
   if (!found.ok()) {
     return absl::UnavailableError(absl::StrCat("redis ", address, ": ", found.status().message()));
   }
   std::string why = "no address";
   std::unique_ptr<RedisConnection> conn;
-  for (addrinfo* a = found->get(); a != nullptr && conn == nullptr; a = a->ai_next) {
+  for (const addrinfo* a = found->get(); a != nullptr && conn == nullptr; a = a->ai_next) {
     const int fd =
         socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, a->ai_protocol);
     if (fd < 0) {
@@ -365,7 +397,7 @@ bool RedisConnection::Reusable() {
   // Bytes of a reply nobody read: not a connection to reuse.
   if (failed_ || in_pos_ < in_len_ || !ReaderIdle(reader_)) return false;
   char buf[16 << 10];
-  while (true) {
+  for (int records = 0; records < 16; ++records) {  // a few tickets at most; more is not idle
     const ssize_t k = recv(fd_, buf, sizeof(buf), MSG_DONTWAIT);
     if (k < 0 && errno == EINTR) continue;
     if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;  // nothing: still open
@@ -406,10 +438,18 @@ absl::StatusOr<size_t> RedisConnection::ReadSome(char* p, size_t n, absl::Time d
     if (e == SSL_ERROR_ZERO_RETURN) return Failed("the server closed the TLS session");
     if (e != SSL_ERROR_WANT_READ) return Failed(absl::StrCat("TLS read: ", OpenSslErrors()));
     if (absl::Status s = DrainTls(deadline); !s.ok()) return s;
-    // The records are received into `p` and copied into OpenSSL's buffer at once.
-    absl::StatusOr<size_t> m = RecvRaw(p, n, deadline);
+    // The records are received into `p` and copied into OpenSSL's buffer at once; into a
+    // scratch buffer where `p` is smaller than a record, not a few bytes per recv.
+    char* to = p;
+    size_t room = n;
+    if (n < kReceiveBuffer) {
+      tls_scratch_.resize(kReceiveBuffer);
+      to = tls_scratch_.data();
+      room = tls_scratch_.size();
+    }
+    absl::StatusOr<size_t> m = RecvRaw(to, room, deadline);
     if (!m.ok()) return m.status();
-    BIO_write(static_cast<BIO*>(rbio_), p, static_cast<int>(*m));
+    BIO_write(static_cast<BIO*>(rbio_), to, static_cast<int>(*m));
   }
 }
 
@@ -570,9 +610,9 @@ absl::StatusOr<std::optional<RedisConnection::BulkHeader>> RedisConnection::Pars
 
 absl::StatusOr<AlignedBuffer> RedisConnection::ReadLargeBulk(const BulkHeader& bulk,
                                                              absl::Time not_after) {
-  in_pos_ += bulk.header_bytes;
   const size_t length = bulk.value_bytes;
   AlignedBuffer value = AlignedBuffer::Uninitialized(length);
+  in_pos_ += bulk.header_bytes;
   char* out = reinterpret_cast<char*>(value.data());
   size_t have = std::min(length, in_len_ - in_pos_);
   std::memcpy(out, in_.data() + in_pos_, have);

@@ -68,7 +68,7 @@ struct RedisReplyDeleter {
 };
 using RedisReplyPtr = std::unique_ptr<redisReply, RedisReplyDeleter>;
 
-// A reply read by RedisConnection::ReadDirect: hiredis's parse, or a bulk string of at least
+// A reply read by RedisConnection::ReadReply: hiredis's parse, or a bulk string of at least
 // RedisConnection::kDirectBulk bytes read straight into an aligned buffer.
 struct RedisDirectReply {
   RedisReplyPtr parsed;  // null when `bulk` holds the reply
@@ -163,6 +163,7 @@ class RedisConnection {
   std::vector<char> in_;  // receive buffer: [in_pos_, in_len_) not yet parsed nor fed to hiredis
   size_t in_pos_ = 0;
   size_t in_len_ = 0;
+  std::vector<char> tls_scratch_;  // TLS records received for a read smaller than one
   size_t feed_left_ = 0;     // bytes of the reply hiredis is being fed still to come
   bool to_newline_ = false;  // hiredis is being fed a one-line reply up to its '\n'
   bool failed_ = false;
