@@ -203,10 +203,10 @@ const char* const kStrataMenu[] = {
     // The rotation stage (kernels/rotation.h) on the backbones it helps most.
     "kivi:k2v2:g64:rot:sink4", "kivi:k2v2:g32:rot:sink4", "kivi:k4v4:g32:rot:sink4",
     "kcvt:k2v2:rot:sink4", "kcvt:k2v2:m8:rot",
-    // Coupled quantization (CQ): 4, 3, 2, 1.5 and 1 bits per element, codebooks learned per
-    // shape.
-    "cq:c2:b8:sink4", "cq:c2:b6:sink4", "cq:c4:b8:sink4", "cq:c4:b6:sink4", "cq:c8:b8:sink4",
-    "cq:c4:b6", "cq:c8:b8"};
+    // Coupled quantization (CQ): 4, 3.5, 3, 2.5, 2, 1.5 and 1 bits per element, codebooks
+    // learned per shape.
+    "cq:c2:b8:sink4", "cq:c2:b7:sink4", "cq:c2:b6:sink4", "cq:c2:b5:sink4", "cq:c4:b8:sink4",
+    "cq:c4:b6:sink4", "cq:c8:b8:sink4", "cq:c4:b6", "cq:c8:b8"};
 
 // The menu's CQ shapes' codebooks, per shape (its spec without sinks) and layer.
 using CqBooks = std::map<std::string, std::vector<kernels::LayerCalibration>>;
