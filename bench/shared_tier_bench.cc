@@ -90,14 +90,16 @@ Result Drive(int threads, int batch, double seconds, size_t block_bytes, F call)
   return r;
 }
 
-// redis-benchmark's requests per second for SET and GET of `bytes`-byte values on the cluster.
-// `tls`: redis-benchmark's TLS arguments ("" for plain TCP).
+// redis-benchmark's requests per second for SET and GET of `bytes`-byte values on the cluster,
+// over 8 GiB of values per command (seconds at these rates: a run of a few hundred ms, as 2 GiB
+// / 4 gave, swung by 2x from run to run). `tls`: redis-benchmark's TLS arguments ("" for plain
+// TCP).
 std::pair<double, double> RedisBenchmark(int port, size_t bytes, int clients, int pipeline,
                                          const std::string& tls) {
   const std::string out = "/tmp/shared_tier_bench_rb.csv";
   const std::string cmd =
       absl::StrCat("redis-benchmark --cluster ", tls, " -p ", port, " -d ", bytes,
-                   " -t set,get -n ", std::max<size_t>(2000, (size_t{2} << 30) / bytes / 4), " -c ",
+                   " -t set,get -r 512 -n ", std::max<size_t>(2000, (size_t{8} << 30) / bytes), " -c ",
                    clients, " -P ", pipeline, " --csv -q > ", out, " 2>/dev/null");
   double set = 0, get = 0;
   if (std::system(cmd.c_str()) != 0) return {0, 0};
