@@ -57,9 +57,7 @@ RedisReply Convert(const redisReply* r, bool aligned_strings = false) {
 absl::StatusOr<RedisReply> Call(RedisConnection& c, const RedisCommand& cmd, std::string* error,
                                 absl::Time deadline = absl::InfiniteFuture()) {
   const std::vector<absl::string_view> argv(cmd.begin(), cmd.end());
-  c.Append(argv);
-  if (absl::Status s = c.Flush(deadline); !s.ok()) return s;
-  absl::StatusOr<RedisReplyPtr> r = c.Read(deadline);
+  absl::StatusOr<RedisReplyPtr> r = c.Call(argv, deadline);
   if (!r.ok()) return r.status();
   if ((*r)->type == REDIS_REPLY_ERROR) error->assign((*r)->str, (*r)->len);
   return Convert(r->get());
@@ -155,13 +153,13 @@ absl::StatusOr<std::unique_ptr<RedisCluster>> RedisCluster::Connect(RedisCluster
 
 absl::StatusOr<std::unique_ptr<RedisConnection>> RedisCluster::Take(const std::string& node,
                                                                     absl::Time deadline) {
-  // The newest idle connection the server has not closed meanwhile; those it closed (Redis's
-  // `timeout`, a restart) are dropped here rather than failed on a command.
-  // Checked (and the stale closed) outside the pool's lock, which every node shares.
   if (absl::Now() >= deadline) {
     return absl::DeadlineExceededError(
         absl::StrCat("redis ", node, ": the deadline passed before sending"));
   }
+  // The newest idle connection the server has not closed meanwhile; those it closed (Redis's
+  // `timeout`, a restart) are dropped here rather than failed on a command. Each is checked
+  // (and a stale one closed) outside the pool's lock, which every node shares.
   uint64_t stale = 0;
   std::unique_ptr<RedisConnection> pooled;
   while (pooled == nullptr) {

@@ -146,6 +146,13 @@ std::string* RedisClusterTest::start_error_ = nullptr;
 
 absl::Time Soon() { return absl::Now() + absl::Seconds(10); }
 
+// A SET of `key` and its GET through `c` give back what was set.
+void ExpectRoundTrip(RedisCluster& c, const std::string& key) {
+  const auto r = c.Run({{"SET", key, "1"}, {"GET", key}}, Soon());
+  ASSERT_TRUE(r[1].ok()) << r[1].status();
+  EXPECT_EQ(r[1]->str, "1");
+}
+
 TEST_F(RedisClusterTest, SlotsAreTheOnesRedisComputes) {
   const std::vector<std::string> keys = {"a",
                                          "strata:block",
@@ -305,9 +312,7 @@ TEST_F(RedisClusterTest, ASeedGivenByNameIsResolved) {
   absl::StatusOr<std::unique_ptr<RedisCluster>> c =
       RedisCluster::Connect({.seeds = {absl::StrCat("localhost", seed.substr(seed.rfind(':')))}});
   ASSERT_TRUE(c.ok()) << c.status();
-  const auto r = (*c)->Run({{"SET", "by-name", "1"}, {"GET", "by-name"}}, Soon());
-  ASSERT_TRUE(r[1].ok()) << r[1].status();
-  EXPECT_EQ(r[1]->str, "1");
+  ExpectRoundTrip(**c, "by-name");
 }
 
 // A master that hangs (stopped: its kernel still accepts connections, nothing answers). A call
@@ -627,9 +632,7 @@ TEST(RedisClusterAuthTest, AuthIsRequiredAndAWrongPasswordIsRefused) {
   absl::StatusOr<std::unique_ptr<RedisCluster>> c =
       RedisCluster::Connect({.seeds = {cluster.seed()}, .password = "s3cret-pass"});
   ASSERT_TRUE(c.ok()) << c.status();
-  const auto r = (*c)->Run({{"SET", "authed", "1"}, {"GET", "authed"}}, Soon());
-  ASSERT_TRUE(r[1].ok()) << r[1].status();
-  EXPECT_EQ(r[1]->str, "1");
+  ExpectRoundTrip(**c, "authed");
 }
 
 // Redis serving TLS only (tls-port, with client certificates required): commands and large

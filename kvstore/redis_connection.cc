@@ -469,7 +469,6 @@ void RedisConnection::Append(absl::Span<const absl::string_view> argv) {
 }
 
 absl::Status RedisConnection::Flush(absl::Time not_after) {
-  auto wait_until = [&] { return std::min(absl::Now() + io_timeout_, not_after); };
   if (!small_.empty()) out_.push_back({std::move(small_), {}});
   small_.clear();
   std::vector<Piece> out = std::move(out_);
@@ -478,7 +477,7 @@ absl::Status RedisConnection::Flush(absl::Time not_after) {
   if (ssl_ != nullptr) {
     for (const Piece& piece : out) {
       const absl::string_view b = piece.owned.empty() ? piece.view : piece.owned;
-      if (absl::Status s = Write(b.data(), b.size(), wait_until()); !s.ok()) {
+      if (absl::Status s = Write(b.data(), b.size(), WaitEnd(not_after)); !s.ok()) {
         return s;
       }
     }
@@ -512,8 +511,7 @@ absl::StatusOr<RedisDirectReply> RedisConnection::ReadReply(absl::Time not_after
     if (in_pos_ == in_len_) {
       // The timeout bounds each wait for bytes, not the whole reply (a large value may take
       // several).
-      absl::StatusOr<size_t> n =
-          ReadSome(in_.data(), in_.size(), std::min(absl::Now() + io_timeout_, not_after));
+      absl::StatusOr<size_t> n = ReadSome(in_.data(), in_.size(), WaitEnd(not_after));
       if (!n.ok()) return n.status();
       in_pos_ = 0;
       in_len_ = *n;
@@ -569,8 +567,8 @@ absl::Status RedisConnection::FillTo(size_t n, absl::Time not_after) {
     in_pos_ = 0;
   }
   while (in_len_ < n) {
-    absl::StatusOr<size_t> k = ReadSome(in_.data() + in_len_, in_.size() - in_len_,
-                                        std::min(absl::Now() + io_timeout_, not_after));
+    absl::StatusOr<size_t> k =
+        ReadSome(in_.data() + in_len_, in_.size() - in_len_, WaitEnd(not_after));
     if (!k.ok()) return k.status();
     in_len_ += *k;
   }
@@ -618,8 +616,7 @@ absl::StatusOr<AlignedBuffer> RedisConnection::ReadLargeBulk(const BulkHeader& b
   std::memcpy(out, in_.data() + in_pos_, have);
   in_pos_ += have;
   while (have < length) {  // the rest from the socket (or out of TLS) into its place
-    absl::StatusOr<size_t> k =
-        ReadSome(out + have, length - have, std::min(absl::Now() + io_timeout_, not_after));
+    absl::StatusOr<size_t> k = ReadSome(out + have, length - have, WaitEnd(not_after));
     if (!k.ok()) return k.status();
     have += *k;
   }
@@ -638,10 +635,11 @@ std::unique_ptr<RedisConnection> RedisConnection::FromSocket(int fd, std::string
   return std::unique_ptr<RedisConnection>(new RedisConnection(fd, std::move(address), io_timeout));
 }
 
-absl::StatusOr<RedisReplyPtr> RedisConnection::Call(absl::Span<const absl::string_view> argv) {
+absl::StatusOr<RedisReplyPtr> RedisConnection::Call(absl::Span<const absl::string_view> argv,
+                                                    absl::Time not_after) {
   Append(argv);
-  if (absl::Status s = Flush(); !s.ok()) return s;
-  return Read();
+  if (absl::Status s = Flush(not_after); !s.ok()) return s;
+  return Read(not_after);
 }
 
 }  // namespace strata::kvstore

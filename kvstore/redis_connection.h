@@ -13,6 +13,7 @@
 // Not thread-safe: one caller at a time.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -21,6 +22,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "common/aligned_buffer.h"
@@ -106,7 +108,8 @@ class RedisConnection {
   static constexpr size_t kDirectBulk = 16 << 10;
   static constexpr size_t kMaxBulk = size_t{512} << 20;
   // Append, Flush and Read for one command.
-  absl::StatusOr<RedisReplyPtr> Call(absl::Span<const absl::string_view> argv);
+  absl::StatusOr<RedisReplyPtr> Call(absl::Span<const absl::string_view> argv,
+                                     absl::Time not_after = absl::InfiniteFuture());
 
   // A plain connection over `fd`, a connected stream socket it then owns (tests and fuzzing).
   static std::unique_ptr<RedisConnection> FromSocket(int fd, std::string address,
@@ -141,6 +144,10 @@ class RedisConnection {
   absl::StatusOr<AlignedBuffer> ReadLargeBulk(const BulkHeader& bulk, absl::Time not_after);
   // Until in_ holds `n` unparsed bytes (n <= its size).
   absl::Status FillTo(size_t n, absl::Time not_after);
+  // When one wait for the socket ends: io_timeout from now, capped by `not_after`.
+  absl::Time WaitEnd(absl::Time not_after) const {
+    return std::min(absl::Now() + io_timeout_, not_after);
+  }
   absl::Status DrainTls(absl::Time deadline);   // TLS records made, onto the socket
   std::string PendingTlsAlert();                // the error of an alert already received, or ""
   // Marks the connection failed (never used again); kUnavailable naming the address.
