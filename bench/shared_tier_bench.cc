@@ -13,12 +13,16 @@
 #include <atomic>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <random>
 #include <sstream>
 #include <string>
 #include <thread>
 #include <tuple>
 #include <vector>
+
+#include <sys/resource.h>
+#include <unistd.h>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -56,16 +60,48 @@ AlignedBuffer Block(uint32_t tokens, uint32_t chunk, uint32_t seed) {
 struct Result {
   double ops_per_s = 0, mb_per_s = 0, p50_ms = 0, p99_ms = 0;
   uint64_t errors = 0;
+  // CPU seconds per block (per request for the anchor): the client's (this process, or
+  // redis-benchmark), and the Redis servers' together. Where the machine's cores are all busy,
+  // their sum bounds the rate: cores / (client + servers).
+  double client_cpu_us = 0, server_cpu_us = 0;
 };
+
+double Seconds(const timeval& t) { return t.tv_sec + t.tv_usec / 1e6; }
+
+// CPU seconds used so far by this process (`who` RUSAGE_SELF) or its waited-for children.
+double RusageSeconds(int who) {
+  rusage u{};
+  getrusage(who, &u);
+  return Seconds(u.ru_utime) + Seconds(u.ru_stime);
+}
+
+// CPU seconds used so far by the cluster's redis-server processes together.
+double ServersSeconds(const strata::kvstore::testing::RedisClusterProcess& cluster) {
+  double total = 0;
+  for (const auto& n : cluster.nodes()) {
+    std::ifstream f(absl::StrCat("/proc/", n.pid, "/stat"));
+    std::string stat((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    const size_t close = stat.rfind(')');  // fields after the command name; utime, stime: 14, 15
+    if (close == std::string::npos) continue;
+    std::vector<std::string> fields = absl::StrSplit(stat.substr(close + 2), ' ');
+    unsigned long long ut = 0, st = 0;
+    if (fields.size() > 12 && absl::SimpleAtoi(fields[11], &ut) && absl::SimpleAtoi(fields[12], &st)) {
+      total += static_cast<double>(ut + st) / sysconf(_SC_CLK_TCK);
+    }
+  }
+  return total;
+}
 
 // `threads` threads, each calling `call(thread, i)` (one pipelined batch) for `seconds`.
 template <typename F>
-Result Drive(int threads, int batch, double seconds, size_t block_bytes, F call) {
+Result Drive(const strata::kvstore::testing::RedisClusterProcess& cluster, int threads, int batch,
+             double seconds, size_t block_bytes, F call) {
   std::atomic<uint64_t> calls{0}, errors{0};
   std::vector<std::vector<double>> lat(threads);
   std::vector<std::thread> ts;
   const absl::Time end = absl::Now() + absl::Seconds(seconds);
   const absl::Time start = absl::Now();
+  const double client0 = RusageSeconds(RUSAGE_SELF), servers0 = ServersSeconds(cluster);
   for (int t = 0; t < threads; ++t) {
     ts.emplace_back([&, t] {
       for (uint64_t i = 0; absl::Now() < end; ++i) {
@@ -78,6 +114,7 @@ Result Drive(int threads, int batch, double seconds, size_t block_bytes, F call)
   }
   for (std::thread& th : ts) th.join();
   const double elapsed = absl::ToDoubleSeconds(absl::Now() - start);
+  const double blocks = static_cast<double>(calls.load()) * batch;
   std::vector<double> all;
   for (auto& l : lat) all.insert(all.end(), l.begin(), l.end());
   std::sort(all.begin(), all.end());
@@ -87,24 +124,33 @@ Result Drive(int threads, int batch, double seconds, size_t block_bytes, F call)
   r.p50_ms = all.empty() ? 0 : all[all.size() / 2];
   r.p99_ms = all.empty() ? 0 : all[all.size() * 99 / 100];
   r.errors = errors.load();
+  if (blocks > 0) {
+    r.client_cpu_us = (RusageSeconds(RUSAGE_SELF) - client0) / blocks * 1e6;
+    r.server_cpu_us = (ServersSeconds(cluster) - servers0) / blocks * 1e6;
+  }
   return r;
 }
 
-// redis-benchmark's requests per second for SET and GET of `bytes`-byte values on the cluster,
-// over 8 GiB of values per command (seconds at these rates: a run of a few hundred ms, as 2 GiB
-// / 4 gave, swung by 2x from run to run). `tls`: redis-benchmark's TLS arguments ("" for plain
-// TCP).
-std::pair<double, double> RedisBenchmark(int port, size_t bytes, int clients, int pipeline,
-                                         const std::string& tls) {
+// redis-benchmark's requests per second for `test` ("set" or "get") of `bytes`-byte values on the
+// cluster, over 8 GiB of values (seconds at these rates: a run of a few hundred ms, as 2 GiB / 4
+// gave, swung by 2x from run to run), with its CPU and the servers' per request. `tls`:
+// redis-benchmark's TLS arguments ("" for plain TCP).
+Result RedisBenchmark(const strata::kvstore::testing::RedisClusterProcess& cluster,
+                      const std::string& test, size_t bytes, int clients, int pipeline,
+                      const std::string& tls) {
   const std::string out = "/tmp/shared_tier_bench_rb.csv";
-  const std::string cmd =
-      absl::StrCat("redis-benchmark --cluster ", tls, " -p ", port, " -d ", bytes,
-                   " -t set,get -r 512 -n ", std::max<size_t>(2000, (size_t{8} << 30) / bytes), " -c ",
-                   clients, " -P ", pipeline, " --csv -q > ", out, " 2>/dev/null");
-  double set = 0, get = 0;
-  if (std::system(cmd.c_str()) != 0) return {0, 0};
+  const size_t n = std::max<size_t>(2000, (size_t{8} << 30) / bytes);
+  const std::string cmd = absl::StrCat("redis-benchmark --cluster ", tls, " -p ",
+                                       cluster.nodes()[0].port, " -d ", bytes, " -t ", test,
+                                       " -r 512 -n ", n, " -c ", clients, " -P ", pipeline,
+                                       " --csv -q > ", out, " 2>/dev/null");
+  Result r;
+  const double client0 = RusageSeconds(RUSAGE_CHILDREN), servers0 = ServersSeconds(cluster);
+  if (std::system(cmd.c_str()) != 0) return r;
+  r.client_cpu_us = (RusageSeconds(RUSAGE_CHILDREN) - client0) / n * 1e6;
+  r.server_cpu_us = (ServersSeconds(cluster) - servers0) / n * 1e6;
   FILE* f = std::fopen(out.c_str(), "r");
-  if (f == nullptr) return {0, 0};
+  if (f == nullptr) return r;
   char line[512];
   while (std::fgets(line, sizeof(line), f) != nullptr) {
     std::vector<std::string> cols = absl::StrSplit(line, ',');
@@ -112,12 +158,10 @@ std::pair<double, double> RedisBenchmark(int port, size_t bytes, int clients, in
     std::string rps = cols[1];
     rps.erase(std::remove(rps.begin(), rps.end(), '"'), rps.end());
     double v = 0;
-    if (!absl::SimpleAtod(rps, &v)) continue;
-    if (cols[0].find("SET") != std::string::npos) set = v;
-    if (cols[0].find("GET") != std::string::npos) get = v;
+    if (absl::SimpleAtod(rps, &v) && v > 0) r.ops_per_s = v;
   }
   std::fclose(f);
-  return {set, get};
+  return r;
 }
 
 }  // namespace
@@ -182,10 +226,13 @@ int main(int argc, char** argv) {
       << (tls ? ", TLS only: TLS 1.3, P-256 certificates, client certificates required" : "")
       << "); " << threads << " client threads, " << batch
       << " blocks pipelined per call; redis-benchmark --cluster with as many clients and the same "
-         "pipeline depth\n\n";
-  char line[256];
-  std::snprintf(line, sizeof(line), "%-10s %-4s %12s %10s %9s %9s %14s %8s\n", "block", "op",
-                "blocks/s", "MB/s", "p50 ms", "p99 ms", "redis-bench/s", "ratio");
+         "pipeline depth, one test (SET, GET) at a time\n"
+         "cpu us: CPU microseconds per block, the client's (this process; redis-benchmark for the "
+         "anchor) + the Redis servers' together\n\n";
+  char line[320];
+  std::snprintf(line, sizeof(line), "%-10s %-4s %12s %10s %9s %9s %14s %8s %17s %17s\n", "block",
+                "op", "blocks/s", "MB/s", "p50 ms", "p99 ms", "redis-bench/s", "ratio",
+                "cpu us cl+redis", "anchor cl+redis");
   txt << line;
   std::vector<std::string> rows;
   for (uint32_t tokens : {16u, 64u, 256u}) {  // blocks of 64 KiB, 256 KiB and 1 MiB
@@ -207,14 +254,14 @@ int main(int argc, char** argv) {
         items[t].push_back({n, 1, SharedBytes::FromBuffer(std::move(copy))});
       }
     }
-    const Result put = Drive(threads, batch, seconds, bytes, [&](int t, uint64_t i) {
+    const Result put = Drive(cluster, threads, batch, seconds, bytes, [&](int t, uint64_t i) {
       std::vector<SharedTier::Item> b;
       for (int j = 0; j < batch; ++j) b.push_back(items[t][(i * batch + j) % keys_per_thread]);
       uint64_t e = 0;
       for (const absl::Status& s : (*tier)->Put(b)) e += !s.ok();
       return e;
     });
-    const Result get = Drive(threads, batch, seconds, bytes, [&](int t, uint64_t i) {
+    const Result get = Drive(cluster, threads, batch, seconds, bytes, [&](int t, uint64_t i) {
       std::vector<SharedTier::Key> b;
       for (int j = 0; j < batch; ++j) {
         const SharedTier::Item& it = items[t][(i * batch + j) % keys_per_thread];
@@ -224,13 +271,16 @@ int main(int argc, char** argv) {
       for (const auto& r : (*tier)->Get(b)) e += !r.ok();
       return e;
     });
-    const auto [rb_set, rb_get] =
-        RedisBenchmark(cluster.nodes()[0].port, bytes, threads, batch, tls_args);
-    for (const auto& [op, r, anchor] :
+    const Result rb_set = RedisBenchmark(cluster, "set", bytes, threads, batch, tls_args);
+    const Result rb_get = RedisBenchmark(cluster, "get", bytes, threads, batch, tls_args);
+    for (const auto& [op, r, rb] :
          {std::tuple{"put", put, rb_set}, std::tuple{"get", get, rb_get}}) {
-      std::snprintf(line, sizeof(line), "%-10s %-4s %12.0f %10.1f %9.2f %9.2f %14.0f %7.2fx\n",
+      const double anchor = rb.ops_per_s;
+      std::snprintf(line, sizeof(line),
+                    "%-10s %-4s %12.0f %10.1f %9.2f %9.2f %14.0f %7.2fx %8.0f+%-8.0f %8.0f+%-8.0f\n",
                     absl::StrCat(bytes / 1024, " KiB").c_str(), op, r.ops_per_s, r.mb_per_s,
-                    r.p50_ms, r.p99_ms, anchor, anchor > 0 ? r.ops_per_s / anchor : 0.0);
+                    r.p50_ms, r.p99_ms, anchor, anchor > 0 ? r.ops_per_s / anchor : 0.0,
+                    r.client_cpu_us, r.server_cpu_us, rb.client_cpu_us, rb.server_cpu_us);
       txt << line;
       rows.push_back(strata::bench::Json()
                          .Num("block_bytes", static_cast<double>(bytes))
@@ -241,6 +291,10 @@ int main(int argc, char** argv) {
                          .Num("p99_ms", r.p99_ms)
                          .Num("errors", static_cast<double>(r.errors))
                          .Num("redis_benchmark_per_s", anchor)
+                         .Num("client_cpu_us", r.client_cpu_us)
+                         .Num("redis_cpu_us", r.server_cpu_us)
+                         .Num("redis_benchmark_cpu_us", rb.client_cpu_us)
+                         .Num("redis_benchmark_redis_cpu_us", rb.server_cpu_us)
                          .Done());
     }
   }

@@ -28,6 +28,19 @@ function(strata_configure_target target)
   target_link_options(${target} PRIVATE ${STRATA_SANITIZE_FLAGS})
 endfunction()
 
+# Links a program with the service's malloc: jemalloc where STRATA_JEMALLOC (CMakeLists.txt).
+# Large blocks are past glibc's mmap threshold, so glibc maps, faults in and unmaps each one;
+# jemalloc reuses freed extents (common/allocator.h). Linked whether or not the program names a
+# jemalloc symbol (--no-as-needed), so that it is the malloc the process resolves.
+function(strata_use_allocator target)
+  if(STRATA_JEMALLOC)
+    # One item, so that CMake keeps the flags around the library.
+    list(JOIN JEMALLOC_LINK_LIBRARIES "," libs)
+    target_link_libraries(${target} PRIVATE "-Wl,--push-state,--no-as-needed,${libs},--pop-state")
+    target_compile_definitions(${target} PRIVATE STRATA_LINKS_JEMALLOC=1)
+  endif()
+endfunction()
+
 # strata_add_library(name SOURCES ... DEPS ...): static library strata_<name>, alias strata::<name>,
 # include root at the repository top (so includes read "common/status_macros.h").
 function(strata_add_library name)

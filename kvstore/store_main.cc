@@ -18,6 +18,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/allocator.h"
 #include "common/byte_size.h"
 #include "common/log.h"
 #include "common/signals.h"
@@ -252,7 +253,7 @@ int main(int argc, char** argv) {
   }
   std::cout << "strata-store: serving on port " << port << " (RAM " << o->ram_bytes
             << " bytes, disk " << (o->disk_path.empty() ? "none" : o->disk_path) << "; "
-            << (*security)->Describe() << ")" << std::endl;
+            << (*security)->Describe() << "; " << strata::AllocatorName() << ")" << std::endl;
   shared.RetryInto(&service);
 
   strata::WaitForTermination();

@@ -18,6 +18,7 @@ target_link_libraries(strata-router PRIVATE strata::router_cluster strata::rpc_f
   strata::kvstore_shared_tier_flags strata::membership_flags
   absl::flags absl::flags_parse absl::flags_usage)
 strata_configure_target(strata-router)
+strata_use_allocator(strata-router)
 
 # Against real gRPC servers on loopback (fake nodes, a real store). Not under TSan: Debian's gRPC
 # is not instrumented (as kvstore_service_test and router_http_test).

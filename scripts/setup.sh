@@ -17,6 +17,9 @@ packages=(
   # the shared KV tier on Redis Cluster: its client library, and the servers its tests start
   # (openssl makes the certificates of its TLS test)
   libhiredis-dev redis-server redis-tools openssl
+  # the programs' malloc: jemalloc reuses freed large blocks where glibc maps and unmaps each
+  # (common/allocator.h)
+  libjemalloc-dev
   # AVX-512 instructions in portable code: the reference the 512-bit kernels' emulation is
   # tested against on machines without AVX-512
   libsimde-dev
