@@ -6,6 +6,7 @@
 // blocks per call, as a Lookup's promotion does.
 //
 //   shared_tier_bench [--out DIR] [--commit C] [--threads N] [--batch B] [--seconds S] [--tls 1]
+//                     [--tokens 16,64,256]
 // With --tls the cluster serves TLS only (client certificates required), the tier and
 // redis-benchmark both speak it. Prints a table; with --out writes
 // DIR/shared_tier_bench[-tls]-DATE-COMMIT.{txt,json}.
@@ -43,7 +44,8 @@ using strata::kvstore::SharedTier;
 
 constexpr char kUsage[] =
     "usage: shared_tier_bench [--out DIR] [--commit C] [--threads N] [--batch B] [--seconds S] "
-    "[--tls 1]\n";
+    "[--tls 1] [--tokens 16,64,256]\n"
+    "  --tokens: the block sizes, in tokens of 4 KiB (fp16, 8 KV heads of 128)\n";
 
 // A real fp16 block of `tokens` tokens, 8 KV heads of 128: 4 KiB per token.
 AlignedBuffer Block(uint32_t tokens, uint32_t chunk, uint32_t seed) {
@@ -172,6 +174,7 @@ int main(int argc, char** argv) {
   if (!flags) return exit_code;
   std::string out_dir, commit = "unknown";
   int threads = 8, batch = 8;
+  std::vector<uint32_t> block_tokens = {16, 64, 256};  // blocks of 64 KiB, 256 KiB and 1 MiB
   double seconds = 3;
   bool tls = false;
   for (const auto& [k, v] : *flags) {
@@ -185,6 +188,17 @@ int main(int argc, char** argv) {
       threads = std::max(1, std::atoi(v.c_str()));
     } else if (k == "--batch") {
       batch = std::max(1, std::atoi(v.c_str()));
+    } else if (k == "--tokens") {  // blocks of 4 KiB per token
+      block_tokens.clear();
+      for (absl::string_view t : absl::StrSplit(v, ',')) {
+        uint32_t n = 0;
+        if (!absl::SimpleAtoi(t, &n) || n == 0 || n > 4096) {
+          std::fprintf(stderr, "shared_tier_bench: --tokens takes numbers 1..4096, not %s\n%s",
+                       v.c_str(), kUsage);
+          return 2;
+        }
+        block_tokens.push_back(n);
+      }
     } else if (k == "--seconds") {
       seconds = std::max(0.5, std::atof(v.c_str()));
     } else {
@@ -235,7 +249,7 @@ int main(int argc, char** argv) {
                 "cpu us cl+redis", "anchor cl+redis");
   txt << line;
   std::vector<std::string> rows;
-  for (uint32_t tokens : {16u, 64u, 256u}) {  // blocks of 64 KiB, 256 KiB and 1 MiB
+  for (uint32_t tokens : block_tokens) {
     // Distinct blocks per thread and slot: chunk index fixed, prefix keys distinct.
     const AlignedBuffer proto = Block(tokens, 1, tokens);
     const size_t bytes = proto.size();
@@ -300,7 +314,9 @@ int main(int argc, char** argv) {
   }
   const strata::kvstore::SharedTierStats st = (*tier)->Stats();
   txt << "\nshared tier: " << st.hits << " hits, " << st.misses << " misses, " << st.damaged
-      << " damaged, " << st.put_errors << " put errors, " << st.get_errors << " get errors\n";
+      << " damaged, " << st.put_errors << " put errors, " << st.get_errors << " get errors; "
+      << st.redis.connects << " connections opened, " << st.redis.stale << " stale, "
+      << st.redis.io_errors << " lost or timed out, " << st.redis.retries << " retries\n";
   std::fputs(txt.str().c_str(), stdout);
   if (!out_dir.empty()) {
     const std::string path = strata::bench::ResultPath(

@@ -369,6 +369,16 @@ std::vector<absl::StatusOr<RedisReply>> RedisCluster::RunViews(
     std::vector<size_t> again = unrouted;
     bool refresh = !unrouted.empty(), retry_later = !unrouted.empty();
     if (!unrouted.empty()) last_problem = "slots not served by any node (cluster down?)";
+    // Every node's commands are sent before any reply is read: the nodes work at once, and a
+    // call costs one round trip, not one per node.
+    struct Leg {
+      std::string node;
+      std::vector<size_t> idx;
+      std::unique_ptr<RedisConnection> conn;
+      absl::Status io;
+    };
+    std::vector<Leg> legs;
+    legs.reserve(by_node.size());
     for (auto& [node, idx] : by_node) {
       absl::StatusOr<std::unique_ptr<RedisConnection>> c = Take(node, deadline);
       if (!c.ok() && c.status().code() == absl::StatusCode::kDeadlineExceeded) {
@@ -390,7 +400,7 @@ std::vector<absl::StatusOr<RedisReply>> RedisCluster::RunViews(
         ++stats_.io_errors;
         continue;
       }
-      // Pipeline: every command (after ASKING where redirected), then every reply.
+      // Pipeline: every command (after ASKING where redirected); the replies below.
       RedisConnection& conn = **c;
       static constexpr absl::string_view kAsking[] = {"ASKING"};
       for (size_t i : idx) {
@@ -398,6 +408,13 @@ std::vector<absl::StatusOr<RedisReply>> RedisCluster::RunViews(
         conn.Append(commands[i]);
       }
       absl::Status io = conn.Flush(deadline);
+      legs.push_back({node, std::move(idx), *std::move(c), std::move(io)});
+    }
+    for (Leg& leg : legs) {
+      const std::string& node = leg.node;
+      const std::vector<size_t>& idx = leg.idx;
+      RedisConnection& conn = *leg.conn;
+      absl::Status& io = leg.io;
       for (size_t k = 0; io.ok() && k < idx.size(); ++k) {
         const size_t i = idx[k];
         const bool was_ask = !ask[i].empty();
@@ -469,7 +486,7 @@ std::vector<absl::StatusOr<RedisReply>> RedisCluster::RunViews(
         ++stats_.errors;
       }
       if (io.ok()) {
-        Give(node, *std::move(c));
+        Give(node, std::move(leg.conn));
         continue;
       }
       // The connection failed mid-pipeline: the commands without a reply go again (a SET or
