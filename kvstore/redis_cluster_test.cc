@@ -563,6 +563,50 @@ TEST_F(RedisClusterTest, SharedTierTtlsGrowTowardTheRootAndAHitRenewsThem) {
   EXPECT_LE(pttl(1), 5000);
 }
 
+// A promotion reads every layer of its chunks, and a spill writes them: one TTL renewal per chunk
+// serves every layer, so a call of 2 chunks of 4 layers is 8 HSETs or HGETs and 2 PEXPIREs, not
+// 16 commands; and the renewal still reaches every chunk.
+TEST_F(RedisClusterTest, SharedTierRenewsEachChunkOncePerCallWhateverItsLayers) {
+  absl::StatusOr<std::unique_ptr<SharedTier>> tier =
+      SharedTier::Connect({.redis = {.seeds = {cluster_->seed()}},
+                           .ttl = absl::Seconds(100),
+                           .root_bonus = absl::Seconds(100)});
+  ASSERT_TRUE(tier.ok()) << tier.status();
+  std::vector<SharedTier::Item> items;
+  std::vector<SharedTier::Key> keys;
+  for (uint32_t chunk : {0u, 1u}) {
+    for (uint32_t layer = 0; layer < 4; ++layer) {
+      AlignedBuffer b = test_blocks::MakeBlock(79, layer, chunk, 10 * chunk + layer);
+      const BlockName name = test_blocks::Name(b, test_blocks::Key(chunk, 47));
+      items.push_back({name, chunk, SharedBytes::FromBuffer(std::move(b))});
+      keys.push_back({name, chunk});
+    }
+  }
+  ASSERT_EQ((*tier)->KeyOf(keys[0].name), (*tier)->KeyOf(keys[3].name));  // one hash per chunk
+  RedisCluster& redis = (*tier)->redis();
+  uint64_t before = redis.Stats().commands;
+  for (const absl::Status& s : (*tier)->Put(items)) ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(redis.Stats().commands - before, 10u);
+  auto pttl = [&](size_t i) {
+    return redis.Run({{"PTTL", (*tier)->KeyOf(keys[i].name)}}, Soon())[0]->integer;
+  };
+  EXPECT_GT(pttl(0), 190000);  // chunk 0: 100 s + 100 s
+  EXPECT_GT(pttl(4), 140000);  // chunk 1: 100 s + 50 s
+  EXPECT_LE(pttl(4), 150000);
+  for (size_t i : {0, 4}) {
+    ASSERT_TRUE(redis.Run({{"PEXPIRE", (*tier)->KeyOf(keys[i].name), "5000"}}, Soon())[0].ok());
+  }
+  before = redis.Stats().commands;
+  auto got = (*tier)->Get(keys);
+  EXPECT_EQ(redis.Stats().commands - before, 10u);
+  for (size_t i = 0; i < keys.size(); ++i) {
+    ASSERT_TRUE(got[i].ok()) << i << ": " << got[i].status();
+    EXPECT_TRUE(got[i]->span() == items[i].block.span()) << i;
+  }
+  EXPECT_GT(pttl(0), 190000);  // both renewed
+  EXPECT_GT(pttl(4), 140000);
+}
+
 // A master killed under a steady load: the client follows the failover (its replica promoted
 // after the cluster's node timeout) and every command completes; every value read is the one
 // written or, for a write the replica had not copied when its master died, none (a miss: Redis

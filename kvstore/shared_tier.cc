@@ -2,6 +2,8 @@
 
 #include <cstring>
 
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/aligned_buffer.h"
@@ -73,19 +75,29 @@ std::vector<absl::Status> SharedTier::Put(absl::Span<const Item> items) {
     sent.push_back(i);
     bytes += it.block.size();
   }
-  // HSET then PEXPIRE per block: the chunk's TTL set (again) by each of its layers.
+  // HSET per block, and PEXPIRE once per chunk, after its last layer's HSET (a key's commands
+  // run in order on its node): the chunk's TTL set (again) by the call.
+  absl::flat_hash_map<absl::string_view, size_t> last;  // a chunk's key -> its last block
+  for (size_t k = 0; k < sent.size(); ++k) last[keys[k]] = k;
   std::vector<RedisCommandView> cmds;
+  std::vector<size_t> hset_at(sent.size());
+  absl::flat_hash_map<absl::string_view, size_t> expire_at;  // a chunk's key -> its PEXPIRE
   for (size_t k = 0; k < sent.size(); ++k) {
     const SharedBytes& b = items[sent[k]].block;
+    hset_at[k] = cmds.size();
     cmds.push_back({"HSET", keys[k], fields[k],
                     absl::string_view(reinterpret_cast<const char*>(b.data()), b.size())});
-    cmds.push_back({"PEXPIRE", keys[k], ttls[k]});
+    if (last[keys[k]] == k) {
+      expire_at[keys[k]] = cmds.size();
+      cmds.push_back({"PEXPIRE", keys[k], ttls[k]});
+    }
   }
   std::vector<absl::StatusOr<RedisReply>> replies =
       redis_->RunViews(cmds, absl::Now() + options_.timeout);
   uint64_t errors = 0;
-  for (size_t k = 0; k < sent.size(); ++k) {
-    const absl::Status s = !replies[2 * k].ok() ? replies[2 * k].status() : replies[2 * k + 1].status();
+  for (size_t k = 0; k < sent.size(); ++k) {  // written when its HSET and its chunk's PEXPIRE are
+    const absl::StatusOr<RedisReply>& set = replies[hset_at[k]];
+    const absl::Status s = !set.ok() ? set.status() : replies[expire_at[keys[k]]].status();
     if (!s.ok()) {
       out[sent[k]] = s;
       ++errors;
@@ -111,17 +123,18 @@ std::vector<absl::StatusOr<SharedBytes>> SharedTier::Get(absl::Span<const Key> k
     fields.push_back(FieldOf(k.name));
     ttls.push_back(absl::StrCat(absl::ToInt64Milliseconds(TtlFor(k.chunk_index))));
   }
-  // HGET, and PEXPIRE to renew the chunk (a no-op on a key that is not there).
-  std::vector<absl::StatusOr<RedisReply>> all;
+  // HGET per block, and PEXPIRE once per chunk to renew it (a no-op on a key that is not there):
+  // a promotion reads every layer of a chunk, and one renewal serves them all.
+  for (size_t i = 0; i < keys.size(); ++i) cmds.push_back({"HGET", names[i], fields[i]});
+  absl::flat_hash_set<absl::string_view> renewed;
   for (size_t i = 0; i < keys.size(); ++i) {
-    cmds.push_back({"HGET", names[i], fields[i]});
-    cmds.push_back({"PEXPIRE", names[i], ttls[i]});
+    if (renewed.insert(names[i]).second) cmds.push_back({"PEXPIRE", names[i], ttls[i]});
   }
   // Values straight into aligned buffers: parsed and kept as they arrive.
-  all = redis_->RunViews(cmds, absl::Now() + options_.timeout, /*aligned_strings=*/true);
-  std::vector<absl::StatusOr<RedisReply>> replies;
-  replies.reserve(keys.size());
-  for (size_t i = 0; i < keys.size(); ++i) replies.push_back(std::move(all[2 * i]));
+  std::vector<absl::StatusOr<RedisReply>> replies =
+      redis_->RunViews(cmds, absl::Now() + options_.timeout, /*aligned_strings=*/true);
+  // The HGETs' replies; a renewal that failed only shortens a chunk's life.
+  replies.erase(replies.begin() + static_cast<ptrdiff_t>(keys.size()), replies.end());
   std::vector<absl::StatusOr<SharedBytes>> out;
   out.reserve(keys.size());
   uint64_t hits = 0, misses = 0, damaged = 0, errors = 0, bytes = 0;
