@@ -319,8 +319,12 @@ int main(int argc, char** argv) {
       << st.redis.io_errors << " lost or timed out, " << st.redis.retries << " retries\n";
   std::fputs(txt.str().c_str(), stdout);
   if (!out_dir.empty()) {
+    // Runs at other thread counts or batches keep files of their own.
+    const std::string tag = threads == 8 && batch == 8
+                                ? ""
+                                : absl::StrCat("threads", threads, "-batch", batch);
     const std::string path = strata::bench::ResultPath(
-        out_dir, tls ? "shared_tier_bench-tls" : "shared_tier_bench", info);
+        out_dir, tls ? "shared_tier_bench-tls" : "shared_tier_bench", info, tag);
     strata::bench::WriteResultFile(path + ".txt", txt.str());
     strata::bench::WriteResultFile(path + ".json",
                                    strata::bench::ResultJson("shared_tier_bench", info)
