@@ -22,17 +22,19 @@ TEST(AllocatorTest, TheProgramsMallocIsTheOneTheBuildChose) {
 #endif
 }
 
-long MinorFaults() {
-  rusage u{};
-  getrusage(RUSAGE_THREAD, &u);
-  return u.ru_minflt;
-}
-
 // What a shared-tier Get does: a batch of 8 blocks of 1 MiB allocated, written whole and freed,
 // on a thread other than main, 16 times over. After the first batch jemalloc hands back memory
 // already faulted in, which is what the programs link it for. glibc, in a thread's arena,
 // returns the freed batch to the system and faults every 4 KiB page in again: 30,081 of 30,720
 // pages, measured with this same loop.
+#if defined(STRATA_LINKS_JEMALLOC)
+long MinorFaults() {
+  rusage u{};
+  getrusage(RUSAGE_THREAD, &u);
+  return u.ru_minflt;
+}
+#endif
+
 TEST(AllocatorTest, FreedLargeBlocksComeBackWithoutPageFaults) {
 #if defined(STRATA_LINKS_JEMALLOC)
   constexpr size_t kBlock = size_t{1} << 20;

@@ -1,10 +1,12 @@
 #include "model/matmul.h"
 
 #include <cblas.h>
+#include <dlfcn.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <cstdio>
 
 #include "common/cpu_features.h"
 
@@ -161,17 +163,53 @@ void MatMulRowInvariant(const float* x, int rows, int in, const float* w, int ou
   (void)avx2;
 }
 
-void MatMul(const float* x, int rows, int in, const float* w, int out, float* y, ThreadPool& pool) {
-  // OpenBLAS's threads stay idle from here on: the pool does the splitting.
-  static const bool single_threaded = [] {
-    openblas_set_num_threads(1);
-    return true;
+namespace {
+
+// OpenBLAS, opened at first use rather than linked. Every library a program loads at start puts
+// its thread-local storage inside every thread's stack, and OpenBLAS's is 60 KiB: the metrics
+// server's threads (civetweb, under prometheus-cpp, makes them with 100 KiB stacks) were left
+// about 33 KiB, and a scrape needs about 32 KiB. A library opened later keeps its thread-local
+// storage apart, in the threads that use it. Every program linked OpenBLAS through this library,
+// the store and the router too, which never multiply matrices.
+struct Blas {
+  decltype(&cblas_sgemm) sgemm = nullptr;
+};
+
+const Blas& OpenBlas() {
+  static const Blas blas = [] {
+    Blas b;
+    void* lib = nullptr;
+    for (const char* name : {"libopenblas.so.0", STRATA_OPENBLAS_LIBRARY}) {
+      if ((lib = dlopen(name, RTLD_NOW | RTLD_LOCAL)) != nullptr) break;
+    }
+    if (lib == nullptr) {
+      std::fprintf(stderr,
+                   "strata: OpenBLAS not found (%s): products of many rows run without it\n",
+                   dlerror());
+      return b;
+    }
+    b.sgemm = reinterpret_cast<decltype(&cblas_sgemm)>(dlsym(lib, "cblas_sgemm"));
+    // OpenBLAS's threads stay idle from here on: the pool does the splitting.
+    if (auto set = reinterpret_cast<decltype(&openblas_set_num_threads)>(
+            dlsym(lib, "openblas_set_num_threads"));
+        set != nullptr) {
+      set(1);
+    }
+    return b;
   }();
-  (void)single_threaded;
-  if (rows <= kRowInvariantRows) return MatMulRowInvariant(x, rows, in, w, out, y, pool);
+  return blas;
+}
+
+}  // namespace
+
+void MatMul(const float* x, int rows, int in, const float* w, int out, float* y, ThreadPool& pool) {
+  const Blas& blas = OpenBlas();
+  if (rows <= kRowInvariantRows || blas.sgemm == nullptr) {
+    return MatMulRowInvariant(x, rows, in, w, out, y, pool);
+  }
   ForColumnSlices(rows, in, out, pool, [&](int c0, int c1) {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, c1 - c0, in, 1.0f, x, in,
-                w + size_t(c0) * in, in, 0.0f, y + c0, out);
+    blas.sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, c1 - c0, in, 1.0f, x, in,
+               w + size_t(c0) * in, in, 0.0f, y + c0, out);
   });
 }
 
