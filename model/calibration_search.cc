@@ -268,14 +268,15 @@ absl::Status SearchLayers(const LlamaModel& model, const std::vector<uint32_t>& 
   // The loss is the mean KL divergence of the next-token distribution from the fp16 model's on
   // the calibration text: fidelity, which (unlike perplexity) no codec can improve by accident.
   const size_t kl_tokens = size_t{o.context} * o.windows;
-  std::vector<float> reference;
-  auto loss = [&](const kernels::Calibration& trial) -> absl::StatusOr<double> {
+  std::vector<float> reference;  // the first measurement's (all layers at fp16)
+  auto measure = [&](const kernels::Calibration& trial) -> absl::StatusOr<PerplexityResult> {
     mo.calibration = std::make_shared<kernels::Calibration>(trial);
-    STRATA_ASSIGN_OR_RETURN(
-        PerplexityResult r,
-        Perplexity(model, ids, mo, o.context, o.windows, kl_tokens,
-                   reference.empty() ? &reference : nullptr,
-                   reference.empty() ? nullptr : &reference));
+    return Perplexity(model, ids, mo, o.context, o.windows, kl_tokens,
+                      reference.empty() ? &reference : nullptr,
+                      reference.empty() ? nullptr : &reference);
+  };
+  auto loss = [&](const kernels::Calibration& trial) -> absl::StatusOr<double> {
+    STRATA_ASSIGN_OR_RETURN(PerplexityResult r, measure(trial));
     return r.kl;
   };
   // delta[l][i]: loss increase with layer l alone at candidate i. It does not depend on the
@@ -318,43 +319,108 @@ absl::Status SearchLayers(const LlamaModel& model, const std::vector<uint32_t>& 
     cost[i] = static_cast<int>(std::ceil(bits[i] * kSteps - 1e-9));
   }
   const int cap = static_cast<int>(std::floor(budget * L * kSteps + 1e-9));
-  const double inf = std::numeric_limits<double>::infinity();
-  // best[li + 1][w]: least summed increase of layers 0..li at total cost exactly w.
-  std::vector<std::vector<double>> best(L + 1, std::vector<double>(cap + 1, inf));
-  std::vector<std::vector<int>> pick(L + 1, std::vector<int>(cap + 1, -1));
-  best[0][0] = 0;
-  for (uint32_t li = 0; li < L; ++li) {
-    for (int w = 0; w <= cap; ++w) {
-      if (best[li][w] == inf) continue;
-      for (size_t i = 0; i < candidates.size(); ++i) {
-        const int nw = w + cost[i];
-        if (nw > cap) continue;
-        const double v = best[li][w] + delta[li][i];
-        if (v < best[li + 1][nw]) {
-          best[li + 1][nw] = v;
-          pick[li + 1][nw] = static_cast<int>(i);
-        }
-      }
-    }
-  }
-  int w_best = -1;
-  for (int w = 0; w <= cap; ++w) {
-    if (best[L][w] < inf && (w_best < 0 || best[L][w] < best[L][w_best])) w_best = w;
-  }
-  if (w_best < 0) {
+  const std::vector<std::vector<int>> choices =
+      BestLayerChoices(delta, cost, cap, std::max<uint32_t>(1, o.joint_choices));
+  if (choices.empty()) {
     return absl::InvalidArgumentError(absl::StrCat("calibrate: no per-layer choice of ",
                                                    spec.ToString(), " fits ", budget,
                                                    " bits per element"));
   }
-  for (int li = static_cast<int>(L); li > 0; --li) {
-    const int i = pick[li][w_best];
-    AssignLayer(cal.layers[li - 1], candidates[i], li - 1, books);
-    w_best -= cost[i];
+  auto assign = [&](kernels::Calibration& to, const std::vector<int>& choice) {
+    for (uint32_t li = 0; li < L; ++li)
+      AssignLayer(to.layers[li], candidates[choice[li]], li, books);
+  };
+  if (choices.size() == 1) {
+    assign(cal, choices[0]);
+    return absl::OkStatus();
   }
+  // The joint step: each choice measured whole, against the fp16 reference (recorded here when
+  // the increases came from the cache).
+  if (reference.empty()) {
+    kernels::Calibration trial = cal;
+    for (uint32_t li = 0; li < L; ++li) AssignLayer(trial.layers[li], "fp16", li, books);
+    STRATA_RETURN_IF_ERROR(loss(trial).status());
+  }
+  std::vector<PerplexityResult> whole;
+  for (size_t n = 0; n < choices.size(); ++n) {
+    kernels::Calibration trial = cal;
+    assign(trial, choices[n]);
+    STRATA_ASSIGN_OR_RETURN(PerplexityResult r, measure(trial));
+    whole.push_back(r);
+    if (o.progress)
+      o.progress("joint choices", static_cast<uint32_t>(n + 1),
+                 static_cast<uint32_t>(choices.size()));
+  }
+  double least = whole[0].kl;
+  for (const PerplexityResult& r : whole) least = std::min(least, r.kl);
+  size_t kept = 0;
+  bool any = false;
+  for (size_t n = 0; n < whole.size(); ++n) {
+    if (whole[n].kl > least * (1 + o.joint_kl_slack) + 1e-12) continue;
+    if (!any || whole[n].top1 > whole[kept].top1 ||
+        (whole[n].top1 == whole[kept].top1 && whole[n].kl < whole[kept].kl)) {
+      kept = n;
+      any = true;
+    }
+  }
+  assign(cal, choices[kept]);
   return absl::OkStatus();
 }
 
 }  // namespace
+
+std::vector<std::vector<int>> BestLayerChoices(const std::vector<std::vector<double>>& delta,
+                                               const std::vector<int>& cost, int cap, size_t k) {
+  const size_t L = delta.size();
+  if (k == 0 || cap < 0) return {};
+  // at[li][w]: the k best sums of layers 0..li-1 at total cost exactly w, each with its last
+  // layer's candidate and the entry it extends (cost, rank) one layer up.
+  struct Entry {
+    double sum;
+    int candidate, prev_w, prev_rank;
+  };
+  std::vector<std::vector<std::vector<Entry>>> at(
+      L + 1, std::vector<std::vector<Entry>>(static_cast<size_t>(cap) + 1));
+  at[0][0].push_back({0, -1, -1, -1});
+  auto better = [](const Entry& a, const Entry& b) { return a.sum < b.sum; };
+  for (size_t li = 0; li < L; ++li) {
+    for (int w = 0; w <= cap; ++w) {
+      const std::vector<Entry>& from = at[li][w];
+      for (size_t r = 0; r < from.size(); ++r) {
+        for (size_t i = 0; i < cost.size() && i < delta[li].size(); ++i) {
+          const int nw = w + cost[i];
+          if (nw > cap) continue;
+          std::vector<Entry>& to = at[li + 1][nw];
+          const Entry e{from[r].sum + delta[li][i], static_cast<int>(i), w, static_cast<int>(r)};
+          if (to.size() == k && !better(e, to.back())) continue;
+          to.insert(std::upper_bound(to.begin(), to.end(), e, better), e);
+          if (to.size() > k) to.pop_back();
+        }
+      }
+    }
+  }
+  std::vector<std::pair<double, std::pair<int, int>>> ends;  // sum, (cost, rank)
+  for (int w = 0; w <= cap; ++w) {
+    for (size_t r = 0; r < at[L][w].size(); ++r) {
+      ends.push_back({at[L][w][r].sum, {w, static_cast<int>(r)}});
+    }
+  }
+  std::sort(ends.begin(), ends.end());
+  if (ends.size() > k) ends.resize(k);
+  std::vector<std::vector<int>> out;
+  for (const auto& [sum, where] : ends) {
+    std::vector<int> choice(L);
+    int w = where.first, r = where.second;
+    for (size_t li = L; li > 0; --li) {
+      const Entry& e = at[li][w][r];
+      choice[li - 1] = e.candidate;
+      w = e.prev_w;
+      r = e.prev_rank;
+    }
+    out.push_back(std::move(choice));
+  }
+  return out;
+}
 
 absl::StatusOr<kernels::Calibration> SearchCalibration(const LlamaModel& model,
                                                        const std::vector<uint32_t>& ids,

@@ -32,6 +32,13 @@ struct CalibrationSearchOptions {
   // CQ's k-means weighs each token's K and V by the attention it receives from the queries after
   // it in its window (CQ's Fisher-guided centroids, estimated without gradients); false: 1 each.
   bool cq_attention_weights = true;
+  // The layer search's joint step: the per-layer search adds up each layer's loss measured alone,
+  // which misses how layers' errors combine. The `joint_choices` best choices by that sum are
+  // each measured whole (every layer compressed at once), and the one kept is the most
+  // greedy-agreeing (top-1 against fp16) of those whose KL is within `joint_kl_slack` of the
+  // least. 1: the sum's best, unmeasured.
+  uint32_t joint_choices = 8;
+  double joint_kl_slack = 0.05;
   std::string source;            // recorded in the calibration (with the token count)
   // Called after each layer of each search stage ("SKVQ clip ratios", "layer choices"): the
   // layers done and the stage's total, for a progress display. Optional.
@@ -49,5 +56,12 @@ absl::StatusOr<kernels::Calibration> SearchCalibration(const LlamaModel& model,
                                                        const std::vector<uint32_t>& ids,
                                                        const std::string& codec_spec,
                                                        const CalibrationSearchOptions& options);
+
+// The `k` choices of one candidate per layer with the least summed delta[layer][candidate] whose
+// summed cost[candidate] is at most `cap`, best first (fewer where fewer fit; none where none
+// does): a multiple-choice knapsack, exact by dynamic programming over the cost, keeping the k
+// best partial sums of every state. Each choice lists a candidate per layer.
+std::vector<std::vector<int>> BestLayerChoices(const std::vector<std::vector<double>>& delta,
+                                               const std::vector<int>& cost, int cap, size_t k);
 
 }  // namespace strata::model

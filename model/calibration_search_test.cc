@@ -149,6 +149,86 @@ TEST(CalibrationSearchTest, StrataMixChoosesMenuCodecsWithinTheBudget) {
             absl::StatusCode::kInvalidArgument);
 }
 
+// The joint step measures the sum's best choices whole and keeps one whose whole KL is within the
+// slack of the least it saw: never worse than that slack over the sum's own best, measured whole.
+TEST(CalibrationSearchTest, StrataMixJointStepKeepsAChoiceNoWorseWhole) {
+  std::unique_ptr<LlamaModel> model = TinyModel();
+  ASSERT_NE(model, nullptr);
+  const std::vector<uint32_t> ids = Tokens(*model, 200);
+  CalibrationSearchOptions sum_only = SmallOptions();
+  sum_only.joint_choices = 1;
+  CalibrationSearchOptions joint = SmallOptions();
+  joint.joint_choices = 6;
+  uint32_t measured = 0;
+  joint.progress = [&](absl::string_view stage, uint32_t done, uint32_t total) {
+    if (stage == "joint choices") {
+      measured = done;
+      EXPECT_LE(total, 6u);
+    }
+  };
+  absl::StatusOr<kernels::Calibration> a = SearchCalibration(*model, ids, "strata:b3", sum_only);
+  absl::StatusOr<kernels::Calibration> b = SearchCalibration(*model, ids, "strata:b3", joint);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_GT(measured, 1u);
+  // Both measured whole, as the search does: the first 128-token window, 32-token chunks.
+  KvCacheOptions o{.codec = "fp16", .chunk_tokens = 32};
+  std::vector<float> reference;
+  ASSERT_TRUE(Perplexity(*model, ids, o, 128, 1, 128, &reference).ok());
+  auto kl = [&](const kernels::Calibration& cal) {
+    KvCacheOptions m = o;
+    m.codec = cal.codec;
+    m.calibration = std::make_shared<kernels::Calibration>(cal);
+    absl::StatusOr<PerplexityResult> r =
+        Perplexity(*model, ids, m, 128, 1, 128, nullptr, &reference);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? r->kl : 1e9;
+  };
+  EXPECT_LE(kl(*b), kl(*a) * (1 + joint.joint_kl_slack) + 1e-9);
+}
+
+// The k best per-layer choices within a cost cap are the k best of every choice there is
+// (enumerated), in order, on random instances of 3 layers and 5 candidates.
+TEST(CalibrationSearchTest, BestLayerChoicesAreTheBestOfEveryChoiceInOrder) {
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<double> loss(0, 1);
+  std::uniform_int_distribution<int> size(1, 6);
+  for (int round = 0; round < 50; ++round) {
+    std::vector<std::vector<double>> delta(3, std::vector<double>(5));
+    for (auto& layer : delta) {
+      for (double& d : layer) d = loss(rng);
+    }
+    std::vector<int> cost(5);
+    for (int& c : cost) c = size(rng);
+    const int cap = 4 + round % 10;
+    std::vector<std::pair<double, std::vector<int>>> all;  // every choice within the cap
+    for (int a = 0; a < 5; ++a) {
+      for (int b = 0; b < 5; ++b) {
+        for (int c = 0; c < 5; ++c) {
+          if (cost[a] + cost[b] + cost[c] > cap) continue;
+          all.push_back({delta[0][a] + delta[1][b] + delta[2][c], {a, b, c}});
+        }
+      }
+    }
+    std::sort(all.begin(), all.end());
+    const std::vector<std::vector<int>> got = BestLayerChoices(delta, cost, cap, 6);
+    ASSERT_EQ(got.size(), std::min<size_t>(6, all.size())) << "round " << round;
+    for (size_t n = 0; n < got.size(); ++n) {
+      ASSERT_EQ(got[n].size(), 3u);
+      double sum = 0;
+      int spent = 0;
+      for (size_t l = 0; l < 3; ++l) {
+        sum += delta[l][got[n][l]];
+        spent += cost[got[n][l]];
+      }
+      EXPECT_LE(spent, cap);
+      EXPECT_NEAR(sum, all[n].first, 1e-12) << "round " << round << ", choice " << n;
+    }
+  }
+  // Nothing fits: no choice.
+  EXPECT_TRUE(BestLayerChoices({{0.1, 0.2}}, {5, 6}, 4, 3).empty());
+}
+
 // Below 2 bits only CQ is on the menu: the mix takes it, each such layer with its own shape's
 // codebooks (learned on the model's KV) and the others with none; the file round-trips, and the
 // mix encodes every layer's chunk with it.
@@ -226,6 +306,7 @@ TEST(KvEvaluationTest, KlToItsOwnReferenceIsZeroAndGrowsWithCompression) {
   ASSERT_TRUE(same.ok()) << same.status();
   // The reference is recorded in float: its rounding leaves KL within ~1e-9 of 0, either side.
   EXPECT_NEAR(same->kl, 0, 1e-6);
+  EXPECT_DOUBLE_EQ(same->top1, 1.0);  // every position's most likely token is the reference's
   EXPECT_DOUBLE_EQ(same->ppl, base->ppl);
   KvCacheOptions kivi = fp16;
   kivi.codec = "kivi:k2v2:g32";
@@ -233,6 +314,8 @@ TEST(KvEvaluationTest, KlToItsOwnReferenceIsZeroAndGrowsWithCompression) {
       Perplexity(*model, ids, kivi, 128, 0, 256, nullptr, &reference);
   ASSERT_TRUE(coarse.ok()) << coarse.status();
   EXPECT_GT(coarse->kl, 1e-5);
+  EXPECT_LT(coarse->top1, 1.0);
+  EXPECT_GT(coarse->top1, 0.5);
   EXPECT_LT(coarse->bits(), base->bits());
 }
 

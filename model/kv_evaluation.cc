@@ -58,7 +58,7 @@ absl::StatusOr<PerplexityResult> Perplexity(const ComputeBackend& model,
   const uint32_t chunk_tokens = cache_options.chunk_tokens;
   PerplexityResult r;
   double nll = 0, kl = 0;
-  size_t kl_n = 0;
+  size_t kl_n = 0, top1_n = 0;
   std::vector<double> logp(c.vocab_size);
   if (record != nullptr) record->clear();
   const auto t0 = std::chrono::steady_clock::now();
@@ -90,6 +90,8 @@ absl::StatusOr<PerplexityResult> Perplexity(const ComputeBackend& model,
             }
             kl += d;
             ++kl_n;
+            top1_n += std::max_element(ref, ref + c.vocab_size) - ref ==
+                      std::max_element(row, row + c.vocab_size) - row;
           }
         }
         ++r.scored;
@@ -102,6 +104,7 @@ absl::StatusOr<PerplexityResult> Perplexity(const ComputeBackend& model,
   }
   r.ppl = std::exp(nll / r.scored);
   r.kl = kl_n > 0 ? kl / kl_n : 0;
+  r.top1 = kl_n > 0 ? static_cast<double>(top1_n) / kl_n : 0;
   r.seconds = Seconds(t0);
   return r;
 }

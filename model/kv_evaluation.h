@@ -26,6 +26,9 @@ struct PerplexityResult {
   size_t block_bytes = 0, block_elements = 0;  // every block made, and the K+V elements in them
   double seconds = 0;
   double kl = 0;  // mean KL(reference || this) over the tokens the reference covers, nats
+  // Over the same tokens: the share whose most likely next token is the reference's (greedy
+  // agreement one token at a time, each position given the true text before it).
+  double top1 = 0;
   double bits() const { return block_elements > 0 ? 8.0 * block_bytes / block_elements : 0; }
 };
 
