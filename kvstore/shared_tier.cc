@@ -75,10 +75,10 @@ std::vector<absl::Status> SharedTier::Put(absl::Span<const Item> items) {
     sent.push_back(i);
     bytes += it.block.size();
   }
-  // HSET per block, and PEXPIRE once per chunk, after its last layer's HSET (a key's commands
-  // run in order on its node): the chunk's TTL set (again) by the call.
-  absl::flat_hash_map<absl::string_view, size_t> last;  // a chunk's key -> its last block
-  for (size_t k = 0; k < sent.size(); ++k) last[keys[k]] = k;
+  // HSET per block, and PEXPIRE once per chunk right after its first layer's HSET (a key's
+  // commands run in order on its node; HSET keeps a key's TTL): the chunk's TTL set (again) by
+  // the call, and a key never without one for longer than a command, even if the call stops
+  // partway through a long pipeline.
   std::vector<RedisCommandView> cmds;
   std::vector<size_t> hset_at(sent.size());
   absl::flat_hash_map<absl::string_view, size_t> expire_at;  // a chunk's key -> its PEXPIRE
@@ -87,13 +87,40 @@ std::vector<absl::Status> SharedTier::Put(absl::Span<const Item> items) {
     hset_at[k] = cmds.size();
     cmds.push_back({"HSET", keys[k], fields[k],
                     absl::string_view(reinterpret_cast<const char*>(b.data()), b.size())});
-    if (last[keys[k]] == k) {
-      expire_at[keys[k]] = cmds.size();
+    if (expire_at.try_emplace(keys[k], cmds.size()).second) {
       cmds.push_back({"PEXPIRE", keys[k], ttls[k]});
     }
   }
-  std::vector<absl::StatusOr<RedisReply>> replies =
-      redis_->RunViews(cmds, absl::Now() + options_.timeout);
+  const absl::Time deadline = absl::Now() + options_.timeout;
+  std::vector<absl::StatusOr<RedisReply>> replies = redis_->RunViews(cmds, deadline);
+  // A PEXPIRE that found no key (0) while its HSETs succeeded: an HSET was retried after it (a
+  // CLUSTERDOWN, say) and made the key afresh, without a TTL. Set it again.
+  absl::flat_hash_map<absl::string_view, bool> set_all;  // a chunk's key -> all its HSETs ok
+  for (size_t k = 0; k < sent.size(); ++k) {
+    bool& all_ok = set_all.try_emplace(keys[k], true).first->second;
+    all_ok = all_ok && replies[hset_at[k]].ok();
+  }
+  std::vector<RedisCommandView> again;
+  std::vector<absl::string_view> again_keys;
+  for (const auto& [key, at] : expire_at) {
+    const absl::StatusOr<RedisReply>& e = replies[at];
+    if (set_all[key] && e.ok() && e->type == RedisReply::Type::kInteger && e->integer == 0) {
+      again.push_back(cmds[at]);
+      again_keys.push_back(key);
+    }
+  }
+  if (!again.empty()) {
+    std::vector<absl::StatusOr<RedisReply>> second = redis_->RunViews(again, deadline);
+    for (size_t i = 0; i < again.size(); ++i) {
+      absl::StatusOr<RedisReply>& r = replies[expire_at[again_keys[i]]];
+      if (!second[i].ok()) {
+        r = second[i].status();
+      } else if (second[i]->type == RedisReply::Type::kInteger && second[i]->integer == 0) {
+        r = absl::UnavailableError(
+            absl::StrCat("shared tier: the chunk's key was gone when its TTL was set"));
+      }
+    }
+  }
   uint64_t errors = 0;
   for (size_t k = 0; k < sent.size(); ++k) {  // written when its HSET and its chunk's PEXPIRE are
     const absl::StatusOr<RedisReply>& set = replies[hset_at[k]];

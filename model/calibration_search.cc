@@ -319,8 +319,9 @@ absl::Status SearchLayers(const LlamaModel& model, const std::vector<uint32_t>& 
     cost[i] = static_cast<int>(std::ceil(bits[i] * kSteps - 1e-9));
   }
   const int cap = static_cast<int>(std::floor(budget * L * kSteps + 1e-9));
-  const std::vector<std::vector<int>> choices =
-      BestLayerChoices(delta, cost, cap, std::max<uint32_t>(1, o.joint_choices));
+  // The joint step is the Strata mix's; TaDA's precision search stays as its paper has it.
+  const size_t k = spec.id == CodecId::kStrata ? std::max<uint32_t>(1, o.joint_choices) : 1;
+  const std::vector<std::vector<int>> choices = BestLayerChoices(delta, cost, cap, k);
   if (choices.empty()) {
     return absl::InvalidArgumentError(absl::StrCat("calibrate: no per-layer choice of ",
                                                    spec.ToString(), " fits ", budget,
@@ -356,7 +357,7 @@ absl::Status SearchLayers(const LlamaModel& model, const std::vector<uint32_t>& 
   size_t kept = 0;
   bool any = false;
   for (size_t n = 0; n < whole.size(); ++n) {
-    if (whole[n].kl > least * (1 + o.joint_kl_slack) + 1e-12) continue;
+    if (whole[n].kl > least + o.joint_kl_slack * std::abs(least) + 1e-12) continue;
     if (!any || whole[n].top1 > whole[kept].top1 ||
         (whole[n].top1 == whole[kept].top1 && whole[n].kl < whole[kept].kl)) {
       kept = n;

@@ -90,8 +90,12 @@ absl::StatusOr<PerplexityResult> Perplexity(const ComputeBackend& model,
             }
             kl += d;
             ++kl_n;
-            top1_n += std::max_element(ref, ref + c.vocab_size) - ref ==
-                      std::max_element(row, row + c.vocab_size) - row;
+            // Both in float, as the reference is kept: no tie the rounding made decides it.
+            size_t best = 0;
+            for (uint32_t v = 1; v < c.vocab_size; ++v) {
+              if (static_cast<float>(logp[v]) > static_cast<float>(logp[best])) best = v;
+            }
+            top1_n += static_cast<size_t>(std::max_element(ref, ref + c.vocab_size) - ref) == best;
           }
         }
         ++r.scored;

@@ -179,7 +179,9 @@ const Blas& OpenBlas() {
   static const Blas blas = [] {
     Blas b;
     void* lib = nullptr;
-    for (const char* name : {"libopenblas.so.0", STRATA_OPENBLAS_LIBRARY}) {
+    // The build's (the one serving.static_tls and the benchmarks measured), else whichever the
+    // system's alternatives name.
+    for (const char* name : {STRATA_OPENBLAS_LIBRARY, "libopenblas.so.0"}) {
       if ((lib = dlopen(name, RTLD_NOW | RTLD_LOCAL)) != nullptr) break;
     }
     if (lib == nullptr) {
@@ -201,6 +203,8 @@ const Blas& OpenBlas() {
 }
 
 }  // namespace
+
+bool MatMulUsesOpenBlas() { return OpenBlas().sgemm != nullptr; }
 
 void MatMul(const float* x, int rows, int in, const float* w, int out, float* y, ThreadPool& pool) {
   const Blas& blas = OpenBlas();

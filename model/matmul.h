@@ -29,6 +29,9 @@ inline constexpr int kRowInvariantRows = 64;
 // y[rows, out] = x[rows, in] . W^T: MatMulRowInvariant up to kRowInvariantRows rows, OpenBLAS
 // above. Preconditions: rows, in, out >= 1; y does not overlap x or w.
 void MatMul(const float* x, int rows, int in, const float* w, int out, float* y, ThreadPool& pool);
+// Whether MatMul found OpenBLAS (opened at first use); without it, products of many rows take
+// MatMulRowInvariant too (slower, and rounded differently from a node that has it).
+bool MatMulUsesOpenBlas();
 
 // Every row's result independent of the other rows, for any number of rows. Takes the AVX2+FMA
 // code where the CPU has it (and CapCpuFeatures does not hide it), the portable code otherwise: the

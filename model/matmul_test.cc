@@ -44,6 +44,9 @@ const Shape kShapes[] = {{1, 1, 1},      {1, 7, 3},      {2, 9, 5},      {3, 16,
                          {1, 4096, 128}, {3, 128, 4096}, {100, 256, 300}};
 
 TEST(MatMulTest, MatchesDoubleReference) {
+  // OpenBLAS is opened at first use, not linked: setup.sh installs it, and products of more than
+  // kRowInvariantRows rows here go through it.
+  EXPECT_TRUE(MatMulUsesOpenBlas());
   std::mt19937 rng(1);
   ThreadPool pool(3);
   for (const Shape& s : kShapes) {
