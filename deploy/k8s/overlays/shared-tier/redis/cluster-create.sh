@@ -10,6 +10,12 @@ set -eu
 
 REDISCLI_AUTH=$(head -n 1 /etc/redis/auth/password)
 export REDISCLI_AUTH
+# With REDIS_TLS_DIR (the overlay shared-tier-tls) the nodes speak TLS only, and want a client
+# certificate. redis-cli checks the chain, not the name: the nodes are dialled by address here.
+tls=
+if [ -n "${REDIS_TLS_DIR:-}" ]; then
+  tls="--tls --cacert $REDIS_TLS_DIR/ca.crt --cert $REDIS_TLS_DIR/node.crt --key $REDIS_TLS_DIR/node.key"
+fi
 addrs=
 for node in $(echo "$STRATA_SHARED_TIER" | tr ',' ' '); do
   host=${node%:*}
@@ -19,7 +25,8 @@ for node in $(echo "$STRATA_SHARED_TIER" | tr ',' ' '); do
   while :; do
     ip=$(getent hosts "$host" | awk '{ print $1; exit }')
     reply=
-    if [ -n "$ip" ]; then reply=$(timeout 5 redis-cli -h "$ip" -p "$port" ping 2>&1 || true); fi
+    # shellcheck disable=SC2086 # $tls: one word per argument
+    if [ -n "$ip" ]; then reply=$(timeout 5 redis-cli $tls -h "$ip" -p "$port" ping 2>&1 || true); fi
     if [ "$reply" = PONG ]; then break; fi
     tries=$((tries + 1))
     if [ "$tries" -ge 150 ]; then
@@ -28,7 +35,8 @@ for node in $(echo "$STRATA_SHARED_TIER" | tr ',' ' '); do
     fi
     sleep 2
   done
-  info=$(redis-cli -h "$ip" -p "$port" cluster info | tr -d '\r')
+  # shellcheck disable=SC2086 # $tls: one word per argument
+  info=$(redis-cli $tls -h "$ip" -p "$port" cluster info | tr -d '\r')
   known=$(echo "$info" | sed -n 's/^cluster_known_nodes://p')
   slots=$(echo "$info" | sed -n 's/^cluster_slots_assigned://p')
   case "$known:$slots" in
@@ -45,5 +53,5 @@ for node in $(echo "$STRATA_SHARED_TIER" | tr ',' ' '); do
   addrs="$addrs $ip:$port"
 done
 
-# shellcheck disable=SC2086 # one word per node
-redis-cli --cluster create $addrs --cluster-replicas 1 --cluster-yes
+# shellcheck disable=SC2086 # one word per node, and per TLS argument
+redis-cli $tls --cluster create $addrs --cluster-replicas 1 --cluster-yes

@@ -23,6 +23,18 @@ umask 077
   echo "requirepass $password"
   echo "masterauth $password"
   echo "cluster-announce-hostname $REDIS_HOSTNAME"
+  # With REDIS_TLS_DIR (the overlay shared-tier-tls): TLS only, on the same ports, for clients,
+  # the cluster bus and replication alike; clients must show a certificate the CA signed.
+  if [ -n "${REDIS_TLS_DIR:-}" ]; then
+    echo "port 0"
+    echo "tls-port 6379"
+    echo "tls-cert-file $REDIS_TLS_DIR/node.crt"
+    echo "tls-key-file $REDIS_TLS_DIR/node.key"
+    echo "tls-ca-cert-file $REDIS_TLS_DIR/ca.crt"
+    echo "tls-auth-clients yes"
+    echo "tls-cluster yes"
+    echo "tls-replication yes"
+  fi
 } >/run/redis/redis.conf
 
 # A node's line: <id> <ip>:<port>@<bus-port>,<hostname> <flags> ... (the last line is "vars ...").
