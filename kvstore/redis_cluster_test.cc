@@ -527,11 +527,14 @@ TEST_F(RedisClusterTest, SharedTierKeepsBlocksWithTheirChecksumsAndRefusesDamage
   EXPECT_EQ((*tier)->Stats().damaged, 3u);
 }
 
+// A shared tier whose blocks live 100 s, chunk 0's 100 s more (chunk c's 100 / (c + 1) more).
+absl::StatusOr<std::unique_ptr<SharedTier>> TierWithTtls(const std::string& seed) {
+  return SharedTier::Connect(
+      {.redis = {.seeds = {seed}}, .ttl = absl::Seconds(100), .root_bonus = absl::Seconds(100)});
+}
+
 TEST_F(RedisClusterTest, SharedTierTtlsGrowTowardTheRootAndAHitRenewsThem) {
-  absl::StatusOr<std::unique_ptr<SharedTier>> tier =
-      SharedTier::Connect({.redis = {.seeds = {cluster_->seed()}},
-                           .ttl = absl::Seconds(100),
-                           .root_bonus = absl::Seconds(100)});
+  absl::StatusOr<std::unique_ptr<SharedTier>> tier = TierWithTtls(cluster_->seed());
   ASSERT_TRUE(tier.ok()) << tier.status();
   std::vector<SharedTier::Item> items;
   std::vector<SharedTier::Key> keys;
@@ -567,10 +570,7 @@ TEST_F(RedisClusterTest, SharedTierTtlsGrowTowardTheRootAndAHitRenewsThem) {
 // serves every layer, so a call of 2 chunks of 4 layers is 8 HSETs or HGETs and 2 PEXPIREs, not
 // 16 commands; and the renewal still reaches every chunk.
 TEST_F(RedisClusterTest, SharedTierRenewsEachChunkOncePerCallWhateverItsLayers) {
-  absl::StatusOr<std::unique_ptr<SharedTier>> tier =
-      SharedTier::Connect({.redis = {.seeds = {cluster_->seed()}},
-                           .ttl = absl::Seconds(100),
-                           .root_bonus = absl::Seconds(100)});
+  absl::StatusOr<std::unique_ptr<SharedTier>> tier = TierWithTtls(cluster_->seed());
   ASSERT_TRUE(tier.ok()) << tier.status();
   std::vector<SharedTier::Item> items;
   std::vector<SharedTier::Key> keys;
