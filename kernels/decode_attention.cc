@@ -184,8 +184,12 @@ void RunSegments(const std::vector<Segment>& segs, size_t begin, size_t end, boo
         }
       }
     }
+    if (k_tf) st.k_lut_book = nullptr;  // a table made from these rows is for this block only
     kernels.scores(seg, st);
-    if (k_tf) st.q.swap(saved);
+    if (k_tf) {
+      st.q.swap(saved);
+      st.k_lut_book = nullptr;
+    }
     // TaDA: the head means, an fp16 one-head block over the same tokens, add their scores.
     Segment mean_seg;
     if (seg.block != nullptr && seg.block->mean_ops != nullptr) {
@@ -202,15 +206,30 @@ void RunSegments(const std::vector<Segment>& segs, size_t begin, size_t end, boo
         for (uint32_t t = window_limit[r]; t < seg.tokens; ++t) s[t] = kNegInf;
       }
     }
+    // The values' codebook mass waiting to join acc is rescaled as acc is (the softmax step
+    // rescales acc by exp(m_old - m_new) per row).
+    thread_local std::vector<float> m_old;
+    if (st.v_mass_book != nullptr) m_old = st.m;
     kernels.softmax(seg.tokens, st);
+    if (st.v_mass_book != nullptr) {
+      const size_t per_row = size_t{st.v_runs} << st.v_bits;
+      for (uint32_t r = 0; r < st.g; ++r) {
+        if (st.m[r] == m_old[r]) continue;
+        const float alpha = m_old[r] == kNegInf ? 0.0f : std::exp(m_old[r] - st.m[r]);
+        float* mass = &st.v_mass[r * per_row];
+        for (size_t e = 0; e < per_row; ++e) mass[e] *= alpha;
+      }
+    }
     if (mean_seg.block != nullptr) kernels.accumulate(mean_seg, st);
     if (!v_tf) {
       kernels.accumulate(seg, st);
       continue;
     }
+    FlushCodebookMass(st);  // what earlier blocks left belongs to acc as it is
     saved.assign(st.acc.size(), 0.0f);
     st.acc.swap(saved);
     kernels.accumulate(seg, st);
+    FlushCodebookMass(st);  // this block's, into its share, before its channels are mapped back
     for (uint32_t r = 0; r < st.g; ++r) {
       const float* part = &st.acc[size_t{r} * st.d];
       float* acc = &saved[size_t{r} * st.d];
@@ -509,7 +528,8 @@ void RunTask(const Plan& plan, const Task& t, const DecodeAttentionParams& p,
     }
   }
   for (size_t ui = 0; ui < t.units.size(); ++ui) {
-    const HeadGroupState& st = states[ui];
+    HeadGroupState& st = states[ui];
+    FlushCodebookMass(st);
     const size_t part = t.units[ui].part;
     std::memcpy(&out.m[part * rows_max], st.m.data(), st.g * sizeof(float));
     std::memcpy(&out.l[part * rows_max], st.l.data(), st.g * sizeof(float));
@@ -638,27 +658,32 @@ static void UnpackRow(const TensorOperands& t, size_t row_index, uint32_t D, flo
 
 // CQ's keys (codebook.h): per query row, a table of its dot products with every centroid of
 // every channel run; a token's score is the sum of its runs' entries (times its row's RMS with
-// cq's norm). 2^b x D multiply-adds per
-// row and block, then one lookup per run and token.
+// cq's norm). 2^b x D multiply-adds per row for the table, made once per codebook and call
+// (HeadGroupState::k_lut), then one lookup per run and token.
 static void ScoresCodebook(const Segment& seg, HeadGroupState& st) {
   const TensorOperands& k = seg.block->k;
   const uint32_t G = st.g, D = st.d, T = seg.tokens;
   const uint32_t runs = k.groups, c = k.group_size, E = 1u << k.bits;
-  float* lut = st.Work(size_t{G} * runs * E + size_t{E} * c);
-  float* cent = lut + size_t{G} * runs * E;
-  for (uint32_t g = 0; g < runs; ++g) {
-    const uint16_t* book = k.codebook + (size_t{seg.head} * runs + g) * E * c;
-    for (size_t e = 0; e < size_t{E} * c; ++e) cent[e] = HalfBitsToFloat(book[e]);
-    for (uint32_t j = 0; j < G; ++j) {
-      const float* q = &st.q[size_t{j} * D + size_t{g} * c];
-      float* dst = &lut[(size_t{j} * runs + g) * E];
-      for (uint32_t e = 0; e < E; ++e) {
-        float s = 0;
-        for (uint32_t i = 0; i < c; ++i) s += q[i] * cent[size_t{e} * c + i];
-        dst[e] = s;
+  const uint16_t* head_book = k.codebook + size_t{seg.head} * runs * E * c;
+  if (st.k_lut_book != head_book || st.k_lut.size() != size_t{G} * runs * E) {
+    st.k_lut.resize(size_t{G} * runs * E);
+    float* cent = st.Work(size_t{E} * c);
+    for (uint32_t g = 0; g < runs; ++g) {
+      const uint16_t* book = head_book + size_t{g} * E * c;
+      for (size_t e = 0; e < size_t{E} * c; ++e) cent[e] = HalfBitsToFloat(book[e]);
+      for (uint32_t j = 0; j < G; ++j) {
+        const float* q = &st.q[size_t{j} * D + size_t{g} * c];
+        float* dst = &st.k_lut[(size_t{j} * runs + g) * E];
+        for (uint32_t e = 0; e < E; ++e) {
+          float s = 0;
+          for (uint32_t i = 0; i < c; ++i) s += q[i] * cent[size_t{e} * c + i];
+          dst[e] = s;
+        }
       }
     }
+    st.k_lut_book = head_book;
   }
+  const float* lut = st.k_lut.data();
   for (uint32_t t = 0; t < T; ++t) {
     const uint8_t* codes = k.codes + (size_t{seg.head} * T + t) * k.row_bytes;
     for (uint32_t j = 0; j < G; ++j) {
@@ -671,14 +696,46 @@ static void ScoresCodebook(const Segment& seg, HeadGroupState& st) {
   }
 }
 
-// CQ's values: per query row, the probability mass each centroid of each run received, then
-// the centroids weighted by it.
+void FlushCodebookMass(HeadGroupState& st) {
+  if (st.v_mass_book == nullptr) return;
+  const uint32_t G = st.g, D = st.d, runs = st.v_runs, c = st.v_group, E = 1u << st.v_bits;
+  for (uint32_t g = 0; g < runs; ++g) {
+    const uint16_t* book = st.v_mass_book + size_t{g} * E * c;
+    for (uint32_t e = 0; e < E; ++e) {
+      float centroid[8];  // c <= 8, widened once for every row
+      bool widened = false;
+      for (uint32_t j = 0; j < G; ++j) {
+        const float w = st.v_mass[(size_t{j} * runs + g) * E + e];
+        if (w == 0.0f) continue;
+        if (!widened) {
+          for (uint32_t i = 0; i < c; ++i) centroid[i] = HalfBitsToFloat(book[size_t{e} * c + i]);
+          widened = true;
+        }
+        float* acc = &st.acc[size_t{j} * D + size_t{g} * c];
+        for (uint32_t i = 0; i < c; ++i) acc[i] += w * centroid[i];
+      }
+    }
+  }
+  st.v_mass_book = nullptr;
+}
+
+// CQ's values: per query row, the probability mass each centroid of each run receives, summed
+// over every block of the codebook (HeadGroupState::v_mass); the centroids weighted by it join
+// acc once (FlushCodebookMass).
 static void AccumulateCodebook(const Segment& seg, HeadGroupState& st) {
   const TensorOperands& v = seg.block->v;
-  const uint32_t G = st.g, D = st.d, T = seg.tokens;
+  const uint32_t G = st.g, T = seg.tokens;
   const uint32_t runs = v.groups, c = v.group_size, E = 1u << v.bits;
-  float* mass = st.Work(size_t{G} * runs * E);
-  std::fill(mass, mass + size_t{G} * runs * E, 0.0f);
+  const uint16_t* head_book = v.codebook + size_t{seg.head} * runs * E * c;
+  if (st.v_mass_book != head_book) {
+    FlushCodebookMass(st);
+    st.v_mass.assign(size_t{G} * runs * E, 0.0f);
+    st.v_mass_book = head_book;
+    st.v_runs = runs;
+    st.v_group = c;
+    st.v_bits = v.bits;
+  }
+  float* mass = st.v_mass.data();
   for (uint32_t t = 0; t < T; ++t) {
     const uint8_t* codes = v.codes + (size_t{seg.head} * T + t) * v.row_bytes;
     const float scale =
@@ -687,19 +744,6 @@ static void AccumulateCodebook(const Segment& seg, HeadGroupState& st) {
       const uint32_t code = UnpackBit(codes, g, v.bits);
       for (uint32_t j = 0; j < G; ++j) {
         mass[(size_t{j} * runs + g) * E + code] += st.scores[size_t{j} * T + t] * scale;
-      }
-    }
-  }
-  for (uint32_t g = 0; g < runs; ++g) {
-    const uint16_t* book = v.codebook + (size_t{seg.head} * runs + g) * E * c;
-    for (uint32_t e = 0; e < E; ++e) {
-      float centroid[8];  // c <= 8, widened once for every row
-      for (uint32_t i = 0; i < c; ++i) centroid[i] = HalfBitsToFloat(book[size_t{e} * c + i]);
-      for (uint32_t j = 0; j < G; ++j) {
-        const float w = mass[(size_t{j} * runs + g) * E + e];
-        if (w == 0.0f) continue;
-        float* acc = &st.acc[size_t{j} * D + size_t{g} * c];
-        for (uint32_t i = 0; i < c; ++i) acc[i] += w * centroid[i];
       }
     }
   }

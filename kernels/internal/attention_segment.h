@@ -35,6 +35,18 @@ struct HeadGroupState {
   std::vector<float> scores;  // [G, tokens of the current segment] scratch
   std::vector<float> work;    // scratch for the kernels: take it with Work
   bool integer_dot = false;    // DecodeAttentionOptions::integer_dot (AVX2 kernels)
+  // CQ (codebook) blocks. Every block of a layer is coded against the same codebook, so the
+  // work that depends on it, not on the tokens, is done once per call, not once per block:
+  // k_lut: the query rows' dot products with every centroid of the keys' codebook k_lut_book
+  // ([G, runs, 2^b]), made by the first block and reused by the rest; v_mass: the probability
+  // mass each centroid of the values' codebook v_mass_book has received so far ([G, runs, 2^b]),
+  // rescaled with acc at each softmax step and added to acc as centroids once
+  // (FlushCodebookMass), when the codebook changes or the rows are done.
+  const uint16_t* k_lut_book = nullptr;
+  std::vector<float> k_lut;
+  const uint16_t* v_mass_book = nullptr;
+  uint32_t v_runs = 0, v_group = 0, v_bits = 0;
+  std::vector<float> v_mass;
 
   // The first n floats of work, unspecified values. Grown, never shrunk: the kernels of one
   // segment ask for different sizes, and a resize up would zero-fill at every segment.
@@ -57,6 +69,8 @@ void SoftmaxPortable(uint32_t tokens, HeadGroupState& st);
 void SoftmaxAvx2(uint32_t tokens, HeadGroupState& st);
 
 void ScoresPortable(const Segment& seg, HeadGroupState& st);
+// Adds the values' codebook mass gathered so far (HeadGroupState::v_mass) to acc as centroids.
+void FlushCodebookMass(HeadGroupState& st);
 void AccumulatePortable(const Segment& seg, HeadGroupState& st);
 
 // AVX2 versions; nullptr-equivalent fallbacks to the portable ones for layouts they do not
