@@ -10,6 +10,9 @@
 // With --tls the cluster serves TLS only (client certificates required), the tier and
 // redis-benchmark both speak it. Prints a table; with --out writes
 // DIR/shared_tier_bench[-tls]-DATE-COMMIT.{txt,json}.
+#include <sys/resource.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
@@ -21,9 +24,6 @@
 #include <thread>
 #include <tuple>
 #include <vector>
-
-#include <sys/resource.h>
-#include <unistd.h>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -87,7 +87,8 @@ double ServersSeconds(const strata::kvstore::testing::RedisClusterProcess& clust
     if (close == std::string::npos) continue;
     std::vector<std::string> fields = absl::StrSplit(stat.substr(close + 2), ' ');
     unsigned long long ut = 0, st = 0;
-    if (fields.size() > 12 && absl::SimpleAtoi(fields[11], &ut) && absl::SimpleAtoi(fields[12], &st)) {
+    if (fields.size() > 12 && absl::SimpleAtoi(fields[11], &ut) &&
+        absl::SimpleAtoi(fields[12], &st)) {
       total += static_cast<double>(ut + st) / sysconf(_SC_CLK_TCK);
     }
   }
@@ -142,10 +143,10 @@ Result RedisBenchmark(const strata::kvstore::testing::RedisClusterProcess& clust
                       const std::string& tls) {
   const std::string out = "/tmp/shared_tier_bench_rb.csv";
   const size_t n = std::max<size_t>(2000, (size_t{8} << 30) / bytes);
-  const std::string cmd = absl::StrCat("redis-benchmark --cluster ", tls, " -p ",
-                                       cluster.nodes()[0].port, " -d ", bytes, " -t ", test,
-                                       " -r 512 -n ", n, " -c ", clients, " -P ", pipeline,
-                                       " --csv -q > ", out, " 2>/dev/null");
+  const std::string cmd =
+      absl::StrCat("redis-benchmark --cluster ", tls, " -p ", cluster.nodes()[0].port, " -d ",
+                   bytes, " -t ", test, " -r 512 -n ", n, " -c ", clients, " -P ", pipeline,
+                   " --csv -q > ", out, " 2>/dev/null");
   Result r;
   const double client0 = RusageSeconds(RUSAGE_CHILDREN), servers0 = ServersSeconds(cluster);
   if (std::system(cmd.c_str()) != 0) return r;
@@ -290,11 +291,12 @@ int main(int argc, char** argv) {
     for (const auto& [op, r, rb] :
          {std::tuple{"put", put, rb_set}, std::tuple{"get", get, rb_get}}) {
       const double anchor = rb.ops_per_s;
-      std::snprintf(line, sizeof(line),
-                    "%-10s %-4s %12.0f %10.1f %9.2f %9.2f %14.0f %7.2fx %8.0f+%-8.0f %8.0f+%-8.0f\n",
-                    absl::StrCat(bytes / 1024, " KiB").c_str(), op, r.ops_per_s, r.mb_per_s,
-                    r.p50_ms, r.p99_ms, anchor, anchor > 0 ? r.ops_per_s / anchor : 0.0,
-                    r.client_cpu_us, r.server_cpu_us, rb.client_cpu_us, rb.server_cpu_us);
+      std::snprintf(
+          line, sizeof(line),
+          "%-10s %-4s %12.0f %10.1f %9.2f %9.2f %14.0f %7.2fx %8.0f+%-8.0f %8.0f+%-8.0f\n",
+          absl::StrCat(bytes / 1024, " KiB").c_str(), op, r.ops_per_s, r.mb_per_s, r.p50_ms,
+          r.p99_ms, anchor, anchor > 0 ? r.ops_per_s / anchor : 0.0, r.client_cpu_us,
+          r.server_cpu_us, rb.client_cpu_us, rb.server_cpu_us);
       txt << line;
       rows.push_back(strata::bench::Json()
                          .Num("block_bytes", static_cast<double>(bytes))
@@ -320,9 +322,8 @@ int main(int argc, char** argv) {
   std::fputs(txt.str().c_str(), stdout);
   if (!out_dir.empty()) {
     // Runs at other thread counts or batches keep files of their own.
-    const std::string tag = threads == 8 && batch == 8
-                                ? ""
-                                : absl::StrCat("threads", threads, "-batch", batch);
+    const std::string tag =
+        threads == 8 && batch == 8 ? "" : absl::StrCat("threads", threads, "-batch", batch);
     const std::string path = strata::bench::ResultPath(
         out_dir, tls ? "shared_tier_bench-tls" : "shared_tier_bench", info, tag);
     strata::bench::WriteResultFile(path + ".txt", txt.str());

@@ -79,40 +79,42 @@ std::vector<absl::Status> SharedTier::Put(absl::Span<const Item> items) {
   // commands run in order on its node; HSET keeps a key's TTL): the chunk's TTL set (again) by
   // the call, and a key never without one for longer than a command, even if the call stops
   // partway through a long pipeline.
+  struct Chunk {
+    size_t expire = 0;    // its PEXPIRE's place among the commands
+    bool all_set = true;  // every HSET of its layers succeeded
+  };
+  absl::flat_hash_map<absl::string_view, Chunk> chunks;  // by key
   std::vector<RedisCommandView> cmds;
   std::vector<size_t> hset_at(sent.size());
-  absl::flat_hash_map<absl::string_view, size_t> expire_at;  // a chunk's key -> its PEXPIRE
   for (size_t k = 0; k < sent.size(); ++k) {
     const SharedBytes& b = items[sent[k]].block;
     hset_at[k] = cmds.size();
     cmds.push_back({"HSET", keys[k], fields[k],
                     absl::string_view(reinterpret_cast<const char*>(b.data()), b.size())});
-    if (expire_at.try_emplace(keys[k], cmds.size()).second) {
+    if (chunks.try_emplace(keys[k], Chunk{.expire = cmds.size()}).second) {
       cmds.push_back({"PEXPIRE", keys[k], ttls[k]});
     }
   }
   const absl::Time deadline = absl::Now() + options_.timeout;
   std::vector<absl::StatusOr<RedisReply>> replies = redis_->RunViews(cmds, deadline);
+  for (size_t k = 0; k < sent.size(); ++k) {
+    chunks[keys[k]].all_set &= replies[hset_at[k]].ok();
+  }
   // A PEXPIRE that found no key (0) while its HSETs succeeded: an HSET was retried after it (a
   // CLUSTERDOWN, say) and made the key afresh, without a TTL. Set it again.
-  absl::flat_hash_map<absl::string_view, bool> set_all;  // a chunk's key -> all its HSETs ok
-  for (size_t k = 0; k < sent.size(); ++k) {
-    bool& all_ok = set_all.try_emplace(keys[k], true).first->second;
-    all_ok = all_ok && replies[hset_at[k]].ok();
-  }
-  std::vector<RedisCommandView> again;
-  std::vector<absl::string_view> again_keys;
-  for (const auto& [key, at] : expire_at) {
-    const absl::StatusOr<RedisReply>& e = replies[at];
-    if (set_all[key] && e.ok() && e->type == RedisReply::Type::kInteger && e->integer == 0) {
-      again.push_back(cmds[at]);
-      again_keys.push_back(key);
+  std::vector<size_t> again;  // the PEXPIREs' places
+  for (const auto& [key, chunk] : chunks) {
+    const absl::StatusOr<RedisReply>& e = replies[chunk.expire];
+    if (chunk.all_set && e.ok() && e->type == RedisReply::Type::kInteger && e->integer == 0) {
+      again.push_back(chunk.expire);
     }
   }
   if (!again.empty()) {
-    std::vector<absl::StatusOr<RedisReply>> second = redis_->RunViews(again, deadline);
+    std::vector<RedisCommandView> expire;
+    for (size_t at : again) expire.push_back(cmds[at]);
+    std::vector<absl::StatusOr<RedisReply>> second = redis_->RunViews(expire, deadline);
     for (size_t i = 0; i < again.size(); ++i) {
-      absl::StatusOr<RedisReply>& r = replies[expire_at[again_keys[i]]];
+      absl::StatusOr<RedisReply>& r = replies[again[i]];
       if (!second[i].ok()) {
         r = second[i].status();
       } else if (second[i]->type == RedisReply::Type::kInteger && second[i]->integer == 0) {
@@ -124,7 +126,7 @@ std::vector<absl::Status> SharedTier::Put(absl::Span<const Item> items) {
   uint64_t errors = 0;
   for (size_t k = 0; k < sent.size(); ++k) {  // written when its HSET and its chunk's PEXPIRE are
     const absl::StatusOr<RedisReply>& set = replies[hset_at[k]];
-    const absl::Status s = !set.ok() ? set.status() : replies[expire_at[keys[k]]].status();
+    const absl::Status s = !set.ok() ? set.status() : replies[chunks[keys[k]].expire].status();
     if (!s.ok()) {
       out[sent[k]] = s;
       ++errors;

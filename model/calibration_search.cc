@@ -296,9 +296,13 @@ absl::Status SearchLayers(const LlamaModel& model, const std::vector<uint32_t>& 
     std::lock_guard<std::mutex> lock(cache_mu);
     if (auto it = cache.find(cache_key); it != cache.end()) delta = it->second;
   }
-  if (delta.empty()) {
+  auto all_fp16 = [&] {
     kernels::Calibration trial = cal;
     for (uint32_t li = 0; li < L; ++li) AssignLayer(trial.layers[li], "fp16", li, books);
+    return trial;
+  };
+  if (delta.empty()) {
+    kernels::Calibration trial = all_fp16();
     STRATA_ASSIGN_OR_RETURN(const double base, loss(trial));  // records the reference; 0
     delta.assign(L, std::vector<double>(candidates.size()));
     for (uint32_t li = 0; li < L; ++li) {
@@ -337,11 +341,7 @@ absl::Status SearchLayers(const LlamaModel& model, const std::vector<uint32_t>& 
   }
   // The joint step: each choice measured whole, against the fp16 reference (recorded here when
   // the increases came from the cache).
-  if (reference.empty()) {
-    kernels::Calibration trial = cal;
-    for (uint32_t li = 0; li < L; ++li) AssignLayer(trial.layers[li], "fp16", li, books);
-    STRATA_RETURN_IF_ERROR(loss(trial).status());
-  }
+  if (reference.empty()) STRATA_RETURN_IF_ERROR(loss(all_fp16()).status());
   std::vector<PerplexityResult> whole;
   for (size_t n = 0; n < choices.size(); ++n) {
     kernels::Calibration trial = cal;
@@ -352,16 +352,18 @@ absl::Status SearchLayers(const LlamaModel& model, const std::vector<uint32_t>& 
       o.progress("joint choices", static_cast<uint32_t>(n + 1),
                  static_cast<uint32_t>(choices.size()));
   }
-  double least = whole[0].kl;
-  for (const PerplexityResult& r : whole) least = std::min(least, r.kl);
+  // Starting from the least KL (within the slack by definition): the most top-1-agreeing within
+  // the slack, the lower KL between equals.
   size_t kept = 0;
-  bool any = false;
+  for (size_t n = 1; n < whole.size(); ++n) {
+    if (whole[n].kl < whole[kept].kl) kept = n;
+  }
+  const double least = whole[kept].kl;
   for (size_t n = 0; n < whole.size(); ++n) {
     if (whole[n].kl > least + o.joint_kl_slack * std::abs(least) + 1e-12) continue;
-    if (!any || whole[n].top1 > whole[kept].top1 ||
+    if (whole[n].top1 > whole[kept].top1 ||
         (whole[n].top1 == whole[kept].top1 && whole[n].kl < whole[kept].kl)) {
       kept = n;
-      any = true;
     }
   }
   assign(cal, choices[kept]);

@@ -171,13 +171,11 @@ namespace {
 // about 33 KiB, and a scrape needs about 32 KiB. A library opened later keeps its thread-local
 // storage apart, in the threads that use it. Every program linked OpenBLAS through this library,
 // the store and the router too, which never multiply matrices.
-struct Blas {
-  decltype(&cblas_sgemm) sgemm = nullptr;
-};
+using Sgemm = decltype(&cblas_sgemm);
 
-const Blas& OpenBlas() {
-  static const Blas blas = [] {
-    Blas b;
+// cblas_sgemm, or nullptr where no OpenBLAS could be opened.
+Sgemm OpenBlasSgemm() {
+  static const Sgemm sgemm = []() -> Sgemm {
     void* lib = nullptr;
     // The build's (the one serving.static_tls and the benchmarks measured), else whichever the
     // system's alternatives name.
@@ -188,32 +186,31 @@ const Blas& OpenBlas() {
       std::fprintf(stderr,
                    "strata: OpenBLAS not found (%s): products of many rows run without it\n",
                    dlerror());
-      return b;
+      return nullptr;
     }
-    b.sgemm = reinterpret_cast<decltype(&cblas_sgemm)>(dlsym(lib, "cblas_sgemm"));
     // OpenBLAS's threads stay idle from here on: the pool does the splitting.
     if (auto set = reinterpret_cast<decltype(&openblas_set_num_threads)>(
             dlsym(lib, "openblas_set_num_threads"));
         set != nullptr) {
       set(1);
     }
-    return b;
+    return reinterpret_cast<Sgemm>(dlsym(lib, "cblas_sgemm"));
   }();
-  return blas;
+  return sgemm;
 }
 
 }  // namespace
 
-bool MatMulUsesOpenBlas() { return OpenBlas().sgemm != nullptr; }
+bool MatMulUsesOpenBlas() { return OpenBlasSgemm() != nullptr; }
 
 void MatMul(const float* x, int rows, int in, const float* w, int out, float* y, ThreadPool& pool) {
-  const Blas& blas = OpenBlas();
-  if (rows <= kRowInvariantRows || blas.sgemm == nullptr) {
+  const Sgemm sgemm = OpenBlasSgemm();
+  if (rows <= kRowInvariantRows || sgemm == nullptr) {
     return MatMulRowInvariant(x, rows, in, w, out, y, pool);
   }
   ForColumnSlices(rows, in, out, pool, [&](int c0, int c1) {
-    blas.sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, c1 - c0, in, 1.0f, x, in,
-               w + size_t(c0) * in, in, 0.0f, y + c0, out);
+    sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, c1 - c0, in, 1.0f, x, in,
+          w + size_t(c0) * in, in, 0.0f, y + c0, out);
   });
 }
 
