@@ -212,13 +212,15 @@ void RunSegments(const std::vector<Segment>& segs, size_t begin, size_t end, boo
     if (st.v_mass_book != nullptr) m_old = st.m;
     kernels.softmax(seg.tokens, st);
     if (st.v_mass_book != nullptr) {
-      const size_t per_row = size_t{st.v_runs} << st.v_bits;
+      thread_local std::vector<float> alpha;
+      alpha.assign(st.g, 1.0f);
+      bool changed = false;
       for (uint32_t r = 0; r < st.g; ++r) {
         if (st.m[r] == m_old[r]) continue;
-        const float alpha = m_old[r] == kNegInf ? 0.0f : std::exp(m_old[r] - st.m[r]);
-        float* mass = &st.v_mass[r * per_row];
-        for (size_t e = 0; e < per_row; ++e) mass[e] *= alpha;
+        alpha[r] = m_old[r] == kNegInf ? 0.0f : std::exp(m_old[r] - st.m[r]);
+        changed = true;
       }
+      if (changed) RescaleCodebookMass(st, alpha.data());
     }
     if (mean_seg.block != nullptr) kernels.accumulate(mean_seg, st);
     if (!v_tf) {
@@ -656,67 +658,288 @@ static void UnpackRow(const TensorOperands& t, size_t row_index, uint32_t D, flo
   }
 }
 
+// CQ's tables (HeadGroupState::k_lut, v_mass) hold one float per query row, run and centroid.
+// The G rows are taken in chunks, 8 at a time while 8 remain, then 4, then 1 (ForEachRowChunk);
+// chunk [j0, j0 + W) owns the table's floats [j0, j0 + W) x runs x 2^b, laid out [runs][2^b][W]:
+// for one run and code, the chunk's W entries are adjacent, so a token's lookup or scattered add
+// for W rows is one short vector operation (the rows share the token's code), and a chunk's
+// table stays in L2 however many rows share the blocks (a batch over one prefix).
+template <typename Fn>
+static void ForEachRowChunk(uint32_t G, Fn&& fn) {
+  uint32_t j = 0;
+  for (; j + 8 <= G; j += 8) fn(j, 8u);
+  for (; j + 4 <= G; j += 4) fn(j, 4u);
+  for (; j < G; ++j) fn(j, 1u);
+}
+
+// Four floats as one vector (GCC's and Clang's vector extension: SSE on x86-64's baseline, NEON
+// on arm64), for the codebook kernels' rows of a table.
+using F4 = float __attribute__((vector_size(16)));
+static inline F4 LoadF4(const float* p) {
+  F4 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+static inline void StoreF4(float* p, F4 v) { std::memcpy(p, &v, sizeof v); }
+
+// W/4 vectors of rows (W a multiple of 4), or one row (W = 1).
+template <uint32_t W>
+struct RowVec {
+  static constexpr uint32_t kN = W / 4;
+  F4 v[kN];
+  static RowVec Zero() {
+    RowVec r;
+    for (uint32_t i = 0; i < kN; ++i) r.v[i] = F4{0, 0, 0, 0};
+    return r;
+  }
+  static RowVec Load(const float* p) {
+    RowVec r;
+    for (uint32_t i = 0; i < kN; ++i) r.v[i] = LoadF4(p + 4 * i);
+    return r;
+  }
+  void Store(float* p) const {
+    for (uint32_t i = 0; i < kN; ++i) StoreF4(p + 4 * i, v[i]);
+  }
+  void Add(const RowVec& o) {
+    for (uint32_t i = 0; i < kN; ++i) v[i] += o.v[i];
+  }
+  void Scale(float s) {
+    for (uint32_t i = 0; i < kN; ++i) v[i] *= s;
+  }
+  float operator[](uint32_t w) const { return v[w / 4][w % 4]; }
+};
+template <>
+struct RowVec<1> {
+  float v;
+  static RowVec Zero() { return {0.0f}; }
+  static RowVec Load(const float* p) { return {*p}; }
+  void Store(float* p) const { *p = v; }
+  void Add(const RowVec& o) { v += o.v; }
+  void Scale(float s) { v *= s; }
+  float operator[](uint32_t) const { return v; }
+};
+
+template <bool kByteCodes>
+static inline size_t CodeAt(const uint8_t* codes, uint32_t g, int bits) {
+  return kByteCodes ? codes[g] : UnpackBit(codes, g, bits);
+}
+
+template <uint32_t W, bool kByteCodes>
+static void CodebookScoreRows(const TensorOperands& k, const Segment& seg, const float* lut,
+                              uint32_t j0, float* scores) {
+  using V = RowVec<W>;
+  const uint32_t T = seg.tokens, runs = k.groups;
+  const int bits = k.bits;
+  const size_t E = size_t{1} << bits;
+  const size_t G = W;  // the chunk's stride
+  lut += size_t{j0} * runs * E;
+  for (uint32_t t = 0; t < T; ++t) {
+    const uint8_t* codes = k.codes + (size_t{seg.head} * T + t) * k.row_bytes;
+    // Four chains of adds, a quarter of the runs each: the lookups miss L1 (the table of 8-bit
+    // codes is 2^8 x runs x G floats), and one chain would wait on each.
+    V a = V::Zero(), b = V::Zero(), c = V::Zero(), d = V::Zero();
+    uint32_t g = 0;
+    for (; g + 4 <= runs; g += 4) {
+      a.Add(V::Load(lut + (size_t{g} * E + CodeAt<kByteCodes>(codes, g, bits)) * G));
+      b.Add(V::Load(lut + (size_t{g + 1} * E + CodeAt<kByteCodes>(codes, g + 1, bits)) * G));
+      c.Add(V::Load(lut + (size_t{g + 2} * E + CodeAt<kByteCodes>(codes, g + 2, bits)) * G));
+      d.Add(V::Load(lut + (size_t{g + 3} * E + CodeAt<kByteCodes>(codes, g + 3, bits)) * G));
+    }
+    for (; g < runs; ++g) {
+      a.Add(V::Load(lut + (size_t{g} * E + CodeAt<kByteCodes>(codes, g, bits)) * G));
+    }
+    a.Add(b);
+    c.Add(d);
+    a.Add(c);
+    if (k.scales != nullptr) a.Scale(HalfBitsToFloat(k.scales[size_t{seg.head} * T + t]));  // norm
+    for (uint32_t w = 0; w < W; ++w) scores[size_t{j0 + w} * T + t] = a[w];
+  }
+}
+
+template <uint32_t W, bool kByteCodes>
+static void CodebookMassRows(const TensorOperands& v, const Segment& seg, const float* p_by_token,
+                             uint32_t G, uint32_t j0, float* mass) {
+  using V = RowVec<W>;
+  const uint32_t T = seg.tokens, runs = v.groups;
+  const int bits = v.bits;
+  const size_t E = size_t{1} << bits;
+  mass += size_t{j0} * runs * E;
+  for (uint32_t t = 0; t < T; ++t) {
+    const uint8_t* codes = v.codes + (size_t{seg.head} * T + t) * v.row_bytes;
+    V p = V::Load(p_by_token + size_t{t} * G + j0);
+    if (v.scales != nullptr) p.Scale(HalfBitsToFloat(v.scales[size_t{seg.head} * T + t]));  // norm
+    for (uint32_t g = 0; g < runs; ++g) {
+      float* m = mass + (size_t{g} * E + CodeAt<kByteCodes>(codes, g, bits)) * W;
+      V x = V::Load(m);
+      x.Add(p);
+      x.Store(m);
+    }
+  }
+}
+
+// Runs `Op<W, byte codes>::Run(args..., j0)` over the chunks of the G rows.
+template <template <uint32_t, bool> class Op, typename... Args>
+static void ForRowChunks(uint32_t G, int bits, Args&&... args) {
+  const bool byte = bits == 8;
+  ForEachRowChunk(G, [&](uint32_t j, uint32_t W) {
+    switch (W) {
+      case 8:
+        return byte ? Op<8, true>::Run(args..., j) : Op<8, false>::Run(args..., j);
+      case 4:
+        return byte ? Op<4, true>::Run(args..., j) : Op<4, false>::Run(args..., j);
+      default:
+        return byte ? Op<1, true>::Run(args..., j) : Op<1, false>::Run(args..., j);
+    }
+  });
+}
+template <uint32_t W, bool kByte>
+struct ScoreRowsOp {
+  static void Run(const TensorOperands& k, const Segment& seg, const float* lut, float* scores,
+                  uint32_t j0) {
+    CodebookScoreRows<W, kByte>(k, seg, lut, j0, scores);
+  }
+};
+template <uint32_t W, bool kByte>
+struct MassRowsOp {
+  static void Run(const TensorOperands& v, const Segment& seg, const float* p, uint32_t G,
+                  float* mass, uint32_t j0) {
+    CodebookMassRows<W, kByte>(v, seg, p, G, j0, mass);
+  }
+};
+
 // CQ's keys (codebook.h): per query row, a table of its dot products with every centroid of
 // every channel run; a token's score is the sum of its runs' entries (times its row's RMS with
 // cq's norm). 2^b x D multiply-adds per row for the table, made once per codebook and call
-// (HeadGroupState::k_lut), then one lookup per run and token.
+// (HeadGroupState::k_lut), then one lookup per run and token for all rows together.
 static void ScoresCodebook(const Segment& seg, HeadGroupState& st) {
   const TensorOperands& k = seg.block->k;
-  const uint32_t G = st.g, D = st.d, T = seg.tokens;
+  const uint32_t G = st.g, D = st.d;
   const uint32_t runs = k.groups, c = k.group_size, E = 1u << k.bits;
   const uint16_t* head_book = k.codebook + size_t{seg.head} * runs * E * c;
   if (st.k_lut_book != head_book || st.k_lut.size() != size_t{G} * runs * E) {
     st.k_lut.resize(size_t{G} * runs * E);
-    float* cent = st.Work(size_t{E} * c);
+    float* cent = st.Work(size_t{E} * c + size_t{c} * G);
+    float* qt = cent + size_t{E} * c;  // run g's query channels by channel: [c][G]
     for (uint32_t g = 0; g < runs; ++g) {
-      const uint16_t* book = head_book + size_t{g} * E * c;
-      for (size_t e = 0; e < size_t{E} * c; ++e) cent[e] = HalfBitsToFloat(book[e]);
-      for (uint32_t j = 0; j < G; ++j) {
-        const float* q = &st.q[size_t{j} * D + size_t{g} * c];
-        float* dst = &st.k_lut[(size_t{j} * runs + g) * E];
-        for (uint32_t e = 0; e < E; ++e) {
-          float s = 0;
-          for (uint32_t i = 0; i < c; ++i) s += q[i] * cent[size_t{e} * c + i];
-          dst[e] = s;
-        }
+      HalfToFloat(reinterpret_cast<const Half*>(head_book + size_t{g} * E * c), cent,
+                  size_t{E} * c);
+      for (uint32_t i = 0; i < c; ++i) {
+        for (uint32_t j = 0; j < G; ++j) qt[size_t{i} * G + j] = st.q[size_t{j} * D + g * c + i];
       }
+      ForEachRowChunk(G, [&](uint32_t j0, uint32_t W) {
+        float* chunk = &st.k_lut[(size_t{j0} * runs + g) * E * W];  // [2^b][W] of run g
+        for (uint32_t e = 0; e < E; ++e) {
+          float* dst = chunk + size_t{e} * W;
+          const float* centroid = cent + size_t{e} * c;
+          const float* qj = qt + j0;
+          if (W >= 4) {
+            for (uint32_t w = 0; w < W; w += 4) {
+              F4 s = LoadF4(qj + w) * centroid[0];
+              for (uint32_t i = 1; i < c; ++i) s += LoadF4(qj + size_t{i} * G + w) * centroid[i];
+              StoreF4(dst + w, s);
+            }
+          } else {
+            float s = qj[0] * centroid[0];
+            for (uint32_t i = 1; i < c; ++i) s += qj[size_t{i} * G] * centroid[i];
+            dst[0] = s;
+          }
+        }
+      });
     }
     st.k_lut_book = head_book;
   }
-  const float* lut = st.k_lut.data();
-  for (uint32_t t = 0; t < T; ++t) {
-    const uint8_t* codes = k.codes + (size_t{seg.head} * T + t) * k.row_bytes;
-    for (uint32_t j = 0; j < G; ++j) {
-      const float* l = &lut[size_t{j} * runs * E];
-      float s = 0;
-      for (uint32_t g = 0; g < runs; ++g) s += l[size_t{g} * E + UnpackBit(codes, g, k.bits)];
-      if (k.scales != nullptr) s *= HalfBitsToFloat(k.scales[size_t{seg.head} * T + t]);  // norm
-      st.scores[size_t{j} * T + t] = s;
+  ForRowChunks<ScoreRowsOp>(G, k.bits, k, seg, st.k_lut.data(), st.scores.data());
+}
+
+// Multiplies row j of the stored mass by v_mass_scale[j] and makes the scales 1.
+static void ApplyMassScale(HeadGroupState& st) {
+  const uint32_t G = st.g;
+  bool all_one = true;
+  for (uint32_t j = 0; j < G; ++j) all_one = all_one && st.v_mass_scale[j] == 1.0f;
+  if (all_one) return;
+  const size_t entries = size_t{st.v_runs} << st.v_bits;
+  ForEachRowChunk(G, [&](uint32_t j0, uint32_t W) {
+    float* mass = &st.v_mass[size_t{j0} * entries];
+    const float* scale = &st.v_mass_scale[j0];
+    for (size_t n = 0; n < entries; ++n, mass += W) {
+      for (uint32_t w = 0; w < W; ++w) mass[w] *= scale[w];
+    }
+  });
+  std::fill(st.v_mass_scale.begin(), st.v_mass_scale.end(), 1.0f);
+}
+
+// acc[j0 + w] (run g's c channels) += sum_e mass[e][w] * centroid[e], for a chunk's W rows
+// (mass: the chunk's [2^b][W] of run g).
+template <uint32_t C>
+static void FlushRun(const float* mass, const float* cent, uint32_t E, uint32_t W, float* acc,
+                     uint32_t D) {
+  for (uint32_t w = 0; w < W; ++w) {
+    float* out_row = acc + size_t{w} * D;
+    if constexpr (C % 4 == 0) {
+      RowVec<C> out = RowVec<C>::Load(out_row);
+      for (uint32_t e = 0; e < E; ++e) {
+        RowVec<C> x = RowVec<C>::Load(cent + size_t{e} * C);
+        x.Scale(mass[size_t{e} * W + w]);
+        out.Add(x);
+      }
+      out.Store(out_row);
+    } else {
+      float out[C];
+      for (uint32_t i = 0; i < C; ++i) out[i] = out_row[i];
+      for (uint32_t e = 0; e < E; ++e) {
+        const float m = mass[size_t{e} * W + w];
+        for (uint32_t i = 0; i < C; ++i) out[i] += m * cent[size_t{e} * C + i];
+      }
+      for (uint32_t i = 0; i < C; ++i) out_row[i] = out[i];
     }
   }
 }
 
 void FlushCodebookMass(HeadGroupState& st) {
   if (st.v_mass_book == nullptr) return;
+  ApplyMassScale(st);
   const uint32_t G = st.g, D = st.d, runs = st.v_runs, c = st.v_group, E = 1u << st.v_bits;
+  float* cent = st.Work(size_t{E} * c);
   for (uint32_t g = 0; g < runs; ++g) {
-    const uint16_t* book = st.v_mass_book + size_t{g} * E * c;
-    for (uint32_t e = 0; e < E; ++e) {
-      float centroid[8];  // c <= 8, widened once for every row
-      bool widened = false;
-      for (uint32_t j = 0; j < G; ++j) {
-        const float w = st.v_mass[(size_t{j} * runs + g) * E + e];
-        if (w == 0.0f) continue;
-        if (!widened) {
-          for (uint32_t i = 0; i < c; ++i) centroid[i] = HalfBitsToFloat(book[size_t{e} * c + i]);
-          widened = true;
-        }
-        float* acc = &st.acc[size_t{j} * D + size_t{g} * c];
-        for (uint32_t i = 0; i < c; ++i) acc[i] += w * centroid[i];
+    HalfToFloat(reinterpret_cast<const Half*>(st.v_mass_book + size_t{g} * E * c), cent,
+                size_t{E} * c);
+    ForEachRowChunk(G, [&](uint32_t j0, uint32_t W) {
+      const float* mass = &st.v_mass[(size_t{j0} * runs + g) * E * W];
+      float* acc = &st.acc[size_t{j0} * D + size_t{g} * c];
+      switch (c) {
+        case 2:
+          return FlushRun<2>(mass, cent, E, W, acc, D);
+        case 4:
+          return FlushRun<4>(mass, cent, E, W, acc, D);
+        case 8:
+          return FlushRun<8>(mass, cent, E, W, acc, D);
+        default:  // codec_spec allows no other; the plain loop all the same
+          for (uint32_t w = 0; w < W; ++w) {
+            for (uint32_t e = 0; e < E; ++e) {
+              for (uint32_t i = 0; i < c; ++i) {
+                acc[size_t{w} * D + i] += mass[size_t{e} * W + w] * cent[size_t{e} * c + i];
+              }
+            }
+          }
       }
-    }
+    });
   }
   st.v_mass_book = nullptr;
+}
+
+void RescaleCodebookMass(HeadGroupState& st, const float* alpha) {
+  if (st.v_mass_book == nullptr) return;
+  // The mass is kept as stored x v_mass_scale[row]: a rescale multiplies the row's scale, and
+  // later probabilities are stored divided by it (AccumulateCodebook), so a block whose maximum
+  // moved costs G multiplies, not one per entry. The stored mass is rescaled for real only when a
+  // scale gets so small that stored probabilities could overflow (2^60 x each).
+  constexpr float kLeast = 0x1p-60f;
+  bool apply = false;
+  for (uint32_t j = 0; j < st.g; ++j) {
+    st.v_mass_scale[j] *= alpha[j];
+    apply = apply || st.v_mass_scale[j] < kLeast;
+  }
+  if (apply) ApplyMassScale(st);  // zeroes a row whose alpha was 0, as its mass must be
 }
 
 // CQ's values: per query row, the probability mass each centroid of each run receives, summed
@@ -730,23 +953,18 @@ static void AccumulateCodebook(const Segment& seg, HeadGroupState& st) {
   if (st.v_mass_book != head_book) {
     FlushCodebookMass(st);
     st.v_mass.assign(size_t{G} * runs * E, 0.0f);
+    st.v_mass_scale.assign(G, 1.0f);
     st.v_mass_book = head_book;
     st.v_runs = runs;
     st.v_group = c;
     st.v_bits = v.bits;
   }
-  float* mass = st.v_mass.data();
-  for (uint32_t t = 0; t < T; ++t) {
-    const uint8_t* codes = v.codes + (size_t{seg.head} * T + t) * v.row_bytes;
-    const float scale =
-        v.scales != nullptr ? HalfBitsToFloat(v.scales[size_t{seg.head} * T + t]) : 1.0f;  // norm
-    for (uint32_t g = 0; g < runs; ++g) {
-      const uint32_t code = UnpackBit(codes, g, v.bits);
-      for (uint32_t j = 0; j < G; ++j) {
-        mass[(size_t{j} * runs + g) * E + code] += st.scores[size_t{j} * T + t] * scale;
-      }
-    }
+  float* p = st.Work(size_t{G} * T);  // the probabilities by token, in stored units: [T][G]
+  for (uint32_t j = 0; j < G; ++j) {
+    const float unit = 1.0f / st.v_mass_scale[j];
+    for (uint32_t t = 0; t < T; ++t) p[size_t{t} * G + j] = st.scores[size_t{j} * T + t] * unit;
   }
+  ForRowChunks<MassRowsOp>(G, v.bits, v, seg, static_cast<const float*>(p), G, st.v_mass.data());
 }
 
 void ScoresPortable(const Segment& seg, HeadGroupState& st) {

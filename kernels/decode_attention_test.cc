@@ -247,6 +247,31 @@ TEST(DecodeAttentionTest, CompressedAttentionIsCloseToFullPrecisionAndGearBeatsK
   EXPECT_LT(gear4, gear);
 }
 
+// CQ's values keep each row's probability mass in stored units times a per-row scale, and
+// rescale the stored mass for real only when the scale falls below 2^-60 (a maximum that rose by
+// 42 or more since). Keys that grow 12-fold from block to block raise the maximum by far more
+// than that at every block, and the output still matches the reference.
+TEST(DecodeAttentionTest, CodebookMassHoldsWhenTheMaximumJumpsFarBetweenBlocks) {
+  for (const char* spec : {"cq:c4:b8:norm", "cq:c2:b4:norm"}) {
+    int chunk = 0;
+    auto grow = [&chunk](SyntheticKv& kv) {
+      const float f = std::pow(12.0f, static_cast<float>(chunk++));
+      for (float& x : kv.k) x *= f;
+    };
+    auto s = MakeSequence(spec, 8, 2, 64, 0, {32, 32, 32}, 0, 7, grow);
+    const DecodeAttentionParams params{8, 2, 64};
+    s->seq.out = s->ref.data();
+    ASSERT_TRUE(DecodeAttentionRef(params, {&s->seq, 1}).ok());
+    for (const Variant& var : Variants()) {
+      if (var.integer_dot) continue;  // CQ takes no integer path
+      s->seq.out = s->out.data();
+      ASSERT_TRUE(DecodeAttention(params, {&s->seq, 1}, {var.impl, 4096, nullptr, false}).ok());
+      EXPECT_LT(NormalizedMaxError(s->out, s->ref), var.tolerance)
+          << spec << " impl=" << static_cast<int>(var.impl);
+    }
+  }
+}
+
 TEST(DecodeAttentionTest, EightBitValueSumsHoldUnderUniformAttentionOverLongBlocks) {
   // The 8-bit value kernels' worst case: every weight the largest (a zero query: uniform
   // attention) times codes at both ends of their range (channels alternating -1 and +1 in every

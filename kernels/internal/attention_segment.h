@@ -38,8 +38,9 @@ struct HeadGroupState {
   // CQ (codebook) blocks. Every block of a layer is coded against the same codebook, so the
   // work that depends on it, not on the tokens, is done once per call, not once per block:
   // k_lut: the query rows' dot products with every centroid of the keys' codebook k_lut_book
-  // ([G, runs, 2^b]), made by the first block and reused by the rest; v_mass: the probability
-  // mass each centroid of the values' codebook v_mass_book has received so far ([G, runs, 2^b]),
+  // (one float per row, run and centroid, in chunks of rows: decode_attention.cc, "CQ's tables"),
+  // made by the first block and reused by the rest; v_mass: the probability mass each centroid of
+  // the values' codebook v_mass_book has received so far (laid out as k_lut),
   // rescaled with acc at each softmax step and added to acc as centroids once
   // (FlushCodebookMass), when the codebook changes or the rows are done.
   const uint16_t* k_lut_book = nullptr;
@@ -47,6 +48,8 @@ struct HeadGroupState {
   const uint16_t* v_mass_book = nullptr;
   uint32_t v_runs = 0, v_group = 0, v_bits = 0;
   std::vector<float> v_mass;
+  std::vector<float>
+      v_mass_scale;  // [G]: row j's mass is v_mass's times this (RescaleCodebookMass)
 
   // The first n floats of work, unspecified values. Grown, never shrunk: the kernels of one
   // segment ask for different sizes, and a resize up would zero-fill at every segment.
@@ -71,6 +74,8 @@ void SoftmaxAvx2(uint32_t tokens, HeadGroupState& st);
 void ScoresPortable(const Segment& seg, HeadGroupState& st);
 // Adds the values' codebook mass gathered so far (HeadGroupState::v_mass) to acc as centroids.
 void FlushCodebookMass(HeadGroupState& st);
+// Multiplies row j of the values' codebook mass by alpha[j] (the softmax step's rescale of acc).
+void RescaleCodebookMass(HeadGroupState& st, const float* alpha);
 void AccumulatePortable(const Segment& seg, HeadGroupState& st);
 
 // AVX2 versions; nullptr-equivalent fallbacks to the portable ones for layouts they do not
