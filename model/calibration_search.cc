@@ -339,14 +339,22 @@ absl::Status SearchLayers(const LlamaModel& model, const std::vector<uint32_t>& 
     assign(cal, choices[0]);
     return absl::OkStatus();
   }
-  // The joint step: each choice measured whole, against the fp16 reference (recorded here when
-  // the increases came from the cache).
-  if (reference.empty()) STRATA_RETURN_IF_ERROR(loss(all_fp16()).status());
+  // The joint step: each choice measured whole over joint_windows windows, against the fp16
+  // model's distribution on the same text (recorded first).
+  const uint32_t joint_windows = std::max(o.windows, o.joint_windows);
+  const size_t joint_kl_tokens = size_t{o.context} * joint_windows;
+  std::vector<float> joint_reference;
+  auto measure_whole = [&](const kernels::Calibration& trial, std::vector<float>* record,
+                           const std::vector<float>* ref) {
+    mo.calibration = std::make_shared<kernels::Calibration>(trial);
+    return Perplexity(model, ids, mo, o.context, joint_windows, joint_kl_tokens, record, ref);
+  };
+  STRATA_RETURN_IF_ERROR(measure_whole(all_fp16(), &joint_reference, nullptr).status());
   std::vector<PerplexityResult> whole;
   for (size_t n = 0; n < choices.size(); ++n) {
     kernels::Calibration trial = cal;
     assign(trial, choices[n]);
-    STRATA_ASSIGN_OR_RETURN(PerplexityResult r, measure(trial));
+    STRATA_ASSIGN_OR_RETURN(PerplexityResult r, measure_whole(trial, nullptr, &joint_reference));
     whole.push_back(r);
     if (o.progress)
       o.progress("joint choices", static_cast<uint32_t>(n + 1),

@@ -149,16 +149,18 @@ TEST(CalibrationSearchTest, StrataMixChoosesMenuCodecsWithinTheBudget) {
             absl::StatusCode::kInvalidArgument);
 }
 
-// The joint step measures the sum's best choices whole and keeps one whose whole KL is within the
-// slack of the least it saw: never worse than that slack over the sum's own best, measured whole.
+// The joint step measures the sum's best choices whole, over joint_windows windows (more than the
+// per-layer search's one), and keeps one whose whole KL there is within the slack of the least it
+// saw: never worse than that slack over the sum's own best, measured whole on the same text.
 TEST(CalibrationSearchTest, StrataMixJointStepKeepsAChoiceNoWorseWhole) {
   std::unique_ptr<LlamaModel> model = TinyModel();
   ASSERT_NE(model, nullptr);
-  const std::vector<uint32_t> ids = Tokens(*model, 200);
+  const std::vector<uint32_t> ids = Tokens(*model, 520);  // 4 windows of 128 tokens
   CalibrationSearchOptions sum_only = SmallOptions();
   sum_only.joint_choices = 1;
   CalibrationSearchOptions joint = SmallOptions();
   joint.joint_choices = 6;
+  joint.joint_windows = 4;
   uint32_t measured = 0;
   joint.progress = [&](absl::string_view stage, uint32_t done, uint32_t total) {
     if (stage == "joint choices") {
@@ -171,17 +173,18 @@ TEST(CalibrationSearchTest, StrataMixJointStepKeepsAChoiceNoWorseWhole) {
   ASSERT_TRUE(a.ok()) << a.status();
   ASSERT_TRUE(b.ok()) << b.status();
   EXPECT_GT(measured, 1u);
-  // Both measured whole, as the search does: the first 128-token window, 32-token chunks.
+  // Both measured whole, as the joint step does: 4 windows of 128 tokens, 32-token chunks.
   KvCacheOptions o{.codec = "fp16", .chunk_tokens = 32};
   std::vector<float> reference;
-  ASSERT_TRUE(Perplexity(*model, ids, o, 128, 1, 128, &reference).ok());
+  ASSERT_TRUE(Perplexity(*model, ids, o, 128, 4, 4 * 128, &reference).ok());
   auto kl = [&](const kernels::Calibration& cal) {
     KvCacheOptions m = o;
     m.codec = cal.codec;
     m.calibration = std::make_shared<kernels::Calibration>(cal);
     absl::StatusOr<PerplexityResult> r =
-        Perplexity(*model, ids, m, 128, 1, 128, nullptr, &reference);
+        Perplexity(*model, ids, m, 128, 4, 4 * 128, nullptr, &reference);
     EXPECT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r.ok() ? r->windows : 0u, 4u);
     return r.ok() ? r->kl : 1e9;
   };
   EXPECT_LE(kl(*b), kl(*a) * (1 + joint.joint_kl_slack) + 1e-9);
