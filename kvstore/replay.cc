@@ -239,22 +239,26 @@ const char* StoreLayoutName(StoreLayout layout) {
 ReplayResult ReplayCluster(const std::vector<TraceRequest>& trace,
                            const ClusterReplayConfig& config) {
   const ReplayConfig& sc = config.store;
-  if (config.layout == StoreLayout::kCentral || config.hosts <= 1) {
+  const bool one_store = config.layout == StoreLayout::kCentral || config.hosts <= 1;
+  if (one_store && !config.decode_puts) {
     ReplayResult r = Replay(trace, sc);
     r.host_requests = {r.requests};
     return r;
   }
+  // One store: the cluster's walk with one host (what Replay does, plus the decode nodes' puts).
+  const uint32_t hosts = one_store ? 1 : config.hosts;
   ReplayResult r;
-  r.host_requests.assign(config.hosts, 0);
+  r.host_requests.assign(hosts, 0);
   std::vector<std::unique_ptr<TierModel>> stores;
-  for (uint32_t h = 0; h < config.hosts; ++h) stores.push_back(std::make_unique<TierModel>(sc));
+  for (uint32_t h = 0; h < hosts; ++h) stores.push_back(std::make_unique<TierModel>(sc));
   std::optional<SharedTierModel> shared;
   if (config.layout == StoreLayout::kSharedTier)
     shared.emplace(config, sc.chunk_bytes, RedisChunkBytes(sc.chunk_bytes, config.shared_layers));
-  std::vector<double> queue(config.hosts, 0);
+  std::vector<double> queue(hosts, 0);
   double last_ms = trace.empty() ? 0 : trace.front().timestamp_ms;
   std::mt19937_64 rng(config.seed);
-  std::vector<size_t> own(config.hosts);
+  std::vector<size_t> own(hosts);
+  uint64_t next_generated_id = uint64_t{1} << 63;  // above any trace's ids
   // Chunks a request computed, written to its host's store and through to the shared tier: at
   // once, or (in_flight) once its host has prefilled it.
   struct Puts {
@@ -263,6 +267,7 @@ ReplayResult ReplayCluster(const std::vector<TraceRequest>& trace,
     uint32_t host = 0;
     const TraceRequest* q = nullptr;
     size_t from = 0, to = 0;  // q->hash_ids[from, to)
+    uint32_t decode_host = 0;
     bool operator>(const Puts& o) const {
       return ready_ms != o.ready_ms ? ready_ms > o.ready_ms : order > o.order;
     }
@@ -276,6 +281,35 @@ ReplayResult ReplayCluster(const std::vector<TraceRequest>& trace,
       const uint64_t parent = i > 0 ? p.q->hash_ids[i - 1] : 0;
       if (!store.Put(id, parent, i > 0, r)) break;
       if (shared) shared->Put(id, parent, i > 0, at_s, r);  // the store writes every put through
+    }
+    if (!config.decode_puts) return;
+    // The decode node's puts at the request's end (DecodeEngine::PutGenerated).
+    const TraceRequest& q = *p.q;
+    const size_t full = p.to;
+    const size_t total =
+        (size_t{q.input_tokens} + q.output_tokens - std::min<uint32_t>(1, q.input_tokens)) /
+        sc.block_tokens;
+    if (total <= full) return;
+    ++r.decode_writers;
+    TierModel& dec = *stores[p.decode_host];
+    auto put_one = [&](uint64_t id, uint64_t parent, bool has_parent) {
+      if (!dec.Put(id, parent, has_parent, r)) return false;
+      if (shared) shared->Put(id, parent, has_parent, at_s, r);
+      return true;
+    };
+    size_t i = full;
+    if (full > 0 && dec.Where(q.hash_ids[full - 1]) == 0) {  // refused: from chunk 0
+      for (i = 0; i < full; ++i) {
+        if (!put_one(q.hash_ids[i], i > 0 ? q.hash_ids[i - 1] : 0, i > 0)) return;
+        ++r.decode_prompt_copies;
+      }
+    }
+    uint64_t parent = full > 0 ? q.hash_ids[full - 1] : 0;
+    for (; i < total; ++i) {
+      const uint64_t id = next_generated_id++;
+      if (!put_one(id, parent, i > 0)) return;
+      ++r.decode_generated_chunks;
+      parent = id;
     }
   };
   const bool in_flight = config.in_flight && config.prefill_tokens_per_s > 0;
@@ -301,7 +335,7 @@ ReplayResult ReplayCluster(const std::vector<TraceRequest>& trace,
     while (shared && in_shared < full && shared->Contains(q.hash_ids[in_shared])) ++in_shared;
     double best = 0;
     std::vector<uint32_t> ties;
-    for (uint32_t h = 0; h < config.hosts; ++h) {
+    for (uint32_t h = 0; h < hosts; ++h) {
       own[h] = 0;
       while (own[h] < full && stores[h]->Where(q.hash_ids[own[h]]) != 0) ++own[h];
       const double credit = config.store_credit * static_cast<double>(std::max(own[h], in_shared));
@@ -338,14 +372,15 @@ ReplayResult ReplayCluster(const std::vector<TraceRequest>& trace,
     if (config.prefill_tokens_per_s > 0) {
       queue[h] += q.input_tokens - std::min<double>(q.input_tokens, hits * sc.block_tokens);
     }
-    const Puts p{.ready_ms = in_flight
-                                 ? q.timestamp_ms + 1e3 * queue[h] / config.prefill_tokens_per_s
-                                 : q.timestamp_ms,
-                 .order = r.requests,
-                 .host = h,
-                 .q = &q,
-                 .from = hits,
-                 .to = full};
+    const Puts p{
+        .ready_ms = in_flight ? q.timestamp_ms + 1e3 * queue[h] / config.prefill_tokens_per_s
+                              : q.timestamp_ms,
+        .order = r.requests,
+        .host = h,
+        .q = &q,
+        .from = hits,
+        .to = full,
+        .decode_host = static_cast<uint32_t>(config.decode_puts && hosts > 1 ? rng() % hosts : 0)};
     if (in_flight) {
       pending.push(p);
     } else {

@@ -50,6 +50,9 @@ struct ReplayResult {
   uint64_t chunk_hits_shared = 0, bytes_read_shared = 0, bytes_written_shared = 0;
   uint64_t shared_evictions = 0, shared_chunks = 0, shared_orphans = 0;
   std::vector<uint64_t> host_requests;              // ReplayCluster: requests routed to each host
+  // ReplayCluster with decode_puts: requests whose decode wrote chunks, the chunks of generated
+  // text it wrote, and the prompt chunks it copied into a decode host's store that lacked them.
+  uint64_t decode_writers = 0, decode_generated_chunks = 0, decode_prompt_copies = 0;
   uint64_t tokens_requested = 0, tokens_saved = 0;  // prompt tokens; those not prefilled
   uint64_t bytes_read_ram = 0, bytes_read_disk = 0, bytes_written_disk = 0;
   uint64_t ram_evictions = 0, disk_evictions = 0, promotions = 0, orphans_dropped = 0;
@@ -109,6 +112,15 @@ struct ClusterReplayConfig {
   // when it arrives. A request arriving meanwhile misses them, as in a serving cluster, where
   // requests are in flight together.
   bool in_flight = false;
+  // Decode nodes store what they computed (DecodeEngine::PutGenerated, on by default there): a
+  // request whose KV at its end, (input + output - 1) / block_tokens chunks, holds more chunks
+  // than its prompt's full ones has the new chunks put into its decode host's store (and through
+  // to the shared tier), and the prompt's chunks too where that store lacks the prompt's last
+  // one (the store refuses a chunk without its parent; the node then puts from chunk 0). The
+  // decode host is drawn at random (seeded): the live router picks it by load alone. The new
+  // chunks' ids are fresh (generated text is never another prompt's). With kCentral, the one
+  // store takes the new chunks alone.
+  bool decode_puts = true;
 };
 
 ReplayResult ReplayCluster(const std::vector<TraceRequest>& trace,

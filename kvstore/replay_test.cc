@@ -428,6 +428,57 @@ TEST(ReplayClusterTest, ARequestArrivingWhileItsPrefixIsInPrefillMissesIt) {
   }
 }
 
+// Decode nodes store the chunks a request completes while decoding (DecodeEngine::PutGenerated):
+// 3 prompt chunks and 1,100 generated tokens end with (1,536 + 1,100 - 1) / 512 = 5 chunks, 2 of
+// them new. One store holds the prompt already and takes the 2; with a store per host, a decode
+// host other than the prefill host lacks the prompt and takes it too (the live store refuses a
+// chunk without its parent, and the node puts from chunk 0).
+TEST(ReplayClusterTest, DecodeNodesStoreTheirChunksAndThePromptWhereTheirStoreLacksIt) {
+  auto prompt = [](uint64_t first, double at_ms) {
+    TraceRequest r;
+    r.timestamp_ms = at_ms;
+    r.hash_ids = {first, first + 1, first + 2};
+    r.input_tokens = 3 * 512;
+    r.output_tokens = 1100;
+    return r;
+  };
+  std::vector<TraceRequest> t;
+  for (int i = 0; i < 40; ++i) t.push_back(prompt(10 * i + 1, 1000.0 * i));
+  const ReplayConfig big{.chunk_bytes = 100, .ram_bytes = 1 << 20};
+  const ReplayResult central = ReplayCluster(t, {.store = big});
+  EXPECT_EQ(central.decode_writers, 40u);
+  EXPECT_EQ(central.decode_generated_chunks, 80u);
+  EXPECT_EQ(central.decode_prompt_copies, 0u);
+  ClusterReplayConfig off{.store = big};
+  off.decode_puts = false;
+  EXPECT_EQ(ReplayCluster(t, off).decode_writers, 0u);
+  for (const StoreLayout layout : {StoreLayout::kPerHost, StoreLayout::kSharedTier}) {
+    SCOPED_TRACE(StoreLayoutName(layout));
+    const ClusterReplayConfig c{
+        .store = big, .layout = layout, .hosts = 2, .shared_bytes = 1 << 20};
+    const ReplayResult r = ReplayCluster(t, c);
+    EXPECT_EQ(r.decode_generated_chunks, 80u);
+    // Each request whose decode host was not its prefill host copied its 3 prompt chunks: about
+    // half of them, the decode host being drawn at random.
+    EXPECT_EQ(r.decode_prompt_copies % 3, 0u);
+    EXPECT_GT(r.decode_prompt_copies, 3u * 5);
+    EXPECT_LT(r.decode_prompt_copies, 3u * 35);
+    if (layout == StoreLayout::kSharedTier) {  // every chunk stored is written through
+      EXPECT_EQ(r.bytes_written_shared, (40u * 3 + 80) * 100);
+    }
+  }
+  // The store evicts chains from their ends, so a decode's chunks, which extend the prompt's,
+  // go before the prompt does: a repeat of the prompt in a store of 4 chunks finds all 3.
+  std::vector<TraceRequest> again = {prompt(1, 0), prompt(1, 1000)};
+  const ReplayResult tight = ReplayCluster(
+      again, {.store = {.chunk_bytes = 100, .ram_bytes = 400, .ram_policy = PolicyKind::kLru}});
+  // The first decode's second chunk pushed out its first (the chain's end) and so lost its
+  // parent; the repeat's decode took one more: 2 in all.
+  EXPECT_EQ(tight.decode_generated_chunks, 2u);
+  EXPECT_EQ(tight.ram_evictions, 1u);
+  EXPECT_EQ(tight.tokens_saved, 3u * 512);
+}
+
 TEST(ReplayClusterTest, LayoutNamesParseAndUnknownOnesAreRefused) {
   for (StoreLayout l : {StoreLayout::kCentral, StoreLayout::kPerHost, StoreLayout::kSharedTier}) {
     EXPECT_EQ(*ParseStoreLayout(StoreLayoutName(l)), l);

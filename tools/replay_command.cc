@@ -59,12 +59,16 @@ absl::Status RunReplay(const ReplayOptions& o, std::ostream& out) {
                            {"shared_lru_samples", o.shared_lru_samples},
                            {"prefill_tokens_per_s", o.prefill_tokens_per_s},
                            {"in_flight", o.in_flight && o.prefill_tokens_per_s > 0},
+                           {"decode_puts", o.decode_puts},
                            {"seed", o.seed},
                            {"runs", nlohmann::json::array()}};
   out << absl::StrFormat(
       "trace %s: %d requests; model %d layers x %d KV heads x %d dims; %d-token chunks; disk %s\n",
       o.trace_file, trace.size(), o.layers, o.kv_heads, o.head_dim, o.block_tokens,
       o.durable_puts ? "written through (durable puts)" : "written back (on eviction)");
+  out << (o.decode_puts ? "decode nodes store the chunks they complete, and the prompt's where "
+                          "their host's store lacks it (a decode host drawn at random)\n"
+                        : "decode nodes store nothing\n");
   const bool clustered = layouts.size() > 1 || layouts[0] != kvstore::StoreLayout::kCentral;
   if (clustered) {
     out << absl::StrFormat(
@@ -119,7 +123,8 @@ absl::Status RunReplay(const ReplayOptions& o, std::ostream& out) {
                                                .shared_lru_samples = o.shared_lru_samples,
                                                .prefill_tokens_per_s = o.prefill_tokens_per_s,
                                                .seed = o.seed,
-                                               .in_flight = o.in_flight});
+                                               .in_flight = o.in_flight,
+                                               .decode_puts = o.decode_puts});
             const uint64_t hits = r.chunk_hits_ram + r.chunk_hits_disk + r.chunk_hits_shared;
             out << absl::StrFormat(
                        "%-16s %6.3f %8.2f %6s %6s %7s %11s | %6.2f%% %6.2f%% %9.2f %9.1f %9.1f "
@@ -145,6 +150,9 @@ absl::Status RunReplay(const ReplayOptions& o, std::ostream& out) {
                                       {"shared_chunks", r.shared_chunks},
                                       {"shared_orphans", r.shared_orphans},
                                       {"host_requests", r.host_requests},
+                                      {"decode_writers", r.decode_writers},
+                                      {"decode_generated_chunks", r.decode_generated_chunks},
+                                      {"decode_prompt_copies", r.decode_prompt_copies},
                                       {"bits_per_element", bits},
                                       {"chunk_bytes", chunk_bytes},
                                       {"ram_bytes", ram},

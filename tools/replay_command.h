@@ -30,11 +30,12 @@ struct ReplayOptions {
   // Its Redis masters, each one's memory before any key, keys sampled per eviction (0: exact
   // LRU): kvstore/replay.h ClusterReplayConfig.
   uint32_t shared_masters = 3;
-  uint64_t shared_baseline_bytes = 1600 << 10;
+  uint64_t shared_baseline_bytes = 3 << 20;
   uint32_t shared_lru_samples = 5;
   double prefill_tokens_per_s = 0;  // each host's, for the router's load term
   uint64_t seed = 1;                // the router's ties, broken at random
   bool in_flight = false;           // with it: chunks stored once prefilled (ClusterReplayConfig)
+  bool decode_puts = true;          // decode nodes store their chunks (ClusterReplayConfig)
   std::string json_out;
 };
 

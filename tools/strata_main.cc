@@ -83,14 +83,18 @@ ABSL_FLAG(std::string, shared_size, "256G",
           "replay: the shared tier's memory (all Redis masters together)");
 ABSL_FLAG(uint32_t, shared_masters, 3,
           "replay: the shared tier's Redis masters (--shared_size split evenly among them)");
-ABSL_FLAG(std::string, shared_baseline, "1600K",
-          "replay: what each Redis master takes before any key (its used_memory_startup; Redis "
-          "7.0 in cluster mode: 1.6 MB)");
+ABSL_FLAG(std::string, shared_baseline, "3M",
+          "replay: what each Redis master takes beside its keys (used_memory less "
+          "used_memory_dataset: 3.0 MB per master of the live 3-master cluster with replicas: "
+          "1.6 MB at startup in cluster mode, the 1 MB replication backlog, clients' buffers)");
 ABSL_FLAG(uint32_t, shared_lru_samples, 5,
           "replay: Redis's maxmemory-samples (keys sampled per eviction; 0: an exact LRU)");
 ABSL_FLAG(double, host_prefill_tokens_per_s, 0,
           "replay: each host's prefill rate, for the router's load term (0: route by overlap "
           "alone)");
+ABSL_FLAG(bool, decode_puts, true,
+          "replay: decode nodes store the chunks they complete (and the prompt's, where their "
+          "host's store lacks it), as DecodeEngine does with --put_to_store");
 ABSL_FLAG(bool, in_flight, false,
           "replay: with --host_prefill_tokens_per_s, a request's chunks are stored once its host "
           "has prefilled it (a request arriving meanwhile misses them), not on arrival");
@@ -274,6 +278,7 @@ int ReplayCommand(const std::vector<char*>& args) {
   o.hosts = absl::GetFlag(FLAGS_hosts);
   o.prefill_tokens_per_s = absl::GetFlag(FLAGS_host_prefill_tokens_per_s);
   o.in_flight = absl::GetFlag(FLAGS_in_flight);
+  o.decode_puts = absl::GetFlag(FLAGS_decode_puts);
   o.seed = absl::GetFlag(FLAGS_seed);
   if (!strata::ParseByteSize(absl::GetFlag(FLAGS_shared_size), &o.shared_bytes)) {
     std::cerr << "strata: --shared_size: not a size like 256G\n";
