@@ -523,10 +523,29 @@ void RunTask(const Plan& plan, const Task& t, const DecodeAttentionParams& p,
     st.l.assign(rows, 0.0f);
     st.acc.assign(size_t{rows} * D, 0.0f);
   }
-  for (size_t i = t.begin; i < t.end; ++i) {
+  // Block by block for every unit: each block read from memory once for all of them. CQ blocks
+  // are read through each unit's tables of the codebook (runs x 2^b x rows floats: 128 KiB for
+  // cq:c4:b8 and 4 rows), which that order would cycle through the cache at every block, while
+  // their codes are small: unit by unit there, each unit's tables staying in cache.
+  bool tables = false;
+  for (size_t ui = 0; ui < t.units.size() && !tables; ++ui) {
+    for (size_t i = t.begin; i < t.end && !tables; ++i) {
+      const BlockOperands* b = (*t.units[ui].segs)[i].block;
+      tables =
+          b != nullptr && (b->k.kind == CodeKind::kCodebook || b->v.kind == CodeKind::kCodebook);
+    }
+  }
+  if (tables) {
     for (size_t ui = 0; ui < t.units.size(); ++ui) {
-      RunSegments(*t.units[ui].segs, i, i + 1, t.last_is_window, window_limit[ui], states[ui],
+      RunSegments(*t.units[ui].segs, t.begin, t.end, t.last_is_window, window_limit[ui], states[ui],
                   kernels);
+    }
+  } else {
+    for (size_t i = t.begin; i < t.end; ++i) {
+      for (size_t ui = 0; ui < t.units.size(); ++ui) {
+        RunSegments(*t.units[ui].segs, i, i + 1, t.last_is_window, window_limit[ui], states[ui],
+                    kernels);
+      }
     }
   }
   for (size_t ui = 0; ui < t.units.size(); ++ui) {
