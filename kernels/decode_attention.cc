@@ -846,7 +846,7 @@ static void ScoresCodebook(const Segment& seg, HeadGroupState& st) {
         for (uint32_t j = 0; j < G; ++j) qt[size_t{i} * G + j] = st.q[size_t{j} * D + g * c + i];
       }
       ForEachRowChunk(G, [&](uint32_t j0, uint32_t W) {
-        float* chunk = &st.k_lut[(size_t{j0} * runs + g) * E * W];  // [2^b][W] of run g
+        float* chunk = &st.k_lut[size_t{j0} * runs * E + size_t{g} * E * W];  // [2^b][W] of run g
         for (uint32_t e = 0; e < E; ++e) {
           float* dst = chunk + size_t{e} * W;
           const float* centroid = cent + size_t{e} * c;
@@ -923,7 +923,7 @@ void FlushCodebookMass(HeadGroupState& st) {
     HalfToFloat(reinterpret_cast<const Half*>(st.v_mass_book + size_t{g} * E * c), cent,
                 size_t{E} * c);
     ForEachRowChunk(G, [&](uint32_t j0, uint32_t W) {
-      const float* mass = &st.v_mass[(size_t{j0} * runs + g) * E * W];
+      const float* mass = &st.v_mass[size_t{j0} * runs * E + size_t{g} * E * W];
       float* acc = &st.acc[size_t{j0} * D + size_t{g} * c];
       switch (c) {
         case 2:

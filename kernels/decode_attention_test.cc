@@ -272,6 +272,31 @@ TEST(DecodeAttentionTest, CodebookMassHoldsWhenTheMaximumJumpsFarBetweenBlocks) 
   }
 }
 
+// CQ's tables hold a KV head's rows in chunks of 8, 4 and 1: 12, 16 and 24 rows per KV head (and
+// chunked prefill's several query tokens) put chunks after the first at every offset.
+TEST(DecodeAttentionTest, CodebookTablesHoldEveryChunkOfManyRowsPerKvHead) {
+  const Shape shapes[] = {{12, 1, 64}, {16, 1, 64}, {48, 2, 64}};
+  for (const char* spec : {"cq:c4:b8:norm", "cq:c2:b4"}) {
+    for (const Shape& sh : shapes) {
+      for (uint32_t queries : {1u, 3u}) {
+        auto s = MakeSequence(spec, sh.q_heads, sh.kv_heads, sh.dim, 0, {40, 40}, 8, 11);
+        SetQueries(*s, queries, sh.q_heads, sh.dim, 12);
+        const DecodeAttentionParams params{sh.q_heads, sh.kv_heads, sh.dim};
+        s->seq.out = s->ref.data();
+        ASSERT_TRUE(DecodeAttentionRef(params, {&s->seq, 1}).ok());
+        for (const Variant& var : Variants()) {
+          if (var.integer_dot) continue;  // CQ takes no integer path
+          s->seq.out = s->out.data();
+          ASSERT_TRUE(DecodeAttention(params, {&s->seq, 1}, {var.impl, 4096, nullptr, false}).ok());
+          EXPECT_LT(NormalizedMaxError(s->out, s->ref), var.tolerance)
+              << spec << " q=" << sh.q_heads << " kv=" << sh.kv_heads << " queries=" << queries
+              << " impl=" << static_cast<int>(var.impl);
+        }
+      }
+    }
+  }
+}
+
 TEST(DecodeAttentionTest, EightBitValueSumsHoldUnderUniformAttentionOverLongBlocks) {
   // The 8-bit value kernels' worst case: every weight the largest (a zero query: uniform
   // attention) times codes at both ends of their range (channels alternating -1 and +1 in every

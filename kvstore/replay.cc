@@ -252,7 +252,7 @@ ReplayResult ReplayCluster(const std::vector<TraceRequest>& trace,
   std::vector<std::unique_ptr<TierModel>> stores;
   for (uint32_t h = 0; h < hosts; ++h) stores.push_back(std::make_unique<TierModel>(sc));
   std::optional<SharedTierModel> shared;
-  if (config.layout == StoreLayout::kSharedTier)
+  if (config.layout == StoreLayout::kSharedTier && !one_store)
     shared.emplace(config, sc.chunk_bytes, RedisChunkBytes(sc.chunk_bytes, config.shared_layers));
   std::vector<double> queue(hosts, 0);
   double last_ms = trace.empty() ? 0 : trace.front().timestamp_ms;
@@ -286,9 +286,9 @@ ReplayResult ReplayCluster(const std::vector<TraceRequest>& trace,
     // The decode node's puts at the request's end (DecodeEngine::PutGenerated).
     const TraceRequest& q = *p.q;
     const size_t full = p.to;
-    const size_t total =
-        (size_t{q.input_tokens} + q.output_tokens - std::min<uint32_t>(1, q.input_tokens)) /
-        sc.block_tokens;
+    const size_t total = (size_t{q.input_tokens} + q.output_tokens -
+                          std::min<size_t>(1, size_t{q.input_tokens} + q.output_tokens)) /
+                         sc.block_tokens;
     if (total <= full) return;
     ++r.decode_writers;
     TierModel& dec = *stores[p.decode_host];
@@ -300,8 +300,9 @@ ReplayResult ReplayCluster(const std::vector<TraceRequest>& trace,
     size_t i = full;
     if (full > 0 && dec.Where(q.hash_ids[full - 1]) == 0) {  // refused: from chunk 0
       for (i = 0; i < full; ++i) {
+        const bool held = dec.Where(q.hash_ids[i]) != 0;
         if (!put_one(q.hash_ids[i], i > 0 ? q.hash_ids[i - 1] : 0, i > 0)) return;
-        ++r.decode_prompt_copies;
+        if (!held) ++r.decode_prompt_copies;
       }
     }
     uint64_t parent = full > 0 ? q.hash_ids[full - 1] : 0;
@@ -312,7 +313,8 @@ ReplayResult ReplayCluster(const std::vector<TraceRequest>& trace,
       parent = id;
     }
   };
-  const bool in_flight = config.in_flight && config.prefill_tokens_per_s > 0;
+  // One store (Replay's layout) stores a request's chunks on arrival, as Replay does.
+  const bool in_flight = config.in_flight && config.prefill_tokens_per_s > 0 && !one_store;
   for (const TraceRequest& q : trace) {
     while (!pending.empty() && pending.top().ready_ms <= q.timestamp_ms) {
       put(pending.top());

@@ -452,6 +452,12 @@ TEST(ReplayClusterTest, DecodeNodesStoreTheirChunksAndThePromptWhereTheirStoreLa
   ClusterReplayConfig off{.store = big};
   off.decode_puts = false;
   EXPECT_EQ(ReplayCluster(t, off).decode_writers, 0u);
+  // One host is one store whatever the layout: no tier, and the decode nodes' puts as above.
+  const ReplayResult one_host = ReplayCluster(
+      t, {.store = big, .layout = StoreLayout::kSharedTier, .hosts = 1, .shared_bytes = 1 << 20});
+  EXPECT_EQ(one_host.bytes_written_shared, 0u);
+  EXPECT_EQ(one_host.tokens_saved, central.tokens_saved);
+  EXPECT_EQ(one_host.decode_generated_chunks, 80u);
   for (const StoreLayout layout : {StoreLayout::kPerHost, StoreLayout::kSharedTier}) {
     SCOPED_TRACE(StoreLayoutName(layout));
     const ClusterReplayConfig c{

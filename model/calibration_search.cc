@@ -341,7 +341,12 @@ absl::Status SearchLayers(const LlamaModel& model, const std::vector<uint32_t>& 
   }
   // The joint step: each choice measured whole over joint_windows windows, against the fp16
   // model's distribution on the same text (recorded first).
-  const uint32_t joint_windows = std::max(o.windows, o.joint_windows);
+  // Its reference, [tokens][vocab] floats, kept within 1 GiB (a 128k vocabulary at 1,024-token
+  // windows: 2 windows), never below the per-layer search's windows.
+  constexpr size_t kMaxReferenceFloats = size_t{1} << 28;
+  const size_t per_window = size_t{o.context} * std::max<uint32_t>(1, c.vocab_size);
+  const uint32_t joint_windows = std::max<uint32_t>(
+      o.windows, std::min<size_t>(o.joint_windows, kMaxReferenceFloats / per_window));
   const size_t joint_kl_tokens = size_t{o.context} * joint_windows;
   std::vector<float> joint_reference;
   auto measure_whole = [&](const kernels::Calibration& trial, std::vector<float>* record,

@@ -37,9 +37,9 @@ struct CalibrationSearchOptions {
   // each measured whole (every layer compressed at once), and the one kept is the most
   // greedy-agreeing (top-1 against fp16) of those whose KL is within `joint_kl_slack` of the
   // least. 1: the sum's best, unmeasured.
-  // The joint step measures each choice over `joint_windows` windows (as far as the text goes;
-  // at least `windows`): choices this close apart need more text than the per-layer search's
-  // many measurements can each afford.
+  // The joint step measures each choice over `joint_windows` windows (as far as the text goes,
+  // and as its fp16 reference's logits fit in 1 GiB; at least `windows`): choices this close
+  // apart need more text than the per-layer search's many measurements can each afford.
   uint32_t joint_choices = 8;
   double joint_kl_slack = 0.05;
   uint32_t joint_windows = 8;
