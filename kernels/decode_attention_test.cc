@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
 #include "common/cpu_features.h"
 #include "common/thread_pool.h"
 #include "gmock/gmock.h"
@@ -247,6 +248,21 @@ TEST(DecodeAttentionTest, CompressedAttentionIsCloseToFullPrecisionAndGearBeatsK
   EXPECT_LT(gear4, gear);
 }
 
+// One sequence through the reference, then through the fp32-query kernels (the portable one, and
+// AVX2's where the CPU has it; CQ takes no integer path), each within its tolerance of it.
+void ExpectFloatKernelsMatchReference(TestSequence& s, const DecodeAttentionParams& params,
+                                      const std::string& what) {
+  s.seq.out = s.ref.data();
+  ASSERT_TRUE(DecodeAttentionRef(params, {&s.seq, 1}).ok());
+  for (const Variant& var : Variants()) {
+    if (var.integer_dot) continue;
+    s.seq.out = s.out.data();
+    ASSERT_TRUE(DecodeAttention(params, {&s.seq, 1}, {var.impl, 4096, nullptr, false}).ok());
+    EXPECT_LT(NormalizedMaxError(s.out, s.ref), var.tolerance)
+        << what << " impl=" << static_cast<int>(var.impl);
+  }
+}
+
 // CQ's values keep each row's probability mass in stored units times a per-row scale, and
 // rescale the stored mass for real only when the scale falls below 2^-60 (a maximum that rose by
 // 42 or more since). Keys that grow 12-fold from block to block raise the maximum by far more
@@ -259,16 +275,7 @@ TEST(DecodeAttentionTest, CodebookMassHoldsWhenTheMaximumJumpsFarBetweenBlocks) 
       for (float& x : kv.k) x *= f;
     };
     auto s = MakeSequence(spec, 8, 2, 64, 0, {32, 32, 32}, 0, 7, grow);
-    const DecodeAttentionParams params{8, 2, 64};
-    s->seq.out = s->ref.data();
-    ASSERT_TRUE(DecodeAttentionRef(params, {&s->seq, 1}).ok());
-    for (const Variant& var : Variants()) {
-      if (var.integer_dot) continue;  // CQ takes no integer path
-      s->seq.out = s->out.data();
-      ASSERT_TRUE(DecodeAttention(params, {&s->seq, 1}, {var.impl, 4096, nullptr, false}).ok());
-      EXPECT_LT(NormalizedMaxError(s->out, s->ref), var.tolerance)
-          << spec << " impl=" << static_cast<int>(var.impl);
-    }
+    ExpectFloatKernelsMatchReference(*s, {8, 2, 64}, spec);
   }
 }
 
@@ -281,17 +288,9 @@ TEST(DecodeAttentionTest, CodebookTablesHoldEveryChunkOfManyRowsPerKvHead) {
       for (uint32_t queries : {1u, 3u}) {
         auto s = MakeSequence(spec, sh.q_heads, sh.kv_heads, sh.dim, 0, {40, 40}, 8, 11);
         SetQueries(*s, queries, sh.q_heads, sh.dim, 12);
-        const DecodeAttentionParams params{sh.q_heads, sh.kv_heads, sh.dim};
-        s->seq.out = s->ref.data();
-        ASSERT_TRUE(DecodeAttentionRef(params, {&s->seq, 1}).ok());
-        for (const Variant& var : Variants()) {
-          if (var.integer_dot) continue;  // CQ takes no integer path
-          s->seq.out = s->out.data();
-          ASSERT_TRUE(DecodeAttention(params, {&s->seq, 1}, {var.impl, 4096, nullptr, false}).ok());
-          EXPECT_LT(NormalizedMaxError(s->out, s->ref), var.tolerance)
-              << spec << " q=" << sh.q_heads << " kv=" << sh.kv_heads << " queries=" << queries
-              << " impl=" << static_cast<int>(var.impl);
-        }
+        ExpectFloatKernelsMatchReference(
+            *s, {sh.q_heads, sh.kv_heads, sh.dim},
+            absl::StrCat(spec, " q=", sh.q_heads, " kv=", sh.kv_heads, " queries=", queries));
       }
     }
   }
