@@ -691,6 +691,12 @@ static void ForEachRowChunk(uint32_t G, Fn&& fn) {
   for (; j < G; ++j) fn(j, 1u);
 }
 
+// Where run g's [2^b][W] entries of the chunk of rows from j0 begin in a table laid out as above:
+// every writer and reader of k_lut and v_mass takes its offsets from here.
+static inline size_t ChunkRun(uint32_t j0, uint32_t W, uint32_t g, uint32_t runs, size_t E) {
+  return size_t{j0} * runs * E + size_t{g} * E * W;
+}
+
 // Four floats as one vector (GCC's and Clang's vector extension: SSE on x86-64's baseline, NEON
 // on arm64), for the codebook kernels' rows of a table.
 using F4 = float __attribute__((vector_size(16)));
@@ -750,8 +756,6 @@ static void CodebookScoreRows(const TensorOperands& k, const Segment& seg, const
   const uint32_t T = seg.tokens, runs = k.groups;
   const int bits = k.bits;
   const size_t E = size_t{1} << bits;
-  const size_t G = W;  // the chunk's stride
-  lut += size_t{j0} * runs * E;
   for (uint32_t t = 0; t < T; ++t) {
     const uint8_t* codes = k.codes + (size_t{seg.head} * T + t) * k.row_bytes;
     // Four chains of adds, a quarter of the runs each: the lookups miss L1 (the table of 8-bit
@@ -759,13 +763,16 @@ static void CodebookScoreRows(const TensorOperands& k, const Segment& seg, const
     V a = V::Zero(), b = V::Zero(), c = V::Zero(), d = V::Zero();
     uint32_t g = 0;
     for (; g + 4 <= runs; g += 4) {
-      a.Add(V::Load(lut + (size_t{g} * E + CodeAt<kByteCodes>(codes, g, bits)) * G));
-      b.Add(V::Load(lut + (size_t{g + 1} * E + CodeAt<kByteCodes>(codes, g + 1, bits)) * G));
-      c.Add(V::Load(lut + (size_t{g + 2} * E + CodeAt<kByteCodes>(codes, g + 2, bits)) * G));
-      d.Add(V::Load(lut + (size_t{g + 3} * E + CodeAt<kByteCodes>(codes, g + 3, bits)) * G));
+      a.Add(V::Load(lut + ChunkRun(j0, W, g, runs, E) + CodeAt<kByteCodes>(codes, g, bits) * W));
+      b.Add(V::Load(lut + ChunkRun(j0, W, g + 1, runs, E) +
+                    CodeAt<kByteCodes>(codes, g + 1, bits) * W));
+      c.Add(V::Load(lut + ChunkRun(j0, W, g + 2, runs, E) +
+                    CodeAt<kByteCodes>(codes, g + 2, bits) * W));
+      d.Add(V::Load(lut + ChunkRun(j0, W, g + 3, runs, E) +
+                    CodeAt<kByteCodes>(codes, g + 3, bits) * W));
     }
     for (; g < runs; ++g) {
-      a.Add(V::Load(lut + (size_t{g} * E + CodeAt<kByteCodes>(codes, g, bits)) * G));
+      a.Add(V::Load(lut + ChunkRun(j0, W, g, runs, E) + CodeAt<kByteCodes>(codes, g, bits) * W));
     }
     a.Add(b);
     c.Add(d);
@@ -782,13 +789,12 @@ static void CodebookMassRows(const TensorOperands& v, const Segment& seg, const 
   const uint32_t T = seg.tokens, runs = v.groups;
   const int bits = v.bits;
   const size_t E = size_t{1} << bits;
-  mass += size_t{j0} * runs * E;
   for (uint32_t t = 0; t < T; ++t) {
     const uint8_t* codes = v.codes + (size_t{seg.head} * T + t) * v.row_bytes;
     V p = V::Load(p_by_token + size_t{t} * G + j0);
     if (v.scales != nullptr) p.Scale(HalfBitsToFloat(v.scales[size_t{seg.head} * T + t]));  // norm
     for (uint32_t g = 0; g < runs; ++g) {
-      float* m = mass + (size_t{g} * E + CodeAt<kByteCodes>(codes, g, bits)) * W;
+      float* m = mass + ChunkRun(j0, W, g, runs, E) + CodeAt<kByteCodes>(codes, g, bits) * W;
       V x = V::Load(m);
       x.Add(p);
       x.Store(m);
@@ -846,7 +852,7 @@ static void ScoresCodebook(const Segment& seg, HeadGroupState& st) {
         for (uint32_t j = 0; j < G; ++j) qt[size_t{i} * G + j] = st.q[size_t{j} * D + g * c + i];
       }
       ForEachRowChunk(G, [&](uint32_t j0, uint32_t W) {
-        float* chunk = &st.k_lut[size_t{j0} * runs * E + size_t{g} * E * W];  // [2^b][W] of run g
+        float* chunk = &st.k_lut[ChunkRun(j0, W, g, runs, E)];
         for (uint32_t e = 0; e < E; ++e) {
           float* dst = chunk + size_t{e} * W;
           const float* centroid = cent + size_t{e} * c;
@@ -878,7 +884,7 @@ static void ApplyMassScale(HeadGroupState& st) {
   if (all_one) return;
   const size_t entries = size_t{st.v_runs} << st.v_bits;
   ForEachRowChunk(G, [&](uint32_t j0, uint32_t W) {
-    float* mass = &st.v_mass[size_t{j0} * entries];
+    float* mass = &st.v_mass[ChunkRun(j0, W, 0, st.v_runs, size_t{1} << st.v_bits)];
     const float* scale = &st.v_mass_scale[j0];
     for (size_t n = 0; n < entries; ++n, mass += W) {
       for (uint32_t w = 0; w < W; ++w) mass[w] *= scale[w];
@@ -923,7 +929,7 @@ void FlushCodebookMass(HeadGroupState& st) {
     HalfToFloat(reinterpret_cast<const Half*>(st.v_mass_book + size_t{g} * E * c), cent,
                 size_t{E} * c);
     ForEachRowChunk(G, [&](uint32_t j0, uint32_t W) {
-      const float* mass = &st.v_mass[size_t{j0} * runs * E + size_t{g} * E * W];
+      const float* mass = &st.v_mass[ChunkRun(j0, W, g, runs, E)];
       float* acc = &st.acc[size_t{j0} * D + size_t{g} * c];
       switch (c) {
         case 2:
