@@ -1,13 +1,14 @@
 // GPU decode attention over paged KV (kernels/cuda/paged_decode.h): our fp16 kernel, the 4-bit
-// and 2-bit affine (KIVI-style) kernels, and the general kernel (every other codec's pages, read
+// and 2-bit affine (KIVI-style) kernels, the general kernel (every other codec's pages, read
 // through a descriptor: over KIVI k4v4 pages beside the affine kernel, and over int8, GEAR, SKVQ
-// and CQ pages), against the device-to-device copy bandwidth measured in the same run. Shapes of an
-// 8B model's attention: head dim 128, 32 query heads over 8 KV heads; batch 1 / 16 / 64; context 4k
-// / 32k / 128k (128k up to batch 16). Each time is the median of runs timed with CUDA events, L2
-// flushed before each (a 256 MiB memset outside the timed region); the bytes are those the kernel
-// must read (every section of every page of every sequence), so the bandwidth is an effective one.
-// Pages are blocks in the Strata block format, read in place (block_pages.h), of 64 and 256 tokens
-// (256: the default chunk). Data is random (finite fp16 values, random codes), never zeros.
+// and CQ pages) and the codebook kernel (CQ pages: c4:b8, c8:b8, c2:b5), against the
+// device-to-device copy bandwidth measured in the same run. Shapes of an 8B model's attention: head
+// dim 128, 32 query heads over 8 KV heads; batch 1 / 16 / 64; context 4k / 32k / 128k (128k up to
+// batch 16). Each time is the median of runs timed with CUDA events, L2 flushed before each (a 256
+// MiB memset outside the timed region); the bytes are those the kernel must read (every section of
+// every page of every sequence), so the bandwidth is an effective one. Pages are blocks in the
+// Strata block format, read in place (block_pages.h), of 64 and 256 tokens (256: the default
+// chunk). Data is random (finite fp16 values, random codes), never zeros.
 //
 //   cuda_decode_bench [--out DIR] [--runs N] [--quick] [--splits N] [--page_tokens N[,N...]]
 //                     [--kernels NAME[,NAME...]]
@@ -277,7 +278,11 @@ int main(int argc, char** argv) {
       {"general int8", "int8", true},
       {"general gear k4 r4", "gear:k4v4:g32:r4:s2", true},
       {"general skvq k4v4", "skvq:k4v4:g32", true},
-      {"general cq c4 b8", "cq:c4:b8", true}};
+      // CQ pools: the codebook kernel (kAuto), and the general kernel on the same pages (kSimt).
+      {"codebook cq c4 b8", "cq:c4:b8", true},
+      {"codebook cq c8 b8", "cq:c8:b8", true},
+      {"codebook cq c2 b5", "cq:c2:b5", true},
+      {"general cq c4 b8", "cq:c4:b8", true, PagedKernel::kSimt}};
   std::vector<int> batches = {1, 16, 64}, contexts = {4096, 32768, 131072};
   if (quick) {
     batches = {16};

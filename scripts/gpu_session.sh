@@ -12,11 +12,13 @@
 #                                prefill in chunk pieces, StepBatch decode) at the 8B shape
 #   memcheck racecheck           compute-sanitizer on the paged decode tests
 #   pmemcheck pracecheck         ... on the general kernel's parity test (every codec's pages)
+#   cmemcheck cracecheck         ... on the codebook kernel's parity test (CQ pages)
 #   opsmem opsrace               ... on the model ops' tests
 #   mmemcheck                    memcheck on the model's and the backend's tests
 #   ncu                          Nsight Compute (--set full, clocks left alone) on one launch each of
-#                                the affine kernel over k4v4 pages and the general kernel over the
-#                                same pages, batch 16 x 32k: results/ncu-*.txt
+#                                the affine kernel over k4v4 pages, the general kernel over the
+#                                same pages and the codebook kernel over CQ c4:b8 pages, batch
+#                                16 x 32k: results/ncu-*.txt
 #   nccl                         nccl_transport_test and nccl_bench (NCCL from /usr/local/cuda,
 #                                $NCCL_LIB_DIR or Python's nvidia.nccl)
 #   cpu                          where the CPU has AVX512-VNNI: kernels_test at 256 and 512 bits,
@@ -117,11 +119,11 @@ cpu_checks() {
   done
 }
 steps=("$@")
-[ "${#steps[@]}" -gt 0 ] || steps=(pages kernels model common decode sdpa mbench mtorch bbench memcheck racecheck pmemcheck pracecheck opsmem opsrace mmemcheck nccl)
+[ "${#steps[@]}" -gt 0 ] || steps=(pages kernels model common decode sdpa mbench mtorch bbench memcheck racecheck cmemcheck cracecheck pmemcheck pracecheck opsmem opsrace mmemcheck nccl)
 nvidia-smi -L >> "$log" 2>&1 || true
 for s in "${steps[@]}"; do
   case "$s" in
-    pages) step pages 60 "$u/kernels_cuda_pages_test" --gtest_brief=1 ;;
+    pages) step pages 150 "$u/kernels_cuda_pages_test" --gtest_brief=1 ;;
     kernels) step kernels 180 "$u/kernels_cuda_test" --gtest_brief=1 ;;
     model) step model 180 "$u/model_cuda_test" --gtest_brief=1 ;;
     common) step common 60 "$u/common_cuda_test" --gtest_brief=1 ;;
@@ -134,12 +136,15 @@ for s in "${steps[@]}"; do
     racecheck) sanitize racecheck racecheck kernels_cuda_test 'PagedDecodeGpuTest.*' ;;
     pmemcheck) sanitize pmemcheck memcheck kernels_cuda_pages_test 'BlockPagesGpuTest.General*' ;;
     pracecheck) sanitize pracecheck racecheck kernels_cuda_pages_test 'BlockPagesGpuTest.General*' ;;
+    cmemcheck) sanitize cmemcheck memcheck kernels_cuda_pages_test 'BlockPagesGpuTest.Codebook*' ;;
+    cracecheck) sanitize cracecheck racecheck kernels_cuda_pages_test 'BlockPagesGpuTest.Codebook*' ;;
     opsmem) sanitize opsmem memcheck kernels_cuda_test 'ModelOps*' ;;
     opsrace) sanitize opsrace racecheck kernels_cuda_test 'ModelOps*' ;;
     mmemcheck) sanitize mmemcheck memcheck model_cuda_test '*' ;;
     ncu)
       profile ncu-affine-k4v4 MmaDecodeKernel "affine k4v4 g32"
-      profile ncu-general-k4v4 GeneralDecodeKernel "general k4v4 g32" ;;
+      profile ncu-general-k4v4 GeneralDecodeKernel "general k4v4 g32"
+      profile ncu-codebook-c4b8 CodebookDecodeKernel "codebook cq c4 b8" ;;
     nccl)
       step nccl_test 120 "$u/nccl_transport_test" --gtest_brief=1
       step nccl_bench 120 "$u/nccl_bench" --out "$res" --commit "${STRATA_COMMIT:-unknown}" ;;

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -106,6 +107,42 @@ bool SameFastLayout(const PagedKvLayout& w, const PagedKvLayout& layout) {
          w.key_codes == layout.key_codes && w.value_codes == layout.value_codes;
 }
 
+// A block that is CQ alone (one part; K and V codebook codes over the same runs of 2, 4 or 8
+// channels at the same 4..8 bits, with or without a per-token norm; no other term): its
+// (channels per run, bits) for the codebook kernel (PagedKvLayout::codebook_group), else nullopt.
+std::optional<std::pair<int, int>> CodebookOnly(const PreparedBlock& p) {
+  if (p.parts.size() != 1 || p.parts[0].mean_ops != nullptr) return std::nullopt;
+  const BlockOperands& ops = p.parts[0];
+  auto plain = [&](const TensorOperands& t) {
+    return t.kind == CodeKind::kCodebook && t.codebook != nullptr && t.rank == 0 &&
+           t.outliers_per_vector == 0 && t.channel_norm == nullptr && t.channel_perm == nullptr &&
+           t.head_mean == nullptr && t.scales_fp8 == nullptr &&
+           (t.group_size == 2 || t.group_size == 4 || t.group_size == 8) && t.bits >= 4 &&
+           t.bits <= 8 && t.groups * t.group_size == ops.head_dim &&
+           t.row_bytes == (t.groups * static_cast<uint32_t>(t.bits) + 7) / 8;
+  };
+  if (!plain(ops.k) || !plain(ops.v) || ops.k.group_size != ops.v.group_size ||
+      ops.k.bits != ops.v.bits) {
+    return std::nullopt;
+  }
+  return std::pair<int, int>{static_cast<int>(ops.k.group_size), ops.k.bits};
+}
+
+// A general pool's pages as the codebook kernel requires them (when the pool is a codebook pool).
+absl::Status CheckCodebook(const BlockView& block, const PreparedBlock& p,
+                           const PagedKvLayout& layout) {
+  if (layout.codebook_group == 0) return absl::OkStatus();
+  const std::optional<std::pair<int, int>> cq = CodebookOnly(p);
+  if (cq.has_value() && cq->first == layout.codebook_group && cq->second == layout.codebook_bits) {
+    return absl::OkStatus();
+  }
+  const BlockHeader& h = block.header();
+  return absl::InvalidArgumentError(
+      absl::StrCat("GPU pages: a ", h.codec_spec, " block of ", h.token_count,
+                   " tokens is not a page of this pool's layout: its pages are CQ alone, runs of ",
+                   layout.codebook_group, " channels at ", layout.codebook_bits, " bits"));
+}
+
 uint32_t RoundToPage(size_t bytes) {
   return static_cast<uint32_t>((bytes + kPageAlignment - 1) / kPageAlignment * kPageAlignment);
 }
@@ -140,6 +177,10 @@ absl::StatusOr<PagedKvLayout> PageLayoutFor(const BlockView& block,
   L.head_dim = static_cast<int>(prepared->head_dim);
   L.page_tokens = static_cast<int>(prepared->tokens);
   L.page_bytes = RoundToPage(block.bytes().size());
+  if (const std::optional<std::pair<int, int>> cq = CodebookOnly(*prepared)) {
+    L.codebook_group = cq->first;
+    L.codebook_bits = cq->second;
+  }
   if (absl::Status s = L.Validate(); !s.ok()) {
     return absl::UnimplementedError(
         absl::StrCat("GPU pages: ", block.header().codec_spec, " blocks: ", s.message()));
@@ -164,6 +205,9 @@ absl::StatusOr<PagedKvLayout> PageLayoutForCodec(absl::string_view spec, uint32_
   std::optional<PagedKvLayout> fast;
   bool general = false;
   uint32_t page_bytes = 0;
+  // Every block's (channels per run, bits) while all are CQ alone with the same: a codebook pool.
+  std::optional<std::pair<int, int>> codebook;
+  bool all_codebook = true;
   for (uint32_t layer = 0; layer < per_layer; ++layer) {
     for (const uint32_t chunk : {1u, 0u}) {
       absl::StatusOr<AlignedBuffer> block = (*codec)->Encode(
@@ -183,6 +227,11 @@ absl::StatusOr<PagedKvLayout> PageLayoutForCodec(absl::string_view spec, uint32_
         return d.status();
       }
       page_bytes = std::max(page_bytes, L->page_bytes);
+      const std::pair<int, int> cq = {L->codebook_group, L->codebook_bits};
+      if (L->codebook_group == 0 || (codebook.has_value() && *codebook != cq)) {
+        all_codebook = false;
+      }
+      codebook = cq;
       if (L->format == PageFormat::kGeneral) {
         general = true;
       } else if (!fast.has_value()) {
@@ -199,6 +248,10 @@ absl::StatusOr<PagedKvLayout> PageLayoutForCodec(absl::string_view spec, uint32_
   L.head_dim = static_cast<int>(head_dim);
   L.page_tokens = static_cast<int>(tokens);
   L.page_bytes = page_bytes;
+  if (all_codebook && codebook.has_value()) {
+    L.codebook_group = codebook->first;
+    L.codebook_bits = codebook->second;
+  }
   if (absl::Status s = L.Validate(); !s.ok()) {
     return absl::UnimplementedError(absl::StrCat("GPU pages: ", spec, ": ", s.message()));
   }
@@ -239,7 +292,10 @@ absl::Status CheckPage(const BlockView& block, const PagedKvLayout& layout,
   STRATA_RETURN_IF_ERROR(CheckPageShape(block, layout));
   absl::StatusOr<PreparedBlock> prepared = PrepareBlock(block, calibration);
   if (!prepared.ok()) return prepared.status();
-  if (layout.format == PageFormat::kGeneral) return CheckGeneral(block, *prepared);
+  if (layout.format == PageFormat::kGeneral) {
+    STRATA_RETURN_IF_ERROR(CheckGeneral(block, *prepared));
+    return CheckCodebook(block, *prepared, layout);
+  }
   absl::StatusOr<PagedKvLayout> want = FastPageLayoutFor(block, *prepared);
   if (!want.ok()) return want.status();
   if (!SameFastLayout(*want, layout)) return NotAPage(block, "its sections are elsewhere");
@@ -255,7 +311,13 @@ absl::StatusOr<std::optional<PageDesc>> CheckAndDescribePage(const BlockView& bl
     return std::nullopt;
   }
   STRATA_RETURN_IF_ERROR(CheckPageShape(block, layout));
-  return DescribePage(block, calibration, constants);  // parses the block once, and checks it
+  if (layout.codebook_group == 0) {
+    return DescribePage(block, calibration, constants);  // parses the block once, and checks it
+  }
+  absl::StatusOr<PreparedBlock> prepared = PrepareBlock(block, calibration);
+  if (!prepared.ok()) return prepared.status();
+  STRATA_RETURN_IF_ERROR(CheckCodebook(block, *prepared, layout));
+  return DescribePage(block, calibration, constants);
 }
 
 PageConstants PageConstants::For(const Calibration* calibration) {

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/block_reader.h"
 #include "common/half.h"
@@ -472,6 +473,63 @@ TEST(BlockPagesTest, APoolIsGeneralOnlyWhereItsPagesNeedIt) {
   EXPECT_EQ(tiny.Intern(table.descs()[1]).status().code(), absl::StatusCode::kResourceExhausted);
 }
 
+// A pool of CQ alone is a codebook pool (its runs and bits in the layout, for the codebook
+// kernel) and takes no other page; CQ with sinks stays a plain general pool.
+TEST(BlockPagesTest, PoolsOfCqAloneAreCodebookPools) {
+  struct Case {
+    const char* spec;
+    int group, bits;
+  };
+  for (const Case& c : {Case{"cq:c4:b8", 4, 8}, Case{"cq:c8:b6:norm", 8, 6}, Case{"cq:c2:b5", 2, 5},
+                        Case{"cq:c4:b8:sink2", 0, 0}}) {
+    SCOPED_TRACE(c.spec);
+    CodecBlocks cb = EncodeChunks(c.spec, 2, kTokens, 5);
+    absl::StatusOr<PagedKvLayout> L =
+        PageLayoutForCodec(c.spec, kTokens, kHeads, kDim, cb.calibration);
+    ASSERT_TRUE(L.ok()) << L.status();
+    EXPECT_EQ(L->format, PageFormat::kGeneral);
+    EXPECT_EQ(L->codebook_group, c.group);
+    EXPECT_EQ(L->codebook_bits, c.bits);
+    EXPECT_TRUE(L->Validate().ok()) << L->Validate();
+    const PageConstants constants = PageConstants::For(cb.calibration.get());
+    for (const AlignedBuffer& b : cb.blocks) {
+      const BlockView view = *BlockView::Parse(b.span());
+      EXPECT_TRUE(CheckPage(view, *L, cb.calibration.get()).ok());
+      EXPECT_TRUE(CheckAndDescribePage(view, *L, cb.calibration.get(), &constants).ok());
+    }
+  }
+  // A codebook pool refuses pages of CQ with other runs, bits or parts, and of other codecs.
+  CodecBlocks c4 = EncodeChunks("cq:c4:b8", 1, kTokens, 5);
+  absl::StatusOr<PagedKvLayout> pool =
+      PageLayoutForCodec("cq:c4:b8", kTokens, kHeads, kDim, c4.calibration);
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  // (Pages made large enough for any of them: refused for what they hold, not their size.)
+  PagedKvLayout roomy = *pool;
+  roomy.page_bytes = 1 << 20;
+  for (const char* other : {"cq:c8:b8", "cq:c4:b6", "cq:c8:b8:sink2", "kivi:k2v2:g32:sink4"}) {
+    SCOPED_TRACE(other);
+    CodecBlocks ob = EncodeChunks(other, 1, kTokens, 5);
+    const BlockView view = *BlockView::Parse(ob.blocks[0].span());
+    const PageConstants constants = PageConstants::For(ob.calibration.get());
+    const absl::Status s = CheckPage(view, roomy, ob.calibration.get());
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_TRUE(absl::StrContains(s.message(), "CQ alone, runs of 4 channels at 8 bits")) << s;
+    EXPECT_EQ(CheckAndDescribePage(view, roomy, ob.calibration.get(), &constants).status().code(),
+              absl::StatusCode::kInvalidArgument);
+  }
+  // Codebook fields the kernel does not take, or on a fast layout, are refused.
+  for (const auto& [group, bits] : {std::pair{3, 8}, std::pair{4, 9}, std::pair{4, 3}}) {
+    PagedKvLayout bad = *pool;
+    bad.codebook_group = group;
+    bad.codebook_bits = bits;
+    EXPECT_EQ(bad.Validate().code(), absl::StatusCode::kInvalidArgument) << group << " " << bits;
+  }
+  PagedKvLayout fast = *PageLayoutForCodec("kivi:k2v2:g32", kTokens, kHeads, kDim);
+  fast.codebook_group = 4;
+  fast.codebook_bits = 8;
+  EXPECT_EQ(fast.Validate().code(), absl::StatusCode::kInvalidArgument);
+}
+
 // The GPU over blocks copied into device memory as they are, against the CPU's reference
 // attention over the same blocks (and an fp16 window), 8 query heads over 2 KV heads, one
 // sequence per codec and chunk size.
@@ -581,15 +639,149 @@ TEST(BlockPagesGpuTest, GpuAttentionOverCodecBlocksEqualsTheCpuReference) {
   }
 }
 
-// The general kernel over every codec's pages (the blocks' bytes in a pool, in scattered order,
-// each page naming its descriptor; calibration constants beside them) against the CPU reference
-// attention over the same blocks and an fp16 window: 8 query heads over 2 KV heads, chunk sizes
-// of 64 and 256, two sequences of different lengths in one batch, split along the sequence.
+// Two sequences of `spec`'s blocks (5 and 3 chunks of `tokens` tokens, different data, one
+// calibration; pages in scattered order, each naming its descriptor, calibration constants beside
+// them) and fp16 windows of `window` tokens, in a general pool (a codebook pool where
+// `want_codebook_group` says so), through PagedDecode with `kernel`, against the CPU
+// reference attention over the same blocks and windows: err2 / ref2 of the outputs below
+// `tolerance`. Over `splits` splits (more than a sequence's pages: splits with no page, the last
+// one's window alone). With kAuto on a codebook pool, the codebook kernel must be the one that
+// runs.
+void ExpectGeneralPoolMatchesCpu(const std::string& spec, uint32_t tokens, uint32_t q_heads,
+                                 int window, PagedKernel kernel, int want_codebook_group,
+                                 double tolerance, int splits = 3) {
+  constexpr int kBatch = 2;
+  const int chunks_of[kBatch] = {5, 3};
+  std::vector<CodecBlocks> seqs;
+  // Different data per sequence (a kernel reading the wrong block table row fails), one
+  // calibration: the same cal_seed makes the same calibration.
+  for (int b = 0; b < kBatch; ++b) {
+    seqs.push_back(EncodeChunks(spec, chunks_of[b], tokens, 60 + 100 * b, /*cal_seed=*/7));
+  }
+  const Calibration* cal = seqs[0].calibration.get();
+  const PageConstants constants = PageConstants::For(cal);
+  absl::StatusOr<PagedKvLayout> L =
+      PageLayoutForCodec(spec, tokens, kHeads, kDim, seqs[0].calibration);
+  ASSERT_TRUE(L.ok()) << L.status();
+  ASSERT_EQ(L->format, PageFormat::kGeneral);
+  ASSERT_EQ(L->codebook_group, want_codebook_group);
+  const int pages = chunks_of[0] + chunks_of[1];
+  std::vector<uint8_t> pool(static_cast<size_t>(L->PageBytes()) * pages, 0);
+  std::vector<int32_t> table(kBatch * chunks_of[0], 0);
+  std::vector<uint16_t> desc_ids(pages);
+  PageDescTable descs(16);
+  int next = pages - 1;  // pages handed out from the end
+  for (int b = 0; b < kBatch; ++b) {
+    for (int c = 0; c < chunks_of[b]; ++c, --next) {
+      const AlignedBuffer& block = seqs[b].blocks[c];
+      const BlockView view = *BlockView::Parse(block.span());
+      ASSERT_TRUE(CheckPage(view, *L, cal).ok()) << CheckPage(view, *L, cal);
+      std::memcpy(pool.data() + static_cast<size_t>(next) * L->PageBytes(), block.data(),
+                  block.size());
+      absl::StatusOr<PageDesc> d = DescribePage(view, cal, &constants);
+      ASSERT_TRUE(d.ok()) << d.status();
+      absl::StatusOr<uint16_t> id = descs.Intern(*d);
+      ASSERT_TRUE(id.ok()) << id.status();
+      desc_ids[next] = *id;
+      table[b * chunks_of[0] + c] = next;
+    }
+  }
+  // Windows at fp16 (the GPU's), the same values widened for the CPU; queries.
+  std::vector<uint16_t> wk(static_cast<size_t>(kBatch) * kHeads * window * kDim), wv(wk.size());
+  std::vector<std::vector<float>> cpu_wk(kBatch), cpu_wv(kBatch);
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0, 1);
+  std::vector<float> q(kBatch * q_heads * kDim), want(q.size()), got(q.size(), NAN);
+  for (float& x : q) x = normal(rng);
+  std::vector<PreparedBlock> prepared;
+  prepared.reserve(pages);
+  for (int b = 0; b < kBatch; ++b) {
+    const SyntheticKv w = MakeSyntheticKv(window, kHeads, kDim, 90 + b, chunks_of[b] * tokens);
+    cpu_wk[b].resize(w.k.size());
+    cpu_wv[b].resize(w.v.size());
+    for (int t = 0; t < window; ++t) {
+      for (uint32_t h = 0; h < kHeads; ++h) {
+        for (uint32_t d = 0; d < kDim; ++d) {
+          const size_t src = (static_cast<size_t>(t) * kHeads + h) * kDim + d;
+          const size_t dst = ((static_cast<size_t>(b) * kHeads + h) * window + t) * kDim + d;
+          wk[dst] = FloatToHalfBits(w.k[src]);
+          wv[dst] = FloatToHalfBits(w.v[src]);
+          cpu_wk[b][src] = HalfBitsToFloat(wk[dst]);
+          cpu_wv[b][src] = HalfBitsToFloat(wv[dst]);
+        }
+      }
+    }
+    std::vector<const BlockOperands*> ops;
+    for (const AlignedBuffer& block : seqs[b].blocks) {
+      absl::StatusOr<PreparedBlock> p = PrepareBlock(*BlockView::Parse(block.span()), cal);
+      ASSERT_TRUE(p.ok()) << p.status();
+      prepared.push_back(*std::move(p));
+      for (const BlockOperands& part : prepared.back().parts) ops.push_back(&part);
+    }
+    DecodeSequence seq;
+    seq.q = q.data() + b * q_heads * kDim;
+    seq.blocks = ops;
+    seq.window = {cpu_wk[b].data(), cpu_wv[b].data(), static_cast<uint32_t>(window)};
+    seq.out = want.data() + b * q_heads * kDim;
+    ASSERT_TRUE(
+        DecodeAttentionRef({.q_heads = q_heads, .kv_heads = kHeads, .head_dim = kDim}, {&seq, 1})
+            .ok());
+  }
+  const int32_t counts[kBatch] = {chunks_of[0], chunks_of[1]};
+  const int32_t wlens[kBatch] = {window, window};
+  std::vector<void*> owned;
+  auto upload = [&](const void* host, size_t bytes) -> void* {
+    void* d = nullptr;
+    EXPECT_EQ(cudaMalloc(&d, std::max<size_t>(bytes, 16)), cudaSuccess);
+    if (host != nullptr && bytes > 0) cudaMemcpy(d, host, bytes, cudaMemcpyHostToDevice);
+    owned.push_back(d);
+    return d;
+  };
+  PagedDecodeArgs a;
+  a.pages = static_cast<const uint8_t*>(upload(pool.data(), pool.size()));
+  a.block_table = static_cast<const int32_t*>(upload(table.data(), table.size() * 4));
+  a.max_pages = chunks_of[0];
+  a.page_counts = static_cast<const int32_t*>(upload(counts, sizeof(counts)));
+  a.window_k = static_cast<const __half*>(upload(wk.data(), wk.size() * 2));
+  a.window_v = static_cast<const __half*>(upload(wv.data(), wv.size() * 2));
+  a.window_lens = static_cast<const int32_t*>(upload(wlens, sizeof(wlens)));
+  a.max_window = window;
+  a.q = static_cast<const float*>(upload(q.data(), q.size() * 4));
+  a.batch = kBatch;
+  a.kernel = kernel;
+  a.q_heads = q_heads;
+  float* d_out = static_cast<float*>(upload(got.data(), got.size() * 4));
+  a.out = d_out;
+  a.splits = splits;
+  a.workspace = upload(nullptr, WorkspaceBytes(kBatch, q_heads, kDim, splits));
+  a.page_descs = static_cast<const PageDesc*>(
+      upload(descs.descs().data(), descs.descs().size() * sizeof(PageDesc)));
+  a.page_desc_ids = static_cast<const uint16_t*>(upload(desc_ids.data(), desc_ids.size() * 2));
+  a.constants =
+      static_cast<const uint8_t*>(upload(constants.bytes().data(), constants.bytes().size()));
+  const bool codebook = want_codebook_group != 0 && kernel == PagedKernel::kAuto;
+  ASSERT_EQ(RunsCodebookKernel(*L, a), codebook);
+  ASSERT_TRUE(PagedDecode(*L, a, chunks_of[0], nullptr).ok());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  cudaMemcpy(got.data(), d_out, got.size() * 4, cudaMemcpyDeviceToHost);
+  for (void* p : owned) cudaFree(p);
+  double err2 = 0, ref2 = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    ASSERT_FALSE(std::isnan(got[i])) << i;
+    err2 += (got[i] - want[i]) * (got[i] - want[i]);
+    ref2 += want[i] * want[i];
+  }
+  // The same decoded values; fp32 sums on the GPU against the reference's doubles, with
+  // __expf and another order of summation.
+  EXPECT_LT(err2 / ref2, tolerance);
+}
+
+// The general kernel over every codec's pages against the CPU reference attention over the same
+// blocks and an fp16 window: 8 query heads over 2 KV heads, chunk sizes of 64 and 256, two
+// sequences of different lengths in one batch, split along the sequence.
 TEST(BlockPagesGpuTest, GeneralKernelOverEveryCodecsPagesEqualsTheCpuReference) {
   std::string why;
   if (!HaveCudaDevice(&why)) GTEST_SKIP() << "skipped, no GPU: " << why;
-  constexpr int kWindow = 21, kBatch = 2;
-  const int chunks_of[kBatch] = {5, 3};
   // GQA groups of 4 for every codec; of 1, 3 and 8 (fewer threads than channels, rows split
   // three ways with idle threads, eight ways) for a few that exercise every decoding path.
   const std::set<std::string> few = {"kivi:k3v3:g64", "gear:k2v2:g32:r4:s2:sink2",
@@ -600,128 +792,48 @@ TEST(BlockPagesGpuTest, GeneralKernelOverEveryCodecsPagesEqualsTheCpuReference) 
       if (q_heads != 8 && !few.contains(spec)) continue;
       for (uint32_t tokens : {64u, 256u}) {
         SCOPED_TRACE(absl::StrCat(spec, " at ", tokens, " tokens, ", q_heads, " query heads"));
-        std::vector<CodecBlocks> seqs;
-        // Different data per sequence (a kernel reading the wrong block table row fails), one
-        // calibration: the same cal_seed makes the same calibration.
-        for (int b = 0; b < kBatch; ++b) {
-          seqs.push_back(EncodeChunks(spec, chunks_of[b], tokens, 60 + 100 * b, /*cal_seed=*/7));
-        }
-        const Calibration* cal = seqs[0].calibration.get();
-        const PageConstants constants = PageConstants::For(cal);
-        absl::StatusOr<PagedKvLayout> L =
-            PageLayoutForCodec(spec, tokens, kHeads, kDim, seqs[0].calibration);
-        ASSERT_TRUE(L.ok()) << L.status();
-        ASSERT_EQ(L->format, PageFormat::kGeneral);
-        const int pages = chunks_of[0] + chunks_of[1];
-        std::vector<uint8_t> pool(static_cast<size_t>(L->PageBytes()) * pages, 0);
-        std::vector<int32_t> table(kBatch * chunks_of[0], 0);
-        std::vector<uint16_t> desc_ids(pages);
-        PageDescTable descs(16);
-        int next = pages - 1;  // pages handed out from the end
-        for (int b = 0; b < kBatch; ++b) {
-          for (int c = 0; c < chunks_of[b]; ++c, --next) {
-            const AlignedBuffer& block = seqs[b].blocks[c];
-            const BlockView view = *BlockView::Parse(block.span());
-            ASSERT_TRUE(CheckPage(view, *L, cal).ok()) << CheckPage(view, *L, cal);
-            std::memcpy(pool.data() + static_cast<size_t>(next) * L->PageBytes(), block.data(),
-                        block.size());
-            absl::StatusOr<PageDesc> d = DescribePage(view, cal, &constants);
-            ASSERT_TRUE(d.ok()) << d.status();
-            absl::StatusOr<uint16_t> id = descs.Intern(*d);
-            ASSERT_TRUE(id.ok()) << id.status();
-            desc_ids[next] = *id;
-            table[b * chunks_of[0] + c] = next;
-          }
-        }
-        // Windows at fp16 (the GPU's), the same values widened for the CPU; queries.
-        std::vector<uint16_t> wk(static_cast<size_t>(kBatch) * kHeads * kWindow * kDim),
-            wv(wk.size());
-        std::vector<std::vector<float>> cpu_wk(kBatch), cpu_wv(kBatch);
-        std::mt19937 rng(11);
-        std::normal_distribution<float> normal(0, 1);
-        std::vector<float> q(kBatch * q_heads * kDim), want(q.size()), got(q.size(), NAN);
-        for (float& x : q) x = normal(rng);
-        std::vector<PreparedBlock> prepared;
-        prepared.reserve(pages);
-        for (int b = 0; b < kBatch; ++b) {
-          const SyntheticKv w =
-              MakeSyntheticKv(kWindow, kHeads, kDim, 90 + b, chunks_of[b] * tokens);
-          cpu_wk[b].resize(w.k.size());
-          cpu_wv[b].resize(w.v.size());
-          for (int t = 0; t < kWindow; ++t) {
-            for (uint32_t h = 0; h < kHeads; ++h) {
-              for (uint32_t d = 0; d < kDim; ++d) {
-                const size_t src = (static_cast<size_t>(t) * kHeads + h) * kDim + d;
-                const size_t dst = ((static_cast<size_t>(b) * kHeads + h) * kWindow + t) * kDim + d;
-                wk[dst] = FloatToHalfBits(w.k[src]);
-                wv[dst] = FloatToHalfBits(w.v[src]);
-                cpu_wk[b][src] = HalfBitsToFloat(wk[dst]);
-                cpu_wv[b][src] = HalfBitsToFloat(wv[dst]);
-              }
-            }
-          }
-          std::vector<const BlockOperands*> ops;
-          for (const AlignedBuffer& block : seqs[b].blocks) {
-            absl::StatusOr<PreparedBlock> p = PrepareBlock(*BlockView::Parse(block.span()), cal);
-            ASSERT_TRUE(p.ok()) << p.status();
-            prepared.push_back(*std::move(p));
-            for (const BlockOperands& part : prepared.back().parts) ops.push_back(&part);
-          }
-          DecodeSequence seq;
-          seq.q = q.data() + b * q_heads * kDim;
-          seq.blocks = ops;
-          seq.window = {cpu_wk[b].data(), cpu_wv[b].data(), kWindow};
-          seq.out = want.data() + b * q_heads * kDim;
-          ASSERT_TRUE(DecodeAttentionRef({.q_heads = q_heads, .kv_heads = kHeads, .head_dim = kDim},
-                                         {&seq, 1})
-                          .ok());
-        }
-        const int32_t counts[kBatch] = {chunks_of[0], chunks_of[1]};
-        const int32_t wlens[kBatch] = {kWindow, kWindow};
-        constexpr int kSplits = 3;
-        std::vector<void*> owned;
-        auto upload = [&](const void* host, size_t bytes) -> void* {
-          void* d = nullptr;
-          EXPECT_EQ(cudaMalloc(&d, std::max<size_t>(bytes, 16)), cudaSuccess);
-          if (host != nullptr && bytes > 0) cudaMemcpy(d, host, bytes, cudaMemcpyHostToDevice);
-          owned.push_back(d);
-          return d;
-        };
-        PagedDecodeArgs a;
-        a.pages = static_cast<const uint8_t*>(upload(pool.data(), pool.size()));
-        a.block_table = static_cast<const int32_t*>(upload(table.data(), table.size() * 4));
-        a.max_pages = chunks_of[0];
-        a.page_counts = static_cast<const int32_t*>(upload(counts, sizeof(counts)));
-        a.window_k = static_cast<const __half*>(upload(wk.data(), wk.size() * 2));
-        a.window_v = static_cast<const __half*>(upload(wv.data(), wv.size() * 2));
-        a.window_lens = static_cast<const int32_t*>(upload(wlens, sizeof(wlens)));
-        a.max_window = kWindow;
-        a.q = static_cast<const float*>(upload(q.data(), q.size() * 4));
-        a.batch = kBatch;
-        a.q_heads = q_heads;
-        float* d_out = static_cast<float*>(upload(got.data(), got.size() * 4));
-        a.out = d_out;
-        a.splits = kSplits;
-        a.workspace = upload(nullptr, WorkspaceBytes(kBatch, q_heads, kDim, kSplits));
-        a.page_descs = static_cast<const PageDesc*>(
-            upload(descs.descs().data(), descs.descs().size() * sizeof(PageDesc)));
-        a.page_desc_ids =
-            static_cast<const uint16_t*>(upload(desc_ids.data(), desc_ids.size() * 2));
-        a.constants =
-            static_cast<const uint8_t*>(upload(constants.bytes().data(), constants.bytes().size()));
-        ASSERT_TRUE(PagedDecode(*L, a, chunks_of[0], nullptr).ok());
-        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-        cudaMemcpy(got.data(), d_out, got.size() * 4, cudaMemcpyDeviceToHost);
-        for (void* p : owned) cudaFree(p);
-        double err2 = 0, ref2 = 0;
-        for (size_t i = 0; i < got.size(); ++i) {
-          ASSERT_FALSE(std::isnan(got[i])) << i;
-          err2 += (got[i] - want[i]) * (got[i] - want[i]);
-          ref2 += want[i] * want[i];
-        }
-        // The same decoded values; fp32 sums on the GPU against the reference's doubles, with
-        // __expf and another order of summation.
-        EXPECT_LT(err2 / ref2, 1e-8);
+        // kSimt: the general kernel on codebook pools too (the codebook kernel's test is below).
+        ExpectGeneralPoolMatchesCpu(spec, tokens, q_heads, 21, PagedKernel::kSimt,
+                                    absl::string_view(spec) == "cq:c4:b6" ? 4 : 0, 1e-8);
+      }
+    }
+  }
+}
+
+// The codebook kernel (pools of CQ alone) against the CPU reference, as above: every run width
+// and several code widths, with and without norms; GQA groups of 1, 3, 4 and 8 (at c4:b8 a group
+// of 8 takes two blocks of 4 query heads); 64-, 96- (a tile of 64 and one of 32) and 256-token
+// chunks; windows of 21 and of 70 tokens (two tiles). The general kernel on the same pools
+// (kSimt) must agree as closely.
+TEST(BlockPagesGpuTest, CodebookKernelOverCqPagesEqualsTheCpuReference) {
+  std::string why;
+  if (!HaveCudaDevice(&why)) GTEST_SKIP() << "skipped, no GPU: " << why;
+  struct Case {
+    const char* spec;
+    int group;
+  };
+  const Case cases[] = {{"cq:c4:b8", 4},      {"cq:c8:b8:norm", 8}, {"cq:c2:b5", 2},
+                        {"cq:c4:b6:norm", 4}, {"cq:c8:b4", 8},      {"cq:c2:b8:norm", 2}};
+  struct Shape {
+    uint32_t q_heads, tokens;
+    int window, splits;
+  };
+  // Every case at groups of 4; the first two also at 1, 3 and 8 query heads per KV head. 8 splits
+  // over 5 and 3 pages: splits with no page, the last with the window alone.
+  const Shape every[] = {{8, 64, 21, 3}, {8, 96, 21, 3}, {8, 256, 21, 3}, {8, 64, 70, 8}};
+  const Shape first[] = {{2, 64, 21, 3}, {6, 96, 70, 3}, {16, 256, 21, 8}, {16, 64, 70, 3}};
+  for (size_t i = 0; i < std::size(cases); ++i) {
+    const Case& c = cases[i];
+    std::vector<Shape> shapes(std::begin(every), std::end(every));
+    if (i < 2) shapes.insert(shapes.end(), std::begin(first), std::end(first));
+    for (const Shape& s : shapes) {
+      for (const PagedKernel kernel : {PagedKernel::kAuto, PagedKernel::kSimt}) {
+        SCOPED_TRACE(
+            absl::StrCat(c.spec, " at ", s.tokens, " tokens, ", s.q_heads, " query heads, window ",
+                         s.window, ", ", s.splits, " splits",
+                         kernel == PagedKernel::kAuto ? ", codebook kernel" : ", general kernel"));
+        ExpectGeneralPoolMatchesCpu(c.spec, s.tokens, s.q_heads, s.window, kernel, c.group, 1e-8,
+                                    s.splits);
       }
     }
   }

@@ -389,7 +389,8 @@ size_t SharedBytes(const PagedKvLayout& L, int group) {
 using KernelFn = void (*)(PagedKvLayout, PagedDecodeArgs, int, float*, float*);
 
 // Raises `kernel`'s dynamic shared-memory limit to `smem` bytes.
-absl::Status AllowSharedBytes(KernelFn kernel, size_t smem) {
+template <typename Kernel>
+absl::Status AllowSharedBytes(Kernel kernel, size_t smem) {
   if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(smem));
       e != cudaSuccess) {
@@ -399,6 +400,7 @@ absl::Status AllowSharedBytes(KernelFn kernel, size_t smem) {
   return absl::OkStatus();
 }
 
+#include "kernels/cuda/paged_decode_codebook.cuh"
 #include "kernels/cuda/paged_decode_general.cuh"
 #include "kernels/cuda/paged_decode_mma.cuh"
 
@@ -500,6 +502,15 @@ absl::Status LaunchFor(const PagedKvLayout& L, const PagedDecodeArgs& a, int spl
   });
 }
 
+// Whether PagedDecode runs the codebook kernel for `layout` and `args`.
+bool UsesCodebookKernel(const PagedKvLayout& layout, const PagedDecodeArgs& args) {
+  if (layout.format != PageFormat::kGeneral || layout.codebook_group == 0 ||
+      args.kernel != PagedKernel::kAuto || layout.kv_heads < 1 || args.q_heads < layout.kv_heads) {
+    return false;
+  }
+  return CodebookHeads(layout, args.q_heads / layout.kv_heads) > 0;
+}
+
 }  // namespace
 
 absl::Status PagedKvLayout::Validate() const {
@@ -515,8 +526,15 @@ absl::Status PagedKvLayout::Validate() const {
     if (page_bytes == 0 || page_bytes % 16 != 0) {
       return bad("page_bytes must be a positive multiple of 16, got ", page_bytes);
     }
+    if (codebook_group != 0 &&
+        ((codebook_group != 2 && codebook_group != 4 && codebook_group != 8) || codebook_bits < 4 ||
+         codebook_bits > 8)) {
+      return bad("codebook pages take runs of 2, 4 or 8 channels and 4..8 bits, got ",
+                 codebook_group, " and ", codebook_bits);
+    }
     return absl::OkStatus();
   }
+  if (codebook_group != 0) return bad("codebook_group is for general pools only");
   if (page_tokens < 8 || page_tokens > 512 || page_tokens % 8 != 0 ||
       (page_tokens > 128 && page_tokens % 64 != 0)) {
     return bad("page_tokens must be a multiple of 8 up to 128 or of 64 up to 512, got ",
@@ -572,6 +590,10 @@ absl::Status PagedKvLayout::Validate() const {
   return absl::OkStatus();
 }
 
+bool RunsCodebookKernel(const PagedKvLayout& layout, const PagedDecodeArgs& args) {
+  return layout.Validate().ok() && UsesCodebookKernel(layout, args);
+}
+
 size_t WorkspaceBytes(int batch, int q_heads, int head_dim, int splits) {
   const size_t rows = static_cast<size_t>(batch) * q_heads * splits;
   return rows * head_dim * sizeof(float) + rows * 2 * sizeof(float);
@@ -587,7 +609,11 @@ int ChooseSplits(const PagedKvLayout& layout, const PagedDecodeArgs& args, int m
                         ? std::min(8, args.q_heads / layout.kv_heads)
                         : 4;
   int per_sm = 0;
-  if (layout.format == PageFormat::kGeneral && layout.Validate().ok()) {
+  int blocks_per_seq = layout.kv_heads;
+  if (layout.Validate().ok() && UsesCodebookKernel(layout, args)) {
+    per_sm = CodebookResidentBlocks(layout, group);
+    blocks_per_seq = CodebookBlocksPerSplit(layout, group);
+  } else if (layout.format == PageFormat::kGeneral && layout.Validate().ok()) {
     per_sm = layout.head_dim == 64 ? GeneralResidentBlocks<64>(group)
                                    : GeneralResidentBlocks<128>(group);
   } else if (layout.Validate().ok()) {
@@ -600,7 +626,7 @@ int ChooseSplits(const PagedKvLayout& layout, const PagedDecodeArgs& args, int m
   // About four times as many blocks as fit on the device at once, so that the last wave is
   // short and uneven splits even out; each split at least 4 slices.
   const int slots = sms * std::max(1, per_sm);
-  const int blocks = std::max(1, args.batch * layout.kv_heads);
+  const int blocks = std::max(1, args.batch * blocks_per_seq);
   int splits = std::max(1, (4 * slots + blocks - 1) / blocks);
   const int tiles = layout.page_tokens > 0 && layout.format != PageFormat::kGeneral
                         ? max_pages_in_batch * (layout.page_tokens / layout.TileTokens())
@@ -635,6 +661,10 @@ absl::Status PagedDecode(const PagedKvLayout& layout, const PagedDecodeArgs& arg
         "paged decode: general pages need page_descs and page_desc_ids");
   }
   const int splits = ChooseSplits(layout, args, max_pages_in_batch);
+  if (UsesCodebookKernel(layout, args)) {
+    return layout.head_dim == 64 ? LaunchCodebook<64>(layout, args, splits, stream)
+                                 : LaunchCodebook<128>(layout, args, splits, stream);
+  }
   if (layout.format == PageFormat::kGeneral) {
     return layout.head_dim == 64 ? LaunchGeneral<64>(layout, args, splits, stream)
                                  : LaunchGeneral<128>(layout, args, splits, stream);

@@ -78,6 +78,13 @@ struct PagedKvLayout {
   uint32_t key_codes = 0, key_scales = 0, key_zeros = 0;
   uint32_t value_codes = 0, value_scales = 0, value_zeros = 0;
   uint32_t page_bytes = 0;
+  // kGeneral pools whose every page is CQ alone (block_pages.h sets these; CheckPage holds every
+  // page to them): one part, K and V as codes of `codebook_bits` (4..8) over runs of
+  // `codebook_group` (2, 4 or 8) channels, with or without a per-token norm, no other term. The
+  // codebook kernel reads such pools (PagedKernel::kAuto): scores by table lookups, values by
+  // centroid sums, no element decoded. 0: any general pool.
+  int codebook_group = 0;
+  int codebook_bits = 0;
 
   absl::Status Validate() const;
 
@@ -114,9 +121,11 @@ struct PagedKvLayout {
 // A dequantized key is k = scale * code + zero (fp32 arithmetic on the fp16 scale and zero).
 
 // Which kernel runs: the tensor cores' where the layout allows (kAuto), or the one-warp-per-query-
-// head kernel everywhere (kSimt: the tests run both; benchmarks compare them). kMmaFourBlocks:
-// kAuto with the tensor-core kernel's registers capped for four blocks per multiprocessor instead
-// of three on affine pages (more warps, some spills), for benchmarks to compare.
+// head kernel everywhere (kSimt: the tests run both; benchmarks compare them). On a codebook pool
+// (PagedKvLayout::codebook_group), kAuto runs the codebook kernel and kSimt the general one.
+// kMmaFourBlocks: kAuto with the tensor-core kernel's registers capped for four blocks per
+// multiprocessor instead of three on affine pages (more warps, some spills), for benchmarks to
+// compare.
 enum class PagedKernel { kAuto, kSimt, kMmaFourBlocks };
 
 struct PagedDecodeArgs {
@@ -151,6 +160,9 @@ struct PagedDecodeArgs {
 };
 
 size_t WorkspaceBytes(int batch, int q_heads, int head_dim, int splits);
+// Whether PagedDecode runs the codebook kernel for `layout` and `args` on the current device (a
+// codebook pool, PagedKernel::kAuto, and shared memory for at least one query head's table).
+bool RunsCodebookKernel(const PagedKvLayout& layout, const PagedDecodeArgs& args);
 // The split count PagedDecode uses for `args` (splits == 0) on the current device.
 int ChooseSplits(const PagedKvLayout& layout, const PagedDecodeArgs& args, int max_pages_in_batch);
 
