@@ -191,7 +191,8 @@ absl::StatusOr<PagedKvLayout> PageLayoutFor(const BlockView& block,
 absl::StatusOr<PagedKvLayout> PageLayoutForCodec(absl::string_view spec, uint32_t tokens,
                                                  uint32_t kv_heads, uint32_t head_dim,
                                                  std::shared_ptr<const Calibration> calibration,
-                                                 uint32_t layers) {
+                                                 uint32_t layers,
+                                                 std::vector<PagedKvLayout>* layer_layouts) {
   absl::StatusOr<std::unique_ptr<Codec>> codec = Codec::Create(spec, calibration);
   if (!codec.ok()) return codec.status();
   absl::StatusOr<CodecSpec> parsed = CodecSpec::Parse(spec);
@@ -205,10 +206,13 @@ absl::StatusOr<PagedKvLayout> PageLayoutForCodec(absl::string_view spec, uint32_
   std::optional<PagedKvLayout> fast;
   bool general = false;
   uint32_t page_bytes = 0;
-  // Every block's (channels per run, bits) while all are CQ alone with the same: a codebook pool.
+  // Every block's (channels per run, bits) while all are CQ alone with the same: a codebook pool;
+  // the same per layer.
   std::optional<std::pair<int, int>> codebook;
   bool all_codebook = true;
+  std::vector<std::optional<std::pair<int, int>>> layer_codebook(per_layer);
   for (uint32_t layer = 0; layer < per_layer; ++layer) {
+    bool layer_all = true;
     for (const uint32_t chunk : {1u, 0u}) {
       absl::StatusOr<AlignedBuffer> block = (*codec)->Encode(
           {zeros.data(), zeros.data(), SourceDType::kFloat32, tokens, kv_heads, head_dim},
@@ -231,7 +235,12 @@ absl::StatusOr<PagedKvLayout> PageLayoutForCodec(absl::string_view spec, uint32_
       if (L->codebook_group == 0 || (codebook.has_value() && *codebook != cq)) {
         all_codebook = false;
       }
+      if (L->codebook_group == 0 ||
+          (layer_codebook[layer].has_value() && *layer_codebook[layer] != cq)) {
+        layer_all = false;
+      }
       codebook = cq;
+      layer_codebook[layer] = cq;
       if (L->format == PageFormat::kGeneral) {
         general = true;
       } else if (!fast.has_value()) {
@@ -240,8 +249,23 @@ absl::StatusOr<PagedKvLayout> PageLayoutForCodec(absl::string_view spec, uint32_
         general = true;  // two fast layouts (sinks, a mix of codecs): one general pool
       }
     }
+    if (!layer_all) layer_codebook[layer].reset();
   }
-  if (!general) return *fast;
+  // Each layer's layout: the pool's, a codebook pool of its own where its blocks allow.
+  auto fill_layers = [&](const PagedKvLayout& pool) {
+    if (layer_layouts == nullptr) return;
+    layer_layouts->assign(std::max(layers, 1u), pool);
+    if (pool.format != PageFormat::kGeneral) return;
+    for (uint32_t l = 0; l < layer_layouts->size(); ++l) {
+      const std::optional<std::pair<int, int>>& cq = layer_codebook[per_layer > 1 ? l : 0];
+      (*layer_layouts)[l].codebook_group = cq.has_value() ? cq->first : 0;
+      (*layer_layouts)[l].codebook_bits = cq.has_value() ? cq->second : 0;
+    }
+  };
+  if (!general) {
+    fill_layers(*fast);
+    return *fast;
+  }
   PagedKvLayout L;
   L.format = PageFormat::kGeneral;
   L.kv_heads = static_cast<int>(kv_heads);
@@ -255,6 +279,7 @@ absl::StatusOr<PagedKvLayout> PageLayoutForCodec(absl::string_view spec, uint32_
   if (absl::Status s = L.Validate(); !s.ok()) {
     return absl::UnimplementedError(absl::StrCat("GPU pages: ", spec, ": ", s.message()));
   }
+  fill_layers(L);
   return L;
 }
 

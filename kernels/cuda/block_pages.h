@@ -48,9 +48,13 @@ absl::StatusOr<PagedKvLayout> PageLayoutFor(const BlockView& block,
 // first chunk's and a later one's, and with the Strata mix every one of `layers` layers'): their
 // fast layout when all share one, else kGeneral with pages that hold the largest (a codebook pool
 // when every one is CQ alone with the same runs and bits: not with sinks, not a mix).
+// `layer_layouts`, when not null, gets each layer's: the pool's, except that in a general pool
+// (the Strata mix) a layer whose blocks are all CQ alone with the same runs and bits is a codebook
+// pool of its own (its pages held to that, and read by the codebook kernel).
 absl::StatusOr<PagedKvLayout> PageLayoutForCodec(
     absl::string_view spec, uint32_t tokens, uint32_t kv_heads, uint32_t head_dim,
-    std::shared_ptr<const Calibration> calibration = nullptr, uint32_t layers = 1);
+    std::shared_ptr<const Calibration> calibration = nullptr, uint32_t layers = 1,
+    std::vector<PagedKvLayout>* layer_layouts = nullptr);
 
 // OK when `block` can be a page of a pool laid out as `layout` (fast layouts: the same sections at
 // the same offsets; general: the same shape and a block the general kernel reads, CQ alone of the

@@ -530,6 +530,61 @@ TEST(BlockPagesTest, PoolsOfCqAloneAreCodebookPools) {
   EXPECT_EQ(fast.Validate().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// A Strata mix's pool is general; its layers of CQ alone are codebook pools of their own (the
+// codebook kernel's), each holding its pages to that, and its other layers are the pool's.
+TEST(BlockPagesTest, AMixsCqLayersAreCodebookPoolsOfTheirOwn) {
+  const std::shared_ptr<Calibration> c4 =
+      MakeSyntheticCalibration(*CodecSpec::Parse("cq:c4:b8"), kHeads, kDim, 3);
+  const std::shared_ptr<Calibration> c8 =
+      MakeSyntheticCalibration(*CodecSpec::Parse("cq:c8:b6:norm"), kHeads, kDim, 4);
+  auto mix = std::make_shared<Calibration>();
+  mix->codec = "strata:b3";
+  mix->kv_heads = kHeads;
+  mix->head_dim = kDim;
+  mix->layers = {c4->layers[0], LayerCalibration{}, c8->layers[0], c4->layers[0]};
+  mix->layers[0].spec = "cq:c4:b8";
+  mix->layers[1].spec = "kivi:k4v4:g32";
+  mix->layers[2].spec = "cq:c8:b6:norm";
+  mix->layers[3].spec = "cq:c4:b8:sink2";
+  std::vector<PagedKvLayout> layers;
+  absl::StatusOr<PagedKvLayout> pool =
+      PageLayoutForCodec("strata:b3", kTokens, kHeads, kDim, mix, 4, &layers);
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  EXPECT_EQ(pool->format, PageFormat::kGeneral);
+  EXPECT_EQ(pool->codebook_group, 0);
+  ASSERT_EQ(layers.size(), 4u);
+  const int want[4][2] = {{4, 8}, {0, 0}, {8, 6}, {0, 0}};  // (sinks: two parts in chunk 0)
+  for (uint32_t l = 0; l < 4; ++l) {
+    SCOPED_TRACE(l);
+    EXPECT_EQ(layers[l].format, PageFormat::kGeneral);
+    EXPECT_EQ(layers[l].page_bytes, pool->page_bytes);
+    EXPECT_EQ(layers[l].codebook_group, want[l][0]);
+    EXPECT_EQ(layers[l].codebook_bits, want[l][1]);
+  }
+  // Each layer's blocks are pages of its layout; layer 0's are not pages of layer 2's.
+  auto codec = Codec::Create("strata:b3", mix);
+  ASSERT_TRUE(codec.ok()) << codec.status();
+  const SyntheticKv kv = MakeSyntheticKv(kTokens, kHeads, kDim, 8, kTokens);
+  for (uint32_t l = 0; l < 4; ++l) {
+    absl::StatusOr<AlignedBuffer> b =
+        (*codec)->Encode({kv.k.data(), kv.v.data(), SourceDType::kFloat32, kTokens, kHeads, kDim},
+                         {.layer = l, .chunk_index = 1});
+    ASSERT_TRUE(b.ok()) << b.status();
+    const BlockView view = *BlockView::Parse(b->span());
+    EXPECT_TRUE(CheckPage(view, layers[l], mix.get()).ok())
+        << CheckPage(view, layers[l], mix.get());
+    EXPECT_TRUE(CheckPage(view, *pool, mix.get()).ok());
+    if (l == 0) {
+      EXPECT_FALSE(CheckPage(view, layers[2], mix.get()).ok());
+    }
+  }
+  // A single codec: every layer the pool's.
+  std::vector<PagedKvLayout> kivi;
+  ASSERT_TRUE(PageLayoutForCodec("kivi:k2v2:g32", kTokens, kHeads, kDim, nullptr, 3, &kivi).ok());
+  ASSERT_EQ(kivi.size(), 3u);
+  for (const PagedKvLayout& l : kivi) EXPECT_EQ(l.format, PageFormat::kAffine);
+}
+
 // The GPU over blocks copied into device memory as they are, against the CPU's reference
 // attention over the same blocks (and an fp16 window), 8 query heads over 2 KV heads, one
 // sequence per codec and chunk size.

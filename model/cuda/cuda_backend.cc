@@ -197,10 +197,14 @@ class CudaBackend final : public ComputeBackend {
   }
 
   // For CudaKvCache::AdoptBlock: OK when `block` can be a page of the pool (or no pool yet).
-  absl::Status CheckPage(const BlockView& block) const {
+  absl::Status CheckPage(uint32_t layer, const BlockView& block) const {
     std::lock_guard<std::mutex> lock(mu_);
     if (pool_ == nullptr) return absl::OkStatus();
-    return kc::CheckPage(block, layout_, calibration_.get());
+    if (layer >= layer_layouts_.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("cuda backend: no layer ", layer, " (", layer_layouts_.size(), " layers)"));
+    }
+    return kc::CheckPage(block, layer_layouts_[layer], calibration_.get());
   }
 
   // For CudaKvCache: pages and slots back to the pools.
@@ -241,8 +245,10 @@ class CudaBackend final : public ComputeBackend {
           "' rotates K and V (rot): the CUDA model does not rotate queries and outputs yet; "
           "serve it with --device cpu"));
     }
-    absl::StatusOr<kc::PagedKvLayout> layout = kc::PageLayoutForCodec(
-        o.codec, o.chunk_tokens, c.num_kv_heads, c.head_dim, o.calibration, c.num_layers);
+    std::vector<kc::PagedKvLayout> layer_layouts;
+    absl::StatusOr<kc::PagedKvLayout> layout =
+        kc::PageLayoutForCodec(o.codec, o.chunk_tokens, c.num_kv_heads, c.head_dim, o.calibration,
+                               c.num_layers, &layer_layouts);
     if (!layout.ok()) {
       return absl::UnimplementedError(
           absl::StrCat("cuda backend: codec '", o.codec, "' at ", o.chunk_tokens,
@@ -341,6 +347,7 @@ class CudaBackend final : public ComputeBackend {
     window_k_ = static_cast<__half*>(wk);
     window_v_ = static_cast<__half*>(wv);
     layout_ = *layout;
+    layer_layouts_ = std::move(layer_layouts);
     codec_ = o.codec;
     chunk_tokens_ = o.chunk_tokens;
     max_window_ = max_window;
@@ -388,7 +395,8 @@ class CudaBackend final : public ComputeBackend {
         if (!view.ok()) return view.status();
         STRATA_ASSIGN_OR_RETURN(
             const std::optional<kc::PageDesc> general,
-            kc::CheckAndDescribePage(*view, layout_, calibration_.get(), page_constants_.get()));
+            kc::CheckAndDescribePage(*view, layer_layouts_[l], calibration_.get(),
+                                     page_constants_.get()));
         const int32_t page = free_pages_.back();
         STRATA_RETURN_IF_ERROR(Upload(pool_ + size_t(page) * layout_.PageBytes(), blocks[i].data(),
                                       blocks[i].size(), stream, "block to page"));
@@ -538,6 +546,7 @@ class CudaBackend final : public ComputeBackend {
     step.window_slots = slots;
     step.window_lens = lens;
     step.layout = layout_;
+    step.layer_layouts = layer_layouts_;
     step.pages = pool_;
     step.page_descs = descs_;
     step.page_desc_ids = desc_ids_;
@@ -621,6 +630,9 @@ class CudaBackend final : public ComputeBackend {
   // Everything below: under mu_ (the pools at the first cache, the step's buffers).
   mutable std::mutex mu_;
   mutable kc::PagedKvLayout layout_;
+  // Each layer's (PageLayoutForCodec): the pool's, or, for a Strata mix's layers of CQ alone, a
+  // codebook pool's (the codebook kernel's).
+  mutable std::vector<kc::PagedKvLayout> layer_layouts_;
   mutable std::string codec_;
   mutable uint32_t chunk_tokens_ = 0;
   mutable int max_window_ = 0;
@@ -660,7 +672,7 @@ absl::Status CudaKvCache::AdoptBlock(uint32_t layer, SharedBytes block, bool che
   absl::StatusOr<BlockView> view =
       BlockView::Parse(block.span(), {.verify_checksum = !checksum_verified});
   if (!view.ok()) return view.status();
-  STRATA_RETURN_IF_ERROR(backend_->CheckPage(*view));
+  STRATA_RETURN_IF_ERROR(backend_->CheckPage(layer, *view));
   return host_->AdoptBlock(layer, std::move(block), /*checksum_verified=*/true);
 }
 

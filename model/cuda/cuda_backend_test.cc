@@ -15,6 +15,9 @@
 #include "absl/strings/str_cat.h"
 #include "common/testing/cuda_device.h"
 #include "gtest/gtest.h"
+#include "kernels/calibration.h"
+#include "kernels/codec_spec.h"
+#include "kernels/synthetic_kv.h"
 #include "model/cpu_backend.h"
 #include "model/cuda/test_helpers.h"
 #include "model/cuda_plugin.h"
@@ -131,6 +134,58 @@ TEST_F(CudaBackendTest, PrefillAndDecodeAcrossAChunkBoundaryFollowTheCpu) {
     EXPECT_EQ((*got_cache)->blocks_per_layer(), 4u);
     EXPECT_EQ((*got_cache)->window_tokens(), 3u);
   }
+}
+
+// The Strata mix with CQ on some layers: the pool is general, its CQ layers codebook pools of
+// their own (the codebook kernel's; kernels/cuda/block_pages.h), its KIVI layers the general
+// kernel's; prefill and greedy steps across a chunk boundary follow the CPU. Codebooks learned on
+// synthetic KV of the model's shape: what is compared is the GPU against the CPU over the same
+// blocks, not the codec's quality.
+TEST_F(CudaBackendTest, AStrataMixWithCqLayersFollowsTheCpu) {
+  const uint32_t KH = config().num_kv_heads, D = config().head_dim;
+  auto mix = std::make_shared<kernels::Calibration>();
+  mix->codec = "strata:b3";
+  mix->model_fingerprint = host_->fingerprint();
+  mix->kv_heads = KH;
+  mix->head_dim = D;
+  const std::shared_ptr<kernels::Calibration> cq =
+      kernels::MakeSyntheticCalibration(*kernels::CodecSpec::Parse("cq:c4:b8"), KH, D, 5);
+  for (uint32_t l = 0; l < config().num_layers; ++l) {
+    kernels::LayerCalibration lc;
+    if (l % 2 == 0) {
+      lc = cq->layers[0];
+      lc.spec = "cq:c4:b8";
+    } else {
+      lc.spec = "kivi:k4v4:g16";
+    }
+    mix->layers.push_back(lc);
+  }
+  std::unique_ptr<ComputeBackend> gpu = Gpu();
+  ASSERT_NE(gpu, nullptr);
+  const KvCacheOptions o{.codec = "strata:b3", .chunk_tokens = 16, .calibration = mix};
+  std::unique_ptr<KvCache> want_cache = *cpu_->NewCache(o);
+  absl::StatusOr<std::unique_ptr<KvCache>> got_cache = gpu->NewCache(o);
+  ASSERT_TRUE(got_cache.ok()) << got_cache.status();
+  const std::vector<uint32_t> prompt = Prompt(config(), 53, 9);
+  absl::StatusOr<std::vector<float>> want = cpu_->Prefill(prompt, want_cache.get());
+  absl::StatusOr<std::vector<float>> got = gpu->Prefill(prompt, got_cache->get());
+  ASSERT_TRUE(want.ok()) << want.status();
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_LT(RelErr(*got, *want), 5e-2);
+  uint32_t next = Argmax(*got);
+  for (int step = 0; step < 14; ++step) {
+    SCOPED_TRACE(step);
+    const absl::Span<const uint32_t> one[] = {{&next, 1}};
+    KvCache* const cpu_caches[] = {want_cache.get()};
+    KvCache* const gpu_caches[] = {got_cache->get()};
+    absl::StatusOr<std::vector<std::vector<float>>> w = cpu_->StepBatch(one, cpu_caches);
+    absl::StatusOr<std::vector<std::vector<float>>> g = gpu->StepBatch(one, gpu_caches);
+    ASSERT_TRUE(w.ok()) << w.status();
+    ASSERT_TRUE(g.ok()) << g.status();
+    EXPECT_LT(RelErr((*g)[0], (*w)[0]), 5e-2);
+    next = Argmax((*g)[0]);
+  }
+  EXPECT_EQ((*got_cache)->blocks_per_layer(), 4u);
 }
 
 // The plugin the node binaries open (libstrata_cuda.so, model/cuda_plugin.h: lib/ beside this

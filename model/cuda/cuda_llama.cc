@@ -524,6 +524,19 @@ absl::StatusOr<std::vector<uint32_t>> CudaLlamaModel::DecodePaged(
         absl::StrCat("cuda model: pages of ", p.layout.kv_heads, " KV heads of ", p.layout.head_dim,
                      " channels; the model has ", c.num_kv_heads, " of ", c.head_dim));
   }
+  if (!p.layer_layouts.empty()) {
+    if (p.layer_layouts.size() != c.num_layers) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "cuda model: ", p.layer_layouts.size(), " layer layouts for ", c.num_layers, " layers"));
+    }
+    for (const kc::PagedKvLayout& l : p.layer_layouts) {
+      if (l.format != p.layout.format || l.kv_heads != p.layout.kv_heads ||
+          l.head_dim != p.layout.head_dim || l.page_bytes != p.layout.page_bytes) {
+        return absl::InvalidArgumentError(
+            "cuda model: a layer's layout is not of the step's pool (format, shape, page bytes)");
+      }
+    }
+  }
   for (int b = 0; b < n; ++b) {
     if (p.window_slots[b] < 0 || p.window_slots[b] >= p.slots || p.window_lens[b] < 0 ||
         p.window_lens[b] >= p.max_window) {
@@ -604,7 +617,8 @@ absl::StatusOr<std::vector<uint32_t>> CudaLlamaModel::DecodePaged(
     la.block_table = p.block_tables[li];
     la.window_k = wk;
     la.window_v = wv;
-    return kc::PagedDecode(p.layout, la, p.max_pages_in_batch, st);
+    return kc::PagedDecode(p.layer_layouts.empty() ? p.layout : p.layer_layouts[li], la,
+                           p.max_pages_in_batch, st);
   };
   const int out_rows = p.last_row_only ? 1 : n;
   auto on_device = [&]() -> absl::Status {
@@ -649,8 +663,13 @@ absl::StatusOr<std::vector<uint32_t>> CudaLlamaModel::DecodePaged(
                                  uint64_t(p.layout.value_codes),
                                  uint64_t(p.layout.value_scales),
                                  uint64_t(p.layout.value_zeros),
-                                 uint64_t(p.layout.page_bytes)};
+                                 uint64_t(p.layout.page_bytes),
+                                 uint64_t(p.layout.codebook_group),
+                                 uint64_t(p.layout.codebook_bits)};
     for (const int32_t* t : p.block_tables) key.push_back(reinterpret_cast<uint64_t>(t));
+    for (const kc::PagedKvLayout& l : p.layer_layouts) {  // which layers take the codebook kernel
+      key.push_back(uint64_t(l.codebook_group) << 8 | uint64_t(l.codebook_bits));
+    }
     if (graph_ == nullptr || key != graph_key_) {
       if (graph_ != nullptr) cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(graph_));
       graph_ = nullptr;

@@ -105,6 +105,9 @@ class CudaLlamaModel {
     absl::Span<const int32_t> window_slots;
     absl::Span<const int32_t> window_lens;          // tokens in each window before the step
     kernels::cuda::PagedKvLayout layout;            // every layer's pages
+    // Each layer's own, where they differ (a Strata mix's layers of CQ alone are codebook pools,
+    // block_pages.h PageLayoutForCodec); empty: `layout` for every layer. The same pool.
+    absl::Span<const kernels::cuda::PagedKvLayout> layer_layouts;
     const uint8_t* pages = nullptr;                 // the pool
     // General pages (layout.format kGeneral): descriptors, each page's index, calibration
     // constants (kernels/cuda/paged_decode.h PagedDecodeArgs).
