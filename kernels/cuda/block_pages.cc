@@ -107,25 +107,38 @@ bool SameFastLayout(const PagedKvLayout& w, const PagedKvLayout& layout) {
          w.key_codes == layout.key_codes && w.value_codes == layout.value_codes;
 }
 
-// A block that is CQ alone (one part; K and V codebook codes over the same runs of 2, 4 or 8
-// channels at the same 4..8 bits, with or without a per-token norm; no other term): its
+// A block of CQ (its parts CQ over the same runs of 2, 4 or 8 channels at the same 4..8 bits,
+// with or without a per-token norm, or plain fp16: attention sinks; no other term): its
 // (channels per run, bits) for the codebook kernel (PagedKvLayout::codebook_group), else nullopt.
 std::optional<std::pair<int, int>> CodebookOnly(const PreparedBlock& p) {
-  if (p.parts.size() != 1 || p.parts[0].mean_ops != nullptr) return std::nullopt;
-  const BlockOperands& ops = p.parts[0];
-  auto plain = [&](const TensorOperands& t) {
-    return t.kind == CodeKind::kCodebook && t.codebook != nullptr && t.rank == 0 &&
-           t.outliers_per_vector == 0 && t.channel_norm == nullptr && t.channel_perm == nullptr &&
-           t.head_mean == nullptr && t.scales_fp8 == nullptr &&
-           (t.group_size == 2 || t.group_size == 4 || t.group_size == 8) && t.bits >= 4 &&
-           t.bits <= 8 && t.groups * t.group_size == ops.head_dim &&
-           t.row_bytes == (t.groups * static_cast<uint32_t>(t.bits) + 7) / 8;
+  std::optional<std::pair<int, int>> shape;
+  auto bare = [](const TensorOperands& t) {
+    return t.rank == 0 && t.outliers_per_vector == 0 && t.channel_norm == nullptr &&
+           t.channel_perm == nullptr && t.head_mean == nullptr && t.scales_fp8 == nullptr;
   };
-  if (!plain(ops.k) || !plain(ops.v) || ops.k.group_size != ops.v.group_size ||
-      ops.k.bits != ops.v.bits) {
-    return std::nullopt;
+  for (const BlockOperands& ops : p.parts) {
+    if (ops.mean_ops != nullptr || !bare(ops.k) || !bare(ops.v)) return std::nullopt;
+    if (ops.k.kind == CodeKind::kFloat16 && ops.v.kind == CodeKind::kFloat16) {
+      if (ops.k.row_bytes != ops.head_dim * 2 || ops.v.row_bytes != ops.head_dim * 2) {
+        return std::nullopt;
+      }
+      continue;
+    }
+    auto cq = [&](const TensorOperands& t) {
+      return t.kind == CodeKind::kCodebook && t.codebook != nullptr &&
+             (t.group_size == 2 || t.group_size == 4 || t.group_size == 8) && t.bits >= 4 &&
+             t.bits <= 8 && t.groups * t.group_size == ops.head_dim &&
+             t.row_bytes == (t.groups * static_cast<uint32_t>(t.bits) + 7) / 8;
+    };
+    if (!cq(ops.k) || !cq(ops.v) || ops.k.group_size != ops.v.group_size ||
+        ops.k.bits != ops.v.bits) {
+      return std::nullopt;
+    }
+    const std::pair<int, int> here = {static_cast<int>(ops.k.group_size), ops.k.bits};
+    if (shape.has_value() && *shape != here) return std::nullopt;
+    shape = here;
   }
-  return std::pair<int, int>{static_cast<int>(ops.k.group_size), ops.k.bits};
+  return shape;
 }
 
 // A general pool's pages as the codebook kernel requires them (when the pool is a codebook pool).
@@ -139,7 +152,8 @@ absl::Status CheckCodebook(const BlockView& block, const PreparedBlock& p,
   const BlockHeader& h = block.header();
   return absl::InvalidArgumentError(
       absl::StrCat("GPU pages: a ", h.codec_spec, " block of ", h.token_count,
-                   " tokens is not a page of this pool's layout: its pages are CQ alone, runs of ",
+                   " tokens is not a page of this pool's layout: its pages are CQ (and fp16 sinks) "
+                   "alone, runs of ",
                    layout.codebook_group, " channels at ", layout.codebook_bits, " bits"));
 }
 

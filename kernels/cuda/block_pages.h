@@ -39,7 +39,8 @@ namespace strata::kernels::cuda {
 inline constexpr uint32_t kPageAlignment = 128;
 
 // The layout of pages that are blocks like `block`: a fast one where the block has it, else
-// kGeneral (a codebook pool, PagedKvLayout::codebook_group, where the block is CQ alone). Blocks
+// kGeneral (a codebook pool, PagedKvLayout::codebook_group, where the block is CQ: its parts CQ
+// or fp16 sinks). Blocks
 // made with a calibration need it (kFailedPrecondition otherwise).
 absl::StatusOr<PagedKvLayout> PageLayoutFor(const BlockView& block,
                                             const Calibration* calibration = nullptr);
@@ -47,9 +48,9 @@ absl::StatusOr<PagedKvLayout> PageLayoutFor(const BlockView& block,
 // The layout of a pool for `spec`'s blocks of `tokens` tokens (from blocks the codec writes: the
 // first chunk's and a later one's, and with the Strata mix every one of `layers` layers'): their
 // fast layout when all share one, else kGeneral with pages that hold the largest (a codebook pool
-// when every one is CQ alone with the same runs and bits: not with sinks, not a mix).
+// when every one is CQ, with or without fp16 sinks, of the same runs and bits: not a mix).
 // `layer_layouts`, when not null, gets each layer's: the pool's, except that in a general pool
-// (the Strata mix) a layer whose blocks are all CQ alone with the same runs and bits is a codebook
+// (the Strata mix) a layer whose blocks are all CQ of the same runs and bits is a codebook
 // pool of its own (its pages held to that, and read by the codebook kernel).
 absl::StatusOr<PagedKvLayout> PageLayoutForCodec(
     absl::string_view spec, uint32_t tokens, uint32_t kv_heads, uint32_t head_dim,
@@ -57,9 +58,9 @@ absl::StatusOr<PagedKvLayout> PageLayoutForCodec(
     std::vector<PagedKvLayout>* layer_layouts = nullptr);
 
 // OK when `block` can be a page of a pool laid out as `layout` (fast layouts: the same sections at
-// the same offsets; general: the same shape and a block the general kernel reads, CQ alone of the
-// pool's runs and bits in a codebook pool; no more bytes than a page); kInvalidArgument naming the
-// difference otherwise.
+// the same offsets; general: the same shape and a block the general kernel reads, CQ (fp16 sinks
+// allowed) of the pool's runs and bits in a codebook pool; no more bytes than a page);
+// kInvalidArgument naming the difference otherwise.
 absl::Status CheckPage(const BlockView& block, const PagedKvLayout& layout,
                        const Calibration* calibration = nullptr);
 

@@ -473,15 +473,15 @@ TEST(BlockPagesTest, APoolIsGeneralOnlyWhereItsPagesNeedIt) {
   EXPECT_EQ(tiny.Intern(table.descs()[1]).status().code(), absl::StatusCode::kResourceExhausted);
 }
 
-// A pool of CQ alone is a codebook pool (its runs and bits in the layout, for the codebook
-// kernel) and takes no other page; CQ with sinks stays a plain general pool.
+// A pool of CQ (with or without fp16 sinks) is a codebook pool (its runs and bits in the layout,
+// for the codebook kernel) and takes no other page.
 TEST(BlockPagesTest, PoolsOfCqAloneAreCodebookPools) {
   struct Case {
     const char* spec;
     int group, bits;
   };
   for (const Case& c : {Case{"cq:c4:b8", 4, 8}, Case{"cq:c8:b6:norm", 8, 6}, Case{"cq:c2:b5", 2, 5},
-                        Case{"cq:c4:b8:sink2", 0, 0}}) {
+                        Case{"cq:c4:b8:sink2", 4, 8}}) {
     SCOPED_TRACE(c.spec);
     CodecBlocks cb = EncodeChunks(c.spec, 2, kTokens, 5);
     absl::StatusOr<PagedKvLayout> L =
@@ -498,7 +498,7 @@ TEST(BlockPagesTest, PoolsOfCqAloneAreCodebookPools) {
       EXPECT_TRUE(CheckAndDescribePage(view, *L, cb.calibration.get(), &constants).ok());
     }
   }
-  // A codebook pool refuses pages of CQ with other runs, bits or parts, and of other codecs.
+  // A codebook pool refuses pages of CQ with other runs or bits, and of other codecs.
   CodecBlocks c4 = EncodeChunks("cq:c4:b8", 1, kTokens, 5);
   absl::StatusOr<PagedKvLayout> pool =
       PageLayoutForCodec("cq:c4:b8", kTokens, kHeads, kDim, c4.calibration);
@@ -513,7 +513,7 @@ TEST(BlockPagesTest, PoolsOfCqAloneAreCodebookPools) {
     const PageConstants constants = PageConstants::For(ob.calibration.get());
     const absl::Status s = CheckPage(view, roomy, ob.calibration.get());
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
-    EXPECT_TRUE(absl::StrContains(s.message(), "CQ alone, runs of 4 channels at 8 bits")) << s;
+    EXPECT_TRUE(absl::StrContains(s.message(), "alone, runs of 4 channels at 8 bits")) << s;
     EXPECT_EQ(CheckAndDescribePage(view, roomy, ob.calibration.get(), &constants).status().code(),
               absl::StatusCode::kInvalidArgument);
   }
@@ -530,8 +530,9 @@ TEST(BlockPagesTest, PoolsOfCqAloneAreCodebookPools) {
   EXPECT_EQ(fast.Validate().code(), absl::StatusCode::kInvalidArgument);
 }
 
-// A Strata mix's pool is general; its layers of CQ alone are codebook pools of their own (the
-// codebook kernel's), each holding its pages to that, and its other layers are the pool's.
+// A Strata mix's pool is general; its layers of CQ (with fp16 sinks or not) are codebook pools of
+// their own (the codebook kernel's), each holding its pages to that, and its other layers are the
+// pool's.
 TEST(BlockPagesTest, AMixsCqLayersAreCodebookPoolsOfTheirOwn) {
   const std::shared_ptr<Calibration> c4 =
       MakeSyntheticCalibration(*CodecSpec::Parse("cq:c4:b8"), kHeads, kDim, 3);
@@ -541,11 +542,11 @@ TEST(BlockPagesTest, AMixsCqLayersAreCodebookPoolsOfTheirOwn) {
   mix->codec = "strata:b3";
   mix->kv_heads = kHeads;
   mix->head_dim = kDim;
-  mix->layers = {c4->layers[0], LayerCalibration{}, c8->layers[0], c4->layers[0]};
-  mix->layers[0].spec = "cq:c4:b8";
+  mix->layers = {c4->layers[0], LayerCalibration{}, c8->layers[0], LayerCalibration{}};
+  mix->layers[0].spec = "cq:c4:b8:sink4";
   mix->layers[1].spec = "kivi:k4v4:g32";
   mix->layers[2].spec = "cq:c8:b6:norm";
-  mix->layers[3].spec = "cq:c4:b8:sink2";
+  mix->layers[3].spec = "gear:k2v2:g32:r2:s2";
   std::vector<PagedKvLayout> layers;
   absl::StatusOr<PagedKvLayout> pool =
       PageLayoutForCodec("strata:b3", kTokens, kHeads, kDim, mix, 4, &layers);
@@ -553,7 +554,7 @@ TEST(BlockPagesTest, AMixsCqLayersAreCodebookPoolsOfTheirOwn) {
   EXPECT_EQ(pool->format, PageFormat::kGeneral);
   EXPECT_EQ(pool->codebook_group, 0);
   ASSERT_EQ(layers.size(), 4u);
-  const int want[4][2] = {{4, 8}, {0, 0}, {8, 6}, {0, 0}};  // (sinks: two parts in chunk 0)
+  const int want[4][2] = {{4, 8}, {0, 0}, {8, 6}, {0, 0}};
   for (uint32_t l = 0; l < 4; ++l) {
     SCOPED_TRACE(l);
     EXPECT_EQ(layers[l].format, PageFormat::kGeneral);
@@ -696,12 +697,12 @@ TEST(BlockPagesGpuTest, GpuAttentionOverCodecBlocksEqualsTheCpuReference) {
 
 // Two sequences of `spec`'s blocks (5 and 3 chunks of `tokens` tokens, different data, one
 // calibration; pages in scattered order, each naming its descriptor, calibration constants beside
-// them) and fp16 windows of `window` tokens, in a general pool (a codebook pool where
-// `want_codebook_group` says so), through PagedDecode with `kernel`, against the CPU
-// reference attention over the same blocks and windows: err2 / ref2 of the outputs below
-// `tolerance`. Over `splits` splits (more than a sequence's pages: splits with no page, the last
-// one's window alone). With kAuto on a codebook pool, the codebook kernel must be the one that
-// runs.
+// them) and fp16 windows of `window` tokens, in a general pool (a codebook pool of runs of
+// `want_codebook_group` channels where it is > 0; not checked where it is < 0), through PagedDecode
+// with `kernel`, against the CPU reference attention over the same blocks and windows: err2 / ref2
+// of the outputs below `tolerance`. Over `splits` splits (more than a sequence's pages: splits with
+// no page, the last one's window alone). With kAuto on a codebook pool, the codebook kernel must be
+// the one that runs.
 void ExpectGeneralPoolMatchesCpu(const std::string& spec, uint32_t tokens, uint32_t q_heads,
                                  int window, PagedKernel kernel, int want_codebook_group,
                                  double tolerance, int splits = 3) {
@@ -719,7 +720,9 @@ void ExpectGeneralPoolMatchesCpu(const std::string& spec, uint32_t tokens, uint3
       PageLayoutForCodec(spec, tokens, kHeads, kDim, seqs[0].calibration);
   ASSERT_TRUE(L.ok()) << L.status();
   ASSERT_EQ(L->format, PageFormat::kGeneral);
-  ASSERT_EQ(L->codebook_group, want_codebook_group);
+  if (want_codebook_group >= 0) {
+    ASSERT_EQ(L->codebook_group, want_codebook_group);
+  }
   const int pages = chunks_of[0] + chunks_of[1];
   std::vector<uint8_t> pool(static_cast<size_t>(L->PageBytes()) * pages, 0);
   std::vector<int32_t> table(kBatch * chunks_of[0], 0);
@@ -814,7 +817,7 @@ void ExpectGeneralPoolMatchesCpu(const std::string& spec, uint32_t tokens, uint3
   a.page_desc_ids = static_cast<const uint16_t*>(upload(desc_ids.data(), desc_ids.size() * 2));
   a.constants =
       static_cast<const uint8_t*>(upload(constants.bytes().data(), constants.bytes().size()));
-  const bool codebook = want_codebook_group != 0 && kernel == PagedKernel::kAuto;
+  const bool codebook = want_codebook_group > 0 && kernel == PagedKernel::kAuto;
   ASSERT_EQ(RunsCodebookKernel(*L, a), codebook);
   ASSERT_TRUE(PagedDecode(*L, a, chunks_of[0], nullptr).ok());
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
@@ -848,18 +851,17 @@ TEST(BlockPagesGpuTest, GeneralKernelOverEveryCodecsPagesEqualsTheCpuReference) 
       for (uint32_t tokens : {64u, 256u}) {
         SCOPED_TRACE(absl::StrCat(spec, " at ", tokens, " tokens, ", q_heads, " query heads"));
         // kSimt: the general kernel on codebook pools too (the codebook kernel's test is below).
-        ExpectGeneralPoolMatchesCpu(spec, tokens, q_heads, 21, PagedKernel::kSimt,
-                                    absl::string_view(spec) == "cq:c4:b6" ? 4 : 0, 1e-8);
+        ExpectGeneralPoolMatchesCpu(spec, tokens, q_heads, 21, PagedKernel::kSimt, -1, 1e-8);
       }
     }
   }
 }
 
-// The codebook kernel (pools of CQ alone) against the CPU reference, as above: every run width
-// and several code widths, with and without norms; GQA groups of 1, 3, 4 and 8 (at c4:b8 a group
-// of 8 takes two blocks of 4 query heads); 64-, 96- (a tile of 64 and one of 32) and 256-token
-// chunks; windows of 21 and of 70 tokens (two tiles). The general kernel on the same pools
-// (kSimt) must agree as closely.
+// The codebook kernel (pools of CQ) against the CPU reference, as above: every run width and
+// several code widths, with and without norms and fp16 sinks; GQA groups of 1, 3, 4 and 8 (at c4:b8
+// a group of 8 takes two blocks of 4 query heads); 64-, 96- (a tile of 64 and one of 32) and
+// 256-token chunks; windows of 21 and of 70 tokens (two tiles). The general kernel on the same
+// pools (kSimt) must agree as closely.
 TEST(BlockPagesGpuTest, CodebookKernelOverCqPagesEqualsTheCpuReference) {
   std::string why;
   if (!HaveCudaDevice(&why)) GTEST_SKIP() << "skipped, no GPU: " << why;
@@ -867,8 +869,10 @@ TEST(BlockPagesGpuTest, CodebookKernelOverCqPagesEqualsTheCpuReference) {
     const char* spec;
     int group;
   };
-  const Case cases[] = {{"cq:c4:b8", 4},      {"cq:c8:b8:norm", 8}, {"cq:c2:b5", 2},
-                        {"cq:c4:b6:norm", 4}, {"cq:c8:b4", 8},      {"cq:c2:b8:norm", 2}};
+  // With fp16 sinks (chunk 0: a part of 4 or 2 tokens at fp16 beside the CQ part) or without.
+  const Case cases[] = {{"cq:c4:b8:sink4", 4}, {"cq:c8:b8:norm", 8},      {"cq:c2:b5", 2},
+                        {"cq:c4:b6:norm", 4},  {"cq:c8:b4", 8},           {"cq:c4:b8", 4},
+                        {"cq:c2:b8:norm", 2},  {"cq:c8:b6:norm:sink2", 8}};
   struct Shape {
     uint32_t q_heads, tokens;
     int window, splits;

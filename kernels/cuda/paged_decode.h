@@ -78,11 +78,11 @@ struct PagedKvLayout {
   uint32_t key_codes = 0, key_scales = 0, key_zeros = 0;
   uint32_t value_codes = 0, value_scales = 0, value_zeros = 0;
   uint32_t page_bytes = 0;
-  // kGeneral pools whose every page is CQ alone (block_pages.h sets these; CheckPage holds every
-  // page to them): one part, K and V as codes of `codebook_bits` (4..8) over runs of
-  // `codebook_group` (2, 4 or 8) channels, with or without a per-token norm, no other term. The
-  // codebook kernel reads such pools (PagedKernel::kAuto): scores by table lookups, values by
-  // centroid sums, no element decoded. 0: any general pool.
+  // kGeneral pools whose every page is CQ (block_pages.h sets these; CheckPage holds every page
+  // to them): K and V as codes of `codebook_bits` (4..8) over runs of `codebook_group` (2, 4 or 8)
+  // channels, with or without a per-token norm, no other term; parts of plain fp16 (attention
+  // sinks) beside them. The codebook kernel reads such pools (PagedKernel::kAuto): scores by
+  // table lookups, values by centroid sums, no element decoded. 0: any general pool.
   int codebook_group = 0;
   int codebook_bits = 0;
 

@@ -1,6 +1,7 @@
-// The codebook paged decode kernel: kGeneral pools whose every page is CQ alone
-// (PagedKvLayout::codebook_group: one part, K and V as codebook codes of `codebook_bits` over
-// runs of `codebook_group` channels, with or without a per-token norm, no other term). Included by
+// The codebook paged decode kernel: kGeneral pools whose every page is CQ
+// (PagedKvLayout::codebook_group: K and V as codebook codes of `codebook_bits` over runs of
+// `codebook_group` channels, with or without a per-token norm, no other term; parts of plain fp16,
+// attention sinks, beside them). Included by
 // paged_decode.cu inside its anonymous namespace, after the general kernel.
 //
 // The general kernel decodes every element of K and V into shared memory and attends at fp32;
@@ -24,8 +25,9 @@
 // a time, kCbStages tiles in flight (cp.async, 16-byte copies of the aligned bytes around each
 // section's run: a page is 16-byte aligned and a multiple of 16 bytes long, so they stay inside
 // it). Per tile: scores (4 threads per token, a quarter of the groups each, summed by shuffles),
-// the online softmax (one warp per query head), the value sums. The fp16 window follows on the
-// last split, through the same three steps.
+// the online softmax (one warp per query head), the value sums. An fp16 part's tiles (sinks)
+// and the window (on the last split) take the same three steps over their rows as they are in
+// global memory.
 
 constexpr int kCbThreads = 256;
 constexpr int kCbTile = 64;  // tokens per tile
@@ -62,18 +64,25 @@ struct CodebookSmem {
   }
 };
 
-// One tile of a page: this KV head's codes (and norms) of tokens [t0, t0 + n) of the page's part,
-// where they are in global memory, and the codebooks the page names. n = 0: nothing (past the
-// part's tokens, or a page that is not CQ of the pool's shape: the host refuses those, and the
-// kernel reads nothing of it rather than past its shared memory).
+// One tile of a page: this KV head's tokens [t0, t0 + n) of one of the page's parts, where they
+// are in global memory: a CQ part's codes (and norms) and the codebooks the page names, or an
+// fp16 part's rows (attention sinks). n = 0: nothing (past the page's parts, or a part that is
+// neither CQ of the pool's shape nor plain fp16: the host refuses those, and the kernel reads
+// nothing of it rather than past its shared memory).
 struct CbTile {
-  const uint8_t* k_codes = nullptr;
+  const uint8_t* k_codes = nullptr;  // CQ: codes; fp16: rows [n][D] halves
   const uint8_t* v_codes = nullptr;
-  const uint8_t* k_norms = nullptr;  // fp16 per token, or null
+  const uint8_t* k_norms = nullptr;  // CQ: fp16 per token, or null
   const uint8_t* v_norms = nullptr;
   uint32_t n = 0;
-  uint32_t k_codebook = 0, v_codebook = 0;  // descriptor addresses
+  bool fp16 = false;
+  uint32_t k_codebook = 0, v_codebook = 0;  // CQ: descriptor addresses
 };
+
+// Tiles per page: every part's tokens in tiles of kCbTile, at most this many.
+__host__ __device__ inline int CbTilesPerPage(int page_tokens) {
+  return (page_tokens + kCbTile - 1) / kCbTile + kMaxPageParts - 1;
+}
 
 template <int D, int C>
 __device__ __forceinline__ CbTile LocateCbTile(const PagedKvLayout& L, const PagedDecodeArgs& a,
@@ -81,28 +90,50 @@ __device__ __forceinline__ CbTile LocateCbTile(const PagedKvLayout& L, const Pag
                                                int kvh, uint32_t row_bytes) {
   CbTile t;
   const int pi = j / tiles_per_page;
-  const uint32_t t0 = static_cast<uint32_t>(j % tiles_per_page) * kCbTile;
+  uint32_t r = static_cast<uint32_t>(j % tiles_per_page);
   const int64_t id = table[pi];
   const uint8_t* page = a.pages + id * static_cast<int64_t>(L.PageBytes());
   const PageDesc* d = a.page_descs + a.page_desc_ids[id];
-  const uint32_t T = d->part[0].tokens;
-  const PageTensorDesc& k = d->part[0].k;
-  const PageTensorDesc& v = d->part[0].v;
-  constexpr uint32_t kGroups = D / C;
-  const bool cq = d->parts == 1 && k.kind == PageCode::kCodebook && v.kind == PageCode::kCodebook &&
-                  k.bits == L.codebook_bits && v.bits == L.codebook_bits && k.group_size == C &&
-                  v.group_size == C && k.groups == kGroups && v.groups == kGroups &&
-                  k.row_bytes == row_bytes && v.row_bytes == row_bytes && k.codebook != 0 &&
-                  v.codebook != 0;
-  if (!cq || t0 >= T) return t;
-  t.n = min(static_cast<uint32_t>(kCbTile), T - t0);
-  const size_t row = static_cast<size_t>(kvh) * T + t0;
-  t.k_codes = PageAddr(page, a.constants, k.codes) + row * row_bytes;
-  t.v_codes = PageAddr(page, a.constants, v.codes) + row * row_bytes;
-  if (k.scales != 0) t.k_norms = PageAddr(page, a.constants, k.scales) + row * 2;
-  if (v.scales != 0) t.v_norms = PageAddr(page, a.constants, v.scales) + row * 2;
-  t.k_codebook = k.codebook;
-  t.v_codebook = v.codebook;
+  const uint32_t parts = min(d->parts, static_cast<uint32_t>(kMaxPageParts));
+  for (uint32_t p = 0; p < parts; ++p) {
+    const uint32_t T = d->part[p].tokens;
+    const uint32_t tiles = (T + kCbTile - 1) / kCbTile;
+    if (r >= tiles) {
+      r -= tiles;
+      continue;
+    }
+    const uint32_t t0 = r * kCbTile;
+    const PageTensorDesc& k = d->part[p].k;
+    const PageTensorDesc& v = d->part[p].v;
+    const size_t row = static_cast<size_t>(kvh) * T + t0;
+    if (k.kind == PageCode::kFp16 && v.kind == PageCode::kFp16) {
+      const bool plain = k.rank == 0 && v.rank == 0 && k.outliers == 0 && v.outliers == 0 &&
+                         k.channel_norm == 0 && v.channel_norm == 0 && k.channel_perm == 0 &&
+                         v.channel_perm == 0 && k.head_mean == 0 && v.head_mean == 0 &&
+                         k.row_bytes == D * 2 && v.row_bytes == D * 2;
+      if (!plain) return t;
+      t.fp16 = true;
+      t.n = min(static_cast<uint32_t>(kCbTile), T - t0);
+      t.k_codes = PageAddr(page, a.constants, k.codes) + row * (D * 2);
+      t.v_codes = PageAddr(page, a.constants, v.codes) + row * (D * 2);
+      return t;
+    }
+    constexpr uint32_t kGroups = D / C;
+    const bool cq = k.kind == PageCode::kCodebook && v.kind == PageCode::kCodebook &&
+                    k.bits == L.codebook_bits && v.bits == L.codebook_bits && k.group_size == C &&
+                    v.group_size == C && k.groups == kGroups && v.groups == kGroups &&
+                    k.row_bytes == row_bytes && v.row_bytes == row_bytes && k.codebook != 0 &&
+                    v.codebook != 0;
+    if (!cq) return t;
+    t.n = min(static_cast<uint32_t>(kCbTile), T - t0);
+    t.k_codes = PageAddr(page, a.constants, k.codes) + row * row_bytes;
+    t.v_codes = PageAddr(page, a.constants, v.codes) + row * row_bytes;
+    if (k.scales != 0) t.k_norms = PageAddr(page, a.constants, k.scales) + row * 2;
+    if (v.scales != 0) t.v_norms = PageAddr(page, a.constants, v.scales) + row * 2;
+    t.k_codebook = k.codebook;
+    t.v_codebook = v.codebook;
+    return t;
+  }
   return t;
 }
 
@@ -226,6 +257,70 @@ __device__ __forceinline__ void CbRescale(CbState<C>& st, const float* corr, int
   }
 }
 
+// Attends the block's query heads over n (<= kCbTile) fp16 rows in global memory, K at k and V
+// at v (row stride D halves: an fp16 part of a page, or the window): the codebook steps with the
+// rows read as they are. Every thread of the block calls it (it holds barriers).
+template <int D, int C>
+__device__ __forceinline__ void CbAttendFp16Rows(CbState<C>& st, const __half* k, const __half* v,
+                                                 int n, const float* qs, float* ps, float* corr,
+                                                 int heads) {
+  constexpr int kGroups = D / C;
+  constexpr int kShares = kCbThreads / kGroups;
+  constexpr int kSpan = D / kCbThreadsPerToken;  // key channels per scoring thread
+  const int tid = threadIdx.x;
+  const int score_token = tid / kCbThreadsPerToken, sub = tid % kCbThreadsPerToken;
+  const int vg = tid % kGroups, share = tid / kGroups;
+  {
+    float s[kCbMaxHeads];
+#pragma unroll
+    for (int h = 0; h < kCbMaxHeads; ++h) s[h] = 0;
+    if (score_token < n) {
+      const __half* kr = k + static_cast<size_t>(score_token) * D + sub * kSpan;
+#pragma unroll
+      for (int c0 = 0; c0 < kSpan; c0 += 8) {
+        float kf[8];
+        LoadHalvesGlobal<8>(kr + c0, kf);
+#pragma unroll
+        for (int h = 0; h < kCbMaxHeads; ++h) {
+          if (h < heads) {
+            const float* qh = qs + h * D + sub * kSpan + c0;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) s[h] = fmaf(qh[i], kf[i], s[h]);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < kCbMaxHeads; ++h) {
+      s[h] += __shfl_xor_sync(0xffffffffu, s[h], 1);
+      s[h] += __shfl_xor_sync(0xffffffffu, s[h], 2);
+    }
+    if (sub == 0 && score_token < n) {
+#pragma unroll
+      for (int h = 0; h < kCbMaxHeads; ++h) {
+        if (h < heads) ps[h * kCbTile + score_token] = s[h];
+      }
+    }
+  }
+  __syncthreads();
+  CbSoftmax<C>(st, ps, corr, heads, n);
+  __syncthreads();
+  CbRescale<C>(st, corr, heads);
+  for (int tok = share; tok < n; tok += kShares) {
+    float c[C];
+    LoadHalvesGlobal<C>(v + static_cast<size_t>(tok) * D + vg * C, c);
+#pragma unroll
+    for (int h = 0; h < kCbMaxHeads; ++h) {
+      if (h < heads) {
+        const float w = ps[h * kCbTile + tok];
+#pragma unroll
+        for (int i = 0; i < C; ++i) st.acc[h][i] = fmaf(w, c[i], st.acc[h][i]);
+      }
+    }
+  }
+  __syncthreads();
+}
+
 template <int D, int C>
 __global__ void __launch_bounds__(kCbThreads, 1)
     CodebookDecodeKernel(PagedKvLayout L, PagedDecodeArgs a, int splits, float* part_acc,
@@ -275,13 +370,13 @@ __global__ void __launch_bounds__(kCbThreads, 1)
   const int p0 = min(pages, split * per_split);
   const int p1 = min(pages, p0 + per_split);
   const int32_t* table = a.block_table + static_cast<size_t>(seq) * a.max_pages;
-  const int tiles_per_page = (L.page_tokens + kCbTile - 1) / kCbTile;
+  const int tiles_per_page = CbTilesPerPage(L.page_tokens);
   const int j0 = p0 * tiles_per_page, j1 = p1 * tiles_per_page;
   const uint32_t row_bytes = S.row_bytes;
 
   auto stage = [&](int j) {
     const CbTile t = LocateCbTile<D, C>(L, a, table, tiles_per_page, j, kvh, row_bytes);
-    if (t.n == 0) return;
+    if (t.n == 0 || t.fp16) return;  // fp16 rows are read where they are
     uint8_t* buf = stages + static_cast<size_t>(j % kCbStages) * S.stage_bytes;
     StageRun(buf, t.k_codes, static_cast<size_t>(t.n) * row_bytes);
     StageRun(buf + S.code_room, t.v_codes, static_cast<size_t>(t.n) * row_bytes);
@@ -327,7 +422,10 @@ __global__ void __launch_bounds__(kCbThreads, 1)
     __syncthreads();  // tile j is in
     const CbTile t = LocateCbTile<D, C>(L, a, table, tiles_per_page, j, kvh, row_bytes);
     const int n = static_cast<int>(t.n);
-    if (n > 0) {
+    if (n > 0 && t.fp16) {
+      CbAttendFp16Rows<D, C>(st, reinterpret_cast<const __half*>(t.k_codes),
+                             reinterpret_cast<const __half*>(t.v_codes), n, qs, ps, corr, heads);
+    } else if (n > 0) {
       if (t.k_codebook != have_k || t.v_codebook != have_v) {
         load_codebooks(t.k_codebook, t.v_codebook);
         __syncthreads();
@@ -398,63 +496,15 @@ __global__ void __launch_bounds__(kCbThreads, 1)
   }
   CpAsyncWait<0>();
 
-  // The window (fp16, newest tokens): the last split's, through the same three steps.
+  // The window (fp16, newest tokens): the last split's.
   const int window = a.window_lens != nullptr ? a.window_lens[seq] : 0;
   if (split == splits - 1 && window > 0) {
     const int slot = a.window_slots != nullptr ? a.window_slots[seq] : seq;
     const size_t base = (static_cast<size_t>(slot) * L.kv_heads + kvh) * a.max_window * D;
-    constexpr int kSpan = D / kCbThreadsPerToken;  // key channels per scoring thread
     for (int w0 = 0; w0 < window; w0 += kCbTile) {
-      const int n = min(kCbTile, window - w0);
-      {
-        float s[kCbMaxHeads];
-#pragma unroll
-        for (int h = 0; h < kCbMaxHeads; ++h) s[h] = 0;
-        if (score_token < n) {
-          const __half* k =
-              a.window_k + base + static_cast<size_t>(w0 + score_token) * D + sub * kSpan;
-          for (int c0 = 0; c0 < kSpan; c0 += 8) {
-            float kf[8];
-            LoadHalvesGlobal<8>(k + c0, kf);
-#pragma unroll
-            for (int h = 0; h < kCbMaxHeads; ++h) {
-              if (h < heads) {
-                const float* qh = qs + h * D + sub * kSpan + c0;
-#pragma unroll
-                for (int i = 0; i < 8; ++i) s[h] = fmaf(qh[i], kf[i], s[h]);
-              }
-            }
-          }
-        }
-#pragma unroll
-        for (int h = 0; h < kCbMaxHeads; ++h) {
-          s[h] += __shfl_xor_sync(0xffffffffu, s[h], 1);
-          s[h] += __shfl_xor_sync(0xffffffffu, s[h], 2);
-        }
-        if (sub == 0 && score_token < n) {
-#pragma unroll
-          for (int h = 0; h < kCbMaxHeads; ++h) {
-            if (h < heads) ps[h * kCbTile + score_token] = s[h];
-          }
-        }
-      }
-      __syncthreads();
-      CbSoftmax<C>(st, ps, corr, heads, n);
-      __syncthreads();
-      CbRescale<C>(st, corr, heads);
-      for (int tok = share; tok < n; tok += kShares) {
-        float c[C];
-        LoadHalvesGlobal<C>(a.window_v + base + static_cast<size_t>(w0 + tok) * D + vg * C, c);
-#pragma unroll
-        for (int h = 0; h < kCbMaxHeads; ++h) {
-          if (h < heads) {
-            const float w = ps[h * kCbTile + tok];
-#pragma unroll
-            for (int i = 0; i < C; ++i) st.acc[h][i] = fmaf(w, c[i], st.acc[h][i]);
-          }
-        }
-      }
-      __syncthreads();
+      CbAttendFp16Rows<D, C>(st, a.window_k + base + static_cast<size_t>(w0) * D,
+                             a.window_v + base + static_cast<size_t>(w0) * D,
+                             min(kCbTile, window - w0), qs, ps, corr, heads);
     }
   }
 

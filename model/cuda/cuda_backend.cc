@@ -630,7 +630,7 @@ class CudaBackend final : public ComputeBackend {
   // Everything below: under mu_ (the pools at the first cache, the step's buffers).
   mutable std::mutex mu_;
   mutable kc::PagedKvLayout layout_;
-  // Each layer's (PageLayoutForCodec): the pool's, or, for a Strata mix's layers of CQ alone, a
+  // Each layer's (PageLayoutForCodec): the pool's, or, for a Strata mix's layers of CQ, a
   // codebook pool's (the codebook kernel's).
   mutable std::vector<kc::PagedKvLayout> layer_layouts_;
   mutable std::string codec_;

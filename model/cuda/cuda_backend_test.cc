@@ -136,11 +136,11 @@ TEST_F(CudaBackendTest, PrefillAndDecodeAcrossAChunkBoundaryFollowTheCpu) {
   }
 }
 
-// The Strata mix with CQ on some layers: the pool is general, its CQ layers codebook pools of
-// their own (the codebook kernel's; kernels/cuda/block_pages.h), its KIVI layers the general
-// kernel's; prefill and greedy steps across a chunk boundary follow the CPU. Codebooks learned on
-// synthetic KV of the model's shape: what is compared is the GPU against the CPU over the same
-// blocks, not the codec's quality.
+// The Strata mix with CQ (and fp16 sinks) on some layers: the pool is general, its CQ layers
+// codebook pools of their own (the codebook kernel's; kernels/cuda/block_pages.h), its KIVI layers
+// the general kernel's; prefill and greedy steps across a chunk boundary follow the CPU. Codebooks
+// learned on synthetic KV of the model's shape: what is compared is the GPU against the CPU over
+// the same blocks, not the codec's quality.
 TEST_F(CudaBackendTest, AStrataMixWithCqLayersFollowsTheCpu) {
   const uint32_t KH = config().num_kv_heads, D = config().head_dim;
   auto mix = std::make_shared<kernels::Calibration>();
@@ -154,7 +154,7 @@ TEST_F(CudaBackendTest, AStrataMixWithCqLayersFollowsTheCpu) {
     kernels::LayerCalibration lc;
     if (l % 2 == 0) {
       lc = cq->layers[0];
-      lc.spec = "cq:c4:b8";
+      lc.spec = "cq:c4:b8:sink4";  // as the mix's menu has it: fp16 sinks in chunk 0
     } else {
       lc.spec = "kivi:k4v4:g16";
     }
