@@ -53,6 +53,7 @@ std::string Calibration::Serialize() const {
          {std::pair{"k_codebook", &l.k_codebook}, std::pair{"v_codebook", &l.v_codebook}}) {
       if (!book->empty()) lj[name] = absl::Base64Escape(CodebookBytes(*book));
     }
+    if (!l.k_metric.empty()) lj["k_metric"] = l.k_metric;
     j["layers"].push_back(std::move(lj));
   }
   return j.dump(1);
@@ -71,6 +72,10 @@ uint64_t Calibration::fingerprint() const {
     if (!l.k_codebook.empty() || !l.v_codebook.empty()) {
       absl::StrAppend(&bytes, "codebooks ", l.k_codebook.size(), " ", l.v_codebook.size(), "\n",
                       CodebookBytes(l.k_codebook), CodebookBytes(l.v_codebook));
+    }
+    if (!l.k_metric.empty()) {
+      absl::StrAppend(&bytes, "k_metric ", l.k_metric.size(), "\n");
+      bytes.append(reinterpret_cast<const char*>(l.k_metric.data()), l.k_metric.size() * 4);
     }
   }
   const uint64_t f = Fingerprint64(bytes);
@@ -149,6 +154,19 @@ absl::StatusOr<Calibration> Calibration::Parse(absl::string_view text) {
                                   " entries, not the ", layer_entries, " of codec ",
                                   l.spec.empty() ? c.codec : l.spec,
                                   " (kv_heads x head_dim x 2^b)"));
+        }
+      }
+      if (lj.contains("k_metric")) {
+        l.k_metric = lj.at("k_metric").get<std::vector<float>>();
+        if (l.k_metric.size() != size_t{c.kv_heads} * c.head_dim) {
+          return Bad(absl::StrCat("layer ", i, " k_metric has ", l.k_metric.size(),
+                                  " entries, not kv_heads x head_dim = ", c.kv_heads * c.head_dim));
+        }
+        for (float w : l.k_metric) {
+          if (!(w > 0.0f && std::isfinite(w))) {
+            return Bad(absl::StrCat("layer ", i, " k_metric holds ", w,
+                                    ": every weight is finite and positive"));
+          }
         }
       }
       for (const auto& [name, perm] : {std::pair{"k_perm", &l.k_perm}, std::pair{"v_perm", &l.v_perm}}) {

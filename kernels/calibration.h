@@ -30,6 +30,12 @@ struct LayerCalibration {
   // CQ's codebooks (codebook.h), fp16 bits [kv_heads, head_dim / c, 2^b, c]; empty for other
   // codecs. Stored in the file as base64 of their little-endian bytes.
   std::vector<uint16_t> k_codebook, v_codebook;
+  // CQ's keys: per channel [kv_heads * head_dim], the weight of the channel in the distance the
+  // key codebooks were learned with and the encoder picks centroids by, sum_d (w_d (x_d - c_d))^2:
+  // the RMS of the channel over the KV head's query heads on the calibration text, so that a
+  // key's error counts as much as it moves q.k. Empty: every channel 1 (the plain distance).
+  // Finite and positive.
+  std::vector<float> k_metric;
   // This layer's own codec (per-layer precision and the Strata mix); empty: the file's codec.
   // Blocks of the layer carry this spec in their header.
   std::string spec;

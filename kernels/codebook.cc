@@ -180,23 +180,29 @@ uint32_t CentroidSearch::Nearest(const float* point) const {
 
 std::vector<uint16_t> TrainCodebooks(const float* x, uint32_t tokens, uint32_t heads,
                                      uint32_t head_dim, int coupled, int bits, uint32_t seed,
-                                     int iterations, const float* weights) {
+                                     int iterations, const float* weights, const float* metric) {
   const uint32_t groups = head_dim / coupled;
   const uint32_t k = 1u << bits;
   std::vector<uint16_t> out(size_t{heads} * groups * k * coupled);
   std::vector<float> pts(size_t{tokens} * coupled);
   for (uint32_t h = 0; h < heads; ++h) {
     for (uint32_t g = 0; g < groups; ++g) {
+      const float* w =
+          metric != nullptr ? metric + size_t{h} * head_dim + size_t{g} * coupled : nullptr;
       for (uint32_t t = 0; t < tokens; ++t) {
-        std::copy_n(x + (size_t{t} * heads + h) * head_dim + size_t{g} * coupled, coupled,
-                    &pts[size_t{t} * coupled]);
+        const float* src = x + (size_t{t} * heads + h) * head_dim + size_t{g} * coupled;
+        for (int i = 0; i < coupled; ++i) {
+          pts[size_t{t} * coupled + i] = w != nullptr ? src[i] * w[i] : src[i];
+        }
       }
       std::mt19937 rng(seed * 1000003u + h * 7919u + g);
       const std::vector<float> cent =
           KMeans(pts, tokens, coupled, k, rng, iterations,
                  weights != nullptr ? weights + size_t{h} * tokens : nullptr);
       uint16_t* dst = &out[(size_t{h} * groups + g) * k * coupled];
-      for (size_t i = 0; i < cent.size(); ++i) dst[i] = FloatToHalfBits(cent[i]);
+      for (size_t i = 0; i < cent.size(); ++i) {
+        dst[i] = FloatToHalfBits(w != nullptr ? cent[i] / w[i % coupled] : cent[i]);
+      }
     }
   }
   return out;

@@ -26,10 +26,14 @@ namespace strata::kernels {
 // for 1 each) make it weighted k-means: seeding draws by weight times squared distance, a
 // centroid is its points' weighted mean, so the codebook spends its precision where the
 // weights say errors cost most (CQ's Fisher-guided centroids; the calibration passes the
-// attention each token receives).
+// attention each token receives). `metric` ([heads][head_dim], or null for 1 each) weights each
+// channel in the distance, sum_d (w_d (x_d - c_d))^2 (LayerCalibration::k_metric): k-means runs
+// on the points scaled by it and the centroids are scaled back, so a codebook is still centroids
+// of x, spent where the metric says errors cost most.
 std::vector<uint16_t> TrainCodebooks(const float* x, uint32_t tokens, uint32_t heads,
                                      uint32_t head_dim, int coupled, int bits, uint32_t seed = 1,
-                                     int iterations = 30, const float* weights = nullptr);
+                                     int iterations = 30, const float* weights = nullptr,
+                                     const float* metric = nullptr);
 
 // cq's norm: divides each row of x [tokens, heads, head_dim] by its RMS rounded to fp16 (the
 // value blocks keep; a row of zeros keeps its zeros, scale 0), writing the fp16 bits to

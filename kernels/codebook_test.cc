@@ -1,8 +1,11 @@
 #include "kernels/codebook.h"
 
+#include <algorithm>
 #include <cmath>
+#include <functional>
 #include <memory>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "common/block_reader.h"
@@ -138,6 +141,109 @@ TEST(CodebookTest, EachRunDecodesToItsNearestCentroid) {
   }
 }
 
+// Under the calibration's key metric (LayerCalibration::k_metric) each key run takes the centroid
+// nearest by the weighted distance sum_d (w_d (x_d - c_d))^2, which is not the plain nearest for
+// many runs; values keep the plain distance.
+TEST(CodebookTest, KeysUnderAMetricTakeTheWeightedNearestCentroid) {
+  for (const char* text : {"cq:c4:b6", "cq:c2:b5:norm"}) {
+    SCOPED_TRACE(text);
+    const CodecSpec spec = *CodecSpec::Parse(text);
+    const uint32_t T = 64, H = 2, D = 64;
+    auto cal = std::make_shared<Calibration>(*MakeSyntheticCalibration(spec, H, D, 3));
+    std::mt19937 rng(5);
+    std::uniform_real_distribution<float> log_w(-2.5f, 2.5f);
+    cal->layers[0].k_metric.resize(size_t{H} * D);
+    for (float& w : cal->layers[0].k_metric) w = std::exp(log_w(rng));
+    auto codec = *Codec::Create(text, cal);
+    const SyntheticKv kv = MakeSyntheticKv(T, H, D, 11);
+    absl::StatusOr<AlignedBuffer> block =
+        codec->Encode({kv.k.data(), kv.v.data(), SourceDType::kFloat32, T, H, D}, {});
+    ASSERT_TRUE(block.ok()) << block.status();
+    std::vector<float> k(kv.k.size()), v(kv.v.size());
+    ASSERT_TRUE(
+        DecodeBlockRef(*BlockView::Parse(block->span()), k.data(), v.data(), cal.get()).ok());
+    const uint32_t c = spec.group, E = 1u << spec.k_bits, runs = D / c;
+    int differs = 0;
+    for (uint32_t h = 0; h < H; ++h) {
+      const float* w = &cal->layers[0].k_metric[size_t{h} * D];
+      for (uint32_t t = 0; t < T; ++t) {
+        std::vector<float> row(&kv.k[(size_t{t} * H + h) * D], &kv.k[(size_t{t} * H + h) * D] + D);
+        uint16_t rms = 0;
+        if (spec.token_norm) NormalizeRows(row.data(), 1, 1, D, &rms);
+        const float scale = spec.token_norm ? HalfBitsToFloat(rms) : 1.0f;
+        for (uint32_t g = 0; g < runs; ++g) {
+          auto dist = [&](const float* cent, bool weighted) {
+            float d2 = 0;
+            for (uint32_t i = 0; i < c; ++i) {
+              const float e = (row[g * c + i] - cent[i]) * (weighted ? w[g * c + i] : 1.0f);
+              d2 += e * e;
+            }
+            return d2;
+          };
+          float best = INFINITY, best_plain = INFINITY;
+          uint32_t plain = 0;
+          std::vector<float> cent(size_t{E} * c);
+          for (size_t e = 0; e < cent.size(); ++e) {
+            cent[e] =
+                HalfBitsToFloat(cal->layers[0].k_codebook[(size_t{h} * runs + g) * E * c + e]);
+          }
+          for (uint32_t e = 0; e < E; ++e) {
+            best = std::min(best, dist(&cent[e * c], true));
+            if (const float d = dist(&cent[e * c], false); d < best_plain) {
+              best_plain = d;
+              plain = e;
+            }
+          }
+          // The decoded run is a centroid (times the row's RMS) that is the weighted nearest, up to
+          // fp32 rounding.
+          std::vector<float> got(c);
+          for (uint32_t i = 0; i < c; ++i) got[i] = k[(size_t{t} * H + h) * D + g * c + i] / scale;
+          ASSERT_LE(dist(got.data(), true), best * (1 + 1e-4f) + 1e-6f) << "t=" << t << " g=" << g;
+          differs += got[0] != cent[plain * c] || got[c - 1] != cent[plain * c + c - 1];
+        }
+      }
+    }
+    EXPECT_GT(differs, static_cast<int>(T * H * runs / 10));  // the metric matters
+  }
+}
+
+// Learned under a metric, a key codebook spends its centroids on the channels the metric weighs:
+// points spread evenly over a square, channel 0 weighed 16 times channel 1, end with a far
+// smaller error on channel 0 than plain k-means leaves (and a larger one on channel 1).
+TEST(CodebookTest, AMetricSpendsTheCodebookOnTheChannelsItWeighs) {
+  const uint32_t T = 4000;
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<float> u(-1, 1);
+  std::vector<float> x(size_t{T} * 2);
+  for (float& e : x) e = u(rng);
+  const float metric[2] = {4.0f, 0.25f};
+  auto errors = [&](const float* m) {
+    const std::vector<uint16_t> book = TrainCodebooks(x.data(), T, 1, 2, 2, 4, 1, 30, nullptr, m);
+    double e0 = 0, e1 = 0;
+    for (uint32_t t = 0; t < T; ++t) {
+      float best = INFINITY;
+      float d0 = 0, d1 = 0;
+      for (int e = 0; e < 16; ++e) {
+        const float a = x[t * 2] - HalfBitsToFloat(book[e * 2]);
+        const float b = x[t * 2 + 1] - HalfBitsToFloat(book[e * 2 + 1]);
+        const float w0 = m != nullptr ? m[0] : 1, w1 = m != nullptr ? m[1] : 1;
+        if (const float d = w0 * w0 * a * a + w1 * w1 * b * b; d < best) {
+          best = d;
+          d0 = a * a;
+          d1 = b * b;
+        }
+      }
+      e0 += d0;
+      e1 += d1;
+    }
+    return std::pair{e0 / T, e1 / T};
+  };
+  const auto [plain0, plain1] = errors(nullptr);
+  const auto [weighed0, weighed1] = errors(metric);
+  EXPECT_LT(weighed0, plain0 / 4);
+  EXPECT_GT(weighed1, plain1);
+}
+
 // Coupling pays: at the same 2 bits per element, 4 channels on 8 bits (256 centroids) err less on
 // keys than 2 channels on 4 bits (16 centroids).
 TEST(CodebookTest, CouplingMoreChannelsErrsLessAtTheSameBits) {
@@ -188,6 +294,36 @@ TEST(CodebookTest, CalibrationFilesCarryTheCodebooks) {
   bad = Calibration::Parse(garbled);
   ASSERT_FALSE(bad.ok());
   EXPECT_THAT(bad.status().message(), HasSubstr("v_codebook is not base64"));
+}
+
+// The key metric travels in the calibration file and counts in its fingerprint; one of the wrong
+// size, or with a weight that is not finite and positive, is refused naming the layer.
+TEST(CodebookTest, CalibrationFilesCarryTheKeyMetric) {
+  Calibration cal = *MakeSyntheticCalibration(*CodecSpec::Parse("cq:c4:b6"), 2, 64, 9);
+  cal.layers[0].k_metric.assign(128, 1.0f);
+  cal.layers[0].k_metric[7] = 0.3f;
+  cal.layers[0].k_metric[100] = 17.25f;
+  absl::StatusOr<Calibration> back = Calibration::Parse(cal.Serialize());
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(*back, cal);
+  EXPECT_EQ(back->fingerprint(), cal.fingerprint());
+  Calibration plain = cal;
+  plain.layers[0].k_metric.clear();
+  EXPECT_NE(plain.fingerprint(), cal.fingerprint());
+  Calibration other = cal;
+  other.layers[0].k_metric[7] = 0.31f;
+  EXPECT_NE(other.fingerprint(), cal.fingerprint());
+  for (const auto& [change, want] :
+       {std::pair<std::function<void(std::vector<float>&)>, const char*>{
+            [](std::vector<float>& m) { m.pop_back(); }, "layer 0 k_metric has 127 entries"},
+        {[](std::vector<float>& m) { m[3] = 0; }, "layer 0 k_metric holds 0"},
+        {[](std::vector<float>& m) { m[3] = -2; }, "layer 0 k_metric holds -2"}}) {
+    Calibration bad = cal;
+    change(bad.layers[0].k_metric);
+    absl::StatusOr<Calibration> refused = Calibration::Parse(bad.Serialize());
+    ASSERT_FALSE(refused.ok()) << want;
+    EXPECT_THAT(refused.status().message(), HasSubstr(want));
+  }
 }
 
 // A CQ block read with a calibration that has no codebooks (or none at all) is refused.

@@ -107,12 +107,34 @@ absl::Status WriteCodebook(const CodecSpec& s, const CodecLayout& layout, const 
       NormalizeRows(m.x.data(), c.kv_heads * c.tokens, 1, c.head_dim,
                     b.section_as<uint16_t>(section + 1));
     }
+    // Keys under the calibration's metric (LayerCalibration::k_metric): the nearest centroid by
+    // the weighted distance, found as the plain one between points and centroids both scaled.
+    const std::vector<float>* metric =
+        cal != nullptr && src == c.k && !cal->k_metric.empty() ? &cal->k_metric : nullptr;
+    if (metric != nullptr && metric->size() != size_t{c.kv_heads} * c.head_dim) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("codec ", s.ToString(), ": the calibration's key metric holds ",
+                       metric->size(), " weights, not ", c.kv_heads, " x ", c.head_dim));
+    }
+    if (metric != nullptr) {
+      for (uint32_t h = 0; h < c.kv_heads; ++h) {
+        const float* w = metric->data() + size_t{h} * c.head_dim;
+        for (uint32_t t = 0; t < c.tokens; ++t) {
+          float* row = &m.at(h, t, 0);
+          for (uint32_t d = 0; d < c.head_dim; ++d) row[d] *= w[d];
+        }
+      }
+    }
     std::vector<uint8_t> codes(size_t{c.kv_heads} * c.tokens * G);
     std::vector<float> cent(size_t{K} * coupled);
     for (uint32_t h = 0; h < c.kv_heads; ++h) {
       for (uint32_t g = 0; g < G; ++g) {
         const uint16_t* src_book = &(*book)[(size_t{h} * G + g) * K * coupled];
-        for (size_t e = 0; e < cent.size(); ++e) cent[e] = F32(src_book[e]);
+        for (size_t e = 0; e < cent.size(); ++e) {
+          cent[e] = F32(src_book[e]);
+          if (metric != nullptr)
+            cent[e] *= (*metric)[size_t{h} * c.head_dim + g * coupled + e % coupled];
+        }
         // Head-major rows: token t's run at m.at(h, t, g * coupled), head_dim floats apart.
         CentroidSearch(cent.data(), K, coupled)
             .NearestMany(&m.at(h, 0, g * coupled), c.tokens, c.head_dim,

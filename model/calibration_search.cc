@@ -163,8 +163,36 @@ std::vector<std::vector<float>> CqWeights(const ModelConfig& c, const std::vecto
   return w;
 }
 
+// CQ's key metric of one layer (LayerCalibration::k_metric): per KV head and channel, the RMS of
+// the channel over the head's query heads and the calibration tokens, scaled to RMS 1 over the
+// head's channels and floored at 1/64 of that (a channel no query reads still counts a little).
+std::vector<float> QueryMetric(const ModelConfig& c, const LayerKv& kv, uint32_t tokens) {
+  const uint32_t H = c.num_heads, KH = c.num_kv_heads, D = c.head_dim, group = H / KH;
+  std::vector<double> sum(size_t{KH} * D, 0.0);
+  for (uint32_t t = 0; t < tokens; ++t) {
+    for (uint32_t h = 0; h < H; ++h) {
+      const float* q = &kv.q[(size_t{t} * H + h) * D];
+      double* s = &sum[size_t{h / group} * D];
+      for (uint32_t d = 0; d < D; ++d) s[d] += double{q[d]} * q[d];
+    }
+  }
+  std::vector<float> w(sum.size(), 1.0f);
+  for (uint32_t kh = 0; kh < KH; ++kh) {
+    double mean = 0;
+    for (uint32_t d = 0; d < D; ++d) mean += sum[size_t{kh} * D + d];
+    mean /= D;
+    if (!(mean > 0)) continue;  // no query energy at all: the plain distance
+    for (uint32_t d = 0; d < D; ++d) {
+      w[size_t{kh} * D + d] =
+          static_cast<float>(std::sqrt(std::max(sum[size_t{kh} * D + d] / mean, 1.0 / 4096)));
+    }
+  }
+  return w;
+}
+
 // CQ's codebooks: per layer, head and run of coupled channels, k-means over every calibration
-// token's K and V (kernels/codebook.h), each token weighted by `weights` (CqWeights).
+// token's K and V (kernels/codebook.h), each token weighted by `weights` (CqWeights); the keys'
+// distance weighted per channel by the queries (QueryMetric) where o.cq_query_metric.
 void CalibrateCq(const ModelConfig& c, const kernels::CodecSpec& spec,
                  const std::vector<LayerKv>& kv, uint32_t tokens, const CalibrationSearchOptions& o,
                  const std::vector<std::vector<float>>& weights, kernels::Calibration& cal) {
@@ -175,9 +203,12 @@ void CalibrateCq(const ModelConfig& c, const kernels::CodecSpec& spec,
       kernels::NormalizeRows(k.data(), tokens, c.num_kv_heads, c.head_dim, nullptr);
       kernels::NormalizeRows(v.data(), tokens, c.num_kv_heads, c.head_dim, nullptr);
     }
-    cal.layers[li].k_codebook =
-        kernels::TrainCodebooks(k.data(), tokens, c.num_kv_heads, c.head_dim, spec.group,
-                                spec.k_bits, /*seed=*/2 * li + 1, /*iterations=*/30, w);
+    cal.layers[li].k_metric.clear();
+    if (o.cq_query_metric) cal.layers[li].k_metric = QueryMetric(c, kv[li], tokens);
+    cal.layers[li].k_codebook = kernels::TrainCodebooks(
+        k.data(), tokens, c.num_kv_heads, c.head_dim, spec.group, spec.k_bits,
+        /*seed=*/2 * li + 1, /*iterations=*/30, w,
+        cal.layers[li].k_metric.empty() ? nullptr : cal.layers[li].k_metric.data());
     cal.layers[li].v_codebook =
         kernels::TrainCodebooks(v.data(), tokens, c.num_kv_heads, c.head_dim, spec.group,
                                 spec.v_bits, /*seed=*/2 * li + 2, /*iterations=*/30, w);
@@ -218,6 +249,7 @@ void AssignLayer(kernels::LayerCalibration& layer, const std::string& candidate,
   layer.spec = candidate;
   layer.k_codebook.clear();
   layer.v_codebook.clear();
+  layer.k_metric.clear();
   kernels::CodecSpec s = *kernels::CodecSpec::Parse(candidate);
   if (!s.is_codebook()) return;
   s.sink_tokens = 0;
@@ -225,6 +257,7 @@ void AssignLayer(kernels::LayerCalibration& layer, const std::string& candidate,
   if (it == books.end()) return;  // the codec refuses the layer, naming the missing codebooks
   layer.k_codebook = it->second[li].k_codebook;
   layer.v_codebook = it->second[li].v_codebook;
+  layer.k_metric = it->second[li].k_metric;
 }
 
 // Per-layer codecs for a budget (TaDA's precision search; the Strata mix): the loss increase of

@@ -32,6 +32,10 @@ struct CalibrationSearchOptions {
   // CQ's k-means weighs each token's K and V by the attention it receives from the queries after
   // it in its window (CQ's Fisher-guided centroids, estimated without gradients); false: 1 each.
   bool cq_attention_weights = true;
+  // CQ's keys are learned and encoded under a per-channel metric from the calibration's queries
+  // (LayerCalibration::k_metric: a key's error weighed by how much it moves q.k); false: the
+  // plain distance.
+  bool cq_query_metric = false;
   // The layer search's joint step: the per-layer search adds up each layer's loss measured alone,
   // which misses how layers' errors combine. The `joint_choices` best choices by that sum are
   // each measured whole (every layer compressed at once), and the one kept is the most

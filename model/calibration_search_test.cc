@@ -11,7 +11,9 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "common/block_reader.h"
 #include "gtest/gtest.h"
+#include "kernels/block_operands.h"
 #include "kernels/calibration.h"
 #include "kernels/codec.h"
 #include "kernels/codec_spec.h"
@@ -121,6 +123,52 @@ TEST(CalibrationSearchTest, CqLearnsCodebooksFromTheModelsKv) {
   for (uint32_t l = 0; l < c.num_layers; ++l) {
     EXPECT_LT(own.k[l], other.k[l]) << "layer " << l;
     EXPECT_LT(own.v[l], other.v[l]) << "layer " << l;
+  }
+}
+
+// With the query metric, CQ's calibration records each layer's key metric (the queries' RMS per
+// channel) and learns key codebooks under it: on the calibration's own KV their error weighed by
+// that metric is lower than plain codebooks', layer by layer.
+TEST(CalibrationSearchTest, CqKeysLearnedUnderTheQueriesMetricErrLessWhereQueriesLook) {
+  std::unique_ptr<LlamaModel> model = TinyModel();
+  ASSERT_NE(model, nullptr);
+  const ModelConfig& c = model->config();
+  const std::vector<uint32_t> ids = Tokens(*model, 200);
+  CalibrationSearchOptions o = SmallOptions();
+  o.cq_query_metric = true;
+  absl::StatusOr<kernels::Calibration> metric = SearchCalibration(*model, ids, "cq:c4:b6", o);
+  ASSERT_TRUE(metric.ok()) << metric.status();
+  o.cq_query_metric = false;
+  absl::StatusOr<kernels::Calibration> plain = SearchCalibration(*model, ids, "cq:c4:b6", o);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  ASSERT_EQ(metric->layers.size(), c.num_layers);
+  std::vector<LayerKv> kv;
+  ASSERT_TRUE(model->Forward(std::vector<uint32_t>(ids.begin(), ids.begin() + 128), &kv).ok());
+  for (uint32_t l = 0; l < c.num_layers; ++l) {
+    SCOPED_TRACE(l);
+    const std::vector<float>& w = metric->layers[l].k_metric;
+    ASSERT_EQ(w.size(), size_t{c.num_kv_heads} * c.head_dim);
+    for (float x : w) ASSERT_TRUE(x > 0 && std::isfinite(x));
+    EXPECT_TRUE(plain->layers[l].k_metric.empty());
+    // The keys of this layer through each calibration's codec, their error weighed by w.
+    auto weighed_error = [&](const kernels::Calibration& cal) {
+      auto one = std::make_shared<kernels::Calibration>(cal);
+      auto codec = *kernels::Codec::Create("cq:c4:b6", one);
+      const uint32_t T = 128, KH = c.num_kv_heads, D = c.head_dim;
+      const AlignedBuffer block = *codec->Encode(
+          {kv[l].k.data(), kv[l].v.data(), SourceDType::kFloat32, T, KH, D}, {.layer = l});
+      std::vector<float> k(kv[l].k.size()), v(kv[l].v.size());
+      EXPECT_TRUE(
+          kernels::DecodeBlockRef(*BlockView::Parse(block.span()), k.data(), v.data(), one.get())
+              .ok());
+      double err = 0;
+      for (size_t i = 0; i < k.size(); ++i) {
+        const double e = (k[i] - kv[l].k[i]) * w[i % (size_t{KH} * D)];
+        err += e * e;
+      }
+      return err;
+    };
+    EXPECT_LT(weighed_error(*metric), weighed_error(*plain));
   }
 }
 

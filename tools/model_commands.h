@@ -68,6 +68,7 @@ struct EvalOptions : ModelCommandOptions {
   std::string json_out;            // write the report here as JSON ("" = don't)
   std::string calib_text_file;     // calibration text for codecs that need it (disjoint!)
   bool cq_attention_weights = true;  // CQ's k-means weighs tokens by attention received
+  bool cq_query_metric = false;      // CQ's keys under the queries' per-channel metric
 };
 
 // `strata calibrate`: learns what a codec needs from the model's KV on calibration text and
@@ -80,6 +81,7 @@ struct CalibrateOptions : ModelCommandOptions {
   uint32_t error_queries = 64;  // queries whose attention output the clip search minimizes
   std::string source;           // recorded in the file ("" = the text file's name)
   bool cq_attention_weights = true;  // CQ's k-means weighs tokens by attention received
+  bool cq_query_metric = false;      // CQ's keys under the queries' per-channel metric
 };
 
 // `strata kv-structure`: what makes a model's KV hard to compress, per layer (MeasureKvStructure

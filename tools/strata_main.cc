@@ -108,6 +108,10 @@ ABSL_FLAG(std::string, json, "", "eval: also write the report as JSON to this fi
 ABSL_FLAG(std::string, cq_weights, "attention",
           "calibrate/eval: how CQ's k-means weighs each calibration token: attention (by the "
           "attention it receives, CQ's Fisher-guided centroids estimated) or uniform");
+ABSL_FLAG(std::string, cq_key_metric, "plain",
+          "calibrate/eval: the distance CQ's key codebooks are learned and keys encoded by: plain, "
+          "or query (each channel weighted by its RMS over the calibration's queries: a key's "
+          "error counted by how much it moves q.k)");
 ABSL_FLAG(uint32_t, continuations, 8, "eval: greedy continuations compared with fp16");
 ABSL_FLAG(uint32_t, prompt_tokens, 600, "eval: prompt tokens of each continuation");
 ABSL_FLAG(uint32_t, generate_tokens, 32, "eval: tokens generated per continuation");
@@ -176,13 +180,19 @@ int DemoCommand(const std::vector<char*>& args) {
   return s.ok() ? 0 : Fail(s);
 }
 
-absl::Status CqWeights(bool* attention) {
+absl::Status CqWeights(bool* attention, bool* query_metric) {
   const std::string w = absl::GetFlag(FLAGS_cq_weights);
   if (w != "attention" && w != "uniform") {
     return absl::InvalidArgumentError(
         absl::StrCat("--cq_weights: '", w, "' is not attention or uniform"));
   }
   *attention = w == "attention";
+  const std::string m = absl::GetFlag(FLAGS_cq_key_metric);
+  if (m != "plain" && m != "query") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--cq_key_metric: '", m, "' is not plain or query"));
+  }
+  *query_metric = m == "query";
   return absl::OkStatus();
 }
 
@@ -198,7 +208,9 @@ int CalibrateCommand(const std::vector<char*>& args) {
   }
   o.context = absl::GetFlag(FLAGS_context);
   if (absl::GetFlag(FLAGS_windows) != 0) o.windows = absl::GetFlag(FLAGS_windows);
-  if (absl::Status s = CqWeights(&o.cq_attention_weights); !s.ok()) return Fail(s);
+  if (absl::Status s = CqWeights(&o.cq_attention_weights, &o.cq_query_metric); !s.ok()) {
+    return Fail(s);
+  }
   const absl::Status s = strata::tools::RunCalibrate(o, std::cout);
   return s.ok() ? 0 : Fail(s);
 }
@@ -245,7 +257,9 @@ int EvalCommand(const std::vector<char*>& args) {
   o.generate_tokens = absl::GetFlag(FLAGS_generate_tokens);
   o.json_out = absl::GetFlag(FLAGS_json);
   o.calib_text_file = absl::GetFlag(FLAGS_calib_text);
-  if (absl::Status s = CqWeights(&o.cq_attention_weights); !s.ok()) return Fail(s);
+  if (absl::Status s = CqWeights(&o.cq_attention_weights, &o.cq_query_metric); !s.ok()) {
+    return Fail(s);
+  }
   const absl::Status s = strata::tools::RunEval(o, std::cout);
   return s.ok() ? 0 : Fail(s);
 }
