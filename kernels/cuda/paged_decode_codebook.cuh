@@ -79,18 +79,49 @@ struct CbTile {
   uint32_t k_codebook = 0, v_codebook = 0;  // CQ: descriptor addresses
 };
 
-// Tiles per page: every part's tokens in tiles of kCbTile, at most this many.
-__host__ __device__ inline int CbTilesPerPage(int page_tokens) {
-  return (page_tokens + kCbTile - 1) / kCbTile + kMaxPageParts - 1;
+// Where a block is in its split's pages: tile r of page pi, every part's tokens taken in tiles of
+// kCbTile, part after part. Blocks walk their tiles with two of these (the one staged ahead, the
+// one attended), so no iteration is spent on a tile that does not exist.
+struct CbCursor {
+  int page = 0;
+  uint32_t tile = 0;
+};
+
+// The tiles of page pi: each part's tokens in tiles of kCbTile.
+__device__ __forceinline__ uint32_t CbPageTiles(const PagedDecodeArgs& a, const int32_t* table,
+                                                int pi) {
+  const PageDesc* d = a.page_descs + a.page_desc_ids[table[pi]];
+  const uint32_t parts = min(d->parts, static_cast<uint32_t>(kMaxPageParts));
+  uint32_t tiles = 0;
+  for (uint32_t p = 0; p < parts; ++p) tiles += (d->part[p].tokens + kCbTile - 1) / kCbTile;
+  return tiles;
+}
+
+// The next tile after `c` among pages [.., p1) (c.page == p1 past the last), skipping pages of
+// no tiles. The same for every thread of a block.
+__device__ __forceinline__ void CbAdvance(CbCursor& c, const PagedDecodeArgs& a,
+                                          const int32_t* table, int p1) {
+  if (c.page < p1 && ++c.tile < CbPageTiles(a, table, c.page)) return;
+  c.tile = 0;
+  for (++c.page; c.page < p1 && CbPageTiles(a, table, c.page) == 0; ++c.page) {
+  }
+}
+
+// The first tile of pages [p0, p1) (page == p1: none).
+__device__ __forceinline__ CbCursor CbFirst(const PagedDecodeArgs& a, const int32_t* table, int p0,
+                                            int p1) {
+  CbCursor c{p0, 0};
+  while (c.page < p1 && CbPageTiles(a, table, c.page) == 0) ++c.page;
+  return c;
 }
 
 template <int D, int C>
 __device__ __forceinline__ CbTile LocateCbTile(const PagedKvLayout& L, const PagedDecodeArgs& a,
-                                               const int32_t* table, int tiles_per_page, int j,
-                                               int kvh, uint32_t row_bytes) {
+                                               const int32_t* table, CbCursor at, int kvh,
+                                               uint32_t row_bytes) {
   CbTile t;
-  const int pi = j / tiles_per_page;
-  uint32_t r = static_cast<uint32_t>(j % tiles_per_page);
+  const int pi = at.page;
+  uint32_t r = at.tile;
   const int64_t id = table[pi];
   const uint8_t* page = a.pages + id * static_cast<int64_t>(L.PageBytes());
   const PageDesc* d = a.page_descs + a.page_desc_ids[id];
@@ -370,14 +401,13 @@ __global__ void __launch_bounds__(kCbThreads, 1)
   const int p0 = min(pages, split * per_split);
   const int p1 = min(pages, p0 + per_split);
   const int32_t* table = a.block_table + static_cast<size_t>(seq) * a.max_pages;
-  const int tiles_per_page = CbTilesPerPage(L.page_tokens);
-  const int j0 = p0 * tiles_per_page, j1 = p1 * tiles_per_page;
   const uint32_t row_bytes = S.row_bytes;
 
-  auto stage = [&](int j) {
-    const CbTile t = LocateCbTile<D, C>(L, a, table, tiles_per_page, j, kvh, row_bytes);
+  // Stages the tile at `at` into buffer `slot`.
+  auto stage = [&](CbCursor at, int slot) {
+    const CbTile t = LocateCbTile<D, C>(L, a, table, at, kvh, row_bytes);
     if (t.n == 0 || t.fp16) return;  // fp16 rows are read where they are
-    uint8_t* buf = stages + static_cast<size_t>(j % kCbStages) * S.stage_bytes;
+    uint8_t* buf = stages + static_cast<size_t>(slot) * S.stage_bytes;
     StageRun(buf, t.k_codes, static_cast<size_t>(t.n) * row_bytes);
     StageRun(buf + S.code_room, t.v_codes, static_cast<size_t>(t.n) * row_bytes);
     if (t.k_norms != nullptr) StageRun(buf + 2 * S.code_room, t.k_norms, t.n * 2);
@@ -411,16 +441,26 @@ __global__ void __launch_bounds__(kCbThreads, 1)
     have_v = v_addr;
   };
 
+  // Tile i of the split (in order) is staged into buffer i % kCbStages, kCbStages - 1 ahead of the
+  // one attended.
+  CbCursor ahead = CbFirst(a, table, p0, p1);
+  CbCursor at = ahead;
   for (int s = 0; s < kCbStages - 1; ++s) {
-    if (j0 + s < j1) stage(j0 + s);
+    if (ahead.page < p1) {
+      stage(ahead, s);
+      CbAdvance(ahead, a, table, p1);
+    }
     CpAsyncCommit();
   }
-  for (int j = j0; j < j1; ++j) {
-    if (j + kCbStages - 1 < j1) stage(j + kCbStages - 1);
+  for (int i = 0; at.page < p1; ++i, CbAdvance(at, a, table, p1)) {
+    if (ahead.page < p1) {
+      stage(ahead, (i + kCbStages - 1) % kCbStages);
+      CbAdvance(ahead, a, table, p1);
+    }
     CpAsyncCommit();
     CpAsyncWait<kCbStages - 1>();
-    __syncthreads();  // tile j is in
-    const CbTile t = LocateCbTile<D, C>(L, a, table, tiles_per_page, j, kvh, row_bytes);
+    __syncthreads();  // tile i is in
+    const CbTile t = LocateCbTile<D, C>(L, a, table, at, kvh, row_bytes);
     const int n = static_cast<int>(t.n);
     if (n > 0 && t.fp16) {
       CbAttendFp16Rows<D, C>(st, reinterpret_cast<const __half*>(t.k_codes),
@@ -430,7 +470,7 @@ __global__ void __launch_bounds__(kCbThreads, 1)
         load_codebooks(t.k_codebook, t.v_codebook);
         __syncthreads();
       }
-      const uint8_t* buf = stages + static_cast<size_t>(j % kCbStages) * S.stage_bytes;
+      const uint8_t* buf = stages + static_cast<size_t>(i % kCbStages) * S.stage_bytes;
       const uint8_t* kc = Staged(buf, t.k_codes);
       const uint8_t* vc = Staged(buf + S.code_room, t.v_codes);
       const __half* kn =
@@ -492,7 +532,7 @@ __global__ void __launch_bounds__(kCbThreads, 1)
         }
       }
     }
-    __syncthreads();  // tile j's buffer, scores and probabilities are no longer read
+    __syncthreads();  // tile i's buffer, scores and probabilities are no longer read
   }
   CpAsyncWait<0>();
 

@@ -16,8 +16,7 @@
 #include "common/testing/cuda_device.h"
 #include "gtest/gtest.h"
 #include "kernels/calibration.h"
-#include "kernels/codec_spec.h"
-#include "kernels/synthetic_kv.h"
+#include "model/calibration_search.h"
 #include "model/cpu_backend.h"
 #include "model/cuda/test_helpers.h"
 #include "model/cuda_plugin.h"
@@ -138,27 +137,30 @@ TEST_F(CudaBackendTest, PrefillAndDecodeAcrossAChunkBoundaryFollowTheCpu) {
 
 // The Strata mix with CQ (and fp16 sinks) on some layers: the pool is general, its CQ layers
 // codebook pools of their own (the codebook kernel's; kernels/cuda/block_pages.h), its KIVI layers
-// the general kernel's; prefill and greedy steps across a chunk boundary follow the CPU. Codebooks
-// learned on synthetic KV of the model's shape: what is compared is the GPU against the CPU over
-// the same blocks, not the codec's quality.
+// the general kernel's; prefill and greedy steps across a chunk boundary follow the CPU (each
+// side encodes its own K and V, as in the test above: what is compared is the GPU against the CPU,
+// not the codec's quality).
 TEST_F(CudaBackendTest, AStrataMixWithCqLayersFollowsTheCpu) {
-  const uint32_t KH = config().num_kv_heads, D = config().head_dim;
-  auto mix = std::make_shared<kernels::Calibration>();
+  // CQ codebooks learned on the model's own KV (a short calibration), so that a code the GPU's
+  // fp16 K picks differently from the CPU's fp32 K is a near centroid, as a KIVI step is.
+  CalibrationSearchOptions so;
+  so.chunk_tokens = 16;
+  so.context = 128;
+  so.windows = 1;
+  so.codebook_windows = 2;
+  const std::vector<uint32_t> text = Prompt(config(), 300, 4);
+  absl::StatusOr<kernels::Calibration> cq = SearchCalibration(*host_, text, "cq:c4:b8", so);
+  ASSERT_TRUE(cq.ok()) << cq.status();
+  auto mix = std::make_shared<kernels::Calibration>(*cq);
   mix->codec = "strata:b3";
-  mix->model_fingerprint = host_->fingerprint();
-  mix->kv_heads = KH;
-  mix->head_dim = D;
-  const std::shared_ptr<kernels::Calibration> cq =
-      kernels::MakeSyntheticCalibration(*kernels::CodecSpec::Parse("cq:c4:b8"), KH, D, 5);
   for (uint32_t l = 0; l < config().num_layers; ++l) {
-    kernels::LayerCalibration lc;
+    kernels::LayerCalibration& lc = mix->layers[l];
     if (l % 2 == 0) {
-      lc = cq->layers[0];
       lc.spec = "cq:c4:b8:sink4";  // as the mix's menu has it: fp16 sinks in chunk 0
     } else {
+      lc = kernels::LayerCalibration{};
       lc.spec = "kivi:k4v4:g16";
     }
-    mix->layers.push_back(lc);
   }
   std::unique_ptr<ComputeBackend> gpu = Gpu();
   ASSERT_NE(gpu, nullptr);
