@@ -54,6 +54,7 @@ std::string Calibration::Serialize() const {
       if (!book->empty()) lj[name] = absl::Base64Escape(CodebookBytes(*book));
     }
     if (!l.k_metric.empty()) lj["k_metric"] = l.k_metric;
+    if (!l.v_metric.empty()) lj["v_metric"] = l.v_metric;
     j["layers"].push_back(std::move(lj));
   }
   return j.dump(1);
@@ -73,9 +74,11 @@ uint64_t Calibration::fingerprint() const {
       absl::StrAppend(&bytes, "codebooks ", l.k_codebook.size(), " ", l.v_codebook.size(), "\n",
                       CodebookBytes(l.k_codebook), CodebookBytes(l.v_codebook));
     }
-    if (!l.k_metric.empty()) {
-      absl::StrAppend(&bytes, "k_metric ", l.k_metric.size(), "\n");
-      bytes.append(reinterpret_cast<const char*>(l.k_metric.data()), l.k_metric.size() * 4);
+    for (const auto& [name, metric] :
+         {std::pair{"k_metric", &l.k_metric}, std::pair{"v_metric", &l.v_metric}}) {
+      if (metric->empty()) continue;
+      absl::StrAppend(&bytes, name, " ", metric->size(), "\n");
+      bytes.append(reinterpret_cast<const char*>(metric->data()), metric->size() * 4);
     }
   }
   const uint64_t f = Fingerprint64(bytes);
@@ -156,15 +159,17 @@ absl::StatusOr<Calibration> Calibration::Parse(absl::string_view text) {
                                   " (kv_heads x head_dim x 2^b)"));
         }
       }
-      if (lj.contains("k_metric")) {
-        l.k_metric = lj.at("k_metric").get<std::vector<float>>();
-        if (l.k_metric.size() != size_t{c.kv_heads} * c.head_dim) {
-          return Bad(absl::StrCat("layer ", i, " k_metric has ", l.k_metric.size(),
+      for (const auto& [name, metric] :
+           {std::pair{"k_metric", &l.k_metric}, std::pair{"v_metric", &l.v_metric}}) {
+        if (!lj.contains(name)) continue;
+        *metric = lj.at(name).get<std::vector<float>>();
+        if (metric->size() != size_t{c.kv_heads} * c.head_dim) {
+          return Bad(absl::StrCat("layer ", i, " ", name, " has ", metric->size(),
                                   " entries, not kv_heads x head_dim = ", c.kv_heads * c.head_dim));
         }
-        for (float w : l.k_metric) {
+        for (float w : *metric) {
           if (!(w > 0.0f && std::isfinite(w))) {
-            return Bad(absl::StrCat("layer ", i, " k_metric holds ", w,
+            return Bad(absl::StrCat("layer ", i, " ", name, " holds ", w,
                                     ": every weight is finite and positive"));
           }
         }

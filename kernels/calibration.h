@@ -36,6 +36,10 @@ struct LayerCalibration {
   // key's error counts as much as it moves q.k. Empty: every channel 1 (the plain distance).
   // Finite and positive.
   std::vector<float> k_metric;
+  // CQ's values: the same, from the output projection: the norm of the columns of W_o that read
+  // the channel (over the KV head's query heads), so that a value's error counts as much as it
+  // moves the layer's output.
+  std::vector<float> v_metric;
   // This layer's own codec (per-layer precision and the Strata mix); empty: the file's codec.
   // Blocks of the layer carry this spec in their header.
   std::string spec;

@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "common/block_reader.h"
 #include "common/half.h"
 #include "gmock/gmock.h"
@@ -141,69 +142,85 @@ TEST(CodebookTest, EachRunDecodesToItsNearestCentroid) {
   }
 }
 
-// Under the calibration's key metric (LayerCalibration::k_metric) each key run takes the centroid
-// nearest by the weighted distance sum_d (w_d (x_d - c_d))^2, which is not the plain nearest for
-// many runs; values keep the plain distance.
-TEST(CodebookTest, KeysUnderAMetricTakeTheWeightedNearestCentroid) {
+// Under the calibration's metrics (LayerCalibration::k_metric, v_metric) each run takes the
+// centroid nearest by the weighted distance sum_d (w_d (x_d - c_d))^2, which is not the plain
+// nearest for many runs; a tensor without one keeps the plain distance.
+TEST(CodebookTest, RunsUnderAMetricTakeTheWeightedNearestCentroid) {
   for (const char* text : {"cq:c4:b6", "cq:c2:b5:norm"}) {
-    SCOPED_TRACE(text);
-    const CodecSpec spec = *CodecSpec::Parse(text);
-    const uint32_t T = 64, H = 2, D = 64;
-    auto cal = std::make_shared<Calibration>(*MakeSyntheticCalibration(spec, H, D, 3));
-    std::mt19937 rng(5);
-    std::uniform_real_distribution<float> log_w(-2.5f, 2.5f);
-    cal->layers[0].k_metric.resize(size_t{H} * D);
-    for (float& w : cal->layers[0].k_metric) w = std::exp(log_w(rng));
-    auto codec = *Codec::Create(text, cal);
-    const SyntheticKv kv = MakeSyntheticKv(T, H, D, 11);
-    absl::StatusOr<AlignedBuffer> block =
-        codec->Encode({kv.k.data(), kv.v.data(), SourceDType::kFloat32, T, H, D}, {});
-    ASSERT_TRUE(block.ok()) << block.status();
-    std::vector<float> k(kv.k.size()), v(kv.v.size());
-    ASSERT_TRUE(
-        DecodeBlockRef(*BlockView::Parse(block->span()), k.data(), v.data(), cal.get()).ok());
-    const uint32_t c = spec.group, E = 1u << spec.k_bits, runs = D / c;
-    int differs = 0;
-    for (uint32_t h = 0; h < H; ++h) {
-      const float* w = &cal->layers[0].k_metric[size_t{h} * D];
-      for (uint32_t t = 0; t < T; ++t) {
-        std::vector<float> row(&kv.k[(size_t{t} * H + h) * D], &kv.k[(size_t{t} * H + h) * D] + D);
-        uint16_t rms = 0;
-        if (spec.token_norm) NormalizeRows(row.data(), 1, 1, D, &rms);
-        const float scale = spec.token_norm ? HalfBitsToFloat(rms) : 1.0f;
-        for (uint32_t g = 0; g < runs; ++g) {
-          auto dist = [&](const float* cent, bool weighted) {
-            float d2 = 0;
-            for (uint32_t i = 0; i < c; ++i) {
-              const float e = (row[g * c + i] - cent[i]) * (weighted ? w[g * c + i] : 1.0f);
-              d2 += e * e;
+    for (const bool on_k : {true, false}) {
+      SCOPED_TRACE(absl::StrCat(text, on_k ? ", metric on K" : ", metric on V"));
+      const CodecSpec spec = *CodecSpec::Parse(text);
+      const uint32_t T = 64, H = 2, D = 64;
+      auto cal = std::make_shared<Calibration>(*MakeSyntheticCalibration(spec, H, D, 3));
+      std::mt19937 rng(5);
+      std::uniform_real_distribution<float> log_w(-2.5f, 2.5f);
+      std::vector<float>& metric = on_k ? cal->layers[0].k_metric : cal->layers[0].v_metric;
+      metric.resize(size_t{H} * D);
+      for (float& w : metric) w = std::exp(log_w(rng));
+      auto codec = *Codec::Create(text, cal);
+      const SyntheticKv kv = MakeSyntheticKv(T, H, D, 11);
+      absl::StatusOr<AlignedBuffer> block =
+          codec->Encode({kv.k.data(), kv.v.data(), SourceDType::kFloat32, T, H, D}, {});
+      ASSERT_TRUE(block.ok()) << block.status();
+      std::vector<float> k(kv.k.size()), v(kv.v.size());
+      ASSERT_TRUE(
+          DecodeBlockRef(*BlockView::Parse(block->span()), k.data(), v.data(), cal.get()).ok());
+      const uint32_t c = spec.group, E = 1u << spec.k_bits, runs = D / c;
+      for (const bool weighted_tensor : {true, false}) {  // the one with the metric, the other
+        const bool is_k = weighted_tensor == on_k;
+        const std::vector<float>& src = is_k ? kv.k : kv.v;
+        const std::vector<float>& decoded = is_k ? k : v;
+        const std::vector<uint16_t>& book =
+            is_k ? cal->layers[0].k_codebook : cal->layers[0].v_codebook;
+        int differs = 0;
+        for (uint32_t h = 0; h < H; ++h) {
+          const float* w = weighted_tensor ? &metric[size_t{h} * D] : nullptr;
+          for (uint32_t t = 0; t < T; ++t) {
+            std::vector<float> row(&src[(size_t{t} * H + h) * D],
+                                   &src[(size_t{t} * H + h) * D] + D);
+            uint16_t rms = 0;
+            if (spec.token_norm) NormalizeRows(row.data(), 1, 1, D, &rms);
+            const float scale = spec.token_norm ? HalfBitsToFloat(rms) : 1.0f;
+            for (uint32_t g = 0; g < runs; ++g) {
+              auto dist = [&](const float* cent, bool use_w) {
+                float d2 = 0;
+                for (uint32_t i = 0; i < c; ++i) {
+                  const float e =
+                      (row[g * c + i] - cent[i]) * (use_w && w != nullptr ? w[g * c + i] : 1.0f);
+                  d2 += e * e;
+                }
+                return d2;
+              };
+              std::vector<float> cent(size_t{E} * c);
+              for (size_t e = 0; e < cent.size(); ++e) {
+                cent[e] = HalfBitsToFloat(book[(size_t{h} * runs + g) * E * c + e]);
+              }
+              float best = INFINITY, best_plain = INFINITY;
+              uint32_t plain = 0;
+              for (uint32_t e = 0; e < E; ++e) {
+                best = std::min(best, dist(&cent[e * c], true));
+                if (const float d = dist(&cent[e * c], false); d < best_plain) {
+                  best_plain = d;
+                  plain = e;
+                }
+              }
+              // The decoded run is a centroid (times the row's RMS), the nearest by the tensor's
+              // distance, up to fp32 rounding.
+              std::vector<float> got(c);
+              for (uint32_t i = 0; i < c; ++i) {
+                got[i] = decoded[(size_t{t} * H + h) * D + g * c + i] / scale;
+              }
+              ASSERT_LE(dist(got.data(), true), best * (1 + 1e-4f) + 1e-6f)
+                  << "t=" << t << " g=" << g;
+              differs += got[0] != cent[plain * c] || got[c - 1] != cent[plain * c + c - 1];
             }
-            return d2;
-          };
-          float best = INFINITY, best_plain = INFINITY;
-          uint32_t plain = 0;
-          std::vector<float> cent(size_t{E} * c);
-          for (size_t e = 0; e < cent.size(); ++e) {
-            cent[e] =
-                HalfBitsToFloat(cal->layers[0].k_codebook[(size_t{h} * runs + g) * E * c + e]);
           }
-          for (uint32_t e = 0; e < E; ++e) {
-            best = std::min(best, dist(&cent[e * c], true));
-            if (const float d = dist(&cent[e * c], false); d < best_plain) {
-              best_plain = d;
-              plain = e;
-            }
-          }
-          // The decoded run is a centroid (times the row's RMS) that is the weighted nearest, up to
-          // fp32 rounding.
-          std::vector<float> got(c);
-          for (uint32_t i = 0; i < c; ++i) got[i] = k[(size_t{t} * H + h) * D + g * c + i] / scale;
-          ASSERT_LE(dist(got.data(), true), best * (1 + 1e-4f) + 1e-6f) << "t=" << t << " g=" << g;
-          differs += got[0] != cent[plain * c] || got[c - 1] != cent[plain * c + c - 1];
+        }
+        if (weighted_tensor) {
+          EXPECT_GT(differs, static_cast<int>(T * H * runs / 10));  // the metric matters
         }
       }
     }
-    EXPECT_GT(differs, static_cast<int>(T * H * runs / 10));  // the metric matters
   }
 }
 
@@ -296,13 +313,15 @@ TEST(CodebookTest, CalibrationFilesCarryTheCodebooks) {
   EXPECT_THAT(bad.status().message(), HasSubstr("v_codebook is not base64"));
 }
 
-// The key metric travels in the calibration file and counts in its fingerprint; one of the wrong
-// size, or with a weight that is not finite and positive, is refused naming the layer.
-TEST(CodebookTest, CalibrationFilesCarryTheKeyMetric) {
+// The metrics travel in the calibration file and count in its fingerprint; one of the wrong size,
+// or with a weight that is not finite and positive, is refused naming the layer and the field.
+TEST(CodebookTest, CalibrationFilesCarryTheMetrics) {
   Calibration cal = *MakeSyntheticCalibration(*CodecSpec::Parse("cq:c4:b6"), 2, 64, 9);
   cal.layers[0].k_metric.assign(128, 1.0f);
   cal.layers[0].k_metric[7] = 0.3f;
   cal.layers[0].k_metric[100] = 17.25f;
+  cal.layers[0].v_metric.assign(128, 2.0f);
+  cal.layers[0].v_metric[3] = 0.125f;
   absl::StatusOr<Calibration> back = Calibration::Parse(cal.Serialize());
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_EQ(*back, cal);
@@ -313,6 +332,14 @@ TEST(CodebookTest, CalibrationFilesCarryTheKeyMetric) {
   Calibration other = cal;
   other.layers[0].k_metric[7] = 0.31f;
   EXPECT_NE(other.fingerprint(), cal.fingerprint());
+  other = cal;
+  other.layers[0].v_metric[9] = 2.5f;
+  EXPECT_NE(other.fingerprint(), cal.fingerprint());
+  Calibration short_v = cal;
+  short_v.layers[0].v_metric.pop_back();
+  absl::StatusOr<Calibration> refused_v = Calibration::Parse(short_v.Serialize());
+  ASSERT_FALSE(refused_v.ok());
+  EXPECT_THAT(refused_v.status().message(), HasSubstr("layer 0 v_metric has 127 entries"));
   for (const auto& [change, want] :
        {std::pair<std::function<void(std::vector<float>&)>, const char*>{
             [](std::vector<float>& m) { m.pop_back(); }, "layer 0 k_metric has 127 entries"},

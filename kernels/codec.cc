@@ -107,10 +107,11 @@ absl::Status WriteCodebook(const CodecSpec& s, const CodecLayout& layout, const 
       NormalizeRows(m.x.data(), c.kv_heads * c.tokens, 1, c.head_dim,
                     b.section_as<uint16_t>(section + 1));
     }
-    // Keys under the calibration's metric (LayerCalibration::k_metric): the nearest centroid by
-    // the weighted distance, found as the plain one between points and centroids both scaled.
+    // Under the calibration's metric (LayerCalibration::k_metric, v_metric): the nearest centroid
+    // by the weighted distance, found as the plain one between points and centroids both scaled.
     const std::vector<float>* metric =
-        cal != nullptr && src == c.k && !cal->k_metric.empty() ? &cal->k_metric : nullptr;
+        cal == nullptr ? nullptr : (src == c.k ? &cal->k_metric : &cal->v_metric);
+    if (metric != nullptr && metric->empty()) metric = nullptr;
     if (metric != nullptr && metric->size() != size_t{c.kv_heads} * c.head_dim) {
       return absl::FailedPreconditionError(
           absl::StrCat("codec ", s.ToString(), ": the calibration's key metric holds ",

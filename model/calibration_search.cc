@@ -190,12 +190,42 @@ std::vector<float> QueryMetric(const ModelConfig& c, const LayerKv& kv, uint32_t
   return w;
 }
 
+// CQ's value metric of one layer (LayerCalibration::v_metric): per KV head and channel, the norm
+// of the output projection's columns that read the channel from the head's query heads, scaled
+// to RMS 1 over the head's channels and floored at 1/64 of that.
+std::vector<float> OutputMetric(const ModelConfig& c, const LlamaModel::Layer& layer) {
+  const uint32_t H = c.num_heads, KH = c.num_kv_heads, D = c.head_dim, group = H / KH;
+  const size_t in = size_t{H} * D, out = layer.wo.size() / in;
+  std::vector<double> sum(size_t{KH} * D, 0.0);
+  for (size_t o = 0; o < out; ++o) {
+    const float* row = &layer.wo[o * in];
+    for (uint32_t h = 0; h < H; ++h) {
+      double* s = &sum[size_t{h / group} * D];
+      for (uint32_t d = 0; d < D; ++d) s[d] += double{row[h * D + d]} * row[h * D + d];
+    }
+  }
+  std::vector<float> w(sum.size(), 1.0f);
+  for (uint32_t kh = 0; kh < KH; ++kh) {
+    double mean = 0;
+    for (uint32_t d = 0; d < D; ++d) mean += sum[size_t{kh} * D + d];
+    mean /= D;
+    if (!(mean > 0)) continue;
+    for (uint32_t d = 0; d < D; ++d) {
+      w[size_t{kh} * D + d] =
+          static_cast<float>(std::sqrt(std::max(sum[size_t{kh} * D + d] / mean, 1.0 / 4096)));
+    }
+  }
+  return w;
+}
+
 // CQ's codebooks: per layer, head and run of coupled channels, k-means over every calibration
 // token's K and V (kernels/codebook.h), each token weighted by `weights` (CqWeights); the keys'
-// distance weighted per channel by the queries (QueryMetric) where o.cq_query_metric.
-void CalibrateCq(const ModelConfig& c, const kernels::CodecSpec& spec,
+// distance weighted per channel by the queries (QueryMetric) where o.cq_query_metric, the values'
+// by the output projection (OutputMetric, of `model`) where o.cq_output_metric.
+void CalibrateCq(const LlamaModel& model, const kernels::CodecSpec& spec,
                  const std::vector<LayerKv>& kv, uint32_t tokens, const CalibrationSearchOptions& o,
                  const std::vector<std::vector<float>>& weights, kernels::Calibration& cal) {
+  const ModelConfig& c = model.config();
   for (uint32_t li = 0; li < c.num_layers; ++li) {
     const float* w = weights[li].empty() ? nullptr : weights[li].data();
     std::vector<float> k = kv[li].k, v = kv[li].v;
@@ -209,9 +239,12 @@ void CalibrateCq(const ModelConfig& c, const kernels::CodecSpec& spec,
         k.data(), tokens, c.num_kv_heads, c.head_dim, spec.group, spec.k_bits,
         /*seed=*/2 * li + 1, /*iterations=*/30, w,
         cal.layers[li].k_metric.empty() ? nullptr : cal.layers[li].k_metric.data());
-    cal.layers[li].v_codebook =
-        kernels::TrainCodebooks(v.data(), tokens, c.num_kv_heads, c.head_dim, spec.group,
-                                spec.v_bits, /*seed=*/2 * li + 2, /*iterations=*/30, w);
+    cal.layers[li].v_metric.clear();
+    if (o.cq_output_metric) cal.layers[li].v_metric = OutputMetric(c, model.layers()[li]);
+    cal.layers[li].v_codebook = kernels::TrainCodebooks(
+        v.data(), tokens, c.num_kv_heads, c.head_dim, spec.group, spec.v_bits,
+        /*seed=*/2 * li + 2, /*iterations=*/30, w,
+        cal.layers[li].v_metric.empty() ? nullptr : cal.layers[li].v_metric.data());
     if (o.progress) o.progress("CQ codebooks", li + 1, c.num_layers);
   }
 }
@@ -250,6 +283,7 @@ void AssignLayer(kernels::LayerCalibration& layer, const std::string& candidate,
   layer.k_codebook.clear();
   layer.v_codebook.clear();
   layer.k_metric.clear();
+  layer.v_metric.clear();
   kernels::CodecSpec s = *kernels::CodecSpec::Parse(candidate);
   if (!s.is_codebook()) return;
   s.sink_tokens = 0;
@@ -258,6 +292,7 @@ void AssignLayer(kernels::LayerCalibration& layer, const std::string& candidate,
   layer.k_codebook = it->second[li].k_codebook;
   layer.v_codebook = it->second[li].v_codebook;
   layer.k_metric = it->second[li].k_metric;
+  layer.v_metric = it->second[li].v_metric;
 }
 
 // Per-layer codecs for a budget (TaDA's precision search; the Strata mix): the loss increase of
@@ -498,7 +533,7 @@ absl::StatusOr<kernels::Calibration> SearchCalibration(const LlamaModel& model,
   const std::vector<std::vector<float>> cq_weights =
       cq ? CqWeights(c, kv, tokens, o) : std::vector<std::vector<float>>(c.num_layers);
   if (spec.id == CodecId::kCq) {
-    CalibrateCq(c, main, kv, tokens, o, cq_weights, cal);
+    CalibrateCq(model, main, kv, tokens, o, cq_weights, cal);
   } else if (spec.id == CodecId::kSkvq) {
     STRATA_RETURN_IF_ERROR(CalibrateSkvq(model, cal.codec, kv, tokens, o, cal));
   } else if (spec.id == CodecId::kStrata) {  // SKVQ and CQ are on the menu
@@ -519,7 +554,7 @@ absl::StatusOr<kernels::Calibration> SearchCalibration(const LlamaModel& model,
       if (books.contains(shape.ToString())) continue;  // the same shape with sinks: learned once
       kernels::Calibration learned;
       learned.layers.resize(c.num_layers);
-      CalibrateCq(c, shape, kv, tokens, o, cq_weights, learned);
+      CalibrateCq(model, shape, kv, tokens, o, cq_weights, learned);
       books[shape.ToString()] = std::move(learned.layers);
     }
   }

@@ -36,6 +36,10 @@ struct CalibrationSearchOptions {
   // (LayerCalibration::k_metric: a key's error weighed by how much it moves q.k); false: the
   // plain distance.
   bool cq_query_metric = false;
+  // CQ's values are learned and encoded under a per-channel metric from the output projection
+  // (LayerCalibration::v_metric: a value's error weighed by how much it moves the layer's
+  // output); false: the plain distance.
+  bool cq_output_metric = false;
   // The layer search's joint step: the per-layer search adds up each layer's loss measured alone,
   // which misses how layers' errors combine. The `joint_choices` best choices by that sum are
   // each measured whole (every layer compressed at once), and the one kept is the most

@@ -126,19 +126,22 @@ TEST(CalibrationSearchTest, CqLearnsCodebooksFromTheModelsKv) {
   }
 }
 
-// With the query metric, CQ's calibration records each layer's key metric (the queries' RMS per
-// channel) and learns key codebooks under it: on the calibration's own KV their error weighed by
-// that metric is lower than plain codebooks', layer by layer.
-TEST(CalibrationSearchTest, CqKeysLearnedUnderTheQueriesMetricErrLessWhereQueriesLook) {
+// With the metrics, CQ's calibration records each layer's key metric (the queries' RMS per
+// channel) and value metric (the output projection's column norms) and learns codebooks under
+// them: on the calibration's own KV their errors weighed by those metrics are lower than plain
+// codebooks', layer by layer.
+TEST(CalibrationSearchTest, CqCodebooksLearnedUnderMetricsErrLessWhereTheModelLooks) {
   std::unique_ptr<LlamaModel> model = TinyModel();
   ASSERT_NE(model, nullptr);
   const ModelConfig& c = model->config();
   const std::vector<uint32_t> ids = Tokens(*model, 200);
   CalibrationSearchOptions o = SmallOptions();
   o.cq_query_metric = true;
+  o.cq_output_metric = true;
   absl::StatusOr<kernels::Calibration> metric = SearchCalibration(*model, ids, "cq:c4:b6", o);
   ASSERT_TRUE(metric.ok()) << metric.status();
   o.cq_query_metric = false;
+  o.cq_output_metric = false;
   absl::StatusOr<kernels::Calibration> plain = SearchCalibration(*model, ids, "cq:c4:b6", o);
   ASSERT_TRUE(plain.ok()) << plain.status();
   ASSERT_EQ(metric->layers.size(), c.num_layers);
@@ -147,10 +150,14 @@ TEST(CalibrationSearchTest, CqKeysLearnedUnderTheQueriesMetricErrLessWhereQuerie
   for (uint32_t l = 0; l < c.num_layers; ++l) {
     SCOPED_TRACE(l);
     const std::vector<float>& w = metric->layers[l].k_metric;
-    ASSERT_EQ(w.size(), size_t{c.num_kv_heads} * c.head_dim);
-    for (float x : w) ASSERT_TRUE(x > 0 && std::isfinite(x));
+    const std::vector<float>& wv = metric->layers[l].v_metric;
+    for (const std::vector<float>* m : {&w, &wv}) {
+      ASSERT_EQ(m->size(), size_t{c.num_kv_heads} * c.head_dim);
+      for (float x : *m) ASSERT_TRUE(x > 0 && std::isfinite(x));
+    }
     EXPECT_TRUE(plain->layers[l].k_metric.empty());
-    // The keys of this layer through each calibration's codec, their error weighed by w.
+    EXPECT_TRUE(plain->layers[l].v_metric.empty());
+    // This layer's K and V through each calibration's codec, their errors weighed by w and wv.
     auto weighed_error = [&](const kernels::Calibration& cal) {
       auto one = std::make_shared<kernels::Calibration>(cal);
       auto codec = *kernels::Codec::Create("cq:c4:b6", one);
@@ -161,14 +168,19 @@ TEST(CalibrationSearchTest, CqKeysLearnedUnderTheQueriesMetricErrLessWhereQuerie
       EXPECT_TRUE(
           kernels::DecodeBlockRef(*BlockView::Parse(block.span()), k.data(), v.data(), one.get())
               .ok());
-      double err = 0;
+      double err_k = 0, err_v = 0;
       for (size_t i = 0; i < k.size(); ++i) {
         const double e = (k[i] - kv[l].k[i]) * w[i % (size_t{KH} * D)];
-        err += e * e;
+        const double f = (v[i] - kv[l].v[i]) * wv[i % (size_t{KH} * D)];
+        err_k += e * e;
+        err_v += f * f;
       }
-      return err;
+      return std::pair{err_k, err_v};
     };
-    EXPECT_LT(weighed_error(*metric), weighed_error(*plain));
+    const auto [metric_k, metric_v] = weighed_error(*metric);
+    const auto [plain_k, plain_v] = weighed_error(*plain);
+    EXPECT_LT(metric_k, plain_k);
+    EXPECT_LT(metric_v, plain_v);
   }
 }
 

@@ -266,6 +266,7 @@ absl::Status RunCalibrate(const CalibrateOptions& o, std::ostream& out) {
       .error_queries = o.error_queries,
       .cq_attention_weights = o.cq_attention_weights,
       .cq_query_metric = o.cq_query_metric,
+      .cq_output_metric = o.cq_output_metric,
       .source = o.source.empty() ? o.text_file : o.source,
       .progress = [&](absl::string_view s, uint32_t done, uint32_t total) {
         if (bar == nullptr || s != stage) {
@@ -433,6 +434,7 @@ absl::Status RunEval(const EvalOptions& o, std::ostream& out) {
       co.error_queries = o.error_queries;
       co.cq_attention_weights = o.cq_attention_weights;
       co.cq_query_metric = o.cq_query_metric;
+      co.cq_output_metric = o.cq_output_metric;
       co.source = o.calib_text_file;
       absl::StatusOr<kernels::Calibration> cal =
           model::SearchCalibration(*l.model, calib_ids, spec, co);

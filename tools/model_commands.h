@@ -69,6 +69,7 @@ struct EvalOptions : ModelCommandOptions {
   std::string calib_text_file;     // calibration text for codecs that need it (disjoint!)
   bool cq_attention_weights = true;  // CQ's k-means weighs tokens by attention received
   bool cq_query_metric = false;      // CQ's keys under the queries' per-channel metric
+  bool cq_output_metric = false;     // CQ's values under the output projection's metric
 };
 
 // `strata calibrate`: learns what a codec needs from the model's KV on calibration text and
@@ -82,6 +83,7 @@ struct CalibrateOptions : ModelCommandOptions {
   std::string source;           // recorded in the file ("" = the text file's name)
   bool cq_attention_weights = true;  // CQ's k-means weighs tokens by attention received
   bool cq_query_metric = false;      // CQ's keys under the queries' per-channel metric
+  bool cq_output_metric = false;     // CQ's values under the output projection's metric
 };
 
 // `strata kv-structure`: what makes a model's KV hard to compress, per layer (MeasureKvStructure

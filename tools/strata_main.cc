@@ -112,6 +112,10 @@ ABSL_FLAG(std::string, cq_key_metric, "plain",
           "calibrate/eval: the distance CQ's key codebooks are learned and keys encoded by: plain, "
           "or query (each channel weighted by its RMS over the calibration's queries: a key's "
           "error counted by how much it moves q.k)");
+ABSL_FLAG(std::string, cq_value_metric, "plain",
+          "calibrate/eval: the distance CQ's value codebooks are learned and values encoded by: "
+          "plain, or output (each channel weighted by the norm of the output projection's columns "
+          "that read it: a value's error counted by how much it moves the layer's output)");
 ABSL_FLAG(uint32_t, continuations, 8, "eval: greedy continuations compared with fp16");
 ABSL_FLAG(uint32_t, prompt_tokens, 600, "eval: prompt tokens of each continuation");
 ABSL_FLAG(uint32_t, generate_tokens, 32, "eval: tokens generated per continuation");
@@ -180,7 +184,7 @@ int DemoCommand(const std::vector<char*>& args) {
   return s.ok() ? 0 : Fail(s);
 }
 
-absl::Status CqWeights(bool* attention, bool* query_metric) {
+absl::Status CqWeights(bool* attention, bool* query_metric, bool* output_metric) {
   const std::string w = absl::GetFlag(FLAGS_cq_weights);
   if (w != "attention" && w != "uniform") {
     return absl::InvalidArgumentError(
@@ -193,6 +197,12 @@ absl::Status CqWeights(bool* attention, bool* query_metric) {
         absl::StrCat("--cq_key_metric: '", m, "' is not plain or query"));
   }
   *query_metric = m == "query";
+  const std::string v = absl::GetFlag(FLAGS_cq_value_metric);
+  if (v != "plain" && v != "output") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--cq_value_metric: '", v, "' is not plain or output"));
+  }
+  *output_metric = v == "output";
   return absl::OkStatus();
 }
 
@@ -208,7 +218,8 @@ int CalibrateCommand(const std::vector<char*>& args) {
   }
   o.context = absl::GetFlag(FLAGS_context);
   if (absl::GetFlag(FLAGS_windows) != 0) o.windows = absl::GetFlag(FLAGS_windows);
-  if (absl::Status s = CqWeights(&o.cq_attention_weights, &o.cq_query_metric); !s.ok()) {
+  if (absl::Status s = CqWeights(&o.cq_attention_weights, &o.cq_query_metric, &o.cq_output_metric);
+      !s.ok()) {
     return Fail(s);
   }
   const absl::Status s = strata::tools::RunCalibrate(o, std::cout);
@@ -257,7 +268,8 @@ int EvalCommand(const std::vector<char*>& args) {
   o.generate_tokens = absl::GetFlag(FLAGS_generate_tokens);
   o.json_out = absl::GetFlag(FLAGS_json);
   o.calib_text_file = absl::GetFlag(FLAGS_calib_text);
-  if (absl::Status s = CqWeights(&o.cq_attention_weights, &o.cq_query_metric); !s.ok()) {
+  if (absl::Status s = CqWeights(&o.cq_attention_weights, &o.cq_query_metric, &o.cq_output_metric);
+      !s.ok()) {
     return Fail(s);
   }
   const absl::Status s = strata::tools::RunEval(o, std::cout);
