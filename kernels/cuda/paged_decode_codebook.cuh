@@ -194,52 +194,37 @@ __device__ __forceinline__ uint32_t CbCode(const uint8_t* row, uint32_t g, int b
   return (w >> (bit & 7)) & ((1u << bits) - 1u);
 }
 
-// C fp16 values from shared memory (C = 2, 4 or 8: one 4-, 8- or 16-byte load) as floats.
-template <int C>
-__device__ __forceinline__ void LoadHalves(const __half* p, float* out) {
-  if constexpr (C == 2) {
-    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(p));
-    out[0] = f.x;
-    out[1] = f.y;
-  } else if constexpr (C == 4) {
-    const uint2 w = *reinterpret_cast<const uint2*>(p);
-    const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&w.x));
-    const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&w.y));
-    out[0] = a.x, out[1] = a.y, out[2] = b.x, out[3] = b.y;
+// One word at p: through the read-only cache (global memory) or a plain load (shared memory).
+template <bool kGlobal, typename T>
+__device__ __forceinline__ T LoadWord(const T* p) {
+  if constexpr (kGlobal) {
+    return __ldg(p);
   } else {
-    const uint4 w = *reinterpret_cast<const uint4*>(p);
-    const uint32_t words[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&words[i]));
-      out[2 * i] = f.x;
-      out[2 * i + 1] = f.y;
-    }
+    return *p;
   }
 }
 
-// C fp16 values from global memory (aligned to 2 * C bytes).
+// C fp16 values (C = 2, 4 or 8: one 4-, 8- or 16-byte load, aligned to it) as floats, from global
+// memory (kGlobal) or shared memory.
+template <int C, bool kGlobal>
+__device__ __forceinline__ void LoadHalvesFrom(const __half* p, float* out) {
+  using Word = std::conditional_t<C == 2, unsigned int, std::conditional_t<C == 4, uint2, uint4>>;
+  const Word w = LoadWord<kGlobal>(reinterpret_cast<const Word*>(p));
+  const uint32_t* words = reinterpret_cast<const uint32_t*>(&w);
+#pragma unroll
+  for (int i = 0; i < C / 2; ++i) {
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&words[i]));
+    out[2 * i] = f.x;
+    out[2 * i + 1] = f.y;
+  }
+}
+template <int C>
+__device__ __forceinline__ void LoadHalves(const __half* p, float* out) {
+  LoadHalvesFrom<C, false>(p, out);
+}
 template <int C>
 __device__ __forceinline__ void LoadHalvesGlobal(const __half* p, float* out) {
-  if constexpr (C == 2) {
-    const uint32_t w = __ldg(reinterpret_cast<const unsigned int*>(p));
-    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w));
-    out[0] = f.x, out[1] = f.y;
-  } else if constexpr (C == 4) {
-    const uint2 w = __ldg(reinterpret_cast<const uint2*>(p));
-    const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&w.x));
-    const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&w.y));
-    out[0] = a.x, out[1] = a.y, out[2] = b.x, out[3] = b.y;
-  } else {
-    const uint4 w = __ldg(reinterpret_cast<const uint4*>(p));
-    const uint32_t words[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&words[i]));
-      out[2 * i] = f.x;
-      out[2 * i + 1] = f.y;
-    }
-  }
+  LoadHalvesFrom<C, true>(p, out);
 }
 
 // What a block keeps in registers: its thread's share of the value sums (one channel group, every

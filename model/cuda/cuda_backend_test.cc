@@ -75,6 +75,23 @@ class CudaBackendTest : public testing::Test {
     return b.ok() ? *std::move(b) : nullptr;
   }
   const ModelConfig& config() const { return host_->config(); }
+  // `steps` greedy steps (the GPU's choices fed to both), from `next`: each step's logits on the
+  // GPU within `tolerance` of the CPU's.
+  void ExpectStepsFollowTheCpu(ComputeBackend& gpu, KvCache* want_cache, KvCache* got_cache,
+                               uint32_t next, int steps, double tolerance) {
+    for (int step = 0; step < steps; ++step) {
+      SCOPED_TRACE(step);
+      const absl::Span<const uint32_t> one[] = {{&next, 1}};
+      KvCache* const cpu_caches[] = {want_cache};
+      KvCache* const gpu_caches[] = {got_cache};
+      absl::StatusOr<std::vector<std::vector<float>>> w = cpu_->StepBatch(one, cpu_caches);
+      absl::StatusOr<std::vector<std::vector<float>>> g = gpu.StepBatch(one, gpu_caches);
+      ASSERT_TRUE(w.ok()) << w.status();
+      ASSERT_TRUE(g.ok()) << g.status();
+      EXPECT_LT(RelErr((*g)[0], (*w)[0]), tolerance);
+      next = Argmax((*g)[0]);
+    }
+  }
 
   std::unique_ptr<LlamaModel> host_;
   std::unique_ptr<CpuBackend> cpu_;
@@ -116,19 +133,8 @@ TEST_F(CudaBackendTest, PrefillAndDecodeAcrossAChunkBoundaryFollowTheCpu) {
     }
     // 14 greedy steps (the GPU's choices fed to both): tokens 53..66 cross the boundary at 64,
     // where the window's chunk becomes a block on the host and the device's window is sent again.
-    uint32_t next = Argmax(*got);
-    for (int step = 0; step < 14; ++step) {
-      SCOPED_TRACE(step);
-      const absl::Span<const uint32_t> one[] = {{&next, 1}};
-      KvCache* const cpu_caches[] = {want_cache.get()};
-      KvCache* const gpu_caches[] = {got_cache->get()};
-      absl::StatusOr<std::vector<std::vector<float>>> w = cpu_->StepBatch(one, cpu_caches);
-      absl::StatusOr<std::vector<std::vector<float>>> g = gpu->StepBatch(one, gpu_caches);
-      ASSERT_TRUE(w.ok()) << w.status();
-      ASSERT_TRUE(g.ok()) << g.status();
-      EXPECT_LT(RelErr((*g)[0], (*w)[0]), Tolerance(codec));
-      next = Argmax((*g)[0]);
-    }
+    ExpectStepsFollowTheCpu(*gpu, want_cache.get(), got_cache->get(), Argmax(*got), 14,
+                            Tolerance(codec));
     EXPECT_EQ((*got_cache)->tokens(), 67u);
     EXPECT_EQ((*got_cache)->blocks_per_layer(), 4u);
     EXPECT_EQ((*got_cache)->window_tokens(), 3u);
@@ -174,19 +180,7 @@ TEST_F(CudaBackendTest, AStrataMixWithCqLayersFollowsTheCpu) {
   ASSERT_TRUE(want.ok()) << want.status();
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_LT(RelErr(*got, *want), 5e-2);
-  uint32_t next = Argmax(*got);
-  for (int step = 0; step < 14; ++step) {
-    SCOPED_TRACE(step);
-    const absl::Span<const uint32_t> one[] = {{&next, 1}};
-    KvCache* const cpu_caches[] = {want_cache.get()};
-    KvCache* const gpu_caches[] = {got_cache->get()};
-    absl::StatusOr<std::vector<std::vector<float>>> w = cpu_->StepBatch(one, cpu_caches);
-    absl::StatusOr<std::vector<std::vector<float>>> g = gpu->StepBatch(one, gpu_caches);
-    ASSERT_TRUE(w.ok()) << w.status();
-    ASSERT_TRUE(g.ok()) << g.status();
-    EXPECT_LT(RelErr((*g)[0], (*w)[0]), 5e-2);
-    next = Argmax((*g)[0]);
-  }
+  ExpectStepsFollowTheCpu(*gpu, want_cache.get(), got_cache->get(), Argmax(*got), 14, 5e-2);
   EXPECT_EQ((*got_cache)->blocks_per_layer(), 4u);
 }
 
