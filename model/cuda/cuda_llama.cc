@@ -557,7 +557,14 @@ absl::StatusOr<std::vector<uint32_t>> CudaLlamaModel::DecodePaged(
   a.q_heads = H;
   a.max_pages = p.max_pages;
   a.max_window = p.max_window;
-  const int splits = kc::ChooseSplits(p.layout, a, p.max_pages_in_batch);
+  // Each layer's split count (a mix's codebook layers run another kernel than the pool's), the
+  // workspace sized for the most.
+  int splits = kc::ChooseSplits(p.layout, a, p.max_pages_in_batch);
+  std::vector<int> layer_splits(c.num_layers, splits);
+  for (size_t li = 0; li < p.layer_layouts.size(); ++li) {
+    layer_splits[li] = kc::ChooseSplits(p.layer_layouts[li], a, p.max_pages_in_batch);
+    splits = std::max(splits, layer_splits[li]);
+  }
   const size_t work = kc::WorkspaceBytes(n, H, D, splits);
   const size_t need = 3 * size_t(n) * 4 + 256 + work;
   if (paged_bytes_ < need) {
@@ -615,6 +622,7 @@ absl::StatusOr<std::vector<uint32_t>> CudaLlamaModel::DecodePaged(
     }
     kc::PagedDecodeArgs la = a;
     la.block_table = p.block_tables[li];
+    la.splits = layer_splits[li];
     la.window_k = wk;
     la.window_v = wv;
     return kc::PagedDecode(p.layer_layouts.empty() ? p.layout : p.layer_layouts[li], la,
@@ -667,6 +675,7 @@ absl::StatusOr<std::vector<uint32_t>> CudaLlamaModel::DecodePaged(
                                  uint64_t(p.layout.codebook_group),
                                  uint64_t(p.layout.codebook_bits)};
     for (const int32_t* t : p.block_tables) key.push_back(reinterpret_cast<uint64_t>(t));
+    for (const int s : layer_splits) key.push_back(uint64_t(s));
     for (const kc::PagedKvLayout& l : p.layer_layouts) {  // which layers take the codebook kernel
       key.push_back(uint64_t(l.codebook_group) << 8 | uint64_t(l.codebook_bits));
     }
