@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/block_reader.h"
@@ -138,9 +139,18 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
-  {
-    const std::string text = cal->Serialize();
-    FILE* f = std::fopen((std::string(argv[1]) + "/calibration.json").c_str(), "wb");
+  // The calibration, and the same with CQ's channel metrics (k_metric, v_metric).
+  kernels::Calibration with_metrics = *cal;
+  for (kernels::LayerCalibration& l : with_metrics.layers) {
+    for (std::vector<float>* m : {&l.k_metric, &l.v_metric}) {
+      m->resize(size_t{fuzz::kCqKvHeads} * fuzz::kCqHeadDim);
+      for (size_t j = 0; j < m->size(); ++j) (*m)[j] = 0.25f + 0.125f * static_cast<float>(j % 13);
+    }
+  }
+  for (const auto& [name, c] : {std::pair{"calibration.json", cal.get()},
+                                std::pair{"calibration-metrics.json", &with_metrics}}) {
+    const std::string text = c->Serialize();
+    FILE* f = std::fopen((std::string(argv[1]) + "/" + name).c_str(), "wb");
     if (f == nullptr || std::fwrite(text.data(), 1, text.size(), f) != text.size() ||
         std::fclose(f) != 0) {
       std::perror(argv[1]);
