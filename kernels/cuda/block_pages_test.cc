@@ -697,6 +697,27 @@ TEST(BlockPagesGpuTest, GpuAttentionOverCodecBlocksEqualsTheCpuReference) {
   }
 }
 
+// Device copies of host bytes (at least 16 bytes each; null host: uninitialized), freed with it.
+class DeviceCopies {
+ public:
+  DeviceCopies() = default;
+  DeviceCopies(const DeviceCopies&) = delete;
+  DeviceCopies& operator=(const DeviceCopies&) = delete;
+  ~DeviceCopies() {
+    for (void* p : owned_) cudaFree(p);
+  }
+  void* operator()(const void* host, size_t bytes) {
+    void* d = nullptr;
+    EXPECT_EQ(cudaMalloc(&d, std::max<size_t>(bytes, 16)), cudaSuccess);
+    if (host != nullptr && bytes > 0) cudaMemcpy(d, host, bytes, cudaMemcpyHostToDevice);
+    owned_.push_back(d);
+    return d;
+  }
+
+ private:
+  std::vector<void*> owned_;
+};
+
 // Two sequences of `spec`'s blocks (5 and 3 chunks of `tokens` tokens, different data, one
 // calibration; pages in scattered order, each naming its descriptor, calibration constants beside
 // them) and fp16 windows of `window` tokens, in a general pool (a codebook pool of runs of
@@ -789,14 +810,7 @@ void ExpectGeneralPoolMatchesCpu(const std::string& spec, uint32_t tokens, uint3
   }
   const int32_t counts[kBatch] = {chunks_of[0], chunks_of[1]};
   const int32_t wlens[kBatch] = {window, window};
-  std::vector<void*> owned;
-  auto upload = [&](const void* host, size_t bytes) -> void* {
-    void* d = nullptr;
-    EXPECT_EQ(cudaMalloc(&d, std::max<size_t>(bytes, 16)), cudaSuccess);
-    if (host != nullptr && bytes > 0) cudaMemcpy(d, host, bytes, cudaMemcpyHostToDevice);
-    owned.push_back(d);
-    return d;
-  };
+  DeviceCopies upload;
   PagedDecodeArgs a;
   a.pages = static_cast<const uint8_t*>(upload(pool.data(), pool.size()));
   a.block_table = static_cast<const int32_t*>(upload(table.data(), table.size() * 4));
@@ -832,7 +846,6 @@ void ExpectGeneralPoolMatchesCpu(const std::string& spec, uint32_t tokens, uint3
   ASSERT_TRUE(PagedDecode(*L, a, chunks_of[0], nullptr).ok());
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   cudaMemcpy(got.data(), d_out, got.size() * 4, cudaMemcpyDeviceToHost);
-  for (void* p : owned) cudaFree(p);
   double err2 = 0, ref2 = 0;
   for (size_t i = 0; i < got.size(); ++i) {
     ASSERT_FALSE(std::isnan(got[i])) << i;
@@ -956,14 +969,7 @@ double GpuAgainstCpu(const std::string& spec, uint32_t tokens,
                   {.q_heads = static_cast<uint32_t>(q_heads), .kv_heads = kHeads, .head_dim = kDim},
                   {&seq, 1})
                   .ok());
-  std::vector<void*> owned;
-  auto upload = [&](const void* host, size_t bytes) -> void* {
-    void* d = nullptr;
-    EXPECT_EQ(cudaMalloc(&d, std::max<size_t>(bytes, 16)), cudaSuccess);
-    if (host != nullptr && bytes > 0) cudaMemcpy(d, host, bytes, cudaMemcpyHostToDevice);
-    owned.push_back(d);
-    return d;
-  };
+  DeviceCopies upload;
   const int32_t count = pages;
   PagedDecodeArgs a;
   a.pages = static_cast<const uint8_t*>(upload(pool.data(), pool.size()));
@@ -987,7 +993,6 @@ double GpuAgainstCpu(const std::string& spec, uint32_t tokens,
   EXPECT_TRUE(ran.ok()) << ran;
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   cudaMemcpy(got.data(), d_out, got.size() * 4, cudaMemcpyDeviceToHost);
-  for (void* p : owned) cudaFree(p);
   double err2 = 0, ref2 = 0;
   for (size_t i = 0; i < got.size(); ++i) {
     if (!std::isfinite(got[i])) return 1e30;

@@ -273,6 +273,17 @@ __device__ __forceinline__ void CbRescale(CbState<C>& st, const float* corr, int
   }
 }
 
+// Between a tile's scores (in p) and its value sums, every thread of the block: each head's online
+// softmax, then every thread's sums rescaled by its head's factor.
+template <int C>
+__device__ __forceinline__ void CbSoftmaxStep(CbState<C>& st, float* p, float* corr, int heads,
+                                              int n) {
+  __syncthreads();  // the scores are in
+  CbSoftmax<C>(st, p, corr, heads, n);
+  __syncthreads();  // the probabilities and the factors are in
+  CbRescale<C>(st, corr, heads);
+}
+
 // Attends the block's query heads over n (<= kCbTile) fp16 rows in global memory, K at k and V
 // at v (row stride D halves: an fp16 part of a page, or the window): the codebook steps with the
 // rows read as they are. Every thread of the block calls it (it holds barriers).
@@ -318,10 +329,7 @@ __device__ __forceinline__ void CbAttendFp16Rows(CbState<C>& st, const __half* k
       }
     }
   }
-  __syncthreads();
-  CbSoftmax<C>(st, ps, corr, heads, n);
-  __syncthreads();
-  CbRescale<C>(st, corr, heads);
+  CbSoftmaxStep<C>(st, ps, corr, heads, n);
   for (int tok = share; tok < n; tok += kShares) {
     float c[C];
     LoadHalvesGlobal<C>(v + static_cast<size_t>(tok) * D + vg * C, c);
@@ -495,11 +503,8 @@ __global__ void __launch_bounds__(kCbThreads, 1)
           }
         }
       }
-      __syncthreads();
-      CbSoftmax<C>(st, ps, corr, heads, n);
-      __syncthreads();
+      CbSoftmaxStep<C>(st, ps, corr, heads, n);
       // Value sums: each of the thread's tokens' centroid of its group, weighted per head.
-      CbRescale<C>(st, corr, heads);
       for (int tok = share; tok < n; tok += kShares) {
         float c[C];
         LoadHalves<C>(vcb + ((static_cast<size_t>(vg) << bits) +
