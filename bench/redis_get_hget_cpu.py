@@ -1,16 +1,21 @@
 #!/usr/bin/env python3
 """Redis's own CPU per 1 MiB GET against per 1 MiB HGET (the shared tier's read: one hash per
-chunk), on one redis-server over plain TCP on loopback that this script starts and stops: 64
-string keys and 64 one-field hashes of the same random MiB, read in pipelines of 8 by one client,
-GET and HGET alternating three times. Prints the server's CPU microseconds per read (utime + stime
-from /proc) and the reads per second.
+chunk), on one redis-server on loopback that this script starts and stops, over plain TCP or, with
+--tls, TLS only (a P-256 CA and server certificate made here with openssl): 64 string keys and 64
+one-field hashes of the same random MiB, read in pipelines of 8 by one client, GET and HGET
+alternating three times. Prints the server's CPU microseconds per read (utime + stime from /proc)
+and the reads per second.
 
-  python3 bench/redis_get_hget_cpu.py [--port 7391]
+  python3 bench/redis_get_hget_cpu.py [--port 7391] [--tls] [--rcvbuf BYTES]
+
+--rcvbuf: the client socket's receive buffer (SO_RCVBUF; default 8 MiB, 0: the kernel's own,
+autotuned).
 """
 import argparse
 import os
 import shutil
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -19,12 +24,33 @@ import time
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--port", type=int, default=7391)
+    ap.add_argument("--tls", action="store_true")
+    ap.add_argument("--rcvbuf", type=int, default=8 << 20)
     args = ap.parse_args()
     if shutil.which("redis-server") is None:
         raise SystemExit("redis_get_hget_cpu: no redis-server (scripts/setup.sh installs it)")
     work = tempfile.mkdtemp(prefix="redis-get-hget-")
     pidfile = os.path.join(work, "r.pid")
-    subprocess.run(["redis-server", "--port", str(args.port), "--save", "", "--appendonly", "no",
+    listen = ["--port", str(args.port)]
+    context = None
+    if args.tls:
+        ca, cert, key = (os.path.join(work, n) for n in ("ca.pem", "server.pem", "server.key"))
+        ca_key = os.path.join(work, "ca.key")
+        csr = os.path.join(work, "server.csr")
+        for cmd in (
+                ["openssl", "ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", ca_key],
+                ["openssl", "req", "-x509", "-new", "-key", ca_key, "-subj", "/CN=bench-ca",
+                 "-days", "1", "-out", ca],
+                ["openssl", "ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", key],
+                ["openssl", "req", "-new", "-key", key, "-subj", "/CN=127.0.0.1", "-out", csr],
+                ["openssl", "x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key,
+                 "-CAcreateserial", "-days", "1", "-out", cert]):
+            subprocess.run(cmd, check=True, capture_output=True)
+        listen = ["--port", "0", "--tls-port", str(args.port), "--tls-cert-file", cert,
+                  "--tls-key-file", key, "--tls-ca-cert-file", ca, "--tls-auth-clients", "no"]
+        context = ssl.create_default_context(cafile=ca)
+        context.check_hostname = False
+    subprocess.run(["redis-server", *listen, "--save", "", "--appendonly", "no",
                     "--daemonize", "yes", "--pidfile", pidfile, "--dir", work,
                     "--logfile", os.path.join(work, "r.log")], check=True)
     try:
@@ -33,14 +59,14 @@ def main():
                 break
             time.sleep(0.1)
         pid = int(open(pidfile).read())
-        run(args.port, pid)
+        run(args.port, pid, context, args.rcvbuf)
     finally:
-        subprocess.run(["redis-cli", "-p", str(args.port), "shutdown", "nosave"],
-                       capture_output=True)
+        if os.path.exists(pidfile):
+            subprocess.run(["kill", open(pidfile).read().strip()], capture_output=True)
         shutil.rmtree(work, ignore_errors=True)
 
 
-def run(port, pid):
+def run(port, pid, context, rcvbuf):
     def cpu():
         f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
         return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
@@ -52,8 +78,19 @@ def run(port, pid):
             out += b"$%d\r\n" % len(a) + a + b"\r\n"
         return out
 
-    s = socket.create_connection(("127.0.0.1", port))
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+    s = None
+    for _ in range(50):  # the server may take a moment to listen
+        try:
+            s = socket.create_connection(("127.0.0.1", port))
+            break
+        except OSError:
+            time.sleep(0.1)
+    if s is None:
+        raise SystemExit("redis_get_hget_cpu: the server does not answer")
+    if rcvbuf > 0:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    if context is not None:
+        s = context.wrap_socket(s, server_hostname="127.0.0.1")
     size = 1 << 20
     buf = memoryview(bytearray(16 << 20))
 
