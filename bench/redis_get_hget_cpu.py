@@ -9,7 +9,9 @@ and the reads per second.
   python3 bench/redis_get_hget_cpu.py [--port 7391] [--tls] [--rcvbuf BYTES]
 
 --rcvbuf: the client socket's receive buffer (SO_RCVBUF; default 8 MiB, 0: the kernel's own,
-autotuned).
+autotuned). --pexpire: each read followed by a PEXPIRE of its key in the same pipeline (the shared
+tier renews a chunk's TTL so). --drain_pause_us N: the client pauses N microseconds after each
+receive (at most 64 KiB), as a client busy elsewhere drains a node's replies late.
 """
 import argparse
 import os
@@ -26,6 +28,8 @@ def main():
     ap.add_argument("--port", type=int, default=7391)
     ap.add_argument("--tls", action="store_true")
     ap.add_argument("--rcvbuf", type=int, default=8 << 20)
+    ap.add_argument("--pexpire", action="store_true")
+    ap.add_argument("--drain_pause_us", type=int, default=0)
     args = ap.parse_args()
     if shutil.which("redis-server") is None:
         raise SystemExit("redis_get_hget_cpu: no redis-server (scripts/setup.sh installs it)")
@@ -59,14 +63,14 @@ def main():
                 break
             time.sleep(0.1)
         pid = int(open(pidfile).read())
-        run(args.port, pid, context, args.rcvbuf)
+        run(args.port, pid, context, args.rcvbuf, args.pexpire, args.drain_pause_us)
     finally:
         if os.path.exists(pidfile):
             subprocess.run(["kill", open(pidfile).read().strip()], capture_output=True)
         shutil.rmtree(work, ignore_errors=True)
 
 
-def run(port, pid, context, rcvbuf):
+def run(port, pid, context, rcvbuf, pexpire, drain_pause_us):
     def cpu():
         f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
         return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
@@ -97,7 +101,9 @@ def run(port, pid, context, rcvbuf):
     def read_bytes(need):
         got = 0
         while got < need:
-            k = s.recv_into(buf, len(buf))
+            k = s.recv_into(buf, min(len(buf), 64 << 10) if drain_pause_us > 0 else len(buf))
+            if drain_pause_us > 0:
+                time.sleep(drain_pause_us / 1e6)
             if k == 0:
                 raise SystemExit("redis_get_hget_cpu: the server closed the connection")
             got += k
@@ -108,15 +114,19 @@ def run(port, pid, context, rcvbuf):
         read_bytes(5)  # +OK\r\n
         s.sendall(enc("HSET", "h%d" % i, "f", value))
         read_bytes(4)  # :1\r\n
-    reply = size + len(b"$%d\r\n" % size) + 2
+    reply = size + len(b"$%d\r\n" % size) + 2 + (len(b":1\r\n") if pexpire else 0)
     pipeline, batches = 8, 250
     for _ in range(3):
         for kind in ("GET", "HGET"):
             c0, t0 = cpu(), time.time()
             for b in range(batches):
                 keys = [(b * pipeline + j) % 64 for j in range(pipeline)]
-                s.sendall(b"".join(enc("GET", "k%d" % k) if kind == "GET" else
-                                   enc("HGET", "h%d" % k, "f") for k in keys))
+                cmds = []
+                for k in keys:
+                    cmds.append(enc("GET", "k%d" % k) if kind == "GET" else enc("HGET", "h%d" % k, "f"))
+                    if pexpire:
+                        cmds.append(enc("PEXPIRE", ("k%d" if kind == "GET" else "h%d") % k, "3600000"))
+                s.sendall(b"".join(cmds))
                 read_bytes(pipeline * reply)
             ops = batches * pipeline
             print(f"{kind:5s} server {(cpu() - c0) / ops * 1e6:6.0f} us per read  "
