@@ -83,6 +83,17 @@ TEST(CodebookTest, WeightsDrawTheCentroidsToWhereErrorsCostMore) {
             TrainCodebooks(x.data(), T, 1, c, c, bits, 1));
 }
 
+// `kv` through `codec` into one block, decoded by the reference decoder with `cal` into k and v.
+void EncodeDecode(const Codec& codec, const SyntheticKv& kv, const Calibration& cal,
+                  std::vector<float>* k, std::vector<float>* v) {
+  absl::StatusOr<AlignedBuffer> block = codec.Encode(
+      {kv.k.data(), kv.v.data(), SourceDType::kFloat32, kv.tokens, kv.kv_heads, kv.head_dim}, {});
+  ASSERT_TRUE(block.ok()) << block.status();
+  k->assign(kv.k.size(), 0.0f);
+  v->assign(kv.v.size(), 0.0f);
+  ASSERT_TRUE(DecodeBlockRef(*BlockView::Parse(block->span()), k->data(), v->data(), &cal).ok());
+}
+
 // Every run of a token's channels decodes to the centroid nearest to it, and the bits per
 // element are b / c plus the block's header.
 TEST(CodebookTest, EachRunDecodesToItsNearestCentroid) {
@@ -92,12 +103,8 @@ TEST(CodebookTest, EachRunDecodesToItsNearestCentroid) {
     std::shared_ptr<Calibration> cal = MakeSyntheticCalibration(spec, H, D, 3);
     auto codec = *Codec::Create(text, cal);
     const SyntheticKv kv = MakeSyntheticKv(T, H, D, 11);
-    absl::StatusOr<AlignedBuffer> block =
-        codec->Encode({kv.k.data(), kv.v.data(), SourceDType::kFloat32, T, H, D}, {});
-    ASSERT_TRUE(block.ok()) << block.status();
-    std::vector<float> k(kv.k.size()), v(kv.v.size());
-    ASSERT_TRUE(
-        DecodeBlockRef(*BlockView::Parse(block->span()), k.data(), v.data(), cal.get()).ok());
+    std::vector<float> k, v;
+    ASSERT_NO_FATAL_FAILURE(EncodeDecode(*codec, kv, *cal, &k, &v));
     const uint32_t c = spec.group, E = 1u << spec.k_bits, runs = D / c;
     for (const auto& [src, got, book] : {std::tuple{&kv.k, &k, &cal->layers[0].k_codebook},
                                          std::tuple{&kv.v, &v, &cal->layers[0].v_codebook}}) {
@@ -159,12 +166,8 @@ TEST(CodebookTest, RunsUnderAMetricTakeTheWeightedNearestCentroid) {
       for (float& w : metric) w = std::exp(log_w(rng));
       auto codec = *Codec::Create(text, cal);
       const SyntheticKv kv = MakeSyntheticKv(T, H, D, 11);
-      absl::StatusOr<AlignedBuffer> block =
-          codec->Encode({kv.k.data(), kv.v.data(), SourceDType::kFloat32, T, H, D}, {});
-      ASSERT_TRUE(block.ok()) << block.status();
-      std::vector<float> k(kv.k.size()), v(kv.v.size());
-      ASSERT_TRUE(
-          DecodeBlockRef(*BlockView::Parse(block->span()), k.data(), v.data(), cal.get()).ok());
+      std::vector<float> k, v;
+      ASSERT_NO_FATAL_FAILURE(EncodeDecode(*codec, kv, *cal, &k, &v));
       const uint32_t c = spec.group, E = 1u << spec.k_bits, runs = D / c;
       for (const bool weighted_tensor : {true, false}) {  // the one with the metric, the other
         const bool is_k = weighted_tensor == on_k;
