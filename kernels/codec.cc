@@ -114,7 +114,7 @@ absl::Status WriteCodebook(const CodecSpec& s, const CodecLayout& layout, const 
     if (metric != nullptr && metric->empty()) metric = nullptr;
     if (metric != nullptr && metric->size() != size_t{c.kv_heads} * c.head_dim) {
       return absl::FailedPreconditionError(
-          absl::StrCat("codec ", s.ToString(), ": the calibration's key metric holds ",
+          absl::StrCat("codec ", s.ToString(), ": the calibration's ", name, " metric holds ",
                        metric->size(), " weights, not ", c.kv_heads, " x ", c.head_dim));
     }
     if (metric != nullptr) {

@@ -163,6 +163,25 @@ std::vector<std::vector<float>> CqWeights(const ModelConfig& c, const std::vecto
   return w;
 }
 
+// A per-channel metric from each KV head's channel energies ([kv_heads][head_dim] sums of
+// squares): the square root of each over the head's mean, so that the head's weights have RMS 1,
+// floored at 1/64 (a channel nothing reads still counts a little); a head of no energy at all
+// keeps 1 everywhere (the plain distance).
+std::vector<float> ChannelMetric(const std::vector<double>& sum, uint32_t KH, uint32_t D) {
+  std::vector<float> w(sum.size(), 1.0f);
+  for (uint32_t kh = 0; kh < KH; ++kh) {
+    double mean = 0;
+    for (uint32_t d = 0; d < D; ++d) mean += sum[size_t{kh} * D + d];
+    mean /= D;
+    if (!(mean > 0)) continue;
+    for (uint32_t d = 0; d < D; ++d) {
+      w[size_t{kh} * D + d] =
+          static_cast<float>(std::sqrt(std::max(sum[size_t{kh} * D + d] / mean, 1.0 / 4096)));
+    }
+  }
+  return w;
+}
+
 // CQ's key metric of one layer (LayerCalibration::k_metric): per KV head and channel, the RMS of
 // the channel over the head's query heads and the calibration tokens, scaled to RMS 1 over the
 // head's channels and floored at 1/64 of that (a channel no query reads still counts a little).
@@ -176,18 +195,7 @@ std::vector<float> QueryMetric(const ModelConfig& c, const LayerKv& kv, uint32_t
       for (uint32_t d = 0; d < D; ++d) s[d] += double{q[d]} * q[d];
     }
   }
-  std::vector<float> w(sum.size(), 1.0f);
-  for (uint32_t kh = 0; kh < KH; ++kh) {
-    double mean = 0;
-    for (uint32_t d = 0; d < D; ++d) mean += sum[size_t{kh} * D + d];
-    mean /= D;
-    if (!(mean > 0)) continue;  // no query energy at all: the plain distance
-    for (uint32_t d = 0; d < D; ++d) {
-      w[size_t{kh} * D + d] =
-          static_cast<float>(std::sqrt(std::max(sum[size_t{kh} * D + d] / mean, 1.0 / 4096)));
-    }
-  }
-  return w;
+  return ChannelMetric(sum, KH, D);
 }
 
 // CQ's value metric of one layer (LayerCalibration::v_metric): per KV head and channel, the norm
@@ -204,18 +212,7 @@ std::vector<float> OutputMetric(const ModelConfig& c, const LlamaModel::Layer& l
       for (uint32_t d = 0; d < D; ++d) s[d] += double{row[h * D + d]} * row[h * D + d];
     }
   }
-  std::vector<float> w(sum.size(), 1.0f);
-  for (uint32_t kh = 0; kh < KH; ++kh) {
-    double mean = 0;
-    for (uint32_t d = 0; d < D; ++d) mean += sum[size_t{kh} * D + d];
-    mean /= D;
-    if (!(mean > 0)) continue;
-    for (uint32_t d = 0; d < D; ++d) {
-      w[size_t{kh} * D + d] =
-          static_cast<float>(std::sqrt(std::max(sum[size_t{kh} * D + d] / mean, 1.0 / 4096)));
-    }
-  }
-  return w;
+  return ChannelMetric(sum, KH, D);
 }
 
 // CQ's codebooks: per layer, head and run of coupled channels, k-means over every calibration

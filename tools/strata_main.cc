@@ -184,7 +184,8 @@ int DemoCommand(const std::vector<char*>& args) {
   return s.ok() ? 0 : Fail(s);
 }
 
-absl::Status CqWeights(bool* attention, bool* query_metric, bool* output_metric) {
+// --cq_weights, --cq_key_metric and --cq_value_metric: how CQ's codebooks are learned.
+absl::Status CqCalibrationFlags(bool* attention, bool* query_metric, bool* output_metric) {
   const std::string w = absl::GetFlag(FLAGS_cq_weights);
   if (w != "attention" && w != "uniform") {
     return absl::InvalidArgumentError(
@@ -218,7 +219,8 @@ int CalibrateCommand(const std::vector<char*>& args) {
   }
   o.context = absl::GetFlag(FLAGS_context);
   if (absl::GetFlag(FLAGS_windows) != 0) o.windows = absl::GetFlag(FLAGS_windows);
-  if (absl::Status s = CqWeights(&o.cq_attention_weights, &o.cq_query_metric, &o.cq_output_metric);
+  if (absl::Status s =
+          CqCalibrationFlags(&o.cq_attention_weights, &o.cq_query_metric, &o.cq_output_metric);
       !s.ok()) {
     return Fail(s);
   }
@@ -268,7 +270,8 @@ int EvalCommand(const std::vector<char*>& args) {
   o.generate_tokens = absl::GetFlag(FLAGS_generate_tokens);
   o.json_out = absl::GetFlag(FLAGS_json);
   o.calib_text_file = absl::GetFlag(FLAGS_calib_text);
-  if (absl::Status s = CqWeights(&o.cq_attention_weights, &o.cq_query_metric, &o.cq_output_metric);
+  if (absl::Status s =
+          CqCalibrationFlags(&o.cq_attention_weights, &o.cq_query_metric, &o.cq_output_metric);
       !s.ok()) {
     return Fail(s);
   }

@@ -220,10 +220,8 @@ absl::StatusOr<PagedKvLayout> PageLayoutForCodec(absl::string_view spec, uint32_
   std::optional<PagedKvLayout> fast;
   bool general = false;
   uint32_t page_bytes = 0;
-  // Every block's (channels per run, bits) while all are CQ alone with the same: a codebook pool;
-  // the same per layer.
-  std::optional<std::pair<int, int>> codebook;
-  bool all_codebook = true;
+  // Each layer's (channels per run, bits) where all its blocks are CQ of the same: a codebook
+  // pool of its own; the pool's where every layer's is the same.
   std::vector<std::optional<std::pair<int, int>>> layer_codebook(per_layer);
   for (uint32_t layer = 0; layer < per_layer; ++layer) {
     bool layer_all = true;
@@ -246,14 +244,10 @@ absl::StatusOr<PagedKvLayout> PageLayoutForCodec(absl::string_view spec, uint32_
       }
       page_bytes = std::max(page_bytes, L->page_bytes);
       const std::pair<int, int> cq = {L->codebook_group, L->codebook_bits};
-      if (L->codebook_group == 0 || (codebook.has_value() && *codebook != cq)) {
-        all_codebook = false;
-      }
       if (L->codebook_group == 0 ||
           (layer_codebook[layer].has_value() && *layer_codebook[layer] != cq)) {
         layer_all = false;
       }
-      codebook = cq;
       layer_codebook[layer] = cq;
       if (L->format == PageFormat::kGeneral) {
         general = true;
@@ -286,9 +280,10 @@ absl::StatusOr<PagedKvLayout> PageLayoutForCodec(absl::string_view spec, uint32_
   L.head_dim = static_cast<int>(head_dim);
   L.page_tokens = static_cast<int>(tokens);
   L.page_bytes = page_bytes;
-  if (all_codebook && codebook.has_value()) {
-    L.codebook_group = codebook->first;
-    L.codebook_bits = codebook->second;
+  if (std::all_of(layer_codebook.begin(), layer_codebook.end(),
+                  [&](const auto& cq) { return cq.has_value() && cq == layer_codebook[0]; })) {
+    L.codebook_group = layer_codebook[0]->first;
+    L.codebook_bits = layer_codebook[0]->second;
   }
   if (absl::Status s = L.Validate(); !s.ok()) {
     return absl::UnimplementedError(absl::StrCat("GPU pages: ", spec, ": ", s.message()));
@@ -341,6 +336,12 @@ absl::Status CheckPage(const BlockView& block, const PagedKvLayout& layout,
   return absl::OkStatus();
 }
 
+namespace {
+// DescribePage of a block already prepared (PrepareBlock).
+absl::StatusOr<PageDesc> DescribePrepared(const BlockView& block, const PreparedBlock& prepared,
+                                          const PageConstants* constants);
+}  // namespace
+
 absl::StatusOr<std::optional<PageDesc>> CheckAndDescribePage(const BlockView& block,
                                                              const PagedKvLayout& layout,
                                                              const Calibration* calibration,
@@ -350,13 +351,11 @@ absl::StatusOr<std::optional<PageDesc>> CheckAndDescribePage(const BlockView& bl
     return std::nullopt;
   }
   STRATA_RETURN_IF_ERROR(CheckPageShape(block, layout));
-  if (layout.codebook_group == 0) {
-    return DescribePage(block, calibration, constants);  // parses the block once, and checks it
-  }
+  // The block parsed once, checked, and described.
   absl::StatusOr<PreparedBlock> prepared = PrepareBlock(block, calibration);
   if (!prepared.ok()) return prepared.status();
   STRATA_RETURN_IF_ERROR(CheckCodebook(block, *prepared, layout));
-  return DescribePage(block, calibration, constants);
+  return DescribePrepared(block, *prepared, constants);
 }
 
 PageConstants PageConstants::For(const Calibration* calibration) {
@@ -385,7 +384,14 @@ absl::StatusOr<PageDesc> DescribePage(const BlockView& block, const Calibration*
                                       const PageConstants* constants) {
   absl::StatusOr<PreparedBlock> prepared = PrepareBlock(block, calibration);
   if (!prepared.ok()) return prepared.status();
-  if (absl::Status s = CheckGeneral(block, *prepared); !s.ok()) return s;
+  return DescribePrepared(block, *prepared, constants);
+}
+
+namespace {
+
+absl::StatusOr<PageDesc> DescribePrepared(const BlockView& block, const PreparedBlock& prepared,
+                                          const PageConstants* constants) {
+  if (absl::Status s = CheckGeneral(block, prepared); !s.ok()) return s;
   const uint8_t* b = block.bytes().data();
   const size_t size = block.bytes().size();
   absl::Status error;
@@ -404,9 +410,9 @@ absl::StatusOr<PageDesc> DescribePage(const BlockView& block, const Calibration*
     return 0;
   };
   PageDesc d;
-  d.parts = static_cast<uint32_t>(prepared->parts.size());
-  for (size_t i = 0; i < prepared->parts.size(); ++i) {
-    const BlockOperands& ops = prepared->parts[i];
+  d.parts = static_cast<uint32_t>(prepared.parts.size());
+  for (size_t i = 0; i < prepared.parts.size(); ++i) {
+    const BlockOperands& ops = prepared.parts[i];
     d.part[i].tokens = ops.tokens;
     for (const bool is_k : {true, false}) {
       const TensorOperands& t = is_k ? ops.k : ops.v;
@@ -468,6 +474,8 @@ absl::StatusOr<PageDesc> DescribePage(const BlockView& block, const Calibration*
   if (!error.ok()) return error;
   return d;
 }
+
+}  // namespace
 
 PageDescTable::PageDescTable(size_t capacity) : capacity_(capacity) {}
 

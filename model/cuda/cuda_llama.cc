@@ -562,7 +562,11 @@ absl::StatusOr<std::vector<uint32_t>> CudaLlamaModel::DecodePaged(
   int splits = kc::ChooseSplits(p.layout, a, p.max_pages_in_batch);
   std::vector<int> layer_splits(c.num_layers, splits);
   for (size_t li = 0; li < p.layer_layouts.size(); ++li) {
-    layer_splits[li] = kc::ChooseSplits(p.layer_layouts[li], a, p.max_pages_in_batch);
+    const kc::PagedKvLayout& l = p.layer_layouts[li];
+    if (l.codebook_group == p.layout.codebook_group && l.codebook_bits == p.layout.codebook_bits) {
+      continue;  // the pool's layout: the pool's count (every step, every layer: no query again)
+    }
+    layer_splits[li] = kc::ChooseSplits(l, a, p.max_pages_in_batch);
     splits = std::max(splits, layer_splits[li]);
   }
   const size_t work = kc::WorkspaceBytes(n, H, D, splits);
