@@ -94,9 +94,11 @@ absl::Status WriteCodebook(const CodecSpec& s, const CodecLayout& layout, const 
   const int coupled = s.group, bits = s.k_bits;
   const uint32_t G = c.head_dim / coupled, K = 1u << bits;
   int section = first;
-  for (const auto& [src, name, book] :
-       {std::tuple{c.k, "K", cal != nullptr ? &cal->k_codebook : nullptr},
-        std::tuple{c.v, "V", cal != nullptr ? &cal->v_codebook : nullptr}}) {
+  for (const auto& [src, name, book, metric_of] :
+       {std::tuple{c.k, "K", cal != nullptr ? &cal->k_codebook : nullptr,
+                   cal != nullptr ? &cal->k_metric : nullptr},
+        std::tuple{c.v, "V", cal != nullptr ? &cal->v_codebook : nullptr,
+                   cal != nullptr ? &cal->v_metric : nullptr}}) {
     if (book == nullptr || book->size() != size_t{c.kv_heads} * c.head_dim * K) {
       return absl::FailedPreconditionError(absl::StrCat(
           "codec ", s.ToString(), ": the calibration holds no ", name, " codebooks for ",
@@ -110,7 +112,7 @@ absl::Status WriteCodebook(const CodecSpec& s, const CodecLayout& layout, const 
     // Under the calibration's metric (LayerCalibration::k_metric, v_metric): the nearest centroid
     // by the weighted distance, found as the plain one between points and centroids both scaled.
     const std::vector<float>* metric =
-        cal == nullptr ? nullptr : (src == c.k ? &cal->k_metric : &cal->v_metric);
+        metric_of;  // by tensor, not by address (K and V may share one)
     if (metric != nullptr && metric->empty()) metric = nullptr;
     if (metric != nullptr && metric->size() != size_t{c.kv_heads} * c.head_dim) {
       return absl::FailedPreconditionError(

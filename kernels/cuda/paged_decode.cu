@@ -1,5 +1,7 @@
 #include <algorithm>
 #include <cmath>
+#include <map>
+#include <mutex>
 #include <type_traits>
 
 #include "absl/strings/str_cat.h"
@@ -389,16 +391,35 @@ size_t SharedBytes(const PagedKvLayout& L, int group) {
 
 using KernelFn = void (*)(PagedKvLayout, PagedDecodeArgs, int, float*, float*);
 
-// Raises `kernel`'s dynamic shared-memory limit to `smem` bytes.
-template <typename Kernel>
-absl::Status AllowSharedBytes(Kernel kernel, size_t smem) {
+// Raises `kernel`'s dynamic shared-memory limit on the current device to at least `smem` bytes,
+// never lowering it. The limit is the function's, not a launch's, and a CUDA graph does not
+// capture it: a mix's codebook layers share one kernel with tables of different sizes (b8 and b6
+// layers of c4), and a lowered limit would fail the replay of a graph captured with the larger
+// launch. So each (kernel, device) keeps the largest limit asked of it.
+absl::Status RaiseSharedLimit(const void* kernel, size_t smem) {
+  int device = 0;
+  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) {
+    return absl::InternalError(
+        absl::StrCat("paged decode: no current device: ", cudaGetErrorString(e)));
+  }
+  static std::mutex mu;
+  static auto* raised = new std::map<std::pair<const void*, int>, size_t>();
+  std::lock_guard<std::mutex> lock(mu);
+  size_t& limit = (*raised)[{kernel, device}];
+  if (smem <= limit) return absl::OkStatus();
   if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(smem));
       e != cudaSuccess) {
     return absl::InternalError(absl::StrCat("paged decode: ", smem, " bytes of shared memory: ",
                                             cudaGetErrorString(e)));
   }
+  limit = smem;
   return absl::OkStatus();
+}
+
+template <typename Kernel>
+absl::Status AllowSharedBytes(Kernel kernel, size_t smem) {
+  return RaiseSharedLimit(reinterpret_cast<const void*>(kernel), smem);
 }
 
 #include "kernels/cuda/paged_decode_codebook.cuh"

@@ -16,6 +16,8 @@
 #include "common/testing/cuda_device.h"
 #include "gtest/gtest.h"
 #include "kernels/calibration.h"
+#include "kernels/cuda/block_pages.h"
+#include "kernels/cuda/paged_decode.h"
 #include "model/calibration_search.h"
 #include "model/cpu_backend.h"
 #include "model/cuda/test_helpers.h"
@@ -145,7 +147,8 @@ TEST_F(CudaBackendTest, PrefillAndDecodeAcrossAChunkBoundaryFollowTheCpu) {
 // codebook pools of their own (the codebook kernel's; kernels/cuda/block_pages.h), its KIVI layers
 // the general kernel's; prefill and greedy steps across a chunk boundary follow the CPU (each
 // side encodes its own K and V, as in the test above: what is compared is the GPU against the CPU,
-// not the codec's quality).
+// not the codec's quality). Its CQ layers are of two sizes, c4:b8 and c4:b6: one kernel whose
+// shared memory differs by layer, in steps replayed from CUDA graphs.
 TEST_F(CudaBackendTest, AStrataMixWithCqLayersFollowsTheCpu) {
   // CQ codebooks learned on the model's own KV (a short calibration), so that a code the GPU's
   // fp16 K picks differently from the CPU's fp32 K is a near centroid, as a KIVI step is.
@@ -155,18 +158,41 @@ TEST_F(CudaBackendTest, AStrataMixWithCqLayersFollowsTheCpu) {
   so.windows = 1;
   so.codebook_windows = 2;
   const std::vector<uint32_t> text = Prompt(config(), 300, 4);
-  absl::StatusOr<kernels::Calibration> cq = SearchCalibration(*host_, text, "cq:c4:b8", so);
-  ASSERT_TRUE(cq.ok()) << cq.status();
-  auto mix = std::make_shared<kernels::Calibration>(*cq);
+  absl::StatusOr<kernels::Calibration> b8 = SearchCalibration(*host_, text, "cq:c4:b8", so);
+  ASSERT_TRUE(b8.ok()) << b8.status();
+  absl::StatusOr<kernels::Calibration> b6 = SearchCalibration(*host_, text, "cq:c4:b6", so);
+  ASSERT_TRUE(b6.ok()) << b6.status();
+  auto mix = std::make_shared<kernels::Calibration>(*b8);
   mix->codec = "strata:b3";
-  for (uint32_t l = 0; l < config().num_layers; ++l) {
+  const uint32_t L = config().num_layers;
+  ASSERT_GE(L, 3u);
+  for (uint32_t l = 0; l < L; ++l) {
     kernels::LayerCalibration& lc = mix->layers[l];
-    if (l % 2 == 0) {
-      lc.spec = "cq:c4:b8:sink4";  // as the mix's menu has it: fp16 sinks in chunk 0
-    } else {
+    if (l % 2 == 1) {
       lc = kernels::LayerCalibration{};
       lc.spec = "kivi:k4v4:g16";
+    } else if (l % 4 == 2) {
+      lc = b6->layers[l];
+      lc.spec = "cq:c4:b6:sink4";
+    } else {
+      lc.spec = "cq:c4:b8:sink4";  // as the mix's menu has it: fp16 sinks in chunk 0
     }
+  }
+  // The layouts the backend's pool gets: each CQ layer a codebook pool of its own size, read by
+  // the codebook kernel where the device's shared memory holds its table.
+  std::vector<kernels::cuda::PagedKvLayout> layers;
+  absl::StatusOr<kernels::cuda::PagedKvLayout> pool = kernels::cuda::PageLayoutForCodec(
+      "strata:b3", 16, config().num_kv_heads, config().head_dim, mix, L, &layers);
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  ASSERT_EQ(layers.size(), L);
+  EXPECT_EQ(pool->codebook_group, 0);
+  kernels::cuda::PagedDecodeArgs args;
+  args.q_heads = static_cast<int>(config().num_heads);
+  for (uint32_t l = 0; l < L; ++l) {
+    const int bits = l % 2 == 1 ? 0 : l % 4 == 2 ? 6 : 8;
+    EXPECT_EQ(layers[l].codebook_group, bits == 0 ? 0 : 4) << "layer " << l;
+    EXPECT_EQ(layers[l].codebook_bits, bits) << "layer " << l;
+    EXPECT_EQ(kernels::cuda::RunsCodebookKernel(layers[l], args), bits != 0) << "layer " << l;
   }
   std::unique_ptr<ComputeBackend> gpu = Gpu();
   ASSERT_NE(gpu, nullptr);

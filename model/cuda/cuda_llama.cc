@@ -529,11 +529,19 @@ absl::StatusOr<std::vector<uint32_t>> CudaLlamaModel::DecodePaged(
       return absl::InvalidArgumentError(absl::StrCat(
           "cuda model: ", p.layer_layouts.size(), " layer layouts for ", c.num_layers, " layers"));
     }
+    // A layer's layout may differ from the pool's in its codebook fields alone: the split counts
+    // (below) and the graph's key hold those, and nothing else of a layer's layout.
     for (const kc::PagedKvLayout& l : p.layer_layouts) {
-      if (l.format != p.layout.format || l.kv_heads != p.layout.kv_heads ||
-          l.head_dim != p.layout.head_dim || l.page_bytes != p.layout.page_bytes) {
+      const kc::PagedKvLayout& P = p.layout;
+      if (l.format != P.format || l.kv_heads != P.kv_heads || l.head_dim != P.head_dim ||
+          l.page_tokens != P.page_tokens || l.key_bits != P.key_bits ||
+          l.value_bits != P.value_bits || l.k_group != P.k_group || l.v_group != P.v_group ||
+          l.key_codes != P.key_codes || l.key_scales != P.key_scales ||
+          l.key_zeros != P.key_zeros || l.value_codes != P.value_codes ||
+          l.value_scales != P.value_scales || l.value_zeros != P.value_zeros ||
+          l.page_bytes != P.page_bytes) {
         return absl::InvalidArgumentError(
-            "cuda model: a layer's layout is not of the step's pool (format, shape, page bytes)");
+            "cuda model: a layer's layout differs from the step's pool in more than its codebook");
       }
     }
   }
