@@ -14,8 +14,13 @@
 // candidate alike, so the comparison is between the stage structures, not the calibration
 // options. This is a probe of the method, not a codec: nothing here is stored or served.
 //
+// --k_order rope couples each key channel with its RoPE partner: the keys' channels are taken in
+// the order 0, D/2, 1, D/2 + 1, ... before the runs are cut (a run of 2 is one rotation pair, a
+// run of 4 two neighbouring pairs), and put back after; values keep their order.
+//
 // Usage: cq_residual_probe [--model DIR] [--calib FILE] [--heldout FILE] [--context N]
 //                          [--calib_windows N] [--queries N] [--candidates a,b,...]
+//                          [--k_order natural|rope]
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -79,6 +84,26 @@ void Quantize(std::vector<float>& x, uint32_t tokens, uint32_t heads, uint32_t d
   }
 }
 
+// x [rows, dim] with each row's channels taken in the order 0, dim/2, 1, dim/2 + 1, ... (or put
+// back from it, `back`).
+void RopeOrder(std::vector<float>& x, uint32_t dim, bool back) {
+  std::vector<float> row(dim);
+  const uint32_t half = dim / 2;
+  for (size_t r = 0; r < x.size() / dim; ++r) {
+    float* p = &x[r * dim];
+    for (uint32_t i = 0; i < half; ++i) {
+      if (back) {
+        row[i] = p[2 * i];
+        row[i + half] = p[2 * i + 1];
+      } else {
+        row[2 * i] = p[i];
+        row[2 * i + 1] = p[i + half];
+      }
+    }
+    std::copy(row.begin(), row.end(), p);
+  }
+}
+
 double RelError(const std::vector<float>& a, const std::vector<float>& b) {
   double num = 0, den = 0;
   for (size_t i = 0; i < a.size(); ++i) {
@@ -135,6 +160,7 @@ int Main(int argc, char** argv) {
   std::string calib = "models/strata-small/calibration.txt";
   std::string heldout = "models/strata-small/heldout.txt";
   uint32_t context = 2048, calib_windows = 4, queries = 64;
+  bool rope_order = false;
   std::string candidates =
       "c8b8,c4b6,c8b8+c8b4,c4b8,c8b8+c8b8,c8b8+c4b4,c4b6+c8b4,c4b8+c8b8,c2b6,c4b8+c4b4";
   for (int i = 1; i + 1 < argc; i += 2) {
@@ -154,6 +180,9 @@ int Main(int argc, char** argv) {
       ok = absl::SimpleAtoi(val, &queries);
     } else if (flag == "--candidates") {
       candidates = val;
+    } else if (flag == "--k_order") {
+      ok = val == "natural" || val == "rope";
+      rope_order = val == "rope";
     } else {
       ok = false;
     }
@@ -220,8 +249,9 @@ int Main(int argc, char** argv) {
   const uint32_t KH = c.num_kv_heads, D = c.head_dim;
   std::printf(
       "model %s: codebooks on %u calibration tokens (%s), errors on %u held-out tokens (%s), "
-      "attention of the last %u queries (first 4 tokens exact)\n",
-      model_dir.c_str(), train_tokens, calib.c_str(), context, heldout.c_str(), queries);
+      "attention of the last %u queries (first 4 tokens exact); keys' channels in %s order\n",
+      model_dir.c_str(), train_tokens, calib.c_str(), context, heldout.c_str(), queries,
+      rope_order ? "RoPE-pair" : "natural");
   std::printf("%-20s %5s %6s | per layer: K err / V err / attn err\n", "candidate", "bits", "attn");
   for (const Candidate& cand : cands) {
     const auto start = std::chrono::steady_clock::now();
@@ -237,6 +267,11 @@ int Main(int argc, char** argv) {
       for (std::vector<float> model::LayerKv::*member : {&model::LayerKv::k, &model::LayerKv::v}) {
         std::vector<float> residual = train[l].*member;
         std::vector<float> hres = held[l].*member;
+        const bool reorder = rope_order && ti == 0;
+        if (reorder) {
+          RopeOrder(residual, D, false);
+          RopeOrder(hres, D, false);
+        }
         std::vector<float>& hq = approx[ti];
         hq.assign(hres.size(), 0.0f);
         int seed = 1;
@@ -254,6 +289,7 @@ int Main(int argc, char** argv) {
             hq[i] += hstage[i];
           }
         }
+        if (reorder) RopeOrder(hq, D, true);
         // The sinks: the first 4 tokens exact.
         const std::vector<float>& exact = held[l].*member;
         std::copy_n(exact.begin(), size_t{4} * KH * D, hq.begin());
