@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -474,14 +475,26 @@ absl::Status RunEval(const EvalOptions& o, std::ostream& out) {
     STRATA_ASSIGN_OR_RETURN(auto gen, Continue(*backend, prompts, opts, o.generate_tokens));
     backend.reset();
     double same = 0, prefix = 0;
+    std::vector<double> per_continuation;  // each continuation's share of tokens as fp16's
     for (size_t i = 0; i < gen.size(); ++i) {
       size_t p = 0;
       while (p < gen[i].size() && gen[i][p] == baseline_gen[i][p]) ++p;
       prefix += p;
-      for (size_t t = 0; t < gen[i].size(); ++t) same += gen[i][t] == baseline_gen[i][t];
+      double same_i = 0;
+      for (size_t t = 0; t < gen[i].size(); ++t) same_i += gen[i][t] == baseline_gen[i][t];
+      same += same_i;
+      per_continuation.push_back(o.generate_tokens > 0 ? same_i / o.generate_tokens : 1.0);
     }
     const double total = static_cast<double>(gen.size()) * o.generate_tokens;
     const double agreement = total > 0 ? same / total : 1.0;
+    // The agreement's standard error over continuations (they, not tokens, are the independent
+    // draws: a continuation that parts from fp16 early loses most of its tokens at once).
+    double var = 0;
+    for (double a : per_continuation) var += (a - agreement) * (a - agreement);
+    const double agreement_stderr =
+        per_continuation.size() > 1
+            ? std::sqrt(var / (per_continuation.size() - 1) / per_continuation.size())
+            : 0.0;
     const double mean_prefix = gen.empty() ? 0 : prefix / gen.size();
     const double mbps = e.encode_seconds > 0 ? e.encoded_bytes_in / e.encode_seconds / 1e6 : 0;
     const double dppl = 100.0 * (r->ppl / base.ppl - 1.0);
@@ -502,7 +515,10 @@ absl::Status RunEval(const EvalOptions& o, std::ostream& out) {
          {"attn_rel_error",
           {{"per_layer", e.attn}, {"mean", Mean(e.attn)}, {"worst", Max(e.attn)}}},
          {"greedy_agreement", agreement},
+         {"greedy_agreement_stderr", agreement_stderr},
+         {"greedy_agreement_per_continuation", per_continuation},
          {"greedy_common_prefix_tokens", mean_prefix},
+         {"top1_agreement_teacher_forced", r->top1},
          {"encode_mb_per_s_one_thread", mbps}});
     if (auto lc = layer_choices.find(spec); lc != layer_choices.end()) {
       report["codecs"].back()["layer_codecs"] = lc->second;

@@ -1,6 +1,6 @@
 #include "tools/model_commands.h"
-#include "tools/replay_command.h"
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -11,6 +11,7 @@
 #include "gtest/gtest.h"
 #include "model/safetensors.h"
 #include "nlohmann/json.hpp"
+#include "tools/replay_command.h"
 
 namespace strata::tools {
 namespace {
@@ -98,6 +99,23 @@ TEST(ModelCommandsTest, EvalReportsEveryCodecAndWritesJson) {
   const nlohmann::json& k2 = j["codecs"][2];
   EXPECT_NEAR(fp16["perplexity_change_percent"].get<double>(), 0.0, 1e-9);
   EXPECT_DOUBLE_EQ(fp16["greedy_agreement"].get<double>(), 1.0);
+  EXPECT_DOUBLE_EQ(fp16["greedy_agreement_stderr"].get<double>(), 0.0);
+  EXPECT_DOUBLE_EQ(fp16["top1_agreement_teacher_forced"].get<double>(), 1.0);
+  // Each continuation's agreement, and their mean the whole figure (equal lengths).
+  for (const nlohmann::json& c : j["codecs"]) {
+    const nlohmann::json& each = c["greedy_agreement_per_continuation"];
+    ASSERT_EQ(each.size(), 2u);
+    double mean = 0;
+    for (const nlohmann::json& a : each) {
+      EXPECT_GE(a.get<double>(), 0.0);
+      EXPECT_LE(a.get<double>(), 1.0);
+      mean += a.get<double>() / 2;
+    }
+    EXPECT_NEAR(mean, c["greedy_agreement"].get<double>(), 1e-12) << c["codec"];
+    const double a0 = each[0].get<double>(), a1 = each[1].get<double>();
+    EXPECT_NEAR(c["greedy_agreement_stderr"].get<double>(), std::fabs(a0 - a1) / 2, 1e-12)
+        << c["codec"];
+  }
   EXPECT_LT(fp16["attn_rel_error"]["worst"].get<double>(), 1e-3);
   EXPECT_NEAR(fp16["kl_to_fp16_nats"].get<double>(), 0.0, 1e-6);
   EXPECT_GT(k8["kl_to_fp16_nats"].get<double>(), 0.0);
