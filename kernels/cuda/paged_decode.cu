@@ -395,7 +395,8 @@ using KernelFn = void (*)(PagedKvLayout, PagedDecodeArgs, int, float*, float*);
 // never lowering it. The limit is the function's, not a launch's, and a CUDA graph does not
 // capture it: a mix's codebook layers share one kernel with tables of different sizes (b8 and b6
 // layers of c4), and a lowered limit would fail the replay of a graph captured with the larger
-// launch. So each (kernel, device) keeps the largest limit asked of it.
+// launch. So each (kernel, device) keeps the largest limit asked of it. (A cudaDeviceReset would
+// drop the limits behind this record's back; nothing in Strata resets a device.)
 absl::Status RaiseSharedLimit(const void* kernel, size_t smem) {
   int device = 0;
   if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) {
