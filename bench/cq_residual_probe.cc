@@ -1,5 +1,7 @@
-// cq_residual_probe: would a residual second CQ stage beat one CQ stage at the same bits? On a
-// model's real KV (issue 44), per layer: codebooks learned on calibration text, then the
+// cq_residual_probe: shapes of CQ that no codec has, measured before one is built (a residual
+// second stage, keys and values at different bits, runs over RoPE pairs, salient tokens at a
+// larger codebook) against CQ as it is, at the same bits. On a model's real KV (issue 44), per
+// layer: codebooks learned on calibration text, then the
 // held-out window's K and V encoded by each candidate and compared with the originals (relative
 // L2 error) and through attention (the last --queries queries of the window, each over every
 // earlier token, the first 4 tokens kept exact as the codecs' sink4 keeps them: relative L2 error
@@ -18,9 +20,17 @@
 // the order 0, D/2, 1, D/2 + 1, ... before the runs are cut (a run of 2 is one rotation pair, a
 // run of 4 two neighbouring pairs), and put back after; values keep their order.
 //
+// --exact_tail N keeps the window's last N tokens exact too (a full-precision window, as serving
+// keeps the chunk not yet full). --salient P:STAGES sends each --chunk's (256) P % most attended
+// tokens through STAGES instead (ZipCache's split, with its normalized attention from the chunk's
+// own queries, as a prefill node would measure it); bits then count both shares and a bit per
+// token for the map.
+//
 // Usage: cq_residual_probe [--model DIR] [--calib FILE] [--heldout FILE] [--context N]
 //                          [--calib_windows N] [--queries N] [--candidates a,b,...]
-//                          [--k_order natural|rope]
+//                          [--k_order natural|rope] [--exact_tail N] [--chunk N]
+//                          [--salient P:STAGES]
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -104,6 +114,77 @@ void RopeOrder(std::vector<float>& x, uint32_t dim, bool back) {
   }
 }
 
+// The held-out `x` [tokens, heads, dim] through `stages` whose codebooks are learned on `train`
+// [train_tokens, heads, dim] (stage after stage, each on what the last left), keys' channels in
+// RoPE-pair order where `reorder`.
+std::vector<float> Through(std::vector<float> train, uint32_t train_tokens, std::vector<float> x,
+                           uint32_t tokens, uint32_t heads, uint32_t dim,
+                           const std::vector<Stage>& stages, bool reorder, uint32_t seed) {
+  if (reorder) {
+    RopeOrder(train, dim, false);
+    RopeOrder(x, dim, false);
+  }
+  std::vector<float> out(x.size(), 0.0f);
+  uint32_t n = 0;
+  for (const Stage& s : stages) {
+    const std::vector<uint16_t> books = kernels::TrainCodebooks(
+        train.data(), train_tokens, heads, dim, s.group, s.bits, seed + 16 * ++n);
+    std::vector<float> q = train;
+    Quantize(q, train_tokens, heads, dim, s, books);
+    for (size_t i = 0; i < q.size(); ++i) train[i] -= q[i];
+    std::vector<float> xs = x;
+    Quantize(xs, tokens, heads, dim, s, books);
+    for (size_t i = 0; i < xs.size(); ++i) {
+      x[i] -= xs[i];
+      out[i] += xs[i];
+    }
+  }
+  if (reorder) RopeOrder(out, dim, true);
+  return out;
+}
+
+// Per token of the window, whether it is among its chunk's `percent` % (rounded up) with the most
+// attention from the chunk's queries after it (summed over query heads, divided by how many
+// queries see it: ZipCache's normalized attention).
+std::vector<bool> SalientTokens(const model::ModelConfig& c, const model::LayerKv& kv,
+                                uint32_t tokens, uint32_t chunk, double percent) {
+  const uint32_t H = c.num_heads, KH = c.num_kv_heads, D = c.head_dim, G = H / KH;
+  std::vector<bool> out(tokens, false);
+  std::vector<double> p(tokens);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  for (uint32_t c0 = 0; c0 < tokens; c0 += chunk) {
+    const uint32_t c1 = std::min(tokens, c0 + chunk);
+    std::vector<double> score(c1 - c0, 0.0);
+    for (uint32_t pos = c0; pos < c1; ++pos) {
+      for (uint32_t h = 0; h < H; ++h) {
+        const float* q = &kv.q[(size_t{pos} * H + h) * D];
+        double mx = -1e300;
+        for (uint32_t t = 0; t <= pos; ++t) {
+          const float* kt = &kv.k[(size_t{t} * KH + h / G) * D];
+          double d = 0;
+          for (uint32_t i = 0; i < D; ++i) d += double{q[i]} * kt[i];
+          p[t] = d * scale;
+          mx = std::max(mx, p[t]);
+        }
+        double sum = 0;
+        for (uint32_t t = 0; t <= pos; ++t) sum += (p[t] = std::exp(p[t] - mx));
+        for (uint32_t t = c0; t <= pos; ++t) score[t - c0] += p[t] / sum;
+      }
+    }
+    std::vector<uint32_t> order(c1 - c0);
+    for (uint32_t i = 0; i < order.size(); ++i) {
+      order[i] = i;
+      score[i] /= c1 - (c0 + i);  // the queries of the chunk that see token c0 + i
+    }
+    const size_t keep =
+        std::min<size_t>(order.size(), static_cast<size_t>(std::ceil(percent / 100.0 * chunk)));
+    std::partial_sort(order.begin(), order.begin() + keep, order.end(),
+                      [&](uint32_t a, uint32_t b) { return score[a] > score[b]; });
+    for (size_t i = 0; i < keep; ++i) out[c0 + order[i]] = true;
+  }
+  return out;
+}
+
 double RelError(const std::vector<float>& a, const std::vector<float>& b) {
   double num = 0, den = 0;
   for (size_t i = 0; i < a.size(); ++i) {
@@ -161,6 +242,9 @@ int Main(int argc, char** argv) {
   std::string heldout = "models/strata-small/heldout.txt";
   uint32_t context = 2048, calib_windows = 4, queries = 64;
   bool rope_order = false;
+  uint32_t exact_tail = 0, chunk = 256;
+  double salient_percent = 0;
+  std::vector<Stage> salient;
   std::string candidates =
       "c8b8,c4b6,c8b8+c8b4,c4b8,c8b8+c8b8,c8b8+c4b4,c4b6+c8b4,c4b8+c8b8,c2b6,c4b8+c4b4";
   for (int i = 1; i + 1 < argc; i += 2) {
@@ -180,6 +264,14 @@ int Main(int argc, char** argv) {
       ok = absl::SimpleAtoi(val, &queries);
     } else if (flag == "--candidates") {
       candidates = val;
+    } else if (flag == "--exact_tail") {
+      ok = absl::SimpleAtoi(val, &exact_tail);
+    } else if (flag == "--chunk") {
+      ok = absl::SimpleAtoi(val, &chunk) && chunk > 0;
+    } else if (flag == "--salient") {  // P:STAGES, e.g. 10:c2b8
+      const std::vector<std::string> f = absl::StrSplit(val, ':');
+      ok = f.size() == 2 && absl::SimpleAtod(f[0], &salient_percent) && salient_percent > 0 &&
+           salient_percent <= 100 && ParseCandidate(f[1], &salient);
     } else if (flag == "--k_order") {
       ok = val == "natural" || val == "rope";
       rope_order = val == "rope";
@@ -220,7 +312,8 @@ int Main(int argc, char** argv) {
     return ids;
   };
   const std::vector<uint32_t> cal_ids = ids_of(calib), held_ids = ids_of(heldout);
-  if (held_ids.size() < context || cal_ids.size() < context || queries >= context) {
+  if (held_ids.size() < context || cal_ids.size() < context || queries >= context ||
+      exact_tail + 4 > context) {
     std::fprintf(stderr, "cq_residual_probe: texts shorter than one window of %u\n", context);
     return 1;
   }
@@ -249,9 +342,14 @@ int Main(int argc, char** argv) {
   const uint32_t KH = c.num_kv_heads, D = c.head_dim;
   std::printf(
       "model %s: codebooks on %u calibration tokens (%s), errors on %u held-out tokens (%s), "
-      "attention of the last %u queries (first 4 tokens exact); keys' channels in %s order\n",
-      model_dir.c_str(), train_tokens, calib.c_str(), context, heldout.c_str(), queries,
-      rope_order ? "RoPE-pair" : "natural");
+      "attention of the last %u queries (first 4 tokens exact, and the last %u); keys' channels in "
+      "%s order; %s\n",
+      model_dir.c_str(), train_tokens, calib.c_str(), context, heldout.c_str(), queries, exact_tail,
+      rope_order ? "RoPE-pair" : "natural",
+      salient.empty()
+          ? "no salient tokens"
+          : absl::StrFormat("%.1f %% salient tokens per %u-token chunk", salient_percent, chunk)
+                .c_str());
   std::printf("%-20s %5s %6s | per layer: K err / V err / attn err\n", "candidate", "bits", "attn");
   for (const Candidate& cand : cands) {
     const auto start = std::chrono::steady_clock::now();
@@ -259,40 +357,44 @@ int Main(int argc, char** argv) {
     for (const std::vector<Stage>* stages : {&cand.k, &cand.v}) {
       for (const Stage& s : *stages) bits += static_cast<double>(s.bits) / s.group / 2;
     }
+    if (!salient.empty()) {
+      double hi = 0;
+      for (const Stage& s : salient) hi += static_cast<double>(s.bits) / s.group;
+      const double share =
+          std::ceil(salient_percent / 100.0 * chunk) / chunk;   // per chunk, rounded up
+      bits = (1 - share) * bits + share * hi + 1.0 / (KH * D);  // + the token map's bit
+    }
     std::string per_layer;
     double attn_sum = 0;
     for (uint32_t l = 0; l < c.num_layers; ++l) {
-      std::vector<float> approx[2];
+      std::vector<float> hq_of[2];
+      std::vector<float>(&approx)[2] = hq_of;
+      // ZipCache's choice, as a prefill node makes it: per chunk, the tokens with the most
+      // attention from the chunk's own queries (summed over heads, over the queries that see
+      // them) are salient.
+      std::vector<bool> is_salient;
+      if (!salient.empty()) is_salient = SalientTokens(c, held[l], context, chunk, salient_percent);
       int ti = 0;
       for (std::vector<float> model::LayerKv::*member : {&model::LayerKv::k, &model::LayerKv::v}) {
-        std::vector<float> residual = train[l].*member;
-        std::vector<float> hres = held[l].*member;
         const bool reorder = rope_order && ti == 0;
-        if (reorder) {
-          RopeOrder(residual, D, false);
-          RopeOrder(hres, D, false);
-        }
-        std::vector<float>& hq = approx[ti];
-        hq.assign(hres.size(), 0.0f);
-        int seed = 1;
-        for (const Stage& s : ti == 0 ? cand.k : cand.v) {
-          const std::vector<uint16_t> books =
-              kernels::TrainCodebooks(residual.data(), train_tokens, KH, D, s.group, s.bits,
-                                      /*seed=*/static_cast<uint32_t>(2 * l + ti + 1 + 16 * seed++));
-          std::vector<float> q = residual;
-          Quantize(q, train_tokens, KH, D, s, books);
-          for (size_t i = 0; i < q.size(); ++i) residual[i] -= q[i];
-          std::vector<float> hstage = hres;
-          Quantize(hstage, context, KH, D, s, books);
-          for (size_t i = 0; i < hstage.size(); ++i) {
-            hres[i] -= hstage[i];
-            hq[i] += hstage[i];
+        const uint32_t seed = 2 * l + ti + 1;
+        hq_of[ti] = Through(train[l].*member, train_tokens, held[l].*member, context, KH, D,
+                            ti == 0 ? cand.k : cand.v, reorder, seed);
+        std::vector<float>& hq = hq_of[ti];
+        if (!salient.empty()) {  // the chunk's salient tokens through the salient stages
+          const std::vector<float> alt = Through(train[l].*member, train_tokens, held[l].*member,
+                                                 context, KH, D, salient, reorder, seed + 1000);
+          for (uint32_t t = 0; t < context; ++t) {
+            if (is_salient[t]) {
+              std::copy_n(&alt[size_t{t} * KH * D], size_t{KH} * D, &hq[size_t{t} * KH * D]);
+            }
           }
         }
-        if (reorder) RopeOrder(hq, D, true);
-        // The sinks: the first 4 tokens exact.
+        // The sinks: the first 4 tokens exact; and the last exact_tail (a full-precision window).
         const std::vector<float>& exact = held[l].*member;
         std::copy_n(exact.begin(), size_t{4} * KH * D, hq.begin());
+        std::copy(exact.end() - size_t{exact_tail} * KH * D, exact.end(),
+                  hq.end() - size_t{exact_tail} * KH * D);
         ++ti;
       }
       const double ke = RelError(held[l].k, approx[0]), ve = RelError(held[l].v, approx[1]);
