@@ -114,6 +114,24 @@ void RopeOrder(std::vector<float>& x, uint32_t dim, bool back) {
   }
 }
 
+// p[0..pos] = softmax over tokens 0..pos of q . k_t / sqrt(D), k_t the rows of KV head kh in
+// k [tokens, KH, D] (p holds at least pos + 1).
+void Softmax(const float* q, const float* k, uint32_t pos, uint32_t KH, uint32_t kh, uint32_t D,
+             std::vector<double>& p) {
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  double mx = -1e300;
+  for (uint32_t t = 0; t <= pos; ++t) {
+    const float* kt = &k[(size_t{t} * KH + kh) * D];
+    double d = 0;
+    for (uint32_t i = 0; i < D; ++i) d += double{q[i]} * kt[i];
+    p[t] = d * scale;
+    mx = std::max(mx, p[t]);
+  }
+  double sum = 0;
+  for (uint32_t t = 0; t <= pos; ++t) sum += (p[t] = std::exp(p[t] - mx));
+  for (uint32_t t = 0; t <= pos; ++t) p[t] /= sum;
+}
+
 // The held-out `x` [tokens, heads, dim] through `stages` whose codebooks are learned on `train`
 // [train_tokens, heads, dim] (stage after stage, each on what the last left), keys' channels in
 // RoPE-pair order where `reorder`.
@@ -151,24 +169,13 @@ std::vector<bool> SalientTokens(const model::ModelConfig& c, const model::LayerK
   const uint32_t H = c.num_heads, KH = c.num_kv_heads, D = c.head_dim, G = H / KH;
   std::vector<bool> out(tokens, false);
   std::vector<double> p(tokens);
-  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
   for (uint32_t c0 = 0; c0 < tokens; c0 += chunk) {
     const uint32_t c1 = std::min(tokens, c0 + chunk);
     std::vector<double> score(c1 - c0, 0.0);
     for (uint32_t pos = c0; pos < c1; ++pos) {
       for (uint32_t h = 0; h < H; ++h) {
-        const float* q = &kv.q[(size_t{pos} * H + h) * D];
-        double mx = -1e300;
-        for (uint32_t t = 0; t <= pos; ++t) {
-          const float* kt = &kv.k[(size_t{t} * KH + h / G) * D];
-          double d = 0;
-          for (uint32_t i = 0; i < D; ++i) d += double{q[i]} * kt[i];
-          p[t] = d * scale;
-          mx = std::max(mx, p[t]);
-        }
-        double sum = 0;
-        for (uint32_t t = 0; t <= pos; ++t) sum += (p[t] = std::exp(p[t] - mx));
-        for (uint32_t t = c0; t <= pos; ++t) score[t - c0] += p[t] / sum;
+        Softmax(&kv.q[(size_t{pos} * H + h) * D], kv.k.data(), pos, KH, h / G, D, p);
+        for (uint32_t t = c0; t <= pos; ++t) score[t - c0] += p[t];
       }
     }
     std::vector<uint32_t> order(c1 - c0);
@@ -202,26 +209,15 @@ std::vector<float> Attend(const model::ModelConfig& c, const model::LayerKv& exa
   const uint32_t H = c.num_heads, KH = c.num_kv_heads, D = c.head_dim, G = H / KH;
   std::vector<float> out(size_t{queries} * H * D, 0.0f);
   std::vector<double> p(tokens);
-  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
   for (uint32_t qi = 0; qi < queries; ++qi) {
     const uint32_t pos = tokens - queries + qi;
     for (uint32_t h = 0; h < H; ++h) {
-      const float* q = &exact.q[(size_t{pos} * H + h) * D];
       const uint32_t kh = h / G;
-      double mx = -1e300;
-      for (uint32_t t = 0; t <= pos; ++t) {
-        const float* kt = &k[(size_t{t} * KH + kh) * D];
-        double s = 0;
-        for (uint32_t d = 0; d < D; ++d) s += double{q[d]} * kt[d];
-        p[t] = s * scale;
-        mx = std::max(mx, p[t]);
-      }
-      double sum = 0;
-      for (uint32_t t = 0; t <= pos; ++t) sum += (p[t] = std::exp(p[t] - mx));
+      Softmax(&exact.q[(size_t{pos} * H + h) * D], k.data(), pos, KH, kh, D, p);
       float* o = &out[(size_t{qi} * H + h) * D];
       for (uint32_t t = 0; t <= pos; ++t) {
         const float* vt = &v[(size_t{t} * KH + kh) * D];
-        const double w = p[t] / sum;
+        const double w = p[t];
         for (uint32_t d = 0; d < D; ++d) o[d] += static_cast<float>(w * vt[d]);
       }
     }
