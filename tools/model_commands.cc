@@ -406,9 +406,11 @@ absl::Status RunEval(const EvalOptions& o, std::ostream& out) {
       "%d-token chunks, full-precision window >= %d\n",
       o.model_dir, o.text_file, base.scored, base.windows, o.context, o.context, o.error_queries,
       o.continuations, o.generate_tokens, o.prompt_tokens, o.chunk_tokens, o.window_tokens);
-  out << absl::StrFormat("%-32s %6s %9s %8s %8s %8s %8s %8s %8s %8s %7s %7s %8s\n", "codec",
+  // greedy: free-running agreement over the continuations, "+-" its standard error over them;
+  // top1: teacher-forced, one position at a time over the KL tokens.
+  out << absl::StrFormat("%-32s %6s %9s %8s %8s %8s %8s %8s %8s %8s %7s %5s %6s %7s %8s\n", "codec",
                          "bits", "ppl", "d ppl %", "KL nats", "K err", "K worst", "V err",
-                         "V worst", "attn err", "greedy", "prefix", "enc MB/s")
+                         "V worst", "attn err", "greedy", "+-", "top1", "prefix", "enc MB/s")
       << std::flush;
   // Each codec's row is printed (and flushed) as it finishes; stderr shows how far it got.
   Progress progress("eval", o.codecs.size());
@@ -499,9 +501,11 @@ absl::Status RunEval(const EvalOptions& o, std::ostream& out) {
     const double mbps = e.encode_seconds > 0 ? e.encoded_bytes_in / e.encode_seconds / 1e6 : 0;
     const double dppl = 100.0 * (r->ppl / base.ppl - 1.0);
     out << absl::StrFormat(
-               "%-32s %6.3f %9.3f %+8.2f %8.5f %8.4f %8.4f %8.4f %8.4f %8.4f %6.1f%% %7.1f %8.1f\n",
+               "%-32s %6.3f %9.3f %+8.2f %8.5f %8.4f %8.4f %8.4f %8.4f %8.4f %6.1f%% %5.1f "
+               "%5.1f%% %7.1f %8.1f\n",
                spec, r->bits(), r->ppl, dppl, r->kl, Mean(e.k), Max(e.k), Mean(e.v), Max(e.v),
-               Mean(e.attn), 100 * agreement, mean_prefix, mbps)
+               Mean(e.attn), 100 * agreement, 100 * agreement_stderr, 100 * r->top1, mean_prefix,
+               mbps)
         << std::flush;
     progress.Advance(1, spec);
     report["codecs"].push_back(
