@@ -363,8 +363,7 @@ int Main(int argc, char** argv) {
     std::string per_layer;
     double attn_sum = 0;
     for (uint32_t l = 0; l < c.num_layers; ++l) {
-      std::vector<float> hq_of[2];
-      std::vector<float>(&approx)[2] = hq_of;
+      std::vector<float> approx[2];
       // ZipCache's choice, as a prefill node makes it: per chunk, the tokens with the most
       // attention from the chunk's own queries (summed over heads, over the queries that see
       // them) are salient.
@@ -374,9 +373,9 @@ int Main(int argc, char** argv) {
       for (std::vector<float> model::LayerKv::*member : {&model::LayerKv::k, &model::LayerKv::v}) {
         const bool reorder = rope_order && ti == 0;
         const uint32_t seed = 2 * l + ti + 1;
-        hq_of[ti] = Through(train[l].*member, train_tokens, held[l].*member, context, KH, D,
-                            ti == 0 ? cand.k : cand.v, reorder, seed);
-        std::vector<float>& hq = hq_of[ti];
+        approx[ti] = Through(train[l].*member, train_tokens, held[l].*member, context, KH, D,
+                             ti == 0 ? cand.k : cand.v, reorder, seed);
+        std::vector<float>& hq = approx[ti];
         if (!salient.empty()) {  // the chunk's salient tokens through the salient stages
           const std::vector<float> alt = Through(train[l].*member, train_tokens, held[l].*member,
                                                  context, KH, D, salient, reorder, seed + 1000);
